@@ -1,0 +1,227 @@
+package eventline
+
+import (
+	"encoding/json"
+	"fmt"
+	"regexp"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+)
+
+// Metadata keys carried by every eventline message. They are Watermill
+// message metadata on the SQL hop and Kafka record headers on the Kafka hop.
+const (
+	MetaEventID          = "event_id"
+	MetaEventType        = "event_type"
+	MetaEventVersion     = "event_version"
+	MetaAggregateType    = "aggregate_type"
+	MetaAggregateID      = "aggregate_id"
+	MetaAggregateVersion = "aggregate_version"
+	MetaOccurredAt       = "occurred_at"
+	MetaCorrelationID    = "correlation_id"
+	MetaTraceParent      = "traceparent"
+	MetaContentType      = "content_type"
+)
+
+// ContentTypeJSON is the default payload content type. Payloads declared as
+// JSON are checked to be valid JSON before they are written.
+const ContentTypeJSON = "application/json"
+
+// Limits enforced by [Event.Validate]. They keep identifiers usable as
+// database keys and Kafka record keys.
+const (
+	MaxIdentifierLength = 255
+	MaxTopicLength      = 249
+)
+
+// reservedMeta lists the metadata keys the envelope owns; Event.Metadata may
+// not set them.
+var reservedMeta = map[string]bool{
+	MetaEventID: true, MetaEventType: true, MetaEventVersion: true,
+	MetaAggregateType: true, MetaAggregateID: true, MetaAggregateVersion: true,
+	MetaOccurredAt: true, MetaCorrelationID: true, MetaTraceParent: true,
+	MetaContentType: true,
+	// Watermill's Kafka marshaler stores the message UUID under this header.
+	"_watermill_message_uuid": true,
+}
+
+// kafkaTopic is Kafka's own rule for topic names.
+var kafkaTopic = regexp.MustCompile(`^[a-zA-Z0-9._-]+$`)
+
+// Event is one domain event: something that happened to one aggregate.
+//
+// The zero values of ID, SchemaVersion, AggregateVersion, OccurredAt and
+// ContentType are filled in when the event is published: a new UUIDv7, 1, the
+// next version of the aggregate, the current time and JSON.
+type Event struct {
+	// ID identifies the event across retries and redeliveries; consumers
+	// deduplicate on it. Defaults to a new UUIDv7.
+	ID string
+	// Type names what happened, e.g. "order.created". Required.
+	Type string
+	// SchemaVersion is the version of the payload's schema. Defaults to 1.
+	SchemaVersion int
+	// AggregateType and AggregateID name the entity the event belongs to.
+	// Both are required; AggregateID is also the Kafka record key, so all
+	// events of one aggregate land in one partition.
+	AggregateType string
+	AggregateID   string
+	// AggregateVersion orders the events of one aggregate: 1, 2, 3... When 0,
+	// the producer assigns the next version in the publishing transaction.
+	AggregateVersion int64
+	// OccurredAt is when the event happened. Defaults to the publish time.
+	OccurredAt time.Time
+	// CorrelationID ties the event to the request or workflow that caused it.
+	CorrelationID string
+	// TraceParent is a W3C traceparent header, carried through as-is.
+	TraceParent string
+	// ContentType describes Payload. Defaults to ContentTypeJSON, in which
+	// case Payload must be valid JSON.
+	ContentType string
+	// Payload is the event body.
+	Payload []byte
+	// Metadata holds extra key/value pairs that travel with the event. Keys
+	// must not collide with the Meta* keys above.
+	Metadata map[string]string
+	// Topic is the Kafka topic the event is published to. Producers fall
+	// back to their configured default topic when it is empty. It is not
+	// part of the envelope: a consumer learns it from its subscription.
+	Topic string
+}
+
+// NewEventID returns a new event id: a UUIDv7, so ids sort by creation time.
+func NewEventID() string {
+	id, err := uuid.NewV7()
+	if err != nil {
+		// NewV7 only fails when the system's random source fails.
+		return uuid.NewString()
+	}
+	return id.String()
+}
+
+// NewJSONEvent returns an Event of the given type for one aggregate whose
+// payload is v encoded as JSON.
+func NewJSONEvent(eventType, aggregateType, aggregateID string, v any) (Event, error) {
+	payload, err := json.Marshal(v)
+	if err != nil {
+		return Event{}, &InvalidEventError{Field: "payload", Reason: fmt.Sprintf("cannot encode as JSON: %v", err)}
+	}
+	return Event{
+		Type:          eventType,
+		AggregateType: aggregateType,
+		AggregateID:   aggregateID,
+		Payload:       payload,
+	}, nil
+}
+
+// DecodePayload decodes the event's JSON payload into a value of type T.
+func DecodePayload[T any](e Event) (T, error) {
+	var v T
+	if err := json.Unmarshal(e.Payload, &v); err != nil {
+		return v, &InvalidEventError{Field: "payload", Reason: fmt.Sprintf("cannot decode into %T: %v", v, err)}
+	}
+	return v, nil
+}
+
+// IsJSON reports whether the payload is declared as JSON (the default).
+func (e Event) IsJSON() bool {
+	ct := e.ContentType
+	if ct == "" {
+		return true
+	}
+	if i := strings.IndexByte(ct, ';'); i >= 0 {
+		ct = ct[:i]
+	}
+	ct = strings.TrimSpace(strings.ToLower(ct))
+	return ct == ContentTypeJSON || strings.HasSuffix(ct, "+json")
+}
+
+// Validate checks the event without filling in defaults. It returns an
+// *InvalidEventError naming the first field that is wrong.
+func (e Event) Validate() error {
+	if e.ID != "" {
+		if err := checkText("event_id", e.ID); err != nil {
+			return err
+		}
+	}
+	if err := checkRequired("event_type", e.Type); err != nil {
+		return err
+	}
+	if err := checkRequired("aggregate_type", e.AggregateType); err != nil {
+		return err
+	}
+	if err := checkRequired("aggregate_id", e.AggregateID); err != nil {
+		return err
+	}
+	if e.SchemaVersion < 0 {
+		return &InvalidEventError{Field: "event_version", Value: fmt.Sprint(e.SchemaVersion), Reason: "must not be negative"}
+	}
+	if e.AggregateVersion < 0 {
+		return &InvalidEventError{Field: "aggregate_version", Value: fmt.Sprint(e.AggregateVersion), Reason: "must not be negative"}
+	}
+	if err := checkText("correlation_id", e.CorrelationID); err != nil {
+		return err
+	}
+	if err := checkText("traceparent", e.TraceParent); err != nil {
+		return err
+	}
+	if err := checkText("content_type", e.ContentType); err != nil {
+		return err
+	}
+	if e.Topic != "" {
+		if err := ValidateTopic(e.Topic); err != nil {
+			return err
+		}
+	}
+	for k, v := range e.Metadata {
+		if k == "" || reservedMeta[k] {
+			return &InvalidEventError{Field: "metadata", Value: k, Reason: "key is empty or reserved by the envelope"}
+		}
+		if !utf8.ValidString(k) || !utf8.ValidString(v) {
+			return &InvalidEventError{Field: "metadata", Value: k, Reason: "keys and values must be valid UTF-8"}
+		}
+	}
+	if e.IsJSON() && !json.Valid(e.Payload) {
+		return &InvalidEventError{Field: "payload", Reason: "content type is JSON but the payload is not valid JSON"}
+	}
+	return nil
+}
+
+// ValidateTopic checks a Kafka topic name against Kafka's rules.
+func ValidateTopic(topic string) error {
+	switch {
+	case topic == "":
+		return &InvalidEventError{Field: "topic", Reason: "must not be empty"}
+	case len(topic) > MaxTopicLength:
+		return &InvalidEventError{Field: "topic", Value: topic, Reason: fmt.Sprintf("longer than %d characters", MaxTopicLength)}
+	case topic == "." || topic == "..":
+		return &InvalidEventError{Field: "topic", Value: topic, Reason: `"." and ".." are not valid topic names`}
+	case !kafkaTopic.MatchString(topic):
+		return &InvalidEventError{Field: "topic", Value: topic, Reason: "may only contain ASCII letters, digits, '.', '_' and '-'"}
+	}
+	return nil
+}
+
+func checkRequired(field, v string) error {
+	if strings.TrimSpace(v) == "" {
+		return &InvalidEventError{Field: field, Value: v, Reason: "must not be empty"}
+	}
+	return checkText(field, v)
+}
+
+// checkText rejects values that cannot be stored as a PostgreSQL text key or
+// a Kafka header: too long, invalid UTF-8, or containing NUL.
+func checkText(field, v string) error {
+	switch {
+	case len(v) > MaxIdentifierLength:
+		return &InvalidEventError{Field: field, Value: v[:32] + "...", Reason: fmt.Sprintf("longer than %d bytes", MaxIdentifierLength)}
+	case !utf8.ValidString(v):
+		return &InvalidEventError{Field: field, Reason: "not valid UTF-8"}
+	case strings.IndexByte(v, 0) >= 0:
+		return &InvalidEventError{Field: field, Reason: "contains a NUL byte"}
+	}
+	return nil
+}

@@ -1,0 +1,35 @@
+// Package sqlident validates and quotes SQL identifiers that come from
+// configuration (schema names, table prefixes) before they reach SQL text.
+package sqlident
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+)
+
+// MaxLength is PostgreSQL's identifier limit (NAMEDATALEN - 1).
+const MaxLength = 63
+
+var valid = regexp.MustCompile(`^[a-zA-Z_][a-zA-Z0-9_]*$`)
+
+// Validate returns an error naming field when name is not a plain SQL
+// identifier: a letter or underscore followed by letters, digits or
+// underscores, at most 63 bytes.
+func Validate(field, name string) error {
+	if !valid.MatchString(name) || len(name) > MaxLength {
+		return fmt.Errorf("%s %q is not a valid SQL identifier: use letters, digits and underscores, starting with a letter or underscore, at most %d characters", field, name, MaxLength)
+	}
+	return nil
+}
+
+// Quote returns name as a double-quoted identifier. Callers validate first;
+// Quote still escapes embedded quotes so it is safe on its own.
+func Quote(name string) string {
+	return `"` + strings.ReplaceAll(name, `"`, `""`) + `"`
+}
+
+// Qualify returns "schema"."name".
+func Qualify(schema, name string) string {
+	return Quote(schema) + "." + Quote(name)
+}

@@ -1,0 +1,15 @@
+// Package producer is the writing half of eventline: the transactional
+// outbox and the relay that empties it into Kafka.
+//
+// [Producer.PublishTx] writes events in the caller's own pgx transaction
+// through watermill-sql's publisher, wrapped in Watermill's forwarder
+// envelope. Events are spread over the outbox's shards by a stable hash of
+// their aggregate, so one aggregate's events always share a shard.
+//
+// The [Relay] runs one Watermill forwarder per shard it owns, moving rows to
+// Kafka keyed by aggregate id. Several relay processes share the shards
+// between them; each shard is relayed by one of them at a time, and a dead
+// relay's shards are taken over. Delivery is at-least-once: a crash after
+// Kafka accepted a message but before the outbox recorded it means the
+// message is sent again, never lost.
+package producer
