@@ -42,6 +42,9 @@ CREATE TABLE parked_events (
     payload           bytea       NOT NULL,
     metadata          jsonb       NOT NULL,
     parked_at         timestamptz NOT NULL DEFAULT now(),
+    -- Failed attempts to apply it once its turn came, and the last error.
+    release_attempts  integer     NOT NULL DEFAULT 0,
+    last_error        text,
     PRIMARY KEY (consumer_group, aggregate_type, aggregate_id, aggregate_version)
 );
 
