@@ -1,0 +1,127 @@
+package producer
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// RelayMetrics are the relay's Prometheus collectors. A nil *RelayMetrics
+// records nothing. Figures that need the database (backlog, oldest pending
+// age, dead letters waiting) come from NewStatusCollector instead, so they
+// are right even when no relay runs.
+type RelayMetrics struct {
+	forwarded      *prometheus.CounterVec
+	latency        prometheus.Histogram
+	retries        *prometheus.CounterVec
+	deadLetters    *prometheus.CounterVec
+	stalled        *prometheus.GaugeVec
+	stalledSeconds *prometheus.CounterVec
+	ownedShards    prometheus.Gauge
+	liveRelays     prometheus.Gauge
+}
+
+// NewRelayMetrics creates the relay's collectors and registers them with
+// reg (prometheus.DefaultRegisterer when nil).
+func NewRelayMetrics(reg prometheus.Registerer) (*RelayMetrics, error) {
+	if reg == nil {
+		reg = prometheus.DefaultRegisterer
+	}
+	shard := []string{"shard"}
+	m := &RelayMetrics{
+		forwarded: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "forwarded_total",
+			Help: "Events acknowledged by Kafka and recorded as forwarded, per outbox shard.",
+		}, shard),
+		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "publish_latency_seconds",
+			Help:    "Time from an event's occurred_at (its PublishTx, unless the caller set it) to Kafka's acknowledgement.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
+		}),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "retries_total",
+			Help: "Failed publishes that the shard waits on and retries, per outbox shard.",
+		}, shard),
+		deadLetters: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "dead_letters_total",
+			Help: "Events moved to the dead-letter table, per outbox shard.",
+		}, shard),
+		stalled: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "xmin_stalled",
+			Help: "1 while committed events of the shard wait behind an older open transaction (the xmin horizon).",
+		}, shard),
+		stalledSeconds: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "xmin_stalled_seconds_total",
+			Help: "Time the shard spent stalled behind the xmin horizon.",
+		}, shard),
+		ownedShards: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "owned_shards",
+			Help: "Outbox shards this relay is relaying.",
+		}),
+		liveRelays: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "live_relays",
+			Help: "Relays sharing the outbox, as this relay last counted them.",
+		}),
+	}
+	for _, c := range []prometheus.Collector{m.forwarded, m.latency, m.retries, m.deadLetters, m.stalled, m.stalledSeconds, m.ownedShards, m.liveRelays} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+func (m *RelayMetrics) observePublish(it *item, err error) {
+	if m == nil || err != nil || it.event.OccurredAt.IsZero() {
+		return
+	}
+	m.latency.Observe(time.Since(it.event.OccurredAt).Seconds())
+}
+
+func (m *RelayMetrics) addForwarded(shard, n int) {
+	if m != nil && n > 0 {
+		m.forwarded.WithLabelValues(strconv.Itoa(shard)).Add(float64(n))
+	}
+}
+
+func (m *RelayMetrics) addRetry(shard int) {
+	if m != nil {
+		m.retries.WithLabelValues(strconv.Itoa(shard)).Inc()
+	}
+}
+
+func (m *RelayMetrics) addDeadLetter(shard int) {
+	if m != nil {
+		m.deadLetters.WithLabelValues(strconv.Itoa(shard)).Inc()
+	}
+}
+
+func (m *RelayMetrics) setStalled(shard int, stalled bool) {
+	if m == nil {
+		return
+	}
+	v := 0.0
+	if stalled {
+		v = 1
+	}
+	m.stalled.WithLabelValues(strconv.Itoa(shard)).Set(v)
+}
+
+func (m *RelayMetrics) addStalled(shard int, d time.Duration) {
+	if m != nil {
+		m.stalledSeconds.WithLabelValues(strconv.Itoa(shard)).Add(d.Seconds())
+	}
+}
+
+func (m *RelayMetrics) setOwnedShards(n int) {
+	if m != nil {
+		m.ownedShards.Set(float64(n))
+	}
+}
+
+func (m *RelayMetrics) setLiveRelays(n int) {
+	if m != nil {
+		m.liveRelays.Set(float64(n))
+	}
+}

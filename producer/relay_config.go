@@ -1,0 +1,227 @@
+package producer
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/IBM/sarama"
+
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/migrations"
+)
+
+// Defaults for RelayConfig.
+const (
+	// DefaultBatchSize is how many outbox rows one relay transaction reads
+	// and publishes before recording its progress.
+	DefaultBatchSize = 500
+	// DefaultPollInterval is the longest an idle shard waits before looking
+	// at its table again. New rows wake it at once through LISTEN/NOTIFY;
+	// the poll is the safety net.
+	DefaultPollInterval = 5 * time.Second
+	// DefaultRebalanceInterval is how often a relay checks its membership
+	// and shard share, and so bounds how long a dead relay's shards wait
+	// for a new owner.
+	DefaultRebalanceInterval = 2 * time.Second
+	// DefaultMaxAttempts is how many times a message is published before it
+	// is dead-lettered, when the failure is specific to the message.
+	DefaultMaxAttempts = 5
+	// DefaultRetentionWindow is how long forwarded rows are kept.
+	DefaultRetentionWindow = 24 * time.Hour
+	// DefaultCleanupInterval is how often a relay deletes forwarded rows
+	// older than the retention window from the shards it owns.
+	DefaultCleanupInterval = 5 * time.Minute
+	// DefaultCleanupBatchSize bounds the rows one cleanup statement deletes.
+	DefaultCleanupBatchSize = 1000
+)
+
+// DefaultBackoff is the wait before each retry of a message that failed to
+// publish: 1s, 5s, 30s, 2m, then 10m for every later attempt.
+var DefaultBackoff = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute, 10 * time.Minute}
+
+// RelayConfig configures a Relay.
+type RelayConfig struct {
+	// Schema is the PostgreSQL schema holding the outbox. Defaults to
+	// "eventline".
+	Schema string
+	// Brokers are the Kafka bootstrap brokers (host:port). Defaults to the
+	// KAFKA_BROKERS environment variable.
+	Brokers []string
+	// SaramaConfig overrides the Kafka producer configuration. Defaults to
+	// an idempotent producer waiting for all in-sync replicas with one
+	// request in flight per broker; if given, those three settings are
+	// enforced on it, since ordering and no-loss depend on them.
+	SaramaConfig *sarama.Config
+	// ID names this relay in logs. Defaults to "<hostname>-<pid>".
+	ID string
+
+	// BatchSize is the number of outbox rows read and published per
+	// transaction. Larger batches amortize the transaction and the Kafka
+	// round trip; a crash re-sends at most one batch. Defaults to
+	// DefaultBatchSize.
+	BatchSize int
+	// PollInterval is the longest an idle shard sleeps between looks at its
+	// table; inserts wake it sooner via NOTIFY. Defaults to
+	// DefaultPollInterval.
+	PollInterval time.Duration
+	// MaxPublishRate caps the events per second this relay publishes, over
+	// all its shards. 0 means no cap. Defaults to 0.
+	MaxPublishRate float64
+	// RebalanceInterval is how often shard ownership is re-checked.
+	// Defaults to DefaultRebalanceInterval.
+	RebalanceInterval time.Duration
+
+	// Backoff lists the waits before successive retries of a message that
+	// failed to publish; the last entry repeats. Defaults to DefaultBackoff.
+	Backoff []time.Duration
+	// MaxAttempts is how many failed publishes of one message are allowed
+	// before it is moved to the dead-letter table and the shard moves on.
+	// Failures that mean Kafka is unreachable never dead-letter: the shard
+	// waits (with Backoff) until Kafka is back. Defaults to
+	// DefaultMaxAttempts.
+	MaxAttempts int
+
+	// RetentionWindow is how long rows stay in the outbox after every
+	// consumer group of their shard has acknowledged them. Defaults to
+	// DefaultRetentionWindow.
+	RetentionWindow time.Duration
+	// CleanupInterval is how often the relay deletes expired rows from the
+	// shards it owns; negative disables it. Defaults to
+	// DefaultCleanupInterval.
+	CleanupInterval time.Duration
+	// CleanupBatchSize bounds each delete. Defaults to
+	// DefaultCleanupBatchSize.
+	CleanupBatchSize int
+
+	// AfterPublish, if set, runs after Kafka acknowledged a batch and before
+	// the outbox records it. Returning an error leaves the batch
+	// unacknowledged, so it is published again: this is the crash window
+	// the examples and fault tests exercise.
+	AfterPublish func(shard int, eventIDs []string) error
+
+	// Logger receives the relay's logs. Defaults to slog.Default().
+	Logger *slog.Logger
+	// Metrics receives the relay's measurements. Optional.
+	Metrics *RelayMetrics
+}
+
+func (c RelayConfig) withDefaults() RelayConfig {
+	if c.Schema == "" {
+		c.Schema = migrations.DefaultSchema
+	}
+	if len(c.Brokers) == 0 {
+		c.Brokers = kafkaconf.BrokersFromEnv()
+	}
+	if c.ID == "" {
+		host, _ := os.Hostname()
+		c.ID = host + "-" + strconv.Itoa(os.Getpid())
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.RebalanceInterval == 0 {
+		c.RebalanceInterval = DefaultRebalanceInterval
+	}
+	if c.Backoff == nil {
+		c.Backoff = DefaultBackoff
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultMaxAttempts
+	}
+	if c.RetentionWindow == 0 {
+		c.RetentionWindow = DefaultRetentionWindow
+	}
+	if c.CleanupInterval == 0 {
+		c.CleanupInterval = DefaultCleanupInterval
+	}
+	if c.CleanupBatchSize == 0 {
+		c.CleanupBatchSize = DefaultCleanupBatchSize
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+func (c RelayConfig) validate() error {
+	var errs []error
+	if err := sqlident.Validate("RelayConfig.Schema", c.Schema); err != nil {
+		errs = append(errs, err)
+	}
+	if err := kafkaconf.ValidateBrokers("RelayConfig.Brokers", c.Brokers); err != nil {
+		errs = append(errs, err)
+	}
+	if c.BatchSize < 1 || c.BatchSize > 100_000 {
+		errs = append(errs, fmt.Errorf("RelayConfig.BatchSize must be between 1 and 100000, got %d", c.BatchSize))
+	}
+	if c.PollInterval < 10*time.Millisecond {
+		errs = append(errs, fmt.Errorf("RelayConfig.PollInterval must be at least 10ms, got %s", c.PollInterval))
+	}
+	if c.MaxPublishRate < 0 {
+		errs = append(errs, fmt.Errorf("RelayConfig.MaxPublishRate must not be negative, got %g", c.MaxPublishRate))
+	}
+	if c.RebalanceInterval < 10*time.Millisecond {
+		errs = append(errs, fmt.Errorf("RelayConfig.RebalanceInterval must be at least 10ms, got %s", c.RebalanceInterval))
+	}
+	if len(c.Backoff) == 0 {
+		errs = append(errs, errors.New("RelayConfig.Backoff must have at least one entry (nil means the default)"))
+	}
+	for i, d := range c.Backoff {
+		if d < 0 {
+			errs = append(errs, fmt.Errorf("RelayConfig.Backoff[%d] must not be negative, got %s", i, d))
+		}
+	}
+	if c.MaxAttempts < 1 {
+		errs = append(errs, fmt.Errorf("RelayConfig.MaxAttempts must be at least 1, got %d", c.MaxAttempts))
+	}
+	if c.RetentionWindow < 0 {
+		errs = append(errs, fmt.Errorf("RelayConfig.RetentionWindow must not be negative, got %s", c.RetentionWindow))
+	}
+	if c.CleanupBatchSize < 1 {
+		errs = append(errs, fmt.Errorf("RelayConfig.CleanupBatchSize must be at least 1, got %d", c.CleanupBatchSize))
+	}
+	return errors.Join(errs...)
+}
+
+// backoffFor returns the wait before retry number attempt (1-based).
+func (c RelayConfig) backoffFor(attempt int) time.Duration {
+	if attempt < 1 {
+		attempt = 1
+	}
+	if attempt > len(c.Backoff) {
+		return c.Backoff[len(c.Backoff)-1]
+	}
+	return c.Backoff[attempt-1]
+}
+
+// producerConfig returns the Sarama configuration with the settings the
+// relay's guarantees depend on enforced.
+func (c RelayConfig) producerConfig() *sarama.Config {
+	sc := c.SaramaConfig
+	if sc == nil {
+		sc = kafkaconf.Producer("eventline-relay")
+	} else {
+		copied := *sc
+		sc = &copied
+	}
+	sc.Producer.Idempotent = true
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Net.MaxOpenRequests = 1
+	if sc.Producer.Retry.Max < 1 {
+		sc.Producer.Retry.Max = 1
+	}
+	sc.Producer.Return.Successes = true
+	sc.Producer.Return.Errors = true
+	if !sc.Version.IsAtLeast(sarama.V0_11_0_0) {
+		sc.Version = kafkaconf.Version
+	}
+	return sc
+}

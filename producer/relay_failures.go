@@ -1,0 +1,323 @@
+package producer
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"strings"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+var errFlushTimeout = errors.New("eventline: no answer from Kafka within the flush timeout")
+
+// permanentError marks a publish failure that retrying cannot fix.
+type permanentError struct{ err error }
+
+func (e *permanentError) Error() string { return e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
+
+// failureKind says how the relay treats a publish failure.
+type failureKind int
+
+const (
+	// failRetry: retry with backoff, dead-letter after MaxAttempts.
+	failRetry failureKind = iota
+	// failPermanent: the message itself is rejected; dead-letter now.
+	failPermanent
+	// failUnavailable: Kafka cannot be reached; retry with backoff
+	// forever, never dead-letter.
+	failUnavailable
+)
+
+func classify(err error) failureKind {
+	var pe *permanentError
+	if errors.As(err, &pe) {
+		return failPermanent
+	}
+	var cfgErr sarama.ConfigurationError
+	if errors.As(err, &cfgErr) {
+		// Sarama's own checks on one record, e.g. larger than
+		// Producer.MaxMessageBytes.
+		return failPermanent
+	}
+	var kerr sarama.KError
+	if errors.As(err, &kerr) {
+		switch kerr {
+		case sarama.ErrMessageSizeTooLarge, sarama.ErrInvalidMessage, sarama.ErrInvalidTopic,
+			sarama.ErrTopicAuthorizationFailed, sarama.ErrInvalidTimestamp, sarama.ErrInvalidRecord,
+			sarama.ErrPolicyViolation:
+			return failPermanent
+		case sarama.ErrLeaderNotAvailable, sarama.ErrNotLeaderForPartition, sarama.ErrRequestTimedOut,
+			sarama.ErrBrokerNotAvailable, sarama.ErrReplicaNotAvailable, sarama.ErrNetworkException,
+			sarama.ErrNotEnoughReplicas, sarama.ErrNotEnoughReplicasAfterAppend,
+			sarama.ErrKafkaStorageError, sarama.ErrNotController:
+			return failUnavailable
+		}
+		return failRetry
+	}
+	var netErr net.Error
+	switch {
+	case errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
+		errors.Is(err, sarama.ErrClosedClient), errors.Is(err, sarama.ErrShuttingDown),
+		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout),
+		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
+		errors.As(err, &netErr):
+		return failUnavailable
+	}
+	return failRetry
+}
+
+func isPermanent(err error) bool { return classify(err) == failPermanent }
+
+// isSerializationFailure reports a concurrent-update or deadlock error from
+// the offsets row lock: another relay got there first.
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code == "40001" || pgErr.Code == "40P01"
+	}
+	return strings.Contains(err.Error(), "concurrent update")
+}
+
+// failureRecord is the retry state of one outbox row.
+type failureRecord struct {
+	attempts    int
+	nextAttempt time.Time
+}
+
+func loadFailures(ctx context.Context, pool *pgxpool.Pool, schema string, shard int) (map[string]failureRecord, error) {
+	rows, err := pool.Query(ctx, `SELECT outbox_uuid, attempts, next_attempt_at FROM `+
+		sqlident.Qualify(schema, "relay_failures")+` WHERE shard = $1`, shard)
+	if err != nil {
+		return nil, fmt.Errorf("shard %d: load relay failures: %w", shard, err)
+	}
+	out := map[string]failureRecord{}
+	for rows.Next() {
+		var id string
+		var rec failureRecord
+		if err := rows.Scan(&id, &rec.attempts, &rec.nextAttempt); err != nil {
+			return nil, err
+		}
+		out[id] = rec
+	}
+	return out, rows.Err()
+}
+
+// settlePlan is what a finished batch records.
+type settlePlan struct {
+	done      []*item  // the prefix of the batch that is finished
+	first     *item    // the first row that is not, or nil
+	dead      []*item  // rows of done to dead-letter
+	cleared   []string // outbox uuids whose retry records are obsolete
+	delivered []string // event ids Kafka acknowledged
+}
+
+func (p settlePlan) last() *item {
+	if len(p.done) == 0 {
+		return nil
+	}
+	return p.done[len(p.done)-1]
+}
+
+// plan walks the batch in outbox order. A row is done when Kafka has it or
+// it is to be dead-lettered; the batch's progress stops before the first
+// row that is neither, so it is read again.
+func (s *shardRunner) plan(items []*item) settlePlan {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var p settlePlan
+	for _, it := range items {
+		_, hadFailed := s.failures[it.outboxUUID]
+		switch it.state {
+		case itemDelivered:
+			p.delivered = append(p.delivered, it.event.ID)
+		case itemDead:
+		case itemFailed:
+			attempts := s.failures[it.outboxUUID].attempts + 1
+			switch kind := classify(it.err); {
+			case kind == failPermanent:
+				it.state, it.deadReason = itemDead, "rejected: "+it.err.Error()
+			case kind == failRetry && attempts >= s.relay.cfg.MaxAttempts:
+				it.state, it.deadReason = itemDead, fmt.Sprintf("gave up after %d attempts: %v", attempts, it.err)
+			default:
+				p.first = it
+				return p
+			}
+		default:
+			p.first = it
+			return p
+		}
+		if it.state == itemDead {
+			p.dead = append(p.dead, it)
+		}
+		if hadFailed {
+			p.cleared = append(p.cleared, it.outboxUUID)
+		}
+		p.done = append(p.done, it)
+	}
+	return p
+}
+
+// finish settles a relay transaction once Kafka answered for its rows: it
+// records progress up to the last finished row, writes dead letters in the
+// same transaction, and schedules the retry of the first unfinished row.
+func (s *shardRunner) finish(t *relayTx) {
+	b := t.batch
+	b.wait(flushTimeout)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(t.ctx), commitTimeout)
+	defer cancel()
+
+	b.mu.Lock()
+	p := s.plan(b.items)
+	b.mu.Unlock()
+
+	if hook := s.relay.cfg.AfterPublish; hook != nil && len(p.delivered) > 0 {
+		if err := hook(s.shard, p.delivered); err != nil {
+			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "err", err)
+			_ = t.tx.Rollback(ctx)
+			return
+		}
+	}
+	if err := s.record(ctx, t.tx, p); err != nil {
+		_ = t.tx.Rollback(ctx)
+		s.log.Error("record relay progress; the batch will be published again", "err", err)
+		s.setBackoff(queryRetryInterval)
+		return
+	}
+	s.mu.Lock()
+	for _, id := range p.cleared {
+		delete(s.failures, id)
+	}
+	s.mu.Unlock()
+	s.relay.metrics.addForwarded(s.shard, len(p.delivered))
+	for _, it := range p.dead {
+		s.relay.metrics.addDeadLetter(s.shard)
+		s.log.Warn("event dead-lettered", "event_id", it.event.ID, "outbox_uuid", it.outboxUUID, "reason", it.deadReason)
+	}
+	if p.first != nil && p.first.state == itemFailed {
+		s.recordFailure(ctx, p.first)
+	}
+}
+
+// record writes the plan in tx and commits it.
+func (s *shardRunner) record(ctx context.Context, tx pgx.Tx, p settlePlan) error {
+	last := p.last()
+	if p.first != nil && last == nil {
+		return tx.Rollback(ctx) // nothing finished; leave the position as it was
+	}
+	if p.first != nil {
+		// watermill-sql acknowledged every row it delivered; move the
+		// position back to the last finished one.
+		if _, err := tx.Exec(ctx, s.sql.overrideOffset, last.pos.offset, fmt.Sprint(last.pos.txID), outbox.RelayConsumerGroup); err != nil {
+			return fmt.Errorf("record position: %w", err)
+		}
+	}
+	for _, it := range p.dead {
+		if err := s.insertDeadLetter(ctx, tx, it); err != nil {
+			return err
+		}
+	}
+	if len(p.cleared) > 0 {
+		if _, err := tx.Exec(ctx, `DELETE FROM `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+
+			` WHERE shard = $1 AND outbox_uuid = ANY($2)`, s.shard, p.cleared); err != nil {
+			return fmt.Errorf("clear relay failures: %w", err)
+		}
+	}
+	return tx.Commit(ctx)
+}
+
+func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item) error {
+	e, topic := it.event, it.topic
+	if e.ID == "" {
+		e, topic = peekEnvelope(it.payload)
+	}
+	s.mu.Lock()
+	attempts := s.failures[it.outboxUUID].attempts
+	s.mu.Unlock()
+	if it.err != nil {
+		attempts++
+	}
+	lastErr := it.deadReason
+	if it.err != nil {
+		lastErr = it.err.Error()
+	}
+	_, err := tx.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "dead_letters")+` (
+			shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
+			destination_topic, payload, metadata, attempts, last_error, dead_reason)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::json, $10::json, $11, $12, $13)`,
+		s.shard, it.outboxUUID, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion,
+		topic, nullJSON(it.payload), nullJSON(it.metadata), attempts, lastErr, it.deadReason)
+	if err != nil {
+		return fmt.Errorf("write dead letter: %w", err)
+	}
+	return nil
+}
+
+// recordFailure counts a failed attempt of the row the shard now waits on
+// and schedules its retry.
+func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
+	s.mu.Lock()
+	rec := s.failures[it.outboxUUID]
+	rec.attempts++
+	wait := s.relay.cfg.backoffFor(rec.attempts)
+	rec.nextAttempt = time.Now().Add(wait)
+	s.failures[it.outboxUUID] = rec
+	s.backoffUntil = rec.nextAttempt
+	s.mu.Unlock()
+
+	s.relay.metrics.addRetry(s.shard)
+	s.log.Warn("publish failed; the shard waits and retries", "event_id", it.event.ID, "topic", it.topic,
+		"attempt", rec.attempts, "retry_in", wait, "err", it.err)
+	_, err := s.relay.pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+`
+			(shard, outbox_uuid, attempts, last_error, next_attempt_at) VALUES ($1, $2, $3, $4, $5)
+		ON CONFLICT (shard, outbox_uuid) DO UPDATE SET
+			attempts = excluded.attempts, last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at`,
+		s.shard, it.outboxUUID, rec.attempts, it.err.Error(), rec.nextAttempt)
+	if err != nil {
+		s.log.Warn("persist relay failure", "err", err)
+	}
+}
+
+func (s *shardRunner) setBackoff(d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if until := time.Now().Add(d); until.After(s.backoffUntil) {
+		s.backoffUntil = until
+	}
+}
+
+// peekEnvelope reads what it can from a forwarder envelope that failed to
+// unwrap or decode, for the dead letter's columns.
+func peekEnvelope(payload []byte) (eventline.Event, string) {
+	var env struct {
+		DestinationTopic string            `json:"destination_topic"`
+		Metadata         map[string]string `json:"metadata"`
+	}
+	_ = json.Unmarshal(payload, &env)
+	e := eventline.Event{
+		ID:            env.Metadata[eventline.MetaEventID],
+		Type:          env.Metadata[eventline.MetaEventType],
+		AggregateType: env.Metadata[eventline.MetaAggregateType],
+		AggregateID:   env.Metadata[eventline.MetaAggregateID],
+	}
+	_, _ = fmt.Sscan(env.Metadata[eventline.MetaAggregateVersion], &e.AggregateVersion)
+	return e, env.DestinationTopic
+}
+
+func nullJSON(b []byte) any {
+	if len(b) == 0 || !json.Valid(b) {
+		return nil
+	}
+	return string(b)
+}
