@@ -20,13 +20,19 @@ CREATE TABLE processed_events (
 CREATE INDEX processed_events_processed_at_idx ON processed_events USING brin (processed_at);
 
 -- The last applied version of each aggregate, per consumer group. Locked
--- for the duration of each event's transaction.
+-- for the duration of each event's transaction. previous_version is the
+-- version before the last write (the gate's upsert returns it, so one
+-- statement locks, decides and advances); parked_count is the number of
+-- this aggregate's rows in parked_events, so the hot path only looks for
+-- parked successors when there are some.
 CREATE TABLE aggregate_versions (
-    consumer_group text        NOT NULL,
-    aggregate_type text        NOT NULL,
-    aggregate_id   text        NOT NULL,
-    version        bigint      NOT NULL,
-    updated_at     timestamptz NOT NULL DEFAULT now(),
+    consumer_group   text        NOT NULL,
+    aggregate_type   text        NOT NULL,
+    aggregate_id     text        NOT NULL,
+    version          bigint      NOT NULL CHECK (version >= 0),
+    previous_version bigint      NOT NULL DEFAULT 0,
+    parked_count     integer     NOT NULL DEFAULT 0 CHECK (parked_count >= 0),
+    updated_at       timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer_group, aggregate_type, aggregate_id)
 );
 
@@ -39,12 +45,14 @@ CREATE TABLE parked_events (
     event_id          text        NOT NULL,
     event_type        text        NOT NULL,
     handler           text        NOT NULL DEFAULT '',
+    topic             text        NOT NULL DEFAULT '',
     payload           bytea       NOT NULL,
     metadata          jsonb       NOT NULL,
     parked_at         timestamptz NOT NULL DEFAULT now(),
     -- Failed attempts to apply it once its turn came, and the last error.
     release_attempts  integer     NOT NULL DEFAULT 0,
     last_error        text,
+    last_attempt_at   timestamptz,
     PRIMARY KEY (consumer_group, aggregate_type, aggregate_id, aggregate_version)
 );
 

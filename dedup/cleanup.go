@@ -1,0 +1,128 @@
+package dedup
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// Defaults for [CleanupConfig].
+const (
+	// DefaultRetention keeps dedup rows for a week: longer than Kafka's
+	// default topic retention (7 days) would be safer still; see the
+	// package documentation.
+	DefaultRetention = 7 * 24 * time.Hour
+	// DefaultCleanupBatchSize bounds the rows one DELETE removes.
+	DefaultCleanupBatchSize = 1000
+	// DefaultCleanupPause is the wait between two batches.
+	DefaultCleanupPause = 100 * time.Millisecond
+	// MinRetention is the shortest retention Cleanup accepts; anything
+	// shorter is almost certainly a unit mistake and would make recent
+	// redeliveries look new.
+	MinRetention = time.Minute
+)
+
+// CleanupConfig bounds one retention run.
+type CleanupConfig struct {
+	// Group limits the cleanup to one consumer group. Empty means every
+	// group in the schema.
+	Group string
+	// Retention is how long rows are kept after they were processed. It
+	// must exceed the broker's redelivery horizon (see the package
+	// documentation). Defaults to DefaultRetention (7 days); values below
+	// MinRetention are rejected.
+	Retention time.Duration
+	// BatchSize is the most rows one DELETE statement removes. Defaults to
+	// DefaultCleanupBatchSize (1000).
+	BatchSize int
+	// Pause is the wait after each batch before the next one starts, so
+	// Cleanup deletes at most BatchSize rows per Pause. Defaults to
+	// DefaultCleanupPause (100ms).
+	Pause time.Duration
+	// MaxBatches stops the run after this many batches. 0 means no limit:
+	// run until no row older than the cutoff is left.
+	MaxBatches int
+}
+
+func (c CleanupConfig) withDefaults() CleanupConfig {
+	if c.Retention == 0 {
+		c.Retention = DefaultRetention
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultCleanupBatchSize
+	}
+	if c.Pause == 0 {
+		c.Pause = DefaultCleanupPause
+	}
+	return c
+}
+
+func (c CleanupConfig) validate() error {
+	switch {
+	case c.Retention < MinRetention:
+		return fmt.Errorf("dedup.CleanupConfig.Retention is %s; it must be at least %s and longer than the broker's redelivery horizon", c.Retention, MinRetention)
+	case c.BatchSize < 0:
+		return fmt.Errorf("dedup.CleanupConfig.BatchSize is %d; it must be positive (0 means %d)", c.BatchSize, DefaultCleanupBatchSize)
+	case c.Pause < 0:
+		return fmt.Errorf("dedup.CleanupConfig.Pause is %s; it must be positive (0 means %s)", c.Pause, DefaultCleanupPause)
+	case c.MaxBatches < 0:
+		return fmt.Errorf("dedup.CleanupConfig.MaxBatches is %d; it must not be negative (0 means no limit)", c.MaxBatches)
+	}
+	return nil
+}
+
+// CleanupResult reports one retention run.
+type CleanupResult struct {
+	// Deleted is the number of rows removed.
+	Deleted int64
+	// Batches is the number of DELETE statements run.
+	Batches int
+	// Cutoff is the processed_at bound: rows processed before it were
+	// eligible.
+	Cutoff time.Time
+}
+
+// Cleanup deletes processed_events rows older than cfg.Retention, in
+// batches of at most cfg.BatchSize rows, pausing cfg.Pause after every
+// batch, until no eligible row is left, cfg.MaxBatches is reached or ctx
+// ends. Rows of parked events are never deleted.
+//
+// Each batch is its own statement, so pass a pool (not a transaction): a
+// batch's locks are released when it commits, and an interrupted run keeps
+// what it deleted. The cutoff is fixed when the run starts, so a run always
+// ends even while new rows keep arriving.
+func (s *Store) Cleanup(ctx context.Context, db DBTX, cfg CleanupConfig) (CleanupResult, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return CleanupResult{}, err
+	}
+	res := CleanupResult{Cutoff: time.Now().Add(-cfg.Retention)}
+	for cfg.MaxBatches == 0 || res.Batches < cfg.MaxBatches {
+		if res.Batches > 0 {
+			t := time.NewTimer(cfg.Pause)
+			select {
+			case <-ctx.Done():
+				t.Stop()
+				return res, ctx.Err()
+			case <-t.C:
+			}
+		}
+		var args []any
+		q := s.cleanupAllSQL
+		args = append(args, res.Cutoff, cfg.BatchSize)
+		if cfg.Group != "" {
+			q = s.cleanupSQL
+			args = append(args, cfg.Group)
+		}
+		tag, err := db.Exec(ctx, q, args...)
+		if err != nil {
+			return res, fmt.Errorf("dedup: cleanup batch %d: %w", res.Batches+1, err)
+		}
+		res.Batches++
+		res.Deleted += tag.RowsAffected()
+		if tag.RowsAffected() < int64(cfg.BatchSize) {
+			break
+		}
+	}
+	return res, nil
+}

@@ -1,0 +1,46 @@
+// Package dedup records which events a consumer group has handled, so an
+// event redelivered by Kafka (or re-sent by the relay) changes nothing the
+// second time.
+//
+// # How it works
+//
+// Each consumer group has one row per event id in processed_events, primary
+// key (consumer_group, event_id). The row is written with
+// INSERT … ON CONFLICT DO NOTHING in the same transaction as the handler's
+// own writes: when the insert affects no row, the event is a duplicate and
+// the handler is skipped. Because the row commits or rolls back together
+// with the handler's effects, a handler error or a crash before commit
+// leaves no row behind and the redelivered event is handled normally; a
+// crash after commit but before the Kafka offset is committed makes the
+// redelivered event a duplicate. Concurrent deliveries of one event (two
+// consumers during a rebalance) serialize on the primary key: the second
+// insert waits for the first transaction and then affects no row.
+//
+// Every row also records its outcome (see [Outcome]): applied, stale (the
+// version gate discarded it) or parked (it waits in parked_events for a
+// missing version; it becomes applied when it is released). Operators can
+// look a row up with [Store.Get].
+//
+// The middleware package runs this for you (middleware.Dedup, or the
+// composed middleware.New, which folds the insert into the version gate's
+// statement so it costs no extra round trip).
+//
+// # Retention
+//
+// processed_events grows by one row per event. [Store.Cleanup] deletes rows
+// older than a retention window in bounded batches with a pause between
+// them, so it never deletes faster than BatchSize rows per Pause and never
+// holds long locks. Rows whose outcome is parked are kept: their event is
+// still waiting.
+//
+// Retention must exceed the longest time after which the broker can
+// redeliver an event: the Kafka topic's retention (a consumer group reset
+// to the oldest offset replays that far back), plus the outbox relay's
+// retry and dead-letter replay window. A redelivery that arrives after its
+// dedup row expired is no longer recognised here, but the version gate
+// (package versioning) still rejects it: its aggregate version is not
+// greater than the aggregate's current version, so it is discarded as
+// stale and its handler does not run. Only events without an aggregate
+// version rely on dedup alone; keep retention long for consumers of such
+// events.
+package dedup
