@@ -1,0 +1,163 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/versioning"
+)
+
+// Pool is the database handle the composed middleware needs: transactions
+// for events, queries for the sweeper. *pgxpool.Pool satisfies it.
+type Pool interface {
+	TxBeginner
+	versioning.Pool
+}
+
+// Config configures the composed middleware returned by [New].
+type Config struct {
+	// DB is the consumer's database pool; every event runs in a
+	// transaction on it. Required.
+	DB Pool
+	// Group is the consumer group: dedup records, versions and parked
+	// events are kept per group. Required.
+	Group string
+	// Schema is the PostgreSQL schema holding eventline's tables (see
+	// package migrations). Defaults to "eventline".
+	Schema string
+	// GapPolicy is what happens to an event that arrives ahead of a
+	// missing version. Defaults to versioning.Park.
+	GapPolicy versioning.GapPolicy
+	// PolicyByType overrides GapPolicy per event type.
+	PolicyByType map[string]versioning.GapPolicy
+	// Unversioned is what happens to an event without an aggregate
+	// version. Defaults to versioning.PassUnversioned.
+	Unversioned versioning.UnversionedPolicy
+	// ParkTimeout is how long an aggregate's parked events wait for the
+	// missing versions before the sweeper skips the gap. Defaults to
+	// versioning.DefaultParkTimeout (15 minutes).
+	ParkTimeout time.Duration
+	// SweepInterval is the pause between sweeper passes in RunSweeper.
+	// Defaults to versioning.DefaultSweepInterval (5s).
+	SweepInterval time.Duration
+	// SweepBatch is the most aggregates one sweeper pass visits. Defaults
+	// to versioning.DefaultSweepBatch (500).
+	SweepBatch int
+	// TxOptions are the consumer transactions' options. Defaults to read
+	// committed, read-write.
+	TxOptions pgx.TxOptions
+	// Logger receives what the middleware and sweeper report. Defaults to
+	// slog.Default().
+	Logger *slog.Logger
+	// Metrics, when set, counts what happens to events.
+	Metrics *Metrics
+}
+
+func (c Config) validate() error {
+	switch {
+	case c.DB == nil:
+		return errors.New("middleware.Config.DB is nil: give it the consumer's *pgxpool.Pool")
+	case c.ParkTimeout < 0:
+		return fmt.Errorf("middleware.Config.ParkTimeout is %s; it must be positive (0 means %s)", c.ParkTimeout, versioning.DefaultParkTimeout)
+	case c.SweepInterval < 0:
+		return fmt.Errorf("middleware.Config.SweepInterval is %s; it must be positive (0 means %s)", c.SweepInterval, versioning.DefaultSweepInterval)
+	case c.SweepBatch < 0:
+		return fmt.Errorf("middleware.Config.SweepBatch is %d; it must be positive (0 means %d)", c.SweepBatch, versioning.DefaultSweepBatch)
+	}
+	return nil
+}
+
+// Eventline is the composed consumer middleware: recover ▸ tx ▸ decode ▸
+// dedup ▸ version gate ▸ handler, plus the sweeper for parked events.
+//
+// For each message it begins a transaction on Config.DB, decodes the event
+// (a message that does not decode fails with a permanent error and never
+// reaches the handler), records the event id and locks, checks and advances
+// the aggregate's version in one statement, runs the handler with the
+// transaction and the event in the message context, drains parked
+// successors, and commits before returning, so before the router
+// acknowledges. Any error or panic rolls everything back, the dedup record
+// included, and is returned for retry. Duplicates and stale events are
+// acknowledged without running the handler; parked events are acknowledged
+// and applied later, in order.
+//
+// Put Watermill's Retry (with ResetContextOnRetry and [ShouldRetry])
+// outside it, and a poison queue outside Retry.
+type Eventline struct {
+	cfg     Config
+	gate    *Gate
+	sweeper *versioning.Sweeper
+}
+
+// New returns the composed middleware. It fails, naming the field, when the
+// configuration is invalid.
+func New(cfg Config) (*Eventline, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	gate, err := newGate(GateConfig{
+		Group: cfg.Group, Schema: cfg.Schema, GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType,
+		Unversioned: cfg.Unversioned, Logger: cfg.Logger, Metrics: cfg.Metrics,
+	}, "middleware.Config")
+	if err != nil {
+		return nil, err
+	}
+	sweeper, err := gate.NewSweeper(cfg.DB, versioning.SweeperConfig{
+		ParkTimeout: cfg.ParkTimeout, Interval: cfg.SweepInterval, Batch: cfg.SweepBatch, Logger: gate.cfg.Logger,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Eventline{cfg: cfg, gate: gate, sweeper: sweeper}, nil
+}
+
+// Middleware returns the composed middleware; add it to a Router
+// (router.AddMiddleware) or to one handler.
+func (el *Eventline) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	inner := el.gate.middleware(h, true)
+	return Recover(func(msg *message.Message) ([]*message.Message, error) {
+		return inTx(msg, el.cfg.DB, el.cfg.TxOptions, Decode(inner))
+	})
+}
+
+// MiddlewareFor is Middleware for one handler, registering it under
+// handlerName for the sweeper (see [Gate.Register]).
+func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		wrapped := el.Middleware(h)
+		el.gate.Register(handlerName, h)
+		return wrapped
+	}
+}
+
+// Register tells the sweeper which handler releases events parked under
+// the Watermill handler name handlerName; see [Gate.Register].
+func (el *Eventline) Register(handlerName string, h message.HandlerFunc) {
+	el.gate.Register(handlerName, h)
+}
+
+// Gate returns the version gate inside the middleware.
+func (el *Eventline) Gate() *Gate { return el.gate }
+
+// Store returns the versioning store (ListParked, ListSkipped, ReleaseGap).
+func (el *Eventline) Store() *versioning.Store { return el.gate.store }
+
+// Sweep makes one sweeper pass over the group's parked events (see
+// versioning.Sweeper.Sweep).
+func (el *Eventline) Sweep(ctx context.Context) (versioning.SweepResult, error) {
+	res, err := el.sweeper.Sweep(ctx)
+	el.gate.observeSweep(res, err)
+	return res, err
+}
+
+// RunSweeper sweeps every SweepInterval until ctx ends, then returns nil.
+// Run it next to the router (the consumer package does).
+func (el *Eventline) RunSweeper(ctx context.Context) error {
+	return el.sweeper.Run(ctx)
+}
