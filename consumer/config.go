@@ -1,0 +1,199 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/versioning"
+)
+
+// Defaults for [Config].
+const (
+	// DefaultMaxRetries is how many times a failing event is retried
+	// before it is dead-lettered.
+	DefaultMaxRetries = 5
+	// DefaultRetryInitialInterval is the wait before the first retry.
+	DefaultRetryInitialInterval = 100 * time.Millisecond
+	// DefaultRetryMaxInterval caps the wait between retries.
+	DefaultRetryMaxInterval = 10 * time.Second
+	// DefaultRetryMultiplier scales the wait after each retry.
+	DefaultRetryMultiplier = 2.0
+	// DeadLetterTopicSuffix is appended to the group to name the default
+	// dead-letter topic.
+	DeadLetterTopicSuffix = ".dlq"
+	// DefaultShutdownTimeout bounds how long Run waits for in-flight
+	// events when its context ends.
+	DefaultShutdownTimeout = 30 * time.Second
+	// NoRetries, as Config.MaxRetries, dead-letters a failing event after
+	// its first attempt.
+	NoRetries = -1
+)
+
+// Config configures a Consumer. Only Group and Topics are required.
+type Config struct {
+	// Brokers are the Kafka brokers, host:port. Defaults to the
+	// comma-separated list in the KAFKA_BROKERS environment variable.
+	Brokers []string
+	// Group is the Kafka consumer group, and the group eventline keeps
+	// dedup records, versions and parked events under. Consumers sharing a
+	// group share the work (and the exactly-once bookkeeping). Required.
+	Group string
+	// Topics are the Kafka topics to consume; each gets one Watermill
+	// handler named "eventline/<group>/<topic>". Required.
+	Topics []string
+	// Schema is the PostgreSQL schema holding eventline's tables. Defaults
+	// to "eventline".
+	Schema string
+	// GapPolicy is what happens to an event that arrives ahead of a missing
+	// version of its aggregate. Defaults to versioning.Park.
+	GapPolicy versioning.GapPolicy
+	// PolicyByType overrides GapPolicy per event type.
+	PolicyByType map[string]versioning.GapPolicy
+	// Unversioned is what happens to an event without an aggregate
+	// version. Defaults to versioning.PassUnversioned.
+	Unversioned versioning.UnversionedPolicy
+	// ParkTimeout is how long an aggregate's parked events wait for the
+	// missing versions before the sweeper skips the gap. Defaults to
+	// versioning.DefaultParkTimeout (15 minutes).
+	ParkTimeout time.Duration
+	// SweepInterval is the pause between sweeper passes. Defaults to
+	// versioning.DefaultSweepInterval (5s).
+	SweepInterval time.Duration
+	// MaxRetries is how many times a failing event is retried (each
+	// attempt in a new transaction) before it is dead-lettered. Permanent
+	// errors are not retried. Defaults to DefaultMaxRetries (5); NoRetries
+	// disables retries.
+	MaxRetries int
+	// RetryInitialInterval is the wait before the first retry. Defaults to
+	// DefaultRetryInitialInterval (100ms).
+	RetryInitialInterval time.Duration
+	// RetryMaxInterval caps the wait between retries. Defaults to
+	// DefaultRetryMaxInterval (10s).
+	RetryMaxInterval time.Duration
+	// RetryMultiplier scales the wait after each retry. Defaults to
+	// DefaultRetryMultiplier (2).
+	RetryMultiplier float64
+	// DeadLetterTopic receives events that failed permanently or ran out
+	// of retries, with the reason in their metadata (see DeadLetter*
+	// keys). The topic must exist (eventline does not create topics).
+	// Defaults to Group + DeadLetterTopicSuffix.
+	DeadLetterTopic string
+	// SaramaConfig is the Kafka consumer's Sarama configuration. Defaults
+	// to a configuration that starts a new group at the oldest offset
+	// (Consumer.Offsets.Initial = sarama.OffsetOldest) and auto-commits
+	// marked offsets every second. When you pass your own, keep
+	// OffsetOldest, or a new group skips events published before it
+	// started.
+	SaramaConfig *sarama.Config
+	// ShutdownTimeout bounds how long Run waits, after its context ends,
+	// for in-flight events to finish; events still running then are rolled
+	// back (and redelivered later). Defaults to DefaultShutdownTimeout
+	// (30s).
+	ShutdownTimeout time.Duration
+	// Middleware runs around every event, outside the eventline
+	// transaction and inside retries and dead-lettering (tracing,
+	// logging…). The first is outermost.
+	Middleware []message.HandlerMiddleware
+	// Logger receives what the consumer, Watermill and the sweeper report
+	// (Watermill's info lines at debug level). Defaults to slog.Default().
+	Logger *slog.Logger
+	// Metrics, when set, counts what happens to events (see
+	// middleware.NewMetrics).
+	Metrics *middleware.Metrics
+}
+
+func (c Config) withDefaults() Config {
+	if len(c.Brokers) == 0 {
+		c.Brokers = kafkaconf.BrokersFromEnv()
+	}
+	if c.Schema == "" {
+		c.Schema = migrations.DefaultSchema
+	}
+	switch {
+	case c.MaxRetries == 0:
+		c.MaxRetries = DefaultMaxRetries
+	case c.MaxRetries == NoRetries:
+		c.MaxRetries = 0
+	}
+	if c.RetryInitialInterval == 0 {
+		c.RetryInitialInterval = DefaultRetryInitialInterval
+	}
+	if c.RetryMaxInterval == 0 {
+		c.RetryMaxInterval = DefaultRetryMaxInterval
+	}
+	if c.RetryMultiplier == 0 {
+		c.RetryMultiplier = DefaultRetryMultiplier
+	}
+	if c.DeadLetterTopic == "" && c.Group != "" {
+		c.DeadLetterTopic = c.Group + DeadLetterTopicSuffix
+	}
+	if c.SaramaConfig == nil {
+		c.SaramaConfig = kafkaconf.Consumer("eventline-" + c.Group)
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	if err := kafkaconf.ValidateBrokers("consumer.Config.Brokers", c.Brokers); err != nil {
+		return err
+	}
+	if c.Group == "" {
+		return errors.New("consumer.Config.Group is empty: name the Kafka consumer group")
+	}
+	if len(c.Topics) == 0 {
+		return errors.New("consumer.Config.Topics is empty: name at least one topic to consume")
+	}
+	seen := map[string]bool{}
+	for _, t := range c.Topics {
+		if err := eventline.ValidateTopic(t); err != nil {
+			return fmt.Errorf("consumer.Config.Topics: %w", err)
+		}
+		if seen[t] {
+			return fmt.Errorf("consumer.Config.Topics lists %q twice", t)
+		}
+		seen[t] = true
+	}
+	if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
+		return fmt.Errorf("consumer.Config.DeadLetterTopic: %w", err)
+	}
+	if seen[c.DeadLetterTopic] {
+		return fmt.Errorf("consumer.Config.DeadLetterTopic %q is also in Topics: dead letters would be consumed again", c.DeadLetterTopic)
+	}
+	if err := sqlident.Validate("consumer.Config.Schema", c.Schema); err != nil {
+		return err
+	}
+	switch {
+	case c.MaxRetries < 0:
+		return fmt.Errorf("consumer.Config.MaxRetries is %d; use a positive count, 0 for %d, or NoRetries", c.MaxRetries, DefaultMaxRetries)
+	case c.RetryInitialInterval < 0:
+		return fmt.Errorf("consumer.Config.RetryInitialInterval is %s; it must be positive", c.RetryInitialInterval)
+	case c.RetryMaxInterval < c.RetryInitialInterval:
+		return fmt.Errorf("consumer.Config.RetryMaxInterval (%s) is below RetryInitialInterval (%s)", c.RetryMaxInterval, c.RetryInitialInterval)
+	case c.RetryMultiplier < 1:
+		return fmt.Errorf("consumer.Config.RetryMultiplier is %g; it must be at least 1", c.RetryMultiplier)
+	case c.ShutdownTimeout < 0:
+		return fmt.Errorf("consumer.Config.ShutdownTimeout is %s; it must be positive", c.ShutdownTimeout)
+	}
+	for i, m := range c.Middleware {
+		if m == nil {
+			return fmt.Errorf("consumer.Config.Middleware[%d] is nil", i)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,190 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/middleware"
+)
+
+// HandlerFunc handles one event. tx is the consumer transaction: write the
+// event's effects through it, and they commit together with the dedup
+// record and the version advance, before the Kafka offset moves. Returning
+// an error rolls everything back; the event is retried and finally
+// dead-lettered. Wrap an error with middleware.Permanent to dead-letter at
+// once. Do not commit or roll back tx.
+type HandlerFunc func(ctx context.Context, tx pgx.Tx, e eventline.Event) error
+
+// ErrRunning is returned by Handle and Ignore after Run started, and by a
+// second Run.
+var ErrRunning = errors.New("eventline: consumer is already running; register handlers before Run and run it once")
+
+// ErrUnknownEventType is matched by *UnknownEventTypeError.
+var ErrUnknownEventType = errors.New("eventline: no handler for the event type")
+
+// UnknownEventTypeError dead-letters an event whose type has no handler. It
+// is permanent.
+type UnknownEventTypeError struct {
+	Type  string
+	Group string
+}
+
+func (e *UnknownEventTypeError) Error() string {
+	return fmt.Sprintf("eventline: consumer group %q has no handler for event type %q: register one with Handle, or list the type with Ignore to apply it as a no-op",
+		e.Group, e.Type)
+}
+
+// Unwrap lets errors.Is(err, ErrUnknownEventType) match.
+func (e *UnknownEventTypeError) Unwrap() error { return ErrUnknownEventType }
+
+// Consumer consumes eventline events from Kafka and applies each one once,
+// in per-aggregate order, in a PostgreSQL transaction (see the package
+// documentation). Register handlers, then call Run.
+type Consumer struct {
+	db  middleware.Pool
+	cfg Config
+	el  *middleware.Eventline
+
+	mu       sync.Mutex
+	running  bool
+	handlers map[string]HandlerFunc
+	ignored  map[string]bool
+
+	stopping atomic.Bool
+	// hard is canceled when in-flight events must be abandoned.
+	hard context.Context
+}
+
+// New returns a consumer that writes through db (a *pgxpool.Pool; keep it
+// for the consumer's lifetime). It fails, naming the field, when cfg is
+// invalid. It does not connect to anything.
+func New(db middleware.Pool, cfg Config) (*Consumer, error) {
+	if db == nil {
+		return nil, errors.New("consumer.New: db is nil: pass the consumer's *pgxpool.Pool")
+	}
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	el, err := middleware.New(middleware.Config{
+		DB: db, Group: cfg.Group, Schema: cfg.Schema,
+		GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType, Unversioned: cfg.Unversioned,
+		ParkTimeout: cfg.ParkTimeout, SweepInterval: cfg.SweepInterval,
+		Logger: cfg.Logger, Metrics: cfg.Metrics,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("consumer.Config: %w", err)
+	}
+	return &Consumer{
+		db: db, cfg: cfg, el: el,
+		handlers: map[string]HandlerFunc{},
+		ignored:  map[string]bool{},
+	}, nil
+}
+
+// Handle registers fn for events of eventType. It fails after Run started
+// and when the type already has a handler.
+func (c *Consumer) Handle(eventType string, fn HandlerFunc) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch {
+	case c.running:
+		return ErrRunning
+	case eventType == "":
+		return errors.New("consumer.Handle: event type is empty")
+	case fn == nil:
+		return fmt.Errorf("consumer.Handle(%q): handler is nil", eventType)
+	case c.handlers[eventType] != nil || c.ignored[eventType]:
+		return fmt.Errorf("consumer.Handle(%q): the event type already has a handler", eventType)
+	}
+	c.handlers[eventType] = fn
+	return nil
+}
+
+// HandleJSON registers fn for events of eventType, decoding each payload
+// from JSON into a T first. A payload that does not decode is a permanent
+// error: the event is dead-lettered without retries.
+func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Context, tx pgx.Tx, e eventline.Event, payload T) error) error {
+	if fn == nil {
+		return fmt.Errorf("consumer.HandleJSON(%q): handler is nil", eventType)
+	}
+	return c.Handle(eventType, func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		payload, err := eventline.DecodePayload[T](e)
+		if err != nil {
+			return middleware.Permanent(fmt.Errorf("event %s (%s): %w", e.ID, e.Type, err))
+		}
+		return fn(ctx, tx, e, payload)
+	})
+}
+
+// Ignore lists event types this consumer does not act on. Their events
+// still pass dedup and the version gate, so they advance their aggregate's
+// version (otherwise every later event of the aggregate would wait behind a
+// gap), but no handler runs. Events of types neither handled nor ignored are
+// dead-lettered.
+func (c *Consumer) Ignore(eventTypes ...string) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.running {
+		return ErrRunning
+	}
+	for _, t := range eventTypes {
+		if t == "" {
+			return errors.New("consumer.Ignore: event type is empty")
+		}
+		if c.handlers[t] != nil {
+			return fmt.Errorf("consumer.Ignore(%q): the event type has a handler", t)
+		}
+		c.ignored[t] = true
+	}
+	return nil
+}
+
+// Middleware returns the composed eventline middleware the consumer runs
+// (for its Store: ListParked, ListSkipped, ReleaseGap; or one Sweep).
+func (c *Consumer) Middleware() *middleware.Eventline { return c.el }
+
+// HandlerName is the Watermill handler name the consumer gives a topic's
+// handler; parked events record it.
+func HandlerName(group, topic string) string { return "eventline/" + group + "/" + topic }
+
+// dispatch is the Watermill handler inside the eventline middleware: it
+// calls the handler registered for the event's type.
+func (c *Consumer) dispatch(msg *message.Message) ([]*message.Message, error) {
+	ctx := msg.Context()
+	tx, ok := middleware.TxFromContext(ctx)
+	if !ok {
+		return nil, middleware.ErrNoTx
+	}
+	e, ok := middleware.EventFromContext(ctx)
+	if !ok {
+		return nil, errors.New("eventline: no decoded event in the message context")
+	}
+	fn := c.handlers[e.Type]
+	if fn == nil {
+		if c.ignored[e.Type] {
+			return nil, nil
+		}
+		return nil, middleware.Permanent(&UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group})
+	}
+	return nil, fn(ctx, tx, e)
+}
+
+// knownType rejects, before any database work, a message whose event type
+// has no handler.
+func (c *Consumer) knownType(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if t := msg.Metadata.Get(eventline.MetaEventType); t != "" && c.handlers[t] == nil && !c.ignored[t] {
+			return nil, middleware.Permanent(&UnknownEventTypeError{Type: t, Group: c.cfg.Group})
+		}
+		return h(msg)
+	}
+}

@@ -1,0 +1,256 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
+)
+
+func TestConsumerAppliesEachEventOnceInOrder(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 4)
+	const group = "orders"
+	c, err := consumer.New(k.Pool, k.config(group))
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
+
+	// 10 aggregates × 5 versions, published shuffled per aggregate and with
+	// every third event twice: the pipeline can reorder and duplicate.
+	var want []eventline.Event
+	var msgs []*message.Message
+	for a := 0; a < 10; a++ {
+		var evs []eventline.Event
+		for v := int64(1); v <= 5; v++ {
+			evs = append(evs, consumertest.Event(fmt.Sprintf("agg-%d", a), v))
+		}
+		want = append(want, evs...)
+		rand.Shuffle(len(evs), func(i, j int) { evs[i], evs[j] = evs[j], evs[i] })
+		for i, e := range evs {
+			msgs = append(msgs, consumertest.Message(t, e))
+			if i%3 == 0 {
+				msgs = append(msgs, consumertest.Message(t, e))
+			}
+		}
+	}
+	publish(t, k.brokers, k.topic, msgs...)
+	r := start(t, c)
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) >= len(want) }, "all events applied")
+	require.NoError(t, r.stop())
+	appliedOnce(t, k.Effects(t, group), want)
+	for a := 0; a < 10; a++ {
+		value, last := k.State(t, group, "thing", fmt.Sprintf("agg-%d", a))
+		require.EqualValues(t, 5, last)
+		require.Equal(t, fold(1, 2, 3, 4, 5), value, "final state equals in-order application")
+	}
+	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")))
+}
+
+func TestBadInputIsDeadLetteredAndThePartitionMoves(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1) // one partition: bad and good messages share it
+	const group = "billing"
+	cfg := k.config(group)
+	cfg.Metrics, _ = middleware.NewMetrics(nil)
+	c, err := consumer.New(k.Pool, cfg)
+	require.NoError(t, err)
+	type payment struct {
+		Amount int `json:"amount"`
+	}
+	var amounts atomic.Int64
+	require.NoError(t, consumer.HandleJSON(c, "payment.received", func(ctx context.Context, tx pgx.Tx, e eventline.Event, p payment) error {
+		amounts.Add(int64(p.Amount))
+		return k.Apply(ctx, tx, group, e)
+	}))
+
+	raw := func(id string, md map[string]string, payload string) *message.Message {
+		m := message.NewMessage(id, []byte(payload))
+		for key, v := range md {
+			m.Metadata.Set(key, v)
+		}
+		return m
+	}
+	envelope := func(id, typ, agg, version string) map[string]string {
+		md := map[string]string{eventline.MetaEventType: typ, eventline.MetaAggregateType: "account", eventline.MetaAggregateID: agg, eventline.MetaAggregateVersion: version}
+		if id != "" {
+			md[eventline.MetaEventID] = id
+		}
+		return md
+	}
+	good := func(agg string, v int64, amount int) eventline.Event {
+		e, err := eventline.NewJSONEvent("payment.received", "account", agg, payment{Amount: amount})
+		require.NoError(t, err)
+		e.ID, e.AggregateVersion = eventline.NewEventID(), v
+		return e
+	}
+	first, second, third := good("acct-1", 1, 10), good("acct-1", 2, 20), good("acct-2", 1, 30)
+	bad := []*message.Message{
+		raw("no-id", envelope("", "payment.received", "acct-x", "1"), `{"amount":1}`),
+		raw("nan", envelope("nan", "payment.received", "acct-y", "two"), `{"amount":1}`),
+		raw("neg", envelope("neg", "payment.received", "acct-z", "-3"), `{"amount":1}`),
+		raw("unknown", envelope("unknown", "payment.refunded", "acct-u", "1"), `{"amount":1}`),
+		raw("undecodable", envelope("undecodable", "payment.received", "acct-v", "1"), `{"amount":"lots"}`),
+	}
+	msgs := []*message.Message{consumertest.Message(t, first)}
+	msgs = append(msgs, bad...)
+	msgs = append(msgs, consumertest.Message(t, second), consumertest.Message(t, third))
+	publish(t, k.brokers, k.topic, msgs...)
+
+	r := start(t, c)
+	dead := deadLetters(t, k, len(bad))
+	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 3 }, "good messages after the bad ones are applied")
+	require.NoError(t, r.stop())
+	appliedOnce(t, k.Effects(t, group), []eventline.Event{first, second, third})
+	require.EqualValues(t, 60, amounts.Load())
+
+	reasons := map[string]string{}
+	for _, m := range dead {
+		require.Equal(t, consumer.DeadLetterPermanent, header(m, consumer.DeadLetterKindKey), "bad input is not retried")
+		require.Equal(t, group, header(m, consumer.DeadLetterGroupKey))
+		require.Equal(t, k.topic, header(m, consumer.DeadLetterTopicKey))
+		require.NotEmpty(t, header(m, consumer.DeadLetterAtKey))
+		reasons[header(m, "_watermill_message_uuid")] = header(m, consumer.DeadLetterReasonKey)
+	}
+	require.Contains(t, reasons["no-id"], "event_id")
+	require.Contains(t, reasons["nan"], "aggregate_version")
+	require.Contains(t, reasons["neg"], "aggregate_version")
+	require.Contains(t, reasons["unknown"], `no handler for event type "payment.refunded"`)
+	require.Contains(t, reasons["undecodable"], "payload")
+	// Nothing of the bad messages was recorded: their transactions rolled back.
+	require.Equal(t, 3, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")))
+}
+
+func TestPanickingHandlerIsRolledBackAndRetried(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const group = "shipping"
+	c, err := consumer.New(k.Pool, k.config(group))
+	require.NoError(t, err)
+	var attempts atomic.Int32
+	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		if err := k.Apply(ctx, tx, group, e); err != nil {
+			return err
+		}
+		if attempts.Add(1) <= 2 {
+			panic("flaky handler")
+		}
+		return nil
+	}))
+	e := consumertest.Event("a", 1)
+	publish(t, k.brokers, k.topic, consumertest.Message(t, e))
+	r := start(t, c)
+	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "applied after the panics")
+	require.NoError(t, r.stop())
+	require.EqualValues(t, 3, attempts.Load())
+	appliedOnce(t, k.Effects(t, group), []eventline.Event{e})
+}
+
+func TestExhaustedRetriesAreDeadLetteredWithNothingRecorded(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const group = "mailer"
+	c, err := consumer.New(k.Pool, k.config(group))
+	require.NoError(t, err)
+	var attempts atomic.Int32
+	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		if e.AggregateID == "poison" {
+			attempts.Add(1)
+			if err := k.Apply(ctx, tx, group, e); err != nil {
+				return err
+			}
+			return errors.New("smtp down")
+		}
+		return k.Apply(ctx, tx, group, e)
+	}))
+	poison, after := consumertest.Event("poison", 1), consumertest.Event("fine", 1)
+	publish(t, k.brokers, k.topic, consumertest.Message(t, poison), consumertest.Message(t, after))
+	r := start(t, c)
+	dead := deadLetters(t, k, 1)
+	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "the next message is applied")
+	require.NoError(t, r.stop())
+	require.Equal(t, consumer.DeadLetterRetriesExhausted, header(dead[0], consumer.DeadLetterKindKey))
+	require.Contains(t, header(dead[0], consumer.DeadLetterReasonKey), "smtp down")
+	require.EqualValues(t, 3, attempts.Load(), "1 attempt + MaxRetries (2)")
+	appliedOnce(t, k.Effects(t, group), []eventline.Event{after})
+	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+` WHERE event_id = $1`, poison.ID))
+}
+
+func TestShutdownFinishesInFlightEvent(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const group = "slow"
+	c, err := consumer.New(k.Pool, k.config(group))
+	require.NoError(t, err)
+	entered, release := make(chan struct{}), make(chan struct{})
+	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		close(entered)
+		<-release
+		return k.Apply(ctx, tx, group, e)
+	}))
+	e := consumertest.Event("a", 1)
+	publish(t, k.brokers, k.topic, consumertest.Message(t, e))
+	r := start(t, c)
+	select {
+	case <-entered:
+	case <-time.After(60 * time.Second):
+		t.Fatal("handler never called")
+	}
+	stopped := make(chan error, 1)
+	go func() { stopped <- r.stop() }()
+	time.Sleep(100 * time.Millisecond) // let the shutdown begin while the handler is busy
+	close(release)
+	require.NoError(t, <-stopped)
+	appliedOnce(t, k.Effects(t, group), []eventline.Event{e})
+}
+
+func TestConfigErrorsNameTheField(t *testing.T) {
+	t.Parallel()
+	env := pgtest.Pool(t, 1)
+	base := consumer.Config{Brokers: []string{"127.0.0.1:9092"}, Group: "g", Topics: []string{"t"}}
+	for _, tc := range []struct {
+		mut  func(*consumer.Config)
+		want string
+	}{
+		{func(c *consumer.Config) { c.Group = "" }, "consumer.Config.Group"},
+		{func(c *consumer.Config) { c.Topics = nil }, "consumer.Config.Topics"},
+		{func(c *consumer.Config) { c.Topics = []string{"bad topic"} }, "consumer.Config.Topics"},
+		{func(c *consumer.Config) { c.Brokers = []string{"nohost"} }, "consumer.Config.Brokers"},
+		{func(c *consumer.Config) { c.Schema = "x;drop" }, "consumer.Config.Schema"},
+		{func(c *consumer.Config) { c.DeadLetterTopic = "t" }, "consumer.Config.DeadLetterTopic"},
+		{func(c *consumer.Config) { c.GapPolicy = "maybe" }, "GapPolicy"},
+		{func(c *consumer.Config) { c.RetryMultiplier = 0.5 }, "consumer.Config.RetryMultiplier"},
+		{func(c *consumer.Config) { c.ParkTimeout = -time.Second }, "ParkTimeout"},
+	} {
+		cfg := base
+		tc.mut(&cfg)
+		_, err := consumer.New(env, cfg)
+		require.ErrorContains(t, err, tc.want)
+	}
+	c, err := consumer.New(env, base)
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("a", func(context.Context, pgx.Tx, eventline.Event) error { return nil }))
+	require.Error(t, c.Handle("a", func(context.Context, pgx.Tx, eventline.Event) error { return nil }), "duplicate handler")
+	require.Error(t, c.Ignore("a"))
+}
+
+func fold(versions ...int64) int64 {
+	var v int64
+	for _, x := range versions {
+		v = consumertest.Fold(v, x)
+	}
+	return v
+}
