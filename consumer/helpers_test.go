@@ -26,7 +26,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	if os.Getenv("EVENTLINE_CRASH_CHILD") != "" {
+	if os.Getenv(crashChildEnv) != "" {
 		// Re-executed as the crashing consumer process (see crash_test.go).
 		os.Exit(m.Run())
 	}

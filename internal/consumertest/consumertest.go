@@ -13,6 +13,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -136,4 +137,14 @@ func Redeliver(msg *message.Message) *message.Message {
 		c.Metadata.Set(k, v)
 	}
 	return c
+}
+
+// Open returns an Env for a schema New created elsewhere (for example in
+// a parent test process), using pool.
+func Open(pool *pgxpool.Pool, schema string) Env {
+	return Env{
+		Env:     pgtest.Env{Pool: pool, Schema: schema},
+		effects: sqlident.Qualify(schema, "effects"),
+		state:   sqlident.Qualify(schema, "state"),
+	}
 }

@@ -1,0 +1,164 @@
+package consumer_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/middleware"
+)
+
+// Environment of the re-executed child process.
+const (
+	crashChildEnv   = "EVENTLINE_CRASH_CHILD"
+	crashBrokersEnv = "EVENTLINE_CRASH_BROKERS"
+	crashSchemaEnv  = "EVENTLINE_CRASH_SCHEMA"
+	crashTopicEnv   = "EVENTLINE_CRASH_TOPIC"
+	crashDLQEnv     = "EVENTLINE_CRASH_DLQ"
+	crashAfterEnv   = "EVENTLINE_CRASH_AFTER"
+	crashGroup      = "crashy"
+)
+
+// TestCrashAfterCommitBeforeOffsetCommit kills a consumer process with
+// SIGKILL right after an event's transaction committed, before Kafka heard
+// about it (the child auto-commits offsets only once an hour), restarts the
+// consumer and checks that the redelivered events change nothing.
+func TestCrashAfterCommitBeforeOffsetCommit(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const total, crashAfter = 6, 3
+	var want []eventline.Event
+	var msgs []*message.Message
+	for v := int64(1); v <= total; v++ {
+		e := consumertest.Event("order-1", v)
+		want = append(want, e)
+		msgs = append(msgs, consumertest.Message(t, e))
+	}
+	publish(t, k.brokers, k.topic, msgs...)
+
+	// The child consumes, commits three transactions and kills itself.
+	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashChild$", "-test.count=1")
+	cmd.Env = append(os.Environ(),
+		crashChildEnv+"=1",
+		crashBrokersEnv+"="+strings.Join(k.brokers, ","),
+		crashSchemaEnv+"="+k.Schema,
+		crashTopicEnv+"="+k.topic,
+		crashDLQEnv+"="+k.dlq,
+		crashAfterEnv+"="+strconv.Itoa(crashAfter),
+	)
+	var output bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &output, &output
+	require.NoError(t, cmd.Start())
+	waitErr := make(chan error, 1)
+	go func() { waitErr <- cmd.Wait() }()
+	select {
+	case err := <-waitErr:
+		var exitErr *exec.ExitError
+		require.True(t, errors.As(err, &exitErr), "child must die, got %v\n%s", err, output.String())
+		ws, ok := exitErr.Sys().(syscall.WaitStatus)
+		require.True(t, ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL, "child must die of SIGKILL: %v\n%s", err, output.String())
+	case <-time.After(90 * time.Second):
+		_ = cmd.Process.Kill()
+		t.Fatalf("child did not crash\n%s", output.String())
+	}
+	require.Len(t, k.Effects(t, crashGroup), crashAfter, "the child committed exactly %d events before dying", crashAfter)
+
+	// Restart in this process: the group's offsets were never committed, so
+	// Kafka redelivers from the start.
+	reg := prometheus.NewRegistry()
+	metrics, err := middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := k.config(crashGroup)
+	cfg.Metrics = metrics
+	c, err := consumer.New(k.Pool, cfg)
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("thing.changed", k.applyHandler(crashGroup)))
+	r := start(t, c)
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, crashGroup)) >= total }, "restarted consumer applies the rest")
+	require.NoError(t, r.stop())
+
+	appliedOnce(t, k.Effects(t, crashGroup), want)
+	value, last := k.State(t, crashGroup, "thing", "order-1")
+	require.EqualValues(t, total, last)
+	require.Equal(t, fold(1, 2, 3, 4, 5, 6), value)
+	require.GreaterOrEqual(t, counterSum(t, reg, "eventline_consumer_events_duplicate_total"), float64(crashAfter),
+		"the events committed before the crash were redelivered (their offsets were not committed) and recognised as duplicates")
+}
+
+// TestCrashChild is the consumer process TestCrashAfterCommitBeforeOffsetCommit
+// runs and kills. It does nothing in a normal test run.
+func TestCrashChild(t *testing.T) {
+	if os.Getenv(crashChildEnv) == "" {
+		t.Skip("runs only as the child of TestCrashAfterCommitBeforeOffsetCommit")
+	}
+	crashAfter, err := strconv.Atoi(os.Getenv(crashAfterEnv))
+	require.NoError(t, err)
+	pool := pgtest.Pool(t, 4)
+	env := consumertest.Open(pool, os.Getenv(crashSchemaEnv))
+
+	sc := fastGroupConfig(crashGroup)
+	sc.Consumer.Offsets.AutoCommit.Interval = time.Hour // offsets surely not committed before the crash
+	var committed atomic.Int32
+	crash := func(h message.HandlerFunc) message.HandlerFunc {
+		// Outside the eventline middleware: h returns after the commit.
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil && int(committed.Add(1)) == crashAfter {
+				_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+				select {} // never acknowledge
+			}
+			return out, err
+		}
+	}
+	c, err := consumer.New(pool, consumer.Config{
+		Brokers:         kafkaconf.ParseBrokers(os.Getenv(crashBrokersEnv)),
+		Group:           crashGroup,
+		Topics:          []string{os.Getenv(crashTopicEnv)},
+		DeadLetterTopic: os.Getenv(crashDLQEnv),
+		Schema:          env.Schema,
+		SaramaConfig:    sc,
+		Middleware:      []message.HandlerMiddleware{crash},
+		Logger:          quietLogger(),
+	})
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		return env.Apply(ctx, tx, crashGroup, e)
+	}))
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	_ = c.Run(ctx)
+	t.Fatal("the child should have killed itself")
+}
+
+func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	var sum float64
+	for _, f := range families {
+		if f.GetName() == name {
+			for _, m := range f.GetMetric() {
+				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			}
+		}
+	}
+	return sum
+}
