@@ -3,6 +3,9 @@ package middleware_test
 import (
 	"context"
 	"errors"
+	"io"
+	"log/slog"
+	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -30,6 +33,14 @@ func TestMain(m *testing.M) {
 
 const group = "billing"
 
+// quiet is a logger for tests: EVENTLINE_TEST_LOG=1 shows debug output.
+func quiet() *slog.Logger {
+	if os.Getenv("EVENTLINE_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
 // fixture is a composed middleware around the business handler, with hooks
 // to make the handler fail.
 type fixture struct {
@@ -56,6 +67,9 @@ func newFixture(t *testing.T, cfg middleware.Config) *fixture {
 	cfg.Schema = f.env.Schema
 	if cfg.Group == "" {
 		cfg.Group = group
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = quiet()
 	}
 	cfg.Metrics = f.metrics
 	f.el, err = middleware.New(cfg)

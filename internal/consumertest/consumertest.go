@@ -21,6 +21,14 @@ import (
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
+// TB is what the helpers need from a test: *testing.T, *testing.B and
+// *rapid.T satisfy it.
+type TB interface {
+	Helper()
+	Errorf(format string, args ...any)
+	FailNow()
+}
+
 // Env is one test's schema plus the business tables:
 //
 //	effects(seq, grp, event_id, aggregate_type, aggregate_id, version) — one row per handler run
@@ -83,7 +91,7 @@ type Effect struct {
 // Effects returns the group's effects in the order they were applied
 // (commit order of their inserts is not guaranteed across aggregates, but
 // within one aggregate the row lock makes seq order the apply order).
-func (e Env) Effects(t testing.TB, group string) []Effect {
+func (e Env) Effects(t TB, group string) []Effect {
 	t.Helper()
 	rows, err := e.Pool.Query(context.Background(), `SELECT seq, event_id, event_type, aggregate_type, aggregate_id, version FROM `+e.effects+` WHERE grp = $1 ORDER BY seq`, group)
 	require.NoError(t, err)
@@ -97,7 +105,7 @@ func (e Env) Effects(t testing.TB, group string) []Effect {
 
 // State returns the folded value and last version of an aggregate (0, 0
 // when nothing was applied).
-func (e Env) State(t testing.TB, group, aggregateType, aggregateID string) (value, lastVersion int64) {
+func (e Env) State(t TB, group, aggregateType, aggregateID string) (value, lastVersion int64) {
 	t.Helper()
 	err := e.Pool.QueryRow(context.Background(), `SELECT value, last_version FROM `+e.state+` WHERE grp = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
 		group, aggregateType, aggregateID).Scan(&value, &lastVersion)
@@ -123,7 +131,7 @@ func Event(aggregateID string, version int64) eventline.Event {
 }
 
 // Message encodes an event as the relay would publish it.
-func Message(t testing.TB, e eventline.Event) *message.Message {
+func Message(t TB, e eventline.Event) *message.Message {
 	t.Helper()
 	msg, err := eventline.Encode(e)
 	require.NoError(t, err)
