@@ -83,6 +83,9 @@ func ReplayDeadLetters(ctx context.Context, db interface {
 		return 0, err
 	}
 	table := sqlident.Qualify(schema, "dead_letters")
+	if ids == nil {
+		ids = []int64{} // NULL would match nothing
+	}
 	replayed := 0
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		rows, err := tx.Query(ctx, `SELECT id, shard, outbox_uuid, payload::text, metadata::text FROM `+table+`

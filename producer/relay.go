@@ -79,9 +79,7 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		metrics: cfg.Metrics,
 		running: map[int]*shardRunner{},
 	}
-	r.wmLog = watermill.NewSlogLoggerWithLevelMapping(r.log, map[slog.Level]slog.Level{
-		slog.LevelInfo: slog.LevelDebug, // Watermill's routine router chatter
-	})
+	r.wmLog = newWatermillLog(r.log)
 	if cfg.MaxPublishRate > 0 {
 		burst := max(1, int(cfg.MaxPublishRate/10))
 		r.limiter = rate.NewLimiter(rate.Limit(cfg.MaxPublishRate), burst)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/eapache/go-resiliency/breaker"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -35,8 +36,9 @@ const (
 	failRetry failureKind = iota
 	// failPermanent: the message itself is rejected; dead-letter now.
 	failPermanent
-	// failUnavailable: Kafka cannot be reached; retry with backoff
-	// forever, never dead-letter.
+	// failUnavailable: Kafka cannot be reached, or Sarama's circuit
+	// breaker stopped trying for a while; retry with backoff forever, and
+	// do not count it as an attempt of the message.
 	failUnavailable
 )
 
@@ -68,7 +70,7 @@ func classify(err error) failureKind {
 	}
 	var netErr net.Error
 	switch {
-	case errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
+	case errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
 		errors.Is(err, sarama.ErrClosedClient), errors.Is(err, sarama.ErrShuttingDown),
 		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout),
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
@@ -92,7 +94,11 @@ func isSerializationFailure(err error) bool {
 
 // failureRecord is the retry state of one outbox row.
 type failureRecord struct {
-	attempts    int
+	// attempts counts the failures that count towards MaxAttempts: those
+	// specific to the message, not Kafka being unreachable.
+	attempts int
+	// failures counts every failure in a row; it grows the backoff.
+	failures    int
 	nextAttempt time.Time
 }
 
@@ -109,6 +115,7 @@ func loadFailures(ctx context.Context, pool *pgxpool.Pool, schema string, shard 
 		if err := rows.Scan(&id, &rec.attempts, &rec.nextAttempt); err != nil {
 			return nil, err
 		}
+		rec.failures = rec.attempts
 		out[id] = rec
 	}
 	return out, rows.Err()
@@ -245,7 +252,7 @@ func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item)
 	s.mu.Lock()
 	attempts := s.failures[it.outboxUUID].attempts
 	s.mu.Unlock()
-	if it.err != nil {
+	if it.err != nil && classify(it.err) != failUnavailable {
 		attempts++
 	}
 	lastErr := it.deadReason
@@ -267,10 +274,19 @@ func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item)
 // recordFailure counts a failed attempt of the row the shard now waits on
 // and schedules its retry.
 func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
+	kind := classify(it.err)
 	s.mu.Lock()
 	rec := s.failures[it.outboxUUID]
-	rec.attempts++
-	wait := s.relay.cfg.backoffFor(rec.attempts)
+	rec.failures++
+	if kind == failRetry {
+		rec.attempts++
+	}
+	wait := s.relay.cfg.backoffFor(rec.failures)
+	if errors.Is(it.err, breaker.ErrBreakerOpen) {
+		// Sarama's breaker stays open for 10s; retrying sooner only
+		// meets it again.
+		wait = max(wait, time.Second)
+	}
 	rec.nextAttempt = time.Now().Add(wait)
 	s.failures[it.outboxUUID] = rec
 	s.backoffUntil = rec.nextAttempt
@@ -278,7 +294,7 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 
 	s.relay.metrics.addRetry(s.shard)
 	s.log.Warn("publish failed; the shard waits and retries", "event_id", it.event.ID, "topic", it.topic,
-		"attempt", rec.attempts, "retry_in", wait, "err", it.err)
+		"attempts", rec.attempts, "failures", rec.failures, "retry_in", wait, "err", it.err)
 	_, err := s.relay.pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+`
 			(shard, outbox_uuid, attempts, last_error, next_attempt_at) VALUES ($1, $2, $3, $4, $5)
 		ON CONFLICT (shard, outbox_uuid) DO UPDATE SET

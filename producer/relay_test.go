@@ -99,8 +99,14 @@ type record struct {
 // timeout passed, and returns every record read (duplicates included).
 func readTopic(t *testing.T, brokers []string, topic string, want int, timeout time.Duration) []record {
 	t.Helper()
+	return readUntil(t, brokers, topic, timeout, func(recs []record) bool { return len(distinct(recs)) >= want })
+}
+
+// readUntil reads topic from the start until done says so or the timeout
+// passed.
+func readUntil(t *testing.T, brokers []string, topic string, timeout time.Duration, done func([]record) bool) []record {
+	t.Helper()
 	var out []record
-	seen := map[string]bool{}
 	kafkatest.Consume(t, brokers, topic, timeout, func(m *sarama.ConsumerMessage) bool {
 		r := record{key: string(m.Key), partition: m.Partition, offset: m.Offset}
 		for _, h := range m.Headers {
@@ -112,8 +118,7 @@ func readTopic(t *testing.T, brokers []string, topic string, want int, timeout t
 			}
 		}
 		out = append(out, r)
-		seen[r.eventID] = true
-		return len(seen) >= want
+		return done(out)
 	})
 	return out
 }

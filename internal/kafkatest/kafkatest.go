@@ -33,7 +33,7 @@ func Brokers(t testing.TB) []string {
 // KAFKA_BROKERS.
 func Fake(t testing.TB, opts ...kfake.Opt) (*kfake.Cluster, []string) {
 	t.Helper()
-	c, err := devkafka.Start(0, append([]kfake.Opt{kfake.WithLogger(nil)}, opts...)...)
+	c, err := devkafka.Start(0, opts...)
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
 	return c, c.ListenAddrs()

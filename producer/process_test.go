@@ -1,0 +1,238 @@
+package producer_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/producer"
+)
+
+// Tests that need a relay to die for real re-run this test binary as a
+// child process that only runs a relay; TestMain recognizes it by these
+// environment variables.
+const (
+	envChild            = "EVENTLINE_TEST_CHILD"
+	envSchema           = "EVENTLINE_TEST_SCHEMA"
+	envBrokers          = "EVENTLINE_TEST_BROKERS"
+	envCrashAfterPublsh = "EVENTLINE_TEST_CRASH_AFTER_PUBLISH"
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(envChild) == "relay" {
+		os.Exit(runRelayChild())
+	}
+	os.Exit(m.Run())
+}
+
+// runRelayChild runs a relay until SIGTERM. With envCrashAfterPublish set,
+// it kills itself with SIGKILL after Kafka acknowledged its first batch and
+// before the outbox recorded it: the seed article's crash window.
+func runRelayChild() int {
+	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer cancel()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	cfg.MaxConns = 12
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer pool.Close()
+	rc := producer.RelayConfig{
+		Schema:            os.Getenv(envSchema),
+		Brokers:           kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
+		PollInterval:      200 * time.Millisecond,
+		RebalanceInterval: 100 * time.Millisecond,
+		BatchSize:         50,
+	}
+	if os.Getenv(envCrashAfterPublsh) != "" {
+		rc.AfterPublish = func(int, []string) error {
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+			select {} // never acknowledge
+		}
+	}
+	relay, err := producer.NewRelay(ctx, pool, rc)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	if err := relay.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
+
+// relayProcess is a relay running in a child process.
+type relayProcess struct {
+	cmd  *exec.Cmd
+	out  *bytes.Buffer
+	done chan struct{}
+	err  error
+}
+
+func startRelayProcess(t *testing.T, env pgtest.Env, brokers []string, extraEnv ...string) *relayProcess {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), envChild+"=relay", envSchema+"="+env.Schema, envBrokers+"="+strings.Join(brokers, ","))
+	cmd.Env = append(cmd.Env, extraEnv...)
+	p := &relayProcess{cmd: cmd, out: &bytes.Buffer{}, done: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = p.out, p.out
+	require.NoError(t, cmd.Start())
+	go func() { p.err = cmd.Wait(); close(p.done) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+			<-p.done
+		}
+		if t.Failed() {
+			t.Logf("relay process %d output:\n%s", cmd.Process.Pid, p.out.String())
+		}
+	})
+	return p
+}
+
+func (p *relayProcess) kill9(t *testing.T) {
+	t.Helper()
+	require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
+	<-p.done
+}
+
+// waitOwners waits until every shard is owned, by exactly owners distinct
+// relays.
+func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]int32 {
+	t.Helper()
+	var last map[int]int32
+	require.Eventually(t, func() bool {
+		var err error
+		last, err = producer.ShardOwners(context.Background(), env.Pool, env.Schema)
+		require.NoError(t, err)
+		pids := map[int32]bool{}
+		for _, pid := range last {
+			pids[pid] = true
+		}
+		return len(last) == env.Shards && len(pids) == owners
+	}, 30*time.Second, 50*time.Millisecond, "want %d shards over %d relays", env.Shards, owners)
+	return last
+}
+
+func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 8, MaxConns: 8})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 6)
+
+	relays := []*relayProcess{
+		startRelayProcess(t, env, brokers),
+		startRelayProcess(t, env, brokers),
+		startRelayProcess(t, env, brokers),
+	}
+	owners := waitOwners(t, env, 3)
+	perOwner := map[int32]int{}
+	for _, pid := range owners {
+		perOwner[pid]++
+	}
+	for pid, n := range perOwner {
+		require.LessOrEqual(t, n, 3, "relay %d holds more than its share of 8 shards over 3 relays: %v", pid, owners)
+	}
+
+	// Publish while one relay is killed with SIGKILL halfway through.
+	var events []string
+	var mu sync.Mutex
+	published := make(chan struct{})
+	go func() {
+		defer close(published)
+		for i := 0; i < 20; i++ {
+			evs := publishOrders(t, env, topic, 64, 100, 10)
+			mu.Lock()
+			for _, e := range evs {
+				events = append(events, e.ID)
+			}
+			mu.Unlock()
+			if i == 10 {
+				relays[0].kill9(t)
+			}
+		}
+	}()
+	<-published
+	waitOwners(t, env, 2)
+
+	mu.Lock()
+	want := append([]string(nil), events...)
+	mu.Unlock()
+	records := readTopic(t, brokers, topic, len(want), time.Minute)
+	counts := distinct(records)
+	for _, id := range want {
+		require.GreaterOrEqual(t, counts[id], 1, "event %s lost after a relay was killed", id)
+	}
+
+	// Per aggregate, first deliveries come in version order whichever relay
+	// held the shard; a crash only adds re-sent copies.
+	firstSeen := map[string]bool{}
+	last := map[string]int64{}
+	for _, r := range records {
+		if firstSeen[r.eventID] {
+			continue
+		}
+		firstSeen[r.eventID] = true
+		require.Greater(t, r.version, last[r.key], "aggregate %s: version %d delivered after %d", r.key, r.version, last[r.key])
+		last[r.key] = r.version
+	}
+}
+
+func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 2})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 3)
+	events := publishOrders(t, env, topic, 1, 1, 1)
+
+	// The child publishes, Kafka acknowledges, and the child dies by
+	// SIGKILL before recording it in the outbox.
+	crashing := startRelayProcess(t, env, brokers, envCrashAfterPublsh+"=1")
+	select {
+	case <-crashing.done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("relay child did not crash")
+	}
+	ws, ok := crashing.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	require.True(t, ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL, "child must die by SIGKILL, got %v", crashing.err)
+	require.Equal(t, 1, distinct(readTopic(t, brokers, topic, 1, 10*time.Second))[events[0].ID], "published_after_crash=1")
+	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, st.Backlog(), "the outbox never recorded the publish")
+
+	// A new relay publishes it again: a duplicate, never a loss.
+	_, stop := startRelay(t, env, producer.RelayConfig{Brokers: brokers})
+	recs := readUntil(t, brokers, topic, 30*time.Second, func(r []record) bool { return len(r) >= 2 })
+	require.Len(t, recs, 2, "published_after_retry=2")
+	require.Equal(t, recs[0].eventID, recs[1].eventID)
+	stop()
+	st, err = producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.Zero(t, st.Backlog())
+}

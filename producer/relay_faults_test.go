@@ -1,0 +1,227 @@
+package producer_test
+
+import (
+	"context"
+	"encoding/base64"
+	"net"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/devkafka"
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/producer"
+)
+
+// fastRetries makes retry tests quick: a few short waits, three attempts.
+var fastRetries = producer.RelayConfig{Backoff: []time.Duration{10 * time.Millisecond, 20 * time.Millisecond}, MaxAttempts: 3}
+
+func mustEvent(t *testing.T, aggID, topic string, payload any) eventline.Event {
+	t.Helper()
+	e, err := eventline.NewJSONEvent("order.updated", "order", aggID, payload)
+	require.NoError(t, err)
+	e.ID, e.Topic = eventline.NewEventID(), topic
+	return e
+}
+
+// insertRaw puts a row into an outbox shard by hand, bypassing PublishTx.
+func insertRaw(t *testing.T, env pgtest.Env, shard int, payload, metadata string) {
+	t.Helper()
+	_, err := env.Pool.Exec(context.Background(), `INSERT INTO `+sqlident.Qualify(env.Schema, outbox.Table(shard))+
+		` (uuid, payload, metadata, transaction_id) VALUES ($1, $2::json, $3::json, pg_current_xact_id())`,
+		eventline.NewEventID(), payload, metadata)
+	require.NoError(t, err)
+}
+
+func waitDeadLetters(t *testing.T, env pgtest.Env, n int) []producer.DeadLetter {
+	t.Helper()
+	var dls []producer.DeadLetter
+	require.Eventually(t, func() bool {
+		var err error
+		dls, err = producer.ListDeadLetters(context.Background(), env.Pool, env.Schema, producer.DeadLetterFilter{})
+		require.NoError(t, err)
+		return len(dls) >= n
+	}, time.Minute, 50*time.Millisecond, "want %d dead letters", n)
+	return dls
+}
+
+func TestRelayDeadLettersWhatCanNeverBePublished(t *testing.T) {
+	t.Parallel()
+	cluster, brokers := kafkatest.Fake(t)
+	topic, rejecting := kafkatest.Topic(t, "orders"), kafkatest.Topic(t, "rejecting")
+	kafkatest.CreateTopic(t, brokers, topic, 3)
+	kafkatest.CreateTopic(t, brokers, rejecting, 1)
+	cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: rejecting, Err: kerr.MessageTooLarge, Count: -1})
+
+	// One shard, so every row below queues behind the one before it.
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema})
+	require.NoError(t, err)
+	first := mustEvent(t, "a", topic, map[string]int{"n": 1})
+	oversized := mustEvent(t, "b", topic, strings.Repeat("x", 2<<20)) // over Sarama's 1 MB default
+	refused := mustEvent(t, "c", rejecting, map[string]int{"n": 1})
+	require.NoError(t, p.Publish(context.Background(), env.Pool, first, oversized, refused))
+	// Rows written by hand that no relay can make sense of.
+	insertRaw(t, env, 0, `{"not":"an envelope"}`, `{}`)
+	insertRaw(t, env, 0, `{}`, `[1, 2]`)
+	noID := `{"destination_topic":"` + topic + `","uuid":"u1","payload":"` + base64.StdEncoding.EncodeToString([]byte(`{}`)) +
+		`","metadata":{"aggregate_type":"order","aggregate_id":"d","event_type":"order.updated"}}`
+	insertRaw(t, env, 0, noID, `{}`)
+	last := mustEvent(t, "a", topic, map[string]int{"n": 2})
+	require.NoError(t, p.Publish(context.Background(), env.Pool, last))
+
+	cfg := fastRetries
+	cfg.Brokers = brokers
+	startRelay(t, env, cfg)
+
+	// The shard moves past every bad row: the last event still arrives.
+	counts := distinct(readTopic(t, brokers, topic, 2, 30*time.Second))
+	require.Equal(t, 1, counts[first.ID])
+	require.Equal(t, 1, counts[last.ID])
+
+	dls := waitDeadLetters(t, env, 5)
+	require.Len(t, dls, 5)
+	reasons := map[string]string{}
+	for _, d := range dls {
+		reasons[d.EventID] += d.Reason
+		require.NotEmpty(t, d.Reason)
+		require.NotEmpty(t, d.LastError)
+	}
+	require.Contains(t, reasons[oversized.ID], "larger than")
+	require.Contains(t, reasons[refused.ID], "too large")
+	require.Equal(t, 1, dls[0].Attempts, "a message Kafka rejects for good is not retried")
+	require.Contains(t, dls[2].Reason+dls[3].Reason+dls[4].Reason, "malformed")
+	require.Contains(t, dls[4].Reason, "event_id")
+	require.Equal(t, "d", dls[4].AggregateID, "dead letters keep what could be read of the envelope")
+
+	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.Zero(t, st.Backlog())
+	require.EqualValues(t, 5, st.DeadLetters)
+}
+
+func TestRelayRetriesThenDeadLettersThenReplays(t *testing.T) {
+	t.Parallel()
+	_, brokers := kafkatest.Fake(t)
+	topic, missing := kafkatest.Topic(t, "orders"), kafkatest.Topic(t, "missing")
+	kafkatest.CreateTopic(t, brokers, topic, 3)
+
+	env := pgtest.New(t, pgtest.Options{Shards: 2})
+	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema})
+	require.NoError(t, err)
+	a1 := mustEvent(t, "A", topic, 1)
+	m2 := mustEvent(t, "A", missing, 2) // its topic does not exist yet
+	a3 := mustEvent(t, "A", topic, 3)
+	require.NoError(t, p.Publish(context.Background(), env.Pool, a1, m2, a3))
+
+	cfg := fastRetries
+	cfg.Brokers = brokers
+	_, stop := startRelay(t, env, cfg)
+
+	dls := waitDeadLetters(t, env, 1)
+	require.Equal(t, m2.ID, dls[0].EventID)
+	require.Equal(t, 3, dls[0].Attempts)
+	require.EqualValues(t, 2, dls[0].AggregateVersion)
+	require.Equal(t, missing, dls[0].Topic)
+	require.Contains(t, dls[0].Reason, "gave up after 3 attempts")
+	counts := distinct(readTopic(t, brokers, topic, 2, 30*time.Second))
+	require.Equal(t, 1, counts[a3.ID], "the shard moved on after the dead letter")
+
+	// Once the topic exists, a replay delivers the same event id and
+	// aggregate version.
+	kafkatest.CreateTopic(t, brokers, missing, 1)
+	n, err := producer.ReplayDeadLetters(context.Background(), env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	recs := readTopic(t, brokers, missing, 1, 30*time.Second)
+	require.Len(t, recs, 1)
+	require.Equal(t, m2.ID, recs[0].eventID)
+	require.EqualValues(t, 2, recs[0].version)
+	stop()
+
+	_, err = producer.ReplayDeadLetters(context.Background(), env.Pool, env.Schema)
+	require.ErrorIs(t, err, producer.ErrNoDeadLetters, "a dead letter is replayed once")
+	all, err := producer.ListDeadLetters(context.Background(), env.Pool, env.Schema, producer.DeadLetterFilter{IncludeReplayed: true})
+	require.NoError(t, err)
+	require.NotNil(t, all[0].ReplayedAt)
+}
+
+// TestRelaySurvivesKafkaDown stops the Kafka cluster for a minute (5s with
+// -short) while events keep being written, then brings it back with its
+// data: everything is delivered and nothing is dead-lettered, though
+// MaxAttempts is tiny.
+func TestRelaySurvivesKafkaDown(t *testing.T) {
+	t.Parallel()
+	down := time.Minute
+	if testing.Short() {
+		down = 5 * time.Second
+	}
+	dir := t.TempDir()
+	cluster, err := devkafka.Start(0, kfake.DataDir(dir))
+	require.NoError(t, err)
+	brokers := cluster.ListenAddrs()
+	_, portStr, _ := net.SplitHostPort(brokers[0])
+	port, _ := strconv.Atoi(portStr)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 3)
+
+	env := pgtest.New(t, pgtest.Options{Shards: 2})
+	cfg := producer.RelayConfig{Brokers: brokers, Backoff: []time.Duration{100 * time.Millisecond, 500 * time.Millisecond, time.Second}, MaxAttempts: 2}
+	startRelay(t, env, cfg)
+
+	before := publishOrders(t, env, topic, 8, 40, 5)
+	require.Len(t, distinct(readTopic(t, brokers, topic, len(before), 30*time.Second)), len(before))
+
+	cluster.Close()
+	during := publishOrders(t, env, topic, 8, 40, 5)
+	time.Sleep(down)
+	cluster, err = devkafka.Start(port, kfake.DataDir(dir))
+	require.NoError(t, err)
+	t.Cleanup(cluster.Close)
+
+	counts := distinct(readTopic(t, brokers, topic, len(before)+len(during), 2*time.Minute))
+	for _, e := range append(before, during...) {
+		require.GreaterOrEqual(t, counts[e.ID], 1, "event %s lost while Kafka was down", e.ID)
+	}
+	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.Zero(t, st.DeadLetters, "an outage must not dead-letter events")
+	require.Eventually(t, func() bool {
+		st, err = producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+		return err == nil && st.Backlog() == 0 && st.Retrying == 0
+	}, 30*time.Second, 100*time.Millisecond)
+}
+
+// TestRelayWaitsOutBrokerErrors injects retriable produce errors for a few
+// seconds: the shard holds its place, and nothing is lost or dead-lettered.
+func TestRelayWaitsOutBrokerErrors(t *testing.T) {
+	t.Parallel()
+	cluster, brokers := kafkatest.Fake(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 3)
+	env := pgtest.New(t, pgtest.Options{Shards: 2})
+
+	fault := cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: -1})
+	events := publishOrders(t, env, topic, 4, 20, 5)
+	cfg := producer.RelayConfig{Brokers: brokers, Backoff: []time.Duration{100 * time.Millisecond}, MaxAttempts: 1}
+	startRelay(t, env, cfg)
+	require.NoError(t, fault.Wait(context.Background(), 3))
+	time.Sleep(2 * time.Second)
+	fault.Remove()
+
+	counts := distinct(readTopic(t, brokers, topic, len(events), 30*time.Second))
+	require.Len(t, counts, len(events))
+	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.Zero(t, st.DeadLetters)
+}
