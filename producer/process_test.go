@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
 
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -36,7 +37,10 @@ func TestMain(m *testing.M) {
 	if os.Getenv(envChild) == "relay" {
 		os.Exit(runRelayChild())
 	}
-	os.Exit(m.Run())
+	goleak.VerifyTestMain(m,
+		// Sarama's metrics library starts one process-wide ticker.
+		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
+	)
 }
 
 // runRelayChild runs a relay until SIGTERM. With envCrashAfterPublish set,

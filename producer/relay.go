@@ -47,8 +47,12 @@ type Relay struct {
 	sink    *kafkaSink
 
 	mu      sync.Mutex
+	started bool
 	running map[int]*shardRunner
 }
+
+// ErrRelayRunning is returned by a second call to Relay.Run.
+var ErrRelayRunning = errors.New("eventline: relay is already running; create one Relay per Run")
 
 // NewRelay returns a relay for the outbox in cfg.Schema. It reads the shard
 // count from the database; it connects to Kafka when Run starts.
@@ -115,6 +119,13 @@ func (r *Relay) OwnedShards() []int {
 // PostgreSQL are unreachable, and returns an error only for problems that
 // retrying cannot fix.
 func (r *Relay) Run(ctx context.Context) error {
+	r.mu.Lock()
+	started := r.started
+	r.started = true
+	r.mu.Unlock()
+	if started {
+		return ErrRelayRunning
+	}
 	sink, err := r.connectKafka(ctx)
 	if err != nil {
 		return err
