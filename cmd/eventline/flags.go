@@ -1,0 +1,269 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/migrations"
+)
+
+// Environment variables the global flags default to.
+const (
+	envDatabaseURL = "DATABASE_URL"
+	envSchema      = "EVENTLINE_SCHEMA"
+	envBrokers     = kafkaconf.BrokersEnv
+)
+
+// defaultDatabaseURL is used when neither -database-url nor DATABASE_URL is
+// given: the local development database.
+const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// globals is the configuration every command shares. Each field comes from
+// its flag, else its environment variable, else the default.
+type globals struct {
+	databaseURL string
+	schema      string
+	brokers     string
+	logLevel    string
+	logFormat   string
+}
+
+func globalsFromEnv(getenv func(string) string) *globals {
+	g := &globals{
+		databaseURL: getenv(envDatabaseURL),
+		schema:      getenv(envSchema),
+		brokers:     getenv(envBrokers),
+		logLevel:    "info",
+		logFormat:   "text",
+	}
+	if g.databaseURL == "" {
+		g.databaseURL = defaultDatabaseURL
+	}
+	if g.schema == "" {
+		g.schema = migrations.DefaultSchema
+	}
+	return g
+}
+
+// globalNames are the flags register defines.
+var globalNames = map[string]bool{"database-url": true, "schema": true, "brokers": true, "log-level": true, "log-format": true}
+
+// register defines the global flags on fs, with the current values as
+// defaults, so they are accepted before the command and after it.
+func (g *globals) register(fs *flag.FlagSet) {
+	fs.Var(&secretURL{&g.databaseURL}, "database-url",
+		"PostgreSQL connection `URL` (env "+envDatabaseURL+"; a password is not shown here)")
+	fs.StringVar(&g.schema, "schema", g.schema,
+		"PostgreSQL schema holding eventline's tables (env "+envSchema+")")
+	fs.StringVar(&g.brokers, "brokers", g.brokers,
+		"comma-separated Kafka brokers, host:port (env "+envBrokers+"); used by relay")
+	fs.StringVar(&g.logLevel, "log-level", g.logLevel, "log level: debug, info, warn or error")
+	fs.StringVar(&g.logFormat, "log-format", g.logFormat, "log format on stderr: text or json")
+}
+
+// validate checks the global flags that every command relies on.
+func (g *globals) validate() error {
+	if err := sqlident.Validate("-schema", g.schema); err != nil {
+		return err
+	}
+	if _, err := newLogger(io.Discard, g.logLevel, g.logFormat); err != nil {
+		return err
+	}
+	return nil
+}
+
+// brokerList returns the Kafka brokers, checked to look like host:port.
+func (g *globals) brokerList() ([]string, error) {
+	brokers := kafkaconf.ParseBrokers(g.brokers)
+	if len(brokers) == 0 {
+		return nil, errors.New("no Kafka brokers: pass -brokers host:port or set " + envBrokers +
+			" (for local development, `eventline kafka-dev` runs an in-process Kafka and prints the value to use)")
+	}
+	if err := kafkaconf.ValidateBrokers("-brokers", brokers); err != nil {
+		return nil, err
+	}
+	return brokers, nil
+}
+
+// secretURL is a flag.Value for a connection URL whose String hides the
+// password, so -h never prints it.
+type secretURL struct{ p *string }
+
+func (s *secretURL) Set(v string) error { *s.p = v; return nil }
+
+func (s *secretURL) String() string {
+	if s == nil || s.p == nil {
+		return ""
+	}
+	return redactURL(*s.p)
+}
+
+// redactURL hides the password in a PostgreSQL URL or key=value DSN.
+func redactURL(raw string) string {
+	if u, err := url.Parse(raw); err == nil && u.Scheme != "" {
+		return u.Redacted()
+	}
+	if strings.Contains(raw, "password") {
+		return "(connection string with a password)"
+	}
+	return raw
+}
+
+// flagSet is a subcommand's flags plus the global ones. Flags may come
+// before and after positional arguments; "--" ends them.
+type flagSet struct {
+	*flag.FlagSet
+	inv      *invocation
+	path     string
+	synopsis string
+	help     string
+}
+
+// newFlagSet returns the flags of the command at path ("dlq list").
+// synopsis is the usage line after the path; help is printed by -h.
+func newFlagSet(ctx context.Context, path, synopsis, help string) *flagSet {
+	inv := invocationOf(ctx)
+	inv.path = path
+	fs := flag.NewFlagSet("eventline "+path, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	inv.globals.register(fs)
+	return &flagSet{FlagSet: fs, inv: inv, path: path, synopsis: synopsis, help: help}
+}
+
+// parse parses args and returns the positional arguments. It returns
+// errHelp after printing the usage for -h, and a usage error for anything
+// malformed, including invalid global flags.
+func (f *flagSet) parse(args []string) ([]string, error) {
+	var positional []string
+	for {
+		err := f.FlagSet.Parse(args)
+		if errors.Is(err, flag.ErrHelp) {
+			f.usage(f.inv.stdout)
+			return nil, errHelp
+		}
+		if err != nil {
+			return nil, f.usageErrorf("%v", err)
+		}
+		rest := f.FlagSet.Args()
+		consumed := len(args) - len(rest)
+		if consumed > 0 && args[consumed-1] == "--" {
+			positional = append(positional, rest...)
+			break
+		}
+		if len(rest) == 0 {
+			break
+		}
+		positional = append(positional, rest[0])
+		args = rest[1:]
+	}
+	if err := f.inv.globals.validate(); err != nil {
+		return nil, f.usageErrorf("%v", err)
+	}
+	return positional, nil
+}
+
+// usageErrorf returns a usage error for this command.
+func (f *flagSet) usageErrorf(format string, args ...any) error {
+	return usageErrorf(f.path, format, args...)
+}
+
+// usage prints the command's help and flags.
+func (f *flagSet) usage(w io.Writer) {
+	fmt.Fprintf(w, "Usage: eventline %s %s\n", f.path, f.synopsis)
+	if f.help != "" {
+		fmt.Fprintln(w)
+		fmt.Fprintln(w, strings.TrimSpace(f.help))
+	}
+	own := false
+	f.VisitAll(func(fl *flag.Flag) { own = own || !globalNames[fl.Name] })
+	if own {
+		fmt.Fprintln(w)
+		fmt.Fprintln(w, "Flags:")
+		printFlags(w, f.FlagSet, func(name string) bool { return !globalNames[name] })
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "Global flags:")
+	printFlags(w, f.FlagSet, func(name string) bool { return globalNames[name] })
+}
+
+// printFlags prints the flags filter accepts, like flag.PrintDefaults, but
+// stating every non-empty default.
+func printFlags(w io.Writer, fs *flag.FlagSet, filter func(string) bool) {
+	fs.VisitAll(func(fl *flag.Flag) {
+		if !filter(fl.Name) {
+			return
+		}
+		typ, usage := flag.UnquoteUsage(fl)
+		line := "  -" + fl.Name
+		if typ != "" {
+			line += " " + typ
+		}
+		usage = strings.ReplaceAll(usage, "\n", "\n    \t")
+		switch {
+		case fl.DefValue == "" || fl.DefValue == "false":
+		case typ == "string" || typ == "URL":
+			usage += fmt.Sprintf(" (default %q)", fl.DefValue)
+		default:
+			usage += fmt.Sprintf(" (default %s)", fl.DefValue)
+		}
+		fmt.Fprintf(w, "%s\n    \t%s\n", line, usage)
+	})
+}
+
+// durationsValue is a flag.Value for a comma-separated list of durations,
+// such as "1s,5s,30s,2m,10m".
+type durationsValue struct{ p *[]time.Duration }
+
+func (v *durationsValue) Set(s string) error {
+	var out []time.Duration
+	for part := range strings.SplitSeq(s, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		d, err := time.ParseDuration(part)
+		if err != nil {
+			return fmt.Errorf("%q is not a duration like 500ms, 5s or 2m", part)
+		}
+		if d < 0 {
+			return fmt.Errorf("%s is negative", part)
+		}
+		out = append(out, d)
+	}
+	if len(out) == 0 {
+		return errors.New("give at least one duration, e.g. 1s,5s,30s")
+	}
+	*v.p = out
+	return nil
+}
+
+func (v *durationsValue) String() string {
+	if v == nil || v.p == nil {
+		return ""
+	}
+	parts := make([]string, len(*v.p))
+	for i, d := range *v.p {
+		parts[i] = shortDuration(d)
+	}
+	return strings.Join(parts, ",")
+}
+
+// shortDuration formats d without trailing zero units: 2m, not 2m0s.
+func shortDuration(d time.Duration) string {
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = strings.TrimSuffix(s, "0s")
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = strings.TrimSuffix(s, "0m")
+	}
+	return s
+}
