@@ -165,3 +165,43 @@ func logger(ctx context.Context) *slog.Logger { return invocationOf(ctx).logger(
 
 // globalsOf returns the global configuration after the flags were parsed.
 func globalsOf(ctx context.Context) *globals { return invocationOf(ctx).globals }
+
+// subcommand is one verb of a command group such as `dlq list`.
+type subcommand struct {
+	name    string
+	summary string
+	run     func(ctx context.Context, args []string) error
+}
+
+// dispatch runs the subcommand of group named by args[0].
+func dispatch(ctx context.Context, group, summary string, args []string, subs []subcommand) error {
+	inv := invocationOf(ctx)
+	inv.path = group
+	var names []string
+	for _, s := range subs {
+		names = append(names, s.name)
+	}
+	if len(args) == 0 {
+		return usageErrorf(group, "missing subcommand: one of %s", strings.Join(names, ", "))
+	}
+	switch args[0] {
+	case "-h", "-help", "--help", "help":
+		w := inv.stdout
+		fmt.Fprintf(w, "Usage: eventline %s <%s> [flags] [arguments]\n\n%s\n\nSubcommands:\n", group, strings.Join(names, "|"), summary)
+		for _, s := range subs {
+			fmt.Fprintf(w, "  %-8s %s\n", s.name, s.summary)
+		}
+		fmt.Fprintf(w, "\nRun 'eventline %s <subcommand> -h' for its flags.\n", group)
+		return errHelp
+	}
+	for _, s := range subs {
+		if s.name == args[0] {
+			inv.path = group + " " + s.name
+			return s.run(ctx, args[1:])
+		}
+	}
+	if strings.HasPrefix(args[0], "-") {
+		return usageErrorf(group, "flags go after the subcommand (eventline %s <%s> %s ...)", group, strings.Join(names, "|"), args[0])
+	}
+	return usageErrorf(group, "unknown subcommand %q: want one of %s", args[0], strings.Join(names, ", "))
+}

@@ -170,6 +170,13 @@ func (f *flagSet) parse(args []string) ([]string, error) {
 	return positional, nil
 }
 
+// isSet reports whether the flag was given on the command line.
+func (f *flagSet) isSet(name string) bool {
+	set := false
+	f.Visit(func(fl *flag.Flag) { set = set || fl.Name == name })
+	return set
+}
+
 // usageErrorf returns a usage error for this command.
 func (f *flagSet) usageErrorf(format string, args ...any) error {
 	return usageErrorf(f.path, format, args...)

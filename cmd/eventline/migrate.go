@@ -1,0 +1,253 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/producer"
+)
+
+func init() {
+	register(command{name: "migrate", summary: "Apply, roll back or list the schema migrations (up|down|status)", run: runMigrate})
+}
+
+func runMigrate(ctx context.Context, args []string) error {
+	return dispatch(ctx, "migrate", "Manages eventline's tables in the -schema schema.", args, []subcommand{
+		{"up", "Apply every pending migration and create the outbox shard tables", migrateUp},
+		{"down", "Roll back the newest migrations (refuses to drop unsent events)", migrateDown},
+		{"status", "List the migrations and when each was applied", migrateStatus},
+	})
+}
+
+func migrateUp(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "migrate up", "[-shards N]", `
+Applies every pending migration in one transaction under an advisory lock
+(safe to run from several processes at once) and creates the outbox shard
+tables. Run it before starting producers, relays or consumers.`)
+	shards := fs.Int("shards", 0, fmt.Sprintf("number of outbox shards, fixed on the first run (0 means %d on the first run\nand the existing count afterwards; another value must equal the existing count)", migrations.DefaultShards))
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("migrate up takes no arguments, got %q", pos)
+	}
+	if *shards < 0 || *shards > outbox.MaxShards {
+		return fs.usageErrorf("-shards must be between 1 and %d (or 0 for the default), got %d", outbox.MaxShards, *shards)
+	}
+	g := globalsOf(ctx)
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	cfg := migrations.Config{Schema: g.schema, Shards: *shards}
+	before, err := migrations.Status(ctx, pool, cfg)
+	if err != nil {
+		return fmt.Errorf("read migration status: %w", err)
+	}
+	if err := migrations.Up(ctx, pool, cfg); err != nil {
+		if errors.Is(err, migrations.ErrShardCountMismatch) {
+			return fmt.Errorf("%w (omit -shards to keep the existing count)", err)
+		}
+		return err
+	}
+	out := stdout(ctx)
+	applied := 0
+	for _, m := range before {
+		if !m.Applied() {
+			fmt.Fprintf(out, "applied %03d_%s\n", m.Version, m.Name)
+			applied++
+		}
+	}
+	n, err := producer.ReadShardCount(ctx, pool, g.schema)
+	if err != nil {
+		return err
+	}
+	if applied == 0 {
+		fmt.Fprintf(out, "schema %s was already up to date (%s, %s)\n", g.schema, plural(int64(len(before)), "migration"), plural(int64(n), "outbox shard"))
+	} else {
+		fmt.Fprintf(out, "schema %s is up to date (%s, %s)\n", g.schema, plural(int64(len(before)), "migration"), plural(int64(n), "outbox shard"))
+	}
+	return nil
+}
+
+func migrateDown(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "migrate down", "[-steps N | -all] [-force]", `
+Rolls back the newest applied migrations, one transaction for all of them.
+
+Rolling back 002_consumer drops the consumer tables (dedup records, aggregate
+versions, parked events, the skipped-gap audit); rolling back 001_outbox drops
+the outbox shard tables with every event in them. Unless -force is given, it
+refuses while parked events wait, or while the outbox holds events not yet
+relayed or dead letters not yet replayed.`)
+	steps := fs.Int("steps", 1, "number of migrations to roll back, newest first (at least 1)")
+	all := fs.Bool("all", false, "roll back every migration (drops all of eventline's tables)")
+	force := fs.Bool("force", false, "roll back even if it drops events that were never relayed or applied")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("migrate down takes no arguments, got %q", pos)
+	}
+	switch {
+	case *all && fs.isSet("steps"):
+		return fs.usageErrorf("give -steps or -all, not both")
+	case *steps < 1:
+		return fs.usageErrorf("-steps must be at least 1, got %d (use -all to roll back everything)", *steps)
+	}
+	g := globalsOf(ctx)
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	cfg := migrations.Config{Schema: g.schema}
+	st, err := migrations.Status(ctx, pool, cfg)
+	if err != nil {
+		return fmt.Errorf("read migration status: %w", err)
+	}
+	var targets []migrations.MigrationStatus
+	for i := len(st) - 1; i >= 0 && (*all || len(targets) < *steps); i-- {
+		if st[i].Applied() {
+			targets = append(targets, st[i])
+		}
+	}
+	out := stdout(ctx)
+	if len(targets) == 0 {
+		fmt.Fprintf(out, "schema %s has no applied migrations; nothing to roll back\n", g.schema)
+		return nil
+	}
+	if !*force {
+		if err := checkSafeToDrop(ctx, pool, g.schema, targets); err != nil {
+			return err
+		}
+	}
+	n := len(targets)
+	if *all {
+		n = 0
+	}
+	if err := migrations.Down(ctx, pool, cfg, n); err != nil {
+		return err
+	}
+	for _, m := range targets {
+		fmt.Fprintf(out, "rolled back %03d_%s\n", m.Version, m.Name)
+	}
+	return nil
+}
+
+// checkSafeToDrop refuses a rollback that would drop events still on their
+// way: parked events, unrelayed outbox rows, dead letters not replayed.
+func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, targets []migrations.MigrationStatus) error {
+	for _, m := range targets {
+		switch m.Name {
+		case "consumer":
+			var parked int64
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "parked_events")).Scan(&parked)
+			if err != nil {
+				return fmt.Errorf("count parked events before rollback: %w", err)
+			}
+			if parked > 0 {
+				return fmt.Errorf("refusing to roll back %03d_%s: %s wait in parked_events and would be lost; release them (eventline parked list / parked release) or pass -force",
+					m.Version, m.Name, plural(parked, "parked event"))
+			}
+		case "outbox":
+			st, err := producer.ReadStatus(ctx, pool, schema)
+			if err != nil {
+				return fmt.Errorf("read outbox status before rollback: %w", err)
+			}
+			if st.Backlog() > 0 || st.DeadLetters > 0 {
+				return fmt.Errorf("refusing to roll back %03d_%s: the outbox holds %s not yet relayed and %s not yet replayed, which would be lost; run a relay until `eventline status` shows no backlog, or pass -force",
+					m.Version, m.Name, plural(st.Backlog(), "event"), plural(st.DeadLetters, "dead letter"))
+			}
+		}
+	}
+	return nil
+}
+
+// migrationJSON is one migration in `migrate status -json`.
+type migrationJSON struct {
+	Version   int        `json:"version"`
+	Name      string     `json:"name"`
+	Applied   bool       `json:"applied"`
+	AppliedAt *time.Time `json:"applied_at"`
+}
+
+func migrateStatus(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "migrate status", "[-json] [-check]", `
+Lists every migration this build knows and when it was applied. Reading the
+status creates the schema and its schema_migrations table if they are missing.`)
+	asJSON := fs.Bool("json", false, "print JSON instead of a table")
+	check := fs.Bool("check", false, "exit with status 1 when a migration is pending (for readiness checks)")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("migrate status takes no arguments, got %q", pos)
+	}
+	g := globalsOf(ctx)
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	st, err := migrations.Status(ctx, pool, migrations.Config{Schema: g.schema})
+	if err != nil {
+		return fmt.Errorf("read migration status: %w", err)
+	}
+	pending := 0
+	for _, m := range st {
+		if !m.Applied() {
+			pending++
+		}
+	}
+	out := stdout(ctx)
+	if *asJSON {
+		list := make([]migrationJSON, 0, len(st))
+		for _, m := range st {
+			j := migrationJSON{Version: m.Version, Name: m.Name, Applied: m.Applied()}
+			if m.Applied() {
+				at := m.AppliedAt.UTC()
+				j.AppliedAt = &at
+			}
+			list = append(list, j)
+		}
+		report := struct {
+			Schema     string          `json:"schema"`
+			Migrations []migrationJSON `json:"migrations"`
+			Pending    int             `json:"pending"`
+		}{g.schema, list, pending}
+		if err := writeJSON(out, report); err != nil {
+			return err
+		}
+	} else {
+		tw := newTable(out)
+		row(tw, "VERSION", "NAME", "APPLIED AT")
+		for _, m := range st {
+			at := "pending"
+			if m.Applied() {
+				at = timestamp(m.AppliedAt)
+			}
+			row(tw, fmt.Sprintf("%03d", m.Version), m.Name, at)
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		if pending > 0 {
+			fmt.Fprintf(out, "%s pending in schema %s: run `eventline migrate up`\n", plural(int64(pending), "migration"), g.schema)
+		}
+	}
+	if *check && pending > 0 {
+		return fmt.Errorf("%s pending in schema %s", plural(int64(pending), "migration"), g.schema)
+	}
+	return nil
+}

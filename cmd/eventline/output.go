@@ -1,0 +1,80 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// newTable returns a writer that aligns tab-separated columns; Flush it.
+func newTable(w io.Writer) *tabwriter.Writer {
+	return tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+}
+
+// row writes one tab-separated table row.
+func row(w io.Writer, cols ...any) {
+	for i, c := range cols {
+		if i > 0 {
+			fmt.Fprint(w, "\t")
+		}
+		fmt.Fprint(w, c)
+	}
+	fmt.Fprintln(w)
+}
+
+// writeJSON writes v as indented JSON followed by a newline.
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// age formats a duration for people: 0s, 42s, 3m12s, 5h4m, 2d3h.
+func age(d time.Duration) string {
+	switch d = max(d, 0).Round(time.Second); {
+	case d < time.Hour:
+		return shortDuration(d)
+	case d < 24*time.Hour:
+		return shortDuration(d.Truncate(time.Minute))
+	default:
+		days := int64(d / (24 * time.Hour))
+		hours := int64((d % (24 * time.Hour)) / time.Hour)
+		return fmt.Sprintf("%dd%dh", days, hours)
+	}
+}
+
+// timestamp formats t in UTC to the second; "-" for the zero time.
+func timestamp(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return t.UTC().Format("2006-01-02 15:04:05Z")
+}
+
+// truncate shortens s to at most n runes, on one line.
+func truncate(s string, n int) string {
+	s = strings.Join(strings.Fields(s), " ")
+	if r := []rune(s); len(r) > n {
+		return string(r[:n-1]) + "…"
+	}
+	return s
+}
+
+// orDash returns s, or "-" when it is empty.
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// plural returns "1 event" or "3 events".
+func plural(n int64, word string) string {
+	if n == 1 {
+		return fmt.Sprintf("%d %s", n, word)
+	}
+	return fmt.Sprintf("%d %ss", n, word)
+}
