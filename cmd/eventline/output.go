@@ -76,5 +76,8 @@ func plural(n int64, word string) string {
 	if n == 1 {
 		return fmt.Sprintf("%d %s", n, word)
 	}
+	if strings.HasSuffix(word, "ch") || strings.HasSuffix(word, "s") {
+		return fmt.Sprintf("%d %ses", n, word)
+	}
 	return fmt.Sprintf("%d %ss", n, word)
 }

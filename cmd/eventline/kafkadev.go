@@ -1,0 +1,73 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/devkafka"
+	"github.com/eventline/eventline/internal/kafkaconf"
+)
+
+func init() {
+	register(command{name: "kafka-dev", summary: "Run an in-process Kafka (kfake) for local development", run: runKafkaDev})
+}
+
+// defaultKafkaDevPort is Kafka's usual port.
+const defaultKafkaDevPort = 9092
+
+func runKafkaDev(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "kafka-dev", "[-port N] [-partitions N] [-topics a,b]", `
+Runs a one-broker, in-memory Kafka (franz-go's kfake) on 127.0.0.1 until
+interrupted, and prints the KAFKA_BROKERS=... line other processes need:
+
+    eval "$(eventline kafka-dev | head -1)"   # or copy the line
+
+Topics are created with -partitions partitions on first use by a client that
+asks for auto-creation; the relay does not ask, so create the topics it
+publishes to up front with -topics. Everything is lost when it stops. For
+development and tests only.`)
+	port := fs.Int("port", defaultKafkaDevPort, "TCP port on 127.0.0.1; 0 picks a free port")
+	partitions := fs.Int("partitions", devkafka.DefaultPartitions, "partitions of every topic it creates")
+	topics := fs.String("topics", "", "comma-separated topics to create at start")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("kafka-dev takes no arguments, got %q", pos)
+	}
+	if *port < 0 || *port > 65535 {
+		return fs.usageErrorf("-port must be between 0 and 65535, got %d", *port)
+	}
+	if *partitions < 1 || *partitions > 10000 {
+		return fs.usageErrorf("-partitions must be between 1 and 10000, got %d", *partitions)
+	}
+	seed := kafkaconf.ParseBrokers(*topics) // same comma-separated shape
+	for _, t := range seed {
+		if err := eventline.ValidateTopic(t); err != nil {
+			return fs.usageErrorf("-topics: %v", err)
+		}
+	}
+	opts := []kfake.Opt{kfake.DefaultNumPartitions(*partitions)}
+	if len(seed) > 0 {
+		opts = append(opts, kfake.SeedTopics(int32(*partitions), seed...))
+	}
+	cluster, err := devkafka.Start(*port, opts...)
+	if err != nil {
+		if *port != 0 {
+			return fmt.Errorf("%w (is port %d in use? pick another with -port, or -port 0 for a free one)", err, *port)
+		}
+		return err
+	}
+	defer cluster.Close()
+	addrs := cluster.ListenAddrs()
+	fmt.Fprintf(stdout(ctx), "%s=%s\n", envBrokers, strings.Join(addrs, ","))
+	logger(ctx).Info("in-process Kafka running; interrupt to stop", "brokers", addrs, "partitions", *partitions, "topics", seed)
+	<-ctx.Done()
+	logger(ctx).Info("in-process Kafka stopped")
+	return nil
+}

@@ -1,0 +1,319 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/eventline/eventline/versioning"
+)
+
+func init() {
+	register(command{name: "parked", summary: "List parked events, release gaps, list skipped versions (list|release|skipped)", run: runParked})
+}
+
+func runParked(ctx context.Context, args []string) error {
+	return dispatch(ctx, "parked", `A consumer parks an event that arrives ahead of a missing earlier version of its
+aggregate, and applies it once the missing version arrives. If it never will
+(say, its dead letter was dropped), release the gap: the versions are recorded
+as skipped and the consumer's sweeper applies what is parked. The sweeper also
+does this by itself after the consumer's park timeout (15 minutes by default).`, args, []subcommand{
+		{"list", "List parked events with the versions they wait for", parkedList},
+		{"release", "Give up on an aggregate's missing versions", parkedRelease},
+		{"skipped", "List the audit of versions given up on", parkedSkipped},
+	})
+}
+
+// parseAggregate splits "type/id" at the first slash.
+func parseAggregate(s string) (typ, id string, ok bool) {
+	typ, id, ok = strings.Cut(s, "/")
+	return typ, id, ok && typ != "" && id != ""
+}
+
+// parkedJSON is one parked event in `parked list -json`.
+type parkedJSON struct {
+	Group           string            `json:"group"`
+	AggregateType   string            `json:"aggregate_type"`
+	AggregateID     string            `json:"aggregate_id"`
+	Version         int64             `json:"version"`
+	CurrentVersion  int64             `json:"current_version"`
+	EventID         string            `json:"event_id"`
+	EventType       string            `json:"event_type"`
+	Handler         string            `json:"handler"`
+	Topic           string            `json:"topic"`
+	ParkedAt        time.Time         `json:"parked_at"`
+	ReleaseAttempts int               `json:"release_attempts"`
+	LastError       string            `json:"last_error,omitempty"`
+	LastAttemptAt   *time.Time        `json:"last_attempt_at,omitempty"`
+	Metadata        map[string]string `json:"metadata"`
+	// Payload is the event body when it is JSON; PayloadBase64 otherwise.
+	Payload       json.RawMessage `json:"payload,omitempty"`
+	PayloadBase64 []byte          `json:"payload_base64,omitempty"`
+}
+
+func parkedList(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "parked list", "[-group G] [-aggregate TYPE/ID] [-limit N] [-json]", `
+Lists parked events by group, aggregate and version, with each aggregate's
+current (last applied) version, so the missing versions are current+1 up to
+the lowest parked version minus one.`)
+	group := fs.String("group", "", "only this consumer group (default all groups)")
+	agg := fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)")
+	limit := fs.Int("limit", versioning.DefaultListLimit, "most parked events to list")
+	asJSON := fs.Bool("json", false, "print JSON (with payload and metadata) instead of a table")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("parked list takes no arguments, got %q (filter with -group and -aggregate)", pos)
+	}
+	if *limit < 1 {
+		return fs.usageErrorf("-limit must be at least 1, got %d", *limit)
+	}
+	filter := versioning.ParkedFilter{Group: *group, Limit: *limit}
+	if *agg != "" {
+		var ok bool
+		if filter.AggregateType, filter.AggregateID, ok = parseAggregate(*agg); !ok {
+			return fs.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", *agg)
+		}
+	}
+	store, pool, err := openVersioning(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	parked, err := store.ListParked(ctx, pool, filter)
+	if err != nil {
+		return err
+	}
+	current := map[versioning.Key]int64{}
+	var keys []versioning.Key // in list order, each once
+	for _, p := range parked {
+		if _, ok := current[p.Key()]; ok {
+			continue
+		}
+		v, err := store.Current(ctx, pool, p.Key())
+		if err != nil {
+			return err
+		}
+		current[p.Key()] = v
+		keys = append(keys, p.Key())
+	}
+	out := stdout(ctx)
+	if *asJSON {
+		list := make([]parkedJSON, 0, len(parked))
+		for _, p := range parked {
+			j := parkedJSON{
+				Group: p.Group, AggregateType: p.AggregateType, AggregateID: p.AggregateID, Version: p.Version,
+				CurrentVersion: current[p.Key()], EventID: p.EventID, EventType: p.EventType, Handler: p.Handler,
+				Topic: p.Topic, ParkedAt: p.ParkedAt.UTC(), ReleaseAttempts: p.ReleaseAttempts, LastError: p.LastError,
+				Metadata: p.Metadata,
+			}
+			if !p.LastAttemptAt.IsZero() {
+				at := p.LastAttemptAt.UTC()
+				j.LastAttemptAt = &at
+			}
+			if json.Valid(p.Payload) {
+				j.Payload = p.Payload
+			} else {
+				j.PayloadBase64 = p.Payload
+			}
+			list = append(list, j)
+		}
+		return writeJSON(out, list)
+	}
+	if len(parked) == 0 {
+		fmt.Fprintln(out, "no parked events")
+		return nil
+	}
+	tw := newTable(out)
+	row(tw, "GROUP", "AGGREGATE", "VERSION", "CURRENT", "EVENT ID", "TYPE", "PARKED FOR", "ATTEMPTS", "LAST ERROR")
+	now := time.Now()
+	for _, p := range parked {
+		row(tw, p.Group, aggregate(p.AggregateType, p.AggregateID), p.Version, current[p.Key()], p.EventID, p.EventType,
+			age(now.Sub(p.ParkedAt)), p.ReleaseAttempts, orDash(truncate(p.LastError, 50)))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(parked) == *limit {
+		fmt.Fprintf(out, "(first %d shown; raise -limit for more)\n", *limit)
+	}
+	fmt.Fprintln(out)
+	for _, k := range keys {
+		lowest := int64(0)
+		for _, p := range parked {
+			if p.Key() == k {
+				lowest = p.Version
+				break
+			}
+		}
+		cur := current[k]
+		name := aggregate(k.AggregateType, k.AggregateID)
+		if lowest <= cur+1 {
+			fmt.Fprintf(out, "%s %s: at version %d, nothing missing; the consumer's sweeper applies the parked events\n", k.Group, name, cur)
+			continue
+		}
+		fmt.Fprintf(out, "%s %s: at version %d, waiting for %s; to give up on them: eventline parked release -reason '...' %s %s\n",
+			k.Group, name, cur, versionRange(cur+1, lowest-1), k.Group, name)
+	}
+	return nil
+}
+
+// versionRange formats from..to, or a single version.
+func versionRange(from, to int64) string {
+	if from == to {
+		return fmt.Sprintf("version %d", from)
+	}
+	return fmt.Sprintf("versions %d..%d", from, to)
+}
+
+// openVersioning returns the version gate's store for -schema and a pool.
+func openVersioning(ctx context.Context) (*versioning.Store, *pgxpool.Pool, error) {
+	store, err := versioning.NewStore(globalsOf(ctx).schema)
+	if err != nil {
+		return nil, nil, err
+	}
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return nil, nil, err
+	}
+	return store, pool, nil
+}
+
+func parkedRelease(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "parked release", "-reason TEXT <group> <aggregate_type>/<aggregate_id>", `
+Gives up on the versions missing in front of an aggregate's lowest parked
+event: records them in skipped_versions with the reason, and moves the
+aggregate's version to just below that event. It needs only the database and
+runs no handler; the running consumer's sweeper applies the now-ready parked
+events on its next pass. Parked events the aggregate has already passed are
+discarded as stale. A version released here is never applied, even if it
+arrives later.`)
+	reason := fs.String("reason", "", "why the missing versions are given up (required; kept in the audit)")
+	asJSON := fs.Bool("json", false, "print the outcome as JSON")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) != 2 {
+		return fs.usageErrorf("want exactly two arguments, <group> <aggregate_type>/<aggregate_id>, got %d", len(pos))
+	}
+	group := pos[0]
+	typ, id, ok := parseAggregate(pos[1])
+	if !ok {
+		return fs.usageErrorf("%q is not <aggregate_type>/<aggregate_id>, e.g. order/42", pos[1])
+	}
+	if strings.TrimSpace(*reason) == "" {
+		return fs.usageErrorf("-reason is required: say why the missing versions will never arrive (it is kept in skipped_versions)")
+	}
+	store, pool, err := openVersioning(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	rel, err := store.ReleaseGap(ctx, pool, group, typ, id, *reason)
+	if errors.Is(err, versioning.ErrNothingParked) {
+		msg := fmt.Sprintf("group %s has no parked events for %s/%s; nothing to release (eventline parked list -group %s)", group, typ, id, group)
+		if rel.Stale > 0 {
+			msg += fmt.Sprintf("; %s the aggregate had already passed were discarded", plural(int64(rel.Stale), "stale parked event"))
+		}
+		return errors.New(msg)
+	}
+	if err != nil {
+		return err
+	}
+	out := stdout(ctx)
+	if *asJSON {
+		return writeJSON(out, struct {
+			Group         string `json:"group"`
+			AggregateType string `json:"aggregate_type"`
+			AggregateID   string `json:"aggregate_id"`
+			SkippedFrom   int64  `json:"skipped_from"`
+			SkippedTo     int64  `json:"skipped_to"`
+			Ready         int    `json:"ready"`
+			Stale         int    `json:"stale"`
+		}{group, typ, id, rel.From, rel.To, rel.Ready, rel.Stale})
+	}
+	if rel.From == 0 && rel.To == 0 {
+		fmt.Fprintf(out, "%s %s/%s: no versions were missing in front of the lowest parked event\n", group, typ, id)
+	} else {
+		fmt.Fprintf(out, "%s %s/%s: gave up on %s (recorded in skipped_versions)\n", group, typ, id, versionRange(rel.From, rel.To))
+	}
+	if rel.Stale > 0 {
+		fmt.Fprintf(out, "discarded %s the aggregate had already passed\n", plural(int64(rel.Stale), "stale parked event"))
+	}
+	fmt.Fprintf(out, "%s now ready: the sweeper of a running %s consumer applies them on its next pass\n", plural(int64(rel.Ready), "parked event"), group)
+	return nil
+}
+
+// skippedJSON is one audited gap in `parked skipped -json`.
+type skippedJSON struct {
+	ID            int64     `json:"id"`
+	Group         string    `json:"group"`
+	AggregateType string    `json:"aggregate_type"`
+	AggregateID   string    `json:"aggregate_id"`
+	From          int64     `json:"from_version"`
+	To            int64     `json:"to_version"`
+	Reason        string    `json:"reason"`
+	SkippedAt     time.Time `json:"skipped_at"`
+}
+
+func parkedSkipped(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "parked skipped", "[-group G] [-aggregate TYPE/ID] [-limit N] [-json]", `
+Lists the versions given up on, by the sweeper after the park timeout or by
+'eventline parked release', oldest first.`)
+	group := fs.String("group", "", "only this consumer group (default all groups)")
+	agg := fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)")
+	limit := fs.Int("limit", versioning.DefaultListLimit, "most rows to list")
+	asJSON := fs.Bool("json", false, "print JSON instead of a table")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("parked skipped takes no arguments, got %q", pos)
+	}
+	if *limit < 1 {
+		return fs.usageErrorf("-limit must be at least 1, got %d", *limit)
+	}
+	filter := versioning.SkippedFilter{Group: *group, Limit: *limit}
+	if *agg != "" {
+		var ok bool
+		if filter.AggregateType, filter.AggregateID, ok = parseAggregate(*agg); !ok {
+			return fs.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", *agg)
+		}
+	}
+	store, pool, err := openVersioning(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	skipped, err := store.ListSkipped(ctx, pool, filter)
+	if err != nil {
+		return err
+	}
+	out := stdout(ctx)
+	if *asJSON {
+		list := make([]skippedJSON, 0, len(skipped))
+		for _, s := range skipped {
+			list = append(list, skippedJSON{s.ID, s.Group, s.AggregateType, s.AggregateID, s.From, s.To, s.Reason, s.SkippedAt.UTC()})
+		}
+		return writeJSON(out, list)
+	}
+	if len(skipped) == 0 {
+		fmt.Fprintln(out, "no skipped versions")
+		return nil
+	}
+	tw := newTable(out)
+	row(tw, "ID", "GROUP", "AGGREGATE", "SKIPPED", "AT", "REASON")
+	for _, s := range skipped {
+		row(tw, s.ID, s.Group, aggregate(s.AggregateType, s.AggregateID), versionRange(s.From, s.To), timestamp(s.SkippedAt), truncate(s.Reason, 70))
+	}
+	return tw.Flush()
+}

@@ -1,0 +1,178 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/eventline/eventline/producer"
+)
+
+func init() {
+	register(command{name: "relay", summary: "Relay outbox events to Kafka until interrupted", run: runRelay})
+}
+
+// relayShutdownTimeout bounds the metrics server's shutdown.
+const relayShutdownTimeout = 5 * time.Second
+
+func runRelay(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "relay", "[flags]", `
+Relays events from the PostgreSQL outbox (-schema) to Kafka (-brokers) until
+it gets SIGINT or SIGTERM, then finishes the batches in flight, releases its
+shards and exits 0. A second signal exits at once; nothing is lost either way
+(the outbox re-sends what Kafka did not acknowledge).
+
+Run as many relays as you like: they share the outbox shards, each shard
+relayed by one of them at a time, and take over the shards of one that dies.
+
+A message that fails to publish is retried after each -backoff wait (the
+last repeats); after -max-attempts failures it is dead-lettered (see
+eventline dlq). Kafka being unreachable never dead-letters: the relay waits.`)
+	cfg := producer.RelayConfig{Backoff: slices.Clone(producer.DefaultBackoff)}
+	fs.IntVar(&cfg.BatchSize, "batch-size", producer.DefaultBatchSize, "outbox rows read and published per transaction")
+	fs.DurationVar(&cfg.PollInterval, "poll-interval", producer.DefaultPollInterval, "longest an idle shard waits before looking again (inserts wake it at once)")
+	fs.Float64Var(&cfg.MaxPublishRate, "max-publish-rate", 0, "most events per second this relay publishes over all its shards; 0 means no cap")
+	fs.DurationVar(&cfg.RebalanceInterval, "rebalance-interval", producer.DefaultRebalanceInterval, "how often shard ownership is re-checked (bounds a dead relay's takeover time)")
+	fs.Var(&durationsValue{&cfg.Backoff}, "backoff", "comma-separated waits before successive retries of a failed message; the last repeats")
+	fs.IntVar(&cfg.MaxAttempts, "max-attempts", producer.DefaultMaxAttempts, "failed publishes of one message before it is dead-lettered")
+	fs.DurationVar(&cfg.RetentionWindow, "retention", producer.DefaultRetentionWindow, "how long relayed rows stay in the outbox before cleanup deletes them")
+	fs.DurationVar(&cfg.CleanupInterval, "cleanup-interval", producer.DefaultCleanupInterval, "how often this relay deletes expired rows from its shards; 0 disables")
+	fs.IntVar(&cfg.CleanupBatchSize, "cleanup-batch", producer.DefaultCleanupBatchSize, "most rows one cleanup DELETE removes")
+	fs.StringVar(&cfg.ID, "id", "", "this relay's name in logs (default <hostname>-<pid>)")
+	metricsAddr := fs.String("metrics-addr", "", "serve Prometheus metrics at http://`ADDR`/metrics, e.g. :9090 (default off)")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("relay takes no arguments, got %q", pos)
+	}
+	switch {
+	case cfg.BatchSize < 1:
+		return fs.usageErrorf("-batch-size must be at least 1, got %d", cfg.BatchSize)
+	case cfg.PollInterval <= 0:
+		return fs.usageErrorf("-poll-interval must be positive, got %s", cfg.PollInterval)
+	case cfg.MaxPublishRate < 0:
+		return fs.usageErrorf("-max-publish-rate must not be negative (0 means no cap), got %g", cfg.MaxPublishRate)
+	case cfg.RebalanceInterval <= 0:
+		return fs.usageErrorf("-rebalance-interval must be positive, got %s", cfg.RebalanceInterval)
+	case cfg.MaxAttempts < 1:
+		return fs.usageErrorf("-max-attempts must be at least 1, got %d", cfg.MaxAttempts)
+	case cfg.RetentionWindow <= 0:
+		return fs.usageErrorf("-retention must be positive, got %s", cfg.RetentionWindow)
+	case cfg.CleanupInterval < 0:
+		return fs.usageErrorf("-cleanup-interval must not be negative (0 disables cleanup), got %s", cfg.CleanupInterval)
+	case cfg.CleanupBatchSize < 1:
+		return fs.usageErrorf("-cleanup-batch must be at least 1, got %d", cfg.CleanupBatchSize)
+	}
+	if cfg.CleanupInterval == 0 {
+		cfg.CleanupInterval = -1 // RelayConfig: negative disables
+	}
+	g := globalsOf(ctx)
+	if cfg.Brokers, err = g.brokerList(); err != nil {
+		return fs.usageErrorf("%v", err)
+	}
+	cfg.Schema = g.schema
+	log := logger(ctx)
+	cfg.Logger = log
+
+	pool, err := openRelayPool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+
+	runCtx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	if *metricsAddr != "" {
+		stop, err := serveMetrics(runCtx, cancel, *metricsAddr, pool, &cfg)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+
+	relay, err := producer.NewRelay(ctx, pool, cfg)
+	if err != nil {
+		return err
+	}
+	log.Info("relay started", "schema", cfg.Schema, "shards", relay.Shards(), "brokers", cfg.Brokers)
+	announce := context.AfterFunc(runCtx, func() {
+		log.Info("relay stopping: finishing the batches in flight (interrupt again to exit at once)")
+	})
+	defer announce()
+	if err := relay.Run(runCtx); err != nil {
+		return fmt.Errorf("relay failed: %w", err)
+	}
+	if cause := context.Cause(runCtx); cause != nil && !errors.Is(cause, context.Canceled) {
+		return cause
+	}
+	log.Info("relay stopped")
+	return nil
+}
+
+// openRelayPool opens a pool large enough for a relay that owns every
+// shard: one connection per shard, three for the relay's own use and one
+// for metrics scrapes.
+func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
+	conn, err := connectOnce(ctx)
+	if err != nil {
+		return nil, err
+	}
+	shards, err := producer.ReadShardCount(ctx, conn, globalsOf(ctx).schema)
+	_ = conn.Close(context.WithoutCancel(ctx))
+	if err != nil {
+		return nil, err
+	}
+	return openPool(ctx, int32(shards)+4)
+}
+
+// serveMetrics serves the relay's metrics, the outbox status and the Go
+// runtime's collectors at addr/metrics, setting cfg.Metrics. A server that
+// fails while running cancels ctx through cancel. stop shuts it down.
+func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr string, pool *pgxpool.Pool, cfg *producer.RelayConfig) (stop func(), err error) {
+	reg := prometheus.NewRegistry()
+	if cfg.Metrics, err = producer.NewRelayMetrics(reg); err != nil {
+		return nil, err
+	}
+	for _, c := range []prometheus.Collector{
+		producer.NewStatusCollector(pool, cfg.Schema),
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("register metrics: %w", err)
+		}
+	}
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("-metrics-addr %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			cancel(fmt.Errorf("metrics server on %s: %w", addr, err))
+		}
+	}()
+	cfg.Logger.Info("serving metrics", "url", "http://"+ln.Addr().String()+"/metrics")
+	return func() {
+		sctx, scancel := context.WithTimeout(context.WithoutCancel(ctx), relayShutdownTimeout)
+		defer scancel()
+		_ = srv.Shutdown(sctx)
+		<-done
+	}, nil
+}

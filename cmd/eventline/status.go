@@ -1,0 +1,259 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
+)
+
+func init() {
+	register(command{name: "status", summary: "Show backlog, shard owners, dead letters, parked events and dedup size", run: runStatus})
+}
+
+// statusReport is the output of `eventline status`; its JSON form is for
+// scripts and keeps its field names stable.
+type statusReport struct {
+	Schema   string        `json:"schema"`
+	Outbox   outboxReport  `json:"outbox"`
+	Groups   []groupReport `json:"consumer_groups"`
+	Warnings []string      `json:"warnings,omitempty"`
+}
+
+type outboxReport struct {
+	Shards               []shardReport `json:"shards"`
+	Backlog              int64         `json:"backlog"`
+	OldestPendingSeconds float64       `json:"oldest_pending_seconds"`
+	DeadLetters          int64         `json:"dead_letters"`
+	Retrying             int64         `json:"retrying"`
+	OwnedShards          int           `json:"owned_shards"`
+}
+
+type shardReport struct {
+	Shard                int     `json:"shard"`
+	Backlog              int64   `json:"backlog"`
+	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
+	Stored               int64   `json:"stored"`
+	// OwnerPID is the PostgreSQL backend pid of the relay connection that
+	// owns the shard (see pg_stat_activity); null when no relay owns it.
+	OwnerPID *int32 `json:"owner_pid"`
+}
+
+type groupReport struct {
+	Group string `json:"group"`
+	// Processed is the group's dedup table size (processed_events rows).
+	Processed           int64   `json:"processed"`
+	Parked              int64   `json:"parked"`
+	OldestParkedSeconds float64 `json:"oldest_parked_seconds"`
+	SkippedGaps         int64   `json:"skipped_gaps"`
+	SkippedVersions     int64   `json:"skipped_versions"`
+}
+
+func runStatus(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "status", "[-json]", `
+Shows the pipeline's state as stored in PostgreSQL: per outbox shard the
+backlog (events not yet relayed), the oldest pending event's age and the relay
+that owns it; dead letters and retrying rows; and per consumer group the dedup
+table size, parked events (with the oldest one's age) and the gaps given up on.
+It reads a consistent snapshot and changes nothing.`)
+	asJSON := fs.Bool("json", false, "print JSON (stable field names, for scripts) instead of tables")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("status takes no arguments, got %q", pos)
+	}
+	g := globalsOf(ctx)
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+
+	var rep statusReport
+	err = pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		var err error
+		rep, err = readStatus(ctx, tx, g.schema)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return writeJSON(stdout(ctx), rep)
+	}
+	return printStatus(stdout(ctx), rep)
+}
+
+// readStatus gathers the report in one snapshot.
+func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, error) {
+	rep := statusReport{Schema: schema, Groups: []groupReport{}}
+	st, err := producer.ReadStatus(ctx, tx, schema)
+	if err != nil {
+		return rep, err
+	}
+	owners, err := producer.ShardOwners(ctx, tx, schema)
+	if err != nil {
+		return rep, err
+	}
+	rep.Outbox = outboxReport{
+		Shards:               make([]shardReport, 0, len(st.Shards)),
+		Backlog:              st.Backlog(),
+		OldestPendingSeconds: st.OldestPending().Seconds(),
+		DeadLetters:          st.DeadLetters,
+		Retrying:             st.Retrying,
+		OwnedShards:          len(owners),
+	}
+	for _, s := range st.Shards {
+		sr := shardReport{Shard: s.Shard, Backlog: s.Backlog, OldestPendingSeconds: s.OldestPending.Seconds(), Stored: s.Stored}
+		if pid, ok := owners[s.Shard]; ok {
+			sr.OwnerPID = &pid
+		}
+		rep.Outbox.Shards = append(rep.Outbox.Shards, sr)
+	}
+
+	var present bool
+	err = tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, dedup.Table)).Scan(&present)
+	if err != nil {
+		return rep, fmt.Errorf("look for the consumer tables: %w", err)
+	}
+	if !present {
+		rep.Warnings = append(rep.Warnings, "the consumer tables are missing (migration 002_consumer is not applied): run `eventline migrate up`")
+		return rep, nil
+	}
+	groups, err := consumerGroups(ctx, tx, schema)
+	if err != nil {
+		return rep, err
+	}
+	ds, err := dedup.NewStore(schema)
+	if err != nil {
+		return rep, err
+	}
+	vs, err := versioning.NewStore(schema)
+	if err != nil {
+		return rep, err
+	}
+	for _, name := range groups {
+		gr := groupReport{Group: name}
+		if gr.Processed, err = ds.Count(ctx, tx, name); err != nil {
+			return rep, err
+		}
+		if gr.Parked, err = vs.CountParked(ctx, tx, name); err != nil {
+			return rep, err
+		}
+		err := tx.QueryRow(ctx, groupAuditSQL(schema), name).Scan(&gr.OldestParkedSeconds, &gr.SkippedGaps, &gr.SkippedVersions)
+		if err != nil {
+			return rep, fmt.Errorf("read parked and skipped summary of group %q: %w", name, err)
+		}
+		rep.Groups = append(rep.Groups, gr)
+	}
+	return rep, nil
+}
+
+// consumerGroups lists the consumer groups that recorded anything: those in
+// processed_events and aggregate_versions (a group parks or skips only for
+// aggregates it has a version row for). Each table is read with a loose
+// index scan over its primary key, whose first column is the group, so the
+// cost grows with the number of groups, not rows.
+func consumerGroups(ctx context.Context, tx pgx.Tx, schema string) ([]string, error) {
+	var out []string
+	for _, table := range []string{dedup.Table, "aggregate_versions"} {
+		rows, err := tx.Query(ctx, distinctGroupsSQL(sqlident.Qualify(schema, table)))
+		if err != nil {
+			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
+		}
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
+		}
+		out = append(out, names...)
+	}
+	slices.Sort(out)
+	return slices.Compact(out), nil
+}
+
+// distinctGroupsSQL returns the distinct consumer_group values of table
+// (quoted and qualified), by skipping from one group to the next.
+func distinctGroupsSQL(table string) string {
+	return `WITH RECURSIVE g(name) AS (
+		(SELECT consumer_group FROM ` + table + ` ORDER BY consumer_group LIMIT 1)
+		UNION ALL
+		SELECT (SELECT consumer_group FROM ` + table + ` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
+		FROM g WHERE g.name IS NOT NULL
+	) SELECT name FROM g WHERE name IS NOT NULL`
+}
+
+// groupAuditSQL reads, for the group $1, the oldest parked event's age in
+// seconds and the number of skipped gaps and versions.
+func groupAuditSQL(schema string) string {
+	return `SELECT
+		COALESCE((SELECT EXTRACT(EPOCH FROM now() - min(parked_at)) FROM ` + sqlident.Qualify(schema, "parked_events") + `
+			WHERE consumer_group = $1), 0)::float8,
+		s.gaps, s.versions
+	FROM (SELECT count(*) AS gaps, COALESCE(sum(to_version - from_version + 1), 0)::bigint AS versions
+		FROM ` + sqlident.Qualify(schema, "skipped_versions") + ` WHERE consumer_group = $1) s`
+}
+
+// printStatus writes the report as tables.
+func printStatus(w io.Writer, rep statusReport) error {
+	o := rep.Outbox
+	fmt.Fprintf(w, "Outbox (schema %s): %s, backlog %d, oldest pending %s, %d of %d shards owned by a relay\n",
+		rep.Schema, plural(int64(len(o.Shards)), "shard"), o.Backlog, age(seconds(o.OldestPendingSeconds)), o.OwnedShards, len(o.Shards))
+	tw := newTable(w)
+	row(tw, "SHARD", "BACKLOG", "OLDEST PENDING", "STORED", "OWNER")
+	for _, s := range o.Shards {
+		owner := "-"
+		if s.OwnerPID != nil {
+			owner = fmt.Sprintf("pid %d", *s.OwnerPID)
+		}
+		row(tw, s.Shard, s.Backlog, age(seconds(s.OldestPendingSeconds)), s.Stored, owner)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "Dead letters waiting: %d", o.DeadLetters)
+	if o.DeadLetters > 0 {
+		fmt.Fprint(w, " (eventline dlq list)")
+	}
+	fmt.Fprintf(w, "\nRetrying: %d\n", o.Retrying)
+	if o.Backlog > 0 && o.OwnedShards == 0 {
+		fmt.Fprintln(w, "No relay owns a shard: start one with `eventline relay`.")
+	}
+
+	fmt.Fprintln(w)
+	if len(rep.Groups) == 0 {
+		fmt.Fprintln(w, "Consumer groups: none recorded yet")
+	} else {
+		fmt.Fprintln(w, "Consumer groups:")
+		tw = newTable(w)
+		row(tw, "GROUP", "DEDUP ROWS", "PARKED", "OLDEST PARKED", "SKIPPED GAPS", "SKIPPED VERSIONS")
+		for _, gr := range rep.Groups {
+			oldest := "-"
+			if gr.Parked > 0 {
+				oldest = age(seconds(gr.OldestParkedSeconds))
+			}
+			row(tw, gr.Group, gr.Processed, gr.Parked, oldest, gr.SkippedGaps, gr.SkippedVersions)
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+		if slices.ContainsFunc(rep.Groups, func(g groupReport) bool { return g.Parked > 0 }) {
+			fmt.Fprintln(w, "Parked events wait for a missing version: eventline parked list")
+		}
+	}
+	for _, warning := range rep.Warnings {
+		fmt.Fprintln(w, "warning:", warning)
+	}
+	return nil
+}
+
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
