@@ -1,0 +1,127 @@
+package middleware_test
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
+)
+
+// The benchmarks compare the composed middleware with a bare handler doing
+// the same business insert in its own transaction, at the same concurrency
+// (benchParallelism × GOMAXPROCS goroutines; 12 on two cores). Run both in
+// one invocation and compare ns/op:
+//
+//	go test -run '^$' -bench 'BenchmarkBareHandler|BenchmarkMiddleware' -benchtime 5s ./middleware/
+
+const (
+	benchParallelism = 6
+	benchAggregates  = 50 // per goroutine, events applied round robin
+)
+
+type benchEnv struct {
+	env    consumertest.Env
+	insert string
+}
+
+func newBenchEnv(b *testing.B) benchEnv {
+	b.Helper()
+	env := consumertest.New(b, pgtest.Options{MaxConns: 16})
+	table := sqlident.Qualify(env.Schema, "bench_effects")
+	_, err := env.Pool.Exec(context.Background(), `CREATE TABLE `+table+` (
+		id bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, payload jsonb NOT NULL)`)
+	require.NoError(b, err)
+	return benchEnv{env: env, insert: `INSERT INTO ` + table + ` (event_id, aggregate_id, version, payload) VALUES ($1, $2, $3, $4)`}
+}
+
+// business is the handler's work: one insert.
+func (be benchEnv) business(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+	_, err := tx.Exec(ctx, be.insert, e.ID, e.AggregateID, e.AggregateVersion, e.Payload)
+	return err
+}
+
+// events yields, per goroutine, in-order events over its own aggregates.
+func benchEvents(worker int64) func() eventline.Event {
+	versions := make([]int64, benchAggregates)
+	i := 0
+	return func() eventline.Event {
+		a := i % benchAggregates
+		i++
+		versions[a]++
+		return consumertest.Event(fmt.Sprintf("w%d-a%d", worker, a), versions[a])
+	}
+}
+
+func BenchmarkBareHandler(b *testing.B) {
+	be := newBenchEnv(b)
+	ctx := context.Background()
+	var workers atomic.Int64
+	b.SetParallelism(benchParallelism)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		next := benchEvents(workers.Add(1))
+		for pb.Next() {
+			e := next()
+			msg, err := eventline.Encode(e)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			err = pgx.BeginFunc(ctx, be.env.Pool, func(tx pgx.Tx) error {
+				d, err := eventline.Decode(msg)
+				if err != nil {
+					return err
+				}
+				return be.business(ctx, tx, d)
+			})
+			if err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
+}
+
+func BenchmarkMiddleware(b *testing.B) {
+	be := newBenchEnv(b)
+	el, err := middleware.New(middleware.Config{DB: be.env.Pool, Schema: be.env.Schema, Group: "bench", Logger: quiet()})
+	require.NoError(b, err)
+	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx, _ := middleware.TxFromContext(ctx)
+		e, _ := middleware.EventFromContext(ctx)
+		return nil, be.business(ctx, tx, e)
+	})
+	var workers atomic.Int64
+	b.SetParallelism(benchParallelism)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		next := benchEvents(workers.Add(1))
+		for pb.Next() {
+			msg, err := eventline.Encode(next())
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			if _, err := h(msg); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+	b.StopTimer()
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
+	require.Equal(b, 0, pgtest.Count(b, be.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(be.env.Schema, "parked_events")))
+}
