@@ -156,8 +156,8 @@ func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, tar
 				return fmt.Errorf("count parked events before rollback: %w", err)
 			}
 			if parked > 0 {
-				return fmt.Errorf("refusing to roll back %03d_%s: %s wait in parked_events and would be lost; release them (eventline parked list / parked release) or pass -force",
-					m.Version, m.Name, plural(parked, "parked event"))
+				return fmt.Errorf("refusing to roll back %03d_%s: parked_events holds %s, which would be lost; release them (eventline parked list, parked release) or pass -force",
+					m.Version, m.Name, plural(parked, "event"))
 			}
 		case "outbox":
 			st, err := producer.ReadStatus(ctx, pool, schema)

@@ -116,7 +116,6 @@ eventline dlq). Kafka being unreachable never dead-letters: the relay waits.`)
 	if cause := context.Cause(runCtx); cause != nil && !errors.Is(cause, context.Canceled) {
 		return cause
 	}
-	log.Info("relay stopped")
 	return nil
 }
 

@@ -1,0 +1,133 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/versioning"
+)
+
+// statusJSON mirrors the documented JSON of `eventline status -json`.
+type statusJSON struct {
+	Schema string `json:"schema"`
+	Outbox struct {
+		Shards []struct {
+			Shard                int     `json:"shard"`
+			Backlog              int64   `json:"backlog"`
+			OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
+			Stored               int64   `json:"stored"`
+			OwnerPID             *int32  `json:"owner_pid"`
+		} `json:"shards"`
+		Backlog              int64   `json:"backlog"`
+		OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
+		DeadLetters          int64   `json:"dead_letters"`
+		Retrying             int64   `json:"retrying"`
+		OwnedShards          int     `json:"owned_shards"`
+	} `json:"outbox"`
+	Groups []struct {
+		Group               string  `json:"group"`
+		Processed           int64   `json:"processed"`
+		Parked              int64   `json:"parked"`
+		OldestParkedSeconds float64 `json:"oldest_parked_seconds"`
+		SkippedGaps         int64   `json:"skipped_gaps"`
+		SkippedVersions     int64   `json:"skipped_versions"`
+	} `json:"consumer_groups"`
+	Warnings []string `json:"warnings"`
+}
+
+func TestStatusReportsBacklogDeadLettersAndGroups(t *testing.T) {
+	t.Parallel()
+	const shards = 3
+	env := pgtest.New(t, pgtest.Options{Shards: shards})
+	ctx := context.Background()
+
+	var ids []string
+	perShard := make([]int64, shards)
+	for i := range 10 {
+		id := "order-" + strconv.Itoa(i)
+		ids = append(ids, id)
+		perShard[outbox.ShardFor("order", id, shards)]++
+	}
+	publish(t, env, "orders", ids...)
+	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "dead_letters")+
+		` (shard, outbox_uuid, attempts, last_error, dead_reason) VALUES (0, 'u-1', 3, 'boom', 'gave up after 3 attempts')`)
+	require.NoError(t, err)
+	// billing applied a v1, v2 and parked v4; shipping parked x v3, then an
+	// operator gave up on x v1..v2.
+	parkGap(t, env, "billing", "a", 2, 4)
+	parkGap(t, env, "shipping", "x", 0, 3)
+	store, err := versioning.NewStore(env.Schema)
+	require.NoError(t, err)
+	_, err = store.ReleaseGap(ctx, env.Pool, "shipping", "thing", "x", "test")
+	require.NoError(t, err)
+
+	st := okJSON[statusJSON](t, env.Schema, "status", "-json")
+	require.Equal(t, env.Schema, st.Schema)
+	require.EqualValues(t, 10, st.Outbox.Backlog)
+	require.Len(t, st.Outbox.Shards, shards)
+	for i, s := range st.Outbox.Shards {
+		require.Equal(t, i, s.Shard)
+		require.Equal(t, perShard[i], s.Backlog, "shard %d", i)
+		require.Equal(t, perShard[i], s.Stored, "shard %d", i)
+		require.Nil(t, s.OwnerPID, "no relay runs")
+		require.GreaterOrEqual(t, s.OldestPendingSeconds, 0.0)
+	}
+	require.EqualValues(t, 1, st.Outbox.DeadLetters)
+	require.Zero(t, st.Outbox.Retrying)
+	require.Zero(t, st.Outbox.OwnedShards)
+	require.Empty(t, st.Warnings)
+	require.Len(t, st.Groups, 2)
+	billing, shipping := st.Groups[0], st.Groups[1]
+	require.Equal(t, "billing", billing.Group)
+	require.EqualValues(t, 3, billing.Processed, "v1, v2 applied and v4 parked are recorded")
+	require.EqualValues(t, 1, billing.Parked)
+	require.Zero(t, billing.SkippedGaps)
+	require.Equal(t, "shipping", shipping.Group)
+	require.EqualValues(t, 1, shipping.Processed)
+	require.EqualValues(t, 1, shipping.Parked)
+	require.EqualValues(t, 1, shipping.SkippedGaps)
+	require.EqualValues(t, 2, shipping.SkippedVersions)
+
+	out := ok(t, env.Schema, "status")
+	require.Contains(t, out, fmt.Sprintf("Outbox (schema %s): 3 shards, backlog 10, oldest pending ", env.Schema))
+	require.Contains(t, out, "0 of 3 shards owned by a relay")
+	require.Regexp(t, `SHARD\s+BACKLOG\s+OLDEST PENDING\s+STORED\s+OWNER`, out)
+	for i, n := range perShard {
+		require.Regexp(t, fmt.Sprintf(`(?m)^%d\s+%d\s+\S+\s+%d\s+-$`, i, n, n), out)
+	}
+	require.Contains(t, out, "Dead letters waiting: 1 (eventline dlq list)")
+	require.Contains(t, out, "Retrying: 0")
+	require.Contains(t, out, "No relay owns a shard: start one with `eventline relay`.")
+	require.Regexp(t, `GROUP\s+DEDUP ROWS\s+PARKED\s+OLDEST PARKED\s+SKIPPED GAPS\s+SKIPPED VERSIONS`, out)
+	require.Regexp(t, `(?m)^billing\s+3\s+1\s+\S+\s+0\s+0$`, out)
+	require.Regexp(t, `(?m)^shipping\s+1\s+1\s+\S+\s+1\s+2$`, out)
+	require.Contains(t, out, "eventline parked list")
+}
+
+func TestStatusOnAnIncompleteSchema(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.NewSchemaName(t)
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+
+	r := cli(t, append(dbArgs(schema), "status")...)
+	require.Equal(t, exitFailure, r.code)
+	require.Contains(t, r.stderr, "eventline status: ")
+	require.Contains(t, r.stderr, "run `eventline migrate up`")
+
+	ok(t, schema, "migrate", "up", "-shards", "1")
+	ok(t, schema, "migrate", "down", "-steps", "1")
+	st := okJSON[statusJSON](t, schema, "status", "-json")
+	require.Len(t, st.Outbox.Shards, 1)
+	require.Empty(t, st.Groups)
+	require.Len(t, st.Warnings, 1)
+	require.Contains(t, st.Warnings[0], "consumer tables are missing")
+	out := ok(t, schema, "status")
+	require.Contains(t, out, "warning: the consumer tables are missing")
+}
