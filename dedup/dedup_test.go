@@ -1,0 +1,165 @@
+package dedup_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func newStore(t *testing.T) (*dedup.Store, pgtest.Env) {
+	t.Helper()
+	env := pgtest.New(t, pgtest.Options{MaxConns: 4})
+	s, err := dedup.NewStore(env.Schema)
+	require.NoError(t, err)
+	return s, env
+}
+
+func event() eventline.Event {
+	return eventline.Event{ID: eventline.NewEventID(), Type: "t", AggregateType: "a", AggregateID: "1", AggregateVersion: 1}
+}
+
+func TestInsertRecognisesDuplicatesAndRollsBackWithTheTransaction(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	e := event()
+
+	tx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	fresh, err := s.Insert(ctx, tx, "g", e, dedup.OutcomeApplied)
+	require.NoError(t, err)
+	require.True(t, fresh)
+	require.NoError(t, tx.Rollback(ctx))
+	_, err = s.Get(ctx, env.Pool, "g", e.ID)
+	require.ErrorIs(t, err, dedup.ErrNotFound, "a rolled-back handler leaves no record")
+
+	fresh, err = s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+	require.NoError(t, err)
+	require.True(t, fresh)
+	fresh, err = s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+	require.NoError(t, err)
+	require.False(t, fresh, "second insert is a duplicate")
+	fresh, err = s.Insert(ctx, env.Pool, "other", e, dedup.OutcomeApplied)
+	require.NoError(t, err)
+	require.True(t, fresh, "groups are independent")
+
+	require.NoError(t, s.SetOutcome(ctx, env.Pool, "g", e.ID, dedup.OutcomeStale))
+	r, err := s.Get(ctx, env.Pool, "g", e.ID)
+	require.NoError(t, err)
+	require.Equal(t, dedup.OutcomeStale, r.Outcome)
+	require.Equal(t, e.AggregateID, r.AggregateID)
+	n, err := s.Count(ctx, env.Pool, "g")
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+}
+
+// Two transactions recording the same event: the second waits for the
+// first and, once it commits, sees a duplicate.
+func TestConcurrentInsertOfOneEventSerializes(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	e := event()
+	tx1, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	fresh, err := s.Insert(ctx, tx1, "g", e, dedup.OutcomeApplied)
+	require.NoError(t, err)
+	require.True(t, fresh)
+
+	second := make(chan bool, 1)
+	go func() {
+		fresh, err := s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+		if err != nil {
+			t.Error(err)
+		}
+		second <- fresh
+	}()
+	// The second insert blocks on the first transaction's row.
+	require.Eventually(t, func() bool {
+		return pgtest.Count(t, env.Pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'`, env.Schema) == 1
+	}, 10*time.Second, 10*time.Millisecond)
+	select {
+	case <-second:
+		t.Fatal("the second insert must wait for the first transaction")
+	default:
+	}
+	require.NoError(t, tx1.Commit(ctx))
+	require.False(t, <-second)
+}
+
+func TestCleanupDeletesOldRowsInBoundedBatches(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	table := sqlident.Qualify(env.Schema, dedup.Table)
+	// 25 old applied rows in g, 3 old parked rows in g, 5 old rows in h,
+	// 4 recent rows in g.
+	_, err := env.Pool.Exec(ctx, `INSERT INTO `+table+` (consumer_group, event_id, outcome, processed_at)
+		SELECT 'g', 'old-' || i, 'applied', now() - interval '10 days' FROM generate_series(1, 25) i
+		UNION ALL SELECT 'g', 'parked-' || i, 'parked', now() - interval '10 days' FROM generate_series(1, 3) i
+		UNION ALL SELECT 'h', 'other-' || i, 'stale', now() - interval '10 days' FROM generate_series(1, 5) i
+		UNION ALL SELECT 'g', 'new-' || i, 'applied', now() FROM generate_series(1, 4) i`)
+	require.NoError(t, err)
+
+	res, err := s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Group: "g", Retention: 24 * time.Hour, BatchSize: 10, Pause: time.Millisecond, MaxBatches: 2})
+	require.NoError(t, err)
+	require.EqualValues(t, 20, res.Deleted, "MaxBatches × BatchSize at most")
+	require.Equal(t, 2, res.Batches)
+
+	res, err = s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Group: "g", Retention: 24 * time.Hour, BatchSize: 10, Pause: time.Millisecond})
+	require.NoError(t, err)
+	require.EqualValues(t, 5, res.Deleted)
+	require.Equal(t, 1, res.Batches, "a short batch ends the run")
+	require.Equal(t, 7, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table+` WHERE consumer_group = 'g'`), "parked and recent rows stay")
+	require.Equal(t, 5, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table+` WHERE consumer_group = 'h'`), "other groups stay")
+
+	res, err = s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Retention: 24 * time.Hour})
+	require.NoError(t, err)
+	require.EqualValues(t, 5, res.Deleted, "no group: every group")
+}
+
+// Cleanup pauses between batches and stops when ctx ends.
+func TestCleanupHonoursPauseAndContext(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	table := sqlident.Qualify(env.Schema, dedup.Table)
+	_, err := env.Pool.Exec(context.Background(), `INSERT INTO `+table+` (consumer_group, event_id, outcome, processed_at)
+		SELECT 'g', 'old-' || i, 'applied', now() - interval '10 days' FROM generate_series(1, 30) i`)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	res, err := s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Group: "g", BatchSize: 10, Pause: time.Hour})
+	require.ErrorIs(t, err, context.Canceled)
+	require.LessOrEqual(t, res.Batches, 1, "nothing runs after ctx ended, and never a batch without the pause before it")
+}
+
+func TestCleanupConfigErrorsNameTheField(t *testing.T) {
+	t.Parallel()
+	s, err := dedup.NewStore("")
+	require.NoError(t, err)
+	require.Equal(t, "eventline", s.Schema())
+	for _, tc := range []struct {
+		cfg  dedup.CleanupConfig
+		want string
+	}{
+		{dedup.CleanupConfig{Retention: time.Second}, "dedup.CleanupConfig.Retention"},
+		{dedup.CleanupConfig{BatchSize: -1}, "dedup.CleanupConfig.BatchSize"},
+		{dedup.CleanupConfig{Pause: -1}, "dedup.CleanupConfig.Pause"},
+		{dedup.CleanupConfig{MaxBatches: -1}, "dedup.CleanupConfig.MaxBatches"},
+	} {
+		_, err := s.Cleanup(context.Background(), nil, tc.cfg)
+		require.ErrorContains(t, err, tc.want)
+	}
+	_, err = dedup.NewStore("bad schema")
+	require.Error(t, err)
+}

@@ -1,0 +1,167 @@
+package versioning_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/versioning"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func newStore(t *testing.T) (*versioning.Store, pgtest.Env) {
+	t.Helper()
+	env := pgtest.New(t, pgtest.Options{MaxConns: 4})
+	s, err := versioning.NewStore(env.Schema)
+	require.NoError(t, err)
+	return s, env
+}
+
+func ev(id string, v int64) eventline.Event {
+	return eventline.Event{ID: eventline.NewEventID(), Type: "t", AggregateType: "acct", AggregateID: id, AggregateVersion: v, Payload: []byte(`{}`)}
+}
+
+func admit(t *testing.T, s *versioning.Store, db pgx.Tx, e eventline.Event, jump, dedup bool) versioning.Admission {
+	t.Helper()
+	a, err := s.Admit(context.Background(), db, "g", e, jump, dedup)
+	require.NoError(t, err)
+	return a
+}
+
+func TestAdmitVerdicts(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	tx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+
+	first := ev("1", 1)
+	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 0, Current: 1}, admit(t, s, tx, first, false, true))
+	require.Equal(t, versioning.Duplicate, admit(t, s, tx, first, false, true).Verdict)
+	require.Equal(t, versioning.Stale, admit(t, s, tx, ev("1", 1), false, true).Verdict)
+	require.Equal(t, versioning.Admission{Verdict: versioning.Gap, Previous: 1, Current: 1}, admit(t, s, tx, ev("1", 3), false, true))
+	require.Equal(t, versioning.Admission{Verdict: versioning.Jump, Previous: 1, Current: 3}, admit(t, s, tx, ev("1", 3), true, true))
+	require.Equal(t, versioning.Next, admit(t, s, tx, ev("1", 4), false, false).Verdict, "without dedup")
+	// A new aggregate whose first seen version is not 1 is a gap.
+	require.Equal(t, versioning.Admission{Verdict: versioning.Gap}, admit(t, s, tx, ev("2", 5), false, true))
+	require.Equal(t, versioning.Jump, admit(t, s, tx, ev("3", 5), true, true).Verdict)
+	cur, err := s.Current(ctx, tx, versioning.Key{Group: "g", AggregateType: "acct", AggregateID: "1"})
+	require.NoError(t, err)
+	require.EqualValues(t, 4, cur)
+
+	_, err = s.Admit(ctx, tx, "g", ev("1", 0), false, true)
+	require.ErrorIs(t, err, eventline.ErrInvalidEvent, "the gate needs a version")
+}
+
+// Two transactions admitting the first events of a new aggregate at the
+// same time: the row is created once and they serialize on it.
+func TestFirstEventsOfANewAggregateSerialize(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	tx1, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx1.Rollback(ctx)
+	require.Equal(t, versioning.Next, admit(t, s, tx1, ev("new", 1), false, true).Verdict)
+
+	second := make(chan versioning.Admission, 1)
+	go func() {
+		tx2, err := env.Pool.Begin(ctx)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer tx2.Rollback(ctx)
+		a, err := s.Admit(ctx, tx2, "g", ev("new", 1), false, true) // same version, another event
+		if err != nil {
+			t.Error(err)
+		}
+		second <- a
+	}()
+	waitForLockWait(t, env)
+	require.NoError(t, tx1.Commit(ctx))
+	a := <-second
+	require.Equal(t, versioning.Stale, a.Verdict, "the second sees the first's committed version, not an empty aggregate")
+	require.EqualValues(t, 1, a.Previous)
+}
+
+// The sweeper skips an aggregate a live transaction holds, and ReleaseGap
+// waits for it.
+func TestSweeperAndReleaseSerializeOnTheAggregateLock(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	var applied []int64
+	sweeper, err := s.NewSweeper(env.Pool, versioning.SweeperConfig{Group: "g", ParkTimeout: time.Nanosecond,
+		Apply: func(_ context.Context, _ pgx.Tx, p versioning.Parked) error {
+			applied = append(applied, p.Version)
+			return nil
+		}})
+	require.NoError(t, err)
+	require.NoError(t, pgx.BeginFunc(ctx, env.Pool, func(tx pgx.Tx) error {
+		admit(t, s, tx, ev("a", 1), false, true)
+		e := ev("a", 3)
+		require.Equal(t, versioning.Gap, admit(t, s, tx, e, false, true).Verdict)
+		_, err := s.Park(ctx, tx, versioning.ParkRequest{Group: "g", Event: e, Handler: "h"})
+		return err
+	}))
+
+	live, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	admit(t, s, live, ev("a", 2), false, true) // holds the lock, not committed
+	res, err := sweeper.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Busy)
+	require.Empty(t, applied, "the sweeper never works on an aggregate a live consumer holds")
+
+	released := make(chan error, 1)
+	go func() {
+		_, err := s.ReleaseGap(ctx, env.Pool, "g", "acct", "a", "operator")
+		released <- err
+	}()
+	waitForLockWait(t, env)
+	require.NoError(t, live.Rollback(ctx))
+	require.NoError(t, <-released)
+
+	res, err = sweeper.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Released)
+	require.Equal(t, []int64{3}, applied)
+	skipped, err := s.ListSkipped(ctx, env.Pool, versioning.SkippedFilter{Group: "g"})
+	require.NoError(t, err)
+	require.Len(t, skipped, 1)
+	require.Equal(t, [2]int64{2, 2}, [2]int64{skipped[0].From, skipped[0].To})
+}
+
+func waitForLockWait(t *testing.T, env pgtest.Env) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		return pgtest.Count(t, env.Pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'`, env.Schema) >= 1
+	}, 10*time.Second, 10*time.Millisecond)
+}
+
+func TestPoliciesAndConfigValidation(t *testing.T) {
+	t.Parallel()
+	p := versioning.Policies{ByType: map[string]versioning.GapPolicy{"order.cancelled": versioning.Apply}}
+	require.Equal(t, versioning.Park, p.For("order.created"))
+	require.Equal(t, versioning.Apply, p.For("order.cancelled"))
+	require.ErrorContains(t, versioning.Policies{Default: "sometimes"}.Validate("x.Config"), "x.Config.GapPolicy")
+	require.ErrorContains(t, versioning.Policies{ByType: map[string]versioning.GapPolicy{"a": "b"}}.Validate("x.Config"), `x.Config.PolicyByType["a"]`)
+
+	s, err := versioning.NewStore("")
+	require.NoError(t, err)
+	_, err = s.NewSweeper(nil, versioning.SweeperConfig{})
+	require.ErrorContains(t, err, "versioning.SweeperConfig.Group")
+	_, err = s.NewSweeper(nil, versioning.SweeperConfig{Group: "g"})
+	require.ErrorContains(t, err, "versioning.SweeperConfig.Apply")
+	_, err = versioning.NewStore("a.b")
+	require.Error(t, err)
+}
