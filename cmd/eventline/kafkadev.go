@@ -22,9 +22,8 @@ const defaultKafkaDevPort = 9092
 func runKafkaDev(ctx context.Context, args []string) error {
 	fs := newFlagSet(ctx, "kafka-dev", "[-port N] [-partitions N] [-topics a,b]", `
 Runs a one-broker, in-memory Kafka (franz-go's kfake) on 127.0.0.1 until
-interrupted, and prints the KAFKA_BROKERS=... line other processes need:
-
-    eval "$(eventline kafka-dev | head -1)"   # or copy the line
+interrupted. Its first line of output is the setting other processes need,
+e.g. KAFKA_BROKERS=127.0.0.1:9092: export it in their shell.
 
 Topics are created with -partitions partitions on first use by a client that
 asks for auto-creation; the relay does not ask, so create the topics it
