@@ -135,9 +135,6 @@ func (inv *invocation) exitCode(err error) int {
 			path += " " + inv.path
 		}
 		fmt.Fprintf(inv.stderr, "%s: %v\n", path, err)
-		if errors.Is(err, context.Canceled) {
-			inv.logger().Debug("interrupted")
-		}
 		return exitFailure
 	}
 }
