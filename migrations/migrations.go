@@ -69,6 +69,7 @@ func (c Config) validate() error {
 // and *pgx.Conn satisfy it.
 type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
 }
 
 // Migration is one numbered schema change.
@@ -204,7 +205,8 @@ func Down(ctx context.Context, db Beginner, cfg Config, steps int) error {
 	})
 }
 
-// Status lists every embedded migration and when it was applied.
+// Status lists every embedded migration and when it was applied. It only
+// reads: a schema that does not exist yet reports every migration pending.
 func Status(ctx context.Context, db Beginner, cfg Config) ([]MigrationStatus, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
@@ -214,14 +216,33 @@ func Status(ctx context.Context, db Beginner, cfg Config) ([]MigrationStatus, er
 	if err != nil {
 		return nil, err
 	}
-	var out []MigrationStatus
-	err = inMigrationTx(ctx, db, cfg.Schema, func(tx pgx.Tx, applied map[int]time.Time) error {
-		for _, m := range all {
-			out = append(out, MigrationStatus{Version: m.Version, Name: m.Name, AppliedAt: applied[m.Version]})
+	applied := map[int]time.Time{}
+	err = pgx.BeginTxFunc(ctx, db, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		var exists bool
+		table := sqlident.Qualify(cfg.Schema, "schema_migrations")
+		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
+			return err
 		}
-		return nil
+		if !exists {
+			return nil
+		}
+		rows, err := tx.Query(ctx, `SELECT version, applied_at FROM `+table)
+		if err != nil {
+			return err
+		}
+		var v int
+		var at time.Time
+		_, err = pgx.ForEachRow(rows, []any{&v, &at}, func() error { applied[v] = at; return nil })
+		return err
 	})
-	return out, err
+	if err != nil {
+		return nil, fmt.Errorf("read migration status: %w", err)
+	}
+	out := make([]MigrationStatus, 0, len(all))
+	for _, m := range all {
+		out = append(out, MigrationStatus{Version: m.Version, Name: m.Name, AppliedAt: applied[m.Version]})
+	}
+	return out, nil
 }
 
 // inMigrationTx runs fn in a transaction holding the schema's migration lock,

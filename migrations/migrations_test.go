@@ -1,0 +1,84 @@
+package migrations_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/migrations"
+)
+
+func TestUpDownStatusRoundTrip(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, 4)
+	schema := pgtest.NewSchemaName(t)
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+	cfg := migrations.Config{Schema: schema, Shards: 3}
+
+	// Status only reads: on a schema that does not exist it reports every
+	// migration pending and creates nothing.
+	st, err := migrations.Status(ctx, pool, cfg)
+	require.NoError(t, err)
+	require.NotEmpty(t, st)
+	for _, s := range st {
+		require.False(t, s.Applied())
+	}
+	require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM pg_namespace WHERE nspname = $1`, schema))
+
+	// Concurrent Ups are serialized by the advisory lock.
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = migrations.Up(ctx, pool, cfg) }()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	st, err = migrations.Status(ctx, pool, cfg)
+	require.NoError(t, err)
+	for _, s := range st {
+		require.True(t, s.Applied(), "%03d_%s", s.Version, s.Name)
+	}
+	tables := `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename ~ '^outbox_[0-9]+'`
+	require.Equal(t, 6, pgtest.Count(t, pool, tables, schema), "3 shards, each a messages and an offsets table")
+
+	// The shard count is fixed once created.
+	err = migrations.Up(ctx, pool, migrations.Config{Schema: schema, Shards: 5})
+	require.ErrorIs(t, err, migrations.ErrShardCountMismatch)
+	require.NoError(t, migrations.Up(ctx, pool, migrations.Config{Schema: schema}))
+
+	// One step down, then all the way, then up again.
+	require.NoError(t, migrations.Down(ctx, pool, cfg, 1))
+	st, err = migrations.Status(ctx, pool, cfg)
+	require.NoError(t, err)
+	require.True(t, st[0].Applied())
+	require.False(t, st[len(st)-1].Applied())
+	require.NoError(t, migrations.Down(ctx, pool, cfg, 0))
+	require.Zero(t, pgtest.Count(t, pool, tables, schema), "shard tables go with the first migration")
+	require.NoError(t, migrations.Up(ctx, pool, cfg))
+}
+
+func TestConfigIsValidated(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, 1)
+	err := migrations.Up(context.Background(), pool, migrations.Config{Schema: `x"; DROP SCHEMA public; --`})
+	require.ErrorContains(t, err, "migrations.Config.Schema")
+	err = migrations.Up(context.Background(), pool, migrations.Config{Schema: "ok", Shards: 5000})
+	require.ErrorContains(t, err, "migrations.Config.Shards")
+}
+
+func TestEveryMigrationHasUpAndDown(t *testing.T) {
+	all, err := migrations.All()
+	require.NoError(t, err)
+	for i, m := range all {
+		require.Equal(t, i+1, m.Version, "migrations are numbered 1, 2, 3… without gaps")
+		require.NotEmpty(t, m.Up)
+		require.NotEmpty(t, m.Down)
+	}
+}
