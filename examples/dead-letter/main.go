@@ -1,0 +1,375 @@
+// Command dead-letter follows a poison event through eventline: the relay
+// cannot publish it, gives up after a few attempts and moves it to the
+// outbox's dead-letter table with the reason; the consumer parks the later
+// versions of the same account, because applying them would skip one; an
+// operator fixes the cause and replays the dead letter; the replay fills the
+// gap and the parked versions are applied, in order.
+//
+// The poison: account.limit_changed events go to their own topic, which
+// nobody created (topic auto-creation is off, as it should be in
+// production). Until the fix, the consumer also logs that it cannot
+// subscribe to that topic.
+//
+//	go run ./examples/dead-letter
+//
+// Output, ending with:
+//
+//	dead_lettered=1 reason="gave up after 2 attempts: …" parked=2 replayed=1 released=2 applied_in_order=true
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/examples/internal/setup"
+	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
+)
+
+type config struct {
+	// DatabaseURL is the PostgreSQL to run against.
+	DatabaseURL string
+	// Brokers is the Kafka cluster; empty starts one in-process (kfake).
+	Brokers []string
+	// Schema is dropped and recreated at start, and dropped at the end
+	// unless Keep is set.
+	Schema string
+	Keep   bool
+	// Logger receives eventline's and Watermill's logs.
+	Logger *slog.Logger
+}
+
+func main() {
+	cfg := config{DatabaseURL: setup.DatabaseURL(), Brokers: setup.BrokersFromEnv()}
+	flag.StringVar(&cfg.Schema, "schema", "example_dead_letter", "PostgreSQL schema the example (re)creates")
+	flag.BoolVar(&cfg.Keep, "keep", false, "keep the schema after the run, to look at the tables")
+	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
+	flag.Parse()
+	lvl, err := setup.ParseLevel(*level)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "dead-letter:", err)
+		os.Exit(2)
+	}
+	cfg.Logger = setup.Logger(os.Stderr, lvl)
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, cfg, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "dead-letter:", err)
+		os.Exit(1)
+	}
+}
+
+// The consumer's tables: each account's state, and a journal of every event
+// applied, in the order it was applied.
+var ddl = []string{
+	`CREATE TABLE accounts (
+		id          text   PRIMARY KEY,
+		balance     bigint NOT NULL DEFAULT 0,
+		limit_cents bigint NOT NULL DEFAULT 0,
+		version     bigint NOT NULL)`,
+	`CREATE TABLE journal (
+		seq        bigserial PRIMARY KEY,
+		account_id text      NOT NULL,
+		version    bigint    NOT NULL,
+		event_type text      NOT NULL)`,
+}
+
+// The events and their payloads.
+const (
+	Opened       = "account.opened"
+	LimitChanged = "account.limit_changed"
+	Deposited    = "account.deposited"
+)
+
+type (
+	AccountOpened struct {
+		Owner string `json:"owner"`
+	}
+	LimitChange struct {
+		LimitCents int64 `json:"limit_cents"`
+	}
+	Deposit struct {
+		AmountCents int64 `json:"amount_cents"`
+	}
+)
+
+const (
+	poisoned = "acc-42" // the account whose second event cannot be published
+	healthy  = "acc-7"  // an account that is not affected
+)
+
+func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
+	log := cfg.Logger
+	if log == nil {
+		log = setup.Logger(nil, slog.LevelError)
+	}
+	k, err := setup.StartKafka(cfg.Brokers)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, k.Close()) }()
+	// Names unique to the run (accounts-3fa2c1), so runs against a shared
+	// cluster never mix. account-limits is the topic nobody created.
+	group := k.Group("ledger")
+	accountsTopic, limitsTopic, dlq := k.Topic("accounts"), k.Topic("account-limits"), k.Topic("ledger"+consumer.DeadLetterTopicSuffix)
+	if err := k.CreateTopics(ctx, 2, accountsTopic); err != nil {
+		return err
+	}
+	if err := k.CreateTopics(ctx, 1, dlq); err != nil {
+		return err
+	}
+
+	db, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 3)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	const shards = 1
+	if err := setup.ResetSchema(ctx, db, cfg.Schema, shards, ddl...); err != nil {
+		return err
+	}
+	if !cfg.Keep {
+		defer func() { err = errors.Join(err, setup.DropSchema(context.WithoutCancel(ctx), db, cfg.Schema)) }()
+	}
+	relayDB, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), shards+3)
+	if err != nil {
+		return err
+	}
+	defer relayDB.Close()
+	consumerDB, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 3)
+	if err != nil {
+		return err
+	}
+	defer consumerDB.Close()
+
+	// 1. Four events for acc-42 and two for acc-7. The producer numbers
+	// each account's versions: 1, 2, 3, 4.
+	p, err := producer.New(ctx, db, producer.Config{Schema: cfg.Schema, DefaultTopic: accountsTopic})
+	if err != nil {
+		return err
+	}
+	var events []eventline.Event
+	add := func(eventType, account string, payload any, topic string) error {
+		e, err := eventline.NewJSONEvent(eventType, "account", account, payload)
+		e.Topic = topic
+		events = append(events, e)
+		return err
+	}
+	err = errors.Join(
+		add(Opened, poisoned, AccountOpened{Owner: "Ada"}, ""),
+		add(LimitChanged, poisoned, LimitChange{LimitCents: 50_000}, limitsTopic), // the poison
+		add(Deposited, poisoned, Deposit{AmountCents: 12_000}, ""),
+		add(Deposited, poisoned, Deposit{AmountCents: 3_000}, ""),
+		add(Opened, healthy, AccountOpened{Owner: "Grace"}, ""),
+		add(Deposited, healthy, Deposit{AmountCents: 7_000}, ""),
+	)
+	if err != nil {
+		return err
+	}
+	if err := p.Publish(ctx, db, events...); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "published=%d poisoned_account=%s poison_type=%s poison_topic=%s\n", len(events), poisoned, LimitChanged, limitsTopic)
+
+	// 2. The relay, with short retries so the example takes seconds: a
+	// message that keeps failing is tried twice, then dead-lettered, and
+	// the shard moves on to the events behind it.
+	relay, err := producer.NewRelay(ctx, relayDB, producer.RelayConfig{
+		Schema:      cfg.Schema,
+		Brokers:     k.Brokers,
+		Backoff:     []time.Duration{200 * time.Millisecond},
+		MaxAttempts: 2,
+		Logger:      log,
+	})
+	if err != nil {
+		return err
+	}
+	// 3. The consumer subscribes to both topics. Park is the default gap
+	// policy; it is spelled out here because this example is about it.
+	c, err := consumer.New(consumerDB, consumer.Config{
+		Brokers:         k.Brokers,
+		Group:           group,
+		Topics:          []string{accountsTopic, limitsTopic},
+		Schema:          cfg.Schema,
+		DeadLetterTopic: dlq,
+		GapPolicy:       versioning.Park,
+		Logger:          log,
+	})
+	if err != nil {
+		return err
+	}
+	if err := registerHandlers(c, cfg.Schema); err != nil {
+		return err
+	}
+
+	pipeline, stopPipeline := context.WithCancel(context.WithoutCancel(ctx))
+	relayDone, consumerDone := make(chan error, 1), make(chan error, 1)
+	go func() { relayDone <- relay.Run(pipeline) }()
+	go func() { consumerDone <- c.Run(pipeline) }()
+	stop := sync.OnceValue(func() error {
+		stopPipeline()
+		return errors.Join(<-relayDone, <-consumerDone)
+	})
+	defer func() {
+		if stopErr := stop(); stopErr != nil && !errors.Is(err, stopErr) {
+			err = errors.Join(err, stopErr)
+		}
+	}()
+
+	// 4. The relay gives up on the poison: it lands in the dead-letter
+	// table with the reason, and the shard goes on.
+	var dead producer.DeadLetter
+	err = setup.WaitFor(ctx, time.Minute, "the poison event to be dead-lettered", func() (bool, error) {
+		dls, err := producer.ListDeadLetters(ctx, db, cfg.Schema, producer.DeadLetterFilter{})
+		if len(dls) > 0 {
+			dead = dls[0]
+		}
+		return len(dls) > 0, err
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "dead_letter id=%d event_type=%s aggregate_id=%s aggregate_version=%d topic=%s attempts=%d reason=%q\n",
+		dead.ID, dead.EventType, dead.AggregateID, dead.AggregateVersion, dead.Topic, dead.Attempts, dead.Reason)
+
+	// 5. The consumer applies acc-42 version 1, and parks versions 3 and 4:
+	// applying them now would skip version 2. acc-7 is not held up.
+	store := c.Middleware().Store()
+	var parked []versioning.Parked
+	err = setup.WaitFor(ctx, time.Minute, "versions 3 and 4 to be parked and acc-7 to be applied", func() (bool, error) {
+		parked, err = store.ListParked(ctx, db, versioning.ParkedFilter{Group: group, AggregateType: "account", AggregateID: poisoned})
+		if err != nil {
+			return false, err
+		}
+		v, err := store.Current(ctx, db, versioning.Key{Group: group, AggregateType: "account", AggregateID: healthy})
+		return len(parked) == 2 && v == 2, err
+	})
+	if err != nil {
+		return err
+	}
+	current, err := store.Current(ctx, db, versioning.Key{Group: group, AggregateType: "account", AggregateID: poisoned})
+	if err != nil {
+		return err
+	}
+	var parkedVersions []string
+	for _, pe := range parked {
+		parkedVersions = append(parkedVersions, fmt.Sprint(pe.Version))
+	}
+	fmt.Fprintf(stdout, "consumer account=%s applied_version=%d parked=%d parked_versions=%s unaffected_account=%s unaffected_version=2\n",
+		poisoned, current, len(parked), strings.Join(parkedVersions, ","), healthy)
+
+	// 6. The fix: create the missing topic. Then replay the dead letter:
+	// it goes back into the outbox with the same event id and version, and
+	// the relay publishes it like a new event.
+	if err := k.CreateTopics(ctx, 1, limitsTopic); err != nil {
+		return err
+	}
+	replayed, err := producer.ReplayDeadLetters(ctx, db, cfg.Schema, dead.ID)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "fix created_topic=%s replayed=%d\n", limitsTopic, replayed)
+
+	// 7. Version 2 arrives, is applied, and releases 3 and 4 in the same
+	// transaction.
+	journal := pgx.Identifier{cfg.Schema, "journal"}.Sanitize()
+	var applied []int64
+	err = setup.WaitFor(ctx, time.Minute, "acc-42 to reach version 4", func() (bool, error) {
+		rows, err := db.Query(ctx, `SELECT version FROM `+journal+` WHERE account_id = $1 ORDER BY seq`, poisoned)
+		if err != nil {
+			return false, err
+		}
+		applied, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+		return len(applied) >= 4, err
+	})
+	if err != nil {
+		return err
+	}
+	if err := stop(); err != nil {
+		return err
+	}
+
+	// 8. Check the outcome in the database.
+	inOrder := slices.Equal(applied, []int64{1, 2, 3, 4})
+	parkedLeft, err := store.CountParked(ctx, db, group)
+	if err != nil {
+		return err
+	}
+	st, err := producer.ReadStatus(ctx, db, cfg.Schema)
+	if err != nil {
+		return err
+	}
+	var balance, limit int64
+	if err := db.QueryRow(ctx, `SELECT balance, limit_cents FROM `+pgx.Identifier{cfg.Schema, "accounts"}.Sanitize()+` WHERE id = $1`, poisoned).
+		Scan(&balance, &limit); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "applied account=%s versions=%s balance=%d limit=%d parked_left=%d dead_letters_waiting=%d\n",
+		poisoned, joinInts(applied), balance, limit, parkedLeft, st.DeadLetters)
+	fmt.Fprintf(stdout, "dead_lettered=1 reason=%q parked=%d replayed=%d released=%d applied_in_order=%t\n",
+		dead.Reason, len(parked), replayed, len(parked)-int(parkedLeft), inOrder)
+	switch {
+	case !inOrder:
+		return fmt.Errorf("acc-42's versions were applied in order %v, want [1 2 3 4]", applied)
+	case parkedLeft != 0 || st.DeadLetters != 0 || st.Backlog() != 0:
+		return fmt.Errorf("left over: %d parked, %d dead letters, %d in the outbox", parkedLeft, st.DeadLetters, st.Backlog())
+	case balance != 15_000 || limit != 50_000:
+		return fmt.Errorf("acc-42 has balance %d and limit %d, want 15000 and 50000", balance, limit)
+	}
+	return nil
+}
+
+// registerHandlers registers one handler per event type. Each writes
+// through tx, the consumer transaction, so its effect commits together with
+// the version advance.
+func registerHandlers(c *consumer.Consumer, schema string) error {
+	accounts, journal := pgx.Identifier{schema, "accounts"}.Sanitize(), pgx.Identifier{schema, "journal"}.Sanitize()
+	record := func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+journal+` (account_id, version, event_type) VALUES ($1, $2, $3)`, e.AggregateID, e.AggregateVersion, e.Type)
+		return err
+	}
+	return errors.Join(
+		consumer.HandleJSON(c, Opened, func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ AccountOpened) error {
+			if _, err := tx.Exec(ctx, `INSERT INTO `+accounts+` (id, version) VALUES ($1, $2)`, e.AggregateID, e.AggregateVersion); err != nil {
+				return err
+			}
+			return record(ctx, tx, e)
+		}),
+		consumer.HandleJSON(c, LimitChanged, func(ctx context.Context, tx pgx.Tx, e eventline.Event, l LimitChange) error {
+			if _, err := tx.Exec(ctx, `UPDATE `+accounts+` SET limit_cents = $2, version = $3 WHERE id = $1`, e.AggregateID, l.LimitCents, e.AggregateVersion); err != nil {
+				return err
+			}
+			return record(ctx, tx, e)
+		}),
+		consumer.HandleJSON(c, Deposited, func(ctx context.Context, tx pgx.Tx, e eventline.Event, d Deposit) error {
+			if _, err := tx.Exec(ctx, `UPDATE `+accounts+` SET balance = balance + $2, version = $3 WHERE id = $1`, e.AggregateID, d.AmountCents, e.AggregateVersion); err != nil {
+				return err
+			}
+			return record(ctx, tx, e)
+		}),
+	)
+}
+
+func joinInts(vs []int64) string {
+	s := make([]string, len(vs))
+	for i, v := range vs {
+		s[i] = fmt.Sprint(v)
+	}
+	return strings.Join(s, ",")
+}

@@ -1,0 +1,180 @@
+// Package extest holds what the examples' tests share: reading the
+// key=value output, a schema name per test, a logger that shows only when a
+// test fails, and the checks that an example left no goroutine and no
+// database connection behind.
+package extest
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/eventline/eventline/examples/internal/setup"
+)
+
+// VerifyTestMain runs the tests, then fails if goroutines are left running.
+func VerifyTestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// Sarama's metrics registry starts a process-wide meter ticker.
+		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
+	)
+}
+
+// Schema returns a schema name unique to this test run.
+func Schema(prefix string) string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return prefix + "_test_" + hex.EncodeToString(b[:])
+}
+
+// Logger returns a debug logger whose output is printed only if the test
+// fails.
+func Logger(t testing.TB) *slog.Logger {
+	t.Helper()
+	w := &lockedBuffer{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("logs:\n%s", w.String())
+		}
+	})
+	return setup.Logger(w, slog.LevelDebug)
+}
+
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// Line is one output line's key=value pairs, and its first bare word, if
+// any ("progress", "first_relay"…).
+type Line struct {
+	Tag    string
+	Fields map[string]string
+}
+
+// Parse reads key=value lines. Values may be Go-quoted strings.
+func Parse(t testing.TB, out string) []Line {
+	t.Helper()
+	var lines []Line
+	for _, raw := range strings.Split(strings.TrimSpace(out), "\n") {
+		l := Line{Fields: map[string]string{}}
+		rest := strings.TrimSpace(raw)
+		for rest != "" {
+			var tok string
+			tok, rest = nextToken(t, rest)
+			k, v, ok := strings.Cut(tok, "=")
+			if !ok {
+				require.Empty(t, l.Tag, "line %q: only the first word may be bare", raw)
+				require.Empty(t, l.Fields, "line %q: a bare word must come first", raw)
+				l.Tag = tok
+				continue
+			}
+			if strings.HasPrefix(v, `"`) {
+				u, err := strconv.Unquote(v)
+				require.NoError(t, err, "line %q: value of %s", raw, k)
+				v = u
+			}
+			_, dup := l.Fields[k]
+			require.False(t, dup, "line %q: key %s twice", raw, k)
+			l.Fields[k] = v
+		}
+		lines = append(lines, l)
+	}
+	return lines
+}
+
+// nextToken splits off the next space-separated token, keeping a quoted
+// value in one piece.
+func nextToken(t testing.TB, s string) (string, string) {
+	t.Helper()
+	i := strings.IndexAny(s, ` "`)
+	if i < 0 {
+		return s, ""
+	}
+	if s[i] == ' ' {
+		return s[:i], strings.TrimLeft(s[i:], " ")
+	}
+	// A quoted value: find its closing quote.
+	for j := i + 1; j < len(s); j++ {
+		switch s[j] {
+		case '\\':
+			j++
+		case '"':
+			return s[:j+1], strings.TrimLeft(s[j+1:], " ")
+		}
+	}
+	t.Fatalf("unterminated quote in %q", s)
+	return "", ""
+}
+
+// Find returns the last line that has every one of keys.
+func Find(t testing.TB, lines []Line, keys ...string) map[string]string {
+	t.Helper()
+	for i := len(lines) - 1; i >= 0; i-- {
+		ok := true
+		for _, k := range keys {
+			if _, has := lines[i].Fields[k]; !has {
+				ok = false
+				break
+			}
+		}
+		if ok {
+			return lines[i].Fields
+		}
+	}
+	t.Fatalf("no output line has all of %v", keys)
+	return nil
+}
+
+// Int returns the integer value of key.
+func Int(t testing.TB, fields map[string]string, key string) int {
+	t.Helper()
+	v, ok := fields[key]
+	require.True(t, ok, "missing %s", key)
+	n, err := strconv.Atoi(v)
+	require.NoError(t, err, "%s=%s", key, v)
+	return n
+}
+
+// NoConnections fails the test if PostgreSQL still has sessions with the
+// given application_name after a short grace period (a closed pool's
+// backends take a moment to exit).
+func NoConnections(t testing.TB, appName string) {
+	t.Helper()
+	ctx := context.Background()
+	pool, err := setup.Pool(ctx, setup.DatabaseURL(), "eventline-example-test", 1)
+	require.NoError(t, err)
+	defer pool.Close()
+	var n int
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE application_name = $1`, appName).Scan(&n))
+		if n == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	require.Zero(t, n, "connections named %s left open", appName)
+}

@@ -1,0 +1,208 @@
+package setup
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/devkafka"
+	"github.com/eventline/eventline/internal/kafkaconf"
+)
+
+// Kafka is the cluster an example runs against: the one named by
+// KAFKA_BROKERS, or else a kfake cluster started in this process and
+// reached over TCP like any broker.
+type Kafka struct {
+	// Brokers are the bootstrap addresses to give eventline's configs.
+	Brokers []string
+	// InProcess is true when the cluster is kfake, started by StartKafka.
+	InProcess bool
+
+	cluster *kfake.Cluster
+	suffix  string
+	topics  []string
+	groups  []string
+}
+
+// StartKafka returns the cluster in brokers, or when brokers is empty, a new
+// in-process one.
+func StartKafka(brokers []string) (*Kafka, error) {
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	k := &Kafka{Brokers: brokers, suffix: hex.EncodeToString(b[:])}
+	if len(brokers) > 0 {
+		return k, nil
+	}
+	c, err := devkafka.Start(0)
+	if err != nil {
+		return nil, err
+	}
+	k.cluster, k.Brokers, k.InProcess = c, c.ListenAddrs(), true
+	return k, nil
+}
+
+// BrokersFromEnv returns the brokers in KAFKA_BROKERS, or nil.
+func BrokersFromEnv() []string { return kafkaconf.BrokersFromEnv() }
+
+// Topic returns name made unique to this run ("orders-3fa2c1"), so a run
+// against a shared cluster never reads an earlier run's records.
+func (k *Kafka) Topic(name string) string { return name + "-" + k.suffix }
+
+// Group returns a consumer group name unique to this run ("billing-3fa2c1"),
+// so a run against a shared cluster never joins someone else's group. Close
+// deletes the groups on a shared cluster.
+func (k *Kafka) Group(name string) string {
+	g := name + "-" + k.suffix
+	k.groups = append(k.groups, g)
+	return g
+}
+
+// CreateTopics creates topics with the given partition count and waits
+// until the cluster's metadata shows them. Close deletes them again.
+func (k *Kafka) CreateTopics(ctx context.Context, partitions int32, topics ...string) error {
+	admin, err := k.admin()
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	for _, t := range topics {
+		err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
+		var te *sarama.TopicError
+		if err != nil && !(errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists) {
+			return fmt.Errorf("create Kafka topic %s: %w", t, err)
+		}
+		k.topics = append(k.topics, t)
+	}
+	return WaitFor(ctx, 30*time.Second, "the new topics to appear in the cluster metadata", func() (bool, error) {
+		md, err := admin.DescribeTopics(topics)
+		if err != nil {
+			return false, nil
+		}
+		for _, m := range md {
+			if m.Err != sarama.ErrNoError || len(m.Partitions) != int(partitions) {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+}
+
+// Close stops the in-process cluster, or on a shared cluster deletes the
+// topics and consumer groups of this run.
+func (k *Kafka) Close() error {
+	if k.cluster != nil {
+		k.cluster.Close()
+		return nil
+	}
+	if len(k.topics)+len(k.groups) == 0 {
+		return nil
+	}
+	admin, err := k.admin()
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	for _, g := range k.groups {
+		// Best effort: a group that never joined does not exist.
+		_ = admin.DeleteConsumerGroup(g)
+	}
+	var errs []error
+	for _, t := range k.topics {
+		if err := admin.DeleteTopic(t); err != nil {
+			errs = append(errs, fmt.Errorf("delete Kafka topic %s: %w", t, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (k *Kafka) admin() (sarama.ClusterAdmin, error) {
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	admin, err := sarama.NewClusterAdmin(k.Brokers, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to Kafka at %v: %w", k.Brokers, err)
+	}
+	return admin, nil
+}
+
+// Record is one Kafka record, with the eventline envelope read from its
+// headers.
+type Record struct {
+	Partition int32
+	Offset    int64
+	Key       string
+	EventID   string
+	Version   string
+}
+
+// ReadTopic returns every record in topic, partition by partition, oldest
+// first: what a new consumer group would receive.
+func (k *Kafka) ReadTopic(ctx context.Context, topic string) ([]Record, error) {
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	client, err := sarama.NewClient(k.Brokers, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to Kafka at %v: %w", k.Brokers, err)
+	}
+	defer client.Close()
+	consumer, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return nil, err
+	}
+	defer consumer.Close()
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		return nil, fmt.Errorf("read topic %s: %w", topic, err)
+	}
+	var out []Record
+	for _, p := range parts {
+		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return nil, fmt.Errorf("read topic %s: %w", topic, err)
+		}
+		start, err := client.GetOffset(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			return nil, fmt.Errorf("read topic %s: %w", topic, err)
+		}
+		if start >= end {
+			continue
+		}
+		pc, err := consumer.ConsumePartition(topic, p, start)
+		if err != nil {
+			return nil, fmt.Errorf("read topic %s: %w", topic, err)
+		}
+		for off := start; off < end; {
+			select {
+			case m := <-pc.Messages():
+				r := Record{Partition: m.Partition, Offset: m.Offset, Key: string(m.Key)}
+				for _, h := range m.Headers {
+					switch string(h.Key) {
+					case eventline.MetaEventID:
+						r.EventID = string(h.Value)
+					case eventline.MetaAggregateVersion:
+						r.Version = string(h.Value)
+					}
+				}
+				out = append(out, r)
+				off = m.Offset + 1
+			case <-ctx.Done():
+				_ = pc.Close()
+				return nil, ctx.Err()
+			case <-time.After(10 * time.Second):
+				_ = pc.Close()
+				return nil, fmt.Errorf("read topic %s: partition %d stopped short of offset %d", topic, p, end)
+			}
+		}
+		if err := pc.Close(); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}

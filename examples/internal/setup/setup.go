@@ -1,0 +1,183 @@
+// Package setup is the plumbing the examples share and that is not what they
+// are about: connecting to PostgreSQL, starting the in-process Kafka (or
+// using the cluster in KAFKA_BROKERS), creating and deleting topics, and
+// reading Prometheus counters back. Everything eventline-specific stays in
+// the examples' main.go, where a reader can copy it from.
+package setup
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/migrations"
+)
+
+// DefaultDatabaseURL is used when DATABASE_URL is not set.
+const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+// DatabaseURL returns DATABASE_URL, or DefaultDatabaseURL.
+func DatabaseURL() string {
+	if v := os.Getenv("DATABASE_URL"); v != "" {
+		return v
+	}
+	return DefaultDatabaseURL
+}
+
+// AppName is the application_name of an example's connections: "eventline:"
+// and the example's schema, so they can be found in pg_stat_activity (the
+// examples' tests check that none is left behind).
+func AppName(schema string) string { return "eventline:" + schema }
+
+// Pool opens a connection pool of at most maxConns connections, named
+// appName in pg_stat_activity.
+func Pool(ctx context.Context, url, appName string, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("parse database URL: %w", err)
+	}
+	cfg.MaxConns = maxConns
+	cfg.ConnConfig.RuntimeParams["application_name"] = appName
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to PostgreSQL at %s (is it running? set DATABASE_URL): %w", redact(url), err)
+	}
+	return pool, nil
+}
+
+// ResetSchema drops schema with everything in it, applies eventline's
+// migrations to it with the given number of outbox shards, and then runs
+// ddl (the example's own business tables) with search_path set to it. An
+// example that starts with ResetSchema can be run again and again.
+func ResetSchema(ctx context.Context, pool *pgxpool.Pool, schema string, shards int, ddl ...string) error {
+	if err := sqlident.Validate("schema", schema); err != nil {
+		return err
+	}
+	if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+sqlident.Quote(schema)+` CASCADE`); err != nil {
+		return fmt.Errorf("drop schema %s: %w", schema, err)
+	}
+	if err := migrations.Up(ctx, pool, migrations.Config{Schema: schema, Shards: shards}); err != nil {
+		return fmt.Errorf("migrate schema %s: %w", schema, err)
+	}
+	if len(ddl) == 0 {
+		return nil
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SET LOCAL search_path TO `+sqlident.Quote(schema)); err != nil {
+		return err
+	}
+	for _, stmt := range ddl {
+		if _, err := tx.Exec(ctx, stmt); err != nil {
+			return fmt.Errorf("create the example's tables: %w", err)
+		}
+	}
+	return tx.Commit(ctx)
+}
+
+// DropSchema drops schema and everything in it.
+func DropSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	_, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+sqlident.Quote(schema)+` CASCADE`)
+	return err
+}
+
+// Logger returns a text logger writing to w at level and above; nil w
+// discards everything.
+func Logger(w io.Writer, level slog.Level) *slog.Logger {
+	if w == nil {
+		w = io.Discard
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level}))
+}
+
+// ParseLevel reads a log level name: debug, info, warn or error.
+func ParseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(s)); err != nil {
+		return 0, fmt.Errorf("log level %q: use debug, info, warn or error", s)
+	}
+	return l, nil
+}
+
+// Counter sums the samples of a counter or gauge read from g, over every
+// series whose labels include the given ones (a nil map matches all).
+func Counter(g prometheus.Gatherer, name string, labels map[string]string) float64 {
+	families, err := g.Gather()
+	if err != nil {
+		return 0
+	}
+	var sum float64
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range f.GetMetric() {
+			have := map[string]string{}
+			for _, lp := range m.GetLabel() {
+				have[lp.GetName()] = lp.GetValue()
+			}
+			for k, v := range labels {
+				if have[k] != v {
+					continue series
+				}
+			}
+			switch {
+			case m.GetCounter() != nil:
+				sum += m.GetCounter().GetValue()
+			case m.GetGauge() != nil:
+				sum += m.GetGauge().GetValue()
+			}
+		}
+	}
+	return sum
+}
+
+// WaitFor polls cond every 20ms until it returns true, returns an error, or
+// timeout passes; what names the condition in the timeout error.
+func WaitFor(ctx context.Context, timeout time.Duration, what string, cond func() (bool, error)) error {
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		ok, err := cond()
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("stopped waiting for %s: %w", what, context.Cause(ctx))
+		case <-deadline.C:
+			return fmt.Errorf("timed out after %s waiting for %s", timeout, what)
+		case <-tick.C:
+		}
+	}
+}
+
+func redact(url string) string {
+	if i := strings.Index(url, "@"); i >= 0 {
+		if j := strings.Index(url, "://"); j >= 0 && j < i {
+			return url[:j+3] + "…" + url[i:]
+		}
+	}
+	return url
+}

@@ -1,0 +1,499 @@
+// Command orders is eventline's end-to-end demo (`make demo`): orders are
+// created together with their order.created events in one transaction, a
+// relay forwards the events to Kafka, and two consumer groups, billing and
+// shipping, apply every event exactly once to their own tables, although
+// some events are delivered twice.
+//
+//	go run ./examples/orders [-orders 1000] [-redeliver-every 10]
+//
+// It prints progress lines, then one summary line, and exits with status 1
+// unless the database shows every order billed once and shipped once:
+//
+//	orders=1000 forwarded=1000 republished=100 redelivered=200 billing_applied=1000 shipping_applied=1000 duplicates_skipped=200 elapsed=…
+//
+// republished counts the records written to Kafka a second time. Each of
+// them reaches both consumer groups, so redelivered = 2 × republished, and
+// the dedup record must recognise every one of those deliveries:
+// duplicates_skipped, billing's plus shipping's, equals redelivered.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/examples/internal/setup"
+	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline/producer"
+)
+
+type config struct {
+	// DatabaseURL is the PostgreSQL to run against.
+	DatabaseURL string
+	// Brokers is the Kafka cluster; empty starts one in-process (kfake).
+	Brokers []string
+	// Schema is dropped and recreated at start, and dropped at the end
+	// unless Keep is set.
+	Schema string
+	Keep   bool
+	// Orders is how many orders to create.
+	Orders int
+	// RedeliverEvery sends every n-th order's event to Kafka a second
+	// time; 0 sends none twice.
+	RedeliverEvery int
+	// Writers is how many transactions create orders concurrently.
+	Writers int
+	// Progress is the interval between progress lines; 0 prints none.
+	Progress time.Duration
+	// Logger receives eventline's and Watermill's logs.
+	Logger *slog.Logger
+}
+
+func main() {
+	cfg := config{DatabaseURL: setup.DatabaseURL(), Brokers: setup.BrokersFromEnv()}
+	flag.IntVar(&cfg.Orders, "orders", 1000, "number of orders to create")
+	flag.IntVar(&cfg.RedeliverEvery, "redeliver-every", 10, "publish every n-th order's event to Kafka a second time (0: none)")
+	flag.IntVar(&cfg.Writers, "writers", 4, "concurrent order-creating transactions")
+	flag.DurationVar(&cfg.Progress, "progress", time.Second, "interval between progress lines (0: none)")
+	flag.StringVar(&cfg.Schema, "schema", "example_orders", "PostgreSQL schema the example (re)creates")
+	flag.BoolVar(&cfg.Keep, "keep", false, "keep the schema after the run, to look at the tables")
+	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
+	flag.Parse()
+	lvl, err := setup.ParseLevel(*level)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "orders:", err)
+		os.Exit(2)
+	}
+	cfg.Logger = setup.Logger(os.Stderr, lvl)
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, cfg, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "orders:", err)
+		os.Exit(1)
+	}
+}
+
+// The business tables. invoices and shipments deliberately have no unique
+// constraint on order_id: an event applied twice would show as two rows.
+var ddl = []string{
+	`CREATE TABLE orders (
+		id           bigserial   PRIMARY KEY,
+		order_no     text        NOT NULL UNIQUE,
+		amount_cents bigint      NOT NULL CHECK (amount_cents > 0),
+		created_at   timestamptz NOT NULL DEFAULT now())`,
+	`CREATE TABLE invoices (
+		id           bigserial   PRIMARY KEY,
+		order_id     bigint      NOT NULL,
+		amount_cents bigint      NOT NULL,
+		event_id     text        NOT NULL)`,
+	`CREATE TABLE shipments (
+		id           bigserial   PRIMARY KEY,
+		order_id     bigint      NOT NULL,
+		event_id     text        NOT NULL)`,
+}
+
+// OrderCreated is the payload of order.created events.
+type OrderCreated struct {
+	OrderID     int64  `json:"order_id"`
+	OrderNo     string `json:"order_no"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// orderHandler handles order.created in a consumer group. Its writes go
+// through tx, the consumer transaction: they commit together with the
+// event's dedup record, or not at all.
+type orderHandler func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderCreated) error
+
+// bill is the billing group's handler: one invoice per order.
+func bill(schema string) orderHandler {
+	invoices := pgx.Identifier{schema, "invoices"}.Sanitize()
+	return func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderCreated) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+invoices+` (order_id, amount_cents, event_id) VALUES ($1, $2, $3)`, o.OrderID, o.AmountCents, e.ID)
+		return err
+	}
+}
+
+// ship is the shipping group's handler: one shipment per order.
+func ship(schema string) orderHandler {
+	shipments := pgx.Identifier{schema, "shipments"}.Sanitize()
+	return func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderCreated) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+shipments+` (order_id, event_id) VALUES ($1, $2)`, o.OrderID, e.ID)
+		return err
+	}
+}
+
+// groups are the consumer groups, each with its handler and effects table.
+var groups = []struct {
+	name, table string
+	handler     func(schema string) orderHandler
+}{
+	{"billing", "invoices", bill},
+	{"shipping", "shipments", ship},
+}
+
+func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
+	start := time.Now()
+	log := cfg.Logger
+	if log == nil {
+		log = setup.Logger(nil, slog.LevelError)
+	}
+	if cfg.Orders <= 0 || cfg.Writers <= 0 || cfg.RedeliverEvery < 0 {
+		return errors.New("-orders and -writers must be positive, -redeliver-every not negative")
+	}
+
+	// Kafka: the events topic, and a dead-letter topic per consumer group
+	// (a consumer needs one; eventline does not create topics).
+	k, err := setup.StartKafka(cfg.Brokers)
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, k.Close()) }()
+	topic := k.Topic("orders")
+	if err := k.CreateTopics(ctx, 4, topic); err != nil {
+		return err
+	}
+	// Group and topic names get a suffix unique to the run (billing-3fa2c1),
+	// so runs against a shared cluster never mix.
+	groupID, dlq := map[string]string{}, map[string]string{}
+	for _, g := range groups {
+		groupID[g.name], dlq[g.name] = k.Group(g.name), k.Topic(g.name+consumer.DeadLetterTopicSuffix)
+		if err := k.CreateTopics(ctx, 1, dlq[g.name]); err != nil {
+			return err
+		}
+	}
+
+	// PostgreSQL: one schema holds eventline's tables and the business
+	// tables. Every component has its own small pool.
+	const shards = 2
+	db, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), int32(cfg.Writers)+1)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if err := setup.ResetSchema(ctx, db, cfg.Schema, shards, ddl...); err != nil {
+		return err
+	}
+	if !cfg.Keep {
+		defer func() { err = errors.Join(err, setup.DropSchema(context.WithoutCancel(ctx), db, cfg.Schema)) }()
+	}
+	relayDB, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), shards+3) // one per shard, plus three
+	if err != nil {
+		return err
+	}
+	defer relayDB.Close()
+	consumerDB := map[string]*pgxpool.Pool{}
+	for _, g := range groups {
+		pool, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 4)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		consumerDB[g.name] = pool
+	}
+	fmt.Fprintf(stdout, "schema=%s topic=%s shards=%d kafka=%s\n", cfg.Schema, topic, shards, kafkaName(k))
+
+	// Prometheus collectors, read back for the progress and summary lines.
+	reg := prometheus.NewRegistry()
+	relayMetrics, err := producer.NewRelayMetrics(reg)
+	if err != nil {
+		return err
+	}
+	consumerMetrics, err := middleware.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
+
+	// The pipeline runs in the background: a relay and two consumers. If
+	// one of them fails, waiting stops.
+	waitCtx, failed := context.WithCancel(ctx)
+	defer failed()
+	pipeline, stopPipeline := context.WithCancel(context.WithoutCancel(ctx))
+	bg := &background{onError: failed}
+	stopAll := sync.OnceValue(func() error {
+		stopPipeline()
+		return bg.Wait()
+	})
+	defer func() {
+		if stopErr := stopAll(); stopErr != nil && !errors.Is(err, stopErr) {
+			err = errors.Join(err, stopErr)
+		}
+	}()
+
+	relay, err := producer.NewRelay(ctx, relayDB, producer.RelayConfig{
+		Schema:  cfg.Schema,
+		Brokers: k.Brokers,
+		Logger:  log,
+		Metrics: relayMetrics,
+	})
+	if err != nil {
+		return err
+	}
+	bg.Go(func() error { return relay.Run(pipeline) })
+
+	for _, g := range groups {
+		c, err := consumer.New(consumerDB[g.name], consumer.Config{
+			Brokers:         k.Brokers,
+			Group:           groupID[g.name],
+			Topics:          []string{topic},
+			Schema:          cfg.Schema,
+			DeadLetterTopic: dlq[g.name],
+			Logger:          log,
+			Metrics:         consumerMetrics,
+		})
+		if err != nil {
+			return err
+		}
+		if err := consumer.HandleJSON(c, "order.created", g.handler(cfg.Schema)); err != nil {
+			return err
+		}
+		bg.Go(func() error { return c.Run(pipeline) })
+	}
+
+	counter := func(name, group string) int {
+		var labels map[string]string
+		if group != "" {
+			labels = map[string]string{"group": group}
+		}
+		return int(setup.Counter(reg, name, labels))
+	}
+	progress := func(stage string) {
+		fmt.Fprintf(stdout, "progress stage=%s forwarded=%d billing_applied=%d shipping_applied=%d duplicates_skipped=%d elapsed=%s\n", stage,
+			counter("eventline_relay_forwarded_total", ""),
+			counter("eventline_consumer_events_applied_total", groupID["billing"]),
+			counter("eventline_consumer_events_applied_total", groupID["shipping"]),
+			counter("eventline_consumer_events_duplicate_total", ""),
+			time.Since(start).Round(time.Millisecond))
+	}
+
+	// 1. Create the orders, each order row with its event in one
+	// transaction.
+	p, err := producer.New(ctx, db, producer.Config{Schema: cfg.Schema, DefaultTopic: topic})
+	if err != nil {
+		return err
+	}
+	events, err := createOrders(ctx, db, p, cfg)
+	if err != nil {
+		return err
+	}
+	progress("created")
+
+	// 2. Deliver some events a second time, as a relay that crashed before
+	// recording its progress would: the same record, same event id, once
+	// more on the topic.
+	var again []eventline.Event
+	for i, e := range events {
+		if cfg.RedeliverEvery > 0 && (i+1)%cfg.RedeliverEvery == 0 {
+			again = append(again, e)
+		}
+	}
+	if err := republish(k.Brokers, topic, again); err != nil {
+		return err
+	}
+	republished, redelivered := len(again), len(again)*len(groups)
+	progress("republished")
+
+	// 3. Wait until each group has handled every delivery: each event,
+	// and each second copy.
+	lastProgress := time.Now()
+	err = setup.WaitFor(waitCtx, 5*time.Minute, "the consumers to handle every delivery", func() (bool, error) {
+		if cfg.Progress > 0 && time.Since(lastProgress) >= cfg.Progress {
+			progress("consuming")
+			lastProgress = time.Now()
+		}
+		for _, g := range groups {
+			handled := counter("eventline_consumer_events_applied_total", groupID[g.name]) + counter("eventline_consumer_events_duplicate_total", groupID[g.name])
+			if handled < len(events)+republished {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if err != nil {
+		return err
+	}
+	if err := stopAll(); err != nil {
+		return err
+	}
+
+	// 4. Check the outcome in the database, not in the counters.
+	applied := map[string]int{}
+	for _, g := range groups {
+		n, err := checkAppliedOnce(ctx, db, cfg.Schema, g.table, len(events))
+		if err != nil {
+			return fmt.Errorf("consumer group %s: %w", g.name, err)
+		}
+		applied[g.name] = n
+	}
+	st, err := producer.ReadStatus(ctx, db, cfg.Schema)
+	if err != nil {
+		return err
+	}
+	if st.Backlog() != 0 || st.DeadLetters != 0 {
+		return fmt.Errorf("the outbox still holds %d events and %d dead letters", st.Backlog(), st.DeadLetters)
+	}
+	forwarded := counter("eventline_relay_forwarded_total", "")
+	duplicates := counter("eventline_consumer_events_duplicate_total", "")
+	fmt.Fprintf(stdout, "orders=%d forwarded=%d republished=%d redelivered=%d billing_applied=%d shipping_applied=%d duplicates_skipped=%d elapsed=%s\n",
+		len(events), forwarded, republished, redelivered, applied["billing"], applied["shipping"], duplicates, time.Since(start).Round(time.Millisecond))
+	if forwarded != len(events) {
+		return fmt.Errorf("the relay forwarded %d events, want %d", forwarded, len(events))
+	}
+	if duplicates != redelivered {
+		return fmt.Errorf("the consumers skipped %d duplicates, want %d: one per group for each republished record", duplicates, redelivered)
+	}
+	return nil
+}
+
+// createOrders creates cfg.Orders orders in cfg.Writers concurrent
+// transactions and returns their events, in order.
+func createOrders(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, cfg config) ([]eventline.Event, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	events := make([]eventline.Event, cfg.Orders)
+	next := make(chan int)
+	writers := &background{onError: cancel}
+	for range cfg.Writers {
+		writers.Go(func() error {
+			for i := range next {
+				e, err := createOrder(ctx, db, p, cfg.Schema, fmt.Sprintf("A-%06d", i+1), int64(1000+i%9000))
+				if err != nil {
+					return err
+				}
+				events[i] = e
+			}
+			return nil
+		})
+	}
+feed:
+	for i := range events {
+		select {
+		case next <- i:
+		case <-ctx.Done():
+			break feed
+		}
+	}
+	close(next)
+	return events, writers.Wait()
+}
+
+// createOrder inserts an order and writes its order.created event into the
+// outbox in the same transaction: both commit, or neither does.
+func createOrder(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, schema, orderNo string, amount int64) (eventline.Event, error) {
+	var e eventline.Event
+	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		var id int64
+		err := tx.QueryRow(ctx, `INSERT INTO `+pgx.Identifier{schema, "orders"}.Sanitize()+` (order_no, amount_cents) VALUES ($1, $2) RETURNING id`,
+			orderNo, amount).Scan(&id)
+		if err != nil {
+			return fmt.Errorf("insert order: %w", err)
+		}
+		e, err = eventline.NewJSONEvent("order.created", "order", fmt.Sprint(id), OrderCreated{OrderID: id, OrderNo: orderNo, AmountCents: amount})
+		if err != nil {
+			return err
+		}
+		// Set here rather than left to the producer, so that the very same
+		// event can be sent again later.
+		e.ID, e.AggregateVersion, e.OccurredAt = eventline.NewEventID(), 1, time.Now()
+		return p.PublishTx(ctx, tx, e)
+	})
+	return e, err
+}
+
+// republish writes events straight to Kafka with a plain watermill-kafka
+// publisher, the way the relay does: encoded by eventline.Encode and keyed
+// by aggregate id, so each lands in its aggregate's partition.
+func republish(brokers []string, topic string, events []eventline.Event) error {
+	if len(events) == 0 {
+		return nil
+	}
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
+		Brokers: brokers,
+		Marshaler: kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
+			return msg.Metadata.Get(eventline.MetaAggregateID), nil
+		}),
+	}, watermill.NopLogger{})
+	if err != nil {
+		return err
+	}
+	msgs := make([]*message.Message, 0, len(events))
+	for _, e := range events {
+		msg, err := eventline.Encode(e)
+		if err != nil {
+			return errors.Join(err, pub.Close())
+		}
+		msgs = append(msgs, msg)
+	}
+	return errors.Join(pub.Publish(topic, msgs...), pub.Close())
+}
+
+// checkAppliedOnce checks that table holds exactly one row per order and
+// returns its row count.
+func checkAppliedOnce(ctx context.Context, db *pgxpool.Pool, schema, table string, orders int) (int, error) {
+	effects, all := pgx.Identifier{schema, table}.Sanitize(), pgx.Identifier{schema, "orders"}.Sanitize()
+	var rows, distinct, missing int
+	err := db.QueryRow(ctx, `SELECT
+			(SELECT count(*) FROM `+effects+`),
+			(SELECT count(DISTINCT order_id) FROM `+effects+`),
+			(SELECT count(*) FROM `+all+` o WHERE NOT EXISTS (SELECT 1 FROM `+effects+` t WHERE t.order_id = o.id))`).
+		Scan(&rows, &distinct, &missing)
+	if err != nil {
+		return 0, err
+	}
+	if rows != orders || distinct != orders || missing != 0 {
+		return rows, fmt.Errorf("%s has %d rows for %d distinct orders, %d orders have none; want exactly one per order (%d)", table, rows, distinct, missing, orders)
+	}
+	return rows, nil
+}
+
+// background runs goroutines and collects their errors; the first error
+// also calls onError.
+type background struct {
+	onError func()
+	wg      sync.WaitGroup
+	mu      sync.Mutex
+	errs    []error
+}
+
+func (b *background) Go(fn func() error) {
+	b.wg.Go(func() {
+		if err := fn(); err != nil {
+			b.mu.Lock()
+			b.errs = append(b.errs, err)
+			b.mu.Unlock()
+			b.onError()
+		}
+	})
+}
+
+// Wait waits for every goroutine and returns their errors, joined.
+func (b *background) Wait() error {
+	b.wg.Wait()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return errors.Join(b.errs...)
+}
+
+func kafkaName(k *setup.Kafka) string {
+	if k.InProcess {
+		return "in-process"
+	}
+	return fmt.Sprint(k.Brokers)
+}
