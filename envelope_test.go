@@ -1,0 +1,116 @@
+package eventline_test
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+)
+
+func TestEncodeDecodeRoundTrip(t *testing.T) {
+	occurred := time.Date(2026, 12, 2, 10, 0, 0, 123456789, time.UTC)
+	in := eventline.Event{
+		ID: "evt-1", Type: "order.created", SchemaVersion: 2,
+		AggregateType: "order", AggregateID: "42", AggregateVersion: 7,
+		OccurredAt: occurred, CorrelationID: "req-9", TraceParent: "00-abc-def-01",
+		Payload: []byte(`{"amount":10}`), Metadata: map[string]string{"tenant": "acme"},
+	}
+	msg, err := eventline.Encode(in)
+	require.NoError(t, err)
+	require.Equal(t, "evt-1", msg.UUID)
+	require.Equal(t, "7", msg.Metadata.Get(eventline.MetaAggregateVersion))
+
+	out, err := eventline.Decode(msg)
+	require.NoError(t, err)
+	in.Topic = ""
+	require.Equal(t, in, out)
+}
+
+func TestEncodeFillsDefaults(t *testing.T) {
+	msg, err := eventline.Encode(eventline.Event{Type: "t", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`)})
+	require.NoError(t, err)
+	e, err := eventline.Decode(msg)
+	require.NoError(t, err)
+	require.Len(t, e.ID, 36)
+	require.Equal(t, 1, e.SchemaVersion)
+	require.WithinDuration(t, time.Now(), e.OccurredAt, time.Minute)
+	require.Zero(t, e.AggregateVersion, "only the outbox assigns versions")
+}
+
+func TestDecodeRejectsBadMetadataWithTypedErrors(t *testing.T) {
+	valid := func() message.Metadata {
+		return message.Metadata{
+			eventline.MetaEventID: "e", eventline.MetaEventType: "t",
+			eventline.MetaAggregateType: "a", eventline.MetaAggregateID: "1",
+			eventline.MetaAggregateVersion: "3",
+		}
+	}
+	cases := map[string]struct {
+		key, value string
+		field      string
+	}{
+		"missing event id":        {eventline.MetaEventID, "", eventline.MetaEventID},
+		"missing aggregate id":    {eventline.MetaAggregateID, "", eventline.MetaAggregateID},
+		"blank aggregate type":    {eventline.MetaAggregateType, "  ", eventline.MetaAggregateType},
+		"non-numeric version":     {eventline.MetaAggregateVersion, "three", eventline.MetaAggregateVersion},
+		"negative version":        {eventline.MetaAggregateVersion, "-1", eventline.MetaAggregateVersion},
+		"zero version":            {eventline.MetaAggregateVersion, "0", eventline.MetaAggregateVersion},
+		"non-numeric schema ver.": {eventline.MetaEventVersion, "v2", eventline.MetaEventVersion},
+		"bad timestamp":           {eventline.MetaOccurredAt, "yesterday", eventline.MetaOccurredAt},
+		"NUL in id":               {eventline.MetaEventID, "a\x00b", eventline.MetaEventID},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			msg := message.NewMessage("uuid", []byte(`{}`))
+			msg.Metadata = valid()
+			msg.Metadata.Set(c.key, c.value)
+			_, err := eventline.Decode(msg)
+			require.ErrorIs(t, err, eventline.ErrInvalidEvent)
+			var ie *eventline.InvalidEventError
+			require.True(t, errors.As(err, &ie))
+			require.Equal(t, c.field, ie.Field)
+		})
+	}
+	_, err := eventline.Decode(nil)
+	require.ErrorIs(t, err, eventline.ErrInvalidEvent)
+}
+
+func TestIsJSON(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"": true, "application/json": true, "application/json; charset=utf-8": true,
+		"application/cloudevents+json": true, "application/protobuf": false, "text/plain": false,
+	} {
+		require.Equal(t, want, eventline.Event{ContentType: ct}.IsJSON(), ct)
+	}
+}
+
+// FuzzDecode feeds hostile metadata to Decode: it must return an event or
+// an *InvalidEventError, never panic, and what it accepts must encode again.
+func FuzzDecode(f *testing.F) {
+	f.Add("e", "t", "a", "1", "2", "1", "2026-01-01T00:00:00Z", []byte(`{}`))
+	f.Add("", "", "", "", "x", "-1", "bad", []byte(`not json`))
+	f.Fuzz(func(t *testing.T, id, typ, aggType, aggID, version, schemaVersion, occurred string, payload []byte) {
+		msg := message.NewMessage(id, payload)
+		msg.Metadata = message.Metadata{
+			eventline.MetaEventID: id, eventline.MetaEventType: typ,
+			eventline.MetaAggregateType: aggType, eventline.MetaAggregateID: aggID,
+			eventline.MetaAggregateVersion: version, eventline.MetaEventVersion: schemaVersion,
+			eventline.MetaOccurredAt: occurred, eventline.MetaContentType: "application/octet-stream",
+		}
+		e, err := eventline.Decode(msg)
+		if err != nil {
+			var ie *eventline.InvalidEventError
+			if !errors.As(err, &ie) {
+				t.Fatalf("untyped error %T: %v", err, err)
+			}
+			return
+		}
+		if _, err := eventline.Encode(e); err != nil {
+			t.Fatalf("decoded event does not encode: %v (%+v)", err, e)
+		}
+	})
+}
