@@ -121,20 +121,62 @@ func (s *Store) Table() string { return s.table }
 // The row becomes visible when db's transaction commits and disappears with
 // it on rollback, so a failed handler leaves the event unrecorded.
 func (s *Store) Insert(ctx context.Context, db DBTX, group string, e eventline.Event, outcome Outcome) (bool, error) {
-	if group == "" {
-		return false, errors.New("dedup: consumer group is empty")
+	args, err := s.insertArgs(group, e, outcome)
+	if err != nil {
+		return false, err
 	}
-	if e.ID == "" {
-		return false, &eventline.InvalidEventError{Field: eventline.MetaEventID, Reason: "missing; cannot deduplicate"}
-	}
-	if !outcome.Valid() {
-		return false, fmt.Errorf("dedup: unknown outcome %q", outcome)
-	}
-	tag, err := db.Exec(ctx, s.insertSQL, group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, string(outcome))
+	tag, err := db.Exec(ctx, s.insertSQL, args...)
 	if err != nil {
 		return false, fmt.Errorf("dedup: record event %s: %w", e.ID, err)
 	}
 	return tag.RowsAffected() == 1, nil
+}
+
+// PendingInsert is an Insert queued on a pgx.Batch by [Store.QueueInsert].
+type PendingInsert struct {
+	fresh bool
+	err   error
+	set   bool
+}
+
+// Result reports, once the batch's results have been closed, whether the
+// event was recorded (false: a duplicate).
+func (p *PendingInsert) Result() (bool, error) {
+	if !p.set && p.err == nil {
+		return false, errors.New("dedup: insert result read before the batch results were closed")
+	}
+	return p.fresh, p.err
+}
+
+// QueueInsert queues [Store.Insert] on b, so it can travel with the
+// transaction's BEGIN (b.BeginTx) in one round trip. The result is
+// available from the returned PendingInsert once the batch results are
+// closed.
+func (s *Store) QueueInsert(b *pgx.Batch, group string, e eventline.Event, outcome Outcome) *PendingInsert {
+	p := &PendingInsert{}
+	args, err := s.insertArgs(group, e, outcome)
+	if err != nil {
+		p.err = err
+		return p
+	}
+	b.Queue(s.insertSQL, args...).Exec(func(tag pgconn.CommandTag) error {
+		p.fresh, p.set = tag.RowsAffected() == 1, true
+		return nil
+	})
+	return p
+}
+
+func (s *Store) insertArgs(group string, e eventline.Event, outcome Outcome) ([]any, error) {
+	if group == "" {
+		return nil, errors.New("dedup: consumer group is empty")
+	}
+	if e.ID == "" {
+		return nil, &eventline.InvalidEventError{Field: eventline.MetaEventID, Reason: "missing; cannot deduplicate"}
+	}
+	if !outcome.Valid() {
+		return nil, fmt.Errorf("dedup: unknown outcome %q", outcome)
+	}
+	return []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, string(outcome)}, nil
 }
 
 // SetOutcome changes the recorded outcome of an event. It is a no-op when

@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
@@ -117,7 +116,7 @@ func (g *Gate) Store() *versioning.Store { return g.store }
 
 // Middleware returns the gate as a Watermill middleware.
 func (g *Gate) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	return g.middleware(h, false)
+	return g.middleware(h)
 }
 
 // MiddlewareFor returns the gate as a middleware that also registers the
@@ -125,7 +124,7 @@ func (g *Gate) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // router.AddConsumerHandler(name, …).AddMiddleware(gate.MiddlewareFor(name))).
 func (g *Gate) MiddlewareFor(handlerName string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
-		wrapped := g.middleware(h, false)
+		wrapped := g.middleware(h)
 		g.reg.register(handlerName, h)
 		return wrapped
 	}
@@ -201,9 +200,9 @@ func (g *Gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked, 
 	return out, err
 }
 
-// middleware is the gate; withDedup folds the dedup insert into the gate's
-// statement (the composed middleware).
-func (g *Gate) middleware(h message.HandlerFunc, withDedup bool) message.HandlerFunc {
+// middleware is the stand-alone gate: it admits the event with its own
+// statement in the transaction from the context.
+func (g *Gate) middleware(h message.HandlerFunc) message.HandlerFunc {
 	g.reg.wrap(h)
 	return func(msg *message.Message) ([]*message.Message, error) {
 		tx, ok := TxFromContext(msg.Context())
@@ -217,37 +216,39 @@ func (g *Gate) middleware(h message.HandlerFunc, withDedup bool) message.Handler
 		if _, ok := EventFromContext(msg.Context()); !ok {
 			msg.SetContext(ContextWithEvent(msg.Context(), e))
 		}
-		name := message.HandlerNameFromCtx(msg.Context())
-		g.reg.learn(name, h)
-		return g.handle(msg, tx, e, h, name, withDedup)
+		if err := g.precheck(e); err != nil {
+			return nil, err
+		}
+		var a versioning.Admission
+		if e.AggregateVersion > 0 {
+			if a, err = g.store.Admit(msg.Context(), tx, g.cfg.Group, e, g.jumps(e), false); err != nil {
+				return nil, err
+			}
+		}
+		return g.proceed(msg, tx, e, h, a)
 	}
 }
 
-func (g *Gate) handle(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, name string, withDedup bool) ([]*message.Message, error) {
-	ctx := msg.Context()
-	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
-	if e.AggregateVersion == 0 {
-		if g.cfg.Unversioned == versioning.RejectUnversioned {
-			return nil, Permanent(fmt.Errorf("event %s (%s): %w", e.ID, e.Type, versioning.ErrUnversioned))
-		}
-		if withDedup {
-			fresh, err := g.store.Dedup().Insert(ctx, tx, group, e, dedup.OutcomeApplied)
-			if err != nil {
-				return nil, err
-			}
-			if !fresh {
-				g.duplicate(ctx, e)
-				return nil, nil
-			}
-		}
-		return g.run(msg, e, h)
+// precheck rejects what the gate refuses before any database work.
+func (g *Gate) precheck(e eventline.Event) error {
+	if e.AggregateVersion == 0 && g.cfg.Unversioned == versioning.RejectUnversioned {
+		return Permanent(fmt.Errorf("event %s (%s): %w", e.ID, e.Type, versioning.ErrUnversioned))
 	}
+	return nil
+}
 
-	policy := g.policies.For(e.Type)
-	a, err := g.store.Admit(ctx, tx, group, e, policy == versioning.Apply, withDedup)
-	if err != nil {
-		return nil, err
-	}
+// jumps reports whether a gap applies e anyway (the Apply policy).
+func (g *Gate) jumps(e eventline.Event) bool { return g.policies.For(e.Type) == versioning.Apply }
+
+// proceed acts on an admission: skip a duplicate, record a stale event,
+// park or reject a gap, or run the handler (auditing a jump) and drain
+// parked successors. a's zero value means "apply, no version involved"
+// (an unversioned event).
+func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
+	ctx := msg.Context()
+	name := message.HandlerNameFromCtx(ctx)
+	g.reg.learn(name, h)
+	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	k := versioning.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
 	switch a.Verdict {
 	case versioning.Duplicate:
@@ -262,7 +263,7 @@ func (g *Gate) handle(msg *message.Message, tx pgx.Tx, e eventline.Event, h mess
 		AfterCommit(ctx, func() { m.incStale(group, e.Type) })
 		return nil, nil
 	case versioning.Gap:
-		if policy == versioning.Reject {
+		if g.policies.For(e.Type) == versioning.Reject {
 			return nil, &versioning.GapError{AggregateType: e.AggregateType, AggregateID: e.AggregateID, Version: e.AggregateVersion, Current: a.Previous}
 		}
 		if _, err := g.store.Park(ctx, tx, versioning.ParkRequest{Group: group, Event: e, Handler: name, Topic: e.Topic, Message: msg}); err != nil {

@@ -53,20 +53,24 @@ func (t Tx) Middleware(h message.HandlerFunc) message.HandlerFunc {
 
 // inTx runs h with a transaction in msg's context.
 func inTx(msg *message.Message, db TxBeginner, opts pgx.TxOptions, h message.HandlerFunc) (out []*message.Message, err error) {
-	orig := msg.Context()
-	tx, err := db.BeginTx(orig, opts)
+	tx, err := db.BeginTx(msg.Context(), opts)
 	if err != nil {
 		return nil, fmt.Errorf("eventline: begin consumer transaction: %w", err)
 	}
+	return runInTx(msg, tx, h)
+}
+
+// runInTx runs h with the open transaction tx in msg's context, commits
+// when h succeeds and rolls back otherwise (also when h panics).
+func runInTx(msg *message.Message, tx pgx.Tx, h message.HandlerFunc) (out []*message.Message, err error) {
+	orig := msg.Context()
 	st := &txState{tx: tx}
 	ctx := context.WithValue(orig, txKey, st)
 	done := false
 	defer func() {
 		msg.SetContext(orig)
 		if !done {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(orig), rollbackTimeout)
-			_ = tx.Rollback(rctx)
-			cancel()
+			rollback(orig, tx)
 		}
 	}()
 	msg.SetContext(ctx)
@@ -80,6 +84,13 @@ func inTx(msg *message.Message, db TxBeginner, opts pgx.TxOptions, h message.Han
 	}
 	RunAfterCommit(ctx)
 	return out, nil
+}
+
+// rollback rolls tx back even when ctx has ended.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	_ = tx.Rollback(rctx)
 }
 
 // Recover turns a panic in the rest of the chain into a *PanicError, so the

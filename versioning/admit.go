@@ -80,20 +80,68 @@ func (a Admission) Applies() bool { return a.Verdict == Next || a.Verdict == Jum
 // (see [Store.Discard], [Store.Park]); for Jump it records the skipped range
 // ([Store.RecordSkipped]). Everything rolls back with tx.
 func (s *Store) Admit(ctx context.Context, tx DBTX, group string, e eventline.Event, jump, withDedup bool) (Admission, error) {
+	q, args, err := s.admitQuery(group, e, jump, withDedup)
+	if err != nil {
+		return Admission{}, err
+	}
+	var a Admission
+	err = tx.QueryRow(ctx, q, args...).Scan(&a.Previous, &a.Current, &a.Parked)
+	return decide(e, a, err, withDedup)
+}
+
+// PendingAdmission is an Admit queued on a pgx.Batch by [Store.QueueAdmit].
+type PendingAdmission struct {
+	a   Admission
+	err error
+	set bool
+}
+
+// Result returns the admission once the batch's results have been closed.
+func (p *PendingAdmission) Result() (Admission, error) {
+	if !p.set && p.err == nil {
+		return Admission{}, errors.New("versioning: admission read before the batch results were closed")
+	}
+	return p.a, p.err
+}
+
+// QueueAdmit queues [Store.Admit] on b. Queued after b.BeginTx, the
+// transaction's BEGIN and the admission travel to the server in one round
+// trip (this is what the composed middleware does). The admission is
+// available from the returned PendingAdmission once the batch results are
+// closed; everything else is as for Admit.
+func (s *Store) QueueAdmit(b *pgx.Batch, group string, e eventline.Event, jump, withDedup bool) *PendingAdmission {
+	p := &PendingAdmission{}
+	q, args, err := s.admitQuery(group, e, jump, withDedup)
+	if err != nil {
+		p.err = err
+		return p
+	}
+	b.Queue(q, args...).QueryRow(func(row pgx.Row) error {
+		var a Admission
+		err := row.Scan(&a.Previous, &a.Current, &a.Parked)
+		p.a, p.err = decide(e, a, err, withDedup)
+		p.set = true
+		return p.err
+	})
+	return p
+}
+
+func (s *Store) admitQuery(group string, e eventline.Event, jump, withDedup bool) (string, []any, error) {
 	if e.AggregateVersion <= 0 {
-		return Admission{}, &eventline.InvalidEventError{Field: eventline.MetaAggregateVersion, Reason: "the version gate needs a positive aggregate version"}
+		return "", nil, &eventline.InvalidEventError{Field: eventline.MetaAggregateVersion, Reason: "the version gate needs a positive aggregate version"}
 	}
 	q := s.q.admit
 	if withDedup {
 		q = s.q.admitDedup
 	}
-	var a Admission
-	err := tx.QueryRow(ctx, q, group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, jump).
-		Scan(&a.Previous, &a.Current, &a.Parked)
+	return q, []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, jump}, nil
+}
+
+// decide turns the upsert's result into a verdict.
+func decide(e eventline.Event, a Admission, err error, withDedup bool) (Admission, error) {
 	switch {
 	case errors.Is(err, pgx.ErrNoRows) && withDedup:
-		a.Verdict = Duplicate
-		return a, nil
+		return Admission{Verdict: Duplicate}, nil
 	case err != nil:
 		return Admission{}, fmt.Errorf("versioning: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
 	}
