@@ -33,10 +33,13 @@ var ErrUnknownEventType = errors.New("eventline: no handler for the event type")
 // UnknownEventTypeError dead-letters an event whose type has no handler. It
 // is permanent.
 type UnknownEventTypeError struct {
-	Type  string
+	// Type is the event type without a handler.
+	Type string
+	// Group is the consumer group.
 	Group string
 }
 
+// Error implements error; the message says how to handle the type.
 func (e *UnknownEventTypeError) Error() string {
 	return fmt.Sprintf("eventline: consumer group %q has no handler for event type %q: register one with Handle, or list the type with Ignore to apply it as a no-op",
 		e.Group, e.Type)

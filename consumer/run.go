@@ -9,6 +9,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -99,6 +100,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	}
 	defer pub.Close()
 
+	c.checkTopics(ctx)
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
 	if err != nil {
 		return fmt.Errorf("eventline consumer: create router: %w", err)
@@ -162,6 +164,32 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		cfg.Logger.Warn("eventline: consumer shutdown timed out; unfinished events were rolled back and will be redelivered", "group", cfg.Group, "error", closeErr)
 	}
 	return nil
+}
+
+// checkTopics warns about topics that do not exist yet: eventline creates
+// none, and a missing dead-letter topic makes every dead letter fail (the
+// message is then redelivered until the topic exists).
+func (c *Consumer) checkTopics(ctx context.Context) {
+	client, err := sarama.NewClient(c.cfg.Brokers, kafkaconf.Consumer("eventline-check-"+c.cfg.Group))
+	if err != nil {
+		c.cfg.Logger.WarnContext(ctx, "eventline: cannot check the consumer's topics", "group", c.cfg.Group, "error", err)
+		return
+	}
+	defer client.Close()
+	topics, err := client.Topics()
+	if err != nil {
+		c.cfg.Logger.WarnContext(ctx, "eventline: cannot check the consumer's topics", "group", c.cfg.Group, "error", err)
+		return
+	}
+	have := map[string]bool{}
+	for _, t := range topics {
+		have[t] = true
+	}
+	for _, t := range append([]string{c.cfg.DeadLetterTopic}, c.cfg.Topics...) {
+		if !have[t] {
+			c.cfg.Logger.WarnContext(ctx, "eventline: topic does not exist; create it (eventline creates no topics)", "group", c.cfg.Group, "topic", t)
+		}
+	}
 }
 
 // detach gives the rest of the chain a context that survives the end of

@@ -53,14 +53,21 @@ type DBTX interface {
 
 // Record is one row of processed_events.
 type Record struct {
-	Group            string
-	EventID          string
+	// Group is the consumer group that handled the event.
+	Group string
+	// EventID is the event's id, the dedup key within the group.
+	EventID string
+	// EventType, AggregateType, AggregateID and AggregateVersion copy the
+	// event's envelope, for operators.
 	EventType        string
-	AggregateType    string
-	AggregateID      string
-	AggregateVersion int64
-	Outcome          Outcome
-	ProcessedAt      time.Time
+	AggregateType    string // see EventType
+	AggregateID      string // see EventType
+	AggregateVersion int64  // see EventType; 0 for unversioned events
+	// Outcome is what the group did with the event.
+	Outcome Outcome
+	// ProcessedAt is when the event was first handled (parked events keep
+	// the time they were parked).
+	ProcessedAt time.Time
 }
 
 // Store reads and writes processed_events in one schema. It holds no

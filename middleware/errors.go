@@ -15,9 +15,11 @@ import (
 // middleware configured with [ShouldRetry] gives up on it at once, so it is
 // dead-lettered on its first failure.
 type PermanentError struct {
+	// Err is the underlying error.
 	Err error
 }
 
+// Error implements error.
 func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
 
 // Unwrap returns the wrapped error.
@@ -59,6 +61,7 @@ type PanicError struct {
 	Stack []byte
 }
 
+// Error implements error; the message includes the stack.
 func (e *PanicError) Error() string {
 	return fmt.Sprintf("eventline: handler panicked: %v\n%s", e.Value, e.Stack)
 }

@@ -33,6 +33,7 @@ const (
 	Duplicate
 )
 
+// String names the verdict ("next", "jump", "gap", "stale", "duplicate").
 func (v Verdict) String() string {
 	switch v {
 	case Next:
@@ -51,6 +52,7 @@ func (v Verdict) String() string {
 
 // Admission is the outcome of [Store.Admit].
 type Admission struct {
+	// Verdict is the decision.
 	Verdict Verdict
 	// Previous is the aggregate's version before the event (0 for an
 	// aggregate the group has not seen).

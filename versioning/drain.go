@@ -32,7 +32,7 @@ type DrainResult struct {
 	// Failed is the parked event whose handler failed, if any; draining
 	// stopped there. FailErr is its error.
 	Failed  *Parked
-	FailErr error
+	FailErr error // see Failed
 	// Remaining counts the events still parked after the drain (at most
 	// the number loaded).
 	Remaining int

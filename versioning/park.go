@@ -15,13 +15,16 @@ import (
 // Parked is one event waiting in parked_events for a missing earlier
 // version of its aggregate.
 type Parked struct {
-	Group         string
+	// Group is the consumer group that parked the event.
+	Group string
+	// AggregateType and AggregateID name the aggregate.
 	AggregateType string
-	AggregateID   string
+	AggregateID   string // see AggregateType
 	// Version is the event's aggregate version.
-	Version   int64
+	Version int64
+	// EventID and EventType identify the event.
 	EventID   string
-	EventType string
+	EventType string // see EventID
 	// Handler is the Watermill handler name the event arrived on; the
 	// sweeper releases it through that handler.
 	Handler string
@@ -30,13 +33,14 @@ type Parked struct {
 	// Payload and Metadata are the message as received, so a release hands
 	// the handler exactly what it would have seen.
 	Payload  []byte
-	Metadata map[string]string
+	Metadata map[string]string // see Payload
+	// ParkedAt is when the event was parked.
 	ParkedAt time.Time
 	// ReleaseAttempts counts failed attempts to apply the event once its
 	// turn came; LastError and LastAttemptAt describe the last one.
 	ReleaseAttempts int
-	LastError       string
-	LastAttemptAt   time.Time
+	LastError       string    // see ReleaseAttempts
+	LastAttemptAt   time.Time // see ReleaseAttempts
 
 	// expired is set when the row was loaded with a park timeout and has
 	// waited longer.
@@ -69,10 +73,14 @@ func (p Parked) Event() (eventline.Event, error) {
 
 // ParkRequest describes an event to park.
 type ParkRequest struct {
-	Group   string
-	Event   eventline.Event
+	// Group is the consumer group parking the event.
+	Group string
+	// Event is the event to park.
+	Event eventline.Event
+	// Handler is the Watermill handler name that will release it.
 	Handler string
-	Topic   string
+	// Topic is the topic it arrived on, if known.
+	Topic string
 	// Message is the message as received; its payload and metadata are
 	// stored. When nil, the event is re-encoded with eventline.Encode.
 	Message *message.Message
@@ -124,9 +132,10 @@ func (s *Store) Park(ctx context.Context, tx DBTX, r ParkRequest) (already bool,
 // ParkedFilter selects parked events for [Store.ListParked]. Empty fields
 // match everything.
 type ParkedFilter struct {
+	// Group, AggregateType and AggregateID select exact values.
 	Group         string
-	AggregateType string
-	AggregateID   string
+	AggregateType string // see Group
+	AggregateID   string // see Group
 	// Limit caps the result. Defaults to 100.
 	Limit int
 }
@@ -178,21 +187,29 @@ func collectParked(rows pgx.Rows) ([]Parked, error) {
 // Skipped is one audited gap: versions From..To of an aggregate were given
 // up on and will never be applied.
 type Skipped struct {
-	ID            int64
-	Group         string
+	// ID orders the audit rows.
+	ID int64
+	// Group is the consumer group that gave up on the versions.
+	Group string
+	// AggregateType and AggregateID name the aggregate.
 	AggregateType string
-	AggregateID   string
-	From, To      int64
-	Reason        string
-	SkippedAt     time.Time
+	AggregateID   string // see AggregateType
+	// From and To bound the skipped versions, inclusive.
+	From, To int64
+	// Reason says who gave up and why (park timeout, gap policy apply,
+	// operator release).
+	Reason string
+	// SkippedAt is when.
+	SkippedAt time.Time
 }
 
 // SkippedFilter selects rows for [Store.ListSkipped]. Empty fields match
 // everything.
 type SkippedFilter struct {
+	// Group, AggregateType and AggregateID select exact values.
 	Group         string
-	AggregateType string
-	AggregateID   string
+	AggregateType string // see Group
+	AggregateID   string // see Group
 	// Limit caps the result. Defaults to 100.
 	Limit int
 }

@@ -29,11 +29,14 @@ type Beginner interface {
 
 // Key names one aggregate as seen by one consumer group.
 type Key struct {
-	Group         string
+	// Group is the consumer group.
+	Group string
+	// AggregateType and AggregateID name the aggregate.
 	AggregateType string
-	AggregateID   string
+	AggregateID   string // see AggregateType
 }
 
+// String formats the key as group:type/id, for logs and errors.
 func (k Key) String() string { return k.Group + ":" + k.AggregateType + "/" + k.AggregateID }
 
 // Store holds the version gate's SQL for one schema: aggregate_versions,

@@ -90,7 +90,7 @@ type SweepResult struct {
 	// GapsSkipped and VersionsSkipped count the gaps given up on after the
 	// park timeout and the versions in them.
 	GapsSkipped     int
-	VersionsSkipped int64
+	VersionsSkipped int64 // see GapsSkipped
 	// Failed counts parked events whose handler failed; they stay parked.
 	Failed int
 	// Parked is the number of the group's events still parked after the
