@@ -33,10 +33,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/examples/internal/setup"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
 )
@@ -90,24 +92,27 @@ var ddl = []string{
 		event_type text      NOT NULL)`,
 }
 
-// The events and their payloads.
+// The event types.
 const (
 	Opened       = "account.opened"
 	LimitChanged = "account.limit_changed"
 	Deposited    = "account.deposited"
 )
 
-type (
-	AccountOpened struct {
-		Owner string `json:"owner"`
-	}
-	LimitChange struct {
-		LimitCents int64 `json:"limit_cents"`
-	}
-	Deposit struct {
-		AmountCents int64 `json:"amount_cents"`
-	}
-)
+// AccountOpened is the payload of account.opened.
+type AccountOpened struct {
+	Owner string `json:"owner"`
+}
+
+// LimitChange is the payload of account.limit_changed.
+type LimitChange struct {
+	LimitCents int64 `json:"limit_cents"`
+}
+
+// Deposit is the payload of account.deposited.
+type Deposit struct {
+	AmountCents int64 `json:"amount_cents"`
+}
 
 const (
 	poisoned = "acc-42" // the account whose second event cannot be published
@@ -202,6 +207,11 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 	// 3. The consumer subscribes to both topics. Park is the default gap
 	// policy; it is spelled out here because this example is about it.
+	reg := prometheus.NewRegistry()
+	metrics, err := middleware.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
 	c, err := consumer.New(consumerDB, consumer.Config{
 		Brokers:         k.Brokers,
 		Group:           group,
@@ -210,6 +220,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		DeadLetterTopic: dlq,
 		GapPolicy:       versioning.Park,
 		Logger:          log,
+		Metrics:         metrics,
 	})
 	if err != nil {
 		return err
@@ -234,17 +245,16 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 
 	// 4. The relay gives up on the poison: it lands in the dead-letter
 	// table with the reason, and the shard goes on.
-	var dead producer.DeadLetter
+	var dls []producer.DeadLetter
 	err = setup.WaitFor(ctx, time.Minute, "the poison event to be dead-lettered", func() (bool, error) {
-		dls, err := producer.ListDeadLetters(ctx, db, cfg.Schema, producer.DeadLetterFilter{})
-		if len(dls) > 0 {
-			dead = dls[0]
-		}
+		var err error
+		dls, err = producer.ListDeadLetters(ctx, db, cfg.Schema, producer.DeadLetterFilter{})
 		return len(dls) > 0, err
 	})
 	if err != nil {
 		return err
 	}
+	dead := dls[0]
 	fmt.Fprintf(stdout, "dead_letter id=%d event_type=%s aggregate_id=%s aggregate_version=%d topic=%s attempts=%d reason=%q\n",
 		dead.ID, dead.EventType, dead.AggregateID, dead.AggregateVersion, dead.Topic, dead.Attempts, dead.Reason)
 
@@ -252,13 +262,14 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	// applying them now would skip version 2. acc-7 is not held up.
 	store := c.Middleware().Store()
 	var parked []versioning.Parked
+	var unaffected int64
 	err = setup.WaitFor(ctx, time.Minute, "versions 3 and 4 to be parked and acc-7 to be applied", func() (bool, error) {
-		parked, err = store.ListParked(ctx, db, versioning.ParkedFilter{Group: group, AggregateType: "account", AggregateID: poisoned})
-		if err != nil {
+		var err error
+		if parked, err = store.ListParked(ctx, db, versioning.ParkedFilter{Group: group, AggregateType: "account", AggregateID: poisoned}); err != nil {
 			return false, err
 		}
-		v, err := store.Current(ctx, db, versioning.Key{Group: group, AggregateType: "account", AggregateID: healthy})
-		return len(parked) == 2 && v == 2, err
+		unaffected, err = store.Current(ctx, db, versioning.Key{Group: group, AggregateType: "account", AggregateID: healthy})
+		return len(parked) == 2 && unaffected == 2, err
 	})
 	if err != nil {
 		return err
@@ -271,8 +282,8 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	for _, pe := range parked {
 		parkedVersions = append(parkedVersions, fmt.Sprint(pe.Version))
 	}
-	fmt.Fprintf(stdout, "consumer account=%s applied_version=%d parked=%d parked_versions=%s unaffected_account=%s unaffected_version=2\n",
-		poisoned, current, len(parked), strings.Join(parkedVersions, ","), healthy)
+	fmt.Fprintf(stdout, "consumer account=%s applied_version=%d parked=%d parked_versions=%s unaffected_account=%s unaffected_version=%d\n",
+		poisoned, current, len(parked), strings.Join(parkedVersions, ","), healthy, unaffected)
 
 	// 6. The fix: create the missing topic. Then replay the dead letter:
 	// it goes back into the outbox with the same event id and version, and
@@ -322,11 +333,14 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 	fmt.Fprintf(stdout, "applied account=%s versions=%s balance=%d limit=%d parked_left=%d dead_letters_waiting=%d\n",
 		poisoned, joinInts(applied), balance, limit, parkedLeft, st.DeadLetters)
-	fmt.Fprintf(stdout, "dead_lettered=1 reason=%q parked=%d replayed=%d released=%d applied_in_order=%t\n",
-		dead.Reason, len(parked), replayed, len(parked)-int(parkedLeft), inOrder)
+	released := int(setup.Counter(reg, "eventline_consumer_parked_released_total", nil))
+	fmt.Fprintf(stdout, "dead_lettered=%d reason=%q parked=%d replayed=%d released=%d applied_in_order=%t\n",
+		len(dls), dead.Reason, len(parked), replayed, released, inOrder)
 	switch {
 	case !inOrder:
 		return fmt.Errorf("acc-42's versions were applied in order %v, want [1 2 3 4]", applied)
+	case released != len(parked):
+		return fmt.Errorf("%d parked events released, want %d", released, len(parked))
 	case parkedLeft != 0 || st.DeadLetters != 0 || st.Backlog() != 0:
 		return fmt.Errorf("left over: %d parked, %d dead letters, %d in the outbox", parkedLeft, st.DeadLetters, st.Backlog())
 	case balance != 15_000 || limit != 50_000:
