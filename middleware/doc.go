@@ -28,11 +28,15 @@
 //	    applied.
 //
 // In the composed middleware, dedup and the gate's lock, check and version
-// advance are one SQL statement: per event on the hot path the database
-// sees BEGIN, that statement, the handler's own statements, and COMMIT.
-// The pieces are also exported, to compose by hand (Tx{…}.Middleware,
-// Decode, NewDedup(…).Middleware, NewGate(…).Middleware); the result is the
-// same, with one more round trip.
+// advance are one SQL statement, sent in one batch with BEGIN
+// (pgx.Batch.BeginTx). Per event on the hot path the database sees
+// BEGIN + that statement in one round trip, the handler's own statements,
+// and COMMIT: as many round trips as a bare handler in its own
+// transaction. (The message is therefore decoded just before the
+// transaction begins rather than just after; nothing else changes.) The
+// pieces are also exported, to compose by hand (Tx{…}.Middleware, Decode,
+// NewDedup(…).Middleware, NewGate(…).Middleware); the result is the same,
+// with two more round trips.
 //
 // Any error rolls back everything, the dedup record included, so the
 // message is redelivered or retried as if it had never been seen.
