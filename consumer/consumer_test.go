@@ -254,3 +254,18 @@ func fold(versions ...int64) int64 {
 	}
 	return v
 }
+
+// A consumer whose context is already canceled starts, stops and leaves
+// nothing behind (goleak in TestMain checks the goroutines).
+func TestRunWithCanceledContextReturnsCleanly(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	c, err := consumer.New(k.Pool, k.config("early"))
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("thing.changed", k.applyHandler("early")))
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.NoError(t, c.Run(ctx))
+	require.ErrorIs(t, c.Run(ctx), consumer.ErrRunning, "a consumer runs once")
+	require.ErrorIs(t, c.Handle("x", k.applyHandler("early")), consumer.ErrRunning)
+}

@@ -147,13 +147,17 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		sweeper.Wait()
 	}()
 
+	// Let the router finish starting before honouring ctx, so Close finds
+	// every handler it has to wait for.
+	select {
+	case <-router.Running():
+	case err := <-runErr:
+		return stoppedOnItsOwn(err)
+	}
 	select {
 	case <-ctx.Done():
 	case err := <-runErr:
-		if err == nil {
-			err = errors.New("the router stopped on its own (see the logs)")
-		}
-		return fmt.Errorf("eventline consumer: %w", err)
+		return stoppedOnItsOwn(err)
 	}
 	cfg.Logger.InfoContext(ctx, "eventline: consumer shutting down; finishing in-flight events", "group", cfg.Group, "timeout", cfg.ShutdownTimeout)
 	c.stopping.Store(true)
@@ -164,6 +168,13 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		cfg.Logger.Warn("eventline: consumer shutdown timed out; unfinished events were rolled back and will be redelivered", "group", cfg.Group, "error", closeErr)
 	}
 	return nil
+}
+
+func stoppedOnItsOwn(err error) error {
+	if err == nil {
+		err = errors.New("the router stopped on its own (see the logs)")
+	}
+	return fmt.Errorf("eventline consumer: %w", err)
 }
 
 // checkTopics warns about topics that do not exist yet: eventline creates
