@@ -132,11 +132,10 @@ func (s *Store) admitQuery(group string, e eventline.Event, jump, withDedup bool
 	if e.AggregateVersion <= 0 {
 		return "", nil, &eventline.InvalidEventError{Field: eventline.MetaAggregateVersion, Reason: "the version gate needs a positive aggregate version"}
 	}
-	q := s.q.admit
 	if withDedup {
-		q = s.q.admitDedup
+		return s.q.admitDedup, []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, jump}, nil
 	}
-	return q, []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, jump}, nil
+	return s.q.admit, []any{group, e.AggregateType, e.AggregateID, e.AggregateVersion, jump}, nil
 }
 
 // decide turns the upsert's result into a verdict.

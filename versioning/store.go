@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -132,8 +133,10 @@ func newQueries(schema, processed string) queries {
 			ON CONFLICT DO NOTHING
 			RETURNING 1
 		) ` + fmt.Sprintf(upsert, `SELECT $1, $4, $5, `+newRow+` FROM dedup`),
-		// Without dedup ($2 and $3 are unused but keep one argument list).
-		admit: fmt.Sprintf(upsert, `SELECT $1, $4, $5, `+newRow+` WHERE $2::text IS NOT NULL AND $3::text IS NOT NULL`),
+		// Without dedup: the same upsert over ($1 group, $2 type, $3 id,
+		// $4 version, $5 jump).
+		admit: strings.NewReplacer("$4", "$2", "$5", "$3", "$6", "$4", "$7", "$5").
+			Replace(fmt.Sprintf(upsert, `VALUES ($1, $4, $5, `+newRow+`)`)),
 
 		current:  `SELECT version FROM ` + av + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
 		lock:     `SELECT version, parked_count FROM ` + av + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 FOR UPDATE`,
