@@ -23,11 +23,8 @@ type RelayMetrics struct {
 }
 
 // NewRelayMetrics creates the relay's collectors and registers them with
-// reg (prometheus.DefaultRegisterer when nil).
+// reg (nowhere when nil, like promauto.With(nil)).
 func NewRelayMetrics(reg prometheus.Registerer) (*RelayMetrics, error) {
-	if reg == nil {
-		reg = prometheus.DefaultRegisterer
-	}
 	shard := []string{"shard"}
 	m := &RelayMetrics{
 		forwarded: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -65,6 +62,9 @@ func NewRelayMetrics(reg prometheus.Registerer) (*RelayMetrics, error) {
 		}),
 	}
 	for _, c := range []prometheus.Collector{m.forwarded, m.latency, m.retries, m.deadLetters, m.stalled, m.stalledSeconds, m.ownedShards, m.liveRelays} {
+		if reg == nil {
+			break
+		}
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

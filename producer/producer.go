@@ -130,30 +130,42 @@ func (p *Producer) ShardFor(aggregateType, aggregateID string) int {
 // greater than the aggregate's last one fails with *VersionConflictError,
 // also leaving tx usable. Events of one aggregate keep the order given.
 func (p *Producer) PublishTx(ctx context.Context, tx pgx.Tx, events ...eventline.Event) error {
+	_, err := p.PublishTxReturning(ctx, tx, events...)
+	return err
+}
+
+// PublishTxReturning is PublishTx, returning the events as written: with
+// their ids, aggregate versions, topics and occurred_at filled in, in the
+// order given.
+func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...eventline.Event) ([]eventline.Event, error) {
 	if tx == nil {
-		return errors.New("eventline: PublishTx needs a transaction, got nil")
+		return nil, errors.New("eventline: PublishTx needs a transaction, got nil")
 	}
 	if len(events) == 0 {
-		return nil
+		return nil, nil
 	}
 	prepared, err := p.prepare(events, time.Now())
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if !anySupplied(prepared) {
 		if err := p.assignVersions(ctx, tx, prepared); err != nil {
-			return err
+			return nil, err
 		}
-		return p.insert(ctx, tx, prepared)
+		return prepared, p.insert(ctx, tx, prepared)
 	}
 	// A supplied version can conflict after other aggregates' sequences
 	// moved; a savepoint undoes them so tx stays clean and usable.
-	return pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+	err = pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
 		if err := p.assignVersions(ctx, sp, prepared); err != nil {
 			return err
 		}
 		return p.insert(ctx, sp, prepared)
 	})
+	if err != nil {
+		return nil, err
+	}
+	return prepared, nil
 }
 
 func anySupplied(events []eventline.Event) bool {

@@ -137,6 +137,15 @@ func TestPublishTxAssignsAndChecksVersions(t *testing.T) {
 	require.Equal(t, []int64{1, 2}, versionsOf(t, env, "a"))
 	require.Equal(t, []int64{1}, versionsOf(t, env, "b"))
 
+	// The events as written carry what the producer filled in.
+	tx0 := mustTx(t, env)
+	written, err := p.PublishTxReturning(ctx, tx0, orderEvent(t, "b"))
+	require.NoError(t, err)
+	require.EqualValues(t, 2, written[0].AggregateVersion)
+	require.NotEmpty(t, written[0].ID)
+	require.Equal(t, "orders", written[0].Topic)
+	require.NoError(t, tx0.Rollback(ctx)) // it holds b's sequence row until it ends
+
 	// A supplied version above the last one is accepted and advances the
 	// sequence; the next automatic version follows it.
 	s := orderEvent(t, "a")
@@ -159,7 +168,7 @@ func TestPublishTxAssignsAndChecksVersions(t *testing.T) {
 	require.Equal(t, int64(6), vc.Current)
 	require.NoError(t, p.PublishTx(ctx, tx, orderEvent(t, "b")))
 	require.NoError(t, tx.Commit(ctx))
-	require.Equal(t, []int64{1, 2}, versionsOf(t, env, "b"), "the conflicting call must not have consumed b's version 2")
+	require.Equal(t, []int64{1, 2}, versionsOf(t, env, "b"), "the conflicting call must not have consumed b's version 2 (the returning call was rolled back)")
 }
 
 func TestPublishTxConcurrentWritersGetDistinctVersions(t *testing.T) {
@@ -221,4 +230,13 @@ func versionsOf(t *testing.T, env pgtest.Env, id string) []int64 {
 	vs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	require.NoError(t, err)
 	return vs
+}
+
+// mustTx begins a transaction that is rolled back when the test ends.
+func mustTx(t *testing.T, env pgtest.Env) pgx.Tx {
+	t.Helper()
+	tx, err := env.Pool.Begin(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	return tx
 }

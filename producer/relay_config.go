@@ -99,9 +99,12 @@ type RelayConfig struct {
 	CleanupBatchSize int
 
 	// AfterPublish, if set, runs after Kafka acknowledged a batch and before
-	// the outbox records it. Returning an error leaves the batch
-	// unacknowledged, so it is published again: this is the crash window
-	// the examples and fault tests exercise.
+	// the outbox records it, with the batch's event ids. Returning an error
+	// leaves the batch unacknowledged: the shard waits Backoff[0] and
+	// publishes it again. This is the crash window the examples and fault
+	// tests exercise; to simulate a crash, cancel the relay's context from
+	// the hook and return an error: a relay that is stopping publishes
+	// nothing more.
 	AfterPublish func(shard int, eventIDs []string) error
 
 	// Logger receives the relay's logs. Defaults to slog.Default().

@@ -191,8 +191,10 @@ func (s *shardRunner) finish(t *relayTx) {
 
 	if hook := s.relay.cfg.AfterPublish; hook != nil && len(p.delivered) > 0 {
 		if err := hook(s.shard, p.delivered); err != nil {
-			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "err", err)
+			wait := s.relay.cfg.backoffFor(1)
+			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "retry_in", wait, "err", err)
 			_ = t.tx.Rollback(ctx)
+			s.setBackoff(wait)
 			return
 		}
 	}

@@ -151,6 +151,12 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 		if it.state == itemDead || b.stopped.Load() {
 			return nil, nil
 		}
+		if s.stopping() {
+			// Released or shutting down: publish nothing more; the next
+			// owner reads these rows again.
+			b.stopped.Store(true)
+			return nil, nil
+		}
 		if s.notDue(it.outboxUUID) {
 			b.stopped.Store(true)
 			return nil, nil
