@@ -22,14 +22,11 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"os/signal"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -61,23 +58,10 @@ type config struct {
 
 func main() {
 	cfg := config{DatabaseURL: setup.DatabaseURL(), Brokers: setup.BrokersFromEnv()}
-	flag.StringVar(&cfg.Schema, "schema", "example_crash_window", "PostgreSQL schema the example (re)creates")
-	flag.BoolVar(&cfg.Keep, "keep", false, "keep the schema after the run, to look at the tables")
-	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
-	flag.Parse()
-	lvl, err := setup.ParseLevel(*level)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "crash-window:", err)
-		os.Exit(2)
-	}
-	cfg.Logger = setup.Logger(os.Stderr, lvl)
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg, os.Stdout); err != nil {
-		fmt.Fprintln(os.Stderr, "crash-window:", err)
-		os.Exit(1)
-	}
+	setup.Main("crash-window", "example_crash_window", func(ctx context.Context, c setup.Common) error {
+		cfg.Schema, cfg.Keep, cfg.Logger = c.Schema, c.Keep, c.Logger
+		return run(ctx, cfg, os.Stdout)
+	})
 }
 
 // The business tables: orders on the producer side, shipments written by

@@ -25,9 +25,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"os/signal"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -72,23 +70,10 @@ func main() {
 	flag.IntVar(&cfg.RedeliverEvery, "redeliver-every", 10, "publish every n-th order's event to Kafka a second time (0: none)")
 	flag.IntVar(&cfg.Writers, "writers", 4, "concurrent order-creating transactions")
 	flag.DurationVar(&cfg.Progress, "progress", time.Second, "interval between progress lines (0: none)")
-	flag.StringVar(&cfg.Schema, "schema", "example_orders", "PostgreSQL schema the example (re)creates")
-	flag.BoolVar(&cfg.Keep, "keep", false, "keep the schema after the run, to look at the tables")
-	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
-	flag.Parse()
-	lvl, err := setup.ParseLevel(*level)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "orders:", err)
-		os.Exit(2)
-	}
-	cfg.Logger = setup.Logger(os.Stderr, lvl)
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg, os.Stdout); err != nil {
-		fmt.Fprintln(os.Stderr, "orders:", err)
-		os.Exit(1)
-	}
+	setup.Main("orders", "example_orders", func(ctx context.Context, c setup.Common) error {
+		cfg.Schema, cfg.Keep, cfg.Logger = c.Schema, c.Keep, c.Logger
+		return run(ctx, cfg, os.Stdout)
+	})
 }
 
 // The business tables. invoices and shipments deliberately have no unique

@@ -25,10 +25,8 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
-	"os/signal"
 	"slices"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -74,23 +72,10 @@ func main() {
 	flag.IntVar(&cfg.DuplicateEvery, "duplicate-every", 3, "deliver every n-th event twice (0: none)")
 	flag.IntVar(&cfg.StaleReplays, "stale-replays", 10, "old versions sent again at the end under new event ids")
 	flag.Uint64Var(&cfg.Seed, "seed", 0, "random seed for amounts and shuffling (0: random)")
-	flag.StringVar(&cfg.Schema, "schema", "example_out_of_order", "PostgreSQL schema the example (re)creates")
-	flag.BoolVar(&cfg.Keep, "keep", false, "keep the schema after the run, to look at the tables")
-	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
-	flag.Parse()
-	lvl, err := setup.ParseLevel(*level)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "out-of-order:", err)
-		os.Exit(2)
-	}
-	cfg.Logger = setup.Logger(os.Stderr, lvl)
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, cfg, os.Stdout); err != nil {
-		fmt.Fprintln(os.Stderr, "out-of-order:", err)
-		os.Exit(1)
-	}
+	setup.Main("out-of-order", "example_out_of_order", func(ctx context.Context, c setup.Common) error {
+		cfg.Schema, cfg.Keep, cfg.Logger = c.Schema, c.Keep, c.Logger
+		return run(ctx, cfg, os.Stdout)
+	})
 }
 
 // The consumer's tables: the balance of each account, and a journal of

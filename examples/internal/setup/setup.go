@@ -7,11 +7,14 @@ package setup
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -180,4 +183,37 @@ func redact(url string) string {
 		}
 	}
 	return url
+}
+
+// Common holds the flags every example shares.
+type Common struct {
+	Schema string
+	Keep   bool
+	Logger *slog.Logger
+}
+
+// Main registers the shared flags (-schema, -keep, -log-level), parses the
+// command line (register the example's own flags first), and runs fn until
+// it returns or SIGINT/SIGTERM cancels its context. It exits 2 on a usage
+// error and 1 when fn fails, prefixing the message with name.
+func Main(name, defaultSchema string, fn func(ctx context.Context, c Common) error) {
+	var c Common
+	flag.StringVar(&c.Schema, "schema", defaultSchema, "PostgreSQL schema the example (re)creates")
+	flag.BoolVar(&c.Keep, "keep", false, "keep the schema after the run, to look at the tables")
+	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
+	flag.Parse()
+	lvl, err := ParseLevel(*level)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, name+":", err)
+		os.Exit(2)
+	}
+	c.Logger = Logger(os.Stderr, lvl)
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := fn(ctx, c); err != nil {
+		fmt.Fprintln(os.Stderr, name+":", err)
+		stop()
+		os.Exit(1)
+	}
 }
