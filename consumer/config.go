@@ -119,10 +119,10 @@ func (c Config) withDefaults() Config {
 	if c.Schema == "" {
 		c.Schema = migrations.DefaultSchema
 	}
-	switch {
-	case c.MaxRetries == 0:
+	switch c.MaxRetries {
+	case 0:
 		c.MaxRetries = DefaultMaxRetries
-	case c.MaxRetries == NoRetries:
+	case NoRetries:
 		c.MaxRetries = 0
 	}
 	if c.RetryInitialInterval == 0 {

@@ -134,7 +134,9 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	}
 
 	runErr := make(chan error, 1)
-	go func() { runErr <- router.Run(context.Background()) }()
+	// The router runs detached from ctx: shutdown is router.Close below,
+	// which lets in-flight events finish instead of cancelling them.
+	go func() { runErr <- router.Run(context.WithoutCancel(ctx)) }()
 	sweepCtx, stopSweeper := context.WithCancel(context.WithoutCancel(ctx))
 	var sweeper sync.WaitGroup
 	sweeper.Add(1)

@@ -2,6 +2,7 @@ package versioning
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"runtime/debug"
 
@@ -118,7 +119,7 @@ func (s *Store) applyParked(ctx context.Context, tx pgx.Tx, p Parked, apply Appl
 		return true, nil
 	}
 	if err := sp.Rollback(ctx); err != nil {
-		return false, fmt.Errorf("versioning: roll back parked event %s after %v: %w", p.EventID, herr, err)
+		return false, fmt.Errorf("versioning: roll back parked event %s after its handler failed: %w", p.EventID, errors.Join(herr, err))
 	}
 	if _, err := tx.Exec(ctx, s.q.failParked, p.Group, p.AggregateType, p.AggregateID, p.Version, herr.Error()); err != nil {
 		return false, fmt.Errorf("versioning: record failed release of parked event %s: %w", p.EventID, err)

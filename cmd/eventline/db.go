@@ -68,6 +68,6 @@ func connectOnce(ctx context.Context) (*pgx.Conn, error) {
 }
 
 func connectError(ctx context.Context, err error) error {
-	return fmt.Errorf("cannot connect to PostgreSQL at %s: %v; check -database-url (or %s) and that the server is running",
+	return fmt.Errorf("cannot connect to PostgreSQL at %s: %w; check -database-url (or %s) and that the server is running",
 		redactURL(globalsOf(ctx).databaseURL), err, envDatabaseURL)
 }

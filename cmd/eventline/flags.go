@@ -144,7 +144,7 @@ func newFlagSet(ctx context.Context, path, synopsis, help string) *flagSet {
 func (f *flagSet) parse(args []string) ([]string, error) {
 	var positional []string
 	for {
-		err := f.FlagSet.Parse(args)
+		err := f.Parse(args)
 		if errors.Is(err, flag.ErrHelp) {
 			f.usage(f.inv.stdout)
 			return nil, errHelp
@@ -152,7 +152,7 @@ func (f *flagSet) parse(args []string) ([]string, error) {
 		if err != nil {
 			return nil, f.usageErrorf("%v", err)
 		}
-		rest := f.FlagSet.Args()
+		rest := f.Args()
 		consumed := len(args) - len(rest)
 		if consumed > 0 && args[consumed-1] == "--" {
 			positional = append(positional, rest...)

@@ -7,6 +7,7 @@ package consumertest
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -109,7 +110,7 @@ func (e Env) State(t TB, group, aggregateType, aggregateID string) (value, lastV
 	t.Helper()
 	err := e.Pool.QueryRow(context.Background(), `SELECT value, last_version FROM `+e.state+` WHERE grp = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
 		group, aggregateType, aggregateID).Scan(&value, &lastVersion)
-	if err == pgx.ErrNoRows {
+	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, 0
 	}
 	require.NoError(t, err)

@@ -1,6 +1,7 @@
 package consumertest
 
 import (
+	"errors"
 	"io"
 	"net"
 	"sync"
@@ -92,7 +93,7 @@ func delayCopy(dst, src net.Conn, delay time.Duration) {
 			ch <- chunk{data: append([]byte(nil), buf[:n]...), due: time.Now().Add(delay)}
 		}
 		if err != nil {
-			if err != io.EOF {
+			if !errors.Is(err, io.EOF) {
 				dst.Close()
 			}
 			break

@@ -75,7 +75,7 @@ func (k *Kafka) CreateTopics(ctx context.Context, partitions int32, topics ...st
 	for _, t := range topics {
 		err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
 		var te *sarama.TopicError
-		if err != nil && !(errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists) {
+		if err != nil && (!errors.As(err, &te) || te.Err != sarama.ErrTopicAlreadyExists) {
 			return fmt.Errorf("create Kafka topic %s: %w", t, err)
 		}
 		k.topics = append(k.topics, t)
