@@ -1,0 +1,93 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// tinySizes makes every scenario run in a few seconds: the smoke tests
+// check that each scenario runs end to end and reports sane figures, not
+// how fast anything is.
+func tinySizes() *Sizes {
+	return &Sizes{
+		Producers: 2, ProducerPhase: 200 * time.Millisecond, Rounds: 1,
+		RelayBacklog: 300, ConsumerBacklog: 150, ConsumerRounds: 1,
+		Rates: []int{50}, RatePhase: 500 * time.Millisecond,
+		IdleWindow: time.Second,
+	}
+}
+
+func TestScenariosSmoke(t *testing.T) {
+	if testing.Short() {
+		t.Skip("talks to PostgreSQL and Kafka")
+	}
+	for _, name := range Scenarios {
+		t.Run(name, func(t *testing.T) {
+			var out, progress bytes.Buffer
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+			defer cancel()
+			rep, err := Run(ctx, Config{Sizes: tinySizes(), Scenarios: []string{name}, Out: &out, Progress: &progress})
+			require.NoError(t, err, "progress:\n%s", progress.String())
+			require.Len(t, rep.Results, 1)
+			res := rep.Results[0]
+			require.Equal(t, name, res.Scenario)
+			require.NotEmpty(t, res.Rows)
+			for _, row := range res.Rows {
+				require.Greater(t, row.Ours, 0.0, "%s: %s", name, row.Metric)
+				require.Greater(t, row.Base, 0.0, "%s: %s", name, row.Metric)
+				require.Greater(t, row.Ratio(), 0.0, "%s: %s", name, row.Metric)
+			}
+			require.NotEmpty(t, res.Ratios)
+			require.Contains(t, out.String(), "SCENARIO")
+			for _, q := range res.Ratios {
+				require.Greater(t, q.Value, 0.0, q.Name)
+				require.True(t, strings.HasPrefix(q.Name, name), "ratio %s is named after its scenario", q.Name)
+				require.Contains(t, out.String(), "ratio "+q.Name+"=")
+			}
+			require.Contains(t, progress.String(), "== "+name)
+		})
+	}
+}
+
+func TestConfigRejectsUnknownScenario(t *testing.T) {
+	_, err := Run(context.Background(), Config{Scenarios: []string{"nope"}, Out: &bytes.Buffer{}, Progress: &bytes.Buffer{}})
+	require.ErrorContains(t, err, `unknown scenario "nope"`)
+}
+
+func TestSummarize(t *testing.T) {
+	var d []time.Duration
+	for i := 1; i <= 100; i++ {
+		d = append(d, time.Duration(i)*time.Millisecond)
+	}
+	s := summarize(d)
+	require.Equal(t, 100, s.n)
+	require.Equal(t, 50*time.Millisecond, s.p50)
+	require.Equal(t, 95*time.Millisecond, s.p95)
+	require.Equal(t, 99*time.Millisecond, s.p99)
+	require.Equal(t, 100*time.Millisecond, s.max)
+	require.Equal(t, 50500*time.Microsecond, s.mean)
+	require.Equal(t, summary{}, summarize(nil))
+}
+
+func TestReportWrite(t *testing.T) {
+	rep := Report{Results: []Result{{
+		Scenario: "relay_drain",
+		Rows:     []Row{{Metric: "drain events/s", Ours: 9000, Base: 3000, Baseline: "plain", Target: "≥ 3.00"}},
+		Ratios:   []Ratio{{Name: "relay_drain_throughput", Value: 3}},
+		Notes:    []string{"a note"},
+	}}}
+	var b bytes.Buffer
+	rep.Write(&b)
+	out := b.String()
+	require.Contains(t, out, "ratio relay_drain_throughput=3.00\n")
+	require.Contains(t, out, "note relay_drain: a note")
+	require.Regexp(t, `relay_drain\s+drain events/s\s+9000\s+3000\s+3.00\s+≥ 3.00\s+plain`, out)
+	v, ok := rep.Ratio("relay_drain_throughput")
+	require.True(t, ok)
+	require.Equal(t, 3.0, v)
+}

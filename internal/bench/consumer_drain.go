@@ -1,0 +1,368 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
+)
+
+// consumerVersions is the number of versions per aggregate in the
+// consumer backlog.
+const consumerVersions = 25
+
+// effectsDDL is the consumer's business table: one row per applied event.
+const effectsDDL = `CREATE TABLE %s (
+	id           bigserial PRIMARY KEY,
+	event_id     text      NOT NULL,
+	aggregate_id text      NOT NULL,
+	version      bigint    NOT NULL,
+	payload      jsonb     NOT NULL)`
+
+const insertEffectSQL = `INSERT INTO %s (event_id, aggregate_id, version, payload) VALUES ($1, $2, $3, $4)`
+
+// business is the handler's work, the same in every variant: one insert.
+type business struct{ insert string }
+
+func (b business) apply(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+	_, err := tx.Exec(ctx, b.insert, e.ID, e.AggregateID, e.AggregateVersion, e.Payload)
+	return err
+}
+
+// runConsumerDrain consumes one prefilled topic with a bare handler and
+// with the same handler behind eventline's middleware, each in its own
+// consumer group and schema.
+func runConsumerDrain(ctx context.Context, e *env) (Result, error) {
+	n := e.sizes.ConsumerBacklog
+	k, err := e.kafka()
+	if err != nil {
+		return Result{}, err
+	}
+	defer k.close()
+	topic, err := k.topic("consumer")
+	if err != nil {
+		return Result{}, err
+	}
+	events := make([]eventline.Event, n)
+	aggregates := max(n/consumerVersions, 1)
+	versions := make([]int64, aggregates)
+	now := time.Now()
+	for i := range events {
+		a := i % aggregates
+		versions[a]++
+		ev := orderCreated(fmt.Sprintf("order-%d", a), i)
+		ev.AggregateVersion = versions[a]
+		events[i] = ev.WithDefaults(now)
+	}
+	msgs, err := encode(events)
+	if err != nil {
+		return Result{}, err
+	}
+	t0 := time.Now()
+	if err := k.fill(ctx, topic, msgs); err != nil {
+		return Result{}, err
+	}
+	e.progressf("   prefilled %s with %d events in %s", topic, n, time.Since(t0).Round(time.Millisecond))
+
+	// Rounds alternate the variants, each round in fresh consumer groups
+	// and schemas reading the whole topic again, so drift in the machine's
+	// load hits all of them.
+	var bare, ours, runner drainResult
+	for round := 1; round <= e.sizes.ConsumerRounds; round++ {
+		e.progressf("   round %d/%d", round, e.sizes.ConsumerRounds)
+		d, err := e.consumeBare(ctx, k, topic, n, round)
+		if err != nil {
+			return Result{}, fmt.Errorf("bare handler: %w", err)
+		}
+		bare = bare.add(d)
+		if d, err = e.consumeMiddleware(ctx, k, topic, n, round); err != nil {
+			return Result{}, fmt.Errorf("eventline middleware: %w", err)
+		}
+		ours = ours.add(d)
+		if d, err = e.consumeRunner(ctx, k, topic, n, round); err != nil {
+			return Result{}, fmt.Errorf("eventline consumer runner: %w", err)
+		}
+		runner = runner.add(d)
+	}
+	base := "bare handler: insert in its own tx (watermill-kafka + Router)"
+	res := Result{
+		Rows: []Row{
+			{Metric: "consume events/s, middleware (tx ▸ dedup ▸ gate)", Ours: ours.rate(), Base: bare.rate(), Baseline: base, Target: "≥ 0.80"},
+			{Metric: "consume events/s, consumer.New runner", Ours: runner.rate(), Base: bare.rate(), Baseline: base},
+		},
+		Notes: []string{
+			fmt.Sprintf("%d events over %d aggregates × %d consecutive versions, %d partitions keyed by aggregate, prefilled; each variant reads the whole topic from the start in its own consumer group and schema, %d round(s), alternating; the clock runs from the first handled message to the last commit; watermill-kafka handles one message per partition at a time (%d in flight)",
+				n, aggregates, consumerVersions, Partitions, e.sizes.ConsumerRounds, Partitions),
+		},
+	}
+	if n < FullSizes().ConsumerBacklog {
+		res.Notes = append(res.Notes, fmt.Sprintf("reduced backlog (%d instead of %d)", n, FullSizes().ConsumerBacklog))
+	}
+	res.Ratios = []Ratio{
+		{Name: "consumer_drain_throughput", Value: res.Rows[0].Ratio()},
+		{Name: "consumer_drain_throughput_runner", Value: res.Rows[1].Ratio()},
+	}
+	return res, nil
+}
+
+// consumerPool opens the consumer's pool: one connection per partition and
+// a few spare.
+func (e *env) consumerPool(ctx context.Context) (*pgxpool.Pool, error) {
+	return e.openPool(ctx, Partitions+4, nil)
+}
+
+// progressCounter counts messages whose handling succeeded (outermost, so
+// after the commit) and remembers when the first one started.
+type progressCounter struct {
+	done  atomic.Int64
+	first atomic.Int64 // unix nanoseconds
+}
+
+func (c *progressCounter) middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		c.first.CompareAndSwap(0, time.Now().UnixNano())
+		out, err := h(msg)
+		if err == nil {
+			c.done.Add(1)
+		}
+		return out, err
+	}
+}
+
+// drain times the counter reaching n, from the first message on.
+func (e *env) drainConsumer(ctx context.Context, label, profile string, n int, c *progressCounter, start func() error) (drainResult, error) {
+	stopProfile := e.profile(profile)
+	defer stopProfile()
+	if err := start(); err != nil {
+		return drainResult{}, err
+	}
+	stopWatch := e.watch(label, n, c.done.Load)
+	end, err := waitFor(ctx, drainTimeout(n), int64(n), c.done.Load)
+	stopWatch()
+	if err != nil {
+		return drainResult{}, err
+	}
+	d := drainResult{events: n, elapsed: end.Sub(time.Unix(0, c.first.Load()))}
+	e.progressf("   %s: %d events in %s = %.0f events/s", label, n, d.elapsed.Round(time.Millisecond), d.rate())
+	return d, nil
+}
+
+// routerConsumer runs a watermill-kafka subscriber and a Router with one
+// handler behind mw.
+func (e *env) routerConsumer(ctx context.Context, k *kafkaEnv, topic, group string, mw []message.HandlerMiddleware, h message.NoPublishHandlerFunc) (stop func() error, err error) {
+	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
+		Brokers:               k.brokers,
+		Unmarshaler:           kafka.DefaultMarshaler{},
+		OverwriteSaramaConfig: kafkaconf.Consumer("bench-" + group),
+		ConsumerGroup:         group,
+	}, watermill.NopLogger{})
+	if err != nil {
+		return nil, err
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 30 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		_ = sub.Close()
+		return nil, err
+	}
+	router.AddMiddleware(mw...)
+	router.AddConsumerHandler("bench/"+group, topic, sub, h)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	select {
+	case <-router.Running():
+	case err := <-done:
+		return nil, fmt.Errorf("router stopped at start: %w", err)
+	}
+	return func() error {
+		err := router.Close()
+		if rerr := <-done; err == nil {
+			err = rerr
+		}
+		return err
+	}, nil
+}
+
+// consumerSchema creates the variant's schema (with eventline's migrations
+// when migrated) and its effects table.
+func (e *env) consumerSchema(ctx context.Context, prefix string, migrated bool) (string, business, func(), error) {
+	var schema string
+	var drop func()
+	var err error
+	if migrated {
+		schema, drop, err = e.newEventlineSchema(ctx, prefix, 1)
+	} else {
+		schema, drop, err = e.newSchema(ctx, prefix)
+	}
+	if err != nil {
+		return "", business{}, nil, err
+	}
+	effects := sqlident.Qualify(schema, "effects")
+	if err := e.exec(ctx, fmt.Sprintf(effectsDDL, effects)); err != nil {
+		drop()
+		return "", business{}, nil, err
+	}
+	return schema, business{insert: fmt.Sprintf(insertEffectSQL, effects)}, drop, nil
+}
+
+// checkEffects verifies every event was applied exactly once.
+func (e *env) checkEffects(ctx context.Context, schema string, n int) error {
+	var got, distinct int
+	err := e.admin.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id) FROM `+sqlident.Qualify(schema, "effects")).Scan(&got, &distinct)
+	if err != nil {
+		return err
+	}
+	if got != n || distinct != n {
+		return fmt.Errorf("%d effects (%d distinct events), want %d", got, distinct, n)
+	}
+	return nil
+}
+
+func (e *env) consumeBare(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
+	group := fmt.Sprintf("bench-bare-%d", round)
+	schema, biz, drop, err := e.consumerSchema(ctx, "consumer_bare", false)
+	if err != nil {
+		return drainResult{}, err
+	}
+	defer drop()
+	pool, err := e.consumerPool(ctx)
+	if err != nil {
+		return drainResult{}, err
+	}
+	defer pool.Close()
+	var c progressCounter
+	var stop func() error
+	d, err := e.drainConsumer(ctx, "bare handler", "consumer_drain.bare", n, &c, func() (err error) {
+		stop, err = e.routerConsumer(ctx, k, topic, group, []message.HandlerMiddleware{c.middleware},
+			func(msg *message.Message) error {
+				ev, err := eventline.Decode(msg)
+				if err != nil {
+					return err
+				}
+				return pgx.BeginFunc(msg.Context(), pool, func(tx pgx.Tx) error { return biz.apply(msg.Context(), tx, ev) })
+			})
+		return err
+	})
+	if stop != nil {
+		if serr := stop(); err == nil {
+			err = serr
+		}
+	}
+	if err != nil {
+		return d, err
+	}
+	return d, e.checkEffects(ctx, schema, n)
+}
+
+func (e *env) consumeMiddleware(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
+	group := fmt.Sprintf("bench-el-%d", round)
+	schema, biz, drop, err := e.consumerSchema(ctx, "consumer_el", true)
+	if err != nil {
+		return drainResult{}, err
+	}
+	defer drop()
+	pool, err := e.consumerPool(ctx)
+	if err != nil {
+		return drainResult{}, err
+	}
+	defer pool.Close()
+	el, err := middleware.New(middleware.Config{DB: pool, Group: group, Schema: schema, Logger: quiet})
+	if err != nil {
+		return drainResult{}, err
+	}
+	var c progressCounter
+	var stop func() error
+	d, err := e.drainConsumer(ctx, "eventline middleware", "consumer_drain.middleware", n, &c, func() (err error) {
+		stop, err = e.routerConsumer(ctx, k, topic, group, []message.HandlerMiddleware{c.middleware, el.Middleware},
+			func(msg *message.Message) error {
+				tx, _ := middleware.TxFromContext(msg.Context())
+				ev, _ := middleware.EventFromContext(msg.Context())
+				return biz.apply(msg.Context(), tx, ev)
+			})
+		return err
+	})
+	if stop != nil {
+		if serr := stop(); err == nil {
+			err = serr
+		}
+	}
+	if err != nil {
+		return d, err
+	}
+	if err := e.checkGate(ctx, schema, n); err != nil {
+		return d, err
+	}
+	return d, e.checkEffects(ctx, schema, n)
+}
+
+func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
+	group := fmt.Sprintf("bench-runner-%d", round)
+	schema, biz, drop, err := e.consumerSchema(ctx, "consumer_runner", true)
+	if err != nil {
+		return drainResult{}, err
+	}
+	defer drop()
+	pool, err := e.consumerPool(ctx)
+	if err != nil {
+		return drainResult{}, err
+	}
+	defer pool.Close()
+	var c progressCounter
+	cons, err := consumer.New(pool, consumer.Config{
+		Brokers: k.brokers, Group: group, Topics: []string{topic}, Schema: schema,
+		Middleware: []message.HandlerMiddleware{c.middleware}, Logger: quiet,
+	})
+	if err != nil {
+		return drainResult{}, err
+	}
+	if err := cons.Handle("order.created", biz.apply); err != nil {
+		return drainResult{}, err
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	var runErr error
+	d, err := e.drainConsumer(ctx, "eventline consumer runner", "consumer_drain.runner", n, &c, func() error {
+		wg.Add(1)
+		go func() { defer wg.Done(); runErr = cons.Run(rctx) }()
+		return nil
+	})
+	cancel()
+	wg.Wait()
+	if err == nil {
+		err = runErr
+	}
+	if err != nil {
+		return d, err
+	}
+	if err := e.checkGate(ctx, schema, n); err != nil {
+		return d, err
+	}
+	return d, e.checkEffects(ctx, schema, n)
+}
+
+// checkGate verifies the gate applied everything in order: nothing parked,
+// every event recorded once.
+func (e *env) checkGate(ctx context.Context, schema string, n int) error {
+	var parked, processed int
+	err := e.admin.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+sqlident.Qualify(schema, "parked_events")+`),
+		(SELECT count(*) FROM `+sqlident.Qualify(schema, "processed_events")+`)`).Scan(&parked, &processed)
+	if err != nil {
+		return err
+	}
+	if parked != 0 || processed != n {
+		return fmt.Errorf("gate state: %d parked, %d processed, want 0 and %d", parked, processed, n)
+	}
+	return nil
+}

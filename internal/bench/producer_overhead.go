@@ -1,0 +1,258 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/producer"
+)
+
+// ordersDDL is the business table every producer-side scenario writes to.
+const ordersDDL = `CREATE TABLE %s (
+	id           bigserial   PRIMARY KEY,
+	customer_id  text        NOT NULL,
+	amount_cents bigint      NOT NULL,
+	created_at   timestamptz NOT NULL DEFAULT now())`
+
+const insertOrderSQL = `INSERT INTO %s (customer_id, amount_cents) VALUES ($1, $2) RETURNING id`
+
+// orderPayload is the body of every benchmark event: a small order, about
+// 200 bytes of JSON.
+func orderPayload(orderID int64, seq int) []byte {
+	b, _ := json.Marshal(map[string]any{
+		"order_id": orderID, "customer_id": "customer-" + strconv.Itoa(seq%997), "amount_cents": 1000 + seq%5000,
+		"currency": "EUR", "items": []map[string]any{{"sku": "sku-" + strconv.Itoa(seq%113), "qty": 1 + seq%3}},
+		"note": "benchmark order",
+	})
+	return b
+}
+
+// orderCreated is the event a business transaction publishes for an order.
+func orderCreated(aggregateID string, seq int) eventline.Event {
+	return eventline.Event{
+		Type: "order.created", AggregateType: "order", AggregateID: aggregateID,
+		Payload: orderPayload(int64(seq), seq),
+	}
+}
+
+// publishFunc writes one event in the business transaction.
+type publishFunc func(ctx context.Context, tx pgx.Tx, ev eventline.Event) error
+
+// runProducerOverhead compares a business transaction (insert one order,
+// commit) with the same transaction plus PublishTx of one event, under
+// Sizes.Producers concurrent producers. Two more variants put the figure in
+// context: the same transaction writing the event to plain Watermill's
+// outbox (watermill-sql through forwarder.NewPublisher), and PublishTx with
+// the outbox tables' NOTIFY trigger disabled (diagnostic). Variants
+// alternate in every round so drift hits all of them.
+func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
+	sz := e.sizes
+	schema, drop, err := e.newEventlineSchema(ctx, "producer", migrations.DefaultShards)
+	if err != nil {
+		return Result{}, err
+	}
+	defer drop()
+	plain, dropPlain, err := e.newPlainOutbox(ctx, "producer_plain")
+	if err != nil {
+		return Result{}, err
+	}
+	defer dropPlain()
+	orders := sqlident.Qualify(schema, "orders")
+	if err := e.exec(ctx, fmt.Sprintf(ordersDDL, orders)); err != nil {
+		return Result{}, err
+	}
+	pool, err := e.openPool(ctx, int32(sz.Producers)+2, nil)
+	if err != nil {
+		return Result{}, err
+	}
+	defer pool.Close()
+	prod, err := producer.New(ctx, pool, producer.Config{Schema: schema, DefaultTopic: "orders.events", Logger: quiet})
+	if err != nil {
+		return Result{}, err
+	}
+	w := &orderWriter{pool: pool, insert: fmt.Sprintf(insertOrderSQL, orders)}
+	publishTx := func(ctx context.Context, tx pgx.Tx, ev eventline.Event) error { return prod.PublishTx(ctx, tx, ev) }
+	publishPlain := func(_ context.Context, tx pgx.Tx, ev eventline.Event) error {
+		ev.AggregateVersion = 1
+		msg, err := eventline.Encode(ev)
+		if err != nil {
+			return err
+		}
+		return plain.publish(tx, "orders.events", msg)
+	}
+
+	variants := []struct {
+		name, profile string
+		publish       publishFunc
+		notify        bool
+		lat           latencies
+		n             int64
+		t             time.Duration
+	}{
+		{name: "business tx alone", profile: "producer_overhead.bare", notify: true},
+		{name: "+ PublishTx", profile: "producer_overhead.publishtx", publish: publishTx, notify: true},
+		{name: "+ plain Watermill outbox", profile: "producer_overhead.plain", publish: publishPlain, notify: true},
+		{name: "+ PublishTx, no NOTIFY", profile: "producer_overhead.publishtx_nonotify", publish: publishTx},
+	}
+	notifying := true
+	setNotify := func(on bool) error {
+		if on == notifying {
+			return nil
+		}
+		verb := "DISABLE"
+		if on {
+			verb = "ENABLE"
+		}
+		for shard := range migrations.DefaultShards {
+			if err := e.exec(ctx, fmt.Sprintf(`ALTER TABLE %s %s TRIGGER USER`, sqlident.Qualify(schema, outbox.Table(shard)), verb)); err != nil {
+				return err
+			}
+		}
+		notifying = on
+		return nil
+	}
+	defer func() { _ = setNotify(true) }()
+
+	e.progressf("   warm-up")
+	for i := range variants {
+		if _, err := w.phase(ctx, sz.Producers, 300*time.Millisecond, variants[i].publish, nil); err != nil {
+			return Result{}, err
+		}
+	}
+	for round := 0; round < sz.Rounds; round++ {
+		for i := range variants {
+			v := &variants[i]
+			if err := setNotify(v.notify); err != nil {
+				return Result{}, err
+			}
+			stop := func() {}
+			if round == 0 {
+				stop = e.profile(v.profile)
+			}
+			start := time.Now()
+			count, err := w.phase(ctx, sz.Producers, sz.ProducerPhase, v.publish, &v.lat)
+			v.t += time.Since(start)
+			stop()
+			if err != nil {
+				return Result{}, fmt.Errorf("%s: %w", v.name, err)
+			}
+			v.n += count
+			e.progressf("   round %d/%d %-26s %6.0f tx/s", round+1, sz.Rounds, v.name, float64(count)/time.Since(start).Seconds())
+		}
+	}
+	sum := make([]summary, len(variants))
+	for i := range variants {
+		sum[i] = variants[i].lat.summary()
+		e.progressf("   %-26s %s", variants[i].name, sum[i])
+	}
+	tps := func(i int) float64 { return float64(variants[i].n) / variants[i].t.Seconds() }
+	bare, ours, pl, quietNotify := sum[0], sum[1], sum[2], sum[3]
+	base := "business tx alone (insert 1 order, commit)"
+	plainBase := "same tx writing the event to plain Watermill's outbox"
+	res := Result{
+		Rows: []Row{
+			{Metric: "tx latency mean, ms", Ours: millis(ours.mean), Base: millis(bare.mean), Baseline: base, Target: "≤ 1.25"},
+			{Metric: "tx latency p99, ms", Ours: millis(ours.p99), Base: millis(bare.p99), Baseline: base},
+			{Metric: fmt.Sprintf("throughput, tx/s (%d producers)", sz.Producers), Ours: tps(1), Base: tps(0), Baseline: base},
+			{Metric: "tx latency mean, ms", Ours: millis(ours.mean), Base: millis(pl.mean), Baseline: plainBase},
+			{Metric: "tx latency mean, ms, NOTIFY trigger off (diagnostic)", Ours: millis(quietNotify.mean), Base: millis(bare.mean), Baseline: base},
+		},
+		Notes: []string{
+			fmt.Sprintf("%d concurrent producers in closed loops, %d round(s) of %s per variant, alternating; each tx inserts one order row; PublishTx adds one event: its version allocated from aggregate_sequences (one statement) and one outbox row in one of %d shards (a second statement, whose statement trigger NOTIFYs); no relay running",
+				sz.Producers, sz.Rounds, sz.ProducerPhase, migrations.DefaultShards),
+			"plain Watermill row: the same event written with watermill-sql's publisher wrapped in forwarder.NewPublisher (one INSERT, no version, no NOTIFY)",
+			"diagnostic row: PublishTx with the outbox tables' NOTIFY trigger disabled (ALTER TABLE … DISABLE TRIGGER USER); PostgreSQL serializes the commits of transactions that sent a NOTIFY (a database-wide lock held through the commit's WAL flush), which defeats group commit",
+		},
+	}
+	res.Ratios = []Ratio{
+		{Name: "producer_overhead_latency", Value: res.Rows[0].Ratio()},
+		{Name: "producer_overhead_latency_p99", Value: res.Rows[1].Ratio()},
+		{Name: "producer_overhead_latency_vs_plain_watermill", Value: res.Rows[3].Ratio()},
+		{Name: "producer_overhead_latency_without_notify", Value: res.Rows[4].Ratio()},
+	}
+	return res, nil
+}
+
+// orderWriter runs business transactions, with or without an event.
+type orderWriter struct {
+	pool   *pgxpool.Pool
+	insert string
+	seq    atomic.Int64
+}
+
+// tx inserts one order and, when publish is set, writes an order.created
+// event for it in the same transaction. It returns the event (zero when
+// publish is nil).
+func (w *orderWriter) tx(ctx context.Context, publish publishFunc) (eventline.Event, error) {
+	tx, err := w.pool.Begin(ctx)
+	if err != nil {
+		return eventline.Event{}, err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	seq := int(w.seq.Add(1))
+	var id int64
+	if err := tx.QueryRow(ctx, w.insert, "customer-"+strconv.Itoa(seq%997), 1000+seq%5000).Scan(&id); err != nil {
+		return eventline.Event{}, fmt.Errorf("insert order: %w", err)
+	}
+	var ev eventline.Event
+	if publish != nil {
+		ev = orderCreated(strconv.FormatInt(id, 10), seq)
+		ev.ID = eventline.NewEventID()
+		if err := publish(ctx, tx, ev); err != nil {
+			return eventline.Event{}, fmt.Errorf("publish: %w", err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return eventline.Event{}, err
+	}
+	return ev, nil
+}
+
+// phase runs n producers in closed loops for d and records each
+// transaction's latency in lat (when not nil). It returns the count. The
+// loops stop between transactions, so no connection is cut mid-query.
+func (w *orderWriter) phase(ctx context.Context, n int, d time.Duration, publish publishFunc, lat *latencies) (int64, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	deadline := time.Now().Add(d)
+	var count atomic.Int64
+	var wg sync.WaitGroup
+	errc := make(chan error, n)
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil && time.Now().Before(deadline) {
+				start := time.Now()
+				if _, err := w.tx(ctx, publish); err != nil {
+					errc <- err
+					cancel()
+					return
+				}
+				if lat != nil {
+					lat.add(time.Since(start))
+				}
+				count.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	select {
+	case err := <-errc:
+		return 0, err
+	default:
+	}
+	return count.Load(), nil
+}

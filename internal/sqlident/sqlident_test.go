@@ -1,0 +1,24 @@
+package sqlident_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+func TestValidate(t *testing.T) {
+	for _, ok := range []string{"eventline", "_x", "T_1", "a23456789012345678901234567890123456789012345678901234567890123"} {
+		require.NoError(t, sqlident.Validate("f", ok), ok)
+	}
+	for _, bad := range []string{"", "1a", "a-b", `a"b`, "a b", "a;DROP", "é", "a234567890123456789012345678901234567890123456789012345678901234"} {
+		err := sqlident.Validate("Config.Schema", bad)
+		require.ErrorContains(t, err, "Config.Schema", bad)
+	}
+}
+
+func TestQuote(t *testing.T) {
+	require.Equal(t, `"a"."b"`, sqlident.Qualify("a", "b"))
+	require.Equal(t, `"a""b"`, sqlident.Quote(`a"b`))
+}
