@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"time"
@@ -211,7 +212,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 		return Report{}, err
 	}
 	defer e.close()
-	e.progressf("PostgreSQL %s, Kafka %s, GOMAXPROCS %d, sizes %s", e.pgVersion, e.kafkaName(), gomaxprocs(), describeSizes(e.sizes))
+	e.progressf("eventline %s, PostgreSQL %s, Kafka %s, GOMAXPROCS %d, sizes %s", buildRevision(), e.pgVersion, e.kafkaName(), gomaxprocs(), describeSizes(e.sizes))
 
 	var rep Report
 	for _, name := range Scenarios {
@@ -241,6 +242,34 @@ var scenarioFuncs = map[string]func(context.Context, *env) (Result, error){
 	ConsumerDrain:    runConsumerDrain,
 	EndToEndLatency:  runEndToEndLatency,
 	IdleQueries:      runIdleQueries,
+}
+
+// buildRevision returns the VCS revision the binary was built from, when
+// the toolchain recorded it (go build does, go run does not).
+func buildRevision() string {
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "(revision not recorded)"
+	}
+	var rev, modified string
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			modified = s.Value
+		}
+	}
+	if rev == "" {
+		return "(revision not recorded)"
+	}
+	if len(rev) > 12 {
+		rev = rev[:12]
+	}
+	if modified == "true" {
+		rev += "+dirty"
+	}
+	return rev
 }
 
 // loadAverage returns the 1, 5 and 15 minute load averages (Linux), to

@@ -8,7 +8,16 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
 )
+
+// TestMain checks that the scenarios leave no goroutine behind.
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// sarama's metrics registry starts a process-wide meter ticker.
+		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
+	)
+}
 
 // tinySizes makes every scenario run in a few seconds: the smoke tests
 // check that each scenario runs end to end and reports sane figures, not

@@ -147,9 +147,9 @@ func runIdleQueries(ctx context.Context, e *env) (Result, error) {
 		},
 	}
 	res.Ratios = []Ratio{
-		{Name: "idle_queries", Value: res.Rows[0].Ratio()},
-		{Name: "idle_queries_with_consumer", Value: res.Rows[1].Ratio()},
-		{Name: "idle_queries_vs_poll_10ms", Value: res.Rows[2].Ratio()},
+		{Name: "idle_queries_per_second", Value: res.Rows[0].Ratio()},
+		{Name: "idle_queries_per_second_with_consumer", Value: res.Rows[1].Ratio()},
+		{Name: "idle_queries_per_second_vs_poll_10ms", Value: res.Rows[2].Ratio()},
 	}
 	return res, nil
 }
