@@ -51,7 +51,7 @@ func (e *env) kafka() (*kafkaEnv, error) {
 	admin, err := sarama.NewClusterAdminFromClient(client)
 	if err != nil {
 		k.close()
-		return nil, fmt.Errorf("Kafka admin: %w", err)
+		return nil, fmt.Errorf("connect the Kafka admin client: %w", err)
 	}
 	k.admin = admin
 	return k, nil
@@ -80,7 +80,8 @@ func (k *kafkaEnv) topic(prefix string) (string, error) {
 	topic := "bench." + prefix + "." + hex.EncodeToString(b[:])
 	err := k.admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: Partitions, ReplicationFactor: 1}, false)
 	var te *sarama.TopicError
-	if err != nil && !(errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists) {
+	exists := errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists
+	if err != nil && !exists {
 		return "", fmt.Errorf("create topic %s: %w", topic, err)
 	}
 	k.topics = append(k.topics, topic)
