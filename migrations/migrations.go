@@ -329,7 +329,7 @@ func ShardTableSQL(schema string, shard int) []string {
 	}
 	out = append(out, fmt.Sprintf(`CREATE OR REPLACE TRIGGER %s AFTER INSERT ON %s FOR EACH STATEMENT EXECUTE FUNCTION %s(%s)`,
 		sqlident.Quote(topic+"_notify"), sqlident.Qualify(schema, outbox.Table(shard)),
-		sqlident.Qualify(schema, "notify_outbox"), quoteLiteral(fmt.Sprintf("%s.%d", schema, shard))))
+		sqlident.Qualify(schema, "notify_outbox"), quoteLiteral(fmt.Sprintf("%s.%d", schema, shard))+", "+quoteLiteral(fmt.Sprint(shard))))
 	return out
 }
 

@@ -188,6 +188,9 @@ type relayTx struct {
 }
 
 func (t *relayTx) ExecContext(ctx context.Context, query string, args ...any) (wsql.Result, error) {
+	if query == deferredAck {
+		return wsql.PgxResult{}, nil // finish writes the position
+	}
 	tag, err := t.tx.Exec(ctx, query, args...)
 	return wsql.PgxResult{CommandTag: tag}, err
 }

@@ -221,17 +221,15 @@ func (s *shardRunner) finish(t *relayTx) {
 
 // record writes the plan in tx and commits it.
 func (s *shardRunner) record(ctx context.Context, tx pgx.Tx, p settlePlan) error {
-	last := p.last()
-	if p.first != nil && last == nil {
-		return tx.Rollback(ctx) // nothing finished; leave the position as it was
-	}
-	if p.first != nil {
-		// watermill-sql acknowledged every row it delivered; move the
-		// position back to the last finished one.
-		if _, err := tx.Exec(ctx, s.sql.overrideOffset, last.pos.offset, fmt.Sprint(last.pos.txID), outbox.RelayConsumerGroup); err != nil {
+	if last := p.last(); last != nil {
+		// The position is the last finished row: a row that is not
+		// finished (and everything after it) is read again.
+		if _, err := tx.Exec(ctx, s.sql.recordOffset, last.pos.offset, fmt.Sprint(last.pos.txID), outbox.RelayConsumerGroup); err != nil {
 			return fmt.Errorf("record position: %w", err)
 		}
 	}
+	// A transaction without rows still commits: watermill-sql runs its
+	// set-up statements (the group's zero position) through it too.
 	for _, it := range p.dead {
 		if err := s.insertDeadLetter(ctx, tx, it); err != nil {
 			return err

@@ -26,8 +26,9 @@ const (
 	queryRetryInterval = time.Second
 	// stallPollMin and stallPollMax bound the polling while committed rows
 	// wait behind an older open transaction (the xmin horizon).
-	stallPollMin = 5 * time.Millisecond
-	stallPollMax = 500 * time.Millisecond
+	stallPollMin   = 5 * time.Millisecond
+	stallPollMax   = 500 * time.Millisecond
+	stallFastPhase = 2 * time.Second
 )
 
 // shardRunner relays one outbox shard: a watermill-sql subscriber on the
@@ -46,6 +47,10 @@ type shardRunner struct {
 
 	fwd *forwarder.Forwarder
 
+	// waiting is set while the shard's outbox_waiting row asks producers
+	// to notify it. Only the subscriber's goroutine touches it.
+	waiting bool
+
 	mu           sync.Mutex
 	failures     map[string]failureRecord // by outbox uuid
 	backoffUntil time.Time
@@ -55,15 +60,23 @@ type shardRunner struct {
 }
 
 type shardSQL struct {
-	overrideOffset string
+	recordOffset   string
 	backlogExists  string
+	wait, unwait   string
+	horizonPassed  string
+	snapshotXmax   string
 }
 
 func newShardSQL(schema string, shard int) shardSQL {
 	messages := sqlident.Qualify(schema, outbox.Table(shard))
 	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
 	return shardSQL{
-		overrideOffset: `UPDATE ` + offsets + ` SET offset_acked = $1, last_processed_transaction_id = $2::text::xid8 WHERE consumer_group = $3`,
+		recordOffset: `INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ($3, $1, $2::text::xid8)
+			ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id`,
+		wait:          `INSERT INTO ` + sqlident.Qualify(schema, "outbox_waiting") + ` (shard) VALUES ($1) ON CONFLICT DO NOTHING`,
+		unwait:        `DELETE FROM ` + sqlident.Qualify(schema, "outbox_waiting") + ` WHERE shard = $1`,
+		snapshotXmax:  `SELECT pg_snapshot_xmax(pg_current_snapshot())::text`,
+		horizonPassed: `SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::text::xid8`,
 		backlogExists: `SELECT EXISTS (SELECT 1 FROM ` + messages + ` m, ` + offsets + ` o
 			WHERE o.consumer_group = $1 AND (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))`,
 	}
@@ -93,7 +106,7 @@ func (r *Relay) startShard(ctx context.Context, shard int) (*shardRunner, error)
 		ResendInterval: 10 * time.Millisecond,
 		BackoffManager: s,
 		SchemaAdapter:  relaySchemaAdapter{outbox.SchemaAdapter(r.cfg.Schema, r.cfg.BatchSize)},
-		OffsetsAdapter: outbox.OffsetsAdapter(r.cfg.Schema),
+		OffsetsAdapter: newRelayOffsetsAdapter(r.cfg.Schema, shard),
 	}, r.wmLog)
 	if err != nil {
 		return nil, fmt.Errorf("shard %d: create outbox subscriber: %w", shard, err)
@@ -125,6 +138,7 @@ func (s *shardRunner) close() {
 		s.log.Warn("close relay forwarder", "err", err)
 	}
 	<-s.done
+	s.unwait() // the subscriber has stopped: no one else touches waiting
 }
 
 func (s *shardRunner) notify() {
@@ -254,32 +268,93 @@ func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time
 	}
 	if !noMsg {
 		s.unstall()
+		s.unwait()
 		return 0
 	}
 	s.idle()
 	return 0
 }
 
-// idle waits for new rows. If committed rows exist that the last read could
-// not see yet, an older transaction still holds the xmin horizon: poll
-// again shortly instead of waiting for a notification that already came.
+// idle waits for new rows, without holding a transaction.
+//
+// Producers notify a shard only while its relay says it is waiting (the
+// outbox_waiting row), because a NOTIFY serializes their commits. So before
+// it sleeps, the shard sets that row and then waits until every transaction
+// that started before it has ended: one of them may have written a row
+// without notifying. It then reads once more, and only then sleeps until a
+// notification or PollInterval. A notification clears the row again, so
+// busy shards cost producers nothing.
+//
+// If committed rows exist that the last read could not see, an older open
+// transaction holds the xmin horizon: poll again shortly instead.
 func (s *shardRunner) idle() {
+	if !s.waiting {
+		if err := s.announce(); err != nil {
+			s.log.Warn("announce idle shard; polling instead", "err", err)
+			s.sleepOrWake(s.relay.cfg.PollInterval)
+			return
+		}
+		s.waiting = true
+		return // read once more: see announce
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	var waiting bool
-	err := s.relay.pool.QueryRow(ctx, s.sql.backlogExists, outbox.RelayConsumerGroup).Scan(&waiting)
+	var pending bool
+	err := s.relay.pool.QueryRow(ctx, s.sql.backlogExists, outbox.RelayConsumerGroup).Scan(&pending)
 	cancel()
-	if err == nil && waiting {
-		s.sleep(s.stall())
+	if err == nil && pending {
+		s.sleepOrWake(s.stall())
 		return
 	}
 	s.unstall()
-	select {
-	case <-s.wake:
-	case <-time.After(s.relay.cfg.PollInterval):
-	case <-s.stop:
+	if s.sleepOrWake(s.relay.cfg.PollInterval) {
+		s.unwait()
 	}
 }
 
+// announce marks the shard as waiting for notifications and returns once
+// every transaction older than the mark has ended (or PollInterval passed,
+// when an old transaction stays open: then PollInterval bounds the delay).
+func (s *shardRunner) announce() error {
+	ctx, cancel := context.WithTimeout(context.Background(), s.relay.cfg.PollInterval+5*time.Second)
+	defer cancel()
+	if _, err := s.relay.pool.Exec(ctx, s.sql.wait, s.shard); err != nil {
+		return err
+	}
+	var xmax string
+	if err := s.relay.pool.QueryRow(ctx, s.sql.snapshotXmax).Scan(&xmax); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(s.relay.cfg.PollInterval)
+	for delay := time.Millisecond; time.Now().Before(deadline) && !s.stopping(); delay = min(2*delay, 50*time.Millisecond) {
+		var passed bool
+		if err := s.relay.pool.QueryRow(ctx, s.sql.horizonPassed, xmax).Scan(&passed); err != nil {
+			return err
+		}
+		if passed {
+			return nil
+		}
+		s.sleep(delay)
+	}
+	return nil
+}
+
+// unwait clears the shard's waiting mark: it is busy again.
+func (s *shardRunner) unwait() {
+	if !s.waiting {
+		return
+	}
+	s.waiting = false
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, err := s.relay.pool.Exec(ctx, s.sql.unwait, s.shard); err != nil {
+		s.log.Debug("clear idle mark", "err", err)
+	}
+}
+
+// stall returns how long to wait before reading a shard whose committed
+// rows are held back by the xmin horizon: 5ms for the first 2s, since
+// horizons held by ordinary short transactions pass quickly, then growing
+// to 500ms, and it warns once the stall lasts 10s.
 func (s *shardRunner) stall() time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -288,9 +363,13 @@ func (s *shardRunner) stall() time.Duration {
 		s.stallSince = now
 		s.relay.metrics.setStalled(s.shard, true)
 	}
-	if d := now.Sub(s.stallSince); d > 10*time.Second && !s.stallWarned {
+	stalled := now.Sub(s.stallSince)
+	if stalled > 10*time.Second && !s.stallWarned {
 		s.stallWarned = true
-		s.log.Warn("relay stalled: committed events wait behind an older open transaction (xmin horizon); find it in pg_stat_activity", "stalled_for", d.Round(time.Second))
+		s.log.Warn("relay stalled: committed events wait behind an older open transaction (xmin horizon); find it in pg_stat_activity", "stalled_for", stalled.Round(time.Second))
+	}
+	if stalled < stallFastPhase {
+		return stallPollMin
 	}
 	s.stallDelay = min(max(2*s.stallDelay, stallPollMin), stallPollMax)
 	return s.stallDelay
@@ -304,6 +383,20 @@ func (s *shardRunner) unstall() {
 		s.relay.metrics.setStalled(s.shard, false)
 	}
 	s.stallSince, s.stallDelay, s.stallWarned = time.Time{}, 0, false
+}
+
+// sleepOrWake waits for d, a notification or the shard's release, and
+// reports whether a notification woke it.
+func (s *shardRunner) sleepOrWake(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-s.wake:
+		return true
+	case <-s.stop:
+	}
+	return false
 }
 
 func (s *shardRunner) stopping() bool {

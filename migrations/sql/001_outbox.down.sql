@@ -1,4 +1,5 @@
 DROP FUNCTION IF EXISTS notify_outbox() CASCADE;
+DROP TABLE IF EXISTS outbox_waiting;
 DROP TABLE IF EXISTS dead_letters;
 DROP TABLE IF EXISTS relay_failures;
 DROP TABLE IF EXISTS aggregate_sequences;

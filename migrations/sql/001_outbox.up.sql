@@ -54,11 +54,25 @@ CREATE TABLE dead_letters (
 
 CREATE INDEX dead_letters_pending_idx ON dead_letters (dead_at) WHERE replayed_at IS NULL;
 
--- Statement trigger on every outbox shard table: wakes idle relays.
+-- Shards whose relay is idle and waiting for a notification. Unlogged:
+-- it is a hint, rebuilt by the relays, and must not cost WAL or fsyncs.
+CREATE UNLOGGED TABLE outbox_waiting (
+    shard integer     PRIMARY KEY,
+    since timestamptz NOT NULL DEFAULT now()
+);
+
+-- Statement trigger on every outbox shard table (arguments: the NOTIFY
+-- payload "<schema>.<shard>", and the shard): wakes the shard's relay if it
+-- is waiting. A NOTIFY makes PostgreSQL serialize the commits of the
+-- transactions that sent one, so busy relays are not notified at all.
 CREATE FUNCTION notify_outbox() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
 BEGIN
-    PERFORM pg_notify('eventline_outbox', TG_ARGV[0]);
+    IF EXISTS (SELECT 1 FROM outbox_waiting WHERE shard = TG_ARGV[1]::integer) THEN
+        PERFORM pg_notify('eventline_outbox', TG_ARGV[0]);
+    END IF;
     RETURN NULL;
 END
 $$;

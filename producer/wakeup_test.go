@@ -1,0 +1,102 @@
+package producer_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/producer"
+)
+
+// With a poll interval of a minute, only a notification can deliver these
+// events within the tests' 15 seconds.
+const sleepy = time.Minute
+
+func waitingShards(t *testing.T, env pgtest.Env) int {
+	return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "outbox_waiting"))
+}
+
+func TestIdleRelayIsWokenByInsert(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 2})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 2)
+	startRelay(t, env, producer.RelayConfig{Brokers: brokers, PollInterval: sleepy})
+
+	// Idle shards ask producers to notify them...
+	require.Eventually(t, func() bool { return waitingShards(t, env) == 2 }, 15*time.Second, 10*time.Millisecond)
+	for round := 1; round <= 3; round++ {
+		events := publishOrders(t, env, topic, 1, 1, 1)
+		recs := readUntil(t, brokers, topic, 15*time.Second, func(r []record) bool { return len(r) == round })
+		require.Len(t, recs, round, "round %d: the insert must wake the relay", round)
+		require.Equal(t, events[0].ID, recs[round-1].eventID)
+		// ...and ask again once they are idle again.
+		require.Eventually(t, func() bool { return waitingShards(t, env) == 2 }, 15*time.Second, 10*time.Millisecond)
+	}
+}
+
+// TestRelayDoesNotSleepThroughAnInsertThatMissedItsRequest: a producer
+// inserts before the relay asked to be notified and commits after, so its
+// trigger saw no request and sent no notification. The relay must not sleep
+// through it: before sleeping it waits for every transaction older than
+// its request.
+func TestRelayDoesNotSleepThroughAnInsertThatMissedItsRequest(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 1)
+	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
+	require.NoError(t, err)
+	ctx := context.Background()
+
+	tx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	e := mustEvent(t, "late", topic, 1)
+	require.NoError(t, p.PublishTx(ctx, tx, e)) // no relay is waiting: no NOTIFY
+
+	startRelay(t, env, producer.RelayConfig{Brokers: brokers, PollInterval: sleepy})
+	require.Eventually(t, func() bool { return waitingShards(t, env) == 1 }, 15*time.Second, 10*time.Millisecond)
+	time.Sleep(200 * time.Millisecond) // the relay is now waiting for tx to end
+	require.NoError(t, tx.Commit(ctx))
+
+	recs := readTopic(t, brokers, topic, 1, 15*time.Second)
+	require.Len(t, recs, 1, "the relay slept through a committed event")
+	require.Equal(t, e.ID, recs[0].eventID)
+}
+
+// TestBusyRelayIsNotNotified: while a relay is draining, producers do not
+// send NOTIFYs (each one would serialize their commits).
+func TestBusyRelayIsNotNotified(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	require.Zero(t, waitingShards(t, env), "no relay runs: nobody asks to be notified")
+	ctx := context.Background()
+	conn, err := env.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	_, err = conn.Exec(ctx, `LISTEN eventline_outbox`)
+	require.NoError(t, err)
+	publishOrders(t, env, "orders", 1, 5, 1)
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = conn.Conn().WaitForNotification(wctx)
+	require.Error(t, err, "an insert notified although no relay was waiting")
+
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "outbox_waiting")+` (shard) VALUES (0)`)
+	require.NoError(t, err)
+	publishOrders(t, env, "orders", 1, 1, 1)
+	wctx2, cancel2 := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel2()
+	n, err := conn.Conn().WaitForNotification(wctx2)
+	require.NoError(t, err, "a waiting shard must be notified")
+	require.Equal(t, env.Schema+".0", n.Payload)
+	_ = conn.Conn().Close(ctx) // it was listening: do not return it to the pool
+}
