@@ -16,7 +16,9 @@ CREATE TABLE aggregate_sequences (
     aggregate_id   text   NOT NULL,
     version        bigint NOT NULL CHECK (version > 0),
     PRIMARY KEY (aggregate_type, aggregate_id)
-);
+)
+-- Updated on every publish: leave room for in-place (HOT) updates.
+WITH (fillfactor = 70);
 
 -- One row per outbox message the relay failed to publish and will retry.
 -- Deleted when the message is delivered or dead-lettered.

@@ -34,7 +34,10 @@ CREATE TABLE aggregate_versions (
     parked_count     integer     NOT NULL DEFAULT 0 CHECK (parked_count >= 0),
     updated_at       timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer_group, aggregate_type, aggregate_id)
-);
+)
+-- Every event updates its aggregate's row; free space on each page lets
+-- PostgreSQL update in place (HOT) without touching the index.
+WITH (fillfactor = 70);
 
 -- Events that arrived ahead of a missing version, waiting for it.
 CREATE TABLE parked_events (
