@@ -66,35 +66,43 @@ type item struct {
 
 // complete is called by the Kafka sink with the publish outcome.
 func (it *item) complete(err error) {
-	it.b.mu.Lock()
+	b := it.b
+	b.mu.Lock()
 	if err == nil {
 		it.state = itemDelivered
 	} else {
 		it.state, it.err = itemFailed, err
 		if !isPermanent(err) {
-			it.b.stopped.Store(true)
+			b.stopped.Store(true)
 		}
 	}
-	it.b.mu.Unlock()
-	it.b.shard.relay.metrics.observePublish(it, err)
-	it.b.pending.Done()
+	b.release()
+	b.mu.Unlock()
+	b.shard.relay.metrics.observePublish(it, err)
 }
 
 // batch is the set of outbox rows one relay transaction read. The
 // transaction commits only after every row published in it has a Kafka
 // outcome.
 type batch struct {
-	shard   *shardRunner
-	mu      sync.Mutex
-	items   []*item
-	pending sync.WaitGroup
+	shard *shardRunner
+	mu    sync.Mutex
+	items []*item
+	// pending counts rows still held by the guard or in flight to Kafka.
+	pending int
+	// closed is set when the transaction settles; rows the router hands
+	// over after that (the subscriber gave up on them while closing) are
+	// not registered, so they are neither published nor acknowledged.
+	closed  bool
+	drained chan struct{} // closed when pending drops to 0 after closed
 	// stopped is set once a row could not be published for a reason that
 	// may pass (Kafka down, backoff pending); later rows of the batch are
 	// skipped so they are not published ahead of it.
 	stopped atomic.Bool
 }
 
-// register adds the outbox message delivered by watermill-sql to the batch.
+// register adds the outbox message delivered by watermill-sql to the batch,
+// or returns nil when the batch is already settling.
 func (b *batch) register(msg *message.Message) *item {
 	it := &item{b: b, outboxUUID: msg.UUID, payload: msg.Payload}
 	it.pos.txID, _ = strconv.ParseUint(msg.Metadata.Get(metaRowTxID), 10, 64)
@@ -108,21 +116,38 @@ func (b *batch) register(msg *message.Message) *item {
 	} else if len(msg.Metadata) > 0 {
 		it.metadata, _ = json.Marshal(msg.Metadata)
 	}
-	b.pending.Add(1)
 	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil
+	}
+	b.pending++
 	b.items = append(b.items, it)
-	b.mu.Unlock()
 	return it
+}
+
+// release ends one hold on the batch; b.mu is held.
+func (b *batch) release() {
+	b.pending--
+	if b.closed && b.pending == 0 && b.drained != nil {
+		close(b.drained)
+	}
+}
+
+// dead reports whether the row was found unpublishable on arrival.
+func (b *batch) dead(it *item) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return it.state == itemDead
 }
 
 // settle ends the guard's hold on it; rows handed to Kafka are settled by
 // complete instead.
 func (b *batch) settle(it *item) {
 	b.mu.Lock()
-	sent := it.sent
-	b.mu.Unlock()
-	if !sent {
-		b.pending.Done()
+	defer b.mu.Unlock()
+	if !it.sent {
+		b.release()
 	}
 }
 
@@ -135,11 +160,19 @@ func (b *batch) set(it *item, state itemState, err error, deadReason string) {
 // wait blocks until every row has an outcome or the timeout passes. Rows
 // still in flight after the timeout are treated as failed.
 func (b *batch) wait(timeout time.Duration) {
-	done := make(chan struct{})
-	go func() { b.pending.Wait(); close(done) }()
+	b.mu.Lock()
+	b.closed = true
+	if b.pending == 0 {
+		b.mu.Unlock()
+		return
+	}
+	b.drained = make(chan struct{})
+	b.mu.Unlock()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
 	select {
-	case <-done:
-	case <-time.After(timeout):
+	case <-b.drained:
+	case <-t.C:
 		b.mu.Lock()
 		for _, it := range b.items {
 			if it.state == itemInFlight {

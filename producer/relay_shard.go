@@ -161,8 +161,11 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 		}
 		b := rtx.batch
 		it := b.register(msg)
+		if it == nil {
+			return nil, nil // the transaction already settled without this row
+		}
 		defer b.settle(it)
-		if it.state == itemDead || b.stopped.Load() {
+		if b.dead(it) || b.stopped.Load() {
 			return nil, nil
 		}
 		if s.stopping() {
