@@ -63,7 +63,12 @@ func classify(err error) failureKind {
 		case sarama.ErrLeaderNotAvailable, sarama.ErrNotLeaderForPartition, sarama.ErrRequestTimedOut,
 			sarama.ErrBrokerNotAvailable, sarama.ErrReplicaNotAvailable, sarama.ErrNetworkException,
 			sarama.ErrNotEnoughReplicas, sarama.ErrNotEnoughReplicasAfterAppend,
-			sarama.ErrKafkaStorageError, sarama.ErrNotController:
+			sarama.ErrKafkaStorageError, sarama.ErrNotController,
+			// The idempotent producer's sequence state went out of step with
+			// the broker after earlier failures; Sarama bumps its epoch and
+			// the next attempt goes through. Not the message's fault.
+			sarama.ErrOutOfOrderSequenceNumber, sarama.ErrDuplicateSequenceNumber,
+			sarama.ErrInvalidProducerEpoch, sarama.ErrUnknownProducerID, sarama.ErrProducerFenced:
 			return failUnavailable
 		}
 		return failRetry
