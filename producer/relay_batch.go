@@ -51,8 +51,9 @@ type item struct {
 	b          *batch
 	pos        rowPos
 	outboxUUID string
-	payload    []byte // the outbox row's payload: the forwarder envelope
-	metadata   []byte // the outbox row's metadata column, as stored
+	payload    []byte           // the outbox row's payload: the forwarder envelope
+	metadata   message.Metadata // the outbox row's metadata column
+	rawMeta    []byte           // the metadata column as stored, when it was not a JSON object
 
 	event    eventline.Event // decoded once the envelope is unwrapped
 	topic    string          // destination Kafka topic
@@ -111,10 +112,12 @@ func (b *batch) register(msg *message.Message) *item {
 	delete(msg.Metadata, metaRowOffset)
 	if reason := msg.Metadata.Get(metaMalformed); reason != "" {
 		it.state, it.deadReason = itemDead, reason
-		it.metadata = []byte(msg.Metadata.Get(metaRawMetadata))
+		it.rawMeta = []byte(msg.Metadata.Get(metaRawMetadata))
 		msg.Metadata = message.Metadata{}
 	} else if len(msg.Metadata) > 0 {
-		it.metadata, _ = json.Marshal(msg.Metadata)
+		// The forwarder replaces msg with the unwrapped event; this map
+		// stays the row's own. It is encoded only for a dead letter.
+		it.metadata = msg.Metadata
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()

@@ -269,7 +269,7 @@ func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item)
 			destination_topic, payload, metadata, attempts, last_error, dead_reason)
 		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::json, $10::json, $11, $12, $13)`,
 		s.shard, it.outboxUUID, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion,
-		topic, nullJSON(it.payload), nullJSON(it.metadata), attempts, lastErr, it.deadReason)
+		topic, nullJSON(it.payload), nullJSON(it.storedMetadata()), attempts, lastErr, it.deadReason)
 	if err != nil {
 		return fmt.Errorf("write dead letter: %w", err)
 	}
@@ -334,6 +334,18 @@ func peekEnvelope(payload []byte) (eventline.Event, string) {
 	}
 	_, _ = fmt.Sscan(env.Metadata[eventline.MetaAggregateVersion], &e.AggregateVersion)
 	return e, env.DestinationTopic
+}
+
+// storedMetadata is the row's metadata column for its dead letter.
+func (it *item) storedMetadata() []byte {
+	if it.rawMeta != nil {
+		return it.rawMeta
+	}
+	if len(it.metadata) == 0 {
+		return nil
+	}
+	b, _ := json.Marshal(it.metadata)
+	return b
 }
 
 func nullJSON(b []byte) any {

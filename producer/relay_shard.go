@@ -60,11 +60,11 @@ type shardRunner struct {
 }
 
 type shardSQL struct {
-	recordOffset   string
-	backlogExists  string
-	wait, unwait   string
-	horizonPassed  string
-	snapshotXmax   string
+	recordOffset  string
+	backlogExists string
+	wait, unwait  string
+	horizonPassed string
+	snapshotXmax  string
 }
 
 func newShardSQL(schema string, shard int) shardSQL {
