@@ -67,14 +67,21 @@ CREATE UNLOGGED TABLE outbox_waiting (
 -- payload "<schema>.<shard>", and the shard): wakes the shard's relay if it
 -- is waiting. A NOTIFY makes PostgreSQL serialize the commits of the
 -- transactions that sent one, so busy relays are not notified at all.
-CREATE FUNCTION notify_outbox() RETURNS trigger
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $$
+-- The body names outbox_waiting with its schema (filled in below) rather
+-- than SET search_path: a SET clause costs every call a configuration
+-- save and restore, and the trigger runs on every outbox insert.
+DO $create$
 BEGIN
-    IF EXISTS (SELECT 1 FROM outbox_waiting WHERE shard = TG_ARGV[1]::integer) THEN
-        PERFORM pg_notify('eventline_outbox', TG_ARGV[0]);
-    END IF;
-    RETURN NULL;
+    EXECUTE format($fn$
+        CREATE FUNCTION notify_outbox() RETURNS trigger
+        LANGUAGE plpgsql AS $body$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM %I.outbox_waiting WHERE shard = TG_ARGV[1]::integer) THEN
+                PERFORM pg_notify('eventline_outbox', TG_ARGV[0]);
+            END IF;
+            RETURN NULL;
+        END
+        $body$
+    $fn$, current_schema());
 END
-$$;
+$create$;
