@@ -28,9 +28,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
@@ -289,7 +286,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 			again = append(again, e)
 		}
 	}
-	if err := republish(k.Brokers, topic, again); err != nil {
+	if err := setup.PublishEvents(k.Brokers, topic, again); err != nil {
 		return err
 	}
 	republished, redelivered := len(again), len(again)*len(groups)
@@ -400,33 +397,6 @@ func createOrder(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, sc
 		return p.PublishTx(ctx, tx, e)
 	})
 	return e, err
-}
-
-// republish writes events straight to Kafka with a plain watermill-kafka
-// publisher, the way the relay does: encoded by eventline.Encode and keyed
-// by aggregate id, so each lands in its aggregate's partition.
-func republish(brokers []string, topic string, events []eventline.Event) error {
-	if len(events) == 0 {
-		return nil
-	}
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers: brokers,
-		Marshaler: kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
-			return msg.Metadata.Get(eventline.MetaAggregateID), nil
-		}),
-	}, watermill.NopLogger{})
-	if err != nil {
-		return err
-	}
-	msgs := make([]*message.Message, 0, len(events))
-	for _, e := range events {
-		msg, err := eventline.Encode(e)
-		if err != nil {
-			return errors.Join(err, pub.Close())
-		}
-		msgs = append(msgs, msg)
-	}
-	return errors.Join(pub.Publish(topic, msgs...), pub.Close())
 }
 
 // checkAppliedOnce checks that table holds exactly one row per order and

@@ -29,9 +29,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
@@ -183,7 +180,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	events := cfg.Accounts * cfg.Versions
 	fmt.Fprintf(stdout, "seed=%d accounts=%d versions=%d events=%d deliveries=%d topic=%s\n", cfg.Seed, cfg.Accounts, cfg.Versions, events, len(deliveries), topic)
 	fmt.Fprintf(stdout, "delivery_order account=%s versions=%s\n", ids[0], versionsOf(deliveries, ids[0]))
-	if err := publish(k.Brokers, topic, deliveries); err != nil {
+	if err := setup.PublishEvents(k.Brokers, topic, deliveries); err != nil {
 		return err
 	}
 
@@ -266,7 +263,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		e.ID = eventline.NewEventID()
 		replays = append(replays, e)
 	}
-	if err := publish(k.Brokers, topic, replays); err != nil {
+	if err := setup.PublishEvents(k.Brokers, topic, replays); err != nil {
 		return err
 	}
 	delivered := len(deliveries) + len(replays)
@@ -313,34 +310,6 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return fmt.Errorf("the consumer handled %d deliveries, want %d", handled(), delivered)
 	}
 	return nil
-}
-
-// publish writes events to Kafka in the given order with a plain
-// watermill-kafka publisher, encoded by eventline.Encode and keyed by
-// aggregate id like the relay does, so the consumer receives each account's
-// events in exactly this order.
-func publish(brokers []string, topic string, events []eventline.Event) error {
-	if len(events) == 0 {
-		return nil
-	}
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers: brokers,
-		Marshaler: kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
-			return msg.Metadata.Get(eventline.MetaAggregateID), nil
-		}),
-	}, watermill.NopLogger{})
-	if err != nil {
-		return err
-	}
-	msgs := make([]*message.Message, 0, len(events))
-	for _, e := range events {
-		msg, err := eventline.Encode(e)
-		if err != nil {
-			return errors.Join(err, pub.Close())
-		}
-		msgs = append(msgs, msg)
-	}
-	return errors.Join(pub.Publish(topic, msgs...), pub.Close())
 }
 
 // checkJournal checks that every account's versions were applied once

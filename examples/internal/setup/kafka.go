@@ -9,6 +9,9 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/eventline/eventline"
@@ -205,4 +208,33 @@ func (k *Kafka) ReadTopic(ctx context.Context, topic string) ([]Record, error) {
 		}
 	}
 	return out, nil
+}
+
+// PublishEvents writes events straight to Kafka, in the given order, with a
+// plain watermill-kafka publisher: encoded by eventline.Encode and keyed by
+// aggregate id, the way the relay publishes them, so each lands in its
+// aggregate's partition. The examples use it to deliver events a second
+// time, or out of order, on purpose.
+func PublishEvents(brokers []string, topic string, events []eventline.Event) error {
+	if len(events) == 0 {
+		return nil
+	}
+	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
+		Brokers: brokers,
+		Marshaler: kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
+			return msg.Metadata.Get(eventline.MetaAggregateID), nil
+		}),
+	}, watermill.NopLogger{})
+	if err != nil {
+		return err
+	}
+	msgs := make([]*message.Message, 0, len(events))
+	for _, e := range events {
+		msg, err := eventline.Encode(e)
+		if err != nil {
+			return errors.Join(err, pub.Close())
+		}
+		msgs = append(msgs, msg)
+	}
+	return errors.Join(pub.Publish(topic, msgs...), pub.Close())
 }
