@@ -70,14 +70,20 @@ type shardSQL struct {
 func newShardSQL(schema string, shard int) shardSQL {
 	messages := sqlident.Qualify(schema, outbox.Table(shard))
 	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
+	waiting := sqlident.Qualify(schema, "outbox_waiting")
 	return shardSQL{
 		recordOffset: `INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ($3, $1, $2::text::xid8)
 			ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id`,
-		wait:          `INSERT INTO ` + sqlident.Qualify(schema, "outbox_waiting") + ` (shard) VALUES ($1) ON CONFLICT DO NOTHING`,
-		unwait:        `DELETE FROM ` + sqlident.Qualify(schema, "outbox_waiting") + ` WHERE shard = $1`,
+		wait: `INSERT INTO ` + waiting + ` (shard, expires_at) VALUES ($1, now() + make_interval(secs => $2))
+			ON CONFLICT (shard) DO UPDATE SET expires_at = excluded.expires_at`,
+		unwait:        `DELETE FROM ` + waiting + ` WHERE shard = $1`,
 		snapshotXmax:  `SELECT pg_snapshot_xmax(pg_current_snapshot())::text`,
 		horizonPassed: `SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::text::xid8`,
-		backlogExists: `SELECT EXISTS (SELECT 1 FROM ` + messages + ` m, ` + offsets + ` o
+		// Also keeps a waiting shard's request alive ($2, $3).
+		backlogExists: `WITH keep AS (
+				UPDATE ` + waiting + ` SET expires_at = now() + make_interval(secs => $3) WHERE shard = $2 AND $4
+			)
+			SELECT EXISTS (SELECT 1 FROM ` + messages + ` m, ` + offsets + ` o
 			WHERE o.consumer_group = $1 AND (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))`,
 	}
 }
@@ -302,7 +308,7 @@ func (s *shardRunner) idle() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	var pending bool
-	err := s.relay.pool.QueryRow(ctx, s.sql.backlogExists, outbox.RelayConsumerGroup).Scan(&pending)
+	err := s.relay.pool.QueryRow(ctx, s.sql.backlogExists, outbox.RelayConsumerGroup, s.shard, s.waitTTL().Seconds(), s.waiting).Scan(&pending)
 	cancel()
 	if err == nil && pending {
 		s.sleepOrWake(s.stall())
@@ -320,7 +326,7 @@ func (s *shardRunner) idle() {
 func (s *shardRunner) announce() error {
 	ctx, cancel := context.WithTimeout(context.Background(), s.relay.cfg.PollInterval+5*time.Second)
 	defer cancel()
-	if _, err := s.relay.pool.Exec(ctx, s.sql.wait, s.shard); err != nil {
+	if _, err := s.relay.pool.Exec(ctx, s.sql.wait, s.shard, s.waitTTL().Seconds()); err != nil {
 		return err
 	}
 	var xmax string
@@ -339,6 +345,12 @@ func (s *shardRunner) announce() error {
 		s.sleep(delay)
 	}
 	return nil
+}
+
+// waitTTL is how long a waiting mark lasts unless renewed: a few polls, so
+// only a relay that died lets it lapse.
+func (s *shardRunner) waitTTL() time.Duration {
+	return max(3*s.relay.cfg.PollInterval, 10*time.Second)
 }
 
 // unwait clears the shard's waiting mark: it is busy again.

@@ -103,7 +103,14 @@ func TestBusyRelayIsNotNotified(t *testing.T) {
 	publishOrders(t, env, "orders", 1, 5, 1)
 	require.Zero(t, mine(300*time.Millisecond), "an insert notified although no relay was waiting")
 
-	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "outbox_waiting")+` (shard) VALUES (0)`)
+	// The request of a relay that died lapses: no more notifications.
+	waiting := sqlident.Qualify(env.Schema, "outbox_waiting")
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+waiting+` (shard, expires_at) VALUES (0, now() - interval '1 second')`)
+	require.NoError(t, err)
+	publishOrders(t, env, "orders", 1, 1, 1)
+	require.Zero(t, mine(300*time.Millisecond), "an expired request was notified")
+
+	_, err = env.Pool.Exec(ctx, `UPDATE `+waiting+` SET expires_at = now() + interval '1 minute'`)
 	require.NoError(t, err)
 	publishOrders(t, env, "orders", 1, 1, 1)
 	require.Equal(t, 1, mine(2*time.Second), "a waiting shard must be notified")

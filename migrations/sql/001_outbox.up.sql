@@ -56,11 +56,13 @@ CREATE TABLE dead_letters (
 
 CREATE INDEX dead_letters_pending_idx ON dead_letters (dead_at) WHERE replayed_at IS NULL;
 
--- Shards whose relay is idle and waiting for a notification. Unlogged:
--- it is a hint, rebuilt by the relays, and must not cost WAL or fsyncs.
+-- Shards whose relay is idle and waiting for a notification, until
+-- expires_at: an idle relay keeps pushing it forward, so the request of a
+-- relay that died lapses and producers stop notifying nobody. Unlogged: it
+-- is a hint, rebuilt by the relays, and must not cost WAL or fsyncs.
 CREATE UNLOGGED TABLE outbox_waiting (
-    shard integer     PRIMARY KEY,
-    since timestamptz NOT NULL DEFAULT now()
+    shard      integer     PRIMARY KEY,
+    expires_at timestamptz NOT NULL
 );
 
 -- Statement trigger on every outbox shard table (arguments: the NOTIFY
@@ -76,7 +78,7 @@ BEGIN
         CREATE FUNCTION notify_outbox() RETURNS trigger
         LANGUAGE plpgsql AS $body$
         BEGIN
-            IF EXISTS (SELECT 1 FROM %I.outbox_waiting WHERE shard = TG_ARGV[1]::integer) THEN
+            IF EXISTS (SELECT 1 FROM %I.outbox_waiting WHERE shard = TG_ARGV[1]::integer AND expires_at > now()) THEN
                 PERFORM pg_notify('eventline_outbox', TG_ARGV[0]);
             END IF;
             RETURN NULL;
