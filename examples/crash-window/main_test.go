@@ -16,10 +16,7 @@ func TestMain(m *testing.M) { extest.VerifyTestMain(m) }
 
 func TestCrashWindow(t *testing.T) {
 	cfg := config{
-		DatabaseURL: setup.DatabaseURL(),
-		Brokers:     setup.BrokersFromEnv(),
-		Schema:      extest.Schema("example_crash_window"),
-		Logger:      extest.Logger(t),
+		Common: extest.Common(t, "example_crash_window"),
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

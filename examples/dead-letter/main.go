@@ -41,22 +41,13 @@ import (
 )
 
 type config struct {
-	// DatabaseURL is the PostgreSQL to run against.
-	DatabaseURL string
-	// Brokers is the Kafka cluster; empty starts one in-process (kfake).
-	Brokers []string
-	// Schema is dropped and recreated at start, and dropped at the end
-	// unless Keep is set.
-	Schema string
-	Keep   bool
-	// Logger receives eventline's and Watermill's logs.
-	Logger *slog.Logger
+	setup.Common
 }
 
 func main() {
-	cfg := config{DatabaseURL: setup.DatabaseURL(), Brokers: setup.BrokersFromEnv()}
+	var cfg config
 	setup.Main("dead-letter", "example_dead_letter", func(ctx context.Context, c setup.Common) error {
-		cfg.Schema, cfg.Keep, cfg.Logger = c.Schema, c.Keep, c.Logger
+		cfg.Common = c
 		return run(ctx, cfg, os.Stdout)
 	})
 }

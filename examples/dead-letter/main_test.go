@@ -16,10 +16,7 @@ func TestMain(m *testing.M) { extest.VerifyTestMain(m) }
 
 func TestDeadLetter(t *testing.T) {
 	cfg := config{
-		DatabaseURL: setup.DatabaseURL(),
-		Brokers:     setup.BrokersFromEnv(),
-		Schema:      extest.Schema("example_dead_letter"),
-		Logger:      extest.Logger(t),
+		Common: extest.Common(t, "example_dead_letter"),
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

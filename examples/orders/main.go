@@ -40,14 +40,7 @@ import (
 )
 
 type config struct {
-	// DatabaseURL is the PostgreSQL to run against.
-	DatabaseURL string
-	// Brokers is the Kafka cluster; empty starts one in-process (kfake).
-	Brokers []string
-	// Schema is dropped and recreated at start, and dropped at the end
-	// unless Keep is set.
-	Schema string
-	Keep   bool
+	setup.Common
 	// Orders is how many orders to create.
 	Orders int
 	// RedeliverEvery sends every n-th order's event to Kafka a second
@@ -57,18 +50,16 @@ type config struct {
 	Writers int
 	// Progress is the interval between progress lines; 0 prints none.
 	Progress time.Duration
-	// Logger receives eventline's and Watermill's logs.
-	Logger *slog.Logger
 }
 
 func main() {
-	cfg := config{DatabaseURL: setup.DatabaseURL(), Brokers: setup.BrokersFromEnv()}
+	var cfg config
 	flag.IntVar(&cfg.Orders, "orders", 1000, "number of orders to create")
 	flag.IntVar(&cfg.RedeliverEvery, "redeliver-every", 10, "publish every n-th order's event to Kafka a second time (0: none)")
 	flag.IntVar(&cfg.Writers, "writers", 4, "concurrent order-creating transactions")
 	flag.DurationVar(&cfg.Progress, "progress", time.Second, "interval between progress lines (0: none)")
 	setup.Main("orders", "example_orders", func(ctx context.Context, c setup.Common) error {
-		cfg.Schema, cfg.Keep, cfg.Logger = c.Schema, c.Keep, c.Logger
+		cfg.Common = c
 		return run(ctx, cfg, os.Stdout)
 	})
 }

@@ -16,14 +16,11 @@ func TestMain(m *testing.M) { extest.VerifyTestMain(m) }
 
 func TestOrders(t *testing.T) {
 	cfg := config{
-		DatabaseURL:    setup.DatabaseURL(),
-		Brokers:        setup.BrokersFromEnv(),
-		Schema:         extest.Schema("example_orders"),
+		Common:         extest.Common(t, "example_orders"),
 		Orders:         120,
 		RedeliverEvery: 4,
 		Writers:        3,
 		Progress:       500 * time.Millisecond,
-		Logger:         extest.Logger(t),
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

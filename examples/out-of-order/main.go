@@ -41,14 +41,7 @@ import (
 )
 
 type config struct {
-	// DatabaseURL is the PostgreSQL to run against.
-	DatabaseURL string
-	// Brokers is the Kafka cluster; empty starts one in-process (kfake).
-	Brokers []string
-	// Schema is dropped and recreated at start, and dropped at the end
-	// unless Keep is set.
-	Schema string
-	Keep   bool
+	setup.Common
 	// Accounts is the number of aggregates, Versions the events of each.
 	Accounts, Versions int
 	// DuplicateEvery sends every n-th event twice (0: none).
@@ -58,19 +51,17 @@ type config struct {
 	StaleReplays int
 	// Seed seeds the shuffle and the amounts; 0 picks one at random.
 	Seed uint64
-	// Logger receives eventline's and Watermill's logs.
-	Logger *slog.Logger
 }
 
 func main() {
-	cfg := config{DatabaseURL: setup.DatabaseURL(), Brokers: setup.BrokersFromEnv()}
+	var cfg config
 	flag.IntVar(&cfg.Accounts, "accounts", 20, "number of accounts (aggregates)")
 	flag.IntVar(&cfg.Versions, "versions", 5, "events per account (versions 1..n)")
 	flag.IntVar(&cfg.DuplicateEvery, "duplicate-every", 3, "deliver every n-th event twice (0: none)")
 	flag.IntVar(&cfg.StaleReplays, "stale-replays", 10, "old versions sent again at the end under new event ids")
 	flag.Uint64Var(&cfg.Seed, "seed", 0, "random seed for amounts and shuffling (0: random)")
 	setup.Main("out-of-order", "example_out_of_order", func(ctx context.Context, c setup.Common) error {
-		cfg.Schema, cfg.Keep, cfg.Logger = c.Schema, c.Keep, c.Logger
+		cfg.Common = c
 		return run(ctx, cfg, os.Stdout)
 	})
 }

@@ -16,14 +16,11 @@ func TestMain(m *testing.M) { extest.VerifyTestMain(m) }
 
 func TestOutOfOrder(t *testing.T) {
 	cfg := config{
-		DatabaseURL:    setup.DatabaseURL(),
-		Brokers:        setup.BrokersFromEnv(),
-		Schema:         extest.Schema("example_out_of_order"),
+		Common:         extest.Common(t, "example_out_of_order"),
 		Accounts:       6,
 		Versions:       5,
 		DuplicateEvery: 2,
 		StaleReplays:   4,
-		Logger:         extest.Logger(t),
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

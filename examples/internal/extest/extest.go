@@ -37,6 +37,17 @@ func Schema(prefix string) string {
 	return prefix + "_test_" + hex.EncodeToString(b[:])
 }
 
+// Common returns the shared example configuration for a test: the test
+// database and brokers, a fresh schema named after prefix, and Logger(t).
+func Common(t testing.TB, prefix string) setup.Common {
+	return setup.Common{
+		DatabaseURL: setup.DatabaseURL(),
+		Brokers:     setup.BrokersFromEnv(),
+		Schema:      Schema(prefix),
+		Logger:      Logger(t),
+	}
+}
+
 // Logger returns a debug logger whose output is printed only if the test
 // fails.
 func Logger(t testing.TB) *slog.Logger {

@@ -185,19 +185,28 @@ func redact(url string) string {
 	return url
 }
 
-// Common holds the flags every example shares.
+// Common is the configuration every example shares; each example's config
+// embeds it.
 type Common struct {
+	// DatabaseURL is the PostgreSQL to run against.
+	DatabaseURL string
+	// Brokers is the Kafka cluster; empty starts one in-process (kfake).
+	Brokers []string
+	// Schema is dropped and recreated at start, and dropped at the end
+	// unless Keep is set.
 	Schema string
 	Keep   bool
+	// Logger receives eventline's and Watermill's logs.
 	Logger *slog.Logger
 }
 
 // Main registers the shared flags (-schema, -keep, -log-level), parses the
-// command line (register the example's own flags first), and runs fn until
-// it returns or SIGINT/SIGTERM cancels its context. It exits 2 on a usage
-// error and 1 when fn fails, prefixing the message with name.
+// command line (register the example's own flags first), takes the database
+// and brokers from the environment, and runs fn until it returns or
+// SIGINT/SIGTERM cancels its context. It exits 2 on a usage error and 1 when
+// fn fails, prefixing the message with name.
 func Main(name, defaultSchema string, fn func(ctx context.Context, c Common) error) {
-	var c Common
+	c := Common{DatabaseURL: DatabaseURL(), Brokers: BrokersFromEnv()}
 	flag.StringVar(&c.Schema, "schema", defaultSchema, "PostgreSQL schema the example (re)creates")
 	flag.BoolVar(&c.Keep, "keep", false, "keep the schema after the run, to look at the tables")
 	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
