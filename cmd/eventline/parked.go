@@ -61,27 +61,11 @@ func parkedList(ctx context.Context, args []string) error {
 Lists parked events by group, aggregate and version, with each aggregate's
 current (last applied) version, so the missing versions are current+1 up to
 the lowest parked version minus one.`)
-	group := fs.String("group", "", "only this consumer group (default all groups)")
-	agg := fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)")
-	limit := fs.Int("limit", versioning.DefaultListLimit, "most parked events to list")
-	asJSON := fs.Bool("json", false, "print JSON (with payload and metadata) instead of a table")
-	pos, err := fs.parse(args)
-	if err != nil {
+	lf := addListFlags(fs, "most parked events to list", "print JSON (with payload and metadata) instead of a table")
+	if err := lf.parse(fs, "parked list", args); err != nil {
 		return err
 	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("parked list takes no arguments, got %q (filter with -group and -aggregate)", pos)
-	}
-	if *limit < 1 {
-		return fs.usageErrorf("-limit must be at least 1, got %d", *limit)
-	}
-	filter := versioning.ParkedFilter{Group: *group, Limit: *limit}
-	if *agg != "" {
-		var ok bool
-		if filter.AggregateType, filter.AggregateID, ok = parseAggregate(*agg); !ok {
-			return fs.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", *agg)
-		}
-	}
+	filter := versioning.ParkedFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit}
 	store, pool, err := openVersioning(ctx)
 	if err != nil {
 		return err
@@ -105,7 +89,7 @@ the lowest parked version minus one.`)
 		keys = append(keys, p.Key())
 	}
 	out := stdout(ctx)
-	if *asJSON {
+	if lf.asJSON {
 		list := make([]parkedJSON, 0, len(parked))
 		for _, p := range parked {
 			j := parkedJSON{
@@ -141,8 +125,8 @@ the lowest parked version minus one.`)
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if len(parked) == *limit {
-		fmt.Fprintf(out, "(first %d shown; raise -limit for more)\n", *limit)
+	if len(parked) == lf.limit {
+		fmt.Fprintf(out, "(first %d shown; raise -limit for more)\n", lf.limit)
 	}
 	fmt.Fprintln(out)
 	for _, k := range keys {
@@ -268,27 +252,11 @@ func parkedSkipped(ctx context.Context, args []string) error {
 	fs := newFlagSet(ctx, "parked skipped", "[-group G] [-aggregate TYPE/ID] [-limit N] [-json]", `
 Lists the versions given up on, by the sweeper after the park timeout or by
 'eventline parked release', oldest first.`)
-	group := fs.String("group", "", "only this consumer group (default all groups)")
-	agg := fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)")
-	limit := fs.Int("limit", versioning.DefaultListLimit, "most rows to list")
-	asJSON := fs.Bool("json", false, "print JSON instead of a table")
-	pos, err := fs.parse(args)
-	if err != nil {
+	lf := addListFlags(fs, "most rows to list", "print JSON instead of a table")
+	if err := lf.parse(fs, "parked skipped", args); err != nil {
 		return err
 	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("parked skipped takes no arguments, got %q", pos)
-	}
-	if *limit < 1 {
-		return fs.usageErrorf("-limit must be at least 1, got %d", *limit)
-	}
-	filter := versioning.SkippedFilter{Group: *group, Limit: *limit}
-	if *agg != "" {
-		var ok bool
-		if filter.AggregateType, filter.AggregateID, ok = parseAggregate(*agg); !ok {
-			return fs.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", *agg)
-		}
-	}
+	filter := versioning.SkippedFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit}
 	store, pool, err := openVersioning(ctx)
 	if err != nil {
 		return err
@@ -299,7 +267,7 @@ Lists the versions given up on, by the sweeper after the park timeout or by
 		return err
 	}
 	out := stdout(ctx)
-	if *asJSON {
+	if lf.asJSON {
 		list := make([]skippedJSON, 0, len(skipped))
 		for _, s := range skipped {
 			list = append(list, skippedJSON{s.ID, s.Group, s.AggregateType, s.AggregateID, s.From, s.To, s.Reason, s.SkippedAt.UTC()})
@@ -316,4 +284,47 @@ Lists the versions given up on, by the sweeper after the park timeout or by
 		row(tw, s.ID, s.Group, aggregate(s.AggregateType, s.AggregateID), versionRange(s.From, s.To), timestamp(s.SkippedAt), truncate(s.Reason, 70))
 	}
 	return tw.Flush()
+}
+
+// listFlags are the filters `parked list` and `parked skipped` share.
+type listFlags struct {
+	groupFlag, aggregateFlag *string
+	limitFlag                *int
+	jsonFlag                 *bool
+
+	group, aggregateType, aggregateID string
+	limit                             int
+	asJSON                            bool
+}
+
+func addListFlags(fs *flagSet, limitHelp, jsonHelp string) *listFlags {
+	return &listFlags{
+		groupFlag:     fs.String("group", "", "only this consumer group (default all groups)"),
+		aggregateFlag: fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)"),
+		limitFlag:     fs.Int("limit", versioning.DefaultListLimit, limitHelp),
+		jsonFlag:      fs.Bool("json", false, jsonHelp),
+	}
+}
+
+// parse parses args and checks the filters; cmd names the command in usage
+// errors.
+func (lf *listFlags) parse(fs *flagSet, cmd string, args []string) error {
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("%s takes no arguments, got %q (filter with -group and -aggregate)", cmd, pos)
+	}
+	if *lf.limitFlag < 1 {
+		return fs.usageErrorf("-limit must be at least 1, got %d", *lf.limitFlag)
+	}
+	lf.group, lf.limit, lf.asJSON = *lf.groupFlag, *lf.limitFlag, *lf.jsonFlag
+	if agg := *lf.aggregateFlag; agg != "" {
+		var ok bool
+		if lf.aggregateType, lf.aggregateID, ok = parseAggregate(agg); !ok {
+			return fs.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", agg)
+		}
+	}
+	return nil
 }
