@@ -231,44 +231,51 @@ func (e *env) checkEffects(ctx context.Context, schema string, n int) error {
 }
 
 func (e *env) consumeBare(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
-	group := fmt.Sprintf("bench-bare-%d", round)
-	schema, biz, drop, err := e.consumerSchema(ctx, "consumer_bare", false)
-	if err != nil {
-		return drainResult{}, err
-	}
-	defer drop()
-	pool, err := e.consumerPool(ctx)
-	if err != nil {
-		return drainResult{}, err
-	}
-	defer pool.Close()
-	var c progressCounter
-	var stop func() error
-	d, err := e.drainConsumer(ctx, "bare handler", "consumer_drain.bare", n, &c, func() (err error) {
-		stop, err = e.routerConsumer(ctx, k, topic, group, []message.HandlerMiddleware{c.middleware},
-			func(msg *message.Message) error {
+	return e.consumeWithRouter(ctx, k, topic, n, routerVariant{
+		group: fmt.Sprintf("bench-bare-%d", round), schema: "consumer_bare",
+		label: "bare handler", profile: "consumer_drain.bare",
+		build: func(pool *pgxpool.Pool, _ string, biz business) (message.HandlerMiddleware, message.NoPublishHandlerFunc, error) {
+			return nil, func(msg *message.Message) error {
 				ev, err := eventline.Decode(msg)
 				if err != nil {
 					return err
 				}
 				return pgx.BeginFunc(msg.Context(), pool, func(tx pgx.Tx) error { return biz.apply(msg.Context(), tx, ev) })
-			})
-		return err
+			}, nil
+		},
 	})
-	if stop != nil {
-		if serr := stop(); err == nil {
-			err = serr
-		}
-	}
-	if err != nil {
-		return d, err
-	}
-	return d, e.checkEffects(ctx, schema, n)
 }
 
 func (e *env) consumeMiddleware(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
 	group := fmt.Sprintf("bench-el-%d", round)
-	schema, biz, drop, err := e.consumerSchema(ctx, "consumer_el", true)
+	return e.consumeWithRouter(ctx, k, topic, n, routerVariant{
+		group: group, schema: "consumer_el", eventline: true,
+		label: "eventline middleware", profile: "consumer_drain.middleware",
+		build: func(pool *pgxpool.Pool, schema string, biz business) (message.HandlerMiddleware, message.NoPublishHandlerFunc, error) {
+			el, err := middleware.New(middleware.Config{DB: pool, Group: group, Schema: schema, Logger: quiet})
+			if err != nil {
+				return nil, nil, err
+			}
+			return el.Middleware, func(msg *message.Message) error {
+				tx, _ := middleware.TxFromContext(msg.Context())
+				ev, _ := middleware.EventFromContext(msg.Context())
+				return biz.apply(msg.Context(), tx, ev)
+			}, nil
+		},
+	})
+}
+
+// routerVariant is a consumer_drain variant that runs a handler on a plain
+// watermill-kafka subscriber and Router.
+type routerVariant struct {
+	group, schema, label, profile string
+	eventline                     bool // migrate eventline's tables, and check the gate afterwards
+	// build returns the variant's middleware (nil for none) and handler.
+	build func(pool *pgxpool.Pool, schema string, biz business) (message.HandlerMiddleware, message.NoPublishHandlerFunc, error)
+}
+
+func (e *env) consumeWithRouter(ctx context.Context, k *kafkaEnv, topic string, n int, v routerVariant) (drainResult, error) {
+	schema, biz, drop, err := e.consumerSchema(ctx, v.schema, v.eventline)
 	if err != nil {
 		return drainResult{}, err
 	}
@@ -278,19 +285,18 @@ func (e *env) consumeMiddleware(ctx context.Context, k *kafkaEnv, topic string, 
 		return drainResult{}, err
 	}
 	defer pool.Close()
-	el, err := middleware.New(middleware.Config{DB: pool, Group: group, Schema: schema, Logger: quiet})
+	mw, handler, err := v.build(pool, schema, biz)
 	if err != nil {
 		return drainResult{}, err
 	}
 	var c progressCounter
+	mws := []message.HandlerMiddleware{c.middleware}
+	if mw != nil {
+		mws = append(mws, mw)
+	}
 	var stop func() error
-	d, err := e.drainConsumer(ctx, "eventline middleware", "consumer_drain.middleware", n, &c, func() (err error) {
-		stop, err = e.routerConsumer(ctx, k, topic, group, []message.HandlerMiddleware{c.middleware, el.Middleware},
-			func(msg *message.Message) error {
-				tx, _ := middleware.TxFromContext(msg.Context())
-				ev, _ := middleware.EventFromContext(msg.Context())
-				return biz.apply(msg.Context(), tx, ev)
-			})
+	d, err := e.drainConsumer(ctx, v.label, v.profile, n, &c, func() (err error) {
+		stop, err = e.routerConsumer(ctx, k, topic, v.group, mws, handler)
 		return err
 	})
 	if stop != nil {
@@ -301,8 +307,10 @@ func (e *env) consumeMiddleware(ctx context.Context, k *kafkaEnv, topic string, 
 	if err != nil {
 		return d, err
 	}
-	if err := e.checkGate(ctx, schema, n); err != nil {
-		return d, err
+	if v.eventline {
+		if err := e.checkGate(ctx, schema, n); err != nil {
+			return d, err
+		}
 	}
 	return d, e.checkEffects(ctx, schema, n)
 }
