@@ -55,9 +55,8 @@ type item struct {
 	metadata   message.Metadata // the outbox row's metadata column
 	rawMeta    []byte           // the metadata column as stored, when it was not a JSON object
 
-	event    eventline.Event // decoded once the envelope is unwrapped
-	topic    string          // destination Kafka topic
-	queuedAt time.Time
+	event eventline.Event // decoded once the envelope is unwrapped
+	topic string          // destination Kafka topic
 
 	state      itemState
 	sent       bool // handed to the Kafka producer, which will call complete

@@ -6,13 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/eapache/go-resiliency/breaker"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
@@ -86,16 +84,6 @@ func classify(err error) failureKind {
 }
 
 func isPermanent(err error) bool { return classify(err) == failPermanent }
-
-// isSerializationFailure reports a concurrent-update or deadlock error from
-// the offsets row lock: another relay got there first.
-func isSerializationFailure(err error) bool {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr.Code == "40001" || pgErr.Code == "40P01"
-	}
-	return strings.Contains(err.Error(), "concurrent update")
-}
 
 // failureRecord is the retry state of one outbox row.
 type failureRecord struct {

@@ -241,7 +241,7 @@ func (p shardPublisher) Publish(topic string, msgs ...*message.Message) error {
 		}
 		b := it.b
 		b.mu.Lock()
-		it.event, it.topic, it.queuedAt = e, topic, time.Now()
+		it.event, it.topic = e, topic
 		it.state, it.sent = itemInFlight, true
 		b.mu.Unlock()
 		if err := p.s.relay.sink.send(msg.Context(), topic, msg, it); err != nil {
@@ -263,9 +263,6 @@ func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time
 	if err != nil {
 		if s.stopping() || errors.Is(err, context.Canceled) {
 			return 0
-		}
-		if isSerializationFailure(err) {
-			return 0 // another relay moved the offsets; read them again
 		}
 		s.log.Warn("outbox read failed; retrying", "err", err)
 		s.sleep(queryRetryInterval)

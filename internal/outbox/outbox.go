@@ -4,7 +4,6 @@
 package outbox
 
 import (
-	"fmt"
 	"hash/fnv"
 	"strconv"
 
@@ -42,15 +41,6 @@ func ShardFor(aggregateType, aggregateID string, shards int) int {
 	_, _ = h.Write([]byte{0})
 	_, _ = h.Write([]byte(aggregateID))
 	return int(h.Sum64() % uint64(shards))
-}
-
-// ShardOfTopic parses a shard topic back into its number.
-func ShardOfTopic(topic string) (int, error) {
-	var n int
-	if _, err := fmt.Sscanf(topic, "outbox_%d", &n); err != nil || Topic(n) != topic {
-		return 0, fmt.Errorf("%q is not an outbox shard topic", topic)
-	}
-	return n, nil
 }
 
 // SchemaAdapter returns watermill-sql's default PostgreSQL schema adapter with

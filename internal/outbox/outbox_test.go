@@ -33,13 +33,3 @@ func TestShardForIsStable(t *testing.T) {
 	}
 	require.Len(t, spread, 8, "64 aggregates cover all 8 shards")
 }
-
-func TestShardOfTopic(t *testing.T) {
-	n, err := outbox.ShardOfTopic(outbox.Topic(12))
-	require.NoError(t, err)
-	require.Equal(t, 12, n)
-	for _, bad := range []string{"outbox_", "outbox_x", "outbox_1x", "orders"} {
-		_, err := outbox.ShardOfTopic(bad)
-		require.Error(t, err, bad)
-	}
-}
