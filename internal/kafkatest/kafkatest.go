@@ -7,6 +7,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"testing"
 	"time"
 
@@ -72,10 +73,7 @@ func CreateTopic(t testing.TB, brokers []string, topic string, partitions int32)
 
 func isTopicExists(err error) bool {
 	var te *sarama.TopicError
-	if ok := asTopicError(err, &te); ok {
-		return te.Err == sarama.ErrTopicAlreadyExists
-	}
-	return false
+	return errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists
 }
 
 // Consume reads records from topic (all partitions, from the oldest offset)
