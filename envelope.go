@@ -30,6 +30,9 @@ func Encode(e Event) (*message.Message, error) {
 	md[MetaAggregateID] = e.AggregateID
 	if e.AggregateVersion > 0 {
 		md[MetaAggregateVersion] = strconv.FormatInt(e.AggregateVersion, 10)
+		if e.PreviousVersion > 0 && e.PreviousVersion != e.AggregateVersion-1 {
+			md[MetaPreviousVersion] = strconv.FormatInt(e.PreviousVersion, 10)
+		}
 	}
 	md[MetaOccurredAt] = e.OccurredAt.Format(time.RFC3339Nano)
 	if e.CorrelationID != "" {
@@ -66,8 +69,15 @@ func (e Event) WithDefaults(now time.Time) Event {
 
 // Decode reads an event back from a Watermill message produced by [Encode],
 // on either side of Kafka. It returns an *InvalidEventError (matching
-// ErrInvalidEvent) when the event id, type or aggregate is missing, or when a
-// version or timestamp is malformed; it never panics on bad input.
+// ErrInvalidEvent) when the event id, type or aggregate is missing, when a
+// version or timestamp is malformed, or when any field a consumer stores
+// (identifiers, correlation id, traceparent, content type, custom
+// metadata) is too long, not valid UTF-8 or holds a NUL byte: such a record
+// can never be stored as it is, so retrying it cannot help. It never panics
+// on bad input. A nil payload decodes as an empty one.
+//
+// PreviousVersion is taken from the record when present (it must be below
+// the aggregate version), else it is AggregateVersion-1.
 //
 // The topic is taken from the message context when a Watermill Router
 // delivered it.
@@ -86,16 +96,29 @@ func Decode(msg *message.Message) (Event, error) {
 		ContentType:   md.Get(MetaContentType),
 		Payload:       msg.Payload,
 	}
+	if e.Payload == nil {
+		e.Payload = []byte{}
+	}
 	if e.ID == "" {
 		return Event{}, &InvalidEventError{Field: MetaEventID, Reason: "missing from the message metadata"}
 	}
-	if err := checkText(MetaEventID, e.ID); err != nil {
-		return Event{}, err
-	}
-	for _, f := range [...]struct{ name, v string }{
-		{MetaEventType, e.Type}, {MetaAggregateType, e.AggregateType}, {MetaAggregateID, e.AggregateID},
+	for _, f := range [...]struct {
+		name, v  string
+		required bool
+	}{
+		{MetaEventID, e.ID, true},
+		{MetaEventType, e.Type, true},
+		{MetaAggregateType, e.AggregateType, true},
+		{MetaAggregateID, e.AggregateID, true},
+		{MetaCorrelationID, e.CorrelationID, false},
+		{MetaTraceParent, e.TraceParent, false},
+		{MetaContentType, e.ContentType, false},
 	} {
-		if err := checkRequired(f.name, f.v); err != nil {
+		check := checkText
+		if f.required {
+			check = checkRequired
+		}
+		if err := check(f.name, f.v); err != nil {
 			return Event{}, err
 		}
 	}
@@ -104,31 +127,44 @@ func Decode(msg *message.Message) (Event, error) {
 	if v := md.Get(MetaEventVersion); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < 0 {
-			return Event{}, &InvalidEventError{Field: MetaEventVersion, Value: v, Reason: "must be a non-negative integer"}
+			return Event{}, &InvalidEventError{Field: MetaEventVersion, Value: printable(v), Reason: "must be a non-negative integer"}
 		}
 		e.SchemaVersion = n
 	}
 	if v := md.Get(MetaAggregateVersion); v != "" {
 		n, err := strconv.ParseInt(v, 10, 64)
 		if err != nil || n <= 0 {
-			return Event{}, &InvalidEventError{Field: MetaAggregateVersion, Value: v, Reason: "must be a positive integer"}
+			return Event{}, &InvalidEventError{Field: MetaAggregateVersion, Value: printable(v), Reason: "must be a positive integer"}
 		}
 		e.AggregateVersion = n
+		e.PreviousVersion = n - 1
+	}
+	if v, ok := md[MetaPreviousVersion]; ok {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || n < 0 || n >= e.AggregateVersion {
+			return Event{}, &InvalidEventError{Field: MetaPreviousVersion, Value: printable(v),
+				Reason: "must be a non-negative integer below aggregate_version, on a versioned event"}
+		}
+		e.PreviousVersion = n
 	}
 	if v := md.Get(MetaOccurredAt); v != "" {
 		t, err := time.Parse(time.RFC3339Nano, v)
 		if err != nil {
-			return Event{}, &InvalidEventError{Field: MetaOccurredAt, Value: v, Reason: "must be an RFC 3339 timestamp"}
+			return Event{}, &InvalidEventError{Field: MetaOccurredAt, Value: printable(v), Reason: "must be an RFC 3339 timestamp"}
 		}
 		e.OccurredAt = t
 	}
 	for k, v := range md {
-		if !reservedMeta[k] {
-			if e.Metadata == nil {
-				e.Metadata = make(map[string]string)
-			}
-			e.Metadata[k] = v
+		if reservedMeta[k] {
+			continue
 		}
+		if err := checkMetadataEntry(k, v); err != nil {
+			return Event{}, err
+		}
+		if e.Metadata == nil {
+			e.Metadata = make(map[string]string)
+		}
+		e.Metadata[k] = v
 	}
 	if ctx := msg.Context(); ctx != nil {
 		e.Topic = message.SubscribeTopicFromCtx(ctx)

@@ -2,6 +2,7 @@ package eventline_test
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -27,7 +28,59 @@ func TestEncodeDecodeRoundTrip(t *testing.T) {
 	out, err := eventline.Decode(msg)
 	require.NoError(t, err)
 	in.Topic = ""
+	in.PreviousVersion = 6 // absent from the record: the version before
 	require.Equal(t, in, out)
+}
+
+func TestPreviousVersionTravelsOnlyWhenVersionsHaveAHole(t *testing.T) {
+	base := eventline.Event{Type: "t", AggregateType: "a", AggregateID: "1", AggregateVersion: 10, Payload: []byte(`{}`)}
+
+	msg, err := eventline.Encode(base)
+	require.NoError(t, err)
+	_, written := msg.Metadata[eventline.MetaPreviousVersion]
+	require.False(t, written, "no predecessor given: the gate assumes version-1")
+
+	withHole := base
+	withHole.PreviousVersion = 4
+	msg, err = eventline.Encode(withHole)
+	require.NoError(t, err)
+	require.Equal(t, "4", msg.Metadata.Get(eventline.MetaPreviousVersion))
+	e, err := eventline.Decode(msg)
+	require.NoError(t, err)
+	require.Equal(t, int64(4), e.PreviousVersion)
+
+	notBelow := base
+	notBelow.PreviousVersion = 10
+	_, err = eventline.Encode(notBelow)
+	require.ErrorIs(t, err, eventline.ErrInvalidEvent)
+}
+
+func TestEncodeRejectsMetadataThatCannotBeStored(t *testing.T) {
+	for name, md := range map[string]map[string]string{
+		"NUL in value":        {"tenant": "a\x00b"},
+		"NUL in key":          {"ten\x00ant": "a"},
+		"invalid UTF-8 value": {"tenant": "\xff"},
+		"reserved key":        {eventline.MetaPreviousVersion: "1"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := eventline.Encode(eventline.Event{Type: "t", AggregateType: "a", AggregateID: "1", Payload: []byte(`{}`), Metadata: md})
+			var ie *eventline.InvalidEventError
+			require.ErrorAs(t, err, &ie)
+			require.Equal(t, "metadata", ie.Field)
+		})
+	}
+}
+
+func TestDecodeNilPayloadIsEmpty(t *testing.T) {
+	msg := message.NewMessage("u", nil)
+	msg.Metadata = message.Metadata{
+		eventline.MetaEventID: "e", eventline.MetaEventType: "t",
+		eventline.MetaAggregateType: "a", eventline.MetaAggregateID: "1",
+	}
+	e, err := eventline.Decode(msg)
+	require.NoError(t, err)
+	require.NotNil(t, e.Payload, "stored as an empty payload, never NULL")
+	require.Empty(t, e.Payload)
 }
 
 func TestEncodeFillsDefaults(t *testing.T) {
@@ -62,6 +115,14 @@ func TestDecodeRejectsBadMetadataWithTypedErrors(t *testing.T) {
 		"non-numeric schema ver.": {eventline.MetaEventVersion, "v2", eventline.MetaEventVersion},
 		"bad timestamp":           {eventline.MetaOccurredAt, "yesterday", eventline.MetaOccurredAt},
 		"NUL in id":               {eventline.MetaEventID, "a\x00b", eventline.MetaEventID},
+		"NUL in correlation id":   {eventline.MetaCorrelationID, "a\x00b", eventline.MetaCorrelationID},
+		"NUL in traceparent":      {eventline.MetaTraceParent, "00-\x00", eventline.MetaTraceParent},
+		"bad UTF-8 content type":  {eventline.MetaContentType, "\xff", eventline.MetaContentType},
+		"NUL in custom header":    {"tenant", "a\x00b", "metadata"},
+		"bad UTF-8 custom header": {"tenant", "\xfe\xff", "metadata"},
+		"1 MiB event id":          {eventline.MetaEventID, strings.Repeat("x", 1<<20), eventline.MetaEventID},
+		"previous not below":      {eventline.MetaPreviousVersion, "3", eventline.MetaPreviousVersion},
+		"previous negative":       {eventline.MetaPreviousVersion, "-1", eventline.MetaPreviousVersion},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {

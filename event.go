@@ -20,10 +20,15 @@ const (
 	MetaAggregateType    = "aggregate_type"
 	MetaAggregateID      = "aggregate_id"
 	MetaAggregateVersion = "aggregate_version"
-	MetaOccurredAt       = "occurred_at"
-	MetaCorrelationID    = "correlation_id"
-	MetaTraceParent      = "traceparent"
-	MetaContentType      = "content_type"
+	// MetaPreviousVersion is the aggregate version the event directly
+	// follows, written by the producer when it is not aggregate_version-1
+	// (a supplied version that deliberately skips numbers). The consumer's
+	// gate applies the event once the aggregate is at that version.
+	MetaPreviousVersion = "aggregate_previous_version"
+	MetaOccurredAt      = "occurred_at"
+	MetaCorrelationID   = "correlation_id"
+	MetaTraceParent     = "traceparent"
+	MetaContentType     = "content_type"
 )
 
 // ContentTypeJSON is the default payload content type. Payloads declared as
@@ -42,7 +47,8 @@ const (
 var reservedMeta = map[string]bool{
 	MetaEventID: true, MetaEventType: true, MetaEventVersion: true,
 	MetaAggregateType: true, MetaAggregateID: true, MetaAggregateVersion: true,
-	MetaOccurredAt: true, MetaCorrelationID: true, MetaTraceParent: true,
+	MetaPreviousVersion: true,
+	MetaOccurredAt:      true, MetaCorrelationID: true, MetaTraceParent: true,
 	MetaContentType: true,
 	// Watermill's Kafka marshaler stores the message UUID under this header.
 	"_watermill_message_uuid": true,
@@ -72,6 +78,12 @@ type Event struct {
 	// AggregateVersion orders the events of one aggregate: 1, 2, 3... When 0,
 	// the producer assigns the next version in the publishing transaction.
 	AggregateVersion int64
+	// PreviousVersion is the aggregate version this event directly
+	// follows. [Decode] always sets it: from the record when the producer
+	// wrote it, else AggregateVersion-1 (versions without holes, the
+	// normal case). On publish it is set by the producer; [Encode] writes
+	// it only when it is not AggregateVersion-1.
+	PreviousVersion int64
 	// OccurredAt is when the event happened. Defaults to the publish time.
 	OccurredAt time.Time
 	// CorrelationID ties the event to the request or workflow that caused it.
@@ -162,6 +174,9 @@ func (e Event) Validate() error {
 	if e.AggregateVersion < 0 {
 		return &InvalidEventError{Field: "aggregate_version", Value: fmt.Sprint(e.AggregateVersion), Reason: "must not be negative"}
 	}
+	if e.PreviousVersion < 0 || (e.PreviousVersion > 0 && e.PreviousVersion >= e.AggregateVersion) {
+		return &InvalidEventError{Field: MetaPreviousVersion, Value: fmt.Sprint(e.PreviousVersion), Reason: "must be below aggregate_version and not negative"}
+	}
 	if err := checkText("correlation_id", e.CorrelationID); err != nil {
 		return err
 	}
@@ -180,8 +195,8 @@ func (e Event) Validate() error {
 		if k == "" || reservedMeta[k] {
 			return &InvalidEventError{Field: "metadata", Value: k, Reason: "key is empty or reserved by the envelope"}
 		}
-		if !utf8.ValidString(k) || !utf8.ValidString(v) {
-			return &InvalidEventError{Field: "metadata", Value: k, Reason: "keys and values must be valid UTF-8"}
+		if err := checkMetadataEntry(k, v); err != nil {
+			return err
 		}
 	}
 	if e.IsJSON() && !json.Valid(e.Payload) {
@@ -212,12 +227,34 @@ func checkRequired(field, v string) error {
 	return checkText(field, v)
 }
 
+// checkMetadataEntry rejects a custom metadata pair that cannot travel as a
+// Kafka header and be stored byte-exact in PostgreSQL (jsonb): invalid
+// UTF-8 or a NUL byte in the key or the value.
+func checkMetadataEntry(k, v string) error {
+	switch {
+	case !utf8.ValidString(k) || !utf8.ValidString(v):
+		return &InvalidEventError{Field: "metadata", Value: printable(k), Reason: "keys and values must be valid UTF-8"}
+	case strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0:
+		return &InvalidEventError{Field: "metadata", Value: printable(k), Reason: "keys and values must not contain NUL bytes"}
+	}
+	return nil
+}
+
+// printable returns at most 32 bytes of s, quoted-safe for error messages.
+func printable(s string) string {
+	s = strings.ToValidUTF8(strings.ReplaceAll(s, "\x00", ""), "?")
+	if len(s) > 32 {
+		s = strings.ToValidUTF8(s[:32], "") + "..."
+	}
+	return s
+}
+
 // checkText rejects values that cannot be stored as a PostgreSQL text key or
 // a Kafka header: too long, invalid UTF-8, or containing NUL.
 func checkText(field, v string) error {
 	switch {
 	case len(v) > MaxIdentifierLength:
-		return &InvalidEventError{Field: field, Value: v[:32] + "...", Reason: fmt.Sprintf("longer than %d bytes", MaxIdentifierLength)}
+		return &InvalidEventError{Field: field, Value: printable(v), Reason: fmt.Sprintf("longer than %d bytes", MaxIdentifierLength)}
 	case !utf8.ValidString(v):
 		return &InvalidEventError{Field: field, Reason: "not valid UTF-8"}
 	case strings.IndexByte(v, 0) >= 0:
