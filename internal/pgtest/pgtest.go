@@ -6,12 +6,16 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"net"
+	"net/url"
 	"os"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -30,6 +34,27 @@ func URL() string {
 		}
 	}
 	return DefaultURL
+}
+
+// Addr returns the host:port of the test database (for a fault proxy in
+// front of it).
+func Addr() string {
+	cfg, err := pgconn.ParseConfig(URL())
+	if err != nil || cfg.Host == "" || strings.HasPrefix(cfg.Host, "/") {
+		return "127.0.0.1:5432"
+	}
+	return net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port)))
+}
+
+// URLVia returns the test database URL with its host and port replaced by
+// addr (host:port), e.g. a faultproxy.Proxy's address.
+func URLVia(addr string) string {
+	u, err := url.Parse(URL())
+	if err != nil {
+		return URL()
+	}
+	u.Host = addr
+	return u.String()
 }
 
 // Env is one test's isolated database environment.
