@@ -176,6 +176,12 @@ func TestPoliciesAndConfigValidation(t *testing.T) {
 	require.Equal(t, versioning.Apply, p.For("order.cancelled"))
 	require.ErrorContains(t, versioning.Policies{Default: "sometimes"}.Validate("x.Config"), "x.Config.GapPolicy")
 	require.ErrorContains(t, versioning.Policies{ByType: map[string]versioning.GapPolicy{"a": "b"}}.Validate("x.Config"), `x.Config.PolicyByType["a"]`)
+	require.ErrorContains(t, versioning.Policies{Default: versioning.Reject}.Validate("x.Config"), "no longer supported")
+	lp := versioning.LatePolicies{ByType: map[string]versioning.LatePolicy{"order.tagged": versioning.ApplyLate}}
+	require.Equal(t, versioning.HoldLate, lp.For("order.created"))
+	require.Equal(t, versioning.ApplyLate, lp.For("order.tagged"))
+	require.ErrorContains(t, versioning.LatePolicies{Default: "later"}.Validate("x.Config"), "x.Config.LatePolicy")
+	require.ErrorContains(t, versioning.LatePolicies{ByType: map[string]versioning.LatePolicy{"a": "b"}}.Validate("x.Config"), `x.Config.LatePolicyByType["a"]`)
 
 	s, err := versioning.NewStore("")
 	require.NoError(t, err)
