@@ -59,12 +59,28 @@ type Config struct {
 	GapPolicy versioning.GapPolicy
 	// PolicyByType overrides GapPolicy per event type.
 	PolicyByType map[string]versioning.GapPolicy
+	// LatePolicy is what happens to a late event, one whose version was
+	// given up on (the park timeout passed) before it arrived: held for
+	// the operator (`eventline parked late`), or applied at once with
+	// middleware.IsLate. Defaults to versioning.HoldLate.
+	LatePolicy versioning.LatePolicy
+	// LatePolicyByType overrides LatePolicy per event type.
+	LatePolicyByType map[string]versioning.LatePolicy
+	// MaxGap bounds the versions one event may leave missing in front of
+	// it; an event beyond it (an inflated version) is dead-lettered.
+	// Defaults to versioning.DefaultMaxGap (1000).
+	MaxGap int64
+	// MaxReleaseAttempts is how many failed attempts to apply a parked
+	// event are allowed before it is given up (held in late_events, its
+	// version recorded as skipped). Defaults to
+	// versioning.DefaultMaxReleaseAttempts (10).
+	MaxReleaseAttempts int
 	// Unversioned is what happens to an event without an aggregate
 	// version. Defaults to versioning.PassUnversioned.
 	Unversioned versioning.UnversionedPolicy
 	// ParkTimeout is how long an aggregate's parked events wait for the
 	// missing versions before the sweeper skips the gap. Defaults to
-	// versioning.DefaultParkTimeout (15 minutes).
+	// versioning.DefaultParkTimeout (1 hour).
 	ParkTimeout time.Duration
 	// SweepInterval is the pause between sweeper passes. Defaults to
 	// versioning.DefaultSweepInterval (5s).

@@ -56,10 +56,11 @@ type Consumer struct {
 	cfg Config
 	el  *middleware.Eventline
 
-	mu       sync.Mutex
-	running  bool
-	handlers map[string]HandlerFunc
-	ignored  map[string]bool
+	mu         sync.Mutex
+	running    bool
+	handlers   map[string]HandlerFunc
+	validators map[string][]func(eventline.Event) error
+	ignored    map[string]bool
 
 	stopping atomic.Bool
 	// hard is canceled when in-flight events must be abandoned.
@@ -77,25 +78,51 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	c := &Consumer{
+		db: db, cfg: cfg,
+		handlers:   map[string]HandlerFunc{},
+		validators: map[string][]func(eventline.Event) error{},
+		ignored:    map[string]bool{},
+	}
 	el, err := middleware.New(middleware.Config{
 		DB: db, Group: cfg.Group, Schema: cfg.Schema,
 		GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType, Unversioned: cfg.Unversioned,
+		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap,
+		MaxReleaseAttempts: cfg.MaxReleaseAttempts, Validate: c.validate,
 		ParkTimeout: cfg.ParkTimeout, SweepInterval: cfg.SweepInterval,
 		Logger: cfg.Logger, Metrics: cfg.Metrics,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("consumer.Config: %w", err)
 	}
-	return &Consumer{
-		db: db, cfg: cfg, el: el,
-		handlers: map[string]HandlerFunc{},
-		ignored:  map[string]bool{},
-	}, nil
+	c.el = el
+	return c, nil
+}
+
+// HandleOption configures a handler registered with Handle or HandleJSON.
+type HandleOption func(*handleOptions)
+
+type handleOptions struct {
+	validate []func(eventline.Event) error
+}
+
+// WithValidate gives a handler a check the gate runs before it parks an
+// event of the handler's type (or holds it as late): an event that fails
+// it could never be applied, so it is dead-lettered at once with the
+// check's error as the reason, instead of waiting parked and failing when
+// its turn comes. It must not touch the database. HandleJSON adds one that
+// decodes the payload into the handler's type.
+func WithValidate(fn func(e eventline.Event) error) HandleOption {
+	return func(o *handleOptions) {
+		if fn != nil {
+			o.validate = append(o.validate, fn)
+		}
+	}
 }
 
 // Handle registers fn for events of eventType. It fails after Run started
 // and when the type already has a handler.
-func (c *Consumer) Handle(eventType string, fn HandlerFunc) error {
+func (c *Consumer) Handle(eventType string, fn HandlerFunc, opts ...HandleOption) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	switch {
@@ -108,24 +135,54 @@ func (c *Consumer) Handle(eventType string, fn HandlerFunc) error {
 	case c.handlers[eventType] != nil || c.ignored[eventType]:
 		return fmt.Errorf("consumer.Handle(%q): the event type already has a handler", eventType)
 	}
+	var o handleOptions
+	for _, opt := range opts {
+		if opt != nil {
+			opt(&o)
+		}
+	}
 	c.handlers[eventType] = fn
+	c.validators[eventType] = o.validate
+	c.cfg.Metrics.RegisterEventTypes(eventType)
 	return nil
 }
 
 // HandleJSON registers fn for events of eventType, decoding each payload
 // from JSON into a T first. A payload that does not decode is a permanent
-// error: the event is dead-lettered without retries.
-func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Context, tx pgx.Tx, e eventline.Event, payload T) error) error {
+// error: the event is dead-lettered without retries, also when it arrives
+// out of order (the gate checks the payload before parking it).
+func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Context, tx pgx.Tx, e eventline.Event, payload T) error, opts ...HandleOption) error {
 	if fn == nil {
 		return fmt.Errorf("consumer.HandleJSON(%q): handler is nil", eventType)
 	}
+	decodes := WithValidate(func(e eventline.Event) error {
+		_, err := eventline.DecodePayload[T](e)
+		return err
+	})
 	return c.Handle(eventType, func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		payload, err := eventline.DecodePayload[T](e)
 		if err != nil {
 			return middleware.Permanent(fmt.Errorf("event %s (%s): %w", e.ID, e.Type, err))
 		}
 		return fn(ctx, tx, e, payload)
-	})
+	}, append([]HandleOption{decodes}, opts...)...)
+}
+
+// validate is the gate's ValidateFunc: the event's type has a handler (or
+// is ignored) and passes the handler's checks.
+func (c *Consumer) validate(_ context.Context, e eventline.Event) error {
+	if c.handlers[e.Type] == nil {
+		if c.ignored[e.Type] {
+			return nil
+		}
+		return &UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group}
+	}
+	for _, v := range c.validators[e.Type] {
+		if err := v(e); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Ignore lists event types this consumer does not act on. Their events
@@ -147,6 +204,7 @@ func (c *Consumer) Ignore(eventTypes ...string) error {
 			return fmt.Errorf("consumer.Ignore(%q): the event type has a handler", t)
 		}
 		c.ignored[t] = true
+		c.cfg.Metrics.RegisterEventTypes(t)
 	}
 	return nil
 }

@@ -19,8 +19,13 @@
 //   - Per-aggregate order: events of one aggregate are applied in version
 //     order; early ones are parked until the missing versions arrive (or,
 //     after Config.ParkTimeout, until the sweeper gives up on them and
-//     records the gap in skipped_versions), stale ones are discarded. See
-//     package versioning and Config.GapPolicy.
+//     records the gap in skipped_versions), stale ones are discarded, and
+//     late ones (their version was given up on before they arrived) are
+//     held for the operator (`eventline parked late`) or, under
+//     Config.LatePolicy ApplyLate, applied marked late. An event that
+//     would park must pass its handler's checks first (HandleJSON: the
+//     payload decodes; WithValidate), else it is dead-lettered at once.
+//     See package versioning and Config.GapPolicy.
 //   - Failures are contained: a handler error or panic rolls everything
 //     back; the event is retried with exponential backoff
 //     (Config.MaxRetries) and then sent to Config.DeadLetterTopic with the

@@ -28,15 +28,33 @@ const (
 	// aggregate had already reached its version; the handler did not run.
 	OutcomeStale Outcome = "stale"
 	// OutcomeParked: the event waits in parked_events for a missing earlier
-	// version. Releasing it changes the outcome to applied (or stale, when
-	// a newer version overtook it).
+	// version. Releasing it changes the outcome to applied (or late, when
+	// its version was given up on before it could be applied).
 	OutcomeParked Outcome = "parked"
+	// OutcomeLate: the event's version had been given up on (it is in
+	// skipped_versions) before the event could be applied; it is held in
+	// late_events for an operator, who applies it late or discards it.
+	OutcomeLate Outcome = "late"
+	// OutcomeLateApplied: a late event was applied after later versions
+	// of its aggregate, its handler told so (middleware.IsLate).
+	OutcomeLateApplied Outcome = "late_applied"
+	// OutcomeLateDiscarded: an operator discarded a late event.
+	OutcomeLateDiscarded Outcome = "late_discarded"
 )
 
 // Valid reports whether o is one of the recorded outcomes.
 func (o Outcome) Valid() bool {
-	return o == OutcomeApplied || o == OutcomeStale || o == OutcomeParked
+	switch o {
+	case OutcomeApplied, OutcomeStale, OutcomeParked, OutcomeLate, OutcomeLateApplied, OutcomeLateDiscarded:
+		return true
+	}
+	return false
 }
+
+// Waiting reports whether an event with this outcome is still waiting
+// (parked or late): retention keeps its row, so a redelivery stays a
+// duplicate while the event itself is held.
+func (o Outcome) Waiting() bool { return o == OutcomeParked || o == OutcomeLate }
 
 // ErrNotFound is returned by [Store.Get] when the group has no record of the
 // event: it was never handled, or its row was removed by retention.
@@ -70,6 +88,14 @@ type Record struct {
 	ProcessedAt time.Time
 }
 
+// Matches reports whether r records the event e: same event type,
+// aggregate type, aggregate id and aggregate version. A dedup hit that does
+// not match is an id conflict (see [IDConflictError]).
+func (r Record) Matches(e eventline.Event) bool {
+	return r.EventType == e.Type && r.AggregateType == e.AggregateType &&
+		r.AggregateID == e.AggregateID && r.AggregateVersion == e.AggregateVersion
+}
+
 // Store reads and writes processed_events in one schema. It holds no
 // connections and is safe for concurrent use.
 type Store struct {
@@ -97,20 +123,29 @@ func NewStore(schema string) (*Store, error) {
 	return &Store{
 		schema: schema,
 		table:  t,
-		insertSQL: `INSERT INTO ` + t + ` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
-			VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING`,
+		// The insert, and on a conflict the identity of the row already
+		// recorded, in one statement. The recorded row is read from the
+		// statement's snapshot, so it is NULL when a concurrent
+		// transaction recorded it after the statement began (Insert then
+		// reads it again, see [Store.Insert]).
+		insertSQL: `WITH ins AS (
+				INSERT INTO ` + t + ` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
+				VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING RETURNING 1)
+			SELECT EXISTS (SELECT 1 FROM ins), ` + RecordedColumns("r") + `
+			FROM (SELECT) AS one LEFT JOIN (SELECT * FROM ` + t + ` WHERE consumer_group = $1 AND event_id = $2
+				AND NOT EXISTS (SELECT 1 FROM ins)) r ON true`,
 		setOutcomeSQL: `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND event_id = $2`,
 		getSQL: `SELECT consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome, processed_at
 			FROM ` + t + ` WHERE consumer_group = $1 AND event_id = $2`,
 		countSQL: `SELECT count(*) FROM ` + t + ` WHERE consumer_group = $1`,
-		// Parked rows are never deleted: their event is still waiting, and
-		// its redelivery must stay a duplicate.
+		// Parked and late rows are never deleted: their event is still
+		// waiting, and its redelivery must stay a duplicate.
 		cleanupAllSQL: `DELETE FROM ` + t + ` WHERE (consumer_group, event_id) IN (
 			SELECT consumer_group, event_id FROM ` + t + `
-			WHERE processed_at < $1 AND outcome <> 'parked' LIMIT $2)`,
+			WHERE processed_at < $1 AND outcome NOT IN ('parked', 'late') LIMIT $2)`,
 		cleanupSQL: `DELETE FROM ` + t + ` WHERE (consumer_group, event_id) IN (
 			SELECT consumer_group, event_id FROM ` + t + `
-			WHERE consumer_group = $3 AND processed_at < $1 AND outcome <> 'parked' LIMIT $2)`,
+			WHERE consumer_group = $3 AND processed_at < $1 AND outcome NOT IN ('parked', 'late') LIMIT $2)`,
 	}, nil
 }
 
@@ -122,8 +157,12 @@ func (s *Store) Table() string { return s.table }
 
 // Insert records that group handled e with the given outcome, in db's
 // transaction. It returns false, and writes nothing, when the group has
-// already recorded e.ID: the event is a duplicate. When another transaction
-// is inserting the same event id concurrently, Insert waits for it to end.
+// already recorded e.ID for the same event (same type, aggregate and
+// version): the event is a duplicate. When the recorded row belongs to a
+// different event, two events share one id: Insert returns an
+// *IDConflictError (matching ErrIDConflict), which retrying cannot fix.
+// When another transaction is inserting the same event id concurrently,
+// Insert waits for it to end.
 //
 // The row becomes visible when db's transaction commits and disappears with
 // it on rollback, so a failed handler leaves the event unrecorded.
@@ -132,27 +171,89 @@ func (s *Store) Insert(ctx context.Context, db DBTX, group string, e eventline.E
 	if err != nil {
 		return false, err
 	}
-	tag, err := db.Exec(ctx, s.insertSQL, args...)
-	if err != nil {
+	var fresh bool
+	var rec Recorded
+	if err := db.QueryRow(ctx, s.insertSQL, args...).Scan(append([]any{&fresh}, rec.Dest()...)...); err != nil {
 		return false, fmt.Errorf("dedup: record event %s: %w", e.ID, err)
 	}
-	return tag.RowsAffected() == 1, nil
+	if fresh {
+		return true, nil
+	}
+	return false, s.CheckDuplicate(ctx, db, group, e, rec)
+}
+
+// Recorded is the identity of a processed_events row as returned next to
+// an insert that conflicted with it; its fields are NULL (nil) when the
+// row was not visible to the statement (recorded concurrently).
+type Recorded struct {
+	EventType        *string
+	AggregateType    *string // see EventType
+	AggregateID      *string // see EventType
+	AggregateVersion *int64  // see EventType
+}
+
+// RecordedColumns lists, for a SELECT, the processed_events columns that
+// [Recorded.Dest] scans, from the table alias alias.
+func RecordedColumns(alias string) string {
+	return alias + ".event_type, " + alias + ".aggregate_type, " + alias + ".aggregate_id, " + alias + ".aggregate_version"
+}
+
+// Dest returns the scan destinations for RecordedColumns.
+func (r *Recorded) Dest() []any {
+	return []any{&r.EventType, &r.AggregateType, &r.AggregateID, &r.AggregateVersion}
+}
+
+// CheckDuplicate decides whether a dedup hit on e.ID is a duplicate of e
+// (nil) or an id conflict (*IDConflictError). rec is the recorded row's
+// identity as read next to the insert; when it was not visible (nil
+// fields: another transaction recorded it concurrently and has committed
+// since), the row is read again through db.
+func (s *Store) CheckDuplicate(ctx context.Context, db DBTX, group string, e eventline.Event, rec Recorded) error {
+	var r Record
+	if rec.EventType == nil {
+		got, err := s.Get(ctx, db, group, e.ID)
+		if err != nil {
+			return fmt.Errorf("dedup: read the record of duplicate event %s: %w", e.ID, err)
+		}
+		r = got
+	} else {
+		r = Record{Group: group, EventID: e.ID, EventType: *rec.EventType, AggregateType: *rec.AggregateType,
+			AggregateID: *rec.AggregateID, AggregateVersion: *rec.AggregateVersion}
+	}
+	if r.Matches(e) {
+		return nil
+	}
+	return &IDConflictError{Group: group, EventID: e.ID,
+		Event:    Record{EventType: e.Type, AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion},
+		Recorded: Record{EventType: r.EventType, AggregateType: r.AggregateType, AggregateID: r.AggregateID, AggregateVersion: r.AggregateVersion}}
 }
 
 // PendingInsert is an Insert queued on a pgx.Batch by [Store.QueueInsert].
 type PendingInsert struct {
+	s     *Store
+	group string
+	e     eventline.Event
 	fresh bool
+	rec   Recorded
 	err   error
 	set   bool
 }
 
 // Result reports, once the batch's results have been closed, whether the
-// event was recorded (false: a duplicate).
-func (p *PendingInsert) Result() (bool, error) {
-	if !p.set && p.err == nil {
+// event was recorded (false: a duplicate), or an *IDConflictError, as
+// Insert does. db is the batch's transaction; it is used only in the rare
+// case where the conflicting row was recorded concurrently and must be
+// read again.
+func (p *PendingInsert) Result(ctx context.Context, db DBTX) (bool, error) {
+	switch {
+	case p.err != nil:
+		return false, p.err
+	case !p.set:
 		return false, errors.New("dedup: insert result read before the batch results were closed")
+	case p.fresh:
+		return true, nil
 	}
-	return p.fresh, p.err
+	return false, p.s.CheckDuplicate(ctx, db, p.group, p.e, p.rec)
 }
 
 // QueueInsert queues [Store.Insert] on b, so it can travel with the
@@ -160,14 +261,18 @@ func (p *PendingInsert) Result() (bool, error) {
 // available from the returned PendingInsert once the batch results are
 // closed.
 func (s *Store) QueueInsert(b *pgx.Batch, group string, e eventline.Event, outcome Outcome) *PendingInsert {
-	p := &PendingInsert{}
+	p := &PendingInsert{s: s, group: group, e: e}
 	args, err := s.insertArgs(group, e, outcome)
 	if err != nil {
 		p.err = err
 		return p
 	}
-	b.Queue(s.insertSQL, args...).Exec(func(tag pgconn.CommandTag) error {
-		p.fresh, p.set = tag.RowsAffected() == 1, true
+	b.Queue(s.insertSQL, args...).QueryRow(func(row pgx.Row) error {
+		if err := row.Scan(append([]any{&p.fresh}, p.rec.Dest()...)...); err != nil {
+			p.err = fmt.Errorf("dedup: record event %s: %w", e.ID, err)
+			return p.err
+		}
+		p.set = true
 		return nil
 	})
 	return p

@@ -102,11 +102,13 @@ func TestCleanupDeletesOldRowsInBoundedBatches(t *testing.T) {
 	s, env := newStore(t)
 	ctx := context.Background()
 	table := sqlident.Qualify(env.Schema, dedup.Table)
-	// 25 old applied rows in g, 3 old parked rows in g, 5 old rows in h,
+	// 25 old applied rows in g, 2 old parked and 1 old late row in g (their
+	// events are still waiting), 5 old rows in h,
 	// 4 recent rows in g.
 	_, err := env.Pool.Exec(ctx, `INSERT INTO `+table+` (consumer_group, event_id, outcome, processed_at)
 		SELECT 'g', 'old-' || i, 'applied', now() - interval '10 days' FROM generate_series(1, 25) i
-		UNION ALL SELECT 'g', 'parked-' || i, 'parked', now() - interval '10 days' FROM generate_series(1, 3) i
+		UNION ALL SELECT 'g', 'parked-' || i, 'parked', now() - interval '10 days' FROM generate_series(1, 2) i
+		UNION ALL SELECT 'g', 'late-1', 'late', now() - interval '10 days'
 		UNION ALL SELECT 'h', 'other-' || i, 'stale', now() - interval '10 days' FROM generate_series(1, 5) i
 		UNION ALL SELECT 'g', 'new-' || i, 'applied', now() FROM generate_series(1, 4) i`)
 	require.NoError(t, err)
@@ -120,7 +122,7 @@ func TestCleanupDeletesOldRowsInBoundedBatches(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 5, res.Deleted)
 	require.Equal(t, 1, res.Batches, "a short batch ends the run")
-	require.Equal(t, 7, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table+` WHERE consumer_group = 'g'`), "parked and recent rows stay")
+	require.Equal(t, 7, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table+` WHERE consumer_group = 'g'`), "parked, late and recent rows stay")
 	require.Equal(t, 5, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table+` WHERE consumer_group = 'h'`), "other groups stay")
 
 	res, err = s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Retention: 24 * time.Hour})
@@ -162,4 +164,61 @@ func TestCleanupConfigErrorsNameTheField(t *testing.T) {
 	}
 	_, err = dedup.NewStore("bad schema")
 	require.Error(t, err)
+}
+
+// A dedup hit on a row recorded for a different event (another aggregate,
+// version or type under the same id) is an id conflict, not a duplicate.
+// Before: Insert reported a duplicate and the second event was skipped.
+func TestInsertTellsAnIDConflictFromADuplicate(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	e := event()
+	fresh, err := s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+	require.NoError(t, err)
+	require.True(t, fresh)
+	fresh, err = s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+	require.NoError(t, err)
+	require.False(t, fresh, "the same event: a duplicate")
+	for _, change := range []func(*eventline.Event){
+		func(o *eventline.Event) { o.AggregateID = "2" },
+		func(o *eventline.Event) { o.AggregateVersion = 2 },
+		func(o *eventline.Event) { o.Type = "other" },
+	} {
+		other := e
+		change(&other)
+		_, err := s.Insert(ctx, env.Pool, "g", other, dedup.OutcomeApplied)
+		var c *dedup.IDConflictError
+		require.ErrorAs(t, err, &c)
+		require.ErrorIs(t, err, dedup.ErrIDConflict)
+		require.Equal(t, e.ID, c.EventID)
+		require.Equal(t, e.AggregateID, c.Recorded.AggregateID)
+		require.Contains(t, err.Error(), "republish a genuine event under a new id")
+	}
+}
+
+// A conflicting row recorded by a concurrent transaction is not visible to
+// the statement that waited for it; Insert reads it again and still tells
+// the conflict.
+func TestConcurrentIDConflictIsDetected(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	e := event()
+	tx1, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = s.Insert(ctx, tx1, "g", e, dedup.OutcomeApplied)
+	require.NoError(t, err)
+	other := e
+	other.AggregateID = "2"
+	second := make(chan error, 1)
+	go func() {
+		_, err := s.Insert(ctx, env.Pool, "g", other, dedup.OutcomeApplied)
+		second <- err
+	}()
+	require.Eventually(t, func() bool {
+		return pgtest.Count(t, env.Pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'`, env.Schema) == 1
+	}, 10*time.Second, 10*time.Millisecond)
+	require.NoError(t, tx1.Commit(ctx))
+	require.ErrorIs(t, <-second, dedup.ErrIDConflict)
 }

@@ -17,9 +17,17 @@
 // insert waits for the first transaction and then affects no row.
 //
 // Every row also records its outcome (see [Outcome]): applied, stale (the
-// version gate discarded it) or parked (it waits in parked_events for a
-// missing version; it becomes applied when it is released). Operators can
-// look a row up with [Store.Get].
+// version gate discarded it), parked (it waits in parked_events for a
+// missing version; it becomes applied when it is released), late (it is
+// held in late_events for an operator), late_applied or late_discarded.
+// Operators can look a row up with [Store.Get].
+//
+// The key is the event id alone, so the row also records the event's
+// identity (type, aggregate, version). A hit whose identity differs is not
+// a duplicate but an id conflict: two events share one id, and Insert
+// returns a permanent *IDConflictError instead of skipping the second one.
+// The insert returns the recorded identity in the same statement, so the
+// check costs no extra round trip.
 //
 // The middleware package runs this for you (middleware.Dedup, or the
 // composed middleware.New, which folds the insert into the version gate's
@@ -30,8 +38,8 @@
 // processed_events grows by one row per event. [Store.Cleanup] deletes rows
 // older than a retention window in bounded batches with a pause between
 // them, so it never deletes faster than BatchSize rows per Pause and never
-// holds long locks. Rows whose outcome is parked are kept: their event is
-// still waiting.
+// holds long locks. Rows whose outcome is parked or late are kept: their
+// event is still waiting.
 //
 // Retention must exceed the longest time after which the broker can
 // redeliver an event: the Kafka topic's retention (a consumer group reset

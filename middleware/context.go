@@ -2,11 +2,11 @@ package middleware
 
 import (
 	"context"
-	"sync"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/txhooks"
 )
 
 type ctxKey int
@@ -14,23 +14,23 @@ type ctxKey int
 const (
 	txKey ctxKey = iota
 	eventKey
+	lateKey
 )
 
 // txState is what the Tx middleware puts in the message context: the
-// transaction and the hooks to run once it has committed.
+// transaction (or savepoint) the handler writes through. The hooks to run
+// after commit live next to it in an internal/txhooks set.
 type txState struct {
 	tx pgx.Tx
-
-	mu          sync.Mutex
-	afterCommit []func()
 }
 
 // TxFromContext returns the consumer transaction the Tx middleware (or the
-// composed middleware) opened for the message, or for a parked event being
-// released (then it is a savepoint of the releasing transaction). Write the
-// handler's effects through it: they commit together with the dedup record
-// and the version advance, before the message is acknowledged, and roll
-// back with them on any error. Do not commit or roll it back yourself.
+// composed middleware) opened for the message, or for a parked or late
+// event being applied (then it is a savepoint of the applying
+// transaction). Write the handler's effects through it: they commit
+// together with the dedup record and the version advance, before the
+// message is acknowledged, and roll back with them on any error. Do not
+// commit or roll it back yourself.
 func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	st, ok := ctx.Value(txKey).(*txState)
 	if !ok || st == nil || st.tx == nil {
@@ -44,7 +44,18 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 // registered on the returned context run when tx's owner calls
 // [RunAfterCommit]; the Tx middleware does that after its commit.
 func ContextWithTx(ctx context.Context, tx pgx.Tx) context.Context {
-	return context.WithValue(ctx, txKey, &txState{tx: tx})
+	ctx = context.WithValue(ctx, txKey, &txState{tx: tx})
+	ctx, _ = txhooks.New(ctx)
+	return ctx
+}
+
+// contextWithSavepoint returns ctx carrying sp, a savepoint of the
+// transaction in ctx, with its own hook set: Promote it when the savepoint
+// is released (its hooks then run when the transaction commits), Drop it
+// when the savepoint is rolled back.
+func contextWithSavepoint(ctx context.Context, sp pgx.Tx) (context.Context, *txhooks.Set) {
+	ctx = context.WithValue(ctx, txKey, &txState{tx: sp})
+	return txhooks.Child(ctx)
 }
 
 // EventFromContext returns the event decoded from the message by the
@@ -59,34 +70,48 @@ func ContextWithEvent(ctx context.Context, e eventline.Event) context.Context {
 	return context.WithValue(ctx, eventKey, e)
 }
 
+// IsLate reports whether the handler is applying a late event: one whose
+// version was given up on (recorded in skipped_versions) or passed, so
+// later versions of its aggregate have already been applied. A handler
+// sees it under the ApplyLate policy and when an operator applies a held
+// late event (`eventline parked apply-late`). Handlers that set state from
+// the event ("status = shipped") should not let a late event overwrite
+// newer state; additive effects can apply as usual.
+func IsLate(ctx context.Context) bool {
+	late, _ := ctx.Value(lateKey).(bool)
+	return late
+}
+
+// contextWithLate marks ctx as applying a late event (see IsLate).
+func contextWithLate(ctx context.Context) context.Context {
+	return context.WithValue(ctx, lateKey, true)
+}
+
 // AfterCommit registers fn to run after the context's consumer transaction
-// commits (it never runs when the transaction rolls back). With no
-// transaction in ctx, fn runs at once. eventline uses it to count metrics
-// only for effects that really happened.
+// commits; it never runs when the transaction rolls back. Hooks registered
+// while a parked or late event is applied (in a savepoint, by the drain
+// that follows its missing version or by the sweeper) run after the
+// transaction that applied it commits, and are dropped with its savepoint
+// when it fails. With no transaction in ctx, fn runs at once.
+//
+// AfterCommit is at most once: a process that crashes between the commit
+// and the hook loses the hook, and the redelivered event is a duplicate,
+// so its handler (and the hook) does not run again. Use it for what may be
+// lost: metrics, cache invalidation, a wake-up. For an external effect
+// that must happen (an e-mail, a call to another service), publish a
+// follow-up event through the producer's outbox in the consumer
+// transaction (producer.PublishTx with the tx from TxFromContext): it
+// commits with the handler's writes, the relay delivers it at least once,
+// and the service that performs the effect consumes it with its own dedup.
 func AfterCommit(ctx context.Context, fn func()) {
-	st, ok := ctx.Value(txKey).(*txState)
-	if !ok || st == nil {
+	if !txhooks.Add(ctx, fn) {
 		fn()
-		return
 	}
-	st.mu.Lock()
-	st.afterCommit = append(st.afterCommit, fn)
-	st.mu.Unlock()
 }
 
 // RunAfterCommit runs, once, the hooks registered with AfterCommit on a
 // context made by ContextWithTx. Call it after committing the transaction
 // yourself; the Tx middleware calls it for you.
 func RunAfterCommit(ctx context.Context) {
-	st, ok := ctx.Value(txKey).(*txState)
-	if !ok || st == nil {
-		return
-	}
-	st.mu.Lock()
-	hooks := st.afterCommit
-	st.afterCommit = nil
-	st.mu.Unlock()
-	for _, fn := range hooks {
-		fn()
-	}
+	txhooks.From(ctx).Run()
 }

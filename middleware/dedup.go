@@ -1,6 +1,7 @@
 package middleware
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 
@@ -31,6 +32,12 @@ type DedupConfig struct {
 // is a duplicate: the handler does not run and the message is acknowledged.
 // The row commits or rolls back with the handler's effects, so a handler
 // error leaves nothing behind and the redelivery is handled normally.
+//
+// A recorded row that belongs to a different event (another type,
+// aggregate or version under the same id) is not a duplicate but an id
+// conflict: Dedup fails with a permanent *dedup.IDConflictError, so the
+// event is dead-lettered with that reason and counted in
+// eventline_consumer_events_refused_total{reason="id_conflict"}.
 //
 // Unlike Watermill's Deduplicator middleware, which remembers a key before
 // the handler runs and so drops a message whose handler failed, Dedup
@@ -75,6 +82,12 @@ func (d *Dedup) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, err
 		}
 		fresh, err := d.store.Insert(ctx, tx, d.cfg.Group, e, dedup.OutcomeApplied)
+		if errors.Is(err, dedup.ErrIDConflict) {
+			d.cfg.Metrics.incRefused(d.cfg.Group, RefusedIDConflict)
+			d.cfg.Logger.WarnContext(ctx, "eventline: event refused; it is dead-lettered", "group", d.cfg.Group, "event_id", e.ID,
+				"reason", RefusedIDConflict, "error", err)
+			return nil, Permanent(err)
+		}
 		if err != nil {
 			return nil, err
 		}

@@ -21,14 +21,21 @@
 //	    non-numeric or negative version… never reaches the handler and fails
 //	    with a permanent error.
 //	  - dedup ([Dedup]) records the event id in processed_events; a duplicate
-//	    is acknowledged without running the handler.
+//	    is acknowledged without running the handler. A recorded row that is
+//	    a different event under the same id (another type, aggregate or
+//	    version) is an id conflict: a permanent *dedup.IDConflictError,
+//	    never a silent skip.
 //	  - the version gate ([Gate]) locks the aggregate's version row and
-//	    applies, discards (stale), parks or rejects the event (see package
-//	    versioning), draining parked successors once the missing version is
-//	    applied.
+//	    applies, discards (stale), holds (late) or parks the event (see
+//	    package versioning), draining parked successors once the missing
+//	    version is applied. Before an event may park or be held as late it
+//	    must pass Config.Validate ([ValidateFunc]) and leave at most MaxGap
+//	    versions missing; otherwise it is refused as permanent.
 //
 // In the composed middleware, dedup and the gate's lock, check and version
-// advance are one SQL statement, sent in one batch with BEGIN
+// advance are one SQL statement (on a duplicate it also returns the
+// recorded event's identity, so an id conflict costs no extra round
+// trip), sent in one batch with BEGIN
 // (pgx.Batch.BeginTx). Per event on the hot path the database sees
 // BEGIN + that statement in one round trip, the handler's own statements,
 // and COMMIT: as many round trips as a bare handler in its own
@@ -45,7 +52,10 @@
 //
 // Mark errors that retrying cannot fix with [Permanent]; [IsPermanent] also
 // recognises invalid events, unversioned events under RejectUnversioned and
-// version conflicts. With Watermill's own middleware, the order that keeps
+// version conflicts. The gate returns its refusals (id conflicts, inflated
+// versions, events that fail Validate or whose content cannot be stored)
+// already marked permanent, and counts them in
+// eventline_consumer_events_refused_total. With Watermill's own middleware, the order that keeps
 // these guarantees is, outermost first:
 //
 //	PoisonQueue ▸ Retry{ResetContextOnRetry: true, ShouldRetry: middleware.ShouldRetry} ▸ eventline ▸ handler
@@ -71,17 +81,39 @@
 //   - when a name is unknown and exactly one handler was wrapped, that one
 //     is used.
 //
-// A parked event whose handler cannot be found stays parked, with the
-// failure recorded; the sweeper retries it on every pass.
+// A parked event whose handler cannot be found, or whose handler fails,
+// stays parked with the failure recorded; the sweeper retries it after an
+// exponential backoff (Config.ReleaseBackoff), and gives it up after
+// Config.MaxReleaseAttempts: its version is audited as skipped and
+// Config.DeadLetter stores it (by default it is held as a late event).
+//
+// Late events (their version was given up on before they could be
+// applied) are held for the operator, or, under versioning.ApplyLate,
+// applied at once; a handler applying one sees [IsLate] report true.
 //
 // Messages a handler returns while a parked event is released by the
 // sweeper cannot be published and are dropped with a warning; emit events
 // from handlers with the producer's PublishTx through the transaction
 // instead.
 //
+// # Effects outside the database
+//
+// [AfterCommit] runs a function after the consumer transaction commits:
+// on arrival, in a drain, and in the sweeper alike, and never for a
+// rolled-back savepoint. It is at most once: a crash between commit and
+// hook loses it, and the redelivery is a duplicate. For an external effect
+// that must happen, publish a follow-up event through the producer's outbox
+// in the consumer transaction (producer.PublishTx with the tx from
+// [TxFromContext]): it commits with the handler's writes and is delivered
+// at least once (see Example_outboxFollowUp).
+//
 // # Metrics and logs
 //
 // [NewMetrics] creates Prometheus collectors (applied, duplicates, stale,
-// parked now, released, gaps skipped, handler latency, dead-lettered); a nil
-// *Metrics records nothing. Everything is logged through *slog.Logger.
+// parked, parked now, released, release failures, given up, late, late
+// held now, late applied, gaps skipped, refused, handler latency,
+// dead-lettered); a nil *Metrics records nothing. The event_type label is
+// bounded: registered types ([Metrics.RegisterEventTypes]) and the first
+// MaxUnregisteredEventTypes others keep their name, the rest count as
+// "other". Everything is logged through *slog.Logger.
 package middleware

@@ -40,13 +40,41 @@ type Config struct {
 	GapPolicy versioning.GapPolicy
 	// PolicyByType overrides GapPolicy per event type.
 	PolicyByType map[string]versioning.GapPolicy
+	// LatePolicy is what happens to a late event, one whose version was
+	// given up on before it arrived: held for the operator, or applied at
+	// once with IsLate. Defaults to versioning.HoldLate.
+	LatePolicy versioning.LatePolicy
+	// LatePolicyByType overrides LatePolicy per event type.
+	LatePolicyByType map[string]versioning.LatePolicy
+	// MaxGap bounds the versions one event may leave missing in front of
+	// it; an event beyond it is refused as permanent. Defaults to
+	// versioning.DefaultMaxGap (1000).
+	MaxGap int64
+	// Validate, when set, is called before an event is parked or held as
+	// late; an error refuses it as permanent (see ValidateFunc).
+	Validate ValidateFunc
 	// Unversioned is what happens to an event without an aggregate
 	// version. Defaults to versioning.PassUnversioned.
 	Unversioned versioning.UnversionedPolicy
 	// ParkTimeout is how long an aggregate's parked events wait for the
 	// missing versions before the sweeper skips the gap. Defaults to
-	// versioning.DefaultParkTimeout (15 minutes).
+	// versioning.DefaultParkTimeout (1 hour).
 	ParkTimeout time.Duration
+	// MaxReleaseAttempts is how many failed attempts to apply a parked
+	// event are allowed before it is given up: dead-lettered through
+	// DeadLetter, its version recorded as skipped. Defaults to
+	// versioning.DefaultMaxReleaseAttempts (10).
+	MaxReleaseAttempts int
+	// ReleaseBackoff is the wait after a first failed release attempt; it
+	// doubles per failure up to MaxReleaseBackoff. Defaults to
+	// versioning.DefaultReleaseBackoff (5s) and
+	// versioning.DefaultMaxReleaseBackoff (5m).
+	ReleaseBackoff    time.Duration
+	MaxReleaseBackoff time.Duration // see ReleaseBackoff
+	// DeadLetter stores a parked event that was given up (see
+	// versioning.DeadLetterFunc). Defaults to holding it in late_events,
+	// where `eventline parked late` lists it.
+	DeadLetter versioning.DeadLetterFunc
 	// SweepInterval is the pause between sweeper passes in RunSweeper.
 	// Defaults to versioning.DefaultSweepInterval (5s).
 	SweepInterval time.Duration
@@ -89,7 +117,13 @@ func (c Config) validate() error {
 // acknowledges. Any error or panic rolls everything back, the dedup record
 // included, and is returned for retry. Duplicates and stale events are
 // acknowledged without running the handler; parked events are acknowledged
-// and applied later, in order.
+// and applied later, in order; late events are held for the operator (or
+// applied at once, marked late, under ApplyLate). Events that can never be
+// applied are refused with a permanent error, counted in
+// eventline_consumer_events_refused_total and dead-lettered: an event id
+// recorded for a different event (id conflict), a version that would leave
+// more than MaxGap versions missing, an event that fails Validate or
+// whose content cannot be stored when it must be parked or held.
 //
 // Put Watermill's Retry (with ResetContextOnRetry and [ShouldRetry])
 // outside it, and a poison queue outside Retry.
@@ -107,7 +141,9 @@ func New(cfg Config) (*Eventline, error) {
 	}
 	gate, err := newGate(GateConfig{
 		Group: cfg.Group, Schema: cfg.Schema, GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType,
-		Unversioned: cfg.Unversioned, Logger: cfg.Logger, Metrics: cfg.Metrics,
+		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap, Validate: cfg.Validate,
+		Unversioned: cfg.Unversioned, MaxReleaseAttempts: cfg.MaxReleaseAttempts, ReleaseBackoff: cfg.ReleaseBackoff,
+		MaxReleaseBackoff: cfg.MaxReleaseBackoff, DeadLetter: cfg.DeadLetter, Logger: cfg.Logger, Metrics: cfg.Metrics,
 	}, "middleware.Config")
 	if err != nil {
 		return nil, err
@@ -177,15 +213,18 @@ func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, vers
 	}
 	var a versioning.Admission
 	if admission != nil {
-		a, err = admission.Result()
+		a, err = admission.Result(ctx, tx)
 	} else {
 		var fresh bool
-		if fresh, err = insert.Result(); err == nil && !fresh {
+		if fresh, err = insert.Result(ctx, tx); err == nil && !fresh {
 			a.Verdict = versioning.Duplicate
 		}
 	}
 	if err != nil {
 		rollback(ctx, tx)
+		if errors.Is(err, dedup.ErrIDConflict) {
+			err = g.refuse(ctx, e, RefusedIDConflict, err)
+		}
 		return nil, versioning.Admission{}, err
 	}
 	return tx, a, nil

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -61,6 +62,21 @@ func exampleKafka(topics ...string) (brokers []string, stop func()) {
 			panic(err)
 		}
 	}
-	time.Sleep(100 * time.Millisecond)
+	// Wait until the cluster lists every topic.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		listed, err := admin.ListTopics()
+		missing := err != nil
+		for _, t := range topics {
+			if _, ok := listed[t]; !ok {
+				missing = true
+			}
+		}
+		if !missing {
+			break
+		}
+		if time.Now().After(deadline) {
+			panic(fmt.Sprintf("topics %v not listed after 10s: %v", topics, err))
+		}
+	}
 	return brokers, cluster.Close
 }

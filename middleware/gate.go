@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -14,6 +15,14 @@ import (
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
 )
+
+// ValidateFunc checks, without applying it, that an event could be applied:
+// its type has a handler and its payload decodes for it. The gate calls it
+// before parking an event or holding it as late, so an event that could
+// never be applied is refused (dead-lettered at once with the reason)
+// instead of waiting for its turn and failing then. A non-nil error is
+// treated as permanent.
+type ValidateFunc func(ctx context.Context, e eventline.Event) error
 
 // GateConfig configures the version gate.
 type GateConfig struct {
@@ -28,12 +37,39 @@ type GateConfig struct {
 	GapPolicy versioning.GapPolicy
 	// PolicyByType overrides GapPolicy per event type.
 	PolicyByType map[string]versioning.GapPolicy
+	// LatePolicy is what happens to a late event: one whose version was
+	// given up on before it arrived. Defaults to versioning.HoldLate.
+	LatePolicy versioning.LatePolicy
+	// LatePolicyByType overrides LatePolicy per event type.
+	LatePolicyByType map[string]versioning.LatePolicy
+	// MaxGap bounds the versions one event may leave missing in front of
+	// it; an event beyond it is refused as permanent (an inflated
+	// version). Defaults to versioning.DefaultMaxGap (1000).
+	MaxGap int64
+	// Validate, when set, is called before an event is parked or held as
+	// late (see ValidateFunc). The consumer package supplies one that
+	// checks the event type has a handler and, for HandleJSON handlers,
+	// that the payload decodes.
+	Validate ValidateFunc
 	// Unversioned is what happens to an event without an aggregate
 	// version. Defaults to versioning.PassUnversioned.
 	Unversioned versioning.UnversionedPolicy
+	// MaxReleaseAttempts, ReleaseBackoff and MaxReleaseBackoff bound the
+	// attempts to apply a parked event once its turn came (see
+	// versioning.SweeperConfig). Default to
+	// versioning.DefaultMaxReleaseAttempts (10),
+	// versioning.DefaultReleaseBackoff (5s) and
+	// versioning.DefaultMaxReleaseBackoff (5m).
+	MaxReleaseAttempts int
+	ReleaseBackoff     time.Duration // see MaxReleaseAttempts
+	MaxReleaseBackoff  time.Duration // see MaxReleaseAttempts
+	// DeadLetter stores a parked event that was given up (see
+	// versioning.DeadLetterFunc). Defaults to the store's HoldFailed:
+	// it is held in late_events for an operator.
+	DeadLetter versioning.DeadLetterFunc
 	// Logger receives debug lines for duplicates and stale events and
-	// warnings for skipped gaps and failed releases. Defaults to
-	// slog.Default().
+	// warnings for skipped gaps, late events and failed releases.
+	// Defaults to slog.Default().
 	Logger *slog.Logger
 	// Metrics, when set, counts what the gate does.
 	Metrics *Metrics
@@ -45,6 +81,12 @@ func (c GateConfig) withDefaults() GateConfig {
 	}
 	if c.GapPolicy == "" {
 		c.GapPolicy = versioning.DefaultGapPolicy
+	}
+	if c.LatePolicy == "" {
+		c.LatePolicy = versioning.DefaultLatePolicy
+	}
+	if c.MaxGap == 0 {
+		c.MaxGap = versioning.DefaultMaxGap
 	}
 	if c.Unversioned == "" {
 		c.Unversioned = versioning.DefaultUnversionedPolicy
@@ -65,8 +107,18 @@ func (c GateConfig) validate(field string) error {
 	if err := (versioning.Policies{Default: c.GapPolicy, ByType: c.PolicyByType}).Validate(field); err != nil {
 		return err
 	}
-	if !c.Unversioned.Valid() {
+	if err := (versioning.LatePolicies{Default: c.LatePolicy, ByType: c.LatePolicyByType}).Validate(field); err != nil {
+		return err
+	}
+	switch {
+	case !c.Unversioned.Valid():
 		return fmt.Errorf("%s.Unversioned %q is unknown: use %q or %q", field, c.Unversioned, versioning.PassUnversioned, versioning.RejectUnversioned)
+	case c.MaxGap < 0:
+		return fmt.Errorf("%s.MaxGap is %d; it must be positive (0 means %d; math.MaxInt64 disables the bound)", field, c.MaxGap, versioning.DefaultMaxGap)
+	case c.MaxReleaseAttempts < 0:
+		return fmt.Errorf("%s.MaxReleaseAttempts is %d; it must be positive (0 means %d)", field, c.MaxReleaseAttempts, versioning.DefaultMaxReleaseAttempts)
+	case c.ReleaseBackoff < 0 || c.MaxReleaseBackoff < 0:
+		return fmt.Errorf("%s.ReleaseBackoff and MaxReleaseBackoff must not be negative (0 means %s and %s)", field, versioning.DefaultReleaseBackoff, versioning.DefaultMaxReleaseBackoff)
 	}
 	return nil
 }
@@ -83,6 +135,7 @@ func (c GateConfig) validate(field string) error {
 type Gate struct {
 	cfg      GateConfig
 	policies versioning.Policies
+	late     versioning.LatePolicies
 	store    *versioning.Store
 	reg      *registry
 }
@@ -106,6 +159,7 @@ func newGate(cfg GateConfig, field string) (*Gate, error) {
 	return &Gate{
 		cfg:      cfg,
 		policies: versioning.Policies{Default: cfg.GapPolicy, ByType: cfg.PolicyByType},
+		late:     versioning.LatePolicies{Default: cfg.LatePolicy, ByType: cfg.LatePolicyByType},
 		store:    store,
 		reg:      newRegistry(),
 	}, nil
@@ -142,12 +196,28 @@ func (g *Gate) Register(handlerName string, h message.HandlerFunc) {
 }
 
 // NewSweeper returns a sweeper for the gate's group that releases parked
-// events through the registered handlers. See versioning.Sweeper.
+// events through the registered handlers. See versioning.Sweeper. Release
+// limits and the dead letter not set in cfg come from the gate's
+// configuration.
 func (g *Gate) NewSweeper(db versioning.Pool, cfg versioning.SweeperConfig) (*versioning.Sweeper, error) {
 	cfg.Group = g.cfg.Group
 	cfg.Apply = g.ApplyParked
+	cfg.Permanent = IsPermanent
 	if cfg.Logger == nil {
 		cfg.Logger = g.cfg.Logger
+	}
+	opts := g.releaseOptions(nil)
+	if cfg.MaxReleaseAttempts == 0 {
+		cfg.MaxReleaseAttempts = opts.MaxAttempts
+	}
+	if cfg.ReleaseBackoff == 0 {
+		cfg.ReleaseBackoff = opts.Backoff
+	}
+	if cfg.MaxReleaseBackoff == 0 {
+		cfg.MaxReleaseBackoff = opts.MaxBackoff
+	}
+	if cfg.DeadLetter == nil {
+		cfg.DeadLetter = opts.DeadLetter
 	}
 	next := cfg.OnSweep
 	cfg.OnSweep = func(r versioning.SweepResult, err error) {
@@ -159,21 +229,31 @@ func (g *Gate) NewSweeper(db versioning.Pool, cfg versioning.SweeperConfig) (*ve
 	return g.store.NewSweeper(db, cfg)
 }
 
+// releaseOptions are the gate's release limits with apply.
+func (g *Gate) releaseOptions(apply versioning.ApplyFunc) versioning.ReleaseOptions {
+	return versioning.ReleaseOptions{Apply: apply, MaxAttempts: g.cfg.MaxReleaseAttempts, Backoff: g.cfg.ReleaseBackoff,
+		MaxBackoff: g.cfg.MaxReleaseBackoff, Permanent: IsPermanent, DeadLetter: g.cfg.DeadLetter}
+}
+
 func (g *Gate) observeSweep(r versioning.SweepResult, err error) {
 	m := g.cfg.Metrics
 	m.addReleased(g.cfg.Group, r.Released)
 	m.addReleaseFailures(g.cfg.Group, r.Failed)
 	m.addGapsSkipped(g.cfg.Group, "park_timeout", r.GapsSkipped)
+	m.addGivenUp(g.cfg.Group, r.DeadLettered)
+	m.addLateApplied(g.cfg.Group, r.LateApplied)
 	if err == nil {
-		m.setParked(g.cfg.Group, r.Parked)
+		m.setParked(g.cfg.Group, r.Parked, r.HeldLate)
 	}
 }
 
 // ApplyParked is the sweeper's versioning.ApplyFunc: it runs the handler
 // registered for p.Handler with p's message, the savepoint tx and the
-// decoded event in its context. Messages the handler returns cannot be
-// published from the sweeper and are dropped with a warning; handlers that
-// emit events should write them with the producer's PublishTx through tx.
+// decoded event in its context (and IsLate for a late event). Hooks the
+// handler registers with AfterCommit run when the sweeper's transaction
+// commits. Messages the handler returns cannot be published from the
+// sweeper and are dropped with a warning; handlers that emit events should
+// write them with the producer's PublishTx through tx.
 func (g *Gate) ApplyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked) error {
 	h := g.reg.lookup(p.Handler)
 	if h == nil {
@@ -187,16 +267,34 @@ func (g *Gate) ApplyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked) 
 	return err
 }
 
-func (g *Gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked, h message.HandlerFunc) ([]*message.Message, error) {
+// applyParked runs h for a parked or late event in the savepoint tx. The
+// handler's AfterCommit hooks join those of the enclosing transaction when
+// it succeeds, and are dropped when it fails.
+func (g *Gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked, h message.HandlerFunc) (out []*message.Message, err error) {
 	e, err := p.Event()
 	if err != nil {
 		return nil, Permanent(err)
 	}
 	msg := p.Message()
-	msg.SetContext(ContextWithEvent(ContextWithTx(ctx, tx), e))
+	hctx, hooks := contextWithSavepoint(ctx, tx)
+	hctx = ContextWithEvent(hctx, e)
+	if p.Late {
+		hctx = contextWithLate(hctx)
+	}
+	msg.SetContext(hctx)
+	promoted := false
+	defer func() {
+		if !promoted { // failed or panicked: the savepoint rolls back
+			hooks.Drop()
+		}
+	}()
 	start := time.Now()
-	out, err := h(msg)
+	out, err = h(msg)
 	g.cfg.Metrics.observeHandler(g.cfg.Group, e.Type, time.Since(start))
+	if err == nil {
+		hooks.Promote()
+		promoted = true
+	}
 	return out, err
 }
 
@@ -240,102 +338,35 @@ func (g *Gate) precheck(e eventline.Event) error {
 // jumps reports whether a gap applies e anyway (the Apply policy).
 func (g *Gate) jumps(e eventline.Event) bool { return g.policies.For(e.Type) == versioning.Apply }
 
-// proceed acts on an admission: skip a duplicate, record a stale event,
-// park or reject a gap, or run the handler (auditing a jump) and drain
-// parked successors. a's zero value means "apply, no version involved"
-// (an unversioned event).
-func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
-	ctx := msg.Context()
-	name := message.HandlerNameFromCtx(ctx)
-	g.reg.learn(name, h)
-	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
-	k := versioning.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
-	switch a.Verdict {
-	case versioning.Duplicate:
-		g.duplicate(ctx, e)
-		return nil, nil
-	case versioning.Stale:
-		if err := g.store.Discard(ctx, tx, group, e.ID); err != nil {
-			return nil, err
-		}
-		log.DebugContext(ctx, "eventline: stale event discarded", "group", group, "event_id", e.ID,
-			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion, "current", a.Previous)
-		AfterCommit(ctx, func() { m.incStale(group, e.Type) })
-		return nil, nil
-	case versioning.Gap:
-		if g.policies.For(e.Type) == versioning.Reject {
-			return nil, &versioning.GapError{AggregateType: e.AggregateType, AggregateID: e.AggregateID, Version: e.AggregateVersion, Current: a.Previous}
-		}
-		if _, err := g.store.Park(ctx, tx, versioning.ParkRequest{Group: group, Event: e, Handler: name, Topic: e.Topic, Message: msg}); err != nil {
-			return nil, err
-		}
-		log.InfoContext(ctx, "eventline: event parked until the missing versions arrive", "group", group, "event_id", e.ID,
-			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion, "current", a.Previous)
-		AfterCommit(ctx, func() { m.incParked(group, e.Type) })
-		return nil, nil
-	case versioning.Jump:
-		reason := fmt.Sprintf("gap policy apply: event %s (v%d) applied over the missing versions", e.ID, e.AggregateVersion)
-		if err := g.store.RecordSkipped(ctx, tx, k, a.Previous+1, e.AggregateVersion-1, reason); err != nil {
-			return nil, err
-		}
-		log.WarnContext(ctx, "eventline: skipped missing aggregate versions (gap policy apply)", "group", group,
-			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "from", a.Previous+1, "to", e.AggregateVersion-1)
-		AfterCommit(ctx, func() { m.addGapsSkipped(group, "policy_apply", 1) })
-	}
-
-	out, err := g.run(msg, e, h)
-	if err != nil {
-		return nil, err
-	}
-	if a.Parked == 0 {
-		return out, nil
-	}
-	apply := func(ctx context.Context, sp pgx.Tx, p versioning.Parked) error {
-		ph := h
-		if p.Handler != name {
-			if ph = g.reg.lookup(p.Handler); ph == nil {
-				return fmt.Errorf("%w: %q", versioning.ErrNoHandler, p.Handler)
-			}
-		}
-		produced, err := g.applyParked(ctx, sp, p, ph)
-		if err == nil {
-			out = append(out, produced...)
-		}
-		return err
-	}
-	d, err := g.store.Drain(ctx, tx, k, a.Current, apply)
-	if err != nil {
-		return nil, err
-	}
-	if d.Failed != nil {
-		log.WarnContext(ctx, "eventline: parked event failed to apply; it stays parked and the sweeper retries it",
-			"group", group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID,
-			"version", d.Failed.Version, "event_id", d.Failed.EventID, "error", d.FailErr)
-	}
-	AfterCommit(ctx, func() {
-		m.addReleased(group, len(d.Released))
-		if d.Failed != nil {
-			m.addReleaseFailures(group, 1)
-		}
-	})
-	return out, nil
+// refuse counts and logs an event the gate refuses for good, and returns
+// err marked permanent (it is dead-lettered with err as the reason).
+func (g *Gate) refuse(ctx context.Context, e eventline.Event, reason string, err error) error {
+	g.cfg.Metrics.incRefused(g.cfg.Group, reason)
+	g.cfg.Logger.WarnContext(ctx, "eventline: event refused; it is dead-lettered", "group", g.cfg.Group, "event_id", e.ID,
+		"event_type", e.Type, "aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion,
+		"reason", reason, "error", err)
+	return Permanent(err)
 }
 
-// run calls the handler for an event applied on arrival.
-func (g *Gate) run(msg *message.Message, e eventline.Event, h message.HandlerFunc) ([]*message.Message, error) {
-	start := time.Now()
-	out, err := h(msg)
-	g.cfg.Metrics.observeHandler(g.cfg.Group, e.Type, time.Since(start))
-	if err != nil {
-		return nil, err
+// refusal classifies an error from Park or HoldLate: the event's fault
+// (refused, permanent) or the database's (returned as is).
+func (g *Gate) refusal(ctx context.Context, e eventline.Event, err error) error {
+	switch {
+	case errors.Is(err, versioning.ErrGapTooLarge):
+		return g.refuse(ctx, e, RefusedGapTooLarge, err)
+	case errors.Is(err, eventline.ErrInvalidEvent):
+		return g.refuse(ctx, e, RefusedInvalid, err)
 	}
-	group, m := g.cfg.Group, g.cfg.Metrics
-	AfterCommit(msg.Context(), func() { m.incApplied(group, e.Type) })
-	return out, nil
+	return err
 }
 
-func (g *Gate) duplicate(ctx context.Context, e eventline.Event) {
-	g.cfg.Logger.DebugContext(ctx, "eventline: duplicate event skipped", "group", g.cfg.Group, "event_id", e.ID, "event_type", e.Type)
-	group, m := g.cfg.Group, g.cfg.Metrics
-	AfterCommit(ctx, func() { m.incDuplicate(group, e.Type) })
+// validate runs the configured ValidateFunc; a failure refuses the event.
+func (g *Gate) validate(ctx context.Context, e eventline.Event, what string) error {
+	if g.cfg.Validate == nil {
+		return nil
+	}
+	if err := g.cfg.Validate(ctx, e); err != nil {
+		return g.refuse(ctx, e, RefusedInvalid, fmt.Errorf("event %s (%s) cannot be %s: it could never be applied: %w", e.ID, e.Type, what, err))
+	}
+	return nil
 }

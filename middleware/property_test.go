@@ -32,18 +32,27 @@ type op struct {
 }
 
 // TestPropertyOnceAndInOrder feeds random interleavings of duplicated,
-// delayed and reordered events over several aggregates, some versions never
-// delivered, with transient handler failures and panics and sweeper passes
-// at random points, through the composed middleware on PostgreSQL, with one
-// to three deliveries in flight at a time. After a final sweep it checks:
+// delayed and reordered events over several aggregates, through the
+// composed middleware on PostgreSQL, with one to three deliveries in flight
+// at a time. Versions are sparse: each event declares the version it
+// follows (aggregate_previous_version), and some are never delivered. The
+// handler fails or panics a few times for some events, the sweeper runs at
+// random points (sometimes giving up every gap at once, so delayed events
+// arrive late), parked events may exhaust a small release-attempt limit,
+// and late events are held or applied at once, by event type. After a
+// final sweep and an operator applying every held late event, it checks:
 //
-//   - every effect was applied at most once, and every delivered event was
-//     either applied or discarded because its version was skipped;
-//   - each aggregate's applied versions strictly increase;
-//   - each aggregate's final state equals the in-order application of its
-//     applied versions;
-//   - every version up to the aggregate's final one was applied or is
-//     audited, exactly once, in skipped_versions; nothing stays parked.
+//   - every event was applied in order at most once, and its AfterCommit
+//     hook ran exactly once per committed application, drains and sweeper
+//     included;
+//   - each aggregate's in-order versions strictly increase, and its final
+//     state equals their in-order application;
+//   - every version the producer used up to the aggregate's final one was
+//     applied in order or is audited, exactly once, in skipped_versions,
+//     and no applied version is audited as skipped;
+//   - every delivered event was applied in order, or is late (its version
+//     audited as skipped) and was then applied once, marked late (IsLate);
+//     nothing was silently discarded, nothing stays parked or held.
 func TestPropertyOnceAndInOrder(t *testing.T) {
 	t.Parallel()
 	env := consumertest.New(t, pgtest.Options{MaxConns: 6})
@@ -54,17 +63,43 @@ func TestPropertyOnceAndInOrder(t *testing.T) {
 	})
 }
 
+// counts is a per-event-id counter shared by concurrent handlers.
+type counts struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (c *counts) inc(id string) {
+	c.mu.Lock()
+	c.n[id]++
+	c.mu.Unlock()
+}
+
+func (c *counts) get(id string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[id]
+}
+
 func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	ctx := context.Background()
 
-	// Policies: all Park, all Apply, or mixed by event type.
+	// Policies: all Park, all Apply, or mixed by event type; late events
+	// held, applied at once, or mixed.
 	mode := rapid.SampledFrom([]string{"park", "apply", "mixed"}).Draw(rt, "policy")
-	cfg := middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, ParkTimeout: time.Hour, Logger: quiet()}
+	cfg := middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, ParkTimeout: time.Hour,
+		ReleaseBackoff: time.Nanosecond, MaxReleaseAttempts: rapid.IntRange(1, 3).Draw(rt, "maxReleaseAttempts"), Logger: quiet()}
 	switch mode {
 	case "apply":
 		cfg.GapPolicy = versioning.Apply
 	case "mixed":
 		cfg.PolicyByType = map[string]versioning.GapPolicy{"thing.jumped": versioning.Apply}
+	}
+	switch rapid.SampledFrom([]string{"hold", "apply", "mixed"}).Draw(rt, "latePolicy") {
+	case "apply":
+		cfg.LatePolicy = versioning.ApplyLate
+	case "mixed":
+		cfg.LatePolicyByType = map[string]versioning.LatePolicy{"thing.changed": versioning.ApplyLate}
 	}
 	if rapid.Bool().Draw(rt, "eagerSweeper") {
 		cfg.ParkTimeout = time.Nanosecond // every sweep skips every gap
@@ -74,6 +109,8 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	var failMu sync.Mutex
 	failures := map[string]int{}
 	panics := map[string]bool{}
+	hooks := &counts{n: map[string]int{}}
+	late := &counts{n: map[string]int{}}
 	handler := func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
@@ -85,9 +122,20 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 		}
 		boom := panics[e.ID]
 		failMu.Unlock()
-		if err := env.Apply(ctx, tx, group, e); err != nil {
-			return nil, err
+		isLate := middleware.IsLate(ctx)
+		if !isLate {
+			// Late events do not touch the order-sensitive state.
+			if err := env.Apply(ctx, tx, group, e); err != nil {
+				return nil, err
+			}
 		}
+		middleware.AfterCommit(ctx, func() {
+			if isLate {
+				late.inc(e.ID)
+			} else {
+				hooks.inc(e.ID)
+			}
+		})
 		if fail {
 			if boom {
 				panic("injected panic")
@@ -105,18 +153,26 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	require.NoError(rt, err)
 	finalEl.Middleware(handler) // registers the handler for the final sweep
 
-	// Aggregates, versions, which are delivered and how often.
+	// Aggregates, sparse versions, which are delivered and how often.
 	nAgg := rapid.IntRange(1, 4).Draw(rt, "aggregates")
+	chain := map[string][]int64{} // every version the producer used
 	delivered := map[string][]eventline.Event{}
 	var ops []op
 	for a := 0; a < nAgg; a++ {
 		id := fmt.Sprintf("agg-%d", a)
-		maxV := rapid.IntRange(1, 7).Draw(rt, "versions")
-		for v := int64(1); v <= int64(maxV); v++ {
+		n := rapid.IntRange(1, 7).Draw(rt, "versions")
+		prev := int64(0)
+		for i := 0; i < n; i++ {
+			v := prev + 1
+			if prev > 0 {
+				v = prev + int64(rapid.IntRange(1, 3).Draw(rt, "step"))
+			}
+			chain[id] = append(chain[id], v)
+			e := consumertest.Event(id, v)
+			e.PreviousVersion, prev = prev, v
 			if rapid.IntRange(0, 99).Draw(rt, "delivered") >= 85 {
 				continue // never delivered: a gap the sweeper must skip
 			}
-			e := consumertest.Event(id, v)
 			if mode == "mixed" && rapid.Bool().Draw(rt, "jumpType") {
 				e.Type = "thing.jumped"
 			}
@@ -128,7 +184,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 			}
 			switch rapid.IntRange(0, 9).Draw(rt, "failure") {
 			case 0:
-				failures[e.ID] = 1
+				failures[e.ID] = rapid.IntRange(1, 3).Draw(rt, "failures")
 			case 1:
 				failures[e.ID], panics[e.ID] = 1, true
 			}
@@ -190,8 +246,8 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	for err := range errs {
 		require.NoError(rt, err)
 	}
-	// Final sweeps give up on every remaining gap (each parked event whose
-	// handler still has a failure budget stops one pass).
+	// Final sweeps give up on every remaining gap; parked events that keep
+	// failing are given up after the attempt limit.
 	for i := 0; i < 50; i++ {
 		res, err := finalEl.Sweep(ctx)
 		require.NoError(rt, err)
@@ -199,11 +255,61 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 			break
 		}
 	}
+	store := finalEl.Store()
+	held := checkHeld(rt, env, store, group, delivered, late)
 
-	checkInvariants(rt, env, finalEl.Store(), group, delivered)
+	// The operator applies every held late event (again, while a handler
+	// keeps failing and its request is dropped after the attempt limit).
+	for i := 0; i < 50; i++ {
+		list, err := store.ListLate(ctx, env.Pool, versioning.LateFilter{Group: group, Limit: 1000})
+		require.NoError(rt, err)
+		if len(list) == 0 {
+			break
+		}
+		var ids []string
+		for _, l := range list {
+			ids = append(ids, l.EventID)
+		}
+		_, err = store.RequestLateApply(ctx, env.Pool, group, ids...)
+		require.NoError(rt, err)
+		_, err = finalEl.Sweep(ctx)
+		require.NoError(rt, err)
+	}
+	for id := range held {
+		require.Equal(rt, 1, late.get(id), "held late event %s applied once on the operator's request", id)
+	}
+	checkInvariants(rt, env, store, group, chain, delivered, hooks, late)
 }
 
-func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store, group string, delivered map[string][]eventline.Event) {
+// checkHeld checks the events held as late after the final sweep: each is
+// a delivered event whose version was skipped, with outcome late, not yet
+// applied. It returns their ids.
+func checkHeld(rt *rapid.T, env consumertest.Env, store *versioning.Store, group string, delivered map[string][]eventline.Event, late *counts) map[string]bool {
+	ctx := context.Background()
+	list, err := store.ListLate(ctx, env.Pool, versioning.LateFilter{Group: group, Limit: 1000})
+	require.NoError(rt, err)
+	byID := map[string]eventline.Event{}
+	for _, evs := range delivered {
+		for _, e := range evs {
+			byID[e.ID] = e
+		}
+	}
+	held := map[string]bool{}
+	for _, l := range list {
+		e, ok := byID[l.EventID]
+		require.True(rt, ok, "late event %s was delivered", l.EventID)
+		require.Equal(rt, e.AggregateVersion, l.Version)
+		require.Zero(rt, late.get(l.EventID), "a held late event has not been applied")
+		r, err := store.Dedup().Get(ctx, env.Pool, group, l.EventID)
+		require.NoError(rt, err)
+		require.Equal(rt, dedup.OutcomeLate, r.Outcome)
+		held[l.EventID] = true
+	}
+	return held
+}
+
+func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store, group string, chain map[string][]int64,
+	delivered map[string][]eventline.Event, hooks, late *counts) {
 	ctx := context.Background()
 	effects := env.Effects(rt, group)
 	times := map[string]int{}
@@ -211,6 +317,7 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 	for _, e := range effects {
 		times[e.EventID]++
 		require.Equal(rt, 1, times[e.EventID], "event %s (%s v%d) applied twice", e.EventID, e.AggregateID, e.Version)
+		require.Equal(rt, 1, hooks.get(e.EventID), "event %s (%s v%d): its AfterCommit hook runs once per committed application", e.EventID, e.AggregateID, e.Version)
 		vs := applied[e.AggregateID]
 		if len(vs) > 0 {
 			require.Greater(rt, e.Version, vs[len(vs)-1], "aggregate %s applied out of order: %v then %d", e.AggregateID, vs, e.Version)
@@ -220,6 +327,9 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 	parked, err := store.ListParked(ctx, env.Pool, versioning.ParkedFilter{Group: group})
 	require.NoError(rt, err)
 	require.Empty(rt, parked, "nothing stays parked after the final sweep")
+	held, err := store.ListLate(ctx, env.Pool, versioning.LateFilter{Group: group})
+	require.NoError(rt, err)
+	require.Empty(rt, held, "the operator applied every late event")
 
 	for id, evs := range delivered {
 		k := versioning.Key{Group: group, AggregateType: "thing", AggregateID: id}
@@ -228,16 +338,19 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 		maxDelivered := evs[len(evs)-1].AggregateVersion
 		require.Equal(rt, maxDelivered, current, "aggregate %s ends at its highest delivered version", id)
 
-		// Final state = in-order application of the applied versions.
+		// Final state = in-order application of the in-order versions.
 		value, last := env.State(rt, group, "thing", id)
 		want := int64(0)
 		for _, v := range applied[id] {
 			want = consumertest.Fold(want, v)
 		}
 		require.Equal(rt, want, value, "aggregate %s state", id)
-		require.Equal(rt, maxDelivered, last)
+		if n := len(applied[id]); n > 0 {
+			require.Equal(rt, applied[id][n-1], last)
+		}
 
-		// Versions 1..current: each applied or skipped, exactly once.
+		// Versions the producer used, up to current: each applied in order
+		// or skipped, exactly once; no applied version is skipped.
 		skipped, err := store.ListSkipped(ctx, env.Pool, versioning.SkippedFilter{Group: group, AggregateID: id, Limit: 1000})
 		require.NoError(rt, err)
 		covered := map[int64]string{}
@@ -250,20 +363,25 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 				covered[v] = "skipped"
 			}
 		}
-		for v := int64(1); v <= current; v++ {
-			require.NotEmpty(rt, covered[v], "aggregate %s v%d neither applied nor audited as skipped", id, v)
+		for _, v := range chain[id] {
+			if v <= current {
+				require.NotEmpty(rt, covered[v], "aggregate %s v%d neither applied nor audited as skipped", id, v)
+			}
 		}
 
-		// Every delivered event: applied once, or stale because skipped.
+		// Every delivered event: applied in order once, or late (its
+		// version skipped) and applied late once.
 		for _, e := range evs {
 			r, err := store.Dedup().Get(ctx, env.Pool, group, e.ID)
 			require.NoError(rt, err)
 			if times[e.ID] == 1 {
 				require.Equal(rt, dedup.OutcomeApplied, r.Outcome)
-			} else {
-				require.Equal(rt, dedup.OutcomeStale, r.Outcome, "event %s v%d", id, e.AggregateVersion)
-				require.Equal(rt, "skipped", covered[e.AggregateVersion], "a delivered event is only dropped when its version was skipped")
+				require.Zero(rt, late.get(e.ID))
+				continue
 			}
+			require.Equal(rt, "skipped", covered[e.AggregateVersion], "event %s v%d was not applied in order, so its version must be audited as skipped", id, e.AggregateVersion)
+			require.Equal(rt, dedup.OutcomeLateApplied, r.Outcome, "event %s v%d is late: never silently dropped", id, e.AggregateVersion)
+			require.Equal(rt, 1, late.get(e.ID), "late event %s v%d applied once, marked late", id, e.AggregateVersion)
 		}
 	}
 }

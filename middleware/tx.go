@@ -64,8 +64,7 @@ func inTx(msg *message.Message, db TxBeginner, opts pgx.TxOptions, h message.Han
 // when h succeeds and rolls back otherwise (also when h panics).
 func runInTx(msg *message.Message, tx pgx.Tx, h message.HandlerFunc) (out []*message.Message, err error) {
 	orig := msg.Context()
-	st := &txState{tx: tx}
-	ctx := context.WithValue(orig, txKey, st)
+	ctx := ContextWithTx(orig, tx)
 	done := false
 	defer func() {
 		msg.SetContext(orig)

@@ -16,20 +16,22 @@ type Verdict int
 
 // The verdicts of [Store.Admit].
 const (
-	// Next: the event's version is the aggregate's current version + 1.
-	// The version has been advanced; run the handler.
+	// Next: the event's predecessor has been applied (the aggregate's
+	// current version is at or past the event's previous version, and
+	// below its version). The version has been advanced; run the handler.
 	Next Verdict = iota + 1
 	// Jump: a gap under the Apply policy. The version has jumped to the
 	// event's; run the handler and record the skipped range.
 	Jump
-	// Gap: a gap under Park or Reject. Nothing has changed; park or reject
-	// the event.
+	// Gap: a gap under Park. Nothing has changed; park the event.
 	Gap
 	// Stale: the aggregate is already at or past the event's version.
-	// Discard the event without running the handler.
+	// The handler does not run; the event is discarded, or held as late
+	// when its version was given up on (see [Store.HoldLate]).
 	Stale
 	// Duplicate: the consumer group has already recorded the event id
-	// (only when Admit deduplicates). Nothing has changed.
+	// for this very event (only when Admit deduplicates). Nothing has
+	// changed.
 	Duplicate
 )
 
@@ -60,6 +62,8 @@ type Admission struct {
 	// Current is the aggregate's version after Admit: the event's version
 	// for Next and Jump, unchanged otherwise.
 	Current int64
+	// Follows is the version the event follows (see [Follows]).
+	Follows int64
 	// Parked is how many of the aggregate's events are parked.
 	Parked int
 }
@@ -67,43 +71,76 @@ type Admission struct {
 // Applies reports whether the handler must run (Next or Jump).
 func (a Admission) Applies() bool { return a.Verdict == Next || a.Verdict == Jump }
 
+// Missing is the number of versions missing in front of the event, for a
+// Gap or a Jump: Previous+1 up to Follows.
+func (a Admission) Missing() int64 {
+	if a.Follows <= a.Previous {
+		return 0
+	}
+	return a.Follows - a.Previous
+}
+
 // Admit decides what to do with a versioned event and, when it applies,
-// advances the aggregate's version, all in one statement in tx:
+// advances the aggregate's version, all in one statement in tx.
+//
+// The rule: with v the event's AggregateVersion, p the version it follows
+// (its PreviousVersion, or v-1 when that is 0, as eventline.Encode writes
+// it; see [Follows]) and c the
+// aggregate's current version, the event is Stale when v ≤ c, Next when
+// p ≤ c < v, and a gap when c < p (Jump when jump is true, the Apply
+// policy; Gap otherwise). p < c < v applies: everything the event follows
+// has been applied. No version arithmetic is done, so versions up to
+// MaxInt64 are safe.
 //
 //   - the aggregate's aggregate_versions row is created (version 0) or
 //     locked until tx ends, so every transaction touching the aggregate,
 //     including the sweeper's, serializes on it;
 //   - when withDedup is true, the event is recorded in processed_events
 //     (outcome applied) first, and an event already recorded yields
-//     Duplicate without touching the version;
-//   - jump says whether a gap applies the event anyway (the Apply policy).
+//     Duplicate without touching the version, or a *dedup.IDConflictError
+//     when the recorded row is a different event with the same id.
 //
 // Nothing else is written: for Stale and Gap the caller records the outcome
-// (see [Store.Discard], [Store.Park]); for Jump it records the skipped range
-// ([Store.RecordSkipped]). Everything rolls back with tx.
+// (see [Store.HoldLate], [Store.Park]); for Jump it records the skipped
+// range ([Store.RecordSkipped]). Everything rolls back with tx.
 func (s *Store) Admit(ctx context.Context, tx DBTX, group string, e eventline.Event, jump, withDedup bool) (Admission, error) {
+	e, err := withFollows(e)
+	if err != nil {
+		return Admission{}, err
+	}
 	q, args, err := s.admitQuery(group, e, jump, withDedup)
 	if err != nil {
 		return Admission{}, err
 	}
-	var a Admission
-	err = tx.QueryRow(ctx, q, args...).Scan(&a.Previous, &a.Current, &a.Parked)
-	return decide(e, a, err, withDedup)
+	var a admitRow
+	if err := tx.QueryRow(ctx, q, args...).Scan(a.dest(withDedup)...); err != nil {
+		return Admission{}, admitError(e, err)
+	}
+	return s.decide(ctx, tx, group, e, a)
 }
 
 // PendingAdmission is an Admit queued on a pgx.Batch by [Store.QueueAdmit].
 type PendingAdmission struct {
-	a   Admission
-	err error
-	set bool
+	s     *Store
+	group string
+	e     eventline.Event
+	row   admitRow
+	err   error
+	set   bool
 }
 
 // Result returns the admission once the batch's results have been closed.
-func (p *PendingAdmission) Result() (Admission, error) {
-	if !p.set && p.err == nil {
+// tx is the batch's transaction: in the rare case of a duplicate recorded
+// by a concurrent transaction, the recorded row is read again through it
+// to tell a duplicate from an id conflict.
+func (p *PendingAdmission) Result(ctx context.Context, tx DBTX) (Admission, error) {
+	switch {
+	case p.err != nil:
+		return Admission{}, p.err
+	case !p.set:
 		return Admission{}, errors.New("versioning: admission read before the batch results were closed")
 	}
-	return p.a, p.err
+	return p.s.decide(ctx, tx, p.group, p.e, p.row)
 }
 
 // QueueAdmit queues [Store.Admit] on b. Queued after b.BeginTx, the
@@ -112,45 +149,97 @@ func (p *PendingAdmission) Result() (Admission, error) {
 // available from the returned PendingAdmission once the batch results are
 // closed; everything else is as for Admit.
 func (s *Store) QueueAdmit(b *pgx.Batch, group string, e eventline.Event, jump, withDedup bool) *PendingAdmission {
-	p := &PendingAdmission{}
+	e, err := withFollows(e)
+	p := &PendingAdmission{s: s, group: group, e: e}
+	if err != nil {
+		p.err = err
+		return p
+	}
 	q, args, err := s.admitQuery(group, e, jump, withDedup)
 	if err != nil {
 		p.err = err
 		return p
 	}
 	b.Queue(q, args...).QueryRow(func(row pgx.Row) error {
-		var a Admission
-		err := row.Scan(&a.Previous, &a.Current, &a.Parked)
-		p.a, p.err = decide(e, a, err, withDedup)
+		if err := row.Scan(p.row.dest(withDedup)...); err != nil {
+			p.err = admitError(e, err)
+			return p.err
+		}
 		p.set = true
-		return p.err
+		return nil
 	})
 	return p
 }
 
-func (s *Store) admitQuery(group string, e eventline.Event, jump, withDedup bool) (string, []any, error) {
-	if e.AggregateVersion <= 0 {
-		return "", nil, &eventline.InvalidEventError{Field: eventline.MetaAggregateVersion, Reason: "the version gate needs a positive aggregate version"}
-	}
-	if withDedup {
-		return s.q.admitDedup, []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, jump}, nil
-	}
-	return s.q.admit, []any{group, e.AggregateType, e.AggregateID, e.AggregateVersion, jump}, nil
+// admitRow is what the admission statement returns: the version row, or
+// (with dedup, on a duplicate) NULLs and the recorded event's identity.
+type admitRow struct {
+	previous, current *int64
+	parked            *int
+	recorded          dedup.Recorded
 }
 
-// decide turns the upsert's result into a verdict.
-func decide(e eventline.Event, a Admission, err error, withDedup bool) (Admission, error) {
-	switch {
-	case errors.Is(err, pgx.ErrNoRows) && withDedup:
-		return Admission{Verdict: Duplicate}, nil
-	case err != nil:
-		return Admission{}, fmt.Errorf("versioning: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
+func (a *admitRow) dest(withDedup bool) []any {
+	d := []any{&a.previous, &a.current, &a.parked}
+	if withDedup {
+		d = append(d, a.recorded.Dest()...)
 	}
-	v := e.AggregateVersion
+	return d
+}
+
+func admitError(e eventline.Event, err error) error {
+	return fmt.Errorf("versioning: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
+}
+
+// Follows returns the aggregate version e follows: e.PreviousVersion, or,
+// when that is 0 (not set: Encode writes it only when it is not
+// AggregateVersion-1, and Decode then sets AggregateVersion-1),
+// AggregateVersion-1. So an event's predecessor can be declared only when
+// it is above 0; the first event of an aggregate is version 1, or follows a
+// gap that the park timeout gives up on. It fails for an unversioned event
+// or a previous version at or above the version.
+func Follows(e eventline.Event) (int64, error) {
+	switch {
+	case e.AggregateVersion <= 0:
+		return 0, &eventline.InvalidEventError{Field: eventline.MetaAggregateVersion, Reason: "the version gate needs a positive aggregate version"}
+	case e.PreviousVersion < 0 || e.PreviousVersion >= e.AggregateVersion:
+		return 0, &eventline.InvalidEventError{Field: eventline.MetaPreviousVersion, Value: fmt.Sprint(e.PreviousVersion),
+			Reason: "must be below aggregate_version and not negative"}
+	case e.PreviousVersion == 0:
+		return e.AggregateVersion - 1, nil
+	}
+	return e.PreviousVersion, nil
+}
+
+// withFollows returns e with PreviousVersion set to Follows(e).
+func withFollows(e eventline.Event) (eventline.Event, error) {
+	p, err := Follows(e)
+	e.PreviousVersion = p
+	return e, err
+}
+
+func (s *Store) admitQuery(group string, e eventline.Event, jump, withDedup bool) (string, []any, error) {
+	if withDedup {
+		return s.q.admitDedup, []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}, nil
+	}
+	return s.q.admit, []any{group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}, nil
+}
+
+// decide turns the statement's result into a verdict.
+func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.Event, r admitRow) (Admission, error) {
+	if r.current == nil {
+		// No version row came back: the dedup insert conflicted.
+		if err := s.dedup.CheckDuplicate(ctx, tx, group, e, r.recorded); err != nil {
+			return Admission{}, err
+		}
+		return Admission{Verdict: Duplicate}, nil
+	}
+	a := Admission{Previous: *r.previous, Current: *r.current, Parked: *r.parked, Follows: e.PreviousVersion}
+	v, p := e.AggregateVersion, e.PreviousVersion
 	switch {
 	case a.Previous >= v:
 		a.Verdict = Stale
-	case a.Current == v && a.Previous == v-1:
+	case a.Current == v && p <= a.Previous:
 		a.Verdict = Next
 	case a.Current == v:
 		a.Verdict = Jump
@@ -158,12 +247,6 @@ func decide(e eventline.Event, a Admission, err error, withDedup bool) (Admissio
 		a.Verdict = Gap
 	}
 	return a, nil
-}
-
-// Discard records a stale event's outcome in processed_events (a no-op when
-// the event was not recorded there).
-func (s *Store) Discard(ctx context.Context, tx DBTX, group, eventID string) error {
-	return s.dedup.SetOutcome(ctx, tx, group, eventID, dedup.OutcomeStale)
 }
 
 // RecordSkipped writes versions from..to of an aggregate to

@@ -5,18 +5,96 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/dedup"
 )
 
-// ApplyFunc applies one parked event whose turn has come. tx is a savepoint
-// inside the transaction holding the aggregate's lock: the function writes
-// its effects through tx and must neither commit nor roll it back. An error
-// (or a panic) rolls back to the savepoint and leaves the event parked, with
-// the failure recorded in release_attempts and last_error.
+// ApplyFunc applies one parked or late event whose turn has come. tx is a
+// savepoint inside the transaction holding the aggregate's lock: the
+// function writes its effects through tx and must neither commit nor roll
+// it back. An error (or a panic) rolls back to the savepoint and leaves the
+// event where it was, with the failure recorded (release_attempts,
+// last_error, next_attempt_at). p.Late is true for a late event.
 type ApplyFunc func(ctx context.Context, tx pgx.Tx, p Parked) error
+
+// DeadLetterFunc stores a parked event the gate gave up on: its release
+// failed ReleaseOptions.MaxAttempts times, or with an error
+// ReleaseOptions.Permanent reports as permanent. It runs in a savepoint of
+// the transaction that holds the aggregate's lock, after the event's
+// parked row and its processed_events record were removed and its version
+// was recorded in skipped_versions with reason; the aggregate's version
+// moves past the event when the transaction commits. Store the event where
+// an operator can find and replay it. A replay arrives late (its version
+// was skipped) and follows the late policy. An error rolls the give-up
+// back: the event stays parked and is tried again after its backoff.
+//
+// The default, [Store.HoldFailed], keeps the event in late_events (kind
+// release_failed) next to the events that arrived late.
+type DeadLetterFunc func(ctx context.Context, tx pgx.Tx, p Parked, reason string) error
+
+// ReleaseOptions say how parked events are applied, by [Store.Drain] and by
+// the [Sweeper].
+type ReleaseOptions struct {
+	// Apply applies an event. Required.
+	Apply ApplyFunc
+	// MaxAttempts is how many failed attempts to apply a parked event are
+	// allowed before it is given up (DeadLetter). Defaults to
+	// DefaultMaxReleaseAttempts (10).
+	MaxAttempts int
+	// Backoff is the wait after the first failed attempt before the
+	// sweeper tries again; it doubles per further failure, up to
+	// MaxBackoff. Defaults to DefaultReleaseBackoff (5s) and
+	// DefaultMaxReleaseBackoff (5m).
+	Backoff    time.Duration
+	MaxBackoff time.Duration // see Backoff
+	// Permanent, when set, reports errors that retrying cannot fix (the
+	// event does not decode, its payload does not fit the handler): the
+	// event is given up at once.
+	Permanent func(error) bool
+	// DeadLetter stores a parked event that is given up. Defaults to the
+	// store's HoldFailed.
+	DeadLetter DeadLetterFunc
+}
+
+func (o ReleaseOptions) withDefaults(s *Store) ReleaseOptions {
+	if o.MaxAttempts == 0 {
+		o.MaxAttempts = DefaultMaxReleaseAttempts
+	}
+	if o.Backoff == 0 {
+		o.Backoff = DefaultReleaseBackoff
+	}
+	if o.MaxBackoff == 0 {
+		o.MaxBackoff = DefaultMaxReleaseBackoff
+	}
+	if o.DeadLetter == nil {
+		o.DeadLetter = s.HoldFailed
+	}
+	return o
+}
+
+func (o ReleaseOptions) validate(field string) error {
+	switch {
+	case o.Apply == nil:
+		return fmt.Errorf("%s.Apply is nil: the gate needs a function that applies a parked event", field)
+	case o.MaxAttempts < 0:
+		return fmt.Errorf("%s.MaxReleaseAttempts is %d; it must be positive (0 means %d)", field, o.MaxAttempts, DefaultMaxReleaseAttempts)
+	case o.Backoff < 0 || o.MaxBackoff < 0:
+		return fmt.Errorf("%s.ReleaseBackoff and MaxReleaseBackoff must not be negative (0 means %s and %s)", field, DefaultReleaseBackoff, DefaultMaxReleaseBackoff)
+	}
+	return nil
+}
+
+// backoff is the wait after the attempts-th failure.
+func (o ReleaseOptions) backoff(attempts int) time.Duration {
+	d := o.Backoff
+	for i := 1; i < attempts && d < o.MaxBackoff; i++ {
+		d *= 2
+	}
+	return min(d, o.MaxBackoff)
+}
 
 // drainLimit bounds the parked events one drain loads.
 const drainLimit = 1000
@@ -27,11 +105,18 @@ type DrainResult struct {
 	Version int64
 	// Released are the parked events applied, in order.
 	Released []Parked
-	// Stale counts parked events discarded because the aggregate had
-	// already passed their version.
-	Stale int
-	// Failed is the parked event whose handler failed, if any; draining
-	// stopped there. FailErr is its error.
+	// Late counts parked events moved to late_events because the
+	// aggregate had passed their version.
+	Late int
+	// GapsSkipped counts the gaps given up on after the park timeout;
+	// VersionsSkipped the versions recorded as skipped, theirs and those
+	// of the events given up.
+	GapsSkipped     int
+	VersionsSkipped int64 // see GapsSkipped
+	// DeadLettered are the parked events given up (see DeadLetterFunc).
+	DeadLettered []Parked
+	// Failed is the parked event whose apply failed, if any; draining
+	// stopped there and it stays parked. FailErr is its error.
 	Failed  *Parked
 	FailErr error // see Failed
 	// Remaining counts the events still parked after the drain (at most
@@ -39,59 +124,104 @@ type DrainResult struct {
 	Remaining int
 }
 
-// Drain applies an aggregate's parked events that are next in line, in
-// version order, each through apply in its own savepoint, in tx. tx must
-// hold the aggregate's lock and current must be its version (as after
-// [Store.Admit] returned Next or Jump). Parked events at or below current
-// are discarded as stale. Draining stops at the next gap or at the first
-// event whose apply fails: that savepoint is rolled back, the failure is
-// recorded on the parked row, and the rest stays parked for the sweeper.
-// Each released event leaves parked_events and its dedup outcome becomes
-// applied; the aggregate's version and parked count are updated.
+// Drain applies an aggregate's parked events whose predecessor has been
+// applied, in version order, each through opts.Apply in its own savepoint,
+// in tx. tx must hold the aggregate's lock and current must be its version
+// (as after [Store.Admit] returned Next or Jump). Parked events at or below
+// current are moved to late_events. Draining stops at the next gap, at an
+// event waiting for its release backoff, or at the first event whose apply
+// fails: that savepoint is rolled back, the failure is recorded on the
+// parked row, and the rest stays parked for the sweeper, unless the event
+// has now failed opts.MaxAttempts times (or permanently): then it is given
+// up (see DeadLetterFunc) and draining goes on past it. Each released event
+// leaves parked_events and its dedup outcome becomes applied; the
+// aggregate's version and parked count are updated.
 //
 // The error is non-nil only when tx itself failed; then the caller must
 // roll back.
-func (s *Store) Drain(ctx context.Context, tx pgx.Tx, k Key, current int64, apply ApplyFunc) (DrainResult, error) {
+func (s *Store) Drain(ctx context.Context, tx pgx.Tx, k Key, current int64, opts ReleaseOptions) (DrainResult, error) {
+	opts = opts.withDefaults(s)
+	if err := opts.validate("versioning.ReleaseOptions"); err != nil {
+		return DrainResult{Version: current}, err
+	}
 	parked, err := s.parkedOf(ctx, tx, k, 0, drainLimit)
 	if err != nil {
 		return DrainResult{Version: current}, err
 	}
-	res, _, err := s.drainList(ctx, tx, k, current, parked, apply)
+	res, _, err := s.drainList(ctx, tx, k, current, parked, opts, 0)
 	return res, err
 }
 
 // drainList is Drain over already loaded parked events (in version order).
-// It returns the events left parked.
-func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, parked []Parked, apply ApplyFunc) (DrainResult, []Parked, error) {
+// With a positive parkTimeout (the sweeper), the gap in front of a parked
+// event is given up when any event from it on has waited longer (the rows
+// were loaded with that timeout). It returns the events left parked.
+func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, parked []Parked, opts ReleaseOptions, parkTimeout time.Duration) (DrainResult, []Parked, error) {
 	res := DrainResult{Version: current}
 	delta := 0
 	i := 0
 	for ; i < len(parked); i++ {
 		p := parked[i]
 		if p.Version <= res.Version {
-			if err := s.removeParked(ctx, tx, p, dedup.OutcomeStale); err != nil {
+			if err := s.passParked(ctx, tx, p, res.Version); err != nil {
 				return res, nil, err
 			}
-			res.Stale++
+			res.Late++
 			delta--
 			continue
 		}
-		if p.Version != res.Version+1 {
+		if !p.due {
 			break
 		}
-		ok, err := s.applyParked(ctx, tx, p, apply, &res)
+		var skipFrom, skipTo int64
+		var pre func(pgx.Tx) error
+		if p.PreviousVersion > res.Version {
+			if parkTimeout <= 0 || !anyExpired(parked[i:]) {
+				break
+			}
+			skipFrom, skipTo = res.Version+1, p.PreviousVersion
+			reason := fmt.Sprintf("park timeout: %s waited over %s for the missing versions", p.describe(), parkTimeout)
+			pre = func(sp pgx.Tx) error { return s.RecordSkipped(ctx, sp, k, skipFrom, skipTo, reason) }
+		}
+		herr, err := s.attempt(ctx, tx, p, opts.Apply, pre)
 		if err != nil {
 			return res, nil, err
 		}
-		if !ok {
+		if herr == nil {
+			if err := s.removeParked(ctx, tx, p, dedup.OutcomeApplied); err != nil {
+				return res, nil, err
+			}
+			if pre != nil {
+				res.GapsSkipped++
+				res.VersionsSkipped += skipTo - skipFrom + 1
+			}
+			delta--
+			res.Released = append(res.Released, p)
+			res.Version = p.Version
+			continue
+		}
+		failed := p
+		failed.ReleaseAttempts++
+		failed.LastError = herr.Error()
+		res.Failed, res.FailErr = &failed, herr
+		if failed.ReleaseAttempts < opts.MaxAttempts && (opts.Permanent == nil || !opts.Permanent(herr)) {
+			if err := s.recordFailure(ctx, tx, s.q.failParked, failed, opts.backoff(failed.ReleaseAttempts)); err != nil {
+				return res, nil, err
+			}
 			break
 		}
-		if err := s.removeParked(ctx, tx, p, dedup.OutcomeApplied); err != nil {
+		gaveUp, err := s.giveUp(ctx, tx, k, res.Version, failed, herr, opts)
+		if err != nil {
 			return res, nil, err
 		}
-		delta--
-		res.Released = append(res.Released, p)
+		if !gaveUp {
+			break
+		}
+		res.Failed, res.FailErr = nil, nil
+		res.DeadLettered = append(res.DeadLettered, failed)
+		res.VersionsSkipped += p.Version - res.Version
 		res.Version = p.Version
+		delta--
 	}
 	rest := parked[i:]
 	res.Remaining = len(rest)
@@ -103,32 +233,79 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 	return res, rest, nil
 }
 
-// applyParked runs apply for p in a savepoint. ok is false when apply
-// failed (recorded on the parked row and in res); err only reports a broken
-// transaction.
-func (s *Store) applyParked(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFunc, res *DrainResult) (ok bool, err error) {
+// giveUp dead-letters a parked event that failed for good, in a savepoint:
+// its parked row and dedup record go, versions current+1..p.Version are
+// recorded as skipped, and opts.DeadLetter stores it. When DeadLetter
+// fails, the savepoint is rolled back, the failure is recorded with a
+// backoff as for any failed attempt, and gaveUp is false.
+func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p Parked, herr error, opts ReleaseOptions) (gaveUp bool, err error) {
+	reason := fmt.Sprintf("gave up on parked %s after %d failed release attempts: %v", p.describe(), p.ReleaseAttempts, herr)
+	if opts.Permanent != nil && opts.Permanent(herr) {
+		reason = fmt.Sprintf("gave up on parked %s: it can never be applied: %v", p.describe(), herr)
+	}
 	sp, err := tx.Begin(ctx)
 	if err != nil {
-		return false, fmt.Errorf("versioning: savepoint for parked event %s: %w", p.EventID, err)
+		return false, fmt.Errorf("versioning: savepoint to give up parked event %s: %w", p.EventID, err)
 	}
-	herr := callApply(ctx, sp, p, apply)
-	if herr == nil {
+	derr := func() error {
+		if _, err := sp.Exec(ctx, s.q.deleteParked, p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
+			return err
+		}
+		if _, err := sp.Exec(ctx, s.q.forget, p.Group, p.EventID); err != nil {
+			return err
+		}
+		if err := s.RecordSkipped(ctx, sp, k, current+1, p.Version, reason); err != nil {
+			return err
+		}
+		return callDeadLetter(ctx, sp, p, reason, opts.DeadLetter)
+	}()
+	if derr == nil {
 		if err := sp.Commit(ctx); err != nil {
-			return false, fmt.Errorf("versioning: release savepoint of parked event %s: %w", p.EventID, err)
+			return false, fmt.Errorf("versioning: give up parked event %s: %w", p.EventID, err)
 		}
 		return true, nil
 	}
 	if err := sp.Rollback(ctx); err != nil {
-		return false, fmt.Errorf("versioning: roll back parked event %s after its handler failed: %w", p.EventID, errors.Join(herr, err))
+		return false, fmt.Errorf("versioning: roll back giving up parked event %s: %w", p.EventID, errors.Join(derr, err))
 	}
-	if _, err := tx.Exec(ctx, s.q.failParked, p.Group, p.AggregateType, p.AggregateID, p.Version, herr.Error()); err != nil {
-		return false, fmt.Errorf("versioning: record failed release of parked event %s: %w", p.EventID, err)
+	p.LastError = fmt.Sprintf("%s; and it could not be dead-lettered: %v", p.LastError, derr)
+	return false, s.recordFailure(ctx, tx, s.q.failParked, p, opts.backoff(p.ReleaseAttempts))
+}
+
+// attempt runs pre (when set) and apply for p in a savepoint. herr is the
+// apply's failure (the savepoint was rolled back); err reports a broken
+// transaction.
+func (s *Store) attempt(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFunc, pre func(pgx.Tx) error) (herr, err error) {
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("versioning: savepoint for %s: %w", p.describe(), err)
 	}
-	failed := p
-	failed.ReleaseAttempts++
-	failed.LastError = herr.Error()
-	res.Failed, res.FailErr = &failed, herr
-	return false, nil
+	if pre != nil {
+		if err := pre(sp); err != nil {
+			_ = sp.Rollback(ctx)
+			return nil, err
+		}
+	}
+	herr = callApply(ctx, sp, p, apply)
+	if herr == nil {
+		if err := sp.Commit(ctx); err != nil {
+			return nil, fmt.Errorf("versioning: release savepoint of %s: %w", p.describe(), err)
+		}
+		return nil, nil
+	}
+	if err := sp.Rollback(ctx); err != nil {
+		return nil, fmt.Errorf("versioning: roll back %s after its handler failed: %w", p.describe(), errors.Join(herr, err))
+	}
+	return herr, nil
+}
+
+// recordFailure writes p's failure count, last error and next attempt time
+// with q (failParked or failLate).
+func (s *Store) recordFailure(ctx context.Context, tx DBTX, q string, p Parked, wait time.Duration) error {
+	if _, err := tx.Exec(ctx, q, p.Group, p.AggregateType, p.AggregateID, p.Version, p.EventID, p.LastError, wait.Microseconds(), p.ReleaseAttempts); err != nil {
+		return fmt.Errorf("versioning: record failed release of %s: %w", p.describe(), err)
+	}
+	return nil
 }
 
 func callApply(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFunc) (err error) {
@@ -137,10 +314,19 @@ func callApply(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFunc) (err e
 	}
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("panic while applying parked event %s: %v\n%s", p.EventID, r, debug.Stack())
+			err = fmt.Errorf("panic while applying %s: %v\n%s", p.describe(), r, debug.Stack())
 		}
 	}()
 	return apply(ctx, tx, p)
+}
+
+func callDeadLetter(ctx context.Context, tx pgx.Tx, p Parked, reason string, dl DeadLetterFunc) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("panic while dead-lettering %s: %v\n%s", p.describe(), r, debug.Stack())
+		}
+	}()
+	return dl(ctx, tx, p, reason)
 }
 
 // removeParked deletes a parked row and records the event's final outcome.
@@ -149,4 +335,13 @@ func (s *Store) removeParked(ctx context.Context, tx pgx.Tx, p Parked, outcome d
 		return fmt.Errorf("versioning: remove parked event %s: %w", p.EventID, err)
 	}
 	return s.dedup.SetOutcome(ctx, tx, p.Group, p.EventID, outcome)
+}
+
+func anyExpired(ps []Parked) bool {
+	for _, p := range ps {
+		if p.expired {
+			return true
+		}
+	}
+	return false
 }

@@ -5,29 +5,39 @@ import (
 	"fmt"
 )
 
-// ErrGap is matched by *GapError.
-var ErrGap = errors.New("eventline: aggregate version gap")
+// ErrGapTooLarge is matched by *GapTooLargeError.
+var ErrGapTooLarge = errors.New("eventline: the event would leave too many aggregate versions missing")
 
-// GapError rejects an event that arrived ahead of a missing version under
-// the Reject policy. It is not permanent: a retry may find the gap filled.
-type GapError struct {
+// GapTooLargeError refuses an event that would leave more than MaxGap
+// versions missing in front of it: most likely its version is inflated (a
+// bad producer, a hand-made record). Parking it would, after the park
+// timeout, skip every genuine version in between. Retrying cannot help:
+// the middleware dead-letters it with this error as the reason.
+type GapTooLargeError struct {
 	// AggregateType and AggregateID name the aggregate.
 	AggregateType string
 	AggregateID   string // see AggregateType
-	// Version is the event's aggregate version.
-	Version int64
-	// Current is the aggregate's last applied version.
-	Current int64
+	// EventID is the refused event; Version and Previous its aggregate
+	// version and the version it says it follows.
+	EventID  string
+	Version  int64 // see EventID
+	Previous int64 // see EventID
+	// Known is the highest version the aggregate has applied or parked
+	// below Previous; versions Known+1..Previous would be missing.
+	Known int64
+	// MaxGap is the configured bound.
+	MaxGap int64
 }
 
-// Error implements error; the message says which versions are missing.
-func (e *GapError) Error() string {
-	return fmt.Sprintf("eventline: aggregate %s/%s: version %d arrived but %d is the last applied; versions %d..%d are missing (gap policy reject): the event is retried and then dead-lettered unless they arrive",
-		e.AggregateType, e.AggregateID, e.Version, e.Current, e.Current+1, e.Version-1)
+// Error implements error; the message says what to check and what to do.
+func (e *GapTooLargeError) Error() string {
+	return fmt.Sprintf("eventline: aggregate %s/%s: event %s (v%d, follows v%d) would leave versions %d..%d (%d) missing, more than MaxGap %d: "+
+		"its version is probably inflated; fix the producer. If the gap is genuine, raise MaxGap and replay the dead letter",
+		e.AggregateType, e.AggregateID, e.EventID, e.Version, e.Previous, e.Known+1, e.Previous, e.Previous-e.Known, e.MaxGap)
 }
 
-// Unwrap lets errors.Is(err, ErrGap) match.
-func (e *GapError) Unwrap() error { return ErrGap }
+// Unwrap lets errors.Is(err, ErrGapTooLarge) match.
+func (e *GapTooLargeError) Unwrap() error { return ErrGapTooLarge }
 
 // ErrUnversioned rejects an event without an aggregate version under
 // RejectUnversioned. Retrying cannot help.

@@ -2,14 +2,17 @@ package versioning
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/dedup"
 )
 
 // Parked is one event waiting in parked_events for a missing earlier
@@ -20,8 +23,11 @@ type Parked struct {
 	// AggregateType and AggregateID name the aggregate.
 	AggregateType string
 	AggregateID   string // see AggregateType
-	// Version is the event's aggregate version.
-	Version int64
+	// Version is the event's aggregate version; PreviousVersion the
+	// version it follows. It is applied once the aggregate is at
+	// PreviousVersion or past it (and below Version).
+	Version         int64
+	PreviousVersion int64 // see Version
 	// EventID and EventType identify the event.
 	EventID   string
 	EventType string // see EventID
@@ -37,14 +43,20 @@ type Parked struct {
 	// ParkedAt is when the event was parked.
 	ParkedAt time.Time
 	// ReleaseAttempts counts failed attempts to apply the event once its
-	// turn came; LastError and LastAttemptAt describe the last one.
+	// turn came; LastError and LastAttemptAt describe the last one, and
+	// NextAttemptAt is when the sweeper may try again (zero: at once).
 	ReleaseAttempts int
 	LastError       string    // see ReleaseAttempts
 	LastAttemptAt   time.Time // see ReleaseAttempts
+	NextAttemptAt   time.Time // see ReleaseAttempts
+	// Late is true for an event from late_events: its version was given
+	// up on and later versions have been applied; the handler is told
+	// (middleware.IsLate).
+	Late bool
 
 	// expired is set when the row was loaded with a park timeout and has
-	// waited longer.
-	expired bool
+	// waited longer; due when it may be attempted now.
+	expired, due bool
 }
 
 // Key returns the parked event's aggregate key.
@@ -71,6 +83,11 @@ func (p Parked) Event() (eventline.Event, error) {
 	return e, nil
 }
 
+// describe names the event for logs and audit reasons.
+func (p Parked) describe() string {
+	return fmt.Sprintf("event %s (%s v%d)", p.EventID, p.EventType, p.Version)
+}
+
 // ParkRequest describes an event to park.
 type ParkRequest struct {
 	// Group is the consumer group parking the event.
@@ -82,51 +99,107 @@ type ParkRequest struct {
 	// Topic is the topic it arrived on, if known.
 	Topic string
 	// Message is the message as received; its payload and metadata are
-	// stored. When nil, the event is re-encoded with eventline.Encode.
+	// stored byte-exact. When nil, the event is re-encoded with
+	// eventline.Encode.
 	Message *message.Message
+	// Current is the aggregate's current version (Admission.Previous).
+	Current int64
+	// MaxGap bounds the versions the event may leave missing in front of
+	// it (see DefaultMaxGap). Defaults to DefaultMaxGap.
+	MaxGap int64
 }
 
 // Park stores an event that arrived ahead of a missing version, in tx,
-// which must hold the aggregate's lock (it does after [Store.Admit]). It
-// counts the event in aggregate_versions.parked_count and sets its dedup
-// outcome to parked. Parking an event that is already parked with the same
-// id is a no-op (already is true); another event already parked under the
-// same version yields a *ParkConflictError.
+// which must hold the aggregate's lock (it does after [Store.Admit]), in
+// one statement. It counts the event in aggregate_versions.parked_count and
+// sets its dedup outcome to parked.
+//
+// It refuses, writing nothing:
+//   - with a *GapTooLargeError, an event that would leave more than MaxGap
+//     versions missing: its previous version minus the highest version
+//     the aggregate has applied or parked below it;
+//   - with an *eventline.InvalidEventError, an event whose metadata
+//     cannot be stored byte-exact (invalid UTF-8, NUL bytes; eventline.Decode
+//     already refuses those in every field it reads) or that PostgreSQL
+//     refuses for its content;
+//   - with a *ParkConflictError, an event whose version another event is
+//     already parked with.
+//
+// All three are permanent: retrying cannot help. Parking an event that is
+// already parked with the same id is a no-op (already is true).
 func (s *Store) Park(ctx context.Context, tx DBTX, r ParkRequest) (already bool, err error) {
-	e := r.Event
-	msg := r.Message
+	e, err := withFollows(r.Event)
+	if err != nil {
+		return false, err
+	}
+	payload, md, err := storedMessage(e, r.Message)
+	if err != nil {
+		return false, err
+	}
+	maxGap := r.MaxGap
+	if maxGap <= 0 {
+		maxGap = DefaultMaxGap
+	}
+	var inserted bool
+	var known int64
+	var other *string
+	err = tx.QueryRow(ctx, s.q.park, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
+		r.Handler, r.Topic, payload, md, r.Current, maxGap).Scan(&inserted, &known, &other)
+	if err != nil {
+		return false, contentError(fmt.Errorf("versioning: park event %s: %w", e.ID, err))
+	}
+	switch {
+	case inserted:
+		return false, nil
+	case e.PreviousVersion-known > maxGap:
+		return false, &GapTooLargeError{AggregateType: e.AggregateType, AggregateID: e.AggregateID, EventID: e.ID,
+			Version: e.AggregateVersion, Previous: e.PreviousVersion, Known: known, MaxGap: maxGap}
+	case other != nil && *other == e.ID:
+		return true, nil
+	case other != nil:
+		return false, &ParkConflictError{AggregateType: e.AggregateType, AggregateID: e.AggregateID, Version: e.AggregateVersion, EventID: e.ID, ParkedEventID: *other}
+	}
+	return false, fmt.Errorf("versioning: park event %s: nothing was parked and nothing conflicts", e.ID)
+}
+
+// storedMessage returns the payload and metadata to store for e: the
+// message's, byte-exact, or e re-encoded. Metadata must be valid UTF-8
+// without NUL bytes (jsonb would alter or refuse it); a nil payload is
+// stored as an empty one.
+func storedMessage(e eventline.Event, msg *message.Message) ([]byte, map[string]string, error) {
 	if msg == nil {
+		var err error
 		if msg, err = eventline.Encode(e); err != nil {
-			return false, err
+			return nil, nil, err
 		}
 	}
 	md := make(map[string]string, len(msg.Metadata))
 	for k, v := range msg.Metadata {
+		switch {
+		case !utf8.ValidString(k) || !utf8.ValidString(v):
+			return nil, nil, &eventline.InvalidEventError{Field: "metadata", Value: strings.ToValidUTF8(k, "?"), Reason: "keys and values must be valid UTF-8 to be stored byte-exact"}
+		case strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0:
+			return nil, nil, &eventline.InvalidEventError{Field: "metadata", Value: strings.ReplaceAll(k, "\x00", ""), Reason: "keys and values must not contain NUL bytes"}
+		}
 		md[k] = v
 	}
-	tag, err := tx.Exec(ctx, s.q.park, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.ID, e.Type,
-		r.Handler, r.Topic, []byte(msg.Payload), md)
-	if err != nil {
-		return false, fmt.Errorf("versioning: park event %s: %w", e.ID, err)
+	payload := []byte(msg.Payload)
+	if payload == nil {
+		payload = []byte{}
 	}
-	k := Key{Group: r.Group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
-	if tag.RowsAffected() == 0 {
-		var other string
-		if err := tx.QueryRow(ctx, s.q.parkedID, k.Group, k.AggregateType, k.AggregateID, e.AggregateVersion).Scan(&other); err != nil {
-			return false, fmt.Errorf("versioning: read parked event at %s v%d: %w", k, e.AggregateVersion, err)
-		}
-		if other == e.ID {
-			return true, nil
-		}
-		return false, &ParkConflictError{AggregateType: e.AggregateType, AggregateID: e.AggregateID, Version: e.AggregateVersion, EventID: e.ID, ParkedEventID: other}
+	return payload, md, nil
+}
+
+// contentError turns PostgreSQL's refusal of a value (SQLSTATE class 22,
+// data exception, or 23502, a NULL where none may be) into an
+// *eventline.InvalidEventError: the event's content, not the database, is
+// at fault, and retrying cannot help. Other errors are returned as they are.
+func contentError(err error) error {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) && (strings.HasPrefix(pg.Code, "22") || pg.Code == "23502") {
+		return &eventline.InvalidEventError{Field: "message", Reason: fmt.Sprintf("PostgreSQL cannot store it (SQLSTATE %s: %s)", pg.Code, pg.Message)}
 	}
-	if _, err := tx.Exec(ctx, s.q.addParked, k.Group, k.AggregateType, k.AggregateID, 1); err != nil {
-		return false, fmt.Errorf("versioning: count parked event of %s: %w", k, err)
-	}
-	if err := s.dedup.SetOutcome(ctx, tx, r.Group, e.ID, dedup.OutcomeParked); err != nil {
-		return false, err
-	}
-	return false, nil
+	return err
 }
 
 // ParkedFilter selects parked events for [Store.ListParked]. Empty fields
@@ -170,11 +243,14 @@ func (s *Store) parkedOf(ctx context.Context, tx DBTX, k Key, timeout time.Durat
 func collectParked(rows pgx.Rows) ([]Parked, error) {
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Parked, error) {
 		var p Parked
-		var last *time.Time
-		err := r.Scan(&p.Group, &p.AggregateType, &p.AggregateID, &p.Version, &p.EventID, &p.EventType, &p.Handler, &p.Topic,
-			&p.Payload, &p.Metadata, &p.ParkedAt, &p.ReleaseAttempts, &p.LastError, &last, &p.expired)
+		var last, next *time.Time
+		err := r.Scan(&p.Group, &p.AggregateType, &p.AggregateID, &p.Version, &p.PreviousVersion, &p.EventID, &p.EventType, &p.Handler, &p.Topic,
+			&p.Payload, &p.Metadata, &p.ParkedAt, &p.ReleaseAttempts, &p.LastError, &last, &next, &p.expired, &p.due)
 		if last != nil {
 			p.LastAttemptAt = *last
+		}
+		if next != nil {
+			p.NextAttemptAt = *next
 		}
 		return p, err
 	})

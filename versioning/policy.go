@@ -5,33 +5,39 @@ import (
 	"time"
 )
 
-// GapPolicy says what the gate does with an event whose aggregate version
-// is more than one above the aggregate's current version (a gap: earlier
-// versions have not been applied yet).
+// GapPolicy says what the gate does with an event whose predecessor has not
+// been applied yet (a gap: the aggregate's current version is below the
+// event's previous version).
 type GapPolicy string
 
 // The gap policies.
 const (
 	// Park stores the event in parked_events and acknowledges it. When the
-	// missing version is applied, the parked successors are applied in
+	// missing versions are applied, the parked successors are applied in
 	// order in the same transaction. After the park timeout the sweeper
 	// gives up on the missing versions: it records them in
 	// skipped_versions and applies what is parked. The default.
 	Park GapPolicy = "park"
 	// Apply applies the event at once ("newer wins"): the version jumps
 	// and the skipped range is recorded in skipped_versions. Late arrivals
-	// of the skipped versions are then stale.
+	// of the skipped versions are then late events (see [LatePolicy]).
 	Apply GapPolicy = "apply"
-	// Reject fails the event with a *GapError, so it is retried and, if
-	// the gap persists, dead-lettered.
+	// Reject is no longer supported: retrying an early event blocks its
+	// partition, so the missing version behind it never arrives and one
+	// inversion became the permanent loss of the aggregate. A
+	// configuration naming it is refused; use Park (with a shorter park
+	// timeout if gaps should be given up on sooner).
+	//
+	// Deprecated: use Park.
 	Reject GapPolicy = "reject"
 )
 
 // DefaultGapPolicy is used when no policy is configured.
 const DefaultGapPolicy = Park
 
-// Valid reports whether p is a known policy ("" is not).
-func (p GapPolicy) Valid() bool { return p == Park || p == Apply || p == Reject }
+// Valid reports whether p is a supported policy ("" and the removed Reject
+// are not).
+func (p GapPolicy) Valid() bool { return p == Park || p == Apply }
 
 // UnversionedPolicy says what the gate does with an event that carries no
 // aggregate version.
@@ -53,18 +59,79 @@ const DefaultUnversionedPolicy = PassUnversioned
 // Valid reports whether p is a known policy ("" is not).
 func (p UnversionedPolicy) Valid() bool { return p == PassUnversioned || p == RejectUnversioned }
 
-// Defaults for the sweeper.
+// LatePolicy says what the gate does with a late event: one whose version
+// was given up on (recorded in skipped_versions, by the sweeper after the
+// park timeout, by the Apply policy or by an operator) before the event
+// arrived or could be applied. Later versions of its aggregate have been
+// applied since, so applying it now is out of order.
+type LatePolicy string
+
+// The late policies.
+const (
+	// HoldLate stores the event in late_events, records its outcome as
+	// late and counts it; the handler does not run. An operator lists it
+	// (`eventline parked late`), then applies it (`eventline parked
+	// apply-late`: the consumer's sweeper runs the handler with the event
+	// marked late) or discards it. The default.
+	HoldLate LatePolicy = "hold"
+	// ApplyLate runs the handler at once with the event marked late
+	// (middleware.IsLate reports true), for handlers that can apply an
+	// event after later ones (set-if-newer updates, additive counters).
+	ApplyLate LatePolicy = "apply"
+)
+
+// DefaultLatePolicy is used when no late policy is configured.
+const DefaultLatePolicy = HoldLate
+
+// Valid reports whether p is a known policy ("" is not).
+func (p LatePolicy) Valid() bool { return p == HoldLate || p == ApplyLate }
+
+// Defaults for the gate and the sweeper.
 const (
 	// DefaultParkTimeout is how long an aggregate's oldest parked event
-	// waits for the missing versions before the sweeper skips the gap. It
-	// is longer than the outbox relay's retry schedule (about 13 minutes
-	// before it dead-letters), so a version that is merely slow is not
-	// given up on.
-	DefaultParkTimeout = 15 * time.Minute
+	// waits for the missing versions before the sweeper skips the gap.
+	//
+	// It is the operator's window to repair a lost event in order. The
+	// relay dead-letters an event after RelayConfig.MaxAttempts (5) failed
+	// publishes, waiting Backoff 1s+5s+30s+2m = 156s (about 2.6 minutes)
+	// between them; its aggregate's later events are behind it in the same
+	// outbox shard, so they reach Kafka, and park, only then. A consumer
+	// dead-letters a failing event after its retries (seconds). Either
+	// way the park timeout starts about when the dead letter appears: an
+	// hour lets an operator paged by it fix the cause and replay the
+	// dead letter (`eventline dlq replay`) so that it is applied in order.
+	// A replay after the timeout is not lost: the event arrives late and
+	// is held for the operator (see LatePolicy). The cost is that the
+	// aggregate's later events wait, parked, for up to that hour.
+	DefaultParkTimeout = time.Hour
 	// DefaultSweepInterval is the pause between two sweeper passes.
 	DefaultSweepInterval = 5 * time.Second
 	// DefaultSweepBatch is the most aggregates one sweeper pass visits.
 	DefaultSweepBatch = 500
+	// DefaultMaxGap bounds the versions one event may leave missing in
+	// front of it: its previous version minus the highest version the
+	// aggregate has applied or parked. A genuine gap is one missing event
+	// per event lost upstream (each lost event has its own dead letter),
+	// or a few in flight during an xid inversion, far below 1000. A
+	// version inflated by a bad producer or a hand-made record (1,000,000;
+	// MaxInt64) is far above it and is refused as permanent instead of
+	// parking and, after the timeout, skipping every genuine later
+	// version. An inflated version within the bound can skip at most 1000
+	// real versions, and those then arrive late and are held, not lost.
+	DefaultMaxGap int64 = 1000
+	// DefaultMaxReleaseAttempts is how many times a parked (or late) event
+	// whose turn has come is tried before the sweeper gives up on it: a
+	// parked event is then dead-lettered (see DeadLetterFunc) and its
+	// version audited as skipped; a late event stays held, its apply
+	// request cleared.
+	DefaultMaxReleaseAttempts = 10
+	// DefaultReleaseBackoff is the wait after the first failed release
+	// attempt; it doubles after each further failure up to
+	// DefaultMaxReleaseBackoff. With the defaults the 10 attempts span
+	// 5+10+20+40+80+160+300+300+300 s, about 20 minutes.
+	DefaultReleaseBackoff = 5 * time.Second
+	// DefaultMaxReleaseBackoff caps the wait between release attempts.
+	DefaultMaxReleaseBackoff = 5 * time.Minute
 )
 
 // Policies chooses a gap policy per event type.
@@ -87,18 +154,62 @@ func (p Policies) For(eventType string) GapPolicy {
 	return p.Default
 }
 
-// Validate returns an error naming the first unknown policy; field prefixes
-// the names in the message (e.g. "consumer.Config").
+// Validate returns an error naming the first unknown or removed policy;
+// field prefixes the names in the message (e.g. "consumer.Config").
 func (p Policies) Validate(field string) error {
 	if p.Default != "" && !p.Default.Valid() {
-		return fmt.Errorf("%s.GapPolicy %q is unknown: use %q, %q or %q", field, p.Default, Park, Apply, Reject)
+		return gapPolicyError(field+".GapPolicy", p.Default)
 	}
 	for typ, pol := range p.ByType {
 		if typ == "" {
 			return fmt.Errorf("%s.PolicyByType has an empty event type", field)
 		}
 		if !pol.Valid() {
-			return fmt.Errorf("%s.PolicyByType[%q] %q is unknown: use %q, %q or %q", field, typ, pol, Park, Apply, Reject)
+			return gapPolicyError(fmt.Sprintf("%s.PolicyByType[%q]", field, typ), pol)
+		}
+	}
+	return nil
+}
+
+func gapPolicyError(name string, p GapPolicy) error {
+	if p == Reject {
+		return fmt.Errorf("%s %q is no longer supported: retrying an early event blocked its partition, so one out-of-order delivery lost the aggregate; use %q (set ParkTimeout to give gaps up sooner)", name, p, Park)
+	}
+	return fmt.Errorf("%s %q is unknown: use %q or %q", name, p, Park, Apply)
+}
+
+// LatePolicies chooses a late policy per event type.
+type LatePolicies struct {
+	// Default applies to event types without an override. Defaults to
+	// DefaultLatePolicy (HoldLate).
+	Default LatePolicy
+	// ByType overrides Default for individual event types.
+	ByType map[string]LatePolicy
+}
+
+// For returns the late policy for an event type.
+func (p LatePolicies) For(eventType string) LatePolicy {
+	if pol, ok := p.ByType[eventType]; ok && pol != "" {
+		return pol
+	}
+	if p.Default == "" {
+		return DefaultLatePolicy
+	}
+	return p.Default
+}
+
+// Validate returns an error naming the first unknown policy; field prefixes
+// the names in the message.
+func (p LatePolicies) Validate(field string) error {
+	if p.Default != "" && !p.Default.Valid() {
+		return fmt.Errorf("%s.LatePolicy %q is unknown: use %q or %q", field, p.Default, HoldLate, ApplyLate)
+	}
+	for typ, pol := range p.ByType {
+		if typ == "" {
+			return fmt.Errorf("%s.LatePolicyByType has an empty event type", field)
+		}
+		if !pol.Valid() {
+			return fmt.Errorf("%s.LatePolicyByType[%q] %q is unknown: use %q or %q", field, typ, pol, HoldLate, ApplyLate)
 		}
 	}
 	return nil

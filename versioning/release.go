@@ -7,8 +7,6 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/eventline/eventline/dedup"
 )
 
 // Release reports what ReleaseGap did.
@@ -21,18 +19,19 @@ type Release struct {
 	// consecutively; a running consumer's sweeper applies them on its
 	// next pass.
 	Ready int
-	// Stale counts parked events discarded because the aggregate had
-	// already passed their version.
-	Stale int
+	// Late counts parked events moved to late_events because the
+	// aggregate had already passed their version.
+	Late int
 }
 
 // ReleaseGap gives up on the missing versions in front of an aggregate's
 // lowest parked event, for an operator who knows they will never arrive
 // (`eventline parked release`). In one transaction holding the aggregate's
 // lock it records the gap in skipped_versions with reason, and moves the
-// aggregate's version to just below the lowest parked event. It applies
+// aggregate's version to the lowest parked event's predecessor. It applies
 // nothing: it runs no handler, so it needs only the database; a running
-// consumer's sweeper applies the now-ready events on its next pass.
+// consumer's sweeper applies the now-ready events on its next pass. Should
+// a skipped version arrive later, it is late (see LatePolicy).
 //
 // It returns ErrNothingParked when the aggregate has no parked events.
 // reason is required: it is the audit trail of why versions were skipped.
@@ -61,34 +60,36 @@ func (s *Store) ReleaseGap(ctx context.Context, db Beginner, group, aggregateTyp
 			return err
 		}
 		for len(parked) > 0 && parked[0].Version <= current {
-			if err := s.removeParked(ctx, tx, parked[0], dedup.OutcomeStale); err != nil {
+			if err := s.passParked(ctx, tx, parked[0], current); err != nil {
 				return err
 			}
-			rel.Stale++
+			rel.Late++
 			parked = parked[1:]
 		}
 		if len(parked) == 0 {
 			nothing = true
-			if rel.Stale > 0 {
-				return s.setVersion(ctx, tx, k, current, -rel.Stale)
+			if rel.Late > 0 {
+				return s.setVersion(ctx, tx, k, current, -rel.Late)
 			}
 			return nil
 		}
-		lowest := parked[0].Version
-		if lowest > current+1 {
-			rel.From, rel.To = current+1, lowest-1
+		to := current
+		if prev := parked[0].PreviousVersion; prev > current {
+			rel.From, rel.To = current+1, prev
 			if err := s.RecordSkipped(ctx, tx, k, rel.From, rel.To, "released by operator: "+reason); err != nil {
 				return err
 			}
+			to = prev
 		}
-		if err := s.setVersion(ctx, tx, k, lowest-1, -rel.Stale); err != nil {
+		if err := s.setVersion(ctx, tx, k, to, -rel.Late); err != nil {
 			return err
 		}
-		for i, p := range parked {
-			if p.Version != lowest+int64(i) {
+		for _, p := range parked {
+			if p.PreviousVersion > to {
 				break
 			}
 			rel.Ready++
+			to = p.Version
 		}
 		return nil
 	})

@@ -91,80 +91,225 @@ type queries struct {
 	current           string
 	lock, lockSkip    string
 	setVersion        string
-	addParked         string
-	park, parkedID    string
+	park              string
 	parkedOf          string
+	passParked        string
 	deleteParked      string
+	forget            string
 	failParked        string
 	skip              string
 	candidates        string
 	countParked       string
 	listParked        string
 	listSkipped       string
+	groupsSkipped     string
+
+	holdLate, holdFailed           string
+	lateOf, lateCandidates         string
+	failLate, doneLate, giveUpLate string
+	requestLate, discardLate       string
+	listLate, countLate            string
 }
+
+// parkedCols are the columns collectParked scans, followed by the expired
+// and due flags.
+const parkedCols = `consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, handler, topic,
+		payload, metadata, parked_at, release_attempts, coalesce(last_error, ''), last_attempt_at, next_attempt_at`
+
+// lateCols are the columns collectLate scans.
+const lateCols = `consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, handler, topic,
+		payload, metadata, held_at, attempts, coalesce(last_error, ''), last_attempt_at, next_attempt_at,
+		kind, reason, current_version, apply_requested_at`
 
 func newQueries(schema, processed string) queries {
 	av := sqlident.Qualify(schema, "aggregate_versions")
 	pe := sqlident.Qualify(schema, "parked_events")
 	sv := sqlident.Qualify(schema, "skipped_versions")
-	parkedCols := `consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, handler, topic,
-		payload, metadata, parked_at, release_attempts, coalesce(last_error, ''), last_attempt_at`
+	le := sqlident.Qualify(schema, "late_events")
 	// The upsert below creates the aggregate's row or locks the existing
 	// one (ON CONFLICT DO UPDATE waits for, then re-reads, a row another
-	// transaction holds), decides in the SET clause whether the event's
-	// version $6 advances it (the next version, or any newer one when $7,
-	// "jump", is true), and returns the version before and after. So one
-	// statement locks, decides and advances; the caller only compares.
+	// transaction holds), decides in the SET clause whether the event
+	// (version $V, previous version $P) advances it: when the version is
+	// newer and its predecessor has been applied, or, with $J ("jump",
+	// the Apply policy), whenever it is newer. It returns the version
+	// before and after. So one statement locks, decides and advances; the
+	// caller only compares. No arithmetic: versions up to MaxInt64 are
+	// safe.
 	upsert := `INSERT INTO ` + av + ` AS av (consumer_group, aggregate_type, aggregate_id, version)
 		%s
 		ON CONFLICT (consumer_group, aggregate_type, aggregate_id) DO UPDATE
 		SET previous_version = av.version,
-		    version = CASE WHEN $6::bigint = av.version + 1 OR ($7::boolean AND $6::bigint > av.version) THEN $6::bigint ELSE av.version END,
+		    version = CASE WHEN $V::bigint > av.version AND ($P::bigint <= av.version OR $J::boolean) THEN $V::bigint ELSE av.version END,
 		    updated_at = now()
 		RETURNING previous_version, version, parked_count`
-	newRow := `CASE WHEN $6::bigint = 1 OR $7::boolean THEN $6::bigint ELSE 0 END`
+	newRow := `CASE WHEN $P::bigint = 0 OR $J::boolean THEN $V::bigint ELSE 0 END`
+	withParams := func(q string, group, typ, id, v, p, j string) string {
+		return strings.NewReplacer("$G", group, "$T", typ, "$I", id, "$V", v, "$P", p, "$J", j).Replace(q)
+	}
 	return queries{
-		// With dedup: the processed_events insert runs first in the same
+		// With dedup ($1 group, $2 event id, $3 event type, $4 aggregate
+		// type, $5 aggregate id, $6 version, $7 previous version, $8
+		// jump): the processed_events insert runs first in the same
 		// statement; when it conflicts (a duplicate) the upsert gets no
-		// input row, touches nothing and returns no row.
-		admitDedup: `WITH dedup AS (
-			INSERT INTO ` + processed + ` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
+		// input row and touches nothing, and the statement returns the
+		// identity of the recorded row instead, so a duplicate is told
+		// from an id conflict without another round trip.
+		admitDedup: withParams(`WITH dedup AS (
+			INSERT INTO `+processed+` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
 			VALUES ($1, $2, $3, $4, $5, $6::bigint, 'applied')
 			ON CONFLICT DO NOTHING
 			RETURNING 1
-		) ` + fmt.Sprintf(upsert, `SELECT $1, $4, $5, `+newRow+` FROM dedup`),
-		// Without dedup: the same upsert over ($1 group, $2 type, $3 id,
-		// $4 version, $5 jump).
-		admit: strings.NewReplacer("$4", "$2", "$5", "$3", "$6", "$4", "$7", "$5").
-			Replace(fmt.Sprintf(upsert, `VALUES ($1, $4, $5, `+newRow+`)`)),
+		), adm AS (`+fmt.Sprintf(upsert, `SELECT $1, $4, $5, `+newRow+` FROM dedup`)+`)
+		SELECT a.previous_version, a.version, a.parked_count, `+dedup.RecordedColumns("r")+`
+		FROM (SELECT) AS one LEFT JOIN adm a ON true
+		LEFT JOIN (SELECT * FROM `+processed+` WHERE consumer_group = $1 AND event_id = $2
+			AND NOT EXISTS (SELECT 1 FROM dedup)) r ON true`,
+			"$1", "$4", "$5", "$6", "$7", "$8"),
+		// Without dedup: the upsert over ($1 group, $2 type, $3 id, $4
+		// version, $5 previous version, $6 jump).
+		admit: withParams(fmt.Sprintf(upsert, `VALUES ($1, $2, $3, `+newRow+`)`), "$1", "$2", "$3", "$4", "$5", "$6"),
 
 		current:  `SELECT version FROM ` + av + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
 		lock:     `SELECT version, parked_count FROM ` + av + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 FOR UPDATE`,
 		lockSkip: `SELECT version, parked_count FROM ` + av + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 FOR UPDATE SKIP LOCKED`,
 		setVersion: `UPDATE ` + av + ` SET previous_version = version, version = $4, parked_count = parked_count + $5, updated_at = now()
 			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
-		addParked: `UPDATE ` + av + ` SET parked_count = parked_count + $4
-			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
 
-		park: `INSERT INTO ` + pe + ` (consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, handler, topic, payload, metadata)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT DO NOTHING`,
-		parkedID: `SELECT event_id FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4`,
-		parkedOf: `SELECT ` + parkedCols + `, (parked_at <= now() - $4::bigint * interval '1 microsecond')
+		// Park in one statement ($1 group, $2 type, $3 id, $4 version, $5
+		// previous version, $6 event id, $7 event type, $8 handler, $9
+		// topic, $10 payload, $11 metadata, $12 current version, $13 max
+		// gap): known is the highest version applied or parked below the
+		// event's predecessor; the event is parked only when it leaves at
+		// most $13 versions missing. The count and the dedup outcome
+		// follow the insert. The last column names the event already
+		// parked under the version, if any (read from the statement's
+		// snapshot, which the aggregate's lock keeps current).
+		park: `WITH known AS (
+				SELECT greatest($12::bigint, coalesce(max(aggregate_version), 0)) AS v FROM ` + pe + `
+				WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version <= $5::bigint
+			), ins AS (
+				INSERT INTO ` + pe + ` (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version,
+					event_id, event_type, handler, topic, payload, metadata)
+				SELECT $1, $2, $3, $4::bigint, $5::bigint, $6, $7, $8, $9, $10, $11 FROM known WHERE $5::bigint - known.v <= $13::bigint
+				ON CONFLICT DO NOTHING RETURNING 1
+			), counted AS (
+				UPDATE ` + av + ` SET parked_count = parked_count + 1
+				WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND EXISTS (SELECT 1 FROM ins)
+			), outcome AS (
+				UPDATE ` + processed + ` SET outcome = 'parked'
+				WHERE consumer_group = $1 AND event_id = $6 AND EXISTS (SELECT 1 FROM ins)
+			)
+			SELECT EXISTS (SELECT 1 FROM ins), (SELECT v FROM known),
+				(SELECT event_id FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint)`,
+		parkedOf: `SELECT ` + parkedCols + `, (parked_at <= now() - $4::bigint * interval '1 microsecond'),
+				(next_attempt_at IS NULL OR next_attempt_at <= now())
 			FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
 			ORDER BY aggregate_version LIMIT $5`,
+		// A parked event whose version the aggregate ($6 = current
+		// version) has passed moves to late_events, with the reason of
+		// the skip that covers its version, or $5.
+		passParked: `WITH sk AS (
+				SELECT reason FROM ` + sv + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+					AND $4::bigint BETWEEN from_version AND to_version ORDER BY id DESC LIMIT 1
+			), moved AS (
+				DELETE FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
+				RETURNING *
+			), held AS (
+				INSERT INTO ` + le + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+					event_type, handler, topic, payload, metadata, kind, reason, current_version)
+				SELECT m.consumer_group, m.event_id, m.aggregate_type, m.aggregate_id, m.aggregate_version, m.previous_version,
+					m.event_type, m.handler, m.topic, m.payload, m.metadata,
+					CASE WHEN EXISTS (SELECT 1 FROM sk) THEN 'arrived_late' ELSE 'passed' END, coalesce((SELECT reason FROM sk), $5), $6::bigint
+				FROM moved m ON CONFLICT DO NOTHING
+			)
+			UPDATE ` + processed + ` SET outcome = 'late' WHERE consumer_group = $1 AND event_id IN (SELECT event_id FROM moved)`,
 		deleteParked: `DELETE FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4`,
-		failParked: `UPDATE ` + pe + ` SET release_attempts = release_attempts + 1, last_error = $5, last_attempt_at = now()
-			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4`,
+		forget:       `DELETE FROM ` + processed + ` WHERE consumer_group = $1 AND event_id = $2`,
+		// ($1 group, $2 type, $3 id, $4 version, $5 event id, $6 error,
+		// $7 backoff in microseconds, $8 attempts)
+		failParked: `UPDATE ` + pe + ` SET release_attempts = $8, last_error = $6, last_attempt_at = now(),
+				next_attempt_at = now() + $7::bigint * interval '1 microsecond'
+			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4 AND event_id = $5`,
 		skip: `INSERT INTO ` + sv + ` (consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason)
 			VALUES ($1, $2, $3, $4, $5, $6)`,
-		candidates: `SELECT aggregate_type, aggregate_id FROM ` + pe + ` WHERE consumer_group = $1
-			GROUP BY aggregate_type, aggregate_id ORDER BY min(parked_at) LIMIT $2`,
+		// The sweeper's candidates: aggregates whose lowest parked event
+		// is due (no release backoff pending) and either ready (its
+		// predecessor applied, or its version passed) or behind a gap
+		// older than the park timeout ($3, microseconds). Ordered by when
+		// they became due, so aggregates whose events keep failing (each
+		// failure pushes its next attempt back) cannot starve the others.
+		candidates: `SELECT p.aggregate_type, p.aggregate_id FROM (
+				SELECT aggregate_type, aggregate_id, min(parked_at) AS oldest,
+					(array_agg(previous_version ORDER BY aggregate_version))[1] AS head_previous,
+					(array_agg(next_attempt_at ORDER BY aggregate_version))[1] AS head_next
+				FROM ` + pe + ` WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id
+			) p JOIN ` + av + ` av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
+			WHERE (p.head_next IS NULL OR p.head_next <= now())
+				AND (p.head_previous <= av.version OR p.oldest <= now() - $3::bigint * interval '1 microsecond')
+			ORDER BY coalesce(p.head_next, p.oldest) LIMIT $2`,
 		countParked: `SELECT count(*) FROM ` + pe + ` WHERE consumer_group = $1`,
-		listParked: `SELECT ` + parkedCols + `, false FROM ` + pe + `
+		listParked: `SELECT ` + parkedCols + `, false, false FROM ` + pe + `
 			WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
 			ORDER BY consumer_group, aggregate_type, aggregate_id, aggregate_version LIMIT $4`,
 		listSkipped: `SELECT id, consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at FROM ` + sv + `
 			WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
 			ORDER BY id LIMIT $4`,
+		groupsSkipped: `SELECT DISTINCT consumer_group FROM ` + sv + `
+			WHERE aggregate_type = $1 AND aggregate_id = $2 AND $3::bigint BETWEEN from_version AND to_version ORDER BY consumer_group`,
+
+		// A stale event ($4 version <= current) whose version is in
+		// skipped_versions is late: with $13 it is held in late_events;
+		// its dedup outcome becomes $14 (late, or late_applied when the
+		// caller applies it now), else stale. Returns the skip's reason,
+		// NULL when the event is merely stale. ($1 group, $2 type, $3 id,
+		// $5 previous version, $6 event id, $7 event type, $8 handler,
+		// $9 topic, $10 payload, $11 metadata, $12 current version)
+		holdLate: `WITH sk AS (
+				SELECT reason FROM ` + sv + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+					AND $4::bigint BETWEEN from_version AND to_version ORDER BY id DESC LIMIT 1
+			), held AS (
+				INSERT INTO ` + le + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+					event_type, handler, topic, payload, metadata, kind, reason, current_version)
+				SELECT $1, $6, $2, $3, $4::bigint, $5::bigint, $7, $8, $9, $10, $11, 'arrived_late', sk.reason, $12::bigint
+				FROM sk WHERE $13::boolean ON CONFLICT DO NOTHING RETURNING 1
+			), outcome AS (
+				UPDATE ` + processed + ` SET outcome = CASE WHEN EXISTS (SELECT 1 FROM sk) THEN $14::text ELSE 'stale' END
+				WHERE consumer_group = $1 AND event_id = $6
+			)
+			SELECT (SELECT reason FROM sk)`,
+		// The default dead letter: the given-up parked event joins the
+		// late events, and its dedup record says late again.
+		holdFailed: `WITH held AS (
+				INSERT INTO ` + le + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+					event_type, handler, topic, payload, metadata, kind, reason, current_version,
+					attempts, last_error, last_attempt_at)
+				VALUES ($1, $2, $3, $4, $5::bigint, $6::bigint, $7, $8, $9, $10, $11, 'release_failed', $12, $13::bigint, $14, $15, now())
+				ON CONFLICT DO NOTHING
+			)
+			INSERT INTO ` + processed + ` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
+			VALUES ($1, $2, $7, $3, $4, $5::bigint, 'late')
+			ON CONFLICT (consumer_group, event_id) DO UPDATE SET outcome = 'late'`,
+		lateOf: `SELECT ` + lateCols + ` FROM ` + le + `
+			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+				AND apply_requested_at IS NOT NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+			ORDER BY aggregate_version, held_at LIMIT $4 FOR UPDATE`,
+		lateCandidates: `SELECT aggregate_type, aggregate_id FROM ` + le + `
+			WHERE consumer_group = $1 AND apply_requested_at IS NOT NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+			GROUP BY aggregate_type, aggregate_id ORDER BY min(coalesce(next_attempt_at, apply_requested_at)) LIMIT $2`,
+		failLate: `UPDATE ` + le + ` SET attempts = $8, last_error = $6, last_attempt_at = now(),
+				next_attempt_at = now() + $7::bigint * interval '1 microsecond'
+			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4 AND event_id = $5`,
+		doneLate: `WITH gone AS (DELETE FROM ` + le + ` WHERE consumer_group = $1 AND event_id = $2 RETURNING event_id)
+			UPDATE ` + processed + ` SET outcome = $3 WHERE consumer_group = $1 AND event_id IN (SELECT event_id FROM gone)`,
+		giveUpLate: `UPDATE ` + le + ` SET apply_requested_at = NULL WHERE consumer_group = $1 AND event_id = $2`,
+		requestLate: `UPDATE ` + le + ` SET apply_requested_at = now(), attempts = 0, next_attempt_at = NULL
+			WHERE consumer_group = $1 AND event_id = ANY($2::text[])`,
+		discardLate: `WITH gone AS (DELETE FROM ` + le + ` WHERE consumer_group = $1 AND event_id = ANY($2::text[]) RETURNING event_id),
+			o AS (UPDATE ` + processed + ` SET outcome = 'late_discarded' WHERE consumer_group = $1 AND event_id IN (SELECT event_id FROM gone))
+			SELECT count(*) FROM gone`,
+		listLate: `SELECT ` + lateCols + ` FROM ` + le + `
+			WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
+			ORDER BY consumer_group, aggregate_type, aggregate_id, aggregate_version, held_at LIMIT $4`,
+		countLate: `SELECT count(*) FROM ` + le + ` WHERE consumer_group = $1`,
 	}
 }

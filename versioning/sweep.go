@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/internal/txhooks"
 )
 
 // Pool is what the sweeper and ReleaseGap need: queries and transactions.
@@ -23,18 +25,35 @@ type SweeperConfig struct {
 	Group string
 	// ParkTimeout is how long an aggregate's oldest parked event waits for
 	// the missing versions before the sweeper gives up on them: it records
-	// the gap in skipped_versions, moves the version to just below the
-	// lowest parked event, and applies what is parked in order. Defaults
-	// to DefaultParkTimeout (15 minutes).
+	// the gap in skipped_versions, moves the version to the lowest parked
+	// event's predecessor, and applies what is parked in order. Defaults
+	// to DefaultParkTimeout (1 hour; see there for the arithmetic).
 	ParkTimeout time.Duration
 	// Interval is the pause between two passes of Run. Defaults to
 	// DefaultSweepInterval (5s).
 	Interval time.Duration
-	// Batch is the most aggregates one pass visits, oldest parked first.
-	// Defaults to DefaultSweepBatch (500).
+	// Batch is the most aggregates one pass visits, those due longest
+	// first. Defaults to DefaultSweepBatch (500).
 	Batch int
-	// Apply applies a parked event (see ApplyFunc). Required.
+	// Apply applies a parked or late event (see ApplyFunc). Required.
 	Apply ApplyFunc
+	// MaxReleaseAttempts is how many failed attempts to apply a parked
+	// event are allowed before it is given up: dead-lettered through
+	// DeadLetter and its version audited as skipped. Defaults to
+	// DefaultMaxReleaseAttempts (10).
+	MaxReleaseAttempts int
+	// ReleaseBackoff is the wait after a first failed attempt; it doubles
+	// per failure up to MaxReleaseBackoff. Defaults to
+	// DefaultReleaseBackoff (5s) and DefaultMaxReleaseBackoff (5m).
+	ReleaseBackoff    time.Duration
+	MaxReleaseBackoff time.Duration // see ReleaseBackoff
+	// Permanent, when set, reports apply errors that retrying cannot fix:
+	// the event is given up at once.
+	Permanent func(error) bool
+	// DeadLetter stores a parked event that is given up (see
+	// DeadLetterFunc). Defaults to Store.HoldFailed: it is held in
+	// late_events with the events that arrived late.
+	DeadLetter DeadLetterFunc
 	// OnSweep, when set, is called after every pass of Run with its
 	// result and error (metrics hook).
 	OnSweep func(SweepResult, error)
@@ -69,56 +88,80 @@ func (c SweeperConfig) validate() error {
 		return fmt.Errorf("versioning.SweeperConfig.Interval is %s; it must be positive", c.Interval)
 	case c.Batch < 0:
 		return fmt.Errorf("versioning.SweeperConfig.Batch is %d; it must be positive", c.Batch)
-	case c.Apply == nil:
-		return errors.New("versioning.SweeperConfig.Apply is nil: the sweeper needs a function that applies a parked event")
 	}
-	return nil
+	return c.release(nil).validate("versioning.SweeperConfig")
+}
+
+// release returns the release options of the configuration; s supplies
+// the default dead letter (nil: left unset).
+func (c SweeperConfig) release(s *Store) ReleaseOptions {
+	o := ReleaseOptions{Apply: c.Apply, MaxAttempts: c.MaxReleaseAttempts, Backoff: c.ReleaseBackoff,
+		MaxBackoff: c.MaxReleaseBackoff, Permanent: c.Permanent, DeadLetter: c.DeadLetter}
+	if s != nil {
+		o = o.withDefaults(s)
+	}
+	return o
 }
 
 // SweepResult reports one sweeper pass.
 type SweepResult struct {
-	// Aggregates is the number of aggregates with parked events visited.
+	// Aggregates is the number of aggregates visited.
 	Aggregates int
 	// Busy counts aggregates skipped because another transaction (a live
 	// consumer or another sweeper) held their lock; the next pass retries.
 	Busy int
 	// Released counts parked events applied.
 	Released int
-	// Stale counts parked events discarded because a newer version had
-	// been applied.
-	Stale int
-	// GapsSkipped and VersionsSkipped count the gaps given up on after the
-	// park timeout and the versions in them.
+	// Late counts parked events moved to late_events because their
+	// aggregate had passed their version.
+	Late int
+	// GapsSkipped counts the gaps given up on after the park timeout;
+	// VersionsSkipped the versions recorded as skipped, theirs and those
+	// of the parked events given up.
 	GapsSkipped     int
 	VersionsSkipped int64 // see GapsSkipped
-	// Failed counts parked events whose handler failed; they stay parked.
+	// Failed counts failed attempts to apply parked events; they stay
+	// parked and are retried after a backoff.
 	Failed int
-	// Parked is the number of the group's events still parked after the
-	// pass.
-	Parked int64
+	// DeadLettered counts parked events given up (see DeadLetterFunc).
+	DeadLettered int
+	// LateApplied and LateFailed count operator-requested applies of late
+	// events that succeeded and failed.
+	LateApplied int
+	LateFailed  int // see LateApplied
+	// Parked and HeldLate are the numbers of the group's events still
+	// parked and held as late after the pass.
+	Parked   int64
+	HeldLate int64 // see Parked
 }
 
 func (r *SweepResult) add(o SweepResult) {
 	r.Aggregates += o.Aggregates
 	r.Busy += o.Busy
 	r.Released += o.Released
-	r.Stale += o.Stale
+	r.Late += o.Late
 	r.GapsSkipped += o.GapsSkipped
 	r.VersionsSkipped += o.VersionsSkipped
 	r.Failed += o.Failed
+	r.DeadLettered += o.DeadLettered
+	r.LateApplied += o.LateApplied
+	r.LateFailed += o.LateFailed
 }
 
 // Sweeper releases parked events: those whose missing versions arrived but
 // were not drained (after ReleaseGap, or after a failed release), and,
-// after the park timeout, those still waiting, by skipping the gap. Each
-// aggregate is handled in its own transaction holding the aggregate's row
-// lock, so the sweeper and live consumers never apply events of one
-// aggregate at the same time. Several sweepers of one group may run (one per
-// consumer process): an aggregate locked by one is skipped by the others.
+// after the park timeout, those still waiting, by skipping the gap. It
+// gives up (dead-letters) parked events that keep failing, and applies the
+// late events an operator asked for. Each aggregate is handled in its own
+// transaction holding the aggregate's row lock, so the sweeper and live
+// consumers never apply events of one aggregate at the same time. Several
+// sweepers of one group may run (one per consumer process): an aggregate
+// locked by one is skipped by the others.
 type Sweeper struct {
 	db    Pool
 	store *Store
 	cfg   SweeperConfig
+	opts  ReleaseOptions
 }
 
 // NewSweeper returns a sweeper for cfg.Group's parked events in the store's
@@ -131,44 +174,72 @@ func (s *Store) NewSweeper(db Pool, cfg SweeperConfig) (*Sweeper, error) {
 	if db == nil {
 		return nil, errors.New("versioning.NewSweeper: db is nil")
 	}
-	return &Sweeper{db: db, store: s, cfg: cfg}, nil
+	return &Sweeper{db: db, store: s, cfg: cfg, opts: cfg.release(s)}, nil
 }
 
-// Sweep makes one pass over the group's aggregates with parked events,
-// oldest first, at most cfg.Batch of them. A handler failure is recorded on
-// the parked row and counted, not returned; the error reports database
-// failures and ctx's end.
+// Sweep makes one pass: over the group's aggregates whose lowest parked
+// event is due (ready, or behind a gap older than the park timeout, and not
+// waiting for a release backoff), those due longest first, at most
+// cfg.Batch of them; then over the late events an operator asked to apply.
+// A handler failure is recorded on the event and counted, not returned;
+// the error reports database failures and ctx's end.
+//
+// AfterCommit hooks (internal/txhooks) registered while applying an event
+// run after that aggregate's transaction commits.
 func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	var res SweepResult
-	rows, err := w.db.Query(ctx, w.store.q.candidates, w.cfg.Group, w.cfg.Batch)
-	if err != nil {
-		return res, fmt.Errorf("versioning: find parked aggregates: %w", err)
-	}
-	keys, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Key, error) {
-		k := Key{Group: w.cfg.Group}
-		return k, r.Scan(&k.AggregateType, &k.AggregateID)
-	})
+	keys, err := w.keys(ctx, w.store.q.candidates, w.cfg.Group, w.cfg.Batch, w.cfg.ParkTimeout.Microseconds())
 	if err != nil {
 		return res, fmt.Errorf("versioning: find parked aggregates: %w", err)
 	}
 	for _, k := range keys {
-		r, err := w.sweepAggregate(ctx, k)
+		r, err := w.sweepAggregate(ctx, k, w.parked)
 		res.add(r)
 		if err != nil {
 			return res, err
 		}
 	}
-	res.Parked, err = w.store.CountParked(ctx, w.db, w.cfg.Group)
+	keys, err = w.keys(ctx, w.store.q.lateCandidates, w.cfg.Group, w.cfg.Batch)
+	if err != nil {
+		return res, fmt.Errorf("versioning: find late events to apply: %w", err)
+	}
+	for _, k := range keys {
+		r, err := w.sweepAggregate(ctx, k, func(ctx context.Context, tx pgx.Tx, k Key, _ int64, res *SweepResult) error {
+			return w.store.applyLate(ctx, tx, k, w.opts, res)
+		})
+		res.add(r)
+		if err != nil {
+			return res, err
+		}
+	}
+	if res.Parked, err = w.store.CountParked(ctx, w.db, w.cfg.Group); err != nil {
+		return res, err
+	}
+	res.HeldLate, err = w.store.CountLate(ctx, w.db, w.cfg.Group)
 	return res, err
 }
 
-// sweepAggregate releases what it can of one aggregate's parked events in
-// one transaction.
-func (w *Sweeper) sweepAggregate(ctx context.Context, k Key) (SweepResult, error) {
-	res := SweepResult{Aggregates: 1}
-	err := pgx.BeginFunc(ctx, w.db, func(tx pgx.Tx) error {
+func (w *Sweeper) keys(ctx context.Context, q string, args ...any) ([]Key, error) {
+	rows, err := w.db.Query(ctx, q, args...)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Key, error) {
+		k := Key{Group: w.cfg.Group}
+		return k, r.Scan(&k.AggregateType, &k.AggregateID)
+	})
+}
+
+// sweepAggregate runs work for one aggregate in a transaction holding its
+// lock (skipping it when another transaction holds it), then the hooks
+// registered while applying events, once it committed.
+func (w *Sweeper) sweepAggregate(ctx context.Context, k Key, work func(context.Context, pgx.Tx, Key, int64, *SweepResult) error) (SweepResult, error) {
+	var res SweepResult
+	hctx, hooks := txhooks.New(ctx)
+	err := pgx.BeginFunc(hctx, w.db, func(tx pgx.Tx) error {
+		hooks.Drop()
 		res = SweepResult{Aggregates: 1}
-		current, _, ok, err := w.store.lock(ctx, tx, k, true)
+		current, _, ok, err := w.store.lock(hctx, tx, k, true)
 		if err != nil {
 			return err
 		}
@@ -176,58 +247,50 @@ func (w *Sweeper) sweepAggregate(ctx context.Context, k Key) (SweepResult, error
 			res.Busy++
 			return nil
 		}
-		parked, err := w.store.parkedOf(ctx, tx, k, w.cfg.ParkTimeout, drainLimit)
-		if err != nil {
-			return err
-		}
-		for len(parked) > 0 {
-			d, rest, err := w.store.drainList(ctx, tx, k, current, parked, w.cfg.Apply)
-			if err != nil {
-				return err
-			}
-			res.Released += len(d.Released)
-			res.Stale += d.Stale
-			current = d.Version
-			if d.Failed != nil {
-				res.Failed++
-				w.cfg.Logger.WarnContext(ctx, "eventline: parked event failed to apply; it stays parked and is retried on the next sweep",
-					"group", k.Group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID,
-					"version", d.Failed.Version, "event_id", d.Failed.EventID, "attempts", d.Failed.ReleaseAttempts, "error", d.FailErr)
-				return nil
-			}
-			if len(rest) == 0 || !anyExpired(rest) {
-				return nil
-			}
-			from, to := current+1, rest[0].Version-1
-			reason := fmt.Sprintf("park timeout: event %s (v%d) waited over %s for the missing versions", rest[0].EventID, rest[0].Version, w.cfg.ParkTimeout)
-			if err := w.store.RecordSkipped(ctx, tx, k, from, to, reason); err != nil {
-				return err
-			}
-			if err := w.store.setVersion(ctx, tx, k, to, 0); err != nil {
-				return err
-			}
-			w.cfg.Logger.WarnContext(ctx, "eventline: skipped missing aggregate versions after the park timeout",
-				"group", k.Group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID, "from", from, "to", to)
-			res.GapsSkipped++
-			res.VersionsSkipped += to - from + 1
-			current = to
-			parked = rest
-		}
-		return nil
+		return work(hctx, tx, k, current, &res)
 	})
 	if err != nil {
+		hooks.Drop()
 		return SweepResult{}, fmt.Errorf("versioning: sweep %s: %w", k, err)
 	}
+	hooks.Run()
 	return res, nil
 }
 
-func anyExpired(ps []Parked) bool {
-	for _, p := range ps {
-		if p.expired {
-			return true
-		}
+// parked releases what it can of one aggregate's parked events.
+func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, res *SweepResult) error {
+	parked, err := w.store.parkedOf(ctx, tx, k, w.cfg.ParkTimeout, drainLimit)
+	if err != nil {
+		return err
 	}
-	return false
+	d, _, err := w.store.drainList(ctx, tx, k, current, parked, w.opts, w.cfg.ParkTimeout)
+	if err != nil {
+		return err
+	}
+	res.Released += len(d.Released)
+	res.Late += d.Late
+	res.GapsSkipped += d.GapsSkipped
+	res.VersionsSkipped += d.VersionsSkipped
+	res.DeadLettered += len(d.DeadLettered)
+	log := w.cfg.Logger
+	if d.GapsSkipped > 0 {
+		log.WarnContext(ctx, "eventline: skipped missing aggregate versions after the park timeout",
+			"group", k.Group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID,
+			"gaps", d.GapsSkipped, "versions", d.VersionsSkipped, "now_at", d.Version)
+	}
+	for _, p := range d.DeadLettered {
+		log.ErrorContext(ctx, "eventline: gave up on a parked event that cannot be applied; dead-lettered, its version recorded as skipped",
+			"group", k.Group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID,
+			"version", p.Version, "event_id", p.EventID, "attempts", p.ReleaseAttempts, "error", p.LastError)
+	}
+	if d.Failed != nil {
+		res.Failed++
+		log.WarnContext(ctx, "eventline: parked event failed to apply; it stays parked and is retried after a backoff",
+			"group", k.Group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID,
+			"version", d.Failed.Version, "event_id", d.Failed.EventID, "attempts", d.Failed.ReleaseAttempts,
+			"max_attempts", w.opts.MaxAttempts, "error", d.FailErr)
+	}
+	return nil
 }
 
 // Run sweeps every cfg.Interval until ctx ends, then returns nil. A failed

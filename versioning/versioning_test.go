@@ -47,18 +47,39 @@ func TestAdmitVerdicts(t *testing.T) {
 	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 0, Current: 1}, admit(t, s, tx, first, false, true))
 	require.Equal(t, versioning.Duplicate, admit(t, s, tx, first, false, true).Verdict)
 	require.Equal(t, versioning.Stale, admit(t, s, tx, ev("1", 1), false, true).Verdict)
-	require.Equal(t, versioning.Admission{Verdict: versioning.Gap, Previous: 1, Current: 1}, admit(t, s, tx, ev("1", 3), false, true))
-	require.Equal(t, versioning.Admission{Verdict: versioning.Jump, Previous: 1, Current: 3}, admit(t, s, tx, ev("1", 3), true, true))
+	require.Equal(t, versioning.Admission{Verdict: versioning.Gap, Previous: 1, Current: 1, Follows: 2}, admit(t, s, tx, ev("1", 3), false, true))
+	require.Equal(t, versioning.Admission{Verdict: versioning.Jump, Previous: 1, Current: 3, Follows: 2}, admit(t, s, tx, ev("1", 3), true, true))
 	require.Equal(t, versioning.Next, admit(t, s, tx, ev("1", 4), false, false).Verdict, "without dedup")
 	// A new aggregate whose first seen version is not 1 is a gap.
-	require.Equal(t, versioning.Admission{Verdict: versioning.Gap}, admit(t, s, tx, ev("2", 5), false, true))
+	require.Equal(t, versioning.Admission{Verdict: versioning.Gap, Follows: 4}, admit(t, s, tx, ev("2", 5), false, true))
 	require.Equal(t, versioning.Jump, admit(t, s, tx, ev("3", 5), true, true).Verdict)
 	cur, err := s.Current(ctx, tx, versioning.Key{Group: "g", AggregateType: "acct", AggregateID: "1"})
 	require.NoError(t, err)
 	require.EqualValues(t, 4, cur)
 
+	// The predecessor rule: an event applies once the aggregate is at the
+	// version it follows, so sparse versions are no gap.
+	sparse := ev("1", 10)
+	sparse.PreviousVersion = 4
+	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 4, Current: 10, Follows: 4}, admit(t, s, tx, sparse, false, true))
+	early := ev("1", 30)
+	early.PreviousVersion = 20
+	require.Equal(t, versioning.Admission{Verdict: versioning.Gap, Previous: 10, Current: 10, Follows: 20}, admit(t, s, tx, early, false, true))
+	// Its predecessor is behind the current version: everything it
+	// follows is applied, so it applies.
+	behind := ev("1", 25)
+	behind.PreviousVersion = 7
+	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 10, Current: 25, Follows: 7}, admit(t, s, tx, behind, false, true))
+	stale := ev("1", 25)
+	stale.PreviousVersion = 20
+	require.Equal(t, versioning.Stale, admit(t, s, tx, stale, false, true).Verdict, "v <= current is stale whatever it follows")
+
 	_, err = s.Admit(ctx, tx, "g", ev("1", 0), false, true)
 	require.ErrorIs(t, err, eventline.ErrInvalidEvent, "the gate needs a version")
+	bad := ev("1", 40)
+	bad.PreviousVersion = 40
+	_, err = s.Admit(ctx, tx, "g", bad, false, true)
+	require.ErrorIs(t, err, eventline.ErrInvalidEvent, "an event cannot follow itself")
 }
 
 // Two transactions admitting the first events of a new aggregate at the
@@ -155,6 +176,12 @@ func TestPoliciesAndConfigValidation(t *testing.T) {
 	require.Equal(t, versioning.Apply, p.For("order.cancelled"))
 	require.ErrorContains(t, versioning.Policies{Default: "sometimes"}.Validate("x.Config"), "x.Config.GapPolicy")
 	require.ErrorContains(t, versioning.Policies{ByType: map[string]versioning.GapPolicy{"a": "b"}}.Validate("x.Config"), `x.Config.PolicyByType["a"]`)
+	require.ErrorContains(t, versioning.Policies{Default: versioning.Reject}.Validate("x.Config"), "no longer supported")
+	lp := versioning.LatePolicies{ByType: map[string]versioning.LatePolicy{"order.tagged": versioning.ApplyLate}}
+	require.Equal(t, versioning.HoldLate, lp.For("order.created"))
+	require.Equal(t, versioning.ApplyLate, lp.For("order.tagged"))
+	require.ErrorContains(t, versioning.LatePolicies{Default: "later"}.Validate("x.Config"), "x.Config.LatePolicy")
+	require.ErrorContains(t, versioning.LatePolicies{ByType: map[string]versioning.LatePolicy{"a": "b"}}.Validate("x.Config"), `x.Config.LatePolicyByType["a"]`)
 
 	s, err := versioning.NewStore("")
 	require.NoError(t, err)

@@ -6,9 +6,14 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
 )
 
 func init() {
@@ -22,7 +27,10 @@ func runDLQ(ctx context.Context, args []string) error {
 	return dispatch(ctx, "dlq", `Dead letters are outbox events the relay gave up on after -max-attempts failed
 publishes (or at once, when Kafka rejects them for good). Fix the cause, then
 replay them: they go back into their outbox shard with the same event id and
-aggregate version, and consumers that parked later versions apply them in order.`, args, []subcommand{
+aggregate version, and consumers that parked later versions apply them in order
+if the replay reaches them within their park timeout (1 hour by default). After
+it a consumer has given up on the version (eventline parked skipped): the replay
+arrives late and is held there (eventline parked late); replay warns about it.`, args, []subcommand{
 		{"list", "List dead letters, oldest first", dlqList},
 		{"replay", "Put dead letters back into the outbox for the relay", dlqReplay},
 	})
@@ -162,6 +170,9 @@ replayed at most once. Take the ids from 'eventline dlq list'.`)
 		return err
 	}
 	defer pool.Close()
+	if err := warnSkipped(ctx, pool, g.schema, ids); err != nil {
+		return err
+	}
 	n, err := producer.ReplayDeadLetters(ctx, pool, g.schema, ids...)
 	switch {
 	case errors.Is(err, producer.ErrNoDeadLetters) && *all:
@@ -176,6 +187,48 @@ replayed at most once. Take the ids from 'eventline dlq list'.`)
 	fmt.Fprintf(out, "replayed %s: a running relay publishes them again with the same event ids and aggregate versions\n", plural(int64(n), "dead letter"))
 	if !*all && n < len(ids) {
 		fmt.Fprintf(out, "%d of the %d ids given were not waiting for replay (unknown or already replayed; see eventline dlq list -all)\n", len(ids)-n, len(ids))
+	}
+	return nil
+}
+
+// maxReplayCheck bounds the dead letters warnSkipped looks at.
+const maxReplayCheck = 100_000
+
+// warnSkipped warns, before dead letters are replayed, about every consumer
+// group (with its tables in this database and schema) that already gave up
+// on a replayed event's aggregate version: there the replay arrives late
+// and is held for the operator instead of being applied in order. ids
+// empty means every dead letter waiting for replay.
+func warnSkipped(ctx context.Context, pool *pgxpool.Pool, schema string, ids []int64) error {
+	dls, err := producer.ListDeadLetters(ctx, pool, schema, producer.DeadLetterFilter{Limit: maxReplayCheck})
+	if err != nil {
+		return err
+	}
+	store, err := versioning.NewStore(schema)
+	if err != nil {
+		return err
+	}
+	w := stderr(ctx)
+	for _, d := range dls {
+		if d.AggregateVersion <= 0 || (len(ids) > 0 && !slices.Contains(ids, d.ID)) {
+			continue
+		}
+		groups, err := store.GroupsThatSkipped(ctx, pool, d.AggregateType, d.AggregateID, d.AggregateVersion)
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) && pg.Code == "42P01" { // no consumer tables in this schema
+			fmt.Fprintf(w, "note: no consumer tables in schema %s; consumer groups whose tables live elsewhere were not checked for skipped versions\n", schema)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if len(groups) == 0 {
+			continue
+		}
+		fmt.Fprintf(w, "warning: dead letter %d (event %s, %s/%s v%d): consumer group(s) %s already gave up on that version (eventline parked skipped); "+
+			"the replayed event arrives late there and is held for you, not applied in order: list it with eventline parked late -group %s, "+
+			"then eventline parked apply-late %s %s (or discard-late)\n",
+			d.ID, d.EventID, d.AggregateType, d.AggregateID, d.AggregateVersion, strings.Join(groups, ", "), groups[0], groups[0], d.EventID)
 	}
 	return nil
 }

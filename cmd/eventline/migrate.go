@@ -145,7 +145,8 @@ relayed or dead letters not yet replayed.`)
 }
 
 // checkSafeToDrop refuses a rollback that would drop events still on their
-// way: parked events, unrelayed outbox rows, dead letters not replayed.
+// way: parked or late events, unrelayed outbox rows, dead letters not
+// replayed.
 func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, targets []migrations.MigrationStatus) error {
 	for _, m := range targets {
 		switch m.Name {
@@ -158,6 +159,16 @@ func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, tar
 			if parked > 0 {
 				return fmt.Errorf("refusing to roll back %03d_%s: parked_events holds %s, which would be lost; release them (eventline parked list, parked release) or pass -force",
 					m.Version, m.Name, plural(parked, "event"))
+			}
+		case "consumer_gate":
+			var late int64
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "late_events")).Scan(&late)
+			if err != nil {
+				return fmt.Errorf("count late events before rollback: %w", err)
+			}
+			if late > 0 {
+				return fmt.Errorf("refusing to roll back %03d_%s: late_events holds %s, which would be lost; apply or discard them (eventline parked late) or pass -force",
+					m.Version, m.Name, plural(late, "event"))
 			}
 		case "outbox":
 			st, err := producer.ReadStatus(ctx, pool, schema)

@@ -14,7 +14,7 @@ import (
 )
 
 func init() {
-	register(command{name: "parked", summary: "List parked events, release gaps, list skipped versions (list|release|skipped)", run: runParked})
+	register(command{name: "parked", summary: "Parked, skipped and late events of consumer groups (list|release|skipped|late|apply-late|discard-late)", run: runParked})
 }
 
 func runParked(ctx context.Context, args []string) error {
@@ -22,10 +22,19 @@ func runParked(ctx context.Context, args []string) error {
 aggregate, and applies it once the missing version arrives. If it never will
 (say, its dead letter was dropped), release the gap: the versions are recorded
 as skipped and the consumer's sweeper applies what is parked. The sweeper also
-does this by itself after the consumer's park timeout (15 minutes by default).`, args, []subcommand{
+does this by itself after the consumer's park timeout (1 hour by default).
+
+An event whose version was given up on before it could be applied is late: it
+is held for you (unless its consumer applies late events at once). List them,
+then apply them late (the handler is told they arrive after later versions) or
+discard them. Parked events that cannot be applied within the release-attempt
+limit end up there too.`, args, []subcommand{
 		{"list", "List parked events with the versions they wait for", parkedList},
 		{"release", "Give up on an aggregate's missing versions", parkedRelease},
 		{"skipped", "List the audit of versions given up on", parkedSkipped},
+		{"late", "List late events held for the operator", parkedLate},
+		{"apply-late", "Have the running consumer apply held late events", parkedApplyLate},
+		{"discard-late", "Discard held late events for good", parkedDiscardLate},
 	})
 }
 
@@ -41,6 +50,7 @@ type parkedJSON struct {
 	AggregateType   string            `json:"aggregate_type"`
 	AggregateID     string            `json:"aggregate_id"`
 	Version         int64             `json:"version"`
+	PreviousVersion int64             `json:"previous_version"`
 	CurrentVersion  int64             `json:"current_version"`
 	EventID         string            `json:"event_id"`
 	EventType       string            `json:"event_type"`
@@ -94,7 +104,7 @@ the lowest parked version minus one.`)
 		for _, p := range parked {
 			j := parkedJSON{
 				Group: p.Group, AggregateType: p.AggregateType, AggregateID: p.AggregateID, Version: p.Version,
-				CurrentVersion: current[p.Key()], EventID: p.EventID, EventType: p.EventType, Handler: p.Handler,
+				PreviousVersion: p.PreviousVersion, CurrentVersion: current[p.Key()], EventID: p.EventID, EventType: p.EventType, Handler: p.Handler,
 				Topic: p.Topic, ParkedAt: p.ParkedAt.UTC(), ReleaseAttempts: p.ReleaseAttempts, LastError: p.LastError,
 				Metadata: p.Metadata,
 			}
@@ -102,11 +112,7 @@ the lowest parked version minus one.`)
 				at := p.LastAttemptAt.UTC()
 				j.LastAttemptAt = &at
 			}
-			if json.Valid(p.Payload) {
-				j.Payload = p.Payload
-			} else {
-				j.PayloadBase64 = p.Payload
-			}
+			j.Payload, j.PayloadBase64 = payloadJSON(p.Payload)
 			list = append(list, j)
 		}
 		return writeJSON(out, list)
@@ -130,21 +136,21 @@ the lowest parked version minus one.`)
 	}
 	fmt.Fprintln(out)
 	for _, k := range keys {
-		lowest := int64(0)
+		follows := int64(0)
 		for _, p := range parked {
 			if p.Key() == k {
-				lowest = p.Version
+				follows = p.PreviousVersion
 				break
 			}
 		}
 		cur := current[k]
 		name := aggregate(k.AggregateType, k.AggregateID)
-		if lowest <= cur+1 {
+		if follows <= cur {
 			fmt.Fprintf(out, "%s %s: at version %d, nothing missing; the consumer's sweeper applies the parked events\n", k.Group, name, cur)
 			continue
 		}
 		fmt.Fprintf(out, "%s %s: at version %d, waiting for %s; to give up on them: eventline parked release -reason '...' %s %s\n",
-			k.Group, name, cur, versionRange(cur+1, lowest-1), k.Group, name)
+			k.Group, name, cur, versionRange(cur+1, follows), k.Group, name)
 	}
 	return nil
 }
@@ -176,9 +182,9 @@ Gives up on the versions missing in front of an aggregate's lowest parked
 event: records them in skipped_versions with the reason, and moves the
 aggregate's version to just below that event. It needs only the database and
 runs no handler; the running consumer's sweeper applies the now-ready parked
-events on its next pass. Parked events the aggregate has already passed are
-discarded as stale. A version released here is never applied, even if it
-arrives later.`)
+events on its next pass. Parked events the aggregate has already passed move to
+the late events. A version released here is not applied in order any more: if
+it arrives later it is late (see eventline parked late).`)
 	reason := fs.String("reason", "", "why the missing versions are given up (required; kept in the audit)")
 	asJSON := fs.Bool("json", false, "print the outcome as JSON")
 	pos, err := fs.parse(args)
@@ -204,8 +210,8 @@ arrives later.`)
 	rel, err := store.ReleaseGap(ctx, pool, group, typ, id, *reason)
 	if errors.Is(err, versioning.ErrNothingParked) {
 		msg := fmt.Sprintf("group %s has no parked events for %s/%s; nothing to release (eventline parked list -group %s)", group, typ, id, group)
-		if rel.Stale > 0 {
-			msg += fmt.Sprintf("; %s the aggregate had already passed were discarded", plural(int64(rel.Stale), "stale parked event"))
+		if rel.Late > 0 {
+			msg += fmt.Sprintf("; %s the aggregate had already passed moved to the late events (eventline parked late)", plural(int64(rel.Late), "parked event"))
 		}
 		return errors.New(msg)
 	}
@@ -221,16 +227,16 @@ arrives later.`)
 			SkippedFrom   int64  `json:"skipped_from"`
 			SkippedTo     int64  `json:"skipped_to"`
 			Ready         int    `json:"ready"`
-			Stale         int    `json:"stale"`
-		}{group, typ, id, rel.From, rel.To, rel.Ready, rel.Stale})
+			Late          int    `json:"late"`
+		}{group, typ, id, rel.From, rel.To, rel.Ready, rel.Late})
 	}
 	if rel.From == 0 && rel.To == 0 {
 		fmt.Fprintf(out, "%s %s/%s: no versions were missing in front of the lowest parked event\n", group, typ, id)
 	} else {
 		fmt.Fprintf(out, "%s %s/%s: gave up on %s (recorded in skipped_versions)\n", group, typ, id, versionRange(rel.From, rel.To))
 	}
-	if rel.Stale > 0 {
-		fmt.Fprintf(out, "discarded %s the aggregate had already passed\n", plural(int64(rel.Stale), "stale parked event"))
+	if rel.Late > 0 {
+		fmt.Fprintf(out, "moved %s the aggregate had already passed to the late events (eventline parked late)\n", plural(int64(rel.Late), "parked event"))
 	}
 	fmt.Fprintf(out, "%s now ready: the sweeper of a running %s consumer applies them on its next pass\n", plural(int64(rel.Ready), "parked event"), group)
 	return nil

@@ -1,0 +1,160 @@
+package middleware
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/versioning"
+)
+
+// proceed acts on an admission: skip a duplicate, settle a stale or late
+// event, park a gap, or run the handler (auditing a jump) and drain parked
+// successors. a's zero value means "apply, no version involved" (an
+// unversioned event).
+func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
+	ctx := msg.Context()
+	name := message.HandlerNameFromCtx(ctx)
+	g.reg.learn(name, h)
+	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
+	k := versioning.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
+	switch a.Verdict {
+	case versioning.Duplicate:
+		g.duplicate(ctx, e)
+		return nil, nil
+	case versioning.Stale:
+		return g.stale(msg, tx, e, h, a)
+	case versioning.Gap:
+		if err := g.validate(ctx, e, "parked"); err != nil {
+			return nil, err
+		}
+		req := versioning.ParkRequest{Group: group, Event: e, Handler: name, Topic: e.Topic, Message: msg, Current: a.Previous, MaxGap: g.cfg.MaxGap}
+		if _, err := g.store.Park(ctx, tx, req); err != nil {
+			return nil, g.refusal(ctx, e, err)
+		}
+		log.InfoContext(ctx, "eventline: event parked until the missing versions arrive", "group", group, "event_id", e.ID,
+			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion, "follows", a.Follows, "current", a.Previous)
+		AfterCommit(ctx, func() { m.incParked(group, e.Type) })
+		return nil, nil
+	case versioning.Jump:
+		if a.Missing() > g.cfg.MaxGap {
+			return nil, g.refuse(ctx, e, RefusedGapTooLarge, &versioning.GapTooLargeError{AggregateType: e.AggregateType, AggregateID: e.AggregateID,
+				EventID: e.ID, Version: e.AggregateVersion, Previous: a.Follows, Known: a.Previous, MaxGap: g.cfg.MaxGap})
+		}
+		reason := fmt.Sprintf("gap policy apply: event %s (v%d) applied over the missing versions", e.ID, e.AggregateVersion)
+		if err := g.store.RecordSkipped(ctx, tx, k, a.Previous+1, a.Follows, reason); err != nil {
+			return nil, err
+		}
+		log.WarnContext(ctx, "eventline: skipped missing aggregate versions (gap policy apply)", "group", group,
+			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "from", a.Previous+1, "to", a.Follows)
+		AfterCommit(ctx, func() { m.addGapsSkipped(group, "policy_apply", 1) })
+	}
+
+	out, err := g.run(msg, e, h)
+	if err != nil {
+		return nil, err
+	}
+	if a.Parked == 0 {
+		return out, nil
+	}
+	apply := func(ctx context.Context, sp pgx.Tx, p versioning.Parked) error {
+		ph := h
+		if p.Handler != name {
+			if ph = g.reg.lookup(p.Handler); ph == nil {
+				return fmt.Errorf("%w: %q", versioning.ErrNoHandler, p.Handler)
+			}
+		}
+		produced, err := g.applyParked(ctx, sp, p, ph)
+		if err == nil {
+			out = append(out, produced...)
+		}
+		return err
+	}
+	d, err := g.store.Drain(ctx, tx, k, a.Current, g.releaseOptions(apply))
+	if err != nil {
+		return nil, err
+	}
+	for _, p := range d.DeadLettered {
+		log.ErrorContext(ctx, "eventline: gave up on a parked event that cannot be applied; dead-lettered, its version recorded as skipped",
+			"group", group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID,
+			"version", p.Version, "event_id", p.EventID, "attempts", p.ReleaseAttempts, "error", p.LastError)
+	}
+	if d.Failed != nil {
+		log.WarnContext(ctx, "eventline: parked event failed to apply; it stays parked and the sweeper retries it after a backoff",
+			"group", group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID,
+			"version", d.Failed.Version, "event_id", d.Failed.EventID, "error", d.FailErr)
+	}
+	if d.Late > 0 {
+		log.WarnContext(ctx, "eventline: parked events whose version the aggregate passed were moved to late_events",
+			"group", group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID, "late", d.Late)
+	}
+	AfterCommit(ctx, func() {
+		m.addReleased(group, len(d.Released))
+		m.addGivenUp(group, len(d.DeadLettered))
+		if d.Failed != nil {
+			m.addReleaseFailures(group, 1)
+		}
+	})
+	return out, nil
+}
+
+// stale settles an event the aggregate is already past: late when its
+// version was given up on (held, or applied now under ApplyLate), else
+// discarded as stale.
+func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
+	ctx := msg.Context()
+	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
+	hold := g.late.For(e.Type) == versioning.HoldLate
+	late, reason, err := g.store.HoldLate(ctx, tx, versioning.LateRequest{Group: group, Event: e, Message: msg,
+		Handler: message.HandlerNameFromCtx(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
+	if err != nil {
+		return nil, g.refusal(ctx, e, err)
+	}
+	attrs := []any{"group", group, "event_id", e.ID, "event_type", e.Type, "aggregate_type", e.AggregateType,
+		"aggregate_id", e.AggregateID, "version", e.AggregateVersion, "current", a.Previous}
+	if !late {
+		log.DebugContext(ctx, "eventline: stale event discarded", attrs...)
+		AfterCommit(ctx, func() { m.incStale(group, e.Type) })
+		return nil, nil
+	}
+	if hold {
+		if err := g.validate(ctx, e, "held as late"); err != nil {
+			return nil, err
+		}
+		log.WarnContext(ctx, "eventline: late event held for the operator: its version was given up on before it arrived; apply it with `eventline parked apply-late` or discard it",
+			append(attrs, "skip_reason", reason)...)
+		AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })
+		return nil, nil
+	}
+	log.WarnContext(ctx, "eventline: late event applied after later versions (late policy apply)", append(attrs, "skip_reason", reason)...)
+	msg.SetContext(contextWithLate(ctx))
+	out, err := g.run(msg, e, h)
+	if err != nil {
+		return nil, err
+	}
+	AfterCommit(ctx, func() { m.incLate(group, e.Type, "applied") })
+	return out, nil
+}
+
+// run calls the handler for an event applied on arrival.
+func (g *Gate) run(msg *message.Message, e eventline.Event, h message.HandlerFunc) ([]*message.Message, error) {
+	start := time.Now()
+	out, err := h(msg)
+	g.cfg.Metrics.observeHandler(g.cfg.Group, e.Type, time.Since(start))
+	if err != nil {
+		return nil, err
+	}
+	group, m := g.cfg.Group, g.cfg.Metrics
+	AfterCommit(msg.Context(), func() { m.incApplied(group, e.Type) })
+	return out, nil
+}
+
+func (g *Gate) duplicate(ctx context.Context, e eventline.Event) {
+	g.cfg.Logger.DebugContext(ctx, "eventline: duplicate event skipped", "group", g.cfg.Group, "event_id", e.ID, "event_type", e.Type)
+	group, m := g.cfg.Group, g.cfg.Metrics
+	AfterCommit(ctx, func() { m.incDuplicate(group, e.Type) })
+}

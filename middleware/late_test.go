@@ -1,0 +1,191 @@
+package middleware_test
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline/versioning"
+)
+
+// lateLog records, per event id, the IsLate flag of each handler call.
+type lateLog struct {
+	mu    sync.Mutex
+	calls map[string][]bool
+}
+
+func (l *lateLog) observe(ctx context.Context, e eventline.Event) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.calls[e.ID] = append(l.calls[e.ID], middleware.IsLate(ctx))
+}
+
+func (l *lateLog) of(id string) []bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.calls[id]
+}
+
+// A version given up on after the park timeout that arrives later (a
+// relay dead letter replayed too late, a slow delivery) is held for the
+// operator, counted and listed, never silently discarded; its dedup row
+// makes redeliveries duplicates but does not block the operator's apply,
+// which runs the handler marked late. Before: it was stale, its handler
+// never ran and its dedup row blocked every later attempt.
+func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{ParkTimeout: time.Nanosecond})
+	log := &lateLog{calls: map[string][]bool{}}
+	f.observe = log.observe
+	ctx := context.Background()
+	for _, v := range []int64{1, 3} {
+		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
+	}
+	res, err := f.el.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.GapsSkipped, "v2 given up after the park timeout")
+	require.Equal(t, []int64{1, 3}, f.versions(t, "a"))
+
+	late := consumertest.Message(t, consumertest.Event("a", 2))
+	require.NoError(t, f.deliver(t, late))
+	require.NoError(t, f.deliver(t, late), "a redelivery of a held event is a duplicate")
+	require.Empty(t, log.of(late.UUID), "a late event is not applied out of order by default")
+	require.Equal(t, dedup.OutcomeLate, f.outcome(t, late.UUID))
+	require.Equal(t, 1.0, f.metric(t, "eventline_consumer_late_events_total"))
+	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_events_stale_total"))
+
+	held, err := f.el.Store().ListLate(ctx, f.env.Pool, versioning.LateFilter{Group: group})
+	require.NoError(t, err)
+	require.Len(t, held, 1)
+	require.Equal(t, late.UUID, held[0].EventID)
+	require.Equal(t, versioning.LateArrived, held[0].Kind)
+	require.Contains(t, held[0].Reason, "park timeout")
+	require.EqualValues(t, 3, held[0].CurrentVersion)
+	require.Equal(t, []byte(late.Payload), held[0].Payload)
+
+	// The operator applies it: the sweeper runs the handler, marked late.
+	n, err := f.el.Store().RequestLateApply(ctx, f.env.Pool, group, late.UUID)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	res, err = f.el.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.LateApplied)
+	require.Equal(t, []bool{true}, log.of(late.UUID), "the handler ran once, told the event is late")
+	require.Equal(t, dedup.OutcomeLateApplied, f.outcome(t, late.UUID))
+	require.Equal(t, []int64{1, 3, 2}, f.versions(t, "a"))
+	require.Equal(t, 1.0, f.metric(t, "eventline_consumer_late_applied_total"))
+	held, err = f.el.Store().ListLate(ctx, f.env.Pool, versioning.LateFilter{Group: group})
+	require.NoError(t, err)
+	require.Empty(t, held)
+	require.NoError(t, f.deliver(t, late))
+	require.Equal(t, []bool{true}, log.of(late.UUID), "still a duplicate afterwards")
+}
+
+// An operator may discard a late event instead; it stays a duplicate.
+func TestLateEventCanBeDiscarded(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{ParkTimeout: time.Nanosecond})
+	ctx := context.Background()
+	for _, v := range []int64{1, 3} {
+		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
+	}
+	_, err := f.el.Sweep(ctx)
+	require.NoError(t, err)
+	late := consumertest.Message(t, consumertest.Event("a", 2))
+	require.NoError(t, f.deliver(t, late))
+	n, err := f.el.Store().DiscardLate(ctx, f.env.Pool, group, late.UUID, "unknown-id")
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.Equal(t, dedup.OutcomeLateDiscarded, f.outcome(t, late.UUID))
+	require.NoError(t, f.deliver(t, late))
+	require.Equal(t, []int64{1, 3}, f.versions(t, "a"))
+	_, err = f.el.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_late_events"), "the gauge counts held late events")
+}
+
+// Under ApplyLate (per event type) a late event is applied at once, its
+// handler told; other types stay held. A stale event whose version was not
+// skipped (an old version under a new id) is still discarded.
+func TestLatePolicyApplyRunsTheHandlerMarkedLate(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{GapPolicy: versioning.Apply,
+		LatePolicyByType: map[string]versioning.LatePolicy{"thing.changed": versioning.ApplyLate}})
+	log := &lateLog{calls: map[string][]bool{}}
+	f.observe = log.observe
+	require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", 1))))
+	require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", 4))), "jumps, skipping 2..3")
+
+	late := consumertest.Message(t, consumertest.Event("a", 2))
+	require.NoError(t, f.deliver(t, late))
+	require.Equal(t, []bool{true}, log.of(late.UUID))
+	require.Equal(t, dedup.OutcomeLateApplied, f.outcome(t, late.UUID))
+
+	other := consumertest.Event("a", 3)
+	other.Type = "thing.renamed"
+	held := consumertest.Message(t, other)
+	require.NoError(t, f.deliver(t, held))
+	require.Empty(t, log.of(held.UUID))
+	require.Equal(t, dedup.OutcomeLate, f.outcome(t, held.UUID))
+
+	stale := consumertest.Message(t, consumertest.Event("a", 1))
+	require.NoError(t, f.deliver(t, stale))
+	require.Empty(t, log.of(stale.UUID))
+	require.Equal(t, dedup.OutcomeStale, f.outcome(t, stale.UUID))
+	require.Equal(t, 1.0, f.metric(t, "eventline_consumer_events_stale_total"))
+}
+
+// The predecessor rule: an event applies once its aggregate is at the
+// version it follows (aggregate_previous_version), so sparse versions are
+// no gap, and parked successors drain by the same rule. Before: v5
+// following v1 parked behind "missing" 2..4 until the park timeout skipped
+// them.
+func TestSparseVersionsFollowTheirPredecessor(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{ParkTimeout: time.Hour})
+	sparse := func(v, prev int64) *message.Message {
+		e := consumertest.Event("a", v)
+		e.PreviousVersion = prev
+		return consumertest.Message(t, e)
+	}
+	require.NoError(t, f.deliver(t, sparse(1, 0)))
+	require.NoError(t, f.deliver(t, sparse(5, 1)))
+	require.Equal(t, []int64{1, 5}, f.versions(t, "a"), "v5 follows v1: no gap")
+	require.NoError(t, f.deliver(t, sparse(20, 9)), "follows v9, which is missing: parked")
+	require.Equal(t, 1, f.count(t, "parked_events"))
+	require.NoError(t, f.deliver(t, sparse(9, 5)), "follows v5: applies, and v20 drains after it")
+	require.Equal(t, []int64{1, 5, 9, 20}, f.versions(t, "a"))
+	require.Equal(t, 0, f.count(t, "parked_events"))
+	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, versioning.SkippedFilter{Group: group})
+	require.NoError(t, err)
+	require.Empty(t, skipped, "nothing was missing")
+}
+
+// A parked event the aggregate passes (here: an event of an Apply-policy
+// type jumps over it) is moved to the late events, not dropped as stale.
+func TestParkedEventPassedByAJumpIsHeldAsLate(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{PolicyByType: map[string]versioning.GapPolicy{"thing.jumped": versioning.Apply}})
+	require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", 1))))
+	parked := consumertest.Message(t, consumertest.Event("a", 3))
+	require.NoError(t, f.deliver(t, parked))
+	jump := consumertest.Event("a", 5)
+	jump.Type = "thing.jumped"
+	require.NoError(t, f.deliver(t, consumertest.Message(t, jump)))
+	require.Equal(t, []int64{1, 5}, f.versions(t, "a"))
+	require.Equal(t, 0, f.count(t, "parked_events"))
+	late, err := f.el.Store().ListLate(context.Background(), f.env.Pool, versioning.LateFilter{Group: group})
+	require.NoError(t, err)
+	require.Len(t, late, 1)
+	require.Equal(t, parked.UUID, late[0].EventID)
+	require.Equal(t, versioning.LateArrived, late[0].Kind, "its version is in the jump's skipped range")
+	require.Equal(t, dedup.OutcomeLate, f.outcome(t, parked.UUID))
+}
