@@ -20,6 +20,7 @@ func ExampleAll() {
 	// Output:
 	// 001_outbox
 	// 002_consumer
+	// 003_consumer_gate
 }
 
 // Applying the schema from a service's start-up code, before producers or
