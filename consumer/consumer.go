@@ -113,8 +113,10 @@ func (c *Consumer) Handle(eventType string, fn HandlerFunc) error {
 }
 
 // HandleJSON registers fn for events of eventType, decoding each payload
-// from JSON into a T first. A payload that does not decode is a permanent
-// error: the event is dead-lettered without retries.
+// from JSON into a T first, after Config.Upcasters brought it to the
+// current schema version. A payload that does not decode, or cannot be
+// upcast, is a permanent error: the event is dead-lettered without
+// retries.
 func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Context, tx pgx.Tx, e eventline.Event, payload T) error) error {
 	if fn == nil {
 		return fmt.Errorf("consumer.HandleJSON(%q): handler is nil", eventType)
@@ -178,7 +180,14 @@ func (c *Consumer) dispatch(msg *message.Message) ([]*message.Message, error) {
 		}
 		return nil, middleware.Permanent(&UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group})
 	}
-	return nil, fn(ctx, tx, e)
+	u, err := c.cfg.Upcasters.Upcast(e)
+	if err != nil {
+		return nil, middleware.Permanent(err)
+	}
+	if u.SchemaVersion != e.SchemaVersion {
+		ctx = middleware.ContextWithEvent(ctx, u)
+	}
+	return nil, fn(ctx, tx, u)
 }
 
 // knownType rejects, before any database work, a message whose event type
