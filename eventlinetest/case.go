@@ -19,10 +19,10 @@ import (
 // Defaults for [Case].
 const (
 	// DefaultTrials is how many fault schedules a Case runs: one per fault
-	// class, then random mixes of all of them.
+	// class, then random mixes of them and schedules with all of them.
 	DefaultTrials = 30
 	// DefaultKafkaTrials is how many schedules a Case with Kafka set runs
-	// end to end.
+	// end to end, each with every fault class.
 	DefaultKafkaTrials = 2
 	// DefaultGroup is the consumer group the handlers run in.
 	DefaultGroup = "eventlinetest"
@@ -146,7 +146,9 @@ type Case struct {
 	// Faults are the fault classes to inject. Defaults to AllFaults.
 	Faults Fault
 	// Trials is how many fault schedules to run. The first ones each test
-	// one fault class alone, the rest combine the classes at random.
+	// one fault class alone; the rest alternate random mixes of the
+	// classes with schedules that have every class at once (with Kafka,
+	// every trial has every class).
 	// Defaults to DefaultTrials (30), or DefaultKafkaTrials (2) with
 	// Kafka; the -eventlinetest.trials flag and EVENTLINETEST_TRIALS
 	// override it.

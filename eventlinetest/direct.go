@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -59,15 +60,7 @@ func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, err
 	if err := env.reset(ctx); err != nil {
 		return nil, err
 	}
-	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), failFirst: map[int]bool{}, runs: map[string]int{}, index: map[string]int{}}
-	for _, f := range s.faults {
-		if f.kind == HandlerErrors {
-			sim.failFirst[f.event] = true
-		}
-	}
-	for i, e := range k.Events {
-		sim.index[e.ID] = i
-	}
+	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s)}
 	r := &result{}
 	err := sim.run(ctx)
 	r.trace = sim.trace
@@ -87,15 +80,12 @@ func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, err
 // sim is one trial in progress: consumer instances sharing one schema.
 type sim struct {
 	*kit
-	env *schemaEnv
-	s   schedule
-	rng *rand.Rand
-	// failFirst holds the events whose first handler run fails.
-	failFirst map[int]bool
-	index     map[string]int
+	env    *schemaEnv
+	s      schedule
+	rng    *rand.Rand
+	inject *injector
 
 	mu        sync.Mutex
-	runs      map[string]int
 	trace     []string
 	instances int
 }
@@ -124,7 +114,7 @@ func (s *sim) newInstance() (*instance, error) {
 	if err != nil {
 		return nil, fmt.Errorf("eventlinetest: %w", err)
 	}
-	return &instance{id: s.instances, el: el, h: el.Middleware(s.wrap(s.inner)), reg: reg}, nil
+	return &instance{id: s.instances, el: el, h: el.Middleware(s.inject.wrap(s.inner)), reg: reg}, nil
 }
 
 // runsKey carries a delivery's list of handler runs through the context.
@@ -135,29 +125,71 @@ type runList struct {
 	runs []string
 }
 
-// wrap injects HandlerErrors faults and records which events the handler
-// ran for, including parked events released within a delivery.
-func (s *sim) wrap(h message.HandlerFunc) message.HandlerFunc {
+// injector makes the handler's first run for chosen events fail after it
+// ran (HandlerErrors), and records, in the runList of the context, which
+// events the handler ran for, including parked events released within a
+// delivery.
+type injector struct {
+	// failFirst holds the events whose first handler run fails.
+	failFirst map[int]bool
+	index     map[string]int
+
+	// onRun, when set, also receives every run's note.
+	onRun func(note string)
+
+	mu   sync.Mutex
+	runs map[string]int
+}
+
+func (k *kit) newInjector(s schedule) *injector {
+	in := &injector{failFirst: map[int]bool{}, index: map[string]int{}, runs: map[string]int{}}
+	for _, f := range s.faults {
+		if f.kind == HandlerErrors {
+			in.failFirst[f.event] = true
+		}
+	}
+	for i, e := range k.Events {
+		in.index[e.ID] = i
+	}
+	return in
+}
+
+// run calls the handler for e through call.
+func (in *injector) run(ctx context.Context, e eventline.Event, call func() error) error {
+	in.mu.Lock()
+	in.runs[e.ID]++
+	first := in.runs[e.ID] == 1
+	in.mu.Unlock()
+	err := call()
+	i, known := in.index[e.ID]
+	note := fmt.Sprintf("v%d", e.AggregateVersion)
+	if in.onRun != nil {
+		defer func() { in.onRun(fmt.Sprintf("%s/%s %s", e.AggregateType, e.AggregateID, note)) }()
+	}
+	if err == nil && first && known && in.failFirst[i] {
+		err = errInjected
+		note += " (then an injected failure)"
+	} else if err != nil {
+		note += " (failed: " + firstLine(err.Error()) + ")"
+	}
+	if l, ok := ctx.Value(runsKey{}).(*runList); ok {
+		l.mu.Lock()
+		l.runs = append(l.runs, note)
+		l.mu.Unlock()
+	}
+	return err
+}
+
+// wrap returns h with the injector around it.
+func (in *injector) wrap(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())
-		i, known := s.index[e.ID]
-		s.mu.Lock()
-		s.runs[e.ID]++
-		first := s.runs[e.ID] == 1
-		s.mu.Unlock()
-		out, err := h(msg)
-		note := fmt.Sprintf("v%d", e.AggregateVersion)
-		if err == nil && first && known && s.failFirst[i] {
-			err = errInjected
-			note += " (then an injected failure)"
-		} else if err != nil {
-			note += " (failed: " + firstLine(err.Error()) + ")"
-		}
-		if l, ok := msg.Context().Value(runsKey{}).(*runList); ok {
-			l.mu.Lock()
-			l.runs = append(l.runs, note)
-			l.mu.Unlock()
-		}
+		var out []*message.Message
+		err := in.run(msg.Context(), e, func() error {
+			var err error
+			out, err = h(msg)
+			return err
+		})
 		return out, err
 	}
 }
@@ -227,12 +259,12 @@ func (s *sim) run(ctx context.Context) error {
 				var oldErr error
 				if next[p] < len(logs[p]) {
 					inflight := logs[p][next[p]]
-					wg.Go(func() { oldErr = s.deliver(ctx, old, inflight, "still in flight on the old owner") })
+					wg.Go(func() { oldErr = s.deliver(ctx, old, inflight, "(in flight on the old owner)") })
 				}
 				next[p] = committed[p]
 				var newErr error
 				if next[p] < len(logs[p]) {
-					newErr = s.deliver(ctx, inst, logs[p][next[p]], fmt.Sprintf("%d", delivered+1))
+					newErr = s.deliver(ctx, inst, logs[p][next[p]], fmt.Sprintf("%d.", delivered+1))
 					next[p]++
 					delivered++
 				}
@@ -250,7 +282,7 @@ func (s *sim) run(ctx context.Context) error {
 		if !s.s.reverse {
 			p = ps[s.rng.IntN(len(ps))]
 		}
-		if err := s.deliver(ctx, owner[p], logs[p][next[p]], fmt.Sprintf("%d", delivered+1)); err != nil {
+		if err := s.deliver(ctx, owner[p], logs[p][next[p]], fmt.Sprintf("%d.", delivered+1)); err != nil {
 			return err
 		}
 		next[p]++
@@ -303,7 +335,7 @@ func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string) e
 		if attempt > 1 {
 			what = "retry"
 		}
-		s.note("%s. %s %s → instance %d: %s", step, what, s.label(i), inst.id, outcome)
+		s.note("%s %s %s → instance %d: %s", step, what, s.label(i), inst.id, outcome)
 		switch {
 		case err == nil:
 			return nil

@@ -245,3 +245,32 @@ func TestReorderingCatchesACrossAggregateDependency(t *testing.T) {
 	require.NotNil(t, f, "reordering aggregates must change the invoice numbers")
 	require.Equal(t, "reordering", f.Tests)
 }
+
+// TestKafkaModeRunsTheReadyRunner runs the same two handlers end to end:
+// records published to Kafka with duplicates, withheld versions and
+// redeliveries, consumed by consumer.New instances that join and leave
+// the group, with handler failures retried by the runner.
+func TestKafkaModeRunsTheReadyRunner(t *testing.T) {
+	idempotent := ordersCase(t, func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
+		if err := recordOrder(ctx, tx, e, o); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, countPlaced, e.AggregateID)
+		return err
+	})
+	idempotent.Kafka = true
+	eventlinetest.Run(t, idempotent)
+
+	counter := ordersCase(t, func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
+		if err := recordOrder(ctx, tx, e, o); err != nil {
+			return err
+		}
+		return outside(ctx, tx, countPlaced, e.AggregateID)
+	})
+	counter.Kafka, counter.Faults, counter.Trials = true, eventlinetest.HandlerErrors, 1
+	f, err := eventlinetest.Check(t.Context(), counter)
+	require.NoError(t, err)
+	require.NotNil(t, f, "the end-to-end mode must catch the counter too")
+	t.Logf("the kit reports:\n%v", f)
+	require.Contains(t, strings.Join(f.Deliveries, "\n"), "publish customer/ada v1")
+}

@@ -231,24 +231,32 @@ func (k *kit) applyDirectly(ctx context.Context, env *schemaEnv, i int) error {
 }
 
 // seeds returns the trial seeds, and whether they replay a given seed.
-// Each seed's low byte names its profile: the first trials test one fault
-// class each, the others mix them.
+// Each seed's low byte names its profile, so that a seed alone replays
+// its schedule.
 func (k *kit) seeds() ([]uint64, bool) {
 	if s := k.replaySeed(); s != 0 {
 		return []uint64{s}, true
 	}
+	// Direct trials test each class alone first, then alternate random
+	// mixes with every class at once; end-to-end trials (few and slow)
+	// use every class at once.
 	var profiles []profile
-	for _, p := range singleProfiles {
-		if k.Faults&p.fault != 0 {
-			profiles = append(profiles, p.id)
+	if !k.Kafka {
+		for _, p := range singleProfiles {
+			if k.Faults&p.fault != 0 {
+				profiles = append(profiles, p.id)
+			}
 		}
 	}
 	base := randomSeed()
 	seeds := make([]uint64, k.Trials)
 	for i := range seeds {
-		p := profileMixed
-		if i < len(profiles) {
+		p := profileAll
+		switch {
+		case i < len(profiles):
 			p = profiles[i]
+		case !k.Kafka && (i-len(profiles))%2 == 0:
+			p = profileMixed
 		}
 		seeds[i] = mix(base+uint64(i))&^0xff | uint64(p)
 	}

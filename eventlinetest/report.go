@@ -173,7 +173,7 @@ type runFunc func(ctx context.Context, s schedule, want any) (*result, error)
 // smaller subset of its faults that fails too (when run is not nil).
 func (k *kit) failure(ctx context.Context, s schedule, r *result, want any, trial, trials int, replay bool, run runFunc) (*Failure, error) {
 	f := &Failure{
-		Seed: s.seed, Trial: trial + 1, Trials: trials, Tests: s.profile.String(), Layout: k.layout(s),
+		Seed: s.seed, Trial: trial + 1, Trials: trials, Tests: k.tests(s.profile), Layout: k.layout(s),
 		Want: want, test: k.testName,
 	}
 	if replay {

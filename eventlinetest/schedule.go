@@ -17,6 +17,7 @@ const (
 	profileRebalances
 	profileHandlerErrors
 	profileMixed
+	profileAll
 )
 
 // singleProfiles are the profiles that test one fault class alone, in
@@ -34,6 +35,9 @@ func (p profile) String() string {
 		if s.id == p {
 			return s.fault.String()
 		}
+	}
+	if p == profileAll {
+		return "every fault class at once"
 	}
 	return "a random mix of faults"
 }
@@ -81,14 +85,16 @@ func (s schedule) rng() *rand.Rand { return rand.New(rand.NewPCG(s.seed, 0x65766
 func (k *kit) schedule(seed uint64) schedule {
 	rng := rand.New(rand.NewPCG(seed, 0x7363686564756c65))
 	p := profile(seed & 0xff)
-	if p < profileDuplicates || p > profileMixed {
+	if p < profileDuplicates || p > profileAll {
 		p = profileMixed
 	}
 	has := func(f Fault) bool {
-		if k.Faults&f == 0 {
+		switch {
+		case k.Faults&f == 0:
 			return false
-		}
-		if p == profileMixed {
+		case p == profileAll:
+			return true
+		case p == profileMixed:
 			return rng.IntN(2) == 0
 		}
 		for _, s := range singleProfiles {
@@ -122,7 +128,7 @@ func (k *kit) schedule(seed uint64) schedule {
 
 	// Per-event faults: every event in a single-class profile, a random
 	// third of them in a mix.
-	pick := func() bool { return p != profileMixed || rng.IntN(3) == 0 }
+	pick := func() bool { return (p != profileMixed && p != profileAll) || rng.IntN(3) == 0 }
 	dup, wh, he := has(Duplicates), has(Withholding), has(HandlerErrors)
 	for i := range n {
 		if dup && pick() {
@@ -135,7 +141,7 @@ func (k *kit) schedule(seed uint64) schedule {
 	if wh {
 		// One withheld version per aggregate that has a successor.
 		for _, evs := range k.aggs {
-			if len(evs) < 2 || (p == profileMixed && rng.IntN(2) == 0) {
+			if len(evs) < 2 || ((p == profileMixed || p == profileAll) && rng.IntN(2) == 0) {
 				continue
 			}
 			j := rng.IntN(len(evs) - 1)
@@ -226,6 +232,17 @@ func (k *kit) describe(f fault) string {
 		return fmt.Sprintf("the handler's first run for %s fails after it ran, and the event is retried", k.label(f.event))
 	}
 	return fmt.Sprintf("fault %d", f.kind)
+}
+
+// tests says what a profile tests, with the case's fault classes.
+func (k *kit) tests(p profile) string {
+	switch p {
+	case profileAll:
+		return "all of " + k.Faults.String() + " at once"
+	case profileMixed:
+		return "a random mix of " + k.Faults.String()
+	}
+	return p.String()
 }
 
 // layout describes a schedule's partitions.
