@@ -2,11 +2,14 @@ package eventlinetest_test
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
 	"testing"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -15,6 +18,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/eventlinetest"
+	"github.com/eventline/eventline/middleware"
 )
 
 func TestMain(m *testing.M) {
@@ -273,4 +277,130 @@ func TestKafkaModeRunsTheReadyRunner(t *testing.T) {
 	require.NotNil(t, f, "the end-to-end mode must catch the counter too")
 	t.Logf("the kit reports:\n%v", f)
 	require.Contains(t, strings.Join(f.Deliveries, "\n"), "publish customer/ada v1")
+}
+
+// TestWatermillHandlerWithUpcasters tests a handler written for a team's
+// own Router (transaction and event from the context) that reads version
+// 2 of its payload, fed events written as versions 1 and 2.
+func TestWatermillHandlerWithUpcasters(t *testing.T) {
+	up, err := eventline.NewUpcasters(nil, eventline.Upcaster{Type: "order.placed", From: 1, Func: func(p []byte) ([]byte, error) {
+		var v1 struct {
+			Amount int64 `json:"amount"` // whole euros
+		}
+		if err := json.Unmarshal(p, &v1); err != nil {
+			return nil, err
+		}
+		return json.Marshal(OrderPlaced{AmountCents: v1.Amount * 100})
+	}})
+	require.NoError(t, err)
+	events := orders(t, []string{"ada", "bob"}, 3)
+	for i := range events {
+		if i%2 == 0 {
+			events[i].Payload = []byte(fmt.Sprintf(`{"amount":%d}`, i+1))
+		} else {
+			events[i].SchemaVersion = 2
+		}
+	}
+	eventlinetest.Run(t, eventlinetest.Case{
+		Setup: ordersSetup,
+		Handler: func(msg *message.Message) ([]*message.Message, error) {
+			ctx := msg.Context()
+			tx, ok := middleware.TxFromContext(ctx)
+			if !ok {
+				return nil, middleware.ErrNoTx
+			}
+			e, ok := middleware.EventFromContext(ctx)
+			if !ok {
+				return nil, errors.New("no event in the context")
+			}
+			o, err := eventline.DecodePayload[OrderPlaced](e)
+			if err != nil {
+				return nil, middleware.Permanent(err)
+			}
+			return nil, recordOrder(ctx, tx, e, o)
+		},
+		Upcasters: up,
+		Events:    events,
+		State:     eventlinetest.Rows(`SELECT customer, version, amount_cents FROM orders ORDER BY 1, 2`),
+		Trials:    8,
+	})
+}
+
+// fakeT records what Run reports.
+type fakeT struct {
+	ctx    context.Context
+	failed string
+}
+
+func (f *fakeT) Helper()                           {}
+func (f *fakeT) Name() string                      { return "TestBilling/duplicates" }
+func (f *fakeT) Context() context.Context          { return f.ctx }
+func (f *fakeT) Fatalf(format string, args ...any) { f.failed = fmt.Sprintf(format, args...) }
+
+// TestRunFailsTheTestWithTheReplayCommand checks what a user sees: Run
+// fails the test with a message that replays the schedule by test name
+// and seed.
+func TestRunFailsTheTestWithTheReplayCommand(t *testing.T) {
+	c := ordersCase(t, func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
+		if err := recordOrder(ctx, tx, e, o); err != nil {
+			return err
+		}
+		return outside(ctx, tx, countPlaced, e.AggregateID)
+	})
+	c.Faults = eventlinetest.HandlerErrors
+	ft := &fakeT{ctx: t.Context()}
+	eventlinetest.Run(ft, c)
+	require.Contains(t, ft.failed, "replay: go test -run '^TestBilling$/^duplicates$' -eventlinetest.seed=0x")
+	require.Contains(t, ft.failed, "the handler's first run for customer/")
+}
+
+// TestCaseErrorsSayWhatToFix checks the errors for cases the kit cannot
+// run.
+func TestCaseErrorsSayWhatToFix(t *testing.T) {
+	h := map[string]consumer.HandlerFunc{"order.placed": func(context.Context, pgx.Tx, eventline.Event) error { return nil }}
+	state := eventlinetest.Rows(`SELECT 1`)
+	gap := orders(t, []string{"ada"}, 3)
+	gap[1].AggregateVersion, gap[2].AggregateVersion = 3, 2
+	for name, tc := range map[string]struct {
+		c    eventlinetest.Case
+		want string
+	}{
+		"no state":     {eventlinetest.Case{Handlers: h, Events: orders(t, []string{"a"}, 1)}, "Case.State is nil"},
+		"no handler":   {eventlinetest.Case{State: state, Events: orders(t, []string{"a"}, 1)}, "give the handler under test"},
+		"no events":    {eventlinetest.Case{State: state, Handlers: h}, "Case.Events is empty"},
+		"out of order": {eventlinetest.Case{State: state, Handlers: h, Events: gap}, "list each aggregate's versions in order"},
+		"unknown type": {eventlinetest.Case{State: state, Handlers: map[string]consumer.HandlerFunc{"x": h["order.placed"]}, Events: orders(t, []string{"a"}, 1)},
+			`type "order.placed", which has no handler`},
+		"bad setup": {eventlinetest.Case{State: state, Handlers: h, Events: orders(t, []string{"a"}, 1), Setup: eventlinetest.SQL(`CREATE TABLE`)}, "Case.Setup: CREATE TABLE"},
+		"failing handler": {eventlinetest.Case{State: state, Events: orders(t, []string{"a"}, 1),
+			Handlers: map[string]consumer.HandlerFunc{"order.placed": func(context.Context, pgx.Tx, eventline.Event) error { return errors.New("boom") }}},
+			"the handler fails on customer/a v1 (order.placed) when each event is applied once, in order, without faults: boom"},
+	} {
+		f, err := eventlinetest.Check(t.Context(), tc.c)
+		require.Nil(t, f, name)
+		require.ErrorContains(t, err, tc.want, name)
+	}
+}
+
+// TestSetupRowsAndSequencesAreRestoredForEveryRun: rows Setup inserts,
+// across a foreign key, and the sequences behind serial columns, are what
+// every run starts from.
+func TestSetupRowsAndSequencesAreRestoredForEveryRun(t *testing.T) {
+	eventlinetest.Run(t, eventlinetest.Case{
+		Setup: eventlinetest.SQL(
+			`CREATE TABLE customers (name text PRIMARY KEY, tier text NOT NULL)`,
+			`CREATE TABLE invoices (no serial PRIMARY KEY, customer text NOT NULL REFERENCES customers, version bigint NOT NULL, UNIQUE (customer, version))`,
+			`INSERT INTO customers VALUES ('ada', 'gold'), ('bob', 'basic')`,
+			`INSERT INTO invoices (customer, version) VALUES ('ada', 0)`,
+		),
+		Handlers: map[string]consumer.HandlerFunc{"order.placed": func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+			_, err := tx.Exec(ctx, `INSERT INTO invoices (customer, version) VALUES ($1, $2)`, e.AggregateID, e.AggregateVersion)
+			return err
+		}},
+		Events: orders(t, []string{"ada"}, 3), // one aggregate: invoice numbers follow its versions
+		State: eventlinetest.Rows(`SELECT c.name, c.tier, i.no, i.version FROM customers c LEFT JOIN invoices i ON i.customer = c.name
+			ORDER BY 1, 4`),
+		Faults: eventlinetest.Duplicates | eventlinetest.Crashes | eventlinetest.Rebalances,
+		Trials: 6,
+	})
 }
