@@ -11,10 +11,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
@@ -33,18 +31,14 @@ const pollInterval = 20 * time.Millisecond
 // checkKafka runs each schedule end to end through Kafka and the ready
 // runner.
 func (k *kit) checkKafka(ctx context.Context, want any, seeds []uint64, replay bool) (*Failure, error) {
-	brokers := kafkatest.BrokersFromEnv()
-	if len(brokers) == 0 {
-		fake, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.Ports(0))
-		if err != nil {
-			return nil, fmt.Errorf("eventlinetest: start the in-process Kafka cluster: %w", err)
-		}
-		defer fake.Close()
-		brokers = fake.ListenAddrs()
+	cluster, err := kafkatest.New(ctx, kafkatest.Config{})
+	if err != nil {
+		return nil, fmt.Errorf("eventlinetest: %w", err)
 	}
+	defer cluster.Close()
 	for i, seed := range seeds {
 		s := k.schedule(seed)
-		r, err := k.runKafka(ctx, brokers, s, want)
+		r, err := k.runKafka(ctx, cluster, s, want)
 		if err != nil {
 			return nil, err
 		}
@@ -59,6 +53,7 @@ func (k *kit) checkKafka(ctx context.Context, want any, seeds []uint64, replay b
 // kafkaRun is one end-to-end trial in progress.
 type kafkaRun struct {
 	*kit
+	cluster      *kafkatest.Cluster
 	brokers      []string
 	topic, group string
 	metrics      *middleware.Metrics
@@ -86,23 +81,25 @@ func (r *kafkaRun) note(format string, args ...any) {
 // runKafka runs one schedule: the faulted records are published in
 // phases, consumer instances started and stopped between them, and
 // records already handled published again, then the state is compared.
-func (k *kit) runKafka(ctx context.Context, brokers []string, s schedule, want any) (res *result, err error) {
+func (k *kit) runKafka(ctx context.Context, cluster *kafkatest.Cluster, s schedule, want any) (res *result, err error) {
 	ctx, cancel := context.WithTimeout(ctx, k.TrialTimeout)
 	defer cancel()
 	if err := k.env.reset(ctx); err != nil {
 		return nil, err
 	}
-	r := &kafkaRun{kit: k, brokers: brokers, topic: kafkatest.Topic("eventlinetest"), group: kafkatest.Topic(k.Group), inject: k.newInjector(s)}
+	r := &kafkaRun{kit: k, cluster: cluster, brokers: cluster.Brokers, topic: kafkatest.Topic("eventlinetest"), group: kafkatest.Topic(k.Group), inject: k.newInjector(s)}
 	r.inject.onRun = func(note string) { r.note("handler ran for %s", note) }
 	r.reg = prometheus.NewRegistry()
 	if r.metrics, err = middleware.NewMetrics(r.reg); err != nil {
 		return nil, err
 	}
 	dlq := r.group + consumer.DeadLetterTopicSuffix
-	if err := r.createTopics(ctx, int32(s.partitions), r.topic, dlq); err != nil {
-		return nil, err
+	if err := cluster.CreateTopics(ctx, int32(s.partitions), r.topic); err != nil {
+		return nil, fmt.Errorf("eventlinetest: %w", err)
 	}
-	defer r.deleteTopics(ctx, r.topic, dlq)
+	if err := cluster.CreateTopics(ctx, 1, dlq); err != nil {
+		return nil, fmt.Errorf("eventlinetest: %w", err)
+	}
 	defer func() {
 		if stopErr := r.stopAll(); stopErr != nil && err == nil {
 			res = &result{trace: r.trace, err: stopErr}
@@ -363,49 +360,5 @@ func (r *kafkaRun) wait(ctx context.Context, what string, cond func() (bool, err
 			return fmt.Errorf("timed out waiting for %s (handled %d; Case.TrialTimeout is %s)", what, r.handled(), r.TrialTimeout)
 		case <-time.After(pollInterval + jitter):
 		}
-	}
-}
-
-func (r *kafkaRun) admin() (sarama.ClusterAdmin, error) {
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	cfg.ClientID = "eventlinetest"
-	return sarama.NewClusterAdmin(r.brokers, cfg)
-}
-
-func (r *kafkaRun) createTopics(ctx context.Context, partitions int32, topics ...string) error {
-	admin, err := r.admin()
-	if err != nil {
-		return fmt.Errorf("eventlinetest: connect to Kafka at %s: %w", strings.Join(r.brokers, ","), err)
-	}
-	defer admin.Close()
-	for _, t := range topics {
-		if err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false); err != nil {
-			return fmt.Errorf("eventlinetest: create topic %s: %w", t, err)
-		}
-		partitions = 1
-	}
-	return r.wait(ctx, "the new topics to appear", func() (bool, error) {
-		md, err := admin.DescribeTopics(topics)
-		if err != nil {
-			return false, nil
-		}
-		for _, m := range md {
-			if m.Err != sarama.ErrNoError || len(m.Partitions) == 0 {
-				return false, nil
-			}
-		}
-		return true, nil
-	})
-}
-
-func (r *kafkaRun) deleteTopics(_ context.Context, topics ...string) {
-	admin, err := r.admin()
-	if err != nil {
-		return
-	}
-	defer admin.Close()
-	for _, t := range topics {
-		_ = admin.DeleteTopic(t)
 	}
 }

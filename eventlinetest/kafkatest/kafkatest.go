@@ -1,13 +1,3 @@
-// Package kafkatest gives a test a Kafka cluster in one call: an in-process
-// one (franz-go's kfake, reached over TCP by any client, Sarama included)
-// on a free port, or the real cluster named by KAFKA_BROKERS, with the
-// test's topics created and everything cleaned up when the test ends.
-//
-//	k := kafkatest.Start(t, "orders", "billing.dlq")
-//	c, err := consumer.New(pool, consumer.Config{Brokers: k.Brokers, Group: "billing", Topics: []string{"orders"}})
-//
-// Publish puts events on a topic the way eventline's relay does, so a test
-// can feed a consumer without running a producer and a relay.
 package kafkatest
 
 import (
@@ -18,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -38,8 +29,8 @@ const BrokersEnv = "KAFKA_BROKERS"
 // DefaultPartitions is the partition count of the topics Start creates.
 const DefaultPartitions = 4
 
-// topicWait bounds how long Start waits for a new topic to appear in the
-// cluster's metadata.
+// topicWait bounds how long Start and CreateTopic wait for new topics to
+// appear in the cluster's metadata.
 const topicWait = 30 * time.Second
 
 // Config tunes StartWith. The zero value is what Start uses.
@@ -65,7 +56,7 @@ type Config struct {
 	FakeOptions []kfake.Opt
 }
 
-// Cluster is the Kafka cluster of one test.
+// Cluster is a Kafka cluster for tests.
 type Cluster struct {
 	// Brokers are the bootstrap addresses, host:port, to give clients
 	// (consumer.Config.Brokers, producer.RelayConfig.Brokers…).
@@ -75,12 +66,15 @@ type Cluster struct {
 	Fake *kfake.Cluster
 
 	partitions int32
+	mu         sync.Mutex
+	created    []string
 }
 
 // Start returns a cluster for the test with the given topics created
 // (DefaultPartitions partitions each): the cluster named by KAFKA_BROKERS
 // when it is set, otherwise a new in-process one on a free port of
-// 127.0.0.1, closed when the test ends.
+// 127.0.0.1. Everything is cleaned up when the test ends. It fails the
+// test when the cluster cannot be started or reached.
 func Start(t testing.TB, topics ...string) *Cluster {
 	t.Helper()
 	return StartWith(t, Config{Topics: topics})
@@ -89,6 +83,19 @@ func Start(t testing.TB, topics ...string) *Cluster {
 // StartWith is Start with options.
 func StartWith(t testing.TB, cfg Config) *Cluster {
 	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), topicWait)
+	defer cancel()
+	c, err := New(ctx, cfg)
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	t.Cleanup(c.Close)
+	return c
+}
+
+// New is Start outside a test, for a TestMain that shares one cluster
+// among a package's tests. Close it when done.
+func New(ctx context.Context, cfg Config) (*Cluster, error) {
 	if cfg.Partitions <= 0 {
 		cfg.Partitions = DefaultPartitions
 	}
@@ -102,15 +109,39 @@ func StartWith(t testing.TB, cfg Config) *Cluster {
 		}
 		fake, err := kfake.NewCluster(append(opts, cfg.FakeOptions...)...)
 		if err != nil {
-			t.Fatalf("kafkatest: start the in-process Kafka cluster (kfake): %v", err)
+			return nil, fmt.Errorf("kafkatest: start the in-process Kafka cluster (kfake): %w", err)
 		}
-		t.Cleanup(fake.Close)
 		c.Fake, c.Brokers = fake, fake.ListenAddrs()
 	}
-	for _, topic := range cfg.Topics {
-		c.CreateTopic(t, topic, cfg.Partitions)
+	if err := c.CreateTopics(ctx, cfg.Partitions, cfg.Topics...); err != nil {
+		c.Close()
+		return nil, err
 	}
-	return c
+	return c, nil
+}
+
+// Close deletes, on a real cluster, the topics this Cluster created, and
+// stops an in-process cluster.
+func (c *Cluster) Close() {
+	if c.Fake != nil {
+		c.Fake.Close()
+		return
+	}
+	c.mu.Lock()
+	topics := c.created
+	c.created = nil
+	c.mu.Unlock()
+	if len(topics) == 0 {
+		return
+	}
+	admin, err := sarama.NewClusterAdmin(c.Brokers, c.saramaConfig())
+	if err != nil {
+		return
+	}
+	defer admin.Close()
+	for _, t := range topics {
+		_ = admin.DeleteTopic(t)
+	}
 }
 
 // BrokersFromEnv returns the brokers listed in KAFKA_BROKERS, or nil.
@@ -138,54 +169,62 @@ func Topic(prefix string) string {
 
 // CreateTopic creates topic with the given partition count (0 means the
 // cluster's default for Start) and waits until the cluster's metadata
-// shows it. A topic that already exists is left as it is. On a real
-// cluster, a topic CreateTopic created is deleted when the test ends.
+// shows it, failing the test if it cannot. See CreateTopics.
 func (c *Cluster) CreateTopic(t testing.TB, topic string, partitions int32) {
 	t.Helper()
-	if err := eventline.ValidateTopic(topic); err != nil {
-		t.Fatalf("kafkatest: %v", err)
+	ctx, cancel := context.WithTimeout(context.Background(), topicWait)
+	defer cancel()
+	if err := c.CreateTopics(ctx, partitions, topic); err != nil {
+		t.Fatalf("%v", err)
+	}
+}
+
+// CreateTopics creates topics with the given partition count (0 means the
+// cluster's default) and waits until the cluster's metadata shows them.
+// Topics that already exist are left as they are. On a real cluster,
+// Close deletes the topics CreateTopics created.
+func (c *Cluster) CreateTopics(ctx context.Context, partitions int32, topics ...string) error {
+	if len(topics) == 0 {
+		return nil
 	}
 	if partitions <= 0 {
 		partitions = c.partitions
 	}
 	admin, err := sarama.NewClusterAdmin(c.Brokers, c.saramaConfig())
 	if err != nil {
-		t.Fatalf("kafkatest: connect to Kafka at %s: %v", strings.Join(c.Brokers, ","), err)
+		return fmt.Errorf("kafkatest: connect to Kafka at %s: %w", strings.Join(c.Brokers, ","), err)
 	}
 	defer admin.Close()
-	err = admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
-	var te *sarama.TopicError
-	switch {
-	case err == nil:
-		if !c.InProcess() {
-			t.Cleanup(func() { c.deleteTopic(t, topic) })
+	for _, topic := range topics {
+		if err := eventline.ValidateTopic(topic); err != nil {
+			return fmt.Errorf("kafkatest: %w", err)
 		}
-	case errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists:
-	default:
-		t.Fatalf("kafkatest: create topic %s on %s: %v", topic, strings.Join(c.Brokers, ","), err)
+		err = admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
+		var te *sarama.TopicError
+		switch {
+		case err == nil:
+			c.mu.Lock()
+			c.created = append(c.created, topic)
+			c.mu.Unlock()
+		case errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists:
+		default:
+			return fmt.Errorf("kafkatest: create topic %s on %s: %w", topic, strings.Join(c.Brokers, ","), err)
+		}
 	}
-	deadline := time.Now().Add(topicWait)
 	for {
-		md, err := admin.DescribeTopics([]string{topic})
-		if err == nil && len(md) == 1 && md[0].Err == sarama.ErrNoError && len(md[0].Partitions) > 0 {
-			return
+		md, err := admin.DescribeTopics(topics)
+		ready := err == nil && len(md) == len(topics)
+		for _, m := range md {
+			ready = ready && m.Err == sarama.ErrNoError && len(m.Partitions) > 0
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("kafkatest: topic %s did not appear in the cluster metadata within %s (last error: %v)", topic, topicWait, err)
+		if ready {
+			return nil
 		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-func (c *Cluster) deleteTopic(t testing.TB, topic string) {
-	admin, err := sarama.NewClusterAdmin(c.Brokers, c.saramaConfig())
-	if err != nil {
-		t.Logf("kafkatest: delete topic %s: %v", topic, err)
-		return
-	}
-	defer admin.Close()
-	if err := admin.DeleteTopic(topic); err != nil {
-		t.Logf("kafkatest: delete topic %s: %v", topic, err)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("kafkatest: topics %s did not appear in the cluster metadata: %w", strings.Join(topics, ", "), context.Cause(ctx))
+		case <-time.After(20 * time.Millisecond):
+		}
 	}
 }
 
