@@ -61,7 +61,7 @@
 // the seed that replays the schedule:
 //
 //	eventlinetest: under a fault schedule, the handler's effects differ from applying each event once, in order
-//	  replay: go test -run '^TestBilling$' -eventlinetest.seed=0x67a0be525d5a4006   (or EVENTLINETEST_SEED=…, or Case.Seed)
+//	  replay: go test -run '^TestBilling$' -eventlinetest.seed=0xbef9147c35bd3e06   (or EVENTLINETEST_SEED=…, or Case.Seed)
 //	  schedule: trial 6 of 30, testing handler errors; one partition, events in the order published
 //	  smallest failing subset found (1 of 3):
 //	    - the handler's first run for order/o-2 v1 (order.created) fails after it ran, and the event is retried
@@ -71,8 +71,8 @@
 //	    3. retry order/o-2 v1 (order.created) → instance 1: handler ran for v1; applied
 //	  …
 //	  difference (- only in order, + only after the schedule):
-//	    - emails | o-2 | 1
-//	    + emails | o-2 | 2
+//	    - mails | o-2 | 1 | <nil>
+//	    + mails | o-2 | 2 | <nil>
 //
 // A Watermill handler for your own Router goes in Case.Handler instead:
 // the kit wraps it in the eventline middleware as your Router does, and it
