@@ -155,7 +155,10 @@ type Case struct {
 	Trials int
 	// Seed replays the one schedule a failure reported. Defaults to the
 	// -eventlinetest.seed flag, then EVENTLINETEST_SEED; when none is
-	// set, schedules are drawn from a random seed.
+	// set, schedules are drawn from a random seed. A seed replays the same
+	// deliveries, except that the two deliveries racing during a rebalance
+	// may finish in either order (and, with Kafka, that the broker and the
+	// consumers' timing decide the interleaving).
 	Seed uint64
 
 	// Kafka runs each trial end to end instead: the faulted schedule is
