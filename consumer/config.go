@@ -116,6 +116,13 @@ type Config struct {
 	// back (and redelivered later). Defaults to DefaultShutdownTimeout
 	// (30s).
 	ShutdownTimeout time.Duration
+	// Upcasters, when set, rewrites each event's payload to the current
+	// schema version of its type just before its handler runs (also for
+	// events released from parking), so handlers registered with Handle
+	// and HandleJSON only ever see the current version. An event it cannot
+	// upcast is dead-lettered as permanent. Defaults to none: handlers get
+	// payloads as written.
+	Upcasters *eventline.Upcasters
 	// Middleware runs around every event, outside the eventline
 	// transaction and inside retries and dead-lettering (tracing,
 	// logging…). The first is outermost.

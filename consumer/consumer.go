@@ -148,9 +148,11 @@ func (c *Consumer) Handle(eventType string, fn HandlerFunc, opts ...HandleOption
 }
 
 // HandleJSON registers fn for events of eventType, decoding each payload
-// from JSON into a T first. A payload that does not decode is a permanent
-// error: the event is dead-lettered without retries, also when it arrives
-// out of order (the gate checks the payload before parking it).
+// from JSON into a T first, after Config.Upcasters brought it to the
+// current schema version. A payload that does not decode, or cannot be
+// upcast, is a permanent error: the event is dead-lettered without
+// retries, also when it arrives out of order (the gate checks the payload
+// before parking it).
 func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Context, tx pgx.Tx, e eventline.Event, payload T) error, opts ...HandleOption) error {
 	if fn == nil {
 		return fmt.Errorf("consumer.HandleJSON(%q): handler is nil", eventType)
@@ -177,8 +179,19 @@ func (c *Consumer) validate(_ context.Context, e eventline.Event) error {
 		}
 		return &UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group}
 	}
+	if len(c.validators[e.Type]) == 0 {
+		return nil
+	}
+	// Validate what the handler will see: the payload upcast to the
+	// current version. An event too new for the upcasters parks unchecked;
+	// a consumer that knows its version releases it (or, released here, it
+	// is dead-lettered as permanent then).
+	u, err := c.cfg.Upcasters.Upcast(e)
+	if err != nil {
+		return nil
+	}
 	for _, v := range c.validators[e.Type] {
-		if err := v(e); err != nil {
+		if err := v(u); err != nil {
 			return err
 		}
 	}
@@ -236,7 +249,14 @@ func (c *Consumer) dispatch(msg *message.Message) ([]*message.Message, error) {
 		}
 		return nil, middleware.Permanent(&UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group})
 	}
-	return nil, fn(ctx, tx, e)
+	u, err := c.cfg.Upcasters.Upcast(e)
+	if err != nil {
+		return nil, middleware.Permanent(err)
+	}
+	if u.SchemaVersion != e.SchemaVersion {
+		ctx = middleware.ContextWithEvent(ctx, u)
+	}
+	return nil, fn(ctx, tx, u)
 }
 
 // knownType rejects, before any database work, a message whose event type

@@ -42,6 +42,11 @@
 // A new consumer group starts at the oldest offset, so a consumer deployed
 // after events were published still sees them.
 //
+// With Config.Upcasters, every handler gets each event at the current
+// payload schema version of its type, upcast just before it runs (also
+// when a parked event is released); an event the upcasters cannot bring to
+// that version is dead-lettered as permanent. See eventline.Upcasters.
+//
 // Events of types nobody handles must be listed with Ignore, or they are
 // dead-lettered and, since their version is then never applied, later
 // events of their aggregate wait behind the gap.

@@ -107,6 +107,15 @@
 // [TxFromContext]): it commits with the handler's writes and is delivered
 // at least once (see Example_outboxFollowUp).
 //
+// # Payload upcasting
+//
+// [Upcast] brings each event's payload to the current schema version of
+// its type (eventline.Upcasters) just before the handler runs. Put it
+// inside the composed middleware (router.AddConsumerHandler(…).
+// AddMiddleware(el.Middleware, middleware.Upcast(up))), so events released
+// from parking pass through it too; parked and dead-lettered messages keep
+// the payload as published.
+//
 // # Metrics and logs
 //
 // [NewMetrics] creates Prometheus collectors (applied, duplicates, stale,

@@ -325,19 +325,6 @@ func consume(ctx context.Context, cfg config, log *slog.Logger, brokers []string
 		return 0, 0, err
 	}
 
-	// The handler writes its effect through the consumer transaction the
-	// middleware opened; it commits with the dedup record.
-	shipments := pgx.Identifier{cfg.Schema, "shipments"}.Sanitize()
-	ship := func(msg *message.Message) error {
-		tx, _ := middleware.TxFromContext(msg.Context())
-		e, _ := middleware.EventFromContext(msg.Context())
-		order, err := eventline.DecodePayload[OrderCreated](e)
-		if err != nil {
-			return middleware.Permanent(err)
-		}
-		_, err = tx.Exec(msg.Context(), `INSERT INTO `+shipments+` (order_id, event_id) VALUES ($1, $2)`, order.OrderID, e.ID)
-		return err
-	}
 	var seen atomic.Int64
 	countDeliveries := func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -349,7 +336,7 @@ func consume(ctx context.Context, cfg config, log *slog.Logger, brokers []string
 		}
 	}
 	const handler = "ship-orders"
-	router.AddConsumerHandler(handler, topic, sub, ship).
+	router.AddConsumerHandler(handler, topic, sub, ship(pgx.Identifier{cfg.Schema, "shipments"}.Sanitize())).
 		AddMiddleware(countDeliveries, el.MiddlewareFor(handler))
 
 	runErr := make(chan error, 1)
@@ -360,6 +347,28 @@ func consume(ctx context.Context, cfg config, log *slog.Logger, brokers []string
 	closeErr := router.Close()
 	err = errors.Join(waitErr, closeErr, <-runErr)
 	return int(seen.Load()), int(setup.Counter(reg, "eventline_consumer_events_duplicate_total", nil)), err
+}
+
+// ship is the consumer's Watermill handler: it writes the shipment into
+// the table shipments (its SQL name) through the consumer transaction the
+// middleware opened, so it commits with the dedup record.
+func ship(shipments string) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		tx, ok := middleware.TxFromContext(msg.Context())
+		if !ok {
+			return middleware.ErrNoTx
+		}
+		e, ok := middleware.EventFromContext(msg.Context())
+		if !ok {
+			return middleware.Permanent(errors.New("no decoded event in the message context: run the handler behind eventline's middleware"))
+		}
+		order, err := eventline.DecodePayload[OrderCreated](e)
+		if err != nil {
+			return middleware.Permanent(err)
+		}
+		_, err = tx.Exec(msg.Context(), `INSERT INTO `+shipments+` (order_id, event_id) VALUES ($1, $2)`, order.OrderID, e.ID)
+		return err
+	}
 }
 
 // relayPool opens the pool a relay needs: one connection per shard plus

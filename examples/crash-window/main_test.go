@@ -3,11 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/eventlinetest"
 	"github.com/eventline/eventline/examples/internal/extest"
 	"github.com/eventline/eventline/examples/internal/setup"
 )
@@ -42,4 +46,26 @@ func TestCrashWindow(t *testing.T) {
 	require.Equal(t, 1, extest.Int(t, consumed, "applied"))
 	require.Equal(t, 1, extest.Int(t, consumed, "duplicates_skipped"))
 	extest.NoConnections(t, setup.AppName(cfg.Schema))
+}
+
+// TestHandlerUnderFaults checks the Watermill handler with eventline's
+// test kit, behind the same middleware the example's router uses: every
+// order gets one shipment whatever the deliveries.
+func TestHandlerUnderFaults(t *testing.T) {
+	var events []eventline.Event
+	for i := int64(1); i <= 5; i++ {
+		e, err := eventline.NewJSONEvent("order.created", "order", fmt.Sprint(i), OrderCreated{OrderID: i, OrderNo: fmt.Sprint(i), AmountCents: 500})
+		require.NoError(t, err)
+		events = append(events, e)
+	}
+	handler := ship("shipments")
+	eventlinetest.Run(t, eventlinetest.Case{
+		DatabaseURL: setup.DatabaseURL(),
+		Setup:       eventlinetest.SQL(ddl...),
+		Handler: func(msg *message.Message) ([]*message.Message, error) {
+			return nil, handler(msg)
+		},
+		Events: events,
+		State:  eventlinetest.Rows(`SELECT order_id, event_id FROM shipments ORDER BY order_id, event_id`),
+	})
 }

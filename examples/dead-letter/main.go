@@ -324,35 +324,46 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	return nil
 }
 
-// registerHandlers registers one handler per event type. Each writes
-// through tx, the consumer transaction, so its effect commits together with
-// the version advance.
+// registerHandlers registers one handler per event type, writing to the
+// schema's tables.
 func registerHandlers(c *consumer.Consumer, schema string) error {
-	accounts, journal := pgx.Identifier{schema, "accounts"}.Sanitize(), pgx.Identifier{schema, "journal"}.Sanitize()
-	record := func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
-		_, err := tx.Exec(ctx, `INSERT INTO `+journal+` (account_id, version, event_type) VALUES ($1, $2, $3)`, e.AggregateID, e.AggregateVersion, e.Type)
+	l := ledger{accounts: pgx.Identifier{schema, "accounts"}.Sanitize(), journal: pgx.Identifier{schema, "journal"}.Sanitize()}
+	return errors.Join(
+		consumer.HandleJSON(c, Opened, l.opened),
+		consumer.HandleJSON(c, LimitChanged, l.limitChanged),
+		consumer.HandleJSON(c, Deposited, l.deposited),
+	)
+}
+
+// ledger holds the handlers. Each writes through tx, the consumer
+// transaction, so its effect commits together with the version advance.
+// accounts and journal are the tables' SQL names.
+type ledger struct{ accounts, journal string }
+
+func (l ledger) opened(ctx context.Context, tx pgx.Tx, e eventline.Event, _ AccountOpened) error {
+	if _, err := tx.Exec(ctx, `INSERT INTO `+l.accounts+` (id, version) VALUES ($1, $2)`, e.AggregateID, e.AggregateVersion); err != nil {
 		return err
 	}
-	return errors.Join(
-		consumer.HandleJSON(c, Opened, func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ AccountOpened) error {
-			if _, err := tx.Exec(ctx, `INSERT INTO `+accounts+` (id, version) VALUES ($1, $2)`, e.AggregateID, e.AggregateVersion); err != nil {
-				return err
-			}
-			return record(ctx, tx, e)
-		}),
-		consumer.HandleJSON(c, LimitChanged, func(ctx context.Context, tx pgx.Tx, e eventline.Event, l LimitChange) error {
-			if _, err := tx.Exec(ctx, `UPDATE `+accounts+` SET limit_cents = $2, version = $3 WHERE id = $1`, e.AggregateID, l.LimitCents, e.AggregateVersion); err != nil {
-				return err
-			}
-			return record(ctx, tx, e)
-		}),
-		consumer.HandleJSON(c, Deposited, func(ctx context.Context, tx pgx.Tx, e eventline.Event, d Deposit) error {
-			if _, err := tx.Exec(ctx, `UPDATE `+accounts+` SET balance = balance + $2, version = $3 WHERE id = $1`, e.AggregateID, d.AmountCents, e.AggregateVersion); err != nil {
-				return err
-			}
-			return record(ctx, tx, e)
-		}),
-	)
+	return l.record(ctx, tx, e)
+}
+
+func (l ledger) limitChanged(ctx context.Context, tx pgx.Tx, e eventline.Event, c LimitChange) error {
+	if _, err := tx.Exec(ctx, `UPDATE `+l.accounts+` SET limit_cents = $2, version = $3 WHERE id = $1`, e.AggregateID, c.LimitCents, e.AggregateVersion); err != nil {
+		return err
+	}
+	return l.record(ctx, tx, e)
+}
+
+func (l ledger) deposited(ctx context.Context, tx pgx.Tx, e eventline.Event, d Deposit) error {
+	if _, err := tx.Exec(ctx, `UPDATE `+l.accounts+` SET balance = balance + $2, version = $3 WHERE id = $1`, e.AggregateID, d.AmountCents, e.AggregateVersion); err != nil {
+		return err
+	}
+	return l.record(ctx, tx, e)
+}
+
+func (l ledger) record(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+	_, err := tx.Exec(ctx, `INSERT INTO `+l.journal+` (account_id, version, event_type) VALUES ($1, $2, $3)`, e.AggregateID, e.AggregateVersion, e.Type)
+	return err
 }
 
 func joinInts(vs []int64) string {

@@ -8,6 +8,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/eventlinetest"
 	"github.com/eventline/eventline/examples/internal/extest"
 	"github.com/eventline/eventline/examples/internal/setup"
 )
@@ -42,4 +45,40 @@ func TestDeadLetter(t *testing.T) {
 	require.Equal(t, "true", sum["applied_in_order"])
 	require.Contains(t, sum["reason"], "does not exist")
 	extest.NoConnections(t, setup.AppName(cfg.Schema))
+}
+
+// TestHandlersUnderFaults checks the three account handlers with
+// eventline's test kit: under every fault schedule (a withheld
+// account.limit_changed, as in the example, among them), each account's
+// state and the order its events were applied in equal applying each
+// event once, in order.
+func TestHandlersUnderFaults(t *testing.T) {
+	ev := func(typ, account string, payload any) eventline.Event {
+		e, err := eventline.NewJSONEvent(typ, "account", account, payload)
+		require.NoError(t, err)
+		return e
+	}
+	var events []eventline.Event
+	for _, a := range []string{poisoned, healthy} {
+		events = append(events,
+			ev(Opened, a, AccountOpened{Owner: a}),
+			ev(LimitChanged, a, LimitChange{LimitCents: 50_000}),
+			ev(Deposited, a, Deposit{AmountCents: 10_000}),
+			ev(Deposited, a, Deposit{AmountCents: 5_000}),
+		)
+	}
+	l := ledger{accounts: "accounts", journal: "journal"}
+	eventlinetest.Run(t, eventlinetest.Case{
+		DatabaseURL: setup.DatabaseURL(),
+		Setup:       eventlinetest.SQL(ddl...),
+		Handlers: map[string]consumer.HandlerFunc{
+			Opened:       eventlinetest.JSON(l.opened),
+			LimitChanged: eventlinetest.JSON(l.limitChanged),
+			Deposited:    eventlinetest.JSON(l.deposited),
+		},
+		Events: events,
+		State: eventlinetest.Rows(`SELECT 'account', id, balance, limit_cents, version, NULL FROM accounts
+			UNION ALL SELECT 'journal', account_id, NULL, NULL, NULL, string_agg(event_type || ' v' || version, ', ' ORDER BY seq) FROM journal GROUP BY account_id
+			ORDER BY 1, 2`),
+	})
 }

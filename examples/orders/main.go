@@ -95,18 +95,18 @@ type OrderCreated struct {
 // event's dedup record, or not at all.
 type orderHandler func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderCreated) error
 
-// bill is the billing group's handler: one invoice per order.
-func bill(schema string) orderHandler {
-	invoices := pgx.Identifier{schema, "invoices"}.Sanitize()
+// bill is the billing group's handler: one invoice per order, in the
+// table invoices (an SQL name, e.g. "shop"."invoices").
+func bill(invoices string) orderHandler {
 	return func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderCreated) error {
 		_, err := tx.Exec(ctx, `INSERT INTO `+invoices+` (order_id, amount_cents, event_id) VALUES ($1, $2, $3)`, o.OrderID, o.AmountCents, e.ID)
 		return err
 	}
 }
 
-// ship is the shipping group's handler: one shipment per order.
-func ship(schema string) orderHandler {
-	shipments := pgx.Identifier{schema, "shipments"}.Sanitize()
+// ship is the shipping group's handler: one shipment per order, in the
+// table shipments.
+func ship(shipments string) orderHandler {
 	return func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderCreated) error {
 		_, err := tx.Exec(ctx, `INSERT INTO `+shipments+` (order_id, event_id) VALUES ($1, $2)`, o.OrderID, e.ID)
 		return err
@@ -116,7 +116,7 @@ func ship(schema string) orderHandler {
 // groups are the consumer groups, each with its handler and effects table.
 var groups = []struct {
 	name, table string
-	handler     func(schema string) orderHandler
+	handler     func(table string) orderHandler
 }{
 	{"billing", "invoices", bill},
 	{"shipping", "shipments", ship},
@@ -234,7 +234,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		if err != nil {
 			return err
 		}
-		if err := consumer.HandleJSON(c, "order.created", g.handler(cfg.Schema)); err != nil {
+		if err := consumer.HandleJSON(c, "order.created", g.handler(pgx.Identifier{cfg.Schema, g.table}.Sanitize())); err != nil {
 			return err
 		}
 		bg.Go(func() error { return c.Run(pipeline) })

@@ -3,11 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/eventlinetest"
 	"github.com/eventline/eventline/examples/internal/extest"
 	"github.com/eventline/eventline/examples/internal/setup"
 )
@@ -40,4 +44,29 @@ func TestOrders(t *testing.T) {
 	require.Equal(t, 60, extest.Int(t, sum, "redelivered"))
 	require.Equal(t, 60, extest.Int(t, sum, "duplicates_skipped"), "each republished record is skipped once per group")
 	extest.NoConnections(t, setup.AppName(cfg.Schema))
+}
+
+// TestHandlersUnderFaults checks billing's and shipping's handlers with
+// eventline's test kit: whatever the deliveries (duplicated, reordered,
+// after crashes and rebalances, failing on first attempt), each group's
+// table ends up with one row per order, as when each event is applied
+// once.
+func TestHandlersUnderFaults(t *testing.T) {
+	var events []eventline.Event
+	for i := int64(1); i <= 6; i++ {
+		e, err := eventline.NewJSONEvent("order.created", "order", fmt.Sprint(i), OrderCreated{OrderID: i, OrderNo: fmt.Sprintf("A-%06d", i), AmountCents: 1000 + i})
+		require.NoError(t, err)
+		events = append(events, e)
+	}
+	for _, g := range groups {
+		t.Run(g.name, func(t *testing.T) {
+			eventlinetest.Run(t, eventlinetest.Case{
+				DatabaseURL: setup.DatabaseURL(),
+				Setup:       eventlinetest.SQL(ddl...),
+				Handlers:    map[string]consumer.HandlerFunc{"order.created": eventlinetest.JSON(g.handler(g.table))},
+				Events:      events,
+				State:       eventlinetest.Rows(`SELECT order_id, event_id FROM ` + g.table + ` ORDER BY order_id, event_id`),
+			})
+		})
+	}
 }

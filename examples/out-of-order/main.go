@@ -201,17 +201,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return err
 	}
 	accounts, journal := pgx.Identifier{cfg.Schema, "accounts"}.Sanitize(), pgx.Identifier{cfg.Schema, "journal"}.Sanitize()
-	err = consumer.HandleJSON(c, eventType, func(ctx context.Context, tx pgx.Tx, e eventline.Event, ch AccountChanged) error {
-		_, err := tx.Exec(ctx, `INSERT INTO `+accounts+` AS a (id, balance, version) VALUES ($1, $2, $4)
-			ON CONFLICT (id) DO UPDATE SET balance = a.balance + $2 + a.balance * $3 / 100, version = $4`,
-			e.AggregateID, ch.Deposit, ch.InterestPct, e.AggregateVersion)
-		if err != nil {
-			return err
-		}
-		_, err = tx.Exec(ctx, `INSERT INTO `+journal+` (account_id, version, event_id) VALUES ($1, $2, $3)`, e.AggregateID, e.AggregateVersion, e.ID)
-		return err
-	})
-	if err != nil {
+	if err := consumer.HandleJSON(c, eventType, applyChange(accounts, journal)); err != nil {
 		return err
 	}
 	consumerCtx, stopConsumer := context.WithCancel(context.WithoutCancel(ctx))
@@ -301,6 +291,22 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return fmt.Errorf("the consumer handled %d deliveries, want %d", handled(), delivered)
 	}
 	return nil
+}
+
+// applyChange is the consumer's handler: it updates the account's balance
+// and appends to the journal (the tables' SQL names), through tx, the
+// consumer transaction.
+func applyChange(accounts, journal string) func(ctx context.Context, tx pgx.Tx, e eventline.Event, ch AccountChanged) error {
+	return func(ctx context.Context, tx pgx.Tx, e eventline.Event, ch AccountChanged) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+accounts+` AS a (id, balance, version) VALUES ($1, $2, $4)
+			ON CONFLICT (id) DO UPDATE SET balance = a.balance + $2 + a.balance * $3 / 100, version = $4`,
+			e.AggregateID, ch.Deposit, ch.InterestPct, e.AggregateVersion)
+		if err != nil {
+			return err
+		}
+		_, err = tx.Exec(ctx, `INSERT INTO `+journal+` (account_id, version, event_id) VALUES ($1, $2, $3)`, e.AggregateID, e.AggregateVersion, e.ID)
+		return err
+	}
 }
 
 // checkJournal checks that every account's versions were applied once

@@ -3,11 +3,15 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/eventlinetest"
 	"github.com/eventline/eventline/examples/internal/extest"
 	"github.com/eventline/eventline/examples/internal/setup"
 )
@@ -39,4 +43,32 @@ func TestOutOfOrder(t *testing.T) {
 	require.Equal(t, extest.Int(t, res, "parked"), extest.Int(t, res, "released"))
 	require.Equal(t, 0, extest.Int(t, res, "parked_left"))
 	extest.NoConnections(t, setup.AppName(cfg.Schema))
+}
+
+// TestHandlerUnderFaults checks the ledger handler with eventline's test
+// kit: under every fault schedule, each account's balance and its journal
+// (versions in the order they were applied) equal applying each change
+// once, in version order.
+func TestHandlerUnderFaults(t *testing.T) {
+	var events []eventline.Event
+	for v := int64(1); v <= 4; v++ {
+		for a := int64(1); a <= 3; a++ {
+			change := AccountChanged{Deposit: 100 * (a + v)}
+			if v%2 == 0 {
+				change = AccountChanged{InterestPct: a + v}
+			}
+			e, err := eventline.NewJSONEvent(eventType, "account", fmt.Sprintf("acc-%d", a), change)
+			require.NoError(t, err)
+			events = append(events, e)
+		}
+	}
+	eventlinetest.Run(t, eventlinetest.Case{
+		DatabaseURL: setup.DatabaseURL(),
+		Setup:       eventlinetest.SQL(ddl...),
+		Handlers:    map[string]consumer.HandlerFunc{eventType: eventlinetest.JSON(applyChange("accounts", "journal"))},
+		Events:      events,
+		State: eventlinetest.Rows(`SELECT 'balance', id, balance::text FROM accounts
+			UNION ALL SELECT 'applied', account_id, string_agg(version::text, ',' ORDER BY seq) FROM journal GROUP BY account_id
+			ORDER BY 1, 2`),
+	})
 }

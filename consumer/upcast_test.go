@@ -1,0 +1,146 @@
+package consumer_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/eventlinetest/kafkatest"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/middleware"
+)
+
+// orderV3 is version 3 of the order.created payload. Version 1 was
+// {"amount": n} (whole cents), version 2 renamed it {"amount_cents": n},
+// version 3 added a currency, which was always EUR before.
+type orderV3 struct {
+	AmountCents int64  `json:"amount_cents"`
+	Currency    string `json:"currency"`
+}
+
+func orderUpcasters(t *testing.T) *eventline.Upcasters {
+	t.Helper()
+	edit := func(fn func(map[string]any)) func([]byte) ([]byte, error) {
+		return func(p []byte) ([]byte, error) {
+			var m map[string]any
+			if err := json.Unmarshal(p, &m); err != nil {
+				return nil, err
+			}
+			fn(m)
+			return json.Marshal(m)
+		}
+	}
+	up, err := eventline.NewUpcasters(map[string]int{"order.created": 3},
+		eventline.Upcaster{Type: "order.created", From: 1, Func: edit(func(m map[string]any) {
+			m["amount_cents"] = m["amount"]
+			delete(m, "amount")
+		})},
+		eventline.Upcaster{Type: "order.created", From: 2, Func: edit(func(m map[string]any) { m["currency"] = "EUR" })},
+	)
+	require.NoError(t, err)
+	return up
+}
+
+// TestUpcastersLetAVersion3HandlerReadVersions1To3 publishes order.created
+// events written as schema versions 1, 2 and 3 (one of them parked behind a
+// missing aggregate version and released later) and one written as version
+// 4, to a consumer whose handler reads version 3. The first four are
+// applied with the right amounts and currencies; the version-4 record is
+// dead-lettered, permanently, with a reason naming both versions, and the
+// partition moves on.
+func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
+	t.Parallel()
+	const group = "billing"
+	k := kafkatest.Start(t)
+	env := kenv{
+		Env:     consumertest.New(t, pgtest.Options{MaxConns: 6}),
+		brokers: k.Brokers,
+		topic:   kafkatest.Topic("orders"),
+		dlq:     kafkatest.Topic("billing-dlq"),
+	}
+	k.CreateTopic(t, env.topic, 2)
+	k.CreateTopic(t, env.dlq, 1)
+	ctx := context.Background()
+	seen := pgx.Identifier{env.Schema, "orders_seen"}.Sanitize()
+	_, err := env.Pool.Exec(ctx, `CREATE TABLE `+seen+` (order_id text, aggregate_version bigint, amount_cents bigint, currency text, PRIMARY KEY (order_id, aggregate_version))`)
+	require.NoError(t, err)
+
+	reg := prometheus.NewRegistry()
+	cfg := env.config(group)
+	cfg.Upcasters = orderUpcasters(t)
+	cfg.Metrics, err = middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	c, err := consumer.New(env.Pool, cfg)
+	require.NoError(t, err)
+	require.NoError(t, consumer.HandleJSON(c, "order.created", func(ctx context.Context, tx pgx.Tx, e eventline.Event, o orderV3) error {
+		if e.SchemaVersion != 3 {
+			return fmt.Errorf("handler got schema version %d", e.SchemaVersion)
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO `+seen+` VALUES ($1, $2, $3, $4)`, e.AggregateID, e.AggregateVersion, o.AmountCents, o.Currency)
+		return err
+	}))
+
+	ev := func(id string, version int64, schema int, payload string) eventline.Event {
+		return eventline.Event{ID: eventline.NewEventID(), Type: "order.created", SchemaVersion: schema,
+			AggregateType: "order", AggregateID: id, AggregateVersion: version, Payload: []byte(payload)}
+	}
+	published := []eventline.Event{
+		ev("o-1", 1, 1, `{"amount":1000}`),
+		ev("o-2", 1, 2, `{"amount_cents":2000}`),
+		ev("o-3", 1, 3, `{"amount_cents":3000,"currency":"USD"}`),
+		// o-4's version 2, an old version-1 payload, arrives before its
+		// version 1: it is parked as written and upcast when released.
+		ev("o-4", 2, 1, `{"amount":4200}`),
+		ev("o-4", 1, 3, `{"amount_cents":4100,"currency":"GBP"}`),
+		// Written by a newer producer than this consumer knows.
+		ev("o-9", 1, 4, `{"amount_cents":9000,"currency":"EUR","tax_cents":900}`),
+	}
+	require.NoError(t, kafkatest.Publish(ctx, env.brokers, env.topic, published...))
+	r := start(t, c)
+
+	count := func() int { return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+seen) }
+	deadLettered := func() float64 { return counterSum(t, reg, "eventline_consumer_events_dead_lettered_total") }
+	eventually(t, 60*time.Second, func() bool { return count() == 5 && deadLettered() == 1 }, "5 orders applied and 1 dead letter")
+	require.NoError(t, r.stop())
+
+	rows, err := env.Pool.Query(ctx, `SELECT order_id, aggregate_version, amount_cents, currency FROM `+seen+` ORDER BY 1, 2`)
+	require.NoError(t, err)
+	got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (string, error) {
+		var id, cur string
+		var v, amount int64
+		err := r.Scan(&id, &v, &amount, &cur)
+		return fmt.Sprintf("%s v%d %d %s", id, v, amount, cur), err
+	})
+	require.NoError(t, err)
+	for _, e := range published {
+		t.Logf("published %s v%d as schema %d %s", e.AggregateID, e.AggregateVersion, e.SchemaVersion, e.Payload)
+	}
+	t.Logf("the version-3 handler wrote:\n  %s", strings.Join(got, "\n  "))
+	require.Equal(t, []string{
+		"o-1 v1 1000 EUR",
+		"o-2 v1 2000 EUR",
+		"o-3 v1 3000 USD",
+		"o-4 v1 4100 GBP",
+		"o-4 v2 4200 EUR",
+	}, got)
+
+	dead := deadLetters(t, env, 1)
+	reason := header(dead[0], consumer.DeadLetterReasonKey)
+	t.Logf("dead letter: %s v%s schema %s, kind=%s, reason: %s", string(dead[0].Key), header(dead[0], eventline.MetaAggregateVersion),
+		header(dead[0], eventline.MetaEventVersion), header(dead[0], consumer.DeadLetterKindKey), reason)
+	require.Equal(t, "o-9", string(dead[0].Key))
+	require.Equal(t, "4", header(dead[0], eventline.MetaEventVersion), "the dead letter keeps the record as written")
+	require.Equal(t, consumer.DeadLetterPermanent, header(dead[0], consumer.DeadLetterKindKey), "an unknown version is not retried")
+	require.Contains(t, reason, "has payload schema version 4, newer than this consumer's current version 3")
+	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+seen+` WHERE order_id = 'o-9'`))
+}

@@ -1,0 +1,408 @@
+package eventlinetest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"reflect"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline/versioning"
+)
+
+// maxAttempts bounds how often one delivery is tried when the handler
+// fails on its own (an injected failure does not count): the runner would
+// retry with backoff and then dead-letter.
+const maxAttempts = 3
+
+// finalSweeps bounds the sweeper passes after a schedule, which release
+// parked events whose release failed during it.
+const finalSweeps = 3
+
+// parkTimeout keeps the sweeper from ever skipping a gap during a trial:
+// every withheld version is released, so nothing should be given up on.
+const parkTimeout = 24 * time.Hour
+
+// errInjected is the error a HandlerErrors fault returns after the
+// handler ran.
+var errInjected = errors.New("eventlinetest: injected failure after the handler ran (HandlerErrors fault); the transaction rolls back and the event is retried")
+
+// result is what one trial showed.
+type result struct {
+	// trace lists what happened, one line per delivery or fault.
+	trace []string
+	// err is a failure during the schedule (the handler failed where the
+	// reference did not, events left parked…).
+	err error
+	// got is the state State read after the schedule.
+	got      any
+	mismatch bool
+}
+
+func (r *result) failed() bool { return r.err != nil || r.mismatch }
+
+// runDirect runs one schedule by delivering the events to the eventline
+// middleware directly, from the state after Setup, and compares the state
+// after it with want.
+func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, error) {
+	ctx, cancel := context.WithTimeout(ctx, k.TrialTimeout)
+	defer cancel()
+	env := k.env
+	if err := env.reset(ctx); err != nil {
+		return nil, err
+	}
+	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s)}
+	r := &result{}
+	err := sim.run(ctx)
+	r.trace = sim.trace
+	if err != nil {
+		r.err = err
+		return r, nil
+	}
+	got, err := env.read(ctx, k.State)
+	if err != nil {
+		r.err = fmt.Errorf("Case.State failed after the schedule: %w", err)
+		return r, nil
+	}
+	r.got, r.mismatch = got, !reflect.DeepEqual(want, got)
+	return r, nil
+}
+
+// sim is one trial in progress: consumer instances sharing one schema.
+type sim struct {
+	*kit
+	env    *schemaEnv
+	s      schedule
+	rng    *rand.Rand
+	inject *injector
+
+	mu        sync.Mutex
+	trace     []string
+	instances int
+}
+
+// instance is one consumer process: its own middleware (gate, handler
+// registry, sweeper) over the shared schema, and its own metrics, read to
+// tell what became of each delivery.
+type instance struct {
+	id  int
+	el  *middleware.Eventline
+	h   message.HandlerFunc
+	reg *prometheus.Registry
+}
+
+func (s *sim) newInstance() (*instance, error) {
+	s.instances++
+	reg := prometheus.NewRegistry()
+	m, err := middleware.NewMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	el, err := middleware.New(middleware.Config{
+		DB: s.env.pool, Group: s.Group, Schema: s.env.name,
+		ParkTimeout: parkTimeout, Logger: s.Logger, Metrics: m,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("eventlinetest: %w", err)
+	}
+	return &instance{id: s.instances, el: el, h: el.Middleware(s.inject.wrap(s.inner)), reg: reg}, nil
+}
+
+// runsKey carries a delivery's list of handler runs through the context.
+type runsKey struct{}
+
+type runList struct {
+	mu   sync.Mutex
+	runs []string
+}
+
+// injector makes the handler's first run for chosen events fail after it
+// ran (HandlerErrors), and records, in the runList of the context, which
+// events the handler ran for, including parked events released within a
+// delivery.
+type injector struct {
+	// failFirst holds the events whose first handler run fails.
+	failFirst map[int]bool
+	index     map[string]int
+
+	// onRun, when set, also receives every run's note.
+	onRun func(note string)
+
+	mu   sync.Mutex
+	runs map[string]int
+}
+
+func (k *kit) newInjector(s schedule) *injector {
+	in := &injector{failFirst: map[int]bool{}, index: map[string]int{}, runs: map[string]int{}}
+	for _, f := range s.faults {
+		if f.kind == HandlerErrors {
+			in.failFirst[f.event] = true
+		}
+	}
+	for i, e := range k.Events {
+		in.index[e.ID] = i
+	}
+	return in
+}
+
+// run calls the handler for e through call.
+func (in *injector) run(ctx context.Context, e eventline.Event, call func() error) error {
+	in.mu.Lock()
+	in.runs[e.ID]++
+	first := in.runs[e.ID] == 1
+	in.mu.Unlock()
+	err := call()
+	i, known := in.index[e.ID]
+	note := fmt.Sprintf("v%d", e.AggregateVersion)
+	if in.onRun != nil {
+		defer func() { in.onRun(fmt.Sprintf("%s/%s %s", e.AggregateType, e.AggregateID, note)) }()
+	}
+	if err == nil && first && known && in.failFirst[i] {
+		err = errInjected
+		note += " (then an injected failure)"
+	} else if err != nil {
+		note += " (failed: " + firstLine(err.Error()) + ")"
+	}
+	if l, ok := ctx.Value(runsKey{}).(*runList); ok {
+		l.mu.Lock()
+		l.runs = append(l.runs, note)
+		l.mu.Unlock()
+	}
+	return err
+}
+
+// wrap returns h with the injector around it.
+func (in *injector) wrap(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		e, _ := middleware.EventFromContext(msg.Context())
+		var out []*message.Message
+		err := in.run(msg.Context(), e, func() error {
+			var err error
+			out, err = h(msg)
+			return err
+		})
+		return out, err
+	}
+}
+
+func (s *sim) note(format string, args ...any) {
+	s.mu.Lock()
+	s.trace = append(s.trace, fmt.Sprintf(format, args...))
+	s.mu.Unlock()
+}
+
+// run executes the schedule: partitions are consumed record by record by
+// their owning instance, offsets committed now and then, sweeper passes
+// run now and then, and crashes and rebalances happen before the
+// deliveries the schedule names.
+func (s *sim) run(ctx context.Context) error {
+	logs := s.logs(s.s)
+	np := len(logs)
+	next, committed := make([]int, np), make([]int, np)
+	owner := make([]*instance, np)
+	first, err := s.newInstance()
+	if err != nil {
+		return err
+	}
+	for p := range owner {
+		owner[p] = first
+	}
+	at := map[int][]fault{}
+	for _, f := range s.s.faults {
+		if f.kind == Crashes || f.kind == Rebalances {
+			at[f.after] = append(at[f.after], f)
+		}
+	}
+	remaining := func() []int {
+		var ps []int
+		for p := range logs {
+			if next[p] < len(logs[p]) {
+				ps = append(ps, p)
+			}
+		}
+		return ps
+	}
+	delivered := 0
+	for len(remaining()) > 0 {
+		for _, f := range at[delivered+1] {
+			switch f.kind {
+			case Crashes:
+				inst, err := s.newInstance()
+				if err != nil {
+					return err
+				}
+				s.note("-- crash before delivery %d: instance %d starts and reads again from the committed offsets %v (read up to %v)",
+					delivered+1, inst.id, committed, next)
+				for p := range owner {
+					owner[p], next[p] = inst, committed[p]
+				}
+			case Rebalances:
+				p := f.partition
+				old := owner[p]
+				inst, err := s.newInstance()
+				if err != nil {
+					return err
+				}
+				owner[p] = inst
+				s.note("-- rebalance before delivery %d: partition %d moves from instance %d to instance %d, which reads again from offset %d (read up to %d)",
+					delivered+1, p, old.id, inst.id, committed[p], next[p])
+				var wg sync.WaitGroup
+				var oldErr error
+				if next[p] < len(logs[p]) {
+					inflight := logs[p][next[p]]
+					wg.Go(func() { oldErr = s.deliver(ctx, old, inflight, "(in flight on the old owner)") })
+				}
+				next[p] = committed[p]
+				var newErr error
+				if next[p] < len(logs[p]) {
+					newErr = s.deliver(ctx, inst, logs[p][next[p]], fmt.Sprintf("%d.", delivered+1))
+					next[p]++
+					delivered++
+				}
+				wg.Wait()
+				if err := errors.Join(oldErr, newErr); err != nil {
+					return err
+				}
+			}
+		}
+		ps := remaining()
+		if len(ps) == 0 {
+			break
+		}
+		p := ps[len(ps)-1]
+		if !s.s.reverse {
+			p = ps[s.rng.IntN(len(ps))]
+		}
+		if err := s.deliver(ctx, owner[p], logs[p][next[p]], fmt.Sprintf("%d.", delivered+1)); err != nil {
+			return err
+		}
+		next[p]++
+		delivered++
+		if s.rng.IntN(s.s.commitEvery) == 0 {
+			committed[p] = next[p]
+		}
+		if s.rng.IntN(s.s.sweepEvery) == 0 {
+			if err := s.sweep(ctx, owner[p]); err != nil {
+				return err
+			}
+		}
+	}
+	last := owner[0]
+	for range finalSweeps {
+		n, err := last.el.Store().CountParked(ctx, s.env.pool, s.Group)
+		if err != nil {
+			return fmt.Errorf("eventlinetest: count parked events: %w", err)
+		}
+		if n == 0 {
+			return nil
+		}
+		if err := s.sweep(ctx, last); err != nil {
+			return err
+		}
+	}
+	parked, err := last.el.Store().ListParked(ctx, s.env.pool, versioning.ParkedFilter{Group: s.Group})
+	if err != nil {
+		return fmt.Errorf("eventlinetest: list parked events: %w", err)
+	}
+	if len(parked) == 0 {
+		return nil
+	}
+	var stuck []string
+	for _, p := range parked {
+		stuck = append(stuck, fmt.Sprintf("%s/%s v%d (%d failed releases, last: %s)", p.AggregateType, p.AggregateID, p.Version, p.ReleaseAttempts, p.LastError))
+	}
+	return fmt.Errorf("events are still parked after every version was delivered and %d sweeper passes: %s", finalSweeps, strings.Join(stuck, "; "))
+}
+
+// deliver hands event i to inst as a broker would, retrying (as the
+// runner's retry middleware does) after a failure.
+func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string) error {
+	for attempt := 1; ; attempt++ {
+		runs := &runList{}
+		before := counters(inst.reg)
+		_, err := inst.h(s.message(context.WithValue(ctx, runsKey{}, runs), i))
+		outcome := describeOutcome(before, counters(inst.reg), err, runs.runs)
+		what := "deliver"
+		if attempt > 1 {
+			what = "retry"
+		}
+		s.note("%s %s %s → instance %d: %s", step, what, s.label(i), inst.id, outcome)
+		switch {
+		case err == nil:
+			return nil
+		case errors.Is(err, errInjected):
+		case middleware.IsPermanent(err):
+			return fmt.Errorf("the handler failed permanently on %s, so the consumer would dead-letter it: %w", s.label(i), err)
+		case attempt >= maxAttempts:
+			return fmt.Errorf("the handler failed %d times on %s, so the consumer would dead-letter it: %w", attempt, s.label(i), err)
+		}
+	}
+}
+
+// sweep runs one sweeper pass on inst.
+func (s *sim) sweep(ctx context.Context, inst *instance) error {
+	runs := &runList{}
+	res, err := inst.el.Sweep(context.WithValue(ctx, runsKey{}, runs))
+	if err != nil {
+		return fmt.Errorf("eventlinetest: sweeper pass: %w", err)
+	}
+	if res.Released > 0 || res.Failed > 0 || len(runs.runs) > 0 {
+		s.note("-- sweeper pass on instance %d: released %d, failed %d; handler ran for %s", inst.id, res.Released, res.Failed, strings.Join(runs.runs, ", "))
+	}
+	return nil
+}
+
+// counters reads the consumer counters of one instance.
+func counters(reg *prometheus.Registry) map[string]float64 {
+	out := map[string]float64{}
+	families, err := reg.Gather()
+	if err != nil {
+		return out
+	}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			if c := m.GetCounter(); c != nil {
+				out[strings.TrimPrefix(f.GetName(), "eventline_consumer_")] += c.GetValue()
+			}
+		}
+	}
+	return out
+}
+
+func describeOutcome(before, after map[string]float64, err error, runs []string) string {
+	var parts []string
+	if len(runs) > 0 {
+		parts = append(parts, "handler ran for "+strings.Join(runs, ", "))
+	} else {
+		parts = append(parts, "handler did not run")
+	}
+	d := func(name string) int { return int(after[name] - before[name]) }
+	switch {
+	case err != nil:
+		parts = append(parts, "rolled back")
+	case d("events_applied_total") > 0:
+		parts = append(parts, "applied")
+	case d("events_duplicate_total") > 0:
+		parts = append(parts, "duplicate, skipped")
+	case d("events_stale_total") > 0:
+		parts = append(parts, "stale, discarded")
+	case d("events_parked_total") > 0:
+		parts = append(parts, "parked")
+	}
+	if n := d("parked_released_total"); n > 0 && err == nil {
+		parts = append(parts, fmt.Sprintf("released %d parked", n))
+	}
+	if n := d("parked_release_failures_total"); n > 0 && err == nil {
+		parts = append(parts, fmt.Sprintf("%d parked release failed and stays parked", n))
+	}
+	return strings.Join(slices.Clip(parts), "; ")
+}
