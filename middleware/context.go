@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 
@@ -14,15 +15,26 @@ type ctxKey int
 const (
 	txKey ctxKey = iota
 	eventKey
+	sourceKey
 )
 
 // txState is what the Tx middleware puts in the message context: the
 // transaction and the hooks to run once it has committed.
 type txState struct {
 	tx pgx.Tx
+	// entries counts how often a handler wrapped with Innermost was
+	// entered in this transaction: more than once means a retry runs
+	// inside it.
+	entries atomic.Int32
 
 	mu          sync.Mutex
 	afterCommit []func()
+}
+
+// txStateOf returns the consumer transaction's state in ctx, or nil.
+func txStateOf(ctx context.Context) *txState {
+	st, _ := ctx.Value(txKey).(*txState)
+	return st
 }
 
 // TxFromContext returns the consumer transaction the Tx middleware (or the

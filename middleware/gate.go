@@ -246,7 +246,7 @@ func (g *Gate) jumps(e eventline.Event) bool { return g.policies.For(e.Type) == 
 // (an unversioned event).
 func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
-	name := message.HandlerNameFromCtx(ctx)
+	name := HandlerName(ctx)
 	g.reg.learn(name, h)
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	k := versioning.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}

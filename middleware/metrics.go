@@ -24,6 +24,7 @@ type Metrics struct {
 	gapsSkipped     *prometheus.CounterVec
 	handlerSeconds  *prometheus.HistogramVec
 	deadLettered    *prometheus.CounterVec
+	failpath        failpathMetrics
 }
 
 // MetricsNamespace prefixes every metric name: eventline_consumer_….
@@ -44,12 +45,13 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		released:        counter("parked_released_total", "Parked events applied after their missing versions arrived or were skipped.", "group"),
 		releaseFailures: counter("parked_release_failures_total", "Attempts to apply a parked event whose handler failed; the event stays parked.", "group"),
 		gapsSkipped:     counter("gaps_skipped_total", "Version gaps given up on: by the Apply policy, or by the sweeper after the park timeout.", "group", "reason"),
-		deadLettered:    counter("events_dead_lettered_total", "Messages sent to the dead-letter topic.", "group", "reason"),
+		deadLettered:    counter("events_dead_lettered_total", "Messages dead-lettered (written to consumer_dead_letters), by kind.", "group", "reason"),
 		parked: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: "parked_events",
 			Help: "Events currently parked, as counted by the last sweeper pass."}, []string{"group"}),
 		handlerSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: "handler_duration_seconds",
 			Help: "Time spent in the user's handler, per event.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}, []string{"group", "event_type"}),
 	}
+	m.failpath = newFailpathMetrics(counter)
 	if reg != nil {
 		if err := reg.Register(m); err != nil {
 			return nil, err
@@ -59,8 +61,8 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.applied, m.duplicates, m.stale, m.parkedTotal, m.parked, m.released,
-		m.releaseFailures, m.gapsSkipped, m.handlerSeconds, m.deadLettered}
+	return append([]prometheus.Collector{m.applied, m.duplicates, m.stale, m.parkedTotal, m.parked, m.released,
+		m.releaseFailures, m.gapsSkipped, m.handlerSeconds, m.deadLettered}, m.failpath.collectors()...)
 }
 
 // Describe implements prometheus.Collector.
@@ -131,9 +133,9 @@ func (m *Metrics) observeHandler(group, typ string, d time.Duration) {
 	}
 }
 
-// DeadLettered counts a message sent to the dead-letter topic; reason is a
-// short class such as "permanent" or "retries_exhausted". The consumer
-// package calls it; call it from your own dead-letter middleware.
+// DeadLettered counts a dead-lettered message; reason is its kind, such as
+// "permanent" or "retries_exhausted". [DeadLetter] calls it; call it from
+// your own dead-letter middleware.
 func (m *Metrics) DeadLettered(group, reason string) {
 	if m != nil {
 		m.deadLettered.WithLabelValues(group, reason).Inc()

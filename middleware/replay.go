@@ -1,0 +1,149 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/versioning"
+)
+
+// replayBatch bounds the dead letters one replay pass claims.
+const replayBatch = 100
+
+// ReplayResult reports one replay pass.
+type ReplayResult struct {
+	// Replayed counts dead letters that went through their handler and
+	// committed (applied, parked, or recognised as duplicate or stale).
+	Replayed int
+	// Failed counts dead letters whose replay failed, or that were held
+	// back because an earlier dead letter of their aggregate failed; they
+	// are dead again, with the error in last_replay_error.
+	Failed int
+}
+
+// ReplayDeadLetters makes one pass over the group's dead letters whose
+// replay was requested (`eventline consumer-dlq replay`,
+// dedup.DeadLetterStore.RequestReplay). It claims them (rows another
+// replayer holds are skipped) and runs each, in order (per aggregate by
+// version, then as the records arrived), through the eventline middleware
+// and the handler registered under the dead letter's handler name, once,
+// without retries. A replay that commits marks its dead letter replayed;
+// one that fails puts it back to dead with the error, and holds back the
+// aggregate's later dead letters in the pass (so they are not applied
+// around it). An infrastructure error ends the pass; what was not replayed
+// stays requested for the next one.
+//
+// [Eventline.RunSweeper] calls it every SweepInterval.
+func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error) {
+	var res ReplayResult
+	store := el.dl.store
+	var stop error
+	err := pgx.BeginFunc(ctx, el.cfg.DB, func(tx pgx.Tx) error {
+		res = ReplayResult{}
+		dls, err := store.ClaimReplays(ctx, tx, el.cfg.Group, replayBatch)
+		if err != nil {
+			return err
+		}
+		failed := map[versioning.Key]int64{}
+		for _, d := range dls {
+			k := versioning.Key{Group: d.Group, AggregateType: d.AggregateType, AggregateID: d.AggregateID}
+			if k.AggregateID == "" {
+				k.AggregateID = fmt.Sprintf("dead letter %d", d.ID) // unrelated to any other
+			}
+			if first, ok := failed[k]; ok {
+				if err := store.MarkReplayFailed(ctx, tx, d.ID, fmt.Sprintf("not replayed: dead letter %d of the same aggregate failed to replay first", first)); err != nil {
+					return err
+				}
+				res.Failed++
+				continue
+			}
+			rerr := el.replay(ctx, d)
+			switch {
+			case rerr == nil:
+				if err := store.MarkReplayed(ctx, tx, d.ID); err != nil {
+					return err
+				}
+				res.Replayed++
+				el.cfg.Metrics.incReplay(el.cfg.Group, "replayed")
+			case ctx.Err() != nil || IsInfrastructure(rerr):
+				stop = rerr
+				return nil // keep what was marked; the rest stays requested
+			default:
+				if err := store.MarkReplayFailed(ctx, tx, d.ID, rerr.Error()); err != nil {
+					return err
+				}
+				failed[k] = d.ID
+				res.Failed++
+				el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
+				el.cfg.Logger.WarnContext(ctx, "eventline: replay of a dead letter failed; it is dead again",
+					"group", el.cfg.Group, "dead_letter_id", d.ID, "event_id", d.EventID, "error", rerr)
+			}
+		}
+		return nil
+	})
+	if err == nil {
+		err = stop
+	}
+	if err != nil {
+		return res, fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
+	}
+	return res, nil
+}
+
+// replay runs one dead letter through the eventline middleware and its
+// handler.
+func (el *Eventline) replay(ctx context.Context, d dedup.DeadLetter) error {
+	h := el.gate.reg.lookup(d.Handler)
+	if h == nil {
+		return fmt.Errorf("%w: %q; register it with Register, MiddlewareFor or AddHandler", versioning.ErrNoHandler, d.Handler)
+	}
+	msg := d.Message()
+	msg.SetContext(ContextWithSource(ctx, Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
+	_, err := el.handler(el.guard(h))(msg)
+	return err
+}
+
+// runReplays replays requested dead letters every SweepInterval until ctx
+// ends.
+func (el *Eventline) runReplays(ctx context.Context) {
+	interval := el.cfg.SweepInterval
+	if interval <= 0 {
+		interval = versioning.DefaultSweepInterval
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	down := false // the database was unavailable on the last pass
+	for {
+		res, err := el.ReplayDeadLetters(ctx)
+		switch {
+		case ctx.Err() != nil:
+			return
+		case err != nil && IsInfrastructure(err):
+			// The consumer's Retry already reports the outage; say it once.
+			log := el.cfg.Logger.DebugContext
+			if !down {
+				log = el.cfg.Logger.WarnContext
+			}
+			down = true
+			log(ctx, "eventline: cannot replay dead letters while the database is unavailable; retrying on the next tick", "group", el.cfg.Group, "error", err)
+		case err != nil && !errors.Is(err, context.Canceled):
+			down = false
+			el.cfg.Logger.ErrorContext(ctx, "eventline: replay of dead letters failed; retrying on the next tick", "group", el.cfg.Group, "error", err)
+		default:
+			down = false
+			if res.Replayed > 0 || res.Failed > 0 {
+				el.cfg.Logger.InfoContext(ctx, "eventline: dead letters replayed", "group", el.cfg.Group, "replayed", res.Replayed, "failed", res.Failed)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
