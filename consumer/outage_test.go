@@ -231,4 +231,3 @@ func TestRunNamesTheBrokersWhenKafkaIsUnreachable(t *testing.T) {
 	require.ErrorContains(t, err, "consumer.Config.Brokers")
 	require.NotContains(t, err.Error(), "dead-letter publisher")
 }
-
