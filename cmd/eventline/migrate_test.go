@@ -2,14 +2,48 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
 )
+
+// stepsFrom returns how many migrations `migrate down -steps` must roll
+// back to undo version and every later one.
+func stepsFrom(t testing.TB, version int) int {
+	t.Helper()
+	all, err := migrations.All()
+	require.NoError(t, err)
+	n := 0
+	for _, m := range all {
+		if m.Version >= version {
+			n++
+		}
+	}
+	return n
+}
+
+// rolledBack is `migrate down`'s output for version and every later one.
+func rolledBack(t testing.TB, version int) string {
+	t.Helper()
+	all, err := migrations.All()
+	require.NoError(t, err)
+	var b strings.Builder
+	for i := len(all) - 1; i >= 0; i-- {
+		if all[i].Version >= version {
+			fmt.Fprintf(&b, "rolled back %03d_%s\n", all[i].Version, all[i].Name)
+		}
+	}
+	return b.String()
+}
 
 func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 	t.Parallel()
@@ -28,10 +62,12 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 			AppliedAt *string `json:"applied_at"`
 		} `json:"migrations"`
 	}
+	all, err := migrations.All()
+	require.NoError(t, err)
 	st := okJSON[status](t, schema, "migrate", "status", "-json")
 	require.Equal(t, schema, st.Schema)
-	require.Len(t, st.Migrations, 2)
-	require.Equal(t, 2, st.Pending)
+	require.Len(t, st.Migrations, len(all))
+	require.Equal(t, len(all), st.Pending)
 	require.Equal(t, "outbox", st.Migrations[0].Name)
 	require.Nil(t, st.Migrations[0].AppliedAt)
 
@@ -47,7 +83,7 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 	require.Equal(t, 3, n)
 
 	out = ok(t, schema, "migrate", "up")
-	require.Contains(t, out, "already up to date (2 migrations, 3 outbox shards)")
+	require.Contains(t, out, fmt.Sprintf("already up to date (%d migrations, 3 outbox shards)", len(all)))
 	r = cli(t, append(dbArgs(schema), "migrate", "up", "-shards", "5")...)
 	require.Equal(t, exitFailure, r.code)
 	require.Contains(t, r.stderr, "omit -shards")
@@ -60,8 +96,14 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 	require.Regexp(t, `002\s+consumer\s+\d{4}-\d\d-\d\d`, out)
 
 	// down rolls back one migration by default.
+	last := all[len(all)-1]
+	lastLine := fmt.Sprintf("rolled back %03d_%s\n", last.Version, last.Name)
 	out = ok(t, schema, "migrate", "down")
-	require.Equal(t, "rolled back 002_consumer\n", out)
+	require.Equal(t, lastLine, out)
+	if last.Version > 2 { // and the rest of the consumer side
+		out = ok(t, schema, "migrate", "down", "-steps", strconv.Itoa(stepsFrom(t, 2)-1))
+		require.Equal(t, strings.TrimPrefix(rolledBack(t, 2), lastLine), out)
+	}
 	require.Equal(t, 0, pgtest.Count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'processed_events'`, schema))
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'outbox_0'`, schema))
 	out = ok(t, schema, "migrate", "status")
@@ -95,11 +137,29 @@ func TestMigrateDownRefusesToDropParkedEvents(t *testing.T) {
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	parkGap(t, env, "billing", "a", 1, 3)
 
-	r := cli(t, append(dbArgs(env.Schema), "migrate", "down")...)
+	steps := strconv.Itoa(stepsFrom(t, 2))
+	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-steps", steps)...)
 	require.Equal(t, exitFailure, r.code)
 	require.Contains(t, r.stderr, "parked_events holds 1 event")
 	require.Equal(t, 1, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "parked_events")))
 
-	out := ok(t, env.Schema, "migrate", "down", "-steps", "1", "-force")
-	require.Equal(t, "rolled back 002_consumer\n", out)
+	out := ok(t, env.Schema, "migrate", "down", "-steps", steps, "-force")
+	require.Equal(t, rolledBack(t, 2), out)
+}
+
+func TestMigrateDownRefusesToDropConsumerDeadLetters(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	store, err := dedup.NewDeadLetterStore(env.Schema)
+	require.NoError(t, err)
+	id, err := store.Add(context.Background(), env.Pool, dedup.DeadLetter{Group: "billing", MessageUUID: "m", Kind: dedup.KindPermanent, Reason: "r"})
+	require.NoError(t, err)
+
+	steps := strconv.Itoa(stepsFrom(t, 6))
+	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-steps", steps)...)
+	require.Equal(t, exitFailure, r.code)
+	require.Contains(t, r.stderr, "consumer_dead_letters holds 1 dead letter")
+	_, err = store.Discard(context.Background(), env.Pool, dedup.DeadLetterFilter{IDs: []int64{id}}, "test")
+	require.NoError(t, err)
+	require.Equal(t, rolledBack(t, 6), ok(t, env.Schema, "migrate", "down", "-steps", steps))
 }
