@@ -158,7 +158,7 @@ func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if err == nil {
 			return out, nil
 		}
-		if ctx.Err() != nil || errors.Is(err, context.Canceled) || IsInfrastructure(err) || errors.Is(err, ErrUnsafeComposition) {
+		if ctx.Err() != nil || IsInfrastructure(err) || errors.Is(err, ErrUnsafeComposition) {
 			return nil, err
 		}
 		rec := d.record(ctx, msg, err)

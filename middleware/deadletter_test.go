@@ -118,7 +118,6 @@ func TestDeadLetterLeavesOutagesShutdownsAndBadChainsUnacknowledged(t *testing.T
 		&middleware.InfraError{Op: "begin", Err: errors.New("connection refused")},
 		errDBDown,
 		&middleware.CompositionError{Problem: "p", Fix: "f"},
-		context.Canceled,
 	} {
 		_, err := dl.Middleware(failWith(e))(message.NewMessage("m", nil))
 		require.ErrorIs(t, err, e)

@@ -272,7 +272,12 @@ func (r Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			switch {
 			case IsPermanent(err):
 				return nil, err
-			case IsInfrastructure(err) || errors.Is(err, ErrUnsafeComposition):
+			case errors.Is(err, ErrUnsafeComposition):
+				// A deployment error: hold the event until the chain is
+				// fixed (the eventline middleware logged and counted it).
+				waits++
+				d = backoff(cfg.InfraInitialInterval, 2, cfg.InfraMaxInterval, waits)
+			case IsInfrastructure(err):
 				waits++
 				if !waiting {
 					waiting = true
