@@ -232,11 +232,17 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 		}()
 		tx, a, err := el.begin(ctx, e)
 		if err != nil {
-			return nil, el.classify(parent, ctx, stageBegin, nil, err)
+			return nil, el.classify(parent, ctx, stageBegin, false, err)
 		}
 		msg.SetContext(ContextWithEvent(ctx, e))
+		lost := false // the transaction's connection died under the handler
 		out, err = runInTx(msg, tx, func(msg *message.Message) ([]*message.Message, error) {
-			return g.proceed(msg, tx, e, inner, a)
+			out, err := g.proceed(msg, tx, e, inner, a)
+			if err != nil {
+				// Read before the rollback hands the connection back.
+				lost = tx.Conn() != nil && tx.Conn().IsClosed()
+			}
+			return out, err
 		})
 		if err != nil {
 			stage := stageHandler
@@ -244,7 +250,7 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 			if errors.As(err, &ce) {
 				stage = stageCommit
 			}
-			return nil, el.classify(parent, ctx, stage, tx, err)
+			return nil, el.classify(parent, ctx, stage, lost, err)
 		}
 		return out, nil
 	})

@@ -188,9 +188,10 @@ const (
 const probeTimeout = 5 * time.Second
 
 // classify gives a failed attempt its verdict. parent is the attempt's
-// context before the transaction deadline, ctx the one with it; tx is the
-// transaction (nil when begin failed).
-func (el *Eventline) classify(parent, ctx context.Context, stage string, tx pgx.Tx, err error) error {
+// context before the transaction deadline, ctx the one with it; lost says
+// whether the transaction's connection was closed when the handler stage
+// failed.
+func (el *Eventline) classify(parent, ctx context.Context, stage string, lost bool, err error) error {
 	if err == nil || IsPermanent(err) || errors.Is(err, ErrUnsafeComposition) || parent.Err() != nil {
 		return err
 	}
@@ -213,7 +214,6 @@ func (el *Eventline) classify(parent, ctx context.Context, stage string, tx pgx.
 		return &InfraError{Op: stage, Err: err}
 	}
 	// The handler (or the gate's statements around it) failed.
-	lost := tx != nil && tx.Conn() != nil && tx.Conn().IsClosed()
 	if isPg && !lost {
 		return err
 	}
