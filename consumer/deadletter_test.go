@@ -179,12 +179,20 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	require.NoError(t, second.Handle("thing.changed", handler))
 	require.NoError(t, second.Handle("thing.renamed", handler))
 	r = start(t, second)
-	// `eventline consumer-dlq replay -group replay -all`, newest first to
-	// show that the order requested does not matter.
-	for _, d := range []dedup.DeadLetter{dls[2], dls[1], dls[0]} {
-		_, err := store.RequestReplay(context.Background(), k.Pool, dedup.DeadLetterFilter{IDs: []int64{d.ID}})
+	// Asked to replay y3 alone, the consumer refuses: y2 is still dead.
+	_, err = store.RequestReplay(context.Background(), k.Pool, dedup.DeadLetterFilter{IDs: []int64{dls[2].ID}})
+	require.NoError(t, err)
+	eventually(t, 60*time.Second, func() bool {
+		held, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{IDs: []int64{dls[2].ID}})
 		require.NoError(t, err)
-	}
+		return len(held) == 1 && held[0].Status == dedup.StatusDead && held[0].ReplayAttempts == 1
+	}, "y3 is held back behind y2")
+	held, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{IDs: []int64{dls[2].ID}})
+	require.NoError(t, err)
+	require.Contains(t, held[0].LastReplayError, "of the same aggregate is still dead")
+	// `eventline consumer-dlq replay -group replay -all`.
+	_, err = store.RequestReplay(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group})
+	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == 6 }, "the replays fill the gaps")
 	require.NoError(t, r.stop())
 

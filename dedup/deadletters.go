@@ -144,7 +144,7 @@ type DeadLetterStore struct {
 	table string
 	cols  string
 
-	insertSQL, listSQL, claimSQL, replayedSQL, replayFailedSQL, requestSQL, discardSQL, countSQL string
+	insertSQL, listSQL, claimSQL, replayedSQL, replayFailedSQL, requestSQL, discardSQL, countSQL, earlierSQL string
 }
 
 // NewDeadLetterStore returns a store for the table in schema ("" means
@@ -189,6 +189,9 @@ func NewDeadLetterStore(schema string) (*DeadLetterStore, error) {
 		discardSQL: `UPDATE ` + t + ` SET status = 'discarded', discarded_at = now(), discard_reason = $6
 			WHERE ` + filter + ` RETURNING id`,
 		countSQL: `SELECT count(*) FROM ` + t + ` WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested')`,
+		earlierSQL: `SELECT id, aggregate_version FROM ` + t + ` WHERE consumer_group = $1 AND status = 'dead'
+			AND aggregate_type = $2 AND aggregate_id = $3 AND (aggregate_version < $4 OR (aggregate_version = $4 AND id < $5))
+			ORDER BY aggregate_version, id LIMIT 1`,
 	}, nil
 }
 
@@ -325,6 +328,25 @@ func (s *DeadLetterStore) MarkReplayFailed(ctx context.Context, db DBTX, id int6
 		return fmt.Errorf("dedup: record failed replay of dead letter %d: %w", id, err)
 	}
 	return nil
+}
+
+// EarlierDead returns the first dead letter of d's aggregate that comes
+// before d in replay order and still waits for an operator (status dead),
+// if any: replaying d before it would apply the aggregate's versions out of
+// order. Dead letters without an aggregate have none.
+func (s *DeadLetterStore) EarlierDead(ctx context.Context, db DBTX, d DeadLetter) (DeadLetter, bool, error) {
+	if d.AggregateType == "" && d.AggregateID == "" {
+		return DeadLetter{}, false, nil
+	}
+	var e DeadLetter
+	err := db.QueryRow(ctx, s.earlierSQL, d.Group, cleanText(d.AggregateType), cleanText(d.AggregateID), d.AggregateVersion, d.ID).Scan(&e.ID, &e.AggregateVersion)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return DeadLetter{}, false, nil
+	}
+	if err != nil {
+		return DeadLetter{}, false, fmt.Errorf("dedup: look for earlier dead letters of dead letter %d: %w", d.ID, err)
+	}
+	return e, true, nil
 }
 
 // CountUnresolved returns how many of the group's dead letters wait for an

@@ -34,9 +34,12 @@ type ReplayResult struct {
 // and the handler registered under the dead letter's handler name, once,
 // without retries. A replay that commits marks its dead letter replayed;
 // one that fails puts it back to dead with the error, and holds back the
-// aggregate's later dead letters in the pass (so they are not applied
-// around it). An infrastructure error ends the pass; what was not replayed
-// stays requested for the next one.
+// aggregate's later dead letters in the pass. A dead letter is not
+// replayed while an earlier one of its aggregate is still dead (not asked
+// to replay): it goes back to dead, saying which one to replay or discard
+// first. So an aggregate's dead letters are never applied out of order.
+// An infrastructure error ends the pass; what was not replayed stays
+// requested for the next one.
 //
 // [Eventline.RunSweeper] calls it every SweepInterval.
 func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error) {
@@ -59,6 +62,19 @@ func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error
 				if err := store.MarkReplayFailed(ctx, tx, d.ID, fmt.Sprintf("not replayed: dead letter %d of the same aggregate failed to replay first", first)); err != nil {
 					return err
 				}
+				res.Failed++
+				continue
+			}
+			earlier, ok, err := store.EarlierDead(ctx, tx, d)
+			if err != nil {
+				return err
+			}
+			if ok {
+				msg := fmt.Sprintf("not replayed: dead letter %d (version %d) of the same aggregate is still dead; replay it too, or discard it, first", earlier.ID, earlier.AggregateVersion)
+				if err := store.MarkReplayFailed(ctx, tx, d.ID, msg); err != nil {
+					return err
+				}
+				failed[k] = earlier.ID
 				res.Failed++
 				continue
 			}

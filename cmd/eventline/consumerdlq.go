@@ -226,8 +226,10 @@ consumer of each one's group picks them up on its next sweep (every few
 seconds), runs each once through the handler it arrived on, per aggregate in
 version order, and marks it replayed; a replay that fails puts the dead
 letter back, with the error (consumer-dlq list shows it), and holds back the
-later dead letters of its aggregate. Replaying an event that was applied in
-the meantime does nothing (the dedup record recognises it).`)
+later dead letters of its aggregate. A dead letter is not replayed while an
+earlier one of its aggregate is still dead: replay (or discard) them
+together. Replaying an event that was applied in the meantime does nothing
+(the dedup record recognises it).`)
 	sel, err := parseDLQSelection(fs, args)
 	if err != nil {
 		return err
