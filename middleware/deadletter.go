@@ -88,9 +88,9 @@ type DeadLetterConfig struct {
 //     event) or a *CompositionError;
 //   - otherwise writes the message, byte for byte, with its kind and
 //     reason, in its own transaction, and acknowledges it. A failed write
-//     is retried (waiting as [Retry] does for the database) until it
-//     succeeds or the context ends: a message is never acknowledged
-//     without its dead letter. There is no size limit and no broker that
+//     (or one the database does not answer within 30s) is retried, waiting
+//     as [Retry] does for the database, until it succeeds or the context
+//     ends: a message is never acknowledged without its dead letter. There is no size limit and no broker that
 //     can refuse it, so a dead letter can never stall its partition.
 //
 // The kind is the error's own when it has a DeadLetterKind() string
@@ -175,10 +175,16 @@ func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
+// writeTimeout bounds one attempt to write a dead letter, so a connection
+// that stops answering is given up on and the write retried on another.
+const writeTimeout = 30 * time.Second
+
 // write stores rec, retrying until it succeeds or ctx ends.
 func (d *DeadLetter) write(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
 	for attempt := 1; ; attempt++ {
-		id, err := d.store.Add(ctx, d.cfg.DB, rec)
+		wctx, cancel := context.WithTimeout(ctx, writeTimeout)
+		id, err := d.store.Add(wctx, d.cfg.DB, rec)
+		cancel()
 		if err == nil {
 			if attempt > 1 {
 				d.cfg.Logger.InfoContext(ctx, "eventline: dead letter written after failed attempts", "group", d.cfg.Group, "attempts", attempt)

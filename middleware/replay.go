@@ -15,6 +15,10 @@ import (
 // replayBatch bounds the dead letters one replay pass claims.
 const replayBatch = 100
 
+// replayStatementTimeout bounds each statement of a replay pass's claim
+// transaction (the replays themselves are bounded by Config.TxTimeout).
+const replayStatementTimeout = 30 * time.Second
+
 // ReplayResult reports one replay pass.
 type ReplayResult struct {
 	// Replayed counts dead letters that went through their handler and
@@ -43,72 +47,90 @@ type ReplayResult struct {
 //
 // [Eventline.RunSweeper] calls it every SweepInterval.
 func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error) {
-	var res ReplayResult
-	store := el.dl.store
-	var stop error
-	err := pgx.BeginFunc(ctx, el.cfg.DB, func(tx pgx.Tx) error {
-		res = ReplayResult{}
-		dls, err := store.ClaimReplays(ctx, tx, el.cfg.Group, replayBatch)
-		if err != nil {
-			return err
-		}
-		failed := map[versioning.Key]int64{}
-		for _, d := range dls {
-			k := versioning.Key{Group: d.Group, AggregateType: d.AggregateType, AggregateID: d.AggregateID}
-			if k.AggregateID == "" {
-				k.AggregateID = fmt.Sprintf("dead letter %d", d.ID) // unrelated to any other
-			}
-			if first, ok := failed[k]; ok {
-				if err := store.MarkReplayFailed(ctx, tx, d.ID, fmt.Sprintf("not replayed: dead letter %d of the same aggregate failed to replay first", first)); err != nil {
-					return err
-				}
-				res.Failed++
-				continue
-			}
-			earlier, ok, err := store.EarlierDead(ctx, tx, d)
-			if err != nil {
-				return err
-			}
-			if ok {
-				msg := fmt.Sprintf("not replayed: dead letter %d (version %d) of the same aggregate is still dead; replay it too, or discard it, first", earlier.ID, earlier.AggregateVersion)
-				if err := store.MarkReplayFailed(ctx, tx, d.ID, msg); err != nil {
-					return err
-				}
-				failed[k] = earlier.ID
-				res.Failed++
-				continue
-			}
-			rerr := el.replay(ctx, d)
-			switch {
-			case rerr == nil:
-				if err := store.MarkReplayed(ctx, tx, d.ID); err != nil {
-					return err
-				}
-				res.Replayed++
-				el.cfg.Metrics.incReplay(el.cfg.Group, "replayed")
-			case ctx.Err() != nil || IsInfrastructure(rerr):
-				stop = rerr
-				return nil // keep what was marked; the rest stays requested
-			default:
-				if err := store.MarkReplayFailed(ctx, tx, d.ID, rerr.Error()); err != nil {
-					return err
-				}
-				failed[k] = d.ID
-				res.Failed++
-				el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
-				el.cfg.Logger.WarnContext(ctx, "eventline: replay of a dead letter failed; it is dead again",
-					"group", el.cfg.Group, "dead_letter_id", d.ID, "event_id", d.EventID, "error", rerr)
-			}
-		}
-		return nil
-	})
-	if err == nil {
-		err = stop
-	}
+	res, err := el.replayPass(ctx)
 	if err != nil {
 		return res, fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
 	}
 	return res, nil
+}
+
+func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
+	var res ReplayResult
+	store := el.dl.store
+	// Each statement of the claim transaction is bounded, so a database
+	// that stops answering ends the pass instead of hanging it.
+	bounded := func(f func(ctx context.Context) error) error {
+		sctx, cancel := context.WithTimeout(ctx, replayStatementTimeout)
+		defer cancel()
+		return f(sctx)
+	}
+	var tx pgx.Tx
+	if err := bounded(func(ctx context.Context) (err error) { tx, err = el.cfg.DB.Begin(ctx); return err }); err != nil {
+		return res, err
+	}
+	defer rollback(ctx, tx)
+	var dls []dedup.DeadLetter
+	if err := bounded(func(ctx context.Context) (err error) {
+		dls, err = store.ClaimReplays(ctx, tx, el.cfg.Group, replayBatch)
+		return err
+	}); err != nil {
+		return res, err
+	}
+	fail := func(id int64, why string) error {
+		res.Failed++
+		el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
+		return bounded(func(ctx context.Context) error { return store.MarkReplayFailed(ctx, tx, id, why) })
+	}
+	var stop error
+	failed := map[versioning.Key]int64{}
+	for _, d := range dls {
+		k := versioning.Key{Group: d.Group, AggregateType: d.AggregateType, AggregateID: d.AggregateID}
+		if k.AggregateID == "" {
+			k.AggregateID = fmt.Sprintf("dead letter %d", d.ID) // unrelated to any other
+		}
+		if first, ok := failed[k]; ok {
+			if err := fail(d.ID, fmt.Sprintf("not replayed: dead letter %d of the same aggregate failed to replay first", first)); err != nil {
+				return res, err
+			}
+			continue
+		}
+		var earlier dedup.DeadLetter
+		var found bool
+		if err := bounded(func(ctx context.Context) (err error) { earlier, found, err = store.EarlierDead(ctx, tx, d); return err }); err != nil {
+			return res, err
+		}
+		if found {
+			failed[k] = earlier.ID
+			why := fmt.Sprintf("not replayed: dead letter %d (version %d) of the same aggregate is still dead; replay it too, or discard it, first", earlier.ID, earlier.AggregateVersion)
+			if err := fail(d.ID, why); err != nil {
+				return res, err
+			}
+			continue
+		}
+		rerr := el.replay(ctx, d)
+		if rerr == nil {
+			if err := bounded(func(ctx context.Context) error { return store.MarkReplayed(ctx, tx, d.ID) }); err != nil {
+				return res, err
+			}
+			res.Replayed++
+			el.cfg.Metrics.incReplay(el.cfg.Group, "replayed")
+			continue
+		}
+		if ctx.Err() != nil || IsInfrastructure(rerr) {
+			stop = rerr // keep what was marked; the rest stays requested
+			break
+		}
+		failed[k] = d.ID
+		el.cfg.Logger.WarnContext(ctx, "eventline: replay of a dead letter failed; it is dead again",
+			"group", el.cfg.Group, "dead_letter_id", d.ID, "event_id", d.EventID, "error", rerr)
+		if err := fail(d.ID, rerr.Error()); err != nil {
+			return res, err
+		}
+	}
+	if err := bounded(func(ctx context.Context) error { return tx.Commit(ctx) }); err != nil {
+		return res, err
+	}
+	return res, stop
 }
 
 // replay runs one dead letter through the eventline middleware and its
