@@ -16,6 +16,7 @@ import (
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/versioning"
 )
 
 func failWith(err error) message.HandlerFunc {
@@ -138,4 +139,40 @@ func TestDeadLetterLeavesOutagesShutdownsAndBadChainsUnacknowledged(t *testing.T
 	msg.SetContext(middleware.ContextWithTx(context.Background(), tx))
 	_, err = dl.Middleware(failWith(errors.New("x")))(msg)
 	require.ErrorIs(t, err, middleware.ErrUnsafeComposition)
+}
+
+// DeadLetterParked is the hook a sweeper uses to dead-letter a parked
+// event in its own transaction.
+func TestDeadLetterParkedWritesInTheCallersTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 2})
+	store, err := dedup.NewDeadLetterStore(env.Schema)
+	require.NoError(t, err)
+	hook := middleware.DeadLetterParked(store, "release_attempts")
+	e := consumertest.Event("a", 3)
+	msg := consumertest.Message(t, e)
+	p := versioning.Parked{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID, Version: 3, EventID: e.ID,
+		EventType: e.Type, Handler: "billing", Topic: "orders", Payload: msg.Payload, Metadata: msg.Metadata}
+
+	tx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, hook(ctx, tx, p, "gave up after 10 release attempts"))
+	require.NoError(t, tx.Rollback(ctx))
+	n, err := store.CountUnresolved(ctx, env.Pool, group)
+	require.NoError(t, err)
+	require.Zero(t, n, "rolled back with the caller's transaction")
+
+	tx, err = env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, hook(ctx, tx, p, "gave up after 10 release attempts"))
+	require.NoError(t, tx.Commit(ctx))
+	dls, err := store.List(ctx, env.Pool, dedup.DeadLetterFilter{Group: group})
+	require.NoError(t, err)
+	require.Len(t, dls, 1)
+	require.Equal(t, "release_attempts", dls[0].Kind)
+	require.Equal(t, e.ID, dls[0].EventID)
+	require.EqualValues(t, 3, dls[0].AggregateVersion)
+	require.Equal(t, map[string]string(msg.Metadata), dls[0].Metadata)
+	require.False(t, dls[0].FromKafka)
 }
