@@ -21,15 +21,26 @@ import (
 const (
 	// DefaultMaxRetries is how many times a failing event is retried
 	// before it is dead-lettered.
-	DefaultMaxRetries = 5
+	DefaultMaxRetries = middleware.DefaultMaxRetries
 	// DefaultRetryInitialInterval is the wait before the first retry.
-	DefaultRetryInitialInterval = 100 * time.Millisecond
+	DefaultRetryInitialInterval = middleware.DefaultRetryInitialInterval
 	// DefaultRetryMaxInterval caps the wait between retries.
-	DefaultRetryMaxInterval = 10 * time.Second
+	DefaultRetryMaxInterval = middleware.DefaultRetryMaxInterval
 	// DefaultRetryMultiplier scales the wait after each retry.
-	DefaultRetryMultiplier = 2.0
-	// DeadLetterTopicSuffix is appended to the group to name the default
-	// dead-letter topic.
+	DefaultRetryMultiplier = middleware.DefaultRetryMultiplier
+	// DefaultRetryJitter spreads each retry's wait by up to ±20%.
+	DefaultRetryJitter = 0.2
+	// DefaultInfraRetryInitialInterval is the first wait while the
+	// database is unavailable.
+	DefaultInfraRetryInitialInterval = middleware.DefaultInfraInitialInterval
+	// DefaultInfraRetryMaxInterval caps the waits while the database is
+	// unavailable.
+	DefaultInfraRetryMaxInterval = middleware.DefaultInfraMaxInterval
+	// DefaultTxTimeout bounds one event's transaction.
+	DefaultTxTimeout = middleware.DefaultTxTimeout
+	// DeadLetterTopicSuffix, appended to the group, is the conventional
+	// name of a dead-letter topic (Config.DeadLetterTopic is empty unless
+	// you set it).
 	DeadLetterTopicSuffix = ".dlq"
 	// DefaultShutdownTimeout bounds how long Run waits for in-flight
 	// events when its context ends.
@@ -37,6 +48,12 @@ const (
 	// NoRetries, as Config.MaxRetries, dead-letters a failing event after
 	// its first attempt.
 	NoRetries = -1
+	// NoJitter, as Config.RetryJitter, waits exactly the schedule's
+	// intervals.
+	NoJitter = -1.0
+	// NoTxTimeout, as Config.TxTimeout, leaves event transactions
+	// unbounded.
+	NoTxTimeout = middleware.NoTxTimeout
 )
 
 // Config configures a Consumer. Only Group and Topics are required.
@@ -87,11 +104,14 @@ type Config struct {
 	SweepInterval time.Duration
 	// MaxRetries is how many times a failing event is retried (each
 	// attempt in a new transaction) before it is dead-lettered. Permanent
-	// errors are not retried. Defaults to DefaultMaxRetries (5); NoRetries
-	// disables retries.
+	// errors are not retried; database outages and transaction conflicts
+	// are retried without spending it (see middleware.Retry). Defaults to
+	// DefaultMaxRetries (5); NoRetries disables retries.
 	MaxRetries int
-	// RetryInitialInterval is the wait before the first retry. Defaults to
-	// DefaultRetryInitialInterval (100ms).
+	// RetryInitialInterval is the wait before the first retry; retry n
+	// waits min(RetryInitialInterval × RetryMultiplier^(n−1),
+	// RetryMaxInterval), so the defaults wait 100ms, 200ms, 400ms, 800ms,
+	// 1.6s. Defaults to DefaultRetryInitialInterval (100ms).
 	RetryInitialInterval time.Duration
 	// RetryMaxInterval caps the wait between retries. Defaults to
 	// DefaultRetryMaxInterval (10s).
@@ -99,10 +119,32 @@ type Config struct {
 	// RetryMultiplier scales the wait after each retry. Defaults to
 	// DefaultRetryMultiplier (2).
 	RetryMultiplier float64
-	// DeadLetterTopic receives events that failed permanently or ran out
-	// of retries, with the reason in their metadata (see DeadLetter*
-	// keys). The topic must exist (eventline does not create topics).
-	// Defaults to Group + DeadLetterTopicSuffix.
+	// RetryJitter spreads each wait at random by up to this fraction of
+	// it, between 0 and 1. Defaults to DefaultRetryJitter (0.2); NoJitter
+	// waits exactly the schedule's intervals.
+	RetryJitter float64
+	// InfraRetryInitialInterval is the first wait while the database is
+	// unavailable (refused, reset, restarting, not answering within
+	// TxTimeout); waits double up to InfraRetryMaxInterval and go on for
+	// as long as the outage lasts. Defaults to
+	// DefaultInfraRetryInitialInterval (250ms).
+	InfraRetryInitialInterval time.Duration
+	// InfraRetryMaxInterval caps those waits: once the database answers
+	// again, the consumer resumes within it. Defaults to
+	// DefaultInfraRetryMaxInterval (5s).
+	InfraRetryMaxInterval time.Duration
+	// TxTimeout bounds one event's transaction (BEGIN, the handler,
+	// COMMIT); it is how a database connection that stops answering
+	// without closing is noticed (see middleware.Config.TxTimeout).
+	// Defaults to DefaultTxTimeout (1m); NoTxTimeout disables it.
+	TxTimeout time.Duration
+	// DeadLetterTopic, when set, also receives a copy of every dead
+	// letter, with the reason in its metadata (see the DeadLetter* keys).
+	// Dead letters always go to the consumer_dead_letters table first
+	// (`eventline consumer-dlq` lists and replays them); the copy is best
+	// effort: one Kafka refuses (too large, broker down) is logged and
+	// counted and never holds the partition up. The topic must exist
+	// (eventline does not create topics). Defaults to none.
 	DeadLetterTopic string
 	// SaramaConfig is the Kafka consumer's Sarama configuration. Defaults
 	// to a configuration that starts a new group at the oldest offset
@@ -157,8 +199,20 @@ func (c Config) withDefaults() Config {
 	if c.RetryMultiplier == 0 {
 		c.RetryMultiplier = DefaultRetryMultiplier
 	}
-	if c.DeadLetterTopic == "" && c.Group != "" {
-		c.DeadLetterTopic = c.Group + DeadLetterTopicSuffix
+	switch c.RetryJitter {
+	case 0:
+		c.RetryJitter = DefaultRetryJitter
+	case NoJitter:
+		c.RetryJitter = 0
+	}
+	if c.InfraRetryInitialInterval == 0 {
+		c.InfraRetryInitialInterval = DefaultInfraRetryInitialInterval
+	}
+	if c.InfraRetryMaxInterval == 0 {
+		c.InfraRetryMaxInterval = max(DefaultInfraRetryMaxInterval, c.InfraRetryInitialInterval)
+	}
+	if c.TxTimeout == 0 {
+		c.TxTimeout = DefaultTxTimeout
 	}
 	if c.SaramaConfig == nil {
 		c.SaramaConfig = kafkaconf.Consumer("eventline-" + c.Group)
@@ -192,11 +246,13 @@ func (c Config) validate() error {
 		}
 		seen[t] = true
 	}
-	if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
-		return fmt.Errorf("consumer.Config.DeadLetterTopic: %w", err)
-	}
-	if seen[c.DeadLetterTopic] {
-		return fmt.Errorf("consumer.Config.DeadLetterTopic %q is also in Topics: dead letters would be consumed again", c.DeadLetterTopic)
+	if c.DeadLetterTopic != "" {
+		if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
+			return fmt.Errorf("consumer.Config.DeadLetterTopic: %w", err)
+		}
+		if seen[c.DeadLetterTopic] {
+			return fmt.Errorf("consumer.Config.DeadLetterTopic %q is also in Topics: dead letters would be consumed again", c.DeadLetterTopic)
+		}
 	}
 	if err := sqlident.Validate("consumer.Config.Schema", c.Schema); err != nil {
 		return err
@@ -210,6 +266,14 @@ func (c Config) validate() error {
 		return fmt.Errorf("consumer.Config.RetryMaxInterval (%s) is below RetryInitialInterval (%s)", c.RetryMaxInterval, c.RetryInitialInterval)
 	case c.RetryMultiplier < 1:
 		return fmt.Errorf("consumer.Config.RetryMultiplier is %g; it must be at least 1", c.RetryMultiplier)
+	case c.RetryJitter < 0 || c.RetryJitter > 1:
+		return fmt.Errorf("consumer.Config.RetryJitter is %g; it must be between 0 and 1 (or NoJitter)", c.RetryJitter)
+	case c.InfraRetryInitialInterval < 0:
+		return fmt.Errorf("consumer.Config.InfraRetryInitialInterval is %s; it must be positive", c.InfraRetryInitialInterval)
+	case c.InfraRetryMaxInterval < c.InfraRetryInitialInterval:
+		return fmt.Errorf("consumer.Config.InfraRetryMaxInterval (%s) is below InfraRetryInitialInterval (%s)", c.InfraRetryMaxInterval, c.InfraRetryInitialInterval)
+	case c.TxTimeout < 0 && c.TxTimeout != NoTxTimeout:
+		return fmt.Errorf("consumer.Config.TxTimeout is %s; it must be positive (or NoTxTimeout)", c.TxTimeout)
 	case c.ShutdownTimeout < 0:
 		return fmt.Errorf("consumer.Config.ShutdownTimeout is %s; it must be positive", c.ShutdownTimeout)
 	}

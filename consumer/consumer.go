@@ -5,7 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -19,8 +19,11 @@ import (
 // event's effects through it, and they commit together with the dedup
 // record and the version advance, before the Kafka offset moves. Returning
 // an error rolls everything back; the event is retried and finally
-// dead-lettered. Wrap an error with middleware.Permanent to dead-letter at
-// once. Do not commit or roll back tx.
+// dead-lettered (to consumer_dead_letters), unless the error says the
+// database is unavailable (middleware.IsInfrastructure): then the event
+// waits for it and is never dead-lettered. Wrap an error with
+// middleware.Permanent to dead-letter at once. Do not commit or roll back
+// tx.
 type HandlerFunc func(ctx context.Context, tx pgx.Tx, e eventline.Event) error
 
 // ErrRunning is returned by Handle and Ignore after Run started, and by a
@@ -62,9 +65,12 @@ type Consumer struct {
 	validators map[string][]func(eventline.Event) error
 	ignored    map[string]bool
 
-	stopping atomic.Bool
+	// soft is canceled when the shutdown begins: retries and waits stop.
+	soft context.Context
 	// hard is canceled when in-flight events must be abandoned.
 	hard context.Context
+	// sleep, when set, replaces the retry and wait timers (tests).
+	sleep func(ctx context.Context, d time.Duration) error
 }
 
 // New returns a consumer that writes through db (a *pgxpool.Pool; keep it
@@ -89,7 +95,7 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 		GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType, Unversioned: cfg.Unversioned,
 		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap,
 		MaxReleaseAttempts: cfg.MaxReleaseAttempts, Validate: c.validate,
-		ParkTimeout: cfg.ParkTimeout, SweepInterval: cfg.SweepInterval,
+		ParkTimeout: cfg.ParkTimeout, SweepInterval: cfg.SweepInterval, TxTimeout: cfg.TxTimeout,
 		Logger: cfg.Logger, Metrics: cfg.Metrics,
 	})
 	if err != nil {

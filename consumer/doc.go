@@ -26,14 +26,29 @@
 //     would park must pass its handler's checks first (HandleJSON: the
 //     payload decodes; WithValidate), else it is dead-lettered at once.
 //     See package versioning and Config.GapPolicy.
-//   - Failures are contained: a handler error or panic rolls everything
-//     back; the event is retried with exponential backoff
-//     (Config.MaxRetries) and then sent to Config.DeadLetterTopic with the
-//     reason in its metadata (DeadLetterReasonKey, DeadLetterKindKey…).
+//   - Failures are contained, and told apart (see middleware.IsInfrastructure):
+//     a handler error or panic rolls everything back; the event is retried
+//     on a documented schedule (Config.MaxRetries, RetryInitialInterval:
+//     100ms, 200ms, 400ms, 800ms, 1.6s by default) and then dead-lettered.
 //     Messages that can never succeed (no event id, a malformed version, an
 //     unknown event type, a payload that does not decode, errors wrapped
 //     with middleware.Permanent) are dead-lettered at once. Either way the
 //     partition moves on.
+//   - A database outage never dead-letters anything: while PostgreSQL is
+//     unreachable, restarting, out of resources or not answering within
+//     Config.TxTimeout, or when the outcome of a commit is unknown, events
+//     wait (backing off up to Config.InfraRetryMaxInterval), spend none of
+//     their retry budget, and the consumer resumes by itself when the
+//     database answers again. One warning marks the start of an outage and
+//     one line its end; eventline_consumer_waiting_on_database is above 0
+//     meanwhile.
+//   - Dead letters are kept whole in the consumer's own database
+//     (consumer_dead_letters), next to the dedup records: no size limit and
+//     no broker that can refuse them, so no record can stall its partition
+//     by failing. `eventline consumer-dlq list|replay|discard` inspects
+//     them, asks the running consumer to replay them (per aggregate, in
+//     version order, through the handler they arrived on), or gives up on
+//     them. Config.DeadLetterTopic adds a best-effort copy on Kafka.
 //   - Graceful shutdown: when Run's context ends, events in flight finish
 //     (or, after Config.ShutdownTimeout, roll back), offsets of finished
 //     events are committed, and Run returns with no goroutine or connection
@@ -46,6 +61,23 @@
 // payload schema version of its type, upcast just before it runs (also
 // when a parked event is released); an event the upcasters cannot bring to
 // that version is dead-lettered as permanent. See eventline.Upcasters.
+//
+// # The consumer's pool
+//
+// Config.TxTimeout (1 minute by default) is how the consumer notices a
+// database connection that stops answering without closing (a frozen or
+// vanished host): the attempt is abandoned and, if the database does not
+// answer a probe either, treated as an outage. Configure the pool so that
+// connecting is bounded too, and so that the server releases the locks of
+// a session whose client vanished:
+//
+//	cfg, err := pgxpool.ParseConfig(url)
+//	cfg.ConnConfig.ConnectTimeout = 5 * time.Second
+//	cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "2min" // at least 2 × TxTimeout
+//	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+//
+// Give it at least two connections per topic partition processed at once
+// plus two for the sweeper and dead-letter replays.
 //
 // Events of types nobody handles must be listed with Ignore, or they are
 // dead-lettered and, since their version is then never applied, later

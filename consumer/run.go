@@ -5,68 +5,75 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
-	"time"
-	"unicode/utf8"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
-	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/middleware"
 )
 
-// Metadata keys set on a dead-lettered message, next to its original
-// metadata. DeadLetterReasonKey and DeadLetterTopicKey are Watermill's
-// PoisonQueue keys, so Watermill tooling reads them too.
+// Metadata keys set on the copy of a dead letter published to
+// Config.DeadLetterTopic, next to the message's original metadata (see the
+// middleware package's DeadLetter* keys).
 const (
 	// DeadLetterReasonKey holds the error that dead-lettered the event.
-	DeadLetterReasonKey = wmiddleware.ReasonForPoisonedKey
+	DeadLetterReasonKey = middleware.DeadLetterReasonKey
 	// DeadLetterTopicKey holds the topic the event was consumed from.
-	DeadLetterTopicKey = wmiddleware.PoisonedTopicKey
+	DeadLetterTopicKey = middleware.DeadLetterTopicKey
 	// DeadLetterHandlerKey holds the Watermill handler name.
-	DeadLetterHandlerKey = wmiddleware.PoisonedHandlerKey
-	// DeadLetterKindKey classifies the reason: DeadLetterPermanent or
-	// DeadLetterRetriesExhausted.
-	DeadLetterKindKey = "eventline_dead_kind"
+	DeadLetterHandlerKey = middleware.DeadLetterHandlerKey
+	// DeadLetterKindKey classifies the reason: DeadLetterPermanent,
+	// DeadLetterRetriesExhausted, or another component's kind.
+	DeadLetterKindKey = middleware.DeadLetterKindKey
 	// DeadLetterGroupKey holds the consumer group that gave up.
-	DeadLetterGroupKey = "eventline_dead_group"
+	DeadLetterGroupKey = middleware.DeadLetterGroupKey
 	// DeadLetterAtKey holds when, RFC 3339.
-	DeadLetterAtKey = "eventline_dead_at"
+	DeadLetterAtKey = middleware.DeadLetterAtKey
+	// DeadLetterIDKey holds the id of the dead letter's row in
+	// consumer_dead_letters.
+	DeadLetterIDKey = middleware.DeadLetterIDKey
 )
 
-// The values of DeadLetterKindKey.
+// The kinds of dead letters (consumer_dead_letters.kind, DeadLetterKindKey).
 const (
-	DeadLetterPermanent        = "permanent"
-	DeadLetterRetriesExhausted = "retries_exhausted"
+	DeadLetterPermanent        = dedup.KindPermanent
+	DeadLetterRetriesExhausted = dedup.KindRetriesExhausted
 )
-
-// maxReasonBytes bounds the reason header (a panic's stack can be long).
-const maxReasonBytes = 8 << 10
 
 // Run consumes until ctx ends, then shuts down gracefully and returns nil.
 //
 // It subscribes to Config.Topics in Config.Group with watermill-kafka (one
 // partition is processed one message at a time, so a partition's order is
 // kept), and runs every message through, outermost first: dead-lettering ▸
-// retry with exponential backoff (permanent errors skip it) ▸ a detached
-// context ▸ the event-type check ▸ Config.Middleware ▸ the eventline
-// middleware (recover ▸ tx ▸ decode ▸ dedup ▸ version gate) ▸ the handler
-// registered for the event's type. The sweeper for parked events runs next
-// to it.
+// retry (middleware.Retry: permanent errors skip it, database outages wait
+// without spending it) ▸ a detached context ▸ the event-type check ▸
+// Config.Middleware ▸ the eventline middleware (recover ▸ tx ▸ decode ▸
+// dedup ▸ version gate) ▸ the handler registered for the event's type. The
+// sweeper for parked events runs next to it, and replays the dead letters
+// an operator asked to replay (`eventline consumer-dlq replay`).
+//
+// Dead letters are written to the consumer_dead_letters table in the
+// consumer's database, whole and whatever their size, and copied to
+// Config.DeadLetterTopic when it is set. While the database is
+// unavailable nothing is dead-lettered: events wait (see
+// middleware.IsInfrastructure) and the consumer resumes by itself.
 //
 // When ctx ends Run stops taking messages, lets in-flight events finish
 // (their transactions commit or roll back as usual) for up to
 // Config.ShutdownTimeout, stops the sweeper, closes its Kafka clients and
-// returns. A message whose retries were cut short by the shutdown is not
-// dead-lettered: it is left unacknowledged and redelivered later.
+// returns. A message whose retries (or wait for the database) were cut
+// short by the shutdown is not dead-lettered: it is left unacknowledged and
+// redelivered later.
 //
-// Run returns an error when it cannot start (Kafka unreachable…) or when
-// the router stops on its own.
+// Run returns an error when it cannot start (the error names the brokers
+// when Kafka is unreachable) or when the router stops on its own.
 func (c *Consumer) Run(ctx context.Context) (err error) {
 	c.mu.Lock()
 	if c.running {
@@ -80,6 +87,9 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	wlog := watermill.NewSlogLoggerWithLevelMapping(cfg.Logger.With("component", "watermill", "group", cfg.Group),
 		map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug})
 
+	if err := c.checkKafka(ctx); err != nil {
+		return err
+	}
 	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
 		Brokers:               cfg.Brokers,
 		Unmarshaler:           kafka.DefaultMarshaler{},
@@ -87,50 +97,49 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		ConsumerGroup:         cfg.Group,
 	}, wlog)
 	if err != nil {
-		return fmt.Errorf("eventline consumer: create Kafka subscriber: %w", err)
+		return fmt.Errorf("eventline consumer: create the Kafka subscriber for brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
 	}
 	defer sub.Close()
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers:               cfg.Brokers,
-		Marshaler:             kafka.NewWithPartitioningMarshaler(deadLetterKey),
-		OverwriteSaramaConfig: kafkaconf.Producer("eventline-dlq-" + cfg.Group),
-	}, wlog)
-	if err != nil {
-		return fmt.Errorf("eventline consumer: create dead-letter publisher: %w", err)
+	dlc := middleware.DeadLetterConfig{
+		DB: c.db, Group: cfg.Group, Schema: cfg.Schema,
+		InfraInitialInterval: cfg.InfraRetryInitialInterval, InfraMaxInterval: cfg.InfraRetryMaxInterval,
+		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: c.sleep,
 	}
-	defer pub.Close()
+	if cfg.DeadLetterTopic != "" {
+		pub, err := kafka.NewPublisher(kafka.PublisherConfig{
+			Brokers:               cfg.Brokers,
+			Marshaler:             kafka.NewWithPartitioningMarshaler(deadLetterKey),
+			OverwriteSaramaConfig: kafkaconf.Producer("eventline-dlq-" + cfg.Group),
+		}, wlog)
+		if err != nil {
+			return fmt.Errorf("eventline consumer: connect the dead-letter publisher to brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
+		}
+		defer pub.Close()
+		dlc.Publisher, dlc.Topic = pub, cfg.DeadLetterTopic
+	}
+	dl, err := middleware.NewDeadLetter(dlc)
+	if err != nil {
+		return fmt.Errorf("eventline consumer: %w", err)
+	}
 
-	c.checkTopics(ctx)
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
 	if err != nil {
 		return fmt.Errorf("eventline consumer: create router: %w", err)
 	}
 	hard, abandon := context.WithCancel(context.Background())
 	defer abandon()
-	c.hard = hard
+	soft, stopping := context.WithCancel(context.Background())
+	defer stopping()
+	c.hard, c.soft = hard, soft
 
-	retry := wmiddleware.Retry{
-		MaxRetries:          cfg.MaxRetries,
-		InitialInterval:     cfg.RetryInitialInterval,
-		MaxInterval:         cfg.RetryMaxInterval,
-		Multiplier:          cfg.RetryMultiplier,
-		RandomizationFactor: 0.2,
-		ResetContextOnRetry: true,
-		ShouldRetry: func(p wmiddleware.RetryParams) bool {
-			return middleware.ShouldRetry(p) && !c.stopping.Load()
-		},
-		Logger: wlog,
-	}
-	router.AddMiddleware(c.deadLetter(pub), retry.Middleware, c.detach, c.knownType)
-	router.AddMiddleware(cfg.Middleware...)
-	router.AddMiddleware(c.el.Middleware)
+	chain := c.chain(dl)
 	for _, topic := range cfg.Topics {
 		name := HandlerName(cfg.Group, topic)
 		router.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
-			_, err := c.dispatch(msg)
+			_, err := chain(msg)
 			return err
 		})
-		c.el.Register(name, c.dispatch)
+		c.el.Register(name, c.handler)
 	}
 
 	runErr := make(chan error, 1)
@@ -162,7 +171,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		return stoppedOnItsOwn(err)
 	}
 	cfg.Logger.InfoContext(ctx, "eventline: consumer shutting down; finishing in-flight events", "group", cfg.Group, "timeout", cfg.ShutdownTimeout)
-	c.stopping.Store(true)
+	stopping()
 	closeErr := router.Close()
 	abandon()
 	<-runErr
@@ -172,6 +181,57 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	return nil
 }
 
+// chain is the per-event middleware chain, outermost first: stopping ▸
+// dead letter ▸ retry ▸ detach ▸ event-type check ▸ Config.Middleware ▸
+// eventline ▸ the handler of the event's type. Its error leaves the
+// message unacknowledged; nil acknowledges it (applied, skipped, parked or
+// dead-lettered).
+func (c *Consumer) chain(dl *middleware.DeadLetter) message.HandlerFunc {
+	cfg := c.cfg
+	retry := middleware.Retry{
+		MaxRetries: cfg.MaxRetries, InitialInterval: cfg.RetryInitialInterval, Multiplier: cfg.RetryMultiplier,
+		MaxInterval: cfg.RetryMaxInterval, Jitter: cfg.RetryJitter,
+		InfraInitialInterval: cfg.InfraRetryInitialInterval, InfraMaxInterval: cfg.InfraRetryMaxInterval,
+		Group: cfg.Group, Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: c.sleep,
+	}
+	if cfg.MaxRetries == 0 {
+		retry.MaxRetries = middleware.NoRetries // Config.withDefaults turned NoRetries into 0
+	}
+	h := c.el.Middleware(c.handler)
+	for i := len(cfg.Middleware) - 1; i >= 0; i-- {
+		h = cfg.Middleware[i](h)
+	}
+	return c.stop(dl.Middleware(retry.Middleware(c.detach(c.knownType(h)))))
+}
+
+// handler is the innermost handler: the one registered for the event's
+// type.
+func (c *Consumer) handler(msg *message.Message) ([]*message.Message, error) {
+	return middleware.Innermost(c.dispatch)(msg)
+}
+
+// stop gives the rest of the chain a context that ends when the shutdown
+// begins, so retries and waits for the database stop (and the message is
+// left unacknowledged) instead of holding the shutdown up.
+func (c *Consumer) stop(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		orig := msg.Context()
+		soft := c.soft
+		if soft == nil {
+			soft = context.Background()
+		}
+		ctx, cancel := context.WithCancel(orig)
+		stop := context.AfterFunc(soft, cancel)
+		defer func() {
+			stop()
+			cancel()
+			msg.SetContext(orig)
+		}()
+		msg.SetContext(ctx)
+		return h(msg)
+	}
+}
+
 func stoppedOnItsOwn(err error) error {
 	if err == nil {
 		err = errors.New("the router stopped on its own (see the logs)")
@@ -179,30 +239,36 @@ func stoppedOnItsOwn(err error) error {
 	return fmt.Errorf("eventline consumer: %w", err)
 }
 
-// checkTopics warns about topics that do not exist yet: eventline creates
-// none, and a missing dead-letter topic makes every dead letter fail (the
-// message is then redelivered until the topic exists).
-func (c *Consumer) checkTopics(ctx context.Context) {
+// checkKafka connects to the brokers, failing with an error that names
+// them when none answers, and warns about topics that do not exist yet:
+// eventline creates none.
+func (c *Consumer) checkKafka(ctx context.Context) error {
+	brokers := strings.Join(c.cfg.Brokers, ",")
 	client, err := sarama.NewClient(c.cfg.Brokers, kafkaconf.Consumer("eventline-check-"+c.cfg.Group))
 	if err != nil {
-		c.cfg.Logger.WarnContext(ctx, "eventline: cannot check the consumer's topics", "group", c.cfg.Group, "error", err)
-		return
+		return fmt.Errorf("eventline consumer: cannot reach the Kafka brokers %s: %w; check consumer.Config.Brokers (or %s) and that the brokers are up",
+			brokers, err, kafkaconf.BrokersEnv)
 	}
 	defer client.Close()
 	topics, err := client.Topics()
 	if err != nil {
-		c.cfg.Logger.WarnContext(ctx, "eventline: cannot check the consumer's topics", "group", c.cfg.Group, "error", err)
-		return
+		c.cfg.Logger.WarnContext(ctx, "eventline: cannot list the consumer's topics", "group", c.cfg.Group, "brokers", brokers, "error", err)
+		return nil
 	}
 	have := map[string]bool{}
 	for _, t := range topics {
 		have[t] = true
 	}
-	for _, t := range append([]string{c.cfg.DeadLetterTopic}, c.cfg.Topics...) {
+	want := c.cfg.Topics
+	if c.cfg.DeadLetterTopic != "" {
+		want = append([]string{c.cfg.DeadLetterTopic}, want...)
+	}
+	for _, t := range want {
 		if !have[t] {
 			c.cfg.Logger.WarnContext(ctx, "eventline: topic does not exist; create it (eventline creates no topics)", "group", c.cfg.Group, "topic", t)
 		}
 	}
+	return nil
 }
 
 // detach gives the rest of the chain a context that survives the end of
@@ -228,62 +294,10 @@ func (c *Consumer) detach(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// deadLetter publishes a message whose handling failed (permanently, or
-// after the last retry) to the dead-letter topic with the reason, and acks
-// it, like Watermill's PoisonQueue. If the publish fails the error stands
-// and the message is redelivered. During shutdown only permanent failures
-// are dead-lettered; others stay unacknowledged.
-func (c *Consumer) deadLetter(pub message.Publisher) message.HandlerMiddleware {
-	return func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			out, err := h(msg)
-			if err == nil {
-				return out, nil
-			}
-			permanent := middleware.IsPermanent(err)
-			if !permanent && (c.stopping.Load() || errors.Is(err, context.Canceled)) {
-				return nil, err
-			}
-			kind := DeadLetterRetriesExhausted
-			if permanent {
-				kind = DeadLetterPermanent
-			}
-			ctx := msg.Context()
-			dl := msg.Copy()
-			dl.Metadata.Set(DeadLetterReasonKey, truncate(err.Error(), maxReasonBytes))
-			dl.Metadata.Set(DeadLetterKindKey, kind)
-			dl.Metadata.Set(DeadLetterTopicKey, message.SubscribeTopicFromCtx(ctx))
-			dl.Metadata.Set(DeadLetterHandlerKey, message.HandlerNameFromCtx(ctx))
-			dl.Metadata.Set(DeadLetterGroupKey, c.cfg.Group)
-			dl.Metadata.Set(DeadLetterAtKey, time.Now().UTC().Format(time.RFC3339Nano))
-			if perr := pub.Publish(c.cfg.DeadLetterTopic, dl); perr != nil {
-				c.cfg.Logger.ErrorContext(ctx, "eventline: cannot publish to the dead-letter topic; the message will be redelivered",
-					"group", c.cfg.Group, "topic", c.cfg.DeadLetterTopic, "message_uuid", msg.UUID, "error", perr)
-				return nil, errors.Join(err, fmt.Errorf("publish to dead-letter topic %s: %w", c.cfg.DeadLetterTopic, perr))
-			}
-			c.cfg.Metrics.DeadLettered(c.cfg.Group, kind)
-			c.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered", "group", c.cfg.Group, "topic", c.cfg.DeadLetterTopic,
-				"message_uuid", msg.UUID, "event_type", msg.Metadata.Get(eventline.MetaEventType), "kind", kind, "error", err)
-			return nil, nil
-		}
-	}
-}
-
 // deadLetterKey keys dead letters like the original events: by aggregate.
 func deadLetterKey(_ string, msg *message.Message) (string, error) {
 	if k := msg.Metadata.Get(eventline.MetaAggregateID); k != "" {
 		return k, nil
 	}
 	return msg.UUID, nil
-}
-
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	s = s[:n]
-	for len(s) > 0 && !utf8.ValidString(s) {
-		s = s[:len(s)-1]
-	}
-	return s + "…"
 }

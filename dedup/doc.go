@@ -33,6 +33,15 @@
 // composed middleware.New, which folds the insert into the version gate's
 // statement so it costs no extra round trip).
 //
+// # Dead letters
+//
+// [DeadLetterStore] keeps the messages a consumer group gave up on in
+// consumer_dead_letters, in the same database: whole (payload and headers
+// as bytea), whatever their size, with their kind and reason, listable,
+// replayable in order by a running consumer, and discardable with a
+// reason (`eventline consumer-dlq`). The middleware package's DeadLetter
+// writes them.
+//
 // # Retention
 //
 // processed_events grows by one row per event. [Store.Cleanup] deletes rows

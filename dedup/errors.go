@@ -43,3 +43,7 @@ func describe(r Record) string {
 	}
 	return fmt.Sprintf("%s of %s/%s v%d", r.EventType, r.AggregateType, r.AggregateID, r.AggregateVersion)
 }
+
+// DeadLetterKind files the refused event under KindIDConflict in
+// consumer_dead_letters.
+func (e *IDConflictError) DeadLetterKind() string { return KindIDConflict }

@@ -110,6 +110,9 @@ func (s *sim) newInstance() (*instance, error) {
 	el, err := middleware.New(middleware.Config{
 		DB: s.env.pool, Group: s.Group, Schema: s.env.name,
 		ParkTimeout: parkTimeout, Logger: s.Logger, Metrics: m,
+		// A failed release is retried by the next sweep, not after a
+		// backoff: the schedules' sweeps stand for the passage of time.
+		ReleaseBackoff: time.Microsecond, MaxReleaseBackoff: time.Microsecond,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("eventlinetest: %w", err)

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 
@@ -15,6 +16,7 @@ const (
 	txKey ctxKey = iota
 	eventKey
 	lateKey
+	sourceKey
 )
 
 // txState is what the Tx middleware puts in the message context: the
@@ -22,6 +24,16 @@ const (
 // after commit live next to it in an internal/txhooks set.
 type txState struct {
 	tx pgx.Tx
+	// entries counts how often a handler wrapped with Innermost was
+	// entered in this transaction: more than once means a retry runs
+	// inside it.
+	entries atomic.Int32
+}
+
+// txStateOf returns the consumer transaction's state in ctx, or nil.
+func txStateOf(ctx context.Context) *txState {
+	st, _ := ctx.Value(txKey).(*txState)
+	return st
 }
 
 // TxFromContext returns the consumer transaction the Tx middleware (or the

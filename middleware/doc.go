@@ -48,23 +48,53 @@
 // Any error rolls back everything, the dedup record included, so the
 // message is redelivered or retried as if it had never been seen.
 //
-// # Retries and dead letters
+// # Three kinds of failure
 //
-// Mark errors that retrying cannot fix with [Permanent]; [IsPermanent] also
-// recognises invalid events, unversioned events under RejectUnversioned and
-// version conflicts. The gate returns its refusals (id conflicts, inflated
-// versions, events that fail Validate or whose content cannot be stored)
-// already marked permanent, and counts them in
-// eventline_consumer_events_refused_total. With Watermill's own middleware, the order that keeps
-// these guarantees is, outermost first:
+// Every error is one of three kinds, and each is handled its own way:
 //
-//	PoisonQueue ▸ Retry{ResetContextOnRetry: true, ShouldRetry: middleware.ShouldRetry} ▸ eventline ▸ handler
+//   - the event's fault ([IsPermanent]: it does not decode, no handler
+//     knows its type, its content breaks a database limit, or the handler
+//     wrapped its error with [Permanent]; the gate's refusals too: id
+//     conflicts, inflated versions, events that fail Validate, all counted
+//     in eventline_consumer_events_refused_total): dead-lettered at once;
+//   - the infrastructure's ([IsInfrastructure]: PostgreSQL unreachable,
+//     restarting, out of resources, not answering within Config.TxTimeout,
+//     a commit whose outcome is unknown): never dead-lettered and never
+//     counted; the consumer waits for the database and tries again;
+//   - the handler's, maybe transient (anything else): retried on [Retry]'s
+//     schedule, then dead-lettered. Transaction conflicts ([IsConflict])
+//     are retried without spending the budget.
 //
-// PoisonQueue acknowledges what it dead-letters, so it must sit outside
-// Retry; Retry must reset the context so every attempt starts a fresh
-// transaction. Never use Watermill's Deduplicator middleware: it remembers
-// a message before the handler runs and drops its redelivery after a
-// failure. Never test ordering with gochannel, which reorders messages.
+// The eventline middleware gives each failure its verdict: a timeout or a
+// lost connection under the handler is an outage only if the database does
+// not answer a probe either; otherwise it was the handler's own.
+//
+// # Retries and dead letters: the safe chain in one call
+//
+// Outermost first, the only safe order is:
+//
+//	DeadLetter ▸ Retry ▸ eventline ▸ handler
+//
+// [Eventline.AddHandler] adds a handler to your Router with exactly that
+// chain (and [Eventline.Chain] returns it as one middleware). [DeadLetter]
+// writes what the chain gave up on to consumer_dead_letters, whole, in its
+// own transaction, and never acknowledges a message without its row;
+// [Eventline.RunSweeper] replays the dead letters an operator asked to
+// replay (`eventline consumer-dlq replay`). [Retry] waits the documented
+// schedule and waits out outages.
+//
+// Another order loses events: a poison queue inside the eventline
+// middleware acknowledges a failed handler as a success, and a retry
+// inside it runs the handler twice in one transaction. The middleware
+// detects both (Watermill's PoisonQueue marks the message it dead-letters;
+// a handler wrapped with [Innermost], as AddHandler does, counts its
+// entries) and refuses the event with a *CompositionError: nothing is
+// committed, the refusal is logged and counted, and Retry and DeadLetter
+// hold the event until the chain is fixed. Do not add Watermill's
+// PoisonQueue or Retry to a router running eventline handlers, and never
+// use Watermill's Deduplicator middleware: it remembers a message before
+// the handler runs and drops its redelivery after a failure. Never test
+// ordering with gochannel, which reorders messages.
 //
 // # Parked events and the handler registry
 //
@@ -121,7 +151,9 @@
 // [NewMetrics] creates Prometheus collectors (applied, duplicates, stale,
 // parked, parked now, released, release failures, given up, late, late
 // held now, late applied, gaps skipped, refused, handler latency,
-// dead-lettered); a nil *Metrics records nothing. The event_type label is
+// dead-lettered, retries, waits for the database and events waiting on it
+// now, failed dead-letter writes and topic copies, replays, unsafe
+// compositions); a nil *Metrics records nothing. The event_type label is
 // bounded: registered types ([Metrics.RegisterEventTypes]) and the first
 // MaxUnregisteredEventTypes others keep their name, the rest count as
 // "other". Everything is logged through *slog.Logger.

@@ -37,19 +37,28 @@ func Permanent(err error) error {
 // IsPermanent reports whether err is permanent: marked with Permanent, or
 // one of the errors that can never succeed on retry: an invalid event
 // (eventline.ErrInvalidEvent), an unversioned event under
-// RejectUnversioned, or two events claiming one aggregate version.
+// RejectUnversioned, two events claiming one aggregate version, or a
+// PostgreSQL error of SQLSTATE class 22 (data exception: a NUL byte or
+// invalid UTF-8 in text, a value out of range…) or 54 (program limit
+// exceeded: a key too large for its index…), which the same data raises
+// every time.
 func IsPermanent(err error) bool {
 	var p *PermanentError
 	return errors.As(err, &p) ||
 		errors.Is(err, eventline.ErrInvalidEvent) ||
 		errors.Is(err, versioning.ErrUnversioned) ||
-		errors.Is(err, versioning.ErrParkConflict)
+		errors.Is(err, versioning.ErrParkConflict) ||
+		permanentState(err)
 }
 
 // ShouldRetry is a ShouldRetry function for Watermill's Retry middleware
 // that skips retries of permanent errors:
 //
 //	wmiddleware.Retry{MaxRetries: 5, ResetContextOnRetry: true, ShouldRetry: middleware.ShouldRetry}
+//
+// Prefer eventline's own [Retry]: Watermill's spends its budget on a
+// database outage (then the event is dead-lettered although nothing is
+// wrong with it) and waits about four times the configured intervals.
 func ShouldRetry(p wmiddleware.RetryParams) bool { return !IsPermanent(p.Err) }
 
 // PanicError is the error a recovered handler panic becomes. It is not

@@ -84,12 +84,39 @@ type Config struct {
 	// TxOptions are the consumer transactions' options. Defaults to read
 	// committed, read-write.
 	TxOptions pgx.TxOptions
+	// TxTimeout bounds one event's transaction: BEGIN, the handler and
+	// COMMIT. It is how a connection that stops answering without closing
+	// (a vanished or frozen database host) is noticed. When it passes, the
+	// transaction is abandoned and the database is probed: if it does not
+	// answer, the attempt failed for the infrastructure (the event waits,
+	// see IsInfrastructure); if it does, the handler was too slow, which
+	// counts against the retry budget. Defaults to DefaultTxTimeout (1m);
+	// NoTxTimeout disables it.
+	TxTimeout time.Duration
+	// Retry is the retry schedule of Chain and AddHandler. Zero fields
+	// take the Retry defaults; Group, Logger and Metrics default to this
+	// Config's.
+	Retry Retry
+	// DeadLetterPublisher and DeadLetterTopic, when both set, make Chain
+	// and AddHandler also publish a copy of each dead letter to that topic
+	// (best effort: the consumer_dead_letters row is always written first
+	// and is complete; a copy Kafka refuses, say for its size, is logged
+	// and counted).
+	DeadLetterPublisher message.Publisher
+	DeadLetterTopic     string // see DeadLetterPublisher
 	// Logger receives what the middleware and sweeper report. Defaults to
 	// slog.Default().
 	Logger *slog.Logger
 	// Metrics, when set, counts what happens to events.
 	Metrics *Metrics
 }
+
+// DefaultTxTimeout is the default Config.TxTimeout.
+const DefaultTxTimeout = time.Minute
+
+// NoTxTimeout, as Config.TxTimeout, leaves transactions unbounded: a
+// frozen connection then blocks its partition until TCP gives up on it.
+const NoTxTimeout = time.Duration(-1)
 
 func (c Config) validate() error {
 	switch {
@@ -101,6 +128,13 @@ func (c Config) validate() error {
 		return fmt.Errorf("middleware.Config.SweepInterval is %s; it must be positive (0 means %s)", c.SweepInterval, versioning.DefaultSweepInterval)
 	case c.SweepBatch < 0:
 		return fmt.Errorf("middleware.Config.SweepBatch is %d; it must be positive (0 means %d)", c.SweepBatch, versioning.DefaultSweepBatch)
+	case c.TxTimeout < 0 && c.TxTimeout != NoTxTimeout:
+		return fmt.Errorf("middleware.Config.TxTimeout is %s; it must be positive (0 means %s, NoTxTimeout none)", c.TxTimeout, DefaultTxTimeout)
+	case (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == ""):
+		return errors.New("middleware.Config.DeadLetterPublisher and DeadLetterTopic go together: set both to copy dead letters to a topic, or neither")
+	}
+	if _, err := c.Retry.withDefaults(); err != nil {
+		return fmt.Errorf("middleware.Config.Retry: %w", err)
 	}
 	return nil
 }
@@ -125,12 +159,21 @@ func (c Config) validate() error {
 // more than MaxGap versions missing, an event that fails Validate or
 // whose content cannot be stored when it must be parked or held.
 //
-// Put Watermill's Retry (with ResetContextOnRetry and [ShouldRetry])
-// outside it, and a poison queue outside Retry.
+// Failures carry their kind (see [IsInfrastructure]): a database that is
+// unreachable, did not answer within Config.TxTimeout, or lost the
+// connection during COMMIT (the outcome is unknown; the dedup record
+// decides on the next attempt) fails the attempt with an *InfraError, so
+// [Retry] waits for the database instead of spending its budget.
+//
+// Use [Eventline.AddHandler] (or [Eventline.Chain]) to put [DeadLetter] and
+// [Retry] around it in the only safe order. A poison queue or a retry
+// placed inside it is detected and the event refused with a
+// *CompositionError, never committed.
 type Eventline struct {
 	cfg     Config
 	gate    *Gate
 	sweeper *versioning.Sweeper
+	dl      *DeadLetter
 }
 
 // New returns the composed middleware. It fails, naming the field, when the
@@ -138,6 +181,21 @@ type Eventline struct {
 func New(cfg Config) (*Eventline, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.TxTimeout == 0 {
+		cfg.TxTimeout = DefaultTxTimeout
+	}
+	if cfg.Retry.Group == "" {
+		cfg.Retry.Group = cfg.Group
+	}
+	if cfg.Retry.Logger == nil {
+		cfg.Retry.Logger = cfg.Logger
+	}
+	if cfg.Retry.Metrics == nil {
+		cfg.Retry.Metrics = cfg.Metrics
 	}
 	gate, err := newGate(GateConfig{
 		Group: cfg.Group, Schema: cfg.Schema, GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType,
@@ -154,7 +212,15 @@ func New(cfg Config) (*Eventline, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Eventline{cfg: cfg, gate: gate, sweeper: sweeper}, nil
+	dl, err := NewDeadLetter(DeadLetterConfig{
+		DB: cfg.DB, Group: cfg.Group, Schema: cfg.Schema, Publisher: cfg.DeadLetterPublisher, Topic: cfg.DeadLetterTopic,
+		InfraInitialInterval: cfg.Retry.InfraInitialInterval, InfraMaxInterval: cfg.Retry.InfraMaxInterval,
+		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: cfg.Retry.Sleep,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("middleware.Config: %w", err)
+	}
+	return &Eventline{cfg: cfg, gate: gate, sweeper: sweeper, dl: dl}, nil
 }
 
 // Middleware returns the composed middleware; add it to a Router
@@ -167,24 +233,62 @@ func New(cfg Config) (*Eventline, error) {
 // message is decoded before the transaction begins (the statement needs
 // the event), so a malformed message costs no database work.
 func (el *Eventline) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	inner := el.guard(h)
+	el.gate.reg.wrap(inner)
+	return el.handler(inner)
+}
+
+// handler is the eventline middleware around inner, without registering
+// inner anywhere.
+func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 	g := el.gate
-	g.reg.wrap(h)
-	return Recover(func(msg *message.Message) ([]*message.Message, error) {
+	return Recover(func(msg *message.Message) (out []*message.Message, err error) {
+		parent := msg.Context()
+		if _, nested := TxFromContext(parent); nested {
+			return nil, &CompositionError{Problem: "the eventline middleware runs inside another consumer transaction",
+				Fix: "add it once per handler, outside your handler and inside Retry and DeadLetter"}
+		}
 		e, err := decode(msg)
 		if err != nil {
 			return nil, err
 		}
+		if e.Topic == "" {
+			e.Topic = SourceFromContext(parent).Topic
+		}
 		if err := g.precheck(e); err != nil {
 			return nil, err
 		}
-		tx, a, err := el.begin(msg.Context(), e)
-		if err != nil {
-			return nil, err
+		ctx, cancel := parent, context.CancelFunc(func() {})
+		if el.cfg.TxTimeout > 0 {
+			ctx, cancel = context.WithTimeout(parent, el.cfg.TxTimeout)
 		}
-		msg.SetContext(ContextWithEvent(msg.Context(), e))
-		return runInTx(msg, tx, func(msg *message.Message) ([]*message.Message, error) {
-			return g.proceed(msg, tx, e, h, a)
+		defer func() {
+			cancel()
+			msg.SetContext(parent)
+		}()
+		tx, a, err := el.begin(ctx, e)
+		if err != nil {
+			return nil, el.classify(parent, ctx, stageBegin, false, err)
+		}
+		msg.SetContext(ContextWithEvent(ctx, e))
+		lost := false // the transaction's connection died under the handler
+		out, err = runInTx(msg, tx, func(msg *message.Message) ([]*message.Message, error) {
+			out, err := g.proceed(msg, tx, e, inner, a)
+			if err != nil {
+				// Read before the rollback hands the connection back.
+				lost = tx.Conn() != nil && tx.Conn().IsClosed()
+			}
+			return out, err
 		})
+		if err != nil {
+			stage := stageHandler
+			var ce *commitError
+			if errors.As(err, &ce) {
+				stage = stageCommit
+			}
+			return nil, el.classify(parent, ctx, stage, lost, err)
+		}
+		return out, nil
 	})
 }
 
@@ -261,7 +365,20 @@ func (el *Eventline) Sweep(ctx context.Context) (versioning.SweepResult, error) 
 }
 
 // RunSweeper sweeps every SweepInterval until ctx ends, then returns nil.
-// Run it next to the router (the consumer package does).
+// Each pass also replays the group's dead letters whose replay was
+// requested (see [Eventline.ReplayDeadLetters]). Run it next to the router
+// (the consumer package does).
 func (el *Eventline) RunSweeper(ctx context.Context) error {
-	return el.sweeper.Run(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		el.runReplays(ctx)
+	}()
+	err := el.sweeper.Run(ctx)
+	<-done
+	return err
 }
+
+// DeadLetters returns the dead-letter middleware Chain and AddHandler use
+// (its Store lists, replays and discards dead letters).
+func (el *Eventline) DeadLetters() *DeadLetter { return el.dl }

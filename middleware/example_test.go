@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
-	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkaconf"
@@ -22,14 +21,14 @@ import (
 )
 
 // The composed middleware on your own Watermill Router, consuming Kafka
-// with your own watermill-kafka subscriber. A redelivered event is applied
-// once; PoisonQueue sits outside Retry, which resets the context so every
-// attempt gets a fresh transaction.
+// with your own watermill-kafka subscriber: AddHandler wraps the handler in
+// dead letters ▸ retries ▸ eventline, the only safe order. A redelivered
+// event is applied once.
 func Example_router() {
 	ctx := context.Background()
 	pool, schema, dropSchema := exampleDatabase()
 	defer dropSchema()
-	brokers, stopKafka := exampleKafka("orders", "billing.dlq")
+	brokers, stopKafka := exampleKafka("orders")
 	defer stopKafka()
 	invoices := sqlident.Qualify(schema, "invoices")
 	if _, err := pool.Exec(ctx, `CREATE TABLE `+invoices+` (order_id text, version bigint, total int)`); err != nil {
@@ -64,7 +63,7 @@ func Example_router() {
 	// Your router, your subscriber (a new group starts at the oldest offset).
 	saramaConfig := kafka.DefaultSaramaSubscriberConfig()
 	saramaConfig.Consumer.Offsets.Initial = sarama.OffsetOldest
-	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
+	kafkaSubscriber, err := kafka.NewSubscriber(kafka.SubscriberConfig{
 		Brokers: brokers, Unmarshaler: kafka.DefaultMarshaler{}, ConsumerGroup: "billing", OverwriteSaramaConfig: saramaConfig,
 	}, logger)
 	if err != nil {
@@ -78,32 +77,26 @@ func Example_router() {
 	if err != nil {
 		panic(err)
 	}
-	poison, err := wmiddleware.PoisonQueue(pub, "billing.dlq")
-	if err != nil {
-		panic(err)
-	}
 	var finished atomic.Int32 // deliveries handled to the end, duplicates included
-	router.AddMiddleware(
-		func(h message.HandlerFunc) message.HandlerFunc {
-			return func(msg *message.Message) ([]*message.Message, error) {
-				defer finished.Add(1)
-				return h(msg)
-			}
-		},
-		poison,
-		wmiddleware.Retry{MaxRetries: 3, InitialInterval: 10 * time.Millisecond, ResetContextOnRetry: true, ShouldRetry: middleware.ShouldRetry}.Middleware,
-		el.Middleware,
-	)
-	router.AddConsumerHandler("billing", "orders", sub, func(msg *message.Message) error {
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			defer finished.Add(1)
+			return h(msg)
+		}
+	})
+	_, err = el.AddHandler(router, "billing", "orders", kafkaSubscriber, func(msg *message.Message) error {
 		tx, _ := middleware.TxFromContext(msg.Context())
 		e, _ := middleware.EventFromContext(msg.Context())
 		p, err := eventline.DecodePayload[struct{ Total int }](e)
 		if err != nil {
-			return middleware.Permanent(err)
+			return middleware.Permanent(err) // dead-lettered at once
 		}
 		_, err = tx.Exec(msg.Context(), `INSERT INTO `+invoices+` VALUES ($1, $2, $3)`, e.AggregateID, e.AggregateVersion, p.Total)
 		return err
 	})
+	if err != nil {
+		panic(err)
+	}
 	go func() { _ = router.Run(ctx) }()
 	<-router.Running()
 

@@ -18,7 +18,7 @@ import (
 // unversioned event).
 func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
-	name := message.HandlerNameFromCtx(ctx)
+	name := HandlerName(ctx)
 	g.reg.learn(name, h)
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	k := versioning.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
@@ -110,7 +110,7 @@ func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	hold := g.late.For(e.Type) == versioning.HoldLate
 	late, reason, err := g.store.HoldLate(ctx, tx, versioning.LateRequest{Group: group, Event: e, Message: msg,
-		Handler: message.HandlerNameFromCtx(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
+		Handler: HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
 	if err != nil {
 		return nil, g.refusal(ctx, e, err)
 	}

@@ -35,6 +35,7 @@ type Metrics struct {
 	refused         *prometheus.CounterVec
 	handlerSeconds  *prometheus.HistogramVec
 	deadLettered    *prometheus.CounterVec
+	failpath        failpathMetrics
 
 	types typeLabels
 }
@@ -88,13 +89,14 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		lateApplied:  counter("late_applied_total", "Late events applied on an operator's request (eventline parked apply-late).", "group"),
 		givenUp:      counter("parked_given_up_total", "Parked events given up after the release-attempt limit or a permanent failure: dead-lettered, their version recorded as skipped.", "group"),
 		refused:      counter("events_refused_total", "Events the gate refused as permanent errors (dead-lettered): id_conflict, gap_too_large, invalid.", "group", "reason"),
-		deadLettered: counter("events_dead_lettered_total", "Messages sent to the dead-letter topic.", "group", "reason"),
+		deadLettered: counter("events_dead_lettered_total", "Messages dead-lettered (written to consumer_dead_letters), by kind.", "group", "reason"),
 		parked:       gauge("parked_events", "Events currently parked, as counted by the last sweeper pass."),
 		lateHeld:     gauge("late_events", "Late events currently held for the operator (arrived late, passed while parked, or given up), as counted by the last sweeper pass."),
 		handlerSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: "handler_duration_seconds",
 			Help: "Time spent in the user's handler, per event.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}, []string{"group", "event_type"}),
 		types: typeLabels{registered: map[string]bool{}, seen: map[string]bool{}},
 	}
+	m.failpath = newFailpathMetrics(counter)
 	if reg != nil {
 		if err := reg.Register(m); err != nil {
 			return nil, err
@@ -148,8 +150,9 @@ func (l *typeLabels) label(typ string) string {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.applied, m.duplicates, m.stale, m.parkedTotal, m.parked, m.released,
-		m.releaseFailures, m.gapsSkipped, m.late, m.lateHeld, m.lateApplied, m.givenUp, m.refused, m.handlerSeconds, m.deadLettered}
+	return append([]prometheus.Collector{m.applied, m.duplicates, m.stale, m.parkedTotal, m.parked, m.released,
+		m.releaseFailures, m.gapsSkipped, m.late, m.lateHeld, m.lateApplied, m.givenUp, m.refused, m.handlerSeconds, m.deadLettered},
+		m.failpath.collectors()...)
 }
 
 // Describe implements prometheus.Collector.
@@ -246,9 +249,9 @@ func (m *Metrics) observeHandler(group, typ string, d time.Duration) {
 	}
 }
 
-// DeadLettered counts a message sent to the dead-letter topic; reason is a
-// short class such as "permanent" or "retries_exhausted". The consumer
-// package calls it; call it from your own dead-letter middleware.
+// DeadLettered counts a dead-lettered message; reason is its kind, such as
+// "permanent" or "retries_exhausted". [DeadLetter] calls it; call it from
+// your own dead-letter middleware.
 func (m *Metrics) DeadLettered(group, reason string) {
 	if m != nil {
 		m.deadLettered.WithLabelValues(group, reason).Inc()

@@ -79,7 +79,7 @@ func runInTx(msg *message.Message, tx pgx.Tx, h message.HandlerFunc) (out []*mes
 	}
 	done = true
 	if err := tx.Commit(orig); err != nil {
-		return nil, fmt.Errorf("eventline: commit consumer transaction: %w", err)
+		return nil, &commitError{err: err}
 	}
 	RunAfterCommit(ctx)
 	return out, nil
@@ -137,3 +137,13 @@ func eventOf(msg *message.Message) (eventline.Event, error) {
 	}
 	return decode(msg)
 }
+
+// commitError is a failed COMMIT. When the connection died during it the
+// outcome is unknown: the transaction may have committed.
+type commitError struct{ err error }
+
+func (e *commitError) Error() string {
+	return "eventline: commit consumer transaction: " + e.err.Error()
+}
+
+func (e *commitError) Unwrap() error { return e.err }

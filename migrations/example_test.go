@@ -21,6 +21,7 @@ func ExampleAll() {
 	// 001_outbox
 	// 002_consumer
 	// 003_consumer_gate
+	// 004_consumer_dead_letters
 }
 
 // Applying the schema from a service's start-up code, before producers or

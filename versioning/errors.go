@@ -77,3 +77,7 @@ var ErrNothingParked = errors.New("eventline: the aggregate has no parked events
 // ErrNoHandler is returned (and recorded as a parked event's last error)
 // when no handler is known for a parked event.
 var ErrNoHandler = errors.New("eventline: no handler registered for the parked event")
+
+// DeadLetterKind files the refused event under "gap_too_large" in the
+// consumer's dead letters.
+func (e *GapTooLargeError) DeadLetterKind() string { return "gap_too_large" }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
@@ -145,8 +146,8 @@ relayed or dead letters not yet replayed.`)
 }
 
 // checkSafeToDrop refuses a rollback that would drop events still on their
-// way: parked or late events, unrelayed outbox rows, dead letters not
-// replayed.
+// way: parked or late events, unrelayed outbox rows, dead letters (the
+// relay's and consumers') not replayed.
 func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, targets []migrations.MigrationStatus) error {
 	for _, m := range targets {
 		switch m.Name {
@@ -169,6 +170,20 @@ func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, tar
 			if late > 0 {
 				return fmt.Errorf("refusing to roll back %03d_%s: late_events holds %s, which would be lost; apply or discard them (eventline parked late) or pass -force",
 					m.Version, m.Name, plural(late, "event"))
+			}
+		case "consumer_dead_letters":
+			store, err := dedup.NewDeadLetterStore(schema)
+			if err != nil {
+				return err
+			}
+			var n int64
+			err = pool.QueryRow(ctx, `SELECT count(*) FROM `+store.Table()+` WHERE status IN ('dead', 'replay_requested')`).Scan(&n)
+			if err != nil {
+				return fmt.Errorf("count consumer dead letters before rollback: %w", err)
+			}
+			if n > 0 {
+				return fmt.Errorf("refusing to roll back %03d_%s: consumer_dead_letters holds %s not yet replayed or discarded, which would be lost; resolve them (eventline consumer-dlq list, replay, discard) or pass -force",
+					m.Version, m.Name, plural(n, "dead letter"))
 			}
 		case "outbox":
 			st, err := producer.ReadStatus(ctx, pool, schema)

@@ -4,10 +4,12 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -16,14 +18,47 @@ import (
 	"github.com/eventline/eventline/versioning"
 )
 
-// aboveOutbox is the number of migrations after 001_outbox (the consumer
-// tables and whatever follows), so tests can roll back to the outbox alone
-// however many migrations there are.
-func aboveOutbox(t testing.TB) int {
+// stepsFrom returns how many migrations `migrate down -steps` must roll
+// back to undo version and every later one.
+func stepsFrom(t testing.TB, version int) int {
 	t.Helper()
 	all, err := migrations.All()
 	require.NoError(t, err)
-	return len(all) - 1
+	n := 0
+	for _, m := range all {
+		if m.Version >= version {
+			n++
+		}
+	}
+	return n
+}
+
+// versionOf returns the number of the migration called name.
+func versionOf(t testing.TB, name string) int {
+	t.Helper()
+	all, err := migrations.All()
+	require.NoError(t, err)
+	for _, m := range all {
+		if m.Name == name {
+			return m.Version
+		}
+	}
+	t.Fatalf("no migration named %q", name)
+	return 0
+}
+
+// rolledBack is `migrate down`'s output for version and every later one.
+func rolledBack(t testing.TB, version int) string {
+	t.Helper()
+	all, err := migrations.All()
+	require.NoError(t, err)
+	var b strings.Builder
+	for i := len(all) - 1; i >= 0; i-- {
+		if all[i].Version >= version {
+			fmt.Fprintf(&b, "rolled back %03d_%s\n", all[i].Version, all[i].Name)
+		}
+	}
+	return b.String()
 }
 
 func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
@@ -43,11 +78,12 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 			AppliedAt *string `json:"applied_at"`
 		} `json:"migrations"`
 	}
-	count := aboveOutbox(t) + 1
+	all, err := migrations.All()
+	require.NoError(t, err)
 	st := okJSON[status](t, schema, "migrate", "status", "-json")
 	require.Equal(t, schema, st.Schema)
-	require.Len(t, st.Migrations, count)
-	require.Equal(t, count, st.Pending)
+	require.Len(t, st.Migrations, len(all))
+	require.Equal(t, len(all), st.Pending)
 	require.Equal(t, "outbox", st.Migrations[0].Name)
 	require.Nil(t, st.Migrations[0].AppliedAt)
 
@@ -63,7 +99,7 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 	require.Equal(t, 3, n)
 
 	out = ok(t, schema, "migrate", "up")
-	require.Contains(t, out, fmt.Sprintf("already up to date (%d migrations, 3 outbox shards)", count))
+	require.Contains(t, out, fmt.Sprintf("already up to date (%d migrations, 3 outbox shards)", len(all)))
 	r = cli(t, append(dbArgs(schema), "migrate", "up", "-shards", "5")...)
 	require.Equal(t, exitFailure, r.code)
 	require.Contains(t, r.stderr, "omit -shards")
@@ -76,12 +112,13 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 	require.Regexp(t, `002\s+consumer\s+\d{4}-\d\d-\d\d`, out)
 
 	// down rolls back one migration by default.
-	last := st.Migrations[count-1]
+	last := all[len(all)-1]
+	lastLine := fmt.Sprintf("rolled back %03d_%s\n", last.Version, last.Name)
 	out = ok(t, schema, "migrate", "down")
-	require.Equal(t, fmt.Sprintf("rolled back %03d_%s\n", last.Version, last.Name), out)
-	if count > 2 {
-		out = ok(t, schema, "migrate", "down", "-steps", strconv.Itoa(count-2))
-		require.Contains(t, out, "rolled back 002_consumer\n")
+	require.Equal(t, lastLine, out)
+	if last.Version > 2 { // and the rest of the consumer side
+		out = ok(t, schema, "migrate", "down", "-steps", strconv.Itoa(stepsFrom(t, 2)-1))
+		require.Equal(t, strings.TrimPrefix(rolledBack(t, 2), lastLine), out)
 	}
 	require.Equal(t, 0, pgtest.Count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'processed_events'`, schema))
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'outbox_0'`, schema))
@@ -116,13 +153,14 @@ func TestMigrateDownRefusesToDropParkedEvents(t *testing.T) {
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	parkGap(t, env, "billing", "a", 1, 3)
 
-	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-steps", strconv.Itoa(aboveOutbox(t)))...)
+	steps := strconv.Itoa(stepsFrom(t, 2))
+	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-steps", steps)...)
 	require.Equal(t, exitFailure, r.code)
 	require.Contains(t, r.stderr, "parked_events holds 1 event")
 	require.Equal(t, 1, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "parked_events")))
 
-	out := ok(t, env.Schema, "migrate", "down", "-steps", strconv.Itoa(aboveOutbox(t)), "-force")
-	require.Contains(t, out, "rolled back 002_consumer\n")
+	out := ok(t, env.Schema, "migrate", "down", "-steps", steps, "-force")
+	require.Equal(t, rolledBack(t, 2), out)
 }
 
 func TestMigrateDownRefusesToDropLateEvents(t *testing.T) {
@@ -141,4 +179,21 @@ func TestMigrateDownRefusesToDropLateEvents(t *testing.T) {
 	require.Equal(t, exitFailure, r.code)
 	require.Contains(t, r.stderr, "late_events holds 1 event")
 	require.Contains(t, r.stderr, "eventline parked late")
+}
+
+func TestMigrateDownRefusesToDropConsumerDeadLetters(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	store, err := dedup.NewDeadLetterStore(env.Schema)
+	require.NoError(t, err)
+	id, err := store.Add(context.Background(), env.Pool, dedup.DeadLetter{Group: "billing", MessageUUID: "m", Kind: dedup.KindPermanent, Reason: "r"})
+	require.NoError(t, err)
+
+	steps := strconv.Itoa(stepsFrom(t, versionOf(t, "consumer_dead_letters")))
+	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-steps", steps)...)
+	require.Equal(t, exitFailure, r.code)
+	require.Contains(t, r.stderr, "consumer_dead_letters holds 1 dead letter")
+	_, err = store.Discard(context.Background(), env.Pool, dedup.DeadLetterFilter{IDs: []int64{id}}, "test")
+	require.NoError(t, err)
+	require.Equal(t, rolledBack(t, versionOf(t, "consumer_dead_letters")), ok(t, env.Schema, "migrate", "down", "-steps", steps))
 }

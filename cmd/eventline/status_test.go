@@ -122,7 +122,7 @@ func TestStatusOnAnIncompleteSchema(t *testing.T) {
 	require.Contains(t, r.stderr, "run `eventline migrate up`")
 
 	ok(t, schema, "migrate", "up", "-shards", "1")
-	ok(t, schema, "migrate", "down", "-steps", strconv.Itoa(aboveOutbox(t)))
+	ok(t, schema, "migrate", "down", "-steps", strconv.Itoa(stepsFrom(t, 2)))
 	st := okJSON[statusJSON](t, schema, "status", "-json")
 	require.Len(t, st.Outbox.Shards, 1)
 	require.Empty(t, st.Groups)

@@ -1,0 +1,233 @@
+package consumer_test
+
+import (
+	"context"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/faultproxy"
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
+)
+
+// outageBudget is a retry budget small enough that an outage of a few
+// seconds outlasts it many times over: 3 retries waiting 50, 100 and
+// 200 ms.
+func outageBudget(cfg *consumer.Config) {
+	cfg.MaxRetries = 3
+	cfg.RetryInitialInterval = 50 * time.Millisecond
+	cfg.RetryMaxInterval = 200 * time.Millisecond
+	cfg.InfraRetryMaxInterval = time.Second
+}
+
+// consumerPool is the consumer's pool as the docs recommend it: bounded
+// connection attempts, and a server-side limit on idle transactions so a
+// session whose client vanished releases its locks. dial picks the
+// address to connect to.
+func consumerPool(t *testing.T, dial func() string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	cfg.MaxConns = 4
+	cfg.ConnConfig.ConnectTimeout = time.Second
+	cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "2s"
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, network, dial())
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func startProxy(t *testing.T) *faultproxy.Proxy {
+	t.Helper()
+	p, err := faultproxy.Start(pgtest.Addr())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	return p
+}
+
+// failureFree checks that nothing was dead-lettered, parked or skipped.
+func failureFree(t *testing.T, k kenv, group string) {
+	t.Helper()
+	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions"} {
+		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+			"%s must be empty", table)
+	}
+	var copies int
+	kafkatest.Consume(t, k.brokers, k.dlq, time.Second, func(*sarama.ConsumerMessage) bool { copies++; return false })
+	require.Zero(t, copies, "nothing on the dead-letter topic")
+}
+
+// events returns versions from..to of each aggregate, interleaved.
+func events(from, to int64, aggregates ...string) []eventline.Event {
+	var out []eventline.Event
+	for v := from; v <= to; v++ {
+		for _, a := range aggregates {
+			out = append(out, consumertest.Event(a, v))
+		}
+	}
+	return out
+}
+
+func messages(t *testing.T, evs []eventline.Event) []*message.Message {
+	out := make([]*message.Message, len(evs))
+	for i, e := range evs {
+		out[i] = consumertest.Message(t, e)
+	}
+	return out
+}
+
+// Issue 8, item 1: the database is unreachable (connections reset, new
+// ones refused) for many times the retry budget. Before, the events that
+// arrived meanwhile were dead-lettered once the budget ran out, their
+// versions later skipped. Now the consumer waits, says so, and resumes by
+// itself: every event applied once, in order, nothing dead-lettered,
+// parked or skipped.
+func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 2)
+	const group = "outage"
+	proxy := startProxy(t)
+	pool := consumerPool(t, proxy.Addr)
+	reg := prometheus.NewRegistry()
+	metrics, err := middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := k.config(group)
+	outageBudget(&cfg)
+	cfg.Metrics = metrics
+	c, err := consumer.New(pool, cfg)
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
+
+	aggs := []string{"a", "b", "c"}
+	want := events(1, 1, aggs...)
+	publish(t, k.brokers, k.topic, messages(t, want)...)
+	r := start(t, c)
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(want) }, "first events applied")
+
+	// The outage: every connection reset, new ones refused.
+	proxy.Set(faultproxy.Refuse)
+	proxy.Drop()
+	more := events(2, 5, aggs...)
+	publish(t, k.brokers, k.topic, messages(t, more)...)
+	want = append(want, more...)
+	eventually(t, 60*time.Second, func() bool { return counterSum(t, reg, "eventline_consumer_waiting_on_database") > 0 },
+		"the consumer reports that it waits for the database")
+	// Outlast the budget: more failed attempts than 1 + MaxRetries, for
+	// more than 10 times the budget's total wait (350ms).
+	outageStart := time.Now()
+	eventually(t, 60*time.Second, func() bool {
+		return counterSum(t, reg, "eventline_consumer_infra_waits_total") > float64(2*(1+cfg.MaxRetries)) && time.Since(outageStart) > 4*time.Second
+	}, "the outage outlasts the retry budget")
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, dedup.DeadLetterTable)), "nothing dead-lettered during the outage")
+	require.Len(t, k.Effects(t, group), len(aggs), "nothing applied during the outage")
+
+	proxy.Set(faultproxy.Pass)
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) >= len(want) }, "the consumer resumes by itself")
+	eventually(t, 10*time.Second, func() bool { return counterSum(t, reg, "eventline_consumer_waiting_on_database") == 0 }, "the outage is over")
+	require.NoError(t, r.stop())
+
+	appliedOnce(t, k.Effects(t, group), want)
+	for _, a := range aggs {
+		value, last := k.State(t, group, "thing", a)
+		require.EqualValues(t, 5, last)
+		require.Equal(t, fold(1, 2, 3, 4, 5), value, "applied in order")
+	}
+	failureFree(t, k, group)
+	require.Zero(t, counterSum(t, reg, "eventline_consumer_events_dead_lettered_total"))
+}
+
+// A database host that stops answering without closing its connections
+// (frozen, or vanished from the network) for longer than the retry budget,
+// including in the middle of an event's COMMIT. TxTimeout notices; the
+// consumer waits; when connections work again (here: to a new address;
+// the frozen host never comes back) it resumes. Before, the consumer hung
+// on the frozen connection forever.
+func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const group = "frozen"
+	var addr atomic.Value
+	pool := consumerPool(t, func() string { return addr.Load().(string) })
+	// Proxies close before the pool (cleanups run last first), so closing
+	// the pool does not wait on frozen connections.
+	frozen, healthy := startProxy(t), startProxy(t)
+	addr.Store(frozen.Addr())
+	reg := prometheus.NewRegistry()
+	metrics, err := middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := k.config(group)
+	outageBudget(&cfg)
+	cfg.Metrics = metrics
+	cfg.TxTimeout = time.Second
+	c, err := consumer.New(pool, cfg)
+	require.NoError(t, err)
+	var freezeAt atomic.Value // event id whose handler freezes the database before COMMIT
+	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		if err := k.Apply(ctx, tx, group, e); err != nil {
+			return err
+		}
+		if id, _ := freezeAt.Load().(string); id == e.ID {
+			frozen.Set(faultproxy.Freeze) // the COMMIT will hang
+		}
+		return nil
+	}))
+
+	want := events(1, 1, "a", "b")
+	publish(t, k.brokers, k.topic, messages(t, want)...)
+	r := start(t, c)
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(want) }, "first events applied")
+
+	more := events(2, 4, "a", "b")
+	freezeAt.Store(more[0].ID)
+	publish(t, k.brokers, k.topic, messages(t, more)...)
+	want = append(want, more...)
+	eventually(t, 60*time.Second, func() bool { return frozen.Mode() == faultproxy.Freeze }, "the database freezes during a COMMIT")
+	eventually(t, 60*time.Second, func() bool {
+		return counterSum(t, reg, "eventline_consumer_infra_waits_total") > float64(1+cfg.MaxRetries)
+	}, "the consumer notices the frozen connection and waits for longer than its retry budget")
+	require.Greater(t, counterSum(t, reg, "eventline_consumer_waiting_on_database"), 0.0)
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, dedup.DeadLetterTable)))
+
+	// Connections work again (the frozen host stays frozen).
+	addr.Store(healthy.Addr())
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) >= len(want) }, "the consumer resumes")
+	require.NoError(t, r.stop())
+
+	appliedOnce(t, k.Effects(t, group), want)
+	for _, a := range []string{"a", "b"} {
+		value, last := k.State(t, group, "thing", a)
+		require.EqualValues(t, 4, last)
+		require.Equal(t, fold(1, 2, 3, 4), value)
+	}
+	failureFree(t, k, group)
+}
+
+// Issue 12: when Kafka cannot be reached the error names the brokers.
+func TestRunNamesTheBrokersWhenKafkaIsUnreachable(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, 1)
+	c, err := consumer.New(pool, consumer.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Logger: quietLogger()})
+	require.NoError(t, err)
+	err = c.Run(context.Background())
+	require.ErrorContains(t, err, "127.0.0.1:1")
+	require.ErrorContains(t, err, "consumer.Config.Brokers")
+	require.NotContains(t, err.Error(), "dead-letter publisher")
+}

@@ -1,0 +1,416 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/migrations"
+)
+
+// DeadLetterTable is the unqualified name of the consumer dead-letter
+// table.
+const DeadLetterTable = "consumer_dead_letters"
+
+// Kinds of consumer dead letters (DeadLetter.Kind). The kind is free text:
+// components that dead-letter for their own reasons add their own.
+const (
+	// KindPermanent: the event can never succeed (it does not decode, no
+	// handler knows its type, the handler marked its error permanent…).
+	KindPermanent = "permanent"
+	// KindRetriesExhausted: the handler kept failing until the retry
+	// budget was spent.
+	KindRetriesExhausted = "retries_exhausted"
+	// KindFailed: the handler failed and no retry middleware ran.
+	KindFailed = "failed"
+	// KindIDConflict: the event reused the id of a different event the
+	// group already recorded (see IDConflictError).
+	KindIDConflict = "id_conflict"
+)
+
+// DeadLetterStatus is where a dead letter is in its life.
+type DeadLetterStatus string
+
+// The statuses of a dead letter.
+const (
+	// StatusDead: waiting for an operator.
+	StatusDead DeadLetterStatus = "dead"
+	// StatusReplayRequested: an operator asked for a replay; a running
+	// consumer of the group picks it up.
+	StatusReplayRequested DeadLetterStatus = "replay_requested"
+	// StatusReplayed: replayed through the handler and committed (applied,
+	// parked, or found a duplicate or stale by the gate).
+	StatusReplayed DeadLetterStatus = "replayed"
+	// StatusDiscarded: an operator gave up on it, with a reason.
+	StatusDiscarded DeadLetterStatus = "discarded"
+)
+
+// Valid reports whether s is a known status.
+func (s DeadLetterStatus) Valid() bool {
+	return s == StatusDead || s == StatusReplayRequested || s == StatusReplayed || s == StatusDiscarded
+}
+
+// DeadLetter is a message a consumer group gave up on, kept whole in its
+// own database: no size limit, no broker that can refuse it, and every
+// byte of its payload and headers as received.
+type DeadLetter struct {
+	// ID orders dead letters as they died.
+	ID int64
+	// Group is the consumer group that gave up.
+	Group string
+	// Topic is the topic the message came from; Handler the Watermill
+	// handler it was delivered to (a replay runs it through that handler).
+	Topic   string
+	Handler string // see Topic
+	// FromKafka is true when Partition, Offset and Key locate the record.
+	// A record dead-lettered again (a redelivery after a crash) updates
+	// its row instead of adding one.
+	FromKafka bool
+	Partition int32  // see FromKafka
+	Offset    int64  // see FromKafka
+	Key       []byte // see FromKafka
+	// MessageUUID, Payload and Metadata are the message, byte for byte
+	// (metadata may hold NUL bytes and invalid UTF-8: it is stored as
+	// bytea).
+	MessageUUID string
+	Payload     []byte
+	Metadata    map[string]string // see MessageUUID
+	// EventID, EventType, AggregateType, AggregateID and AggregateVersion
+	// come from the envelope when it decodes (or its fields are plain
+	// text), for listing and ordering replays; empty (0) otherwise.
+	EventID          string
+	EventType        string // see EventID
+	AggregateType    string // see EventID
+	AggregateID      string // see EventID
+	AggregateVersion int64  // see EventID
+	// Kind classifies the reason (KindPermanent, KindRetriesExhausted…);
+	// Reason is the error, in full (up to 8 KiB).
+	Kind   string
+	Reason string // see Kind
+	// DeadAt is when it died (last, when it died more than once); Times
+	// counts how often.
+	DeadAt time.Time
+	Times  int // see DeadAt
+	// Status and the fields after it record what operators did.
+	Status            DeadLetterStatus
+	ReplayRequestedAt *time.Time // see Status
+	ReplayedAt        *time.Time // see Status
+	ReplayAttempts    int        // see Status
+	LastReplayError   string     // see Status
+	DiscardedAt       *time.Time // see Status
+	DiscardReason     string     // see Status
+}
+
+// Message rebuilds the message as it was received.
+func (d DeadLetter) Message() *message.Message {
+	msg := message.NewMessage(d.MessageUUID, append([]byte{}, d.Payload...))
+	for k, v := range d.Metadata {
+		msg.Metadata.Set(k, v)
+	}
+	return msg
+}
+
+// DeadLetterFilter selects dead letters. Empty fields match everything.
+type DeadLetterFilter struct {
+	// Group, AggregateType and AggregateID select exact values.
+	Group         string
+	AggregateType string // see Group
+	AggregateID   string // see Group
+	// IDs, when set, selects these dead letters only.
+	IDs []int64
+	// Statuses, when set, selects these statuses only; List defaults to
+	// the unresolved ones (dead and replay_requested).
+	Statuses []DeadLetterStatus
+	// Limit caps List. Defaults to 100.
+	Limit int
+}
+
+// ErrNoDeadLetters is returned by RequestReplay and Discard when no dead
+// letter matched.
+var ErrNoDeadLetters = errors.New("eventline: no consumer dead letter matched")
+
+// maxReasonBytes bounds a stored reason (a panic's stack can be long).
+const maxReasonBytes = 8 << 10
+
+// DeadLetterStore reads and writes consumer_dead_letters in one schema. It
+// holds no connections and is safe for concurrent use.
+type DeadLetterStore struct {
+	table string
+	cols  string
+
+	insertSQL, listSQL, claimSQL, replayedSQL, replayFailedSQL, requestSQL, discardSQL, countSQL, earlierSQL string
+}
+
+// NewDeadLetterStore returns a store for the table in schema ("" means
+// "eventline"). It fails when schema is not a plain SQL identifier.
+func NewDeadLetterStore(schema string) (*DeadLetterStore, error) {
+	if schema == "" {
+		schema = migrations.DefaultSchema
+	}
+	if err := sqlident.Validate("dead-letter schema", schema); err != nil {
+		return nil, err
+	}
+	t := sqlident.Qualify(schema, DeadLetterTable)
+	cols := `id, consumer_group, topic, handler, kafka_partition, kafka_offset, kafka_key, message_uuid, payload, header_keys, header_values,
+		event_id, event_type, aggregate_type, aggregate_id, aggregate_version, kind, reason, dead_at, times_dead,
+		status, replay_requested_at, replayed_at, replay_attempts, coalesce(last_replay_error, ''), discarded_at, coalesce(discard_reason, '')`
+	filter := `($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
+		AND (cardinality($4::bigint[]) = 0 OR id = ANY($4)) AND status = ANY($5)`
+	return &DeadLetterStore{
+		table: t,
+		cols:  cols,
+		// A record dead-lettered again (redelivered after a crash, or
+		// failing again after a replay) re-opens its row, with the new
+		// reason; the record itself is the same.
+		insertSQL: `INSERT INTO ` + t + ` AS d (consumer_group, topic, handler, kafka_partition, kafka_offset, kafka_key, message_uuid, payload,
+				header_keys, header_values, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, kind, reason)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
+			ON CONFLICT (consumer_group, topic, kafka_partition, kafka_offset) DO UPDATE
+			SET kind = excluded.kind, reason = excluded.reason, dead_at = now(), times_dead = d.times_dead + 1, status = 'dead'
+			RETURNING id`,
+		listSQL: `SELECT ` + cols + ` FROM ` + t + ` WHERE ` + filter + ` ORDER BY id LIMIT $6`,
+		// Replays go per aggregate in version order, then in the order
+		// the records arrived.
+		claimSQL: `SELECT ` + cols + ` FROM ` + t + ` WHERE consumer_group = $1 AND status = 'replay_requested'
+			ORDER BY aggregate_type, aggregate_id, aggregate_version, kafka_partition, kafka_offset, id
+			LIMIT $2 FOR UPDATE SKIP LOCKED`,
+		replayedSQL: `UPDATE ` + t + ` SET status = 'replayed', replayed_at = now(), replay_attempts = replay_attempts + 1, last_replay_error = NULL
+			WHERE id = $1`,
+		replayFailedSQL: `UPDATE ` + t + ` SET status = 'dead', replay_attempts = replay_attempts + 1, last_replay_error = $2
+			WHERE id = $1`,
+		requestSQL: `UPDATE ` + t + ` SET status = 'replay_requested', replay_requested_at = now()
+			WHERE ` + filter + ` RETURNING id`,
+		discardSQL: `UPDATE ` + t + ` SET status = 'discarded', discarded_at = now(), discard_reason = $6
+			WHERE ` + filter + ` RETURNING id`,
+		countSQL: `SELECT count(*) FROM ` + t + ` WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested')`,
+		earlierSQL: `SELECT id, aggregate_version FROM ` + t + ` WHERE consumer_group = $1 AND status = 'dead'
+			AND aggregate_type = $2 AND aggregate_id = $3 AND (aggregate_version < $4 OR (aggregate_version = $4 AND id < $5))
+			ORDER BY aggregate_version, id LIMIT 1`,
+	}, nil
+}
+
+// Table returns the quoted, schema-qualified table name.
+func (s *DeadLetterStore) Table() string { return s.table }
+
+// Add stores a dead letter through db (a pool: its own transaction; or a
+// transaction, to commit it with other writes) and returns its id. It
+// never fails because of the message's content: bytes are stored as bytea
+// and text fields that PostgreSQL cannot hold (NUL bytes, invalid UTF-8)
+// are cleaned. A record from Kafka that already has a row (the same group,
+// topic, partition and offset) re-opens that row.
+func (s *DeadLetterStore) Add(ctx context.Context, db DBTX, d DeadLetter) (int64, error) {
+	if d.Group == "" {
+		return 0, errors.New("dedup: dead letter without a consumer group")
+	}
+	var partition *int32
+	var offset *int64
+	if d.FromKafka {
+		partition, offset = &d.Partition, &d.Offset
+	}
+	keys := slices.Sorted(maps.Keys(d.Metadata))
+	hk, hv := make([][]byte, len(keys)), make([][]byte, len(keys))
+	for i, k := range keys {
+		hk[i], hv[i] = []byte(k), []byte(d.Metadata[k])
+	}
+	payload := d.Payload
+	if payload == nil {
+		payload = []byte{}
+	}
+	kind := cleanText(d.Kind)
+	if kind == "" {
+		kind = KindFailed
+	}
+	var id int64
+	err := db.QueryRow(ctx, s.insertSQL, cleanText(d.Group), cleanText(d.Topic), cleanText(d.Handler), partition, offset, d.Key,
+		[]byte(d.MessageUUID), payload, hk, hv, cleanText(d.EventID), cleanText(d.EventType), cleanText(d.AggregateType),
+		cleanText(d.AggregateID), d.AggregateVersion, kind, cleanText(truncate(d.Reason, maxReasonBytes))).Scan(&id)
+	if err != nil {
+		return 0, fmt.Errorf("dedup: write dead letter of group %s: %w", d.Group, err)
+	}
+	return id, nil
+}
+
+func (s *DeadLetterStore) args(f DeadLetterFilter, defaults ...DeadLetterStatus) []any {
+	statuses := f.Statuses
+	if len(statuses) == 0 {
+		statuses = defaults
+	}
+	st := make([]string, len(statuses))
+	for i, x := range statuses {
+		st[i] = string(x)
+	}
+	ids := f.IDs
+	if ids == nil {
+		ids = []int64{}
+	}
+	return []any{f.Group, f.AggregateType, f.AggregateID, ids, st}
+}
+
+// List returns dead letters in the order they died (unresolved ones
+// unless f.Statuses says otherwise).
+func (s *DeadLetterStore) List(ctx context.Context, db DBTX, f DeadLetterFilter) ([]DeadLetter, error) {
+	if f.Limit <= 0 {
+		f.Limit = 100
+	}
+	rows, err := db.Query(ctx, s.listSQL, append(s.args(f, StatusDead, StatusReplayRequested), f.Limit)...)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: list dead letters: %w", err)
+	}
+	return collectDeadLetters(rows)
+}
+
+// RequestReplay marks the dead letters f selects among those waiting
+// (status dead) for replay, and returns their ids. A running consumer of
+// each one's group replays them on its next sweep, in order: per
+// aggregate by version, then as they arrived. It returns ErrNoDeadLetters
+// when nothing matched.
+func (s *DeadLetterStore) RequestReplay(ctx context.Context, db DBTX, f DeadLetterFilter) ([]int64, error) {
+	f.Statuses = []DeadLetterStatus{StatusDead}
+	return s.update(ctx, db, s.requestSQL, "request replay of", s.args(f))
+}
+
+// Discard gives up on the dead letters f selects among the unresolved ones,
+// recording reason, and returns their ids. It returns ErrNoDeadLetters
+// when nothing matched.
+func (s *DeadLetterStore) Discard(ctx context.Context, db DBTX, f DeadLetterFilter, reason string) ([]int64, error) {
+	if strings.TrimSpace(reason) == "" {
+		return nil, errors.New("dedup: discarding a dead letter needs a reason: it is kept for the audit")
+	}
+	f.Statuses = []DeadLetterStatus{StatusDead, StatusReplayRequested}
+	return s.update(ctx, db, s.discardSQL, "discard", append(s.args(f), cleanText(reason)))
+}
+
+func (s *DeadLetterStore) update(ctx context.Context, db DBTX, sql, what string, args []any) ([]int64, error) {
+	rows, err := db.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: %s dead letters: %w", what, err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, fmt.Errorf("dedup: %s dead letters: %w", what, err)
+	}
+	if len(ids) == 0 {
+		return nil, ErrNoDeadLetters
+	}
+	slices.Sort(ids)
+	return ids, nil
+}
+
+// ClaimReplays locks, in tx, up to limit of the group's dead letters
+// waiting for replay, in replay order, skipping those another replayer
+// holds. Mark each with MarkReplayed or MarkReplayFailed in the same tx.
+func (s *DeadLetterStore) ClaimReplays(ctx context.Context, tx pgx.Tx, group string, limit int) ([]DeadLetter, error) {
+	rows, err := tx.Query(ctx, s.claimSQL, group, limit)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim dead letters to replay: %w", err)
+	}
+	return collectDeadLetters(rows)
+}
+
+// MarkReplayed records that dead letter id was replayed and committed.
+func (s *DeadLetterStore) MarkReplayed(ctx context.Context, db DBTX, id int64) error {
+	if _, err := db.Exec(ctx, s.replayedSQL, id); err != nil {
+		return fmt.Errorf("dedup: mark dead letter %d replayed: %w", id, err)
+	}
+	return nil
+}
+
+// MarkReplayFailed puts dead letter id back to dead with the replay's
+// error.
+func (s *DeadLetterStore) MarkReplayFailed(ctx context.Context, db DBTX, id int64, replayErr string) error {
+	if _, err := db.Exec(ctx, s.replayFailedSQL, id, cleanText(truncate(replayErr, maxReasonBytes))); err != nil {
+		return fmt.Errorf("dedup: record failed replay of dead letter %d: %w", id, err)
+	}
+	return nil
+}
+
+// EarlierDead returns the first dead letter of d's aggregate that comes
+// before d in replay order and still waits for an operator (status dead),
+// if any: replaying d before it would apply the aggregate's versions out of
+// order. Dead letters without an aggregate have none.
+func (s *DeadLetterStore) EarlierDead(ctx context.Context, db DBTX, d DeadLetter) (DeadLetter, bool, error) {
+	if d.AggregateType == "" && d.AggregateID == "" {
+		return DeadLetter{}, false, nil
+	}
+	var e DeadLetter
+	err := db.QueryRow(ctx, s.earlierSQL, d.Group, cleanText(d.AggregateType), cleanText(d.AggregateID), d.AggregateVersion, d.ID).Scan(&e.ID, &e.AggregateVersion)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return DeadLetter{}, false, nil
+	}
+	if err != nil {
+		return DeadLetter{}, false, fmt.Errorf("dedup: look for earlier dead letters of dead letter %d: %w", d.ID, err)
+	}
+	return e, true, nil
+}
+
+// CountUnresolved returns how many of the group's dead letters wait for an
+// operator or for their replay.
+func (s *DeadLetterStore) CountUnresolved(ctx context.Context, db DBTX, group string) (int64, error) {
+	var n int64
+	if err := db.QueryRow(ctx, s.countSQL, group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("dedup: count dead letters of %q: %w", group, err)
+	}
+	return n, nil
+}
+
+func collectDeadLetters(rows pgx.Rows) ([]DeadLetter, error) {
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (DeadLetter, error) {
+		var d DeadLetter
+		var partition *int32
+		var offset *int64
+		var uuid []byte
+		var hk, hv [][]byte
+		var status string
+		err := r.Scan(&d.ID, &d.Group, &d.Topic, &d.Handler, &partition, &offset, &d.Key, &uuid, &d.Payload, &hk, &hv,
+			&d.EventID, &d.EventType, &d.AggregateType, &d.AggregateID, &d.AggregateVersion, &d.Kind, &d.Reason, &d.DeadAt, &d.Times,
+			&status, &d.ReplayRequestedAt, &d.ReplayedAt, &d.ReplayAttempts, &d.LastReplayError, &d.DiscardedAt, &d.DiscardReason)
+		if err != nil {
+			return d, err
+		}
+		if partition != nil && offset != nil {
+			d.FromKafka, d.Partition, d.Offset = true, *partition, *offset
+		}
+		d.MessageUUID, d.Status = string(uuid), DeadLetterStatus(status)
+		if len(hk) != len(hv) {
+			return d, fmt.Errorf("dead letter %d: %d header keys but %d values", d.ID, len(hk), len(hv))
+		}
+		d.Metadata = make(map[string]string, len(hk))
+		for i := range hk {
+			d.Metadata[string(hk[i])] = string(hv[i])
+		}
+		if d.Payload == nil {
+			d.Payload = []byte{}
+		}
+		return d, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dedup: read dead letters: %w", err)
+	}
+	return out, nil
+}
+
+// cleanText makes s storable in a text column: invalid UTF-8 and NUL
+// bytes become U+FFFD. (The exact bytes are kept in payload and headers.)
+func cleanText(s string) string {
+	if utf8.ValidString(s) && !strings.ContainsRune(s, 0) {
+		return s
+	}
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+}
+
+// truncate cuts s to n bytes (cleanText repairs a rune cut in half).
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "…"
+}

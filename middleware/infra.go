@@ -1,0 +1,250 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// The three kinds of failure. Every error a consumer sees is one of:
+//
+//   - the event's fault: it can never succeed (it does not decode, no
+//     handler knows its type, its content breaks a database limit): it is
+//     dead-lettered at once ([IsPermanent]);
+//   - the infrastructure's fault: the database is unreachable, restarting,
+//     out of resources, or did not answer in time; the outcome of a commit
+//     is unknown: nothing is wrong with the event, so it is neither retried
+//     against a budget nor dead-lettered; the consumer waits for the
+//     database and tries again, for as long as it takes
+//     ([IsInfrastructure]);
+//   - the handler's fault, maybe transient: retried with backoff against
+//     the retry budget, then dead-lettered ([Retry]). Transaction conflicts
+//     (serialization failures, deadlocks, lock timeouts) are retried like
+//     these but never spend the budget ([IsConflict]): they say nothing
+//     about the event.
+
+// ErrInfrastructure is matched by *InfraError.
+var ErrInfrastructure = errors.New("eventline: the database is unavailable")
+
+// InfraError marks a failure of the infrastructure rather than of the event
+// or the handler: the consumer waits and retries it without limit and never
+// dead-letters the event. The eventline middleware returns it when a
+// database call failed because the database is unreachable or did not
+// answer, and when the outcome of a commit is unknown (the dedup record
+// decides on the next attempt).
+type InfraError struct {
+	// Op says what eventline was doing: "begin", "handler", "commit"…
+	Op string
+	// Err is the underlying error.
+	Err error
+}
+
+// Error implements error.
+func (e *InfraError) Error() string {
+	return fmt.Sprintf("eventline: database unavailable during %s (the event is kept and retried when it answers again): %v", e.Op, e.Err)
+}
+
+// Unwrap returns the underlying error and ErrInfrastructure.
+func (e *InfraError) Unwrap() []error { return []error{e.Err, ErrInfrastructure} }
+
+func (e *InfraError) infrastructure() bool { return true }
+
+// handlerFault is the eventline middleware's verdict that a failure that
+// looks like a connection problem (a timeout, a network error) was the
+// handler's own: the database answered, so the failure counts against the
+// retry budget.
+type handlerFault struct{ err error }
+
+func (e *handlerFault) Error() string        { return e.err.Error() }
+func (e *handlerFault) Unwrap() error        { return e.err }
+func (e *handlerFault) infrastructure() bool { return false }
+
+// verdict is implemented by errors that carry an explicit classification;
+// the outermost one wins.
+type verdict interface{ infrastructure() bool }
+
+// IsInfrastructure reports whether err says the infrastructure, not the
+// event or its handler, failed: the consumer must wait and retry, never
+// spend the retry budget on it and never dead-letter the event. It is the
+// one classification used by [Retry], [DeadLetter], the consumer runner and
+// the sweeper.
+//
+// It is true for:
+//   - an *InfraError (errors.Is(err, ErrInfrastructure));
+//   - PostgreSQL errors of SQLSTATE class 08 (connection exception), 53
+//     (insufficient resources: disk full, out of memory, too many
+//     connections), 58 (system error, I/O error) and 57P01 admin shutdown,
+//     57P02 crash shutdown, 57P03 cannot connect now, 57P04 database
+//     dropped, 57P05 idle session timeout;
+//   - a failed connection attempt (*pgconn.ConnectError), a closed
+//     connection or pool, a timeout inside pgx (pgconn.Timeout), and
+//     network errors (connection refused or reset, broken pipe, EOF).
+//
+// It is false for nil, for permanent errors ([IsPermanent]), for every
+// other SQLSTATE (a unique violation is the handler's fault; a
+// serialization failure is a conflict, see [IsConflict]), and for errors
+// the eventline middleware has judged to be the handler's own: a network
+// error or timeout of a handler's call while the consumer's database kept
+// answering. Errors returned by the eventline middleware carry that
+// verdict; other errors are judged alone, and then any network error is
+// taken for an outage (waiting too long is recoverable, dead-lettering by
+// mistake is not).
+func IsInfrastructure(err error) bool {
+	if err == nil {
+		return false
+	}
+	if IsPermanent(err) {
+		return false
+	}
+	var v verdict
+	if errors.As(err, &v) {
+		return v.infrastructure()
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return infraState(pg.Code)
+	}
+	return connectionLost(err)
+}
+
+// connectionLost reports whether err comes from a connection that failed:
+// connecting, talking to the server, or waiting for it.
+func connectionLost(err error) bool {
+	var ce *pgconn.ConnectError
+	var ne net.Error
+	switch {
+	case errors.As(err, &ce), pgconn.Timeout(err), errors.As(err, &ne):
+		return true
+	case errors.Is(err, pgconn.ErrConnClosed), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed):
+		return true
+	}
+	for _, e := range []error{syscall.ECONNREFUSED, syscall.ECONNRESET, syscall.ECONNABORTED, syscall.EPIPE,
+		syscall.ETIMEDOUT, syscall.EHOSTUNREACH, syscall.ENETUNREACH, syscall.ENETDOWN} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// infraState reports whether a SQLSTATE says the server cannot serve now.
+func infraState(code string) bool {
+	switch {
+	case strings.HasPrefix(code, "08"), strings.HasPrefix(code, "53"), strings.HasPrefix(code, "58"):
+		return true
+	}
+	switch code {
+	case "57P01", "57P02", "57P03", "57P04", "57P05":
+		return true
+	}
+	return false
+}
+
+// IsConflict reports whether err is a transaction conflict: a
+// serialization failure (40001), a deadlock (40P01) or a lock that could
+// not be taken in time (55P03). Retrying resolves it; [Retry] retries it on
+// the normal schedule without spending the retry budget, since it says
+// nothing about the event.
+func IsConflict(err error) bool {
+	var pg *pgconn.PgError
+	if err == nil || IsPermanent(err) || !errors.As(err, &pg) {
+		return false
+	}
+	switch pg.Code {
+	case "40001", "40P01", "55P03":
+		return true
+	}
+	return false
+}
+
+// permanentState reports whether a SQLSTATE says the statement can never
+// succeed with this data: class 22 (data exception: a NUL byte or invalid
+// UTF-8 in text, a value out of range, a malformed number…) and class 54
+// (program limit exceeded: say, a key too large for its index).
+func permanentState(err error) bool {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) {
+		return false
+	}
+	return strings.HasPrefix(pg.Code, "22") || strings.HasPrefix(pg.Code, "54")
+}
+
+// Failure stages of one event's transaction, for classification.
+const (
+	stageBegin   = "begin"
+	stageHandler = "handler"
+	stageCommit  = "commit"
+)
+
+// probeTimeout bounds the query that asks whether the database answers.
+const probeTimeout = 5 * time.Second
+
+// classify gives a failed attempt its verdict. parent is the attempt's
+// context before the transaction deadline, ctx the one with it; lost says
+// whether the transaction's connection was closed when the handler stage
+// failed.
+func (el *Eventline) classify(parent, ctx context.Context, stage string, lost bool, err error) error {
+	if err == nil || IsPermanent(err) || errors.Is(err, ErrUnsafeComposition) || parent.Err() != nil {
+		return err
+	}
+	var v verdict
+	if errors.As(err, &v) {
+		return err
+	}
+	ours := errors.Is(ctx.Err(), context.DeadlineExceeded)
+	timedOut := ours || pgconn.Timeout(err) || errors.Is(err, context.DeadlineExceeded)
+	var pg *pgconn.PgError
+	isPg := errors.As(err, &pg)
+	switch stage {
+	case stageBegin, stageCommit:
+		// eventline's own statements: anything but an SQL error is the
+		// connection, and a commit whose outcome is unknown is retried
+		// (the dedup record decides what the retry does).
+		if isPg || (stage == stageCommit && errors.Is(err, pgx.ErrTxCommitRollback)) {
+			return err
+		}
+		return &InfraError{Op: stage, Err: err}
+	}
+	// The handler (or the gate's statements around it) failed.
+	if isPg && !lost {
+		return err
+	}
+	if !lost && !ours {
+		// The transaction's connection is fine: a network error or timeout
+		// of the handler's own calls is the handler's fault.
+		if connectionLost(err) {
+			return &handlerFault{err: err}
+		}
+		return err
+	}
+	if timedOut {
+		// A deadline ended the attempt. If the database does not answer
+		// either, it is an outage; if it does, the handler was too slow
+		// (TxTimeout) or its own deadline ended its query.
+		if perr := el.probe(parent); perr != nil {
+			return &InfraError{Op: stage, Err: fmt.Errorf("%w (and the database did not answer a probe: %v)", err, perr)}
+		}
+		if ours {
+			return &handlerFault{err: fmt.Errorf("eventline: the event's transaction took longer than middleware.Config.TxTimeout (%s) while the database kept answering; speed the handler up or raise TxTimeout: %w", el.cfg.TxTimeout, err)}
+		}
+		return &handlerFault{err: err}
+	}
+	// The connection died under the handler.
+	return &InfraError{Op: stage, Err: err}
+}
+
+// probe asks the database whether it answers, within probeTimeout.
+func (el *Eventline) probe(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), probeTimeout)
+	defer cancel()
+	_, err := el.cfg.DB.Exec(ctx, "SELECT 1")
+	return err
+}

@@ -1,0 +1,187 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/versioning"
+)
+
+// replayBatch bounds the dead letters one replay pass claims.
+const replayBatch = 100
+
+// replayStatementTimeout bounds each statement of a replay pass's claim
+// transaction (the replays themselves are bounded by Config.TxTimeout).
+const replayStatementTimeout = 30 * time.Second
+
+// ReplayResult reports one replay pass.
+type ReplayResult struct {
+	// Replayed counts dead letters that went through their handler and
+	// committed (applied, parked, or recognised as duplicate or stale).
+	Replayed int
+	// Failed counts dead letters whose replay failed, or that were held
+	// back because an earlier dead letter of their aggregate failed; they
+	// are dead again, with the error in last_replay_error.
+	Failed int
+}
+
+// ReplayDeadLetters makes one pass over the group's dead letters whose
+// replay was requested (`eventline consumer-dlq replay`,
+// dedup.DeadLetterStore.RequestReplay). It claims them (rows another
+// replayer holds are skipped) and runs each, in order (per aggregate by
+// version, then as the records arrived), through the eventline middleware
+// and the handler registered under the dead letter's handler name, once,
+// without retries. A replay that commits marks its dead letter replayed;
+// one that fails puts it back to dead with the error, and holds back the
+// aggregate's later dead letters in the pass. A dead letter is not
+// replayed while an earlier one of its aggregate is still dead (not asked
+// to replay): it goes back to dead, saying which one to replay or discard
+// first. So an aggregate's dead letters are never applied out of order.
+// An infrastructure error ends the pass; what was not replayed stays
+// requested for the next one.
+//
+// [Eventline.RunSweeper] calls it every SweepInterval.
+func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error) {
+	res, err := el.replayPass(ctx)
+	if err != nil {
+		return res, fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
+	}
+	return res, nil
+}
+
+func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
+	var res ReplayResult
+	store := el.dl.store
+	// Each statement of the claim transaction is bounded, so a database
+	// that stops answering ends the pass instead of hanging it.
+	bounded := func(f func(ctx context.Context) error) error {
+		sctx, cancel := context.WithTimeout(ctx, replayStatementTimeout)
+		defer cancel()
+		return f(sctx)
+	}
+	var tx pgx.Tx
+	if err := bounded(func(ctx context.Context) (err error) { tx, err = el.cfg.DB.Begin(ctx); return err }); err != nil {
+		return res, err
+	}
+	defer rollback(ctx, tx)
+	var dls []dedup.DeadLetter
+	if err := bounded(func(ctx context.Context) (err error) {
+		dls, err = store.ClaimReplays(ctx, tx, el.cfg.Group, replayBatch)
+		return err
+	}); err != nil {
+		return res, err
+	}
+	fail := func(id int64, why string) error {
+		res.Failed++
+		el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
+		return bounded(func(ctx context.Context) error { return store.MarkReplayFailed(ctx, tx, id, why) })
+	}
+	var stop error
+	failed := map[versioning.Key]int64{}
+	for _, d := range dls {
+		k := versioning.Key{Group: d.Group, AggregateType: d.AggregateType, AggregateID: d.AggregateID}
+		if k.AggregateID == "" {
+			k.AggregateID = fmt.Sprintf("dead letter %d", d.ID) // unrelated to any other
+		}
+		if first, ok := failed[k]; ok {
+			if err := fail(d.ID, fmt.Sprintf("not replayed: dead letter %d of the same aggregate failed to replay first", first)); err != nil {
+				return res, err
+			}
+			continue
+		}
+		var earlier dedup.DeadLetter
+		var found bool
+		if err := bounded(func(ctx context.Context) (err error) { earlier, found, err = store.EarlierDead(ctx, tx, d); return err }); err != nil {
+			return res, err
+		}
+		if found {
+			failed[k] = earlier.ID
+			why := fmt.Sprintf("not replayed: dead letter %d (version %d) of the same aggregate is still dead; replay it too, or discard it, first", earlier.ID, earlier.AggregateVersion)
+			if err := fail(d.ID, why); err != nil {
+				return res, err
+			}
+			continue
+		}
+		rerr := el.replay(ctx, d)
+		if rerr == nil {
+			if err := bounded(func(ctx context.Context) error { return store.MarkReplayed(ctx, tx, d.ID) }); err != nil {
+				return res, err
+			}
+			res.Replayed++
+			el.cfg.Metrics.incReplay(el.cfg.Group, "replayed")
+			continue
+		}
+		if ctx.Err() != nil || IsInfrastructure(rerr) {
+			stop = rerr // keep what was marked; the rest stays requested
+			break
+		}
+		failed[k] = d.ID
+		el.cfg.Logger.WarnContext(ctx, "eventline: replay of a dead letter failed; it is dead again",
+			"group", el.cfg.Group, "dead_letter_id", d.ID, "event_id", d.EventID, "error", rerr)
+		if err := fail(d.ID, rerr.Error()); err != nil {
+			return res, err
+		}
+	}
+	if err := bounded(func(ctx context.Context) error { return tx.Commit(ctx) }); err != nil {
+		return res, err
+	}
+	return res, stop
+}
+
+// replay runs one dead letter through the eventline middleware and its
+// handler.
+func (el *Eventline) replay(ctx context.Context, d dedup.DeadLetter) error {
+	h := el.gate.reg.lookup(d.Handler)
+	if h == nil {
+		return fmt.Errorf("%w: %q; register it with Register, MiddlewareFor or AddHandler", versioning.ErrNoHandler, d.Handler)
+	}
+	msg := d.Message()
+	msg.SetContext(ContextWithSource(ctx, Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
+	_, err := el.handler(el.guard(h))(msg)
+	return err
+}
+
+// runReplays replays requested dead letters every SweepInterval until ctx
+// ends.
+func (el *Eventline) runReplays(ctx context.Context) {
+	interval := el.cfg.SweepInterval
+	if interval <= 0 {
+		interval = versioning.DefaultSweepInterval
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	down := false // the database was unavailable on the last pass
+	for {
+		res, err := el.ReplayDeadLetters(ctx)
+		switch {
+		case ctx.Err() != nil:
+			return
+		case err != nil && IsInfrastructure(err):
+			// The consumer's Retry already reports the outage; say it once.
+			log := el.cfg.Logger.DebugContext
+			if !down {
+				log = el.cfg.Logger.WarnContext
+			}
+			down = true
+			log(ctx, "eventline: cannot replay dead letters while the database is unavailable; retrying on the next tick", "group", el.cfg.Group, "error", err)
+		case err != nil && !errors.Is(err, context.Canceled):
+			down = false
+			el.cfg.Logger.ErrorContext(ctx, "eventline: replay of dead letters failed; retrying on the next tick", "group", el.cfg.Group, "error", err)
+		default:
+			down = false
+			if res.Replayed > 0 || res.Failed > 0 {
+				el.cfg.Logger.InfoContext(ctx, "eventline: dead letters replayed", "group", el.cfg.Group, "replayed", res.Replayed, "failed", res.Failed)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
