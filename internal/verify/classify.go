@@ -216,7 +216,7 @@ func (r *runner) pending(gs *groupState, f Finding) {
 	if f.AgeSeconds > r.cfg.MaxPendingAge.Seconds() {
 		g.Stuck++
 		f.Severity = Problem
-		f.Detail += fmt.Sprintf(" (stuck: pending for longer than %s)", r.cfg.MaxPendingAge)
+		f.Detail += fmt.Sprintf(" (stuck: pending for longer than %s)", human(r.cfg.MaxPendingAge))
 	}
 	r.details.add(f)
 }

@@ -120,8 +120,8 @@ func (f *fixture) age(e eventline.Event, d time.Duration) {
 func (f *fixture) deadLetter(e eventline.Event) {
 	f.t.Helper()
 	_, err := f.env.Pool.Exec(f.ctx, `INSERT INTO `+sqlident.Qualify(f.env.Schema, "dead_letters")+`
-		(shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, destination_topic, attempts, last_error, dead_reason)
-		SELECT $1, uuid, $2, $3, $4, $5, $6, $7, 5, 'kafka: message too large', 'gave up after 5 attempts'
+		(shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, destination_topic, attempts, last_error, dead_reason, payload, metadata)
+		SELECT $1, uuid, $2, $3, $4, $5, $6, $7, 5, 'kafka: message too large', 'gave up after 5 attempts', payload, metadata
 		FROM `+f.shardTable(e)+` WHERE payload->>'uuid' = $2`,
 		outbox.ShardFor(e.AggregateType, e.AggregateID, f.env.Shards), e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, f.topic)
 	require.NoError(f.t, err)
@@ -279,6 +279,34 @@ func (f *fixture) commitAll(group, topic string) {
 	}, 10*time.Second, 20*time.Millisecond)
 }
 
+// committedToEnd reports whether the group's committed offsets reached the
+// end of every partition of topic.
+func (f *fixture) committedToEnd(group, topic string) bool {
+	f.t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	admin, err := sarama.NewClusterAdmin(f.brokers, cfg)
+	require.NoError(f.t, err)
+	defer admin.Close()
+	client, err := sarama.NewClient(f.brokers, cfg)
+	require.NoError(f.t, err)
+	defer client.Close()
+	parts, err := client.Partitions(topic)
+	require.NoError(f.t, err)
+	resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: parts})
+	if err != nil {
+		return false
+	}
+	for _, p := range parts {
+		high, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		require.NoError(f.t, err)
+		if b := resp.GetBlock(topic, p); high > 0 && (b == nil || b.Offset < high) {
+			return false
+		}
+	}
+	return true
+}
+
 // run runs verify on the fixture.
 func (f *fixture) run(cfg verify.Config) *verify.Report {
 	f.t.Helper()
@@ -322,6 +350,20 @@ func one(t *testing.T, rep *verify.Report, id string, kind verify.Kind, sev veri
 	require.Equal(t, sev, fs[0].Severity, "%+v", fs[0])
 	require.Equal(t, version, fs[0].AggregateVersion, "%+v", fs[0])
 	return fs[0]
+}
+
+// ofKind requires exactly one finding of kind about aggregate order/id and
+// returns it.
+func ofKind(t *testing.T, rep *verify.Report, id string, kind verify.Kind) verify.Finding {
+	t.Helper()
+	var out []verify.Finding
+	for _, f := range findings(rep, id) {
+		if f.Kind == kind {
+			out = append(out, f)
+		}
+	}
+	require.Len(t, out, 1, "%s findings about order/%s: %+v", kind, id, rep.Findings)
+	return out[0]
 }
 
 // group returns the report of a group.

@@ -175,6 +175,22 @@ func ageOf(seconds float64) string {
 	}
 }
 
+// human formats a duration without trailing zero units: 5m, 1h30m, 7d.
+func human(d time.Duration) string {
+	const day = 24 * time.Hour
+	if d >= day && d%day == 0 {
+		return fmt.Sprintf("%dd", d/day)
+	}
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = strings.TrimSuffix(s, "0s")
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = strings.TrimSuffix(s, "0m")
+	}
+	return s
+}
+
 // count returns "1 event" or "3 events".
 func count(n int64, word string) string {
 	if n == 1 {

@@ -185,7 +185,7 @@ func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, gro
 		}
 	}
 	r.note("dedup records are assumed kept for %s (the retention `eventline cleanup` runs with): an event committed before %s without one is counted as unverifiable, not lost",
-		cfg.DedupRetention, r.rep.DedupHorizon.UTC().Format(time.RFC3339))
+		human(cfg.DedupRetention), r.rep.DedupHorizon.UTC().Format(time.RFC3339))
 
 	if err := r.setUpGroups(ctx, otx, ctx1, groups, shards); err != nil {
 		return err
@@ -429,7 +429,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 		sev := Info
 		if age > r.cfg.MaxParkedAge {
 			sev = Problem
-			detail += fmt.Sprintf(" (parked for longer than %s: is the consumer's sweeper running?)", r.cfg.MaxParkedAge)
+			detail += fmt.Sprintf(" (parked for longer than %s: is the consumer's sweeper running?)", human(r.cfg.MaxParkedAge))
 		}
 		at := parkedAt
 		r.details.add(Finding{Severity: sev, Kind: Parked, Group: group, EventID: eventID, EventType: eventType,
