@@ -14,8 +14,8 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/internal/verify"
+	"github.com/eventline/eventline/producer"
 )
 
 // runUntilStopped runs fn in a goroutine until the test ends or stop is
@@ -126,4 +126,3 @@ func TestCleanPipelineReportsNothing(t *testing.T) {
 	require.True(t, rep.OK)
 	require.Empty(t, rep.Findings)
 }
-
