@@ -35,12 +35,12 @@ func (q consumerSQL) classifySQL(eventsSQL string, p int) string {
 		LEFT JOIN ` + q.processed + ` p ON p.consumer_group = gt.grp AND p.event_id = ev.event_id
 	)
 	SELECT true, grp, outcome, count(*)::bigint,
-		NULL::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::timestamptz, NULL::boolean, NULL::boolean,
+		NULL::text, NULL::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::timestamptz, NULL::boolean, NULL::boolean,
 		NULL::integer, NULL::text, NULL::bigint, NULL::boolean, NULL::boolean
 	FROM j WHERE outcome IS NOT NULL GROUP BY grp, outcome
 	UNION ALL
 	SELECT false, j.grp, NULL, 1,
-		j.event_id, j.topic, j.aggregate_type, j.aggregate_id, j.version, j.created_at, j.relayed, j.dead,
+		j.event_id, j.event_type, j.topic, j.aggregate_type, j.aggregate_id, j.version, j.created_at, j.relayed, j.dead,
 		j.retry_attempts, j.retry_error, av.version,
 		j.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = j.grp
 			AND sv.aggregate_type = j.aggregate_type AND sv.aggregate_id = j.aggregate_id
@@ -69,20 +69,20 @@ func (r *runner) classify(ctx context.Context, tx pgx.Tx, query string, args ...
 	defer rows.Close()
 	for rows.Next() {
 		var (
-			counted         bool
-			group           string
-			outcome         *string
-			n               int64
-			u               unrecorded
-			id, top, at, ai *string
-			ver             *int64
-			created         *time.Time
-			relayed, dead   *bool
-			attempts        *int32
-			lastErr         *string
-			skipped, cdead  *bool
+			counted             bool
+			group               string
+			outcome             *string
+			n                   int64
+			u                   unrecorded
+			id, et, top, at, ai *string
+			ver                 *int64
+			created             *time.Time
+			relayed, dead       *bool
+			attempts            *int32
+			lastErr             *string
+			skipped, cdead      *bool
 		)
-		if err := rows.Scan(&counted, &group, &outcome, &n, &id, &top, &at, &ai, &ver, &created, &relayed, &dead,
+		if err := rows.Scan(&counted, &group, &outcome, &n, &id, &et, &top, &at, &ai, &ver, &created, &relayed, &dead,
 			&attempts, &lastErr, &u.groupVersion, &skipped, &cdead); err != nil {
 			return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
 		}
@@ -96,7 +96,7 @@ func (r *runner) classify(ctx context.Context, tx pgx.Tx, query string, args ...
 			continue
 		}
 		u.group = group
-		u.eventID, u.topic, u.aggregateType, u.aggregateID = *id, *top, *at, *ai
+		u.eventID, u.eventType, u.topic, u.aggregateType, u.aggregateID = *id, *et, *top, *at, *ai
 		u.version, u.createdAt, u.relayed, u.dead = *ver, *created, *relayed, *dead
 		u.retryAttempts, u.retryError = int(*attempts), *lastErr
 		u.skipped, u.consumerDead = *skipped, *cdead
@@ -116,7 +116,7 @@ func (r *runner) judge(gs *groupState, u unrecorded) {
 		return // counted in Events; nothing can be said without records
 	}
 	f := Finding{
-		Kind: Pending, Group: u.group, EventID: u.eventID, Topic: u.topic,
+		Kind: Pending, Group: u.group, EventID: u.eventID, EventType: u.eventType, Topic: u.topic,
 		AggregateType: u.aggregateType, AggregateID: u.aggregateID, AggregateVersion: u.version,
 	}
 	at := u.createdAt

@@ -39,6 +39,8 @@ const (
 	// DefaultMaxDetails is how many findings of one kind are listed per
 	// consumer group (the oldest ones); the rest are only counted.
 	DefaultMaxDetails = 20
+	// NoDetails, as Config.MaxDetails, lists no finding, only counts.
+	NoDetails = -1
 	// DefaultChunkSize is how many outbox events are looked up at once in a
 	// separate consumer database.
 	DefaultChunkSize = 5000
@@ -103,7 +105,8 @@ type Config struct {
 	DedupRetention time.Duration
 	// ClockSkew: see DefaultClockSkew.
 	ClockSkew time.Duration
-	// MaxDetails: see DefaultMaxDetails.
+	// MaxDetails: see DefaultMaxDetails. NoDetails lists none: findings
+	// are only counted.
 	MaxDetails int
 	// ChunkSize: see DefaultChunkSize.
 	ChunkSize int
@@ -175,8 +178,8 @@ func (c Config) validate() error {
 			return fmt.Errorf("verify.Config.%s is %s; it must be positive (0 means the default)", name, d)
 		}
 	}
-	if c.MaxDetails < 0 || c.ChunkSize < 0 {
-		return fmt.Errorf("verify.Config: MaxDetails (%d) and ChunkSize (%d) must be positive (0 means the default)", c.MaxDetails, c.ChunkSize)
+	if c.MaxDetails < NoDetails || c.ChunkSize < 0 {
+		return fmt.Errorf("verify.Config: MaxDetails (%d) and ChunkSize (%d) must be positive (0 means the default; MaxDetails may be NoDetails)", c.MaxDetails, c.ChunkSize)
 	}
 	for _, g := range c.Groups {
 		if g == "" {

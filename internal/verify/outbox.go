@@ -16,6 +16,7 @@ import (
 // carrying its id in one shard, and what the relay did with it.
 type outboxEvent struct {
 	eventID       string
+	eventType     string
 	topic         string
 	aggregateType string
 	aggregateID   string
@@ -33,7 +34,7 @@ type outboxEvent struct {
 
 // eventColumns are the columns of the events relation, in order; the
 // classification query and the chunked lookup both rely on them.
-const eventColumns = `event_id, topic, aggregate_type, aggregate_id, version, created_at, relayed, dead, retry_attempts, retry_error`
+const eventColumns = `event_id, event_type, topic, aggregate_type, aggregate_id, version, created_at, relayed, dead, retry_attempts, retry_error`
 
 // eventsSQL selects the events of one shard whose outbox row was written in
 // the window ($1 since, $2 until), as the relation eventColumns.
@@ -51,10 +52,11 @@ func eventsSQL(schema string, shard int) string {
 	deadLetters := sqlident.Qualify(schema, "dead_letters")
 	failures := sqlident.Qualify(schema, "relay_failures")
 	s := strconv.Itoa(shard)
-	return `SELECT e.event_id, e.topic, e.aggregate_type, e.aggregate_id, e.version, e.created_at, e.relayed, e.dead,
+	return `SELECT e.event_id, e.event_type, e.topic, e.aggregate_type, e.aggregate_id, e.version, e.created_at, e.relayed, e.dead,
 		COALESCE(f.attempts, 0) AS retry_attempts, COALESCE(f.last_error, '') AS retry_error
 	FROM (
 		SELECT r.uuid, r.payload->>'uuid' AS event_id,
+			COALESCE(r.payload->'metadata'->>'event_type', '') AS event_type,
 			COALESCE(r.payload->>'destination_topic', '') AS topic,
 			COALESCE(r.payload->'metadata'->>'aggregate_type', '') AS aggregate_type,
 			COALESCE(r.payload->'metadata'->>'aggregate_id', '') AS aggregate_id,
@@ -156,7 +158,7 @@ func scanOutboxEvents(ctx context.Context, tx pgx.Tx, schema string, shard int, 
 	chunk := make([]outboxEvent, 0, size)
 	for rows.Next() {
 		var e outboxEvent
-		if err := rows.Scan(&e.eventID, &e.topic, &e.aggregateType, &e.aggregateID, &e.version, &e.createdAt,
+		if err := rows.Scan(&e.eventID, &e.eventType, &e.topic, &e.aggregateType, &e.aggregateID, &e.version, &e.createdAt,
 			&e.relayed, &e.dead, &e.retryAttempts, &e.retryError); err != nil {
 			return fmt.Errorf("read outbox shard %d: %w", shard, err)
 		}
@@ -180,19 +182,21 @@ func scanOutboxEvents(ctx context.Context, tx pgx.Tx, schema string, shard int, 
 // chunkArgs turns a chunk into the array parameters of chunkEventsSQL.
 func chunkArgs(chunk []outboxEvent) []any {
 	n := len(chunk)
-	ids, topics, types, aggIDs := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	ids, eventTypes, topics, types, aggIDs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	versions, created := make([]int64, n), make([]time.Time, n)
 	relayed, dead := make([]bool, n), make([]bool, n)
 	attempts, errs := make([]int32, n), make([]string, n)
 	for i, e := range chunk {
-		ids[i], topics[i], types[i], aggIDs[i] = e.eventID, e.topic, e.aggregateType, e.aggregateID
+		ids[i], eventTypes[i], topics[i], types[i], aggIDs[i] = e.eventID, e.eventType, e.topic, e.aggregateType, e.aggregateID
 		versions[i], created[i], relayed[i], dead[i] = e.version, e.createdAt, e.relayed, e.dead
 		attempts[i], errs[i] = int32(e.retryAttempts), e.retryError
 	}
-	return []any{ids, topics, types, aggIDs, versions, created, relayed, dead, attempts, errs}
+	return []any{ids, eventTypes, topics, types, aggIDs, versions, created, relayed, dead, attempts, errs}
 }
 
-// chunkEventsSQL is the events relation over the ten array parameters of
-// chunkArgs, $1 to $10.
-const chunkEventsSQL = `SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[], $6::timestamptz[],
-	$7::boolean[], $8::boolean[], $9::integer[], $10::text[]) AS ev(` + eventColumns + `)`
+// chunkEventsSQL is the events relation over the array parameters of
+// chunkArgs, $1 to $11; chunkParams is the first parameter after them.
+const chunkEventsSQL = `SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[],
+	$8::boolean[], $9::boolean[], $10::integer[], $11::text[]) AS ev(` + eventColumns + `)`
+
+const chunkParams = 12

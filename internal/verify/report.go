@@ -280,7 +280,7 @@ type bucket struct {
 }
 
 func newDetails(limit int) *details {
-	return &details{limit: limit, buckets: map[detailKey]*bucket{}}
+	return &details{limit: max(limit, 0), buckets: map[detailKey]*bucket{}}
 }
 
 // add records f, dropping the youngest finding of its bucket when full.

@@ -300,7 +300,7 @@ func (r *runner) inferTopics(ctx context.Context, otx, ctx1 pgx.Tx, shard int, g
 		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups))
 	}
 	return scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(chunkEventsSQL, 11), append(chunkArgs(chunk), groups)...))
+		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...))
 	})
 }
 
@@ -389,7 +389,7 @@ func (r *runner) reconcile(ctx context.Context, otx, ctx1 pgx.Tx, shards int) er
 			continue
 		}
 		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, 11), append(chunkArgs(chunk), gs, ts)...)
+			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), gs, ts)...)
 		})
 		if err != nil {
 			return err
