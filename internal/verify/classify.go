@@ -14,41 +14,49 @@ import (
 // arrays of (group, topic) pairs: an event is expected by the groups that
 // consume its topic.
 //
-// The result has two kinds of rows. counted rows (first column true) give
-// per group and outcome the number of events the group has a dedup record
-// of; the others are, one per group, the events it has no record of, with
-// the group's version of the aggregate, whether a skipped range covers the
-// event's version, and whether the group dead-lettered it (when the
-// consumer dead-letter table exists). Only those few rows reach Go: the
-// anti-join runs in the database.
+// One aggregation does the anti-join and the counting in a single pass:
+// rows a group has a record of collapse into one row per group and
+// outcome (counted, first column true); the events it has no record of
+// stay one row each, with the group's version of the aggregate, whether a
+// skipped range covers the event's version, and whether the group
+// dead-lettered it (when the consumer dead-letter table exists). Only those
+// rows reach Go.
 func (q consumerSQL) classifySQL(eventsSQL string, p int) string {
 	g, t := "$"+strconv.Itoa(p), "$"+strconv.Itoa(p+1)
 	consumerDead := "false"
 	if q.deadLetters != nil {
-		consumerDead = `EXISTS (SELECT 1 FROM ` + q.deadLetters.table + ` c
-			WHERE c.consumer_group = j.grp AND c.event_id = j.event_id AND c.replayed_at IS NULL)`
+		consumerDead = `a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.deadLetters.table + ` c
+			WHERE c.consumer_group = a.grp AND c.event_id = a.event_id AND c.replayed_at IS NULL)`
 	}
-	return `WITH ev AS MATERIALIZED (` + eventsSQL + `),
-	gt AS (SELECT * FROM unnest(` + g + `::text[], ` + t + `::text[]) AS gt(grp, topic)),
-	j AS MATERIALIZED (
-		SELECT gt.grp, ev.*, p.outcome FROM ev JOIN gt ON gt.topic = ev.topic
-		LEFT JOIN ` + q.processed + ` p ON p.consumer_group = gt.grp AND p.event_id = ev.event_id
-	)
-	SELECT true, grp, outcome, count(*)::bigint,
-		NULL::text, NULL::text, NULL::text, NULL::text, NULL::text, NULL::bigint, NULL::timestamptz, NULL::boolean, NULL::boolean,
-		NULL::integer, NULL::text, NULL::bigint, NULL::boolean, NULL::boolean
-	FROM j WHERE outcome IS NOT NULL GROUP BY grp, outcome
-	UNION ALL
-	SELECT false, j.grp, NULL, 1,
-		j.event_id, j.event_type, j.topic, j.aggregate_type, j.aggregate_id, j.version, j.created_at, j.relayed, j.dead,
-		j.retry_attempts, j.retry_error, av.version,
-		j.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = j.grp
-			AND sv.aggregate_type = j.aggregate_type AND sv.aggregate_id = j.aggregate_id
-			AND j.version BETWEEN sv.from_version AND sv.to_version),
+	return `SELECT a.outcome IS NOT NULL, a.grp, a.outcome, a.n,
+		a.event_id, a.event_type, a.topic, a.aggregate_type, a.aggregate_id, a.version, a.created_at, a.relayed, a.dead,
+		a.retry_attempts, a.retry_error, av.version,
+		a.event_id IS NOT NULL AND a.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = a.grp
+			AND sv.aggregate_type = a.aggregate_type AND sv.aggregate_id = a.aggregate_id
+			AND a.version BETWEEN sv.from_version AND sv.to_version),
 		` + consumerDead + `
-	FROM j LEFT JOIN ` + q.versions + ` av ON av.consumer_group = j.grp
-		AND av.aggregate_type = j.aggregate_type AND av.aggregate_id = j.aggregate_id
-	WHERE j.outcome IS NULL`
+	FROM (
+		SELECT gt.grp, p.outcome, count(*)::bigint AS n, u.*
+		FROM (` + eventsSQL + `) ev
+		JOIN unnest(` + g + `::text[], ` + t + `::text[]) AS gt(grp, topic) ON gt.topic = ev.topic
+		LEFT JOIN ` + q.processed + ` p ON p.consumer_group = gt.grp AND p.event_id = ev.event_id
+		CROSS JOIN LATERAL (SELECT
+			CASE WHEN p.event_id IS NULL THEN ev.event_id END AS event_id,
+			CASE WHEN p.event_id IS NULL THEN ev.event_type END AS event_type,
+			CASE WHEN p.event_id IS NULL THEN ev.topic END AS topic,
+			CASE WHEN p.event_id IS NULL THEN ev.aggregate_type END AS aggregate_type,
+			CASE WHEN p.event_id IS NULL THEN ev.aggregate_id END AS aggregate_id,
+			CASE WHEN p.event_id IS NULL THEN ev.version END AS version,
+			CASE WHEN p.event_id IS NULL THEN ev.created_at END AS created_at,
+			CASE WHEN p.event_id IS NULL THEN ev.relayed END AS relayed,
+			CASE WHEN p.event_id IS NULL THEN ev.dead END AS dead,
+			CASE WHEN p.event_id IS NULL THEN ev.retry_attempts END AS retry_attempts,
+			CASE WHEN p.event_id IS NULL THEN ev.retry_error END AS retry_error) u
+		GROUP BY gt.grp, p.outcome, u.event_id, u.event_type, u.topic, u.aggregate_type, u.aggregate_id, u.version,
+			u.created_at, u.relayed, u.dead, u.retry_attempts, u.retry_error
+	) a
+	LEFT JOIN ` + q.versions + ` av ON a.event_id IS NOT NULL AND av.consumer_group = a.grp
+		AND av.aggregate_type = a.aggregate_type AND av.aggregate_id = a.aggregate_id`
 }
 
 // unrecorded is an event a group has no dedup record of.

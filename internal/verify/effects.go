@@ -90,8 +90,8 @@ func (r *runner) checkEffects(ctx context.Context, tx pgx.Tx, gs *groupState, qu
 		rows, err := sp.Query(ctx, `SELECT aggregate_type, aggregate_id, aggregate_version, event_id, event_type, processed_at, before
 			FROM (
 				SELECT p.aggregate_type, p.aggregate_id, p.aggregate_version, p.event_id, p.event_type, p.processed_at,
-					max(p.aggregate_version) OVER (PARTITION BY p.aggregate_type, p.aggregate_id ORDER BY e.seq
-						RANGE BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW EXCLUDE GROUP) AS before
+					max(p.aggregate_version) OVER (`+aggregateWindow+` ORDER BY e.seq, p.aggregate_version
+						ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before
 				FROM (`+q+`) AS `+alias+`
 				JOIN `+r.consumer.processed+` p ON p.consumer_group = $1 AND p.event_id = e.event_id::text
 				WHERE p.outcome = 'applied' AND p.aggregate_version > 0

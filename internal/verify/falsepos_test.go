@@ -222,3 +222,28 @@ func versionsUpTo(n int) []int64 {
 	}
 	return out
 }
+
+// A group whose topic and dead-letter topic do not exist on Kafka is
+// checked without them: its relayed event stays pending, nothing is lost,
+// and the report says why.
+func TestMissingKafkaTopics(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.withKafka(1)
+	f.createEffects()
+	f.produce(f.topic, f.publish("x", 1), nil)
+	gone := f.publish("y", 1) // published to a topic that was deleted since
+	_, err := f.env.Pool.Exec(f.ctx, `UPDATE `+f.shardTable(gone[0])+`
+		SET payload = json_build_object('destination_topic', 'gone', 'uuid', payload->>'uuid', 'metadata', payload->'metadata')
+		WHERE payload->>'uuid' = $1`, gone[0].ID)
+	require.NoError(t, err)
+	f.markRelayed()
+	rep := f.run(verify.Config{GroupTopics: map[string][]string{"billing": {f.topic, "gone"}}, Groups: []string{"billing"}})
+	require.True(t, rep.OK, "%+v", rep.Findings)
+	require.Equal(t, "kafka", ofKind(t, rep, "x", verify.Pending).Stage)
+	y := ofKind(t, rep, "y", verify.Pending)
+	require.Equal(t, "relayed", y.Stage)
+	require.Contains(t, y.Detail, "compacted or missing")
+	require.Contains(t, rep.Notes, "Kafka topic gone does not exist: its events are not traced on Kafka")
+	require.Empty(t, group(t, rep, "billing").DeadLetterSources)
+}

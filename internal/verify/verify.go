@@ -187,22 +187,26 @@ func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, gro
 	r.note("dedup records are assumed kept for %s (the retention `eventline cleanup` runs with): an event committed before %s without one is counted as unverifiable, not lost",
 		human(cfg.DedupRetention), r.rep.DedupHorizon.UTC().Format(time.RFC3339))
 
-	if err := r.setUpGroups(ctx, otx, ctx1, groups, shards); err != nil {
-		return err
-	}
-	if kr != nil {
-		if err := r.readKafka(ctx, kr); err != nil {
+	for _, step := range []struct {
+		name string
+		fn   func() error
+	}{
+		{"groups", func() error { return r.setUpGroups(ctx, otx, ctx1, groups, shards) }},
+		{"kafka", func() error {
+			if kr == nil {
+				return nil
+			}
+			return r.readKafka(ctx, kr)
+		}},
+		{"outbox", func() error { return r.checkOutbox(ctx, otx, shards) }},
+		{"reconcile", func() error { return r.reconcile(ctx, otx, ctx1, shards) }},
+		{"consumer state", func() error { return r.checkConsumerState(ctx, ctx1) }},
+	} {
+		start := time.Now()
+		if err := step.fn(); err != nil {
 			return err
 		}
-	}
-	if err := r.checkOutbox(ctx, otx, shards); err != nil {
-		return err
-	}
-	if err := r.reconcile(ctx, otx, ctx1, shards); err != nil {
-		return err
-	}
-	if err := r.checkConsumerState(ctx, ctx1); err != nil {
-		return err
+		cfg.Logger.Debug("eventline verify: step done", "step", step.name, "elapsed", time.Since(start))
 	}
 	r.finish()
 	return nil
