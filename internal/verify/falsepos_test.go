@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/verify"
@@ -246,4 +247,63 @@ func TestMissingKafkaTopics(t *testing.T) {
 	require.Contains(t, y.Detail, "compacted or missing")
 	require.Contains(t, rep.Notes, "Kafka topic gone does not exist: its events are not traced on Kafka")
 	require.Empty(t, group(t, rep, "billing").DeadLetterSources)
+}
+
+// Config.MaxDetails keeps the oldest findings of a kind and counts the
+// rest; the counts still fail the run.
+func TestDetailsAreBoundedOldestFirst(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.createEffects()
+	var lost []string
+	for _, id := range []string{"a", "b", "c"} {
+		evs := f.publish(id, 2)
+		lost = append(lost, evs[0].ID)
+		f.record("billing", evs[1], "applied", time.Minute)
+	}
+	f.markRelayed()
+	f.age(eventline.Event{ID: lost[1], AggregateType: "order", AggregateID: "b"}, time.Hour)
+	rep := f.run(verify.Config{MaxDetails: 1})
+	require.Len(t, rep.Findings, 1)
+	require.Equal(t, lost[1], rep.Findings[0].EventID, "the oldest is kept")
+	require.Equal(t, []verify.Omitted{{Group: "billing", Kind: verify.Lost, Severity: verify.Problem, Count: 2}}, rep.Omitted)
+	require.EqualValues(t, 3, rep.Problems)
+	require.False(t, rep.OK)
+
+	rep = f.run(verify.Config{MaxDetails: verify.NoDetails})
+	require.Empty(t, rep.Findings)
+	require.EqualValues(t, 3, rep.Problems)
+}
+
+// An effects query of one column checks for twice-applied events only; the
+// order is then read from processed_events. A query that fails or returns
+// the wrong columns fails the run with ErrEffectsQuery.
+func TestEffectsQueryShapes(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.createEffects()
+	evs := f.publish("x", 3)
+	f.markRelayed()
+	f.record("billing", evs[0], "applied", 3*time.Minute)
+	f.record("billing", evs[2], "applied", 2*time.Minute)
+	f.record("billing", evs[1], "applied", time.Minute)
+	f.effect(evs[0])
+	effects := sqlident.Qualify(f.env.Schema, "effects")
+
+	rep := f.run(verify.Config{EffectsQueries: map[string]string{"billing": "SELECT event_id FROM " + effects + ";\n"}})
+	require.EqualValues(t, 1, *group(t, rep, "billing").AppliedTwice)
+	ofKind(t, rep, "x", verify.AppliedTwice)
+	ooo := ofKind(t, rep, "x", verify.OutOfOrder)
+	require.Contains(t, ooo.Detail, "by processed_at and by the transaction that applied it")
+
+	for q, want := range map[string]string{
+		"SELECT nope FROM " + effects:                    `column "nope" does not exist`,
+		"SELECT event_id, seq, seq FROM " + effects:      "returns 3 columns",
+		"DELETE FROM " + effects + " RETURNING event_id": "syntax error",
+	} {
+		_, err := verify.Run(f.ctx, f.env.Pool, nil, verify.Config{Schema: f.env.Schema, EffectsQueries: map[string]string{"billing": q}})
+		require.ErrorIs(t, err, verify.ErrEffectsQuery, q)
+		require.ErrorContains(t, err, want)
+	}
+	require.Equal(t, 4, pgtest.Count(t, f.env.Pool, `SELECT count(*) FROM `+effects), "nothing was deleted")
 }
