@@ -200,7 +200,7 @@ func TestVerifyCleanPipelineExits0(t *testing.T) {
 		r := verifyRun(t, env.Schema, "-brokers", strings.Join(brokers, ","), "-json")
 		var v verifyJSON
 		return r.code == 0 && jsonUnmarshal(r.stdout, &v) == nil && len(v.Groups) == 1 && v.Groups[0].TopicsFrom == "kafka"
-	}, 30*time.Second, 200*time.Millisecond)
+	}, time.Minute, 200*time.Millisecond)
 	stopConsumer()
 	stopRelay()
 
