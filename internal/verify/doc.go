@@ -48,7 +48,8 @@
 // has no record of. With a separate consumer database the outbox rows are
 // streamed and looked up there in chunks. Kafka records are indexed as 32
 // bytes each (a digest of the event id and the record's position), about
-// 32 MB per million records; nothing else grows with the data.
+// 32 MB per million records; nothing else grows with the data but the
+// records of consumer dead-letter topics.
 //
 // Reads run in REPEATABLE READ READ ONLY transactions, which take no
 // transaction id and so do not hold back the relays; a long run does hold
