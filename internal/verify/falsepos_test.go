@@ -6,11 +6,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/verify"
@@ -224,28 +227,44 @@ func versionsUpTo(n int) []int64 {
 	return out
 }
 
-// A group whose topic and dead-letter topic do not exist on Kafka is
-// checked without them: its relayed event stays pending, nothing is lost,
-// and the report says why.
-func TestMissingKafkaTopics(t *testing.T) {
+// A group whose topic and dead-letter topic do not exist on Kafka, or
+// whose topic is compacted, is checked without them: its relayed events
+// stay pending, nothing is lost, and the report says why.
+func TestMissingOrCompactedKafkaTopics(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, 1)
 	f.withKafka(1)
 	f.createEffects()
-	f.produce(f.topic, f.publish("x", 1), nil)
-	gone := f.publish("y", 1) // published to a topic that was deleted since
-	_, err := f.env.Pool.Exec(f.ctx, `UPDATE `+f.shardTable(gone[0])+`
-		SET payload = json_build_object('destination_topic', 'gone', 'uuid', payload->>'uuid', 'metadata', payload->'metadata')
-		WHERE payload->>'uuid' = $1`, gone[0].ID)
+	compacted := kafkatest.Topic(t, "compacted")
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	admin, err := sarama.NewClusterAdmin(f.brokers, cfg)
 	require.NoError(t, err)
+	policy := "compact"
+	require.NoError(t, admin.CreateTopic(compacted, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
+		ConfigEntries: map[string]*string{"cleanup.policy": &policy}}, false))
+	require.NoError(t, admin.Close())
+
+	f.produce(f.topic, f.publish("x", 1), nil)
+	retopic := func(e eventline.Event, topic string) {
+		_, err := f.env.Pool.Exec(f.ctx, `UPDATE `+f.shardTable(e)+`
+			SET payload = json_build_object('destination_topic', $2::text, 'uuid', payload->>'uuid', 'metadata', payload->'metadata')
+			WHERE payload->>'uuid' = $1`, e.ID, topic)
+		require.NoError(t, err)
+	}
+	retopic(f.publish("y", 1)[0], "gone") // a topic deleted since
+	retopic(f.publish("z", 1)[0], compacted)
 	f.markRelayed()
-	rep := f.run(verify.Config{GroupTopics: map[string][]string{"billing": {f.topic, "gone"}}, Groups: []string{"billing"}})
+	rep := f.run(verify.Config{GroupTopics: map[string][]string{"billing": {f.topic, "gone", compacted}}, Groups: []string{"billing"}})
 	require.True(t, rep.OK, "%+v", rep.Findings)
 	require.Equal(t, "kafka", ofKind(t, rep, "x", verify.Pending).Stage)
-	y := ofKind(t, rep, "y", verify.Pending)
-	require.Equal(t, "relayed", y.Stage)
-	require.Contains(t, y.Detail, "compacted or missing")
+	for _, id := range []string{"y", "z"} {
+		p := ofKind(t, rep, id, verify.Pending)
+		require.Equal(t, "relayed", p.Stage)
+		require.Contains(t, p.Detail, "compacted or missing")
+	}
 	require.Contains(t, rep.Notes, "Kafka topic gone does not exist: its events are not traced on Kafka")
+	require.Contains(t, rep.Notes, "Kafka topic "+compacted+" is compacted: an event missing from it proves nothing")
 	require.Empty(t, group(t, rep, "billing").DeadLetterSources)
 }
 

@@ -168,13 +168,22 @@ func (k *kafkaReader) topicExists(topic string) (bool, error) {
 
 // compacted reports whether the topic's cleanup.policy includes compact.
 func (k *kafkaReader) compacted(topic string) (bool, error) {
-	entries, err := k.admin.DescribeConfig(sarama.ConfigResource{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"cleanup.policy"}})
+	results, err := k.admin.DescribeConfigs([]*sarama.ConfigResource{{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"cleanup.policy"}}},
+		sarama.DescribeConfigsOptions{})
 	if err != nil {
 		return false, err
 	}
-	for _, e := range entries {
-		if e.Name == "cleanup.policy" {
-			return strings.Contains(e.Value, "compact"), nil
+	for _, res := range results {
+		if res.Name != topic {
+			continue
+		}
+		if res.ErrorCode != sarama.ErrNoError {
+			return false, &sarama.DescribeConfigError{Err: res.ErrorCode, ErrMsg: res.ErrorMsg}
+		}
+		for _, e := range res.Configs {
+			if e.Name == "cleanup.policy" {
+				return strings.Contains(e.Value, "compact"), nil
+			}
 		}
 	}
 	return false, nil
@@ -206,14 +215,6 @@ func (k *kafkaReader) bounds(topic string) ([]partitionBounds, error) {
 		out = append(out, partitionBounds{partition: p, start: start, high: high})
 	}
 	return out, nil
-}
-
-// partitionRead is what reading one partition yielded.
-type partitionRead struct {
-	first    time.Time // timestamp of the first record read
-	lastRead int64     // offset of the last record read; -1 if none
-	records  []kafkaRecord
-	dead     []deadRecord
 }
 
 // readPartition reads [start, high) of one partition and calls fn for each
