@@ -4,7 +4,8 @@
 // retention).
 //
 // Run `eventline -h` for the commands and `eventline <command> -h` for each
-// command's flags. Exit codes: 0 success, 1 failure, 2 usage error.
+// command's flags. Exit codes: 0 success, 1 failure, 2 usage error, 3
+// `eventline verify` found a problem.
 package main
 
 import (
@@ -112,12 +113,14 @@ func (inv *invocation) printMainUsage(w io.Writer) {
 	printFlags(w, fs, func(string) bool { return true })
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "Run 'eventline <command> -h' for a command's flags.")
-	fmt.Fprintln(w, "Exit codes: 0 success, 1 failure, 2 usage error.")
+	fmt.Fprintln(w, "Exit codes: 0 success, 1 failure, 2 usage error, 3 verify found a problem.")
 }
 
-// exitCode reports err on stderr and maps it to an exit code.
+// exitCode reports err on stderr and maps it to an exit code: a command's
+// own when the error has an ExitCode method, else 1 (2 for usage errors).
 func (inv *invocation) exitCode(err error) int {
 	var ue *usageError
+	var coded interface{ ExitCode() int }
 	switch {
 	case err == nil, errors.Is(err, errHelp):
 		return exitOK
@@ -135,6 +138,9 @@ func (inv *invocation) exitCode(err error) int {
 			path += " " + inv.path
 		}
 		fmt.Fprintf(inv.stderr, "%s: %v\n", path, err)
+		if errors.As(err, &coded) {
+			return coded.ExitCode()
+		}
 		return exitFailure
 	}
 }

@@ -1,0 +1,230 @@
+package verify
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// classifySQL joins an events relation (eventsSQL, columns eventColumns)
+// with the consumer groups' records. Parameters $p and $p+1 are parallel
+// arrays of (group, topic) pairs: an event is expected by the groups that
+// consume its topic.
+//
+// One aggregation does the anti-join and the counting in a single pass:
+// rows a group has a record of collapse into one row per group and
+// outcome (counted, first column true); the events it has no record of
+// stay one row each, with the group's version of the aggregate, whether a
+// skipped range covers the event's version, and whether the group
+// dead-lettered it (when the consumer dead-letter table exists). Only those
+// rows reach Go.
+func (q consumerSQL) classifySQL(eventsSQL string, p int) string {
+	g, t := "$"+strconv.Itoa(p), "$"+strconv.Itoa(p+1)
+	consumerDead := "false"
+	if q.deadLetters != nil {
+		consumerDead = `a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.deadLetters.table + ` c
+			WHERE c.consumer_group = a.grp AND c.event_id = a.event_id AND c.replayed_at IS NULL)`
+	}
+	return `SELECT a.outcome IS NOT NULL, a.grp, a.outcome, a.n,
+		a.event_id, a.event_type, a.topic, a.aggregate_type, a.aggregate_id, a.version, a.created_at, a.relayed, a.dead,
+		a.retry_attempts, a.retry_error, av.version,
+		a.event_id IS NOT NULL AND a.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = a.grp
+			AND sv.aggregate_type = a.aggregate_type AND sv.aggregate_id = a.aggregate_id
+			AND a.version BETWEEN sv.from_version AND sv.to_version),
+		` + consumerDead + `
+	FROM (
+		SELECT gt.grp, p.outcome, count(*)::bigint AS n, u.*
+		FROM (` + eventsSQL + `) ev
+		JOIN unnest(` + g + `::text[], ` + t + `::text[]) AS gt(grp, topic) ON gt.topic = ev.topic
+		LEFT JOIN ` + q.processed + ` p ON p.consumer_group = gt.grp AND p.event_id = ev.event_id
+		CROSS JOIN LATERAL (SELECT
+			CASE WHEN p.event_id IS NULL THEN ev.event_id END AS event_id,
+			CASE WHEN p.event_id IS NULL THEN ev.event_type END AS event_type,
+			CASE WHEN p.event_id IS NULL THEN ev.topic END AS topic,
+			CASE WHEN p.event_id IS NULL THEN ev.aggregate_type END AS aggregate_type,
+			CASE WHEN p.event_id IS NULL THEN ev.aggregate_id END AS aggregate_id,
+			CASE WHEN p.event_id IS NULL THEN ev.version END AS version,
+			CASE WHEN p.event_id IS NULL THEN ev.created_at END AS created_at,
+			CASE WHEN p.event_id IS NULL THEN ev.relayed END AS relayed,
+			CASE WHEN p.event_id IS NULL THEN ev.dead END AS dead,
+			CASE WHEN p.event_id IS NULL THEN ev.retry_attempts END AS retry_attempts,
+			CASE WHEN p.event_id IS NULL THEN ev.retry_error END AS retry_error) u
+		GROUP BY gt.grp, p.outcome, u.event_id, u.event_type, u.topic, u.aggregate_type, u.aggregate_id, u.version,
+			u.created_at, u.relayed, u.dead, u.retry_attempts, u.retry_error
+	) a
+	LEFT JOIN ` + q.versions + ` av ON a.event_id IS NOT NULL AND av.consumer_group = a.grp
+		AND av.aggregate_type = a.aggregate_type AND av.aggregate_id = a.aggregate_id`
+}
+
+// unrecorded is an event a group has no dedup record of.
+type unrecorded struct {
+	group string
+	outboxEvent
+	groupVersion *int64
+	skipped      bool
+	consumerDead bool
+}
+
+// classify runs a classification query and feeds its rows to the runner.
+func (r *runner) classify(ctx context.Context, tx pgx.Tx, query string, args ...any) error {
+	rows, err := tx.Query(ctx, query, args...)
+	if err != nil {
+		return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			counted             bool
+			group               string
+			outcome             *string
+			n                   int64
+			u                   unrecorded
+			id, et, top, at, ai *string
+			ver                 *int64
+			created             *time.Time
+			relayed, dead       *bool
+			attempts            *int32
+			lastErr             *string
+			skipped, cdead      *bool
+		)
+		if err := rows.Scan(&counted, &group, &outcome, &n, &id, &et, &top, &at, &ai, &ver, &created, &relayed, &dead,
+			&attempts, &lastErr, &u.groupVersion, &skipped, &cdead); err != nil {
+			return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
+		}
+		gs := r.groups[group]
+		if gs == nil {
+			continue
+		}
+		gs.rep.Events += n
+		if counted {
+			gs.rep.Outcomes[*outcome] += n
+			continue
+		}
+		u.group = group
+		u.eventID, u.eventType, u.topic, u.aggregateType, u.aggregateID = *id, *et, *top, *at, *ai
+		u.version, u.createdAt, u.relayed, u.dead = *ver, *created, *relayed, *dead
+		u.retryAttempts, u.retryError = int(*attempts), *lastErr
+		u.skipped, u.consumerDead = *skipped, *cdead
+		r.judge(gs, u)
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
+	}
+	return nil
+}
+
+// judge decides what an event a group has no dedup record of is: pending,
+// lost, explained (dead-lettered, skipped), or unverifiable.
+func (r *runner) judge(gs *groupState, u unrecorded) {
+	g := gs.rep
+	if !gs.dedup {
+		return // counted in Events; nothing can be said without records
+	}
+	f := Finding{
+		Kind: Pending, Group: u.group, EventID: u.eventID, EventType: u.eventType, Topic: u.topic,
+		AggregateType: u.aggregateType, AggregateID: u.aggregateID, AggregateVersion: u.version,
+	}
+	at := u.createdAt
+	f.At = &at
+	f.AgeSeconds = max(r.outboxNow.Sub(u.createdAt), 0).Seconds()
+	beforeHorizon := u.createdAt.Before(r.rep.DedupHorizon.Add(r.cfg.ClockSkew))
+	lost := func(detail string) {
+		if beforeHorizon {
+			g.Unverifiable++
+			return
+		}
+		g.Lost++
+		f.Kind, f.Severity, f.Detail = Lost, Problem, detail
+		r.details.add(f)
+	}
+	switch {
+	case u.dead:
+		g.DeadLettered++ // the relay's dead letter is a finding of its own
+		return
+	case u.consumerDead:
+		g.DeadLettered++ // a finding of its own, from the dead-letter table
+		return
+	case u.skipped:
+		g.SkippedEvents++ // the skipped range is a finding of its own
+		return
+	case !u.relayed:
+		f.Stage = "outbox"
+		f.Detail = "committed, not relayed yet"
+		if u.retryAttempts > 0 {
+			f.Stage = "retrying"
+			f.Detail = fmt.Sprintf("committed; the relay failed to publish it %d time(s) and will retry: %s", u.retryAttempts, truncate(u.retryError, maxReasonLength))
+		}
+		r.pending(gs, f)
+		return
+	case u.version > 0 && u.groupVersion != nil && *u.groupVersion >= u.version:
+		lost(fmt.Sprintf("relayed, but the group's version of %s/%s is %d, it has no dedup record of this event, and no skipped range covers v%d",
+			u.aggregateType, u.aggregateID, *u.groupVersion, u.version))
+		return
+	}
+	if r.kafka == nil {
+		f.Stage = "relayed"
+		f.Detail = "relayed; Kafka was not read, so whether the group has consumed it is unknown"
+		if u.version == 0 && beforeHorizon {
+			g.Unverifiable++
+			return
+		}
+		r.pending(gs, f)
+		return
+	}
+	l := r.kafka.lookup(u.eventID, u.topic, u.createdAt, r.cfg.ClockSkew)
+	switch {
+	case l.absent:
+		lost(fmt.Sprintf("relayed, but not on Kafka topic %s (read from the log start, where nothing was deleted, to the high watermark)", u.topic))
+		return
+	case l.deleted:
+		lost(fmt.Sprintf("relayed, then deleted from Kafka topic %s by retention before the group recorded it", u.topic))
+		return
+	case len(l.copies) == 0:
+		f.Stage = "relayed"
+		f.Detail = fmt.Sprintf("relayed; not found on Kafka topic %s, which is compacted or missing, so where it is is unknown", u.topic)
+		if u.version == 0 && beforeHorizon {
+			g.Unverifiable++
+			return
+		}
+		r.pending(gs, f)
+		return
+	}
+	if rec, committed, ok := r.kafka.consumedBy(u.group, l); ok {
+		if r.kafka.deadLettered(u.group, u.eventID) {
+			g.DeadLettered++ // a finding of its own, from the dead-letter topic
+			return
+		}
+		checked := "no dead-letter topic was read"
+		if t := r.kafka.deadTopics[u.group]; t != "" {
+			checked = "not in dead-letter topic " + t
+		}
+		if r.consumerDeadTable {
+			checked += ", nor in consumer_dead_letters"
+		}
+		lost(fmt.Sprintf("on Kafka at %s/%d offset %d; the group's committed offset there is %d, past it, but it has no dedup record of this event (%s)",
+			u.topic, rec.partition, rec.offset, committed, checked))
+		return
+	}
+	rec := l.copies[0]
+	f.Stage = "kafka"
+	f.Detail = fmt.Sprintf("on Kafka at %s/%d offset %d, not consumed by the group yet", u.topic, rec.partition, rec.offset)
+	r.pending(gs, f)
+}
+
+// pending records a pending event, a problem once it is older than
+// Config.MaxPendingAge.
+func (r *runner) pending(gs *groupState, f Finding) {
+	g := gs.rep
+	g.Pending++
+	g.OldestPendingSeconds = max(g.OldestPendingSeconds, f.AgeSeconds)
+	f.Kind, f.Severity = Pending, Info
+	if f.AgeSeconds > r.cfg.MaxPendingAge.Seconds() {
+		g.Stuck++
+		f.Severity = Problem
+		f.Detail += fmt.Sprintf(" (stuck: pending for longer than %s)", human(r.cfg.MaxPendingAge))
+	}
+	r.details.add(f)
+}

@@ -1,0 +1,269 @@
+package verify
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+// ConsumerDeadLetterTable is the consumer-side dead-letter table verify
+// reads when it exists (migration 006). Until then its dead letters are
+// reported as not present, and only dead-letter topics are read.
+const ConsumerDeadLetterTable = "consumer_dead_letters"
+
+// consumerDeadLetterColumns are the columns verify needs from
+// ConsumerDeadLetterTable; a table without them is reported and not read.
+var consumerDeadLetterColumns = []string{"consumer_group", "event_id", "aggregate_type", "aggregate_id", "aggregate_version", "dead_at", "replayed_at"}
+
+// consumerSQL names the consumer tables in their schema.
+type consumerSQL struct {
+	schema                               string
+	processed, versions, parked, skipped string
+	deadLetters                          *deadLetterTable
+}
+
+// deadLetterTable is ConsumerDeadLetterTable, as found.
+type deadLetterTable struct {
+	table string
+	// reason and eventType are the SQL expressions for the reason and the
+	// event type ('' when the table has no such column).
+	reason, eventType string
+}
+
+func newConsumerSQL(schema string) consumerSQL {
+	return consumerSQL{
+		schema:    schema,
+		processed: sqlident.Qualify(schema, dedup.Table),
+		versions:  sqlident.Qualify(schema, "aggregate_versions"),
+		parked:    sqlident.Qualify(schema, "parked_events"),
+		skipped:   sqlident.Qualify(schema, "skipped_versions"),
+	}
+}
+
+// tablesPresent reports whether the consumer tables exist.
+func (q consumerSQL) tablesPresent(ctx context.Context, tx pgx.Tx) (bool, error) {
+	var ok bool
+	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`, q.processed, q.skipped).Scan(&ok)
+	if err != nil {
+		return false, fmt.Errorf("look for the consumer tables in schema %s: %w", q.schema, err)
+	}
+	return ok, nil
+}
+
+// findDeadLetterTable looks for ConsumerDeadLetterTable. It returns a note
+// when the table is absent or lacks a column verify needs.
+func (q *consumerSQL) findDeadLetterTable(ctx context.Context, tx pgx.Tx) (string, error) {
+	rows, err := tx.Query(ctx, `SELECT column_name::text FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2`,
+		q.schema, ConsumerDeadLetterTable)
+	if err != nil {
+		return "", fmt.Errorf("look for %s: %w", ConsumerDeadLetterTable, err)
+	}
+	cols, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return "", fmt.Errorf("look for %s: %w", ConsumerDeadLetterTable, err)
+	}
+	if len(cols) == 0 {
+		return ConsumerDeadLetterTable + ": not present (the consumer keeps its dead letters on Kafka only)", nil
+	}
+	for _, c := range consumerDeadLetterColumns {
+		if !slices.Contains(cols, c) {
+			return fmt.Sprintf("%s: present but has no column %s, so verify does not read it (update internal/verify)", ConsumerDeadLetterTable, c), nil
+		}
+	}
+	t := &deadLetterTable{table: sqlident.Qualify(q.schema, ConsumerDeadLetterTable), reason: "''", eventType: "''"}
+	for _, c := range []string{"dead_reason", "reason", "last_error"} {
+		if slices.Contains(cols, c) {
+			t.reason = "COALESCE(" + sqlident.Quote(c) + "::text, '')"
+			break
+		}
+	}
+	if slices.Contains(cols, "event_type") {
+		t.eventType = "event_type"
+	}
+	q.deadLetters = t
+	return "", nil
+}
+
+// discoverGroups lists the consumer groups that recorded anything, by a
+// loose index scan of the two tables whose primary key starts with the
+// group: cheap however many rows there are.
+func (q consumerSQL) discoverGroups(ctx context.Context, tx pgx.Tx) ([]string, error) {
+	var out []string
+	for _, table := range []string{q.processed, q.versions} {
+		rows, err := tx.Query(ctx, `WITH RECURSIVE g(name) AS (
+			(SELECT consumer_group FROM `+table+` ORDER BY consumer_group LIMIT 1)
+			UNION ALL
+			SELECT (SELECT consumer_group FROM `+table+` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
+			FROM g WHERE g.name IS NOT NULL
+		) SELECT name FROM g WHERE name IS NOT NULL`)
+		if err != nil {
+			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
+		}
+		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
+		}
+		out = append(out, names...)
+	}
+	slices.Sort(out)
+	return slices.Compact(out), nil
+}
+
+// hasRecords reports whether the group has any dedup record.
+func (q consumerSQL) hasRecords(ctx context.Context, tx pgx.Tx, group string) (bool, error) {
+	var ok bool
+	err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+q.processed+` WHERE consumer_group = $1)`, group).Scan(&ok)
+	if err != nil {
+		return false, fmt.Errorf("read dedup records of group %q: %w", group, err)
+	}
+	return ok, nil
+}
+
+// parkedTopics returns the topics each group has parked events of.
+func (q consumerSQL) parkedTopics(ctx context.Context, tx pgx.Tx, groups []string, into map[string]map[string]bool) error {
+	rows, err := tx.Query(ctx, `SELECT DISTINCT consumer_group, topic FROM `+q.parked+` WHERE consumer_group = ANY($1) AND topic <> ''`, groups)
+	if err != nil {
+		return fmt.Errorf("read parked events' topics: %w", err)
+	}
+	var g, t string
+	_, err = pgx.ForEachRow(rows, []any{&g, &t}, func() error {
+		addTopic(into, g, t)
+		return nil
+	})
+	return err
+}
+
+func addTopic(m map[string]map[string]bool, group, topic string) {
+	if m[group] == nil {
+		m[group] = map[string]bool{}
+	}
+	m[group][topic] = true
+}
+
+// inferTopicsSQL returns, per group, the topics of the events of the
+// relation eventsSQL it has dedup records of. $p is the groups array.
+func (q consumerSQL) inferTopicsSQL(eventsSQL string, p int) string {
+	return `SELECT DISTINCT pe.consumer_group, ev.topic FROM (` + eventsSQL + `) ev
+		JOIN ` + q.processed + ` pe ON pe.consumer_group = ANY($` + fmt.Sprint(p) + `) AND pe.event_id = ev.event_id`
+}
+
+// readParked calls fn for each parked event of the groups in the window,
+// with the aggregate's current version.
+func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string, w window,
+	fn func(group, typ, id, eventID, eventType string, version int64, parkedAt time.Time, attempts int, lastErr string, current *int64)) error {
+	rows, err := tx.Query(ctx, `SELECT pe.consumer_group, pe.aggregate_type, pe.aggregate_id, pe.event_id, pe.event_type,
+			pe.aggregate_version, pe.parked_at, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
+		FROM `+q.parked+` pe LEFT JOIN `+q.versions+` av
+			ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
+		WHERE pe.consumer_group = ANY($3) AND `+windowSQL("pe.parked_at", 1, 2), w.since, w.until, groups)
+	if err != nil {
+		return fmt.Errorf("read parked events: %w", err)
+	}
+	var (
+		group, typ, id, eventID, eventType, lastErr string
+		version                                     int64
+		parkedAt                                    time.Time
+		attempts                                    int
+		current                                     *int64
+	)
+	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &eventID, &eventType, &version, &parkedAt, &attempts, &lastErr, &current}, func() error {
+		fn(group, typ, id, eventID, eventType, version, parkedAt, attempts, lastErr, current)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read parked events: %w", err)
+	}
+	return nil
+}
+
+// readSkipped calls fn for each skipped range of the groups in the window.
+func (q consumerSQL) readSkipped(ctx context.Context, tx pgx.Tx, groups []string, w window,
+	fn func(group, typ, id string, from, to int64, reason string, at time.Time)) error {
+	rows, err := tx.Query(ctx, `SELECT consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at
+		FROM `+q.skipped+` WHERE consumer_group = ANY($3) AND `+windowSQL("skipped_at", 1, 2)+` ORDER BY id`, w.since, w.until, groups)
+	if err != nil {
+		return fmt.Errorf("read skipped versions: %w", err)
+	}
+	var (
+		group, typ, id, reason string
+		from, to               int64
+		at                     time.Time
+	)
+	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &from, &to, &reason, &at}, func() error {
+		fn(group, typ, id, from, to, reason, at)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read skipped versions: %w", err)
+	}
+	return nil
+}
+
+// aggregateWindow partitions processed_events rows by group and aggregate.
+// The byte-wise collation only makes the sort cheaper: the partitions are
+// the same.
+const aggregateWindow = `PARTITION BY p.consumer_group COLLATE "C", p.aggregate_type COLLATE "C", p.aggregate_id COLLATE "C"`
+
+// outOfOrderSQL finds applied events of the groups ($3, processed in the
+// window $1..$2) that were applied after a higher version of their
+// aggregate. eventline records two clocks per event: processed_at, when it
+// was first handled (a parked event keeps the time it was parked), and the
+// transaction that last wrote its dedup row (xmin; releasing a parked event
+// rewrites its row in the transaction that applies it). An event counts as
+// out of order only when a higher version came strictly earlier by both, so
+// an event released from parking right after its predecessor is not
+// reported. Ties (one transaction applying several versions) are ordered
+// by version, so they never count; the running maxima keep the cost one
+// sort per clock, however many events an aggregate has.
+func (q consumerSQL) outOfOrderSQL() string {
+	return `SELECT consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, processed_at, before_t
+	FROM (
+		SELECT p.consumer_group, p.aggregate_type, p.aggregate_id, p.aggregate_version, p.event_id, p.event_type, p.processed_at,
+			max(p.aggregate_version) OVER (` + aggregateWindow + ` ORDER BY p.processed_at, p.aggregate_version
+				ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_t,
+			max(p.aggregate_version) OVER (` + aggregateWindow + ` ORDER BY age(p.xmin) DESC, p.aggregate_version
+				ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_x
+		FROM ` + q.processed + ` p
+		WHERE p.consumer_group = ANY($3) AND p.outcome = 'applied' AND p.aggregate_version > 0 AND ` + windowSQL("p.processed_at", 1, 2) + `
+	) s
+	WHERE aggregate_version < before_t AND aggregate_version < before_x`
+}
+
+// readConsumerDeadLetters calls fn for each dead letter of the groups in
+// ConsumerDeadLetterTable not replayed, in the window.
+func (q consumerSQL) readConsumerDeadLetters(ctx context.Context, tx pgx.Tx, groups []string, w window, fn func(deadRecord)) error {
+	t := q.deadLetters
+	rows, err := tx.Query(ctx, `SELECT consumer_group, event_id, `+t.eventType+`, aggregate_type, aggregate_id, aggregate_version, `+t.reason+`, dead_at
+		FROM `+t.table+` WHERE replayed_at IS NULL AND consumer_group = ANY($3) AND `+windowSQL("dead_at", 1, 2), w.since, w.until, groups)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", ConsumerDeadLetterTable, err)
+	}
+	var d deadRecord
+	_, err = pgx.ForEachRow(rows, []any{&d.group, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version, &d.reason, &d.at}, func() error {
+		fn(d)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read %s: %w", ConsumerDeadLetterTable, err)
+	}
+	return nil
+}
+
+// resolvedSQL tells, for dead-lettered events of group $1 (arrays $2..$5:
+// event id, aggregate type, aggregate id, version), whether the group has
+// a dedup record of each (it was replayed and handled) or gave its version
+// up (a skipped range covers it).
+func (q consumerSQL) resolvedSQL() string {
+	return `SELECT t.event_id,
+		EXISTS (SELECT 1 FROM ` + q.processed + ` p WHERE p.consumer_group = $1 AND p.event_id = t.event_id)
+		OR (t.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = $1
+			AND sv.aggregate_type = t.aggregate_type AND sv.aggregate_id = t.aggregate_id
+			AND t.version BETWEEN sv.from_version AND sv.to_version))
+	FROM unnest($2::text[], $3::text[], $4::text[], $5::bigint[]) AS t(event_id, aggregate_type, aggregate_id, version)`
+}

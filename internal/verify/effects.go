@@ -1,0 +1,129 @@
+package verify
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ErrEffectsQuery is wrapped by the error Run returns when a group's
+// effects query cannot run or returns the wrong columns.
+var ErrEffectsQuery = errors.New("eventline verify: effects query")
+
+// checkEffects runs a group's effects query (see Config.EffectsQueries) in
+// a savepoint of the consumer snapshot: events applied twice, and, when the
+// query returns an ordering column, versions applied out of order.
+func (r *runner) checkEffects(ctx context.Context, tx pgx.Tx, gs *groupState, query string) error {
+	group := gs.rep.Group
+	q := trimQuery(query)
+	fail := func(err error) error {
+		var pgErr *pgconn.PgError
+		hint := ""
+		if errors.As(err, &pgErr) {
+			hint = ": " + pgErr.Message
+		}
+		return fmt.Errorf("%w of group %q failed%s; it must be a SELECT returning the event id, and optionally a column that orders the effects (%v)",
+			ErrEffectsQuery, group, hint, err)
+	}
+	var columns int
+	err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+		rows, err := sp.Query(ctx, `SELECT * FROM (`+q+`) AS effects LIMIT 0`)
+		if err != nil {
+			return err
+		}
+		columns = len(rows.FieldDescriptions())
+		rows.Close()
+		return rows.Err()
+	})
+	if err != nil {
+		return fail(err)
+	}
+	if columns < 1 || columns > 2 {
+		return fmt.Errorf("%w of group %q returns %d columns; return the event id, and optionally a column that orders the effects",
+			ErrEffectsQuery, group, columns)
+	}
+	var twice int64
+	gs.rep.AppliedTwice = &twice
+	alias := "e(event_id)"
+	if columns == 2 {
+		alias = "e(event_id, seq)"
+	}
+	err = pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+		rows, err := sp.Query(ctx, `SELECT d.event_id, d.n, COALESCE(p.aggregate_type, ''), COALESCE(p.aggregate_id, ''),
+				COALESCE(p.aggregate_version, 0), COALESCE(p.event_type, ''), p.processed_at
+			FROM (SELECT event_id::text AS event_id, count(*) AS n FROM (`+q+`) AS `+alias+` GROUP BY 1 HAVING count(*) > 1) d
+			LEFT JOIN `+r.consumer.processed+` p ON p.consumer_group = $1 AND p.event_id = d.event_id`, group)
+		if err != nil {
+			return err
+		}
+		var (
+			id, typ, aggID, eventType string
+			n, version                int64
+			at                        *time.Time
+		)
+		_, err = pgx.ForEachRow(rows, []any{&id, &n, &typ, &aggID, &version, &eventType, &at}, func() error {
+			twice++
+			f := Finding{Severity: Problem, Kind: AppliedTwice, Group: group, EventID: id, EventType: eventType,
+				AggregateType: typ, AggregateID: aggID, AggregateVersion: version,
+				Detail: fmt.Sprintf("the group's effects query returns this event %d times", n)}
+			if at != nil {
+				t := *at
+				f.At, f.AgeSeconds = &t, max(r.consumerNow.Sub(t), 0).Seconds()
+			}
+			r.details.add(f)
+			return nil
+		})
+		return err
+	})
+	if err != nil {
+		return fail(err)
+	}
+	if columns < 2 {
+		return nil
+	}
+	gs.orderFromEffects = true
+	return pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+		rows, err := sp.Query(ctx, `SELECT aggregate_type, aggregate_id, aggregate_version, event_id, event_type, processed_at, before
+			FROM (
+				SELECT p.aggregate_type, p.aggregate_id, p.aggregate_version, p.event_id, p.event_type, p.processed_at,
+					max(p.aggregate_version) OVER (`+aggregateWindow+` ORDER BY e.seq, p.aggregate_version
+						ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before
+				FROM (`+q+`) AS `+alias+`
+				JOIN `+r.consumer.processed+` p ON p.consumer_group = $1 AND p.event_id = e.event_id::text
+				WHERE p.outcome = 'applied' AND p.aggregate_version > 0
+			) s WHERE aggregate_version < before`, group)
+		if err != nil {
+			return fail(err)
+		}
+		var (
+			typ, aggID, id, eventType string
+			version, before           int64
+			at                        time.Time
+		)
+		_, err = pgx.ForEachRow(rows, []any{&typ, &aggID, &version, &id, &eventType, &at, &before}, func() error {
+			r.outOfOrder(gs, typ, aggID, version, id, eventType, at, before, "its effects, in the order of the effects query's second column")
+			return nil
+		})
+		if err != nil {
+			return fail(err)
+		}
+		return nil
+	})
+}
+
+// outOfOrder records an event applied after a higher version of its
+// aggregate.
+func (r *runner) outOfOrder(gs *groupState, typ, aggID string, version int64, eventID, eventType string, at time.Time, before int64, by string) {
+	gs.rep.OutOfOrder++
+	t := at
+	r.details.add(Finding{
+		Severity: Problem, Kind: OutOfOrder, Group: gs.rep.Group, EventID: eventID, EventType: eventType,
+		AggregateType: typ, AggregateID: aggID, AggregateVersion: version, At: &t,
+		AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
+		Detail:     fmt.Sprintf("v%d was applied after v%d, by %s", version, before, by),
+	})
+}

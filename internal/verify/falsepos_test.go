@@ -1,0 +1,328 @@
+package verify_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"pgregory.net/rapid"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/verify"
+	"github.com/eventline/eventline/producer"
+)
+
+// A dead letter that was replayed is followed to its new outbox row: the
+// event is pending again, neither a dead letter nor relayed.
+func TestReplayedDeadLetterIsPendingAgain(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	e := f.publish("x", 1)[0]
+	f.markRelayed()
+	f.deadLetter(e)
+	rep := f.run(verify.Config{Groups: []string{"billing"}, GroupTopics: map[string][]string{"billing": {f.topic}}})
+	one(t, rep, "x", verify.DeadLetter, verify.Problem, 1)
+	require.EqualValues(t, 1, group(t, rep, "billing").DeadLettered)
+
+	n, err := producer.ReplayDeadLetters(f.ctx, f.env.Pool, f.env.Schema)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	rep = f.run(verify.Config{Groups: []string{"billing"}, GroupTopics: map[string][]string{"billing": {f.topic}}})
+	p := one(t, rep, "x", verify.Pending, verify.Info, 1)
+	require.Equal(t, "outbox", p.Stage, "the replayed row waits for the relay")
+	require.True(t, rep.OK)
+	g := group(t, rep, "billing")
+	require.Equal(t, "config", g.TopicsFrom)
+	require.EqualValues(t, 1, g.Events, "the dead row and its replay are one event")
+	require.Zero(t, g.DeadLettered)
+}
+
+// The window selects events by commit time, and audit rows by their own
+// time.
+func TestWindowBoundsTheCheck(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.createEffects()
+	old := f.publish("old", 2)
+	recent := f.publish("recent", 2)
+	f.markRelayed()
+	f.age(old[0], 2*time.Hour)
+	f.age(old[1], 2*time.Hour)
+	// Both aggregates lost their v1: applied v2, no record of v1.
+	f.record("billing", old[1], "applied", 2*time.Hour)
+	f.record("billing", recent[1], "applied", time.Minute)
+
+	rep := f.run(verify.Config{})
+	require.Len(t, findings(rep, "old"), 1)
+	require.Len(t, findings(rep, "recent"), 1)
+
+	since := time.Now().Add(-time.Hour)
+	rep = f.run(verify.Config{Since: since})
+	require.Empty(t, findings(rep, "old"))
+	one(t, rep, "recent", verify.Lost, verify.Problem, 1)
+	require.EqualValues(t, 2, rep.Outbox.Events)
+	require.Equal(t, since.Unix(), rep.Since.Unix())
+
+	rep = f.run(verify.Config{Until: since})
+	one(t, rep, "old", verify.Lost, verify.Problem, 1)
+	require.Empty(t, findings(rep, "recent"))
+}
+
+// consumer_dead_letters (migration 006) is read when it exists: its
+// dead letters are reported, and the events in it are neither pending nor
+// lost. A table without the columns verify needs is named in a note.
+func TestConsumerDeadLetterTable(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.createEffects()
+	evs := f.publish("x", 3)
+	f.markRelayed()
+	f.record("billing", evs[0], "applied", time.Minute)
+	f.park("billing", evs[2], time.Minute)
+
+	rep := f.run(verify.Config{})
+	require.Contains(t, rep.Notes, "consumer_dead_letters: not present (the consumer keeps its dead letters on Kafka only)")
+	p := ofKind(t, rep, "x", verify.Pending)
+	require.Equal(t, "relayed", p.Stage)
+	require.EqualValues(t, 2, p.AggregateVersion)
+
+	table := sqlident.Qualify(f.env.Schema, verify.ConsumerDeadLetterTable)
+	_, err := f.env.Pool.Exec(f.ctx, `CREATE TABLE `+table+` (
+		id bigserial PRIMARY KEY, consumer_group text NOT NULL, event_id text NOT NULL, event_type text NOT NULL,
+		aggregate_type text NOT NULL, aggregate_id text NOT NULL, aggregate_version bigint NOT NULL,
+		reason text NOT NULL, dead_at timestamptz NOT NULL DEFAULT now(), replayed_at timestamptz)`)
+	require.NoError(t, err)
+	_, err = f.env.Pool.Exec(f.ctx, `INSERT INTO `+table+` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, reason, replayed_at)
+		VALUES ('billing', $1, 'order.updated', 'order', 'x', 2, 'handler: boom', NULL),
+		       ('billing', $2, 'order.updated', 'order', 'x', 1, 'handler: old news', now())`, evs[1].ID, evs[0].ID)
+	require.NoError(t, err)
+	rep = f.run(verify.Config{})
+	require.Len(t, findings(rep, "x"), 2, "the dead letter, and v3 parked behind it")
+	dl := ofKind(t, rep, "x", verify.DeadLetter)
+	require.Equal(t, verify.Problem, dl.Severity)
+	require.EqualValues(t, 2, dl.AggregateVersion)
+	require.Equal(t, "billing", dl.Group)
+	require.Equal(t, evs[1].ID, dl.EventID)
+	require.Contains(t, dl.Detail, "dead-lettered by the group (consumer_dead_letters): handler: boom")
+	ofKind(t, rep, "x", verify.Parked)
+	g := group(t, rep, "billing")
+	require.Equal(t, []string{"consumer_dead_letters"}, g.DeadLetterSources)
+	require.EqualValues(t, 1, g.ConsumerDeadLetters)
+	require.EqualValues(t, 1, g.DeadLettered)
+	require.Zero(t, g.Pending)
+
+	_, err = f.env.Pool.Exec(f.ctx, `ALTER TABLE `+table+` DROP COLUMN replayed_at`)
+	require.NoError(t, err)
+	rep = f.run(verify.Config{})
+	require.Contains(t, rep.Notes, "consumer_dead_letters: present but has no column replayed_at, so verify does not read it (update internal/verify)")
+}
+
+// A group that runs the version gate without dedup records proves nothing
+// by a missing record: only its order, parked and skipped events are
+// checked.
+func TestGroupWithoutDedupRecords(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.publish("x", 2)
+	f.markRelayed()
+	f.setVersion("gate-only", "x", 2)
+	rep := f.run(verify.Config{GroupTopics: map[string][]string{"gate-only": {f.topic}}})
+	require.True(t, rep.OK)
+	require.Empty(t, rep.Findings)
+	g := group(t, rep, "gate-only")
+	require.False(t, g.Deduplicates)
+	require.EqualValues(t, 2, g.Events)
+	require.Contains(t, rep.Notes, "group gate-only: keeps versions but no dedup records, so its applied events cannot be told from lost ones; only its order, parked, skipped and dead-lettered events are checked")
+}
+
+// Without the consumer tables, the outbox is still checked.
+func TestWithoutConsumerTables(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.publish("x", 1)
+	rep := f.run(verify.Config{ConsumerSchema: "no_such_schema"})
+	require.True(t, rep.OK)
+	require.Empty(t, rep.Groups)
+	require.EqualValues(t, 1, rep.Outbox.Pending)
+	require.Contains(t, rep.Notes, "consumer tables: not found in schema no_such_schema (migration 002_consumer is not applied there), so no consumer group was checked")
+}
+
+// The order check's two-clock rule, as a property: whatever order an
+// aggregate's versions arrive in, writing the dedup rows the way the gate
+// does (apply the next version and drain parked successors in the same
+// transaction; park early ones, keeping their parked time) is never
+// reported out of order; applying one version after a higher one, each in
+// its own transaction, always is.
+func TestPropertyOutOfOrderOnlyWhenAppliedOutOfOrder(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	ctx := context.Background()
+	processed := sqlident.Qualify(env.Schema, "processed_events")
+	run := 0
+	rapid.Check(t, func(rt *rapid.T) {
+		run++
+		group := fmt.Sprintf("g%d", run)
+		n := rapid.IntRange(2, 6).Draw(rt, "versions")
+		arrival := rapid.Permutation(versionsUpTo(n)).Draw(rt, "arrival")
+		broken := rapid.Bool().Draw(rt, "broken")
+		insert := func(tx pgx.Tx, v int64, outcome string, at time.Time) {
+			_, err := tx.Exec(ctx, `INSERT INTO `+processed+` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, outcome, processed_at)
+				VALUES ($1, $2, 'order', 'x', $3, $4, $5)`, group, fmt.Sprintf("%s-%d", group, v), v, outcome, at)
+			require.NoError(rt, err)
+		}
+		clock := time.Now().Add(-time.Hour)
+		tick := func() time.Time { clock = clock.Add(time.Second); return clock }
+		var current int64
+		parked := map[int64]bool{}
+		wantOutOfOrder := false
+		for _, v := range arrival {
+			tx, err := env.Pool.Begin(ctx)
+			require.NoError(rt, err)
+			at := tick()
+			switch {
+			case broken:
+				// No gate: every event is applied as it arrives.
+				insert(tx, v, "applied", at)
+				wantOutOfOrder = wantOutOfOrder || v < current
+				current = max(current, v)
+			case v == current+1:
+				insert(tx, v, "applied", at)
+				current = v
+				for parked[current+1] {
+					current++
+					delete(parked, current)
+					_, err := tx.Exec(ctx, `UPDATE `+processed+` SET outcome = 'applied' WHERE consumer_group = $1 AND event_id = $2`,
+						group, fmt.Sprintf("%s-%d", group, current))
+					require.NoError(rt, err)
+				}
+			default:
+				insert(tx, v, "parked", at)
+				parked[v] = true
+			}
+			require.NoError(rt, tx.Commit(ctx))
+		}
+		rep, err := verify.Run(ctx, env.Pool, nil, verify.Config{Schema: env.Schema, Groups: []string{group}})
+		require.NoError(rt, err)
+		for _, fd := range rep.Findings {
+			require.Equal(rt, verify.OutOfOrder, fd.Kind, "%+v", fd)
+		}
+		reported := len(rep.Findings) > 0
+		require.Equal(rt, wantOutOfOrder, reported, "arrival %v, broken %v: %+v", arrival, broken, rep.Findings)
+	})
+}
+
+func versionsUpTo(n int) []int64 {
+	out := make([]int64, n)
+	for i := range out {
+		out[i] = int64(i + 1)
+	}
+	return out
+}
+
+// A group whose topic and dead-letter topic do not exist on Kafka, or
+// whose topic is compacted, is checked without them: its relayed events
+// stay pending, nothing is lost, and the report says why.
+func TestMissingOrCompactedKafkaTopics(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.withKafka(1)
+	f.createEffects()
+	compacted := kafkatest.Topic(t, "compacted")
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	admin, err := sarama.NewClusterAdmin(f.brokers, cfg)
+	require.NoError(t, err)
+	policy := "compact"
+	require.NoError(t, admin.CreateTopic(compacted, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
+		ConfigEntries: map[string]*string{"cleanup.policy": &policy}}, false))
+	require.NoError(t, admin.Close())
+
+	f.produce(f.topic, f.publish("x", 1), nil)
+	retopic := func(e eventline.Event, topic string) {
+		_, err := f.env.Pool.Exec(f.ctx, `UPDATE `+f.shardTable(e)+`
+			SET payload = json_build_object('destination_topic', $2::text, 'uuid', payload->>'uuid', 'metadata', payload->'metadata')
+			WHERE payload->>'uuid' = $1`, e.ID, topic)
+		require.NoError(t, err)
+	}
+	retopic(f.publish("y", 1)[0], "gone") // a topic deleted since
+	retopic(f.publish("z", 1)[0], compacted)
+	f.markRelayed()
+	rep := f.run(verify.Config{GroupTopics: map[string][]string{"billing": {f.topic, "gone", compacted}}, Groups: []string{"billing"}})
+	require.True(t, rep.OK, "%+v", rep.Findings)
+	require.Equal(t, "kafka", ofKind(t, rep, "x", verify.Pending).Stage)
+	for _, id := range []string{"y", "z"} {
+		p := ofKind(t, rep, id, verify.Pending)
+		require.Equal(t, "relayed", p.Stage)
+		require.Contains(t, p.Detail, "compacted or missing")
+	}
+	require.Contains(t, rep.Notes, "Kafka topic gone does not exist: its events are not traced on Kafka")
+	require.Contains(t, rep.Notes, "Kafka topic "+compacted+" is compacted: an event missing from it proves nothing")
+	require.Empty(t, group(t, rep, "billing").DeadLetterSources)
+}
+
+// Config.MaxDetails keeps the oldest findings of a kind and counts the
+// rest; the counts still fail the run.
+func TestDetailsAreBoundedOldestFirst(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.createEffects()
+	var lost []string
+	for _, id := range []string{"a", "b", "c"} {
+		evs := f.publish(id, 2)
+		lost = append(lost, evs[0].ID)
+		f.record("billing", evs[1], "applied", time.Minute)
+	}
+	f.markRelayed()
+	f.age(eventline.Event{ID: lost[1], AggregateType: "order", AggregateID: "b"}, time.Hour)
+	rep := f.run(verify.Config{MaxDetails: 1})
+	require.Len(t, rep.Findings, 1)
+	require.Equal(t, lost[1], rep.Findings[0].EventID, "the oldest is kept")
+	require.Equal(t, []verify.Omitted{{Group: "billing", Kind: verify.Lost, Severity: verify.Problem, Count: 2}}, rep.Omitted)
+	require.EqualValues(t, 3, rep.Problems)
+	require.False(t, rep.OK)
+
+	rep = f.run(verify.Config{MaxDetails: verify.NoDetails})
+	require.Empty(t, rep.Findings)
+	require.EqualValues(t, 3, rep.Problems)
+}
+
+// An effects query of one column checks for twice-applied events only; the
+// order is then read from processed_events. A query that fails or returns
+// the wrong columns fails the run with ErrEffectsQuery.
+func TestEffectsQueryShapes(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	f.createEffects()
+	evs := f.publish("x", 3)
+	f.markRelayed()
+	f.record("billing", evs[0], "applied", 3*time.Minute)
+	f.record("billing", evs[2], "applied", 2*time.Minute)
+	f.record("billing", evs[1], "applied", time.Minute)
+	f.effect(evs[0])
+	effects := sqlident.Qualify(f.env.Schema, "effects")
+
+	rep := f.run(verify.Config{EffectsQueries: map[string]string{"billing": "SELECT event_id FROM " + effects + ";\n"}})
+	require.EqualValues(t, 1, *group(t, rep, "billing").AppliedTwice)
+	ofKind(t, rep, "x", verify.AppliedTwice)
+	ooo := ofKind(t, rep, "x", verify.OutOfOrder)
+	require.Contains(t, ooo.Detail, "by processed_at and by the transaction that applied it")
+
+	for q, want := range map[string]string{
+		"SELECT nope FROM " + effects:                    `column "nope" does not exist`,
+		"SELECT event_id, seq, seq FROM " + effects:      "returns 3 columns",
+		"DELETE FROM " + effects + " RETURNING event_id": "syntax error",
+	} {
+		_, err := verify.Run(f.ctx, f.env.Pool, nil, verify.Config{Schema: f.env.Schema, EffectsQueries: map[string]string{"billing": q}})
+		require.ErrorIs(t, err, verify.ErrEffectsQuery, q)
+		require.ErrorContains(t, err, want)
+	}
+	require.Equal(t, 4, pgtest.Count(t, f.env.Pool, `SELECT count(*) FROM `+effects), "nothing was deleted")
+}

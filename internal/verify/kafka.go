@@ -1,0 +1,542 @@
+package verify
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+
+	"github.com/eventline/eventline"
+)
+
+// Consumer dead-letter metadata the consumer package writes (see
+// consumer.DeadLetterGroupKey and friends); repeated here so verify does
+// not depend on the consumer runner.
+const (
+	dlqGroupKey  = "eventline_dead_group"
+	dlqReasonKey = "reason_poisoned" // watermill's middleware.ReasonForPoisonedKey
+	dlqAtKey     = "eventline_dead_at"
+	// maxReasonLength bounds a dead-letter reason kept in memory.
+	maxReasonLength = 300
+	// kafkaReaders bounds the partitions read at once.
+	kafkaReaders = 8
+)
+
+// eventKey is a fixed-size digest of an event id, so a million records
+// cost 32 bytes each in the index whatever the ids look like.
+type eventKey [16]byte
+
+func keyOf(eventID string) eventKey {
+	sum := sha256.Sum256([]byte(eventID))
+	var k eventKey
+	copy(k[:], sum[:16])
+	return k
+}
+
+// kafkaRecord is one event record on Kafka, as indexed.
+type kafkaRecord struct {
+	key       eventKey
+	topic     uint16
+	partition int32
+	offset    int64
+}
+
+// deadRecord is one record of a consumer dead-letter topic.
+type deadRecord struct {
+	eventID, eventType, aggregateType, aggregateID string
+	version                                        int64
+	group, reason                                  string
+	at                                             time.Time
+}
+
+type topicPartition struct {
+	topic     string
+	partition int32
+}
+
+// topicState is what verify learned about one event topic.
+type topicState struct {
+	summary   TopicSummary
+	retention time.Time // zero: Kafka deleted nothing
+	unknown   bool      // missing, or compacted: absence proves nothing
+}
+
+// kafkaIndex is the event records of the topics read, sorted by event key,
+// and the consumer dead letters.
+type kafkaIndex struct {
+	topics   []string
+	topicIdx map[string]uint16
+	state    map[string]*topicState
+	records  []kafkaRecord
+	// committed holds each group's committed offsets (the next offset it
+	// will read) per topic and partition, fetched before the database
+	// snapshot.
+	committed map[string]map[topicPartition]int64
+	// dead holds each group's dead-letter records, and deadIDs their
+	// event ids.
+	dead    map[string][]deadRecord
+	deadIDs map[string]map[string]bool
+	// deadTopics names the dead-letter topic read for each group, and
+	// deadState describes each such topic.
+	deadTopics map[string]string
+	deadState  map[string]*topicState
+}
+
+func newKafkaIndex() *kafkaIndex {
+	return &kafkaIndex{
+		topicIdx: map[string]uint16{}, state: map[string]*topicState{},
+		committed: map[string]map[topicPartition]int64{},
+		dead:      map[string][]deadRecord{}, deadIDs: map[string]map[string]bool{},
+		deadTopics: map[string]string{}, deadState: map[string]*topicState{},
+	}
+}
+
+// kafkaReader reads topics through one Sarama client.
+type kafkaReader struct {
+	cfg    Config
+	client sarama.Client
+	admin  sarama.ClusterAdmin
+}
+
+func newKafkaReader(cfg Config) (*kafkaReader, error) {
+	client, err := sarama.NewClient(cfg.Brokers, cfg.SaramaConfig)
+	if err != nil {
+		return nil, fmt.Errorf("connect to Kafka at %s: %w; check the brokers, or run without them to skip the Kafka check", strings.Join(cfg.Brokers, ","), err)
+	}
+	admin, err := sarama.NewClusterAdminFromClient(client)
+	if err != nil {
+		_ = client.Close()
+		return nil, fmt.Errorf("open a Kafka admin client: %w", err)
+	}
+	return &kafkaReader{cfg: cfg, client: client, admin: admin}, nil
+}
+
+// close closes the admin client, which closes the client too.
+func (k *kafkaReader) close() { _ = k.admin.Close() }
+
+// groupOffsets returns the committed offsets of Kafka consumer groups named
+// like the eventline groups. A group Kafka does not know has none.
+func (k *kafkaReader) groupOffsets(groups []string) (map[string]map[topicPartition]int64, error) {
+	out := map[string]map[topicPartition]int64{}
+	for _, g := range groups {
+		resp, err := k.admin.ListConsumerGroupOffsets(g, nil)
+		if errors.Is(err, sarama.ErrGroupIDNotFound) {
+			k.cfg.Logger.Debug("eventline verify: Kafka has no consumer group named like the eventline group", "group", g)
+			out[g] = map[topicPartition]int64{}
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read the committed offsets of Kafka consumer group %q: %w", g, err)
+		}
+		m := map[topicPartition]int64{}
+		for topic, parts := range resp.Blocks {
+			for p, b := range parts {
+				if b != nil && b.Err == sarama.ErrNoError && b.Offset >= 0 {
+					m[topicPartition{topic, p}] = b.Offset
+				}
+			}
+		}
+		out[g] = m
+	}
+	return out, nil
+}
+
+// topicExists reports whether Kafka knows topic.
+func (k *kafkaReader) topicExists(topic string) (bool, error) {
+	if err := k.client.RefreshMetadata(topic); err != nil {
+		if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+			return false, nil
+		}
+		return false, fmt.Errorf("read Kafka metadata of topic %s: %w", topic, err)
+	}
+	parts, err := k.client.Partitions(topic)
+	if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+		return false, nil
+	}
+	return err == nil && len(parts) > 0, err
+}
+
+// compacted reports whether the topic's cleanup.policy includes compact.
+func (k *kafkaReader) compacted(topic string) (bool, error) {
+	results, err := k.admin.DescribeConfigs([]*sarama.ConfigResource{{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"cleanup.policy"}}},
+		sarama.DescribeConfigsOptions{})
+	if err != nil {
+		return false, err
+	}
+	for _, res := range results {
+		if res.Name != topic {
+			continue
+		}
+		if res.ErrorCode != sarama.ErrNoError {
+			return false, &sarama.DescribeConfigError{Err: res.ErrorCode, ErrMsg: res.ErrorMsg}
+		}
+		for _, e := range res.Configs {
+			if e.Name == "cleanup.policy" {
+				return strings.Contains(e.Value, "compact"), nil
+			}
+		}
+	}
+	return false, nil
+}
+
+// partitionBounds is a partition's log start and high watermark.
+type partitionBounds struct {
+	partition   int32
+	start, high int64
+}
+
+// bounds returns the partitions of topic with their log start offsets and
+// high watermarks, as of now.
+func (k *kafkaReader) bounds(topic string) ([]partitionBounds, error) {
+	parts, err := k.client.Partitions(topic)
+	if err != nil {
+		return nil, fmt.Errorf("list the partitions of Kafka topic %s: %w", topic, err)
+	}
+	out := make([]partitionBounds, 0, len(parts))
+	for _, p := range parts {
+		start, err := k.client.GetOffset(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			return nil, fmt.Errorf("read the log start of %s/%d: %w", topic, p, err)
+		}
+		high, err := k.client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return nil, fmt.Errorf("read the high watermark of %s/%d: %w", topic, p, err)
+		}
+		out = append(out, partitionBounds{partition: p, start: start, high: high})
+	}
+	return out, nil
+}
+
+// readPartition reads [start, high) of one partition and calls fn for each
+// record. It stops early when the partition delivers nothing for the idle
+// timeout.
+func (k *kafkaReader) readPartition(ctx context.Context, consumer sarama.Consumer, topic string, b partitionBounds,
+	fn func(*sarama.ConsumerMessage)) (first time.Time, lastRead int64, err error) {
+	lastRead = -1
+	if b.high <= b.start {
+		return first, lastRead, nil
+	}
+	pc, err := consumer.ConsumePartition(topic, b.partition, b.start)
+	if err != nil {
+		return first, lastRead, fmt.Errorf("read Kafka partition %s/%d: %w", topic, b.partition, err)
+	}
+	defer pc.AsyncClose()
+	idle := time.NewTimer(k.cfg.KafkaIdleTimeout)
+	defer idle.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return first, lastRead, ctx.Err()
+		case perr := <-pc.Errors():
+			if perr != nil {
+				return first, lastRead, fmt.Errorf("read Kafka partition %s/%d: %w", topic, b.partition, perr.Err)
+			}
+		case <-idle.C:
+			k.cfg.Logger.Warn("eventline verify: Kafka partition went idle before the high watermark",
+				"topic", topic, "partition", b.partition, "last_offset", lastRead, "high_watermark", b.high)
+			return first, lastRead, nil
+		case m, ok := <-pc.Messages():
+			if !ok {
+				return first, lastRead, nil
+			}
+			if m.Offset >= b.high {
+				return first, lastRead, nil
+			}
+			if lastRead < 0 {
+				first = m.Timestamp
+			}
+			lastRead = m.Offset
+			fn(m)
+			if m.Offset >= b.high-1 {
+				return first, lastRead, nil
+			}
+			idle.Reset(k.cfg.KafkaIdleTimeout) // Go 1.23+ timers: no stale fire after Reset
+		}
+	}
+}
+
+// read reads every partition of the given event topics and dead-letter
+// topics up to the high watermark taken now, and builds the index.
+func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []string, deadTopics map[string]string) error {
+	consumer, err := sarama.NewConsumerFromClient(k.client)
+	if err != nil {
+		return fmt.Errorf("open a Kafka consumer: %w", err)
+	}
+	defer consumer.Close()
+
+	type job struct {
+		topic string
+		ti    uint16
+		dead  bool
+		group string
+		b     partitionBounds
+		st    *topicState
+	}
+	var jobs []job
+	for _, t := range eventTopics {
+		st := &topicState{summary: TopicSummary{Topic: t}}
+		idx.state[t] = st
+		ti := uint16(len(idx.topics))
+		idx.topics = append(idx.topics, t)
+		idx.topicIdx[t] = ti
+		ok, err := k.topicExists(t)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			st.summary.Missing, st.unknown = true, true
+			continue
+		}
+		compacted, err := k.compacted(t)
+		if err != nil {
+			k.cfg.Logger.Warn("eventline verify: cannot read the topic's cleanup.policy; absence from it will prove nothing", "topic", t, "err", err)
+			st.unknown = true
+		}
+		st.summary.Compacted = compacted
+		st.unknown = st.unknown || compacted
+		parts, err := k.bounds(t)
+		if err != nil {
+			return err
+		}
+		st.summary.Partitions = len(parts)
+		for _, b := range parts {
+			jobs = append(jobs, job{topic: t, ti: ti, b: b, st: st})
+		}
+	}
+	groups := make([]string, 0, len(deadTopics))
+	for g := range deadTopics {
+		groups = append(groups, g)
+	}
+	slices.Sort(groups)
+	for _, g := range groups {
+		t := deadTopics[g]
+		st := idx.deadState[t]
+		if st == nil {
+			st = &topicState{summary: TopicSummary{Topic: t, DeadLetters: true}}
+			idx.deadState[t] = st
+			parts, err := k.bounds(t)
+			if err != nil {
+				return err
+			}
+			st.summary.Partitions = len(parts)
+			for _, b := range parts {
+				jobs = append(jobs, job{topic: t, dead: true, group: g, b: b, st: st})
+			}
+		}
+		idx.deadTopics[g] = t
+	}
+
+	var (
+		mu   sync.Mutex
+		wg   sync.WaitGroup
+		sem  = make(chan struct{}, kafkaReaders)
+		errs []error
+	)
+	for _, j := range jobs {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			var recs []kafkaRecord
+			var dead []deadRecord
+			reasons := map[string]string{} // interned
+			var n int64
+			first, last, err := k.readPartition(ctx, consumer, j.topic, j.b, func(m *sarama.ConsumerMessage) {
+				n++
+				if j.dead {
+					d := deadRecordOf(m)
+					if r, ok := reasons[d.reason]; ok {
+						d.reason = r
+					} else {
+						reasons[d.reason] = d.reason
+					}
+					dead = append(dead, d)
+					return
+				}
+				if id := eventIDOf(m); id != "" {
+					recs = append(recs, kafkaRecord{key: keyOf(id), topic: j.ti, partition: m.Partition, offset: m.Offset})
+				}
+			})
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return
+			}
+			j.st.summary.Records += n
+			if j.b.start > 0 && last >= 0 && first.After(j.st.retention) {
+				j.st.retention = first
+			}
+			if j.b.start > 0 && last < 0 {
+				// Everything Kafka kept was deleted: nothing here can be
+				// told apart from a deleted record.
+				j.st.unknown = true
+			}
+			idx.records = append(idx.records, recs...)
+			for _, d := range dead {
+				g := j.group
+				if d.group != "" {
+					g = d.group
+				}
+				idx.dead[g] = append(idx.dead[g], d)
+			}
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	slices.SortFunc(idx.records, func(a, b kafkaRecord) int {
+		return cmp.Or(bytes.Compare(a.key[:], b.key[:]), cmp.Compare(a.topic, b.topic),
+			cmp.Compare(a.partition, b.partition), cmp.Compare(a.offset, b.offset))
+	})
+	for i := 1; i < len(idx.records); i++ {
+		a, b := idx.records[i-1], idx.records[i]
+		if a.key == b.key && a.topic == b.topic {
+			idx.state[idx.topics[b.topic]].summary.Duplicates++
+		}
+	}
+	for _, t := range idx.topics {
+		st := idx.state[t]
+		if !st.retention.IsZero() {
+			r := st.retention
+			st.summary.RetentionHorizon = &r
+		}
+	}
+	for g, recs := range idx.dead {
+		ids := map[string]bool{}
+		for _, d := range recs {
+			ids[d.eventID] = true
+		}
+		idx.deadIDs[g] = ids
+	}
+	return nil
+}
+
+// eventIDOf returns a record's event id: the event_id header, else the
+// Watermill message UUID header.
+func eventIDOf(m *sarama.ConsumerMessage) string {
+	var uuid string
+	for _, h := range m.Headers {
+		switch string(h.Key) {
+		case eventline.MetaEventID:
+			return string(h.Value)
+		case kafka.UUIDHeaderKey:
+			uuid = string(h.Value)
+		}
+	}
+	return uuid
+}
+
+// deadRecordOf reads a consumer dead letter's envelope fields from its
+// headers.
+func deadRecordOf(m *sarama.ConsumerMessage) deadRecord {
+	d := deadRecord{at: m.Timestamp}
+	for _, h := range m.Headers {
+		v := string(h.Value)
+		switch string(h.Key) {
+		case eventline.MetaEventID:
+			d.eventID = v
+		case kafka.UUIDHeaderKey:
+			if d.eventID == "" {
+				d.eventID = v
+			}
+		case eventline.MetaEventType:
+			d.eventType = v
+		case eventline.MetaAggregateType:
+			d.aggregateType = v
+		case eventline.MetaAggregateID:
+			d.aggregateID = v
+		case eventline.MetaAggregateVersion:
+			d.version, _ = strconv.ParseInt(v, 10, 64)
+		case dlqGroupKey:
+			d.group = v
+		case dlqReasonKey:
+			d.reason = truncate(v, maxReasonLength)
+		case dlqAtKey:
+			if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
+				d.at = t
+			}
+		}
+	}
+	return d
+}
+
+// truncate shortens s to at most n bytes on a rune boundary.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && n < len(s) && s[n]&0xC0 == 0x80 {
+		n--
+	}
+	return s[:n] + "…"
+}
+
+// kafkaLookup is where an event was found on Kafka.
+type kafkaLookup struct {
+	// copies are the event's records on its topic.
+	copies []kafkaRecord
+	// absent is true when the event is not on the topic and that proves it
+	// was never published there: nothing was deleted from the topic since
+	// the event was committed, and the topic is not compacted.
+	absent bool
+	// deleted is true when the event is not on the topic and Kafka's
+	// retention may have deleted it.
+	deleted bool
+}
+
+// lookup finds an event's records on its topic. createdAt is when the
+// event was committed; skew allows for clock differences.
+func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time, skew time.Duration) kafkaLookup {
+	ti, ok := idx.topicIdx[topic]
+	st := idx.state[topic]
+	if !ok || st == nil {
+		return kafkaLookup{}
+	}
+	k := keyOf(eventID)
+	i, _ := slices.BinarySearchFunc(idx.records, k, func(r kafkaRecord, k eventKey) int { return bytes.Compare(r.key[:], k[:]) })
+	var l kafkaLookup
+	for ; i < len(idx.records) && idx.records[i].key == k; i++ {
+		if idx.records[i].topic == ti {
+			l.copies = append(l.copies, idx.records[i])
+		}
+	}
+	if len(l.copies) > 0 || st.unknown {
+		return l
+	}
+	if !st.retention.IsZero() && createdAt.Before(st.retention.Add(skew)) {
+		l.deleted = true
+	} else {
+		l.absent = true
+	}
+	return l
+}
+
+// consumedBy returns a copy of the event the group's committed Kafka offset
+// has moved past, if any.
+func (idx *kafkaIndex) consumedBy(group string, l kafkaLookup) (kafkaRecord, int64, bool) {
+	offsets := idx.committed[group]
+	for _, r := range l.copies {
+		if c, ok := offsets[topicPartition{idx.topics[r.topic], r.partition}]; ok && c > r.offset {
+			return r, c, true
+		}
+	}
+	return kafkaRecord{}, 0, false
+}
+
+// deadLettered reports whether the group dead-lettered the event to its
+// dead-letter topic.
+func (idx *kafkaIndex) deadLettered(group, eventID string) bool {
+	return idx.deadIDs[group][eventID]
+}

@@ -1,0 +1,430 @@
+package verify
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/producer"
+)
+
+// DB is a database verify reads from; *pgxpool.Pool and *pgx.Conn satisfy
+// it. verify only ever opens read-only transactions.
+type DB interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// groupState is one group being checked.
+type groupState struct {
+	rep    *GroupReport
+	topics map[string]bool
+	// dedup is false for a group that keeps versions but no dedup
+	// records: its unrecorded events prove nothing.
+	dedup bool
+	// orderFromEffects is set when the group's effects query orders its
+	// effects: the order check uses it instead of processed_events.
+	orderFromEffects bool
+}
+
+// runner is one Run.
+type runner struct {
+	cfg      Config
+	w        window
+	rep      *Report
+	details  *details
+	consumer consumerSQL
+	groups   map[string]*groupState
+	// kafka is nil when Kafka is not read.
+	kafka             *kafkaIndex
+	consumerDeadTable bool
+	// outboxNow and consumerNow are the databases' clocks when the
+	// snapshots were taken; ages are measured against them.
+	outboxNow, consumerNow time.Time
+	separate               bool
+}
+
+// Run checks the pipeline's guarantees against its data and returns what it
+// found; see the package documentation for what is checked, and how.
+//
+// db holds the outbox and the relay's dead letters. consumerDB holds the
+// consumer tables; nil means they are in db (the default single-database
+// setup), where the reconciliation runs as set-based SQL. With a separate
+// consumer database, outbox events are looked up there in chunks of
+// Config.ChunkSize, so memory stays bounded.
+//
+// Run only reads, in REPEATABLE READ READ ONLY transactions that take no
+// transaction id, so it does not hold back the relays (which read only
+// below the oldest running transaction id). It returns an error when it
+// cannot read what it needs; what it found is in the Report (Report.OK).
+func Run(ctx context.Context, db, consumerDB DB, cfg Config) (*Report, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if db == nil {
+		return nil, fmt.Errorf("verify.Run: the outbox database is nil")
+	}
+	r := &runner{
+		cfg: cfg, w: newWindow(cfg.Since, cfg.Until), details: newDetails(cfg.MaxDetails),
+		consumer: newConsumerSQL(cfg.ConsumerSchema), groups: map[string]*groupState{}, separate: consumerDB != nil,
+	}
+	if consumerDB == nil {
+		consumerDB = db
+	}
+	r.rep = &Report{Schema: cfg.Schema, ConsumerSchema: cfg.ConsumerSchema, SeparateConsumerDatabase: r.separate,
+		Since: r.w.since, Until: r.w.until}
+
+	var kr *kafkaReader
+	if len(cfg.Brokers) > 0 {
+		var err error
+		if kr, err = newKafkaReader(cfg); err != nil {
+			return nil, err
+		}
+		defer kr.close()
+		r.kafka = newKafkaIndex()
+	} else {
+		r.note("Kafka: not read (no brokers given), so relayed events are not traced to Kafka or to the groups' Kafka offsets")
+	}
+
+	// The groups are listed before the snapshot, so their Kafka offsets
+	// can be fetched before it too: an offset committed before the
+	// snapshot covers only events whose records the snapshot shows.
+	groups, present, err := r.listGroups(ctx, consumerDB)
+	if err != nil {
+		return nil, err
+	}
+	if kr != nil && len(groups) > 0 {
+		if r.kafka.committed, err = kr.groupOffsets(groups); err != nil {
+			return nil, err
+		}
+	}
+
+	ro := pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}
+	ctx2 := context.WithoutCancel(ctx)
+	ctx1, err := consumerDB.BeginTx(ctx, ro)
+	if err != nil {
+		return nil, fmt.Errorf("begin a read-only transaction on the consumer database: %w", err)
+	}
+	defer func() { _ = ctx1.Rollback(ctx2) }()
+	// The first statement takes the snapshot.
+	if err := ctx1.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&r.consumerNow); err != nil {
+		return nil, fmt.Errorf("read the consumer database: %w", err)
+	}
+	otx := ctx1
+	r.outboxNow = r.consumerNow
+	if r.separate {
+		if otx, err = db.BeginTx(ctx, ro); err != nil {
+			return nil, fmt.Errorf("begin a read-only transaction on the outbox database: %w", err)
+		}
+		defer func() { _ = otx.Rollback(ctx2) }()
+		if err := otx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&r.outboxNow); err != nil {
+			return nil, fmt.Errorf("read the outbox database: %w", err)
+		}
+	}
+	r.rep.CheckedAt = r.outboxNow
+	r.rep.DedupHorizon = r.consumerNow.Add(-cfg.DedupRetention)
+
+	if err := r.run(ctx, otx, ctx1, kr, groups, present); err != nil {
+		return nil, err
+	}
+	return r.rep, nil
+}
+
+func (r *runner) note(format string, args ...any) {
+	r.rep.Notes = append(r.rep.Notes, fmt.Sprintf(format, args...))
+}
+
+// listGroups returns the groups to check and whether the consumer tables
+// exist.
+func (r *runner) listGroups(ctx context.Context, db DB) ([]string, bool, error) {
+	var groups []string
+	var present bool
+	err := pgx.BeginTxFunc(ctx, db, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		var err error
+		if present, err = r.consumer.tablesPresent(ctx, tx); err != nil || !present {
+			return err
+		}
+		if len(r.cfg.Groups) > 0 {
+			groups = slices.Clone(r.cfg.Groups)
+			return nil
+		}
+		groups, err = r.consumer.discoverGroups(ctx, tx)
+		return err
+	})
+	if err != nil {
+		return nil, false, err
+	}
+	slices.Sort(groups)
+	return slices.Compact(groups), present, nil
+}
+
+// run does the checks inside the snapshots.
+func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, groups []string, present bool) error {
+	cfg := r.cfg
+	shards, err := producer.ReadShardCount(ctx, otx, cfg.Schema)
+	if err != nil {
+		return err
+	}
+	r.rep.Outbox.Shards = shards
+	if !present {
+		r.note("consumer tables: not found in schema %s (migration 002_consumer is not applied there), so no consumer group was checked", cfg.ConsumerSchema)
+		groups = nil
+	} else {
+		note, err := r.consumer.findDeadLetterTable(ctx, ctx1)
+		if err != nil {
+			return err
+		}
+		r.consumerDeadTable = r.consumer.deadLetters != nil
+		if note != "" {
+			r.note("%s", note)
+		}
+	}
+	r.note("dedup records are assumed kept for %s (the retention `eventline cleanup` runs with): an event committed before %s without one is counted as unverifiable, not lost",
+		human(cfg.DedupRetention), r.rep.DedupHorizon.UTC().Format(time.RFC3339))
+
+	for _, step := range []struct {
+		name string
+		fn   func() error
+	}{
+		{"groups", func() error { return r.setUpGroups(ctx, otx, ctx1, groups, shards) }},
+		{"kafka", func() error {
+			if kr == nil {
+				return nil
+			}
+			return r.readKafka(ctx, kr)
+		}},
+		{"outbox", func() error { return r.checkOutbox(ctx, otx, shards) }},
+		{"reconcile", func() error { return r.reconcile(ctx, otx, ctx1, shards) }},
+		{"consumer state", func() error { return r.checkConsumerState(ctx, ctx1) }},
+	} {
+		start := time.Now()
+		if err := step.fn(); err != nil {
+			return err
+		}
+		cfg.Logger.Debug("eventline verify: step done", "step", step.name, "elapsed", time.Since(start))
+	}
+	r.finish()
+	return nil
+}
+
+// setUpGroups decides each group's topics: configured, else those its
+// Kafka consumer group committed offsets for, else those of the events it
+// has dedup records or parked events of.
+func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []string, shards int) error {
+	var infer []string
+	for _, g := range groups {
+		gs := &groupState{rep: &GroupReport{Group: g, Outcomes: map[string]int64{}, DeadLetterSources: []string{}}, topics: map[string]bool{}}
+		r.groups[g] = gs
+		has, err := r.consumer.hasRecords(ctx, ctx1, g)
+		if err != nil {
+			return err
+		}
+		gs.dedup = has
+		if !has {
+			var versions bool
+			if err := ctx1.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.consumer.versions+` WHERE consumer_group = $1)`, g).Scan(&versions); err != nil {
+				return fmt.Errorf("read versions of group %q: %w", g, err)
+			}
+			// A group that has versions but no dedup records runs the
+			// version gate without dedup; one with neither has not
+			// handled anything yet, and all its events are pending.
+			gs.dedup = !versions
+			if versions {
+				r.note("group %s: keeps versions but no dedup records, so its applied events cannot be told from lost ones; only its order, parked, skipped and dead-lettered events are checked", g)
+			}
+		}
+		gs.rep.Deduplicates = gs.dedup
+		switch {
+		case len(r.cfg.GroupTopics[g]) > 0:
+			gs.rep.TopicsFrom = "config"
+			for _, t := range r.cfg.GroupTopics[g] {
+				gs.topics[t] = true
+			}
+		case r.kafka != nil && len(r.kafka.committed[g]) > 0:
+			gs.rep.TopicsFrom = "kafka"
+			for tp := range r.kafka.committed[g] {
+				gs.topics[tp.topic] = true
+			}
+		default:
+			infer = append(infer, g)
+		}
+	}
+	if len(infer) > 0 {
+		inferred := map[string]map[string]bool{}
+		if err := r.consumer.parkedTopics(ctx, ctx1, infer, inferred); err != nil {
+			return err
+		}
+		for shard := 0; shard < shards; shard++ {
+			if err := r.inferTopics(ctx, otx, ctx1, shard, infer, inferred); err != nil {
+				return err
+			}
+		}
+		for _, g := range infer {
+			gs := r.groups[g]
+			gs.topics = inferred[g]
+			if gs.topics == nil {
+				gs.topics = map[string]bool{}
+			}
+			gs.rep.TopicsFrom = "records"
+			if len(gs.topics) == 0 {
+				gs.rep.TopicsFrom = "none"
+				r.note("group %s: no topics known (none configured, no Kafka offsets, no records of outbox events), so its pending and lost events are not checked; name them with -group-topics %s=topic,…", g, g)
+			}
+		}
+	}
+	for _, gs := range r.groups {
+		gs.rep.Topics = slices.Sorted(maps.Keys(gs.topics))
+	}
+	return nil
+}
+
+// inferTopics adds, per group, the topics of one shard's events it has
+// dedup records of.
+func (r *runner) inferTopics(ctx context.Context, otx, ctx1 pgx.Tx, shard int, groups []string, into map[string]map[string]bool) error {
+	collect := func(rows pgx.Rows, err error) error {
+		if err != nil {
+			return fmt.Errorf("find the topics of groups %v: %w", groups, err)
+		}
+		var g, t string
+		_, err = pgx.ForEachRow(rows, []any{&g, &t}, func() error {
+			addTopic(into, g, t)
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("find the topics of groups %v: %w", groups, err)
+		}
+		return nil
+	}
+	if !r.separate {
+		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups))
+	}
+	return scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
+		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...))
+	})
+}
+
+// readKafka reads the groups' topics and dead-letter topics.
+func (r *runner) readKafka(ctx context.Context, kr *kafkaReader) error {
+	topics := map[string]bool{}
+	for _, gs := range r.groups {
+		for t := range gs.topics {
+			topics[t] = true
+		}
+	}
+	dead := map[string]string{}
+	for _, g := range slices.Sorted(maps.Keys(r.groups)) {
+		t, explicit := r.cfg.DeadLetterTopics[g]
+		if !explicit {
+			t = g + ".dlq"
+		}
+		ok, err := kr.topicExists(t)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			if explicit {
+				r.note("group %s: dead-letter topic %s does not exist", g, t)
+			}
+			continue
+		}
+		dead[g] = t
+	}
+	return kr.read(ctx, r.kafka, slices.Sorted(maps.Keys(topics)), dead)
+}
+
+// checkOutbox summarizes the outbox and reports the relay's dead letters.
+func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error {
+	sum := &r.rep.Outbox
+	var oldest *time.Time
+	for shard := 0; shard < shards; shard++ {
+		o, err := readOutboxSummary(ctx, otx, r.cfg.Schema, shard, r.w, sum)
+		if err != nil {
+			return err
+		}
+		if o != nil && (oldest == nil || o.Before(*oldest)) {
+			oldest = o
+		}
+	}
+	if oldest != nil {
+		sum.OldestPendingSeconds = max(r.outboxNow.Sub(*oldest), 0).Seconds()
+	}
+	var err error
+	if sum.Retrying, err = countRetrying(ctx, otx, r.cfg.Schema); err != nil {
+		return err
+	}
+	return readRelayDeadLetters(ctx, otx, r.cfg.Schema, r.w, func(d relayDeadLetter) {
+		sum.DeadLetters++
+		at := d.deadAt
+		detail := fmt.Sprintf("dead-lettered by the relay (dead letter %d, shard %d) after %d attempt(s): %s", d.id, d.shard, d.attempts, truncate(d.reason, maxReasonLength))
+		if d.lastError != "" && d.lastError != d.reason {
+			detail += "; last error: " + truncate(d.lastError, maxReasonLength)
+		}
+		r.details.add(Finding{
+			Severity: Problem, Kind: DeadLetter, EventID: d.eventID, EventType: d.eventType, Topic: d.topic,
+			AggregateType: d.aggregateType, AggregateID: d.aggregateID, AggregateVersion: d.version,
+			At: &at, AgeSeconds: max(r.outboxNow.Sub(d.deadAt), 0).Seconds(),
+			Detail: detail + " — replay it with `eventline dlq replay " + fmt.Sprint(d.id) + "`",
+		})
+	})
+}
+
+// reconcile matches every outbox event of the window with the records of
+// the groups that consume its topic.
+func (r *runner) reconcile(ctx context.Context, otx, ctx1 pgx.Tx, shards int) error {
+	var gs, ts []string
+	for _, g := range slices.Sorted(maps.Keys(r.groups)) {
+		for t := range r.groups[g].topics {
+			gs, ts = append(gs, g), append(ts, t)
+		}
+	}
+	if len(gs) == 0 {
+		return nil
+	}
+	for shard := 0; shard < shards; shard++ {
+		if !r.separate {
+			if err := r.classify(ctx, ctx1, r.consumer.classifySQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, gs, ts); err != nil {
+				return err
+			}
+			continue
+		}
+		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
+			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), gs, ts)...)
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// finish assembles the report.
+func (r *runner) finish() {
+	for _, g := range slices.Sorted(maps.Keys(r.groups)) {
+		r.rep.Groups = append(r.rep.Groups, *r.groups[g].rep)
+	}
+	if r.kafka != nil {
+		r.rep.Kafka.Checked = true
+		for _, t := range r.kafka.topics {
+			r.rep.Kafka.Topics = append(r.rep.Kafka.Topics, r.kafka.state[t].summary)
+		}
+		for _, t := range slices.Sorted(maps.Keys(r.kafka.deadState)) {
+			r.rep.Kafka.Topics = append(r.rep.Kafka.Topics, r.kafka.deadState[t].summary)
+		}
+		for _, ts := range r.rep.Kafka.Topics {
+			switch {
+			case ts.Missing:
+				r.note("Kafka topic %s does not exist: its events are not traced on Kafka", ts.Topic)
+			case ts.Compacted:
+				r.note("Kafka topic %s is compacted: an event missing from it proves nothing", ts.Topic)
+			}
+		}
+	}
+	r.details.into(r.rep)
+	r.rep.finish()
+	slices.SortStableFunc(r.rep.Notes, func(a, b string) int { return strings.Compare(a, b) })
+}
