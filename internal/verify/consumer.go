@@ -13,8 +13,9 @@ import (
 )
 
 // ConsumerDeadLetterTable is the consumer-side dead-letter table verify
-// reads when it exists (migration 006). Until then its dead letters are
-// reported as not present, and only dead-letter topics are read.
+// reads (migration 004_consumer_dead_letters). On a schema migrated before
+// it, its dead letters are reported as not present, and only dead-letter
+// topics are read.
 const ConsumerDeadLetterTable = "consumer_dead_letters"
 
 // consumerDeadLetterColumns are the columns verify needs from
@@ -34,6 +35,9 @@ type deadLetterTable struct {
 	// reason and eventType are the SQL expressions for the reason and the
 	// event type ('' when the table has no such column).
 	reason, eventType string
+	// open is the SQL condition of a dead letter still waiting for the
+	// operator (neither replayed nor discarded).
+	open string
 }
 
 func newConsumerSQL(schema string) consumerSQL {
@@ -85,6 +89,10 @@ func (q *consumerSQL) findDeadLetterTable(ctx context.Context, tx pgx.Tx) (strin
 	}
 	if slices.Contains(cols, "event_type") {
 		t.eventType = "event_type"
+	}
+	t.open = "replayed_at IS NULL"
+	if slices.Contains(cols, "status") {
+		t.open = "status IN ('dead', 'replay_requested')"
 	}
 	q.deadLetters = t
 	return "", nil
@@ -236,11 +244,11 @@ func (q consumerSQL) outOfOrderSQL() string {
 }
 
 // readConsumerDeadLetters calls fn for each dead letter of the groups in
-// ConsumerDeadLetterTable not replayed, in the window.
+// ConsumerDeadLetterTable neither replayed nor discarded, in the window.
 func (q consumerSQL) readConsumerDeadLetters(ctx context.Context, tx pgx.Tx, groups []string, w window, fn func(deadRecord)) error {
 	t := q.deadLetters
 	rows, err := tx.Query(ctx, `SELECT consumer_group, event_id, `+t.eventType+`, aggregate_type, aggregate_id, aggregate_version, `+t.reason+`, dead_at
-		FROM `+t.table+` WHERE replayed_at IS NULL AND consumer_group = ANY($3) AND `+windowSQL("dead_at", 1, 2), w.since, w.until, groups)
+		FROM `+t.table+` WHERE `+t.open+` AND consumer_group = ANY($3) AND `+windowSQL("dead_at", 1, 2), w.since, w.until, groups)
 	if err != nil {
 		return fmt.Errorf("read %s: %w", ConsumerDeadLetterTable, err)
 	}
