@@ -189,7 +189,7 @@ func (f *fixture) park(group string, e eventline.Event, ago time.Duration) {
 	f.record(group, e, "parked", ago)
 	_, err := f.consumer.Pool.Exec(f.ctx, `INSERT INTO `+sqlident.Qualify(f.consumer.Schema, "parked_events")+`
 		(consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, topic, payload, metadata, parked_at)
-		VALUES ($1, $2, $3, $4, $4 - 1, $5, $6, $7, $8, '{}', now() - make_interval(secs => $9))`,
+		VALUES ($1, $2, $3, $4::bigint, $4::bigint - 1, $5, $6, $7, $8, '{}', now() - make_interval(secs => $9))`,
 		group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.ID, e.Type, f.topic, e.Payload, ago.Seconds())
 	require.NoError(f.t, err)
 }
