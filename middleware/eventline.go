@@ -111,6 +111,16 @@ type Config struct {
 	Metrics *Metrics
 }
 
+// sweepTxTimeout is the sweeper's bound per aggregate for the
+// middleware's TxTimeout: the same, or the sweeper's default when
+// transactions are unbounded.
+func sweepTxTimeout(d time.Duration) time.Duration {
+	if d <= 0 {
+		return versioning.DefaultSweepTxTimeout
+	}
+	return d
+}
+
 // DefaultTxTimeout is the default Config.TxTimeout.
 const DefaultTxTimeout = time.Minute
 
@@ -208,6 +218,7 @@ func New(cfg Config) (*Eventline, error) {
 	}
 	sweeper, err := gate.NewSweeper(cfg.DB, versioning.SweeperConfig{
 		ParkTimeout: cfg.ParkTimeout, Interval: cfg.SweepInterval, Batch: cfg.SweepBatch, Logger: gate.cfg.Logger,
+		TxTimeout: sweepTxTimeout(cfg.TxTimeout),
 	})
 	if err != nil {
 		return nil, err

@@ -78,7 +78,10 @@
 // skipped_versions and moves the version to that event's predecessor. If
 // the event fails, the skip and the version move roll back with it. So no
 // parked event waits much longer than the park timeout plus one sweep
-// interval, unless its own handler keeps failing.
+// interval, unless its own handler keeps failing, or the sweeper could not
+// reach the database: [Sweeper.Run] counts the park timeout from its own
+// start and from the end of its last failed pass too, so a consumer back
+// from an outage catches up with Kafka before it gives up on any gap.
 //
 // The default park timeout is an hour (see DefaultParkTimeout for the
 // arithmetic against the relay's dead-letter schedule): the operator's

@@ -106,6 +106,8 @@ const (
 	DefaultParkTimeout = time.Hour
 	// DefaultSweepInterval is the pause between two sweeper passes.
 	DefaultSweepInterval = 5 * time.Second
+	// DefaultSweepTxTimeout bounds each aggregate's transaction in a sweep.
+	DefaultSweepTxTimeout = time.Minute
 	// DefaultSweepBatch is the most aggregates one sweeper pass visits.
 	DefaultSweepBatch = 500
 	// DefaultMaxGap bounds the versions one event may leave missing in

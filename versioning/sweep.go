@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -32,6 +33,10 @@ type SweeperConfig struct {
 	// Interval is the pause between two passes of Run. Defaults to
 	// DefaultSweepInterval (5s).
 	Interval time.Duration
+	// TxTimeout bounds each aggregate's transaction in a pass, so a
+	// connection that stops answering fails the pass instead of hanging
+	// it. Defaults to DefaultSweepTxTimeout (1 minute).
+	TxTimeout time.Duration
 	// Batch is the most aggregates one pass visits, those due longest
 	// first. Defaults to DefaultSweepBatch (500).
 	Batch int
@@ -69,6 +74,9 @@ func (c SweeperConfig) withDefaults() SweeperConfig {
 	if c.Interval == 0 {
 		c.Interval = DefaultSweepInterval
 	}
+	if c.TxTimeout == 0 {
+		c.TxTimeout = DefaultSweepTxTimeout
+	}
 	if c.Batch == 0 {
 		c.Batch = DefaultSweepBatch
 	}
@@ -80,6 +88,8 @@ func (c SweeperConfig) withDefaults() SweeperConfig {
 
 func (c SweeperConfig) validate() error {
 	switch {
+	case c.TxTimeout < 0:
+		return fmt.Errorf("versioning.SweeperConfig.TxTimeout is %s; it must be positive", c.TxTimeout)
 	case c.Group == "":
 		return errors.New("versioning.SweeperConfig.Group is empty: name the consumer group whose parked events to sweep")
 	case c.ParkTimeout < 0:
@@ -162,6 +172,11 @@ type Sweeper struct {
 	store *Store
 	cfg   SweeperConfig
 	opts  ReleaseOptions
+	// healthySince is when Run started or its last failed pass ended
+	// (UnixNano; 0 when Run never ran): the park timeout counts from
+	// there, so an outage does not use up the wait of events parked
+	// before it (see Run).
+	healthySince atomic.Int64
 }
 
 // NewSweeper returns a sweeper for cfg.Group's parked events in the store's
@@ -188,12 +203,15 @@ func (s *Store) NewSweeper(db Pool, cfg SweeperConfig) (*Sweeper, error) {
 // run after that aggregate's transaction commits.
 func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	var res SweepResult
-	keys, err := w.keys(ctx, w.store.q.candidates, w.cfg.Group, w.cfg.Batch, w.cfg.ParkTimeout.Microseconds())
+	timeout := w.parkTimeout()
+	keys, err := w.keys(ctx, w.store.q.candidates, w.cfg.Group, w.cfg.Batch, timeout.Microseconds())
 	if err != nil {
 		return res, fmt.Errorf("versioning: find parked aggregates: %w", err)
 	}
 	for _, k := range keys {
-		r, err := w.sweepAggregate(ctx, k, w.parked)
+		r, err := w.sweepAggregate(ctx, k, func(ctx context.Context, tx pgx.Tx, k Key, current int64, res *SweepResult) error {
+			return w.parked(ctx, tx, k, current, timeout, res)
+		})
 		res.add(r)
 		if err != nil {
 			return res, err
@@ -219,6 +237,23 @@ func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	return res, err
 }
 
+// neverExpires stands for "no park timeout this pass": a century, far
+// beyond any parked_at, yet a valid PostgreSQL interval.
+const neverExpires = 100 * 365 * 24 * time.Hour
+
+// parkTimeout is the park timeout of this pass: cfg.ParkTimeout, unless
+// Run has not been healthy that long yet (it just started, or the database
+// was unreachable): then no gap expires this pass. Otherwise an outage
+// longer than the park timeout would let the first pass after it skip
+// versions still waiting on Kafka behind the backlog the outage left.
+func (w *Sweeper) parkTimeout() time.Duration {
+	since := w.healthySince.Load()
+	if since != 0 && time.Since(time.Unix(0, since)) < w.cfg.ParkTimeout {
+		return neverExpires
+	}
+	return w.cfg.ParkTimeout
+}
+
 func (w *Sweeper) keys(ctx context.Context, q string, args ...any) ([]Key, error) {
 	rows, err := w.db.Query(ctx, q, args...)
 	if err != nil {
@@ -235,6 +270,8 @@ func (w *Sweeper) keys(ctx context.Context, q string, args ...any) ([]Key, error
 // registered while applying events, once it committed.
 func (w *Sweeper) sweepAggregate(ctx context.Context, k Key, work func(context.Context, pgx.Tx, Key, int64, *SweepResult) error) (SweepResult, error) {
 	var res SweepResult
+	ctx, cancel := context.WithTimeout(ctx, w.cfg.TxTimeout)
+	defer cancel()
 	hctx, hooks := txhooks.New(ctx)
 	err := pgx.BeginFunc(hctx, w.db, func(tx pgx.Tx) error {
 		hooks.Drop()
@@ -258,12 +295,12 @@ func (w *Sweeper) sweepAggregate(ctx context.Context, k Key, work func(context.C
 }
 
 // parked releases what it can of one aggregate's parked events.
-func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, res *SweepResult) error {
-	parked, err := w.store.parkedOf(ctx, tx, k, w.cfg.ParkTimeout, drainLimit)
+func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, timeout time.Duration, res *SweepResult) error {
+	parked, err := w.store.parkedOf(ctx, tx, k, timeout, drainLimit)
 	if err != nil {
 		return err
 	}
-	d, _, err := w.store.drainList(ctx, tx, k, current, parked, w.opts, w.cfg.ParkTimeout)
+	d, _, err := w.store.drainList(ctx, tx, k, current, parked, w.opts, timeout)
 	if err != nil {
 		return err
 	}
@@ -294,17 +331,39 @@ func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, r
 }
 
 // Run sweeps every cfg.Interval until ctx ends, then returns nil. A failed
-// pass is logged (and reported to OnSweep) and retried on the next tick.
+// pass (the database unreachable or not answering) is reported to OnSweep
+// and retried on the next tick; it is logged once when passes start
+// failing and once when they succeed again.
+//
+// The park timeout counts from when Run started or its last failed pass
+// ended, whichever is later, as well as from when the event parked: a
+// consumer that was down, or cut off from its database, first gets a full
+// park timeout to catch up with the backlog on Kafka before it gives up on
+// any gap.
 func (w *Sweeper) Run(ctx context.Context) error {
 	t := time.NewTicker(w.cfg.Interval)
 	defer t.Stop()
+	w.healthySince.Store(time.Now().UnixNano())
+	var failing time.Time
 	for {
 		res, err := w.Sweep(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
+		switch {
+		case err != nil && failing.IsZero():
+			failing = time.Now()
+			w.cfg.Logger.ErrorContext(ctx, "eventline: sweeps of parked events are failing; retrying every interval, and no gap expires until they succeed for a whole park timeout",
+				"group", w.cfg.Group, "interval", w.cfg.Interval, "error", err)
+		case err != nil:
+			w.cfg.Logger.DebugContext(ctx, "eventline: sweep of parked events failed again", "group", w.cfg.Group, "error", err)
+		case !failing.IsZero():
+			w.cfg.Logger.InfoContext(ctx, "eventline: sweeps of parked events succeed again", "group", w.cfg.Group,
+				"failed_for", time.Since(failing).Round(time.Millisecond))
+			failing = time.Time{}
+		}
 		if err != nil {
-			w.cfg.Logger.ErrorContext(ctx, "eventline: sweep of parked events failed; retrying on the next tick", "group", w.cfg.Group, "error", err)
+			w.healthySince.Store(time.Now().UnixNano())
 		}
 		if w.cfg.OnSweep != nil {
 			w.cfg.OnSweep(res, err)
