@@ -126,17 +126,17 @@ func (p *relayProcess) kill9(t *testing.T) {
 
 // waitOwners waits until every shard is owned, by exactly owners distinct
 // relays, none holding more than its fair share.
-func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]int32 {
+func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]producer.ShardOwner {
 	t.Helper()
 	share := (env.Shards + owners - 1) / owners
-	var last map[int]int32
+	var last map[int]producer.ShardOwner
 	require.Eventually(t, func() bool {
 		var err error
 		last, err = producer.ShardOwners(context.Background(), env.Pool, env.Schema)
 		require.NoError(t, err)
-		perOwner := map[int32]int{}
-		for _, pid := range last {
-			perOwner[pid]++
+		perOwner := map[string]int{}
+		for _, o := range last {
+			perOwner[o.Instance]++
 		}
 		for _, n := range perOwner {
 			if n > share {

@@ -140,30 +140,3 @@ func (c *statusCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLetters))
 	ch <- prometheus.MustNewConstMetric(c.retrying, prometheus.GaugeValue, float64(st.Retrying))
 }
-
-// ShardOwners returns the shards relays own right now, each mapped to the
-// PostgreSQL backend pid of its owner's lock connection (see
-// pg_stat_activity for the client behind it).
-func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]int32, error) {
-	if err := sqlident.Validate("schema", schema); err != nil {
-		return nil, err
-	}
-	rows, err := db.Query(ctx, `SELECT objid::bigint, pid FROM pg_locks
-		WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND mode = 'ExclusiveLock'
-		  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-		  AND classid::bigint = $1 AND objid::bigint <> $2`, lockNamespace(schema), membershipKey)
-	if err != nil {
-		return nil, fmt.Errorf("read shard owners: %w", err)
-	}
-	defer rows.Close()
-	out := map[int]int32{}
-	for rows.Next() {
-		var shard int64
-		var pid int32
-		if err := rows.Scan(&shard, &pid); err != nil {
-			return nil, err
-		}
-		out[int(shard)] = pid
-	}
-	return out, rows.Err()
-}

@@ -42,9 +42,15 @@ type shardReport struct {
 	Backlog              int64   `json:"backlog"`
 	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
 	Stored               int64   `json:"stored"`
-	// OwnerPID is the PostgreSQL backend pid of the relay connection that
-	// owns the shard (see pg_stat_activity); null when no relay owns it.
+	// OwnerPID is the PostgreSQL backend pid of the ownership connection
+	// of the relay holding the shard's lease (see pg_stat_activity); null
+	// when no relay owns it.
 	OwnerPID *int32 `json:"owner_pid"`
+	// Owner is that relay's ID; empty when no relay owns the shard.
+	Owner string `json:"owner,omitempty"`
+	// LeaseExpiresInSeconds is how long the owner's lease lasts unless
+	// renewed (every rebalance interval).
+	LeaseExpiresInSeconds float64 `json:"lease_expires_in_seconds,omitempty"`
 }
 
 type groupReport struct {
@@ -115,8 +121,9 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 	}
 	for _, s := range st.Shards {
 		sr := shardReport{Shard: s.Shard, Backlog: s.Backlog, OldestPendingSeconds: s.OldestPending.Seconds(), Stored: s.Stored}
-		if pid, ok := owners[s.Shard]; ok {
-			sr.OwnerPID = &pid
+		if o, ok := owners[s.Shard]; ok {
+			pid := o.BackendPID
+			sr.OwnerPID, sr.Owner, sr.LeaseExpiresInSeconds = &pid, o.Relay, o.ExpiresIn.Seconds()
 		}
 		rep.Outbox.Shards = append(rep.Outbox.Shards, sr)
 	}
@@ -213,7 +220,7 @@ func printStatus(w io.Writer, rep statusReport) error {
 	for _, s := range o.Shards {
 		owner := "-"
 		if s.OwnerPID != nil {
-			owner = fmt.Sprintf("pid %d", *s.OwnerPID)
+			owner = fmt.Sprintf("%s (pid %d)", s.Owner, *s.OwnerPID)
 		}
 		row(tw, s.Shard, s.Backlog, age(seconds(s.OldestPendingSeconds)), s.Stored, owner)
 	}
