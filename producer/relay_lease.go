@@ -133,7 +133,9 @@ func (r *Relay) own(ctx context.Context) error {
 // expired or free ones below it.
 func (o *ownership) tick(ctx context.Context) error {
 	r := o.r
-	qctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
+	// A renewal that comes back late still counts from when it was sent:
+	// the deadline can be as long as the lease's local validity.
+	qctx, cancel := context.WithTimeout(ctx, r.leaseValid())
 	defer cancel()
 	if err := o.connect(qctx); err != nil {
 		return err

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -214,7 +215,7 @@ func TestGracefulStopRecordsProgressWithoutErrors(t *testing.T) {
 	for i := 0; i < rounds; i++ {
 		_, stop := runRelay(t, env.Pool, producer.RelayConfig{
 			Schema: env.Schema, Brokers: brokers, Logger: slog.New(logs),
-			PollInterval: 200 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond, BatchSize: 20,
+			PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond, BatchSize: 20,
 		})
 		time.Sleep(time.Duration(150+rand.IntN(250)) * time.Millisecond)
 		stop()
@@ -369,7 +370,7 @@ func TestShardSetUpFailureIsRetried(t *testing.T) {
 	require.NoError(t, err)
 	logs := newLogRecorder(t, slog.LevelWarn)
 	_, stop := runRelay(t, env.Pool, producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Metrics: metrics, Logger: slog.New(logs),
-		PollInterval: 200 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond})
+		PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond})
 	require.Eventually(t, func() bool { return len(logs.at(slog.LevelError)) >= 2 }, 10*time.Second, 10*time.Millisecond,
 		"the failed set-up is logged at every restart")
 	require.Contains(t, logs.at(slog.LevelError)[0], "restarting")
@@ -465,4 +466,98 @@ func counterValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	}
 	require.True(t, found, "metric %s not found", name)
 	return total
+}
+
+// ownedBy waits until every shard's lease belongs to the relay with the
+// given ID and returns how long that took.
+func waitOwnedBy(t *testing.T, env pgtest.Env, relayID string, timeout time.Duration) time.Duration {
+	t.Helper()
+	began := time.Now()
+	require.Eventually(t, func() bool {
+		o, err := producer.ShardOwners(context.Background(), env.Pool, env.Schema)
+		if err != nil || len(o) != env.Shards {
+			return false
+		}
+		for _, owner := range o {
+			if owner.Relay != relayID {
+				return false
+			}
+		}
+		return true
+	}, timeout, 10*time.Millisecond, "every shard owned by %s", relayID)
+	return time.Since(began)
+}
+
+// proxiedPool opens a pool whose connections go through a fault proxy.
+func proxiedPool(t *testing.T, p *faultproxy.Proxy, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.URLVia(p.Addr()))
+	require.NoError(t, err)
+	cfg.MaxConns = maxConns
+	cfg.ConnConfig.ConnectTimeout = 2 * time.Second
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// TestFrozenRelayIsTakenOverWithinTheBound freezes every connection of a
+// relay that owns half the shards (the proxy stops forwarding without
+// closing anything, as when its host vanishes or its VM pauses) and
+// measures how long until the other relay owns and relays them: at most
+// TakeoverBound(RebalanceInterval) plus the time to notice, where before
+// the session advisory locks kept them owned until TCP gave up (hours).
+// The frozen relay's Run still returns promptly when cancelled, and no
+// position ever moves backwards.
+func TestFrozenRelayIsTakenOverWithinTheBound(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 4, MaxConns: 12})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 3)
+	proxy, err := faultproxy.Start(pgtest.Addr())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+
+	const interval = 200 * time.Millisecond
+	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Logger: testLogger(t), PollInterval: time.Second, RebalanceInterval: interval, BatchSize: 20}
+	_, stopA := runRelay(t, proxiedPool(t, proxy, 10), withID(cfg, "frozen"))
+	waitOwnedBy(t, env, "frozen", 10*time.Second)
+	_, stopB := runRelay(t, pgtest.Pool(t, 10), withID(cfg, "survivor"))
+	require.Eventually(t, func() bool {
+		o, err := producer.ShardOwners(context.Background(), env.Pool, env.Schema)
+		if err != nil || len(o) != env.Shards {
+			return false
+		}
+		n := 0
+		for _, owner := range o {
+			if owner.Relay == "survivor" {
+				n++
+			}
+		}
+		return n == env.Shards/2
+	}, 10*time.Second, 10*time.Millisecond, "the relays share the shards")
+	watch := watchPositions(t, env)
+	defer watch()
+	pub := startPublisher(t, env, topic, 50)
+	time.Sleep(500 * time.Millisecond) // both relays mid-batch
+
+	frozenAt := time.Now()
+	proxy.Set(faultproxy.Freeze)
+	owned := waitOwnedBy(t, env, "survivor", time.Minute)
+	waitRelayedPastNow(t, env, 90*time.Second, "the survivor relays the frozen relay's shards")
+	relayed := time.Since(frozenAt)
+	bound := producer.TakeoverBound(interval)
+	t.Logf("takeover of a frozen relay: owned after %s, relaying past the freeze after %s (bound %s, RebalanceInterval %s)",
+		owned.Round(time.Millisecond), relayed.Round(time.Millisecond), bound, interval)
+	require.Less(t, owned, bound+5*time.Second, "takeover took far longer than TakeoverBound")
+
+	took := stopA()
+	t.Logf("the frozen relay's Run returned %s after cancellation", took.Round(time.Millisecond))
+	require.Less(t, took, 20*time.Second, "a relay with frozen connections must still stop")
+	proxy.Set(faultproxy.Pass)
+	pub.finish()
+	requireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
+	stopB()
+	watch()
 }

@@ -51,11 +51,12 @@ const (
 	stopNone     stopReason = iota
 	stopReleased            // rebalancing gave the shard away
 	stopShutdown            // Relay.Run is returning
-	stopLost                // the lease ran out or another relay holds it
+	stopExpired             // the lease could not be renewed in time
+	stopLost                // another relay holds the lease
 )
 
 func (r stopReason) String() string {
-	return [...]string{"running", "released", "shutdown", "lease lost"}[r]
+	return [...]string{"running", "released", "shutdown", "lease expired", "lease lost"}[r]
 }
 
 // shardRunner relays one outbox shard while this relay holds its lease: a
@@ -307,19 +308,28 @@ func (s *shardRunner) clearFence(ctx context.Context) {
 }
 
 // halt asks the shard to stop for reason: it publishes nothing more and
-// settles its batch, within stopGrace; a lost lease stops it at once.
+// settles its batch. Its statements and its wait for Kafka are cut short
+// stopGrace later; when its lease expired, one RebalanceInterval later
+// (before PostgreSQL's lease expires); when another relay holds the lease,
+// at once.
 func (s *shardRunner) halt(reason stopReason) {
 	if s.why.CompareAndSwap(int32(stopNone), int32(reason)) {
 		s.cancelSoft()
-		if reason == stopLost {
+		switch reason {
+		case stopLost:
 			s.cancelHard()
-		} else {
+		case stopExpired:
+			time.AfterFunc(s.relay.cfg.RebalanceInterval, s.cancelHard)
+		default:
 			time.AfterFunc(stopGrace, s.cancelHard)
 		}
 		return
 	}
-	if reason == stopLost {
+	switch reason {
+	case stopLost:
 		s.cancelHard()
+	case stopExpired:
+		time.AfterFunc(s.relay.cfg.RebalanceInterval, s.cancelHard)
 	}
 }
 
@@ -341,7 +351,7 @@ func (s *shardRunner) leaseExpired() {
 		s.log.Warn("shard lease could not be renewed in time; stopping the shard before another relay may take it")
 		s.relay.metrics.addLeaseExpired(s.shard)
 	}
-	s.halt(stopLost)
+	s.halt(stopExpired)
 }
 
 func (s *shardRunner) ended() bool {

@@ -39,7 +39,7 @@ func startRelay(t *testing.T, env pgtest.Env, cfg producer.RelayConfig) (*produc
 		cfg.PollInterval = 200 * time.Millisecond
 	}
 	if cfg.RebalanceInterval == 0 {
-		cfg.RebalanceInterval = 100 * time.Millisecond
+		cfg.RebalanceInterval = 250 * time.Millisecond
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = testLogger(t)
