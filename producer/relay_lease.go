@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline/internal/sqlident"
@@ -398,16 +397,16 @@ func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwne
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return nil, err
 	}
+	// Checked first: a failing query would abort the caller's transaction.
+	if err := checkLeaseTables(ctx, db, schema); err != nil {
+		return nil, err
+	}
 	rows, err := db.Query(ctx, `SELECT l.shard, COALESCE(m.relay_id, ''), l.owner, COALESCE(m.backend_pid, 0), l.epoch,
 			EXTRACT(EPOCH FROM l.expires_at - clock_timestamp())::float8
 		FROM `+sqlident.Qualify(schema, "relay_leases")+` l
 		LEFT JOIN `+sqlident.Qualify(schema, "relay_members")+` m ON m.instance = l.owner
 		WHERE l.expires_at > clock_timestamp()`)
 	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
-			return nil, fmt.Errorf("%w: schema %q has no relay_leases table; run `eventline migrate up`", ErrNotMigrated, schema)
-		}
 		return nil, fmt.Errorf("read shard owners: %w", err)
 	}
 	defer rows.Close()

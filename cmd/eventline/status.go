@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -108,7 +109,9 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		return rep, err
 	}
 	owners, err := producer.ShardOwners(ctx, tx, schema)
-	if err != nil {
+	if errors.Is(err, producer.ErrNotMigrated) {
+		rep.Warnings = append(rep.Warnings, "the relay lease tables are missing (migration 004_relay_leases is not applied): relays cannot run; run `eventline migrate up`")
+	} else if err != nil {
 		return rep, err
 	}
 	rep.Outbox = outboxReport{

@@ -126,8 +126,9 @@ func TestStatusOnAnIncompleteSchema(t *testing.T) {
 	st := okJSON[statusJSON](t, schema, "status", "-json")
 	require.Len(t, st.Outbox.Shards, 1)
 	require.Empty(t, st.Groups)
-	require.Len(t, st.Warnings, 1)
-	require.Contains(t, st.Warnings[0], "consumer tables are missing")
+	require.Len(t, st.Warnings, 2)
+	require.Contains(t, st.Warnings[0], "relay lease tables are missing")
+	require.Contains(t, st.Warnings[1], "consumer tables are missing")
 	out := ok(t, schema, "status")
 	require.Contains(t, out, "warning: the consumer tables are missing")
 }
