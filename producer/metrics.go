@@ -23,6 +23,7 @@ type RelayMetrics struct {
 	restarts       *prometheus.CounterVec
 	leaseExpired   *prometheus.CounterVec
 	fencesCleared  *prometheus.CounterVec
+	positionAhead  *prometheus.GaugeVec
 }
 
 // NewRelayMetrics creates the relay's collectors and registers them with
@@ -75,9 +76,13 @@ func NewRelayMetrics(reg prometheus.Registerer) (*RelayMetrics, error) {
 			Namespace: "eventline", Subsystem: "relay", Name: "stale_transactions_ended_total",
 			Help: "Transactions of a vanished previous owner that still held the shard and were terminated on takeover.",
 		}, shard),
+		positionAhead: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "position_ahead",
+			Help: "1 when the shard's position or rows carry transaction ids this cluster has not handed out (the outbox was restored or replicated from another cluster): nothing is relayed until `eventline relay rebase-positions` runs.",
+		}, shard),
 	}
 	for _, c := range []prometheus.Collector{m.forwarded, m.latency, m.retries, m.deadLetters, m.stalled, m.stalledSeconds, m.ownedShards, m.liveRelays,
-		m.restarts, m.leaseExpired, m.fencesCleared} {
+		m.restarts, m.leaseExpired, m.fencesCleared, m.positionAhead} {
 		if reg == nil {
 			break
 		}
@@ -158,4 +163,15 @@ func (m *RelayMetrics) addFenceCleared(shard int) {
 	if m != nil {
 		m.fencesCleared.WithLabelValues(strconv.Itoa(shard)).Inc()
 	}
+}
+
+func (m *RelayMetrics) setPositionAhead(shard int, ahead bool) {
+	if m == nil {
+		return
+	}
+	v := 0.0
+	if ahead {
+		v = 1
+	}
+	m.positionAhead.WithLabelValues(strconv.Itoa(shard)).Set(v)
 }

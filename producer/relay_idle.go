@@ -14,6 +14,9 @@ const (
 	stallPollMin   = 5 * time.Millisecond
 	stallPollMax   = 500 * time.Millisecond
 	stallFastPhase = 2 * time.Second
+	// positionCheckInterval is how often an idle shard checks that its
+	// position is not ahead of the cluster's transaction ids.
+	positionCheckInterval = time.Minute
 )
 
 // HandleError implements watermill-sql's BackoffManager. It is called after
@@ -72,6 +75,11 @@ func (s *shardRunner) idle() {
 		return
 	}
 	s.unstall()
+	if time.Since(s.lastPositionCheck) > positionCheckInterval {
+		pctx, cancel := context.WithTimeout(s.soft, 5*time.Second)
+		s.checkPosition(pctx)
+		cancel()
+	}
 	if s.sleepOrWake(s.relay.cfg.PollInterval) {
 		s.unwait()
 	}

@@ -3,6 +3,7 @@ package producer_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
@@ -560,4 +561,161 @@ func TestFrozenRelayIsTakenOverWithinTheBound(t *testing.T) {
 	requireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
 	stopB()
 	watch()
+}
+
+// moveToAHigherCounterCluster makes a shard look restored from a cluster
+// whose transaction counter was far higher: the position and every row get
+// ids this cluster has not handed out yet.
+func moveToAHigherCounterCluster(t *testing.T, env pgtest.Env, shard int) {
+	t.Helper()
+	ctx := context.Background()
+	const shift = `(transaction_id::text::bigint + 1000000000)::text::xid8`
+	_, err := env.Pool.Exec(ctx, `UPDATE `+sqlident.Qualify(env.Schema, outbox.Table(shard))+` SET transaction_id = `+shift)
+	require.NoError(t, err)
+	_, err = env.Pool.Exec(ctx, `UPDATE `+sqlident.Qualify(env.Schema, outbox.OffsetsTable(shard))+
+		` SET last_processed_transaction_id = (last_processed_transaction_id::text::bigint + 1000000000)::text::xid8`)
+	require.NoError(t, err)
+}
+
+// TestRelayDetectsAPositionAheadAndRebaseRepairsIt: after a restore into a
+// cluster with a lower transaction counter, new rows sort below the stored
+// position and the relay would idle silently. It must say so (error log,
+// eventline_relay_position_ahead, ReadStatus), and RebasePositions must get
+// every event out: the old one not yet relayed first, then the new ones.
+func TestRelayDetectsAPositionAheadAndRebaseRepairsIt(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 1)
+	ctx := context.Background()
+	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond}
+
+	before := publishOrders(t, env, topic, 1, 3, 3)
+	_, stop := runRelay(t, env.Pool, withLogger(cfg, testLogger(t)))
+	requireAllDelivered(t, brokers, topic, ids(before), 30*time.Second)
+	stop()
+	unsent := publishOrders(t, env, topic, 1, 1, 1) // committed, not relayed before the move
+	moveToAHigherCounterCluster(t, env, 0)
+	after := publishOrders(t, env, topic, 1, 2, 1) // written on the new cluster
+
+	st, err := producer.ReadStatus(ctx, env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.True(t, st.Shards[0].PositionAhead)
+	reg := prometheus.NewRegistry()
+	metrics, err := producer.NewRelayMetrics(reg)
+	require.NoError(t, err)
+	logs := newLogRecorder(t, slog.LevelError)
+	_, stop = runRelay(t, env.Pool, withLogger(withMetrics(cfg, metrics), slog.New(logs)))
+	require.Eventually(t, func() bool { return len(logs.at(slog.LevelError)) > 0 }, 10*time.Second, 10*time.Millisecond)
+	require.Contains(t, logs.at(slog.LevelError)[0], "eventline relay rebase-positions")
+	require.Equal(t, 1.0, gaugeValue(t, reg, "eventline_relay_position_ahead"))
+	stop()
+
+	dry, err := producer.RebasePositions(ctx, env.Pool, env.Schema, true)
+	require.NoError(t, err)
+	require.EqualValues(t, 3, dry[0].Relayed)
+	require.EqualValues(t, 1, dry[0].Pending)
+	st, err = producer.ReadStatus(ctx, env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.True(t, st.Shards[0].PositionAhead, "a dry run changes nothing")
+
+	res, err := producer.RebasePositions(ctx, env.Pool, env.Schema, false)
+	require.NoError(t, err)
+	require.True(t, res[0].Ahead())
+	require.EqualValues(t, 3, res[0].Relayed)
+	require.EqualValues(t, 1, res[0].Pending)
+	checks, err := producer.CheckPositions(ctx, env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.False(t, checks[0].Ahead())
+
+	_, stop = runRelay(t, env.Pool, withLogger(cfg, testLogger(t)))
+	want := append(ids(unsent), ids(after)...)
+	recs := readTopic(t, brokers, topic, len(before)+len(want), 30*time.Second)
+	counts := distinct(recs)
+	for _, id := range want {
+		require.Equal(t, 1, counts[id], "event %s relayed once after the re-base", id)
+	}
+	var order []string
+	for _, r := range recs[len(before):] {
+		order = append(order, r.eventID)
+	}
+	require.Equal(t, want, order, "the event that was waiting before the move goes first")
+	stop()
+	require.Empty(t, logs.at(slog.LevelError)[1:], "no more errors")
+}
+
+func withLogger(cfg producer.RelayConfig, l *slog.Logger) producer.RelayConfig {
+	cfg.Logger = l
+	return cfg
+}
+
+func withMetrics(cfg producer.RelayConfig, m *producer.RelayMetrics) producer.RelayConfig {
+	cfg.Metrics = m
+	return cfg
+}
+
+func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			v := 0.0
+			for _, m := range mf.GetMetric() {
+				v += m.GetGauge().GetValue()
+			}
+			return v
+		}
+	}
+	t.Fatalf("metric %s not found", name)
+	return 0
+}
+
+// TestAdvanceSequencesMovesPastWhatConsumersSaw: after a failover that lost
+// commits, the producer's sequences are behind versions consumers applied
+// or parked; AdvanceSequences moves them up (never down), reading the
+// consumer tables from wherever they live.
+func TestAdvanceSequencesMovesPastWhatConsumersSaw(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, separate := range []bool{false, true} {
+		t.Run(fmt.Sprintf("separate=%v", separate), func(t *testing.T) {
+			env := pgtest.New(t, pgtest.Options{Shards: 1})
+			consumers := env
+			if separate {
+				consumers = pgtest.New(t, pgtest.Options{Shards: 1}) // stands for the consumers' own database
+			}
+			exec := func(env pgtest.Env, sql string) {
+				_, err := env.Pool.Exec(ctx, sql)
+				require.NoError(t, err)
+			}
+			exec(env, `INSERT INTO `+sqlident.Qualify(env.Schema, "aggregate_sequences")+` VALUES ('order','a',3), ('order','c',10)`)
+			exec(consumers, `INSERT INTO `+sqlident.Qualify(consumers.Schema, "aggregate_versions")+
+				` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('billing','order','a',7), ('shipping','order','a',6), ('billing','order','c',2)`)
+			exec(consumers, `INSERT INTO `+sqlident.Qualify(consumers.Schema, "parked_events")+
+				` (consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, payload, metadata)
+				VALUES ('billing','order','b',5,'e5','order.updated','\x7b7d','{}')`)
+
+			dry, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, consumers.Pool, consumers.Schema, true)
+			require.NoError(t, err)
+			require.Equal(t, producer.SequenceAdvance{Aggregates: 3, Advanced: 2}, dry)
+			res, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, consumers.Pool, consumers.Schema, false)
+			require.NoError(t, err)
+			require.Equal(t, producer.SequenceAdvance{Aggregates: 3, Advanced: 2}, res)
+			seq := func(id string) int {
+				return pgtest.Count(t, env.Pool, `SELECT version FROM `+sqlident.Qualify(env.Schema, "aggregate_sequences")+
+					` WHERE aggregate_type = 'order' AND aggregate_id = $1`, id)
+			}
+			require.Equal(t, 7, seq("a"))
+			require.Equal(t, 5, seq("b"))
+			require.Equal(t, 10, seq("c"), "sequences never move down")
+
+			p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
+			require.NoError(t, err)
+			e := mustEvent(t, "a", "orders", 1)
+			require.NoError(t, p.Publish(ctx, env.Pool, e))
+			require.Equal(t, 8, seq("a"), "the next event follows what consumers applied")
+		})
+	}
 }

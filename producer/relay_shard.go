@@ -88,6 +88,10 @@ type shardRunner struct {
 	// to notify it. Only the subscriber's goroutine touches it.
 	waiting bool
 
+	// lastPositionCheck is when checkPosition last ran; only the
+	// subscriber's goroutine touches it after set-up.
+	lastPositionCheck time.Time
+
 	mu           sync.Mutex
 	failures     map[string]failureRecord // by outbox uuid
 	backoffUntil time.Time
@@ -265,6 +269,7 @@ func (s *shardRunner) setUp() error {
 		return fmt.Errorf("set up relay position: %w", err)
 	}
 	s.clearFence(ctx)
+	s.checkPosition(ctx)
 	failures, err := loadFailures(ctx, r.pool, r.cfg.Schema, s.shard)
 	if err != nil {
 		return err
@@ -304,6 +309,23 @@ func (s *shardRunner) clearFence(ctx context.Context) {
 		}
 		s.relay.metrics.addFenceCleared(s.shard)
 		s.log.Warn("ended a previous owner's stale transaction on the shard (its relay vanished mid-batch)", "pid", pid)
+	}
+}
+
+// checkPosition warns loudly when the shard's position or rows carry
+// transaction ids this cluster has not handed out: the outbox was moved
+// from another cluster, and nothing will be relayed until an operator runs
+// `eventline relay rebase-positions`.
+func (s *shardRunner) checkPosition(ctx context.Context) {
+	s.lastPositionCheck = time.Now()
+	c, err := checkPosition(ctx, s.relay.pool, s.relay.cfg.Schema, s.shard)
+	if err != nil {
+		return
+	}
+	s.relay.metrics.setPositionAhead(s.shard, c.Ahead())
+	if c.Ahead() {
+		s.log.Error("nothing on this shard can be relayed: "+ErrPositionAhead.Error()+"; stop the relays and run `eventline relay rebase-positions` (see the README, \"Moving the database\")",
+			"position_xid", c.Position, "newest_row_xid", c.NewestRow, "cluster_next_xid", c.Counter)
 	}
 }
 

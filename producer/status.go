@@ -22,6 +22,11 @@ type ShardStatus struct {
 	OldestPending time.Duration
 	// Stored is the number of rows in the table, forwarded or not.
 	Stored int64
+	// PositionAhead is set when the shard's position or rows carry
+	// transaction ids this cluster has not handed out: the outbox was moved
+	// from another cluster and nothing is relayed until RebasePositions
+	// (`eventline relay rebase-positions`) runs.
+	PositionAhead bool
 }
 
 // OutboxStatus is a snapshot of the outbox read from the database.
@@ -78,6 +83,11 @@ func ReadStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus, erro
 			return st, fmt.Errorf("read shard %d status: %w", shard, err)
 		}
 		ss.OldestPending = time.Duration(max(oldest, 0) * float64(time.Second))
+		c, err := checkPosition(ctx, db, schema, shard)
+		if err != nil {
+			return st, err
+		}
+		ss.PositionAhead = c.Ahead()
 		st.Shards = append(st.Shards, ss)
 	}
 	err = db.QueryRow(ctx, `SELECT
@@ -95,14 +105,15 @@ type statusCollector struct {
 	schema  string
 	timeout time.Duration
 
-	backlog, oldest, stored, dead, retrying, up *prometheus.Desc
+	backlog, oldest, stored, dead, retrying, up, ahead *prometheus.Desc
 }
 
 // NewStatusCollector returns a Prometheus collector that reads the outbox
-// status from the database on every scrape: eventline_outbox_backlog and
-// eventline_outbox_oldest_pending_seconds per shard, stored rows, dead
-// letters waiting, rows waiting for a retry, and eventline_outbox_up (0 when
-// the status could not be read).
+// status from the database on every scrape: eventline_outbox_backlog,
+// eventline_outbox_oldest_pending_seconds, stored rows and
+// eventline_outbox_position_ahead (1 when the shard needs
+// RebasePositions) per shard, dead letters waiting, rows waiting for a
+// retry, and eventline_outbox_up (0 when the status could not be read).
 func NewStatusCollector(db DBTX, schema string) prometheus.Collector {
 	shard := []string{"shard"}
 	return &statusCollector{
@@ -113,11 +124,13 @@ func NewStatusCollector(db DBTX, schema string) prometheus.Collector {
 		dead:     prometheus.NewDesc("eventline_outbox_dead_letters", "Dead letters not yet replayed.", nil, nil),
 		retrying: prometheus.NewDesc("eventline_outbox_retrying", "Rows that failed to publish and wait for a retry.", nil, nil),
 		up:       prometheus.NewDesc("eventline_outbox_up", "1 if the outbox status could be read.", nil, nil),
+		ahead: prometheus.NewDesc("eventline_outbox_position_ahead",
+			"1 when the shard's position or rows carry transaction ids this cluster has not handed out: run `eventline relay rebase-positions`.", shard, nil),
 	}
 }
 
 func (c *statusCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.stored, c.dead, c.retrying, c.up} {
+	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.stored, c.dead, c.retrying, c.up, c.ahead} {
 		ch <- d
 	}
 }
@@ -136,6 +149,11 @@ func (c *statusCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.backlog, prometheus.GaugeValue, float64(s.Backlog), label)
 		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, s.OldestPending.Seconds(), label)
 		ch <- prometheus.MustNewConstMetric(c.stored, prometheus.GaugeValue, float64(s.Stored), label)
+		ahead := 0.0
+		if s.PositionAhead {
+			ahead = 1
+		}
+		ch <- prometheus.MustNewConstMetric(c.ahead, prometheus.GaugeValue, ahead, label)
 	}
 	ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLetters))
 	ch <- prometheus.MustNewConstMetric(c.retrying, prometheus.GaugeValue, float64(st.Retrying))

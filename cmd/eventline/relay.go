@@ -25,7 +25,16 @@ func init() {
 const relayShutdownTimeout = 5 * time.Second
 
 func runRelay(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "relay", "[flags]", `
+	if len(args) > 0 {
+		for _, sub := range relayMaintenance {
+			if args[0] == sub.name {
+				inv := invocationOf(ctx)
+				inv.path = "relay " + sub.name
+				return sub.run(ctx, args[1:])
+			}
+		}
+	}
+	fs := newFlagSet(ctx, "relay", "[flags] | rebase-positions | advance-sequences", `
 Relays events from the PostgreSQL outbox (-schema) to Kafka (-brokers) until
 it gets SIGINT or SIGTERM, then finishes the batches in flight, releases its
 shards and exits 0. A second signal exits at once; nothing is lost either way
@@ -36,7 +45,19 @@ relayed by one of them at a time, and take over the shards of one that dies.
 
 A message that fails to publish is retried after each -backoff wait (the
 last repeats); after -max-attempts failures it is dead-lettered (see
-eventline dlq). Kafka being unreachable never dead-letters: the relay waits.`)
+eventline dlq). Kafka being unreachable never dead-letters: the relay waits.
+
+Relays need session-level connections (they LISTEN): connect them directly
+or through a session-mode pooler; a transaction-mode pooler is refused.
+
+Maintenance after moving the database (see the README, "Moving the
+database"):
+  eventline relay rebase-positions    re-base positions after a restore or a
+                                      cutover to a cluster with a lower
+                                      transaction counter
+  eventline relay advance-sequences   move aggregate sequences past the
+                                      versions consumers have seen, after a
+                                      failover that lost commits`)
 	cfg := producer.RelayConfig{Backoff: slices.Clone(producer.DefaultBackoff)}
 	fs.IntVar(&cfg.BatchSize, "batch-size", producer.DefaultBatchSize, "outbox rows read and published per transaction")
 	fs.DurationVar(&cfg.PollInterval, "poll-interval", producer.DefaultPollInterval, "longest an idle shard waits before looking again (inserts wake it at once)")

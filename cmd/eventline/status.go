@@ -52,6 +52,10 @@ type shardReport struct {
 	// LeaseExpiresInSeconds is how long the owner's lease lasts unless
 	// renewed (every rebalance interval).
 	LeaseExpiresInSeconds float64 `json:"lease_expires_in_seconds,omitempty"`
+	// PositionAhead is true when the shard's position or rows carry
+	// transaction ids this cluster has not handed out: nothing is relayed
+	// until `eventline relay rebase-positions` runs.
+	PositionAhead bool `json:"position_ahead"`
 }
 
 type groupReport struct {
@@ -123,7 +127,10 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		OwnedShards:          len(owners),
 	}
 	for _, s := range st.Shards {
-		sr := shardReport{Shard: s.Shard, Backlog: s.Backlog, OldestPendingSeconds: s.OldestPending.Seconds(), Stored: s.Stored}
+		sr := shardReport{Shard: s.Shard, Backlog: s.Backlog, OldestPendingSeconds: s.OldestPending.Seconds(), Stored: s.Stored, PositionAhead: s.PositionAhead}
+		if s.PositionAhead {
+			rep.Warnings = append(rep.Warnings, fmt.Sprintf("shard %d: %v; nothing on it is relayed: stop the relays and run `eventline relay rebase-positions`", s.Shard, producer.ErrPositionAhead))
+		}
 		if o, ok := owners[s.Shard]; ok {
 			pid := o.BackendPID
 			sr.OwnerPID, sr.Owner, sr.LeaseExpiresInSeconds = &pid, o.Relay, o.ExpiresIn.Seconds()

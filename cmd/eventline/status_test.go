@@ -132,3 +132,32 @@ func TestStatusOnAnIncompleteSchema(t *testing.T) {
 	out := ok(t, schema, "status")
 	require.Contains(t, out, "warning: the consumer tables are missing")
 }
+
+// TestStatusWarnsWhenPositionsAreAheadAndRebaseFixesThem: an outbox moved
+// to a cluster with a lower transaction counter is reported by status (text
+// and JSON) with the command that repairs it, and the command repairs it.
+func TestStatusWarnsWhenPositionsAreAheadAndRebaseFixesThem(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 2})
+	_, err := env.Pool.Exec(context.Background(), `INSERT INTO `+sqlident.Qualify(env.Schema, outbox.OffsetsTable(1))+
+		` (consumer_group, offset_acked, last_processed_transaction_id)
+		VALUES ($1, 7, ((pg_snapshot_xmax(pg_current_snapshot())::text::bigint) + 1000000)::text::xid8)`, outbox.RelayConsumerGroup)
+	require.NoError(t, err)
+
+	st := okJSON[statusJSON](t, env.Schema, "status", "-json")
+	require.Len(t, st.Warnings, 1)
+	require.Contains(t, st.Warnings[0], "shard 1")
+	require.Contains(t, st.Warnings[0], "eventline relay rebase-positions")
+	out := ok(t, env.Schema, "status")
+	require.Contains(t, out, "warning: shard 1")
+
+	out = ok(t, env.Schema, "relay", "rebase-positions", "-dry-run")
+	require.Contains(t, out, "shard 1: would re-base")
+	require.Contains(t, ok(t, env.Schema, "status"), "warning: shard 1", "a dry run changes nothing")
+	out = ok(t, env.Schema, "relay", "rebase-positions")
+	require.Contains(t, out, "shard 1: re-based")
+	st = okJSON[statusJSON](t, env.Schema, "status", "-json")
+	require.Empty(t, st.Warnings)
+	out = ok(t, env.Schema, "relay", "rebase-positions")
+	require.Contains(t, out, "nothing to do")
+}
