@@ -71,7 +71,11 @@ func (s *shardRunner) idle() {
 	err := s.relay.pool.QueryRow(ctx, s.sql.backlogExists, outbox.RelayConsumerGroup, s.shard, s.waitTTL().Seconds(), s.waiting).Scan(&pending)
 	cancel()
 	if err == nil && pending {
-		s.sleepOrWake(s.stall())
+		d, warn := s.stall()
+		if warn {
+			s.warnStalled()
+		}
+		s.sleepOrWake(d)
 		return
 	}
 	s.unstall()
@@ -134,8 +138,8 @@ func (s *shardRunner) unwait() {
 // stall returns how long to wait before reading a shard whose committed
 // rows are held back by the xmin horizon: 5ms for the first 2s, since
 // horizons held by ordinary short transactions pass quickly, then growing
-// to 500ms, and it warns once the stall lasts 10s.
-func (s *shardRunner) stall() time.Duration {
+// to 500ms; warn is set once, when the stall has lasted 10s.
+func (s *shardRunner) stall() (d time.Duration, warn bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := time.Now()
@@ -145,14 +149,30 @@ func (s *shardRunner) stall() time.Duration {
 	}
 	stalled := now.Sub(s.stallSince)
 	if stalled > 10*time.Second && !s.stallWarned {
-		s.stallWarned = true
-		s.log.Warn("relay stalled: committed events wait behind an older open transaction (xmin horizon); find it in pg_stat_activity", "stalled_for", stalled.Round(time.Second))
+		s.stallWarned, warn = true, true
 	}
 	if stalled < stallFastPhase {
-		return stallPollMin
+		return stallPollMin, warn
 	}
 	s.stallDelay = min(max(2*s.stallDelay, stallPollMin), stallPollMax)
-	return s.stallDelay
+	return s.stallDelay, warn
+}
+
+// warnStalled logs a stall with the transaction holding the horizon.
+func (s *shardRunner) warnStalled() {
+	s.mu.Lock()
+	stalled := time.Since(s.stallSince).Round(time.Second)
+	s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(s.soft, 5*time.Second)
+	defer cancel()
+	h, err := ReadHorizonHolder(ctx, s.relay.pool)
+	if err != nil || h == nil {
+		s.log.Warn("relay stalled: committed events wait behind an older open transaction (xmin horizon); find it in pg_stat_activity", "stalled_for", stalled)
+		return
+	}
+	s.log.Warn("relay stalled: committed events wait behind an older open transaction (xmin horizon); end it and they flow again",
+		"stalled_for", stalled, "holder_pid", h.PID, "holder_xact_age", h.XactAge.Round(time.Second), "holder_state", h.State,
+		"holder_application", h.ApplicationName, "holder_database", h.Database, "holder_prepared_gid", h.PreparedGID, "holder_query", h.Query)
 }
 
 func (s *shardRunner) unstall() {
