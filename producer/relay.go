@@ -47,6 +47,8 @@ type Relay struct {
 	// plus a random suffix, so two relays given one ID stay apart.
 	instance string
 
+	poller *poller
+
 	mu      sync.Mutex
 	started bool
 	running map[int]*shardRunner
@@ -111,6 +113,7 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		instance: cfg.ID + "/" + hex.EncodeToString(suffix[:]),
 	}
 	r.wmLog = newWatermillLog(r.log)
+	r.poller = newPoller(r)
 	if cfg.MaxPublishRate > 0 {
 		burst := max(1, int(cfg.MaxPublishRate/10))
 		r.limiter = rate.NewLimiter(rate.Limit(cfg.MaxPublishRate), burst)
@@ -191,6 +194,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 	case <-runCtx.Done():
 	}
+	wg.Add(1)
+	go func() { defer wg.Done(); r.poller.run(runCtx) }()
 	if runCtx.Err() == nil && r.cfg.CleanupInterval > 0 {
 		wg.Add(1)
 		go func() { defer wg.Done(); r.cleanupLoop(runCtx) }()

@@ -227,8 +227,14 @@ func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx
 	return &relayTx{tx: tx, ctx: ctx, cancel: cancel, batch: &batch{shard: s}}, nil
 }
 
-// relayBeginQuery starts a relay transaction in one round trip.
-var relayBeginQuery = fmt.Sprintf("BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL idle_in_transaction_session_timeout = %d",
+// relayBeginQuery starts a relay transaction in one round trip. Its commit
+// does not wait for the WAL flush (synchronous_commit = off): what it
+// writes (the position, dead letters, cleared retries) only ever lets the
+// relay skip work, so a crash of PostgreSQL that loses it makes the relay
+// publish those rows again (duplicates, never a loss; a lost dead letter
+// is retried and dead-lettered again), and the flush it saves is one per
+// batch, which at moderate rates is one per event or two.
+var relayBeginQuery = fmt.Sprintf("BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL idle_in_transaction_session_timeout = %d; SET LOCAL synchronous_commit = off",
 	(txTimeout + commitTimeout).Milliseconds())
 
 func (rb relayBeginner) ExecContext(ctx context.Context, query string, args ...any) (wsql.Result, error) {

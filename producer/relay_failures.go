@@ -184,6 +184,7 @@ func (s *shardRunner) finish(t *relayTx) {
 
 	b.mu.Lock()
 	p := s.plan(b.items)
+	s.lastBatch = len(b.items)
 	b.mu.Unlock()
 
 	if t.ctx.Err() != nil {

@@ -9,11 +9,6 @@ import (
 )
 
 const (
-	// stallPollMin and stallPollMax bound the polling while committed rows
-	// wait behind an older open transaction (the xmin horizon).
-	stallPollMin   = 5 * time.Millisecond
-	stallPollMax   = 500 * time.Millisecond
-	stallFastPhase = 2 * time.Second
 	// positionCheckInterval is how often an idle shard checks that its
 	// position is not ahead of the cluster's transaction ids.
 	positionCheckInterval = time.Minute
@@ -24,7 +19,7 @@ const (
 // returns 0 because it has already waited.
 func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time.Duration {
 	if err != nil {
-		if s.stopping() || errors.Is(err, context.Canceled) {
+		if s.stopping() || errors.Is(err, context.Canceled) || errors.Is(err, errShardStopped) {
 			return 0
 		}
 		s.log.Warn("outbox read failed; retrying", "err", err)
@@ -36,15 +31,29 @@ func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time
 		return 0
 	}
 	if !noMsg {
-		s.unstall()
+		s.lastRows = time.Now()
 		s.unwait()
+		if s.lastBatch >= s.relay.cfg.BatchSize {
+			return 0 // a full batch: more rows are probably readable now
+		}
+		// The batch took every readable row: the next ones are not
+		// committed yet, or held back. Reading again at once would find
+		// nothing; the poller says when to.
+		s.linger()
 		return 0
 	}
 	s.idle()
 	return 0
 }
 
-// idle waits for new rows, without holding a transaction.
+// idle waits for new rows after a read found none, without holding a
+// transaction.
+//
+// A shard that relayed rows in the last hotWindow, or whose committed rows
+// are held back by the xmin horizon, lingers: the relay's poller looks at
+// it every few milliseconds (one query for all such shards) and wakes it
+// when it has rows to read. Otherwise it goes to sleep until producers
+// notify it.
 //
 // Producers notify a shard only while its relay says it is waiting (the
 // outbox_waiting row), because a NOTIFY serializes their commits. So before
@@ -53,10 +62,11 @@ func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time
 // without notifying. It then reads once more, and only then sleeps until a
 // notification or PollInterval. A notification clears the row again, so
 // busy shards cost producers nothing.
-//
-// If committed rows exist that the last read could not see, an older open
-// transaction holds the xmin horizon: poll again shortly instead.
 func (s *shardRunner) idle() {
+	if time.Since(s.lastRows) < hotWindow || s.stalledFor() > 0 {
+		s.linger()
+		return
+	}
 	if !s.waiting {
 		if err := s.announce(); err != nil {
 			s.log.Warn("announce idle shard; polling instead", "err", err)
@@ -71,11 +81,9 @@ func (s *shardRunner) idle() {
 	err := s.relay.pool.QueryRow(ctx, s.sql.backlogExists, outbox.RelayConsumerGroup, s.shard, s.waitTTL().Seconds(), s.waiting).Scan(&pending)
 	cancel()
 	if err == nil && pending {
-		d, warn := s.stall()
-		if warn {
-			s.warnStalled()
-		}
-		s.sleepOrWake(d)
+		// Committed rows the last read could not see: an older transaction
+		// holds the horizon. The poller reads them as soon as it passes.
+		s.linger()
 		return
 	}
 	s.unstall()
@@ -87,6 +95,20 @@ func (s *shardRunner) idle() {
 	if s.sleepOrWake(s.relay.cfg.PollInterval) {
 		s.unwait()
 	}
+}
+
+// linger waits until the poller (or a notification) says the shard has
+// rows to read, at most until its hot window ends or, while it is held
+// back by the horizon, PollInterval.
+func (s *shardRunner) linger() {
+	wait := hotWindow - time.Since(s.lastRows)
+	if s.stalledFor() > 0 || wait <= 0 {
+		wait = s.relay.cfg.PollInterval
+	}
+	p := s.relay.poller
+	p.watch(s)
+	defer p.unwatch(s)
+	s.sleepOrWake(wait)
 }
 
 // announce marks the shard as waiting for notifications and returns once
@@ -135,11 +157,11 @@ func (s *shardRunner) unwait() {
 	}
 }
 
-// stall returns how long to wait before reading a shard whose committed
-// rows are held back by the xmin horizon: 5ms for the first 2s, since
-// horizons held by ordinary short transactions pass quickly, then growing
-// to 500ms; warn is set once, when the stall has lasted 10s.
-func (s *shardRunner) stall() (d time.Duration, warn bool) {
+// stall records that the poller found the shard's next committed row held
+// back by the xmin horizon, and returns how long that has lasted. After
+// stallWarnAfter it warns, once, naming the transaction holding the
+// horizon.
+func (s *shardRunner) stall() time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := time.Now()
@@ -148,14 +170,21 @@ func (s *shardRunner) stall() (d time.Duration, warn bool) {
 		s.relay.metrics.setStalled(s.shard, true)
 	}
 	stalled := now.Sub(s.stallSince)
-	if stalled > 10*time.Second && !s.stallWarned {
-		s.stallWarned, warn = true, true
+	if stalled > stallWarnAfter && !s.stallWarned {
+		s.stallWarned = true
+		go s.warnStalled()
 	}
-	if stalled < stallFastPhase {
-		return stallPollMin, warn
+	return stalled
+}
+
+// stalledFor returns how long the shard has been held back, or 0.
+func (s *shardRunner) stalledFor() time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.stallSince.IsZero() {
+		return 0
 	}
-	s.stallDelay = min(max(2*s.stallDelay, stallPollMin), stallPollMax)
-	return s.stallDelay, warn
+	return time.Since(s.stallSince)
 }
 
 // warnStalled logs a stall with the transaction holding the horizon.
@@ -182,7 +211,7 @@ func (s *shardRunner) unstall() {
 		s.relay.metrics.addStalled(s.shard, time.Since(s.stallSince))
 		s.relay.metrics.setStalled(s.shard, false)
 	}
-	s.stallSince, s.stallDelay, s.stallWarned = time.Time{}, 0, false
+	s.stallSince, s.stallWarned = time.Time{}, false
 }
 
 // sleepOrWake waits for d, a notification or the shard's release, and

@@ -92,10 +92,14 @@ type shardRunner struct {
 	// subscriber's goroutine touches it after set-up.
 	lastPositionCheck time.Time
 
+	// lastRows is when a read last found rows, lastBatch how many; only
+	// the subscriber's goroutine touches them.
+	lastRows  time.Time
+	lastBatch int
+
 	mu           sync.Mutex
 	failures     map[string]failureRecord // by outbox uuid
 	backoffUntil time.Time
-	stallDelay   time.Duration
 	stallSince   time.Time
 	stallWarned  bool
 }
