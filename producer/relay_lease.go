@@ -70,7 +70,7 @@ func newLeaseSQL(schema string) leaseSQL {
 	}
 }
 
-// checkLeaseTables returns ErrNotMigrated when migration 004 is missing.
+// checkLeaseTables returns ErrNotMigrated when migration 005 is missing.
 func checkLeaseTables(ctx context.Context, db DBTX, schema string) error {
 	var ok bool
 	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`,
@@ -79,7 +79,7 @@ func checkLeaseTables(ctx context.Context, db DBTX, schema string) error {
 		return fmt.Errorf("look for the relay lease tables: %w", err)
 	}
 	if !ok {
-		return fmt.Errorf("%w: schema %q has no relay_leases table (migration 004_relay_leases); run `eventline migrate up` or migrations.Up first", ErrNotMigrated, schema)
+		return fmt.Errorf("%w: schema %q has no relay_leases table (migration 005_relay_leases); run `eventline migrate up` or migrations.Up first", ErrNotMigrated, schema)
 	}
 	return nil
 }

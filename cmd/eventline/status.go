@@ -133,7 +133,7 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 	}
 	owners, err := producer.ShardOwners(ctx, tx, schema)
 	if errors.Is(err, producer.ErrNotMigrated) {
-		rep.Warnings = append(rep.Warnings, "the relay lease tables are missing (migration 004_relay_leases is not applied): relays cannot run; run `eventline migrate up`")
+		rep.Warnings = append(rep.Warnings, "the relay lease tables are missing (migration 005_relay_leases is not applied): relays cannot run; run `eventline migrate up`")
 	} else if err != nil {
 		return rep, err
 	}
