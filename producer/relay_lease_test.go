@@ -694,8 +694,8 @@ func TestAdvanceSequencesMovesPastWhatConsumersSaw(t *testing.T) {
 			exec(consumers, `INSERT INTO `+sqlident.Qualify(consumers.Schema, "aggregate_versions")+
 				` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('billing','order','a',7), ('shipping','order','a',6), ('billing','order','c',2)`)
 			exec(consumers, `INSERT INTO `+sqlident.Qualify(consumers.Schema, "parked_events")+
-				` (consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, payload, metadata)
-				VALUES ('billing','order','b',5,'e5','order.updated','\x7b7d','{}')`)
+				` (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, payload, metadata)
+				VALUES ('billing','order','b',5,4,'e5','order.updated','\x7b7d','{}')`)
 
 			dry, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, consumers.Pool, consumers.Schema, true)
 			require.NoError(t, err)

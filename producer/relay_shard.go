@@ -257,14 +257,17 @@ func (s *shardRunner) runOnce() error {
 	return err
 }
 
-// setUp prepares the shard for reading: the relay's zero position (under
-// READ COMMITTED: the old owner may be moving that row right now, and
-// under REPEATABLE READ the insert would fail with a serialization error),
-// a stale read fence released, and the retry state loaded.
+// setUp prepares the shard for reading: a stale read fence released, the
+// relay's zero position (under READ COMMITTED: the old owner may be moving
+// that row right now, and under REPEATABLE READ the insert would fail with
+// a serialization error), and the retry state loaded.
 func (s *shardRunner) setUp() error {
 	r := s.relay
 	ctx, cancel := context.WithTimeout(s.soft, setupTimeout)
 	defer cancel()
+	// First: a vanished owner's transaction may hold the position row's
+	// lock, which the insert below would wait for.
+	s.clearFence(ctx)
 	err := pgx.BeginTxFunc(ctx, r.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
 		_, err := tx.Exec(ctx, s.sql.zeroOffsets, outbox.RelayConsumerGroup)
 		return err
@@ -272,7 +275,6 @@ func (s *shardRunner) setUp() error {
 	if err != nil {
 		return fmt.Errorf("set up relay position: %w", err)
 	}
-	s.clearFence(ctx)
 	s.checkPosition(ctx)
 	failures, err := loadFailures(ctx, r.pool, r.cfg.Schema, s.shard)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,6 +17,18 @@ import (
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
 )
+
+// ownWarnings drops the warning about a transaction holding the xmin
+// horizon: any session of the cluster (another test) can cause it.
+func ownWarnings(st statusJSON) []string {
+	var out []string
+	for _, w := range st.Warnings {
+		if !strings.Contains(w, "wait behind an open transaction") {
+			out = append(out, w)
+		}
+	}
+	return out
+}
 
 // statusJSON mirrors the documented JSON of `eventline status -json`.
 type statusJSON struct {
@@ -92,7 +105,7 @@ func TestStatusReportsBacklogDeadLettersAndGroups(t *testing.T) {
 	require.EqualValues(t, 1, st.Outbox.DeadLetters)
 	require.Zero(t, st.Outbox.Retrying)
 	require.Zero(t, st.Outbox.OwnedShards)
-	require.Empty(t, st.Warnings)
+	require.Empty(t, ownWarnings(st))
 	require.Len(t, st.Groups, 2)
 	billing, shipping := st.Groups[0], st.Groups[1]
 	require.Equal(t, "billing", billing.Group)
@@ -136,9 +149,9 @@ func TestStatusOnAnIncompleteSchema(t *testing.T) {
 	st := okJSON[statusJSON](t, schema, "status", "-json")
 	require.Len(t, st.Outbox.Shards, 1)
 	require.Empty(t, st.Groups)
-	require.Len(t, st.Warnings, 2)
-	require.Contains(t, st.Warnings[0], "relay lease tables are missing")
-	require.Contains(t, st.Warnings[1], "consumer tables are missing")
+	require.Len(t, ownWarnings(st), 2)
+	require.Contains(t, ownWarnings(st)[0], "relay lease tables are missing")
+	require.Contains(t, ownWarnings(st)[1], "consumer tables are missing")
 	out := ok(t, schema, "status")
 	require.Contains(t, out, "warning: the consumer tables are missing")
 }
@@ -155,9 +168,9 @@ func TestStatusWarnsWhenPositionsAreAheadAndRebaseFixesThem(t *testing.T) {
 	require.NoError(t, err)
 
 	st := okJSON[statusJSON](t, env.Schema, "status", "-json")
-	require.Len(t, st.Warnings, 1)
-	require.Contains(t, st.Warnings[0], "shard 1")
-	require.Contains(t, st.Warnings[0], "eventline relay rebase-positions")
+	require.Len(t, ownWarnings(st), 1)
+	require.Contains(t, ownWarnings(st)[0], "shard 1")
+	require.Contains(t, ownWarnings(st)[0], "eventline relay rebase-positions")
 	out := ok(t, env.Schema, "status")
 	require.Contains(t, out, "warning: shard 1")
 
@@ -167,7 +180,7 @@ func TestStatusWarnsWhenPositionsAreAheadAndRebaseFixesThem(t *testing.T) {
 	out = ok(t, env.Schema, "relay", "rebase-positions")
 	require.Contains(t, out, "shard 1: re-based")
 	st = okJSON[statusJSON](t, env.Schema, "status", "-json")
-	require.Empty(t, st.Warnings)
+	require.Empty(t, ownWarnings(st))
 	out = ok(t, env.Schema, "relay", "rebase-positions")
 	require.Contains(t, out, "nothing to do")
 }
