@@ -161,9 +161,13 @@ func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult,
 		for i, s := range shards {
 			messages := sqlident.Qualify(p.r.cfg.Schema, outbox.Table(s.shard))
 			offsets := sqlident.Qualify(p.r.cfg.Schema, outbox.OffsetsTable(s.shard))
-			parts[i] = `(SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) FROM ` + messages + ` m, ` + offsets + ` o
-				WHERE o.consumer_group = $1 AND (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
-				ORDER BY m.transaction_id, m."offset" LIMIT 1)`
+			// LATERAL makes the position a parameter of the index scan:
+			// a plain join would filter every row from the start.
+			parts[i] = `(SELECT x.readable FROM ` + offsets + ` o CROSS JOIN LATERAL (
+				SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) AS readable FROM ` + messages + ` m
+				WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
+				WHERE o.consumer_group = $1)`
 		}
 		q = `SELECT ARRAY[` + strings.Join(parts, ", ") + `]::bool[]`
 		if len(p.sql) > 256 {

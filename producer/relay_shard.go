@@ -132,8 +132,10 @@ func newShardSQL(schema string, shard int) shardSQL {
 		backlogExists: `WITH keep AS (
 				UPDATE ` + waiting + ` SET expires_at = now() + make_interval(secs => $3) WHERE shard = $2 AND $4
 			)
-			SELECT EXISTS (SELECT 1 FROM ` + messages + ` m, ` + offsets + ` o
-			WHERE o.consumer_group = $1 AND (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))`,
+			SELECT EXISTS (SELECT 1 FROM ` + offsets + ` o CROSS JOIN LATERAL (
+				SELECT 1 FROM ` + messages + ` m WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
+			WHERE o.consumer_group = $1)`,
 		// Backends other than this one holding the shard's read fence ($1
 		// namespace, $2 shard): see clearFence.
 		fenceHolders: `SELECT pid FROM pg_locks
