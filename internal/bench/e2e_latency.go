@@ -100,11 +100,10 @@ func runEndToEndLatency(ctx context.Context, e *env) (Result, error) {
 
 	var maxRate int
 	var drainRate float64
-	var ours map[int]rateResult
-	ours, err = e.latencyRun(ctx, k, "eventline", rates, e.eventlinePipeline, func(p *pipeline) error {
+	ours, err := e.latencyRun(ctx, k, "eventline", rates, e.eventlinePipeline, func(p *pipeline, curve map[int]rateResult) error {
 		var err error
 		if !e.cfg.Quick && e.cfg.Sizes == nil {
-			if maxRate, err = e.rateSearch(ctx, p, "eventline", ours); err != nil {
+			if maxRate, err = e.rateSearch(ctx, p, "eventline", curve); err != nil {
 				return err
 			}
 		}
@@ -117,7 +116,7 @@ func runEndToEndLatency(ctx context.Context, e *env) (Result, error) {
 	var plainDrain float64
 	plain, err := e.latencyRun(ctx, k, "plain Watermill (poll 1s)", rates, func(ctx context.Context, k *kafkaEnv) (*pipeline, error) {
 		return e.plainPipeline(ctx, k, 0)
-	}, func(p *pipeline) error {
+	}, func(p *pipeline, _ map[int]rateResult) error {
 		var err error
 		plainDrain, err = e.drain(ctx, p, "plain Watermill (poll 1s)")
 		return err
@@ -185,7 +184,7 @@ func runEndToEndLatency(ctx context.Context, e *env) (Result, error) {
 // latency summary per rate. extra, if set, runs on the same pipeline after
 // the rates (the rate search and the drain measurement).
 func (e *env) latencyRun(ctx context.Context, k *kafkaEnv, label string, rates []int, start func(context.Context, *kafkaEnv) (*pipeline, error),
-	extra func(*pipeline) error) (map[int]rateResult, error) {
+	extra func(*pipeline, map[int]rateResult) error) (map[int]rateResult, error) {
 	e.progressf("   %s: starting", label)
 	p, err := start(ctx, k)
 	if err != nil {
@@ -227,7 +226,7 @@ func (e *env) latencyRun(ctx context.Context, k *kafkaEnv, label string, rates [
 		out[rate] = s
 	}
 	if extra != nil {
-		if err := extra(p); err != nil {
+		if err := extra(p, out); err != nil {
 			return nil, err
 		}
 	}
@@ -247,7 +246,13 @@ func (e *env) rateSearch(ctx context.Context, p *pipeline, label string, curve m
 	if best == 0 {
 		return 0, nil
 	}
-	for r := best * 5 / 4; r <= maxRateCap; r = r * 5 / 4 {
+	limit := maxRateCap // below the lowest curve rate that failed, if any
+	for r, s := range curve {
+		if r > best && (s.p99 > maxRateP99 || !s.sustained) {
+			limit = min(limit, r-1)
+		}
+	}
+	for r := best * 5 / 4; r <= limit; r = r * 5 / 4 {
 		s, err := e.offer(ctx, p, label+" (rate search)", r)
 		if err != nil {
 			return 0, err
