@@ -166,7 +166,7 @@ func runEndToEndLatency(ctx context.Context, e *env) (Result, error) {
 		if maxRate > 0 {
 			res.Rows = append(res.Rows, Row{Metric: fmt.Sprintf("highest rate with p99 ≤ %d ms, events/s", maxRateP99.Milliseconds()),
 				Ours: float64(maxRate), Base: drainRate, Baseline: "the same pipeline's drain throughput", Target: "≥ 0.70"})
-			res.Ratios = append(res.Ratios, Ratio{Name: "end_to_end_max_rate_vs_drain", Value: ratio(float64(maxRate), drainRate)})
+			res.Ratios = append(res.Ratios, Ratio{Name: "end_to_end_latency_max_rate_vs_drain", Value: ratio(float64(maxRate), drainRate)})
 		}
 	}
 	res.Notes = []string{
