@@ -7,9 +7,15 @@
 // their aggregate, so one aggregate's events always share a shard.
 //
 // The [Relay] runs one Watermill forwarder per shard it owns, moving rows to
-// Kafka keyed by aggregate id. Several relay processes share the shards
-// between them; each shard is relayed by one of them at a time, and a dead
-// relay's shards are taken over. Delivery is at-least-once: a crash after
-// Kafka accepted a message but before the outbox recorded it means the
-// message is sent again, never lost.
+// Kafka keyed by aggregate id (partitioned with Kafka's own murmur2 hash).
+// Several relay processes share the shards between them through leases in
+// PostgreSQL; each shard is relayed by one of them at a time, and the
+// shards of a relay that dies or vanishes are taken over within
+// [TakeoverBound]. Relays need session-level connections (not a
+// transaction-mode pooler). Delivery is at-least-once: a crash after Kafka
+// accepted a message but before the outbox recorded it means the message is
+// sent again, never lost.
+//
+// After moving the database to another cluster, see [RebasePositions]; after
+// a failover that lost commits, [AdvanceSequences].
 package producer

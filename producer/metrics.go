@@ -20,6 +20,10 @@ type RelayMetrics struct {
 	stalledSeconds *prometheus.CounterVec
 	ownedShards    prometheus.Gauge
 	liveRelays     prometheus.Gauge
+	restarts       *prometheus.CounterVec
+	leaseExpired   *prometheus.CounterVec
+	fencesCleared  *prometheus.CounterVec
+	positionAhead  *prometheus.GaugeVec
 }
 
 // NewRelayMetrics creates the relay's collectors and registers them with
@@ -60,8 +64,25 @@ func NewRelayMetrics(reg prometheus.Registerer) (*RelayMetrics, error) {
 			Namespace: "eventline", Subsystem: "relay", Name: "live_relays",
 			Help: "Relays sharing the outbox, as this relay last counted them.",
 		}),
+		restarts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "shard_restarts_total",
+			Help: "Times a shard's relaying stopped without being asked to (set-up failed, forwarder ended) and was restarted.",
+		}, shard),
+		leaseExpired: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "lease_expired_total",
+			Help: "Times a shard was stopped because its lease could not be renewed in time (the database did not answer).",
+		}, shard),
+		fencesCleared: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "stale_transactions_ended_total",
+			Help: "Transactions of a vanished previous owner that still held the shard and were terminated on takeover.",
+		}, shard),
+		positionAhead: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: "eventline", Subsystem: "relay", Name: "position_ahead",
+			Help: "1 when the shard's position or rows carry transaction ids this cluster has not handed out (the outbox was restored or replicated from another cluster): nothing is relayed until `eventline relay rebase-positions` runs.",
+		}, shard),
 	}
-	for _, c := range []prometheus.Collector{m.forwarded, m.latency, m.retries, m.deadLetters, m.stalled, m.stalledSeconds, m.ownedShards, m.liveRelays} {
+	for _, c := range []prometheus.Collector{m.forwarded, m.latency, m.retries, m.deadLetters, m.stalled, m.stalledSeconds, m.ownedShards, m.liveRelays,
+		m.restarts, m.leaseExpired, m.fencesCleared, m.positionAhead} {
 		if reg == nil {
 			break
 		}
@@ -124,4 +145,33 @@ func (m *RelayMetrics) setLiveRelays(n int) {
 	if m != nil {
 		m.liveRelays.Set(float64(n))
 	}
+}
+
+func (m *RelayMetrics) addShardRestart(shard int) {
+	if m != nil {
+		m.restarts.WithLabelValues(strconv.Itoa(shard)).Inc()
+	}
+}
+
+func (m *RelayMetrics) addLeaseExpired(shard int) {
+	if m != nil {
+		m.leaseExpired.WithLabelValues(strconv.Itoa(shard)).Inc()
+	}
+}
+
+func (m *RelayMetrics) addFenceCleared(shard int) {
+	if m != nil {
+		m.fencesCleared.WithLabelValues(strconv.Itoa(shard)).Inc()
+	}
+}
+
+func (m *RelayMetrics) setPositionAhead(shard int, ahead bool) {
+	if m == nil {
+		return
+	}
+	v := 0.0
+	if ahead {
+		v = 1
+	}
+	m.positionAhead.WithLabelValues(strconv.Itoa(shard)).Set(v)
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -17,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -31,6 +33,9 @@ const (
 	envSchema           = "EVENTLINE_TEST_SCHEMA"
 	envBrokers          = "EVENTLINE_TEST_BROKERS"
 	envCrashAfterPublsh = "EVENTLINE_TEST_CRASH_AFTER_PUBLISH"
+	envDatabaseURL      = "EVENTLINE_TEST_DATABASE_URL" // default pgtest.URL()
+	envRebalance        = "EVENTLINE_TEST_REBALANCE"    // default 250ms
+	envRelayID          = "EVENTLINE_TEST_RELAY_ID"
 )
 
 func TestMain(m *testing.M) {
@@ -49,7 +54,11 @@ func TestMain(m *testing.M) {
 func runRelayChild() int {
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer cancel()
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	url := pgtest.URL()
+	if u := os.Getenv(envDatabaseURL); u != "" {
+		url = u
+	}
+	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -61,12 +70,19 @@ func runRelayChild() int {
 		return 2
 	}
 	defer pool.Close()
+	cfg.ConnConfig.ConnectTimeout = 5 * time.Second
+	rebalance := 250 * time.Millisecond
+	if d, err := time.ParseDuration(os.Getenv(envRebalance)); err == nil {
+		rebalance = d
+	}
 	rc := producer.RelayConfig{
 		Schema:            os.Getenv(envSchema),
 		Brokers:           kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
+		ID:                os.Getenv(envRelayID),
 		PollInterval:      200 * time.Millisecond,
-		RebalanceInterval: 100 * time.Millisecond,
+		RebalanceInterval: rebalance,
 		BatchSize:         50,
+		Logger:            slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),
 	}
 	if os.Getenv(envCrashAfterPublsh) != "" {
 		rc.AfterPublish = func(int, []string) error {
@@ -126,17 +142,17 @@ func (p *relayProcess) kill9(t *testing.T) {
 
 // waitOwners waits until every shard is owned, by exactly owners distinct
 // relays, none holding more than its fair share.
-func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]int32 {
+func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]producer.ShardOwner {
 	t.Helper()
 	share := (env.Shards + owners - 1) / owners
-	var last map[int]int32
+	var last map[int]producer.ShardOwner
 	require.Eventually(t, func() bool {
 		var err error
 		last, err = producer.ShardOwners(context.Background(), env.Pool, env.Schema)
 		require.NoError(t, err)
-		perOwner := map[int32]int{}
-		for _, pid := range last {
-			perOwner[pid]++
+		perOwner := map[string]int{}
+		for _, o := range last {
+			perOwner[o.Instance]++
 		}
 		for _, n := range perOwner {
 			if n > share {
@@ -238,4 +254,78 @@ func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 	st, err = producer.ReadStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.Zero(t, st.Backlog())
+}
+
+// waitSoleOwner waits until one relay, named id, holds every shard, and
+// returns how long that took.
+func waitSoleOwner(t *testing.T, env pgtest.Env, id string, timeout time.Duration) time.Duration {
+	t.Helper()
+	return waitOwnedBy(t, env, id, timeout)
+}
+
+func (p *relayProcess) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	require.NoError(t, p.cmd.Process.Signal(sig))
+}
+
+// TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays runs relays as
+// real processes under continuous publishing and moves shards between
+// them: from a relay that is still running (a rebalance), from one whose
+// database connections freeze (a proxy stops forwarding without closing,
+// as a vanished host looks), and from one stopped with SIGSTOP. The frozen
+// and stopped relays come back afterwards. Every event is relayed, and no
+// shard's position ever moves backwards.
+func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 6, MaxConns: 12})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 6)
+	proxy, err := faultproxy.Start(pgtest.Addr())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	const interval = 200 * time.Millisecond
+	bound := producer.TakeoverBound(interval)
+	child := func(id string, extra ...string) *relayProcess {
+		return startRelayProcess(t, env, brokers, append(extra, envRelayID+"="+id, envRebalance+"="+interval.String())...)
+	}
+
+	watch := watchPositions(t, env)
+	defer watch()
+	pub := startPublisher(t, env, topic, 64)
+
+	a := child("a", envDatabaseURL+"="+pgtest.URLVia(proxy.Addr()))
+	waitSoleOwner(t, env, "a", 30*time.Second)
+	b := child("b")
+	waitOwners(t, env, 2) // taken over from a running relay
+	waitRelayedPastNow(t, env, 90*time.Second, "relayed after the rebalance")
+
+	frozenAt := time.Now()
+	proxy.Set(faultproxy.Freeze)
+	frozen := waitSoleOwner(t, env, "b", time.Minute)
+	waitRelayedPastNow(t, env, 90*time.Second, "relayed after a's connections froze")
+	frozenRelayed := time.Since(frozenAt)
+
+	c := child("c")
+	waitOwners(t, env, 2)
+	waitRelayedPastNow(t, env, 90*time.Second, "relayed after the second rebalance")
+	stoppedAt := time.Now()
+	b.signal(t, syscall.SIGSTOP)
+	stopped := waitSoleOwner(t, env, "c", time.Minute)
+	waitRelayedPastNow(t, env, 90*time.Second, "relayed after b was stopped")
+	stoppedRelayed := time.Since(stoppedAt)
+	t.Logf("takeover with RebalanceInterval %s (bound %s): frozen connections: owned after %s, relaying after %s; SIGSTOP: owned after %s, relaying after %s",
+		interval, bound, frozen.Round(time.Millisecond), frozenRelayed.Round(time.Millisecond), stopped.Round(time.Millisecond), stoppedRelayed.Round(time.Millisecond))
+
+	// The vanished relays come back: they must have stopped relaying
+	// their lost shards, and they rejoin.
+	b.signal(t, syscall.SIGCONT)
+	proxy.Set(faultproxy.Pass)
+	waitOwners(t, env, 3)
+	waitRelayedPastNow(t, env, 90*time.Second, "relayed after the relays came back")
+	pub.finish()
+	requireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
+	watch()
+	_ = a
+	_ = c
 }

@@ -159,9 +159,11 @@ func (b *batch) set(it *item, state itemState, err error, deadReason string) {
 	b.mu.Unlock()
 }
 
-// wait blocks until every row has an outcome or the timeout passes. Rows
-// still in flight after the timeout are treated as failed.
-func (b *batch) wait(timeout time.Duration) {
+// wait blocks until every row has an outcome, the timeout passes or ctx
+// ends (the shard stopped and its grace ran out, or its lease was lost).
+// Rows still in flight then are treated as failed: they are published
+// again, by this relay or the next owner.
+func (b *batch) wait(ctx context.Context, timeout time.Duration) {
 	b.mu.Lock()
 	b.closed = true
 	if b.pending == 0 {
@@ -175,13 +177,19 @@ func (b *batch) wait(timeout time.Duration) {
 	select {
 	case <-b.drained:
 	case <-t.C:
-		b.mu.Lock()
-		for _, it := range b.items {
-			if it.state == itemInFlight {
-				it.state, it.err = itemFailed, errFlushTimeout
-			}
+		b.abandon(errFlushTimeout)
+	case <-ctx.Done():
+		b.abandon(errShardStopped)
+	}
+}
+
+func (b *batch) abandon(err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, it := range b.items {
+		if it.state == itemInFlight {
+			it.state, it.err = itemFailed, err
 		}
-		b.mu.Unlock()
 	}
 }
 
@@ -193,16 +201,41 @@ type relayBeginner struct {
 	shard *shardRunner
 }
 
-func (rb relayBeginner) BeginTx(ctx context.Context, _ *stdsql.TxOptions) (wsql.Tx, error) {
-	// watermill-sql asks for REPEATABLE READ on PostgreSQL: the offsets row
-	// lock then fails with a serialization error, instead of reading stale
-	// offsets, if another relay moved them meanwhile.
-	tx, err := rb.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+// BeginTx begins a relay transaction. Its statements do not run under the
+// subscriber's context, which the router cancels the moment the shard is
+// asked to stop (a query cut off that way closes the connection, and the
+// batch's progress could not be recorded): they run under the shard's
+// hard context, which ends only when the lease is lost or the stop grace
+// ran out, and the transaction's own deadline (txTimeout). PostgreSQL ends
+// the transaction by itself after as long idle
+// (idle_in_transaction_session_timeout), in case the relay vanishes
+// holding it.
+func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx, error) {
+	s := rb.shard
+	if s.stopping() {
+		return nil, errShardStopped
+	}
+	ctx, cancel := context.WithTimeout(s.hard, txTimeout)
+	// watermill-sql asks for REPEATABLE READ on PostgreSQL: the position
+	// write then fails with a serialization error, instead of overwriting
+	// a newer position, if another relay moved it meanwhile.
+	tx, err := rb.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, BeginQuery: relayBeginQuery})
 	if err != nil {
+		cancel()
 		return nil, err
 	}
-	return &relayTx{tx: tx, ctx: ctx, batch: &batch{shard: rb.shard}}, nil
+	return &relayTx{tx: tx, ctx: ctx, cancel: cancel, batch: &batch{shard: s}}, nil
 }
+
+// relayBeginQuery starts a relay transaction in one round trip. Its commit
+// does not wait for the WAL flush (synchronous_commit = off): what it
+// writes (the position, dead letters, cleared retries) only ever lets the
+// relay skip work, so a crash of PostgreSQL that loses it makes the relay
+// publish those rows again (duplicates, never a loss; a lost dead letter
+// is retried and dead-lettered again), and the flush it saves is one per
+// batch, which at moderate rates is one per event or two.
+var relayBeginQuery = fmt.Sprintf("BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL idle_in_transaction_session_timeout = %d; SET LOCAL synchronous_commit = off",
+	(txTimeout + commitTimeout).Milliseconds())
 
 func (rb relayBeginner) ExecContext(ctx context.Context, query string, args ...any) (wsql.Result, error) {
 	tag, err := rb.pool.Exec(ctx, query, args...)
@@ -211,28 +244,29 @@ func (rb relayBeginner) ExecContext(ctx context.Context, query string, args ...a
 
 func (rb relayBeginner) QueryContext(ctx context.Context, query string, args ...any) (wsql.Rows, error) {
 	rows, err := rb.pool.Query(ctx, query, args...)
-	return wsql.PgxRows{Rows: rows}, err
+	return checkedRows{rows}, err
 }
 
 // relayTx is one relay transaction: the watermill-sql subscriber reads and
 // acknowledges rows in it, and eventline settles the batch on commit.
 type relayTx struct {
-	tx    pgx.Tx
-	ctx   context.Context
-	batch *batch
+	tx     pgx.Tx
+	ctx    context.Context // the transaction's: see relayBeginner.BeginTx
+	cancel context.CancelFunc
+	batch  *batch
 }
 
-func (t *relayTx) ExecContext(ctx context.Context, query string, args ...any) (wsql.Result, error) {
+func (t *relayTx) ExecContext(_ context.Context, query string, args ...any) (wsql.Result, error) {
 	if query == deferredAck {
 		return wsql.PgxResult{}, nil // finish writes the position
 	}
-	tag, err := t.tx.Exec(ctx, query, args...)
+	tag, err := t.tx.Exec(t.ctx, query, args...)
 	return wsql.PgxResult{CommandTag: tag}, err
 }
 
-func (t *relayTx) QueryContext(ctx context.Context, query string, args ...any) (wsql.Rows, error) {
-	rows, err := t.tx.Query(ctx, query, args...)
-	return wsql.PgxRows{Rows: rows}, err
+func (t *relayTx) QueryContext(_ context.Context, query string, args ...any) (wsql.Rows, error) {
+	rows, err := t.tx.Query(t.ctx, query, args...)
+	return checkedRows{rows}, err
 }
 
 // Commit settles the batch, then commits or rolls back. It reports
@@ -240,13 +274,29 @@ func (t *relayTx) QueryContext(ctx context.Context, query string, args ...any) (
 // watermill-sql only logs commit errors: the next read starts from whatever
 // position was recorded.
 func (t *relayTx) Commit() error {
+	defer t.cancel()
 	t.batch.shard.finish(t)
 	return nil
 }
 
+// Rollback waits for the batch's rows in flight, then rolls back; the
+// rows are read again. Like Commit it returns nil: a rollback that fails
+// means the connection is gone, and the transaction with it.
 func (t *relayTx) Rollback() error {
-	t.batch.wait(flushTimeout)
-	return t.tx.Rollback(context.WithoutCancel(t.ctx))
+	defer t.cancel()
+	t.batch.wait(t.ctx, flushTimeout)
+	t.batch.shard.rollback(t)
+	return nil
+}
+
+// checkedRows reports a read that ended early (the connection broke) from
+// Close: watermill-sql does not look at Err, and would otherwise commit the
+// rows it got as if there were no more.
+type checkedRows struct{ pgx.Rows }
+
+func (r checkedRows) Close() error {
+	r.Rows.Close()
+	return r.Rows.Err()
 }
 
 // relaySchemaAdapter is watermill-sql's PostgreSQL schema adapter, with the

@@ -24,9 +24,9 @@ const (
 	// at its table again. New rows wake it at once through LISTEN/NOTIFY;
 	// the poll is the safety net.
 	DefaultPollInterval = 5 * time.Second
-	// DefaultRebalanceInterval is how often a relay checks its membership
-	// and shard share, and so bounds how long a dead relay's shards wait
-	// for a new owner.
+	// DefaultRebalanceInterval is how often a relay renews its leases and
+	// checks its shard share. A vanished relay's shards are taken over
+	// within TakeoverBound(DefaultRebalanceInterval), 10s.
 	DefaultRebalanceInterval = 2 * time.Second
 	// DefaultMaxAttempts is how many times a message is published before it
 	// is dead-lettered, when the failure is specific to the message.
@@ -38,6 +38,54 @@ const (
 	DefaultCleanupInterval = 5 * time.Minute
 	// DefaultCleanupBatchSize bounds the rows one cleanup statement deletes.
 	DefaultCleanupBatchSize = 1000
+	// DefaultPartitioner is Kafka's own partitioner for keyed records.
+	DefaultPartitioner = PartitionerMurmur2
+	// DefaultMaxMessageBytes is the largest Kafka record the relay sends,
+	// Kafka's own default limit (1 MiB).
+	//
+	// TODO(relay): use the write path's DefaultMaxMessageBytes
+	// (producer/limits.go) once it lands, so producer and relay share one
+	// setting.
+	DefaultMaxMessageBytes = 1 << 20
+)
+
+// Lease timing, in RebalanceIntervals. A relay renews its leases every
+// interval, PostgreSQL keeps them leaseTTLIntervals from the renewal, and
+// the owner relays for leaseValidIntervals after it sent the renewal, so
+// it has stopped before any other relay may take the shard.
+const (
+	leaseTTLIntervals   = 4
+	leaseValidIntervals = 3
+)
+
+// TakeoverBound is the longest the shards of a relay that vanished (host
+// gone, network partition, process frozen) wait for another relay, with
+// the given RebalanceInterval: its leases expire leaseTTLIntervals after
+// its last renewal, and the others look every interval. A relay that
+// stops cleanly releases its shards at once.
+func TakeoverBound(rebalanceInterval time.Duration) time.Duration {
+	return (leaseTTLIntervals + 1) * rebalanceInterval
+}
+
+// Partitioner names how the relay maps a record's key (the aggregate id)
+// to a Kafka partition. Every relay of one outbox must use the same one:
+// see the README's "Partitioning" section before changing it.
+type Partitioner string
+
+const (
+	// PartitionerMurmur2 is Kafka's default partitioner for keyed records:
+	// (murmur2(key) & 0x7fffffff) % partitions, as in the Java client,
+	// Kafka Streams, franz-go and librdkafka's "murmur2_random". Another
+	// producer of the same keys (a backfill, a connector, a service in
+	// another language) lands each key in the same partition.
+	PartitionerMurmur2 Partitioner = "murmur2"
+	// PartitionerFNV1a is Sarama's default hash partitioner (FNV-1a), the
+	// relay's partitioner before murmur2 became the default. Keep it for
+	// an existing deployment until it can switch (see the README).
+	PartitionerFNV1a Partitioner = "fnv1a"
+	// PartitionerSaramaConfig uses SaramaConfig.Producer.Partitioner as
+	// given; it must hash the key consistently.
+	PartitionerSaramaConfig Partitioner = "sarama-config"
 )
 
 // DefaultBackoff is the wait before each retry of a message that failed to
@@ -55,8 +103,17 @@ type RelayConfig struct {
 	// SaramaConfig overrides the Kafka producer configuration. Defaults to
 	// an idempotent producer waiting for all in-sync replicas with one
 	// request in flight per broker; if given, those three settings are
-	// enforced on it, since ordering and no-loss depend on them.
+	// enforced on it, since ordering and no-loss depend on them, and so are
+	// Partitioner and MaxMessageBytes.
 	SaramaConfig *sarama.Config
+	// Partitioner maps aggregate ids to Kafka partitions. Defaults to
+	// DefaultPartitioner (murmur2, Kafka's own).
+	Partitioner Partitioner
+	// MaxMessageBytes is the largest record the relay sends to Kafka
+	// (Sarama's Producer.MaxMessageBytes); a larger event is dead-lettered.
+	// It must not exceed the topics' max.message.bytes. Defaults to
+	// DefaultMaxMessageBytes.
+	MaxMessageBytes int
 	// ID names this relay in logs. Defaults to "<hostname>-<pid>".
 	ID string
 
@@ -72,8 +129,11 @@ type RelayConfig struct {
 	// MaxPublishRate caps the events per second this relay publishes, over
 	// all its shards. 0 means no cap. Defaults to 0.
 	MaxPublishRate float64
-	// RebalanceInterval is how often shard ownership is re-checked.
-	// Defaults to DefaultRebalanceInterval.
+	// RebalanceInterval is how often the relay renews its shard leases and
+	// re-checks its fair share. It bounds takeovers: the shards of a relay
+	// that vanished are taken within TakeoverBound(RebalanceInterval), and
+	// a relay that cannot renew (its database connection hangs) stops
+	// relaying them before that. Defaults to DefaultRebalanceInterval.
 	RebalanceInterval time.Duration
 
 	// Backoff lists the waits before successive retries of a message that
@@ -133,6 +193,12 @@ func (c RelayConfig) withDefaults() RelayConfig {
 	if c.RebalanceInterval == 0 {
 		c.RebalanceInterval = DefaultRebalanceInterval
 	}
+	if c.Partitioner == "" {
+		c.Partitioner = DefaultPartitioner
+	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = DefaultMaxMessageBytes
+	}
 	if c.Backoff == nil {
 		c.Backoff = DefaultBackoff
 	}
@@ -173,6 +239,18 @@ func (c RelayConfig) validate() error {
 	}
 	if c.RebalanceInterval < 10*time.Millisecond {
 		errs = append(errs, fmt.Errorf("RelayConfig.RebalanceInterval must be at least 10ms, got %s", c.RebalanceInterval))
+	}
+	switch c.Partitioner {
+	case PartitionerMurmur2, PartitionerFNV1a:
+	case PartitionerSaramaConfig:
+		if c.SaramaConfig == nil || c.SaramaConfig.Producer.Partitioner == nil {
+			errs = append(errs, errors.New(`RelayConfig.Partitioner is "sarama-config" but RelayConfig.SaramaConfig has no Producer.Partitioner: set one, or use "murmur2"`))
+		}
+	default:
+		errs = append(errs, fmt.Errorf(`RelayConfig.Partitioner must be "murmur2", "fnv1a" or "sarama-config", got %q`, c.Partitioner))
+	}
+	if c.MaxMessageBytes < 1 {
+		errs = append(errs, fmt.Errorf("RelayConfig.MaxMessageBytes must be positive, got %d", c.MaxMessageBytes))
 	}
 	if len(c.Backoff) == 0 {
 		errs = append(errs, errors.New("RelayConfig.Backoff must have at least one entry (nil means the default)"))
@@ -215,6 +293,13 @@ func (c RelayConfig) producerConfig() *sarama.Config {
 		copied := *sc
 		sc = &copied
 	}
+	switch c.Partitioner {
+	case PartitionerMurmur2:
+		sc.Producer.Partitioner = sarama.NewMurmur2Partitioner
+	case PartitionerFNV1a:
+		sc.Producer.Partitioner = sarama.NewHashPartitioner
+	}
+	sc.Producer.MaxMessageBytes = c.MaxMessageBytes
 	sc.Producer.Idempotent = true
 	sc.Producer.RequiredAcks = sarama.WaitForAll
 	sc.Net.MaxOpenRequests = 1

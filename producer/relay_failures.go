@@ -20,6 +20,10 @@ import (
 
 var errFlushTimeout = errors.New("eventline: no answer from Kafka within the flush timeout")
 
+// errShardStopped marks rows abandoned because their shard stopped (its
+// stop grace ran out, or its lease was lost) before Kafka answered.
+var errShardStopped = errors.New("eventline: the shard stopped before Kafka answered")
+
 // permanentError marks a publish failure that retrying cannot fix.
 type permanentError struct{ err error }
 
@@ -75,7 +79,7 @@ func classify(err error) failureKind {
 	switch {
 	case errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
 		errors.Is(err, sarama.ErrClosedClient), errors.Is(err, sarama.ErrShuttingDown),
-		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout),
+		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout), errors.Is(err, errShardStopped),
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
 		errors.As(err, &netErr):
 		return failUnavailable
@@ -174,26 +178,37 @@ func (s *shardRunner) plan(items []*item) settlePlan {
 // same transaction, and schedules the retry of the first unfinished row.
 func (s *shardRunner) finish(t *relayTx) {
 	b := t.batch
-	b.wait(flushTimeout)
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(t.ctx), commitTimeout)
+	b.wait(t.ctx, flushTimeout)
+	ctx, cancel := context.WithTimeout(t.ctx, commitTimeout)
 	defer cancel()
 
 	b.mu.Lock()
 	p := s.plan(b.items)
+	s.lastBatch = len(b.items)
 	b.mu.Unlock()
 
+	if t.ctx.Err() != nil {
+		// The lease is lost or the stop grace ran out: writing now could
+		// only fail. The next owner reads these rows again.
+		s.abandoned(t, p, "the shard stopped before its batch settled")
+		return
+	}
 	if hook := s.relay.cfg.AfterPublish; hook != nil && len(p.delivered) > 0 {
 		if err := hook(s.shard, p.delivered); err != nil {
 			wait := s.relay.cfg.backoffFor(1)
 			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "retry_in", wait, "err", err)
-			_ = t.tx.Rollback(ctx)
+			s.rollback(t)
 			s.setBackoff(wait)
 			return
 		}
 	}
 	if err := s.record(ctx, t.tx, p); err != nil {
-		_ = t.tx.Rollback(ctx)
-		s.log.Error("record relay progress; the batch will be published again", "err", err)
+		if t.ctx.Err() != nil {
+			s.abandoned(t, p, "the shard stopped while recording its batch")
+			return
+		}
+		s.rollback(t)
+		s.log.Error("record relay progress; the batch will be published again", "events", len(p.delivered), "err", err)
 		s.setBackoff(queryRetryInterval)
 		return
 	}
@@ -207,9 +222,25 @@ func (s *shardRunner) finish(t *relayTx) {
 		s.relay.metrics.addDeadLetter(s.shard)
 		s.log.Warn("event dead-lettered", "event_id", it.event.ID, "outbox_uuid", it.outboxUUID, "reason", it.deadReason)
 	}
-	if p.first != nil && p.first.state == itemFailed {
+	if p.first != nil && p.first.state == itemFailed && !errors.Is(p.first.err, errShardStopped) {
 		s.recordFailure(ctx, p.first)
 	}
+}
+
+// abandoned rolls back a batch the shard could not record because it is
+// stopping without its lease or past its grace.
+func (s *shardRunner) abandoned(t *relayTx, p settlePlan, why string) {
+	s.rollback(t)
+	if len(p.delivered) > 0 {
+		s.log.Warn(why+"; its events will be published again", "events", len(p.delivered), "stop", s.reason().String())
+	}
+}
+
+// rollback ends t's transaction, which may be past its deadline.
+func (s *shardRunner) rollback(t *relayTx) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = t.tx.Rollback(ctx)
 }
 
 // record writes the plan in tx and commits it.

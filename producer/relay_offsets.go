@@ -57,3 +57,12 @@ func (a relayOffsetsAdapter) NextOffsetQuery(params wsql.NextOffsetQueryParams) 
 func (a relayOffsetsAdapter) AckMessageQuery(wsql.AckMessageQueryParams) (wsql.Query, error) {
 	return wsql.Query{Query: deferredAck}, nil
 }
+
+// BeforeSubscribingQueries is empty: the shard writes the relay's zero
+// position itself before it subscribes (shardRunner.setUp), under READ
+// COMMITTED. watermill-sql would run it in a relay transaction, under
+// REPEATABLE READ, where it fails with a serialization error whenever the
+// previous owner moved the position meanwhile.
+func (a relayOffsetsAdapter) BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams) ([]wsql.Query, error) {
+	return nil, nil
+}

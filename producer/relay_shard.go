@@ -6,11 +6,13 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/outbox"
@@ -22,49 +24,94 @@ const (
 	flushTimeout = 2 * time.Minute
 	// commitTimeout bounds the settling statements of one batch.
 	commitTimeout = 30 * time.Second
+	// txTimeout bounds a whole relay transaction, every statement in it
+	// included: reading, waiting for Kafka, settling.
+	txTimeout = flushTimeout + 2*commitTimeout
+	// stopGrace is how long a stopping shard waits for Kafka to answer for
+	// its batch in flight (so the position is recorded and nothing is sent
+	// twice) before it abandons the batch; its statements are cancelled
+	// then too. It bounds how long Relay.Run takes to return.
+	stopGrace = 5 * time.Second
+	// shutdownTimeout bounds Relay.Run's wait for its shards to stop.
+	shutdownTimeout = stopGrace + 10*time.Second
+	// setupTimeout bounds a shard's set-up statements.
+	setupTimeout = 10 * time.Second
 	// queryRetryInterval is the pause after a failed outbox query.
 	queryRetryInterval = time.Second
-	// stallPollMin and stallPollMax bound the polling while committed rows
-	// wait behind an older open transaction (the xmin horizon).
-	stallPollMin   = 5 * time.Millisecond
-	stallPollMax   = 500 * time.Millisecond
-	stallFastPhase = 2 * time.Second
+	// restartMinDelay and restartMaxDelay bound the backoff between
+	// restarts of a shard whose relaying stopped unexpectedly.
+	restartMinDelay = 100 * time.Millisecond
+	restartMaxDelay = 30 * time.Second
 )
 
-// shardRunner relays one outbox shard: a watermill-sql subscriber on the
-// shard's table feeding a Watermill forwarder that publishes to Kafka. It
-// also serves as the subscriber's BackoffManager, so every wait (idle,
-// retry backoff) happens outside any transaction.
+// stopReason says why a shard runner stops.
+type stopReason int32
+
+const (
+	stopNone     stopReason = iota
+	stopReleased            // rebalancing gave the shard away
+	stopShutdown            // Relay.Run is returning
+	stopExpired             // the lease could not be renewed in time
+	stopLost                // another relay holds the lease
+)
+
+func (r stopReason) String() string {
+	return [...]string{"running", "released", "shutdown", "lease expired", "lease lost"}[r]
+}
+
+// shardRunner relays one outbox shard while this relay holds its lease: a
+// watermill-sql subscriber on the shard's table feeding a Watermill
+// forwarder that publishes to Kafka, restarted with backoff whenever it
+// stops without being asked to. It also serves as the subscriber's
+// BackoffManager, so every wait (idle, retry backoff) happens outside any
+// transaction.
 type shardRunner struct {
 	relay *Relay
 	shard int
 	log   *slog.Logger
 	sql   shardSQL
 
-	stop chan struct{} // closed when the shard is released
-	wake chan struct{} // an insert was notified
-	done chan struct{} // closed when the forwarder returned
+	// soft is cancelled when the shard is asked to stop: it publishes
+	// nothing more and settles its batch. hard is cancelled stopGrace
+	// later, or at once when the lease runs out: every statement of the
+	// shard is cancelled and a batch still waiting for Kafka is abandoned.
+	soft, hard             context.Context
+	cancelSoft, cancelHard context.CancelFunc
+	why                    atomic.Int32  // stopReason
+	wake                   chan struct{} // an insert was notified
+	done                   chan struct{} // closed when the runner ended
 
-	fwd *forwarder.Forwarder
+	leaseMu    sync.Mutex
+	leaseTimer *time.Timer // stops the shard at its lease's local deadline
 
 	// waiting is set while the shard's outbox_waiting row asks producers
 	// to notify it. Only the subscriber's goroutine touches it.
 	waiting bool
 
+	// lastPositionCheck is when checkPosition last ran; only the
+	// subscriber's goroutine touches it after set-up.
+	lastPositionCheck time.Time
+
+	// lastRows is when a read last found rows, lastBatch how many; only
+	// the subscriber's goroutine touches them.
+	lastRows  time.Time
+	lastBatch int
+
 	mu           sync.Mutex
 	failures     map[string]failureRecord // by outbox uuid
 	backoffUntil time.Time
-	stallDelay   time.Duration
 	stallSince   time.Time
 	stallWarned  bool
 }
 
 type shardSQL struct {
+	zeroOffsets   string
 	recordOffset  string
 	backlogExists string
 	wait, unwait  string
 	horizonPassed string
 	snapshotXmax  string
+	fenceHolders  string
 }
 
 func newShardSQL(schema string, shard int) shardSQL {
@@ -72,6 +119,8 @@ func newShardSQL(schema string, shard int) shardSQL {
 	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
 	waiting := sqlident.Qualify(schema, "outbox_waiting")
 	return shardSQL{
+		zeroOffsets: `INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ($1, 0, '0')
+			ON CONFLICT DO NOTHING`,
 		recordOffset: `INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ($3, $1, $2::text::xid8)
 			ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id`,
 		wait: `INSERT INTO ` + waiting + ` (shard, expires_at) VALUES ($1, now() + make_interval(secs => $2))
@@ -83,28 +132,84 @@ func newShardSQL(schema string, shard int) shardSQL {
 		backlogExists: `WITH keep AS (
 				UPDATE ` + waiting + ` SET expires_at = now() + make_interval(secs => $3) WHERE shard = $2 AND $4
 			)
-			SELECT EXISTS (SELECT 1 FROM ` + messages + ` m, ` + offsets + ` o
-			WHERE o.consumer_group = $1 AND (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))`,
+			SELECT EXISTS (SELECT 1 FROM ` + offsets + ` o CROSS JOIN LATERAL (
+				SELECT 1 FROM ` + messages + ` m WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
+			WHERE o.consumer_group = $1)`,
+		// Backends other than this one holding the shard's read fence ($1
+		// namespace, $2 shard): see clearFence.
+		fenceHolders: `SELECT pid FROM pg_locks
+			WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND pid <> pg_backend_pid()
+			  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+			  AND classid::bigint = $1 AND objid::bigint = $2`,
 	}
 }
 
-// startShard begins relaying shard; the caller holds its ownership lock.
-func (r *Relay) startShard(ctx context.Context, shard int) (*shardRunner, error) {
+// startShard begins relaying shard, whose lease this relay holds until
+// deadline (in its own clock).
+func (r *Relay) startShard(shard int, deadline time.Time) {
 	s := &shardRunner{
 		relay: r,
 		shard: shard,
 		log:   r.log.With("shard", shard),
 		sql:   newShardSQL(r.cfg.Schema, shard),
-		stop:  make(chan struct{}),
 		wake:  make(chan struct{}, 1),
 		done:  make(chan struct{}),
 	}
-	failures, err := loadFailures(ctx, r.pool, r.cfg.Schema, shard)
-	if err != nil {
-		return nil, err
-	}
-	s.failures = failures
+	s.soft, s.cancelSoft = context.WithCancel(context.Background())
+	s.hard, s.cancelHard = context.WithCancel(context.Background())
+	s.leaseTimer = time.AfterFunc(time.Until(deadline), s.leaseExpired)
+	r.mu.Lock()
+	r.running[shard] = s
+	r.mu.Unlock()
+	go s.supervise()
+}
 
+// supervise relays the shard until it is asked to stop. Whenever relaying
+// ends on its own (its set-up failed, the forwarder stopped), it logs,
+// counts eventline_relay_shard_restarts_total and starts again after a
+// backoff, still holding the lease.
+func (s *shardRunner) supervise() {
+	defer func() {
+		s.unwait()
+		s.leaseMu.Lock()
+		s.leaseTimer.Stop()
+		s.leaseMu.Unlock()
+		s.cancelSoft()
+		s.cancelHard()
+		close(s.done)
+		select {
+		case s.relay.exited <- struct{}{}:
+		default:
+		}
+	}()
+	delay := restartMinDelay
+	for {
+		began := time.Now()
+		err := s.runOnce()
+		if s.stopping() {
+			return
+		}
+		if time.Since(began) > restartMaxDelay {
+			delay = restartMinDelay
+		}
+		s.relay.metrics.addShardRestart(s.shard)
+		if err == nil {
+			err = errors.New("the forwarder stopped by itself")
+		}
+		s.log.Error("shard relaying stopped unexpectedly; restarting it", "err", err, "retry_in", delay)
+		s.sleep(delay)
+		delay = min(2*delay, restartMaxDelay)
+	}
+}
+
+// runOnce sets the shard up and runs its forwarder until the shard is
+// asked to stop or the forwarder ends.
+func (s *shardRunner) runOnce() error {
+	r := s.relay
+	if err := s.setUp(); err != nil {
+		return err
+	}
 	ackDeadline := time.Minute
 	sub, err := wsql.NewSubscriber(relayBeginner{pool: r.pool, shard: s}, wsql.SubscriberConfig{
 		ConsumerGroup:  outbox.RelayConsumerGroup,
@@ -112,39 +217,180 @@ func (r *Relay) startShard(ctx context.Context, shard int) (*shardRunner, error)
 		ResendInterval: 10 * time.Millisecond,
 		BackoffManager: s,
 		SchemaAdapter:  relaySchemaAdapter{outbox.SchemaAdapter(r.cfg.Schema, r.cfg.BatchSize)},
-		OffsetsAdapter: newRelayOffsetsAdapter(r.cfg.Schema, shard),
+		OffsetsAdapter: newRelayOffsetsAdapter(r.cfg.Schema, s.shard),
 	}, r.wmLog)
 	if err != nil {
-		return nil, fmt.Errorf("shard %d: create outbox subscriber: %w", shard, err)
+		return fmt.Errorf("create outbox subscriber: %w", err)
 	}
-	s.fwd, err = forwarder.NewForwarder(sub, shardPublisher{s}, r.wmLog, forwarder.Config{
-		ForwarderTopic: outbox.Topic(shard),
-		HandlerName:    fmt.Sprintf("eventline_relay_%s_%d", r.cfg.Schema, shard),
+	defer func() { _ = sub.Close() }()
+	fwd, err := forwarder.NewForwarder(sub, shardPublisher{s}, r.wmLog, forwarder.Config{
+		ForwarderTopic: outbox.Topic(s.shard),
+		HandlerName:    fmt.Sprintf("eventline_relay_%s_%d", r.cfg.Schema, s.shard),
 		Middlewares:    []message.HandlerMiddleware{s.guard},
-		CloseTimeout:   flushTimeout + commitTimeout,
+		// Every statement and Kafka wait of the shard ends stopGrace after
+		// the stop request; this only bounds what is left.
+		CloseTimeout: stopGrace + setupTimeout,
 	})
 	if err != nil {
-		_ = sub.Close()
-		return nil, fmt.Errorf("shard %d: create forwarder: %w", shard, err)
+		return fmt.Errorf("create forwarder: %w", err)
 	}
+	ran := make(chan struct{})
+	closed := make(chan struct{})
 	go func() {
-		defer close(s.done)
-		if err := s.fwd.Run(context.WithoutCancel(ctx)); err != nil {
-			s.log.Error("relay forwarder stopped", "err", err)
+		defer close(closed)
+		select {
+		case <-s.soft.Done():
+		case <-ran:
+			return
 		}
-		_ = sub.Close()
+		// Close a router only once it runs: after a failed start its
+		// handler never runs, and Close would wait CloseTimeout for it.
+		select {
+		case <-fwd.Running():
+			if err := fwd.Close(); err != nil {
+				s.log.Warn("close relay forwarder", "err", err)
+			}
+		case <-ran:
+		}
 	}()
-	return s, nil
+	err = fwd.Run(context.Background())
+	close(ran)
+	<-closed
+	return err
 }
 
-// close stops the shard after its current batch settles.
-func (s *shardRunner) close() {
-	close(s.stop)
-	if err := s.fwd.Close(); err != nil {
-		s.log.Warn("close relay forwarder", "err", err)
+// setUp prepares the shard for reading: a stale read fence released, the
+// relay's zero position (under READ COMMITTED: the old owner may be moving
+// that row right now, and under REPEATABLE READ the insert would fail with
+// a serialization error), and the retry state loaded.
+func (s *shardRunner) setUp() error {
+	r := s.relay
+	ctx, cancel := context.WithTimeout(s.soft, setupTimeout)
+	defer cancel()
+	// First: a vanished owner's transaction may hold the position row's
+	// lock, which the insert below would wait for.
+	s.clearFence(ctx)
+	err := pgx.BeginTxFunc(ctx, r.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, s.sql.zeroOffsets, outbox.RelayConsumerGroup)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("set up relay position: %w", err)
 	}
-	<-s.done
-	s.unwait() // the subscriber has stopped: no one else touches waiting
+	s.checkPosition(ctx)
+	failures, err := loadFailures(ctx, r.pool, r.cfg.Schema, s.shard)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	s.failures = failures
+	s.mu.Unlock()
+	return nil
+}
+
+// clearFence ends a transaction that still holds the shard's read fence
+// although this relay holds the lease. The previous owner stopped relaying
+// before its lease expired, so such a transaction belongs to a relay whose
+// host vanished or froze mid-batch; PostgreSQL would keep it until TCP
+// gives up or its idle_in_transaction_session_timeout (txTimeout) passes.
+// Terminating it rolls back its batch, which this relay then re-sends.
+// It needs the right to signal that backend (same role, or
+// pg_signal_backend); without it the shard waits for the timeout.
+func (s *shardRunner) clearFence(ctx context.Context) {
+	rows, err := s.relay.pool.Query(ctx, s.sql.fenceHolders, lockNamespace(s.relay.cfg.Schema+":fence"), s.shard)
+	if err != nil {
+		s.log.Warn("look for a stale read fence", "err", err)
+		return
+	}
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		s.log.Warn("look for a stale read fence", "err", err)
+		return
+	}
+	for _, pid := range pids {
+		var ok bool
+		err := s.relay.pool.QueryRow(ctx, `SELECT pg_terminate_backend($1, 1000)`, pid).Scan(&ok)
+		if err != nil || !ok {
+			s.log.Warn("a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it",
+				"pid", pid, "wait_at_most", txTimeout, "err", err)
+			continue
+		}
+		s.relay.metrics.addFenceCleared(s.shard)
+		s.log.Warn("ended a previous owner's stale transaction on the shard (its relay vanished mid-batch)", "pid", pid)
+	}
+}
+
+// checkPosition warns loudly when the shard's position or rows carry
+// transaction ids this cluster has not handed out: the outbox was moved
+// from another cluster, and nothing will be relayed until an operator runs
+// `eventline relay rebase-positions`.
+func (s *shardRunner) checkPosition(ctx context.Context) {
+	s.lastPositionCheck = time.Now()
+	c, err := checkPosition(ctx, s.relay.pool, s.relay.cfg.Schema, s.shard)
+	if err != nil {
+		return
+	}
+	s.relay.metrics.setPositionAhead(s.shard, c.Ahead())
+	if c.Ahead() {
+		s.log.Error("nothing on this shard can be relayed: "+ErrPositionAhead.Error()+"; stop the relays and run `eventline relay rebase-positions` (see the README, \"Moving the database\")",
+			"position_xid", c.Position, "newest_row_xid", c.NewestRow, "cluster_next_xid", c.Counter)
+	}
+}
+
+// halt asks the shard to stop for reason: it publishes nothing more and
+// settles its batch. Its statements and its wait for Kafka are cut short
+// stopGrace later; when its lease expired, one RebalanceInterval later
+// (before PostgreSQL's lease expires); when another relay holds the lease,
+// at once.
+func (s *shardRunner) halt(reason stopReason) {
+	if s.why.CompareAndSwap(int32(stopNone), int32(reason)) {
+		s.cancelSoft()
+		switch reason {
+		case stopLost:
+			s.cancelHard()
+		case stopExpired:
+			time.AfterFunc(s.relay.cfg.RebalanceInterval, s.cancelHard)
+		default:
+			time.AfterFunc(stopGrace, s.cancelHard)
+		}
+		return
+	}
+	switch reason {
+	case stopLost:
+		s.cancelHard()
+	case stopExpired:
+		time.AfterFunc(s.relay.cfg.RebalanceInterval, s.cancelHard)
+	}
+}
+
+func (s *shardRunner) reason() stopReason { return stopReason(s.why.Load()) }
+
+// extend moves the lease's local deadline after a renewal. A lease that
+// already ran out locally stays out: the shard is stopping.
+func (s *shardRunner) extend(deadline time.Time) {
+	s.leaseMu.Lock()
+	defer s.leaseMu.Unlock()
+	if s.leaseTimer.Stop() {
+		s.leaseTimer.Reset(time.Until(deadline))
+	}
+}
+
+// leaseExpired runs when the lease's local deadline passes unrenewed.
+func (s *shardRunner) leaseExpired() {
+	if !s.ended() {
+		s.log.Warn("shard lease could not be renewed in time; stopping the shard before another relay may take it")
+		s.relay.metrics.addLeaseExpired(s.shard)
+	}
+	s.halt(stopExpired)
+}
+
+func (s *shardRunner) ended() bool {
+	select {
+	case <-s.done:
+		return true
+	default:
+		return false
+	}
 }
 
 func (s *shardRunner) notify() {
@@ -255,198 +501,3 @@ func (p shardPublisher) Publish(topic string, msgs ...*message.Message) error {
 }
 
 func (p shardPublisher) Close() error { return nil }
-
-// HandleError implements watermill-sql's BackoffManager. It is called after
-// every read transaction ended, so waiting here holds no transaction; it
-// returns 0 because it has already waited.
-func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time.Duration {
-	if err != nil {
-		if s.stopping() || errors.Is(err, context.Canceled) {
-			return 0
-		}
-		s.log.Warn("outbox read failed; retrying", "err", err)
-		s.sleep(queryRetryInterval)
-		return 0
-	}
-	if d := s.takeBackoff(); d > 0 {
-		s.sleep(d)
-		return 0
-	}
-	if !noMsg {
-		s.unstall()
-		s.unwait()
-		return 0
-	}
-	s.idle()
-	return 0
-}
-
-// idle waits for new rows, without holding a transaction.
-//
-// Producers notify a shard only while its relay says it is waiting (the
-// outbox_waiting row), because a NOTIFY serializes their commits. So before
-// it sleeps, the shard sets that row and then waits until every transaction
-// that started before it has ended: one of them may have written a row
-// without notifying. It then reads once more, and only then sleeps until a
-// notification or PollInterval. A notification clears the row again, so
-// busy shards cost producers nothing.
-//
-// If committed rows exist that the last read could not see, an older open
-// transaction holds the xmin horizon: poll again shortly instead.
-func (s *shardRunner) idle() {
-	if !s.waiting {
-		if err := s.announce(); err != nil {
-			s.log.Warn("announce idle shard; polling instead", "err", err)
-			s.sleepOrWake(s.relay.cfg.PollInterval)
-			return
-		}
-		s.waiting = true
-		return // read once more: see announce
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	var pending bool
-	err := s.relay.pool.QueryRow(ctx, s.sql.backlogExists, outbox.RelayConsumerGroup, s.shard, s.waitTTL().Seconds(), s.waiting).Scan(&pending)
-	cancel()
-	if err == nil && pending {
-		s.sleepOrWake(s.stall())
-		return
-	}
-	s.unstall()
-	if s.sleepOrWake(s.relay.cfg.PollInterval) {
-		s.unwait()
-	}
-}
-
-// announce marks the shard as waiting for notifications and returns once
-// every transaction older than the mark has ended (or PollInterval passed,
-// when an old transaction stays open: then PollInterval bounds the delay).
-func (s *shardRunner) announce() error {
-	ctx, cancel := context.WithTimeout(context.Background(), s.relay.cfg.PollInterval+5*time.Second)
-	defer cancel()
-	if _, err := s.relay.pool.Exec(ctx, s.sql.wait, s.shard, s.waitTTL().Seconds()); err != nil {
-		return err
-	}
-	var xmax string
-	if err := s.relay.pool.QueryRow(ctx, s.sql.snapshotXmax).Scan(&xmax); err != nil {
-		return err
-	}
-	deadline := time.Now().Add(s.relay.cfg.PollInterval)
-	for delay := time.Millisecond; time.Now().Before(deadline) && !s.stopping(); delay = min(2*delay, 50*time.Millisecond) {
-		var passed bool
-		if err := s.relay.pool.QueryRow(ctx, s.sql.horizonPassed, xmax).Scan(&passed); err != nil {
-			return err
-		}
-		if passed {
-			return nil
-		}
-		s.sleep(delay)
-	}
-	return nil
-}
-
-// waitTTL is how long a waiting mark lasts unless renewed: a few polls, so
-// only a relay that died lets it lapse.
-func (s *shardRunner) waitTTL() time.Duration {
-	return max(3*s.relay.cfg.PollInterval, 10*time.Second)
-}
-
-// unwait clears the shard's waiting mark: it is busy again.
-func (s *shardRunner) unwait() {
-	if !s.waiting {
-		return
-	}
-	s.waiting = false
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if _, err := s.relay.pool.Exec(ctx, s.sql.unwait, s.shard); err != nil {
-		s.log.Debug("clear idle mark", "err", err)
-	}
-}
-
-// stall returns how long to wait before reading a shard whose committed
-// rows are held back by the xmin horizon: 5ms for the first 2s, since
-// horizons held by ordinary short transactions pass quickly, then growing
-// to 500ms, and it warns once the stall lasts 10s.
-func (s *shardRunner) stall() time.Duration {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	now := time.Now()
-	if s.stallSince.IsZero() {
-		s.stallSince = now
-		s.relay.metrics.setStalled(s.shard, true)
-	}
-	stalled := now.Sub(s.stallSince)
-	if stalled > 10*time.Second && !s.stallWarned {
-		s.stallWarned = true
-		s.log.Warn("relay stalled: committed events wait behind an older open transaction (xmin horizon); find it in pg_stat_activity", "stalled_for", stalled.Round(time.Second))
-	}
-	if stalled < stallFastPhase {
-		return stallPollMin
-	}
-	s.stallDelay = min(max(2*s.stallDelay, stallPollMin), stallPollMax)
-	return s.stallDelay
-}
-
-func (s *shardRunner) unstall() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if !s.stallSince.IsZero() {
-		s.relay.metrics.addStalled(s.shard, time.Since(s.stallSince))
-		s.relay.metrics.setStalled(s.shard, false)
-	}
-	s.stallSince, s.stallDelay, s.stallWarned = time.Time{}, 0, false
-}
-
-// sleepOrWake waits for d, a notification or the shard's release, and
-// reports whether a notification woke it.
-func (s *shardRunner) sleepOrWake(d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-s.wake:
-		return true
-	case <-s.stop:
-	}
-	return false
-}
-
-func (s *shardRunner) stopping() bool {
-	select {
-	case <-s.stop:
-		return true
-	default:
-		return false
-	}
-}
-
-func (s *shardRunner) sleep(d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-s.stop:
-	}
-}
-
-func (s *shardRunner) takeBackoff() time.Duration {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	d := time.Until(s.backoffUntil)
-	s.backoffUntil = time.Time{}
-	return max(d, 0)
-}
-
-// notDue reports whether a row's next retry is still in the future.
-func (s *shardRunner) notDue(outboxUUID string) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	rec, ok := s.failures[outboxUUID]
-	if ok && time.Now().Before(rec.nextAttempt) {
-		if rec.nextAttempt.After(s.backoffUntil) {
-			s.backoffUntil = rec.nextAttempt
-		}
-		return true
-	}
-	return false
-}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -39,7 +40,7 @@ func startRelay(t *testing.T, env pgtest.Env, cfg producer.RelayConfig) (*produc
 		cfg.PollInterval = 200 * time.Millisecond
 	}
 	if cfg.RebalanceInterval == 0 {
-		cfg.RebalanceInterval = 100 * time.Millisecond
+		cfg.RebalanceInterval = 250 * time.Millisecond
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = testLogger(t)
@@ -165,6 +166,33 @@ func TestRelayForwardsEveryEventKeyedByAggregate(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, st.Backlog(), "relay recorded its progress: %+v", st)
 	require.Zero(t, st.DeadLetters)
+}
+
+// TestRelayPartitionsLikeKafkasJavaClient: each aggregate's events land in
+// the partition any other Kafka producer of the same key would pick (the
+// Java client's default partitioner, Kafka Streams, franz-go: murmur2), so
+// a backfill or a connector writing the same keys keeps per-aggregate
+// order. Before, the relay used Sarama's FNV-1a hash and most keys landed
+// elsewhere.
+func TestRelayPartitionsLikeKafkasJavaClient(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 2})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	const partitions = 6
+	kafkatest.CreateTopic(t, brokers, topic, partitions)
+	events := publishOrders(t, env, topic, 50, 50, 10) // 50 aggregates, one event each
+	startRelay(t, env, producer.RelayConfig{Brokers: brokers})
+
+	java := kgo.StickyKeyPartitioner(nil).ForTopic(topic)
+	moved := 0
+	for _, r := range readTopic(t, brokers, topic, len(events), 30*time.Second) {
+		if want := java.Partition(&kgo.Record{Key: []byte(r.key)}, partitions); int32(want) != r.partition {
+			moved++
+			t.Logf("key %s: partition %d, a Java client would use %d", r.key, r.partition, want)
+		}
+	}
+	require.Zero(t, moved, "%d of %d keys in a different partition than Kafka's default partitioner picks", moved, len(events))
 }
 
 func TestNewRelayValidatesConfig(t *testing.T) {

@@ -2,6 +2,7 @@ package producer_test
 
 import (
 	"context"
+	"strconv"
 	"testing"
 	"time"
 
@@ -115,4 +116,52 @@ func TestBusyRelayIsNotNotified(t *testing.T) {
 	publishOrders(t, env, "orders", 1, 1, 1)
 	require.Equal(t, 1, mine(2*time.Second), "a waiting shard must be notified")
 	_ = conn.Conn().Close(ctx) // it was listening: do not return it to the pool
+}
+
+// TestRelayReadsRowsAsSoonAsTheHorizonPasses: committed rows held back by an
+// older open transaction become readable the moment it ends, and nothing
+// notifies the relay then (no insert happens). The relay must notice within
+// a few polls instead of sleeping: here the old transaction stays open 4s,
+// long enough for a backing-off poll to sleep for hundreds of
+// milliseconds, and the time from its end to the relay recording the
+// held-back event is measured in several rounds. Before, the relay slept
+// up to 500ms in that state.
+func TestRelayReadsRowsAsSoonAsTheHorizonPasses(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 10})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 1)
+	startRelay(t, env, producer.RelayConfig{Brokers: brokers, PollInterval: time.Second})
+	require.Eventually(t, func() bool { return waitingShards(t, env) == 1 }, 15*time.Second, 10*time.Millisecond)
+	ctx := context.Background()
+
+	var worst time.Duration
+	for round := 0; round < 5; round++ {
+		holder, err := env.Pool.Begin(ctx)
+		require.NoError(t, err)
+		_, err = holder.Exec(ctx, `SELECT pg_current_xact_id()`)
+		require.NoError(t, err)
+		publishOrders(t, env, topic, 1, 1, 1) // committed, held back by holder
+		var tx string
+		var off int64
+		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT transaction_id::text, "offset" FROM `+sqlident.Qualify(env.Schema, "outbox_0")+
+			` ORDER BY transaction_id DESC, "offset" DESC LIMIT 1`).Scan(&tx, &off))
+		want, _ := strconv.ParseUint(tx, 10, 64)
+		time.Sleep(4 * time.Second)
+		require.NoError(t, holder.Rollback(ctx))
+		ended := time.Now()
+		var took time.Duration
+		require.Eventually(t, func() bool {
+			ptx, poff, err := positionOf(ctx, env.Pool, env.Schema, 0)
+			if err == nil && (ptx > want || ptx == want && poff >= off) {
+				took = time.Since(ended)
+				return true
+			}
+			return false
+		}, 30*time.Second, 2*time.Millisecond)
+		t.Logf("round %d: relayed %s after the horizon passed", round, took.Round(time.Millisecond))
+		worst = max(worst, took)
+	}
+	require.Less(t, worst, 200*time.Millisecond, "the relay slept while committed rows were readable")
 }

@@ -25,7 +25,16 @@ func init() {
 const relayShutdownTimeout = 5 * time.Second
 
 func runRelay(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "relay", "[flags]", `
+	if len(args) > 0 {
+		for _, sub := range relayMaintenance {
+			if args[0] == sub.name {
+				inv := invocationOf(ctx)
+				inv.path = "relay " + sub.name
+				return sub.run(ctx, args[1:])
+			}
+		}
+	}
+	fs := newFlagSet(ctx, "relay", "[flags] | rebase-positions | advance-sequences", `
 Relays events from the PostgreSQL outbox (-schema) to Kafka (-brokers) until
 it gets SIGINT or SIGTERM, then finishes the batches in flight, releases its
 shards and exits 0. A second signal exits at once; nothing is lost either way
@@ -36,7 +45,19 @@ relayed by one of them at a time, and take over the shards of one that dies.
 
 A message that fails to publish is retried after each -backoff wait (the
 last repeats); after -max-attempts failures it is dead-lettered (see
-eventline dlq). Kafka being unreachable never dead-letters: the relay waits.`)
+eventline dlq). Kafka being unreachable never dead-letters: the relay waits.
+
+Relays need session-level connections (they LISTEN): connect them directly
+or through a session-mode pooler; a transaction-mode pooler is refused.
+
+Maintenance after moving the database (see the README, "Moving the
+database"):
+  eventline relay rebase-positions    re-base positions after a restore or a
+                                      cutover to a cluster with a lower
+                                      transaction counter
+  eventline relay advance-sequences   move aggregate sequences past the
+                                      versions consumers have seen, after a
+                                      failover that lost commits`)
 	cfg := producer.RelayConfig{Backoff: slices.Clone(producer.DefaultBackoff)}
 	fs.IntVar(&cfg.BatchSize, "batch-size", producer.DefaultBatchSize, "outbox rows read and published per transaction")
 	fs.DurationVar(&cfg.PollInterval, "poll-interval", producer.DefaultPollInterval, "longest an idle shard waits before looking again (inserts wake it at once)")
@@ -48,6 +69,8 @@ eventline dlq). Kafka being unreachable never dead-letters: the relay waits.`)
 	fs.DurationVar(&cfg.CleanupInterval, "cleanup-interval", producer.DefaultCleanupInterval, "how often this relay deletes expired rows from its shards; 0 disables")
 	fs.IntVar(&cfg.CleanupBatchSize, "cleanup-batch", producer.DefaultCleanupBatchSize, "most rows one cleanup DELETE removes")
 	fs.StringVar(&cfg.ID, "id", "", "this relay's name in logs (default <hostname>-<pid>)")
+	partitioner := fs.String("partitioner", string(producer.DefaultPartitioner), "how aggregate ids map to Kafka partitions: murmur2 (Kafka's own, as the Java client and franz-go) or fnv1a (Sarama's, the relay's default before murmur2); every relay of one outbox must use the same, see the README before changing it")
+	fs.IntVar(&cfg.MaxMessageBytes, "max-message-bytes", producer.DefaultMaxMessageBytes, "largest Kafka record the relay sends; larger events are dead-lettered")
 	metricsAddr := fs.String("metrics-addr", "", "serve Prometheus metrics at http://`ADDR`/metrics, e.g. :9090 (default off)")
 	pos, err := fs.parse(args)
 	if err != nil {
@@ -73,6 +96,14 @@ eventline dlq). Kafka being unreachable never dead-letters: the relay waits.`)
 		return fs.usageErrorf("-cleanup-interval must not be negative (0 disables cleanup), got %s", cfg.CleanupInterval)
 	case cfg.CleanupBatchSize < 1:
 		return fs.usageErrorf("-cleanup-batch must be at least 1, got %d", cfg.CleanupBatchSize)
+	}
+	switch cfg.Partitioner = producer.Partitioner(*partitioner); cfg.Partitioner {
+	case producer.PartitionerMurmur2, producer.PartitionerFNV1a:
+	default:
+		return fs.usageErrorf("-partitioner must be murmur2 or fnv1a, got %q", *partitioner)
+	}
+	if cfg.MaxMessageBytes < 1 {
+		return fs.usageErrorf("-max-message-bytes must be positive, got %d", cfg.MaxMessageBytes)
 	}
 	if cfg.CleanupInterval == 0 {
 		cfg.CleanupInterval = -1 // RelayConfig: negative disables
@@ -120,8 +151,8 @@ eventline dlq). Kafka being unreachable never dead-letters: the relay waits.`)
 }
 
 // openRelayPool opens a pool large enough for a relay that owns every
-// shard: one connection per shard, three for the relay's own use and one
-// for metrics scrapes.
+// shard (producer.PoolSizeFor: one connection per shard and three for the
+// relay's own use) and one for metrics scrapes.
 func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 	conn, err := connectOnce(ctx)
 	if err != nil {
@@ -132,7 +163,7 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 	if err != nil {
 		return nil, err
 	}
-	return openPool(ctx, int32(shards)+4)
+	return openPool(ctx, producer.PoolSizeFor(shards)+1)
 }
 
 // serveMetrics serves the relay's metrics, the outbox status and the Go

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -35,6 +36,22 @@ type outboxReport struct {
 	DeadLetters          int64         `json:"dead_letters"`
 	Retrying             int64         `json:"retrying"`
 	OwnedShards          int           `json:"owned_shards"`
+	// HorizonHolder is the oldest open transaction, shown while it holds
+	// committed events back from the relays; null otherwise.
+	HorizonHolder *horizonHolderReport `json:"horizon_holder"`
+}
+
+type horizonHolderReport struct {
+	PID             int32   `json:"pid"`
+	Xid             string  `json:"xid"`
+	BackendXmin     string  `json:"backend_xmin,omitempty"`
+	XactAgeSeconds  float64 `json:"xact_age_seconds"`
+	QueryStart      *string `json:"query_start"`
+	State           string  `json:"state"`
+	ApplicationName string  `json:"application_name"`
+	Database        string  `json:"database"`
+	Query           string  `json:"query,omitempty"`
+	PreparedGID     string  `json:"prepared_gid,omitempty"`
 }
 
 type shardReport struct {
@@ -42,9 +59,22 @@ type shardReport struct {
 	Backlog              int64   `json:"backlog"`
 	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
 	Stored               int64   `json:"stored"`
-	// OwnerPID is the PostgreSQL backend pid of the relay connection that
-	// owns the shard (see pg_stat_activity); null when no relay owns it.
+	// OwnerPID is the PostgreSQL backend pid of the ownership connection
+	// of the relay holding the shard's lease (see pg_stat_activity); null
+	// when no relay owns it.
 	OwnerPID *int32 `json:"owner_pid"`
+	// Owner is that relay's ID; empty when no relay owns the shard.
+	Owner string `json:"owner,omitempty"`
+	// LeaseExpiresInSeconds is how long the owner's lease lasts unless
+	// renewed (every rebalance interval).
+	LeaseExpiresInSeconds float64 `json:"lease_expires_in_seconds,omitempty"`
+	// PositionAhead is true when the shard's position or rows carry
+	// transaction ids this cluster has not handed out: nothing is relayed
+	// until `eventline relay rebase-positions` runs.
+	PositionAhead bool `json:"position_ahead"`
+	// HeldBack counts backlog rows the relays cannot read yet because an
+	// older transaction is open (see outbox.horizon_holder).
+	HeldBack int64 `json:"held_back"`
 }
 
 type groupReport struct {
@@ -102,7 +132,9 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		return rep, err
 	}
 	owners, err := producer.ShardOwners(ctx, tx, schema)
-	if err != nil {
+	if errors.Is(err, producer.ErrNotMigrated) {
+		rep.Warnings = append(rep.Warnings, "the relay lease tables are missing (migration 005_relay_leases is not applied): relays cannot run; run `eventline migrate up`")
+	} else if err != nil {
 		return rep, err
 	}
 	rep.Outbox = outboxReport{
@@ -114,11 +146,31 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		OwnedShards:          len(owners),
 	}
 	for _, s := range st.Shards {
-		sr := shardReport{Shard: s.Shard, Backlog: s.Backlog, OldestPendingSeconds: s.OldestPending.Seconds(), Stored: s.Stored}
-		if pid, ok := owners[s.Shard]; ok {
-			sr.OwnerPID = &pid
+		sr := shardReport{Shard: s.Shard, Backlog: s.Backlog, OldestPendingSeconds: s.OldestPending.Seconds(), Stored: s.Stored,
+			PositionAhead: s.PositionAhead, HeldBack: s.HeldBack}
+		if s.PositionAhead {
+			rep.Warnings = append(rep.Warnings, fmt.Sprintf("shard %d: %v; nothing on it is relayed: stop the relays and run `eventline relay rebase-positions`", s.Shard, producer.ErrPositionAhead))
+		}
+		if o, ok := owners[s.Shard]; ok {
+			pid := o.BackendPID
+			sr.OwnerPID, sr.Owner, sr.LeaseExpiresInSeconds = &pid, o.Relay, o.ExpiresIn.Seconds()
 		}
 		rep.Outbox.Shards = append(rep.Outbox.Shards, sr)
+	}
+	if h := st.HorizonHolder; h != nil {
+		hr := &horizonHolderReport{PID: h.PID, Xid: h.Xid, BackendXmin: h.BackendXmin, XactAgeSeconds: h.XactAge.Seconds(),
+			State: h.State, ApplicationName: h.ApplicationName, Database: h.Database, Query: h.Query, PreparedGID: h.PreparedGID}
+		if h.QueryStart != nil {
+			qs := h.QueryStart.UTC().Format(time.RFC3339)
+			hr.QueryStart = &qs
+		}
+		rep.Outbox.HorizonHolder = hr
+		who := fmt.Sprintf("pid %d", h.PID)
+		if h.PreparedGID != "" {
+			who = fmt.Sprintf("prepared transaction %q", h.PreparedGID)
+		}
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("committed events wait behind an open transaction (%s, %s, open %s, application %q, database %q): the relays read only rows older than every open transaction; end it (or SELECT pg_terminate_backend(%d)) and they flow again",
+			who, h.State, age(h.XactAge), h.ApplicationName, h.Database, h.PID))
 	}
 
 	var present bool
@@ -209,13 +261,13 @@ func printStatus(w io.Writer, rep statusReport) error {
 	fmt.Fprintf(w, "Outbox (schema %s): %s, backlog %d, oldest pending %s, %d of %d shards owned by a relay\n",
 		rep.Schema, plural(int64(len(o.Shards)), "shard"), o.Backlog, age(seconds(o.OldestPendingSeconds)), o.OwnedShards, len(o.Shards))
 	tw := newTable(w)
-	row(tw, "SHARD", "BACKLOG", "OLDEST PENDING", "STORED", "OWNER")
+	row(tw, "SHARD", "BACKLOG", "HELD BACK", "OLDEST PENDING", "STORED", "OWNER")
 	for _, s := range o.Shards {
 		owner := "-"
 		if s.OwnerPID != nil {
-			owner = fmt.Sprintf("pid %d", *s.OwnerPID)
+			owner = fmt.Sprintf("%s (pid %d)", s.Owner, *s.OwnerPID)
 		}
-		row(tw, s.Shard, s.Backlog, age(seconds(s.OldestPendingSeconds)), s.Stored, owner)
+		row(tw, s.Shard, s.Backlog, s.HeldBack, age(seconds(s.OldestPendingSeconds)), s.Stored, owner)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -4,26 +4,49 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
 )
+
+// ownWarnings drops the warning about a transaction holding the xmin
+// horizon: any session of the cluster (another test) can cause it.
+func ownWarnings(st statusJSON) []string {
+	var out []string
+	for _, w := range st.Warnings {
+		if !strings.Contains(w, "wait behind an open transaction") {
+			out = append(out, w)
+		}
+	}
+	return out
+}
 
 // statusJSON mirrors the documented JSON of `eventline status -json`.
 type statusJSON struct {
 	Schema string `json:"schema"`
 	Outbox struct {
+		HorizonHolder *struct {
+			PID             int32   `json:"pid"`
+			State           string  `json:"state"`
+			ApplicationName string  `json:"application_name"`
+			XactAgeSeconds  float64 `json:"xact_age_seconds"`
+		} `json:"horizon_holder"`
 		Shards []struct {
 			Shard                int     `json:"shard"`
 			Backlog              int64   `json:"backlog"`
 			OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
 			Stored               int64   `json:"stored"`
 			OwnerPID             *int32  `json:"owner_pid"`
+			HeldBack             int64   `json:"held_back"`
 		} `json:"shards"`
 		Backlog              int64   `json:"backlog"`
 		OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
@@ -82,7 +105,7 @@ func TestStatusReportsBacklogDeadLettersAndGroups(t *testing.T) {
 	require.EqualValues(t, 1, st.Outbox.DeadLetters)
 	require.Zero(t, st.Outbox.Retrying)
 	require.Zero(t, st.Outbox.OwnedShards)
-	require.Empty(t, st.Warnings)
+	require.Empty(t, ownWarnings(st))
 	require.Len(t, st.Groups, 2)
 	billing, shipping := st.Groups[0], st.Groups[1]
 	require.Equal(t, "billing", billing.Group)
@@ -98,9 +121,9 @@ func TestStatusReportsBacklogDeadLettersAndGroups(t *testing.T) {
 	out := ok(t, env.Schema, "status")
 	require.Contains(t, out, fmt.Sprintf("Outbox (schema %s): 3 shards, backlog 10, oldest pending ", env.Schema))
 	require.Contains(t, out, "0 of 3 shards owned by a relay")
-	require.Regexp(t, `SHARD\s+BACKLOG\s+OLDEST PENDING\s+STORED\s+OWNER`, out)
+	require.Regexp(t, `SHARD\s+BACKLOG\s+HELD BACK\s+OLDEST PENDING\s+STORED\s+OWNER`, out)
 	for i, n := range perShard {
-		require.Regexp(t, fmt.Sprintf(`(?m)^%d\s+%d\s+\S+\s+%d\s+-$`, i, n, n), out)
+		require.Regexp(t, fmt.Sprintf(`(?m)^%d\s+%d\s+0\s+\S+\s+%d\s+-$`, i, n, n), out)
 	}
 	require.Contains(t, out, "Dead letters waiting: 1 (eventline dlq list)")
 	require.Contains(t, out, "Retrying: 0")
@@ -126,8 +149,82 @@ func TestStatusOnAnIncompleteSchema(t *testing.T) {
 	st := okJSON[statusJSON](t, schema, "status", "-json")
 	require.Len(t, st.Outbox.Shards, 1)
 	require.Empty(t, st.Groups)
-	require.Len(t, st.Warnings, 1)
-	require.Contains(t, st.Warnings[0], "consumer tables are missing")
+	require.Len(t, ownWarnings(st), 2)
+	require.Contains(t, ownWarnings(st)[0], "relay lease tables are missing")
+	require.Contains(t, ownWarnings(st)[1], "consumer tables are missing")
 	out := ok(t, schema, "status")
 	require.Contains(t, out, "warning: the consumer tables are missing")
+}
+
+// TestStatusWarnsWhenPositionsAreAheadAndRebaseFixesThem: an outbox moved
+// to a cluster with a lower transaction counter is reported by status (text
+// and JSON) with the command that repairs it, and the command repairs it.
+func TestStatusWarnsWhenPositionsAreAheadAndRebaseFixesThem(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 2})
+	_, err := env.Pool.Exec(context.Background(), `INSERT INTO `+sqlident.Qualify(env.Schema, outbox.OffsetsTable(1))+
+		` (consumer_group, offset_acked, last_processed_transaction_id)
+		VALUES ($1, 7, ((pg_snapshot_xmax(pg_current_snapshot())::text::bigint) + 1000000)::text::xid8)`, outbox.RelayConsumerGroup)
+	require.NoError(t, err)
+
+	st := okJSON[statusJSON](t, env.Schema, "status", "-json")
+	require.Len(t, ownWarnings(st), 1)
+	require.Contains(t, ownWarnings(st)[0], "shard 1")
+	require.Contains(t, ownWarnings(st)[0], "eventline relay rebase-positions")
+	out := ok(t, env.Schema, "status")
+	require.Contains(t, out, "warning: shard 1")
+
+	out = ok(t, env.Schema, "relay", "rebase-positions", "-dry-run")
+	require.Contains(t, out, "shard 1: would re-base")
+	require.Contains(t, ok(t, env.Schema, "status"), "warning: shard 1", "a dry run changes nothing")
+	out = ok(t, env.Schema, "relay", "rebase-positions")
+	require.Contains(t, out, "shard 1: re-based")
+	st = okJSON[statusJSON](t, env.Schema, "status", "-json")
+	require.Empty(t, ownWarnings(st))
+	out = ok(t, env.Schema, "relay", "rebase-positions")
+	require.Contains(t, out, "nothing to do")
+}
+
+// TestStatusNamesTheTransactionHoldingEventsBack: while an open transaction
+// holds the xmin horizon, status counts the committed events it holds back
+// per shard and names it (pid, state, age, application), with how to end
+// it. Not parallel: the open transaction holds back every test's events.
+func TestStatusNamesTheTransactionHoldingEventsBack(t *testing.T) {
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	ctx := context.Background()
+	holder, err := env.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer holder.Release()
+	_, err = holder.Exec(ctx, `SET application_name = 'horizon-holder-test'`)
+	require.NoError(t, err)
+	tx, err := holder.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	var pid int32
+	var xid string
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid(), pg_current_xact_id()::text`).Scan(&pid, &xid))
+
+	p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
+	require.NoError(t, err)
+	e, err := eventline.NewJSONEvent("order.created", "order", "a", map[string]int{"n": 1})
+	require.NoError(t, err)
+	require.NoError(t, p.Publish(ctx, env.Pool, e))
+
+	st := okJSON[statusJSON](t, env.Schema, "status", "-json")
+	require.EqualValues(t, 1, st.Outbox.Shards[0].HeldBack)
+	h := st.Outbox.HorizonHolder
+	require.NotNil(t, h)
+	if h.PID == pid { // another, older transaction elsewhere in the cluster would be named instead
+		require.Equal(t, "horizon-holder-test", h.ApplicationName)
+		require.Equal(t, "idle in transaction", h.State)
+	}
+	require.NotEmpty(t, st.Warnings)
+	require.Contains(t, st.Warnings[len(st.Warnings)-1], "pg_terminate_backend")
+	require.Regexp(t, `(?m)^0\s+1\s+1\s`, ok(t, env.Schema, "status"))
+
+	require.NoError(t, tx.Rollback(ctx))
+	require.Eventually(t, func() bool {
+		st := okJSON[statusJSON](t, env.Schema, "status", "-json")
+		return st.Outbox.Shards[0].HeldBack == 0 && st.Outbox.HorizonHolder == nil
+	}, 30*time.Second, 100*time.Millisecond)
 }

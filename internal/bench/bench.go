@@ -59,7 +59,9 @@ type Sizes struct {
 	ConsumerBacklog int
 	ConsumerRounds  int
 	// Rates are the offered event rates (events/s) of end_to_end_latency,
-	// each run for RatePhase after a one-second warm-up.
+	// each run for RatePhase after a one-second warm-up. The phase is long
+	// enough that a pipeline that cannot keep up shows it in the latency
+	// (a backlog grows by the shortfall times the phase).
 	Rates     []int
 	RatePhase time.Duration
 	// IdleWindow is how long idle_queries counts queries.
@@ -71,7 +73,7 @@ func FullSizes() Sizes {
 	return Sizes{
 		Producers: 16, ProducerPhase: 5 * time.Second, Rounds: 3,
 		RelayBacklog: 50_000, ConsumerBacklog: 50_000, ConsumerRounds: 2,
-		Rates: []int{100, 500, 1000}, RatePhase: 15 * time.Second,
+		Rates: []int{100, 250, 500, 1000, 2000}, RatePhase: 15 * time.Second,
 		IdleWindow: 30 * time.Second,
 	}
 }
@@ -82,7 +84,7 @@ func QuickSizes() Sizes {
 	return Sizes{
 		Producers: 16, ProducerPhase: 3 * time.Second, Rounds: 1,
 		RelayBacklog: 10_000, ConsumerBacklog: 10_000, ConsumerRounds: 1,
-		Rates: []int{100, 500, 1000}, RatePhase: 4 * time.Second,
+		Rates: []int{100, 500, 1000}, RatePhase: 10 * time.Second,
 		IdleWindow: 10 * time.Second,
 	}
 }

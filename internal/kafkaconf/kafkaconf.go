@@ -52,7 +52,9 @@ func ValidateBrokers(field string, brokers []string) error {
 
 // Producer returns the relay's producer configuration: idempotent, every
 // in-sync replica acknowledges, one request in flight per broker so retries
-// cannot reorder a partition, and records partitioned by key hash.
+// cannot reorder a partition, and records partitioned by key with Kafka's
+// own murmur2 hash (the Java client's, Kafka Streams', franz-go's), so any
+// other producer of the same keys agrees on their partitions.
 func Producer(clientID string) *sarama.Config {
 	c := sarama.NewConfig()
 	c.ClientID = clientID
@@ -64,7 +66,7 @@ func Producer(clientID string) *sarama.Config {
 	c.Producer.Retry.Backoff = 100 * time.Millisecond
 	c.Producer.Return.Successes = true
 	c.Producer.Return.Errors = true
-	c.Producer.Partitioner = sarama.NewHashPartitioner
+	c.Producer.Partitioner = sarama.NewMurmur2Partitioner
 	c.Producer.Flush.Frequency = time.Millisecond
 	c.Producer.Flush.MaxMessages = 1000
 	c.Metadata.Retry.Backoff = 250 * time.Millisecond

@@ -1,0 +1,122 @@
+package main
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/producer"
+)
+
+// relayMaintenance are the `eventline relay` subcommands for moving the
+// database.
+var relayMaintenance = []subcommand{
+	{"rebase-positions", "Re-base relay positions after a restore or cutover to another cluster", relayRebasePositions},
+	{"advance-sequences", "Move aggregate sequences past the versions consumers have seen", relayAdvanceSequences},
+}
+
+func relayRebasePositions(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "relay rebase-positions", "[-dry-run]", `
+Repairs the outbox after it was moved to a PostgreSQL cluster whose
+transaction counter is lower (pg_dump and restore, a logical-replication
+cutover): relay positions and rows then carry transaction ids this cluster has
+not handed out, and nothing is relayed (eventline status warns, and the relay
+logs an error). For every such shard, in one transaction holding the shard's
+read fence: rows from the old cluster are re-based (relayed ones before the
+position, the others after it, in insertion order) and the position is reset,
+so the relay sends what it had not sent, then everything written since.
+Events relayed before the move may be sent again (consumers skip them);
+nothing is lost. Shards that are fine are left alone. Stop the relays first.`)
+	dryRun := fs.Bool("dry-run", false, "report what would change, change nothing")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("rebase-positions takes no arguments, got %q", pos)
+	}
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	res, err := producer.RebasePositions(ctx, pool, globalsOf(ctx).schema, *dryRun)
+	if err != nil {
+		return err
+	}
+	w := stdout(ctx)
+	verb := "re-based"
+	if *dryRun {
+		verb = "would re-base"
+	}
+	n := 0
+	for _, r := range res {
+		if !r.Ahead() {
+			continue
+		}
+		n++
+		fmt.Fprintf(w, "shard %d: %s (position xid %d, newest row xid %d, cluster's next xid %d): %d rows relayed before the move, %d to relay\n",
+			r.Shard, verb, r.Position, r.NewestRow, r.Counter, r.Relayed, r.Pending)
+	}
+	if n == 0 {
+		fmt.Fprintln(w, "every shard's position is behind this cluster's transaction counter: nothing to do")
+	}
+	return nil
+}
+
+func relayAdvanceSequences(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "relay advance-sequences", "[-consumer-database-url URL] [-consumer-schema S] [-dry-run]", `
+Moves every aggregate's producer sequence (aggregate_sequences) up to the
+highest version any consumer group has applied or parked for it. Run it after
+a failover that lost commits (asynchronous replication): the producer's
+sequences rolled back but the consumers did not, and new events would reuse
+versions consumers have already applied, and be discarded as stale.
+Sequences only move up. When the consumers keep their tables in another
+database, give it with -consumer-database-url (and -consumer-schema), and run
+the command once per consumer database.`)
+	consumerURL := fs.String("consumer-database-url", "", "the consumers' database, when it is not the producer's (default: the producer's)")
+	consumerSchema := fs.String("consumer-schema", "", "the consumers' schema (default: -schema)")
+	dryRun := fs.Bool("dry-run", false, "report what would change, change nothing")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	if len(pos) > 0 {
+		return fs.usageErrorf("advance-sequences takes no arguments, got %q", pos)
+	}
+	g := globalsOf(ctx)
+	if *consumerSchema == "" {
+		*consumerSchema = g.schema
+	}
+	if err := sqlident.Validate("-consumer-schema", *consumerSchema); err != nil {
+		return fs.usageErrorf("%v", err)
+	}
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	consumers := pool
+	if *consumerURL != "" {
+		cfg, err := pgxpool.ParseConfig(*consumerURL)
+		if err != nil {
+			return fs.usageErrorf("-consumer-database-url is not a valid PostgreSQL URL: %v", err)
+		}
+		if consumers, err = connectPool(ctx, cfg); err != nil {
+			return err
+		}
+		defer consumers.Close()
+	}
+	res, err := producer.AdvanceSequences(ctx, pool, g.schema, consumers, *consumerSchema, *dryRun)
+	if err != nil {
+		return err
+	}
+	verb := "advanced"
+	if *dryRun {
+		verb = "would advance"
+	}
+	fmt.Fprintf(stdout(ctx), "%s %d of %d aggregate sequences consumers have seen\n", verb, res.Advanced, res.Aggregates)
+	return nil
+}

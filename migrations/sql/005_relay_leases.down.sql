@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS relay_leases;
+DROP TABLE IF EXISTS relay_members;

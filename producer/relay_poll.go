@@ -1,0 +1,196 @@
+package producer
+
+import (
+	"context"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+const (
+	// hotPollInterval is how often the relay looks, in one query, at the
+	// shards that found no rows a moment ago: while the outbox is busy a
+	// shard's next rows are usually a few milliseconds away, and asking
+	// producers to notify (outbox_waiting) would make them serialize their
+	// commits on PostgreSQL's notification lock.
+	hotPollInterval = 2 * time.Millisecond
+	// hotWindow is how long a shard keeps being polled after it last
+	// relayed rows, before it asks for notifications instead.
+	hotWindow = 500 * time.Millisecond
+	// stallPollMax caps the polling interval while every polled shard has
+	// been held back by the xmin horizon for longer than stallFastPhase.
+	stallPollMax   = 20 * time.Millisecond
+	stallFastPhase = 2 * time.Second
+	// stallWarnAfter is how long a stall lasts before the relay warns and
+	// names the transaction holding the horizon.
+	stallWarnAfter = 10 * time.Second
+)
+
+// poller looks at the shards that are waiting for rows with one query per
+// interval, and wakes those that have rows they can read. A shard is
+// "stalled" when it has committed rows it cannot read yet because an older
+// transaction is still open (the xmin horizon); the poller keeps looking,
+// so such rows are read as soon as the horizon passes, which nothing would
+// notify.
+type poller struct {
+	r    *Relay
+	mu   sync.Mutex
+	set  map[int]*shardRunner
+	kick chan struct{}
+	sql  map[string]string // poll statement by shard list
+}
+
+func newPoller(r *Relay) *poller {
+	return &poller{r: r, set: map[int]*shardRunner{}, kick: make(chan struct{}, 1), sql: map[string]string{}}
+}
+
+// watch adds s to the polled shards.
+func (p *poller) watch(s *shardRunner) {
+	p.mu.Lock()
+	p.set[s.shard] = s
+	p.mu.Unlock()
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
+}
+
+// unwatch removes s from the polled shards.
+func (p *poller) unwatch(s *shardRunner) {
+	p.mu.Lock()
+	if p.set[s.shard] == s {
+		delete(p.set, s.shard)
+	}
+	p.mu.Unlock()
+}
+
+func (p *poller) watched() []*shardRunner {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]*shardRunner, 0, len(p.set))
+	for _, s := range p.set {
+		out = append(out, s)
+	}
+	slices.SortFunc(out, func(a, b *shardRunner) int { return a.shard - b.shard })
+	return out
+}
+
+// run polls until ctx ends.
+func (p *poller) run(ctx context.Context) {
+	interval := hotPollInterval
+	t := time.NewTimer(interval)
+	defer t.Stop()
+	for {
+		shards := p.watched()
+		if len(shards) == 0 {
+			select {
+			case <-ctx.Done():
+				return
+			case <-p.kick:
+				interval = hotPollInterval
+				continue
+			}
+		}
+		t.Reset(interval)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		shards = p.watched()
+		if len(shards) == 0 {
+			continue
+		}
+		ready, err := p.poll(ctx, shards)
+		if err != nil {
+			if ctx.Err() == nil {
+				p.r.log.Debug("poll outbox shards", "err", err)
+			}
+			interval = min(2*max(interval, time.Millisecond), stallPollMax)
+			continue
+		}
+		allStalled := true
+		for i, s := range shards {
+			switch ready[i] {
+			case pollReadable:
+				p.unwatch(s)
+				s.unstall()
+				s.notify()
+				allStalled = false
+			case pollHeldBack:
+				if s.stall() < stallFastPhase {
+					allStalled = false
+				}
+			default:
+				s.unstall()
+				allStalled = false
+			}
+		}
+		if allStalled {
+			interval = min(2*interval, stallPollMax)
+		} else {
+			interval = hotPollInterval
+		}
+	}
+}
+
+type pollResult int
+
+const (
+	pollEmpty    pollResult = iota // no row past the position
+	pollReadable                   // the next row can be read
+	pollHeldBack                   // the next row waits behind the xmin horizon
+)
+
+// poll reports, for each shard, whether the row after its position exists
+// and can be read: one index probe per shard, in one statement.
+func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult, error) {
+	keys := make([]string, len(shards))
+	for i, s := range shards {
+		keys[i] = strconv.Itoa(s.shard)
+	}
+	key := strings.Join(keys, ",")
+	q, ok := p.sql[key]
+	if !ok {
+		parts := make([]string, len(shards))
+		for i, s := range shards {
+			messages := sqlident.Qualify(p.r.cfg.Schema, outbox.Table(s.shard))
+			offsets := sqlident.Qualify(p.r.cfg.Schema, outbox.OffsetsTable(s.shard))
+			// LATERAL makes the position a parameter of the index scan:
+			// a plain join would filter every row from the start.
+			parts[i] = `(SELECT x.readable FROM ` + offsets + ` o CROSS JOIN LATERAL (
+				SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) AS readable FROM ` + messages + ` m
+				WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
+				WHERE o.consumer_group = $1)`
+		}
+		q = `SELECT ARRAY[` + strings.Join(parts, ", ") + `]::bool[]`
+		if len(p.sql) > 256 {
+			clear(p.sql)
+		}
+		p.sql[key] = q
+	}
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var res []*bool
+	if err := p.r.pool.QueryRow(qctx, q, outbox.RelayConsumerGroup).Scan(&res); err != nil {
+		return nil, err
+	}
+	out := make([]pollResult, len(shards))
+	for i := range shards {
+		switch {
+		case i >= len(res) || res[i] == nil:
+			out[i] = pollEmpty
+		case *res[i]:
+			out[i] = pollReadable
+		default:
+			out[i] = pollHeldBack
+		}
+	}
+	return out, nil
+}

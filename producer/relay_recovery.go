@@ -1,0 +1,266 @@
+package producer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+// Moving an outbox to another PostgreSQL cluster (pg_dump and restore, a
+// logical-replication cutover) keeps the rows' transaction_id and the
+// relays' positions, which are transaction ids of the old cluster. When the
+// new cluster's transaction counter is lower, rows written there sort below
+// the stored position and are never relayed, and the old rows that were not
+// relayed yet stay invisible (above the new cluster's xmin horizon): the
+// relay stops without an error. This file detects that and re-bases the
+// positions.
+
+// ErrPositionAhead is wrapped by the errors RebasePositions and the relay
+// report for a shard whose position or rows carry transaction ids this
+// cluster has not handed out yet.
+var ErrPositionAhead = errors.New("eventline: outbox position is ahead of this cluster's transaction ids (the outbox was restored or replicated from another cluster)")
+
+// PositionCheck compares a shard's relay position and newest row with the
+// cluster's transaction counter.
+type PositionCheck struct {
+	Shard int
+	// Position is the relay's position: the transaction id of the last row
+	// relayed (0 before the first).
+	Position uint64
+	// NewestRow is the highest transaction id among the shard's rows.
+	NewestRow uint64
+	// Counter is the next transaction id this cluster will hand out
+	// (pg_snapshot_xmax of a fresh snapshot).
+	Counter uint64
+}
+
+// Ahead reports whether the position or a row carries a transaction id
+// this cluster has not handed out: the outbox was moved from a cluster
+// with a higher counter, and the shard needs RebasePositions.
+func (c PositionCheck) Ahead() bool { return c.Position >= c.Counter || c.NewestRow >= c.Counter }
+
+// positionCheckSQL returns position, newest row and counter of one shard.
+func positionCheckSQL(schema string, shard int) string {
+	return `SELECT COALESCE((SELECT last_processed_transaction_id::text FROM ` + sqlident.Qualify(schema, outbox.OffsetsTable(shard)) + `
+			WHERE consumer_group = $1), '0'),
+		COALESCE((SELECT max(transaction_id)::text FROM ` + sqlident.Qualify(schema, outbox.Table(shard)) + `), '0'),
+		pg_snapshot_xmax(pg_current_snapshot())::text`
+}
+
+// CheckPositions compares every shard's position and rows with the
+// cluster's transaction counter; see PositionCheck.Ahead.
+func CheckPositions(ctx context.Context, db DBTX, schema string) ([]PositionCheck, error) {
+	if err := sqlident.Validate("schema", schema); err != nil {
+		return nil, err
+	}
+	shards, err := ReadShardCount(ctx, db, schema)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]PositionCheck, 0, shards)
+	for shard := 0; shard < shards; shard++ {
+		c, err := checkPosition(ctx, db, schema, shard)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, c)
+	}
+	return out, nil
+}
+
+func checkPosition(ctx context.Context, db DBTX, schema string, shard int) (PositionCheck, error) {
+	c := PositionCheck{Shard: shard}
+	var pos, newest, counter string
+	if err := db.QueryRow(ctx, positionCheckSQL(schema, shard), outbox.RelayConsumerGroup).Scan(&pos, &newest, &counter); err != nil {
+		return c, fmt.Errorf("check shard %d position: %w", shard, err)
+	}
+	c.Position, _ = strconv.ParseUint(pos, 10, 64)
+	c.NewestRow, _ = strconv.ParseUint(newest, 10, 64)
+	c.Counter, _ = strconv.ParseUint(counter, 10, 64)
+	return c, nil
+}
+
+// RebaseResult is what RebasePositions did (or would do) to one shard.
+type RebaseResult struct {
+	PositionCheck
+	// Relayed counts rows from the old cluster that were relayed before
+	// the move (at or before the position); they keep being treated as
+	// relayed.
+	Relayed int64
+	// Pending counts rows from the old cluster that were not relayed yet;
+	// they are relayed first, in insertion order.
+	Pending int64
+}
+
+// RebasePositions repairs the shards whose position or rows are ahead of
+// this cluster's transaction counter (see CheckPositions), each in one
+// transaction holding the shard's read fence, so a running relay waits:
+//
+//   - rows carrying a transaction id this cluster has not handed out get
+//     transaction id 0 if they were relayed before the move, 1 if not;
+//   - the position becomes (0, the highest offset among rows now at 0).
+//
+// Afterwards the relay sends the old rows it had not sent (in insertion
+// order), then every row written on this cluster. Rows relayed before the
+// move whose transaction id is below this cluster's counter are sent
+// again: consumers skip them as duplicates. Nothing is lost. Shards that
+// are not ahead are left alone. With dryRun it only reports.
+func RebasePositions(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, schema string, dryRun bool) ([]RebaseResult, error) {
+	if err := sqlident.Validate("schema", schema); err != nil {
+		return nil, err
+	}
+	var shards int
+	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		var err error
+		shards, err = ReadShardCount(ctx, tx, schema)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	fenceNS := lockNamespace(schema + ":fence")
+	var out []RebaseResult
+	for shard := 0; shard < shards; shard++ {
+		var res RebaseResult
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int, $2::int)`, fenceNS, shard); err != nil {
+				return fmt.Errorf("take shard %d's read fence: %w", shard, err)
+			}
+			c, err := checkPosition(ctx, tx, schema, shard)
+			if err != nil {
+				return err
+			}
+			res.PositionCheck = c
+			if !c.Ahead() {
+				return nil
+			}
+			messages := sqlident.Qualify(schema, outbox.Table(shard))
+			offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
+			// Classify by the original ids, then move them, in one statement.
+			err = tx.QueryRow(ctx, `WITH pos AS (
+					SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM `+offsets+` WHERE consumer_group = $1
+				), moved AS (
+					UPDATE `+messages+` m
+					SET transaction_id = CASE WHEN pos.xid IS NOT NULL AND (m.transaction_id, m."offset") <= (pos.xid, pos.off) THEN '0'::xid8 ELSE '1'::xid8 END
+					FROM (SELECT 1) one LEFT JOIN pos ON true
+					WHERE m.transaction_id >= $2::text::xid8
+					RETURNING m.transaction_id = '0'::xid8 AS relayed
+				)
+				SELECT count(*) FILTER (WHERE relayed), count(*) FILTER (WHERE NOT relayed) FROM moved`,
+				outbox.RelayConsumerGroup, strconv.FormatUint(c.Counter, 10)).Scan(&res.Relayed, &res.Pending)
+			if err != nil {
+				return fmt.Errorf("re-base shard %d rows: %w", shard, err)
+			}
+			_, err = tx.Exec(ctx, `INSERT INTO `+offsets+` (consumer_group, offset_acked, last_processed_transaction_id)
+				VALUES ($1, COALESCE((SELECT max("offset") FROM `+messages+` WHERE transaction_id = '0'::xid8), 0), '0')
+				ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id`,
+				outbox.RelayConsumerGroup)
+			if err != nil {
+				return fmt.Errorf("re-base shard %d position: %w", shard, err)
+			}
+			if dryRun {
+				return errDryRun
+			}
+			return nil
+		})
+		if err != nil && !errors.Is(err, errDryRun) {
+			return out, err
+		}
+		out = append(out, res)
+	}
+	return out, nil
+}
+
+var errDryRun = errors.New("dry run")
+
+// SequenceAdvance is what AdvanceSequences did (or would do).
+type SequenceAdvance struct {
+	// Aggregates counts the aggregates consumers have seen.
+	Aggregates int64
+	// Advanced counts those whose sequence was behind and was moved up.
+	Advanced int64
+}
+
+// AdvanceSequences moves every aggregate's producer sequence
+// (aggregate_sequences) up to the highest version any consumer group has
+// applied or parked for it, so the producer never hands out a version
+// consumers have already seen. Run it after a failover that lost commits
+// (asynchronous replication): the outbox and the sequences rolled back,
+// the consumers did not, and new events would otherwise reuse versions the
+// consumers discard as stale.
+//
+// consumerDB and consumerSchema hold the consumer groups' aggregate_versions
+// and parked_events: the producer's own database and schema when producer
+// and consumers share one, or the consumers' database otherwise (run it
+// once per consumer database). Sequences only ever move up. With dryRun
+// nothing is written.
+func AdvanceSequences(ctx context.Context, producerDB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, schema string, consumerDB DBTX, consumerSchema string, dryRun bool) (SequenceAdvance, error) {
+	var res SequenceAdvance
+	if err := sqlident.Validate("schema", schema); err != nil {
+		return res, err
+	}
+	if err := sqlident.Validate("consumer schema", consumerSchema); err != nil {
+		return res, err
+	}
+	rows, err := consumerDB.Query(ctx, `SELECT aggregate_type, aggregate_id, max(version) FROM (
+			SELECT aggregate_type, aggregate_id, version FROM `+sqlident.Qualify(consumerSchema, "aggregate_versions")+`
+			UNION ALL
+			SELECT aggregate_type, aggregate_id, aggregate_version FROM `+sqlident.Qualify(consumerSchema, "parked_events")+`
+		) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`)
+	if err != nil {
+		return res, fmt.Errorf("read the versions consumers have seen: %w", err)
+	}
+	var types, ids []string
+	var versions []int64
+	for rows.Next() {
+		var typ, id string
+		var v int64
+		if err := rows.Scan(&typ, &id, &v); err != nil {
+			rows.Close()
+			return res, err
+		}
+		types, ids, versions = append(types, typ), append(ids, id), append(versions, v)
+	}
+	if err := rows.Err(); err != nil {
+		return res, fmt.Errorf("read the versions consumers have seen: %w", err)
+	}
+	res.Aggregates = int64(len(types))
+	const chunk = 10_000
+	err = pgx.BeginFunc(ctx, producerDB, func(tx pgx.Tx) error {
+		for start := 0; start < len(types); start += chunk {
+			end := min(start+chunk, len(types))
+			var n int64
+			err := tx.QueryRow(ctx, `WITH seen AS (
+					SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(aggregate_type, aggregate_id, version)
+				), up AS (
+					INSERT INTO `+sqlident.Qualify(schema, "aggregate_sequences")+` AS q (aggregate_type, aggregate_id, version)
+					SELECT aggregate_type, aggregate_id, version FROM seen
+					ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = excluded.version
+					WHERE q.version < excluded.version
+					RETURNING 1
+				) SELECT count(*) FROM up`, types[start:end], ids[start:end], versions[start:end]).Scan(&n)
+			if err != nil {
+				return fmt.Errorf("advance aggregate sequences: %w", err)
+			}
+			res.Advanced += n
+		}
+		if dryRun {
+			return errDryRun
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, errDryRun) {
+		return res, err
+	}
+	return res, nil
+}
