@@ -22,6 +22,7 @@ func ExampleAll() {
 	// 002_consumer
 	// 003_consumer_gate
 	// 004_consumer_dead_letters
+	// 005_aggregate_topic
 }
 
 // Applying the schema from a service's start-up code, before producers or
