@@ -175,3 +175,20 @@ func FuzzDecode(f *testing.F) {
 		}
 	})
 }
+
+// W3C trace headers other than traceparent travel as ordinary metadata:
+// the producer writes the caller's baggage and tracestate there.
+func TestBaggageAndTraceStateRoundTripAsMetadata(t *testing.T) {
+	in := eventline.Event{
+		ID: "evt-1", Type: "t", AggregateType: "a", AggregateID: "1", AggregateVersion: 1, Payload: []byte(`{}`),
+		TraceParent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+		Metadata:    map[string]string{"baggage": "tenant=acme,user=b%20c;p=1", "tracestate": "vendor=abc"},
+	}
+	msg, err := eventline.Encode(in)
+	require.NoError(t, err)
+	require.Equal(t, "tenant=acme,user=b%20c;p=1", msg.Metadata.Get("baggage"))
+	out, err := eventline.Decode(msg)
+	require.NoError(t, err)
+	require.Equal(t, in.Metadata, out.Metadata)
+	require.Equal(t, in.TraceParent, out.TraceParent)
+}
