@@ -96,7 +96,9 @@ type Event struct {
 	// Payload is the event body.
 	Payload []byte
 	// Metadata holds extra key/value pairs that travel with the event. Keys
-	// must not collide with the Meta* keys above.
+	// must not collide with the Meta* keys above. The W3C trace headers
+	// other than traceparent (tracestate, baggage) travel here: the
+	// producer adds the caller's when it captures the trace context.
 	Metadata map[string]string
 	// Topic is the Kafka topic the event is published to. Producers fall
 	// back to their configured default topic when it is empty. It is not
