@@ -103,7 +103,11 @@ func TestPublishTxVersionRulesProperty(t *testing.T) {
 				require.NoError(rt, err, "call %d: %v", call, steps)
 			}
 			for i, e := range written {
-				require.Equal(rt, want[i], [2]int64{e.AggregateVersion, e.PreviousVersion}, "call %d event %d: %v", call, i, steps)
+				w := want[i]
+				if w[1] == 0 && w[0] > 1 {
+					w[1] = eventline.NoPreviousVersion // follows version 0 (the record says "0")
+				}
+				require.Equal(rt, w, [2]int64{e.AggregateVersion, e.PreviousVersion}, "call %d event %d: %v", call, i, steps)
 			}
 			if rollback {
 				continue

@@ -7,6 +7,8 @@ import (
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline"
 )
 
 // aggResult is what the publish statement says about one aggregate.
@@ -300,6 +302,10 @@ func (pl *plan) fill(res []aggResult) {
 				e.PreviousVersion = pl.evPrev[i]
 			} else {
 				e.PreviousVersion = base + pl.evRel[i] - 1
+			}
+			if e.PreviousVersion == 0 && e.AggregateVersion > 1 {
+				// The record says it follows version 0.
+				e.PreviousVersion = eventline.NoPreviousVersion
 			}
 		}
 	}
