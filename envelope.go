@@ -30,7 +30,10 @@ func Encode(e Event) (*message.Message, error) {
 	md[MetaAggregateID] = e.AggregateID
 	if e.AggregateVersion > 0 {
 		md[MetaAggregateVersion] = strconv.FormatInt(e.AggregateVersion, 10)
-		if e.PreviousVersion > 0 && e.PreviousVersion != e.AggregateVersion-1 {
+		switch {
+		case e.PreviousVersion == NoPreviousVersion && e.AggregateVersion > 1:
+			md[MetaPreviousVersion] = "0"
+		case e.PreviousVersion > 0 && e.PreviousVersion != e.AggregateVersion-1:
 			md[MetaPreviousVersion] = strconv.FormatInt(e.PreviousVersion, 10)
 		}
 	}
@@ -77,7 +80,8 @@ func (e Event) WithDefaults(now time.Time) Event {
 // on bad input. A nil payload decodes as an empty one.
 //
 // PreviousVersion is taken from the record when present (it must be below
-// the aggregate version), else it is AggregateVersion-1.
+// the aggregate version; 0 there, for a version above 1, decodes as
+// [NoPreviousVersion]), else it is AggregateVersion-1.
 //
 // The topic is taken from the message context when a Watermill Router
 // delivered it.
@@ -146,6 +150,9 @@ func Decode(msg *message.Message) (Event, error) {
 				Reason: "must be a non-negative integer below aggregate_version, on a versioned event"}
 		}
 		e.PreviousVersion = n
+		if n == 0 && e.AggregateVersion > 1 {
+			e.PreviousVersion = NoPreviousVersion
+		}
 	}
 	if v := md.Get(MetaOccurredAt); v != "" {
 		t, err := time.Parse(time.RFC3339Nano, v)

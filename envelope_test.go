@@ -175,3 +175,58 @@ func FuzzDecode(f *testing.F) {
 		}
 	})
 }
+
+// W3C trace headers other than traceparent travel as ordinary metadata:
+// the producer writes the caller's baggage and tracestate there.
+func TestBaggageAndTraceStateRoundTripAsMetadata(t *testing.T) {
+	in := eventline.Event{
+		ID: "evt-1", Type: "t", AggregateType: "a", AggregateID: "1", AggregateVersion: 1, Payload: []byte(`{}`),
+		TraceParent: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+		Metadata:    map[string]string{"baggage": "tenant=acme,user=b%20c;p=1", "tracestate": "vendor=abc"},
+	}
+	msg, err := eventline.Encode(in)
+	require.NoError(t, err)
+	require.Equal(t, "tenant=acme,user=b%20c;p=1", msg.Metadata.Get("baggage"))
+	out, err := eventline.Decode(msg)
+	require.NoError(t, err)
+	require.Equal(t, in.Metadata, out.Metadata)
+	require.Equal(t, in.TraceParent, out.TraceParent)
+}
+
+// A first event numbered above 1 follows no version: NoPreviousVersion in
+// the Event, "0" on the wire, and back.
+func TestNoPreviousVersionRoundTrips(t *testing.T) {
+	base := eventline.Event{ID: "e", Type: "t", AggregateType: "a", AggregateID: "1", AggregateVersion: 5, Payload: []byte(`{}`)}
+	first := base
+	first.PreviousVersion = eventline.NoPreviousVersion
+	msg, err := eventline.Encode(first)
+	require.NoError(t, err)
+	require.Equal(t, "0", msg.Metadata.Get(eventline.MetaPreviousVersion))
+	out, err := eventline.Decode(msg)
+	require.NoError(t, err)
+	require.Equal(t, eventline.NoPreviousVersion, out.PreviousVersion)
+
+	// Not set: the version before, nothing on the wire.
+	msg, err = eventline.Encode(base)
+	require.NoError(t, err)
+	require.NotContains(t, msg.Metadata, eventline.MetaPreviousVersion)
+	out, err = eventline.Decode(msg)
+	require.NoError(t, err)
+	require.EqualValues(t, 4, out.PreviousVersion)
+
+	// For version 1, following nothing is the normal case.
+	one := first
+	one.AggregateVersion = 1
+	msg, err = eventline.Encode(one)
+	require.NoError(t, err)
+	require.NotContains(t, msg.Metadata, eventline.MetaPreviousVersion)
+
+	noVersion := first
+	noVersion.AggregateVersion = 0
+	_, err = eventline.Encode(noVersion)
+	require.ErrorIs(t, err, eventline.ErrInvalidEvent)
+	below := base
+	below.PreviousVersion = -2
+	_, err = eventline.Encode(below)
+	require.ErrorIs(t, err, eventline.ErrInvalidEvent)
+}

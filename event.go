@@ -31,6 +31,14 @@ const (
 	MetaContentType     = "content_type"
 )
 
+// NoPreviousVersion, as Event.PreviousVersion, says that the event follows
+// no version of its aggregate although its AggregateVersion is above 1: it
+// is the aggregate's first event, numbered from a version the aggregate had
+// before it was published (a supplied version, with gaps allowed). On the
+// wire it is aggregate_previous_version "0"; it exists because 0 in
+// Event.PreviousVersion means "not set".
+const NoPreviousVersion int64 = -1
+
 // ContentTypeJSON is the default payload content type. Payloads declared as
 // JSON are checked to be valid JSON before they are written.
 const ContentTypeJSON = "application/json"
@@ -82,7 +90,11 @@ type Event struct {
 	// follows. [Decode] always sets it: from the record when the producer
 	// wrote it, else AggregateVersion-1 (versions without holes, the
 	// normal case). On publish it is set by the producer; [Encode] writes
-	// it only when it is not AggregateVersion-1.
+	// it only when it is not AggregateVersion-1. 0 means "not set" (that
+	// is, AggregateVersion-1) on an event built in code; an event that
+	// follows no version although its AggregateVersion is above 1 (the
+	// first event of an aggregate whose numbering starts higher) says so
+	// with [NoPreviousVersion].
 	PreviousVersion int64
 	// OccurredAt is when the event happened. Defaults to the publish time.
 	OccurredAt time.Time
@@ -96,7 +108,9 @@ type Event struct {
 	// Payload is the event body.
 	Payload []byte
 	// Metadata holds extra key/value pairs that travel with the event. Keys
-	// must not collide with the Meta* keys above.
+	// must not collide with the Meta* keys above. The W3C trace headers
+	// other than traceparent (tracestate, baggage) travel here: the
+	// producer adds the caller's when it captures the trace context.
 	Metadata map[string]string
 	// Topic is the Kafka topic the event is published to. Producers fall
 	// back to their configured default topic when it is empty. It is not
@@ -174,8 +188,12 @@ func (e Event) Validate() error {
 	if e.AggregateVersion < 0 {
 		return &InvalidEventError{Field: "aggregate_version", Value: fmt.Sprint(e.AggregateVersion), Reason: "must not be negative"}
 	}
-	if e.PreviousVersion < 0 || (e.PreviousVersion > 0 && e.PreviousVersion >= e.AggregateVersion) {
-		return &InvalidEventError{Field: MetaPreviousVersion, Value: fmt.Sprint(e.PreviousVersion), Reason: "must be below aggregate_version and not negative"}
+	switch {
+	case e.PreviousVersion == NoPreviousVersion && e.AggregateVersion == 0:
+		return &InvalidEventError{Field: MetaPreviousVersion, Value: fmt.Sprint(e.PreviousVersion), Reason: "NoPreviousVersion needs an aggregate version"}
+	case e.PreviousVersion < NoPreviousVersion || (e.PreviousVersion > 0 && e.PreviousVersion >= e.AggregateVersion):
+		return &InvalidEventError{Field: MetaPreviousVersion, Value: fmt.Sprint(e.PreviousVersion),
+			Reason: "must be below aggregate_version and not negative (or NoPreviousVersion)"}
 	}
 	if err := checkText("correlation_id", e.CorrelationID); err != nil {
 		return err

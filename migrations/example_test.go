@@ -23,6 +23,7 @@ func ExampleAll() {
 	// 003_consumer_gate
 	// 004_consumer_dead_letters
 	// 005_relay_leases
+	// 006_aggregate_topic
 }
 
 // Applying the schema from a service's start-up code, before producers or

@@ -1,10 +1,14 @@
 // Package producer is the writing half of eventline: the transactional
 // outbox and the relay that empties it into Kafka.
 //
-// [Producer.PublishTx] writes events in the caller's own pgx transaction
-// through watermill-sql's publisher, wrapped in Watermill's forwarder
-// envelope. Events are spread over the outbox's shards by a stable hash of
-// their aggregate, so one aggregate's events always share a shard.
+// [Producer.PublishTx] writes events in the caller's own pgx transaction,
+// in one round trip, as rows in watermill-sql's table format holding
+// Watermill's forwarder envelope (what watermill-sql's publisher wrapped in
+// a forwarder publisher would store). Events are spread over the outbox's
+// shards by a stable hash of their aggregate, so one aggregate's events
+// always share a shard; they all go to one Kafka topic, and their versions
+// follow each other (see PublishTx for the rules, and [DefaultMaxMessageBytes]
+// for the size limit shared with the relay).
 //
 // The [Relay] runs one Watermill forwarder per shard it owns, moving rows to
 // Kafka keyed by aggregate id (partitioned with Kafka's own murmur2 hash).

@@ -5,13 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"time"
 
-	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
-	"github.com/ThreeDotsLabs/watermill/components/forwarder"
-	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/outbox"
@@ -35,6 +35,38 @@ type Config struct {
 	// DefaultTopic is the Kafka topic for events whose Topic is empty. When
 	// it is empty too, every event must name its topic.
 	DefaultTopic string
+	// AllowVersionGaps lets a supplied AggregateVersion skip versions: any
+	// version above the aggregate's last one is accepted, and the event
+	// records the version it follows (Event.PreviousVersion, metadata
+	// aggregate_previous_version), so consumers apply it right after that
+	// one instead of waiting for the skipped numbers. Turn it on when
+	// versions come from a store whose numbering is sparse by design.
+	// Defaults to false: a supplied version must be exactly the next one,
+	// and a jump fails with *VersionGapError.
+	AllowVersionGaps bool
+	// MaxMessageBytes is the largest Kafka record (as Sarama sizes it, see
+	// EncodedRecordSize) an event may become; a larger event fails with
+	// *EventTooLargeError before anything is written. Set the relay's
+	// RelayConfig.MaxMessageBytes to the same value. Defaults to
+	// DefaultMaxMessageBytes (1 MiB).
+	MaxMessageBytes int
+	// SchemaVersions declares the current payload schema version of each
+	// event type this producer writes. Events of a declared type published
+	// with SchemaVersion 0 get the declared version; a SchemaVersion above
+	// it fails with *SchemaVersionError. Events of other types default to
+	// SchemaVersion 1. Defaults to none declared.
+	SchemaVersions map[string]int
+	// Propagator writes the caller's trace context (the span and baggage
+	// in PublishTx's ctx) into each event that has no TraceParent: the
+	// traceparent header becomes Event.TraceParent, the others (tracestate,
+	// baggage) event metadata the caller did not set. When ctx holds no
+	// valid span context and no baggage, nothing is written and the
+	// propagator is not called. Defaults to OpenTelemetry's global
+	// propagator (otel.GetTextMapPropagator, looked up at each call), which
+	// writes nothing until the application sets one, typically
+	// propagation.NewCompositeTextMapPropagator(propagation.TraceContext{},
+	// propagation.Baggage{}).
+	Propagator propagation.TextMapPropagator
 	// Logger receives debug logs. Defaults to slog.Default().
 	Logger *slog.Logger
 }
@@ -43,9 +75,14 @@ func (c Config) withDefaults() Config {
 	if c.Schema == "" {
 		c.Schema = migrations.DefaultSchema
 	}
+	if c.MaxMessageBytes == 0 {
+		c.MaxMessageBytes = DefaultMaxMessageBytes
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
+	// A copy: the caller may go on changing its map.
+	c.SchemaVersions = maps.Clone(c.SchemaVersions)
 	return c
 }
 
@@ -58,8 +95,21 @@ func (c Config) validate() error {
 			return fmt.Errorf("producer.Config.DefaultTopic: %w", err)
 		}
 	}
+	if c.MaxMessageBytes < minMaxMessageBytes || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
+		return fmt.Errorf("producer.Config.MaxMessageBytes must be between %d and %d bytes (0 means the default, %d), got %d",
+			minMaxMessageBytes, sarama.MaxRequestSize-1, DefaultMaxMessageBytes, c.MaxMessageBytes)
+	}
+	for typ, v := range c.SchemaVersions {
+		if v < 1 {
+			return fmt.Errorf("producer.Config.SchemaVersions[%q] must be at least 1, got %d", typ, v)
+		}
+	}
 	return nil
 }
+
+// minMaxMessageBytes is the smallest MaxMessageBytes accepted: room for the
+// envelope's headers of a small event.
+const minMaxMessageBytes = 1024
 
 // ErrNotMigrated is returned by New when the schema has no outbox.
 var ErrNotMigrated = errors.New("eventline: outbox schema is not migrated")
@@ -69,11 +119,7 @@ var ErrNotMigrated = errors.New("eventline: outbox schema is not migrated")
 type Producer struct {
 	cfg    Config
 	shards int
-	sql    producerSQL
-	// wsqlConfig is watermill-sql's publisher configuration for the shard
-	// tables. AutoInitializeSchema stays off: no DDL ever runs in a
-	// caller's transaction.
-	wsqlConfig wsql.PublisherConfig
+	stmts  *statements
 }
 
 // New returns a Producer for the outbox in cfg.Schema, reading its shard
@@ -88,12 +134,7 @@ func New(ctx context.Context, db DBTX, cfg Config) (*Producer, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Producer{
-		cfg:        cfg,
-		shards:     shards,
-		sql:        newProducerSQL(cfg.Schema),
-		wsqlConfig: wsql.PublisherConfig{SchemaAdapter: outbox.SchemaAdapter(cfg.Schema, 0)},
-	}, nil
+	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema)}, nil
 }
 
 // ReadShardCount returns the number of outbox shards recorded in schema.
@@ -120,23 +161,46 @@ func (p *Producer) ShardFor(aggregateType, aggregateID string) int {
 
 // PublishTx writes events into the outbox inside tx, the caller's own
 // transaction. They become visible to the relay when tx commits and vanish
-// with it on rollback: the business rows and their events are atomic.
+// with it on rollback: the business rows and their events are atomic. It
+// costs one round trip to PostgreSQL however many events it writes.
 //
-// Every event is validated before any SQL runs; an invalid event fails the
-// whole call with an error wrapping *eventline.InvalidEventError and leaves
-// tx untouched and usable. Events without an AggregateVersion get the next
-// version of their aggregate, allocated in tx (concurrent writers of one
-// aggregate wait for each other's commit). A supplied version that is not
-// greater than the aggregate's last one fails with *VersionConflictError,
-// also leaving tx usable. Events of one aggregate keep the order given.
+// Before any SQL runs, every event is checked; an event that is invalid
+// (*eventline.InvalidEventError, which covers NUL bytes and invalid UTF-8
+// in metadata), too large for Kafka (*EventTooLargeError, see
+// Config.MaxMessageBytes), of an undeclared schema version
+// (*SchemaVersionError) or inconsistent with the call's other events of its
+// aggregate fails the whole call and leaves tx untouched.
+//
+// Versions. Events without an AggregateVersion get the next versions of
+// their aggregate, allocated in tx: concurrent writers of one aggregate
+// wait for each other's commit, and every aggregate of a call is locked in
+// one pass in (aggregate type, id) order, so concurrent calls never
+// deadlock on each other. A supplied version must be the aggregate's next
+// one (its last version plus one, counting the events before it in the
+// call): a lower one fails with *VersionConflictError, a higher one with
+// *VersionGapError unless Config.AllowVersionGaps is set. Every event
+// records the version it follows (Event.PreviousVersion); it is written to
+// the envelope when it is not AggregateVersion-1. Events of one aggregate
+// keep the order given.
+//
+// Topics. All events of one aggregate go to one Kafka topic, the topic of
+// the first event published for it (recorded with its sequence), so a
+// consumer of that topic sees every version. An event for another topic
+// fails with *TopicConflictError.
+//
+// These conflicts are found in the database and reported without writing
+// anything; tx stays usable. Other database errors abort tx as usual.
+//
+// Tracing. When ctx carries a span context or baggage, events without a
+// TraceParent get the caller's trace context (see Config.Propagator).
 func (p *Producer) PublishTx(ctx context.Context, tx pgx.Tx, events ...eventline.Event) error {
 	_, err := p.PublishTxReturning(ctx, tx, events...)
 	return err
 }
 
-// PublishTxReturning is PublishTx, returning the events as written: with
-// their ids, aggregate versions, topics and occurred_at filled in, in the
-// order given.
+// PublishTxReturning is PublishTx, returning the events as written, in the
+// order given: with their ids, aggregate versions, previous versions,
+// schema versions, topics, trace context and occurred_at filled in.
 func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...eventline.Event) ([]eventline.Event, error) {
 	if tx == nil {
 		return nil, errors.New("eventline: PublishTx needs a transaction, got nil")
@@ -144,37 +208,14 @@ func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...
 	if len(events) == 0 {
 		return nil, nil
 	}
-	prepared, err := p.prepare(events, time.Now())
+	pl, err := p.prepare(events, time.Now(), p.traceHeaders(ctx))
 	if err != nil {
 		return nil, err
 	}
-	if !anySupplied(prepared) {
-		if err := p.assignVersions(ctx, tx, prepared); err != nil {
-			return nil, err
-		}
-		return prepared, p.insert(ctx, tx, prepared)
-	}
-	// A supplied version can conflict after other aggregates' sequences
-	// moved; a savepoint undoes them so tx stays clean and usable.
-	err = pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
-		if err := p.assignVersions(ctx, sp, prepared); err != nil {
-			return err
-		}
-		return p.insert(ctx, sp, prepared)
-	})
-	if err != nil {
+	if err := p.write(ctx, tx, pl); err != nil {
 		return nil, err
 	}
-	return prepared, nil
-}
-
-func anySupplied(events []eventline.Event) bool {
-	for _, e := range events {
-		if e.AggregateVersion != 0 {
-			return true
-		}
-	}
-	return false
+	return pl.events, nil
 }
 
 // Publish writes events in a transaction of its own, for events that have
@@ -185,73 +226,4 @@ func (p *Producer) Publish(ctx context.Context, db interface {
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return p.PublishTx(ctx, tx, events...) })
 }
 
-// prepare validates events and fills in their defaults, without SQL.
-func (p *Producer) prepare(events []eventline.Event, now time.Time) ([]eventline.Event, error) {
-	out := make([]eventline.Event, len(events))
-	lastSupplied := map[aggregateKey]int64{}
-	for i, e := range events {
-		if e.Topic == "" {
-			e.Topic = p.cfg.DefaultTopic
-		}
-		if e.Topic == "" {
-			return nil, fmt.Errorf("event %d: %w", i, &eventline.InvalidEventError{Field: "topic", Reason: "must not be empty: set Event.Topic or producer.Config.DefaultTopic"})
-		}
-		if err := e.Validate(); err != nil {
-			return nil, fmt.Errorf("event %d: %w", i, err)
-		}
-		if e.AggregateVersion > 0 {
-			k := aggregateKey{e.AggregateType, e.AggregateID}
-			if prev, ok := lastSupplied[k]; ok && e.AggregateVersion <= prev {
-				return nil, fmt.Errorf("event %d: %w", i, &eventline.InvalidEventError{
-					Field: "aggregate_version", Value: fmt.Sprint(e.AggregateVersion),
-					Reason: fmt.Sprintf("must be greater than version %d given earlier in the same call", prev),
-				})
-			}
-			lastSupplied[k] = e.AggregateVersion
-		}
-		out[i] = e.WithDefaults(now)
-	}
-	return out, nil
-}
-
-// insert writes the events through watermill-sql's publisher on the
-// caller's transaction, wrapped in Watermill's forwarder envelope so the
-// relay (a forwarder) knows each event's Kafka topic. Consecutive events
-// with the same shard and topic share one INSERT; the order of one
-// aggregate's events is kept.
-func (p *Producer) insert(ctx context.Context, tx pgx.Tx, events []eventline.Event) error {
-	sqlPub, err := wsql.NewPublisher(wsql.TxFromPgx(tx), p.wsqlConfig, nil)
-	if err != nil {
-		return fmt.Errorf("create outbox publisher: %w", err)
-	}
-	// One run per (shard, topic) stretch; a shard's runs keep event order.
-	type run struct {
-		shard int
-		topic string
-		msgs  []*message.Message
-	}
-	var runs []*run
-	open := make(map[int]*run, 4) // the current run of each shard
-	for _, e := range events {
-		msg, err := eventline.Encode(e)
-		if err != nil {
-			return err // unreachable: prepare validated every event
-		}
-		msg.SetContext(ctx)
-		shard := p.ShardFor(e.AggregateType, e.AggregateID)
-		r := open[shard]
-		if r == nil || r.topic != e.Topic {
-			r = &run{shard: shard, topic: e.Topic}
-			open[shard] = r
-			runs = append(runs, r)
-		}
-		r.msgs = append(r.msgs, msg)
-	}
-	for _, r := range runs {
-		pub := forwarder.NewPublisher(sqlPub, forwarder.PublisherConfig{ForwarderTopic: outbox.Topic(r.shard)})
-		if err := pub.Publish(r.topic, r.msgs...); err != nil {
-			return fmt.Errorf("write %d event(s) to outbox shard %d: %w", len(r.msgs), r.shard, err)
-		}
-	}
-	return nil
-}
+type aggregateKey struct{ typ, id string }

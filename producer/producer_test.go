@@ -146,12 +146,15 @@ func TestPublishTxAssignsAndChecksVersions(t *testing.T) {
 	require.Equal(t, "orders", written[0].Topic)
 	require.NoError(t, tx0.Rollback(ctx)) // it holds b's sequence row until it ends
 
-	// A supplied version above the last one is accepted and advances the
+	// A supplied version that is the next one is accepted and advances the
 	// sequence; the next automatic version follows it.
 	s := orderEvent(t, "a")
+	s.AggregateVersion = 3
+	require.NoError(t, p.Publish(ctx, env.Pool, s, orderEvent(t, "a")))
+	s = orderEvent(t, "a")
 	s.AggregateVersion = 5
 	require.NoError(t, p.Publish(ctx, env.Pool, s, orderEvent(t, "a")))
-	require.Equal(t, []int64{1, 2, 5, 6}, versionsOf(t, env, "a"))
+	require.Equal(t, []int64{1, 2, 3, 4, 5, 6}, versionsOf(t, env, "a"))
 
 	// A supplied version that is not greater fails with the numbers, and
 	// leaves the transaction usable with nothing written.

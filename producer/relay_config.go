@@ -40,13 +40,6 @@ const (
 	DefaultCleanupBatchSize = 1000
 	// DefaultPartitioner is Kafka's own partitioner for keyed records.
 	DefaultPartitioner = PartitionerMurmur2
-	// DefaultMaxMessageBytes is the largest Kafka record the relay sends,
-	// Kafka's own default limit (1 MiB).
-	//
-	// TODO(relay): use the write path's DefaultMaxMessageBytes
-	// (producer/limits.go) once it lands, so producer and relay share one
-	// setting.
-	DefaultMaxMessageBytes = 1 << 20
 )
 
 // Lease timing, in RebalanceIntervals. A relay renews its leases every

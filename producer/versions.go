@@ -1,23 +1,18 @@
 package producer
 
 import (
-	"context"
 	"errors"
 	"fmt"
-	"sort"
-
-	"github.com/jackc/pgx/v5"
-
-	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // ErrVersionConflict is matched by *VersionConflictError.
 var ErrVersionConflict = errors.New("eventline: aggregate version conflict")
 
 // VersionConflictError reports a supplied aggregate version that is not
-// greater than the aggregate's last published version. The transaction that
-// got it is still usable.
+// above the aggregate's last published version (counting the events before
+// it in the same call): another writer published that version first, or
+// the caller's copy of the aggregate is stale. Nothing of the call was
+// written; the transaction that got it is still usable.
 type VersionConflictError struct {
 	AggregateType string
 	AggregateID   string
@@ -25,147 +20,99 @@ type VersionConflictError struct {
 	Version int64
 	// Current is the aggregate's last published version.
 	Current int64
+	// Next is the version the supplied one had to be: Current+1, plus the
+	// number of events of the aggregate without a version that come
+	// before it in the same call.
+	Next int64
 }
 
 func (e *VersionConflictError) Error() string {
-	return fmt.Sprintf("eventline: aggregate %s/%s: version %d is not greater than the last published version %d; reload the aggregate and retry",
-		e.AggregateType, e.AggregateID, e.Version, e.Current)
+	if e.Next == e.Current+1 {
+		return fmt.Sprintf("eventline: aggregate %s/%s: version %d is not greater than the last published version %d; reload the aggregate and retry",
+			e.AggregateType, e.AggregateID, e.Version, e.Current)
+	}
+	return fmt.Sprintf("eventline: aggregate %s/%s: version %d is below %d, the version after the last published version %d and the %d event(s) without a version before it in this call; reload the aggregate and retry",
+		e.AggregateType, e.AggregateID, e.Version, e.Next, e.Current, e.Next-e.Current-1)
 }
 
 // Unwrap lets errors.Is(err, ErrVersionConflict) match.
 func (e *VersionConflictError) Unwrap() error { return ErrVersionConflict }
 
-type aggregateKey struct{ typ, id string }
+// ErrVersionGap is matched by *VersionGapError.
+var ErrVersionGap = errors.New("eventline: aggregate version gap")
 
-type producerSQL struct {
-	// allocate adds n to each aggregate's sequence (creating it at n) and
-	// returns the new last version. Rows are locked in key order, so
-	// concurrent batches cannot deadlock on each other.
-	allocate string
-	// advance sets the sequence to $3 if it is below $4, the lowest
-	// supplied version; it returns no row when it is not.
-	advance string
-	current string
+// VersionGapError reports a supplied aggregate version that skips versions
+// while the producer does not allow gaps (Config.AllowVersionGaps): without
+// it, every consumer would wait for versions that never come. Nothing of the
+// call was written; the transaction is still usable.
+type VersionGapError struct {
+	AggregateType string
+	AggregateID   string
+	// Version is the version the caller supplied.
+	Version int64
+	// Next is the version the aggregate's next event must have: the last
+	// published version plus one, or the version after the event before it
+	// in the same call.
+	Next int64
 }
 
-func newProducerSQL(schema string) producerSQL {
-	seq := sqlident.Qualify(schema, "aggregate_sequences")
-	return producerSQL{
-		allocate: `INSERT INTO ` + seq + ` AS s (aggregate_type, aggregate_id, version)
-			SELECT t, i, n FROM unnest($1::text[], $2::text[], $3::bigint[]) AS u(t, i, n) ORDER BY t, i
-			ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = s.version + excluded.version
-			RETURNING aggregate_type, aggregate_id, version`,
-		advance: `INSERT INTO ` + seq + ` AS s (aggregate_type, aggregate_id, version) VALUES ($1, $2, $3)
-			ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = excluded.version
-			WHERE s.version < $4
-			RETURNING version`,
-		current: `SELECT version FROM ` + seq + ` WHERE aggregate_type = $1 AND aggregate_id = $2`,
-	}
+func (e *VersionGapError) Error() string {
+	return fmt.Sprintf("eventline: aggregate %s/%s: version %d would skip versions %d..%d; supply %d, leave AggregateVersion 0 to have the next version assigned, "+
+		"or set producer.Config.AllowVersionGaps if the versions are sparse by design",
+		e.AggregateType, e.AggregateID, e.Version, e.Next, e.Version-1, e.Next)
 }
 
-// assignVersions fills in every zero AggregateVersion and records supplied
-// ones, in tx. An aggregate whose events in this call all lack a version
-// costs nothing extra: all such aggregates share one statement.
-func (p *Producer) assignVersions(ctx context.Context, tx pgx.Tx, events []eventline.Event) error {
-	groups := map[aggregateKey][]int{}
-	var keys []aggregateKey
-	for i, e := range events {
-		k := aggregateKey{e.AggregateType, e.AggregateID}
-		if _, ok := groups[k]; !ok {
-			keys = append(keys, k)
-		}
-		groups[k] = append(groups[k], i)
-	}
-	sort.Slice(keys, func(i, j int) bool {
-		if keys[i].typ != keys[j].typ {
-			return keys[i].typ < keys[j].typ
-		}
-		return keys[i].id < keys[j].id
-	})
+// Unwrap lets errors.Is(err, ErrVersionGap) match.
+func (e *VersionGapError) Unwrap() error { return ErrVersionGap }
 
-	var autoTypes, autoIDs []string
-	var autoCounts []int64
-	for _, k := range keys {
-		if allAuto(events, groups[k]) {
-			autoTypes = append(autoTypes, k.typ)
-			autoIDs = append(autoIDs, k.id)
-			autoCounts = append(autoCounts, int64(len(groups[k])))
-			continue
-		}
-		if err := p.assignMixed(ctx, tx, k, events, groups[k]); err != nil {
-			return err
-		}
-	}
-	if len(autoTypes) == 0 {
-		return nil
-	}
-	rows, err := tx.Query(ctx, p.sql.allocate, autoTypes, autoIDs, autoCounts)
-	if err != nil {
-		return fmt.Errorf("allocate aggregate versions: %w", err)
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var k aggregateKey
-		var last int64
-		if err := rows.Scan(&k.typ, &k.id, &last); err != nil {
-			return fmt.Errorf("allocate aggregate versions: %w", err)
-		}
-		idx := groups[k]
-		for j, i := range idx {
-			events[i].AggregateVersion = last - int64(len(idx)-1-j)
-		}
-	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("allocate aggregate versions: %w", err)
-	}
-	return nil
+// ErrTopicConflict is matched by *TopicConflictError.
+var ErrTopicConflict = errors.New("eventline: aggregate published to a second topic")
+
+// TopicConflictError reports an event for a topic other than the one its
+// aggregate's events go to. One aggregate, one topic: a consumer group
+// reading a topic must see every version of the aggregates on it, or it
+// would wait for versions that went elsewhere. Nothing of the call was
+// written; the transaction is still usable.
+type TopicConflictError struct {
+	AggregateType string
+	AggregateID   string
+	// Topic is the topic the aggregate's events go to: recorded when its
+	// first event was published, or given by an earlier event in the same
+	// call.
+	Topic string
+	// Requested is the topic of the refused event.
+	Requested string
 }
 
-func allAuto(events []eventline.Event, idx []int) bool {
-	for _, i := range idx {
-		if events[i].AggregateVersion != 0 {
-			return false
-		}
-	}
-	return true
+func (e *TopicConflictError) Error() string {
+	return fmt.Sprintf("eventline: aggregate %s/%s publishes to topic %q, refusing an event for topic %q: all events of one aggregate go to one topic, "+
+		"so that consumers see all of its versions; publish it to %q, or give the other stream its own aggregate type or id",
+		e.AggregateType, e.AggregateID, e.Topic, e.Requested, e.Topic)
 }
 
-// assignMixed handles an aggregate with at least one supplied version: it
-// walks the events in order, allocating after the last supplied version.
-func (p *Producer) assignMixed(ctx context.Context, tx pgx.Tx, k aggregateKey, events []eventline.Event, idx []int) error {
-	for start := 0; start < len(idx); {
-		e := &events[idx[start]]
-		if e.AggregateVersion == 0 {
-			// A run of events without versions: allocate them together.
-			end := start
-			for end < len(idx) && events[idx[end]].AggregateVersion == 0 {
-				end++
-			}
-			var typ, id string
-			var last int64
-			err := tx.QueryRow(ctx, p.sql.allocate, []string{k.typ}, []string{k.id}, []int64{int64(end - start)}).Scan(&typ, &id, &last)
-			if err != nil {
-				return fmt.Errorf("allocate aggregate versions: %w", err)
-			}
-			for j := start; j < end; j++ {
-				events[idx[j]].AggregateVersion = last - int64(end-1-j)
-			}
-			start = end
-			continue
-		}
-		var v int64
-		err := tx.QueryRow(ctx, p.sql.advance, k.typ, k.id, e.AggregateVersion, e.AggregateVersion).Scan(&v)
-		if errors.Is(err, pgx.ErrNoRows) {
-			var current int64
-			if err := tx.QueryRow(ctx, p.sql.current, k.typ, k.id).Scan(&current); err != nil {
-				return fmt.Errorf("read aggregate version: %w", err)
-			}
-			return &VersionConflictError{AggregateType: k.typ, AggregateID: k.id, Version: e.AggregateVersion, Current: current}
-		}
-		if err != nil {
-			return fmt.Errorf("record aggregate version: %w", err)
-		}
-		start++
-	}
-	return nil
+// Unwrap lets errors.Is(err, ErrTopicConflict) match.
+func (e *TopicConflictError) Unwrap() error { return ErrTopicConflict }
+
+// ErrSchemaVersion is matched by *SchemaVersionError.
+var ErrSchemaVersion = errors.New("eventline: payload schema version not declared")
+
+// SchemaVersionError reports an event whose SchemaVersion is above the
+// version the producer declares for its type (Config.SchemaVersions): a
+// payload shape this service does not know it writes.
+type SchemaVersionError struct {
+	Index     int
+	EventType string
+	// Version is the event's SchemaVersion.
+	Version int
+	// Declared is Config.SchemaVersions[EventType].
+	Declared int
 }
+
+func (e *SchemaVersionError) Error() string {
+	return fmt.Sprintf("eventline: event %d of type %q has payload schema version %d, above the declared current version %d "+
+		"(producer.Config.SchemaVersions); raise the declared version when the new payload shape ships, or leave SchemaVersion 0 to get the declared one",
+		e.Index, e.EventType, e.Version, e.Declared)
+}
+
+// Unwrap lets errors.Is(err, ErrSchemaVersion) match.
+func (e *SchemaVersionError) Unwrap() error { return ErrSchemaVersion }

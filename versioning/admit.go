@@ -191,17 +191,18 @@ func admitError(e eventline.Event, err error) error {
 	return fmt.Errorf("versioning: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
 }
 
-// Follows returns the aggregate version e follows: e.PreviousVersion, or,
-// when that is 0 (not set: Encode writes it only when it is not
-// AggregateVersion-1, and Decode then sets AggregateVersion-1),
-// AggregateVersion-1. So an event's predecessor can be declared only when
-// it is above 0; the first event of an aggregate is version 1, or follows a
-// gap that the park timeout gives up on. It fails for an unversioned event
-// or a previous version at or above the version.
+// Follows returns the aggregate version e follows: e.PreviousVersion; 0
+// when that is eventline.NoPreviousVersion (the aggregate's first event,
+// numbered above 1: the record says it follows version 0); or, when it is 0
+// (not set: Encode writes it only when it is not AggregateVersion-1, and
+// Decode then sets AggregateVersion-1), AggregateVersion-1. It fails for an
+// unversioned event or a previous version at or above the version.
 func Follows(e eventline.Event) (int64, error) {
 	switch {
 	case e.AggregateVersion <= 0:
 		return 0, &eventline.InvalidEventError{Field: eventline.MetaAggregateVersion, Reason: "the version gate needs a positive aggregate version"}
+	case e.PreviousVersion == eventline.NoPreviousVersion:
+		return 0, nil
 	case e.PreviousVersion < 0 || e.PreviousVersion >= e.AggregateVersion:
 		return 0, &eventline.InvalidEventError{Field: eventline.MetaPreviousVersion, Value: fmt.Sprint(e.PreviousVersion),
 			Reason: "must be below aggregate_version and not negative"}

@@ -53,6 +53,11 @@ func TestAdmitVerdicts(t *testing.T) {
 	// A new aggregate whose first seen version is not 1 is a gap.
 	require.Equal(t, versioning.Admission{Verdict: versioning.Gap, Follows: 4}, admit(t, s, tx, ev("2", 5), false, true))
 	require.Equal(t, versioning.Jump, admit(t, s, tx, ev("3", 5), true, true).Verdict)
+	// Unless it says it follows no version (a first event numbered from
+	// a version it had before it was published).
+	firstAt5 := ev("4", 5)
+	firstAt5.PreviousVersion = eventline.NoPreviousVersion
+	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 0, Current: 5, Follows: 0}, admit(t, s, tx, firstAt5, false, true))
 	cur, err := s.Current(ctx, tx, versioning.Key{Group: "g", AggregateType: "acct", AggregateID: "1"})
 	require.NoError(t, err)
 	require.EqualValues(t, 4, cur)

@@ -41,7 +41,7 @@ func TestDLQListAndReplayThroughTheRelay(t *testing.T) {
 	topic, missing := kafkatest.Topic(t, "orders"), kafkatest.Topic(t, "missing")
 	kafkatest.CreateTopic(t, brokers, topic, 2)
 	good := publish(t, env, topic, "A")
-	lost := publish(t, env, missing, "A")[0] // its topic does not exist yet
+	lost := publish(t, env, missing, "L")[0] // its topic does not exist yet (one aggregate, one topic: another aggregate)
 	later := publish(t, env, topic, "A")
 
 	relay := start(t, relayArgs(env, brokers, "-backoff", "10ms,20ms", "-max-attempts", "2")...)
@@ -56,8 +56,8 @@ func TestDLQListAndReplayThroughTheRelay(t *testing.T) {
 	}, time.Minute, 50*time.Millisecond, "the event to a missing topic is dead-lettered")
 	dl := dls[0]
 	require.Equal(t, lost.ID, dl.EventID)
-	require.Equal(t, "A", dl.AggregateID)
-	require.EqualValues(t, 2, dl.AggregateVersion)
+	require.Equal(t, "L", dl.AggregateID)
+	require.EqualValues(t, 1, dl.AggregateVersion)
 	require.Equal(t, missing, dl.Topic)
 	require.Equal(t, 2, dl.Attempts)
 	require.Contains(t, dl.Reason, "gave up after 2 attempts")
@@ -69,7 +69,7 @@ func TestDLQListAndReplayThroughTheRelay(t *testing.T) {
 	id := strconv.FormatInt(dl.ID, 10)
 	out := ok(t, env.Schema, "dlq", "list")
 	require.Regexp(t, `ID\s+SHARD\s+EVENT ID\s+TYPE\s+AGGREGATE\s+VERSION\s+TOPIC\s+ATTEMPTS\s+DEAD AT\s+REASON`, out)
-	require.Regexp(t, `(?m)^`+id+`\s+\d\s+`+lost.ID+`\s+order.updated\s+order/A\s+2\s+`+missing+`\s+2\s+`, out)
+	require.Regexp(t, `(?m)^`+id+`\s+\d\s+`+lost.ID+`\s+order.updated\s+order/L\s+1\s+`+missing+`\s+2\s+`, out)
 	st := okJSON[statusJSON](t, env.Schema, "status", "-json")
 	require.EqualValues(t, 1, st.Outbox.DeadLetters)
 

@@ -122,8 +122,10 @@ func TestStatusReportsBacklogDeadLettersAndGroups(t *testing.T) {
 	require.Contains(t, out, fmt.Sprintf("Outbox (schema %s): 3 shards, backlog 10, oldest pending ", env.Schema))
 	require.Contains(t, out, "0 of 3 shards owned by a relay")
 	require.Regexp(t, `SHARD\s+BACKLOG\s+HELD BACK\s+OLDEST PENDING\s+STORED\s+OWNER`, out)
+	// HELD BACK depends on every open transaction in the cluster (other
+	// tests' too); TestStatusNamesTheTransactionHoldingEventsBack checks it.
 	for i, n := range perShard {
-		require.Regexp(t, fmt.Sprintf(`(?m)^%d\s+%d\s+0\s+\S+\s+%d\s+-$`, i, n, n), out)
+		require.Regexp(t, fmt.Sprintf(`(?m)^%d\s+%d\s+\d+\s+\S+\s+%d\s+-$`, i, n, n), out)
 	}
 	require.Contains(t, out, "Dead letters waiting: 1 (eventline dlq list)")
 	require.Contains(t, out, "Retrying: 0")

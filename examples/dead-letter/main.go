@@ -1,20 +1,22 @@
-// Command dead-letter follows a poison event through eventline: the relay
-// cannot publish it, gives up after a few attempts and moves it to the
-// outbox's dead-letter table with the reason; the consumer parks the later
-// versions of the same account, because applying them would skip one; an
-// operator fixes the cause and replays the dead letter; the replay fills the
-// gap and the parked versions are applied, in order.
+// Command dead-letter follows a poison event through eventline: Kafka
+// refuses it for good, so the relay moves it to the outbox's dead-letter
+// table with the reason; the consumer parks the later versions of the same
+// account, because applying them would skip one; an operator fixes the
+// cause and replays the dead letter; the replay fills the gap and the parked
+// versions are applied, in order.
 //
-// The poison: account.limit_changed events go to their own topic, which
-// nobody created (topic auto-creation is off, as it should be in
-// production). Until the fix, the consumer also logs that it cannot
-// subscribe to that topic.
+// The poison: an account.limit_changed event carries the signed terms, about
+// 1 MB. The producer accepts it (its record is within
+// producer.DefaultMaxMessageBytes, the limit the relay's Kafka producer
+// shares), but the accounts topic was created with max.message.bytes at
+// 256 KiB, a per-topic broker limit no producer can know: the broker
+// rejects the record (MESSAGE_TOO_LARGE). The fix raises the topic's limit.
 //
 //	go run ./examples/dead-letter
 //
 // Output, ending with:
 //
-//	dead_lettered=1 reason="gave up after 2 attempts: …" parked=2 replayed=1 released=2 applied_in_order=true
+//	dead_lettered=1 reason="rejected: … Message was too large …" parked=2 replayed=1 released=2 applied_in_order=true
 package main
 
 import (
@@ -82,6 +84,8 @@ type AccountOpened struct {
 // LimitChange is the payload of account.limit_changed.
 type LimitChange struct {
 	LimitCents int64 `json:"limit_cents"`
+	// Terms is the signed agreement behind the change.
+	Terms string `json:"terms,omitempty"`
 }
 
 // Deposit is the payload of account.deposited.
@@ -92,6 +96,14 @@ type Deposit struct {
 const (
 	poisoned = "acc-42" // the account whose second event cannot be published
 	healthy  = "acc-7"  // an account that is not affected
+
+	// The accounts topic's max.message.bytes, and the value the fix sets.
+	topicLimit, fixedTopicLimit = 256 << 10, 2 << 20
+	// The poison's Kafka record size: within what the producer and the
+	// relay's Kafka producer accept, and so large that the relay's Kafka
+	// producer sends it in a request of its own (the broker refuses a whole
+	// request, not a record).
+	poisonBytes = producer.DefaultMaxMessageBytes - 100
 )
 
 func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
@@ -105,10 +117,10 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 	defer func() { err = errors.Join(err, k.Close()) }()
 	// Names unique to the run (accounts-3fa2c1), so runs against a shared
-	// cluster never mix. account-limits is the topic nobody created.
+	// cluster never mix. The accounts topic admits records up to 256 KiB.
 	group := k.Group("ledger")
-	accountsTopic, limitsTopic, dlq := k.Topic("accounts"), k.Topic("account-limits"), k.Topic("ledger"+consumer.DeadLetterTopicSuffix)
-	if err := k.CreateTopics(ctx, 2, accountsTopic); err != nil {
+	accountsTopic, dlq := k.Topic("accounts"), k.Topic("ledger"+consumer.DeadLetterTopicSuffix)
+	if err := k.CreateTopicsWithConfig(ctx, 2, map[string]string{"max.message.bytes": fmt.Sprint(topicLimit)}, accountsTopic); err != nil {
 		return err
 	}
 	if err := k.CreateTopics(ctx, 1, dlq); err != nil {
@@ -145,19 +157,22 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return err
 	}
 	var events []eventline.Event
-	add := func(eventType, account string, payload any, topic string) error {
+	add := func(eventType, account string, payload any) error {
 		e, err := eventline.NewJSONEvent(eventType, "account", account, payload)
-		e.Topic = topic
 		events = append(events, e)
 		return err
 	}
+	poison, err := limitChangeOfSize(poisonBytes)
+	if err != nil {
+		return err
+	}
 	err = errors.Join(
-		add(Opened, poisoned, AccountOpened{Owner: "Ada"}, ""),
-		add(LimitChanged, poisoned, LimitChange{LimitCents: 50_000}, limitsTopic), // the poison
-		add(Deposited, poisoned, Deposit{AmountCents: 12_000}, ""),
-		add(Deposited, poisoned, Deposit{AmountCents: 3_000}, ""),
-		add(Opened, healthy, AccountOpened{Owner: "Grace"}, ""),
-		add(Deposited, healthy, Deposit{AmountCents: 7_000}, ""),
+		add(Opened, poisoned, AccountOpened{Owner: "Ada"}),
+		add(LimitChanged, poisoned, poison), // the poison
+		add(Deposited, poisoned, Deposit{AmountCents: 12_000}),
+		add(Deposited, poisoned, Deposit{AmountCents: 3_000}),
+		add(Opened, healthy, AccountOpened{Owner: "Grace"}),
+		add(Deposited, healthy, Deposit{AmountCents: 7_000}),
 	)
 	if err != nil {
 		return err
@@ -165,11 +180,13 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err := p.Publish(ctx, db, events...); err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "published=%d poisoned_account=%s poison_type=%s poison_topic=%s\n", len(events), poisoned, LimitChanged, limitsTopic)
+	fmt.Fprintf(stdout, "published=%d poisoned_account=%s poison_type=%s poison_record_bytes=%d topic_max_message_bytes=%d\n",
+		len(events), poisoned, LimitChanged, poisonBytes, topicLimit)
 
-	// 2. The relay, with short retries so the example takes seconds: a
-	// message that keeps failing is tried twice, then dead-lettered, and
-	// the shard moves on to the events behind it.
+	// 2. The relay. Kafka refusing a record for good (too large) is
+	// dead-lettered at once; a message that keeps failing otherwise would
+	// be tried twice (short retries, so the example takes seconds). Either
+	// way the shard moves on to the events behind it.
 	relay, err := producer.NewRelay(ctx, relayDB, producer.RelayConfig{
 		Schema:      cfg.Schema,
 		Brokers:     k.Brokers,
@@ -180,8 +197,8 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err != nil {
 		return err
 	}
-	// 3. The consumer subscribes to both topics. Park is the default gap
-	// policy; it is spelled out here because this example is about it.
+	// 3. The consumer. Park is the default gap policy; it is spelled out
+	// here because this example is about it.
 	reg := prometheus.NewRegistry()
 	metrics, err := middleware.NewMetrics(reg)
 	if err != nil {
@@ -190,7 +207,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	c, err := consumer.New(consumerDB, consumer.Config{
 		Brokers:         k.Brokers,
 		Group:           group,
-		Topics:          []string{accountsTopic, limitsTopic},
+		Topics:          []string{accountsTopic},
 		Schema:          cfg.Schema,
 		DeadLetterTopic: dlq,
 		GapPolicy:       versioning.Park,
@@ -260,17 +277,17 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	fmt.Fprintf(stdout, "consumer account=%s applied_version=%d parked=%d parked_versions=%s unaffected_account=%s unaffected_version=%d\n",
 		poisoned, current, len(parked), strings.Join(parkedVersions, ","), healthy, unaffected)
 
-	// 6. The fix: create the missing topic. Then replay the dead letter:
-	// it goes back into the outbox with the same event id and version, and
-	// the relay publishes it like a new event.
-	if err := k.CreateTopics(ctx, 1, limitsTopic); err != nil {
+	// 6. The fix: raise the topic's max.message.bytes. Then replay the
+	// dead letter: it goes back into the outbox with the same event id and
+	// version, and the relay publishes it like a new event.
+	if err := k.SetTopicConfig(accountsTopic, "max.message.bytes", fmt.Sprint(fixedTopicLimit)); err != nil {
 		return err
 	}
 	replayed, err := producer.ReplayDeadLetters(ctx, db, cfg.Schema, dead.ID)
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "fix created_topic=%s replayed=%d\n", limitsTopic, replayed)
+	fmt.Fprintf(stdout, "fix topic_max_message_bytes=%d replayed=%d\n", fixedTopicLimit, replayed)
 
 	// 7. Version 2 arrives, is applied, and releases 3 and 4 in the same
 	// transaction.
@@ -322,6 +339,28 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return fmt.Errorf("acc-42 has balance %d and limit %d, want 15000 and 50000", balance, limit)
 	}
 	return nil
+}
+
+// limitChangeOfSize returns the poison's payload, its terms padded so that
+// the event's Kafka record is size bytes (producer.EncodedRecordSize, what
+// Sarama counts).
+func limitChangeOfSize(size int) (LimitChange, error) {
+	lc := LimitChange{LimitCents: 50_000}
+	draft, err := eventline.NewJSONEvent(LimitChanged, "account", poisoned, lc)
+	if err != nil {
+		return lc, err
+	}
+	draft.ID, draft.AggregateVersion = eventline.NewEventID(), 2
+	msg, err := eventline.Encode(draft)
+	if err != nil {
+		return lc, err
+	}
+	pad := size - producer.EncodedRecordSize(msg) - len(`,"terms":""`)
+	if pad < 0 {
+		return lc, fmt.Errorf("a limit change's record is already %d bytes, over %d", producer.EncodedRecordSize(msg), size)
+	}
+	lc.Terms = strings.Repeat("x", pad)
+	return lc, nil
 }
 
 // registerHandlers registers one handler per event type, writing to the

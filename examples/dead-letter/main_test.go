@@ -32,8 +32,8 @@ func TestDeadLetter(t *testing.T) {
 	dead := extest.Find(t, lines, "attempts", "reason")
 	require.Equal(t, "account.limit_changed", dead["event_type"])
 	require.Equal(t, 2, extest.Int(t, dead, "aggregate_version"))
-	require.Equal(t, 2, extest.Int(t, dead, "attempts"))
-	require.Contains(t, dead["reason"], "gave up after 2 attempts")
+	require.Equal(t, 1, extest.Int(t, dead, "attempts"), "Kafka refused it for good: no retries")
+	require.Contains(t, dead["reason"], "too large")
 	parked := extest.Find(t, lines, "parked_versions")
 	require.Equal(t, "3,4", parked["parked_versions"])
 	require.Equal(t, 1, extest.Int(t, parked, "applied_version"))
@@ -43,7 +43,7 @@ func TestDeadLetter(t *testing.T) {
 	require.Equal(t, 1, extest.Int(t, sum, "replayed"))
 	require.Equal(t, 2, extest.Int(t, sum, "released"))
 	require.Equal(t, "true", sum["applied_in_order"])
-	require.Contains(t, sum["reason"], "does not exist")
+	require.Contains(t, sum["reason"], "too large")
 	extest.NoConnections(t, setup.AppName(cfg.Schema))
 }
 

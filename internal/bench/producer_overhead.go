@@ -170,7 +170,7 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 			{Metric: "tx latency mean, ms, NOTIFY trigger off (diagnostic)", Ours: millis(quietNotify.mean), Base: millis(bare.mean), Baseline: base},
 		},
 		Notes: []string{
-			fmt.Sprintf("%d concurrent producers in closed loops, %d round(s) of %s per variant, alternating; each tx inserts one order row; PublishTx adds one event: its version allocated from aggregate_sequences (one statement) and one outbox row in one of %d shards (a second statement, whose statement trigger NOTIFYs only a relay that waits idle, so never here); no relay running",
+			fmt.Sprintf("%d concurrent producers in closed loops, %d round(s) of %s per variant, alternating; each tx inserts one order row; PublishTx adds one event in one statement: its version allocated from aggregate_sequences and one outbox row in one of %d shards (whose statement trigger NOTIFYs only a relay that waits idle, so never here); no relay running",
 				sz.Producers, sz.Rounds, sz.ProducerPhase, migrations.DefaultShards),
 			"plain Watermill row: the same event written with watermill-sql's publisher wrapped in forwarder.NewPublisher (one INSERT, no version, no NOTIFY)",
 			"diagnostic row: PublishTx with the outbox tables' trigger disabled (ALTER TABLE … DISABLE TRIGGER USER), i.e. the cost of its outbox_waiting check; the trigger NOTIFYs only idle relays because PostgreSQL serializes the commits of transactions that sent a NOTIFY (a database-wide lock held through the commit's WAL flush), which defeats group commit",

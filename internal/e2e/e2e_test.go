@@ -178,3 +178,31 @@ func TestDuplicateFromRelayCrashIsAppliedOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestSuppliedVersionGapsNeverPark: with gaps allowed, a producer publishes
+// supplied versions that skip numbers, the first of them an aggregate's
+// first event (version 5, following no version). Each event records the
+// version it follows, so the consumer applies every one on arrival: none
+// waits for the skipped versions.
+func TestSuppliedVersionGapsNeverPark(t *testing.T) {
+	t.Parallel()
+	p := newPipeline(t, 2)
+	prod, err := producer.New(context.Background(), p.env.Pool, producer.Config{Schema: p.env.Schema, DefaultTopic: p.topic, AllowVersionGaps: true})
+	require.NoError(t, err)
+	first, second, third := p.event("g"), p.event("g"), p.event("g")
+	first.AggregateVersion, third.AggregateVersion = 5, 20
+	var written []eventline.Event
+	require.NoError(t, pgx.BeginFunc(context.Background(), p.env.Pool, func(tx pgx.Tx) error {
+		var err error
+		written, err = prod.PublishTxReturning(context.Background(), tx, first, second)
+		return err
+	}))
+	require.Equal(t, eventline.NoPreviousVersion, written[0].PreviousVersion)
+	require.NoError(t, prod.Publish(context.Background(), p.env.Pool, third))
+
+	p.runRelay(producer.RelayConfig{})
+	p.runConsumer(versioning.Park)
+	p.waitApplied(3)
+	require.Equal(t, []int64{5, 6, 20}, p.appliedVersions("g"))
+	require.Zero(t, pgtest.Count(t, p.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(p.env.Schema, "parked_events")))
+}

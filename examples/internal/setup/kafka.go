@@ -70,13 +70,23 @@ func (k *Kafka) Group(name string) string {
 // CreateTopics creates topics with the given partition count and waits
 // until the cluster's metadata shows them. Close deletes them again.
 func (k *Kafka) CreateTopics(ctx context.Context, partitions int32, topics ...string) error {
+	return k.CreateTopicsWithConfig(ctx, partitions, nil, topics...)
+}
+
+// CreateTopicsWithConfig is CreateTopics with topic configuration overrides
+// (say, max.message.bytes).
+func (k *Kafka) CreateTopicsWithConfig(ctx context.Context, partitions int32, config map[string]string, topics ...string) error {
 	admin, err := k.admin()
 	if err != nil {
 		return err
 	}
 	defer admin.Close()
+	entries := map[string]*string{}
+	for name, v := range config {
+		entries[name] = &v
+	}
 	for _, t := range topics {
-		err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
+		err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1, ConfigEntries: entries}, false)
 		var te *sarama.TopicError
 		if err != nil && (!errors.As(err, &te) || te.Err != sarama.ErrTopicAlreadyExists) {
 			return fmt.Errorf("create Kafka topic %s: %w", t, err)
@@ -95,6 +105,23 @@ func (k *Kafka) CreateTopics(ctx context.Context, partitions int32, topics ...st
 		}
 		return true, nil
 	})
+}
+
+// SetTopicConfig sets one configuration entry of a topic (an incremental
+// change: the topic's other overrides stay).
+func (k *Kafka) SetTopicConfig(topic, name, value string) error {
+	admin, err := k.admin()
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	err = admin.IncrementalAlterConfig(sarama.TopicResource, topic, map[string]sarama.IncrementalAlterConfigsEntry{
+		name: {Operation: sarama.IncrementalAlterConfigsOperationSet, Value: &value},
+	}, false)
+	if err != nil {
+		return fmt.Errorf("set %s=%s on Kafka topic %s: %w", name, value, topic, err)
+	}
+	return nil
 }
 
 // Close stops the in-process cluster, or on a shared cluster deletes the

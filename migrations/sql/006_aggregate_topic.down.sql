@@ -1,0 +1,1 @@
+ALTER TABLE aggregate_sequences DROP COLUMN IF EXISTS topic;

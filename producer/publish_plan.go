@@ -1,0 +1,265 @@
+package producer
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/eventline/eventline"
+)
+
+// A plan is everything PublishTx knows before it runs SQL: the events with
+// their defaults, each aggregate's share of the call, and each event's
+// outbox envelope with the aggregate version (and, when it is not the
+// version before, the previous version) left out, for the database to fill
+// in once it has allocated them.
+type plan struct {
+	events []eventline.Event
+	// aggs holds one entry per aggregate, sorted by (type, id) in byte
+	// order: the order in which every publish statement locks the
+	// aggregates' sequence rows, whatever the database's collation.
+	aggs []aggPlan
+	// Per event, in call order (the arrays the statement unnests).
+	evAgg   []int32  // 1-based index into aggs
+	evRel   []int64  // position among its aggregate's events, from 1
+	evVer   []int64  // version when known without the database, else 0
+	evPrev  []int64  // previous version when known without the database, else -1
+	evShard []int32  // outbox shard
+	evHead  []string // envelope up to the previous-version slot
+	evMid   []string // envelope after that slot, up to the version's digits
+	evTail  []string // envelope after the version's digits
+	shards  []int    // distinct shards, ascending
+}
+
+// aggPlan is one aggregate's part of a call. Its events take versions
+// base+1, base+2, ... up to the first supplied version; from there on every
+// version is known in advance. base is the aggregate's last published
+// version, which only the database knows.
+type aggPlan struct {
+	typ, id, topic string
+	events         []int // indexes into plan.events
+	n              int64 // number of events
+	lead           int64 // events before the first supplied version
+	firstSupplied  int64 // 0 when no version is supplied
+	last           int64 // the last event's version when known in advance, else 0
+}
+
+// next is the version the aggregate's first supplied version must have
+// (without gaps), given its last published version.
+func (a *aggPlan) next(current int64) int64 { return current + a.lead + 1 }
+
+// forwarderEnvelope is Watermill's forwarder envelope
+// (components/forwarder.messageEnvelope), field for field: the outbox
+// payload the relay, a forwarder, unwraps. encoding/json writes it exactly
+// as the forwarder's DefaultMarshaler does.
+type forwarderEnvelope struct {
+	DestinationTopic string            `json:"destination_topic"`
+	UUID             string            `json:"uuid"`
+	Payload          []byte            `json:"payload"`
+	Metadata         map[string]string `json:"metadata"`
+}
+
+// Placeholders the database replaces: their JSON spellings cannot occur
+// anywhere else in an envelope (metadata values cannot hold NUL or other
+// control bytes unescaped, and keys are unique).
+var (
+	prevSlot    = []byte(`"` + eventline.MetaPreviousVersion + `":"\u0001",`)
+	versionSlot = []byte(`"` + eventline.MetaAggregateVersion + `":"\u0000"`)
+	versionKey  = len(`"` + eventline.MetaAggregateVersion + `":"`)
+)
+
+// maxVersionDigits is the length of the largest int64; the size check
+// counts it for versions the outbox assigns.
+const maxVersionDigits = 19
+
+// prepare validates events, fills in their defaults and builds the plan,
+// without SQL. trace holds the caller's trace context headers (see
+// traceHeaders), nil when there are none.
+func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[string]string) (*plan, error) {
+	pl := &plan{
+		events:  make([]eventline.Event, len(events)),
+		evAgg:   make([]int32, len(events)),
+		evRel:   make([]int64, len(events)),
+		evVer:   make([]int64, len(events)),
+		evPrev:  make([]int64, len(events)),
+		evShard: make([]int32, len(events)),
+		evHead:  make([]string, len(events)),
+		evMid:   make([]string, len(events)),
+		evTail:  make([]string, len(events)),
+	}
+	byKey := make(map[aggregateKey]*aggPlan, len(events))
+	var order []*aggPlan
+	for i, e := range events {
+		e, err := p.withDefaults(i, e, now, trace)
+		if err != nil {
+			return nil, err
+		}
+		// Validates the event (Encode does), checks its size and builds
+		// its outbox envelope.
+		if err := p.envelope(pl, i, e); err != nil {
+			return nil, err
+		}
+		k := aggregateKey{e.AggregateType, e.AggregateID}
+		a := byKey[k]
+		if a == nil {
+			a = &aggPlan{typ: k.typ, id: k.id, topic: e.Topic}
+			byKey[k] = a
+			order = append(order, a)
+		}
+		if e.Topic != a.topic {
+			return nil, fmt.Errorf("event %d: %w", i, &TopicConflictError{AggregateType: k.typ, AggregateID: k.id, Topic: a.topic, Requested: e.Topic})
+		}
+		if err := a.add(i, &e, p.cfg.AllowVersionGaps, &pl.evVer[i], &pl.evPrev[i]); err != nil {
+			return nil, fmt.Errorf("event %d: %w", i, err)
+		}
+		pl.evRel[i] = a.n
+		pl.evShard[i] = int32(p.ShardFor(k.typ, k.id))
+		pl.events[i] = e
+	}
+
+	sort.Slice(order, func(i, j int) bool {
+		if order[i].typ != order[j].typ {
+			return order[i].typ < order[j].typ
+		}
+		return order[i].id < order[j].id
+	})
+	pl.aggs = make([]aggPlan, len(order))
+	seen := map[int32]bool{}
+	for ai, a := range order {
+		pl.aggs[ai] = *a
+		for _, i := range a.events {
+			pl.evAgg[i] = int32(ai + 1)
+			if s := pl.evShard[i]; !seen[s] {
+				seen[s] = true
+				pl.shards = append(pl.shards, int(s))
+			}
+		}
+	}
+	sort.Ints(pl.shards)
+	return pl, nil
+}
+
+// withDefaults fills in what the producer owns: the default topic, the
+// declared schema version, the caller's trace context, the id and the
+// time. The event is validated afterwards, by Encode (see envelope).
+func (p *Producer) withDefaults(i int, e eventline.Event, now time.Time, trace map[string]string) (eventline.Event, error) {
+	if e.Topic == "" {
+		e.Topic = p.cfg.DefaultTopic
+	}
+	if e.Topic == "" {
+		return e, fmt.Errorf("event %d: %w", i, &eventline.InvalidEventError{Field: "topic", Reason: "must not be empty: set Event.Topic or producer.Config.DefaultTopic"})
+	}
+	// The producer decides which version an event follows.
+	e.PreviousVersion = 0
+	if declared, ok := p.cfg.SchemaVersions[e.Type]; ok {
+		switch {
+		case e.SchemaVersion == 0:
+			e.SchemaVersion = declared
+		case e.SchemaVersion > declared:
+			return e, &SchemaVersionError{Index: i, EventType: e.Type, Version: e.SchemaVersion, Declared: declared}
+		}
+	}
+	if e.AggregateVersion < 0 {
+		// The only check Encode cannot make: it sees the event without
+		// its version.
+		return e, fmt.Errorf("event %d: %w", i, &eventline.InvalidEventError{
+			Field: eventline.MetaAggregateVersion, Value: strconv.FormatInt(e.AggregateVersion, 10), Reason: "must not be negative"})
+	}
+	if e.TraceParent == "" && len(trace) > 0 {
+		e = withTrace(e, trace)
+	}
+	return e.WithDefaults(now), nil
+}
+
+// add appends event i (e) to the aggregate, checking a supplied version
+// against the events before it in the call, and sets the event's version
+// and previous version when they are known without the database.
+func (a *aggPlan) add(i int, e *eventline.Event, allowGaps bool, ver, prev *int64) error {
+	a.events = append(a.events, i)
+	a.n++
+	known := a.firstSupplied != 0
+	switch v := e.AggregateVersion; {
+	case v == 0 && known:
+		*ver, *prev = a.last+1, a.last
+	case v == 0:
+		*ver, *prev = 0, -1
+		a.lead++
+		return nil
+	case known && v <= a.last:
+		return &eventline.InvalidEventError{
+			Field: eventline.MetaAggregateVersion, Value: strconv.FormatInt(v, 10),
+			Reason: fmt.Sprintf("must be greater than version %d, given or assigned earlier in the same call", a.last),
+		}
+	case known && v != a.last+1 && !allowGaps:
+		return &VersionGapError{AggregateType: a.typ, AggregateID: a.id, Version: v, Next: a.last + 1}
+	case known:
+		*ver, *prev = v, a.last
+	default:
+		// The first supplied version: the database checks it against the
+		// aggregate's last version.
+		a.firstSupplied = v
+		*ver, *prev = v, -1
+	}
+	a.last = *ver
+	e.AggregateVersion, e.PreviousVersion = *ver, *prev
+	if *prev < 0 {
+		e.PreviousVersion = 0
+	}
+	return nil
+}
+
+// envelope encodes event i as the outbox row's payload, split around the
+// version slots, and checks the size of the Kafka record it becomes.
+func (p *Producer) envelope(pl *plan, i int, e eventline.Event) error {
+	// Encode with no version: the slots are added below, and the database
+	// writes the numbers.
+	noVersion := e
+	noVersion.AggregateVersion, noVersion.PreviousVersion = 0, 0
+	msg, err := eventline.Encode(noVersion)
+	if err != nil {
+		return fmt.Errorf("event %d: %w", i, err)
+	}
+	if err := p.checkSize(i, e, msg); err != nil {
+		return err
+	}
+	msg.Metadata[eventline.MetaAggregateVersion] = "\x00"
+	msg.Metadata[eventline.MetaPreviousVersion] = "\x01"
+	body, err := json.Marshal(forwarderEnvelope{DestinationTopic: e.Topic, UUID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata})
+	if err != nil {
+		return fmt.Errorf("event %d: encode outbox envelope: %w", i, err)
+	}
+	ps := bytes.Index(body, prevSlot)
+	vs := bytes.Index(body, versionSlot)
+	if ps < 0 || vs < ps {
+		return fmt.Errorf("event %d: encode outbox envelope: version slots not found", i) // unreachable
+	}
+	pl.evHead[i] = string(body[:ps])
+	pl.evMid[i] = string(body[ps+len(prevSlot) : vs+versionKey])
+	pl.evTail[i] = string(body[vs+len(versionSlot)-1:])
+	return nil
+}
+
+// checkSize refuses an event whose Kafka record would exceed
+// MaxMessageBytes. msg has no version metadata yet; the size counts the
+// version's digits (the largest possible when the outbox assigns it) and,
+// when gaps are allowed, a previous version.
+func (p *Producer) checkSize(i int, e eventline.Event, msg *message.Message) error {
+	size := EncodedRecordSize(msg)
+	digits := maxVersionDigits
+	if e.AggregateVersion > 0 {
+		digits = len(strconv.FormatInt(e.AggregateVersion, 10))
+	}
+	size += len(eventline.MetaAggregateVersion) + digits + headerOverhead
+	if p.cfg.AllowVersionGaps {
+		size += len(eventline.MetaPreviousVersion) + maxVersionDigits + headerOverhead
+	}
+	if size > p.cfg.MaxMessageBytes {
+		return &EventTooLargeError{Index: i, EventID: e.ID, AggregateType: e.AggregateType, AggregateID: e.AggregateID, Size: size, Limit: p.cfg.MaxMessageBytes}
+	}
+	return nil
+}

@@ -1,0 +1,312 @@
+package producer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline"
+)
+
+// aggResult is what the publish statement says about one aggregate.
+type aggResult struct {
+	status   int
+	old      int64 // last version as read before locking; 0 when the aggregate had none
+	present  bool  // whether the aggregate had a sequence row then
+	curTopic string
+	version  int64 // the new last version; 0 when not advanced
+}
+
+// write writes pl in tx, in one round trip, and fills in the events'
+// versions. One event without a supplied version takes publishOneSQL, a call
+// without supplied versions publishAutoSQL; either falls back to publishSQL
+// when it wrote nothing because an aggregate's row records another topic or
+// none (its first publish since topics are recorded). write returns a
+// conflict error when the call conflicts, with nothing written.
+func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
+	if len(pl.events) == 1 && pl.aggs[0].firstSupplied == 0 {
+		var version int64
+		a := &pl.aggs[0]
+		err := tx.QueryRow(ctx, p.stmts.one(pl.shards[0]), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).Scan(&version)
+		switch {
+		case err == nil:
+			pl.fill([]aggResult{{version: version}})
+			return nil
+		case !errors.Is(err, pgx.ErrNoRows):
+			return fmt.Errorf("write events to the outbox: %w", err)
+		}
+		// Not advanced, nothing written: another topic is recorded, or none.
+	} else if pl.auto() {
+		done, err := p.writeAuto(ctx, tx, pl)
+		if done || err != nil {
+			return err
+		}
+	}
+	args := pl.args(p.cfg.AllowVersionGaps)
+	query := p.stmts.publish(pl.shards, false)
+	for attempt := 1; ; attempt++ {
+		res, err := pl.run(ctx, tx, query, args)
+		if err != nil {
+			return err
+		}
+		if err := pl.conflict(res); err != nil {
+			return err
+		}
+		stale := false
+		for _, r := range res {
+			if r.version == 0 {
+				stale = true
+			}
+		}
+		if !stale {
+			pl.fill(res)
+			return nil
+		}
+		if err := p.undo(ctx, tx, pl, res); err != nil {
+			return err
+		}
+		if attempt == maxPublishAttempts {
+			return fmt.Errorf("eventline: publish: aggregate sequences kept changing under the call (%d attempts); retry the transaction", attempt)
+		}
+		p.cfg.Logger.DebugContext(ctx, "publish raced another writer of an aggregate; running it again", "attempt", attempt)
+	}
+}
+
+// writeAuto runs publishAutoSQL for a call without supplied versions. It
+// reports done=false, with nothing written, when an aggregate's row records
+// another topic or none: publishSQL then handles the call.
+func (p *Producer) writeAuto(ctx context.Context, tx pgx.Tx, pl *plan) (done bool, err error) {
+	n := len(pl.aggs)
+	types, ids, topics, counts := make([]string, n), make([]string, n), make([]string, n), make([]int64, n)
+	for i, a := range pl.aggs {
+		types[i], ids[i], topics[i], counts[i] = a.typ, a.id, a.topic, a.n
+	}
+	heads := make([]string, len(pl.events))
+	for i := range heads {
+		heads[i] = pl.evHead[i] + pl.evMid[i]
+	}
+	var advTypes, advIDs []string
+	var advVersions []int64
+	var written bool
+	err = tx.QueryRow(ctx, p.stmts.publish(pl.shards, true), types, ids, counts, topics,
+		pl.evAgg, pl.evRel, pl.evShard, heads, pl.evTail).Scan(&advTypes, &advIDs, &advVersions, &written)
+	if err != nil {
+		return false, fmt.Errorf("write events to the outbox: %w", err)
+	}
+	res := make([]aggResult, n)
+	if len(advVersions) == 1 && n == 1 {
+		res[0].version = advVersions[0]
+	} else {
+		index := make(map[aggregateKey]int, n)
+		for k, a := range pl.aggs {
+			index[aggregateKey{a.typ, a.id}] = k
+		}
+		for j, v := range advVersions {
+			if k, ok := index[aggregateKey{advTypes[j], advIDs[j]}]; ok {
+				res[k].version = v
+			}
+		}
+	}
+	if written {
+		pl.fill(res)
+		return true, nil
+	}
+	// Nothing written. Undo: an advanced aggregate's version was its event
+	// count higher;
+	// one created here (its version is its event count) is deleted.
+	var undoTypes, undoIDs []string
+	var undoVersions []int64
+	var undoTopics []*string
+	for k, r := range res {
+		if r.version == 0 {
+			continue
+		}
+		a := &pl.aggs[k]
+		undoTypes, undoIDs, undoVersions, undoTopics = append(undoTypes, a.typ), append(undoIDs, a.id), append(undoVersions, r.version-a.n), append(undoTopics, &a.topic)
+	}
+	if len(undoTypes) > 0 {
+		if _, err := tx.Exec(ctx, p.stmts.undo, undoTypes, undoIDs, undoVersions, undoTopics); err != nil {
+			return false, fmt.Errorf("undo a partial outbox write; roll back the transaction: %w", err)
+		}
+	}
+	return false, nil
+}
+
+// run executes the publish statement and reads its one row.
+func (pl *plan) run(ctx context.Context, tx pgx.Tx, query string, args []any) ([]aggResult, error) {
+	var statuses []int32
+	var olds []*int64
+	var topics, advTypes, advIDs []*string
+	var advVersions []int64
+	err := tx.QueryRow(ctx, query, args...).Scan(&statuses, &olds, &topics, &advTypes, &advIDs, &advVersions)
+	if err != nil {
+		return nil, fmt.Errorf("write events to the outbox: %w", err)
+	}
+	if len(statuses) != len(pl.aggs) || len(olds) != len(pl.aggs) || len(topics) != len(pl.aggs) || len(advVersions) > len(pl.aggs) {
+		return nil, fmt.Errorf("write events to the outbox: unexpected result for %d aggregates", len(pl.aggs)) // unreachable
+	}
+	res := make([]aggResult, len(pl.aggs))
+	for k := range res {
+		r := &res[k]
+		r.status = int(statuses[k])
+		if olds[k] != nil {
+			r.old, r.present = *olds[k], true
+		}
+		if topics[k] != nil {
+			r.curTopic = *topics[k]
+		}
+	}
+	if len(advVersions) == len(pl.aggs) && len(pl.aggs) == 1 {
+		res[0].version = advVersions[0]
+		return res, nil
+	}
+	index := make(map[aggregateKey]int, len(pl.aggs))
+	for k, a := range pl.aggs {
+		index[aggregateKey{a.typ, a.id}] = k
+	}
+	for j, v := range advVersions {
+		if advTypes[j] == nil || advIDs[j] == nil {
+			continue
+		}
+		if k, ok := index[aggregateKey{*advTypes[j], *advIDs[j]}]; ok {
+			res[k].version = v
+		}
+	}
+	return res, nil
+}
+
+// undo reverts a stale statement's sequence changes (see undoSQL): an
+// aggregate it created is deleted, one it advanced gets back the version
+// it had and the topic chk read. (When chk read no topic, one may have been
+// recorded by another transaction meanwhile; it is cleared again and
+// recorded anew by the next publish.)
+func (p *Producer) undo(ctx context.Context, tx pgx.Tx, pl *plan, res []aggResult) error {
+	var types, ids []string
+	var versions []int64
+	var topics []*string
+	for k, r := range res {
+		if r.version == 0 {
+			continue
+		}
+		a := &pl.aggs[k]
+		var v int64 // 0: created by the statement, delete it
+		switch {
+		case a.firstSupplied != 0 && r.present:
+			v = r.old
+		case a.firstSupplied == 0 && (r.present || r.version != a.n):
+			v = r.version - a.n
+		}
+		var topic *string
+		switch {
+		case r.curTopic != "":
+			topic = &r.curTopic
+		case !r.present && v != 0:
+			// Created by another transaction, with this topic (the row
+			// was advanced, so its topic was this one), after chk read.
+			topic = &a.topic
+		}
+		types, ids, versions, topics = append(types, a.typ), append(ids, a.id), append(versions, v), append(topics, topic)
+	}
+	if _, err := tx.Exec(ctx, p.stmts.undo, types, ids, versions, topics); err != nil {
+		return fmt.Errorf("undo a raced outbox write; roll back the transaction: %w", err)
+	}
+	return nil
+}
+
+// auto reports whether no event of the call has a supplied version.
+func (pl *plan) auto() bool {
+	for _, a := range pl.aggs {
+		if a.firstSupplied != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// args are the publish statement's parameters.
+func (pl *plan) args(allowGaps bool) []any {
+	n := len(pl.aggs)
+	types, ids, topics := make([]string, n), make([]string, n), make([]string, n)
+	counts, leads, firsts, lasts := make([]int64, n), make([]int64, n), make([]int64, n), make([]int64, n)
+	for i, a := range pl.aggs {
+		types[i], ids[i], topics[i] = a.typ, a.id, a.topic
+		counts[i], leads[i], firsts[i] = a.n, a.lead, a.firstSupplied
+		if a.firstSupplied != 0 {
+			lasts[i] = a.last
+		}
+	}
+	return []any{types, ids, counts, leads, firsts, lasts, topics, allowGaps,
+		pl.evAgg, pl.evRel, pl.evVer, pl.evPrev, pl.evShard, pl.evHead, pl.evMid, pl.evTail}
+}
+
+// base is the version an aggregate's events in this call start after.
+func (pl *plan) base(ai int, r aggResult) int64 {
+	if pl.aggs[ai].firstSupplied == 0 {
+		return r.version - pl.aggs[ai].n
+	}
+	return r.old
+}
+
+// conflict returns the error for the conflicting event that comes first in
+// the call (for a topic, an aggregate's first event; for a version, its
+// first event with a supplied version), or nil.
+func (pl *plan) conflict(res []aggResult) error {
+	first, index := -1, 0
+	for ai, r := range res {
+		if r.status == statusOK {
+			continue
+		}
+		a := &pl.aggs[ai]
+		i := a.events[0]
+		if r.status != statusTopic {
+			i = a.events[a.lead]
+		}
+		if first < 0 || i < index {
+			first, index = ai, i
+		}
+	}
+	if first < 0 {
+		return nil
+	}
+	a, r := &pl.aggs[first], res[first]
+	var err error
+	switch r.status {
+	case statusTopic:
+		err = &TopicConflictError{AggregateType: a.typ, AggregateID: a.id, Topic: r.curTopic, Requested: a.topic}
+	case statusStale:
+		err = &VersionConflictError{AggregateType: a.typ, AggregateID: a.id, Version: a.firstSupplied, Current: r.old, Next: a.next(r.old)}
+	case statusGap:
+		err = &VersionGapError{AggregateType: a.typ, AggregateID: a.id, Version: a.firstSupplied, Next: a.next(r.old)}
+	default:
+		err = errors.New("eventline: unknown publish status " + strconv.Itoa(r.status))
+	}
+	return fmt.Errorf("event %d: %w", index, err)
+}
+
+// fill sets every event's version and previous version from the
+// statement's result, by the same rule the statement used.
+func (pl *plan) fill(res []aggResult) {
+	for ai := range pl.aggs {
+		base := pl.base(ai, res[ai])
+		for _, i := range pl.aggs[ai].events {
+			e := &pl.events[i]
+			if pl.evVer[i] > 0 {
+				e.AggregateVersion = pl.evVer[i]
+			} else {
+				e.AggregateVersion = base + pl.evRel[i]
+			}
+			if pl.evPrev[i] >= 0 {
+				e.PreviousVersion = pl.evPrev[i]
+			} else {
+				e.PreviousVersion = base + pl.evRel[i] - 1
+			}
+			if e.PreviousVersion == 0 && e.AggregateVersion > 1 {
+				// The record says it follows version 0.
+				e.PreviousVersion = eventline.NoPreviousVersion
+			}
+		}
+	}
+}
