@@ -90,14 +90,9 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if err := c.checkKafka(ctx); err != nil {
 		return err
 	}
-	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
-		Brokers:               cfg.Brokers,
-		Unmarshaler:           kafka.DefaultMarshaler{},
-		OverwriteSaramaConfig: cfg.SaramaConfig,
-		ConsumerGroup:         cfg.Group,
-	}, wlog)
+	sub, err := c.subscriber(wlog) // engine_run.go
 	if err != nil {
-		return fmt.Errorf("eventline consumer: create the Kafka subscriber for brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
+		return err
 	}
 	defer sub.Close()
 	dlc := middleware.DeadLetterConfig{
@@ -284,8 +279,12 @@ func (c *Consumer) detach(h message.HandlerFunc) message.HandlerFunc {
 			hard = context.Background()
 		}
 		stop := context.AfterFunc(hard, cancel)
+		// The Subscriber ends a message's context only to abandon it (a
+		// revoked partition, a shutdown timeout): that still ends the work.
+		stopAbandon := context.AfterFunc(abandonedBy(orig), cancel)
 		defer func() {
 			stop()
+			stopAbandon()
 			cancel()
 			msg.SetContext(orig)
 		}()
