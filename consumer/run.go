@@ -49,9 +49,13 @@ const (
 
 // Run consumes until ctx ends, then shuts down gracefully and returns nil.
 //
-// It subscribes to Config.Topics in Config.Group with watermill-kafka (one
-// partition is processed one message at a time, so a partition's order is
-// kept), and runs every message through, outermost first: dead-lettering ▸
+// It subscribes to Config.Topics in Config.Group with a [Subscriber]: each
+// partition is split into Config.Lanes lanes by aggregate (one aggregate's
+// events stay in one lane, in offset order), and each lane's waiting events,
+// up to Config.BatchSize, are applied in one transaction (see
+// middleware.Batch); with Lanes and BatchSize both 1 it uses
+// watermill-kafka's subscriber, one message per partition at a time. It
+// runs every message through, outermost first: dead-lettering ▸
 // retry (middleware.Retry: permanent errors skip it, database outages wait
 // without spending it) ▸ a detached context ▸ the event-type check ▸
 // Config.Middleware ▸ the eventline middleware (recover ▸ tx ▸ decode ▸
