@@ -8,10 +8,13 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/faultproxy"
+	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
@@ -157,4 +160,66 @@ func TestAbandonedBatchLetsItsMembersGoAlone(t *testing.T) {
 	b.Run(ctx) // returns once ctx ends: the second member never arrives
 	require.NoError(t, <-done, "a ran on its own")
 	require.Equal(t, []int64{1}, f.versions(t, "a"))
+}
+
+// TestBatchDuringDatabaseOutage cuts the database off (every connection
+// dropped, new ones refused) while a batch is in its transaction: nothing
+// of the batch commits, the members fail one after the other in their
+// order (each on its own, as their retries would then go on), and once the
+// database is back, redelivering them applies each once, in one batch.
+func TestBatchDuringDatabaseOutage(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{})
+	proxy, err := faultproxy.Start(pgtest.Addr())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	cfg, err := pgxpool.ParseConfig(pgtest.URLVia(proxy.Addr()))
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	el, err := middleware.New(middleware.Config{DB: pool, Schema: f.env.Schema, Group: group, Logger: quiet()})
+	require.NoError(t, err)
+	var cut sync.Once
+	business := f.business(group)
+	var mu sync.Mutex
+	var order []string
+	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		e, _ := middleware.EventFromContext(msg.Context())
+		if e.AggregateID == "b" {
+			cut.Do(func() {
+				proxy.Set(faultproxy.Refuse)
+				proxy.Drop()
+			})
+		}
+		return business(msg)
+	})
+	record := func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		mu.Lock()
+		order = append(order, msg.Metadata.Get(eventline.MetaAggregateID))
+		mu.Unlock()
+		return out, err
+	}
+	evs := []eventline.Event{consumertest.Event("a", 1), consumertest.Event("b", 1), consumertest.Event("c", 1)}
+	msgs := []*message.Message{consumertest.Message(t, evs[0]), consumertest.Message(t, evs[1]), consumertest.Message(t, evs[2])}
+	errs := deliverBatch(record, msgs...)
+	for i, err := range errs {
+		require.Error(t, err, "member %d cannot succeed while the database is away", i)
+	}
+	require.Equal(t, []string{"a", "b", "c"}, order, "the members failed one after the other, in order")
+	require.Empty(t, f.env.Effects(t, group), "nothing of the batch committed")
+	require.Equal(t, 0, f.count(t, "processed_events"))
+
+	proxy.Set(faultproxy.Pass)
+	errs = deliverBatch(h, msgs...)
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	for _, id := range []string{"a", "b", "c"} {
+		require.Equal(t, []int64{1}, f.versions(t, id))
+	}
+	xm := f.xmins(t)
+	require.Equal(t, xm[evs[0].ID], xm[evs[2].ID], "one transaction once the database is back")
 }
