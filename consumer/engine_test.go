@@ -331,3 +331,29 @@ func TestRebalanceMidBatchAbandonsIt(t *testing.T) {
 		require.Equal(t, fold(1, 2, 3, 4), value)
 	}
 }
+
+func TestSubscriberConfigErrorsNameTheField(t *testing.T) {
+	t.Parallel()
+	base := consumer.SubscriberConfig{Brokers: []string{"127.0.0.1:9092"}, Group: "g"}
+	for _, tc := range []struct {
+		mut  func(*consumer.SubscriberConfig)
+		want string
+	}{
+		{func(c *consumer.SubscriberConfig) { c.Group = "" }, "consumer.SubscriberConfig.Group"},
+		{func(c *consumer.SubscriberConfig) { c.Brokers = []string{"nohost"} }, "consumer.SubscriberConfig.Brokers"},
+		{func(c *consumer.SubscriberConfig) { c.Lanes = -2 }, "consumer.SubscriberConfig.Lanes"},
+		{func(c *consumer.SubscriberConfig) { c.BatchSize = consumer.MaxBatchSize + 1 }, "consumer.SubscriberConfig.BatchSize"},
+		{func(c *consumer.SubscriberConfig) { c.BatchLinger = -time.Second }, "consumer.SubscriberConfig.BatchLinger"},
+		{func(c *consumer.SubscriberConfig) { c.CloseTimeout = -time.Second }, "consumer.SubscriberConfig.CloseTimeout"},
+	} {
+		cfg := base
+		tc.mut(&cfg)
+		_, err := consumer.NewSubscriber(cfg)
+		require.ErrorContains(t, err, tc.want)
+	}
+	s, err := consumer.NewSubscriber(base)
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	_, err = s.Subscribe(context.Background(), "t")
+	require.ErrorContains(t, err, "closed")
+}
