@@ -189,7 +189,8 @@ type Config struct {
 	Upcasters *eventline.Upcasters
 	// Middleware runs around every event, outside the eventline
 	// transaction and inside retries and dead-lettering (tracing,
-	// logging…). The first is outermost.
+	// logging…). The first is outermost. The events of one batch pass it
+	// concurrently, each returning once the batch has committed.
 	Middleware []message.HandlerMiddleware
 	// Logger receives what the consumer, Watermill and the sweeper report
 	// (Watermill's info lines at debug level). Defaults to slog.Default().
