@@ -360,6 +360,9 @@ func (l *lane) deliverBatch(first *delivery) {
 		}
 		go func() {
 			a := p.await(d.msg)
+			if a == acked {
+				p.finish(d) // its offset may move at once
+			}
 			b.Leave(i)
 			results <- memberResult{i, a}
 		}()
@@ -388,10 +391,7 @@ func (l *lane) deliverBatch(first *delivery) {
 	}
 	var again []*delivery
 	for i, d := range members {
-		switch got[i] {
-		case acked:
-			p.finish(d)
-		case nacked:
+		if got[i] == nacked {
 			again = append(again, d)
 		}
 	}
