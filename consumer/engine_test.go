@@ -357,3 +357,80 @@ func TestSubscriberConfigErrorsNameTheField(t *testing.T) {
 	_, err = s.Subscribe(context.Background(), "t")
 	require.ErrorContains(t, err, "closed")
 }
+
+// TestRebalanceMidBatchFinishesIt holds a batch in the middle of its
+// transaction when a second consumer joins, and lets it go while the
+// partition is being revoked: the batch commits, its offsets are committed
+// before the partition moves, and whoever consumes next starts after it:
+// no message of the batch is delivered again (counted in front of the
+// eventline middleware, where duplicates still show).
+func TestRebalanceMidBatchFinishesIt(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const group = "finishbatch"
+	var stalled atomic.Bool
+	entered, release := make(chan struct{}), make(chan struct{})
+	var delivered atomic.Int64
+	count := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			delivered.Add(1)
+			return h(msg)
+		}
+	}
+	newConsumer := func(stall bool) *consumer.Consumer {
+		cfg := batchConfig(k, group, 8)
+		cfg.Middleware = []message.HandlerMiddleware{count}
+		c, err := consumer.New(k.Pool, cfg)
+		require.NoError(t, err)
+		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+			if err := k.Apply(ctx, tx, group, e); err != nil {
+				return err
+			}
+			if stall && stalled.CompareAndSwap(false, true) {
+				close(entered)
+				<-release
+			}
+			return nil
+		}))
+		return c
+	}
+	first := distinctEvents(8)
+	publish(t, k.brokers, k.topic, messagesOf(t, first)...)
+	a := start(t, newConsumer(true))
+	select {
+	case <-entered:
+	case <-time.After(60 * time.Second):
+		t.Fatal("the batch never reached its handler")
+	}
+	b := start(t, newConsumer(false)) // joins: the partition is revoked mid-batch
+	// The group starts rebalancing when b joins; a learns it on its next
+	// heartbeat (every 500ms) and stops its partition, giving the batch
+	// half the rebalance timeout (2.5s). Release the batch in that window.
+	eventually(t, 30*time.Second, func() bool { return groupState(t, k, group) == "PreparingRebalance" }, "the group rebalances")
+	time.Sleep(time.Second)
+	close(release)
+	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == len(first) }, "the held batch commits")
+	// After the rebalance, a new event reaches whoever owns the partition.
+	second := []eventline.Event{consumertest.Event("late", 1)}
+	publish(t, k.brokers, k.topic, messagesOf(t, second)...)
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(first)+1 }, "the event after the rebalance is applied")
+	require.NoError(t, a.stop())
+	require.NoError(t, b.stop())
+	appliedOnce(t, k.Effects(t, group), append(first, second...))
+	require.EqualValues(t, len(first)+1, delivered.Load(),
+		"no message was delivered twice: the finished batch's offsets were committed before the partition moved")
+}
+
+func groupState(t *testing.T, k kenv, group string) string {
+	t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	admin, err := sarama.NewClusterAdmin(k.brokers, cfg)
+	require.NoError(t, err)
+	defer admin.Close()
+	gs, err := admin.DescribeConsumerGroups([]string{group})
+	if err != nil || len(gs) != 1 {
+		return ""
+	}
+	return gs[0].State
+}
