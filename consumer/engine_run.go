@@ -34,6 +34,7 @@ func (c *Consumer) subscriber(wlog watermill.LoggerAdapter) (message.Subscriber,
 		BatchLinger:  cfg.BatchLinger,
 		CloseTimeout: cfg.ShutdownTimeout,
 		Logger:       cfg.Logger,
+		chainBatches: true, // Run's chain contains the eventline middleware
 	})
 	if err != nil {
 		return nil, fmt.Errorf("eventline consumer: create Kafka subscriber: %w", err)

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -433,4 +434,50 @@ func groupState(t *testing.T, k kenv, group string) string {
 		return ""
 	}
 	return gs[0].State
+}
+
+// TestSubscriberWithoutEventlineMiddlewareDeliversOneAtATime: on a Router
+// whose chain lacks the eventline middleware (nothing could apply a batch),
+// a lane's messages still go out one at a time, in order.
+func TestSubscriberWithoutEventlineMiddlewareDeliversOneAtATime(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	sub, err := consumer.NewSubscriber(consumer.SubscriberConfig{
+		Brokers: k.brokers, Group: "plain", SaramaConfig: fastGroupConfig("plain"),
+		Lanes: 1, BatchSize: 8, BatchLinger: 100 * time.Millisecond, Logger: quietLogger(),
+	})
+	require.NoError(t, err)
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	require.NoError(t, err)
+	var inFlight, most atomic.Int32
+	var mu sync.Mutex
+	var seen []int64
+	router.AddConsumerHandler("plain", k.topic, sub, func(msg *message.Message) error {
+		n := inFlight.Add(1)
+		defer inFlight.Add(-1)
+		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+		}
+		time.Sleep(10 * time.Millisecond)
+		e, err := eventline.Decode(msg)
+		if err != nil {
+			return err
+		}
+		mu.Lock()
+		seen = append(seen, e.AggregateVersion)
+		mu.Unlock()
+		return nil
+	})
+	var evs []eventline.Event
+	for v := int64(1); v <= 10; v++ {
+		evs = append(evs, consumertest.Event("a", v))
+	}
+	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	<-router.Running()
+	eventually(t, 30*time.Second, func() bool { mu.Lock(); defer mu.Unlock(); return len(seen) == 10 }, "all handled")
+	require.NoError(t, router.Close())
+	require.NoError(t, <-done)
+	require.EqualValues(t, 1, most.Load(), "one message at a time")
+	require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, seen)
 }

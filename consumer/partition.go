@@ -336,7 +336,8 @@ type memberResult struct {
 // middleware.Batch. first goes alone; the others follow once it has reached
 // the eventline middleware (Batch.Joined). If it leaves without reaching
 // it, the chain has no such middleware: first counts as a batch of one and
-// the others go back to the queue.
+// the others go back to the queue. (The ready runner, whose chain has it,
+// sends them all at once.)
 func (l *lane) deliverBatch(first *delivery) {
 	p := l.p
 	cfg := p.cfg
@@ -369,15 +370,22 @@ func (l *lane) deliverBatch(first *delivery) {
 	}
 	add(first)
 	var early []memberResult
-	select {
-	case <-b.Joined():
+	grow := func() {
 		for _, d := range more {
 			add(d)
 		}
 		l.fill(add, len(members))
-	case r := <-results:
-		early = append(early, r)
-		l.pushFront(more)
+	}
+	if cfg.chainBatches {
+		grow() // the chain is known to contain the eventline middleware
+	} else {
+		select {
+		case <-b.Joined():
+			grow()
+		case r := <-results:
+			early = append(early, r)
+			l.pushFront(more)
+		}
 	}
 	b.Seal()
 	b.Run(p.halt)

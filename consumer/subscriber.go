@@ -81,6 +81,11 @@ type SubscriberConfig struct {
 	// Logger receives group errors and rebalances. Defaults to
 	// slog.Default().
 	Logger *slog.Logger
+
+	// chainBatches is set by the ready runner, whose chain always contains
+	// the eventline middleware: a batch's members go out together, without
+	// first sending one alone to see whether it reaches the middleware.
+	chainBatches bool
 }
 
 func (c SubscriberConfig) withDefaults() SubscriberConfig {

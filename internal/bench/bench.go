@@ -85,7 +85,7 @@ func FullSizes() Sizes {
 func QuickSizes() Sizes {
 	return Sizes{
 		Producers: 16, ProducerPhase: 3 * time.Second, Rounds: 1,
-		RelayBacklog: 10_000, ConsumerBacklog: 10_000, ConsumerRounds: 1, SlowBacklog: 1_000,
+		RelayBacklog: 10_000, ConsumerBacklog: 10_000, ConsumerRounds: 1, SlowBacklog: 2_000,
 		Rates: []int{100, 500, 1000}, RatePhase: 4 * time.Second,
 		IdleWindow: 10 * time.Second,
 	}

@@ -151,7 +151,36 @@ func (e *env) prefillConsumer(ctx context.Context, k *kafkaEnv, topic string, n,
 // consumerPool opens the consumer's pool: one connection per partition and
 // a few spare.
 func (e *env) consumerPool(ctx context.Context) (*pgxpool.Pool, error) {
-	return e.openPool(ctx, Partitions+4, nil)
+	return e.warmPool(ctx, Partitions+4)
+}
+
+// warmPool opens a pool and connects all its connections before the clock
+// starts: a consumer in production runs on a warm pool, and on a loaded
+// machine opening 16 connections at once takes long enough to hide what is
+// measured.
+func (e *env) warmPool(ctx context.Context, conns int32) (*pgxpool.Pool, error) {
+	pool, err := e.openPool(ctx, conns, nil)
+	if err != nil {
+		return nil, err
+	}
+	held := make([]*pgxpool.Conn, 0, conns)
+	var err2 error
+	for range conns {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			err2 = fmt.Errorf("warm the consumer pool: %w", err)
+			break
+		}
+		held = append(held, c)
+	}
+	for _, c := range held {
+		c.Release()
+	}
+	if err2 != nil {
+		pool.Close()
+		return nil, err2
+	}
+	return pool, nil
 }
 
 // progressCounter counts messages whose handling succeeded (outermost, so
@@ -368,7 +397,7 @@ func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n in
 	if conns == 0 {
 		conns = Partitions + 4
 	}
-	pool, err := e.openPool(ctx, conns, nil)
+	pool, err := e.warmPool(ctx, conns)
 	if err != nil {
 		return drainResult{}, err
 	}
