@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -222,4 +223,22 @@ func TestBatchDuringDatabaseOutage(t *testing.T) {
 	}
 	xm := f.xmins(t)
 	require.Equal(t, xm[evs[0].ID], xm[evs[2].ID], "one transaction once the database is back")
+}
+
+// TestBatchRefusesAnIDConflictAlone: two different events with one id in
+// a batch: the first is applied, the second refused (permanent, as on its
+// own), the rest of the batch applied.
+func TestBatchRefusesAnIDConflictAlone(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{})
+	a, b, c := consumertest.Event("a", 1), consumertest.Event("b", 1), consumertest.Event("c", 1)
+	b.ID = a.ID // lies about its id
+	errs := deliverBatch(f.handler, consumertest.Message(t, a), consumertest.Message(t, b), consumertest.Message(t, c))
+	require.NoError(t, errs[0])
+	require.ErrorIs(t, errs[1], dedup.ErrIDConflict)
+	require.True(t, middleware.IsPermanent(errs[1]), "refused for good: dead-lettered at once")
+	require.NoError(t, errs[2])
+	require.Equal(t, []int64{1}, f.versions(t, "a"))
+	require.Empty(t, f.versions(t, "b"))
+	require.Equal(t, []int64{1}, f.versions(t, "c"))
 }
