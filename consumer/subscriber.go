@@ -147,9 +147,10 @@ func validateLanes(field string, lanes, batchSize int, linger, closeTimeout time
 // both 1.
 //
 // Messages are decoded with watermill-kafka's DefaultMarshaler, so UUID,
-// payload and metadata are what watermill-kafka's subscriber produces
-// (watermill-kafka's own context values, partition and offset, are not
-// set).
+// payload and metadata are what watermill-kafka's subscriber produces. The
+// record's topic, partition, offset and key are in the message context as a
+// middleware.Source (middleware.SourceFromContext; dead letters record
+// them); watermill-kafka's own context accessors find nothing.
 //
 // Delivery and offsets:
 //

@@ -111,13 +111,6 @@ func (b *Batch) Add(ctx context.Context) context.Context {
 	return context.WithValue(ctx, batchKey{}, s)
 }
 
-// Len is the number of members added.
-func (b *Batch) Len() int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return len(b.slots)
-}
-
 // Joined is closed when a member has reached the composed middleware:
 // the chain the messages run through has one, so the batch can be filled.
 // A subscriber that cannot know its chain sends the first member alone and
