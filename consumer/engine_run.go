@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -21,7 +22,7 @@ func (c *Consumer) subscriber(wlog watermill.LoggerAdapter) (message.Subscriber,
 			ConsumerGroup:         cfg.Group,
 		}, wlog)
 		if err != nil {
-			return nil, fmt.Errorf("eventline consumer: create Kafka subscriber: %w", err)
+			return nil, fmt.Errorf("eventline consumer: create the Kafka subscriber for brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
 		}
 		return sub, nil
 	}
@@ -37,7 +38,7 @@ func (c *Consumer) subscriber(wlog watermill.LoggerAdapter) (message.Subscriber,
 		chainBatches: true, // Run's chain contains the eventline middleware
 	})
 	if err != nil {
-		return nil, fmt.Errorf("eventline consumer: create Kafka subscriber: %w", err)
+		return nil, fmt.Errorf("eventline consumer: create the Kafka subscriber for brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
 	}
 	return sub, nil
 }
