@@ -153,6 +153,28 @@ type Config struct {
 	// OffsetOldest, or a new group skips events published before it
 	// started.
 	SaramaConfig *sarama.Config
+	// Lanes is how many lanes each Kafka partition is split into: events
+	// are spread over lanes by aggregate, each aggregate's events stay in
+	// one lane in offset order, and lanes run concurrently, so a slow
+	// handler is bound by the number of lanes rather than by the number of
+	// partitions. Give the pool at least partitions × Lanes connections
+	// for the lanes to run in parallel. 1 handles a partition's events one
+	// at a time. Defaults to DefaultLanes (8); at most MaxLanes.
+	Lanes int
+	// BatchSize is the most events of one lane applied in one PostgreSQL
+	// transaction (dedup records and version checks for the whole batch in
+	// one round trip with BEGIN, the handlers one after the other, one
+	// COMMIT, then the offsets). Per-event guarantees are unchanged; an
+	// event that fails costs only itself (see middleware.Batch). 1
+	// disables batching. Lanes and BatchSize both 1 use watermill-kafka's
+	// subscriber, as eventline did before batches. Defaults to
+	// DefaultBatchSize (16); at most MaxBatchSize.
+	BatchSize int
+	// BatchLinger is how long a free lane waits for more events before it
+	// applies a batch that is not full. Defaults to DefaultBatchLinger (0:
+	// a batch is what queued up while the lane was busy, so an idle
+	// consumer applies each event at once). At most MaxBatchLinger.
+	BatchLinger time.Duration
 	// ShutdownTimeout bounds how long Run waits, after its context ends,
 	// for in-flight events to finish; events still running then are rolled
 	// back (and redelivered later). Defaults to DefaultShutdownTimeout
@@ -167,7 +189,8 @@ type Config struct {
 	Upcasters *eventline.Upcasters
 	// Middleware runs around every event, outside the eventline
 	// transaction and inside retries and dead-lettering (tracing,
-	// logging…). The first is outermost.
+	// logging…). The first is outermost. The events of one batch pass it
+	// concurrently, each returning once the batch has committed.
 	Middleware []message.HandlerMiddleware
 	// Logger receives what the consumer, Watermill and the sweeper report
 	// (Watermill's info lines at debug level). Defaults to slog.Default().
@@ -219,6 +242,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if c.Lanes == 0 {
+		c.Lanes = DefaultLanes
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
@@ -276,6 +305,9 @@ func (c Config) validate() error {
 		return fmt.Errorf("consumer.Config.TxTimeout is %s; it must be positive (or NoTxTimeout)", c.TxTimeout)
 	case c.ShutdownTimeout < 0:
 		return fmt.Errorf("consumer.Config.ShutdownTimeout is %s; it must be positive", c.ShutdownTimeout)
+	}
+	if err := validateLanes("consumer.Config", c.Lanes, c.BatchSize, c.BatchLinger, c.ShutdownTimeout, "ShutdownTimeout"); err != nil {
+		return err
 	}
 	for i, m := range c.Middleware {
 		if m == nil {

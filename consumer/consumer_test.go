@@ -234,6 +234,12 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{func(c *consumer.Config) { c.GapPolicy = "maybe" }, "GapPolicy"},
 		{func(c *consumer.Config) { c.RetryMultiplier = 0.5 }, "consumer.Config.RetryMultiplier"},
 		{func(c *consumer.Config) { c.ParkTimeout = -time.Second }, "ParkTimeout"},
+		{func(c *consumer.Config) { c.Lanes = -1 }, "consumer.Config.Lanes"},
+		{func(c *consumer.Config) { c.Lanes = consumer.MaxLanes + 1 }, "consumer.Config.Lanes"},
+		{func(c *consumer.Config) { c.BatchSize = -1 }, "consumer.Config.BatchSize"},
+		{func(c *consumer.Config) { c.BatchSize = consumer.MaxBatchSize + 1 }, "consumer.Config.BatchSize"},
+		{func(c *consumer.Config) { c.BatchLinger = -time.Millisecond }, "consumer.Config.BatchLinger"},
+		{func(c *consumer.Config) { c.BatchLinger = 2 * consumer.MaxBatchLinger }, "consumer.Config.BatchLinger"},
 	} {
 		cfg := base
 		tc.mut(&cfg)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"strconv"
@@ -34,27 +35,57 @@ const (
 	crashTopicEnv   = "EVENTLINE_CRASH_TOPIC"
 	crashDLQEnv     = "EVENTLINE_CRASH_DLQ"
 	crashAfterEnv   = "EVENTLINE_CRASH_AFTER"
+	crashBatchedEnv = "EVENTLINE_CRASH_BATCHED"
 	crashGroup      = "crashy"
 )
 
 // TestCrashAfterCommitBeforeOffsetCommit kills a consumer process with
 // SIGKILL right after an event's transaction committed, before Kafka heard
 // about it (the child auto-commits offsets only once an hour), restarts the
-// consumer and checks that the redelivered events change nothing.
+// consumer and checks that the redelivered events change nothing: once
+// with one event per transaction (watermill-kafka's subscriber), once with
+// lanes and batches, where the kill lands after a whole batch committed.
 func TestCrashAfterCommitBeforeOffsetCommit(t *testing.T) {
 	t.Parallel()
+	t.Run("per-event", func(t *testing.T) {
+		t.Parallel()
+		// One aggregate, six versions: the child commits exactly three.
+		testCrashAfterCommit(t, crashCase{aggregates: 1, versions: 6, crashAfter: 3})
+	})
+	t.Run("batched", func(t *testing.T) {
+		t.Parallel()
+		// Three aggregates in two lanes, batches of 8 that wait to fill:
+		// the third acknowledgement comes after a whole batch committed.
+		testCrashAfterCommit(t, crashCase{aggregates: 3, versions: 10, crashAfter: 3, batched: true})
+	})
+}
+
+type crashCase struct {
+	aggregates, versions, crashAfter int
+	batched                          bool
+}
+
+// Batch settings of the batched crash child.
+const (
+	crashLanes     = 2
+	crashBatchSize = 8
+)
+
+func testCrashAfterCommit(t *testing.T, tc crashCase) {
 	k := newKenv(t, 1)
-	const total, crashAfter = 6, 3
+	total := tc.aggregates * tc.versions
 	var want []eventline.Event
 	var msgs []*message.Message
-	for v := int64(1); v <= total; v++ {
-		e := consumertest.Event("order-1", v)
-		want = append(want, e)
-		msgs = append(msgs, consumertest.Message(t, e))
+	for v := int64(1); v <= int64(tc.versions); v++ {
+		for a := 0; a < tc.aggregates; a++ {
+			e := consumertest.Event(fmt.Sprintf("order-%d", a+1), v)
+			want = append(want, e)
+			msgs = append(msgs, consumertest.Message(t, e))
+		}
 	}
 	publish(t, k.brokers, k.topic, msgs...)
 
-	// The child consumes, commits three transactions and kills itself.
+	// The child consumes, commits and kills itself.
 	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashChild$", "-test.count=1")
 	cmd.Env = append(os.Environ(),
 		crashChildEnv+"=1",
@@ -62,7 +93,8 @@ func TestCrashAfterCommitBeforeOffsetCommit(t *testing.T) {
 		crashSchemaEnv+"="+k.Schema,
 		crashTopicEnv+"="+k.topic,
 		crashDLQEnv+"="+k.dlq,
-		crashAfterEnv+"="+strconv.Itoa(crashAfter),
+		crashAfterEnv+"="+strconv.Itoa(tc.crashAfter),
+		crashBatchedEnv+"="+strconv.FormatBool(tc.batched),
 	)
 	var output bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &output, &output
@@ -79,7 +111,13 @@ func TestCrashAfterCommitBeforeOffsetCommit(t *testing.T) {
 		_ = cmd.Process.Kill()
 		t.Fatalf("child did not crash\n%s", output.String())
 	}
-	require.Len(t, k.Effects(t, crashGroup), crashAfter, "the child committed exactly %d events before dying", crashAfter)
+	before := len(k.Effects(t, crashGroup))
+	if tc.batched {
+		require.GreaterOrEqual(t, before, crashBatchSize, "a whole batch committed before the third acknowledgement")
+		require.Less(t, before, total)
+	} else {
+		require.Equal(t, tc.crashAfter, before, "the child committed exactly %d events before dying", tc.crashAfter)
+	}
 
 	// Restart in this process: the group's offsets were never committed, so
 	// Kafka redelivers from the start.
@@ -96,11 +134,17 @@ func TestCrashAfterCommitBeforeOffsetCommit(t *testing.T) {
 	require.NoError(t, r.stop())
 
 	appliedOnce(t, k.Effects(t, crashGroup), want)
-	value, last := k.State(t, crashGroup, "thing", "order-1")
-	require.EqualValues(t, total, last)
-	require.Equal(t, fold(1, 2, 3, 4, 5, 6), value)
-	require.GreaterOrEqual(t, counterSum(t, reg, "eventline_consumer_events_duplicate_total"), float64(crashAfter),
-		"the events committed before the crash were redelivered (their offsets were not committed) and recognised as duplicates")
+	var all []int64
+	for v := int64(1); v <= int64(tc.versions); v++ {
+		all = append(all, v)
+	}
+	for a := 0; a < tc.aggregates; a++ {
+		value, last := k.State(t, crashGroup, "thing", fmt.Sprintf("order-%d", a+1))
+		require.EqualValues(t, tc.versions, last)
+		require.Equal(t, fold(all...), value)
+	}
+	require.EqualValues(t, before, counterSum(t, reg, "eventline_consumer_events_duplicate_total"),
+		"exactly the events committed before the crash were redelivered (their offsets were not committed) and recognised as duplicates")
 }
 
 // TestCrashChild is the consumer process TestCrashAfterCommitBeforeOffsetCommit
@@ -128,7 +172,7 @@ func TestCrashChild(t *testing.T) {
 			return out, err
 		}
 	}
-	c, err := consumer.New(pool, consumer.Config{
+	cfg := consumer.Config{
 		Brokers:         kafkaconf.ParseBrokers(os.Getenv(crashBrokersEnv)),
 		Group:           crashGroup,
 		Topics:          []string{os.Getenv(crashTopicEnv)},
@@ -137,7 +181,14 @@ func TestCrashChild(t *testing.T) {
 		SaramaConfig:    sc,
 		Middleware:      []message.HandlerMiddleware{crash},
 		Logger:          quietLogger(),
-	})
+		Lanes:           1,
+		BatchSize:       1,
+	}
+	if os.Getenv(crashBatchedEnv) == "true" {
+		// Batches wait up to a second to fill, so the first ones are full.
+		cfg.Lanes, cfg.BatchSize, cfg.BatchLinger = crashLanes, crashBatchSize, time.Second
+	}
+	c, err := consumer.New(pool, cfg)
 	require.NoError(t, err)
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		return env.Apply(ctx, tx, crashGroup, e)

@@ -54,6 +54,28 @@
 //     events are committed, and Run returns with no goroutine or connection
 //     of its own left behind.
 //
+// # Lanes and batches
+//
+// A partition is not handled one event at a time: its events are spread
+// over Config.Lanes lanes (default 8) by aggregate, and lanes run
+// concurrently, so a slow handler (an HTTP call, say) scales with lanes
+// rather than with partitions. One aggregate's events stay in one lane, in
+// offset order. Within a lane, the events that queued up while the lane was
+// busy, up to Config.BatchSize (default 16), are applied in one PostgreSQL
+// transaction: BEGIN and every event's dedup record and version check in one
+// round trip, the handlers one after the other, one COMMIT, then the
+// offsets. Every guarantee above holds per event; an event whose handler
+// fails or panics costs only itself (the others of its batch commit
+// without it, and it follows its own retries and dead-lettering). The
+// committed Kafka offset is always the lowest one not finished, so it never
+// passes an event whose transaction has not committed. Give the pool at
+// least partitions × Lanes connections for lanes to run in parallel;
+// Config.BatchLinger makes a lane wait for fuller batches. Lanes and
+// BatchSize both 1 restore one event per partition at a time.
+//
+// Config.Middleware sees the events of a batch concurrently, each returning
+// once the batch has committed; handlers see them one at a time, in order.
+//
 // A new consumer group starts at the oldest offset, so a consumer deployed
 // after events were published still sees them.
 //
@@ -84,6 +106,9 @@
 // events of their aggregate wait behind the gap.
 //
 // Consumer is the middleware package's composed middleware on a Watermill
-// Router with a watermill-kafka subscriber; teams with their own Router use
-// that package directly.
+// Router with this package's [Subscriber]. Teams with their own Router use
+// the middleware package directly; to get lanes and batches there too, use
+// [NewSubscriber] as the Router's subscriber (Watermill has no batch API:
+// the Subscriber hands a lane's events out together and the composed
+// middleware applies them in one transaction; see the example).
 package consumer

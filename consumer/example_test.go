@@ -20,6 +20,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
 )
 
@@ -152,4 +153,78 @@ func publishEvents(brokers []string, topic string, events ...eventline.Event) {
 			panic(err)
 		}
 	}
+}
+
+// Lanes and batches on your own Watermill Router: NewSubscriber is the
+// router's subscriber and the composed middleware applies each batch it
+// hands out in one transaction. Put Retry and a poison queue outside the
+// middleware as usual (see package middleware).
+func ExampleNewSubscriber() {
+	ctx := context.Background()
+	pool, schema, cleanup := exampleEnv(ctx)
+	defer cleanup()
+	brokers, stopKafka := exampleKafka("payments")
+	defer stopKafka()
+	ledger := sqlident.Qualify(schema, "ledger")
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+ledger+` (seq serial, line text, tx xid8 DEFAULT pg_current_xact_id())`); err != nil {
+		panic(err)
+	}
+
+	sub, err := consumer.NewSubscriber(consumer.SubscriberConfig{
+		Brokers:     brokers,
+		Group:       "ledger",
+		Lanes:       4,
+		BatchSize:   16,
+		BatchLinger: 200 * time.Millisecond, // here: wait for the batch to fill
+		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		panic(err)
+	}
+	el, err := middleware.New(middleware.Config{DB: pool, Group: "ledger", Schema: schema,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		panic(err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		panic(err)
+	}
+	router.AddConsumerHandler("ledger", "payments", sub, func(msg *message.Message) error {
+		tx, _ := middleware.TxFromContext(msg.Context())
+		e, _ := middleware.EventFromContext(msg.Context())
+		_, err := tx.Exec(msg.Context(), `INSERT INTO `+ledger+` (line) VALUES ($1)`, fmt.Sprintf("%s v%d", e.AggregateID, e.AggregateVersion))
+		return err
+	}).AddMiddleware(el.Middleware)
+
+	var events []eventline.Event
+	for v := int64(1); v <= 3; v++ {
+		e, _ := eventline.NewJSONEvent("payment.received", "account", "acct-1", order{Total: int(v)})
+		e.ID, e.AggregateVersion = eventline.NewEventID(), v
+		events = append(events, e)
+	}
+	publishEvents(brokers, "payments", events...)
+
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	<-router.Running()
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		var n int
+		_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+ledger).Scan(&n)
+		if n == 3 {
+			break
+		}
+	}
+	if err := router.Close(); err != nil {
+		panic(err)
+	}
+	if err := <-done; err != nil {
+		panic(err)
+	}
+	var lines []string
+	var txs int
+	_ = pool.QueryRow(ctx, `SELECT array_agg(line ORDER BY seq), count(DISTINCT tx) FROM `+ledger).Scan(&lines, &txs)
+	fmt.Println(lines, "in", txs, "transaction")
+	// Output:
+	// [acct-1 v1 acct-1 v2 acct-1 v3] in 1 transaction
 }

@@ -49,9 +49,13 @@ const (
 
 // Run consumes until ctx ends, then shuts down gracefully and returns nil.
 //
-// It subscribes to Config.Topics in Config.Group with watermill-kafka (one
-// partition is processed one message at a time, so a partition's order is
-// kept), and runs every message through, outermost first: dead-lettering ▸
+// It subscribes to Config.Topics in Config.Group with a [Subscriber]: each
+// partition is split into Config.Lanes lanes by aggregate (one aggregate's
+// events stay in one lane, in offset order), and each lane's waiting events,
+// up to Config.BatchSize, are applied in one transaction (see
+// middleware.Batch); with Lanes and BatchSize both 1 it uses
+// watermill-kafka's subscriber, one message per partition at a time. It
+// runs every message through, outermost first: dead-lettering ▸
 // retry (middleware.Retry: permanent errors skip it, database outages wait
 // without spending it) ▸ a detached context ▸ the event-type check ▸
 // Config.Middleware ▸ the eventline middleware (recover ▸ tx ▸ decode ▸
@@ -90,14 +94,9 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if err := c.checkKafka(ctx); err != nil {
 		return err
 	}
-	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
-		Brokers:               cfg.Brokers,
-		Unmarshaler:           kafka.DefaultMarshaler{},
-		OverwriteSaramaConfig: cfg.SaramaConfig,
-		ConsumerGroup:         cfg.Group,
-	}, wlog)
+	sub, err := c.subscriber(wlog) // engine_run.go
 	if err != nil {
-		return fmt.Errorf("eventline consumer: create the Kafka subscriber for brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
+		return err
 	}
 	defer sub.Close()
 	dlc := middleware.DeadLetterConfig{
@@ -284,8 +283,12 @@ func (c *Consumer) detach(h message.HandlerFunc) message.HandlerFunc {
 			hard = context.Background()
 		}
 		stop := context.AfterFunc(hard, cancel)
+		// The Subscriber ends a message's context only to abandon it (a
+		// revoked partition, a shutdown timeout): that still ends the work.
+		stopAbandon := context.AfterFunc(abandonedBy(orig), cancel)
 		defer func() {
 			stop()
+			stopAbandon()
 			cancel()
 			msg.SetContext(orig)
 		}()

@@ -29,6 +29,11 @@ import (
 //
 //	go test -run '^$' -bench 'BenchmarkBareHandler|BenchmarkMiddleware' -benchtime 5s ./middleware/
 //
+// BenchmarkBareBatch and BenchmarkBatchMiddleware do the same with 16 events
+// per transaction (middleware.Batch). Every benchmark also reports CPU per
+// event, of this process (go-µs/ev) and of its PostgreSQL backends
+// (pg-µs/ev): on a shared machine those vary much less than events/s.
+//
 // With EVENTLINE_BENCH_RTT set (e.g. 500us), both talk to PostgreSQL
 // through a proxy adding that round-trip time, as when the database runs
 // on another host; on loopback they measure CPU cost instead.
@@ -54,21 +59,21 @@ func newBenchEnv(b testing.TB) benchEnv {
 	return benchEnv{env: env, pool: benchPool(b, env), insert: `INSERT INTO ` + table + ` (event_id, aggregate_id, version, payload) VALUES ($1, $2, $3, $4)`}
 }
 
-// benchPool returns env's pool, or with EVENTLINE_BENCH_RTT a pool whose
-// connections go through a latency proxy.
+// benchPool returns a pool of 16 connections named benchAppName, through a
+// latency proxy when EVENTLINE_BENCH_RTT is set.
 func benchPool(b testing.TB, env consumertest.Env) *pgxpool.Pool {
-	rtt := os.Getenv("EVENTLINE_BENCH_RTT")
-	if rtt == "" {
-		return env.Pool
-	}
-	d, err := time.ParseDuration(rtt)
-	require.NoError(b, err)
 	cfg, err := pgxpool.ParseConfig(pgtest.URL())
 	require.NoError(b, err)
-	addr := consumertest.LatencyProxy(b, fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port), d)
-	host, port, _ := net.SplitHostPort(addr)
-	p, _ := strconv.Atoi(port)
-	cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.MaxConns = host, uint16(p), 16
+	cfg.MaxConns = 16
+	cfg.ConnConfig.RuntimeParams["application_name"] = benchAppName
+	if rtt := os.Getenv("EVENTLINE_BENCH_RTT"); rtt != "" {
+		d, err := time.ParseDuration(rtt)
+		require.NoError(b, err)
+		addr := consumertest.LatencyProxy(b, fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port), d)
+		host, port, _ := net.SplitHostPort(addr)
+		p, _ := strconv.Atoi(port)
+		cfg.ConnConfig.Host, cfg.ConnConfig.Port = host, uint16(p)
+	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(b, err)
 	b.Cleanup(pool.Close)
@@ -99,6 +104,7 @@ func BenchmarkBareHandler(b *testing.B) {
 	var workers atomic.Int64
 	b.SetParallelism(benchParallelism)
 	b.ResetTimer()
+	meter := cpuMeter(b, be.pool)
 	b.RunParallel(func(pb *testing.PB) {
 		next := benchEvents(workers.Add(1))
 		for pb.Next() {
@@ -122,6 +128,7 @@ func BenchmarkBareHandler(b *testing.B) {
 		}
 	})
 	b.StopTimer()
+	meter(int64(b.N))
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
 }
 
@@ -138,6 +145,7 @@ func BenchmarkMiddleware(b *testing.B) {
 	var workers atomic.Int64
 	b.SetParallelism(benchParallelism)
 	b.ResetTimer()
+	meter := cpuMeter(b, be.pool)
 	b.RunParallel(func(pb *testing.PB) {
 		next := benchEvents(workers.Add(1))
 		for pb.Next() {
@@ -153,6 +161,124 @@ func BenchmarkMiddleware(b *testing.B) {
 		}
 	})
 	b.StopTimer()
+	meter(int64(b.N))
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
+	require.Equal(b, 0, pgtest.Count(b, be.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(be.env.Schema, "parked_events")))
+}
+
+// benchBatch is the batch size of the batch benchmarks.
+const benchBatch = 16
+
+// BenchmarkBareBatch is BenchmarkBareHandler applying benchBatch events per
+// transaction: the baseline for BenchmarkBatchMiddleware.
+func BenchmarkBareBatch(b *testing.B) {
+	be := newBenchEnv(b)
+	ctx := context.Background()
+	var workers, done atomic.Int64
+	b.SetParallelism(benchParallelism)
+	b.ResetTimer()
+	meter := cpuMeter(b, be.pool)
+	b.RunParallel(func(pb *testing.PB) {
+		next := benchEvents(workers.Add(1))
+		for more := true; more; {
+			var msgs []*message.Message
+			for len(msgs) < benchBatch {
+				if more = pb.Next(); !more {
+					break
+				}
+				msg, err := eventline.Encode(next())
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				msgs = append(msgs, msg)
+			}
+			if len(msgs) == 0 {
+				return
+			}
+			err := pgx.BeginFunc(ctx, be.pool, func(tx pgx.Tx) error {
+				for _, msg := range msgs {
+					d, err := eventline.Decode(msg)
+					if err != nil {
+						return err
+					}
+					if err := be.business(ctx, tx, d); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			done.Add(int64(len(msgs)))
+		}
+	})
+	b.StopTimer()
+	meter(done.Load())
+	b.ReportMetric(float64(done.Load())/b.Elapsed().Seconds(), "events/s")
+}
+
+// BenchmarkBatchMiddleware applies benchBatch events per transaction
+// through the composed middleware (middleware.Batch), each member on its
+// own goroutine as a Router runs them.
+func BenchmarkBatchMiddleware(b *testing.B) {
+	be := newBenchEnv(b)
+	el, err := middleware.New(middleware.Config{DB: be.pool, Schema: be.env.Schema, Group: "bench", Logger: quiet()})
+	require.NoError(b, err)
+	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx, _ := middleware.TxFromContext(ctx)
+		e, _ := middleware.EventFromContext(ctx)
+		return nil, be.business(ctx, tx, e)
+	})
+	ctx := context.Background()
+	var workers, done atomic.Int64
+	b.SetParallelism(benchParallelism)
+	b.ResetTimer()
+	meter := cpuMeter(b, be.pool)
+	b.RunParallel(func(pb *testing.PB) {
+		next := benchEvents(workers.Add(1))
+		for more := true; more; {
+			batch := middleware.NewBatch()
+			var msgs []*message.Message
+			for len(msgs) < benchBatch {
+				if more = pb.Next(); !more {
+					break
+				}
+				msg, err := eventline.Encode(next())
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				msg.SetContext(batch.Add(ctx))
+				msgs = append(msgs, msg)
+			}
+			if len(msgs) == 0 {
+				return
+			}
+			errs := make(chan error, len(msgs))
+			for i, msg := range msgs {
+				go func() {
+					_, err := h(msg)
+					batch.Leave(i)
+					errs <- err
+				}()
+			}
+			batch.Seal()
+			batch.Run(ctx)
+			for range msgs {
+				if err := <-errs; err != nil {
+					b.Error(err)
+					return
+				}
+			}
+			done.Add(int64(len(msgs)))
+		}
+	})
+	b.StopTimer()
+	meter(done.Load())
+	b.ReportMetric(float64(done.Load())/b.Elapsed().Seconds(), "events/s")
 	require.Equal(b, 0, pgtest.Count(b, be.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(be.env.Schema, "parked_events")))
 }

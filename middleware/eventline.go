@@ -269,6 +269,13 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 		if err := g.precheck(e); err != nil {
 			return nil, err
 		}
+		if s := slotFromContext(parent); s != nil {
+			// A member of a Batch: applied with the others (batch.go), or
+			// told to run on its own below.
+			if out, err, alone := s.arrive(el, msg, e, inner); !alone {
+				return out, err
+			}
+		}
 		ctx, cancel := parent, context.CancelFunc(func() {})
 		if el.cfg.TxTimeout > 0 {
 			ctx, cancel = context.WithTimeout(parent, el.cfg.TxTimeout)
@@ -306,43 +313,62 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 // begin opens the event's transaction and admits the event in the same
 // round trip.
 func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, versioning.Admission, error) {
-	g := el.gate
 	b := &pgx.Batch{}
 	b.BeginTx(el.cfg.TxOptions)
-	var admission *versioning.PendingAdmission
-	var insert *dedup.PendingInsert
-	if e.AggregateVersion > 0 {
-		admission = g.store.QueueAdmit(b, g.cfg.Group, e, g.jumps(e), true)
-	} else {
-		insert = g.store.Dedup().QueueInsert(b, g.cfg.Group, e, dedup.OutcomeApplied)
-	}
+	admission := el.gate.queueAdmission(b, e)
 	br := el.cfg.DB.SendBatch(ctx, b)
 	tx := br.Tx()
 	err := br.Close()
 	if tx == nil {
-		return nil, versioning.Admission{}, errors.New("eventline: middleware.Config.DB.SendBatch did not begin a transaction (pgx.Batch.BeginTx needs pgx v5.12 or later)")
+		return nil, versioning.Admission{}, errNoBatchTx
 	}
 	if err != nil {
 		rollback(ctx, tx)
 		return nil, versioning.Admission{}, fmt.Errorf("eventline: begin consumer transaction: %w", err)
 	}
-	var a versioning.Admission
-	if admission != nil {
-		a, err = admission.Result(ctx, tx)
-	} else {
-		var fresh bool
-		if fresh, err = insert.Result(ctx, tx); err == nil && !fresh {
-			a.Verdict = versioning.Duplicate
-		}
-	}
+	a, err := admission(ctx, tx)
 	if err != nil {
 		rollback(ctx, tx)
-		if errors.Is(err, dedup.ErrIDConflict) {
-			err = g.refuse(ctx, e, RefusedIDConflict, err)
-		}
-		return nil, versioning.Admission{}, err
+		return nil, versioning.Admission{}, el.gate.admissionError(ctx, e, err)
 	}
 	return tx, a, nil
+}
+
+// admissionError turns an admission's error into what the event's chain
+// gets: an id conflict is refused (permanent, counted, dead-lettered),
+// anything else is returned as is.
+func (g *Gate) admissionError(ctx context.Context, e eventline.Event, err error) error {
+	if errors.Is(err, dedup.ErrIDConflict) {
+		return g.refuse(ctx, e, RefusedIDConflict, err)
+	}
+	return err
+}
+
+var errNoBatchTx = errors.New("eventline: middleware.Config.DB.SendBatch did not begin a transaction (pgx.Batch.BeginTx needs pgx v5.12 or later)")
+
+// queueAdmission queues on b the statement that admits e: it records the
+// event id in processed_events and, for a versioned event, locks, checks
+// and advances its aggregate's version. The returned function reads the
+// admission, through the batch's transaction, once the batch results are
+// closed; a duplicate of an unversioned event reads as
+// versioning.Duplicate, an applicable unversioned event as the zero
+// Admission. Both the one-event path and batches admit through it.
+func (g *Gate) queueAdmission(b *pgx.Batch, e eventline.Event) func(ctx context.Context, tx versioning.DBTX) (versioning.Admission, error) {
+	if e.AggregateVersion > 0 {
+		p := g.store.QueueAdmit(b, g.cfg.Group, e, g.jumps(e), true)
+		return p.Result
+	}
+	p := g.store.Dedup().QueueInsert(b, g.cfg.Group, e, dedup.OutcomeApplied)
+	return func(ctx context.Context, tx versioning.DBTX) (versioning.Admission, error) {
+		fresh, err := p.Result(ctx, tx)
+		if err != nil {
+			return versioning.Admission{}, err
+		}
+		if !fresh {
+			return versioning.Admission{Verdict: versioning.Duplicate}, nil
+		}
+		return versioning.Admission{}, nil
+	}
 }
 
 // MiddlewareFor is Middleware for one handler, registering it under

@@ -33,8 +33,10 @@ type op struct {
 
 // TestPropertyOnceAndInOrder feeds random interleavings of duplicated,
 // delayed and reordered events over several aggregates, through the
-// composed middleware on PostgreSQL, with one to three deliveries in flight
-// at a time. Versions are sparse: each event declares the version it
+// composed middleware on PostgreSQL, with one to three workers in flight
+// at a time, each delivering one event at a time or batches of up to six
+// (middleware.Batch: one transaction; failures, panics, duplicates and
+// reordered versions of one aggregate inside a batch). Versions are sparse: each event declares the version it
 // follows (aggregate_previous_version), and some are never delivered. The
 // handler fails or panics a few times for some events, the sweeper runs at
 // random points (sometimes giving up every gap at once, so delayed events
@@ -201,6 +203,9 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 		ops = append(ops, o)
 	}
 	workers := rapid.IntRange(1, 3).Draw(rt, "workers")
+	// Each worker takes up to batch consecutive deliveries at once and
+	// hands them over as one middleware.Batch (1: one at a time).
+	batch := rapid.IntRange(1, 6).Draw(rt, "batch")
 
 	// Execute: workers take ops in order; a failed delivery goes back into
 	// the queue a little later, like a redelivery.
@@ -218,26 +223,33 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 					qmu.Unlock()
 					return
 				}
-				o := queue[0]
-				queue = queue[1:]
-				qmu.Unlock()
-				if o.sweep {
+				if queue[0].sweep {
+					queue = queue[1:]
+					qmu.Unlock()
 					if _, err := el.Sweep(ctx); err != nil {
 						errs <- err
 						return
 					}
 					continue
 				}
-				if _, err := h(consumertest.Redeliver(o.msg)); err != nil {
-					if middleware.IsPermanent(err) {
-						errs <- fmt.Errorf("unexpected permanent error: %w", err)
-						return
-					}
-					qmu.Lock()
+				n := 1
+				for n < batch && n < len(queue) && !queue[n].sweep {
+					n++
+				}
+				taken := slices.Clone(queue[:n])
+				queue = queue[n:]
+				qmu.Unlock()
+				failed, err := deliver(ctx, h, taken)
+				if err != nil {
+					errs <- err
+					return
+				}
+				qmu.Lock()
+				for _, o := range failed {
 					at := min(o.requeue, len(queue))
 					queue = slices.Insert(queue, at, o)
-					qmu.Unlock()
 				}
+				qmu.Unlock()
 			}
 		}()
 	}
@@ -279,6 +291,48 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 		require.Equal(rt, 1, late.get(id), "held late event %s applied once on the operator's request", id)
 	}
 	checkInvariants(rt, env, store, group, chain, delivered, hooks, late)
+}
+
+// deliver runs ops through h, alone when there is one, else concurrently
+// as the members of one middleware.Batch, the way the consumer's
+// Subscriber delivers a lane's events. It returns the ops whose delivery
+// failed (to be redelivered).
+func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op, err error) {
+	if len(ops) == 1 {
+		if _, err := h(consumertest.Redeliver(ops[0].msg)); err != nil {
+			if middleware.IsPermanent(err) {
+				return nil, fmt.Errorf("unexpected permanent error: %w", err)
+			}
+			return ops, nil
+		}
+		return nil, nil
+	}
+	b := middleware.NewBatch()
+	errs := make([]error, len(ops))
+	var wg sync.WaitGroup
+	for i, o := range ops {
+		msg := consumertest.Redeliver(o.msg)
+		msg.SetContext(b.Add(ctx))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, errs[i] = h(msg)
+			b.Leave(i)
+		}()
+	}
+	b.Seal()
+	b.Run(ctx)
+	wg.Wait()
+	for i, err := range errs {
+		if err == nil {
+			continue
+		}
+		if middleware.IsPermanent(err) {
+			return nil, fmt.Errorf("unexpected permanent error: %w", err)
+		}
+		failed = append(failed, ops[i])
+	}
+	return failed, nil
 }
 
 // checkHeld checks the events held as late after the final sweep: each is

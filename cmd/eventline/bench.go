@@ -20,8 +20,8 @@ PostgreSQL outbox and forwarder, watermill-kafka) and a hand-written
 FOR UPDATE SKIP LOCKED relay, against the PostgreSQL of -database-url and the
 Kafka of -brokers (an in-process kfake cluster when none is given).
 
-Scenarios: producer_overhead, relay_drain, consumer_drain, end_to_end_latency,
-idle_queries. Each creates its own schemas and topics and drops them when it
+Scenarios: producer_overhead, relay_drain, consumer_drain,
+consumer_slow_handler, end_to_end_latency, idle_queries. Each creates its own schemas and topics and drops them when it
 ends; -schema is not used.
 
 Progress goes to stderr. stdout gets one table, eventline's figure next to the

@@ -36,12 +36,13 @@ const (
 	ProducerOverhead = "producer_overhead"
 	RelayDrain       = "relay_drain"
 	ConsumerDrain    = "consumer_drain"
+	ConsumerSlow     = "consumer_slow_handler"
 	EndToEndLatency  = "end_to_end_latency"
 	IdleQueries      = "idle_queries"
 )
 
 // Scenarios lists every scenario in run order.
-var Scenarios = []string{ProducerOverhead, RelayDrain, ConsumerDrain, EndToEndLatency, IdleQueries}
+var Scenarios = []string{ProducerOverhead, RelayDrain, ConsumerDrain, ConsumerSlow, EndToEndLatency, IdleQueries}
 
 // Sizes scale the scenarios. FullSizes and QuickSizes are the two presets.
 type Sizes struct {
@@ -58,6 +59,9 @@ type Sizes struct {
 	// consumes, ConsumerRounds times, the variants alternating.
 	ConsumerBacklog int
 	ConsumerRounds  int
+	// SlowBacklog is the one-partition backlog consumer_slow_handler
+	// drains with 1 lane and with 16 (ConsumerRounds times).
+	SlowBacklog int
 	// Rates are the offered event rates (events/s) of end_to_end_latency,
 	// each run for RatePhase after a one-second warm-up. The phase is long
 	// enough that a pipeline that cannot keep up shows it in the latency
@@ -72,7 +76,7 @@ type Sizes struct {
 func FullSizes() Sizes {
 	return Sizes{
 		Producers: 16, ProducerPhase: 5 * time.Second, Rounds: 3,
-		RelayBacklog: 50_000, ConsumerBacklog: 50_000, ConsumerRounds: 2,
+		RelayBacklog: 50_000, ConsumerBacklog: 50_000, ConsumerRounds: 2, SlowBacklog: 3_000,
 		Rates: []int{100, 250, 500, 1000, 2000}, RatePhase: 15 * time.Second,
 		IdleWindow: 30 * time.Second,
 	}
@@ -83,7 +87,7 @@ func FullSizes() Sizes {
 func QuickSizes() Sizes {
 	return Sizes{
 		Producers: 16, ProducerPhase: 3 * time.Second, Rounds: 1,
-		RelayBacklog: 10_000, ConsumerBacklog: 10_000, ConsumerRounds: 1,
+		RelayBacklog: 10_000, ConsumerBacklog: 10_000, ConsumerRounds: 1, SlowBacklog: 2_000,
 		Rates: []int{100, 500, 1000}, RatePhase: 10 * time.Second,
 		IdleWindow: 10 * time.Second,
 	}
@@ -242,6 +246,7 @@ var scenarioFuncs = map[string]func(context.Context, *env) (Result, error){
 	ProducerOverhead: runProducerOverhead,
 	RelayDrain:       runRelayDrain,
 	ConsumerDrain:    runConsumerDrain,
+	ConsumerSlow:     runConsumerSlowHandler,
 	EndToEndLatency:  runEndToEndLatency,
 	IdleQueries:      runIdleQueries,
 }

@@ -25,7 +25,7 @@ func TestMain(m *testing.M) {
 func tinySizes() *Sizes {
 	return &Sizes{
 		Producers: 2, ProducerPhase: 200 * time.Millisecond, Rounds: 1,
-		RelayBacklog: 300, ConsumerBacklog: 150, ConsumerRounds: 1,
+		RelayBacklog: 300, ConsumerBacklog: 150, ConsumerRounds: 1, SlowBacklog: 200,
 		Rates: []int{50}, RatePhase: 500 * time.Millisecond,
 		IdleWindow: time.Second,
 	}

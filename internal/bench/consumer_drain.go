@@ -56,8 +56,77 @@ func runConsumerDrain(ctx context.Context, e *env) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	events := make([]eventline.Event, n)
 	aggregates := max(n/consumerVersions, 1)
+	if err := e.prefillConsumer(ctx, k, topic, n, aggregates); err != nil {
+		return Result{}, err
+	}
+
+	// Rounds alternate the variants, each round in fresh consumer groups
+	// and schemas reading the whole topic again, so drift in the machine's
+	// load hits all of them.
+	var bare, bareBatched, ours, single, runner drainResult
+	for round := 1; round <= e.sizes.ConsumerRounds; round++ {
+		e.progressf("   round %d/%d", round, e.sizes.ConsumerRounds)
+		d, err := e.consumeBare(ctx, k, topic, n, round)
+		if err != nil {
+			return Result{}, fmt.Errorf("bare handler: %w", err)
+		}
+		bare = bare.add(d)
+		if d, err = e.consumeBareBatched(ctx, k, topic, n, round); err != nil {
+			return Result{}, fmt.Errorf("bare batching handler: %w", err)
+		}
+		bareBatched = bareBatched.add(d)
+		if d, err = e.consumeMiddleware(ctx, k, topic, n, round); err != nil {
+			return Result{}, fmt.Errorf("eventline middleware: %w", err)
+		}
+		ours = ours.add(d)
+		if d, err = e.consumeRunner(ctx, k, topic, n, runnerVariant{
+			group: fmt.Sprintf("bench-runner1-%d", round), schema: "consumer_runner1", lanes: 1, batch: 1,
+			label: "eventline runner, one event per tx", profile: "consumer_drain.runner_single",
+		}); err != nil {
+			return Result{}, fmt.Errorf("eventline consumer runner (one event per tx): %w", err)
+		}
+		single = single.add(d)
+		if d, err = e.consumeRunner(ctx, k, topic, n, runnerVariant{
+			group: fmt.Sprintf("bench-runner-%d", round), schema: "consumer_runner",
+			label: "eventline runner, lanes + batches", profile: "consumer_drain.runner",
+		}); err != nil {
+			return Result{}, fmt.Errorf("eventline consumer runner: %w", err)
+		}
+		runner = runner.add(d)
+	}
+	base := "bare handler: insert in its own tx (watermill-kafka + Router)"
+	baseBatched := fmt.Sprintf("bare handler batching the same way (Sarama group, %d lanes × batches of %d, one tx per batch), no dedup/gate", consumer.DefaultLanes, consumer.DefaultBatchSize)
+	defaults := fmt.Sprintf("consume events/s, consumer.New runner (defaults: %d lanes × batches of %d)", consumer.DefaultLanes, consumer.DefaultBatchSize)
+	res := Result{
+		Rows: []Row{
+			{Metric: "consume events/s, middleware (tx ▸ dedup ▸ gate)", Ours: ours.rate(), Base: bare.rate(), Baseline: base, Target: "≥ 0.80"},
+			{Metric: "consume events/s, consumer.New runner, Lanes 1, BatchSize 1", Ours: single.rate(), Base: bare.rate(), Baseline: base},
+			{Metric: defaults, Ours: runner.rate(), Base: bare.rate(), Baseline: base, Target: "≥ 2.00"},
+			{Metric: defaults, Ours: runner.rate(), Base: bareBatched.rate(), Baseline: baseBatched, Target: "≥ 0.80"},
+		},
+		Notes: []string{
+			fmt.Sprintf("%d events over %d aggregates × %d consecutive versions, %d partitions keyed by aggregate, prefilled; each variant reads the whole topic from the start in its own consumer group and schema, %d round(s), alternating; the clock runs from the first handled message to the last commit; watermill-kafka handles one message per partition at a time (%d in flight); every variant has a pool of %d connections",
+				n, aggregates, consumerVersions, Partitions, e.sizes.ConsumerRounds, Partitions, Partitions+4),
+		},
+	}
+	if n < FullSizes().ConsumerBacklog {
+		res.Notes = append(res.Notes, fmt.Sprintf("reduced backlog (%d instead of %d)", n, FullSizes().ConsumerBacklog))
+	}
+	res.Ratios = []Ratio{
+		{Name: "consumer_drain_throughput", Value: res.Rows[0].Ratio()},
+		{Name: "consumer_drain_throughput_runner_single", Value: res.Rows[1].Ratio()},
+		{Name: "consumer_drain_throughput_runner", Value: res.Rows[2].Ratio()},
+		{Name: "consumer_drain_throughput_runner_vs_bare_batched", Value: res.Rows[3].Ratio()},
+	}
+	return res, nil
+}
+
+// prefillConsumer writes n events over the given number of aggregates to
+// topic, keyed by aggregate, round robin over the aggregates, each
+// aggregate's versions consecutive.
+func (e *env) prefillConsumer(ctx context.Context, k *kafkaEnv, topic string, n, aggregates int) error {
+	events := make([]eventline.Event, n)
 	versions := make([]int64, aggregates)
 	now := time.Now()
 	for i := range events {
@@ -69,59 +138,49 @@ func runConsumerDrain(ctx context.Context, e *env) (Result, error) {
 	}
 	msgs, err := encode(events)
 	if err != nil {
-		return Result{}, err
+		return err
 	}
 	t0 := time.Now()
 	if err := k.fill(ctx, topic, msgs); err != nil {
-		return Result{}, err
+		return err
 	}
 	e.progressf("   prefilled %s with %d events in %s", topic, n, time.Since(t0).Round(time.Millisecond))
-
-	// Rounds alternate the variants, each round in fresh consumer groups
-	// and schemas reading the whole topic again, so drift in the machine's
-	// load hits all of them.
-	var bare, ours, runner drainResult
-	for round := 1; round <= e.sizes.ConsumerRounds; round++ {
-		e.progressf("   round %d/%d", round, e.sizes.ConsumerRounds)
-		d, err := e.consumeBare(ctx, k, topic, n, round)
-		if err != nil {
-			return Result{}, fmt.Errorf("bare handler: %w", err)
-		}
-		bare = bare.add(d)
-		if d, err = e.consumeMiddleware(ctx, k, topic, n, round); err != nil {
-			return Result{}, fmt.Errorf("eventline middleware: %w", err)
-		}
-		ours = ours.add(d)
-		if d, err = e.consumeRunner(ctx, k, topic, n, round); err != nil {
-			return Result{}, fmt.Errorf("eventline consumer runner: %w", err)
-		}
-		runner = runner.add(d)
-	}
-	base := "bare handler: insert in its own tx (watermill-kafka + Router)"
-	res := Result{
-		Rows: []Row{
-			{Metric: "consume events/s, middleware (tx ▸ dedup ▸ gate)", Ours: ours.rate(), Base: bare.rate(), Baseline: base, Target: "≥ 0.80"},
-			{Metric: "consume events/s, consumer.New runner", Ours: runner.rate(), Base: bare.rate(), Baseline: base},
-		},
-		Notes: []string{
-			fmt.Sprintf("%d events over %d aggregates × %d consecutive versions, %d partitions keyed by aggregate, prefilled; each variant reads the whole topic from the start in its own consumer group and schema, %d round(s), alternating; the clock runs from the first handled message to the last commit; watermill-kafka handles one message per partition at a time (%d in flight)",
-				n, aggregates, consumerVersions, Partitions, e.sizes.ConsumerRounds, Partitions),
-		},
-	}
-	if n < FullSizes().ConsumerBacklog {
-		res.Notes = append(res.Notes, fmt.Sprintf("reduced backlog (%d instead of %d)", n, FullSizes().ConsumerBacklog))
-	}
-	res.Ratios = []Ratio{
-		{Name: "consumer_drain_throughput", Value: res.Rows[0].Ratio()},
-		{Name: "consumer_drain_throughput_runner", Value: res.Rows[1].Ratio()},
-	}
-	return res, nil
+	return nil
 }
 
 // consumerPool opens the consumer's pool: one connection per partition and
 // a few spare.
 func (e *env) consumerPool(ctx context.Context) (*pgxpool.Pool, error) {
-	return e.openPool(ctx, Partitions+4, nil)
+	return e.warmPool(ctx, Partitions+4)
+}
+
+// warmPool opens a pool and connects all its connections before the clock
+// starts: a consumer in production runs on a warm pool, and on a loaded
+// machine opening 16 connections at once takes long enough to hide what is
+// measured.
+func (e *env) warmPool(ctx context.Context, conns int32) (*pgxpool.Pool, error) {
+	pool, err := e.openPool(ctx, conns, nil)
+	if err != nil {
+		return nil, err
+	}
+	held := make([]*pgxpool.Conn, 0, conns)
+	var err2 error
+	for range conns {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			err2 = fmt.Errorf("warm the consumer pool: %w", err)
+			break
+		}
+		held = append(held, c)
+	}
+	for _, c := range held {
+		c.Release()
+	}
+	if err2 != nil {
+		pool.Close()
+		return nil, err2
+	}
+	return pool, nil
 }
 
 // progressCounter counts messages whose handling succeeded (outermost, so
@@ -315,33 +374,61 @@ func (e *env) consumeWithRouter(ctx context.Context, k *kafkaEnv, topic string, 
 	return d, e.checkEffects(ctx, schema, n)
 }
 
-func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
-	group := fmt.Sprintf("bench-runner-%d", round)
-	schema, biz, drop, err := e.consumerSchema(ctx, "consumer_runner", true)
+// runnerVariant is a consumer_drain (or consumer_slow_handler) variant
+// that runs consumer.New's ready runner.
+type runnerVariant struct {
+	group, schema, label, profile string
+	// lanes and batch are Config.Lanes and Config.BatchSize (0: defaults).
+	lanes, batch int
+	// conns is the pool size (0: consumerPool's).
+	conns int32
+	// slow, when set, is how long the handler waits per event (an external
+	// call) before its insert.
+	slow time.Duration
+}
+
+func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n int, v runnerVariant) (drainResult, error) {
+	schema, biz, drop, err := e.consumerSchema(ctx, v.schema, true)
 	if err != nil {
 		return drainResult{}, err
 	}
 	defer drop()
-	pool, err := e.consumerPool(ctx)
+	conns := v.conns
+	if conns == 0 {
+		conns = Partitions + 4
+	}
+	pool, err := e.warmPool(ctx, conns)
 	if err != nil {
 		return drainResult{}, err
 	}
 	defer pool.Close()
 	var c progressCounter
 	cons, err := consumer.New(pool, consumer.Config{
-		Brokers: k.brokers, Group: group, Topics: []string{topic}, Schema: schema,
+		Brokers: k.brokers, Group: v.group, Topics: []string{topic}, Schema: schema,
+		Lanes: v.lanes, BatchSize: v.batch,
 		Middleware: []message.HandlerMiddleware{c.middleware}, Logger: quiet,
 	})
 	if err != nil {
 		return drainResult{}, err
 	}
-	if err := cons.Handle("order.created", biz.apply); err != nil {
+	handle := biz.apply
+	if v.slow > 0 {
+		handle = func(ctx context.Context, tx pgx.Tx, ev eventline.Event) error {
+			select {
+			case <-time.After(v.slow):
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			return biz.apply(ctx, tx, ev)
+		}
+	}
+	if err := cons.Handle("order.created", handle); err != nil {
 		return drainResult{}, err
 	}
 	rctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	var runErr error
-	d, err := e.drainConsumer(ctx, "eventline consumer runner", "consumer_drain.runner", n, &c, func() error {
+	d, err := e.drainConsumer(ctx, v.label, v.profile, n, &c, func() error {
 		wg.Add(1)
 		go func() { defer wg.Done(); runErr = cons.Run(rctx) }()
 		return nil

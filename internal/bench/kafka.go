@@ -74,11 +74,15 @@ func (k *kafkaEnv) close() {
 
 // topic creates a fresh topic with Partitions partitions and waits until
 // its metadata is visible.
-func (k *kafkaEnv) topic(prefix string) (string, error) {
+func (k *kafkaEnv) topic(prefix string) (string, error) { return k.topicN(prefix, Partitions) }
+
+// topicN creates a fresh topic with the given number of partitions and
+// waits until its metadata is visible.
+func (k *kafkaEnv) topicN(prefix string, partitions int32) (string, error) {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	topic := "bench." + prefix + "." + hex.EncodeToString(b[:])
-	err := k.admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: Partitions, ReplicationFactor: 1}, false)
+	err := k.admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
 	var te *sarama.TopicError
 	exists := errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists
 	if err != nil && !exists {
@@ -88,7 +92,7 @@ func (k *kafkaEnv) topic(prefix string) (string, error) {
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
 		md, err := k.admin.DescribeTopics([]string{topic})
-		if err == nil && len(md) == 1 && md[0].Err == sarama.ErrNoError && len(md[0].Partitions) == Partitions {
+		if err == nil && len(md) == 1 && md[0].Err == sarama.ErrNoError && len(md[0].Partitions) == int(partitions) {
 			return topic, k.client.RefreshMetadata(topic)
 		}
 		time.Sleep(20 * time.Millisecond)

@@ -64,7 +64,7 @@ func describeSizes(s Sizes) string {
 	for i, r := range s.Rates {
 		rates[i] = fmt.Sprint(r)
 	}
-	return fmt.Sprintf("producers=%d phase=%s×%d relay_backlog=%d consumer_backlog=%d×%d rates=%s/%s idle=%s",
-		s.Producers, s.ProducerPhase, s.Rounds, s.RelayBacklog, s.ConsumerBacklog, s.ConsumerRounds,
+	return fmt.Sprintf("producers=%d phase=%s×%d relay_backlog=%d consumer_backlog=%d×%d slow_backlog=%d rates=%s/%s idle=%s",
+		s.Producers, s.ProducerPhase, s.Rounds, s.RelayBacklog, s.ConsumerBacklog, s.ConsumerRounds, s.SlowBacklog,
 		strings.Join(rates, ","), s.RatePhase, s.IdleWindow)
 }

@@ -1,0 +1,441 @@
+package consumer
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/eventline/eventline/middleware"
+)
+
+// minWindow is the least number of messages a partition keeps in flight
+// (queued in its lanes or being handled); the window is larger when lanes
+// × batch size need it.
+const minWindow = 256
+
+// haltKey carries, in the contexts of messages the Subscriber delivers,
+// the context that ends when the partition abandons its in-flight
+// messages.
+type haltKey struct{}
+
+// abandonedBy returns the context that ends when the Subscriber abandons
+// the message of ctx, or one that never ends for other messages.
+func abandonedBy(ctx context.Context) context.Context {
+	if h, ok := ctx.Value(haltKey{}).(context.Context); ok {
+		return h
+	}
+	return context.Background()
+}
+
+// delivery is one Kafka record on its way through a lane.
+type delivery struct {
+	offset int64
+	key    []byte // the Kafka key
+	lane   string // what keeps it in one lane (see laneKey)
+	msg    *message.Message
+	sent   bool // msg has been delivered once: send a copy next time
+}
+
+// ack is how a delivered message came back.
+type ack int
+
+const (
+	acked ack = iota
+	nacked
+	abandoned // the partition stopped waiting for it
+)
+
+// partitionRun runs one claimed partition: a dispatcher (ConsumeClaim's
+// goroutine) hands records to lanes by aggregate; each lane delivers its
+// records one at a time or in batches and settles their offsets.
+type partitionRun struct {
+	sub       *subscription
+	cfg       SubscriberConfig
+	sess      sarama.ConsumerGroupSession
+	topic     string
+	partition int32
+
+	stop    chan struct{} // closed: start nothing new
+	halt    context.Context
+	abandon context.CancelFunc // cancels halt: stop waiting, cancel messages
+	window  chan struct{}      // one token per record in flight
+
+	mu       sync.Mutex
+	tracker  *offsetTracker
+	assigner *laneAssigner
+
+	lanes []*lane
+	wg    sync.WaitGroup
+}
+
+func newPartitionRun(sub *subscription, sess sarama.ConsumerGroupSession, topic string, partition int32) *partitionRun {
+	cfg := sub.s.cfg
+	p := &partitionRun{
+		sub: sub, cfg: cfg, sess: sess, topic: topic, partition: partition,
+		stop:     make(chan struct{}),
+		window:   make(chan struct{}, max(minWindow, 2*cfg.Lanes*cfg.BatchSize)),
+		tracker:  newOffsetTracker(),
+		assigner: newLaneAssigner(cfg.Lanes),
+	}
+	p.halt, p.abandon = context.WithCancel(context.Background())
+	for range cfg.Lanes {
+		p.lanes = append(p.lanes, &lane{p: p, signal: make(chan struct{}, 1)})
+	}
+	return p
+}
+
+func (p *partitionRun) start() {
+	for _, l := range p.lanes {
+		p.wg.Add(1)
+		go l.run()
+	}
+}
+
+// dispatch hands the claim's records to lanes until the claim ends (the
+// partition is revoked or the session stops).
+func (p *partitionRun) dispatch(claim sarama.ConsumerGroupClaim) {
+	records := claim.Messages()
+	done := p.sess.Context().Done()
+	for {
+		var km *sarama.ConsumerMessage
+		select {
+		case m, ok := <-records:
+			if !ok {
+				return
+			}
+			km = m
+		case <-done:
+			return
+		}
+		select {
+		case p.window <- struct{}{}:
+		case <-done:
+			return
+		}
+		msg, err := kafka.DefaultMarshaler{}.Unmarshal(km)
+		if err != nil {
+			p.cfg.Logger.Error("eventline: cannot read a Kafka record; the partition stops until the next rebalance",
+				"group", p.cfg.Group, "topic", p.topic, "partition", p.partition, "offset", km.Offset, "error", err)
+			return
+		}
+		d := &delivery{offset: km.Offset, key: km.Key, lane: laneKey(km, msg), msg: msg}
+		p.mu.Lock()
+		p.tracker.add(km.Offset)
+		l := p.lanes[p.assigner.assign(d.lane)]
+		p.mu.Unlock()
+		l.push(d)
+	}
+}
+
+// settle stops the lanes: nothing new starts; what is in flight gets the
+// drain timeout to be acknowledged, then is abandoned.
+func (p *partitionRun) settle() {
+	close(p.stop)
+	lanesDone := make(chan struct{})
+	go func() {
+		p.wg.Wait()
+		close(lanesDone)
+	}()
+	timer := time.NewTimer(p.sub.drainTimeout())
+	defer timer.Stop()
+	select {
+	case <-lanesDone:
+	case <-timer.C:
+		p.mu.Lock()
+		n := p.tracker.unfinished()
+		p.mu.Unlock()
+		p.cfg.Logger.Warn("eventline: in-flight events did not finish in time; abandoning them (they roll back and are redelivered)",
+			"group", p.cfg.Group, "topic", p.topic, "partition", p.partition, "events", n)
+	}
+	p.abandon()
+	<-lanesDone
+}
+
+func (p *partitionRun) stopping() bool {
+	select {
+	case <-p.stop:
+		return true
+	default:
+		return false
+	}
+}
+
+// messageContext is the context a delivered message starts with: it ends
+// only when the partition abandons its in-flight messages, and says where
+// the record came from (middleware.SourceFromContext: dead letters record
+// it).
+func (p *partitionRun) messageContext(d *delivery) context.Context {
+	ctx := context.WithValue(p.halt, haltKey{}, p.halt)
+	return middleware.ContextWithSource(ctx, middleware.Source{Topic: p.topic, FromKafka: true, Partition: p.partition, Offset: d.offset, Key: d.key})
+}
+
+// send delivers msg to the router; false when the partition abandoned its
+// messages first.
+func (p *partitionRun) send(msg *message.Message) bool {
+	select {
+	case p.sub.out <- msg:
+		return true
+	case <-p.halt.Done():
+		return false
+	}
+}
+
+// await waits for msg to be acknowledged or nacked.
+func (p *partitionRun) await(msg *message.Message) ack {
+	select {
+	case <-msg.Acked():
+		return acked
+	case <-msg.Nacked():
+		return nacked
+	case <-p.halt.Done():
+		return abandoned
+	}
+}
+
+// finish settles an acknowledged delivery: its offset counts as done, and
+// the partition's committed offset moves to the lowest unfinished one.
+func (p *partitionRun) finish(d *delivery) {
+	p.mu.Lock()
+	commit, moved := p.tracker.finish(d.offset)
+	p.assigner.finish(d.lane)
+	p.mu.Unlock()
+	<-p.window
+	if moved {
+		p.sess.MarkOffset(p.topic, p.partition, commit, "")
+		if !p.cfg.SaramaConfig.Consumer.Offsets.AutoCommit.Enable {
+			p.sess.Commit()
+		}
+	}
+}
+
+// lane delivers the records of the aggregates assigned to it, in offset
+// order.
+type lane struct {
+	p      *partitionRun
+	mu     sync.Mutex
+	queue  []*delivery
+	signal chan struct{} // cap 1: queue grew
+}
+
+func (l *lane) push(d *delivery) {
+	l.mu.Lock()
+	l.queue = append(l.queue, d)
+	l.mu.Unlock()
+	select {
+	case l.signal <- struct{}{}:
+	default:
+	}
+}
+
+// pushFront puts deliveries back at the head of the queue, in order.
+func (l *lane) pushFront(ds []*delivery) {
+	if len(ds) == 0 {
+		return
+	}
+	l.mu.Lock()
+	l.queue = append(append([]*delivery(nil), ds...), l.queue...)
+	l.mu.Unlock()
+}
+
+// take removes up to n deliveries from the head of the queue.
+func (l *lane) take(n int) []*delivery {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n = min(n, len(l.queue))
+	if n == 0 {
+		return nil
+	}
+	out := append([]*delivery(nil), l.queue[:n]...)
+	clear(l.queue[:n])
+	l.queue = l.queue[n:]
+	return out
+}
+
+// next waits for the next delivery; nil when the partition stops.
+func (l *lane) next() *delivery {
+	for {
+		if l.p.stopping() {
+			return nil
+		}
+		if ds := l.take(1); len(ds) == 1 {
+			return ds[0]
+		}
+		select {
+		case <-l.signal:
+		case <-l.p.stop:
+			return nil
+		}
+	}
+}
+
+func (l *lane) run() {
+	defer l.p.wg.Done()
+	for {
+		d := l.next()
+		if d == nil {
+			return
+		}
+		if l.p.cfg.BatchSize > 1 {
+			l.deliverBatch(d)
+		} else {
+			l.deliverOne(d)
+		}
+	}
+}
+
+// deliverOne delivers d alone, again after each nack, until it is
+// acknowledged, the partition stops or abandons it.
+func (l *lane) deliverOne(d *delivery) {
+	p := l.p
+	for {
+		msg := d.msg
+		if d.sent {
+			msg = d.msg.Copy()
+		}
+		d.sent = true
+		msg.SetContext(p.messageContext(d))
+		if !p.send(msg) {
+			return
+		}
+		switch p.await(msg) {
+		case acked:
+			p.finish(d)
+			return
+		case abandoned:
+			return
+		}
+		if !l.pause() {
+			return
+		}
+	}
+}
+
+// pause waits before a nacked message is delivered again; false when the
+// partition stops meanwhile (the message is then left for redelivery).
+func (l *lane) pause() bool {
+	t := time.NewTimer(nackResendPause)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-l.p.stop:
+		return false
+	}
+}
+
+type memberResult struct {
+	index int
+	ack   ack
+}
+
+// deliverBatch delivers first and what is queued behind it as one
+// middleware.Batch. first goes alone; the others follow once it has reached
+// the eventline middleware (Batch.Joined). If it leaves without reaching
+// it, the chain has no such middleware: first counts as a batch of one and
+// the others go back to the queue. (The ready runner, whose chain has it,
+// sends them all at once.)
+func (l *lane) deliverBatch(first *delivery) {
+	p := l.p
+	cfg := p.cfg
+	more := l.take(cfg.BatchSize - 1)
+	if len(more) == 0 && cfg.BatchLinger == 0 {
+		l.deliverOne(first)
+		return
+	}
+	b := middleware.NewBatch()
+	results := make(chan memberResult, cfg.BatchSize)
+	var members []*delivery
+	add := func(d *delivery) {
+		i := len(members)
+		members = append(members, d)
+		d.sent = true
+		d.msg.SetContext(b.Add(p.messageContext(d)))
+		if !p.send(d.msg) {
+			b.Leave(i)
+			results <- memberResult{i, abandoned}
+			return
+		}
+		go func() {
+			a := p.await(d.msg)
+			if a == acked {
+				p.finish(d) // its offset may move at once
+			}
+			b.Leave(i)
+			results <- memberResult{i, a}
+		}()
+	}
+	add(first)
+	var early []memberResult
+	grow := func() {
+		for _, d := range more {
+			add(d)
+		}
+		l.fill(add, len(members))
+	}
+	if cfg.chainBatches {
+		grow() // the chain is known to contain the eventline middleware
+	} else {
+		select {
+		case <-b.Joined():
+			grow()
+		case r := <-results:
+			early = append(early, r)
+			l.pushFront(more)
+		}
+	}
+	b.Seal()
+	b.Run(p.halt)
+	got := make([]ack, len(members))
+	for _, r := range early {
+		got[r.index] = r.ack
+	}
+	for range len(members) - len(early) {
+		r := <-results
+		got[r.index] = r.ack
+	}
+	var again []*delivery
+	for i, d := range members {
+		if got[i] == nacked {
+			again = append(again, d)
+		}
+	}
+	for _, d := range again {
+		if !l.pause() {
+			return
+		}
+		l.deliverOne(d)
+	}
+}
+
+// fill adds to the batch what the lane received meanwhile: without a
+// linger, what is queued now; with one, what arrives until it expires,
+// until the batch is full.
+func (l *lane) fill(add func(*delivery), n int) {
+	cfg := l.p.cfg
+	for _, d := range l.take(cfg.BatchSize - n) {
+		add(d)
+		n++
+	}
+	if cfg.BatchLinger == 0 || n >= cfg.BatchSize {
+		return
+	}
+	t := time.NewTimer(cfg.BatchLinger)
+	defer t.Stop()
+	for n < cfg.BatchSize {
+		select {
+		case <-l.signal:
+			for _, d := range l.take(cfg.BatchSize - n) {
+				add(d)
+				n++
+			}
+		case <-t.C:
+			return
+		case <-l.p.stop:
+			return
+		}
+	}
+}

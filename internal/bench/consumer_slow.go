@@ -1,0 +1,63 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// consumer_slow_handler: a handler that waits 5 ms per event (an external
+// call) before its insert, on one partition with 100 aggregates.
+const (
+	slowDelay      = 5 * time.Millisecond
+	slowAggregates = 100
+	slowLanes      = 16
+)
+
+// runConsumerSlowHandler drains the same one-partition backlog with the
+// ready runner on one lane and on slowLanes lanes (batches at their
+// default both times), alternating.
+func runConsumerSlowHandler(ctx context.Context, e *env) (Result, error) {
+	n := e.sizes.SlowBacklog
+	k, err := e.kafka()
+	if err != nil {
+		return Result{}, err
+	}
+	defer k.close()
+	topic, err := k.topicN("slow", 1)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := e.prefillConsumer(ctx, k, topic, n, slowAggregates); err != nil {
+		return Result{}, err
+	}
+	var one, many drainResult
+	for round := 1; round <= e.sizes.ConsumerRounds; round++ {
+		e.progressf("   round %d/%d", round, e.sizes.ConsumerRounds)
+		d, err := e.consumeRunner(ctx, k, topic, n, runnerVariant{
+			group: fmt.Sprintf("bench-slow1-%d", round), schema: "consumer_slow1", lanes: 1, slow: slowDelay, conns: slowLanes + 4,
+			label: "runner, 1 lane", profile: "consumer_slow_handler.lanes_1",
+		})
+		if err != nil {
+			return Result{}, fmt.Errorf("1 lane: %w", err)
+		}
+		one = one.add(d)
+		if d, err = e.consumeRunner(ctx, k, topic, n, runnerVariant{
+			group: fmt.Sprintf("bench-slow16-%d", round), schema: "consumer_slow16", lanes: slowLanes, slow: slowDelay, conns: slowLanes + 4,
+			label: fmt.Sprintf("runner, %d lanes", slowLanes), profile: "consumer_slow_handler.lanes_16",
+		}); err != nil {
+			return Result{}, fmt.Errorf("%d lanes: %w", slowLanes, err)
+		}
+		many = many.add(d)
+	}
+	res := Result{
+		Rows: []Row{{
+			Metric: fmt.Sprintf("consume events/s, %s handler, 1 partition, %d lanes", slowDelay, slowLanes),
+			Ours:   many.rate(), Base: one.rate(), Baseline: "the same runner, 1 lane (one event or batch at a time per partition)", Target: "≥ 10.00",
+		}},
+		Notes: []string{fmt.Sprintf("%d events over %d aggregates, one partition, prefilled; the handler sleeps %s (an external call) then inserts, in the consumer transaction; batches at their default (%s); a pool of %d connections; %d round(s), alternating",
+			n, slowAggregates, slowDelay, "16", slowLanes+4, e.sizes.ConsumerRounds)},
+	}
+	res.Ratios = []Ratio{{Name: "consumer_slow_handler_lanes", Value: res.Rows[0].Ratio()}}
+	return res, nil
+}

@@ -1,0 +1,235 @@
+package middleware
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/versioning"
+)
+
+// outcome is how one attempt at a batch transaction ended.
+type outcome int
+
+const (
+	// committed: every member applied, one COMMIT.
+	committed outcome = iota
+	// cut: member at changes what a later member of its aggregate would be
+	// admitted as; nothing committed. Apply items[:at], then items[at:].
+	cut
+	// failed: member at failed (its gate step or handler); nothing
+	// committed. Apply items[:at], answer items[at] with err, then go on
+	// with items[at+1:].
+	failed
+	// unavailable: BEGIN, the admissions or COMMIT failed: the database,
+	// not a member. Run every member on its own, one after the other.
+	unavailable
+)
+
+type attempt struct {
+	outcome outcome
+	at      int
+	err     error
+	outs    [][]*message.Message
+}
+
+// runBatch applies items (the arrivals of one batch, in order) and answers
+// every one of them. An arrival answered with an error or told to run on
+// its own is waited for (until its message has left the chain) before
+// anything after it is answered, so a lane's events are applied in order
+// even then. It returns false when ctx ended: every arrival not answered
+// yet has been told to run on its own.
+func (el *Eventline) runBatch(ctx context.Context, b *Batch, items []*arrival) bool {
+	for len(items) > 0 {
+		r := el.tryBatch(ctx, items)
+		switch r.outcome {
+		case committed:
+			for i, it := range items {
+				it.answer(batchReply{out: r.outs[i]})
+			}
+			return true
+		case cut:
+			if !el.runBatch(ctx, b, items[:r.at]) {
+				return abandon(items[r.at:])
+			}
+			items = items[r.at:]
+		case failed:
+			if !el.runBatch(ctx, b, items[:r.at]) {
+				return abandon(items[r.at:])
+			}
+			it := items[r.at]
+			it.answer(batchReply{err: r.err})
+			items = items[r.at+1:]
+			if !it.waitLeft(ctx) {
+				return abandon(items)
+			}
+		case unavailable:
+			el.cfg.Logger.DebugContext(ctx, "eventline: batch transaction failed; applying its events one by one", "group", el.gate.cfg.Group, "events", len(items), "error", r.err)
+			return b.oneByOne(ctx, items)
+		}
+	}
+	return true
+}
+
+// abandon tells every arrival not answered yet to run on its own; it
+// returns false for runBatch.
+func abandon(items []*arrival) bool {
+	for _, it := range items {
+		it.answer(batchReply{alone: true})
+	}
+	return false
+}
+
+// tryBatch runs items in one transaction. It never answers an arrival.
+func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
+	g := el.gate
+	// The transaction's own statements stop when the batch is abandoned or
+	// any member's context ends.
+	// With a TxTimeout, the batch's transaction gets one per member.
+	bctx, cancel := context.WithCancel(ctx)
+	if el.cfg.TxTimeout > 0 {
+		bctx, cancel = context.WithTimeout(ctx, el.cfg.TxTimeout*time.Duration(len(items)))
+	}
+	defer cancel()
+	for _, it := range items {
+		stop := context.AfterFunc(it.msg.Context(), cancel)
+		defer stop()
+	}
+
+	// BEGIN and every admission in one round trip. Admissions are queued
+	// by aggregate (stable, so one aggregate's events keep their order),
+	// so two batches touching the same aggregates lock their rows in the
+	// same order.
+	pb := &pgx.Batch{}
+	pb.BeginTx(el.cfg.TxOptions)
+	order := make([]int, len(items))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(x, y int) int {
+		ex, ey := items[x].e, items[y].e
+		if c := strings.Compare(ex.AggregateType, ey.AggregateType); c != 0 {
+			return c
+		}
+		return strings.Compare(ex.AggregateID, ey.AggregateID)
+	})
+	results := make([]func(context.Context, versioning.DBTX) (versioning.Admission, error), len(items))
+	for _, i := range order {
+		results[i] = g.queueAdmission(pb, items[i].e)
+	}
+	br := el.cfg.DB.SendBatch(bctx, pb)
+	tx := br.Tx()
+	err := br.Close()
+	if tx == nil {
+		return attempt{outcome: unavailable, err: errNoBatchTx}
+	}
+	if err != nil {
+		rollback(ctx, tx)
+		return attempt{outcome: unavailable, err: fmt.Errorf("eventline: begin batch transaction: %w", err)}
+	}
+	admissions := make([]versioning.Admission, len(items))
+	for i, res := range results {
+		if admissions[i], err = res(bctx, tx); err != nil {
+			rollback(ctx, tx)
+			if errors.Is(err, dedup.ErrIDConflict) {
+				// The member's own fault: refused, like on its own.
+				return attempt{outcome: failed, at: i, err: g.admissionError(items[i].msg.Context(), items[i].e, err)}
+			}
+			return attempt{outcome: unavailable, err: err}
+		}
+	}
+	if at := cutAt(items, admissions); at > 0 {
+		rollback(ctx, tx)
+		return attempt{outcome: cut, at: at}
+	}
+
+	outs := make([][]*message.Message, len(items))
+	ctxs := make([]context.Context, len(items))
+	for i, it := range items {
+		out, ictx, err := el.proceedInBatch(bctx, it, tx, admissions[i])
+		if err != nil {
+			// Classified as on the one-event path: the handler's fault (or
+			// the event's) is the member's alone; the database's, or a
+			// conflict with another transaction, is nobody's: then every
+			// member runs on its own.
+			// When the batch's own context ended (its deadline, another
+			// member's context, the batch abandoned), the member that was
+			// running is not to blame either: alone, each finds out.
+			lost := tx.Conn() != nil && tx.Conn().IsClosed() // before the rollback hands it back
+			rollback(ctx, tx)
+			err = el.classify(it.msg.Context(), ictx, stageHandler, lost, err)
+			if bctx.Err() != nil || IsInfrastructure(err) || IsConflict(err) {
+				return attempt{outcome: unavailable, err: err}
+			}
+			return attempt{outcome: failed, at: i, err: err}
+		}
+		outs[i], ctxs[i] = out, ictx
+	}
+	if err := tx.Commit(bctx); err != nil {
+		rollback(ctx, tx)
+		return attempt{outcome: unavailable, err: fmt.Errorf("eventline: commit batch transaction: %w", err)}
+	}
+	for _, ictx := range ctxs {
+		RunAfterCommit(ictx)
+	}
+	return attempt{outcome: committed, outs: outs}
+}
+
+// proceedInBatch runs the gate's decision and the handler for one member
+// in the batch's transaction, with the member's own context (its
+// after-commit hooks are its own; it ends when the batch's does),
+// recovering a panic as the Recover middleware would. It returns the
+// context the hooks were registered on (canceled by then: only its values
+// are used afterwards).
+func (el *Eventline) proceedInBatch(bctx context.Context, it *arrival, tx pgx.Tx, a versioning.Admission) (out []*message.Message, ictx context.Context, err error) {
+	orig := it.msg.Context()
+	// The member's context, ended with the batch's (its deadline too).
+	mctx, cancel := context.WithCancel(orig)
+	if d, ok := bctx.Deadline(); ok {
+		mctx, cancel = context.WithDeadline(orig, d)
+	}
+	stop := context.AfterFunc(bctx, cancel)
+	ictx = ContextWithTx(mctx, tx)
+	it.msg.SetContext(ictx)
+	defer func() {
+		stop()
+		cancel()
+		it.msg.SetContext(orig)
+		if r := recover(); r != nil {
+			out, err = nil, &PanicError{Value: r, Stack: debug.Stack()}
+		}
+	}()
+	out, err = el.gate.proceed(it.msg, tx, it.e, it.h, a)
+	return out, ictx, err
+}
+
+// cutAt returns the first member whose admission, made before the members
+// ahead of it ran, may differ from what it would have been after them: an
+// earlier member of the same aggregate was not "quiet" (it will park, or
+// drain parked successors, or anything else than applying with nothing
+// parked or being a duplicate). 0 means no cut.
+func cutAt(items []*arrival, admissions []versioning.Admission) int {
+	type key struct{ typ, id string }
+	quiet := map[key]bool{}
+	for i, it := range items {
+		if it.e.AggregateVersion <= 0 {
+			continue // unversioned: no aggregate row involved
+		}
+		k := key{it.e.AggregateType, it.e.AggregateID}
+		q, seen := quiet[k]
+		if seen && !q {
+			return i
+		}
+		a := admissions[i]
+		quiet[k] = (!seen || q) && (a.Verdict == versioning.Duplicate || (a.Verdict == versioning.Next && a.Parked == 0))
+	}
+	return 0
+}
