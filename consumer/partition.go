@@ -34,8 +34,9 @@ func abandonedBy(ctx context.Context) context.Context {
 // delivery is one Kafka record on its way through a lane.
 type delivery struct {
 	offset int64
-	key    []byte // the Kafka key
-	lane   string // what keeps it in one lane (see laneKey)
+	key    []byte    // the Kafka key
+	at     time.Time // the record's timestamp
+	lane   string    // what keeps it in one lane (see laneKey)
 	msg    *message.Message
 	sent   bool // msg has been delivered once: send a copy next time
 }
@@ -122,7 +123,7 @@ func (p *partitionRun) dispatch(claim sarama.ConsumerGroupClaim) {
 				"group", p.cfg.Group, "topic", p.topic, "partition", p.partition, "offset", km.Offset, "error", err)
 			return
 		}
-		d := &delivery{offset: km.Offset, key: km.Key, lane: laneKey(km, msg), msg: msg}
+		d := &delivery{offset: km.Offset, key: km.Key, at: km.Timestamp, lane: laneKey(km, msg), msg: msg}
 		p.mu.Lock()
 		p.tracker.add(km.Offset)
 		l := p.lanes[p.assigner.assign(d.lane)]
@@ -170,7 +171,7 @@ func (p *partitionRun) stopping() bool {
 // it).
 func (p *partitionRun) messageContext(d *delivery) context.Context {
 	ctx := context.WithValue(p.halt, haltKey{}, p.halt)
-	return middleware.ContextWithSource(ctx, middleware.Source{Topic: p.topic, FromKafka: true, Partition: p.partition, Offset: d.offset, Key: d.key})
+	return middleware.ContextWithSource(ctx, middleware.Source{Topic: p.topic, FromKafka: true, Partition: p.partition, Offset: d.offset, Key: d.key, Timestamp: d.at})
 }
 
 // send delivers msg to the router; false when the partition abandoned its

@@ -2,6 +2,7 @@ package middleware
 
 import (
 	"context"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -28,6 +29,10 @@ type Source struct {
 	Partition int32
 	Offset    int64  // see Partition
 	Key       []byte // see Partition
+	// Timestamp is the Kafka record's timestamp (when the relay produced
+	// it, or when the broker appended it with LogAppendTime); zero when
+	// unknown.
+	Timestamp time.Time
 }
 
 // ContextWithSource returns ctx carrying s. Its non-empty fields take
@@ -54,6 +59,9 @@ func SourceFromContext(ctx context.Context) Source {
 			s.FromKafka, s.Partition, s.Offset = true, p, o
 			s.Key, _ = kafka.MessageKeyFromCtx(ctx)
 		}
+	}
+	if s.Timestamp.IsZero() {
+		s.Timestamp, _ = kafka.MessageTimestampFromCtx(ctx)
 	}
 	return s
 }

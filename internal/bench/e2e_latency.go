@@ -9,7 +9,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
@@ -66,7 +65,7 @@ func (t *tracker) commit(id string, at time.Time) {
 // apply records that the consumer committed the event; ctx is the
 // consumed message's context.
 func (t *tracker) apply(ctx context.Context, id string, at time.Time) {
-	ts, _ := kafka.MessageTimestampFromCtx(ctx)
+	ts := middleware.SourceFromContext(ctx).Timestamp
 	t.mu.Lock()
 	if _, dup := t.applied[id]; !dup {
 		t.applied[id] = at
