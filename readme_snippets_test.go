@@ -85,8 +85,11 @@ func readmeRelayPool(ctx context.Context, databaseURL string) (*pgxpool.Pool, er
 
 func readmeRelay(ctx context.Context, pool *pgxpool.Pool) error {
 	relay, err := producer.NewRelay(ctx, pool, producer.RelayConfig{Brokers: []string{"kafka:9092"}})
+	if err != nil {
+		return err
+	}
 	go relay.Run(ctx) // returns after ctx ends and in-flight batches settle
-	return err
+	return nil
 }
 
 func readmeRelayRestart(ctx context.Context, pool *pgxpool.Pool, cfg producer.RelayConfig) error {
