@@ -1,7 +1,8 @@
 // Package eventline holds the event envelope shared by every part of the
 // eventline pipeline: the [Event] type, the metadata keys it travels with, and
 // the single [Encode]/[Decode] pair that turns an Event into a Watermill
-// message and back.
+// message and back; [DecodePayload] reads a JSON payload, and [Upcasters]
+// bring older payload schema versions to the current one.
 //
 // The pipeline itself lives in sub-packages:
 //
@@ -13,6 +14,9 @@
 //     applies each aggregate's versions in order.
 //   - consumer: a ready runner around that middleware.
 //   - migrations: the embedded, numbered SQL schema.
+//   - eventlinetest: a test kit that runs your handlers under duplicates,
+//     reordering, crashes and rebalances; eventlinetest/kafkatest starts an
+//     in-process Kafka for your tests.
 //
 // Delivery is at-least-once on every hop; effects are applied once because the
 // dedup record and the version advance commit in the same transaction as the

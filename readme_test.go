@@ -1,6 +1,7 @@
 package eventline_test
 
 import (
+	"fmt"
 	"os"
 	"regexp"
 	"strings"
@@ -13,38 +14,96 @@ import (
 // file of the repository, which the build compiles and the tests run.
 var compiledMarker = regexp.MustCompile(`^<!-- compiled: (\S+) -->$`)
 
-// TestReadmeSnippetsAreCompiledCode checks every Go snippet in README.md
-// marked `<!-- compiled: path -->`: its lines must appear, in order and
-// together, in that file (indentation, blank lines and runs of spaces
-// aside), so a snippet that no longer compiles fails here rather than in a
-// reader's editor.
-func TestReadmeSnippetsAreCompiledCode(t *testing.T) {
-	readme, err := os.ReadFile("README.md")
-	require.NoError(t, err)
-	lines := strings.Split(string(readme), "\n")
+// TestEveryReadmeGoSnippetIsCompiled checks every ```go block of README.md
+// (and of the docs pages): each must be preceded by a marker line
+// `<!-- compiled: path -->`, and its lines must appear, in order and
+// together, in that Go file (indentation, blank lines and runs of spaces
+// aside). The file is compiled by `go test` and `go vet`, so a snippet
+// that no longer compiles, or a README edit that was not made in the
+// compiled copy, fails here rather than in a reader's editor.
+func TestEveryReadmeGoSnippetIsCompiled(t *testing.T) {
 	checked := 0
+	for _, doc := range []string{"README.md", "docs/OPERATIONS.md", "docs/DESIGN.md"} {
+		text, err := os.ReadFile(doc)
+		require.NoError(t, err)
+		n, problems := checkGoSnippets(doc, string(text), os.ReadFile)
+		require.Empty(t, problems, "%s: Go snippets that are not compiled code:\n%s", doc, strings.Join(problems, "\n"))
+		checked += n
+	}
+	require.Positive(t, checked, "README.md has no compiled snippet")
+}
+
+// TestSnippetCheckFailsOnBrokenSnippets makes sure the check above can
+// fail: an unmarked block, a snippet that drifted from its compiled copy,
+// and a marker naming a missing file are all reported.
+func TestSnippetCheckFailsOnBrokenSnippets(t *testing.T) {
+	files := map[string]string{"code.go": "package x\n\nfunc f() {\n\tx := 1\n\t_ = x\n}\n"}
+	read := func(name string) ([]byte, error) {
+		if s, ok := files[name]; ok {
+			return []byte(s), nil
+		}
+		return nil, fmt.Errorf("open %s: no such file", name)
+	}
+	for name, doc := range map[string]string{
+		"unmarked":     "text\n\n```go\nx := 1\n```\n",
+		"drifted":      "<!-- compiled: code.go -->\n```go\nx := 2\n_ = x\n```\n",
+		"missing file": "<!-- compiled: gone.go -->\n```go\nx := 1\n```\n",
+		"empty":        "<!-- compiled: code.go -->\n```go\n```\n",
+		"unterminated": "<!-- compiled: code.go -->\n```go\nx := 1\n",
+	} {
+		_, problems := checkGoSnippets(name+".md", doc, read)
+		require.NotEmpty(t, problems, "%s: the check accepted a broken snippet", name)
+	}
+	n, problems := checkGoSnippets("ok.md", "<!-- compiled: code.go -->\n```go\n  x := 1\n\n_ = x\n```\n\n```sh\nmake test\n```\n", read)
+	require.Empty(t, problems)
+	require.Equal(t, 1, n)
+}
+
+// checkGoSnippets returns how many ```go blocks of text are compiled code,
+// and a line per block that is not.
+func checkGoSnippets(doc, text string, read func(string) ([]byte, error)) (checked int, problems []string) {
+	lines := strings.Split(text, "\n")
 	for i := 0; i < len(lines); i++ {
-		m := compiledMarker.FindStringSubmatch(strings.TrimSpace(lines[i]))
-		if m == nil {
+		if strings.TrimSpace(lines[i]) != "```go" {
 			continue
 		}
-		require.Less(t, i+1, len(lines), "README.md:%d: marker without a snippet", i+1)
-		require.Equal(t, "```go", strings.TrimSpace(lines[i+1]), "README.md:%d: a compiled marker must be followed by a ```go block", i+1)
-		end := i + 2
+		end := i + 1
 		for end < len(lines) && strings.TrimSpace(lines[end]) != "```" {
 			end++
 		}
-		require.Less(t, end, len(lines), "README.md:%d: unterminated snippet", i+2)
-		src, err := os.ReadFile(m[1])
-		require.NoError(t, err, "README.md:%d names %s", i+1, m[1])
-		snippet, file := normalize(lines[i+2:end]), normalize(strings.Split(string(src), "\n"))
-		require.NotEmpty(t, snippet, "README.md:%d: empty snippet", i+2)
-		require.True(t, containsRun(file, snippet), "README.md:%d: the snippet is not in %s any more; copy it from there again:\n%s",
-			i+2, m[1], strings.Join(snippet, "\n"))
-		checked++
+		if end == len(lines) {
+			problems = append(problems, fmt.Sprintf("%s:%d: unterminated ```go block", doc, i+1))
+			break
+		}
+		block := lines[i+1 : end]
+		start := i
 		i = end
+		var m []string
+		if start > 0 {
+			m = compiledMarker.FindStringSubmatch(strings.TrimSpace(lines[start-1]))
+		}
+		if m == nil {
+			problems = append(problems, fmt.Sprintf("%s:%d: a ```go block without a `<!-- compiled: path -->` line right above it; put the code in a Go file the tests compile and name it there", doc, start+1))
+			continue
+		}
+		src, err := read(m[1])
+		if err != nil {
+			problems = append(problems, fmt.Sprintf("%s:%d: the marker names %s: %v", doc, start, m[1], err))
+			continue
+		}
+		snippet, file := normalize(block), normalize(strings.Split(string(src), "\n"))
+		if len(snippet) == 0 {
+			problems = append(problems, fmt.Sprintf("%s:%d: empty snippet", doc, start+1))
+			continue
+		}
+		if !containsRun(file, snippet) {
+			problems = append(problems, fmt.Sprintf("%s:%d: the snippet is not in %s (any more); make the same change there, or copy it from there again:\n%s",
+				doc, start+1, m[1], strings.Join(snippet, "\n")))
+			continue
+		}
+		checked++
 	}
-	require.Positive(t, checked, "README.md has no compiled snippet")
+	return checked, problems
 }
 
 var spaces = regexp.MustCompile(`\s+`)

@@ -98,8 +98,11 @@
 //	cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "2min" // at least 2 × TxTimeout
 //	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 //
-// Give it at least two connections per topic partition processed at once
-// plus two for the sweeper and dead-letter replays.
+// Size it for the lanes: each lane runs one transaction at a time, and the
+// sweeper and dead-letter replays take one connection each, so
+// partitions read by this instance × Config.Lanes + 2 connections let
+// every lane run at once. A smaller pool is safe, only slower: lanes wait
+// for a connection.
 //
 // Events of types nobody handles must be listed with Ignore, or they are
 // dead-lettered and, since their version is then never applied, later

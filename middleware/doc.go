@@ -154,10 +154,17 @@
 //
 // [Upcast] brings each event's payload to the current schema version of
 // its type (eventline.Upcasters) just before the handler runs. Put it
-// inside the composed middleware (router.AddConsumerHandler(…).
-// AddMiddleware(el.Middleware, middleware.Upcast(up))), so events released
-// from parking pass through it too; parked and dead-lettered messages keep
-// the payload as published.
+// inside the composed middleware, so events released from parking pass
+// through it too; parked and dead-lettered messages keep the payload as
+// published. In the safe chain:
+//
+//	upcasting := middleware.Upcast(up)(handler)
+//	el.Register("billing", upcasting)
+//	chain := el.Chain(upcasting)
+//	router.AddConsumerHandler("billing", "orders", sub, func(msg *message.Message) error {
+//		_, err := chain(msg)
+//		return err
+//	})
 //
 // # Metrics and logs
 //

@@ -16,10 +16,16 @@ import (
 //
 // Put it inside the eventline middleware, so events released from parking
 // pass through it too, and it upcasts when the event is handled, not when
-// it is received:
+// it is received. In the safe chain (dead letters ▸ retries ▸ eventline),
+// registered for the sweeper and replays under the handler's name:
 //
-//	router.AddConsumerHandler(name, topic, sub, handler).
-//		AddMiddleware(el.Middleware, middleware.Upcast(up))
+//	upcasting := middleware.Upcast(up)(handler)
+//	el.Register(name, upcasting)
+//	chain := el.Chain(upcasting)
+//	router.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
+//		_, err := chain(msg)
+//		return err
+//	})
 //
 // When an event needs upcasting, the handler receives a copy of the
 // message whose payload and event_version metadata are the upcast ones,

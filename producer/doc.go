@@ -16,7 +16,9 @@
 // PostgreSQL; each shard is relayed by one of them at a time, and the
 // shards of a relay that dies or vanishes are taken over within
 // [TakeoverBound]. Relays need session-level connections (not a
-// transaction-mode pooler). Delivery is at-least-once: a crash after Kafka
+// transaction-mode pooler) and a pool of [PoolSizeFor] connections. A
+// Relay runs once ([ErrRelayRunning]): to restart one, let Run return and
+// create a new one with [NewRelay]. Delivery is at-least-once: a crash after Kafka
 // accepted a message but before the outbox recorded it means the message is
 // sent again, never lost.
 //

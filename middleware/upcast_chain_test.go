@@ -1,0 +1,81 @@
+package middleware_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/middleware"
+)
+
+// TestUpcastInsideTheSafeChain checks the composition the README shows for
+// upcasting on your own Router: middleware.Upcast around the handler,
+// mounted with Eventline.Chain and registered by name. A version-1 event
+// parked ahead of its predecessor is upcast when it is released; a version
+// the upcasters cannot reach is dead-lettered whole by the chain and
+// acknowledged, never handed to the handler.
+func TestUpcastInsideTheSafeChain(t *testing.T) {
+	t.Parallel()
+	env := consumertest.New(t, pgtest.Options{MaxConns: 4})
+	up, err := eventline.NewUpcasters(map[string]int{"thing.changed": 2}, eventline.Upcaster{Type: "thing.changed", From: 1, Func: func(p []byte) ([]byte, error) {
+		var m map[string]any
+		if err := json.Unmarshal(p, &m); err != nil {
+			return nil, err
+		}
+		m["label"] = fmt.Sprintf("thing-%v", m["n"])
+		return json.Marshal(m)
+	}})
+	require.NoError(t, err)
+	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()})
+	require.NoError(t, err)
+
+	var mu sync.Mutex
+	var seen []string
+	handler := func(msg *message.Message) ([]*message.Message, error) {
+		e, ok := middleware.EventFromContext(msg.Context())
+		require.True(t, ok)
+		var p struct {
+			Label string `json:"label"`
+		}
+		if err := json.Unmarshal(msg.Payload, &p); err != nil {
+			return nil, err
+		}
+		mu.Lock()
+		seen = append(seen, fmt.Sprintf("v%d schema=%d label=%s", e.AggregateVersion, e.SchemaVersion, p.Label))
+		mu.Unlock()
+		return nil, nil
+	}
+	upcasting := middleware.Upcast(up)(handler)
+	el.Register("billing", upcasting)
+	chain := el.Chain(upcasting)
+
+	ev := func(version int64, schema int, payload string) *message.Message {
+		e := consumertest.Event("a", version)
+		e.SchemaVersion, e.Payload = schema, []byte(payload)
+		return consumertest.Message(t, e)
+	}
+	_, err = chain(ev(2, 1, `{"n":2}`)) // parks
+	require.NoError(t, err)
+	_, err = chain(ev(1, 2, `{"n":1,"label":"first"}`))
+	require.NoError(t, err)
+	require.Equal(t, []string{"v1 schema=2 label=first", "v2 schema=2 label=thing-2"}, seen,
+		"the parked version-1 payload is upcast when it is released")
+
+	_, err = chain(ev(3, 3, `{"n":3}`))
+	require.NoError(t, err, "the chain dead-letters what it cannot upcast and acknowledges it")
+	require.Len(t, seen, 2, "the handler never sees a version it cannot read")
+	dead, err := el.DeadLetters().Store().List(context.Background(), env.Pool, dedup.DeadLetterFilter{Group: group})
+	require.NoError(t, err)
+	require.Len(t, dead, 1)
+	require.EqualValues(t, 3, dead[0].AggregateVersion)
+	require.JSONEq(t, `{"n":3}`, string(dead[0].Payload), "dead-lettered as written")
+}
