@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/versioning"
 )
@@ -74,7 +75,11 @@ func parkedList(ctx context.Context, args []string) error {
 	fs := newFlagSet(ctx, "parked list", "[-group G] [-aggregate TYPE/ID] [-limit N] [-json]", `
 Lists parked events by group, aggregate and version, with each aggregate's
 current (last applied) version, so the missing versions are current+1 up to
-the lowest parked version minus one.`)
+the predecessor the lowest parked event follows. For each aggregate it says
+where the next missing version is: dead-lettered by the group
+(consumer_dead_letters) or by the relay (dead_letters), in the outbox not yet
+relayed, relayed, or nowhere. With -brokers, a relayed version is looked up on
+Kafka too: its partition and offset, and the group's committed offset there.`)
 	lf := addListFlags(fs, "most parked events to list", "print JSON (with payload and metadata) instead of a table")
 	locate := fs.Bool("locate", true, "say where each aggregate's next missing version is: consumer or relay dead letters, the outbox (pending or relayed), or nowhere")
 	outboxURL := fs.String("outbox-database-url", "", "PostgreSQL `URL` of the outbox's database, when it is not the consumer's (default -database-url)")
@@ -120,6 +125,11 @@ the lowest parked version minus one.`)
 		}
 		if where, err = locateIn(ctx, pool, *outboxURL, *outboxSchema, want); err != nil {
 			return err
+		}
+		if brokers := kafkaconf.ParseBrokers(globalsOf(ctx).brokers); len(brokers) > 0 {
+			if err := locateOnKafka(ctx, brokers, where); err != nil {
+				return err
+			}
 		}
 	}
 	out := stdout(ctx)

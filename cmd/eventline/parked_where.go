@@ -40,6 +40,14 @@ type versionWhere struct {
 	Version  int64  `json:"version"`
 	Location string `json:"location"`
 	Detail   string `json:"detail"`
+	// Kafka is where the record is on Kafka (relayed versions, when
+	// -brokers is given).
+	Kafka *kafkaWhere `json:"kafka,omitempty"`
+
+	// eventID, topic and committed describe a relayed version's outbox
+	// row, for the Kafka lookup.
+	eventID, topic string
+	committed      time.Time
 }
 
 // aggVersion names one version of one aggregate.
@@ -146,12 +154,12 @@ func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]
 		// position is at or past it, dead when its dead letter was not
 		// replayed.
 		rows, err := ob.db.Query(ctx, `SELECT DISTINCT ON (md.aggregate_type, md.aggregate_id, md.aggregate_version)
-				md.aggregate_type, md.aggregate_id, md.aggregate_version, COALESCE(env.destination_topic, ''), m.created_at::timestamptz,
+				md.aggregate_type, md.aggregate_id, md.aggregate_version, COALESCE(env.uuid, ''), COALESCE(env.destination_topic, ''), m.created_at::timestamptz,
 				(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)),
 				EXISTS (SELECT 1 FROM `+dead+` d WHERE d.shard = $4 AND d.outbox_uuid = m.uuid::text AND d.replayed_at IS NULL)
 			FROM `+sqlident.Qualify(ob.schema, outbox.Table(shard))+` m
 			CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(m.payload) = 'object' THEN m.payload ELSE '{}' END)
-				AS env(destination_topic text, metadata json)
+				AS env(uuid text, destination_topic text, metadata json)
 			CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(env.metadata) = 'object' THEN env.metadata ELSE '{}' END)
 				AS md(aggregate_type text, aggregate_id text, aggregate_version text)
 			LEFT JOIN `+sqlident.Qualify(ob.schema, outbox.OffsetsTable(shard))+` o ON o.consumer_group = $5
@@ -163,15 +171,15 @@ func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]
 		}
 		for rows.Next() {
 			var av aggVersion
-			var version, topic string
+			var version, eventID, topic string
 			var created time.Time
 			var relayed, isDead bool
-			if err := rows.Scan(&av.typ, &av.id, &version, &topic, &created, &relayed, &isDead); err != nil {
+			if err := rows.Scan(&av.typ, &av.id, &version, &eventID, &topic, &created, &relayed, &isDead); err != nil {
 				rows.Close()
 				return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
 			}
 			av.version, _ = strconv.ParseInt(version, 10, 64)
-			w := versionWhere{Version: av.version}
+			w := versionWhere{Version: av.version, eventID: eventID, topic: topic, committed: created}
 			since := age(time.Since(created))
 			switch {
 			case isDead:
