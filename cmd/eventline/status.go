@@ -117,7 +117,11 @@ Shows the pipeline's state as stored in PostgreSQL: per outbox shard the
 backlog (events not yet relayed), the oldest pending event's age and the relay
 that owns it; dead letters and retrying rows; and per consumer group the dedup
 table size, parked events (with the oldest one's age) and the gaps given up on.
-It reads a consistent snapshot and changes nothing.`)
+When something is stuck, a "Gaps and stalls" section follows: per group the
+open gaps (aggregates waiting for missing versions, oldest first, with their
+age), the gaps skipped in the last 24 hours, late events held and dead letters
+not resolved; per shard the transaction holding its events back (pid, age,
+query start). It reads a consistent snapshot and changes nothing.`)
 	asJSON := fs.Bool("json", false, "print JSON (stable field names, for scripts) instead of tables")
 	pos, err := fs.parse(args)
 	if err != nil {
