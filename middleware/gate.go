@@ -240,6 +240,7 @@ func (g *Gate) observeSweep(r versioning.SweepResult, err error) {
 	m.addReleased(g.cfg.Group, r.Released)
 	m.addReleaseFailures(g.cfg.Group, r.Failed)
 	m.addGapsSkipped(g.cfg.Group, "park_timeout", r.GapsSkipped)
+	m.observeGapsClosed(g.cfg.Group, r.GapsClosed)
 	m.addGivenUp(g.cfg.Group, r.DeadLettered)
 	m.addLateApplied(g.cfg.Group, r.LateApplied)
 	if err == nil {

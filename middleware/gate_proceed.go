@@ -94,6 +94,7 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 	}
 	AfterCommit(ctx, func() {
 		m.addReleased(group, len(d.Released))
+		m.observeGapsClosed(group, d.GapsClosed)
 		m.addGivenUp(group, len(d.DeadLettered))
 		if d.Failed != nil {
 			m.addReleaseFailures(group, 1)

@@ -122,6 +122,10 @@ type DrainResult struct {
 	// Remaining counts the events still parked after the drain (at most
 	// the number loaded).
 	Remaining int
+	// GapsClosed are the gaps in front of parked events that closed: the
+	// one the arriving event filled (Drain), or those the sweeper skipped
+	// or applied after an operator's release.
+	GapsClosed []ClosedGap
 }
 
 // Drain applies an aggregate's parked events whose predecessor has been
@@ -160,6 +164,8 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 	res := DrainResult{Version: current}
 	delta := 0
 	i := 0
+	sweeping, head := parkTimeout > 0, true
+	var released *ClosedGap // the head's gap, released by an operator
 	for ; i < len(parked); i++ {
 		p := parked[i]
 		if p.Version <= res.Version {
@@ -169,6 +175,24 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 			res.Late++
 			delta--
 			continue
+		}
+		if head {
+			// The lowest parked event: when Drain runs after its
+			// predecessor arrived, that arrival filled its gap; when the
+			// sweeper finds it ready, an operator may have released it.
+			head = false
+			switch {
+			case !sweeping && p.PreviousVersion == current:
+				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapFilled, Open: openFor(oldestParkedAt(parked[i:]), time.Now())})
+			case sweeping && p.due && p.PreviousVersion == res.Version:
+				at, ok, err := s.releasedAt(ctx, tx, k, p.PreviousVersion)
+				if err != nil {
+					return res, nil, err
+				}
+				if ok {
+					released = &ClosedGap{Key: k, Outcome: GapReleased, Open: openFor(oldestParkedAt(parked[i:]), at)}
+				}
+			}
 		}
 		if !p.due {
 			break
@@ -194,6 +218,11 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 			if pre != nil {
 				res.GapsSkipped++
 				res.VersionsSkipped += skipTo - skipFrom + 1
+				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapSkipped, Open: openFor(oldestParkedAt(parked[i:]), time.Now())})
+			}
+			if released != nil {
+				res.GapsClosed = append(res.GapsClosed, *released)
+				released = nil
 			}
 			delta--
 			res.Released = append(res.Released, p)

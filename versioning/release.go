@@ -76,7 +76,7 @@ func (s *Store) ReleaseGap(ctx context.Context, db Beginner, group, aggregateTyp
 		to := current
 		if prev := parked[0].PreviousVersion; prev > current {
 			rel.From, rel.To = current+1, prev
-			if err := s.RecordSkipped(ctx, tx, k, rel.From, rel.To, "released by operator: "+reason); err != nil {
+			if err := s.RecordSkipped(ctx, tx, k, rel.From, rel.To, releaseMarker+reason); err != nil {
 				return err
 			}
 			to = prev

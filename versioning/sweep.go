@@ -143,6 +143,9 @@ type SweepResult struct {
 	// parked and held as late after the pass.
 	Parked   int64
 	HeldLate int64 // see Parked
+	// GapsClosed are the gaps the pass skipped after the park timeout,
+	// and those an operator released whose parked events it applied.
+	GapsClosed []ClosedGap
 }
 
 func (r *SweepResult) add(o SweepResult) {
@@ -156,6 +159,7 @@ func (r *SweepResult) add(o SweepResult) {
 	r.DeadLettered += o.DeadLettered
 	r.LateApplied += o.LateApplied
 	r.LateFailed += o.LateFailed
+	r.GapsClosed = append(r.GapsClosed, o.GapsClosed...)
 }
 
 // Sweeper releases parked events: those whose missing versions arrived but
@@ -309,6 +313,7 @@ func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, t
 	res.GapsSkipped += d.GapsSkipped
 	res.VersionsSkipped += d.VersionsSkipped
 	res.DeadLettered += len(d.DeadLettered)
+	res.GapsClosed = append(res.GapsClosed, d.GapsClosed...)
 	log := w.cfg.Logger
 	if d.GapsSkipped > 0 {
 		log.WarnContext(ctx, "eventline: skipped missing aggregate versions after the park timeout",

@@ -64,7 +64,7 @@ func (g *globals) register(fs *flag.FlagSet) {
 	fs.StringVar(&g.schema, "schema", g.schema,
 		"PostgreSQL schema holding eventline's tables (env "+envSchema+")")
 	fs.StringVar(&g.brokers, "brokers", g.brokers,
-		"comma-separated Kafka brokers, host:port (env "+envBrokers+"); used by relay")
+		"comma-separated Kafka brokers, host:port (env "+envBrokers+"); used by relay, verify and parked list")
 	fs.StringVar(&g.logLevel, "log-level", g.logLevel, "log level: debug, info, warn or error")
 	fs.StringVar(&g.logFormat, "log-format", g.logFormat, "log format on stderr: text or json")
 }

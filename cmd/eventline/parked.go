@@ -10,6 +10,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -64,16 +66,31 @@ type parkedJSON struct {
 	// Payload is the event body when it is JSON; PayloadBase64 otherwise.
 	Payload       json.RawMessage `json:"payload,omitempty"`
 	PayloadBase64 []byte          `json:"payload_base64,omitempty"`
+	// WaitingFor is where the aggregate's next missing version is; absent
+	// when nothing is missing (or with -locate=false).
+	WaitingFor *versionWhere `json:"waiting_for,omitempty"`
 }
 
 func parkedList(ctx context.Context, args []string) error {
 	fs := newFlagSet(ctx, "parked list", "[-group G] [-aggregate TYPE/ID] [-limit N] [-json]", `
 Lists parked events by group, aggregate and version, with each aggregate's
 current (last applied) version, so the missing versions are current+1 up to
-the lowest parked version minus one.`)
+the predecessor the lowest parked event follows. For each aggregate it says
+where the next missing version is: dead-lettered by the group
+(consumer_dead_letters) or by the relay (dead_letters), in the outbox not yet
+relayed, relayed, or nowhere. With -brokers, a relayed version is looked up on
+Kafka too: its partition and offset, and the group's committed offset there.`)
 	lf := addListFlags(fs, "most parked events to list", "print JSON (with payload and metadata) instead of a table")
+	locate := fs.Bool("locate", true, "say where each aggregate's next missing version is: consumer or relay dead letters, the outbox (pending or relayed), or nowhere")
+	outboxURL := fs.String("outbox-database-url", "", "PostgreSQL `URL` of the outbox's database, when it is not the consumer's (default -database-url)")
+	outboxSchema := fs.String("outbox-schema", "", "`schema` of the outbox's tables (default -schema)")
 	if err := lf.parse(fs, "parked list", args); err != nil {
 		return err
+	}
+	if *outboxSchema != "" {
+		if err := sqlident.Validate("-outbox-schema", *outboxSchema); err != nil {
+			return fs.usageErrorf("%v", err)
+		}
 	}
 	filter := versioning.ParkedFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit}
 	store, pool, err := openVersioning(ctx)
@@ -98,6 +115,23 @@ the lowest parked version minus one.`)
 		current[p.Key()] = v
 		keys = append(keys, p.Key())
 	}
+	where := map[versioning.Key]versionWhere{}
+	if *locate {
+		want := map[versioning.Key]int64{}
+		for _, k := range keys {
+			if follows := followsOf(parked, k); follows > current[k] {
+				want[k] = current[k] + 1
+			}
+		}
+		if where, err = locateIn(ctx, pool, *outboxURL, *outboxSchema, want); err != nil {
+			return err
+		}
+		if brokers := kafkaconf.ParseBrokers(globalsOf(ctx).brokers); len(brokers) > 0 {
+			if err := locateOnKafka(ctx, brokers, where); err != nil {
+				return err
+			}
+		}
+	}
 	out := stdout(ctx)
 	if lf.asJSON {
 		list := make([]parkedJSON, 0, len(parked))
@@ -113,6 +147,9 @@ the lowest parked version minus one.`)
 				j.LastAttemptAt = &at
 			}
 			j.Payload, j.PayloadBase64 = payloadJSON(p.Payload)
+			if w, ok := where[p.Key()]; ok {
+				j.WaitingFor = &w
+			}
 			list = append(list, j)
 		}
 		return writeJSON(out, list)
@@ -136,13 +173,7 @@ the lowest parked version minus one.`)
 	}
 	fmt.Fprintln(out)
 	for _, k := range keys {
-		follows := int64(0)
-		for _, p := range parked {
-			if p.Key() == k {
-				follows = p.PreviousVersion
-				break
-			}
-		}
+		follows := followsOf(parked, k)
 		cur := current[k]
 		name := aggregate(k.AggregateType, k.AggregateID)
 		if follows <= cur {
@@ -151,8 +182,45 @@ the lowest parked version minus one.`)
 		}
 		fmt.Fprintf(out, "%s %s: at version %d, waiting for %s; to give up on them: eventline parked release -reason '...' %s %s\n",
 			k.Group, name, cur, versionRange(cur+1, follows), k.Group, name)
+		if w, ok := where[k]; ok {
+			fmt.Fprintf(out, "  version %d: %s: %s\n", w.Version, w.Location, w.Detail)
+		}
 	}
 	return nil
+}
+
+// followsOf is the predecessor the lowest listed parked event of k waits
+// for (parked is in version order per aggregate).
+func followsOf(parked []versioning.Parked, k versioning.Key) int64 {
+	for _, p := range parked {
+		if p.Key() == k {
+			return p.PreviousVersion
+		}
+	}
+	return 0
+}
+
+// locateIn runs locateMissing against the consumer's pool and the outbox
+// at outboxURL (default: the same pool) in outboxSchema (default -schema).
+func locateIn(ctx context.Context, pool *pgxpool.Pool, outboxURL, outboxSchema string, want map[versioning.Key]int64) (map[versioning.Key]versionWhere, error) {
+	schema := globalsOf(ctx).schema
+	ob := outboxTarget{db: pool, schema: schema}
+	if outboxSchema != "" {
+		ob.schema = outboxSchema
+	}
+	if outboxURL != "" && len(want) > 0 {
+		cfg, err := pgxpool.ParseConfig(outboxURL)
+		if err != nil {
+			return nil, usageErrorf(invocationOf(ctx).path, "-outbox-database-url is not a valid PostgreSQL URL: %v", err)
+		}
+		opool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			return nil, fmt.Errorf("cannot connect to the outbox database at %s: %w", redactURL(outboxURL), err)
+		}
+		defer opool.Close()
+		ob.db = opool
+	}
+	return locateMissing(ctx, pool, schema, ob, want)
 }
 
 // versionRange formats from..to, or a single version.

@@ -75,6 +75,9 @@ type shardReport struct {
 	// HeldBack counts backlog rows the relays cannot read yet because an
 	// older transaction is open (see outbox.horizon_holder).
 	HeldBack int64 `json:"held_back"`
+	// HeldBackBy is the backend pid of that transaction (0 for a prepared
+	// one) while the shard has rows held back; null otherwise.
+	HeldBackBy *int32 `json:"held_back_by_pid"`
 }
 
 type groupReport struct {
@@ -85,6 +88,27 @@ type groupReport struct {
 	OldestParkedSeconds float64 `json:"oldest_parked_seconds"`
 	SkippedGaps         int64   `json:"skipped_gaps"`
 	SkippedVersions     int64   `json:"skipped_versions"`
+	// Gap and stall figures (versioning.ReadGroupStatus): aggregates whose
+	// lowest parked event waits for missing versions, the oldest one's
+	// age, the first of them (oldest first), gaps skipped in the last 24
+	// hours, late events held and consumer dead letters not resolved.
+	OpenGaps             int64           `json:"open_gaps"`
+	OldestOpenGapSeconds float64         `json:"oldest_open_gap_seconds"`
+	OpenGapList          []openGapReport `json:"open_gap_list"`
+	SkippedGaps24h       int64           `json:"skipped_gaps_24h"`
+	LateEvents           int64           `json:"late_events"`
+	DeadLetters          int64           `json:"dead_letters"`
+}
+
+// openGapReport is one aggregate stuck behind missing versions.
+type openGapReport struct {
+	AggregateType string  `json:"aggregate_type"`
+	AggregateID   string  `json:"aggregate_id"`
+	Current       int64   `json:"current_version"`
+	MissingFrom   int64   `json:"missing_from"`
+	MissingTo     int64   `json:"missing_to"`
+	Parked        int64   `json:"parked"`
+	AgeSeconds    float64 `json:"age_seconds"`
 }
 
 func runStatus(ctx context.Context, args []string) error {
@@ -93,7 +117,11 @@ Shows the pipeline's state as stored in PostgreSQL: per outbox shard the
 backlog (events not yet relayed), the oldest pending event's age and the relay
 that owns it; dead letters and retrying rows; and per consumer group the dedup
 table size, parked events (with the oldest one's age) and the gaps given up on.
-It reads a consistent snapshot and changes nothing.`)
+When something is stuck, a "Gaps and stalls" section follows: per group the
+open gaps (aggregates waiting for missing versions, oldest first, with their
+age), the gaps skipped in the last 24 hours, late events held and dead letters
+not resolved; per shard the transaction holding its events back (pid, age,
+query start). It reads a consistent snapshot and changes nothing.`)
 	asJSON := fs.Bool("json", false, "print JSON (stable field names, for scripts) instead of tables")
 	pos, err := fs.parse(args)
 	if err != nil {
@@ -151,6 +179,10 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		if s.PositionAhead {
 			rep.Warnings = append(rep.Warnings, fmt.Sprintf("shard %d: %v; nothing on it is relayed: stop the relays and run `eventline relay rebase-positions`", s.Shard, producer.ErrPositionAhead))
 		}
+		if h := st.HorizonHolder; h != nil && s.HeldBack > 0 {
+			pid := h.PID
+			sr.HeldBackBy = &pid
+		}
 		if o, ok := owners[s.Shard]; ok {
 			pid := o.BackendPID
 			sr.OwnerPID, sr.Owner, sr.LeaseExpiresInSeconds = &pid, o.Relay, o.ExpiresIn.Seconds()
@@ -169,8 +201,8 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		if h.PreparedGID != "" {
 			who = fmt.Sprintf("prepared transaction %q", h.PreparedGID)
 		}
-		rep.Warnings = append(rep.Warnings, fmt.Sprintf("committed events wait behind an open transaction (%s, %s, open %s, application %q, database %q): the relays read only rows older than every open transaction; end it (or SELECT pg_terminate_backend(%d)) and they flow again",
-			who, h.State, age(h.XactAge), h.ApplicationName, h.Database, h.PID))
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("committed events wait behind an open transaction (%s, %s, open %s%s, application %q, database %q): the relays read only rows older than every open transaction; end it (or SELECT pg_terminate_backend(%d)) and they flow again",
+			who, h.State, age(h.XactAge), queryStarted(hr.QueryStart), h.ApplicationName, h.Database, h.PID))
 	}
 
 	var present bool
@@ -194,8 +226,26 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 	if err != nil {
 		return rep, err
 	}
+	statuses, err := vs.ReadGroupStatuses(ctx, tx, versioning.ReadGroupStatusOptions{OpenGapsLimit: statusOpenGaps})
+	if err != nil {
+		return rep, err
+	}
+	byGroup := map[string]versioning.GroupStatus{}
+	for _, gs := range statuses {
+		byGroup[gs.Group] = gs
+		groups = append(groups, gs.Group)
+	}
+	slices.Sort(groups)
+	groups = slices.Compact(groups)
 	for _, name := range groups {
-		gr := groupReport{Group: name}
+		gr := groupReport{Group: name, OpenGapList: []openGapReport{}}
+		gs := byGroup[name]
+		gr.OpenGaps, gr.OldestOpenGapSeconds, gr.SkippedGaps24h = gs.OpenGapCount, gs.OldestGap.Seconds(), gs.SkippedGapsRecent
+		gr.LateEvents, gr.DeadLetters = gs.LateHeld, gs.DeadLetters
+		for _, g := range gs.OpenGaps {
+			gr.OpenGapList = append(gr.OpenGapList, openGapReport{AggregateType: g.AggregateType, AggregateID: g.AggregateID,
+				Current: g.Current, MissingFrom: g.Current + 1, MissingTo: g.Follows, Parked: g.Parked, AgeSeconds: g.Age.Seconds()})
+		}
 		if gr.Processed, err = ds.Count(ctx, tx, name); err != nil {
 			return rep, err
 		}
@@ -302,10 +352,68 @@ func printStatus(w io.Writer, rep statusReport) error {
 			fmt.Fprintln(w, "Parked events wait for a missing version: eventline parked list")
 		}
 	}
+	printGapsAndStalls(w, rep)
 	for _, warning := range rep.Warnings {
 		fmt.Fprintln(w, "warning:", warning)
 	}
 	return nil
+}
+
+// statusOpenGaps is how many open gaps per group status lists.
+const statusOpenGaps = 10
+
+// queryStarted formats a horizon holder's query start for a sentence.
+func queryStarted(qs *string) string {
+	if qs == nil {
+		return ""
+	}
+	return ", query started " + *qs
+}
+
+// printGapsAndStalls writes the "Gaps and stalls" section: per group its
+// open gaps, recent skips, late events and dead letters; per shard the
+// transaction holding its events back. Nothing when all is well.
+func printGapsAndStalls(w io.Writer, rep statusReport) {
+	var lines []string
+	for _, gr := range rep.Groups {
+		if gr.OpenGaps == 0 && gr.SkippedGaps24h == 0 && gr.LateEvents == 0 && gr.DeadLetters == 0 {
+			continue
+		}
+		line := fmt.Sprintf("  %s: %s", gr.Group, plural(gr.OpenGaps, "open gap"))
+		if gr.OpenGaps > 0 {
+			line += fmt.Sprintf(" (oldest %s)", age(seconds(gr.OldestOpenGapSeconds)))
+		}
+		line += fmt.Sprintf(", %s skipped in the last 24h, %s held, %s not resolved",
+			plural(gr.SkippedGaps24h, "gap"), plural(gr.LateEvents, "late event"), plural(gr.DeadLetters, "dead letter"))
+		lines = append(lines, line)
+		for _, g := range gr.OpenGapList {
+			lines = append(lines, fmt.Sprintf("    %s at version %d, waiting for %s for %s (%s)",
+				aggregate(g.AggregateType, g.AggregateID), g.Current, versionRange(g.MissingFrom, g.MissingTo), age(seconds(g.AgeSeconds)), plural(g.Parked, "parked event")))
+		}
+		if n := gr.OpenGaps - int64(len(gr.OpenGapList)); n > 0 {
+			lines = append(lines, fmt.Sprintf("    ... and %d more (eventline parked list -group %s)", n, gr.Group))
+		}
+	}
+	if h := rep.Outbox.HorizonHolder; h != nil {
+		for _, s := range rep.Outbox.Shards {
+			if s.HeldBack == 0 {
+				continue
+			}
+			lines = append(lines, fmt.Sprintf("  shard %d: %s held back by pid %d (%s, open %s%s, application %q)",
+				s.Shard, plural(s.HeldBack, "committed event"), h.PID, h.State, age(seconds(h.XactAgeSeconds)), queryStarted(h.QueryStart), h.ApplicationName))
+		}
+	}
+	if len(lines) == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "Gaps and stalls:")
+	for _, l := range lines {
+		fmt.Fprintln(w, l)
+	}
+	if slices.ContainsFunc(rep.Groups, func(g groupReport) bool { return g.OpenGaps > 0 }) {
+		fmt.Fprintln(w, "  Where the missing versions are: eventline parked list")
+	}
 }
 
 func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }

@@ -47,6 +47,7 @@ type statusJSON struct {
 			Stored               int64   `json:"stored"`
 			OwnerPID             *int32  `json:"owner_pid"`
 			HeldBack             int64   `json:"held_back"`
+			HeldBackBy           *int32  `json:"held_back_by_pid"`
 		} `json:"shards"`
 		Backlog              int64   `json:"backlog"`
 		OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
@@ -222,7 +223,15 @@ func TestStatusNamesTheTransactionHoldingEventsBack(t *testing.T) {
 	}
 	require.NotEmpty(t, st.Warnings)
 	require.Contains(t, st.Warnings[len(st.Warnings)-1], "pg_terminate_backend")
-	require.Regexp(t, `(?m)^0\s+1\s+1\s`, ok(t, env.Schema, "status"))
+	require.NotNil(t, st.Outbox.Shards[0].HeldBackBy)
+	require.Equal(t, h.PID, *st.Outbox.Shards[0].HeldBackBy)
+	out := ok(t, env.Schema, "status")
+	require.Regexp(t, `(?m)^0\s+1\s+1\s`, out)
+	require.Contains(t, out, "Gaps and stalls:")
+	require.Regexp(t, `shard 0: 1 committed event held back by pid \d+ \(`, out)
+	if h.PID == pid {
+		require.Contains(t, out, "query started ")
+	}
 
 	require.NoError(t, tx.Rollback(ctx))
 	require.Eventually(t, func() bool {

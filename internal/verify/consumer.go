@@ -164,9 +164,22 @@ func (q consumerSQL) inferTopicsSQL(eventsSQL string, p int) string {
 // readParked calls fn for each parked event of the groups in the window,
 // with the aggregate's current version.
 func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string, w window,
-	fn func(group, typ, id, eventID, eventType string, version int64, parkedAt time.Time, attempts int, lastErr string, current *int64)) error {
+	fn func(group, typ, id, eventID, eventType string, version, follows int64, parkedAt time.Time, attempts int, lastErr string, current *int64)) error {
+	// The predecessor the event waits for: previous_version (from
+	// 003_consumer_gate on; sparse versions follow an earlier one), else
+	// the version before.
+	var hasPrevious bool
+	err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM information_schema.columns
+		WHERE table_schema = $1 AND table_name = 'parked_events' AND column_name = 'previous_version')`, q.schema).Scan(&hasPrevious)
+	if err != nil {
+		return fmt.Errorf("read parked events: %w", err)
+	}
+	follows := "pe.aggregate_version - 1"
+	if hasPrevious {
+		follows = "pe.previous_version"
+	}
 	rows, err := tx.Query(ctx, `SELECT pe.consumer_group, pe.aggregate_type, pe.aggregate_id, pe.event_id, pe.event_type,
-			pe.aggregate_version, pe.parked_at, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
+			pe.aggregate_version, `+follows+`, pe.parked_at, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
 		FROM `+q.parked+` pe LEFT JOIN `+q.versions+` av
 			ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
 		WHERE pe.consumer_group = ANY($3) AND `+windowSQL("pe.parked_at", 1, 2), w.since, w.until, groups)
@@ -175,17 +188,51 @@ func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string,
 	}
 	var (
 		group, typ, id, eventID, eventType, lastErr string
-		version                                     int64
+		version, prev                               int64
 		parkedAt                                    time.Time
 		attempts                                    int
 		current                                     *int64
 	)
-	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &eventID, &eventType, &version, &parkedAt, &attempts, &lastErr, &current}, func() error {
-		fn(group, typ, id, eventID, eventType, version, parkedAt, attempts, lastErr, current)
+	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &eventID, &eventType, &version, &prev, &parkedAt, &attempts, &lastErr, &current}, func() error {
+		fn(group, typ, id, eventID, eventType, version, prev, parkedAt, attempts, lastErr, current)
 		return nil
 	})
 	if err != nil {
 		return fmt.Errorf("read parked events: %w", err)
+	}
+	return nil
+}
+
+// readLate calls fn for each late event of the groups held in the window
+// (none before 003_consumer_gate, which creates late_events).
+func (q consumerSQL) readLate(ctx context.Context, tx pgx.Tx, groups []string, w window,
+	fn func(group, typ, id, eventID, eventType string, version int64, kind, reason string, heldAt time.Time, applyRequested bool)) error {
+	late := sqlident.Qualify(q.schema, "late_events")
+	var present bool
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, late).Scan(&present); err != nil {
+		return fmt.Errorf("look for late_events: %w", err)
+	}
+	if !present {
+		return nil
+	}
+	rows, err := tx.Query(ctx, `SELECT consumer_group, aggregate_type, aggregate_id, event_id, event_type, aggregate_version, kind, reason, held_at,
+			apply_requested_at IS NOT NULL
+		FROM `+late+` WHERE consumer_group = ANY($3) AND `+windowSQL("held_at", 1, 2)+` ORDER BY held_at`, w.since, w.until, groups)
+	if err != nil {
+		return fmt.Errorf("read late events: %w", err)
+	}
+	var (
+		group, typ, id, eventID, eventType, kind, reason string
+		version                                          int64
+		heldAt                                           time.Time
+		requested                                        bool
+	)
+	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &eventID, &eventType, &version, &kind, &reason, &heldAt, &requested}, func() error {
+		fn(group, typ, id, eventID, eventType, version, kind, reason, heldAt, requested)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("read late events: %w", err)
 	}
 	return nil
 }

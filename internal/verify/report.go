@@ -50,10 +50,14 @@ const (
 	// DeadLetter: an event the relay (Group empty) or a consumer group
 	// dead-lettered and nobody replayed.
 	DeadLetter Kind = "dead_letter"
+	// Late: an event held in late_events for the operator: it arrived
+	// after its version was given up on, was passed while parked, or could
+	// not be released (eventline parked late, apply-late, discard-late).
+	Late Kind = "late"
 )
 
 // kindOrder is the order findings are listed in.
-var kindOrder = map[Kind]int{Lost: 0, AppliedTwice: 1, OutOfOrder: 2, DeadLetter: 3, Pending: 4, Parked: 5, Skipped: 6}
+var kindOrder = map[Kind]int{Lost: 0, AppliedTwice: 1, OutOfOrder: 2, DeadLetter: 3, Pending: 4, Parked: 5, Skipped: 6, Late: 7}
 
 // Finding is one event, aggregate or gap the check has something to say
 // about.
@@ -207,6 +211,8 @@ type GroupReport struct {
 	// from the sources named in DeadLetterSources.
 	ConsumerDeadLetters int64    `json:"consumer_dead_letters"`
 	DeadLetterSources   []string `json:"dead_letter_sources"`
+	// LateHeld counts the group's late events held for the operator.
+	LateHeld int64 `json:"late_held"`
 }
 
 // finish sorts the findings, counts problems and warnings, and sets OK.

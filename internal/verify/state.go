@@ -22,7 +22,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	if len(groups) == 0 {
 		return nil
 	}
-	err := r.consumer.readParked(ctx, ctx1, groups, r.w, func(group, typ, id, eventID, eventType string, version int64, parkedAt time.Time, attempts int, lastErr string, current *int64) {
+	err := r.consumer.readParked(ctx, ctx1, groups, r.w, func(group, typ, id, eventID, eventType string, version, follows int64, parkedAt time.Time, attempts int, lastErr string, current *int64) {
 		gs := r.groups[group]
 		age := max(r.consumerNow.Sub(parkedAt), 0)
 		gs.rep.Parked++
@@ -32,8 +32,10 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 			cur = *current
 		}
 		detail := fmt.Sprintf("parked: the aggregate is at v%d and waits for v%d", cur, cur+1)
-		if version-1 > cur+1 {
-			detail = fmt.Sprintf("parked: the aggregate is at v%d and waits for v%d..v%d", cur, cur+1, version-1)
+		if follows > cur+1 {
+			detail = fmt.Sprintf("parked: the aggregate is at v%d and waits for v%d..v%d", cur, cur+1, follows)
+		} else if follows <= cur {
+			detail = fmt.Sprintf("parked: the aggregate is at v%d, which it follows: the consumer's sweeper applies it on its next pass", cur)
 		}
 		if attempts > 0 {
 			detail += fmt.Sprintf("; releasing it failed %d time(s): %s", attempts, truncate(lastErr, maxReasonLength))
@@ -58,6 +60,20 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 		r.details.add(Finding{Severity: Warning, Kind: Skipped, Group: group, AggregateType: typ, AggregateID: id,
 			AggregateVersion: from, ToVersion: to, At: &t, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
 			Detail: "versions given up on: " + truncate(reason, maxReasonLength)})
+	})
+	if err != nil {
+		return err
+	}
+	err = r.consumer.readLate(ctx, ctx1, groups, r.w, func(group, typ, id, eventID, eventType string, version int64, kind, reason string, heldAt time.Time, requested bool) {
+		gs := r.groups[group]
+		gs.rep.LateHeld++
+		detail := fmt.Sprintf("late (%s), held for the operator: %s; eventline parked late, then apply-late or discard-late", kind, truncate(reason, maxReasonLength))
+		if requested {
+			detail = fmt.Sprintf("late (%s), its apply was requested; the consumer's sweeper applies it (is it running?): %s", kind, truncate(reason, maxReasonLength))
+		}
+		at := heldAt
+		r.details.add(Finding{Severity: Warning, Kind: Late, Group: group, EventID: eventID, EventType: eventType,
+			AggregateType: typ, AggregateID: id, AggregateVersion: version, At: &at, AgeSeconds: max(r.consumerNow.Sub(heldAt), 0).Seconds(), Detail: detail})
 	})
 	if err != nil {
 		return err

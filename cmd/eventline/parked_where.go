@@ -1,0 +1,216 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
+)
+
+// Where a missing version is, as `parked list` reports it (the location
+// field of waiting_for in -json).
+const (
+	// whereConsumerDeadLetter: the group dead-lettered it
+	// (eventline consumer-dlq list).
+	whereConsumerDeadLetter = "consumer_dead_letter"
+	// whereRelayDeadLetter: the relay gave up publishing it
+	// (eventline dlq list).
+	whereRelayDeadLetter = "relay_dead_letter"
+	// whereOutboxPending: committed in the outbox, not yet relayed.
+	whereOutboxPending = "outbox_pending"
+	// whereRelayed: the relay published it to Kafka; the group has not
+	// applied it.
+	whereRelayed = "relayed"
+	// whereNowhere: in neither the outbox nor a dead-letter table.
+	whereNowhere = "nowhere"
+	// whereUnknown: the outbox could not be searched.
+	whereUnknown = "unknown"
+)
+
+// versionWhere says where a parked aggregate's next missing version is.
+type versionWhere struct {
+	Version  int64  `json:"version"`
+	Location string `json:"location"`
+	Detail   string `json:"detail"`
+	// Kafka is where the record is on Kafka (relayed versions, when
+	// -brokers is given).
+	Kafka *kafkaWhere `json:"kafka,omitempty"`
+
+	// eventID, topic and committed describe a relayed version's outbox
+	// row, for the Kafka lookup.
+	eventID, topic string
+	committed      time.Time
+}
+
+// aggVersion names one version of one aggregate.
+type aggVersion struct {
+	typ, id string
+	version int64
+}
+
+// outboxTarget is where the outbox is searched.
+type outboxTarget struct {
+	db     versioning.DBTX
+	schema string
+}
+
+// locateMissing finds, for each key's next missing version, where it is:
+// the group's consumer dead letters (in consumerDB, consumerSchema), then
+// the outbox's relay dead letters and shard tables. The outbox is searched
+// with one query per shard that holds a wanted aggregate.
+func locateMissing(ctx context.Context, consumerDB versioning.DBTX, consumerSchema string, ob outboxTarget, want map[versioning.Key]int64) (map[versioning.Key]versionWhere, error) {
+	out := map[versioning.Key]versionWhere{}
+	if len(want) == 0 {
+		return out, nil
+	}
+	// Consumer dead letters (004_consumer_dead_letters).
+	var present bool
+	cdl := sqlident.Qualify(consumerSchema, "consumer_dead_letters")
+	if err := consumerDB.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, cdl).Scan(&present); err != nil {
+		return nil, fmt.Errorf("look for consumer_dead_letters: %w", err)
+	}
+	for k, v := range want {
+		if !present {
+			break
+		}
+		var id int64
+		var kind string
+		err := consumerDB.QueryRow(ctx, `SELECT id, kind FROM `+cdl+` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+			AND aggregate_version = $4 AND status IN ('dead', 'replay_requested') ORDER BY id DESC LIMIT 1`, k.Group, k.AggregateType, k.AggregateID, v).Scan(&id, &kind)
+		if err == nil {
+			out[k] = versionWhere{Version: v, Location: whereConsumerDeadLetter,
+				Detail: fmt.Sprintf("dead-lettered by the group (%s, id %d): eventline consumer-dlq list -group %s", kind, id, k.Group)}
+		} else if !isNoRows(err) {
+			return nil, fmt.Errorf("read consumer dead letters: %w", err)
+		}
+	}
+	wanted := map[aggVersion][]versioning.Key{}
+	for k, v := range want {
+		if _, done := out[k]; !done {
+			av := aggVersion{k.AggregateType, k.AggregateID, v}
+			wanted[av] = append(wanted[av], k)
+		}
+	}
+	if len(wanted) == 0 {
+		return out, nil
+	}
+	found, err := searchOutbox(ctx, ob, wanted)
+	if err != nil {
+		for av, keys := range wanted {
+			for _, k := range keys {
+				out[k] = versionWhere{Version: av.version, Location: whereUnknown, Detail: err.Error()}
+			}
+		}
+		return out, nil
+	}
+	for av, keys := range wanted {
+		w, ok := found[av]
+		if !ok {
+			w = versionWhere{Version: av.version, Location: whereNowhere,
+				Detail: fmt.Sprintf("not in the outbox (schema %s) nor dead-lettered: never published there, or its row was cleaned up; if it will never come: eventline parked release", ob.schema)}
+		}
+		for _, k := range keys {
+			out[k] = w
+		}
+	}
+	return out, nil
+}
+
+// searchOutbox looks the versions up in the relay's dead letters and the
+// outbox shards. An error means the outbox could not be searched.
+func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]versioning.Key) (map[aggVersion]versionWhere, error) {
+	var present bool
+	if err := ob.db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(ob.schema, "outbox_config")).Scan(&present); err != nil {
+		return nil, fmt.Errorf("look for the outbox: %w", err)
+	}
+	if !present {
+		return nil, fmt.Errorf("no outbox in schema %s: if it lives elsewhere, pass -outbox-database-url and -outbox-schema", ob.schema)
+	}
+	shards, err := producer.ReadShardCount(ctx, ob.db, ob.schema)
+	if err != nil {
+		return nil, err
+	}
+	found := map[aggVersion]versionWhere{}
+	byShard := map[int][]aggVersion{}
+	for av := range wanted {
+		s := outbox.ShardFor(av.typ, av.id, shards)
+		byShard[s] = append(byShard[s], av)
+	}
+	dead := sqlident.Qualify(ob.schema, "dead_letters")
+	for shard, avs := range byShard {
+		types, ids, versions := make([]string, len(avs)), make([]string, len(avs)), make([]string, len(avs))
+		for i, av := range avs {
+			types[i], ids[i], versions[i] = av.typ, av.id, strconv.FormatInt(av.version, 10)
+		}
+		// The newest outbox row of each version: relayed when the relay's
+		// position is at or past it, dead when its dead letter was not
+		// replayed.
+		rows, err := ob.db.Query(ctx, `SELECT DISTINCT ON (md.aggregate_type, md.aggregate_id, md.aggregate_version)
+				md.aggregate_type, md.aggregate_id, md.aggregate_version, COALESCE(env.uuid, ''), COALESCE(env.destination_topic, ''), m.created_at::timestamptz,
+				(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)),
+				EXISTS (SELECT 1 FROM `+dead+` d WHERE d.shard = $4 AND d.outbox_uuid = m.uuid::text AND d.replayed_at IS NULL)
+			FROM `+sqlident.Qualify(ob.schema, outbox.Table(shard))+` m
+			CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(m.payload) = 'object' THEN m.payload ELSE '{}' END)
+				AS env(uuid text, destination_topic text, metadata json)
+			CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(env.metadata) = 'object' THEN env.metadata ELSE '{}' END)
+				AS md(aggregate_type text, aggregate_id text, aggregate_version text)
+			LEFT JOIN `+sqlident.Qualify(ob.schema, outbox.OffsetsTable(shard))+` o ON o.consumer_group = $5
+			WHERE (md.aggregate_type, md.aggregate_id, md.aggregate_version) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))
+			ORDER BY md.aggregate_type, md.aggregate_id, md.aggregate_version, m.transaction_id DESC, m."offset" DESC`,
+			types, ids, versions, shard, outbox.RelayConsumerGroup)
+		if err != nil {
+			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
+		}
+		for rows.Next() {
+			var av aggVersion
+			var version, eventID, topic string
+			var created time.Time
+			var relayed, isDead bool
+			if err := rows.Scan(&av.typ, &av.id, &version, &eventID, &topic, &created, &relayed, &isDead); err != nil {
+				rows.Close()
+				return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
+			}
+			av.version, _ = strconv.ParseInt(version, 10, 64)
+			w := versionWhere{Version: av.version, eventID: eventID, topic: topic, committed: created}
+			since := age(time.Since(created))
+			switch {
+			case isDead:
+				w.Location, w.Detail = whereRelayDeadLetter, fmt.Sprintf("the relay dead-lettered it (shard %d): eventline dlq list", shard)
+			case relayed:
+				w.Location, w.Detail = whereRelayed, fmt.Sprintf("relayed to Kafka topic %q (committed %s ago, shard %d); the group has not applied it: is it consuming that topic? (eventline verify reads it)", topic, since, shard)
+			default:
+				w.Location, w.Detail = whereOutboxPending, fmt.Sprintf("in the outbox, not relayed yet (committed %s ago, shard %d): see eventline status", since, shard)
+			}
+			found[av] = w
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
+		}
+	}
+	// Dead letters whose outbox row is gone (cleaned up).
+	for av := range wanted {
+		if _, ok := found[av]; ok {
+			continue
+		}
+		var id int64
+		err := ob.db.QueryRow(ctx, `SELECT id FROM `+dead+` WHERE aggregate_type = $1 AND aggregate_id = $2 AND aggregate_version = $3
+			AND replayed_at IS NULL ORDER BY id DESC LIMIT 1`, av.typ, av.id, av.version).Scan(&id)
+		if err == nil {
+			found[av] = versionWhere{Version: av.version, Location: whereRelayDeadLetter, Detail: fmt.Sprintf("the relay dead-lettered it (dead letter %d): eventline dlq list", id)}
+		} else if !isNoRows(err) {
+			return nil, fmt.Errorf("read relay dead letters: %w", err)
+		}
+	}
+	return found, nil
+}
+
+func isNoRows(err error) bool { return errors.Is(err, pgx.ErrNoRows) }

@@ -1,0 +1,92 @@
+package main
+
+import (
+	"context"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+// statusGapsJSON is the gap part of `eventline status -json`.
+type statusGapsJSON struct {
+	Groups []struct {
+		Group                string  `json:"group"`
+		OpenGaps             int64   `json:"open_gaps"`
+		OldestOpenGapSeconds float64 `json:"oldest_open_gap_seconds"`
+		OpenGapList          []struct {
+			AggregateType string `json:"aggregate_type"`
+			AggregateID   string `json:"aggregate_id"`
+			Current       int64  `json:"current_version"`
+			MissingFrom   int64  `json:"missing_from"`
+			MissingTo     int64  `json:"missing_to"`
+			Parked        int64  `json:"parked"`
+		} `json:"open_gap_list"`
+		SkippedGaps24h int64 `json:"skipped_gaps_24h"`
+		LateEvents     int64 `json:"late_events"`
+		DeadLetters    int64 `json:"dead_letters"`
+	} `json:"consumer_groups"`
+}
+
+// TestStatusShowsGapsAndStalls: per group, status lists the open gaps
+// (aggregate, missing versions, age), the gaps skipped in the last day,
+// late events and unresolved dead letters, in text and JSON. Before: no
+// "Gaps and stalls" section and no such fields.
+func TestStatusShowsGapsAndStalls(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	ctx := context.Background()
+	parkGap(t, env, "billing", "a1", 1, 4, 5) // waits for v2..v3
+	parkGap(t, env, "shipping", "b", 0, 2)    // waits for v1
+	ok(t, env.Schema, "parked", "release", "-reason", "lost", "shipping", "thing/b")
+	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "consumer_dead_letters")+
+		` (consumer_group, message_uuid, payload, header_keys, header_values, kind, reason)
+		VALUES ('billing', '\x01', '\x00', '{}', '{}', 'permanent', 'r')`)
+	require.NoError(t, err)
+
+	st := okJSON[statusGapsJSON](t, env.Schema, "status", "-json")
+	require.Len(t, st.Groups, 2)
+	b, s := st.Groups[0], st.Groups[1]
+	require.Equal(t, "billing", b.Group)
+	require.EqualValues(t, 1, b.OpenGaps)
+	require.Positive(t, b.OldestOpenGapSeconds)
+	require.Len(t, b.OpenGapList, 1)
+	g := b.OpenGapList[0]
+	require.Equal(t, []any{"thing", "a1", int64(1), int64(2), int64(3), int64(2)}, []any{g.AggregateType, g.AggregateID, g.Current, g.MissingFrom, g.MissingTo, g.Parked})
+	require.EqualValues(t, 1, b.DeadLetters)
+	require.Equal(t, "shipping", s.Group)
+	require.Zero(t, s.OpenGaps, "released: the parked event is ready, no gap")
+	require.EqualValues(t, 1, s.SkippedGaps24h)
+
+	out := ok(t, env.Schema, "status")
+	require.Contains(t, out, "Gaps and stalls:")
+	require.Regexp(t, `billing: 1 open gap \(oldest \S+\), 0 gaps skipped in the last 24h, 0 late events held, 1 dead letter not resolved`, out)
+	require.Regexp(t, `thing/a1 at version 1, waiting for versions 2\.\.3 for \S+ \(2 parked events\)`, out)
+	require.Regexp(t, `shipping: 0 open gaps, 1 gap skipped in the last 24h`, out)
+	require.Contains(t, out, "eventline parked list")
+}
+
+// TestStatusGapsOnASchemaBeforeTheGateMigration: on a schema at
+// 002_consumer (no late_events, no previous_version), status still reads
+// the gaps.
+func TestStatusGapsOnASchemaBeforeTheGateMigration(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.NewSchemaName(t)
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+	ok(t, schema, "migrate", "up", "-shards", "1")
+	ok(t, schema, "migrate", "down", "-steps", strconv.Itoa(stepsFrom(t, 3)))
+	pool := pgtest.Pool(t, 2)
+	_, err := pool.Exec(context.Background(), `
+		INSERT INTO `+sqlident.Qualify(schema, "aggregate_versions")+` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('g', 'thing', 'a', 1);
+		INSERT INTO `+sqlident.Qualify(schema, "parked_events")+` (consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, payload, metadata)
+			VALUES ('g', 'thing', 'a', 3, 'e3', 't', '\x00', '{}')`)
+	require.NoError(t, err)
+	st := okJSON[statusGapsJSON](t, schema, "status", "-json")
+	require.Len(t, st.Groups, 1)
+	require.EqualValues(t, 1, st.Groups[0].OpenGaps)
+	require.EqualValues(t, 2, st.Groups[0].OpenGapList[0].MissingTo)
+	require.Contains(t, ok(t, schema, "status"), "thing/a at version 1, waiting for version 2")
+}

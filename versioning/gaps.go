@@ -1,0 +1,80 @@
+package versioning
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+// GapOutcome says how a version gap in front of a parked event closed.
+type GapOutcome string
+
+// The outcomes of a closed gap.
+const (
+	// GapFilled: the missing version arrived and was applied.
+	GapFilled GapOutcome = "filled"
+	// GapSkipped: the sweeper gave up on the missing versions after the
+	// park timeout.
+	GapSkipped GapOutcome = "skipped"
+	// GapReleased: an operator gave up on them (ReleaseGap, `eventline
+	// parked release`); reported by the sweeper that then applies the
+	// parked events.
+	GapReleased GapOutcome = "released"
+)
+
+// ClosedGap is a gap in front of an aggregate's lowest parked event that
+// closed: reported in DrainResult and SweepResult so the caller can
+// observe how long gaps stay open (after its transaction committed).
+type ClosedGap struct {
+	Key
+	Outcome GapOutcome
+	// Open is how long the gap was open: from when the oldest of the
+	// aggregate's parked events (from the one that waited on the gap on)
+	// parked until the gap closed.
+	Open time.Duration
+}
+
+// releaseMarker prefixes the reason of the skips ReleaseGap records.
+const releaseMarker = "released by operator: "
+
+// oldestParkedAt is the earliest ParkedAt of ps (zero when empty).
+func oldestParkedAt(ps []Parked) time.Time {
+	var t time.Time
+	for _, p := range ps {
+		if t.IsZero() || p.ParkedAt.Before(t) {
+			t = p.ParkedAt
+		}
+	}
+	return t
+}
+
+// openFor is the time from since to until, never negative (the parked_at
+// times come from the database clock).
+func openFor(since, until time.Time) time.Duration {
+	if since.IsZero() {
+		return 0
+	}
+	return max(until.Sub(since), 0)
+}
+
+// releasedAt returns when an operator's ReleaseGap moved the aggregate to
+// version prev (recording the skip up to it), if one did: then the gap in
+// front of the parked event that follows prev was released.
+func (s *Store) releasedAt(ctx context.Context, tx pgx.Tx, k Key, prev int64) (time.Time, bool, error) {
+	var at time.Time
+	err := tx.QueryRow(ctx, `SELECT skipped_at FROM `+sqlident.Qualify(s.schema, "skipped_versions")+`
+		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND to_version = $4 AND starts_with(reason, $5)
+		ORDER BY id DESC LIMIT 1`, k.Group, k.AggregateType, k.AggregateID, prev, releaseMarker).Scan(&at)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return time.Time{}, false, nil
+	}
+	if err != nil {
+		return time.Time{}, false, fmt.Errorf("versioning: look for a released gap of %s: %w", k, err)
+	}
+	return at, true, nil
+}

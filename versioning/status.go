@@ -1,0 +1,235 @@
+package versioning
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+// SkippedWindow is the window GroupStatus.SkippedGapsRecent counts over.
+const SkippedWindow = 24 * time.Hour
+
+// DefaultOpenGapsListed is how many open gaps ReadGroupStatus lists (the
+// oldest first) when ReadGroupStatusOptions.OpenGapsLimit is 0; all of
+// them are counted.
+const DefaultOpenGapsListed = 20
+
+// OpenGap is an aggregate whose lowest parked event waits for versions
+// that have not arrived: the consumer group is stuck on it.
+type OpenGap struct {
+	AggregateType string
+	AggregateID   string
+	// Current is the aggregate's last applied version; the missing
+	// versions are Current+1 up to Follows.
+	Current int64
+	// Follows is the predecessor the lowest parked event (Version) waits
+	// for.
+	Follows int64
+	Version int64 // see Follows
+	// Parked counts the aggregate's parked events.
+	Parked int64
+	// Age is how long the gap has been known: since the aggregate's
+	// oldest parked event parked.
+	Age time.Duration
+}
+
+// GroupStatus is the gap and stall picture of one consumer group, read
+// from the database by ReadGroupStatus. Counts of tables a database has
+// not migrated to yet (late_events, consumer_dead_letters) are 0.
+type GroupStatus struct {
+	Group string
+	// Parked counts parked events; OldestParked is the age of the oldest
+	// (0 when none).
+	Parked       int64
+	OldestParked time.Duration
+	// OpenGapCount counts aggregates whose lowest parked event waits for
+	// missing versions; OpenGaps lists the oldest of them (see
+	// ReadGroupStatusOptions.OpenGapsLimit) and OldestGap is the age of
+	// the oldest.
+	OpenGapCount int64
+	OpenGaps     []OpenGap
+	OldestGap    time.Duration
+	// SkippedGapsRecent counts the gaps recorded in skipped_versions in the
+	// last SkippedWindow (24 hours), by the sweeper, the Apply policy, a
+	// give-up or an operator.
+	SkippedGapsRecent int64
+	// LateHeld counts late events held for the operator.
+	LateHeld int64
+	// DeadLetters counts the group's consumer dead letters not yet
+	// resolved (status dead or replay_requested).
+	DeadLetters int64
+}
+
+// ReadGroupStatusOptions tune ReadGroupStatus.
+type ReadGroupStatusOptions struct {
+	// OpenGapsLimit is how many open gaps to list. Defaults to
+	// DefaultOpenGapsListed (20); negative lists none.
+	OpenGapsLimit int
+}
+
+// statusTables says which of the optional tables and columns the schema
+// has (older migrations lack them).
+type statusTables struct {
+	late, deadLetters, previousVersion bool
+}
+
+func (s *Store) statusTables(ctx context.Context, db DBTX) (statusTables, error) {
+	var t statusTables
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
+			EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = $3 AND table_name = 'parked_events' AND column_name = 'previous_version')`,
+		sqlident.Qualify(s.schema, "late_events"), sqlident.Qualify(s.schema, "consumer_dead_letters"), s.schema).
+		Scan(&t.late, &t.deadLetters, &t.previousVersion)
+	if err != nil {
+		return t, fmt.Errorf("versioning: look for the consumer tables: %w", err)
+	}
+	return t, nil
+}
+
+// ReadGroupStatus reads the group's parked events, open gaps, recently
+// skipped gaps, held late events and unresolved dead letters. It changes
+// nothing; run it in a repeatable-read transaction for one snapshot. It
+// works on a schema migrated to 003_consumer_gate or later, and on one at
+// 002_consumer (counting no late events or dead letters).
+func (s *Store) ReadGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions) (GroupStatus, error) {
+	t, err := s.statusTables(ctx, db)
+	if err != nil {
+		return GroupStatus{}, err
+	}
+	return s.readGroupStatus(ctx, db, group, opts, t)
+}
+
+// ReadGroupStatuses is ReadGroupStatus for every group that recorded a
+// version, a parked event, a late event or a dead letter, by group name.
+func (s *Store) ReadGroupStatuses(ctx context.Context, db DBTX, opts ReadGroupStatusOptions) ([]GroupStatus, error) {
+	t, err := s.statusTables(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	groups, err := s.statusGroups(ctx, db, t)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]GroupStatus, 0, len(groups))
+	for _, g := range groups {
+		st, err := s.readGroupStatus(ctx, db, g, opts, t)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, st)
+	}
+	return out, nil
+}
+
+// distinctGroups returns the distinct consumer_group values of table by
+// skipping from one group to the next along its index.
+func distinctGroups(table string) string {
+	return `WITH RECURSIVE g(name) AS (
+		(SELECT consumer_group FROM ` + table + ` ORDER BY consumer_group LIMIT 1)
+		UNION ALL
+		SELECT (SELECT consumer_group FROM ` + table + ` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
+		FROM g WHERE g.name IS NOT NULL
+	) SELECT name FROM g WHERE name IS NOT NULL`
+}
+
+func (s *Store) statusGroups(ctx context.Context, db DBTX, t statusTables) ([]string, error) {
+	tables := []string{"aggregate_versions", "parked_events"}
+	if t.late {
+		tables = append(tables, "late_events")
+	}
+	if t.deadLetters {
+		tables = append(tables, "consumer_dead_letters")
+	}
+	q := ""
+	for i, table := range tables {
+		if i > 0 {
+			q += " UNION "
+		}
+		q += "(" + distinctGroups(sqlident.Qualify(s.schema, table)) + ")"
+	}
+	rows, err := db.Query(ctx, `SELECT name FROM (`+q+`) g ORDER BY name`)
+	if err != nil {
+		return nil, fmt.Errorf("versioning: list consumer groups: %w", err)
+	}
+	groups, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("versioning: list consumer groups: %w", err)
+	}
+	return groups, nil
+}
+
+func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions, t statusTables) (GroupStatus, error) {
+	st := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
+	pe := sqlident.Qualify(s.schema, "parked_events")
+	av := sqlident.Qualify(s.schema, "aggregate_versions")
+	sv := sqlident.Qualify(s.schema, "skipped_versions")
+	late, dead := "0::bigint", "0::bigint"
+	if t.late {
+		late = `(SELECT count(*) FROM ` + sqlident.Qualify(s.schema, "late_events") + ` WHERE consumer_group = $1)`
+	}
+	if t.deadLetters {
+		dead = `(SELECT count(*) FROM ` + sqlident.Qualify(s.schema, "consumer_dead_letters") +
+			` WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested'))`
+	}
+	var oldest float64
+	err := db.QueryRow(ctx, `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
+			(SELECT count(*) FROM `+sv+` WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
+			`+late+`, `+dead+`
+		FROM `+pe+` WHERE consumer_group = $1`, group, SkippedWindow.Microseconds()).
+		Scan(&st.Parked, &oldest, &st.SkippedGapsRecent, &st.LateHeld, &st.DeadLetters)
+	if err != nil {
+		return st, fmt.Errorf("versioning: read the status of group %q: %w", group, err)
+	}
+	st.OldestParked = seconds(oldest)
+	if st.Parked == 0 {
+		return st, nil
+	}
+	limit := opts.OpenGapsLimit
+	if limit == 0 {
+		limit = DefaultOpenGapsListed
+	}
+	previous := "previous_version"
+	if !t.previousVersion {
+		previous = "aggregate_version - 1"
+	}
+	// Per aggregate with parked events: the lowest one, the predecessor it
+	// waits for and the aggregate's version; a gap is open when that
+	// predecessor has not been applied.
+	rows, err := db.Query(ctx, `SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
+			SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
+				EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
+			FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
+					(array_agg(`+previous+` ORDER BY aggregate_version))[1] AS follows
+				FROM `+pe+` WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
+			LEFT JOIN `+av+` av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
+			WHERE p.follows > COALESCE(av.version, 0)
+		) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`, group, limit)
+	if err != nil {
+		return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+	}
+	defer rows.Close()
+	first := true
+	for rows.Next() {
+		var g OpenGap
+		var age float64
+		if err := rows.Scan(&g.AggregateType, &g.AggregateID, &g.Current, &g.Follows, &g.Version, &g.Parked, &age, &st.OpenGapCount); err != nil {
+			return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+		}
+		g.Age = seconds(age)
+		if first {
+			st.OldestGap, first = g.Age, false
+		}
+		if limit > 0 {
+			st.OpenGaps = append(st.OpenGaps, g)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+	}
+	return st, nil
+}
+
+func seconds(s float64) time.Duration { return time.Duration(max(s, 0) * float64(time.Second)) }
