@@ -36,6 +36,7 @@ type Metrics struct {
 	handlerSeconds  *prometheus.HistogramVec
 	deadLettered    *prometheus.CounterVec
 	failpath        failpathMetrics
+	stages          *prometheus.HistogramVec // metrics_stage.go
 
 	types typeLabels
 }
@@ -97,6 +98,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		types: typeLabels{registered: map[string]bool{}, seen: map[string]bool{}},
 	}
 	m.failpath = newFailpathMetrics(counter)
+	m.stages = newStageHistogram()
 	if reg != nil {
 		if err := reg.Register(m); err != nil {
 			return nil, err
@@ -152,7 +154,7 @@ func (l *typeLabels) label(typ string) string {
 func (m *Metrics) collectors() []prometheus.Collector {
 	return append([]prometheus.Collector{m.applied, m.duplicates, m.stale, m.parkedTotal, m.parked, m.released,
 		m.releaseFailures, m.gapsSkipped, m.late, m.lateHeld, m.lateApplied, m.givenUp, m.refused, m.handlerSeconds, m.deadLettered},
-		m.failpath.collectors()...)
+		append(m.failpath.collectors(), m.stages)...)
 }
 
 // Describe implements prometheus.Collector.
