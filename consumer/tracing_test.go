@@ -72,8 +72,12 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 
 	pa := under(sendA1, name)
 	require.Len(t, pa, 2, "the record and its redelivery:\n%s", tree)
-	require.Equal(t, []string{"applied", "duplicate"}, []string{outcome(pa[0]), outcome(pa[1])})
+	require.ElementsMatch(t, []string{"applied", "duplicate"}, []string{outcome(pa[0]), outcome(pa[1])})
+	if outcome(pa[0]) != "applied" {
+		pa[0], pa[1] = pa[1], pa[0]
+	}
 	require.Len(t, under(pa[0].SpanContext, "handle"), 1, "the handler's span nests under process:\n%s", tree)
+	require.Empty(t, under(pa[1].SpanContext, "handle"), "no handler ran for the duplicate")
 	gotGroup, _ := tracingtest.Attr(pa[0], "messaging.consumer.group.name")
 	require.Equal(t, group, gotGroup)
 
