@@ -305,6 +305,9 @@ func (g *Gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked, 
 		var span trace.Span
 		ctx, span = tr.StartRelease(ctx, p.Topic, g.cfg.Group, e, link, linked)
 		span.SetAttributes(tracing.AttrParkedSeconds.Float64(time.Since(p.ParkedAt).Seconds()))
+		if p.Late {
+			span.SetAttributes(tracing.AttrLate.Bool(true))
+		}
 		defer func() { tracing.End(span, err) }()
 	}
 	hctx, hooks := contextWithSavepoint(ctx, tx)
@@ -323,7 +326,7 @@ func (g *Gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked, 
 	out, err = h(msg)
 	g.cfg.Metrics.observeHandler(g.cfg.Group, e.Type, time.Since(start))
 	if err == nil {
-		if g.stagesOn() && !p.ParkedAt.IsZero() {
+		if g.stagesOn() && !p.Late && !p.ParkedAt.IsZero() {
 			parkedAt := p.ParkedAt
 			AfterCommit(hctx, func() { g.observeStage(StageParkedToReleased, time.Since(parkedAt)) })
 		}

@@ -36,7 +36,7 @@ func tracedFixture(t *testing.T, cfg middleware.Config) (*fixture, *tracingtest.
 		_, span := rec.Provider.Tracer("user").Start(ctx, "handle")
 		span.End()
 	}
-	f.handler = f.el.Traced(f.el.Middleware(f.business(group)))
+	f.handler = f.el.Traced(f.handler)
 	return f, rec
 }
 
@@ -234,3 +234,31 @@ func (f *fixture) histCount(t *testing.T, name, stage string) float64 {
 }
 
 func funcPtr(h message.HandlerFunc) uintptr { return reflect.ValueOf(h).Pointer() }
+
+// TestTraceOfAParkedEventReleasedBySweeper: released by the sweeper (the
+// gap was given up on), the parked event's "release" span starts a trace
+// of its own, linked to the one it arrived with.
+func TestTraceOfAParkedEventReleasedBySweeper(t *testing.T) {
+	t.Parallel()
+	f, rec := tracedFixture(t, middleware.Config{ParkTimeout: time.Hour})
+	m1, _ := sent(t, rec, consumertest.Event("a", 1))
+	m3, send3 := sent(t, rec, consumertest.Event("a", 3))
+	require.NoError(t, deliverFrom(t, f, m1))
+	require.NoError(t, deliverFrom(t, f, m3))
+	ctx := context.Background()
+	_, err := f.el.Store().ReleaseGap(ctx, f.env.Pool, group, "thing", "a", "v2 was lost upstream")
+	require.NoError(t, err)
+	res, err := f.el.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, res.Released, "%+v", res)
+
+	rel := rec.Named("release " + tracedTopic)
+	require.Len(t, rel, 1, "%s", tracingtest.Tree(rec.Spans()))
+	r := rel[0]
+	require.False(t, r.Parent.IsValid(), "the sweeper's release is a root")
+	require.Len(t, r.Links, 1)
+	require.Equal(t, send3.TraceID(), r.Links[0].SpanContext.TraceID())
+	require.Equal(t, "released", attr(t, r, "eventline.outcome"))
+	require.Len(t, childrenOf(rec.Spans(), r.SpanContext, "handle"), 1)
+	require.Equal(t, 1.0, f.histCount(t, "eventline_consumer_stage_seconds", "parked_to_released"))
+}
