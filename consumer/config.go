@@ -210,7 +210,8 @@ type Config struct {
 	// no spans, and no cost beyond a nil check per event.
 	TracerProvider trace.TracerProvider
 	// Propagator reads the trace context from record headers. Defaults to
-	// W3C trace context and baggage.
+	// OpenTelemetry's global propagator if the application set one
+	// (otel.SetTextMapPropagator), else W3C trace context and baggage.
 	Propagator propagation.TextMapPropagator
 	// MeterProvider, when set, receives the stage latencies (also in
 	// eventline_consumer_stage_seconds) as the OTel histogram

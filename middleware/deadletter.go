@@ -83,7 +83,8 @@ type DeadLetterConfig struct {
 	// Defaults to nil: no spans.
 	TracerProvider trace.TracerProvider
 	// Propagator reads the trace context from the message metadata when
-	// there is no process span. Defaults to W3C trace context and
+	// there is no process span. Defaults to OpenTelemetry's global
+	// propagator if the application set one, else W3C trace context and
 	// baggage.
 	Propagator propagation.TextMapPropagator
 }

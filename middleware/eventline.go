@@ -119,7 +119,8 @@ type Config struct {
 	// no cost beyond a nil check per event.
 	TracerProvider trace.TracerProvider
 	// Propagator reads the trace context from message metadata. Defaults
-	// to W3C trace context and baggage.
+	// to OpenTelemetry's global propagator if the application set one
+	// (otel.SetTextMapPropagator), else W3C trace context and baggage.
 	Propagator propagation.TextMapPropagator
 	// MeterProvider, when set, also receives the stage latencies of
 	// eventline_consumer_stage_seconds as the OTel histogram

@@ -83,7 +83,8 @@ type GateConfig struct {
 	// parked event is applied. Defaults to nil: no spans.
 	TracerProvider trace.TracerProvider
 	// Propagator reads a parked event's trace context from its stored
-	// metadata. Defaults to W3C trace context and baggage.
+	// metadata. Defaults to OpenTelemetry's global propagator if the
+	// application set one, else W3C trace context and baggage.
 	Propagator propagation.TextMapPropagator
 	// MeterProvider, when set, receives the stage latencies as the OTel
 	// histogram eventline.stage.duration. Defaults to nil.

@@ -175,8 +175,9 @@ type RelayConfig struct {
 	// Defaults to nil: no spans, and no cost beyond a nil check.
 	TracerProvider trace.TracerProvider
 	// Propagator reads the publishing span from the row's metadata and
-	// writes the send span into the record headers. Defaults to W3C trace
-	// context and baggage.
+	// writes the send span into the record headers. Defaults to
+	// OpenTelemetry's global propagator if the application set one
+	// (otel.SetTextMapPropagator), else W3C trace context and baggage.
 	Propagator propagation.TextMapPropagator
 }
 

@@ -9,6 +9,7 @@ import (
 	"context"
 	"strconv"
 
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
@@ -74,14 +75,19 @@ func DefaultPropagator() propagation.TextMapPropagator {
 }
 
 // New returns a Tracer making spans with tp and carrying context through
-// message metadata with prop (DefaultPropagator when nil). It returns nil,
-// tracing off, when tp is nil.
+// message metadata with prop. When prop is nil it uses OpenTelemetry's
+// global propagator if the application set one (so the relay and the
+// consumers read what PublishTx wrote with it), else DefaultPropagator.
+// It returns nil, tracing off, when tp is nil.
 func New(tp trace.TracerProvider, prop propagation.TextMapPropagator) *Tracer {
 	if tp == nil {
 		return nil
 	}
 	if prop == nil {
 		prop = DefaultPropagator()
+		if g := otel.GetTextMapPropagator(); len(g.Fields()) > 0 {
+			prop = g
+		}
 	}
 	return &Tracer{tracer: tp.Tracer(ScopeName), prop: prop}
 }

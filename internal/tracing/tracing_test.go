@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
@@ -58,4 +60,22 @@ func TestSendSpanRoundTrip(t *testing.T) {
 	require.Contains(t, tree, "\n    send orders [producer]")
 	require.Contains(t, tree, "! error: kafka: message too large")
 	require.True(t, strings.HasPrefix(tree, "trace "+parent.SpanContext().TraceID().String()))
+}
+
+// TestNilPropagatorFollowsTheGlobal: with no Propagator, a Tracer uses the
+// global one once the application set it (as PublishTx does), else W3C.
+func TestNilPropagatorFollowsTheGlobal(t *testing.T) {
+	rec := tracingtest.New(t)
+	ctx, span := rec.Provider.Tracer("t").Start(context.Background(), "s")
+	defer span.End()
+
+	md := map[string]string{}
+	tracing.New(rec.Provider, nil).Inject(ctx, md)
+	require.Contains(t, md, "traceparent", "unset global: W3C")
+
+	otel.SetTextMapPropagator(propagation.Baggage{})
+	t.Cleanup(func() { otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator()) })
+	md = map[string]string{}
+	tracing.New(rec.Provider, nil).Inject(ctx, md)
+	require.NotContains(t, md, "traceparent", "the application's global propagator (baggage only) is used")
 }
