@@ -7,6 +7,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -17,6 +18,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
+	"github.com/eventline/eventline/middleware"
 )
 
 // TestConsumerContinuesTheRecordsTrace: over Kafka, each delivery gets a
@@ -31,6 +33,8 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 	rec := tracingtest.New(t)
 	cfg := k.config(group)
 	cfg.TracerProvider = rec.Provider
+	reg := prometheus.NewRegistry()
+	cfg.Metrics, _ = middleware.NewMetrics(reg)
 	c, err := consumer.New(k.Pool, cfg)
 	require.NoError(t, err)
 	apply := k.applyHandler(group)
@@ -91,4 +95,22 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 	require.Len(t, rel[0].Links, 1)
 	require.Equal(t, sendB2.TraceID(), rel[0].Links[0].SpanContext.TraceID(), "linked to b2's own trace")
 	require.Len(t, under(rel[0].SpanContext, "handle"), 1)
+
+	// The stage histograms: a1 and b1 applied on arrival, b2 released.
+	stages := map[string]uint64{}
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	for _, fam := range families {
+		if fam.GetName() != "eventline_consumer_stage_seconds" {
+			continue
+		}
+		for _, m := range fam.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "stage" {
+					stages[l.GetValue()] = m.GetHistogram().GetSampleCount()
+				}
+			}
+		}
+	}
+	require.Equal(t, map[string]uint64{"relayed_to_applied": 2, "occurred_to_applied": 2, "parked_to_released": 1}, stages)
 }
