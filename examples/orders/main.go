@@ -395,9 +395,10 @@ func printTrace(w io.Writer, spans *tracingtest.Recorder, events []eventline.Eve
 	}
 	own := spans.Trace(id)
 	// order_no is A-<n> for the n-th order created (see createOrders).
-	fmt.Fprintf(w, "trace order=A-%06d event_id=%s spans=%d\n", i+1, e.ID, len(own))
-	// Attributes the span names already say are left out.
-	fmt.Fprint(w, tracingtest.Tree(own, "messaging.system", "messaging.destination.name", "messaging.operation.name", "messaging.operation.type"))
+	fmt.Fprintf(w, "trace order=A-%06d event_id=%s event_type=%s aggregate=%s/%s spans=%d\n", i+1, e.ID, e.Type, e.AggregateType, e.AggregateID, len(own))
+	// Attributes this line or the span names already say are left out.
+	fmt.Fprint(w, tracingtest.Tree(own, "messaging.system", "messaging.destination.name", "messaging.operation.name", "messaging.operation.type",
+		"messaging.message.id", "eventline.event.type", "eventline.aggregate.type", "eventline.aggregate.id", "messaging.kafka.message.key"))
 	return nil
 }
 
