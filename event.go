@@ -100,7 +100,10 @@ type Event struct {
 	OccurredAt time.Time
 	// CorrelationID ties the event to the request or workflow that caused it.
 	CorrelationID string
-	// TraceParent is a W3C traceparent header, carried through as-is.
+	// TraceParent is a W3C traceparent header, carried through as-is,
+	// except that a relay with a TracerProvider writes its own "send" span
+	// (a child of this one, in the same trace) into the Kafka record
+	// instead, so a consumer sees that span as the event's TraceParent.
 	TraceParent string
 	// ContentType describes Payload. Defaults to ContentTypeJSON, in which
 	// case Payload must be valid JSON.

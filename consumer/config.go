@@ -8,6 +8,9 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkaconf"
@@ -198,6 +201,22 @@ type Config struct {
 	// Metrics, when set, counts what happens to events (see
 	// middleware.NewMetrics).
 	Metrics *middleware.Metrics
+	// TracerProvider, when set, traces every event: a "process <topic>"
+	// span (kind consumer) per delivery continuing the trace the relay
+	// wrote into the record's headers, with eventline.outcome; "release
+	// <topic>" spans for parked events applied later, linked to their
+	// original trace; "dead_letter <topic>" spans. Handlers find the span
+	// in their context, so their own spans nest under it. Defaults to nil:
+	// no spans, and no cost beyond a nil check per event.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the trace context from record headers. Defaults to
+	// OpenTelemetry's global propagator if the application set one
+	// (otel.SetTextMapPropagator), else W3C trace context and baggage.
+	Propagator propagation.TextMapPropagator
+	// MeterProvider, when set, receives the stage latencies (also in
+	// eventline_consumer_stage_seconds) as the OTel histogram
+	// eventline.stage.duration. Defaults to nil.
+	MeterProvider metric.MeterProvider
 }
 
 func (c Config) withDefaults() Config {

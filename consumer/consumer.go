@@ -97,6 +97,7 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 		MaxReleaseAttempts: cfg.MaxReleaseAttempts, Validate: c.validate,
 		ParkTimeout: cfg.ParkTimeout, SweepInterval: cfg.SweepInterval, TxTimeout: cfg.TxTimeout,
 		Logger: cfg.Logger, Metrics: cfg.Metrics,
+		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator, MeterProvider: cfg.MeterProvider,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("consumer.Config: %w", err)

@@ -114,4 +114,9 @@
 // [NewSubscriber] as the Router's subscriber (Watermill has no batch API:
 // the Subscriber hands a lane's events out together and the composed
 // middleware applies them in one transaction; see the example).
+//
+// With Config.TracerProvider set, each delivery is traced as a "process
+// <topic>" span continuing the trace in the record's headers, with the
+// event's outcome, and handlers find the span in their ctx (see the
+// middleware package's "Tracing").
 package consumer

@@ -103,6 +103,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		DB: c.db, Group: cfg.Group, Schema: cfg.Schema,
 		InfraInitialInterval: cfg.InfraRetryInitialInterval, InfraMaxInterval: cfg.InfraRetryMaxInterval,
 		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: c.sleep,
+		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator,
 	}
 	if cfg.DeadLetterTopic != "" {
 		pub, err := kafka.NewPublisher(kafka.PublisherConfig{
@@ -181,7 +182,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 }
 
 // chain is the per-event middleware chain, outermost first: stopping ▸
-// dead letter ▸ retry ▸ detach ▸ event-type check ▸ Config.Middleware ▸
+// tracing ▸ dead letter ▸ retry ▸ detach ▸ event-type check ▸ Config.Middleware ▸
 // eventline ▸ the handler of the event's type. Its error leaves the
 // message unacknowledged; nil acknowledges it (applied, skipped, parked or
 // dead-lettered).
@@ -200,7 +201,7 @@ func (c *Consumer) chain(dl *middleware.DeadLetter) message.HandlerFunc {
 	for i := len(cfg.Middleware) - 1; i >= 0; i-- {
 		h = cfg.Middleware[i](h)
 	}
-	return c.stop(dl.Middleware(retry.Middleware(c.detach(c.knownType(h)))))
+	return c.stop(c.el.Traced(dl.Middleware(retry.Middleware(c.detach(c.knownType(h))))))
 }
 
 // handler is the innermost handler: the one registered for the event's

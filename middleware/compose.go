@@ -102,7 +102,7 @@ func (el *Eventline) guard(h message.HandlerFunc) message.HandlerFunc {
 func (el *Eventline) Chain(h message.HandlerFunc) message.HandlerFunc {
 	inner := Innermost(h)
 	el.gate.reg.wrap(inner)
-	return el.dl.Middleware(el.cfg.Retry.Middleware(el.handler(el.guard(inner))))
+	return el.Traced(el.dl.Middleware(el.cfg.Retry.Middleware(el.handler(el.guard(inner)))))
 }
 
 // AddHandler adds fn to router as the consumer handler name for topic on
@@ -141,7 +141,7 @@ func (el *Eventline) AddHandler(router *message.Router, name, topic string, sub 
 	}
 	inner := Innermost(func(msg *message.Message) ([]*message.Message, error) { return nil, fn(msg) })
 	el.Register(name, inner)
-	chain := el.dl.Middleware(el.cfg.Retry.Middleware(el.handler(el.guard(inner))))
+	chain := el.Traced(el.dl.Middleware(el.cfg.Retry.Middleware(el.handler(el.guard(inner)))))
 	return router.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
 		_, err := chain(msg)
 		return err

@@ -13,10 +13,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
 )
@@ -73,6 +76,17 @@ type DeadLetterConfig struct {
 	Metrics *Metrics
 	// Sleep waits between write attempts (see Retry.Sleep).
 	Sleep func(ctx context.Context, d time.Duration) error
+	// TracerProvider, when set, records a "dead_letter <topic>" span per
+	// dead letter written, a child of the message's process span (see
+	// Eventline.Traced) or, without one, of the trace its headers carry;
+	// the process span's eventline.outcome becomes dead_lettered.
+	// Defaults to nil: no spans.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the trace context from the message metadata when
+	// there is no process span. Defaults to OpenTelemetry's global
+	// propagator if the application set one, else W3C trace context and
+	// baggage.
+	Propagator propagation.TextMapPropagator
 }
 
 // DeadLetter takes the messages the rest of the chain gave up on off the
@@ -102,6 +116,7 @@ type DeadLetterConfig struct {
 type DeadLetter struct {
 	cfg   DeadLetterConfig
 	store *dedup.DeadLetterStore
+	tr    *tracing.Tracer // nil: tracing off
 }
 
 // NewDeadLetter returns the DeadLetter middleware. It fails, naming the
@@ -139,7 +154,7 @@ func NewDeadLetter(cfg DeadLetterConfig) (*DeadLetter, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &DeadLetter{cfg: cfg, store: store}, nil
+	return &DeadLetter{cfg: cfg, store: store, tr: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
 }
 
 // Store returns the dead-letter table's store (List, RequestReplay,
@@ -162,7 +177,7 @@ func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, err
 		}
 		rec := d.record(ctx, msg, err)
-		id, werr := d.write(ctx, msg, rec)
+		id, werr := d.traceWrite(ctx, msg, rec)
 		if werr != nil {
 			return nil, errors.Join(err, werr)
 		}
@@ -173,6 +188,24 @@ func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		d.publishCopy(ctx, msg, rec, id)
 		return nil, nil
 	}
+}
+
+// traceWrite is write inside a "dead_letter" span when tracing is on.
+func (d *DeadLetter) traceWrite(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
+	if d.tr == nil {
+		return d.write(ctx, msg, rec)
+	}
+	sctx := ctx
+	proc, ok := processSpan(ctx)
+	if ok {
+		proc.SetAttributes(tracing.AttrOutcome.String(tracing.OutcomeDeadLettered))
+	} else {
+		sctx = d.tr.Extract(ctx, msg.Metadata)
+	}
+	_, span := d.tr.StartDeadLetter(sctx, rec.Topic, d.cfg.Group, rec.Kind, eventFromMetadata(msg.Metadata))
+	id, err := d.write(ctx, msg, rec)
+	tracing.End(span, err)
+	return id, err
 }
 
 // writeTimeout bounds one attempt to write a dead letter, so a connection

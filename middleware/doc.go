@@ -166,6 +166,27 @@
 //		return err
 //	})
 //
+// # Tracing
+//
+// With Config.TracerProvider set, each delivery gets a "process <topic>"
+// span (kind consumer; [Eventline.Traced], which Chain and AddHandler put
+// outermost) continuing the trace the record's headers carry, so one trace
+// runs from the span PublishTx captured, through the relay's "send
+// <topic>" span, to the handler, whose context carries the span: spans it
+// starts nest under it. The span carries OpenTelemetry's messaging
+// attributes (system, destination, message id, partition, offset,
+// consumer group) and eventline's: event type, aggregate type, id and
+// version, and eventline.outcome (applied, duplicate, stale, parked,
+// skipped for a late event held, dead_lettered). A parked event applied
+// later runs in a "release <topic>" span (outcome released) under the span
+// of whatever released it (the event that filled the gap, or none in the
+// sweeper), linked to the trace it arrived with; a dead letter is written
+// in a "dead_letter <topic>" span. Without a TracerProvider nothing is
+// traced and Traced returns the handler itself. Stage latencies
+// (relayed_to_applied, occurred_to_applied, parked_to_released) go to
+// eventline_consumer_stage_seconds and, with Config.MeterProvider, to the
+// OTel histogram eventline.stage.duration.
+//
 // # Metrics and logs
 //
 // [NewMetrics] creates Prometheus collectors (applied, duplicates, stale,

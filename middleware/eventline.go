@@ -9,6 +9,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
@@ -109,6 +112,20 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics, when set, counts what happens to events.
 	Metrics *Metrics
+	// TracerProvider, when set, traces each event (see Eventline.Traced):
+	// a "process <topic>" span per delivery continuing the trace in the
+	// record's headers, "release <topic>" spans for parked events applied
+	// later and "dead_letter <topic>" spans. Defaults to nil: no spans, and
+	// no cost beyond a nil check per event.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the trace context from message metadata. Defaults
+	// to OpenTelemetry's global propagator if the application set one
+	// (otel.SetTextMapPropagator), else W3C trace context and baggage.
+	Propagator propagation.TextMapPropagator
+	// MeterProvider, when set, also receives the stage latencies of
+	// eventline_consumer_stage_seconds as the OTel histogram
+	// eventline.stage.duration. Defaults to nil.
+	MeterProvider metric.MeterProvider
 }
 
 // sweepTxTimeout is the sweeper's bound per aggregate for the
@@ -212,6 +229,7 @@ func New(cfg Config) (*Eventline, error) {
 		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap, Validate: cfg.Validate,
 		Unversioned: cfg.Unversioned, MaxReleaseAttempts: cfg.MaxReleaseAttempts, ReleaseBackoff: cfg.ReleaseBackoff,
 		MaxReleaseBackoff: cfg.MaxReleaseBackoff, DeadLetter: cfg.DeadLetter, Logger: cfg.Logger, Metrics: cfg.Metrics,
+		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator, MeterProvider: cfg.MeterProvider,
 	}, "middleware.Config")
 	if err != nil {
 		return nil, err
@@ -227,6 +245,7 @@ func New(cfg Config) (*Eventline, error) {
 		DB: cfg.DB, Group: cfg.Group, Schema: cfg.Schema, Publisher: cfg.DeadLetterPublisher, Topic: cfg.DeadLetterTopic,
 		InfraInitialInterval: cfg.Retry.InfraInitialInterval, InfraMaxInterval: cfg.Retry.InfraMaxInterval,
 		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: cfg.Retry.Sleep,
+		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("middleware.Config: %w", err)
@@ -253,7 +272,7 @@ func (el *Eventline) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // inner anywhere.
 func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 	g := el.gate
-	return Recover(func(msg *message.Message) (out []*message.Message, err error) {
+	return g.obs.traced(el.cfg.Group, Recover(func(msg *message.Message) (out []*message.Message, err error) {
 		parent := msg.Context()
 		if _, nested := TxFromContext(parent); nested {
 			return nil, &CompositionError{Problem: "the eventline middleware runs inside another consumer transaction",
@@ -307,7 +326,7 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 			return nil, el.classify(parent, ctx, stage, lost, err)
 		}
 		return out, nil
-	})
+	}))
 }
 
 // begin opens the event's transaction and admits the event in the same

@@ -9,9 +9,13 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
 )
@@ -73,6 +77,18 @@ type GateConfig struct {
 	Logger *slog.Logger
 	// Metrics, when set, counts what the gate does.
 	Metrics *Metrics
+	// TracerProvider, when set, makes the gate record the outcome of each
+	// event on its process span (see Eventline.Traced) and a "release
+	// <topic>" span, linked to the trace the event arrived with, when a
+	// parked event is applied. Defaults to nil: no spans.
+	TracerProvider trace.TracerProvider
+	// Propagator reads a parked event's trace context from its stored
+	// metadata. Defaults to OpenTelemetry's global propagator if the
+	// application set one, else W3C trace context and baggage.
+	Propagator propagation.TextMapPropagator
+	// MeterProvider, when set, receives the stage latencies as the OTel
+	// histogram eventline.stage.duration. Defaults to nil.
+	MeterProvider metric.MeterProvider
 }
 
 func (c GateConfig) withDefaults() GateConfig {
@@ -138,6 +154,7 @@ type Gate struct {
 	late     versioning.LatePolicies
 	store    *versioning.Store
 	reg      *registry
+	obs      observer // tracing.go
 }
 
 // NewGate returns a version gate. It fails, naming the field, when the
@@ -156,7 +173,12 @@ func newGate(cfg GateConfig, field string) (*Gate, error) {
 	if err != nil {
 		return nil, err
 	}
+	obs, err := newObserver(cfg.TracerProvider, cfg.Propagator, cfg.MeterProvider)
+	if err != nil {
+		return nil, fmt.Errorf("%s.MeterProvider: %w", field, err)
+	}
 	return &Gate{
+		obs:      obs,
 		cfg:      cfg,
 		policies: versioning.Policies{Default: cfg.GapPolicy, ByType: cfg.PolicyByType},
 		late:     versioning.LatePolicies{Default: cfg.LatePolicy, ByType: cfg.LatePolicyByType},
@@ -277,6 +299,19 @@ func (g *Gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked, 
 		return nil, Permanent(err)
 	}
 	msg := p.Message()
+	if tr := g.obs.tr; tr != nil {
+		// A "release" span under the releasing span (the process span of
+		// the event that filled the gap, or none in the sweeper), linked
+		// to the trace the event arrived with.
+		link, linked := tr.LinkTo(p.Metadata)
+		var span trace.Span
+		ctx, span = tr.StartRelease(ctx, p.Topic, g.cfg.Group, e, link, linked)
+		span.SetAttributes(tracing.AttrParkedSeconds.Float64(time.Since(p.ParkedAt).Seconds()))
+		if p.Late {
+			span.SetAttributes(tracing.AttrLate.Bool(true))
+		}
+		defer func() { tracing.End(span, err) }()
+	}
 	hctx, hooks := contextWithSavepoint(ctx, tx)
 	hctx = ContextWithEvent(hctx, e)
 	if p.Late {
@@ -293,6 +328,10 @@ func (g *Gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked, 
 	out, err = h(msg)
 	g.cfg.Metrics.observeHandler(g.cfg.Group, e.Type, time.Since(start))
 	if err == nil {
+		if g.stagesOn() && !p.Late && !p.ParkedAt.IsZero() {
+			parkedAt := p.ParkedAt
+			AfterCommit(hctx, func() { g.observeStage(StageParkedToReleased, time.Since(parkedAt)) })
+		}
 		hooks.Promote()
 		promoted = true
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -25,6 +26,7 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 	switch a.Verdict {
 	case versioning.Duplicate:
 		g.duplicate(ctx, e)
+		g.obs.outcome(ctx, tracing.OutcomeDuplicate)
 		return nil, nil
 	case versioning.Stale:
 		return g.stale(msg, tx, e, h, a)
@@ -39,6 +41,7 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 		log.InfoContext(ctx, "eventline: event parked until the missing versions arrive", "group", group, "event_id", e.ID,
 			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion, "follows", a.Follows, "current", a.Previous)
 		AfterCommit(ctx, func() { m.incParked(group, e.Type) })
+		g.obs.outcome(ctx, tracing.OutcomeParked)
 		return nil, nil
 	case versioning.Jump:
 		if a.Missing() > g.cfg.MaxGap {
@@ -120,6 +123,7 @@ func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	if !late {
 		log.DebugContext(ctx, "eventline: stale event discarded", attrs...)
 		AfterCommit(ctx, func() { m.incStale(group, e.Type) })
+		g.obs.outcome(ctx, tracing.OutcomeStale)
 		return nil, nil
 	}
 	if hold {
@@ -129,6 +133,7 @@ func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 		log.WarnContext(ctx, "eventline: late event held for the operator: its version was given up on before it arrived; apply it with `eventline parked apply-late` or discard it",
 			append(attrs, "skip_reason", reason)...)
 		AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })
+		g.obs.outcome(ctx, tracing.OutcomeSkipped) // its version was skipped; held for the operator
 		return nil, nil
 	}
 	log.WarnContext(ctx, "eventline: late event applied after later versions (late policy apply)", append(attrs, "skip_reason", reason)...)
@@ -150,7 +155,16 @@ func (g *Gate) run(msg *message.Message, e eventline.Event, h message.HandlerFun
 		return nil, err
 	}
 	group, m := g.cfg.Group, g.cfg.Metrics
-	AfterCommit(msg.Context(), func() { m.incApplied(group, e.Type) })
+	ctx := msg.Context()
+	if g.stagesOn() {
+		AfterCommit(ctx, func() {
+			m.incApplied(group, e.Type)
+			g.observeApplied(ctx, e)
+		})
+	} else {
+		AfterCommit(ctx, func() { m.incApplied(group, e.Type) })
+	}
+	g.obs.applied(ctx)
 	return out, nil
 }
 

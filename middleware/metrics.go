@@ -37,6 +37,7 @@ type Metrics struct {
 	deadLettered    *prometheus.CounterVec
 	failpath        failpathMetrics
 	gaps            gapMetrics
+	stages          *prometheus.HistogramVec // metrics_stage.go
 
 	types typeLabels
 }
@@ -99,6 +100,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	}
 	m.failpath = newFailpathMetrics(counter)
 	m.gaps = newGapMetrics()
+	m.stages = newStageHistogram()
 	if reg != nil {
 		if err := reg.Register(m); err != nil {
 			return nil, err
@@ -154,7 +156,7 @@ func (l *typeLabels) label(typ string) string {
 func (m *Metrics) collectors() []prometheus.Collector {
 	return append([]prometheus.Collector{m.applied, m.duplicates, m.stale, m.parkedTotal, m.parked, m.released,
 		m.releaseFailures, m.gapsSkipped, m.late, m.lateHeld, m.lateApplied, m.givenUp, m.refused, m.handlerSeconds, m.deadLettered},
-		append(m.failpath.collectors(), m.gaps.collectors()...)...)
+		append(append(m.failpath.collectors(), m.gaps.collectors()...), m.stages)...)
 }
 
 // Describe implements prometheus.Collector.

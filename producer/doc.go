@@ -24,4 +24,11 @@
 //
 // After moving the database to another cluster, see [RebasePositions]; after
 // a failover that lost commits, [AdvanceSequences].
+//
+// Tracing: PublishTx stores the caller's trace context (traceparent,
+// tracestate, baggage) with each event; a relay given
+// RelayConfig.TracerProvider records a "send <topic>" span per event as a
+// child of it, Kafka's answer (partition and offset, or the error) on the
+// span, and writes the send span's context into the record headers, where
+// the consumer continues the trace.
 package producer

@@ -16,6 +16,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/time/rate"
+
+	"github.com/eventline/eventline/internal/tracing"
 )
 
 type watermillLogger = watermill.LoggerAdapter
@@ -43,6 +45,7 @@ type Relay struct {
 	metrics *RelayMetrics
 	limiter *rate.Limiter
 	sink    *kafkaSink
+	tracer  *tracing.Tracer // nil: tracing off
 	// instance names this Run in relay_members and relay_leases: the ID
 	// plus a random suffix, so two relays given one ID stay apart.
 	instance string
@@ -108,6 +111,7 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		shards:   shards,
 		lockNS:   lockNamespace(cfg.Schema),
 		metrics:  cfg.Metrics,
+		tracer:   tracing.New(cfg.TracerProvider, cfg.Propagator),
 		running:  map[int]*shardRunner{},
 		exited:   make(chan struct{}, 1),
 		instance: cfg.ID + "/" + hex.EncodeToString(suffix[:]),

@@ -14,8 +14,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/tracing"
 )
 
 // Metadata keys the relay's schema adapter adds to each outbox message so
@@ -58,10 +60,26 @@ type item struct {
 	event eventline.Event // decoded once the envelope is unwrapped
 	topic string          // destination Kafka topic
 
+	span trace.Span // the send span, nil when tracing is off
+
 	state      itemState
 	sent       bool // handed to the Kafka producer, which will call complete
 	err        error
 	deadReason string
+}
+
+// endSpan ends the item's send span, if any, with Kafka's answer: the
+// record's partition and offset, or the error.
+func (it *item) endSpan(partition int32, offset int64, err error) {
+	sp := it.span
+	if sp == nil {
+		return
+	}
+	it.span = nil
+	if err == nil {
+		sp.SetAttributes(tracing.AttrPartition.String(strconv.Itoa(int(partition))), tracing.AttrOffset.Int64(offset))
+	}
+	tracing.End(sp, err)
 }
 
 // complete is called by the Kafka sink with the publish outcome.

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -164,6 +166,19 @@ type RelayConfig struct {
 	Logger *slog.Logger
 	// Metrics receives the relay's measurements. Optional.
 	Metrics *RelayMetrics
+
+	// TracerProvider, when set, makes the relay record a "send <topic>"
+	// span (kind producer) per event, a child of the span PublishTx
+	// captured in the row, and write that span's context into the Kafka
+	// record's headers (traceparent, tracestate, baggage) so the consumer
+	// continues the trace. Kafka's errors are recorded on the span.
+	// Defaults to nil: no spans, and no cost beyond a nil check.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the publishing span from the row's metadata and
+	// writes the send span into the record headers. Defaults to
+	// OpenTelemetry's global propagator if the application set one
+	// (otel.SetTextMapPropagator), else W3C trace context and baggage.
+	Propagator propagation.TextMapPropagator
 }
 
 func (c RelayConfig) withDefaults() RelayConfig {

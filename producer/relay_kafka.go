@@ -85,13 +85,17 @@ func (s *kafkaSink) results() {
 	go func() {
 		defer wg.Done()
 		for pm := range s.producer.Successes() {
-			pm.Metadata.(*item).complete(nil)
+			it := pm.Metadata.(*item)
+			it.endSpan(pm.Partition, pm.Offset, nil)
+			it.complete(nil)
 		}
 	}()
 	go func() {
 		defer wg.Done()
 		for pe := range s.producer.Errors() {
-			pe.Msg.Metadata.(*item).complete(pe.Err)
+			it := pe.Msg.Metadata.(*item)
+			it.endSpan(0, 0, pe.Err)
+			it.complete(pe.Err)
 		}
 	}()
 	wg.Wait()

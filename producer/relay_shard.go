@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/outbox"
@@ -485,6 +486,12 @@ func (p shardPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if err := eventline.ValidateTopic(topic); err != nil {
 			return &publishError{&permanentError{err}}
 		}
+		if tr := p.s.relay.tracer; tr != nil {
+			// The send span continues the trace PublishTx captured in the
+			// row; the record carries the send span's context instead.
+			_, it.span = tr.StartSend(tr.Extract(msg.Context(), msg.Metadata), topic, e, p.s.shard)
+			tr.Inject(trace.ContextWithSpan(msg.Context(), it.span), msg.Metadata)
+		}
 		b := it.b
 		b.mu.Lock()
 		it.event, it.topic = e, topic
@@ -494,6 +501,7 @@ func (p shardPublisher) Publish(topic string, msgs ...*message.Message) error {
 			b.mu.Lock()
 			it.state, it.sent = itemFailed, false
 			b.mu.Unlock()
+			it.endSpan(0, 0, err)
 			return &publishError{err}
 		}
 	}

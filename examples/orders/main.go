@@ -4,7 +4,7 @@
 // shipping, apply every event exactly once to their own tables, although
 // some events are delivered twice.
 //
-//	go run ./examples/orders [-orders 1000] [-redeliver-every 10]
+//	go run ./examples/orders [-orders 1000] [-redeliver-every 10] [-trace]
 //
 // It prints progress lines, then one summary line, and exits with status 1
 // unless the database shows every order billed once and shipped once:
@@ -15,6 +15,13 @@
 // them reaches both consumer groups, so redelivered = 2 × republished, and
 // the dedup record must recognise every one of those deliveries:
 // duplicates_skipped, billing's plus shipping's, equals redelivered.
+//
+// With -trace, the relay and the consumers trace every event with
+// OpenTelemetry (kept in memory here), and the spans of one order, one
+// that was delivered twice, are printed at the end as an indented tree:
+// the transaction that created it, the relay's send, each group's process
+// span with its outcome (applied, then duplicate) and the handler's own
+// span nested inside.
 package main
 
 import (
@@ -25,16 +32,21 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/examples/internal/setup"
+	"github.com/eventline/eventline/internal/tracing"
+	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
@@ -50,6 +62,8 @@ type config struct {
 	Writers int
 	// Progress is the interval between progress lines; 0 prints none.
 	Progress time.Duration
+	// Trace traces the pipeline and prints one order's trace at the end.
+	Trace bool
 }
 
 func main() {
@@ -58,6 +72,7 @@ func main() {
 	flag.IntVar(&cfg.RedeliverEvery, "redeliver-every", 10, "publish every n-th order's event to Kafka a second time (0: none)")
 	flag.IntVar(&cfg.Writers, "writers", 4, "concurrent order-creating transactions")
 	flag.DurationVar(&cfg.Progress, "progress", time.Second, "interval between progress lines (0: none)")
+	flag.BoolVar(&cfg.Trace, "trace", false, "trace every event with OpenTelemetry and print one order's spans at the end")
 	setup.Main("orders", "example_orders", func(ctx context.Context, c setup.Common) error {
 		cfg.Common = c
 		return run(ctx, cfg, os.Stdout)
@@ -99,6 +114,8 @@ type orderHandler func(ctx context.Context, tx pgx.Tx, e eventline.Event, o Orde
 // table invoices (an SQL name, e.g. "shop"."invoices").
 func bill(invoices string) orderHandler {
 	return func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderCreated) error {
+		ctx, span := userSpan(ctx, "insert invoice")
+		defer span.End()
 		_, err := tx.Exec(ctx, `INSERT INTO `+invoices+` (order_id, amount_cents, event_id) VALUES ($1, $2, $3)`, o.OrderID, o.AmountCents, e.ID)
 		return err
 	}
@@ -108,9 +125,18 @@ func bill(invoices string) orderHandler {
 // table shipments.
 func ship(shipments string) orderHandler {
 	return func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderCreated) error {
+		ctx, span := userSpan(ctx, "insert shipment")
+		defer span.End()
 		_, err := tx.Exec(ctx, `INSERT INTO `+shipments+` (order_id, event_id) VALUES ($1, $2)`, o.OrderID, e.ID)
 		return err
 	}
+}
+
+// userSpan starts a span of the application's own under the span in ctx
+// (the consumer's process span), with the same provider: without tracing,
+// a no-op.
+func userSpan(ctx context.Context, name string) (context.Context, trace.Span) {
+	return trace.SpanFromContext(ctx).TracerProvider().Tracer("orders").Start(ctx, name)
 }
 
 // groups are the consumer groups, each with its handler and effects table.
@@ -193,6 +219,15 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err != nil {
 		return err
 	}
+	// Tracing: an in-memory span recorder stands in for an OTLP exporter.
+	// A nil TracerProvider (no -trace) turns tracing off.
+	var spans *tracingtest.Recorder
+	var tp trace.TracerProvider
+	if cfg.Trace {
+		spans = tracingtest.NewRecorder()
+		defer spans.Shutdown()
+		tp = spans.Provider
+	}
 
 	// The pipeline runs in the background: a relay and two consumers. If
 	// one of them fails, waiting stops.
@@ -215,6 +250,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		Brokers: k.Brokers,
 		Logger:  log,
 		Metrics: relayMetrics,
+		// Tracing: a "send" span per event, continuing the trace that
+		// PublishTx captured in the row.
+		TracerProvider: tp,
 	})
 	if err != nil {
 		return err
@@ -230,6 +268,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 			DeadLetterTopic: dlq[g.name],
 			Logger:          log,
 			Metrics:         consumerMetrics,
+			TracerProvider:  tp,
 		})
 		if err != nil {
 			return err
@@ -258,11 +297,11 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 
 	// 1. Create the orders, each order row with its event in one
 	// transaction.
-	p, err := producer.New(ctx, db, producer.Config{Schema: cfg.Schema, DefaultTopic: topic})
+	p, err := producer.New(ctx, db, producer.Config{Schema: cfg.Schema, DefaultTopic: topic, Propagator: tracing.DefaultPropagator()})
 	if err != nil {
 		return err
 	}
-	events, err := createOrders(ctx, db, p, cfg)
+	events, err := createOrders(ctx, db, p, cfg, tp)
 	if err != nil {
 		return err
 	}
@@ -332,12 +371,40 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if duplicates != redelivered {
 		return fmt.Errorf("the consumers skipped %d duplicates, want %d: one per group for each republished record", duplicates, redelivered)
 	}
+	if spans != nil {
+		return printTrace(stdout, spans, events, cfg.RedeliverEvery)
+	}
+	return nil
+}
+
+// printTrace prints the spans of one order, the first that was delivered
+// twice (or the first), as an indented tree.
+func printTrace(w io.Writer, spans *tracingtest.Recorder, events []eventline.Event, redeliverEvery int) error {
+	i := 0
+	if redeliverEvery > 0 && redeliverEvery <= len(events) {
+		i = redeliverEvery - 1
+	}
+	e := events[i]
+	parts := strings.Split(e.TraceParent, "-")
+	if len(parts) != 4 {
+		return fmt.Errorf("order %s carries no trace (traceparent %q)", e.AggregateID, e.TraceParent)
+	}
+	id, err := trace.TraceIDFromHex(parts[1])
+	if err != nil {
+		return fmt.Errorf("order %s: traceparent %q: %w", e.AggregateID, e.TraceParent, err)
+	}
+	own := spans.Trace(id)
+	// order_no is A-<n> for the n-th order created (see createOrders).
+	fmt.Fprintf(w, "trace order=A-%06d event_id=%s event_type=%s aggregate=%s/%s spans=%d\n", i+1, e.ID, e.Type, e.AggregateType, e.AggregateID, len(own))
+	// Attributes this line or the span names already say are left out.
+	fmt.Fprint(w, tracingtest.Tree(own, "messaging.system", "messaging.destination.name", "messaging.operation.name", "messaging.operation.type",
+		"messaging.message.id", "eventline.event.type", "eventline.aggregate.type", "eventline.aggregate.id", "messaging.kafka.message.key"))
 	return nil
 }
 
 // createOrders creates cfg.Orders orders in cfg.Writers concurrent
 // transactions and returns their events, in order.
-func createOrders(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, cfg config) ([]eventline.Event, error) {
+func createOrders(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, cfg config, tp trace.TracerProvider) ([]eventline.Event, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	events := make([]eventline.Event, cfg.Orders)
@@ -346,7 +413,7 @@ func createOrders(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, c
 	for range cfg.Writers {
 		writers.Go(func() error {
 			for i := range next {
-				e, err := createOrder(ctx, db, p, cfg.Schema, fmt.Sprintf("A-%06d", i+1), int64(1000+i%9000))
+				e, err := createOrder(ctx, db, p, tp, cfg.Schema, fmt.Sprintf("A-%06d", i+1), int64(1000+i%9000))
 				if err != nil {
 					return err
 				}
@@ -369,7 +436,16 @@ feed:
 
 // createOrder inserts an order and writes its order.created event into the
 // outbox in the same transaction: both commit, or neither does.
-func createOrder(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, schema, orderNo string, amount int64) (eventline.Event, error) {
+//
+// With tracing, the transaction runs in a "create order" span: PublishTx
+// captures it in the event (its traceparent), and the relay and the
+// consumers continue that trace.
+func createOrder(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, tp trace.TracerProvider, schema, orderNo string, amount int64) (eventline.Event, error) {
+	if tp != nil {
+		var span trace.Span
+		ctx, span = tp.Tracer("orders").Start(ctx, "create order "+orderNo)
+		defer span.End()
+	}
 	var e eventline.Event
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		var id int64
@@ -385,6 +461,8 @@ func createOrder(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, sc
 		// Set here rather than left to the producer, so that the very same
 		// event can be sent again later.
 		e.ID, e.AggregateVersion, e.OccurredAt = eventline.NewEventID(), 1, time.Now()
+		// Likewise the trace context, which PublishTx would capture.
+		e.TraceParent = traceParent(ctx)
 		return p.PublishTx(ctx, tx, e)
 	})
 	return e, err
@@ -435,6 +513,13 @@ func (b *background) Wait() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return errors.Join(b.errs...)
+}
+
+// traceParent is the W3C traceparent of the span in ctx, or "".
+func traceParent(ctx context.Context) string {
+	c := propagation.MapCarrier{}
+	propagation.TraceContext{}.Inject(ctx, c)
+	return c[eventline.MetaTraceParent]
 }
 
 func kafkaName(k *setup.Kafka) string {

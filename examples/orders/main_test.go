@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -69,4 +70,67 @@ func TestHandlersUnderFaults(t *testing.T) {
 			})
 		})
 	}
+}
+
+// TestOrdersTrace runs the demo with -trace: one order's spans, printed
+// at the end, make one trace from the transaction that created it to each
+// group's handler, through the relay's send span, with the redelivered
+// copy seen as a duplicate.
+func TestOrdersTrace(t *testing.T) {
+	cfg := config{
+		Common:         extest.Common(t, "example_orders_trace"),
+		Orders:         8,
+		RedeliverEvery: 4,
+		Writers:        2,
+		Trace:          true,
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	err := run(ctx, cfg, &out)
+	t.Logf("output:\n%s", out.String())
+	require.NoError(t, err)
+
+	summary, tree, ok := strings.Cut(out.String(), "trace order=")
+	require.True(t, ok, "a trace is printed")
+	extest.Find(t, extest.Parse(t, summary), "orders", "duplicates_skipped")
+	lines := strings.Split(strings.TrimSpace(tree), "\n")
+	require.True(t, strings.HasPrefix(lines[0], "A-000004 "), "the trace of order 4, the first delivered twice: %q", lines[0])
+	count := func(substrings ...string) int {
+		n := 0
+		for _, l := range lines {
+			all := true
+			for _, s := range substrings {
+				all = all && strings.Contains(l, s)
+			}
+			if all {
+				n++
+			}
+		}
+		return n
+	}
+	indent := func(prefix string) int {
+		for _, l := range lines {
+			if strings.HasPrefix(strings.TrimLeft(l, " "), prefix) {
+				return len(l) - len(strings.TrimLeft(l, " "))
+			}
+		}
+		t.Fatalf("no span %q in\n%s", prefix, tree)
+		return 0
+	}
+	require.Equal(t, 1, count("create order A-000004 [internal]"))
+	require.Equal(t, 1, count("send ", "[producer]", "messaging.destination.partition.id="))
+	require.Equal(t, 2, count("process ", "[consumer]", "eventline.outcome=applied"), "billing and shipping applied it")
+	require.Equal(t, 2, count("process ", "[consumer]", "eventline.outcome=duplicate"), "and each skipped the copy")
+	require.Equal(t, 1, count("insert invoice"))
+	require.Equal(t, 1, count("insert shipment"))
+	require.Less(t, indent("create order"), indent("send "))
+	for j, l := range lines {
+		if strings.Contains(l, "insert ") {
+			// The tree prints children right after their parent.
+			require.Contains(t, lines[j-1], "eventline.outcome=applied", "the handler's span is under the applying process span")
+			require.Equal(t, indent(strings.TrimSpace(lines[j-1]))+2, indent(strings.TrimSpace(l)))
+		}
+	}
+	extest.NoConnections(t, setup.AppName(cfg.Schema))
 }

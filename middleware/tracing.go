@@ -1,0 +1,170 @@
+package middleware
+
+import (
+	"context"
+	"strconv"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/tracing"
+)
+
+// The stages of eventline_consumer_stage_seconds and of the OTel
+// histogram eventline.stage.duration.
+const (
+	// StageRelayedToApplied runs from the Kafka record's timestamp (when
+	// the relay produced it) to the commit of the transaction that
+	// applied the event on arrival.
+	StageRelayedToApplied = "relayed_to_applied"
+	// StageOccurredToApplied runs from the event's occurred_at (the
+	// PublishTx time, unless the publisher set OccurredAt) to the same
+	// commit. The outbox's commit time itself is not carried with the
+	// event; occurred_at is written in the publishing transaction.
+	StageOccurredToApplied = "occurred_to_applied"
+	// StageParkedToReleased runs from when an event was parked to the
+	// commit of the transaction that applied it.
+	StageParkedToReleased = "parked_to_released"
+)
+
+// StageHistogramName is the OTel histogram of stage latencies, in
+// seconds, with attributes eventline.consumer.group and eventline.stage.
+const StageHistogramName = "eventline.stage.duration"
+
+// observer is the consumer side's OpenTelemetry: a nil tracer and a nil
+// histogram are off.
+type observer struct {
+	tr     *tracing.Tracer
+	stages metric.Float64Histogram
+}
+
+func newObserver(tp trace.TracerProvider, prop propagation.TextMapPropagator, mp metric.MeterProvider) (observer, error) {
+	o := observer{tr: tracing.New(tp, prop)}
+	if mp != nil {
+		h, err := mp.Meter(tracing.ScopeName).Float64Histogram(StageHistogramName, metric.WithUnit("s"),
+			metric.WithDescription("Latency of an event's stages through eventline (see the stage attribute)."),
+			metric.WithExplicitBucketBoundaries(stageBuckets...))
+		if err != nil {
+			return observer{}, err
+		}
+		o.stages = h
+	}
+	return o, nil
+}
+
+// procSpanKey keys the process span in a message context.
+type procSpanKey struct{}
+
+// startProcess starts the "process <topic>" span of msg, continuing the
+// trace its headers carry, and returns the context carrying it.
+func (o observer) startProcess(msg *message.Message, group string) (context.Context, trace.Span) {
+	parent := msg.Context()
+	src := SourceFromContext(parent)
+	ctx := o.tr.Extract(parent, msg.Metadata)
+	ctx, span := o.tr.StartProcess(ctx, tracing.Source{Topic: src.Topic, Group: group, FromKafka: src.FromKafka,
+		Partition: src.Partition, Offset: src.Offset}, eventFromMetadata(msg.Metadata))
+	return context.WithValue(ctx, procSpanKey{}, span), span
+}
+
+// processSpan returns the process span in ctx, if any.
+func processSpan(ctx context.Context) (trace.Span, bool) {
+	sp, ok := ctx.Value(procSpanKey{}).(trace.Span)
+	return sp, ok
+}
+
+// outcome records on the process span of ctx what became of the event.
+func (o observer) outcome(ctx context.Context, outcome string) {
+	if o.tr == nil {
+		return
+	}
+	if sp, ok := processSpan(ctx); ok {
+		sp.SetAttributes(tracing.AttrOutcome.String(outcome))
+	}
+}
+
+// applied records the outcome applied, marking a late event as such.
+func (o observer) applied(ctx context.Context) {
+	if o.tr == nil {
+		return
+	}
+	if sp, ok := processSpan(ctx); ok {
+		sp.SetAttributes(tracing.AttrOutcome.String(tracing.OutcomeApplied))
+		if IsLate(ctx) {
+			sp.SetAttributes(tracing.AttrLate.Bool(true))
+		}
+	}
+}
+
+// traced wraps h in a process span unless ctx already has one.
+func (o observer) traced(group string, h message.HandlerFunc) message.HandlerFunc {
+	if o.tr == nil {
+		return h
+	}
+	return func(msg *message.Message) (out []*message.Message, err error) {
+		parent := msg.Context()
+		if _, ok := processSpan(parent); ok {
+			return h(msg)
+		}
+		ctx, span := o.startProcess(msg, group)
+		msg.SetContext(ctx)
+		defer func() {
+			msg.SetContext(parent)
+			tracing.End(span, err)
+		}()
+		return h(msg)
+	}
+}
+
+// Traced wraps a whole chain (put it outermost, outside DeadLetter and
+// Retry) in one "process <topic>" span per delivery, kind consumer,
+// continuing the trace the record's headers carry (the relay's send
+// span). Its attributes follow OpenTelemetry's messaging conventions and
+// add eventline's: the event type, the aggregate's type, id and version,
+// and eventline.outcome (applied, duplicate, stale, parked, skipped,
+// dead_lettered). The handler's message context carries the span, so
+// spans the handler starts nest under it. Chain and AddHandler add it;
+// without a TracerProvider it returns h itself.
+func (el *Eventline) Traced(h message.HandlerFunc) message.HandlerFunc {
+	return el.gate.obs.traced(el.cfg.Group, h)
+}
+
+// observeStage records one stage latency in the Prometheus histogram and,
+// when a MeterProvider is set, the OTel one.
+func (g *Gate) observeStage(stage string, d time.Duration) {
+	g.cfg.Metrics.observeStage(g.cfg.Group, stage, d)
+	if h := g.obs.stages; h != nil {
+		h.Record(context.Background(), d.Seconds(), metric.WithAttributes(
+			attribute.String("eventline.consumer.group", g.cfg.Group), attribute.String("eventline.stage", stage)))
+	}
+}
+
+// stagesOn reports whether stage latencies are recorded anywhere.
+func (g *Gate) stagesOn() bool { return g.cfg.Metrics != nil || g.obs.stages != nil }
+
+// observeApplied records the stages of an event applied on arrival; it
+// runs after the commit.
+func (g *Gate) observeApplied(ctx context.Context, e eventline.Event) {
+	now := time.Now()
+	if ts := SourceFromContext(ctx).Timestamp; !ts.IsZero() {
+		g.observeStage(StageRelayedToApplied, now.Sub(ts))
+	}
+	if !e.OccurredAt.IsZero() {
+		g.observeStage(StageOccurredToApplied, now.Sub(e.OccurredAt))
+	}
+}
+
+// eventFromMetadata reads the envelope fields spans carry, without
+// validating them: a message that does not decode still gets its span.
+func eventFromMetadata(md message.Metadata) eventline.Event {
+	e := eventline.Event{
+		ID: md.Get(eventline.MetaEventID), Type: md.Get(eventline.MetaEventType),
+		AggregateType: md.Get(eventline.MetaAggregateType), AggregateID: md.Get(eventline.MetaAggregateID),
+	}
+	e.AggregateVersion, _ = strconv.ParseInt(md.Get(eventline.MetaAggregateVersion), 10, 64)
+	return e
+}
