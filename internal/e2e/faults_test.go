@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -217,9 +218,40 @@ func (r *faultRig) table(name string) string { return sqlident.Qualify(r.env.Sch
 
 func (r *faultRig) waitRuns(group string, n int, what string) {
 	r.t.Helper()
-	require.Eventually(r.t, func() bool {
-		return r.count(`SELECT count(*) FROM `+r.applied+` WHERE grp = $1`, group) >= n
-	}, time.Minute, 20*time.Millisecond, "group %s: want %d handler runs (%s)", group, n, what)
+	deadline := time.Now().Add(time.Minute)
+	for r.count(`SELECT count(*) FROM `+r.applied+` WHERE grp = $1`, group) < n {
+		if time.Now().After(deadline) {
+			r.t.Fatalf("group %s: want %d handler runs (%s) within a minute; %s", group, n, what, r.describe(group))
+		}
+		time.Sleep(20 * time.Millisecond) // polling interval
+	}
+}
+
+// describe says what became of a group's events, for failure messages.
+func (r *faultRig) describe(group string) string {
+	r.t.Helper()
+	var b strings.Builder
+	rows, err := r.env.Pool.Query(context.Background(), `SELECT aggregate_id, array_agg(version ORDER BY seq) FROM `+r.applied+` WHERE grp = $1 GROUP BY 1 ORDER BY 1`, group)
+	require.NoError(r.t, err)
+	for rows.Next() {
+		var agg string
+		var vs []int64
+		require.NoError(r.t, rows.Scan(&agg, &vs))
+		fmt.Fprintf(&b, "applied %s %v; ", agg, vs)
+	}
+	require.NoError(r.t, rows.Err())
+	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+		fmt.Fprintf(&b, "%s: %d; ", table, r.count(`SELECT count(*) FROM `+r.table(table)+` WHERE consumer_group = $1`, group))
+	}
+	rows, err = r.env.Pool.Query(context.Background(), `SELECT coalesce(string_agg(DISTINCT kind || ': ' || left(reason, 200), ' | '), '') FROM `+r.table(dedup.DeadLetterTable)+` WHERE consumer_group = $1`, group)
+	if err == nil {
+		var errs string
+		if rows.Next() && rows.Scan(&errs) == nil && errs != "" {
+			fmt.Fprintf(&b, "dead-letter errors: %s", errs)
+		}
+		rows.Close()
+	}
+	return b.String()
 }
 
 func metric(t *testing.T, reg *prometheus.Registry, name string) float64 {
@@ -296,26 +328,28 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		return st.Backlog() == 0
 	}, time.Minute, 20*time.Millisecond, "the relay forwards the events published during the outage")
 	budget := retryBudget(cfg, proxiedConnectTimeout)
+	// The outage lasts until the consumers have tried to reconnect more
+	// often than two events' whole budgets allow and for twice the budget's
+	// time, and until both groups say they wait for the database.
+	sawWaiting := map[string]bool{}
 	require.Eventually(t, func() bool {
 		for _, g := range groups {
-			if metric(t, regs[g], "eventline_consumer_waiting_on_database") == 0 ||
-				metric(t, regs[g], "eventline_consumer_infra_waits_total") <= float64(2*(1+cfg.MaxRetries)) {
-				return false
+			if metric(t, regs[g], "eventline_consumer_waiting_on_database") > 0 {
+				sawWaiting[g] = true
 			}
 		}
-		return time.Since(outageStart) > 2*budget
-	}, time.Minute, 20*time.Millisecond, "both groups wait for the database for more than twice the retry budget (%s)", budget)
+		return r.proxy.Refused() > int64(2*len(groups)*(1+cfg.MaxRetries)) && time.Since(outageStart) > 2*budget &&
+			(len(sawWaiting) == len(groups) || time.Since(outageStart) > 4*budget)
+	}, time.Minute, 20*time.Millisecond, "the outage outlasts the retry budget (%s)", budget)
 	outage := time.Since(outageStart)
 	require.Greater(t, outage, budget, "the outage must outlast the retry budget")
 	require.Equal(t, len(aggs)*len(groups), r.count(`SELECT count(*) FROM `+r.applied), "nothing applied during the outage")
 	r.proxy.Set(faultproxy.Pass)
-	t.Logf("outage %s; retry budget %s (%d retries, %s…%s, jitter %g, connect timeout %s)",
-		outage.Round(time.Millisecond), budget, cfg.MaxRetries, cfg.RetryInitialInterval, cfg.RetryMaxInterval, cfg.RetryJitter, proxiedConnectTimeout)
+	t.Logf("outage %s, %d reconnects refused; retry budget %s (%d retries, %s…%s, jitter %g, connect timeout %s)",
+		outage.Round(time.Millisecond), r.proxy.Refused(), budget, cfg.MaxRetries, cfg.RetryInitialInterval, cfg.RetryMaxInterval, cfg.RetryJitter, proxiedConnectTimeout)
 
 	for _, g := range groups {
 		r.waitRuns(g, len(aggs)*perAgg, "every event after the outage")
-		require.Eventually(t, func() bool { return metric(t, regs[g], "eventline_consumer_waiting_on_database") == 0 },
-			time.Minute, 20*time.Millisecond, "group %s reports the outage over", g)
 	}
 	want := []int64{1, 2, 3, 4, 5}
 	for _, g := range groups {
@@ -330,6 +364,11 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	}
 	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "phase 1: %s must be empty", table)
+	}
+	for _, g := range groups {
+		require.True(t, sawWaiting[g], "group %s never reported that it waits for the database", g)
+		require.Eventually(t, func() bool { return metric(t, regs[g], "eventline_consumer_waiting_on_database") == 0 },
+			time.Minute, 20*time.Millisecond, "group %s reports the outage over", g)
 	}
 
 	// Phase 2: a relay dead letter replayed after the gap was skipped.
