@@ -105,7 +105,7 @@ func TestCommittedOffsetIsLowestUnfinished(t *testing.T) {
 	deadline := time.Now().Add(time.Second)
 	for time.Now().Before(deadline) {
 		require.EqualValues(t, 1, committedOffset(t, k, group), "the committed offset passed an unfinished event")
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(50 * time.Millisecond) // sampling interval of the observation window (several auto-commits)
 	}
 	close(release)
 	eventually(t, 30*time.Second, func() bool { return committedOffset(t, k, group) == 5 }, "offset 5 committed once the held event finished")
@@ -465,7 +465,7 @@ func TestSubscriberWithoutEventlineMiddlewareDeliversOneAtATime(t *testing.T) {
 		defer inFlight.Add(-1)
 		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
 		}
-		time.Sleep(10 * time.Millisecond)
+		time.Sleep(10 * time.Millisecond) // a slow handler, so overlapping deliveries would show in inFlight
 		e, err := eventline.Decode(msg)
 		if err != nil {
 			return err
