@@ -193,7 +193,10 @@ func TestShutdownFinishesInFlightEvent(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "slow"
-	c, err := consumer.New(k.Pool, k.config(group))
+	cfg := k.config(group)
+	logger, stopping := watchLog(partitionStopping)
+	cfg.Logger = logger
+	c, err := consumer.New(k.Pool, cfg)
 	require.NoError(t, err)
 	entered, release := make(chan struct{}), make(chan struct{})
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
@@ -209,9 +212,15 @@ func TestShutdownFinishesInFlightEvent(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatal("handler never called")
 	}
+	stoppingNow := stopping.Next()
 	stopped := make(chan error, 1)
 	go func() { stopped <- r.stop() }()
-	time.Sleep(100 * time.Millisecond) // let the shutdown begin while the handler is busy
+	// Release the handler only once the shutdown has reached its partition
+	// (it stops taking events and waits for the one in flight): released
+	// earlier, the event would finish as in any run, and the test would
+	// prove nothing about shutdown.
+	waitFor(t, stoppingNow, 60*time.Second, "the partition stops while the handler is busy")
+	require.EqualValues(t, 1, stopping.MaxInt("events"), "the partition stopped with the event in flight")
 	close(release)
 	require.NoError(t, <-stopped)
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{e})

@@ -105,7 +105,7 @@ func TestCommittedOffsetIsLowestUnfinished(t *testing.T) {
 	deadline := time.Now().Add(time.Second)
 	for time.Now().Before(deadline) {
 		require.EqualValues(t, 1, committedOffset(t, k, group), "the committed offset passed an unfinished event")
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(50 * time.Millisecond) // sampling interval of the observation window (several auto-commits)
 	}
 	close(release)
 	eventually(t, 30*time.Second, func() bool { return committedOffset(t, k, group) == 5 }, "offset 5 committed once the held event finished")
@@ -371,6 +371,7 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 	const group = "finishbatch"
 	var stalled atomic.Bool
 	entered, release := make(chan struct{}), make(chan struct{})
+	aLogger, aStopping := watchLog(partitionStopping)
 	var delivered atomic.Int64
 	count := func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
@@ -381,6 +382,9 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 	newConsumer := func(stall bool) *consumer.Consumer {
 		cfg := batchConfig(k, group, 8)
 		cfg.Middleware = []message.HandlerMiddleware{count}
+		if stall {
+			cfg.Logger = aLogger
+		}
 		c, err := consumer.New(k.Pool, cfg)
 		require.NoError(t, err)
 		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
@@ -403,12 +407,16 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatal("the batch never reached its handler")
 	}
+	revoked := aStopping.Next()
 	b := start(t, newConsumer(false)) // joins: the partition is revoked mid-batch
 	// The group starts rebalancing when b joins; a learns it on its next
 	// heartbeat (every 500ms) and stops its partition, giving the batch
-	// half the rebalance timeout (2.5s). Release the batch in that window.
+	// half the rebalance timeout (2.5s). Release the batch in that window,
+	// once a says its partition stops: released before, the batch would
+	// commit as in any run and the test would prove nothing.
 	eventually(t, 30*time.Second, func() bool { return groupState(t, k, group) == "PreparingRebalance" }, "the group rebalances")
-	time.Sleep(time.Second)
+	waitFor(t, revoked, 30*time.Second, "a's partition is revoked with the batch in flight")
+	require.EqualValues(t, len(first), aStopping.MaxInt("events"), "the partition stopped with the whole batch in flight")
 	close(release)
 	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == len(first) }, "the held batch commits")
 	// After the rebalance, a new event reaches whoever owns the partition.
@@ -457,7 +465,7 @@ func TestSubscriberWithoutEventlineMiddlewareDeliversOneAtATime(t *testing.T) {
 		defer inFlight.Add(-1)
 		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
 		}
-		time.Sleep(10 * time.Millisecond)
+		time.Sleep(10 * time.Millisecond) // a slow handler, so overlapping deliveries would show in inFlight
 		e, err := eventline.Decode(msg)
 		if err != nil {
 			return err

@@ -5,6 +5,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -194,4 +195,110 @@ func appliedOnce(t *testing.T, effects []consumertest.Effect, want []eventline.E
 		require.Equal(t, 1, count[e.ID], "event %s (%s v%d) must be applied exactly once", e.ID, e.AggregateID, e.AggregateVersion)
 	}
 	require.Len(t, effects, len(want), "no effect other than the expected ones")
+}
+
+// partitionStopping is what a partition logs (at debug level) when it is
+// revoked or its consumer closes, before it waits for its in-flight events.
+const partitionStopping = "eventline: partition stopping"
+
+// watchLog returns a logger and a watch on the records whose message
+// starts with msg, so a test can wait for what the consumer says it is
+// doing instead of sleeping. It accepts every level; with
+// EVENTLINE_TEST_LOG set it also prints.
+func watchLog(msg string) (*slog.Logger, *logWatch) {
+	w := &logWatch{msg: msg}
+	h := &logHandler{w: w}
+	if os.Getenv("EVENTLINE_TEST_LOG") != "" {
+		h.next = slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})
+	}
+	return slog.New(h), w
+}
+
+// logWatch hands out channels closed by the next matching record.
+type logWatch struct {
+	msg     string
+	mu      sync.Mutex
+	waiters []chan struct{}
+	matches []map[string]slog.Value // attributes of the matches since Next
+}
+
+// Next returns a channel closed when a matching record is logged after
+// this call.
+func (w *logWatch) Next() <-chan struct{} {
+	ch := make(chan struct{})
+	w.mu.Lock()
+	w.matches = nil
+	w.waiters = append(w.waiters, ch)
+	w.mu.Unlock()
+	return ch
+}
+
+// MaxInt returns the largest value of an integer attribute among the
+// matching records logged since the last Next.
+func (w *logWatch) MaxInt(key string) int64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var m int64
+	for _, attrs := range w.matches {
+		if v, ok := attrs[key]; ok && v.Kind() == slog.KindInt64 {
+			m = max(m, v.Int64())
+		}
+	}
+	return m
+}
+
+func (w *logWatch) saw(r slog.Record) {
+	if !strings.HasPrefix(r.Message, w.msg) {
+		return
+	}
+	attrs := map[string]slog.Value{}
+	r.Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.Resolve(); return true })
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.matches = append(w.matches, attrs)
+	for _, ch := range w.waiters {
+		close(ch)
+	}
+	w.waiters = nil
+}
+
+type logHandler struct {
+	w    *logWatch
+	next slog.Handler
+}
+
+func (h *logHandler) Enabled(context.Context, slog.Level) bool { return true }
+
+func (h *logHandler) Handle(ctx context.Context, r slog.Record) error {
+	h.w.saw(r)
+	if h.next != nil {
+		return h.next.Handle(ctx, r)
+	}
+	return nil
+}
+
+func (h *logHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	c := *h
+	if h.next != nil {
+		c.next = h.next.WithAttrs(as)
+	}
+	return &c
+}
+
+func (h *logHandler) WithGroup(name string) slog.Handler {
+	c := *h
+	if h.next != nil {
+		c.next = h.next.WithGroup(name)
+	}
+	return &c
+}
+
+// waitFor waits for ch to close, failing the test after timeout.
+func waitFor(t *testing.T, ch <-chan struct{}, timeout time.Duration, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(timeout):
+		t.Fatalf("timed out after %s waiting for: %s", timeout, what)
+	}
 }

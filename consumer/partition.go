@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -136,6 +137,13 @@ func (p *partitionRun) dispatch(claim sarama.ConsumerGroupClaim) {
 // drain timeout to be acknowledged, then is abandoned.
 func (p *partitionRun) settle() {
 	close(p.stop)
+	if p.cfg.Logger.Enabled(context.Background(), slog.LevelDebug) {
+		p.mu.Lock()
+		n := p.tracker.unfinished()
+		p.mu.Unlock()
+		p.cfg.Logger.Debug("eventline: partition stopping (revoked, or the consumer is closing); finishing its in-flight events",
+			"group", p.cfg.Group, "topic", p.topic, "partition", p.partition, "events", n, "timeout", p.sub.drainTimeout())
+	}
 	lanesDone := make(chan struct{})
 	go func() {
 		p.wg.Wait()

@@ -31,14 +31,21 @@ func TestRebalanceWhenAConsumerLeavesMidStream(t *testing.T) {
 
 	var applied [2]atomic.Int64
 	var stall atomic.Bool
-	release := make(chan struct{})
+	release, stalled := make(chan struct{}), make(chan struct{})
+	var stallOnce sync.Once
+	aLogger, aStopping := watchLog(partitionStopping)
 	var mu sync.Mutex
 	appliedBy := map[string]map[int]bool{} // aggregate -> consumers that applied some of it
 	newConsumer := func(i int) *consumer.Consumer {
-		c, err := consumer.New(k.Pool, k.config(group))
+		cfg := k.config(group)
+		if i == 0 {
+			cfg.Logger = aLogger
+		}
+		c, err := consumer.New(k.Pool, cfg)
 		require.NoError(t, err)
 		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 			if i == 0 && stall.Load() {
+				stallOnce.Do(func() { close(stalled) })
 				<-release // consumer a stalls with this event in flight
 			}
 			if err := k.Apply(ctx, tx, group, e); err != nil {
@@ -82,7 +89,7 @@ func TestRebalanceWhenAConsumerLeavesMidStream(t *testing.T) {
 		round(next)
 		deadline := time.Now().Add(2 * time.Second)
 		for time.Now().Before(deadline) && (applied[0].Load() == 0 || applied[1].Load() == 0) {
-			time.Sleep(20 * time.Millisecond)
+			time.Sleep(20 * time.Millisecond) // polling interval
 		}
 	}
 	require.True(t, applied[0].Load() > 0 && applied[1].Load() > 0, "both consumers got partitions")
@@ -92,11 +99,15 @@ func TestRebalanceWhenAConsumerLeavesMidStream(t *testing.T) {
 		round(next)
 	}
 
-	// Consumer a leaves mid-stream; its in-flight events are released once
-	// the shutdown has begun, commit, but are never acknowledged.
+	// Consumer a leaves mid-stream, with an event in its handler; its
+	// in-flight events are released once its partitions have begun to
+	// stop, commit, but are never acknowledged.
+	waitFor(t, stalled, 60*time.Second, "consumer a holds an event in flight")
+	aStoppingNow := aStopping.Next()
 	stopped := make(chan error, 1)
 	go func() { stopped <- a.stop() }()
-	time.Sleep(50 * time.Millisecond)
+	waitFor(t, aStoppingNow, 60*time.Second, "consumer a's partitions stop")
+	require.Positive(t, aStopping.MaxInt("events"), "a partition of consumer a stopped with events in flight")
 	close(release)
 	require.NoError(t, <-stopped)
 

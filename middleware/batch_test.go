@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -24,7 +25,11 @@ import (
 // middleware.Batch, as the consumer's Subscriber does, and returns each
 // member's error.
 func deliverBatch(h message.HandlerFunc, msgs ...*message.Message) []error {
-	b := middleware.NewBatch()
+	return deliverBatchTo(middleware.NewBatch(), h, msgs...)
+}
+
+// deliverBatchTo is deliverBatch with the batch given.
+func deliverBatchTo(b *middleware.Batch, h message.HandlerFunc, msgs ...*message.Message) []error {
 	errs := make([]error, len(msgs))
 	var wg sync.WaitGroup
 	for i, m := range msgs {
@@ -123,15 +128,19 @@ func TestBatchMembersThatNeverArriveDoNotHoldItUp(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{})
 	reject := errors.New("rejected in front of eventline")
+	batch := middleware.NewBatch()
 	h := func(msg *message.Message) ([]*message.Message, error) {
 		if msg.Metadata.Get(eventline.MetaAggregateID) == "rejected" {
-			time.Sleep(50 * time.Millisecond) // leaves after the others arrived
+			// Leave only once the others wait at the middleware: the batch
+			// must notice the member that will never arrive.
+			assert.Eventually(t, func() bool { return middleware.BatchArrivals(batch) == 2 }, 30*time.Second, time.Millisecond,
+				"a and b reach the middleware")
 			return nil, reject
 		}
 		return f.handler(msg)
 	}
 	a, r, b := consumertest.Event("a", 1), consumertest.Event("rejected", 1), consumertest.Event("b", 1)
-	errs := deliverBatch(h, consumertest.Message(t, a), consumertest.Message(t, r), consumertest.Message(t, b))
+	errs := deliverBatchTo(batch, h, consumertest.Message(t, a), consumertest.Message(t, r), consumertest.Message(t, b))
 	require.NoError(t, errs[0])
 	require.ErrorIs(t, errs[1], reject)
 	require.NoError(t, errs[2])

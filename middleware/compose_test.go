@@ -113,7 +113,7 @@ func TestPoisonQueueInsideEventlineIsRefusedNotCommitted(t *testing.T) {
 	deadline := time.Now().Add(60 * time.Second)
 	for gatherValue(t, reg, "eventline_consumer_unsafe_compositions_total") < 2 {
 		require.True(t, time.Now().Before(deadline), "the unsafe chain must be detected, and again on redelivery")
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond) // polling interval
 	}
 	require.NoError(t, k.router.Close())
 
@@ -192,7 +192,7 @@ func TestAddHandlerComposesTheSafeChainInOneCall(t *testing.T) {
 	deadline := time.Now().Add(60 * time.Second)
 	for len(env.Effects(t, group)) < 3 {
 		require.True(t, time.Now().Before(deadline), "the good events are applied")
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond) // polling interval
 	}
 	require.NoError(t, k.router.Close())
 

@@ -102,7 +102,7 @@ func Example_router() {
 
 	// Wait until all three deliveries, the duplicate included, are handled.
 	for deadline := time.Now().Add(30 * time.Second); finished.Load() < 3 && time.Now().Before(deadline); {
-		time.Sleep(20 * time.Millisecond)
+		time.Sleep(20 * time.Millisecond) // polling interval
 	}
 	if err := router.Close(); err != nil {
 		panic(err)

@@ -220,7 +220,7 @@ func TestRelayWaitsOutBrokerErrors(t *testing.T) {
 	cfg := producer.RelayConfig{Brokers: brokers, Backoff: []time.Duration{100 * time.Millisecond}, MaxAttempts: 1}
 	startRelay(t, env, cfg)
 	require.NoError(t, fault.Wait(context.Background(), 3))
-	time.Sleep(2 * time.Second)
+	time.Sleep(2 * time.Second) // the fault's duration: the relay keeps failing with MaxAttempts 1 and must not dead-letter
 	fault.Remove()
 
 	counts := distinct(readTopic(t, brokers, topic, len(events), 30*time.Second))

@@ -116,7 +116,7 @@ func startPublisher(t *testing.T, env pgtest.Env, topic string, aggs int) *publi
 				pub.ids = append(pub.ids, e.ID)
 			}
 			pub.mu.Unlock()
-			time.Sleep(2 * time.Millisecond)
+			time.Sleep(2 * time.Millisecond) // publishing pace
 		}
 	}()
 	t.Cleanup(pub.finish)
@@ -218,7 +218,7 @@ func TestGracefulStopRecordsProgressWithoutErrors(t *testing.T) {
 			Schema: env.Schema, Brokers: brokers, Logger: slog.New(logs),
 			PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond, BatchSize: 20,
 		})
-		time.Sleep(time.Duration(150+rand.IntN(250)) * time.Millisecond)
+		time.Sleep(time.Duration(150+rand.IntN(250)) * time.Millisecond) // the relay's random lifetime: the fault schedule
 		stop()
 	}
 	pub.finish()
@@ -295,7 +295,7 @@ func TestTakeoverWhileTheOwnerStillRuns(t *testing.T) {
 		rounds = 8
 	}
 	for i := 0; i < rounds; i++ {
-		time.Sleep(time.Duration(50+rand.IntN(150)) * time.Millisecond)
+		time.Sleep(time.Duration(50+rand.IntN(150)) * time.Millisecond) // random time between takeovers: the fault schedule
 		forceTakeover(t, env)
 		require.Eventually(t, func() bool {
 			o, err := producer.ShardOwners(context.Background(), env.Pool, env.Schema)
@@ -303,7 +303,7 @@ func TestTakeoverWhileTheOwnerStillRuns(t *testing.T) {
 		}, 10*time.Second, 10*time.Millisecond, "round %d: every shard owned again", i)
 		waitRelayedPastNow(t, env, 10*time.Second, "round %d", i)
 	}
-	time.Sleep(300 * time.Millisecond)
+	time.Sleep(300 * time.Millisecond) // the publisher keeps writing after the last takeover
 	pub.finish()
 	requireAllDelivered(t, brokers, topic, pub.committed(), 30*time.Second)
 	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
@@ -540,8 +540,22 @@ func TestFrozenRelayIsTakenOverWithinTheBound(t *testing.T) {
 	}, 10*time.Second, 10*time.Millisecond, "the relays share the shards")
 	watch := watchPositions(t, env)
 	defer watch()
+	start := make([]uint64, env.Shards)
+	for shard := range start {
+		start[shard], _, _ = positionOf(context.Background(), env.Pool, env.Schema, shard)
+	}
 	pub := startPublisher(t, env, topic, 50)
-	time.Sleep(500 * time.Millisecond) // both relays mid-batch
+	// Freeze only once both relays relay the publisher's stream (every
+	// shard's position moved): the frozen relay has work in flight.
+	require.Eventually(t, func() bool {
+		for shard := range start {
+			tx, _, err := positionOf(context.Background(), env.Pool, env.Schema, shard)
+			if err != nil || tx <= start[shard] {
+				return false
+			}
+		}
+		return true
+	}, time.Minute, 10*time.Millisecond, "both relays relay the stream")
 
 	frozenAt := time.Now()
 	proxy.Set(faultproxy.Freeze)

@@ -148,7 +148,7 @@ func TestRelayReadsRowsAsSoonAsTheHorizonPasses(t *testing.T) {
 		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT transaction_id::text, "offset" FROM `+sqlident.Qualify(env.Schema, "outbox_0")+
 			` ORDER BY transaction_id DESC, "offset" DESC LIMIT 1`).Scan(&tx, &off))
 		want, _ := strconv.ParseUint(tx, 10, 64)
-		time.Sleep(4 * time.Second)
+		time.Sleep(4 * time.Second) // the horizon is held this long: the stall the relay's poll backs off in
 		require.NoError(t, holder.Rollback(ctx))
 		ended := time.Now()
 		var took time.Duration

@@ -7,11 +7,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -117,6 +119,43 @@ func (p *pipeline) waitApplied(n int) {
 	}, time.Minute, 20*time.Millisecond, "want %d applied effects", n)
 }
 
+// waitConsumed waits until the group has committed, on every partition of
+// the topic, the offset after the last record: every record on Kafka,
+// duplicates included, was handled, so nothing more will be applied. It
+// returns how many records the topic holds.
+func (p *pipeline) waitConsumed(group string) (records int64) {
+	p.t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	client, err := sarama.NewClient(p.brokers, cfg)
+	require.NoError(p.t, err)
+	defer client.Close()
+	admin, err := sarama.NewClusterAdminFromClient(client)
+	require.NoError(p.t, err)
+	parts, err := client.Partitions(p.topic)
+	require.NoError(p.t, err)
+	var lag, total int64
+	require.Eventually(p.t, func() bool {
+		res, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{p.topic: parts})
+		if err != nil {
+			return false
+		}
+		lag, total = 0, 0
+		for _, part := range parts {
+			end, err := client.GetOffset(p.topic, part, sarama.OffsetNewest)
+			require.NoError(p.t, err)
+			committed := int64(0)
+			if b := res.GetBlock(p.topic, part); b != nil && b.Offset > 0 {
+				committed = b.Offset
+			}
+			lag += end - committed
+			total += end
+		}
+		return lag == 0
+	}, time.Minute, 20*time.Millisecond, "group %s commits every record of %s", group, p.topic)
+	return total
+}
+
 // TestVersionGateRestoresOrderAfterXidInversion builds DESIGN.md's ordering
 // caveat on purpose: transaction A takes its xid first and locks the
 // aggregate last, so its version 2 precedes B's version 1 in the outbox and
@@ -138,7 +177,7 @@ func TestVersionGateRestoresOrderAfterXidInversion(t *testing.T) {
 	p.runRelay(producer.RelayConfig{})
 	p.runConsumer(versioning.Park)
 	p.waitApplied(2)
-	time.Sleep(200 * time.Millisecond) // nothing more may arrive
+	p.waitConsumed("e2e") // nothing more may arrive
 	require.Equal(t, []int64{1, 2}, p.appliedVersions("X"))
 }
 
@@ -168,7 +207,8 @@ func TestDuplicateFromRelayCrashIsAppliedOnce(t *testing.T) {
 	p.runRelay(producer.RelayConfig{})
 	p.runConsumer(versioning.Park)
 	p.waitApplied(len(events))
-	time.Sleep(500 * time.Millisecond)
+	records := p.waitConsumed("e2e") // every copy on Kafka handled: the duplicates too
+	require.Greater(t, records, int64(len(events)), "Kafka holds duplicates of the crashed batch")
 	require.Equal(t, len(events), pgtest.Count(t, p.env.Pool, `SELECT count(*) FROM `+p.applied), "each event applied once")
 	require.Equal(t, len(events), pgtest.Count(t, p.env.Pool, `SELECT count(DISTINCT event_id) FROM `+p.applied))
 	for _, agg := range []string{"A", "B", "C"} {

@@ -41,7 +41,9 @@ type Proxy struct {
 	resume chan struct{} // closed when leaving Freeze
 	conns  map[*link]struct{}
 	closed bool
-	wg     sync.WaitGroup
+	// refused counts connections closed at once in Refuse mode.
+	refused int64
+	wg      sync.WaitGroup
 }
 
 type link struct{ client, server net.Conn }
@@ -112,6 +114,14 @@ func (p *Proxy) Conns() int {
 	return len(p.conns)
 }
 
+// Refused returns how many connections were refused (closed as soon as
+// accepted in Refuse mode) so far: how often clients tried to reconnect.
+func (p *Proxy) Refused() int64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.refused
+}
+
 // Close stops listening, closes every connection and waits for the
 // proxy's goroutines.
 func (p *Proxy) Close() error {
@@ -143,6 +153,9 @@ func (p *Proxy) accept() {
 		refuse := p.mode == Refuse || p.closed
 		p.mu.Unlock()
 		if refuse {
+			p.mu.Lock()
+			p.refused++
+			p.mu.Unlock()
 			_ = c.Close()
 			continue
 		}

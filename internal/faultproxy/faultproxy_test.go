@@ -43,8 +43,10 @@ func TestProxyModes(t *testing.T) {
 
 	// Refused: new connections fail at once.
 	p.Set(faultproxy.Refuse)
+	require.Zero(t, p.Refused())
 	_, err = connect(t, p, 2*time.Second)
 	require.Error(t, err)
+	require.GreaterOrEqual(t, p.Refused(), int64(1), "the refused attempt is counted")
 	p.Set(faultproxy.Pass)
 
 	// Dropped: open connections break; new ones work.

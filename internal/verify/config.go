@@ -14,21 +14,30 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/versioning"
 )
 
 // Defaults for [Config].
 const (
 	// DefaultMaxPendingAge is how long an event may stay committed and not
 	// applied by a group before it counts as stuck (a problem) rather than
-	// pending (information). The relay's own retries take up to about 13
-	// minutes before it dead-letters, so a stuck event often names a relay
-	// that cannot publish.
+	// pending (information). With its defaults the relay gives up on an
+	// event it cannot publish after about 2.6 minutes (5 attempts,
+	// waiting 1s, 5s, 30s and 2m: producer.DefaultMaxAttempts and
+	// producer.DefaultBackoff) and dead-letters it, so an event still
+	// pending after 5 minutes is not a publish retry in progress: no relay
+	// runs or it cannot reach Kafka (it waits that out without
+	// dead-lettering), or the group's consumer is down or behind.
 	DefaultMaxPendingAge = 5 * time.Minute
 	// DefaultMaxParkedAge is how long an event may stay parked before it
-	// counts as a problem: the consumer's sweeper gives up on a gap after
-	// its park timeout (15 minutes by default), so a parked event older
-	// than this means no sweeper runs or its release keeps failing.
-	DefaultMaxParkedAge = 30 * time.Minute
+	// counts as a problem: 30 minutes more than the consumer's default
+	// park timeout (versioning.DefaultParkTimeout, 1 hour), after which
+	// the sweeper skips the gap and applies what is parked. An event
+	// parked for longer means no sweeper runs or its release keeps
+	// failing. An event parked for less is waiting for its missing
+	// versions as designed (information). Raise it above a consumer's
+	// configured ParkTimeout, if that is longer.
+	DefaultMaxParkedAge = versioning.DefaultParkTimeout + 30*time.Minute
 	// DefaultDedupRetention is the dedup records' retention assumed when
 	// none is given: dedup.DefaultRetention, what `eventline cleanup` uses.
 	DefaultDedupRetention = dedup.DefaultRetention

@@ -19,6 +19,7 @@ import (
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
 )
 
 // A dead letter that was replayed is followed to its new outbox row: the
@@ -327,4 +328,54 @@ func TestEffectsQueryShapes(t *testing.T) {
 		require.ErrorContains(t, err, want)
 	}
 	require.Equal(t, 4, pgtest.Count(t, f.env.Pool, `SELECT count(*) FROM `+effects), "nothing was deleted")
+}
+
+// TestDefaultAgesFollowTheComponentsDefaults: the relay dead-letters an
+// event it cannot publish well before DefaultMaxPendingAge, and
+// DefaultMaxParkedAge is above the consumer's default park timeout, as
+// their comments say.
+func TestDefaultAgesFollowTheComponentsDefaults(t *testing.T) {
+	var relayGivesUp time.Duration
+	for i := 0; i < producer.DefaultMaxAttempts-1; i++ {
+		relayGivesUp += producer.DefaultBackoff[min(i, len(producer.DefaultBackoff)-1)]
+	}
+	require.Equal(t, 156*time.Second, relayGivesUp, "the relay's dead-letter time quoted in DefaultMaxPendingAge's comment")
+	require.Greater(t, verify.DefaultMaxPendingAge, relayGivesUp)
+	require.Equal(t, time.Hour, versioning.DefaultParkTimeout, "the park timeout quoted in DefaultMaxParkedAge's comment")
+	require.Greater(t, verify.DefaultMaxParkedAge, versioning.DefaultParkTimeout)
+}
+
+// TestParkedWithinTheParkTimeoutIsNotAProblem: with the default ages, an
+// event parked behind a missing version for less than the consumer's
+// default park timeout (here 45 minutes, past the old 30-minute
+// DefaultMaxParkedAge) is information; one parked for longer than
+// DefaultMaxParkedAge is a problem.
+func TestParkedWithinTheParkTimeoutIsNotAProblem(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, 1)
+	const g = "billing"
+	f.createEffects()
+	waiting, overdue := f.publish("waiting", 3), f.publish("overdue", 3)
+	f.markRelayed()
+	for _, evs := range [][]eventline.Event{waiting, overdue} {
+		f.record(g, evs[0], "applied", 2*time.Hour)
+		f.deadLetter(evs[1])
+	}
+	f.park(g, waiting[2], 45*time.Minute)
+	f.park(g, overdue[2], verify.DefaultMaxParkedAge+time.Minute)
+
+	rep := f.run(verify.Config{EffectsQueries: map[string]string{g: f.effectsQuery()}})
+	parkedFinding := func(id string) verify.Finding {
+		for _, x := range findings(rep, id) {
+			if x.Kind == verify.Parked {
+				return x
+			}
+		}
+		t.Fatalf("no parked finding for %s: %+v", id, findings(rep, id))
+		return verify.Finding{}
+	}
+	require.Equal(t, verify.Info, parkedFinding("waiting").Severity, "parked within the park timeout: waiting as designed")
+	overdueFinding := parkedFinding("overdue")
+	require.Equal(t, verify.Problem, overdueFinding.Severity)
+	require.Contains(t, overdueFinding.Detail, "is the consumer's sweeper running?")
 }

@@ -1,0 +1,306 @@
+package e2e_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/internal/faultproxy"
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/verify"
+	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
+)
+
+// The chaos test runs relays as child processes of this test binary, so
+// they can be killed and frozen for real; TestMain recognizes a child by
+// these environment variables.
+const (
+	envChild   = "EVENTLINE_E2E_CHILD"
+	envSchema  = "EVENTLINE_E2E_SCHEMA"
+	envBrokers = "EVENTLINE_E2E_BROKERS"
+	envRelayID = "EVENTLINE_E2E_RELAY_ID"
+	// envChaosSeed seeds the chaos test's schedule; a failure's log names
+	// the seed to run it again with.
+	envChaosSeed = "EVENTLINE_CHAOS_SEED"
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(envChild) == "relay" {
+		os.Exit(runRelayChild())
+	}
+	os.Exit(m.Run())
+}
+
+// runRelayChild runs a relay until SIGTERM, with short retry waits and
+// rebalance interval so the chaos test's faults are outlived quickly.
+func runRelayChild() int {
+	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer cancel()
+	pcfg, err := pgxpool.ParseConfig(pgtest.URL())
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	pcfg.MaxConns = 8
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer pool.Close()
+	relay, err := producer.NewRelay(ctx, pool, producer.RelayConfig{
+		Schema:            os.Getenv(envSchema),
+		Brokers:           kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
+		ID:                os.Getenv(envRelayID),
+		PollInterval:      100 * time.Millisecond,
+		RebalanceInterval: 250 * time.Millisecond,
+		Backoff:           []time.Duration{50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond},
+		Logger:            testLogger(),
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	if err := relay.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
+
+// relayChild is a relay running in a child process.
+type relayChild struct {
+	id   string
+	cmd  *exec.Cmd
+	out  *bytes.Buffer
+	done chan struct{}
+}
+
+func startRelayChild(t *testing.T, schema string, brokers []string, id string) *relayChild {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), envChild+"=relay", envSchema+"="+schema, envBrokers+"="+strings.Join(brokers, ","), envRelayID+"="+id)
+	c := &relayChild{id: id, cmd: cmd, out: &bytes.Buffer{}, done: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = c.out, c.out
+	require.NoError(t, cmd.Start())
+	go func() { _ = cmd.Wait(); close(c.done) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGCONT)
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-c.done:
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+			<-c.done
+		}
+		if t.Failed() && c.out.Len() > 0 {
+			t.Logf("relay %s output:\n%s", id, c.out.String())
+		}
+	})
+	return c
+}
+
+// kill ends the child with SIGKILL and waits for it.
+func (c *relayChild) kill() {
+	_ = c.cmd.Process.Kill()
+	<-c.done
+}
+
+func chaosSeed(t *testing.T) uint64 {
+	t.Helper()
+	if s := os.Getenv(envChaosSeed); s != "" {
+		seed, err := strconv.ParseUint(s, 10, 64)
+		require.NoError(t, err, "%s must be a number", envChaosSeed)
+		return seed
+	}
+	return uint64(time.Now().UnixNano())
+}
+
+// TestChaosLosesNothing runs producer ▸ two relays (child processes) ▸
+// Kafka ▸ a consumer on a proxied pool while a seeded schedule of faults
+// plays: relays killed with SIGKILL (and replaced) or frozen with SIGSTOP
+// for a while, the consumer's database refused and reset, Kafka refusing
+// produce requests with a retriable error. Then, faults over, every event
+// must be applied once, in order, and internal/verify must report nothing:
+// no problem, no warning (nothing lost, dead-lettered, skipped or applied
+// twice). Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
+func TestChaosLosesNothing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("chaos runs for about half a minute")
+	}
+	t.Parallel()
+	seed := chaosSeed(t)
+	t.Logf("chaos seed %d (rerun with %s=%d)", seed, envChaosSeed, seed)
+	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	ctx := context.Background()
+
+	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 8})
+	r := &faultRig{t: t, env: env}
+	r.cluster, r.brokers = kafkatest.Fake(t)
+	r.topic = kafkatest.Topic(t, "chaos")
+	kafkatest.CreateTopic(t, r.brokers, r.topic, 3)
+	var err error
+	r.prod, err = producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
+	require.NoError(t, err)
+	r.proxy, err = faultproxy.Start(pgtest.Addr())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.proxy.Close() })
+	effects := r.table("chaos_effects")
+	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
+	require.NoError(t, err)
+
+	// The consumer: default park timeout (an hour: nothing may be skipped
+	// in this run), its pool through the proxy.
+	const group = "chaos"
+	reg := prometheus.NewRegistry()
+	metrics, err := middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := r.consumerConfig(group, versioning.HoldLate, metrics)
+	cfg.ParkTimeout = 0
+	c, err := consumer.New(r.proxiedPool(), cfg)
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("order.updated", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version) VALUES ($1, $2, $3)`, e.ID, e.AggregateID, e.AggregateVersion)
+		return err
+	}))
+	stopConsumer := runUntilStopped(t, c.Run)
+
+	var relays []*relayChild
+	relayN := 0
+	newRelay := func() *relayChild {
+		relayN++
+		rc := startRelayChild(t, env.Schema, r.brokers, fmt.Sprintf("chaos-%d", relayN))
+		return rc
+	}
+	relays = append(relays, newRelay(), newRelay())
+
+	// The producer: 16 aggregates, a few events at a time, until the
+	// chaos ends.
+	stopPublishing := make(chan struct{})
+	var published sync.WaitGroup
+	var total int
+	published.Add(1)
+	go func() {
+		defer published.Done()
+		prng := rand.New(rand.NewPCG(seed+1, seed))
+		for {
+			select {
+			case <-stopPublishing:
+				return
+			case <-time.After(time.Duration(5+prng.IntN(20)) * time.Millisecond): // publishing pace
+			}
+			var evs []eventline.Event
+			for range 1 + prng.IntN(3) {
+				e, err := eventline.NewJSONEvent("order.updated", "order", fmt.Sprintf("agg-%02d", prng.IntN(16)), map[string]int{"n": total})
+				if err != nil {
+					panic(err)
+				}
+				e.ID = eventline.NewEventID()
+				evs = append(evs, e)
+			}
+			if err := r.prod.Publish(ctx, env.Pool, evs...); err != nil {
+				t.Errorf("publish: %v", err)
+				return
+			}
+			total += len(evs)
+		}
+	}()
+
+	// The chaos: one fault at a time, each for 0.3 to 2 s, for 20 s.
+	chaosEnd := time.Now().Add(20 * time.Second)
+	var log []string
+	for time.Now().Before(chaosEnd) {
+		hold := time.Duration(300+rng.IntN(1700)) * time.Millisecond
+		switch rng.IntN(4) {
+		case 0:
+			i := rng.IntN(len(relays))
+			log = append(log, "kill -9 "+relays[i].id)
+			relays[i].kill()
+			relays[i] = newRelay()
+		case 1:
+			i := rng.IntN(len(relays))
+			log = append(log, fmt.Sprintf("SIGSTOP %s for %s", relays[i].id, hold))
+			require.NoError(t, relays[i].cmd.Process.Signal(syscall.SIGSTOP))
+			time.Sleep(hold) // the fault's duration
+			require.NoError(t, relays[i].cmd.Process.Signal(syscall.SIGCONT))
+		case 2:
+			log = append(log, fmt.Sprintf("consumer database refused for %s", hold))
+			r.proxy.Set(faultproxy.Refuse)
+			r.proxy.Drop()
+			time.Sleep(hold) // the fault's duration
+			r.proxy.Set(faultproxy.Pass)
+		case 3:
+			n := 1 + rng.IntN(4)
+			log = append(log, fmt.Sprintf("Kafka refuses %d produce requests (NOT_ENOUGH_REPLICAS)", n))
+			r.cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: n})
+		}
+		time.Sleep(time.Duration(100+rng.IntN(400)) * time.Millisecond) // calm between faults
+	}
+	close(stopPublishing)
+	published.Wait()
+	t.Logf("%d events; faults: %s", total, strings.Join(log, "; "))
+
+	// Faults over: everything arrives, once, in order.
+	applied := func() int {
+		return r.count(`SELECT count(*) FROM `+r.table("processed_events")+` WHERE consumer_group = $1 AND outcome = 'applied'`, group)
+	}
+	runVerify := func() (*verify.Report, string) {
+		rep, err := verify.Run(ctx, env.Pool, nil, verify.Config{
+			Schema: env.Schema, Brokers: r.brokers, Groups: []string{group},
+			EffectsQueries: map[string]string{group: `SELECT event_id, seq FROM ` + effects},
+			Logger:         testLogger(),
+		})
+		require.NoError(t, err)
+		var text bytes.Buffer
+		require.NoError(t, rep.WriteText(&text))
+		return rep, text.String()
+	}
+	for deadline := time.Now().Add(2 * time.Minute); applied() < total; {
+		if time.Now().After(deadline) {
+			_, text := runVerify()
+			t.Fatalf("seed %d: %d of %d events applied two minutes after the chaos; verify:\n%s", seed, applied(), total, text)
+		}
+		time.Sleep(50 * time.Millisecond) // polling interval
+	}
+	p := &pipeline{t: t, env: env, brokers: r.brokers, topic: r.topic}
+	p.waitConsumed(group)
+	stopConsumer()
+	for _, rc := range relays {
+		_ = rc.cmd.Process.Signal(syscall.SIGTERM)
+		<-rc.done
+	}
+	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT event_id FROM `+effects+` GROUP BY 1 HAVING count(*) > 1) d`), "an event applied twice")
+	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT aggregate_id, version, lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS prev FROM `+effects+`) x WHERE prev IS NOT NULL AND version <> prev + 1`),
+		"versions applied out of order")
+
+	rep, text := runVerify()
+	t.Logf("verify:\n%s", text)
+	require.True(t, rep.OK, "verify (seed %d):\n%s", seed, text)
+	require.Zero(t, rep.Problems, "verify (seed %d):\n%s", seed, text)
+	require.Zero(t, rep.Warnings, "verify (seed %d):\n%s", seed, text)
+	require.EqualValues(t, total, rep.Outbox.Events)
+}
