@@ -12,6 +12,8 @@ type rateResult struct {
 	summary
 	achieved  float64 // measured events committed per second
 	sustained bool
+	cpu       cpuUse // the machine's CPU use while the rate was offered
+	cpuOK     bool
 }
 
 // rateSearch offers rates above the highest one whose p99 stayed within
