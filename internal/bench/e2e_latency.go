@@ -186,7 +186,7 @@ func runEndToEndLatency(ctx context.Context, e *env) (Result, error) {
 		fmt.Sprintf("the tuned row sets the plain forwarder's PollInterval to %s to separate polling delay from the rest; it costs ~%d idle queries/s (see idle_queries)", tunedPollInterval, int(3*time.Second/tunedPollInterval)),
 		fmt.Sprintf("headline end_to_end_latency_p99 is the p99 ratio at %d events/s", tunedRate),
 		fmt.Sprintf("machine CPU busy = 1 − (idle+iowait)/total from /proc/stat over each rate's measured phase: the whole machine's, other processes included; near 100%% the pipeline is CPU-bound, not waiting; load average (1 5 15 min) at the scenario's start %s, at its end %s", loadStart, loadAvg()),
-		fmt.Sprintf("a rate is sustained when the producers committed its measured events within the phase plus 10%%; the rate search (full run only) offers 25%% more each step above the highest sustained curve rate with p99 ≤ %s; the drain publishes %d events at once through the running pipeline", maxRateP99, drainEvents),
+		fmt.Sprintf("a rate is sustained when the producers committed its measured events within the phase plus 10%%; the rate search (full run only) offers 25%% more each step above the highest sustained curve rate with p99 ≤ %s; the drain publishes %d events at once through the running pipeline", maxRateP99, e.drainEvents()),
 	}
 	res.Notes = append(res.Notes, sustainNotes...)
 	return res, nil
