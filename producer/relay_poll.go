@@ -22,6 +22,14 @@ const (
 	// hotWindow is how long a shard keeps being polled after it last
 	// relayed rows, before it asks for notifications instead.
 	hotWindow = 500 * time.Millisecond
+	// busyWindow is how long a shard that relayed rows stays in the poll
+	// statement although it is not lingering. Under steady load every
+	// shard relays within it, so the statement's shard list, and with it
+	// its text, stays the same from one poll to the next: PostgreSQL keeps
+	// one prepared statement per connection and runs its generic plan
+	// instead of planning each poll again (with the list of the shards
+	// lingering at that instant, 85% of polls were planned).
+	busyWindow = 2 * time.Second
 	// stallPollMax caps the polling interval while every polled shard has
 	// been held back by the xmin horizon for longer than stallFastPhase.
 	stallPollMax   = 20 * time.Millisecond
@@ -38,15 +46,24 @@ const (
 // so such rows are read as soon as the horizon passes, which nothing would
 // notify.
 type poller struct {
-	r    *Relay
-	mu   sync.Mutex
-	set  map[int]*shardRunner
-	kick chan struct{}
-	sql  map[string]string // poll statement by shard list
+	r      *Relay
+	mu     sync.Mutex
+	set    map[int]*shardRunner
+	recent map[int]time.Time // when each shard last relayed rows
+	kick   chan struct{}
+	sql    map[string]string // poll statement by shard list
 }
 
 func newPoller(r *Relay) *poller {
-	return &poller{r: r, set: map[int]*shardRunner{}, kick: make(chan struct{}, 1), sql: map[string]string{}}
+	return &poller{r: r, set: map[int]*shardRunner{}, recent: map[int]time.Time{}, kick: make(chan struct{}, 1), sql: map[string]string{}}
+}
+
+// relayed records that shard s just relayed rows: it stays in the poll
+// statement for busyWindow.
+func (p *poller) relayed(shard int) {
+	p.mu.Lock()
+	p.recent[shard] = time.Now()
+	p.mu.Unlock()
 }
 
 // watch adds s to the polled shards.
@@ -78,6 +95,27 @@ func (p *poller) watched() []*shardRunner {
 	}
 	slices.SortFunc(out, func(a, b *shardRunner) int { return a.shard - b.shard })
 	return out
+}
+
+// busy returns, in order, the shards a poll looks at: the lingering ones
+// (shards) and those that relayed rows in the last busyWindow.
+func (p *poller) busy(shards []*shardRunner) []int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	out := make([]int, 0, len(shards)+len(p.recent))
+	for shard, at := range p.recent {
+		if now.Sub(at) > busyWindow {
+			delete(p.recent, shard)
+			continue
+		}
+		out = append(out, shard)
+	}
+	for _, s := range shards {
+		out = append(out, s.shard)
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
 }
 
 // run polls until ctx ends.
@@ -148,19 +186,21 @@ const (
 )
 
 // poll reports, for each shard, whether the row after its position exists
-// and can be read: one index probe per shard, in one statement.
+// and can be read: one index probe per shard, in one statement. The
+// statement covers every busy shard, not only these (see busyWindow).
 func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult, error) {
-	keys := make([]string, len(shards))
-	for i, s := range shards {
-		keys[i] = strconv.Itoa(s.shard)
+	busy := p.busy(shards)
+	keys := make([]string, len(busy))
+	for i, shard := range busy {
+		keys[i] = strconv.Itoa(shard)
 	}
 	key := strings.Join(keys, ",")
 	q, ok := p.sql[key]
 	if !ok {
-		parts := make([]string, len(shards))
-		for i, s := range shards {
-			messages := sqlident.Qualify(p.r.cfg.Schema, outbox.Table(s.shard))
-			offsets := sqlident.Qualify(p.r.cfg.Schema, outbox.OffsetsTable(s.shard))
+		parts := make([]string, len(busy))
+		for i, shard := range busy {
+			messages := sqlident.Qualify(p.r.cfg.Schema, outbox.Table(shard))
+			offsets := sqlident.Qualify(p.r.cfg.Schema, outbox.OffsetsTable(shard))
 			// LATERAL makes the position a parameter of the index scan:
 			// a plain join would filter every row from the start.
 			parts[i] = `(SELECT x.readable FROM ` + offsets + ` o CROSS JOIN LATERAL (
@@ -182,11 +222,12 @@ func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult,
 		return nil, err
 	}
 	out := make([]pollResult, len(shards))
-	for i := range shards {
+	for i, s := range shards {
+		j, _ := slices.BinarySearch(busy, s.shard)
 		switch {
-		case i >= len(res) || res[i] == nil:
+		case j >= len(res) || res[j] == nil:
 			out[i] = pollEmpty
-		case *res[i]:
+		case *res[j]:
 			out[i] = pollReadable
 		default:
 			out[i] = pollHeldBack

@@ -95,8 +95,41 @@ func TestReportWrite(t *testing.T) {
 	out := b.String()
 	require.Contains(t, out, "ratio relay_drain_throughput=3.00\n")
 	require.Contains(t, out, "note relay_drain: a note")
-	require.Regexp(t, `relay_drain\s+drain events/s\s+9000\s+3000\s+3.00\s+≥ 3.00\s+plain`, out)
+	require.Regexp(t, `relay_drain\s+drain events/s\s+9000\s+3000\s+3.00\s+≥ 3.00: met\s+plain`, out)
 	v, ok := rep.Ratio("relay_drain_throughput")
 	require.True(t, ok)
 	require.Equal(t, 3.0, v)
+}
+
+// TestTargetsSayMetOrUnmet: each target in the table says whether the run
+// met it, on the ratio or, for "ours …" targets, on eventline's figure.
+func TestTargetsSayMetOrUnmet(t *testing.T) {
+	for _, c := range []struct {
+		row  Row
+		want string
+	}{
+		{Row{Ours: 9000, Base: 3000, Target: "≥ 3.00"}, "≥ 3.00: met"},
+		{Row{Ours: 8000, Base: 3000, Target: "≥ 3.00 [#10]"}, "≥ 3.00 [#10]: UNMET"},
+		{Row{Ours: 1.6, Base: 1, Target: "≤ 1.25; ≤ 1.50 [#10]"}, "≤ 1.25: UNMET; ≤ 1.50 [#10]: UNMET"},
+		{Row{Ours: 1.3, Base: 1, Target: "≤ 1.25; ≤ 1.50 [#10]"}, "≤ 1.25: UNMET; ≤ 1.50 [#10]: met"},
+		{Row{Ours: 18.9, Base: 1200, Target: "ours ≤ 100 ms; ours ≤ 20 ms [#10]"}, "ours ≤ 100 ms: met; ours ≤ 20 ms [#10]: met"},
+		{Row{Ours: 23, Base: 1200, Target: "ours ≤ 20 ms [#10]"}, "ours ≤ 20 ms [#10]: UNMET"},
+		{Row{Ours: 4, Base: 300, Target: "ours ≤ 20/s"}, "ours ≤ 20/s: met"},
+		{Row{Ours: 4, Base: 300, Target: "fast"}, "fast"},
+		{Row{Ours: 4, Base: 300}, "-"},
+	} {
+		require.Equal(t, c.want, c.row.targetVerdict(), "%+v", c.row)
+	}
+}
+
+func TestCPUBetween(t *testing.T) {
+	a := cpuTimes{total: 1000, idle: 600}
+	b := cpuTimes{total: 2000, idle: 850}
+	u := cpuBetween(a, b)
+	require.InDelta(t, 0.75, u.busy, 1e-9)
+	require.Greater(t, u.cores, 0.0)
+	require.Equal(t, cpuUse{}, cpuBetween(b, a))
+	_, ok := readCPU()
+	require.True(t, ok, "this machine has /proc/stat")
+	require.NotEqual(t, "n/a", loadAvg())
 }

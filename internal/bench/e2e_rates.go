@@ -12,6 +12,8 @@ type rateResult struct {
 	summary
 	achieved  float64 // measured events committed per second
 	sustained bool
+	cpu       cpuUse // the machine's CPU use while the rate was offered
+	cpuOK     bool
 }
 
 // rateSearch offers rates above the highest one whose p99 stayed within
@@ -50,13 +52,8 @@ func (e *env) rateSearch(ctx context.Context, p *pipeline, label string, curve m
 // published as fast as the producers go, from the first commit to the last
 // event applied.
 func (e *env) drain(ctx context.Context, p *pipeline, label string) (float64, error) {
-	n := drainEvents
-	switch {
-	case e.cfg.Sizes != nil:
-		n = 200 // custom (test) sizes
-	case e.cfg.Quick:
-		n /= 2
-	}
+	n := e.drainEvents()
+
 	jobs := make(chan struct{})
 	var mu sync.Mutex
 	var ids []string
@@ -112,4 +109,16 @@ func (e *env) drain(ctx context.Context, p *pipeline, label string) (float64, er
 	rate := float64(len(ids)) / end.Sub(begin).Seconds()
 	e.progressf("   %s: drained %d events at %.0f/s", label, len(ids), rate)
 	return rate, nil
+}
+
+// drainEvents is how many events the drain publishes: drainEvents, half in
+// the quick run, 200 with custom (test) sizes.
+func (e *env) drainEvents() int {
+	switch {
+	case e.cfg.Sizes != nil:
+		return 200
+	case e.cfg.Quick:
+		return drainEvents / 2
+	}
+	return drainEvents
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 )
@@ -14,10 +15,7 @@ func (r Report) Write(w io.Writer) {
 	fmt.Fprintln(tw, "SCENARIO\tMETRIC\tEVENTLINE\tBASELINE\tRATIO\tTARGET\tBASELINE IS")
 	for _, res := range r.Results {
 		for _, row := range res.Rows {
-			target := row.Target
-			if target == "" {
-				target = "-"
-			}
+			target := row.targetVerdict()
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.2f\t%s\t%s\n", res.Scenario, row.Metric,
 				formatFigure(row.Ours), formatFigure(row.Base), row.Ratio(), target, row.Baseline)
 		}
@@ -67,4 +65,61 @@ func describeSizes(s Sizes) string {
 	return fmt.Sprintf("producers=%d phase=%s×%d relay_backlog=%d consumer_backlog=%d×%d slow_backlog=%d rates=%s/%s idle=%s",
 		s.Producers, s.ProducerPhase, s.Rounds, s.RelayBacklog, s.ConsumerBacklog, s.ConsumerRounds, s.SlowBacklog,
 		strings.Join(rates, ","), s.RatePhase, s.IdleWindow)
+}
+
+// issue10 marks the targets of issue 10 (batched consumer transactions,
+// lanes, one-round-trip PublishTx, latency at 500–1000 events/s).
+const issue10 = "[#10]"
+
+// targetVerdict returns the row's targets, each followed by ": met" or
+// ": unmet". A target is "≥ x" or "≤ x" on the ratio, or "ours ≤ x <unit>"
+// on eventline's figure; "; " separates several. A target it cannot read
+// is returned as it is.
+func (r Row) targetVerdict() string {
+	if r.Target == "" {
+		return "-"
+	}
+	parts := strings.Split(r.Target, "; ")
+	for i, t := range parts {
+		if met, ok := r.meets(t); ok {
+			if met {
+				parts[i] = t + ": met"
+			} else {
+				parts[i] = t + ": UNMET"
+			}
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+// meets reports whether the row meets target t, and whether t could be
+// read.
+func (r Row) meets(t string) (met, ok bool) {
+	v := r.Ratio()
+	rest := strings.TrimSpace(t)
+	if s, found := strings.CutPrefix(rest, "ours "); found {
+		v, rest = r.Ours, s
+	}
+	var atLeast bool
+	switch {
+	case strings.HasPrefix(rest, "≥"):
+		atLeast, rest = true, strings.TrimPrefix(rest, "≥")
+	case strings.HasPrefix(rest, "≤"):
+		rest = strings.TrimPrefix(rest, "≤")
+	default:
+		return false, false
+	}
+	rest = strings.TrimSpace(rest)
+	end := strings.IndexFunc(rest, func(c rune) bool { return (c < '0' || c > '9') && c != '.' })
+	if end < 0 {
+		end = len(rest)
+	}
+	want, err := strconv.ParseFloat(rest[:end], 64)
+	if err != nil || math.IsNaN(v) || math.IsInf(v, 0) {
+		return false, false
+	}
+	if atLeast {
+		return v >= want, true
+	}
+	return v <= want, true
 }
