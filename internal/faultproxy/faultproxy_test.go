@@ -42,11 +42,14 @@ func TestProxyModes(t *testing.T) {
 	conn.Close(ctx)
 
 	// Refused: new connections fail at once.
+	// The count may already include a connection pgx opened on its own: the
+	// cancel request it sends when the frozen Ping's context ended arrives
+	// whenever it does, so compare with the count before this attempt.
 	p.Set(faultproxy.Refuse)
-	require.Zero(t, p.Refused())
+	before := p.Refused()
 	_, err = connect(t, p, 2*time.Second)
 	require.Error(t, err)
-	require.GreaterOrEqual(t, p.Refused(), int64(1), "the refused attempt is counted")
+	require.Greater(t, p.Refused(), before, "the refused attempt is counted")
 	p.Set(faultproxy.Pass)
 
 	// Dropped: open connections break; new ones work.
