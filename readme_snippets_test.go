@@ -211,7 +211,7 @@ func readmeSeveralHandlers(router *message.Router, el *middleware.Eventline, ord
 	return nil
 }
 
-func readmeUpcasters(pool *pgxpool.Pool, router *message.Router, sub message.Subscriber, el *middleware.Eventline, handler message.HandlerFunc) error {
+func readmeUpcasters(pool *pgxpool.Pool, router *message.Router, sub message.Subscriber, onOrder message.NoPublishHandlerFunc) error {
 	up, err := eventline.NewUpcasters(map[string]int{"order.created": 3},
 		eventline.Upcaster{Type: "order.created", From: 1, Func: renameAmount}, // v1 {"amount"} → v2 {"amount_cents"}
 		eventline.Upcaster{Type: "order.created", From: 2, Func: addCurrency},  // v2 → v3, adds "currency"
@@ -223,15 +223,13 @@ func readmeUpcasters(pool *pgxpool.Pool, router *message.Router, sub message.Sub
 	// The ready runner: every handler gets version 3.
 	c, err := consumer.New(pool, consumer.Config{Group: "billing", Topics: []string{"orders"}, Upcasters: up})
 
-	// Your own Router: upcast inside the safe chain, so parked events and
-	// replayed dead letters are upcast too.
-	upcasting := middleware.Upcast(up)(handler)
-	el.Register("billing", upcasting)
-	chain := el.Chain(upcasting)
-	router.AddConsumerHandler("billing", "orders", sub, func(msg *message.Message) error {
-		_, err := chain(msg)
+	// Your own Router: the middleware upcasts inside the safe chain, so
+	// parked events and replayed dead letters are upcast too.
+	el, err := middleware.New(middleware.Config{DB: pool, Group: "billing", Upcasters: up})
+	if err != nil {
 		return err
-	})
+	}
+	_, err = el.AddHandler(router, "billing", "orders", sub, onOrder)
 
 	_ = c
 	return err

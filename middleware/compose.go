@@ -100,7 +100,7 @@ func (el *Eventline) guard(h message.HandlerFunc) message.HandlerFunc {
 // (a handler-level middleware added after it) is inside the transaction;
 // [Eventline.AddHandler] rules that out.
 func (el *Eventline) Chain(h message.HandlerFunc) message.HandlerFunc {
-	inner := Innermost(h)
+	inner := Innermost(el.upcasting(h))
 	el.gate.reg.wrap(inner)
 	return el.Traced(el.dl.Middleware(el.cfg.Retry.Middleware(el.handler(el.guard(inner)))))
 }
@@ -139,8 +139,8 @@ func (el *Eventline) AddHandler(router *message.Router, name, topic string, sub 
 	if _, dup := router.Handlers()[name]; dup {
 		return nil, fmt.Errorf("middleware.Eventline.AddHandler: the router already has a handler named %q", name)
 	}
-	inner := Innermost(func(msg *message.Message) ([]*message.Message, error) { return nil, fn(msg) })
-	el.Register(name, inner)
+	inner := Innermost(el.upcasting(func(msg *message.Message) ([]*message.Message, error) { return nil, fn(msg) }))
+	el.gate.Register(name, inner)
 	chain := el.Traced(el.dl.Middleware(el.cfg.Retry.Middleware(el.handler(el.guard(inner)))))
 	return router.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
 		_, err := chain(msg)

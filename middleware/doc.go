@@ -152,19 +152,17 @@
 //
 // # Payload upcasting
 //
-// [Upcast] brings each event's payload to the current schema version of
-// its type (eventline.Upcasters) just before the handler runs. Put it
-// inside the composed middleware, so events released from parking pass
-// through it too; parked and dead-lettered messages keep the payload as
-// published. In the safe chain:
+// Config.Upcasters brings each event's payload to the current schema
+// version of its type (eventline.Upcasters) just before the handler runs,
+// inside the composed middleware, so events released from parking and
+// replayed dead letters pass through it too; parked and dead-lettered
+// messages keep the payload as published:
 //
-//	upcasting := middleware.Upcast(up)(handler)
-//	el.Register("billing", upcasting)
-//	chain := el.Chain(upcasting)
-//	router.AddConsumerHandler("billing", "orders", sub, func(msg *message.Message) error {
-//		_, err := chain(msg)
-//		return err
-//	})
+//	el, err := middleware.New(middleware.Config{DB: pool, Group: "billing", Upcasters: up})
+//	_, err = el.AddHandler(router, "billing", "orders", sub, onOrder)
+//
+// [Upcast] is the same step as a middleware, for handlers you wrap
+// yourself; it must sit inside the eventline middleware.
 //
 // # Tracing
 //

@@ -56,6 +56,15 @@ type Config struct {
 	// Validate, when set, is called before an event is parked or held as
 	// late; an error refuses it as permanent (see ValidateFunc).
 	Validate ValidateFunc
+	// Upcasters, when set, brings each event's payload to the current
+	// schema version of its type before a handler wrapped by Middleware,
+	// MiddlewareFor, Chain or AddHandler (or registered with Register)
+	// runs: inside the transaction, after the gate, so parked events,
+	// late events and replayed dead letters are upcast when they run. An
+	// event at a version the upcasters cannot reach is a permanent error,
+	// dead-lettered whole by the safe chain. It is the same as wrapping
+	// each handler in [Upcast] yourself.
+	Upcasters *eventline.Upcasters
 	// Unversioned is what happens to an event without an aggregate
 	// version. Defaults to versioning.PassUnversioned.
 	Unversioned versioning.UnversionedPolicy
@@ -263,7 +272,7 @@ func New(cfg Config) (*Eventline, error) {
 // message is decoded before the transaction begins (the statement needs
 // the event), so a malformed message costs no database work.
 func (el *Eventline) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	inner := el.guard(h)
+	inner := el.guard(el.upcasting(h))
 	el.gate.reg.wrap(inner)
 	return el.handler(inner)
 }
@@ -395,7 +404,7 @@ func (g *Gate) queueAdmission(b *pgx.Batch, e eventline.Event) func(ctx context.
 func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc {
 		wrapped := el.Middleware(h)
-		el.gate.Register(handlerName, h)
+		el.gate.Register(handlerName, el.upcasting(h))
 		return wrapped
 	}
 }
@@ -403,7 +412,15 @@ func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware
 // Register tells the sweeper which handler releases events parked under
 // the Watermill handler name handlerName; see [Gate.Register].
 func (el *Eventline) Register(handlerName string, h message.HandlerFunc) {
-	el.gate.Register(handlerName, h)
+	el.gate.Register(handlerName, el.upcasting(h))
+}
+
+// upcasting is h behind Config.Upcasters, or h itself without them.
+func (el *Eventline) upcasting(h message.HandlerFunc) message.HandlerFunc {
+	if el.cfg.Upcasters == nil {
+		return h
+	}
+	return Upcast(el.cfg.Upcasters)(h)
 }
 
 // Gate returns the version gate inside the middleware.

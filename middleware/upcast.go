@@ -14,10 +14,13 @@ import (
 // a handler written for version 3 also accepts events written as version 1
 // or 2.
 //
-// Put it inside the eventline middleware, so events released from parking
-// pass through it too, and it upcasts when the event is handled, not when
-// it is received. In the safe chain (dead letters ▸ retries ▸ eventline),
-// registered for the sweeper and replays under the handler's name:
+// Config.Upcasters applies it to every handler the middleware wraps or
+// registers; use Upcast directly only around a handler you pass to Chain
+// or Register yourself. Put it inside the eventline middleware, so events
+// released from parking pass through it too, and it upcasts when the event
+// is handled, not when it is received. In the safe chain (dead letters ▸
+// retries ▸ eventline), registered for the sweeper and replays under the
+// handler's name:
 //
 //	upcasting := middleware.Upcast(up)(handler)
 //	el.Register(name, upcasting)

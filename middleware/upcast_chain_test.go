@@ -25,6 +25,13 @@ import (
 // acknowledged, never handed to the handler.
 func TestUpcastInsideTheSafeChain(t *testing.T) {
 	t.Parallel()
+	t.Run("Upcast around the handler", func(t *testing.T) { t.Parallel(); testUpcastInTheChain(t, false) })
+	// Config.Upcasters does the same for every handler the middleware
+	// wraps or registers: the handler itself knows nothing of upcasting.
+	t.Run("Config.Upcasters", func(t *testing.T) { t.Parallel(); testUpcastInTheChain(t, true) })
+}
+
+func testUpcastInTheChain(t *testing.T, viaConfig bool) {
 	env := consumertest.New(t, pgtest.Options{MaxConns: 4})
 	up, err := eventline.NewUpcasters(map[string]int{"thing.changed": 2}, eventline.Upcaster{Type: "thing.changed", From: 1, Func: func(p []byte) ([]byte, error) {
 		var m map[string]any
@@ -35,7 +42,11 @@ func TestUpcastInsideTheSafeChain(t *testing.T) {
 		return json.Marshal(m)
 	}})
 	require.NoError(t, err)
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()})
+	cfg := middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()}
+	if viaConfig {
+		cfg.Upcasters = up
+	}
+	el, err := middleware.New(cfg)
 	require.NoError(t, err)
 
 	var mu sync.Mutex
@@ -55,6 +66,9 @@ func TestUpcastInsideTheSafeChain(t *testing.T) {
 		return nil, nil
 	}
 	upcasting := middleware.Upcast(up)(handler)
+	if viaConfig {
+		upcasting = handler
+	}
 	el.Register("billing", upcasting)
 	chain := el.Chain(upcasting)
 
