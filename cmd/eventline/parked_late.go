@@ -144,45 +144,39 @@ func lateTargets(ctx context.Context, fs *flagSet, agg string, pos []string, sto
 }
 
 func parkedApplyLate(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "parked apply-late", "<group> <event-id>... | -aggregate TYPE/ID <group>", `
+	return lateAction(ctx, args, "parked apply-late", `
 Asks the group's running consumer to apply late events: its sweeper applies each
 on its next pass, in version order per aggregate, through the handler the event
 arrived on, with the event marked late (middleware.IsLate), so the handler
 knows later versions of the aggregate were applied before it. An applied event
 leaves the late events (its outcome becomes late_applied). A handler that keeps
 failing is retried with a backoff; after the release-attempt limit the request
-is dropped and the event stays listed with its last error.`)
-	agg := fs.String("aggregate", "", "every late event of this aggregate, as `TYPE/ID`")
-	pos, err := fs.parse(args)
-	if err != nil {
-		return err
-	}
-	store, pool, err := openVersioning(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	group, ids, err := lateTargets(ctx, fs, *agg, pos, store, pool)
-	if err != nil {
-		return err
-	}
-	n, err := store.RequestLateApply(ctx, pool, group, ids...)
-	if err != nil {
-		return err
-	}
-	out := stdout(ctx)
-	fmt.Fprintf(out, "%s to apply: the sweeper of a running %s consumer applies them on its next pass\n", plural(int64(n), "late event"), group)
-	if n < len(ids) {
-		fmt.Fprintf(out, "%d of the %d ids given are not late events of group %s (see eventline parked late -group %s)\n", len(ids)-n, len(ids), group, group)
-	}
-	return nil
+is dropped and the event stays listed with its last error.`,
+		(*versioning.Store).RequestLateApply,
+		func(n int, group string) string {
+			return fmt.Sprintf("%s to apply: the sweeper of a running %s consumer applies them on its next pass", plural(int64(n), "late event"), group)
+		})
 }
 
 func parkedDiscardLate(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "parked discard-late", "<group> <event-id>... | -aggregate TYPE/ID <group>", `
+	return lateAction(ctx, args, "parked discard-late", `
 Discards late events for good: they are deleted from the late events and never
 applied; their dedup record keeps the outcome late_discarded, so a redelivery is
-skipped as a duplicate.`)
+skipped as a duplicate.`,
+		(*versioning.Store).DiscardLate,
+		func(n int, group string) string {
+			return fmt.Sprintf("discarded %s of group %s", plural(int64(n), "late event"), group)
+		})
+}
+
+// lateAction is a parked subcommand that acts on late events named by id,
+// or on every late event of one aggregate: act does it and returns how
+// many it reached, done says so.
+func lateAction(ctx context.Context, args []string, name, help string,
+	act func(*versioning.Store, context.Context, versioning.DBTX, string, ...string) (int, error),
+	done func(n int, group string) string,
+) error {
+	fs := newFlagSet(ctx, name, "<group> <event-id>... | -aggregate TYPE/ID <group>", help)
 	agg := fs.String("aggregate", "", "every late event of this aggregate, as `TYPE/ID`")
 	pos, err := fs.parse(args)
 	if err != nil {
@@ -197,12 +191,12 @@ skipped as a duplicate.`)
 	if err != nil {
 		return err
 	}
-	n, err := store.DiscardLate(ctx, pool, group, ids...)
+	n, err := act(store, ctx, pool, group, ids...)
 	if err != nil {
 		return err
 	}
 	out := stdout(ctx)
-	fmt.Fprintf(out, "discarded %s of group %s\n", plural(int64(n), "late event"), group)
+	fmt.Fprintln(out, done(n, group))
 	if n < len(ids) {
 		fmt.Fprintf(out, "%d of the %d ids given are not late events of group %s (see eventline parked late -group %s)\n", len(ids)-n, len(ids), group, group)
 	}
