@@ -11,6 +11,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/eventline/eventline/dedup"
 )
 
@@ -130,11 +132,7 @@ base64-encoded, never altered).`)
 	if !ok {
 		return fs.usageErrorf("-status %q: want unresolved, dead, replay_requested, replayed, discarded or all", *status)
 	}
-	store, err := dedup.NewDeadLetterStore(globalsOf(ctx).schema)
-	if err != nil {
-		return err
-	}
-	pool, err := openPool(ctx, 2)
+	store, pool, err := openDeadLetters(ctx)
 	if err != nil {
 		return err
 	}
@@ -234,11 +232,7 @@ together. Replaying an event that was applied in the meantime does nothing
 	if err != nil {
 		return err
 	}
-	store, err := dedup.NewDeadLetterStore(globalsOf(ctx).schema)
-	if err != nil {
-		return err
-	}
-	pool, err := openPool(ctx, 2)
+	store, pool, err := openDeadLetters(ctx)
 	if err != nil {
 		return err
 	}
@@ -273,11 +267,7 @@ parked later versions of the aggregate applies them after its park timeout
 	if strings.TrimSpace(*reason) == "" {
 		return fs.usageErrorf("-reason is required: say why these events are given up (it is kept with them)")
 	}
-	store, err := dedup.NewDeadLetterStore(globalsOf(ctx).schema)
-	if err != nil {
-		return err
-	}
-	pool, err := openPool(ctx, 2)
+	store, pool, err := openDeadLetters(ctx)
 	if err != nil {
 		return err
 	}
@@ -299,4 +289,18 @@ func joinIDs(ids []int64) string {
 		s[i] = strconv.FormatInt(id, 10)
 	}
 	return strings.Join(s, " ")
+}
+
+// openDeadLetters opens the consumer dead-letter store of the -schema flag
+// and a small pool on the -database-url one.
+func openDeadLetters(ctx context.Context) (*dedup.DeadLetterStore, *pgxpool.Pool, error) {
+	store, err := dedup.NewDeadLetterStore(globalsOf(ctx).schema)
+	if err != nil {
+		return nil, nil, err
+	}
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return nil, nil, err
+	}
+	return store, pool, nil
 }
