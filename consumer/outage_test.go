@@ -231,3 +231,25 @@ func TestRunNamesTheBrokersWhenKafkaIsUnreachable(t *testing.T) {
 	require.ErrorContains(t, err, "consumer.Config.Brokers")
 	require.NotContains(t, err.Error(), "dead-letter publisher")
 }
+
+// TestRunRefusesAnUnmigratedSchema: a consumer pointed at a schema without
+// the consumer tables stops at once with ErrNotMigrated, naming the schema
+// and the command to run, instead of failing every event on a missing
+// table.
+func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	cfg := k.config("unmigrated")
+	cfg.Schema = k.Schema + "_nope"
+	c, err := consumer.New(k.Pool, cfg)
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("thing.changed", k.applyHandler("unmigrated")))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err = c.Run(ctx) // without the check, it would run (failing every event) until ctx ends
+	require.ErrorIs(t, err, middleware.ErrNotMigrated)
+	require.ErrorContains(t, err, cfg.Schema)
+	require.ErrorContains(t, err, "eventline migrate up")
+
+	require.NoError(t, middleware.CheckMigrated(context.Background(), k.Pool, k.Schema), "a migrated schema passes")
+}

@@ -94,6 +94,9 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if err := c.checkKafka(ctx); err != nil {
 		return err
 	}
+	if err := middleware.CheckMigrated(ctx, c.db, cfg.Schema); err != nil {
+		return err
+	}
 	sub, err := c.subscriber(wlog) // engine_run.go
 	if err != nil {
 		return err
