@@ -164,6 +164,9 @@ func readmeOwnRouter(ctx context.Context, pool *pgxpool.Pool, brokers []string) 
 	if err != nil {
 		return err
 	}
+	if err := middleware.CheckMigrated(ctx, pool, ""); err != nil { // the consumer tables are there ("" = schema "eventline")
+		return err
+	}
 	_, err = el.AddHandler(router, "billing", "orders", kafkaSubscriber, func(msg *message.Message) error {
 		ctx := msg.Context()
 		tx, ok := middleware.TxFromContext(ctx)
