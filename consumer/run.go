@@ -95,6 +95,9 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		return err
 	}
 	if err := middleware.CheckMigrated(ctx, c.db, cfg.Schema); err != nil {
+		if ctx.Err() != nil {
+			return nil // cancelled before it started: a clean stop
+		}
 		return err
 	}
 	sub, err := c.subscriber(wlog) // engine_run.go

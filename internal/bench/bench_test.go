@@ -27,7 +27,11 @@ func tinySizes() *Sizes {
 		Producers: 2, ProducerPhase: 200 * time.Millisecond, Rounds: 1,
 		RelayBacklog: 300, ConsumerBacklog: 150, ConsumerRounds: 1, SlowBacklog: 200,
 		Rates: []int{50}, RatePhase: 500 * time.Millisecond,
-		IdleWindow: time.Second,
+		// Longer than the relay's RebalanceInterval (2 s): an idle relay
+		// renews its leases at least once in it. In one second its queries
+		// (renewals, 5 s safety polls whose phases can coincide) may all
+		// fall outside the window, and the smoke test would read 0/s.
+		IdleWindow: 3 * time.Second,
 	}
 }
 
