@@ -1,8 +1,10 @@
 package middleware
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -146,4 +148,23 @@ func (el *Eventline) AddHandler(router *message.Router, name, topic string, sub 
 		_, err := chain(msg)
 		return err
 	}), nil
+}
+
+// UnsafePause is how long the middleware holds a message it refused for an
+// unsafe composition (after its transaction rolled back) before it
+// answers. The refusal is the same on every delivery until the chain is
+// fixed, and a Router without eventline's Retry outside (which backs off
+// by itself) redelivers a nacked message at once: without the pause, one
+// such message spins thousands of times a second, each an ERROR line.
+const UnsafePause = time.Second
+
+// holdUnsafe waits UnsafePause or until ctx ends; a variable so that tests
+// can see it called.
+var holdUnsafe = func(ctx context.Context) {
+	t := time.NewTimer(UnsafePause)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
 }

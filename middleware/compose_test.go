@@ -214,3 +214,33 @@ func TestAddHandlerComposesTheSafeChainInOneCall(t *testing.T) {
 	kafkatest.Consume(t, k.brokers, k.poison, time.Second, func(*sarama.ConsumerMessage) bool { poisoned++; return false })
 	require.Zero(t, poisoned, "nothing reached the router's poison queue")
 }
+
+// TestUnsafeRefusalHoldsTheMessage: a refusal for an unsafe composition is
+// the same on every delivery, so the middleware holds the message (after
+// the rollback) before answering, instead of letting a Router without
+// eventline's Retry redeliver it in a tight loop. Not parallel: it swaps
+// the pause for a counter.
+func TestUnsafeRefusalHoldsTheMessage(t *testing.T) {
+	holds := middleware.CountUnsafeHolds(t)
+	env := consumertest.New(t, pgtest.Options{MaxConns: 2})
+	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()})
+	require.NoError(t, err)
+	// What Watermill's PoisonQueue does inside the chain: publish the failed
+	// message, mark it poisoned, return nil.
+	poisonedInside := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		msg.Metadata.Set(wmiddleware.ReasonForPoisonedKey, "smtp down")
+		return nil, nil
+	})
+	for i := 1; i <= 2; i++ {
+		_, err = poisonedInside(consumertest.Message(t, consumertest.Event("o-1", 1)))
+		require.ErrorIs(t, err, middleware.ErrUnsafeComposition)
+		require.EqualValues(t, i, holds.Load(), "each refusal holds the message before answering")
+	}
+	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "processed_events")))
+
+	// A handler's ordinary failure is answered at once.
+	failing := el.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, errors.New("smtp down") })
+	_, err = failing(consumertest.Message(t, consumertest.Event("o-2", 1)))
+	require.Error(t, err)
+	require.EqualValues(t, 2, holds.Load())
+}

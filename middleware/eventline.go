@@ -332,6 +332,9 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 			if errors.As(err, &ce) {
 				stage = stageCommit
 			}
+			if errors.Is(err, ErrUnsafeComposition) {
+				holdUnsafe(parent) // rolled back by now: nothing is held but the message
+			}
 			return nil, el.classify(parent, ctx, stage, lost, err)
 		}
 		return out, nil

@@ -1,5 +1,10 @@
 package middleware
 
+import (
+	"context"
+	"sync/atomic"
+)
+
 // BatchArrivals returns how many of b's members have reached the composed
 // middleware and wait there for the batch (tests wait on it instead of
 // sleeping).
@@ -13,4 +18,14 @@ func BatchArrivals(b *Batch) int {
 		}
 	}
 	return n
+}
+
+// CountUnsafeHolds replaces the pause after an unsafe-composition refusal
+// with a counter (no wait), restored when the test ends.
+func CountUnsafeHolds(t interface{ Cleanup(func()) }) *atomic.Int32 {
+	var n atomic.Int32
+	prev := holdUnsafe
+	holdUnsafe = func(context.Context) { n.Add(1) }
+	t.Cleanup(func() { holdUnsafe = prev })
+	return &n
 }
