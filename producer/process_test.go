@@ -1,12 +1,10 @@
 package producer_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strings"
 	"sync"
@@ -18,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/eventline/eventline/internal/childproc"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -102,42 +101,17 @@ func runRelayChild() int {
 	return 0
 }
 
-// relayProcess is a relay running in a child process.
-type relayProcess struct {
-	cmd  *exec.Cmd
-	out  *bytes.Buffer
-	done chan struct{}
-	err  error
+// startRelayProcess runs a relay in a child process on env's outbox.
+func startRelayProcess(t *testing.T, env pgtest.Env, brokers []string, extraEnv ...string) *childproc.Proc {
+	t.Helper()
+	return childproc.Start(t, append([]string{envChild + "=relay", envSchema + "=" + env.Schema, envBrokers + "=" + strings.Join(brokers, ",")}, extraEnv...)...)
 }
 
-func startRelayProcess(t *testing.T, env pgtest.Env, brokers []string, extraEnv ...string) *relayProcess {
+// waitSoleOwner waits until one relay, named id, holds every shard, and
+// returns how long that took.
+func waitSoleOwner(t *testing.T, env pgtest.Env, id string, timeout time.Duration) time.Duration {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envChild+"=relay", envSchema+"="+env.Schema, envBrokers+"="+strings.Join(brokers, ","))
-	cmd.Env = append(cmd.Env, extraEnv...)
-	p := &relayProcess{cmd: cmd, out: &bytes.Buffer{}, done: make(chan struct{})}
-	cmd.Stdout, cmd.Stderr = p.out, p.out
-	require.NoError(t, cmd.Start())
-	go func() { p.err = cmd.Wait(); close(p.done) }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-p.done:
-		case <-time.After(30 * time.Second):
-			_ = cmd.Process.Kill()
-			<-p.done
-		}
-		if t.Failed() {
-			t.Logf("relay process %d output:\n%s", cmd.Process.Pid, p.out.String())
-		}
-	})
-	return p
-}
-
-func (p *relayProcess) kill9(t *testing.T) {
-	t.Helper()
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
-	<-p.done
+	return waitOwnedBy(t, env, id, timeout)
 }
 
 // waitOwners waits until every shard is owned, by exactly owners distinct
@@ -171,7 +145,7 @@ func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 6)
 
-	relays := []*relayProcess{
+	relays := []*childproc.Proc{
 		startRelayProcess(t, env, brokers),
 		startRelayProcess(t, env, brokers),
 		startRelayProcess(t, env, brokers),
@@ -192,7 +166,7 @@ func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
 			}
 			mu.Unlock()
 			if i == 10 {
-				relays[0].kill9(t)
+				relays[0].Kill()
 			}
 		}
 	}()
@@ -234,12 +208,11 @@ func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 	// SIGKILL before recording it in the outbox.
 	crashing := startRelayProcess(t, env, brokers, envCrashAfterPublsh+"=1")
 	select {
-	case <-crashing.done:
+	case <-crashing.Done():
 	case <-time.After(30 * time.Second):
 		t.Fatal("relay child did not crash")
 	}
-	ws, ok := crashing.cmd.ProcessState.Sys().(syscall.WaitStatus)
-	require.True(t, ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL, "child must die by SIGKILL, got %v", crashing.err)
+	require.True(t, crashing.KilledBy(syscall.SIGKILL), "child must die by SIGKILL, got %v", crashing.Err())
 	require.Equal(t, 1, distinct(readTopic(t, brokers, topic, 1, 10*time.Second))[events[0].ID], "published_after_crash=1")
 	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
@@ -254,18 +227,6 @@ func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 	st, err = producer.ReadStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.Zero(t, st.Backlog())
-}
-
-// waitSoleOwner waits until one relay, named id, holds every shard, and
-// returns how long that took.
-func waitSoleOwner(t *testing.T, env pgtest.Env, id string, timeout time.Duration) time.Duration {
-	t.Helper()
-	return waitOwnedBy(t, env, id, timeout)
-}
-
-func (p *relayProcess) signal(t *testing.T, sig syscall.Signal) {
-	t.Helper()
-	require.NoError(t, p.cmd.Process.Signal(sig))
 }
 
 // TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays runs relays as
@@ -286,7 +247,7 @@ func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
 	t.Cleanup(func() { _ = proxy.Close() })
 	const interval = 200 * time.Millisecond
 	bound := producer.TakeoverBound(interval)
-	child := func(id string, extra ...string) *relayProcess {
+	child := func(id string, extra ...string) *childproc.Proc {
 		return startRelayProcess(t, env, brokers, append(extra, envRelayID+"="+id, envRebalance+"="+interval.String())...)
 	}
 
@@ -310,7 +271,7 @@ func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
 	waitOwners(t, env, 2)
 	waitRelayedPastNow(t, env, 90*time.Second, "relayed after the second rebalance")
 	stoppedAt := time.Now()
-	b.signal(t, syscall.SIGSTOP)
+	require.NoError(t, b.Signal(syscall.SIGSTOP))
 	stopped := waitSoleOwner(t, env, "c", time.Minute)
 	waitRelayedPastNow(t, env, 90*time.Second, "relayed after b was stopped")
 	stoppedRelayed := time.Since(stoppedAt)
@@ -319,7 +280,7 @@ func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
 
 	// The vanished relays come back: they must have stopped relaying
 	// their lost shards, and they rejoin.
-	b.signal(t, syscall.SIGCONT)
+	require.NoError(t, b.Signal(syscall.SIGCONT))
 	proxy.Set(faultproxy.Pass)
 	waitOwners(t, env, 3)
 	waitRelayedPastNow(t, env, 90*time.Second, "relayed after the relays came back")

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strconv"
 	"strings"
@@ -25,6 +24,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/internal/childproc"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -94,40 +94,13 @@ func runRelayChild() int {
 
 // relayChild is a relay running in a child process.
 type relayChild struct {
-	id   string
-	cmd  *exec.Cmd
-	out  *bytes.Buffer
-	done chan struct{}
+	id string
+	*childproc.Proc
 }
 
 func startRelayChild(t *testing.T, schema string, brokers []string, id string) *relayChild {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envChild+"=relay", envSchema+"="+schema, envBrokers+"="+strings.Join(brokers, ","), envRelayID+"="+id)
-	c := &relayChild{id: id, cmd: cmd, out: &bytes.Buffer{}, done: make(chan struct{})}
-	cmd.Stdout, cmd.Stderr = c.out, c.out
-	require.NoError(t, cmd.Start())
-	go func() { _ = cmd.Wait(); close(c.done) }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGCONT)
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-c.done:
-		case <-time.After(30 * time.Second):
-			_ = cmd.Process.Kill()
-			<-c.done
-		}
-		if t.Failed() && c.out.Len() > 0 {
-			t.Logf("relay %s output:\n%s", id, c.out.String())
-		}
-	})
-	return c
-}
-
-// kill ends the child with SIGKILL and waits for it.
-func (c *relayChild) kill() {
-	_ = c.cmd.Process.Kill()
-	<-c.done
+	return &relayChild{id: id, Proc: childproc.Start(t, envChild+"=relay", envSchema+"="+schema, envBrokers+"="+strings.Join(brokers, ","), envRelayID+"="+id)}
 }
 
 func chaosSeed(t *testing.T) uint64 {
@@ -239,14 +212,14 @@ func TestChaosLosesNothing(t *testing.T) {
 		case 0:
 			i := rng.IntN(len(relays))
 			log = append(log, "kill -9 "+relays[i].id)
-			relays[i].kill()
+			relays[i].Kill()
 			relays[i] = newRelay()
 		case 1:
 			i := rng.IntN(len(relays))
 			log = append(log, fmt.Sprintf("SIGSTOP %s for %s", relays[i].id, hold))
-			require.NoError(t, relays[i].cmd.Process.Signal(syscall.SIGSTOP))
+			require.NoError(t, relays[i].Signal(syscall.SIGSTOP))
 			time.Sleep(hold) // the fault's duration
-			require.NoError(t, relays[i].cmd.Process.Signal(syscall.SIGCONT))
+			require.NoError(t, relays[i].Signal(syscall.SIGCONT))
 		case 2:
 			log = append(log, fmt.Sprintf("consumer database refused for %s", hold))
 			r.proxy.Set(faultproxy.Refuse)
@@ -290,8 +263,8 @@ func TestChaosLosesNothing(t *testing.T) {
 	p.waitConsumed(group)
 	stopConsumer()
 	for _, rc := range relays {
-		_ = rc.cmd.Process.Signal(syscall.SIGTERM)
-		<-rc.done
+		_ = rc.Signal(syscall.SIGTERM)
+		<-rc.Done()
 	}
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT event_id FROM `+effects+` GROUP BY 1 HAVING count(*) > 1) d`), "an event applied twice")
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT aggregate_id, version, lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS prev FROM `+effects+`) x WHERE prev IS NOT NULL AND version <> prev + 1`),
