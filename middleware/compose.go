@@ -104,6 +104,12 @@ func (el *Eventline) guard(h message.HandlerFunc) message.HandlerFunc {
 func (el *Eventline) Chain(h message.HandlerFunc) message.HandlerFunc {
 	inner := Innermost(el.upcasting(h))
 	el.gate.reg.wrap(inner)
+	return el.safeChain(inner)
+}
+
+// safeChain composes the chain of Chain and AddHandler around inner, the
+// user's handler already wrapped in Innermost.
+func (el *Eventline) safeChain(inner message.HandlerFunc) message.HandlerFunc {
 	return el.Traced(el.dl.Middleware(el.cfg.Retry.Middleware(el.handler(el.guard(inner)))))
 }
 
@@ -143,7 +149,7 @@ func (el *Eventline) AddHandler(router *message.Router, name, topic string, sub 
 	}
 	inner := Innermost(el.upcasting(func(msg *message.Message) ([]*message.Message, error) { return nil, fn(msg) }))
 	el.gate.Register(name, inner)
-	chain := el.Traced(el.dl.Middleware(el.cfg.Retry.Middleware(el.handler(el.guard(inner)))))
+	chain := el.safeChain(inner)
 	return router.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
 		_, err := chain(msg)
 		return err

@@ -156,14 +156,10 @@ func (g *Gate) run(msg *message.Message, e eventline.Event, h message.HandlerFun
 	}
 	group, m := g.cfg.Group, g.cfg.Metrics
 	ctx := msg.Context()
-	if g.stagesOn() {
-		AfterCommit(ctx, func() {
-			m.incApplied(group, e.Type)
-			g.observeApplied(ctx, e)
-		})
-	} else {
-		AfterCommit(ctx, func() { m.incApplied(group, e.Type) })
-	}
+	AfterCommit(ctx, func() {
+		m.incApplied(group, e.Type)
+		g.observeApplied(ctx, e)
+	})
 	g.obs.applied(ctx)
 	return out, nil
 }

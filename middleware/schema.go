@@ -5,8 +5,7 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/jackc/pgx/v5"
-
+	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
 )
@@ -31,7 +30,7 @@ func CheckMigrated(ctx context.Context, db versioning.DBTX, schema string) error
 		schema = migrations.DefaultSchema
 	}
 	var present bool
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, newestConsumerTable}.Sanitize()).Scan(&present)
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, newestConsumerTable)).Scan(&present)
 	if err != nil {
 		return fmt.Errorf("eventline: check the consumer schema %q: %w", schema, err)
 	}

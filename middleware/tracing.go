@@ -149,6 +149,9 @@ func (g *Gate) stagesOn() bool { return g.cfg.Metrics != nil || g.obs.stages != 
 // observeApplied records the stages of an event applied on arrival; it
 // runs after the commit.
 func (g *Gate) observeApplied(ctx context.Context, e eventline.Event) {
+	if !g.stagesOn() {
+		return
+	}
 	now := time.Now()
 	if ts := SourceFromContext(ctx).Timestamp; !ts.IsZero() {
 		g.observeStage(StageRelayedToApplied, now.Sub(ts))
