@@ -8,10 +8,9 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 
-	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -153,10 +152,8 @@ func scanPartition(ctx context.Context, consumer sarama.Consumer, topic string, 
 		case kerr := <-pc.Errors():
 			return 0, false, fmt.Errorf("read Kafka topic %s/%d: %w", topic, p, kerr)
 		case m := <-pc.Messages():
-			for _, h := range m.Headers {
-				if (string(h.Key) == eventline.MetaEventID || string(h.Key) == kafka.UUIDHeaderKey) && string(h.Value) == eventID {
-					return m.Offset, true, nil
-				}
+			if verify.RecordEventID(m) == eventID {
+				return m.Offset, true, nil
 			}
 			if m.Offset+1 >= end {
 				return 0, false, nil

@@ -363,7 +363,7 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 					dead = append(dead, d)
 					return
 				}
-				if id := eventIDOf(m); id != "" {
+				if id := RecordEventID(m); id != "" {
 					recs = append(recs, kafkaRecord{key: keyOf(id), topic: j.ti, partition: m.Partition, offset: m.Offset})
 				}
 			})
@@ -423,9 +423,9 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 	return nil
 }
 
-// eventIDOf returns a record's event id: the event_id header, else the
+// RecordEventID returns a record's event id: the event_id header, else the
 // Watermill message UUID header.
-func eventIDOf(m *sarama.ConsumerMessage) string {
+func RecordEventID(m *sarama.ConsumerMessage) string {
 	var uuid string
 	for _, h := range m.Headers {
 		switch string(h.Key) {
