@@ -23,6 +23,7 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/middleware"
 )
@@ -150,7 +151,7 @@ func testCrashAfterCommit(t *testing.T, tc crashCase) {
 		require.EqualValues(t, tc.versions, last)
 		require.Equal(t, fold(all...), value)
 	}
-	require.EqualValues(t, before, counterSum(t, reg, "eventline_consumer_events_duplicate_total"),
+	require.EqualValues(t, before, metrictest.Sum(t, reg, "eventline_consumer_events_duplicate_total"),
 		"exactly the events committed before the crash were redelivered (their offsets were not committed) and recognised as duplicates")
 }
 
@@ -204,19 +205,4 @@ func TestCrashChild(t *testing.T) {
 	defer cancel()
 	_ = c.Run(ctx)
 	t.Fatal("the child should have killed itself")
-}
-
-func counterSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	require.NoError(t, err)
-	var sum float64
-	for _, f := range families {
-		if f.GetName() == name {
-			for _, m := range f.GetMetric() {
-				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-			}
-		}
-	}
-	return sum
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -128,8 +129,8 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 	require.Contains(t, dls[0].Reason, "event_id")
 	require.Contains(t, dls[1].Reason, "too large")
 	require.Contains(t, dls[2].Reason, "thing.unheard_of")
-	require.Equal(t, 3.0, counterSum(t, reg, "eventline_consumer_events_dead_lettered_total"))
-	require.Equal(t, 3.0, counterSum(t, reg, "eventline_consumer_dead_letter_publish_failures_total"),
+	require.Equal(t, 3.0, metrictest.Sum(t, reg, "eventline_consumer_events_dead_lettered_total"))
+	require.Equal(t, 3.0, metrictest.Sum(t, reg, "eventline_consumer_dead_letter_publish_failures_total"),
 		"none of the three fits the dead-letter topic; the table has them")
 }
 

@@ -20,6 +20,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -128,20 +129,20 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 	more := events(2, 5, aggs...)
 	publish(t, k.brokers, k.topic, messages(t, more)...)
 	want = append(want, more...)
-	eventually(t, 60*time.Second, func() bool { return counterSum(t, reg, "eventline_consumer_waiting_on_database") > 0 },
+	eventually(t, 60*time.Second, func() bool { return metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database") > 0 },
 		"the consumer reports that it waits for the database")
 	// Outlast the budget: more failed attempts than 1 + MaxRetries, for
 	// more than 10 times the budget's total wait (350ms).
 	outageStart := time.Now()
 	eventually(t, 60*time.Second, func() bool {
-		return counterSum(t, reg, "eventline_consumer_infra_waits_total") > float64(2*(1+cfg.MaxRetries)) && time.Since(outageStart) > 4*time.Second
+		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(2*(1+cfg.MaxRetries)) && time.Since(outageStart) > 4*time.Second
 	}, "the outage outlasts the retry budget")
 	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, dedup.DeadLetterTable)), "nothing dead-lettered during the outage")
 	require.Len(t, k.Effects(t, group), len(aggs), "nothing applied during the outage")
 
 	proxy.Set(faultproxy.Pass)
 	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) >= len(want) }, "the consumer resumes by itself")
-	eventually(t, 10*time.Second, func() bool { return counterSum(t, reg, "eventline_consumer_waiting_on_database") == 0 }, "the outage is over")
+	eventually(t, 10*time.Second, func() bool { return metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database") == 0 }, "the outage is over")
 	require.NoError(t, r.stop())
 
 	appliedOnce(t, k.Effects(t, group), want)
@@ -151,7 +152,7 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 		require.Equal(t, fold(1, 2, 3, 4, 5), value, "applied in order")
 	}
 	failureFree(t, k, group)
-	require.Zero(t, counterSum(t, reg, "eventline_consumer_events_dead_lettered_total"))
+	require.Zero(t, metrictest.Sum(t, reg, "eventline_consumer_events_dead_lettered_total"))
 }
 
 // A database host that stops answering without closing its connections
@@ -201,9 +202,9 @@ func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
 	want = append(want, more...)
 	eventually(t, 60*time.Second, func() bool { return frozen.Mode() == faultproxy.Freeze }, "the database freezes during a COMMIT")
 	eventually(t, 60*time.Second, func() bool {
-		return counterSum(t, reg, "eventline_consumer_infra_waits_total") > float64(1+cfg.MaxRetries)
+		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(1+cfg.MaxRetries)
 	}, "the consumer notices the frozen connection and waits for longer than its retry budget")
-	require.Greater(t, counterSum(t, reg, "eventline_consumer_waiting_on_database"), 0.0)
+	require.Greater(t, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database"), 0.0)
 	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, dedup.DeadLetterTable)))
 
 	// Connections work again (the frozen host stays frozen).

@@ -16,6 +16,7 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/eventlinetest/kafkatest"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/middleware"
 )
@@ -109,7 +110,7 @@ func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
 	r := start(t, c)
 
 	count := func() int { return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+seen) }
-	deadLettered := func() float64 { return counterSum(t, reg, "eventline_consumer_events_dead_lettered_total") }
+	deadLettered := func() float64 { return metrictest.Sum(t, reg, "eventline_consumer_events_dead_lettered_total") }
 	eventually(t, 60*time.Second, func() bool { return count() == 5 && deadLettered() == 1 }, "5 orders applied and 1 dead letter")
 	require.NoError(t, r.stop())
 

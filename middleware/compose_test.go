@@ -19,6 +19,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -111,7 +112,7 @@ func TestPoisonQueueInsideEventlineIsRefusedNotCommitted(t *testing.T) {
 	e := consumertest.Event("o-1", 1)
 	k.publish(t, consumertest.Message(t, e))
 	deadline := time.Now().Add(60 * time.Second)
-	for gatherValue(t, reg, "eventline_consumer_unsafe_compositions_total") < 2 {
+	for metrictest.Sum(t, reg, "eventline_consumer_unsafe_compositions_total") < 2 {
 		require.True(t, time.Now().Before(deadline), "the unsafe chain must be detected, and again on redelivery")
 		time.Sleep(20 * time.Millisecond) // polling interval
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -361,16 +362,5 @@ func fold(versions ...int64) int64 {
 // metric sums a metric family's series (counters and gauges).
 func (f *fixture) metric(t *testing.T, name string) float64 {
 	t.Helper()
-	families, err := f.registry.Gather()
-	require.NoError(t, err)
-	var sum float64
-	for _, fam := range families {
-		if fam.GetName() != name {
-			continue
-		}
-		for _, m := range fam.GetMetric() {
-			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-		}
-	}
-	return sum
+	return metrictest.Sum(t, f.registry, name)
 }

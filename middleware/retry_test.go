@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -118,7 +119,7 @@ func TestRetryWaitsForTheDatabaseWithoutSpendingTheBudget(t *testing.T) {
 	require.NoError(t, err)
 	c := &clock{}
 	var waiting []float64
-	c.onWait = func(int) { waiting = append(waiting, gatherValue(t, reg, "eventline_consumer_waiting_on_database")) }
+	c.onWait = func(int) { waiting = append(waiting, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database")) }
 	retry := middleware.Retry{MaxRetries: 2, Group: "g", Metrics: metrics, Sleep: c.sleep, Logger: quiet()}
 	// Seven failures because the database is down (far more than the
 	// budget of two), then two handler failures, then success.
@@ -128,10 +129,10 @@ func TestRetryWaitsForTheDatabaseWithoutSpendingTheBudget(t *testing.T) {
 	require.Equal(t, 10, s.attempts)
 	require.Equal(t, append(ms(250, 500, 1000, 2000, 4000, 5000, 5000), ms(100, 200)...), c.recorded(),
 		"outage waits double from InfraInitialInterval up to InfraMaxInterval; the handler's retries then start at InitialInterval")
-	require.Equal(t, 7.0, gatherValue(t, reg, "eventline_consumer_infra_waits_total"))
-	require.Equal(t, 2.0, gatherValue(t, reg, "eventline_consumer_retries_total"))
+	require.Equal(t, 7.0, metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total"))
+	require.Equal(t, 2.0, metrictest.Sum(t, reg, "eventline_consumer_retries_total"))
 	require.Equal(t, []float64{1, 1, 1, 1, 1, 1, 1, 0, 0}, waiting, "waiting_on_database is 1 during the outage, 0 after")
-	require.Zero(t, gatherValue(t, reg, "eventline_consumer_waiting_on_database"))
+	require.Zero(t, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database"))
 
 	// The same outage with no retry budget at all.
 	c = &clock{}
@@ -203,21 +204,6 @@ func TestRetryRefusesInvalidSettingsAndTheWrongPlace(t *testing.T) {
 		require.Error(t, r.Validate())
 	}
 	require.NoError(t, middleware.Retry{}.Validate())
-}
-
-func gatherValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	require.NoError(t, err)
-	var sum float64
-	for _, f := range families {
-		if f.GetName() == name {
-			for _, m := range f.GetMetric() {
-				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-			}
-		}
-	}
-	return sum
 }
 
 func ExampleRetry() {

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -79,37 +80,16 @@ func TestRelayMetricsAndStatusCollector(t *testing.T) {
 	require.NoError(t, reg.Register(producer.NewStatusCollector(env.Pool, env.Schema)))
 
 	publishOrders(t, env, topic, 4, 30, 10)
-	require.EqualValues(t, 30, sumMetric(t, reg, "eventline_outbox_backlog"))
-	require.Positive(t, sumMetric(t, reg, "eventline_outbox_oldest_pending_seconds"))
+	require.EqualValues(t, 30, metrictest.Sum(t, reg, "eventline_outbox_backlog"))
+	require.Positive(t, metrictest.Sum(t, reg, "eventline_outbox_oldest_pending_seconds"))
 
 	_, stop := startRelay(t, env, producer.RelayConfig{Brokers: brokers, Metrics: metrics})
 	waitDrained(t, env)
 	stop()
-	require.EqualValues(t, 30, sumMetric(t, reg, "eventline_relay_forwarded_total"))
+	require.EqualValues(t, 30, metrictest.Sum(t, reg, "eventline_relay_forwarded_total"))
 	require.EqualValues(t, 30, histogramCount(t, reg, "eventline_relay_publish_latency_seconds"))
-	require.Zero(t, sumMetric(t, reg, "eventline_outbox_backlog"))
-	require.EqualValues(t, 1, sumMetric(t, reg, "eventline_outbox_up"))
-}
-
-func sumMetric(t *testing.T, g prometheus.Gatherer, name string) float64 {
-	t.Helper()
-	families, err := g.Gather()
-	require.NoError(t, err)
-	var sum float64
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			switch {
-			case m.GetCounter() != nil:
-				sum += m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				sum += m.GetGauge().GetValue()
-			}
-		}
-	}
-	return sum
+	require.Zero(t, metrictest.Sum(t, reg, "eventline_outbox_backlog"))
+	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_outbox_up"))
 }
 
 func histogramCount(t *testing.T, g prometheus.Gatherer, name string) uint64 {

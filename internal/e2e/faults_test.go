@@ -27,6 +27,7 @@ import (
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -254,21 +255,6 @@ func (r *faultRig) describe(group string) string {
 	return b.String()
 }
 
-func metric(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	require.NoError(t, err)
-	var sum float64
-	for _, f := range families {
-		if f.GetName() == name {
-			for _, m := range f.GetMetric() {
-				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-			}
-		}
-	}
-	return sum
-}
-
 // TestDatabaseOutageAndLateReplayLoseNothing runs producer ▸ relay ▸ Kafka
 // ▸ two consumer groups whose database connections go through a fault
 // proxy (issue 8, "Done means").
@@ -334,7 +320,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	sawWaiting := map[string]bool{}
 	require.Eventually(t, func() bool {
 		for _, g := range groups {
-			if metric(t, regs[g], "eventline_consumer_waiting_on_database") > 0 {
+			if metrictest.Sum(t, regs[g], "eventline_consumer_waiting_on_database") > 0 {
 				sawWaiting[g] = true
 			}
 		}
@@ -360,14 +346,14 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 				require.False(t, x.Late, "group %s: %s v%d applied late", g, a, x.Version)
 			}
 		}
-		require.Zero(t, metric(t, regs[g], "eventline_consumer_events_dead_lettered_total"), "group %s dead-lettered", g)
+		require.Zero(t, metrictest.Sum(t, regs[g], "eventline_consumer_events_dead_lettered_total"), "group %s dead-lettered", g)
 	}
 	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "phase 1: %s must be empty", table)
 	}
 	for _, g := range groups {
 		require.True(t, sawWaiting[g], "group %s never reported that it waits for the database", g)
-		require.Eventually(t, func() bool { return metric(t, regs[g], "eventline_consumer_waiting_on_database") == 0 },
+		require.Eventually(t, func() bool { return metrictest.Sum(t, regs[g], "eventline_consumer_waiting_on_database") == 0 },
 			time.Minute, 20*time.Millisecond, "group %s reports the outage over", g)
 	}
 
@@ -443,7 +429,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	require.Len(t, all, 1)
 	require.NotNil(t, all[0].ReplayedAt)
 	for _, g := range groups {
-		require.Zero(t, metric(t, regs[g], "eventline_consumer_events_dead_lettered_total"), "group %s dead-lettered", g)
+		require.Zero(t, metrictest.Sum(t, regs[g], "eventline_consumer_events_dead_lettered_total"), "group %s dead-lettered", g)
 		require.Equal(t, len(aggs)*perAgg+4, r.count(`SELECT count(*) FROM `+r.applied+` WHERE grp = $1`, g), fmt.Sprintf("group %s: every event applied once", g))
 	}
 }
