@@ -41,17 +41,24 @@ func waitSpans(t *testing.T, rec *tracingtest.Recorder, name string, n int) []tr
 
 type tracingtestSpan = tracetest.SpanStub
 
+// traceSetup gives a relay test a one-shard outbox, a one-partition topic
+// on in-process Kafka and an in-memory span recorder.
+func traceSetup(t *testing.T) (pgtest.Env, []string, string, *tracingtest.Recorder) {
+	t.Helper()
+	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 6})
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 1)
+	return env, brokers, topic, tracingtest.New(t)
+}
+
 // TestRelaySendSpanContinuesThePublishTrace: with a TracerProvider, the
 // relay records "send <topic>" (producer kind) as a child of the span
 // PublishTx captured, with the messaging and eventline attributes, and
 // the Kafka record carries the send span's traceparent.
 func TestRelaySendSpanContinuesThePublishTrace(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 6})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
-	rec := tracingtest.New(t)
+	env, brokers, topic, rec := traceSetup(t)
 
 	e, err := eventline.NewJSONEvent("order.placed", "order", "o-1", map[string]int{"qty": 1})
 	require.NoError(t, err)
@@ -91,11 +98,7 @@ func TestRelaySendSpanContinuesThePublishTrace(t *testing.T) {
 // and the error recorded.
 func TestRelaySendSpanRecordsKafkaError(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 6})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
-	rec := tracingtest.New(t)
+	env, brokers, topic, rec := traceSetup(t)
 
 	e, err := eventline.NewJSONEvent("order.placed", "order", "o-big", map[string]string{"blob": strings.Repeat("x", 4000)})
 	require.NoError(t, err)
@@ -112,11 +115,7 @@ func TestRelaySendSpanRecordsKafkaError(t *testing.T) {
 // record carries the publisher's traceparent as it was stored.
 func TestRelayWithoutTracerProviderLeavesTheTraceparent(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 6})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
-	rec := tracingtest.New(t)
+	env, brokers, topic, rec := traceSetup(t)
 
 	e, err := eventline.NewJSONEvent("order.placed", "order", "o-2", map[string]int{"qty": 1})
 	require.NoError(t, err)
