@@ -127,14 +127,10 @@ func locateMissing(ctx context.Context, consumerDB versioning.DBTX, consumerSche
 // searchOutbox looks the versions up in the relay's dead letters and the
 // outbox shards. An error means the outbox could not be searched.
 func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]versioning.Key) (map[aggVersion]versionWhere, error) {
-	var present bool
-	if err := ob.db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(ob.schema, "outbox_config")).Scan(&present); err != nil {
-		return nil, fmt.Errorf("look for the outbox: %w", err)
-	}
-	if !present {
+	shards, err := producer.ReadShardCount(ctx, ob.db, ob.schema)
+	if errors.Is(err, producer.ErrNotMigrated) {
 		return nil, fmt.Errorf("no outbox in schema %s: if it lives elsewhere, pass -outbox-database-url and -outbox-schema", ob.schema)
 	}
-	shards, err := producer.ReadShardCount(ctx, ob.db, ob.schema)
 	if err != nil {
 		return nil, err
 	}
