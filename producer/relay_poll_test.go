@@ -55,6 +55,17 @@ func (tr *pollTracer) snapshot() (polls int, texts []string) {
 	return tr.polls, texts
 }
 
+// topShare is the share of the polls that used the most used text.
+func (tr *pollTracer) topShare() float64 {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	top := 0
+	for _, n := range tr.texts {
+		top = max(top, n)
+	}
+	return float64(top) / float64(max(tr.polls, 1))
+}
+
 // tracedRelayPool is a pool for a relay of env's shards whose statements
 // tr sees.
 func tracedRelayPool(t *testing.T, env pgtest.Env, tr *pollTracer) *pgxpool.Pool {
@@ -155,7 +166,12 @@ func TestRelayPollsBusyShardsWithOneStatement(t *testing.T) {
 	stop()
 	polls, texts := tr.snapshot()
 	t.Logf("%d polls in %s under ~250 events/s", polls, time.Since(counted).Round(time.Millisecond))
-	require.Equal(t, 1, len(texts), "%d polls used %d statement texts", polls, len(texts))
+	// One text under steady load. A machine loaded enough to hold a shard
+	// back for longer than busyWindow changes the list once in a while;
+	// before the fix the text changed from poll to poll (15 texts in 501).
+	share := tr.topShare()
+	t.Logf("%d polls used %d statement texts, the most used one for %.1f%% of them", polls, len(texts), 100*share)
+	require.GreaterOrEqual(t, share, 0.95, "%d polls used %d statement texts", polls, len(texts))
 
 	// And PostgreSQL ran the generic plan of that statement for most polls.
 	stopRelay()
