@@ -233,6 +233,42 @@ func TestRunNamesTheBrokersWhenKafkaIsUnreachable(t *testing.T) {
 	require.NotContains(t, err.Error(), "dead-letter publisher")
 }
 
+// A consumer started while its database refuses connections waits for it
+// and then consumes. Before, Run's schema check failed on the refused
+// connection and Run returned at once: the consumer never ran (the chaos
+// test's seed 1796284292225075359 began with that outage).
+func TestRunStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const group = "late-db"
+	proxy := startProxy(t)
+	proxy.Set(faultproxy.Refuse)
+	pool := consumerPool(t, proxy.Addr)
+	cfg := k.config(group)
+	outageBudget(&cfg)
+	c, err := consumer.New(pool, cfg)
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
+	want := events(1, 3, "a")
+	publish(t, k.brokers, k.topic, messages(t, want)...)
+
+	r := start(t, c)
+	eventually(t, 60*time.Second, func() bool {
+		select {
+		case err := <-r.done:
+			r.done <- err // for r.stop
+			t.Fatalf("Run returned during the outage: %v", err)
+		default:
+		}
+		return proxy.Refused() >= 3
+	}, "the consumer tries the database several times")
+	proxy.Set(faultproxy.Pass)
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(want) }, "the consumer starts when the database answers")
+	require.NoError(t, r.stop())
+	appliedOnce(t, k.Effects(t, group), want)
+	failureFree(t, k, group)
+}
+
 // TestRunRefusesAnUnmigratedSchema: a consumer pointed at a schema without
 // the consumer tables stops at once with ErrNotMigrated, naming the schema
 // and the command to run, instead of failing every event on a missing

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
@@ -77,7 +78,9 @@ const (
 // redelivered later.
 //
 // Run returns an error when it cannot start (the error names the brokers
-// when Kafka is unreachable) or when the router stops on its own.
+// when Kafka is unreachable; the consumer's schema is not migrated) or when
+// the router stops on its own. A consumer started while its database is
+// unavailable waits for the database, logging, and then starts.
 func (c *Consumer) Run(ctx context.Context) (err error) {
 	c.mu.Lock()
 	if c.running {
@@ -94,7 +97,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if err := c.checkKafka(ctx); err != nil {
 		return err
 	}
-	if err := middleware.CheckMigrated(ctx, c.db, cfg.Schema); err != nil {
+	if err := c.checkSchema(ctx); err != nil {
 		if ctx.Err() != nil {
 			return nil // cancelled before it started: a clean stop
 		}
@@ -243,6 +246,42 @@ func stoppedOnItsOwn(err error) error {
 		err = errors.New("the router stopped on its own (see the logs)")
 	}
 	return fmt.Errorf("eventline consumer: %w", err)
+}
+
+// checkSchema checks that the consumer tables exist
+// (middleware.CheckMigrated). While the database is unavailable it waits
+// for it, backing off like a running consumer in an outage, instead of
+// failing: a consumer started during a database restart or failover starts
+// consuming when the database answers.
+func (c *Consumer) checkSchema(ctx context.Context) error {
+	wait := c.cfg.InfraRetryInitialInterval
+	for {
+		err := middleware.CheckMigrated(ctx, c.db, c.cfg.Schema)
+		if err == nil || ctx.Err() != nil || !middleware.IsInfrastructure(err) {
+			return err
+		}
+		c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
+			"group", c.cfg.Group, "wait", wait, "error", err)
+		if err := c.pause(ctx, wait); err != nil {
+			return err
+		}
+		wait = min(2*wait, c.cfg.InfraRetryMaxInterval)
+	}
+}
+
+// pause waits for d or until ctx ends, with the test timer when one is set.
+func (c *Consumer) pause(ctx context.Context, d time.Duration) error {
+	if c.sleep != nil {
+		return c.sleep(ctx, d)
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // checkKafka connects to the brokers, failing with an error that names

@@ -78,7 +78,13 @@ func (p *pipeline) runConsumer(policy versioning.GapPolicy) (stop func()) {
 func runUntilStopped(t *testing.T, run func(context.Context) error) func() {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- run(ctx) }()
+	go func() {
+		err := run(ctx)
+		if ctx.Err() == nil {
+			t.Errorf("stopped on its own, before the test stopped it: %v", err)
+		}
+		done <- err
+	}()
 	var once sync.Once
 	stop := func() {
 		once.Do(func() {
