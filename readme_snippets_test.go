@@ -83,7 +83,7 @@ func readmeRelay(ctx context.Context, pool *pgxpool.Pool) error {
 	if err != nil {
 		return err
 	}
-	go relay.Run(ctx) // returns after ctx ends and in-flight batches settle
+	go relay.Run(ctx) // returns after ctx ends and in-flight batches settle: wait for it before exiting (see "Stopping")
 	return nil
 }
 
