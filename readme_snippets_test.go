@@ -65,13 +65,8 @@ func readmePublishReturning(ctx context.Context, tx pgx.Tx, prod *producer.Produ
 	return nil
 }
 
-func readmeRelayPool(ctx context.Context, databaseURL string) (*pgxpool.Pool, error) {
-	conn, err := pgx.Connect(ctx, databaseURL)
-	if err != nil {
-		return nil, err
-	}
-	shards, err := producer.ReadShardCount(ctx, conn, "eventline")
-	_ = conn.Close(ctx)
+func readmeRelayPool(ctx context.Context, pool *pgxpool.Pool, databaseURL string) (*pgxpool.Pool, error) {
+	shards, err := producer.ReadShardCount(ctx, pool, "eventline") // the schema's shard count; pool: any pool or connection to the database
 	if err != nil {
 		return nil, err
 	}
@@ -88,7 +83,7 @@ func readmeRelay(ctx context.Context, pool *pgxpool.Pool) error {
 	if err != nil {
 		return err
 	}
-	go relay.Run(ctx) // returns after ctx ends and in-flight batches settle
+	go relay.Run(ctx) // returns after ctx ends and in-flight batches settle: wait for it before exiting (see "Stopping")
 	return nil
 }
 

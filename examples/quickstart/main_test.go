@@ -1,0 +1,55 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline/eventlinetest/kafkatest"
+	"github.com/eventline/eventline/examples/internal/extest"
+	"github.com/eventline/eventline/examples/internal/setup"
+)
+
+// TestMain fails the package if a goroutine is left running after the
+// tests: the quickstart must shut down everything it started.
+func TestMain(m *testing.M) { extest.VerifyTestMain(m) }
+
+// TestQuickstart runs the README's first program end to end: 120 events
+// over 12 orders, published, relayed and consumed, each applied once and
+// in order, then a clean stop.
+func TestQuickstart(t *testing.T) {
+	topic := kafkatest.Topic("orders")
+	k := kafkatest.Start(t, topic)
+	cfg := config{
+		DatabaseURL: setup.DatabaseURL(),
+		Brokers:     k.Brokers,
+		Schema:      extest.Schema("quickstart"),
+		Topic:       topic,
+		Orders:      12,
+		Items:       9,
+		Logger:      extest.Logger(t),
+	}
+	t.Cleanup(func() {
+		pool, err := pgxpool.New(context.Background(), cfg.DatabaseURL)
+		require.NoError(t, err)
+		defer pool.Close()
+		_, err = pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{cfg.Schema}.Sanitize()+` CASCADE`)
+		require.NoError(t, err)
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	err := run(ctx, cfg, &out)
+	t.Logf("output:\n%s", out.String())
+	require.NoError(t, err)
+
+	sum := extest.Find(t, extest.Parse(t, out.String()), "orders", "published", "applied", "in_order")
+	require.Equal(t, 120, extest.Int(t, sum, "published"))
+	require.Equal(t, 120, extest.Int(t, sum, "applied"))
+	require.Equal(t, "true", sum["in_order"])
+}
