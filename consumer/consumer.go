@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -27,8 +28,13 @@ import (
 type HandlerFunc func(ctx context.Context, tx pgx.Tx, e eventline.Event) error
 
 // ErrRunning is returned by Handle and Ignore after Run started, and by a
-// second Run.
-var ErrRunning = errors.New("eventline: consumer is already running; register handlers before Run and run it once")
+// second Run, whether the first is still running or has returned: a
+// Consumer runs once; create a new one to run again.
+var ErrRunning = errors.New("eventline: consumer was already started; register handlers before Run, and run a Consumer once (create a new one to run again)")
+
+// ErrNoHandlers is returned by Run when no handler is registered and no
+// event type ignored: every event would be dead-lettered as unknown.
+var ErrNoHandlers = errors.New("eventline: consumer has no handlers: register them with Handle or HandleJSON (and list the types to skip with Ignore) before Run")
 
 // ErrUnknownEventType is matched by *UnknownEventTypeError.
 var ErrUnknownEventType = errors.New("eventline: no handler for the event type")
@@ -77,7 +83,7 @@ type Consumer struct {
 // for the consumer's lifetime). It fails, naming the field, when cfg is
 // invalid. It does not connect to anything.
 func New(db middleware.Pool, cfg Config) (*Consumer, error) {
-	if db == nil {
+	if nilcheck.IsNil(db) {
 		return nil, errors.New("consumer.New: db is nil: pass the consumer's *pgxpool.Pool")
 	}
 	cfg = cfg.withDefaults()

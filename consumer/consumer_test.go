@@ -11,6 +11,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -283,4 +284,25 @@ func TestRunWithCanceledContextReturnsCleanly(t *testing.T) {
 	require.NoError(t, c.Run(ctx))
 	require.ErrorIs(t, c.Run(ctx), consumer.ErrRunning, "a consumer runs once")
 	require.ErrorIs(t, c.Handle("x", k.applyHandler("early")), consumer.ErrRunning)
+}
+
+// A consumer with no handler and nothing ignored refuses to run: before,
+// it ran and dead-lettered every event of its topics as unknown.
+func TestRunRefusesAConsumerWithoutHandlers(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	c, err := consumer.New(k.Pool, k.config("nohandlers"))
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.ErrorIs(t, c.Run(ctx), consumer.ErrNoHandlers)
+	require.NoError(t, c.Ignore("thing.changed"), "the consumer did not start: it still takes registrations")
+}
+
+// A nil *pgxpool.Pool held in the interface is refused by New, like an
+// untyped nil; before, New accepted it and Run panicked.
+func TestNewRefusesANilPoolPointer(t *testing.T) {
+	var pool *pgxpool.Pool
+	_, err := consumer.New(pool, consumer.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}})
+	require.ErrorContains(t, err, "db is nil")
 }

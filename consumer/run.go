@@ -87,6 +87,10 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		c.mu.Unlock()
 		return ErrRunning
 	}
+	if len(c.handlers) == 0 && len(c.ignored) == 0 {
+		c.mu.Unlock()
+		return ErrNoHandlers
+	}
 	c.running = true
 	c.mu.Unlock()
 

@@ -15,6 +15,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -156,7 +157,7 @@ const NoTxTimeout = time.Duration(-1)
 
 func (c Config) validate() error {
 	switch {
-	case c.DB == nil:
+	case nilcheck.IsNil(c.DB):
 		return errors.New("middleware.Config.DB is nil: give it the consumer's *pgxpool.Pool")
 	case c.ParkTimeout < 0:
 		return fmt.Errorf("middleware.Config.ParkTimeout is %s; it must be positive (0 means %s)", c.ParkTimeout, versioning.DefaultParkTimeout)

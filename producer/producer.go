@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
@@ -126,6 +127,9 @@ type Producer struct {
 // count from the database. The schema must have been migrated
 // (migrations.Up or `eventline migrate up`).
 func New(ctx context.Context, db DBTX, cfg Config) (*Producer, error) {
+	if nilcheck.IsNil(db) {
+		return nil, errors.New("producer.New: db is nil: pass the producer's *pgxpool.Pool (or a pgx.Tx or *pgx.Conn)")
+	}
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err

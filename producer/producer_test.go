@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -242,4 +243,14 @@ func mustTx(t *testing.T, env pgtest.Env) pgx.Tx {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	return tx
+}
+
+// A nil pool, untyped or a nil *pgxpool.Pool, is refused by New; before,
+// New panicked on it.
+func TestNewRefusesANilPool(t *testing.T) {
+	var pool *pgxpool.Pool
+	for _, db := range []producer.DBTX{nil, pool} {
+		_, err := producer.New(context.Background(), db, producer.Config{})
+		require.ErrorContains(t, err, "db is nil")
+	}
 }
