@@ -183,3 +183,45 @@ func TestRelayRunStopsCleanlyAtTheCallersDeadline(t *testing.T) {
 	require.NoError(t, r.Run(ctx))
 	require.Empty(t, logs.at(slog.LevelError))
 }
+
+// When an event's topic does not exist, the relay's publish errors say so
+// and what to do, also once Sarama's circuit breaker opens and its errors
+// become a bare "circuit breaker is open"; and once the topic is created,
+// the relay publishes to it by itself. Before, after the first attempts
+// every error was "circuit breaker is open", with no hint of the cause.
+func TestRelayNamesAMissingTopic(t *testing.T) {
+	t.Parallel()
+	_, brokers := kafkatest.Fake(t) // like a production cluster: no topic created on first use
+	missing := kafkatest.Topic(t, "missing")
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	events := publishOrders(t, env, missing, 1, 1, 1)
+
+	logs := newLogRecorder(t, slog.LevelWarn)
+	startRelay(t, env, producer.RelayConfig{
+		Brokers: brokers, Logger: slog.New(logs),
+		Backoff: []time.Duration{10 * time.Millisecond}, MaxAttempts: 1000, // never dead-lettered here
+	})
+	hinted := func(l string) bool {
+		return strings.Contains(l, `Kafka topic "`+missing+`" does not exist, and eventline creates no topics`) &&
+			strings.Contains(l, "eventline kafka-dev -topics "+missing)
+	}
+	var breakerLine string
+	require.Eventually(t, func() bool {
+		for _, l := range logs.at(slog.LevelWarn) {
+			if strings.Contains(l, "publish failed") && strings.Contains(l, "circuit breaker is open") {
+				breakerLine = l
+				return true
+			}
+		}
+		return false
+	}, time.Minute, 20*time.Millisecond, "Sarama's breaker opens")
+	require.True(t, hinted(breakerLine), "the breaker's error names the missing topic: %s", breakerLine)
+	for _, l := range logs.at(slog.LevelWarn) {
+		if strings.Contains(l, "publish failed") {
+			require.True(t, hinted(l), "every publish failure names the missing topic: %s", l)
+		}
+	}
+
+	kafkatest.CreateTopic(t, brokers, missing, 1)
+	require.Len(t, distinct(readTopic(t, brokers, missing, len(events), time.Minute)), len(events), "published once the topic exists")
+}
