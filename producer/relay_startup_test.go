@@ -35,59 +35,72 @@ func runInBackground(t *testing.T, r *producer.Relay) (done chan error, stop con
 	return done, cancel
 }
 
-// notReturned fails the test if Run has returned.
-func notReturned(t *testing.T, done chan error) {
-	t.Helper()
+// returned reports whether Run has returned, leaving its result for the
+// clean-up.
+func returned(done chan error) bool {
 	select {
 	case err := <-done:
-		done <- err // for the clean-up
-		t.Fatalf("Run returned during the database outage: %v", err)
+		done <- err
+		return true
 	default:
+		return false
 	}
 }
 
-// A relay started while its database refuses connections waits for it and
-// then relays; a stop asked for during the wait is clean. Before, NewRelay
-// failed on the refused connection ("read outbox shard count: failed to
+// A relay started while its database refuses connections, or accepts them
+// and never answers, waits for it and then relays. Before, NewRelay failed
+// on the refused connection ("read outbox shard count: failed to
 // connect"), so a relay process started during a database restart or
 // failover exited, and `eventline relay` with it.
 func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 3)
-	events := publishOrders(t, env, topic, 4, 20, 5)
+	for name, mode := range map[string]faultproxy.Mode{"refused": faultproxy.Refuse, "not answering": faultproxy.Freeze} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			env := pgtest.New(t, pgtest.Options{Shards: 2})
+			brokers := kafkatest.Brokers(t)
+			topic := kafkatest.Topic(t, "orders")
+			kafkatest.CreateTopic(t, brokers, topic, 3)
+			events := publishOrders(t, env, topic, 4, 20, 5)
 
-	proxy, err := faultproxy.Start(pgtest.Addr())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
-	proxy.Set(faultproxy.Refuse)
-	pool := proxiedPool(t, proxy, producer.PoolSizeFor(env.Shards))
-	logs := newLogRecorder(t, slog.LevelInfo)
-	r, err := producer.NewRelay(context.Background(), pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: brokers, Logger: slog.New(logs),
-		PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
-	})
-	require.NoError(t, err, "an unavailable database is not a configuration error")
-	require.Zero(t, r.Shards(), "the shard count is not known yet")
+			proxy, err := faultproxy.Start(pgtest.Addr())
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = proxy.Close() })
+			proxy.Set(mode)
+			pool := proxiedPool(t, proxy, producer.PoolSizeFor(env.Shards))
+			logs := newLogRecorder(t, slog.LevelInfo)
+			r, err := producer.NewRelay(context.Background(), pool, producer.RelayConfig{
+				Schema: env.Schema, Brokers: brokers, Logger: slog.New(logs),
+				PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
+			})
+			require.NoError(t, err, "an unavailable database is not a configuration error")
+			require.Zero(t, r.Shards(), "the shard count is not known yet")
 
-	done, stop := runInBackground(t, r)
-	require.Eventually(t, func() bool {
-		notReturned(t, done)
-		return proxy.Refused() >= 3
-	}, time.Minute, 10*time.Millisecond, "the relay tries the database several times")
-	require.Contains(t, strings.Join(logs.at(slog.LevelWarn), "\n"), "PostgreSQL is unavailable; waiting for it before relaying")
-	require.Empty(t, logs.at(slog.LevelError))
+			done, stop := runInBackground(t, r)
+			waits := func() int {
+				n := 0
+				for _, l := range logs.at(slog.LevelWarn) {
+					if strings.Contains(l, "PostgreSQL is unavailable; waiting for it before relaying") {
+						n++
+					}
+				}
+				return n
+			}
+			require.Eventually(t, func() bool { return returned(done) || waits() >= 2 }, time.Minute, 10*time.Millisecond,
+				"the relay tries the database several times, saying so")
+			require.False(t, returned(done), "Run returned during the outage: %v", logs.at(slog.LevelWarn))
+			require.Empty(t, logs.at(slog.LevelError))
 
-	proxy.Set(faultproxy.Pass)
-	counts := distinct(readTopic(t, brokers, topic, len(events), time.Minute))
-	require.Len(t, counts, len(events), "the relay relays once the database answers")
-	require.Equal(t, env.Shards, r.Shards())
-	stop()
-	require.NoError(t, <-done)
-	done <- nil
-	require.Empty(t, logs.at(slog.LevelError))
+			proxy.Set(faultproxy.Pass)
+			counts := distinct(readTopic(t, brokers, topic, len(events), time.Minute))
+			require.Len(t, counts, len(events), "the relay relays once the database answers")
+			require.Equal(t, env.Shards, r.Shards())
+			stop()
+			require.NoError(t, <-done)
+			done <- nil
+			require.Empty(t, logs.at(slog.LevelError))
+		})
+	}
 }
 
 // A relay stopped while it waits for the database returns nil, and one
@@ -110,7 +123,8 @@ func TestRelayStartedDuringADatabaseOutageStillRefusesAnUnmigratedSchema(t *test
 
 	stopped := newRelay("missing_schema")
 	done, stop := runInBackground(t, stopped)
-	require.Eventually(t, func() bool { notReturned(t, done); return proxy.Refused() >= 2 }, time.Minute, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return returned(done) || proxy.Refused() >= 2 }, time.Minute, 10*time.Millisecond)
+	require.False(t, returned(done), "Run returned during the outage")
 	stop()
 	require.NoError(t, <-done, "a stop during the wait is clean")
 	done <- nil
@@ -118,7 +132,8 @@ func TestRelayStartedDuringADatabaseOutageStillRefusesAnUnmigratedSchema(t *test
 	unmigrated := newRelay("missing_schema")
 	done, _ = runInBackground(t, unmigrated)
 	before := proxy.Refused()
-	require.Eventually(t, func() bool { notReturned(t, done); return proxy.Refused() > before }, time.Minute, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return returned(done) || proxy.Refused() > before }, time.Minute, 10*time.Millisecond)
+	require.False(t, returned(done), "Run returned during the outage")
 	proxy.Set(faultproxy.Pass)
 	var runErr error
 	require.Eventually(t, func() bool {
