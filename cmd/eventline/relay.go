@@ -144,9 +144,16 @@ database"):
 
 	relay, err := producer.NewRelay(ctx, pool, cfg)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil // interrupted during its checks: a clean stop
+		}
 		return err
 	}
-	log.Info("relay started", "schema", cfg.Schema, "shards", relay.Shards(), "brokers", cfg.Brokers)
+	if n := relay.Shards(); n > 0 {
+		log.Info("relay started", "schema", cfg.Schema, "shards", n, "brokers", cfg.Brokers)
+	} else { // the database went away again since openRelayPool: Run waits for it
+		log.Info("relay started", "schema", cfg.Schema, "brokers", cfg.Brokers)
+	}
 	announce := context.AfterFunc(runCtx, func() {
 		log.Info("relay stopping: finishing the batches in flight (interrupt again to exit at once)")
 	})
