@@ -30,9 +30,11 @@ func TestClassify(t *testing.T) {
 			errFlushTimeout, context.DeadlineExceeded,
 			&net.OpError{Op: "dial", Err: errors.New("connection refused")},
 			fmt.Errorf("wrapped: %w", sarama.ErrOutOfBrokers),
+			&missingTopicError{topic: "t", err: breaker.ErrBreakerOpen},
 		},
 		failRetry: {
 			sarama.ErrUnknownTopicOrPartition, sarama.ErrUnknown, errors.New("something else"),
+			&missingTopicError{topic: "t", err: sarama.ErrUnknownTopicOrPartition},
 		},
 	}
 	for want, errs := range cases {

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/eventline/eventline/internal/tracing"
+	"github.com/eventline/eventline/middleware"
 )
 
 type watermillLogger = watermill.LoggerAdapter
@@ -36,10 +37,13 @@ type watermillLogger = watermill.LoggerAdapter
 // inserts): connect it to PostgreSQL directly or through a pooler in
 // session mode. Run refuses a transaction-mode pooler (ErrSessionPooling).
 type Relay struct {
-	pool    *pgxpool.Pool
-	cfg     RelayConfig
-	log     *slog.Logger
-	wmLog   watermill.LoggerAdapter
+	pool  *pgxpool.Pool
+	cfg   RelayConfig
+	log   *slog.Logger
+	wmLog watermill.LoggerAdapter
+	// shards is the outbox's shard count, 0 until the outbox was checked
+	// (checkOutbox): by NewRelay, or by Run when NewRelay found the
+	// database unavailable. Written under mu before Run starts anything.
 	shards  int
 	lockNS  int64 // advisory-lock namespace, from the schema name
 	metrics *RelayMetrics
@@ -77,12 +81,24 @@ const relayOwnConns = 3
 // shard plus three.
 func PoolSizeFor(shards int) int32 { return int32(shards) + relayOwnConns }
 
-// NewRelay returns a relay for the outbox in cfg.Schema. It reads the shard
-// count from the database; it connects to Kafka when Run starts.
+// NewRelay returns a relay for the outbox in cfg.Schema. It checks the
+// outbox (its shard count, the lease tables, the pool's size) in the
+// database; it connects to Kafka when Run starts.
 //
-// The pool needs PoolSizeFor(shards) connections: one per shard the relay
-// may own plus three (ownership, LISTEN, and short statements). NewRelay
-// refuses a smaller pool with ErrPoolTooSmall naming the size needed.
+// Configuration mistakes fail at once: an invalid cfg, a schema that is not
+// migrated (ErrNotMigrated), a pool smaller than PoolSizeFor(shards)
+// connections (ErrPoolTooSmall, naming the size needed: one per shard the
+// relay may own plus three, for ownership, LISTEN and short statements).
+//
+// A database that is unavailable is not a mistake: when the checks fail
+// because PostgreSQL refuses connections, resets them or does not answer
+// within a few seconds (middleware.IsInfrastructure), NewRelay logs a
+// warning and returns the relay anyway, with Shards 0; Run then waits for
+// the database, backing off, and makes the checks before relaying (their
+// configuration errors are then Run's). A relay process started during a
+// database restart or failover thus starts relaying when the database
+// answers, and stops cleanly if asked to before. NewRelay still returns
+// the error if ctx ends during the checks.
 func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay, error) {
 	if pool == nil {
 		return nil, errors.New("eventline: NewRelay needs a *pgxpool.Pool, got nil")
@@ -91,24 +107,12 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	shards, err := ReadShardCount(ctx, pool, cfg.Schema)
-	if err != nil {
-		return nil, err
-	}
-	if err := checkLeaseTables(ctx, pool, cfg.Schema); err != nil {
-		return nil, err
-	}
-	if have, need := pool.Config().MaxConns, PoolSizeFor(shards); have < need {
-		return nil, fmt.Errorf("%w: it allows %d connections, a relay of %d shards needs %d (one per shard plus %d): set pgxpool.Config.MaxConns (or pool_max_conns in the URL) to at least %d",
-			ErrPoolTooSmall, have, shards, need, relayOwnConns, need)
-	}
 	var suffix [4]byte
 	_, _ = rand.Read(suffix[:])
 	r := &Relay{
 		pool:     pool,
 		cfg:      cfg,
 		log:      cfg.Logger.With("component", "eventline.relay", "relay", cfg.ID),
-		shards:   shards,
 		lockNS:   lockNamespace(cfg.Schema),
 		metrics:  cfg.Metrics,
 		tracer:   tracing.New(cfg.TracerProvider, cfg.Propagator),
@@ -122,7 +126,78 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		burst := max(1, int(cfg.MaxPublishRate/10))
 		r.limiter = rate.NewLimiter(rate.Limit(cfg.MaxPublishRate), burst)
 	}
+	if err := r.checkOutbox(ctx); err != nil {
+		if ctx.Err() != nil || !dbUnavailable(err) {
+			return nil, err
+		}
+		r.log.Warn("PostgreSQL is unavailable; Run will wait for it and check the outbox before relaying",
+			"schema", cfg.Schema, "err", err)
+	}
 	return r, nil
+}
+
+// outboxCheckTimeout bounds one attempt of checkOutbox, so a database that
+// does not answer counts as unavailable instead of hanging the caller.
+const outboxCheckTimeout = 10 * time.Second
+
+// checkOutbox reads the shard count, checks the lease tables and the
+// pool's size, and records the shard count.
+func (r *Relay) checkOutbox(ctx context.Context) error {
+	cctx, cancel := context.WithTimeout(ctx, outboxCheckTimeout)
+	defer cancel()
+	shards, err := ReadShardCount(cctx, r.pool, r.cfg.Schema)
+	if err == nil {
+		err = checkLeaseTables(cctx, r.pool, r.cfg.Schema)
+	}
+	if err != nil {
+		if cctx.Err() != nil && ctx.Err() == nil {
+			return fmt.Errorf("%w within %s: %w", errNoAnswer, outboxCheckTimeout, err)
+		}
+		return err
+	}
+	if have, need := r.pool.Config().MaxConns, PoolSizeFor(shards); have < need {
+		return fmt.Errorf("%w: it allows %d connections, a relay of %d shards needs %d (one per shard plus %d): set pgxpool.Config.MaxConns (or pool_max_conns in the URL) to at least %d",
+			ErrPoolTooSmall, have, shards, need, relayOwnConns, need)
+	}
+	r.mu.Lock()
+	r.shards = shards
+	r.mu.Unlock()
+	return nil
+}
+
+// dbUnavailable reports whether err says PostgreSQL is unavailable (down,
+// restarting, refusing or dropping connections, not answering) rather than
+// misconfigured: the consumer's classification, middleware.IsInfrastructure.
+func dbUnavailable(err error) bool {
+	if errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrPoolTooSmall) {
+		return false
+	}
+	return errors.Is(err, errNoAnswer) || middleware.IsInfrastructure(err)
+}
+
+// errNoAnswer marks an outbox check that PostgreSQL did not answer in time.
+var errNoAnswer = errors.New("no answer from PostgreSQL")
+
+// waitForOutbox makes the outbox checks NewRelay could not make, waiting
+// for the database with backoff while it is unavailable. It returns nil
+// once they pass or when ctx ends first (then r.shards is still 0), and
+// the checks' error when it is not an outage (ErrNotMigrated…).
+func (r *Relay) waitForOutbox(ctx context.Context) error {
+	wait := 500 * time.Millisecond
+	for {
+		err := r.checkOutbox(ctx)
+		switch {
+		case err == nil:
+			return nil
+		case ctx.Err() != nil:
+			return nil
+		case !dbUnavailable(err):
+			return err
+		}
+		r.log.Warn("PostgreSQL is unavailable; waiting for it before relaying", "schema", r.cfg.Schema, "retry_in", wait, "err", err)
+		r.pause(ctx, wait)
+		wait = min(2*wait, 30*time.Second)
+	}
 }
 
 // lockNamespace derives an advisory-lock namespace from the schema, so
@@ -133,8 +208,13 @@ func lockNamespace(schema string) int64 {
 	return int64(h.Sum32() & 0x7fffffff)
 }
 
-// Shards returns the number of outbox shards.
-func (r *Relay) Shards() int { return r.shards }
+// Shards returns the number of outbox shards, or 0 while it is not known:
+// NewRelay found the database unavailable and Run has not reached it yet.
+func (r *Relay) Shards() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.shards
+}
 
 // OwnedShards returns the shards this relay is relaying now, in order (not
 // those it is releasing).
@@ -151,18 +231,33 @@ func (r *Relay) OwnedShards() []int {
 	return out
 }
 
-// Run relays until ctx is cancelled, then finishes the batches in flight
-// (waiting at most a few seconds for Kafka), releases its shards and
-// returns nil. It keeps retrying while Kafka or PostgreSQL are
-// unreachable, and returns an error only for problems that retrying cannot
-// fix, such as ErrSessionPooling.
+// Run relays until ctx ends (cancelled, or its deadline passed: either is
+// the caller's request to stop), then finishes the batches in flight
+// (waiting at most a few seconds for Kafka), releases its shards, logs
+// "relay stopped" at INFO and returns nil. It keeps retrying while Kafka
+// or PostgreSQL are unreachable; if NewRelay found the database
+// unavailable, Run first waits for it (logging a warning at every try)
+// and checks the outbox. It logs "relay stopped" at ERROR and returns an
+// error only for problems that retrying cannot fix, such as
+// ErrSessionPooling, or ErrNotMigrated found by those checks.
 func (r *Relay) Run(ctx context.Context) error {
 	r.mu.Lock()
-	started := r.started
+	started, checked := r.started, r.shards > 0
 	r.started = true
 	r.mu.Unlock()
 	if started {
 		return ErrRelayRunning
+	}
+	if !checked {
+		if err := r.waitForOutbox(ctx); err != nil {
+			r.log.Error("relay stopped", "err", err)
+			return err
+		}
+		if ctx.Err() != nil {
+			r.log.Info("relay stopped before the database answered")
+			return nil
+		}
+		r.log.Info("PostgreSQL answers; the outbox is ready", "schema", r.cfg.Schema, "shards", r.Shards())
 	}
 	sink, err := r.connectKafka(ctx)
 	if err != nil {
@@ -212,12 +307,27 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	cancel(nil)
 	wg.Wait()
-	if err := context.Cause(runCtx); err != nil && !errors.Is(err, context.Canceled) {
+	if err := stopCause(ctx, runCtx); err != nil {
 		r.log.Error("relay stopped", "err", err)
 		return err
 	}
 	r.log.Info("relay stopped")
 	return nil
+}
+
+// stopCause returns why runCtx, Run's context derived from the caller's
+// ctx, ended, or nil when it was a requested stop: the caller's ctx ended
+// first (cancelled, past its deadline, with or without a cause), or Run
+// cancelled it without a cause on its way out.
+func stopCause(ctx, runCtx context.Context) error {
+	cause := context.Cause(runCtx)
+	switch {
+	case cause == nil, errors.Is(cause, context.Canceled) && ctx.Err() == nil:
+		return nil
+	case ctx.Err() != nil && cause == context.Cause(ctx):
+		return nil
+	}
+	return cause
 }
 
 // connectKafka creates the Kafka producer, retrying while the cluster is

@@ -5,10 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/eapache/go-resiliency/breaker"
 
 	"github.com/eventline/eventline"
 )
@@ -33,6 +35,61 @@ type kafkaSink struct {
 	mu     sync.RWMutex // guards closed against concurrent send
 	closed bool
 	done   chan struct{} // closed when the result loops end
+
+	// missing remembers, per topic, when a broker last answered that it
+	// does not exist (explainMissing).
+	missingMu sync.Mutex
+	missing   map[string]time.Time
+}
+
+// missingTopicMemory is how long a broker's "unknown topic" answer explains
+// the circuit-breaker errors that follow it. Sarama's breaker opens after
+// three failed metadata refreshes and retries after 10 s; a topic that is
+// still missing then answers "unknown topic" again, renewing it.
+const missingTopicMemory = time.Minute
+
+// missingTopicError is a publish failure because the topic does not exist:
+// the broker said so, or Sarama's circuit breaker opened after it did.
+// eventline creates no topics, and the error says what to do. It unwraps
+// to the failure, so it is classified like it.
+type missingTopicError struct {
+	topic string
+	err   error
+}
+
+func (e *missingTopicError) Error() string {
+	return fmt.Sprintf("Kafka topic %q does not exist, and eventline creates no topics: create it (kafka-topics.sh --create --topic %s, or your cluster's tooling; for local development `eventline kafka-dev -topics %s`); the relay then publishes to it by itself: %v",
+		e.topic, e.topic, e.topic, e.err)
+}
+
+func (e *missingTopicError) Unwrap() error { return e.err }
+
+// explainMissing returns err, as a *missingTopicError when it says the
+// topic does not exist (sarama.ErrUnknownTopicOrPartition) or is Sarama's
+// "circuit breaker is open" within missingTopicMemory of such an answer
+// for the same topic; otherwise the breaker error names no cause, and
+// Kafka being unreachable opens it too. A success clears the memory.
+func (s *kafkaSink) explainMissing(topic string, err error) error {
+	s.missingMu.Lock()
+	defer s.missingMu.Unlock()
+	now := time.Now()
+	switch {
+	case err == nil:
+		delete(s.missing, topic)
+		return nil
+	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
+		if s.missing == nil {
+			s.missing = map[string]time.Time{}
+		}
+		s.missing[topic] = now
+	case errors.Is(err, breaker.ErrBreakerOpen):
+		if seen, ok := s.missing[topic]; !ok || now.Sub(seen) > missingTopicMemory {
+			return err
+		}
+	default:
+		return err
+	}
+	return &missingTopicError{topic: topic, err: err}
 }
 
 func newKafkaSink(brokers []string, cfg *sarama.Config) (*kafkaSink, error) {
@@ -86,6 +143,7 @@ func (s *kafkaSink) results() {
 		defer wg.Done()
 		for pm := range s.producer.Successes() {
 			it := pm.Metadata.(*item)
+			_ = s.explainMissing(pm.Topic, nil)
 			it.endSpan(pm.Partition, pm.Offset, nil)
 			it.complete(nil)
 		}
@@ -94,8 +152,9 @@ func (s *kafkaSink) results() {
 		defer wg.Done()
 		for pe := range s.producer.Errors() {
 			it := pe.Msg.Metadata.(*item)
-			it.endSpan(0, 0, pe.Err)
-			it.complete(pe.Err)
+			err := s.explainMissing(pe.Msg.Topic, pe.Err)
+			it.endSpan(0, 0, err)
+			it.complete(err)
 		}
 	}()
 	wg.Wait()

@@ -7,6 +7,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/eventline/eventline/middleware"
 )
 
 // connectTimeout bounds the first connection to PostgreSQL.
@@ -70,4 +72,43 @@ func connectOnce(ctx context.Context) (*pgx.Conn, error) {
 func connectError(ctx context.Context, err error) error {
 	return fmt.Errorf("cannot connect to PostgreSQL at %s: %w; check -database-url (or %s) and that the server is running",
 		redactURL(globalsOf(ctx).databaseURL), err, envDatabaseURL)
+}
+
+// Backoff of waitForDatabase: the first wait, doubling up to the last.
+const (
+	dbWaitFirst = 500 * time.Millisecond
+	dbWaitMax   = 30 * time.Second
+)
+
+// waitForDatabase runs try until it succeeds, fails for another reason
+// than PostgreSQL being unavailable (refused, reset, not answering:
+// middleware.IsInfrastructure), or ctx ends. While the database is
+// unavailable it logs a warning naming what waits (before) and backs off.
+// It returns try's last error, or nil when ctx ended first: the caller
+// checks ctx. Long-running commands use it so that one started during a
+// database restart or failover starts when the database answers, while a
+// wrong URL, password or schema still fails at once.
+func waitForDatabase(ctx context.Context, before string, try func() error) error {
+	wait := dbWaitFirst
+	for {
+		err := try()
+		switch {
+		case err == nil:
+			return nil
+		case ctx.Err() != nil:
+			return nil
+		case !middleware.IsInfrastructure(err):
+			return err
+		}
+		logger(ctx).Warn("PostgreSQL is unavailable; waiting for it before "+before,
+			"database", redactURL(globalsOf(ctx).databaseURL), "retry_in", wait, "err", err)
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+		wait = min(2*wait, dbWaitMax)
+	}
 }

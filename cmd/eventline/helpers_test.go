@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -13,11 +15,26 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/childproc"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/producer"
 )
 
+// envChildArgs, set (to a JSON array) in a child process started by
+// startChild, makes the test binary run eventline's main with those
+// arguments instead of the tests.
+const envChildArgs = "EVENTLINE_CLI_TEST_CHILD_ARGS"
+
 func TestMain(m *testing.M) {
+	if args := os.Getenv(envChildArgs); args != "" {
+		var list []string
+		if err := json.Unmarshal([]byte(args), &list); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		os.Args = append([]string{"eventline"}, list...)
+		main() // exits
+	}
 	goleak.VerifyTestMain(m,
 		// Sarama's metrics registry starts this once per process.
 		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
@@ -168,3 +185,12 @@ func publish(t testing.TB, env pgtest.Env, topic string, ids ...string) []eventl
 }
 
 func jsonUnmarshal(s string, v any) error { return json.Unmarshal([]byte(s), v) }
+
+// startChild runs eventline's real main (signal handling included) with
+// args in a child process of the test binary.
+func startChild(t testing.TB, args ...string) *childproc.Proc {
+	t.Helper()
+	b, err := json.Marshal(args)
+	require.NoError(t, err)
+	return childproc.Start(t, envChildArgs+"="+string(b), "DATABASE_URL=", "KAFKA_BROKERS=", "EVENTLINE_SCHEMA=")
+}

@@ -40,6 +40,12 @@ it gets SIGINT or SIGTERM, then finishes the batches in flight, releases its
 shards and exits 0. A second signal exits at once; nothing is lost either way
 (the outbox re-sends what Kafka did not acknowledge).
 
+A relay started while PostgreSQL is unavailable (refusing connections,
+restarting, not answering) waits for it, logging a warning at every try and
+backing off up to 30s, and starts when it answers; so it does while Kafka is
+unreachable. A wrong -database-url, password or -schema (not migrated) fails
+at once.
+
 Run as many relays as you like: they share the outbox shards, each shard
 relayed by one of them at a time, and take over the shards of one that dies.
 
@@ -120,6 +126,10 @@ database"):
 	if err != nil {
 		return err
 	}
+	if pool == nil {
+		log.Info("relay stopped before the database answered")
+		return nil
+	}
 	defer pool.Close()
 
 	runCtx, cancel := context.WithCancelCause(ctx)
@@ -134,9 +144,16 @@ database"):
 
 	relay, err := producer.NewRelay(ctx, pool, cfg)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil // interrupted during its checks: a clean stop
+		}
 		return err
 	}
-	log.Info("relay started", "schema", cfg.Schema, "shards", relay.Shards(), "brokers", cfg.Brokers)
+	if n := relay.Shards(); n > 0 {
+		log.Info("relay started", "schema", cfg.Schema, "shards", n, "brokers", cfg.Brokers)
+	} else { // the database went away again since openRelayPool: Run waits for it
+		log.Info("relay started", "schema", cfg.Schema, "brokers", cfg.Brokers)
+	}
 	announce := context.AfterFunc(runCtx, func() {
 		log.Info("relay stopping: finishing the batches in flight (interrupt again to exit at once)")
 	})
@@ -144,7 +161,10 @@ database"):
 	if err := relay.Run(runCtx); err != nil {
 		return fmt.Errorf("relay failed: %w", err)
 	}
-	if cause := context.Cause(runCtx); cause != nil && !errors.Is(cause, context.Canceled) {
+	// runCtx ended because ctx did (a signal: a clean stop, whatever
+	// signal.NotifyContext gives as its cause) or because the metrics
+	// server failed (its own cause: a failure).
+	if cause := context.Cause(runCtx); cause != nil && cause != context.Cause(ctx) && !errors.Is(cause, context.Canceled) {
 		return cause
 	}
 	return nil
@@ -152,18 +172,34 @@ database"):
 
 // openRelayPool opens a pool large enough for a relay that owns every
 // shard (producer.PoolSizeFor: one connection per shard and three for the
-// relay's own use) and one for metrics scrapes.
+// relay's own use) and one for metrics scrapes. While the database is
+// unavailable it waits for it (waitForDatabase); it returns nil, nil if ctx
+// ends first.
 func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
-	conn, err := connectOnce(ctx)
+	var pool *pgxpool.Pool
+	err := waitForDatabase(ctx, "relaying", func() error {
+		conn, err := connectOnce(ctx)
+		if err != nil {
+			return err
+		}
+		qctx, cancel := context.WithTimeout(ctx, connectTimeout) // a server that stops answering is unavailable too
+		shards, err := producer.ReadShardCount(qctx, conn, globalsOf(ctx).schema)
+		cancel()
+		_ = conn.Close(context.WithoutCancel(ctx))
+		if err != nil {
+			return err
+		}
+		pool, err = openPool(ctx, producer.PoolSizeFor(shards)+1)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
-	shards, err := producer.ReadShardCount(ctx, conn, globalsOf(ctx).schema)
-	_ = conn.Close(context.WithoutCancel(ctx))
-	if err != nil {
-		return nil, err
+	if ctx.Err() != nil && pool != nil {
+		pool.Close()
+		return nil, nil
 	}
-	return openPool(ctx, producer.PoolSizeFor(shards)+1)
+	return pool, nil
 }
 
 // serveMetrics serves the relay's metrics, the outbox status and the Go
