@@ -168,6 +168,11 @@ func (c *cliBinary) checkInvocation(t *testing.T, commands []string, span string
 			start = i + 1
 			break
 		}
+		// Only a command line runs it: `go run …`, `$ …`, `VAR=x …`; in
+		// any other span ("eventline creates no topics") it is prose.
+		if tok != "go" && tok != "run" && tok != "$" && !strings.Contains(tok, "=") {
+			break
+		}
 	}
 	if start < 0 {
 		return nil, 0

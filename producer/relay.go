@@ -64,8 +64,9 @@ type Relay struct {
 	exited chan struct{}
 }
 
-// ErrRelayRunning is returned by a second call to Relay.Run.
-var ErrRelayRunning = errors.New("eventline: relay is already running; create one Relay per Run")
+// ErrRelayRunning is returned by a second call to Relay.Run, whether the
+// first is still running or has returned.
+var ErrRelayRunning = errors.New("eventline: relay was already started; a Relay runs once (create a new one to run again)")
 
 // ErrPoolTooSmall is returned by NewRelay when the pool cannot hold the
 // connections a relay needs; the error says how many.
@@ -345,7 +346,7 @@ func (r *Relay) connectKafka(ctx context.Context) (*kafkaSink, error) {
 			return nil, nil
 		case <-time.After(wait):
 		}
-		wait = min(2*wait, 30*time.Second)
+		wait = min(2*wait, maxUnavailableWait)
 	}
 }
 

@@ -136,8 +136,9 @@ type RelayConfig struct {
 	Backoff []time.Duration
 	// MaxAttempts is how many failed publishes of one message are allowed
 	// before it is moved to the dead-letter table and the shard moves on.
-	// Failures that mean Kafka is unreachable never dead-letter: the shard
-	// waits (with Backoff) until Kafka is back. Defaults to
+	// Failures that mean Kafka is unreachable never dead-letter and are not
+	// attempts: the shard retries until Kafka is back, waiting Backoff's
+	// first entry, doubling, at most 30 s. Defaults to
 	// DefaultMaxAttempts.
 	MaxAttempts int
 

@@ -89,12 +89,27 @@ func classify(err error) failureKind {
 
 func isPermanent(err error) bool { return classify(err) == failPermanent }
 
+// maxUnavailableWait caps the wait before retrying a message while Kafka is
+// unreachable, as it caps the waits between connection attempts.
+const maxUnavailableWait = 30 * time.Second
+
+// unavailableWait is the wait after the n-th failure in a row while Kafka
+// is unreachable: first, doubling, at most maxUnavailableWait.
+func unavailableWait(first time.Duration, n int) time.Duration {
+	wait := min(first, maxUnavailableWait)
+	for i := 1; i < n && wait < maxUnavailableWait; i++ {
+		wait *= 2
+	}
+	return min(wait, maxUnavailableWait)
+}
+
 // failureRecord is the retry state of one outbox row.
 type failureRecord struct {
 	// attempts counts the failures that count towards MaxAttempts: those
 	// specific to the message, not Kafka being unreachable.
 	attempts int
-	// failures counts every failure in a row; it grows the backoff.
+	// failures counts every failure in a row; it grows the wait while
+	// Kafka is unreachable (unavailableWait).
 	failures    int
 	nextAttempt time.Time
 }
@@ -305,7 +320,15 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 	if kind == failRetry {
 		rec.attempts++
 	}
-	wait := s.relay.cfg.backoffFor(rec.failures)
+	// A failure of the message walks Backoff by its counted attempts.
+	// Kafka being away says nothing about the message, and the shard must
+	// resume soon after Kafka does, however long it was away: not
+	// Backoff's 10 min but doubling from its first wait, up to the wait
+	// between connection attempts.
+	wait := s.relay.cfg.backoffFor(rec.attempts)
+	if kind == failUnavailable {
+		wait = unavailableWait(s.relay.cfg.Backoff[0], rec.failures)
+	}
 	if errors.Is(it.err, breaker.ErrBreakerOpen) {
 		// Sarama's breaker stays open for 10s; retrying sooner only
 		// meets it again.

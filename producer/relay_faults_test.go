@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -17,6 +18,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/devkafka"
 	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -221,6 +223,37 @@ func TestRelayWaitsOutBrokerErrors(t *testing.T) {
 	startRelay(t, env, cfg)
 	require.NoError(t, fault.Wait(context.Background(), 3))
 	time.Sleep(2 * time.Second) // the fault's duration: the relay keeps failing with MaxAttempts 1 and must not dead-letter
+	fault.Remove()
+
+	counts := distinct(readTopic(t, brokers, topic, len(events), 30*time.Second))
+	require.Len(t, counts, len(events))
+	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.Zero(t, st.DeadLetters)
+}
+
+// TestKafkaOutageDoesNotStretchTheRetryWait: while Kafka is unreachable a
+// shard's wait doubles from Backoff's first entry up to 30 s, however long
+// the outage, so it resumes soon after Kafka does. Before, those failures
+// walked Backoff like a failing message (up to 10 min by default): here,
+// whose second entry is an hour, the shard stopped retrying after its
+// second failure.
+func TestKafkaOutageDoesNotStretchTheRetryWait(t *testing.T) {
+	t.Parallel()
+	cluster, brokers := kafkatest.Fake(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, 1)
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+
+	fault := cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: -1})
+	events := publishOrders(t, env, topic, 2, 2, 1)
+	reg := prometheus.NewRegistry()
+	metrics, err := producer.NewRelayMetrics(reg)
+	require.NoError(t, err)
+	cfg := producer.RelayConfig{Brokers: brokers, Backoff: []time.Duration{20 * time.Millisecond, time.Hour}, MaxAttempts: 1, Metrics: metrics}
+	startRelay(t, env, cfg)
+	require.Eventually(t, func() bool { return metrictest.Sum(t, reg, "eventline_relay_retries_total") >= 4 }, 30*time.Second, 20*time.Millisecond,
+		"the shard keeps retrying while Kafka is unavailable")
 	fault.Remove()
 
 	counts := distinct(readTopic(t, brokers, topic, len(events), 30*time.Second))
