@@ -227,6 +227,7 @@ func TestRunNamesTheBrokersWhenKafkaIsUnreachable(t *testing.T) {
 	pool := pgtest.Pool(t, 1)
 	c, err := consumer.New(pool, consumer.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Logger: quietLogger()})
 	require.NoError(t, err)
+	require.NoError(t, c.Ignore("t.happened"))
 	err = c.Run(context.Background())
 	require.ErrorContains(t, err, "127.0.0.1:1")
 	require.ErrorContains(t, err, "consumer.Config.Brokers")
