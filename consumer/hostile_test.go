@@ -1,0 +1,403 @@
+package consumer_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+)
+
+// thingPayload is what consumertest.Event puts in a payload.
+type thingPayload struct {
+	ID string `json:"id"`
+	V  int64  `json:"v"`
+}
+
+// rawRecord is a Kafka record as a hostile producer may write it: any
+// headers (repeated keys, no message UUID), any key, any value (nil: a
+// tombstone).
+type rawRecord struct {
+	name    string
+	headers []sarama.RecordHeader
+	key     []byte
+	value   []byte
+	offset  int64 // set when published
+}
+
+// recordOf is the record the relay would write for e, with its headers in
+// a fixed order and an extra custom header.
+func recordOf(e eventline.Event) rawRecord {
+	md := map[string]string{
+		eventline.MetaEventID: e.ID, eventline.MetaEventType: e.Type, eventline.MetaEventVersion: "1",
+		eventline.MetaAggregateType: e.AggregateType, eventline.MetaAggregateID: e.AggregateID,
+		eventline.MetaOccurredAt: "2026-01-02T03:04:05Z", "tenant": "acme",
+	}
+	if e.AggregateVersion > 0 {
+		md[eventline.MetaAggregateVersion] = strconv.FormatInt(e.AggregateVersion, 10)
+	}
+	r := rawRecord{headers: []sarama.RecordHeader{{Key: []byte(kafka.UUIDHeaderKey), Value: []byte(e.ID)}}, key: []byte(e.AggregateID), value: e.Payload}
+	for _, k := range slices.Sorted(func(yield func(string) bool) {
+		for k := range md {
+			if !yield(k) {
+				return
+			}
+		}
+	}) {
+		r.headers = append(r.headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(md[k])})
+	}
+	return r
+}
+
+// set replaces (or adds) header k.
+func (r rawRecord) set(k, v string) rawRecord {
+	r.headers = slices.Clone(r.headers)
+	for i, h := range r.headers {
+		if string(h.Key) == k {
+			r.headers[i].Value = []byte(v)
+			return r
+		}
+	}
+	r.headers = append(r.headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
+	return r
+}
+
+// drop removes header k.
+func (r rawRecord) drop(k string) rawRecord {
+	r.headers = slices.DeleteFunc(slices.Clone(r.headers), func(h sarama.RecordHeader) bool { return string(h.Key) == k })
+	return r
+}
+
+// add appends header k, keeping any earlier one (a repeated key).
+func (r rawRecord) add(k, v string) rawRecord {
+	r.headers = append(slices.Clone(r.headers), sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
+	return r
+}
+
+// message is the record as the consumer reads it.
+func (r rawRecord) message(t *testing.T) *message.Message {
+	msg, err := kafka.DefaultMarshaler{}.Unmarshal(&sarama.ConsumerMessage{Headers: headerPtrs(r.headers), Key: r.key, Value: r.value})
+	require.NoError(t, err)
+	return msg
+}
+
+func headerPtrs(hs []sarama.RecordHeader) []*sarama.RecordHeader {
+	out := make([]*sarama.RecordHeader, len(hs))
+	for i := range hs {
+		out[i] = &hs[i]
+	}
+	return out
+}
+
+// publishRaw publishes records, in order, to partition 0 of topic, with a
+// producer that accepts records up to 16 MiB, and records their offsets.
+func publishRaw(t *testing.T, brokers []string, topic string, recs []rawRecord) {
+	t.Helper()
+	cfg := kafkaconf.Producer("test-hostile")
+	cfg.Producer.MaxMessageBytes = 16 << 20
+	cfg.Producer.Partitioner = sarama.NewManualPartitioner
+	p, err := sarama.NewSyncProducer(brokers, cfg)
+	require.NoError(t, err)
+	defer p.Close()
+	for i := range recs {
+		pm := &sarama.ProducerMessage{Topic: topic, Partition: 0, Key: sarama.ByteEncoder(recs[i].key), Headers: recs[i].headers}
+		if recs[i].value != nil {
+			pm.Value = sarama.ByteEncoder(recs[i].value)
+		}
+		_, off, err := p.SendMessage(pm)
+		require.NoError(t, err, "publish %s", recs[i].name)
+		recs[i].offset = off
+	}
+}
+
+// Hostile values a field may be given.
+var hostileValues = []string{
+	"", " ", "\x00", "a\x00b", "\xff\xfe", "caf\xc3", "\t", "-1", "0", "1e3", " 1", "1 ", "0x10", "1.0",
+	"9223372036854775808", "9223372036854775807", "-9223372036854775809", "\u0661", `"1"`, "\x00\x00\x00\x01",
+	strings.Repeat("x", 256), strings.Repeat("\x00", 300),
+}
+
+// hostileFields are the places a hostile value goes.
+var hostileFields = []string{
+	eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateType, eventline.MetaAggregateID,
+	eventline.MetaAggregateVersion, eventline.MetaEventVersion, eventline.MetaPreviousVersion, eventline.MetaOccurredAt,
+	eventline.MetaCorrelationID, eventline.MetaTraceParent, eventline.MetaContentType, "tenant", "custom-key", "payload", kafka.UUIDHeaderKey,
+}
+
+// mutate puts value v into field f of a fresh event of aggregate agg
+// (ids and aggregate ids stay unique: the value is prefixed to a unique
+// suffix, so two records never collide by accident).
+func mutate(agg, f, v string) rawRecord {
+	r := recordOf(consumertest.Event(agg, 1))
+	switch f {
+	case eventline.MetaEventID, eventline.MetaAggregateID:
+		return r.set(f, v+"#"+agg)
+	case "custom-key":
+		return r.set(v, "value")
+	case "payload":
+		r.value = []byte(v)
+		return r
+	}
+	return r.set(f, v)
+}
+
+// expectApplied is the oracle for a record on its own aggregate: whether a
+// consumer with the thing.changed JSON handler applies it (else it must be
+// dead-lettered as permanent).
+func expectApplied(t *testing.T, r rawRecord) (eventline.Event, bool) {
+	e, err := eventline.Decode(r.message(t))
+	if err != nil || e.Type != "thing.changed" {
+		return e, false
+	}
+	if _, err := eventline.DecodePayload[thingPayload](e); err != nil {
+		return e, false
+	}
+	// A first version of more than MaxGap leaves too many versions missing.
+	return e, e.AggregateVersion <= 1
+}
+
+// Hostile Kafka records (missing, empty, repeated or malformed headers;
+// invalid UTF-8 and NUL bytes in every text field; 1 MiB ids; versions
+// that overflow, are negative, zero or not decimal; payloads that are not
+// JSON; unknown types; ids and versions that lie), interleaved with valid
+// events on one partition, through the ready runner as the README builds
+// it. Every valid event is applied once, in order; every hostile record is
+// dead-lettered on its first failure (as the event's fault, never after
+// retries, its bytes kept exactly) or discarded with a recorded
+// outcome (a stale version); the partition's committed offset reaches its
+// end.
+func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
+	t.Parallel()
+	seed := uint64(time.Now().UnixNano())
+	if s := os.Getenv("EVENTLINE_HOSTILE_SEED"); s != "" {
+		var err error
+		seed, err = strconv.ParseUint(s, 10, 64)
+		require.NoError(t, err)
+	}
+	t.Logf("seed %d (EVENTLINE_HOSTILE_SEED=%d reproduces the order and mutations)", seed, seed)
+	rng := rand.New(rand.NewPCG(seed, seed))
+
+	k := newKenv(t, 1)
+	k.topic = kafkatest.Topic(t, "hostile")
+	createBigTopic(t, k.brokers, k.topic)
+	const group = "hostile"
+	c, err := consumer.New(k.Pool, k.config(group))
+	require.NoError(t, err)
+	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
+		return k.Apply(ctx, tx, group, e)
+	}))
+
+	// Valid events: 5 aggregates × 5 versions, each aggregate's versions
+	// shuffled (the gate parks early ones).
+	var valid []eventline.Event
+	var records []rawRecord
+	for a := range 5 {
+		var evs []eventline.Event
+		for v := int64(1); v <= 5; v++ {
+			evs = append(evs, consumertest.Event(fmt.Sprintf("agg-%d", a), v))
+		}
+		valid = append(valid, evs...)
+		rng.Shuffle(len(evs), func(i, j int) { evs[i], evs[j] = evs[j], evs[i] })
+		for _, e := range evs {
+			r := recordOf(e)
+			r.name = fmt.Sprintf("valid %s v%d", e.AggregateID, e.AggregateVersion)
+			records = append(records, r)
+		}
+	}
+
+	// Hostile records, each on its own aggregate, or lying about one.
+	var bad []hostile
+	n := 0
+	next := func() string { n++; return fmt.Sprintf("h-%d", n) }
+	base := func() rawRecord { return recordOf(consumertest.Event(next(), 1)) }
+	mib := strings.Repeat("i", 1<<20)
+	fixed := []hostile{
+		{rawRecord: rawRecord{name: "no headers, no value"}, reason: "event_id"},
+		{rawRecord: rawRecord{name: "no headers, JSON value", value: []byte(`{"id":"x","v":1}`)}, reason: "event_id"},
+		{rawRecord: base().drop(eventline.MetaEventID), reason: "event_id"},
+		{rawRecord: base().drop(eventline.MetaEventType), reason: "event_type"},
+		{rawRecord: base().drop(eventline.MetaAggregateID), reason: "aggregate_id"},
+		{rawRecord: base().drop(eventline.MetaAggregateType), reason: "aggregate_type"},
+		{rawRecord: base().set(eventline.MetaEventID, "\x00"+next()), reason: "NUL"},
+		{rawRecord: base().set(eventline.MetaEventID, next()+"\xff\xfe"), reason: "UTF-8"},
+		{rawRecord: base().set(eventline.MetaEventID, mib+next()), reason: "longer than"},
+		{rawRecord: base().set(eventline.MetaAggregateID, mib+next()), reason: "longer than"},
+		{rawRecord: base().set(eventline.MetaAggregateID, next()+"\x00"), reason: "NUL"},
+		{rawRecord: base().set(eventline.MetaAggregateType, "thi\x00ng"), reason: "NUL"},
+		{rawRecord: base().set(eventline.MetaEventType, "thing.changed\x00"), reason: "event type"},
+		{rawRecord: base().set(eventline.MetaCorrelationID, "c\x00"), reason: "NUL"},
+		{rawRecord: base().set("tenant", "ac\x00me"), reason: "NUL"},
+		{rawRecord: base().set("te\x00nant", "acme"), reason: "NUL"},
+		{rawRecord: base().set("tenant", "\xc3\x28"), reason: "UTF-8"},
+		{rawRecord: base().set(eventline.MetaAggregateVersion, "9223372036854775808"), reason: "aggregate_version"},
+		{rawRecord: base().set(eventline.MetaAggregateVersion, "-1"), reason: "aggregate_version"},
+		{rawRecord: base().set(eventline.MetaAggregateVersion, "0"), reason: "aggregate_version"},
+		{rawRecord: base().set(eventline.MetaAggregateVersion, "1e3"), reason: "aggregate_version"},
+		{rawRecord: base().set(eventline.MetaAggregateVersion, " 1"), reason: "aggregate_version"},
+		{rawRecord: base().set(eventline.MetaAggregateVersion, "9223372036854775807"), reason: "missing"},
+		{rawRecord: base().set(eventline.MetaPreviousVersion, "7"), reason: "aggregate_previous_version"},
+		{rawRecord: base().set(eventline.MetaEventVersion, "-1"), reason: "event_version"},
+		{rawRecord: base().set(eventline.MetaOccurredAt, "yesterday"), reason: "occurred_at"},
+		{rawRecord: base().set(eventline.MetaEventType, "thing.exploded"), reason: "no handler"},
+		// A repeated header: the last one wins, and it holds a NUL.
+		{rawRecord: base().add(eventline.MetaAggregateID, "x\x00y"), reason: "NUL"},
+	}
+	for _, payload := range [][]byte{nil, []byte("not json"), []byte("\x00\xff"), []byte(`{"v":"lots"}`), []byte(`{"id":"a"`)} {
+		r := base()
+		r.value = payload
+		fixed = append(fixed, hostile{rawRecord: r, reason: "payload"})
+	}
+	for i := range fixed {
+		fixed[i].name = fmt.Sprintf("fixed %d", i)
+	}
+	bad = append(bad, fixed...)
+	for range 40 {
+		f, v := hostileFields[rng.IntN(len(hostileFields))], hostileValues[rng.IntN(len(hostileValues))]
+		h := hostile{rawRecord: mutate(next(), f, v)}
+		h.name = fmt.Sprintf("random %d: %s=%q", n, f, printableQ(v))
+		bad = append(bad, h)
+	}
+	for i := range bad {
+		bad[i].event, bad[i].applied = expectApplied(t, bad[i].rawRecord)
+	}
+	for i := range bad {
+		if i < len(fixed) {
+			require.False(t, bad[i].applied, "%s: the oracle must reject it", bad[i].name)
+		}
+	}
+
+	// Interleave: valid records keep their relative order.
+	all := slices.Clone(records)
+	for _, h := range bad {
+		i := rng.IntN(len(all) + 1)
+		all = slices.Insert(all, i, h.rawRecord)
+	}
+	publishRaw(t, k.brokers, k.topic, all)
+	offsetOf := map[string]int64{}
+	for _, r := range all {
+		offsetOf[r.name] = r.offset
+	}
+
+	var wantApplied []eventline.Event
+	wantApplied = append(wantApplied, valid...)
+	wantDead := map[int64]hostile{}
+	for _, h := range bad {
+		h.offset = offsetOf[h.name]
+		if h.applied {
+			wantApplied = append(wantApplied, h.event)
+		} else {
+			wantDead[h.offset] = h
+		}
+	}
+
+	r := start(t, c)
+	end := int64(len(all))
+	eventually(t, 90*time.Second, func() bool { return committedOffset(t, k, group) == end }, "the committed offset reaches the end of the partition (%d)", end)
+	checkDeadLetters(t, k, group, wantDead)
+	appliedOnce(t, k.Effects(t, group), wantApplied)
+
+	// Phase 2, behind the applied events: ids and versions that lie.
+	agg0v1 := valid[0]
+	require.Equal(t, "agg-0", agg0v1.AggregateID)
+	idOtherAggregate := recordOf(consumertest.Event(next(), 1)).set(eventline.MetaEventID, agg0v1.ID)
+	idOtherAggregate.name = "liar: a valid id on another aggregate"
+	idOtherVersion := recordOf(consumertest.Event("agg-0", 7)).set(eventline.MetaEventID, agg0v1.ID)
+	idOtherVersion.name = "liar: a valid id at another version"
+	stale := recordOf(consumertest.Event("agg-1", 3))
+	stale.name = "liar: a second event at an applied version"
+	ahead := consumertest.Event("agg-2", 7) // parks: 6 is missing
+	parkedTwin := recordOf(consumertest.Event("agg-2", 7))
+	parkedTwin.name = "liar: a second event at a parked version"
+	six := consumertest.Event("agg-2", 6)
+	aheadRec, sixRec := recordOf(ahead), recordOf(six)
+	aheadRec.name, sixRec.name = "valid agg-2 v7", "valid agg-2 v6"
+	phase2 := []rawRecord{idOtherAggregate, idOtherVersion, stale, aheadRec, parkedTwin, sixRec}
+	publishRaw(t, k.brokers, k.topic, phase2)
+	end += int64(len(phase2))
+	eventually(t, 90*time.Second, func() bool { return committedOffset(t, k, group) == end }, "the committed offset reaches the end of the partition (%d)", end)
+	require.NoError(t, r.stop())
+
+	for _, lie := range phase2[:2] { // idOtherAggregate, idOtherVersion
+		wantDead[lie.offset] = hostile{rawRecord: lie, reason: agg0v1.ID}
+	}
+	wantDead[phase2[4].offset] = hostile{rawRecord: phase2[4], reason: "version"} // parkedTwin
+	checkDeadLetters(t, k, group, wantDead)
+	appliedOnce(t, k.Effects(t, group), append(wantApplied, six, ahead))
+	staleID := stale.message(t).Metadata.Get(eventline.MetaEventID)
+	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
+		` WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleID), "the stale liar is recorded as discarded")
+	for _, table := range []string{"parked_events", "skipped_versions", "late_events"} {
+		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+			"%s must be empty", table)
+	}
+}
+
+// hostile is a hostile record and what must become of it.
+type hostile struct {
+	rawRecord
+	applied bool            // the oracle says it is a valid event after all
+	event   eventline.Event // as decoded, when it decodes
+	reason  string          // a dead letter's reason must contain it
+}
+
+// checkDeadLetters checks that the group's dead letters are exactly want
+// (by Kafka offset): dead-lettered once, on the first failure, as the
+// event's fault, with the record's bytes kept exactly.
+func checkDeadLetters(t *testing.T, k kenv, group string, want map[int64]hostile) {
+	t.Helper()
+	store, err := dedup.NewDeadLetterStore(k.Schema)
+	require.NoError(t, err)
+	dead, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group, Limit: 100_000})
+	require.NoError(t, err)
+	got := map[int64]bool{}
+	for _, d := range dead {
+		require.True(t, d.FromKafka, "dead letter %d locates its record", d.ID)
+		h, ok := want[d.Offset]
+		require.True(t, ok, "offset %d was dead-lettered but is valid: %s", d.Offset, d.Reason)
+		require.False(t, got[d.Offset], "offset %d dead-lettered twice", d.Offset)
+		got[d.Offset] = true
+		require.NotContains(t, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Kind, "%s: the event's fault, not retried: %s", h.name, d.Reason)
+		require.Equal(t, 1, d.Times, "%s: dead-lettered once", h.name)
+		require.Contains(t, d.Reason, h.reason, "%s", h.name)
+		msg := h.message(t)
+		require.Equal(t, msg.UUID, d.MessageUUID, "%s: message UUID kept", h.name)
+		require.Equal(t, nonNil(msg.Payload), nonNil(d.Payload), "%s: payload kept byte for byte", h.name)
+		require.Equal(t, map[string]string(msg.Metadata), d.Metadata, "%s: headers kept byte for byte", h.name)
+	}
+	for off, h := range want {
+		require.True(t, got[off], "%s (offset %d) must be dead-lettered", h.name, off)
+	}
+}
+
+func nonNil(b []byte) []byte {
+	if b == nil {
+		return []byte{}
+	}
+	return b
+}
+
+func printableQ(s string) string {
+	if len(s) > 16 {
+		return s[:16] + "…"
+	}
+	return s
+}
