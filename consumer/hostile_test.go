@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -400,4 +401,110 @@ func printableQ(s string) string {
 		return s[:16] + "…"
 	}
 	return s
+}
+
+// refPayload is what the typed-columns handler writes.
+type refPayload struct {
+	Name string          `json:"name"`
+	Ref  string          `json:"ref"`
+	Doc  json.RawMessage `json:"doc"`
+}
+
+// Content that decodes but that PostgreSQL refuses in the handler's
+// columns (a NUL byte in text, SQLSTATE 22021; a malformed uuid, 22P02; a
+// \u0000 in jsonb, 22P05; an event id that is not a UUID written to a
+// uuid column) is the event's fault: dead-lettered on the first failure,
+// in order or inside a batch with valid events of its aggregate, and,
+// when it was parked first, given up at once when its turn comes (held
+// late, its version audited as skipped) instead of failing release after
+// release. The valid events around it are applied once, in order.
+func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const group = "typed"
+	refs := sqlident.Qualify(k.Schema, "refs")
+	_, err := k.Pool.Exec(context.Background(), `CREATE TABLE `+refs+` (event_ref uuid NOT NULL, name text NOT NULL, ref uuid NOT NULL, doc jsonb NOT NULL)`)
+	require.NoError(t, err)
+	c, err := consumer.New(k.Pool, k.config(group))
+	require.NoError(t, err)
+	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, p refPayload) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+refs+` (event_ref, name, ref, doc) VALUES ($1, $2, $3, $4)`, e.ID, p.Name, p.Ref, string(p.Doc)); err != nil {
+			return err
+		}
+		return k.Apply(ctx, tx, group, e)
+	}))
+
+	good := `{"name":"ok","ref":"0190a7e2-6b1c-7b3e-9f00-000000000001","doc":{"a":1}}`
+	event := func(agg string, v int64, payload string) eventline.Event {
+		e := consumertest.Event(agg, v)
+		e.Payload = []byte(payload)
+		return e
+	}
+	hostilePayloads := map[string]string{
+		"22021": `{"name":"a\u0000b","ref":"0190a7e2-6b1c-7b3e-9f00-000000000001","doc":{}}`,
+		"22P02": `{"name":"ok","ref":"not-a-uuid","doc":{}}`,
+		"22P05": `{"name":"ok","ref":"0190a7e2-6b1c-7b3e-9f00-000000000001","doc":{"a":"\u0000"}}`,
+	}
+	var want []eventline.Event
+	var msgs []*message.Message
+	wantDead := map[string]string{} // event id → SQLSTATE
+	codes := slices.Sorted(func(yield func(string) bool) {
+		for c := range hostilePayloads {
+			if !yield(c) {
+				return
+			}
+		}
+	})
+	// In order, each between valid events of its aggregate (so in one
+	// batch with them).
+	for i, code := range append(codes, "not-a-uuid") {
+		agg := fmt.Sprintf("agg-%d", i)
+		v1, v2 := event(agg, 1, good), event(agg, 2, good)
+		bad := event(agg, 2, hostilePayloads[code])
+		if code == "not-a-uuid" {
+			bad = event(agg, 2, good)
+			bad.ID = "evt-" + agg
+			code = "22P02"
+		}
+		v3 := event(agg, 3, good)
+		want = append(want, v1, v2, v3)
+		wantDead[bad.ID] = code
+		// v2 and its hostile twin: the first to arrive is applied. Put
+		// the hostile one first: it fails, and the genuine v2 follows.
+		msgs = append(msgs, consumertest.Message(t, v1), consumertest.Message(t, bad), consumertest.Message(t, v2), consumertest.Message(t, v3))
+	}
+	// Parked first: v2 arrives before v1, parks (its payload decodes), and
+	// fails when v1 releases it.
+	parkedBad := event("parked", 2, hostilePayloads["22021"])
+	p1, p3 := event("parked", 1, good), event("parked", 3, good)
+	msgs = append(msgs, consumertest.Message(t, parkedBad), consumertest.Message(t, p1), consumertest.Message(t, p3))
+	want = append(want, p1, p3)
+
+	publish(t, k.brokers, k.topic, msgs...)
+	r := start(t, c)
+	end := int64(len(msgs))
+	eventually(t, 60*time.Second, func() bool { return committedOffset(t, k, group) == end }, "the committed offset reaches the end of the partition (%d)", end)
+	store, err := dedup.NewDeadLetterStore(k.Schema)
+	require.NoError(t, err)
+	dead, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group})
+	require.NoError(t, err)
+	require.Len(t, dead, len(wantDead))
+	for _, d := range dead {
+		code, ok := wantDead[d.EventID]
+		require.True(t, ok, "unexpected dead letter %s: %s", d.EventID, d.Reason)
+		require.Equal(t, dedup.KindPermanent, d.Kind, "%s: the event's fault, dead-lettered without retries: %s", d.EventID, d.Reason)
+		require.Equal(t, 1, d.Times)
+		require.Contains(t, d.Reason, "SQLSTATE "+code)
+	}
+	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) >= len(want) }, "the valid events are applied")
+	require.NoError(t, r.stop())
+	appliedOnce(t, k.Effects(t, group), want)
+	var reason string
+	require.NoError(t, k.Pool.QueryRow(context.Background(), `SELECT reason FROM `+sqlident.Qualify(k.Schema, "late_events")+
+		` WHERE consumer_group = $1 AND event_id = $2 AND kind = 'release_failed' AND attempts <= 1`, group, parkedBad.ID).Scan(&reason),
+		"the parked event is given up at its first failed release")
+	require.Contains(t, reason, "SQLSTATE 22021")
+	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "skipped_versions")+
+		` WHERE consumer_group = $1 AND aggregate_id = 'parked' AND from_version = 2 AND to_version = 2`, group))
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")+` WHERE consumer_group = $1`, group))
 }
