@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -16,6 +18,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -26,6 +29,8 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/tracing/tracingtest"
+	"github.com/eventline/eventline/middleware"
 )
 
 // thingPayload is what consumertest.Event puts in a payload.
@@ -134,14 +139,16 @@ func publishRaw(t *testing.T, brokers []string, topic string, recs []rawRecord) 
 var hostileValues = []string{
 	"", " ", "\x00", "a\x00b", "\xff\xfe", "caf\xc3", "\t", "-1", "0", "1e3", " 1", "1 ", "0x10", "1.0",
 	"9223372036854775808", "9223372036854775807", "-9223372036854775809", "\u0661", `"1"`, "\x00\x00\x00\x01",
-	strings.Repeat("x", 256), strings.Repeat("\x00", 300),
+	strings.Repeat("x", 256), strings.Repeat("\x00", 300), "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+	"00-\x00\xff-01", "k=v\x00,k2=\xff", strings.Repeat("k=v,", 1000),
 }
 
 // hostileFields are the places a hostile value goes.
 var hostileFields = []string{
 	eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateType, eventline.MetaAggregateID,
 	eventline.MetaAggregateVersion, eventline.MetaEventVersion, eventline.MetaPreviousVersion, eventline.MetaOccurredAt,
-	eventline.MetaCorrelationID, eventline.MetaTraceParent, eventline.MetaContentType, "tenant", "custom-key", "payload", kafka.UUIDHeaderKey,
+	eventline.MetaCorrelationID, eventline.MetaTraceParent, "tracestate", "baggage", eventline.MetaContentType, "tenant", "custom-key", "payload",
+	kafka.UUIDHeaderKey,
 }
 
 // mutate puts value v into field f of a fresh event of aggregate agg
@@ -201,7 +208,16 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 	k.topic = kafkatest.Topic(t, "hostile")
 	createBigTopic(t, k.brokers, k.topic)
 	const group = "hostile"
-	c, err := consumer.New(k.Pool, k.config(group))
+	var err error
+	// Everything that reads the records' fields on: metrics (event_type
+	// labels), tracing (headers, attributes), debug logging.
+	cfg := k.config(group)
+	reg := prometheus.NewRegistry()
+	cfg.Metrics, err = middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg.TracerProvider = tracingtest.New(t).Provider
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	c, err := consumer.New(k.Pool, cfg)
 	require.NoError(t, err)
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
 		return k.Apply(ctx, tx, group, e)
