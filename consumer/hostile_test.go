@@ -524,3 +524,66 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 		` WHERE consumer_group = $1 AND aggregate_id = 'parked' AND from_version = 2 AND to_version = 2`, group))
 	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")+` WHERE consumer_group = $1`, group))
 }
+
+// Ids and versions that lie, inside one batch transaction with the events
+// they lie about (one lane, batches of 16, all published before the
+// consumer starts): an id reused at another version of its aggregate or
+// on another aggregate is refused as an id conflict; a second event at an
+// applied version is discarded as stale; a second event at a parked
+// version is refused as a park conflict; a duplicate is skipped; hostile
+// records in the middle are dead-lettered. Everything else is applied
+// once, in order, and the partition's offset reaches its end.
+func TestLiesInsideOneBatch(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 1)
+	const group = "liars"
+	cfg := batchConfig(k, group, 16)
+	cfg.SweepInterval, cfg.ParkTimeout = time.Hour, time.Hour
+	c, err := consumer.New(k.Pool, cfg)
+	require.NoError(t, err)
+	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
+		return k.Apply(ctx, tx, group, e)
+	}))
+	x1, x2, x3 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("x", 3)
+	reusedAtV2 := consumertest.Event("x", 2)
+	reusedAtV2.ID = x1.ID
+	staleV2 := consumertest.Event("x", 2)
+	y1 := consumertest.Event("y", 1)
+	reusedOnZ := consumertest.Event("z", 1)
+	reusedOnZ.ID = x1.ID
+	w2, w3, w3twin := consumertest.Event("w", 2), consumertest.Event("w", 3), consumertest.Event("w", 3)
+	w1 := consumertest.Event("w", 1)
+	nul := recordOf(consumertest.Event("n", 1)).set(eventline.MetaAggregateID, "n\x00").message(t)
+	notJSONMsg := consumertest.Message(t, consumertest.Event("j", 1))
+	notJSONMsg.Payload = []byte("{")
+	msgs := []*message.Message{
+		consumertest.Message(t, x1), consumertest.Message(t, reusedAtV2), nul, consumertest.Message(t, x2),
+		consumertest.Message(t, w3), consumertest.Message(t, staleV2), consumertest.Message(t, y1), notJSONMsg,
+		consumertest.Message(t, reusedOnZ), consumertest.Message(t, w3twin), consumertest.Message(t, x2), consumertest.Message(t, w2),
+		consumertest.Message(t, w1), consumertest.Message(t, x3),
+	}
+	publish(t, k.brokers, k.topic, msgs...)
+	r := start(t, c)
+	end := int64(len(msgs))
+	eventually(t, 60*time.Second, func() bool { return committedOffset(t, k, group) == end }, "the committed offset reaches the end of the partition (%d)", end)
+	require.NoError(t, r.stop())
+	appliedOnce(t, k.Effects(t, group), []eventline.Event{x1, x2, x3, y1, w1, w2, w3})
+
+	store, err := dedup.NewDeadLetterStore(k.Schema)
+	require.NoError(t, err)
+	dead, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group})
+	require.NoError(t, err)
+	got := map[int64]string{}
+	for _, d := range dead {
+		require.NotContains(t, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Kind, "offset %d: the event's fault: %s", d.Offset, d.Reason)
+		require.Equal(t, 1, d.Times)
+		got[d.Offset] = d.Kind
+	}
+	require.Equal(t, map[int64]string{1: dedup.KindIDConflict, 2: dedup.KindPermanent, 7: dedup.KindPermanent, 8: dedup.KindIDConflict, 9: dedup.KindPermanent}, got)
+	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
+		` WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleV2.ID), "the stale liar is recorded as discarded")
+	for _, table := range []string{"parked_events", "skipped_versions", "late_events"} {
+		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+			"%s must be empty", table)
+	}
+}
