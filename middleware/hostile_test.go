@@ -1,0 +1,232 @@
+package middleware_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"pgregory.net/rapid"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
+)
+
+// hostileFields are the metadata keys (and "payload") a hostile message
+// may corrupt.
+var hostileFields = []string{
+	eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateType, eventline.MetaAggregateID,
+	eventline.MetaAggregateVersion, eventline.MetaEventVersion, eventline.MetaPreviousVersion, eventline.MetaOccurredAt,
+	eventline.MetaCorrelationID, eventline.MetaTraceParent, eventline.MetaContentType, "tracestate", "baggage",
+	"tenant", "payload",
+}
+
+// hostileValue draws a value a hostile producer may write: numbers that
+// overflow or are not decimal, NUL bytes, invalid UTF-8, blanks, long
+// strings, arbitrary bytes.
+func hostileValue() *rapid.Generator[string] {
+	return rapid.OneOf(
+		rapid.SampledFrom([]string{
+			"", " ", "\x00", "a\x00b", "\xff\xfe", "caf\xc3", "\t", "-1", "0", "1", "2", "1e3", " 1", "1 ", "+1", "0x10", "1.0",
+			"9223372036854775807", "9223372036854775808", "-9223372036854775809", "\u0661", `"1"`,
+			strings.Repeat("x", 255), strings.Repeat("x", 256), strings.Repeat("é", 200), strings.Repeat("\x00", 300), strings.Repeat("y", 1<<20),
+			`{"name":"a\u0000b"}`, `{"name":"ok"}`, `{"name":1}`, "null", "{",
+		}),
+		rapid.String(),
+		rapid.StringOf(rapid.RuneFrom([]rune{0, 'a', 0xFFFD, 0x10FFFF, '"', '\\'})),
+		rapid.Map(rapid.SliceOfN(rapid.Byte(), 0, 64), func(b []byte) string { return string(b) }),
+	)
+}
+
+// hostileMessage draws a message of its own aggregate (so no two collide
+// by accident) with one to three fields corrupted, or removed.
+func hostileMessage(agg string) *rapid.Generator[*message.Message] {
+	return rapid.Custom(func(rt *rapid.T) *message.Message {
+		e := consumertest.Event(agg, 1)
+		e.Payload = []byte(`{"name":"ok"}`)
+		msg := consumertest.Message(rt, e)
+		msg.Metadata.Set("tenant", "acme")
+		if rapid.Bool().Draw(rt, "hostile content") {
+			// Content that decodes, for PostgreSQL to judge: a name with
+			// or without NUL bytes (text), a ref that may not be a UUID.
+			p := struct {
+				Name string `json:"name"`
+				Ref  string `json:"ref,omitempty"`
+			}{
+				Name: rapid.StringOf(rapid.RuneFrom([]rune{0, 'a', 'é', 0x10FFFF})).Draw(rt, "name"),
+				Ref:  rapid.SampledFrom([]string{"", validRef, "not-a-uuid", "0190a7e2"}).Draw(rt, "ref"),
+			}
+			msg.Payload, _ = json.Marshal(p)
+			if rapid.Bool().Draw(rt, "content only") {
+				return msg
+			}
+		}
+		for range rapid.IntRange(1, 3).Draw(rt, "mutations") {
+			f := rapid.SampledFrom(hostileFields).Draw(rt, "field")
+			if rapid.IntRange(0, 9).Draw(rt, "remove") == 0 {
+				delete(msg.Metadata, f)
+				continue
+			}
+			v := hostileValue().Draw(rt, "value")
+			switch f {
+			case "payload":
+				msg.Payload = []byte(v)
+			case eventline.MetaEventID, eventline.MetaAggregateID:
+				msg.Metadata.Set(f, v+"#"+agg) // still unique
+			default:
+				msg.Metadata.Set(f, v)
+			}
+		}
+		return msg
+	})
+}
+
+// TestPropertyHostileMessagesCostOnlyThemselves sends random hostile
+// messages (see hostileMessage), interleaved with an aggregate's valid
+// events delivered out of order, through the safe chain (DeadLetter ▸
+// Retry ▸ eventline ▸ handler) as records of one partition. The handler
+// writes a name from the payload to a text column, so content PostgreSQL
+// refuses (a NUL byte: SQLSTATE 22021) reaches it too. It checks that:
+//
+//   - the chain acknowledges every message (no error: nothing is left to
+//     be redelivered forever) and never panics;
+//   - a message that does not decode, or whose content PostgreSQL
+//     refuses, is dead-lettered on its first attempt as the event's
+//     fault (never after retries), once, with its payload and headers
+//     byte for byte; a message that decodes and can be stored is applied,
+//     parked or refused as the gate says, with a dedup record or a dead
+//     letter;
+//   - the valid events are all applied once, in order.
+func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond}})
+	names := sqlident.Qualify(f.env.Schema, "names")
+	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+names+` (event_id text NOT NULL, name text NOT NULL, ref uuid)`)
+	require.NoError(t, err)
+	var attempts atomic.Int64
+	chain := f.el.Chain(func(msg *message.Message) ([]*message.Message, error) {
+		attempts.Add(1)
+		ctx := msg.Context()
+		tx, _ := middleware.TxFromContext(ctx)
+		e, _ := middleware.EventFromContext(ctx)
+		var p content
+		if json.Unmarshal(e.Payload, &p) == nil && (p.Name != "" || p.Ref != "") {
+			ref := &p.Ref
+			if p.Ref == "" {
+				ref = nil
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO `+names+` (event_id, name, ref) VALUES ($1, $2, $3)`, e.ID, p.Name, ref); err != nil {
+				return nil, err
+			}
+		}
+		return nil, f.env.Apply(ctx, tx, group, e)
+	})
+	store := f.el.DeadLetters().Store()
+	var run, offset atomic.Int64
+	rapid.Check(t, func(rt *rapid.T) {
+		r := run.Add(1)
+		valid := fmt.Sprintf("valid-%d", r)
+		n := rapid.IntRange(1, 5).Draw(rt, "valid events")
+		order := rapid.Permutation(versionsUpTo(n)).Draw(rt, "valid order")
+		hostile := make([]*message.Message, rapid.IntRange(1, 5).Draw(rt, "hostile messages"))
+		for i := range hostile {
+			hostile[i] = hostileMessage(fmt.Sprintf("h-%d-%d", r, i)).Draw(rt, "hostile")
+		}
+		var msgs []*message.Message
+		isHostile := map[int]bool{}
+		for _, v := range order {
+			for len(hostile) > 0 && rapid.Bool().Draw(rt, "hostile first") {
+				isHostile[len(msgs)] = true
+				msgs, hostile = append(msgs, hostile[0]), hostile[1:]
+			}
+			msgs = append(msgs, consumertest.Message(rt, consumertest.Event(valid, v)))
+		}
+		for _, h := range hostile {
+			isHostile[len(msgs)] = true
+			msgs = append(msgs, h)
+		}
+
+		for i, m := range msgs {
+			off := offset.Add(1)
+			m.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: off}))
+			before := attempts.Load()
+			_, err := chain(m)
+			require.NoError(rt, err, "message %d: the chain acknowledges it", i)
+			if !isHostile[i] {
+				continue
+			}
+			e, derr := eventline.Decode(m)
+			var d *dedup.DeadLetter
+			var ids []int64
+			rows, err := f.env.Pool.Query(context.Background(), `SELECT id FROM `+store.Table()+` WHERE consumer_group = $1 AND kafka_offset = $2`, group, off)
+			require.NoError(rt, err)
+			ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+			require.NoError(rt, err)
+			if len(ids) > 0 {
+				dead, err := store.List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group, IDs: ids})
+				require.NoError(rt, err)
+				require.Len(rt, dead, 1, "message %d: one dead letter", i)
+				d = &dead[0]
+			}
+			var p content
+			refused := derr != nil || (json.Unmarshal(e.Payload, &p) == nil && (strings.ContainsRune(p.Name, 0) || (p.Ref != "" && p.Ref != validRef)))
+			if !refused {
+				// It decodes and can be stored: applied, parked or refused
+				// by the gate (a version beyond MaxGap), never retried.
+				var recorded int
+				require.NoError(rt, f.env.Pool.QueryRow(context.Background(), `SELECT count(*) FROM `+sqlident.Qualify(f.env.Schema, "processed_events")+
+					` WHERE consumer_group = $1 AND event_id = $2`, group, e.ID).Scan(&recorded))
+				require.True(rt, recorded == 1 || d != nil, "message %d decodes: recorded or refused", i)
+				if d == nil {
+					continue
+				}
+			}
+			require.NotNil(rt, d, "message %d (%v) is dead-lettered", i, derr)
+			require.NotContains(rt, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Kind, "message %d: the event's fault: %s", i, d.Reason)
+			require.LessOrEqual(rt, attempts.Load()-before, int64(1), "message %d: at most one attempt reached the handler", i)
+			require.Equal(rt, 1, d.Times)
+			require.Equal(rt, nonNil(m.Payload), nonNil(d.Payload), "message %d: payload kept byte for byte", i)
+			require.Equal(rt, map[string]string(m.Metadata), d.Metadata, "message %d: headers kept byte for byte", i)
+		}
+		var applied []int64
+		for _, e := range f.env.Effects(rt, group) {
+			if e.AggregateID == valid {
+				applied = append(applied, e.Version)
+			}
+		}
+		require.Equal(rt, versionsUpTo(n), applied, "the valid events, once, in order")
+	})
+}
+
+// content is what the property's handler writes: Name to a text column,
+// Ref (when set) to a uuid column.
+type content struct {
+	Name string `json:"name"`
+	Ref  string `json:"ref"`
+}
+
+const validRef = "0190a7e2-6b1c-7b3e-9f00-000000000001"
+
+func versionsUpTo(n int) []int64 {
+	out := make([]int64, n)
+	for i := range out {
+		out[i] = int64(i + 1)
+	}
+	return out
+}
+
+func nonNil(b []byte) []byte {
+	if b == nil {
+		return []byte{}
+	}
+	return b
+}
