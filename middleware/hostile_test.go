@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -58,12 +59,10 @@ func hostileMessage(agg string) *rapid.Generator[*message.Message] {
 		if rapid.Bool().Draw(rt, "hostile content") {
 			// Content that decodes, for PostgreSQL to judge: a name with
 			// or without NUL bytes (text), a ref that may not be a UUID.
-			p := struct {
-				Name string `json:"name"`
-				Ref  string `json:"ref,omitempty"`
-			}{
-				Name: rapid.StringOf(rapid.RuneFrom([]rune{0, 'a', 'é', 0x10FFFF})).Draw(rt, "name"),
-				Ref:  rapid.SampledFrom([]string{"", validRef, "not-a-uuid", "0190a7e2"}).Draw(rt, "ref"),
+			p := content{
+				Name:   rapid.StringOf(rapid.RuneFrom([]rune{0, 'a', 'é', 0x10FFFF})).Draw(rt, "name"),
+				Ref:    rapid.SampledFrom([]string{"", validRef, "not-a-uuid", "0190a7e2"}).Draw(rt, "ref"),
+				Amount: rapid.SampledFrom([]int64{0, 1, math.MaxInt32, math.MaxInt32 + 1, math.MinInt32 - 1, math.MinInt64}).Draw(rt, "amount"),
 			}
 			msg.Payload, _ = json.Marshal(p)
 			if rapid.Bool().Draw(rt, "content only") {
@@ -94,12 +93,14 @@ func hostileMessage(agg string) *rapid.Generator[*message.Message] {
 // messages (see hostileMessage), interleaved with an aggregate's valid
 // events delivered out of order, through the safe chain (DeadLetter ▸
 // Retry ▸ eventline ▸ handler) as records of one partition. The handler
-// writes a name from the payload to a text column, so content PostgreSQL
-// refuses (a NUL byte: SQLSTATE 22021) reaches it too. It checks that:
+// writes fields of the payload to text, uuid and integer columns, so
+// content PostgreSQL refuses (a NUL byte: SQLSTATE 22021; a malformed
+// uuid: 22P02) or pgx cannot encode (a number beyond int4) reaches it too.
+// It checks that:
 //
 //   - the chain acknowledges every message (no error: nothing is left to
 //     be redelivered forever) and never panics;
-//   - a message that does not decode, or whose content PostgreSQL
+//   - a message that does not decode, or whose content PostgreSQL or pgx
 //     refuses, is dead-lettered on its first attempt as the event's
 //     fault (never after retries), once, with its payload and headers
 //     byte for byte; a message that decodes and can be stored is applied,
@@ -110,7 +111,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond}})
 	names := sqlident.Qualify(f.env.Schema, "names")
-	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+names+` (event_id text NOT NULL, name text NOT NULL, ref uuid)`)
+	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+names+` (event_id text NOT NULL, name text NOT NULL, ref uuid, amount integer NOT NULL)`)
 	require.NoError(t, err)
 	var attempts atomic.Int64
 	chain := f.el.Chain(func(msg *message.Message) ([]*message.Message, error) {
@@ -119,12 +120,12 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 		tx, _ := middleware.TxFromContext(ctx)
 		e, _ := middleware.EventFromContext(ctx)
 		var p content
-		if json.Unmarshal(e.Payload, &p) == nil && (p.Name != "" || p.Ref != "") {
+		if json.Unmarshal(e.Payload, &p) == nil && (p.Name != "" || p.Ref != "" || p.Amount != 0) {
 			ref := &p.Ref
 			if p.Ref == "" {
 				ref = nil
 			}
-			if _, err := tx.Exec(ctx, `INSERT INTO `+names+` (event_id, name, ref) VALUES ($1, $2, $3)`, e.ID, p.Name, ref); err != nil {
+			if _, err := tx.Exec(ctx, `INSERT INTO `+names+` (event_id, name, ref, amount) VALUES ($1, $2, $3, $4)`, e.ID, p.Name, ref, p.Amount); err != nil {
 				return nil, err
 			}
 		}
@@ -178,7 +179,8 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 				d = &dead[0]
 			}
 			var p content
-			refused := derr != nil || (json.Unmarshal(e.Payload, &p) == nil && (strings.ContainsRune(p.Name, 0) || (p.Ref != "" && p.Ref != validRef)))
+			refused := derr != nil || (json.Unmarshal(e.Payload, &p) == nil && (strings.ContainsRune(p.Name, 0) || (p.Ref != "" && p.Ref != validRef) ||
+				p.Amount > math.MaxInt32 || p.Amount < math.MinInt32))
 			if !refused {
 				// It decodes and can be stored: applied, parked or refused
 				// by the gate (a version beyond MaxGap), never retried.
@@ -208,10 +210,11 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 }
 
 // content is what the property's handler writes: Name to a text column,
-// Ref (when set) to a uuid column.
+// Ref (when set) to a uuid column, Amount to an integer (int4) column.
 type content struct {
-	Name string `json:"name"`
-	Ref  string `json:"ref"`
+	Name   string `json:"name"`
+	Ref    string `json:"ref,omitempty"`
+	Amount int64  `json:"amount,omitempty"`
 }
 
 const validRef = "0190a7e2-6b1c-7b3e-9f00-000000000001"
@@ -229,4 +232,50 @@ func nonNil(b []byte) []byte {
 		return []byte{}
 	}
 	return b
+}
+
+// Content the driver cannot encode for the handler's column (a number
+// beyond int4, caught by pgx before PostgreSQL sees it) is the event's
+// fault, as the same value refused by PostgreSQL (SQLSTATE 22003) is:
+// dead-lettered at its first attempt, not after the retry budget.
+func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond}})
+	amounts := sqlident.Qualify(f.env.Schema, "amounts")
+	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+amounts+` (event_id text NOT NULL, amount integer NOT NULL)`)
+	require.NoError(t, err)
+	var attempts atomic.Int64
+	chain := f.el.Chain(func(msg *message.Message) ([]*message.Message, error) {
+		attempts.Add(1)
+		ctx := msg.Context()
+		tx, _ := middleware.TxFromContext(ctx)
+		e, _ := middleware.EventFromContext(ctx)
+		var p struct{ Amount int64 }
+		if err := json.Unmarshal(e.Payload, &p); err != nil {
+			return nil, middleware.Permanent(err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO `+amounts+` (event_id, amount) VALUES ($1, $2)`, e.ID, p.Amount); err != nil {
+			return nil, err
+		}
+		return nil, f.env.Apply(ctx, tx, group, e)
+	})
+	for i, payload := range []string{`{"amount":1}`, `{"amount":4294967296}`, `{"amount":2}`} {
+		e := consumertest.Event("a", []int64{1, 2, 2}[i]) // the refused v2, then a valid one
+		e.Payload = []byte(payload)
+		msg := consumertest.Message(t, e)
+		msg.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
+		before := attempts.Load()
+		_, err := chain(msg)
+		require.NoError(t, err)
+		if i == 1 {
+			require.EqualValues(t, 1, attempts.Load()-before, "one attempt: retrying cannot encode it")
+		}
+	}
+	dead, err := f.el.DeadLetters().Store().List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group})
+	require.NoError(t, err)
+	require.Len(t, dead, 1)
+	require.Equal(t, dedup.KindPermanent, dead[0].Kind, dead[0].Reason)
+	require.EqualValues(t, 1, dead[0].Offset)
+	require.Contains(t, dead[0].Reason, "int4")
+	require.Equal(t, []int64{1, 2}, f.versions(t, "a"))
 }
