@@ -283,10 +283,22 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 		r.value = payload
 		fixed = append(fixed, hostile{rawRecord: r, reason: "payload"})
 	}
+	many := base()
+	for i := range 10_000 {
+		many = many.add(fmt.Sprintf("h%d", i), "v")
+	}
+	fixed = append(fixed, hostile{rawRecord: many.set(eventline.MetaEventType, "thing.unknown"), reason: "no handler"})
 	for i := range fixed {
 		fixed[i].name = fmt.Sprintf("fixed %d", i)
 	}
+	// 10,000 headers on a valid event: applied (the oracle below agrees).
+	many = recordOf(consumertest.Event(next(), 1))
+	for i := range 10_000 {
+		many = many.add(fmt.Sprintf("h%d", i), "v")
+	}
+	many.name = "10,000 headers"
 	bad = append(bad, fixed...)
+	bad = append(bad, hostile{rawRecord: many})
 	for range 40 {
 		f, v := hostileFields[rng.IntN(len(hostileFields))], hostileValues[rng.IntN(len(hostileValues))]
 		h := hostile{rawRecord: mutate(next(), f, v)}
@@ -301,6 +313,7 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 			require.False(t, bad[i].applied, "%s: the oracle must reject it", bad[i].name)
 		}
 	}
+	require.True(t, bad[len(fixed)].applied, "the oracle accepts 10,000 headers")
 
 	// Interleave: valid records keep their relative order.
 	all := slices.Clone(records)
