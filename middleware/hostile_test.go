@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"math"
 	"strings"
 	"sync/atomic"
@@ -278,4 +279,37 @@ func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 	require.EqualValues(t, 1, dead[0].Offset)
 	require.Contains(t, dead[0].Reason, "int4")
 	require.Equal(t, []int64{1, 2}, f.versions(t, "a"))
+}
+
+// byteCounter counts the bytes a text handler writes.
+type byteCounter struct{ n atomic.Int64 }
+
+func (c *byteCounter) Write(p []byte) (int, error) { c.n.Add(int64(len(p))); return len(p), nil }
+
+// A hostile record's 1 MiB fields (message UUID, event id, event type)
+// are kept whole in its dead letter, but the warning that says it was
+// dead-lettered stays short: a hostile record costs the log pipeline a
+// line, not megabytes. Before: each field was logged in full.
+func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
+	t.Parallel()
+	var logged byteCounter
+	f := newFixture(t, middleware.Config{Logger: slog.New(slog.NewTextHandler(&logged, nil))})
+	chain := f.el.Chain(f.business(group))
+	mib := strings.Repeat("x", 1<<20)
+	for i, field := range []string{eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateID} {
+		msg := consumertest.Message(t, consumertest.Event(fmt.Sprintf("a%d", i), 1))
+		msg.UUID = mib
+		msg.Metadata.Set(field, mib)
+		msg.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
+		before := logged.n.Load()
+		_, err := chain(msg)
+		require.NoError(t, err)
+		require.Less(t, logged.n.Load()-before, int64(16<<10), "%s: the warning is bounded", field)
+	}
+	dead, err := f.el.DeadLetters().Store().List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group})
+	require.NoError(t, err)
+	require.Len(t, dead, 3)
+	for _, d := range dead {
+		require.Equal(t, mib, d.MessageUUID, "the dead letter keeps the record whole")
+	}
 }
