@@ -10,16 +10,19 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"pgregory.net/rapid"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -312,4 +315,40 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 	for _, d := range dead {
 		require.Equal(t, mib, d.MessageUUID, "the dead letter keeps the record whole")
 	}
+}
+
+// A hostile record's fields reach the spans of its process and dead
+// letter bounded (256 bytes) and valid UTF-8: an exporter (OTLP's
+// protobuf) refuses invalid UTF-8, which would lose the spans batched
+// with it. Before: a 1 MiB id with invalid UTF-8 went to the attributes
+// as it was.
+func TestSpansOfAHostileRecordCarryBoundedValidText(t *testing.T) {
+	t.Parallel()
+	f, rec := tracedFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: middleware.NoRetries}})
+	f.handler = f.el.Chain(f.business(group))
+	hostile := strings.Repeat("\xff", 1<<20)
+	msg := consumertest.Message(t, consumertest.Event("a", 1))
+	for _, k := range []string{eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateType, eventline.MetaAggregateID} {
+		msg.Metadata.Set(k, "x"+hostile)
+	}
+	require.NoError(t, deliverFrom(t, f, msg), "dead-lettered and acknowledged")
+	spans := rec.Spans()
+	require.NotEmpty(t, childrenOfAny(spans, "dead_letter "+tracedTopic), "a dead_letter span:\n%s", tracingtest.Tree(spans))
+	for _, s := range spans {
+		for _, a := range s.Attributes {
+			v := a.Value.Emit()
+			require.LessOrEqual(t, len(v), 512, "span %s, attribute %s", s.Name, a.Key)
+			require.True(t, utf8.ValidString(v), "span %s, attribute %s", s.Name, a.Key)
+		}
+	}
+}
+
+func childrenOfAny(spans tracetest.SpanStubs, name string) tracetest.SpanStubs {
+	var out tracetest.SpanStubs
+	for _, s := range spans {
+		if s.Name == name {
+			out = append(out, s)
+		}
+	}
+	return out
 }
