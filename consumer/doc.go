@@ -31,8 +31,9 @@
 //     on a documented schedule (Config.MaxRetries, RetryInitialInterval:
 //     100ms, 200ms, 400ms, 800ms, 1.6s by default) and then dead-lettered.
 //     Messages that can never succeed (no event id, a malformed version, an
-//     unknown event type, a payload that does not decode, errors wrapped
-//     with middleware.Permanent) are dead-lettered at once. Either way the
+//     unknown event type, a payload that does not decode, content the
+//     handler's columns cannot hold, errors wrapped with
+//     middleware.Permanent) are dead-lettered at once. Either way the
 //     partition moves on.
 //   - A database outage never dead-letters anything: while PostgreSQL is
 //     unreachable, restarting, out of resources or not answering within

@@ -120,6 +120,8 @@ func (d DeadLetter) Message() *message.Message {
 }
 
 // DeadLetterFilter selects dead letters. Empty fields match everything.
+// Group, AggregateType and AggregateID are compared as stored: NUL bytes
+// and invalid UTF-8 become U+FFFD on both sides.
 type DeadLetterFilter struct {
 	// Group, AggregateType and AggregateID select exact values.
 	Group         string
@@ -252,7 +254,9 @@ func (s *DeadLetterStore) args(f DeadLetterFilter, defaults ...DeadLetterStatus)
 	if ids == nil {
 		ids = []int64{}
 	}
-	return []any{f.Group, f.AggregateType, f.AggregateID, ids, st}
+	// Stored text is cleaned (see Add): clean the filter the same way, so
+	// a hostile record is found by the group and aggregate it claimed.
+	return []any{cleanText(f.Group), cleanText(f.AggregateType), cleanText(f.AggregateID), ids, st}
 }
 
 // List returns dead letters in the order they died (unresolved ones

@@ -182,9 +182,12 @@ func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, errors.Join(err, werr)
 		}
 		d.cfg.Metrics.DeadLettered(d.cfg.Group, rec.Kind)
+		// The record's fields are hostile input: the dead letter keeps them
+		// whole, the warning only their start.
 		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline consumer-dlq`",
-			"group", d.cfg.Group, "dead_letter_id", id, "topic", rec.Topic, "message_uuid", msg.UUID,
-			"event_id", rec.EventID, "event_type", rec.EventType, "kind", rec.Kind, "error", err)
+			"group", d.cfg.Group, "dead_letter_id", id, "topic", rec.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField),
+			"event_id", truncate(rec.EventID, maxLoggedField), "event_type", truncate(rec.EventType, maxLoggedField),
+			"kind", rec.Kind, "error", truncate(err.Error(), maxReasonHeader))
 		d.publishCopy(ctx, msg, rec, id)
 		return nil, nil
 	}
@@ -233,7 +236,7 @@ func (d *DeadLetter) write(ctx context.Context, msg *message.Message, rec dedup.
 			log = d.cfg.Logger.ErrorContext
 		}
 		log(ctx, "eventline: cannot write the dead letter; the message stays unacknowledged and the write is retried",
-			"group", d.cfg.Group, "message_uuid", msg.UUID, "attempt", attempt, "error", err)
+			"group", d.cfg.Group, "message_uuid", truncate(msg.UUID, maxLoggedField), "attempt", attempt, "error", err)
 		if d.cfg.Sleep(ctx, backoff(d.cfg.InfraInitialInterval, 2, d.cfg.InfraMaxInterval, attempt)) != nil {
 			return 0, fmt.Errorf("eventline: dead letter not written before shutdown; the message stays unacknowledged: %w", err)
 		}
@@ -257,18 +260,27 @@ func (d *DeadLetter) publishCopy(ctx context.Context, msg *message.Message, rec 
 	if err := d.cfg.Publisher.Publish(d.cfg.Topic, dl); err != nil {
 		d.cfg.Metrics.incDeadLetterPublishFailure(d.cfg.Group)
 		d.cfg.Logger.WarnContext(ctx, "eventline: dead letter kept in consumer_dead_letters but not copied to the dead-letter topic",
-			"group", d.cfg.Group, "dead_letter_id", id, "topic", d.cfg.Topic, "message_uuid", msg.UUID, "error", err)
+			"group", d.cfg.Group, "dead_letter_id", id, "topic", d.cfg.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField), "error", err)
 	}
 }
 
-// maxReasonHeader bounds the reason in the Kafka copy's headers.
+// maxReasonHeader bounds the reason in the Kafka copy's headers, and the
+// error in the dead-letter warning.
 const maxReasonHeader = 8 << 10
 
-func truncateReason(s string) string {
-	if len(s) <= maxReasonHeader {
+// maxLoggedField bounds each of the record's own fields (message UUID,
+// event id, event type) in the dead-letter warning.
+const maxLoggedField = 256
+
+func truncateReason(s string) string { return truncate(s, maxReasonHeader) }
+
+// truncate cuts s to at most n bytes, on a rune boundary, marking the cut
+// with "…".
+func truncate(s string, n int) string {
+	if len(s) <= n {
 		return s
 	}
-	s = s[:maxReasonHeader]
+	s = s[:n]
 	for len(s) > 0 && !utf8.RuneStart(s[len(s)-1]) {
 		s = s[:len(s)-1]
 	}

@@ -66,8 +66,10 @@
 // Every error is one of three kinds, and each is handled its own way:
 //
 //   - the event's fault ([IsPermanent]: it does not decode, no handler
-//     knows its type, its content breaks a database limit, or the handler
-//     wrapped its error with [Permanent]; the gate's refusals too: id
+//     knows its type, its content breaks a database limit or does not fit
+//     the handler's columns (SQLSTATE class 22 or 54, or a value pgx
+//     cannot encode for its column), or the handler wrapped its error with
+//     [Permanent]; the gate's refusals too: id
 //     conflicts, inflated versions, events that fail Validate, all counted
 //     in eventline_consumer_events_refused_total): dead-lettered at once;
 //   - the infrastructure's ([IsInfrastructure]: PostgreSQL unreachable,

@@ -37,18 +37,21 @@ func Permanent(err error) error {
 // IsPermanent reports whether err is permanent: marked with Permanent, or
 // one of the errors that can never succeed on retry: an invalid event
 // (eventline.ErrInvalidEvent), an unversioned event under
-// RejectUnversioned, two events claiming one aggregate version, or a
+// RejectUnversioned, two events claiming one aggregate version, a
 // PostgreSQL error of SQLSTATE class 22 (data exception: a NUL byte or
 // invalid UTF-8 in text, a value out of range…) or 54 (program limit
-// exceeded: a key too large for its index…), which the same data raises
-// every time.
+// exceeded: a key too large for its index…), or pgx's refusal to encode a
+// statement argument for its column (a number out of the column's range,
+// caught before PostgreSQL sees it), which the same data raises every
+// time.
 func IsPermanent(err error) bool {
 	var p *PermanentError
 	return errors.As(err, &p) ||
 		errors.Is(err, eventline.ErrInvalidEvent) ||
 		errors.Is(err, versioning.ErrUnversioned) ||
 		errors.Is(err, versioning.ErrParkConflict) ||
-		permanentState(err)
+		permanentState(err) ||
+		encodeFailure(err)
 }
 
 // ShouldRetry is a ShouldRetry function for Watermill's Retry middleware

@@ -177,6 +177,39 @@ func permanentState(err error) bool {
 	return strings.HasPrefix(pg.Code, "22") || strings.HasPrefix(pg.Code, "54")
 }
 
+// pgxEncodeFailure starts the message of the error pgx returns when it
+// cannot encode a statement argument for its parameter's type (pgx has no
+// error type for it).
+const pgxEncodeFailure = "failed to encode args["
+
+// encodeFailure reports whether err (or an error it wraps) is pgx's
+// refusal to encode a statement argument: the value does not fit the
+// column (a number out of range, a malformed value for a binary-encoded
+// type). pgx checks it before sending anything, so PostgreSQL never gets
+// to raise the class 22 error it would raise for the same value; retrying
+// the same data fails the same way.
+func encodeFailure(err error) bool {
+	for err != nil {
+		if strings.HasPrefix(err.Error(), pgxEncodeFailure) {
+			return true
+		}
+		switch u := err.(type) {
+		case interface{ Unwrap() []error }:
+			for _, e := range u.Unwrap() {
+				if encodeFailure(e) {
+					return true
+				}
+			}
+			return false
+		case interface{ Unwrap() error }:
+			err = u.Unwrap()
+		default:
+			return false
+		}
+	}
+	return false
+}
+
 // Failure stages of one event's transaction, for classification.
 const (
 	stageBegin   = "begin"

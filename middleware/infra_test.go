@@ -61,6 +61,13 @@ func TestIsInfrastructureOnRealFailures(t *testing.T) {
 	big := randomText(1 << 20)
 	_, err = pool.Exec(ctx, `INSERT INTO `+tmp+` VALUES ($1)`, big)
 	require.True(t, middleware.IsPermanent(err), "a key too large for its index (class 54) never fits: %v", err)
+	// A value pgx refuses to encode for its parameter, before PostgreSQL
+	// sees it: wrapped by the handler, or joined, it stays permanent.
+	_, err = pool.Exec(ctx, `SELECT $1::int4`, int64(1)<<40)
+	require.ErrorContains(t, err, "int4")
+	require.True(t, middleware.IsPermanent(fmt.Errorf("insert amount: %w", err)), "a number beyond int4 never fits: %v", err)
+	require.True(t, middleware.IsPermanent(errors.Join(errors.New("other"), err)))
+	require.False(t, middleware.IsInfrastructure(err))
 
 	// The server ends the session (as at a shutdown): FATAL 57P01.
 	conn, err := pool.Acquire(ctx)

@@ -3,6 +3,7 @@ package middleware
 import (
 	"context"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -161,12 +162,21 @@ func (g *Gate) observeApplied(ctx context.Context, e eventline.Event) {
 	}
 }
 
+// maxSpanField bounds each envelope field read from the wire for a span:
+// a valid event's fit (eventline.MaxIdentifierLength).
+const maxSpanField = eventline.MaxIdentifierLength
+
 // eventFromMetadata reads the envelope fields spans carry, without
 // validating them: a message that does not decode still gets its span.
+// Each is cut to maxSpanField bytes and made valid UTF-8 (an exporter
+// refuses invalid UTF-8, losing the spans batched with it).
 func eventFromMetadata(md message.Metadata) eventline.Event {
+	field := func(k string) string {
+		return strings.ToValidUTF8(truncate(md.Get(k), maxSpanField), "\uFFFD")
+	}
 	e := eventline.Event{
-		ID: md.Get(eventline.MetaEventID), Type: md.Get(eventline.MetaEventType),
-		AggregateType: md.Get(eventline.MetaAggregateType), AggregateID: md.Get(eventline.MetaAggregateID),
+		ID: field(eventline.MetaEventID), Type: field(eventline.MetaEventType),
+		AggregateType: field(eventline.MetaAggregateType), AggregateID: field(eventline.MetaAggregateID),
 	}
 	e.AggregateVersion, _ = strconv.ParseInt(md.Get(eventline.MetaAggregateVersion), 10, 64)
 	return e
