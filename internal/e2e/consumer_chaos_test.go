@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -38,6 +39,10 @@ const (
 	envGroup    = "EVENTLINE_E2E_GROUP"
 	envEffects  = "EVENTLINE_E2E_EFFECTS"   // qualified effects table
 	envClientID = "EVENTLINE_E2E_CLIENT_ID" // the child's Kafka client id, unique per child
+	// envDeliveries names the table where a consumer child notes each
+	// event it finished (applied or recognised as a duplicate), to show
+	// what the chaos redelivered.
+	envDeliveries = "EVENTLINE_E2E_DELIVERIES"
 )
 
 // Group timing of the consumer children: a session timeout short enough
@@ -78,6 +83,19 @@ func runConsumerChild() int {
 		// Warnings go to the child's output, which the test logs if it fails.
 		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("child", id)
 	}
+	deliveries := os.Getenv(envDeliveries)
+	// Outside the eventline middleware: h returns once the event is
+	// finished. Best effort (an observation, not part of the check).
+	noteDelivery := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err == nil {
+				_, _ = pool.Exec(context.WithoutCancel(msg.Context()), `INSERT INTO `+deliveries+` (event_id, consumer) VALUES ($1, $2)`,
+					msg.Metadata.Get(eventline.MetaEventID), id)
+			}
+			return out, err
+		}
+	}
 	c, err := consumer.New(pool, consumer.Config{
 		Brokers:               kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
 		Group:                 os.Getenv(envGroup),
@@ -87,6 +105,7 @@ func runConsumerChild() int {
 		InfraRetryMaxInterval: 500 * time.Millisecond,
 		ShutdownTimeout:       10 * time.Second,
 		SaramaConfig:          sc,
+		Middleware:            []message.HandlerMiddleware{noteDelivery},
 		Logger:                logger,
 	})
 	if err != nil {
@@ -165,6 +184,9 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 	effects := r.table("cchaos_effects")
 	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, consumer text NOT NULL)`)
 	require.NoError(t, err)
+	deliveries := r.table("cchaos_deliveries")
+	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+deliveries+` (event_id text NOT NULL, consumer text NOT NULL)`)
+	require.NoError(t, err)
 	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{
 		Schema: env.Schema, Brokers: r.brokers,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
@@ -190,7 +212,7 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 		id := fmt.Sprintf("cchaos-%d", childN)
 		return &consumerChild{id: id, Proc: childproc.Start(t, envChild+"=consumer", envSchema+"="+env.Schema,
 			envBrokers+"="+strings.Join(r.brokers, ","), envTopic+"="+r.topic, envGroup+"="+group,
-			envEffects+"="+effects, envClientID+"="+id)}
+			envEffects+"="+effects, envDeliveries+"="+deliveries, envClientID+"="+id)}
 	}
 	liveIDs := func() []string {
 		var ids []string
@@ -338,6 +360,14 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT aggregate_id, min(version) AS v FROM `+effects+` GROUP BY 1) x WHERE v <> 1`),
 		"seed %d: an aggregate's first applied version is not 1", seed)
 	require.Equal(t, total, r.count(`SELECT count(*) FROM `+effects), "seed %d: every event applied", seed)
+
+	// What the chaos did: events finished more than once (redelivered after
+	// a kill or a rebalance, recognised as duplicates), and by two
+	// consumers (a partition moved while its events were in flight, or
+	// before its offsets were committed).
+	t.Logf("%d events finished more than once, %d by more than one consumer",
+		r.count(`SELECT count(*) FROM (SELECT event_id FROM `+deliveries+` GROUP BY 1 HAVING count(*) > 1) d`),
+		r.count(`SELECT count(*) FROM (SELECT event_id FROM `+deliveries+` GROUP BY 1 HAVING count(DISTINCT consumer) > 1) d`))
 
 	rep, text := runVerify()
 	t.Logf("verify:\n%s", text)
