@@ -284,36 +284,63 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 		}
 	}()
 
-	// The chaos: one fault at a time, each once the group is stable, for
-	// 20 s.
+	// The chaos, for 20 s: a fault (sometimes two overlapping: a kill
+	// while another consumer is frozen, or two kills in a row, the second
+	// during the rebalance the first started), each hitting a consumer that
+	// is a member of the stable group; then the group is stable again.
 	chaosEnd := time.Now().Add(20 * time.Second)
 	var log []string
 	var stopsPastSession int
-	for time.Now().Before(chaosEnd) {
-		i := rng.IntN(len(live))
+	kill := func(i int) string {
 		victim := live[i]
-		switch k := rng.IntN(5); {
-		case k < 2:
-			log = append(log, "kill -9 "+victim.id)
-			victim.Kill()
-			live[i] = newChild()
-		case k < 4:
-			hold := time.Duration(300+rng.IntN(2700)) * time.Millisecond
-			if hold > childSessionTimeout {
-				stopsPastSession++
-			}
-			log = append(log, fmt.Sprintf("SIGSTOP %s for %s", victim.id, hold))
-			require.NoError(t, victim.Signal(syscall.SIGSTOP))
-			time.Sleep(hold) // the fault's duration
-			require.NoError(t, victim.Signal(syscall.SIGCONT))
-		default:
-			log = append(log, "SIGTERM "+victim.id)
-			require.NoError(t, victim.Signal(syscall.SIGTERM))
-			stopped = append(stopped, victim)
-			live[i] = newChild()
+		victim.Kill()
+		live[i] = newChild()
+		return "kill -9 " + victim.id
+	}
+	terminate := func(i int) string {
+		victim := live[i]
+		require.NoError(t, victim.Signal(syscall.SIGTERM))
+		stopped = append(stopped, victim)
+		live[i] = newChild()
+		return "SIGTERM " + victim.id
+	}
+	freeze := func(i int, during func() string) string {
+		victim := live[i]
+		hold := time.Duration(300+rng.IntN(2700)) * time.Millisecond
+		if hold > childSessionTimeout {
+			stopsPastSession++
 		}
+		require.NoError(t, victim.Signal(syscall.SIGSTOP))
+		what := fmt.Sprintf("SIGSTOP %s for %s", victim.id, hold)
+		if during != nil {
+			what += " (meanwhile " + during() + ")"
+		}
+		time.Sleep(hold) // the fault's duration
+		require.NoError(t, victim.Signal(syscall.SIGCONT))
+		return what
+	}
+	for time.Now().Before(chaosEnd) {
+		// Two distinct established members.
+		i := rng.IntN(len(live))
+		j := (i + 1 + rng.IntN(len(live)-1)) % len(live)
+		var what string
+		switch k := rng.IntN(10); {
+		case k < 3:
+			what = kill(i)
+		case k < 6:
+			what = freeze(i, nil)
+		case k < 7:
+			what = terminate(i)
+		case k < 8:
+			what = freeze(i, func() string { return kill(j) })
+		case k < 9:
+			what = freeze(i, func() string { return terminate(j) })
+		default:
+			what = kill(i) + ", then " + kill(j)
+		}
+		log = append(log, what)
 		time.Sleep(time.Duration(100+rng.IntN(400)) * time.Millisecond) // calm between faults
-		waitStable("after " + log[len(log)-1])
+		waitStable("after " + what)
 	}
 	close(stopPublishing)
 	published.Wait()
