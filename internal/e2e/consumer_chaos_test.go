@@ -156,7 +156,8 @@ func groupMembers(admin sarama.ClusterAdmin, group string) (string, []string) {
 // for 0.3 to 3 s (past the group's 2 s session timeout, sometimes, so its
 // partitions move to the others while it still holds events in flight, and
 // it resumes, finds out and rejoins), or stopped with SIGTERM (and
-// replaced). Faults over, every event must be applied once, in
+// replaced); sometimes two at once (a kill or SIGTERM while another is
+// frozen, two kills in a row). Faults over, every event must be applied once, in
 // per-aggregate order, and internal/verify must report no problem and no
 // warning. Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 //
