@@ -35,9 +35,9 @@ import (
 	"github.com/eventline/eventline/versioning"
 )
 
-// The chaos test runs relays as child processes of this test binary, so
-// they can be killed and frozen for real; TestMain recognizes a child by
-// these environment variables.
+// The chaos tests run relays and consumers as child processes of this
+// test binary, so they can be killed and frozen for real; TestMain
+// recognizes a child by these environment variables.
 const (
 	envChild   = "EVENTLINE_E2E_CHILD"
 	envSchema  = "EVENTLINE_E2E_SCHEMA"
@@ -49,8 +49,11 @@ const (
 )
 
 func TestMain(m *testing.M) {
-	if os.Getenv(envChild) == "relay" {
+	switch os.Getenv(envChild) {
+	case "relay":
 		os.Exit(runRelayChild())
+	case "consumer":
+		os.Exit(runConsumerChild()) // consumer_chaos_test.go
 	}
 	os.Exit(m.Run())
 }
