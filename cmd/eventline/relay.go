@@ -58,6 +58,11 @@ eventline dlq). Kafka being unreachable never dead-letters: the relay waits.
 Relays need session-level connections (they LISTEN): connect them directly
 or through a session-mode pooler; a transaction-mode pooler is refused.
 
+With -metrics-addr it serves Prometheus metrics: the relay's own, the
+outbox status (eventline_outbox_*) and, when -schema has the consumer
+tables, the consumer groups' status (eventline_group_*; none of those
+series on a schema without them). docs/METRICS.md lists them.
+
 Maintenance after moving the database (see the README, "Moving the
 database"):
   eventline relay rebase-positions    re-base positions after a restore or a
