@@ -181,8 +181,12 @@
 // later runs in a "release <topic>" span (outcome released) under the span
 // of whatever released it (the event that filled the gap, or none in the
 // sweeper), linked to the trace it arrived with; a dead letter is written
-// in a "dead_letter <topic>" span. Without a TracerProvider nothing is
-// traced and Traced returns the handler itself. Stage latencies
+// in a "dead_letter <topic>" span. Each retry [Retry] schedules is an
+// "eventline.retry" event on the process span, with the attempt that
+// failed, the kind (handler, conflict, infrastructure,
+// unsafe_composition), the wait and the error (cut to 1 KiB of valid
+// UTF-8). Without a TracerProvider nothing is traced and Traced returns
+// the handler itself. Stage latencies
 // (relayed_to_applied, occurred_to_applied, parked_to_released) go to
 // eventline_consumer_stage_seconds and, with Config.MeterProvider, to the
 // OTel histogram eventline.stage.duration.

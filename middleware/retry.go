@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/eventline/eventline/internal/tracing"
 )
 
 // Defaults for [Retry].
@@ -52,6 +54,17 @@ const (
 //
 // Every wait is then spread by Jitter: it is drawn uniformly from
 // [w × (1−Jitter), w × (1+Jitter)].
+//
+// Each retry it schedules is visible in traces: when the message's context
+// carries a recording span (the process span of [Eventline.Traced], which
+// Chain and the consumer runner put outermost), Retry adds to it an
+// "eventline.retry" event with the attributes eventline.retry.attempt (the
+// attempt that failed, from 1, every kind counted),
+// eventline.retry.kind (handler, conflict, infrastructure, or
+// unsafe_composition), eventline.retry.wait.seconds (the wait, after
+// jitter) and eventline.retry.error (the error, cut to 1 KiB and made
+// valid UTF-8). Without a recording span it adds nothing and allocates
+// nothing for it.
 //
 // Every attempt starts from the context the message arrived with, so each
 // gets a fresh consumer transaction. When that context ends (shutdown) a
@@ -247,7 +260,7 @@ func (r Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 			return nil, &CompositionError{Problem: "middleware.Retry runs inside a consumer transaction, so every retry would repeat the handler's writes in the same transaction",
 				Fix: "put Retry outside the eventline middleware (use Eventline.AddHandler)"}
 		}
-		var retries, conflicts, waits int
+		var attempts, retries, conflicts, waits int
 		waiting := false
 		defer func() {
 			if waiting {
@@ -256,6 +269,7 @@ func (r Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		}()
 		for {
 			msg.SetContext(orig)
+			attempts++
 			out, err := h(msg)
 			msg.SetContext(orig)
 			if err == nil {
@@ -269,6 +283,7 @@ func (r Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				return nil, err
 			}
 			var d time.Duration
+			var kind string
 			switch {
 			case IsPermanent(err):
 				return nil, err
@@ -277,6 +292,7 @@ func (r Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 				// fixed (the eventline middleware logged and counted it).
 				waits++
 				d = backoff(cfg.InfraInitialInterval, 2, cfg.InfraMaxInterval, waits)
+				kind = tracing.RetryKindUnsafeComposition
 			case IsInfrastructure(err):
 				waits++
 				if !waiting {
@@ -284,12 +300,14 @@ func (r Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 					o.enter(orig, err)
 				}
 				d = backoff(cfg.InfraInitialInterval, 2, cfg.InfraMaxInterval, waits)
+				kind = tracing.RetryKindInfrastructure
 				cfg.Metrics.incInfraWait(cfg.Group)
 				cfg.Logger.DebugContext(orig, "eventline: waiting for the database; the event is not dead-lettered",
 					"group", cfg.Group, "message_uuid", msg.UUID, "wait", d, "error", err)
 			case IsConflict(err):
 				conflicts++
 				d = backoff(cfg.InitialInterval, cfg.Multiplier, cfg.MaxInterval, conflicts)
+				kind = tracing.RetryKindConflict
 				cfg.Metrics.incRetry(cfg.Group, "conflict")
 				cfg.Logger.DebugContext(orig, "eventline: transaction conflict; retrying without spending the retry budget",
 					"group", cfg.Group, "message_uuid", msg.UUID, "conflicts", conflicts, "wait", d, "error", err)
@@ -305,11 +323,14 @@ func (r Retry) Middleware(h message.HandlerFunc) message.HandlerFunc {
 					return nil, &RetriesExhaustedError{Attempts: retries, Err: err}
 				}
 				d = backoff(cfg.InitialInterval, cfg.Multiplier, cfg.MaxInterval, retries)
+				kind = tracing.RetryKindHandler
 				cfg.Metrics.incRetry(cfg.Group, "handler")
 				cfg.Logger.DebugContext(orig, "eventline: handler failed; retrying",
 					"group", cfg.Group, "message_uuid", msg.UUID, "retry", retries, "max_retries", cfg.MaxRetries, "wait", d, "error", err)
 			}
-			if cfg.Sleep(orig, cfg.jitter(d)) != nil {
+			d = cfg.jitter(d)
+			tracing.RetryEvent(orig, attempts, kind, d, err)
+			if cfg.Sleep(orig, d) != nil {
 				return nil, err
 			}
 		}

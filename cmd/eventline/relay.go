@@ -14,7 +14,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
 )
 
 func init() {
@@ -55,6 +57,11 @@ eventline dlq). Kafka being unreachable never dead-letters: the relay waits.
 
 Relays need session-level connections (they LISTEN): connect them directly
 or through a session-mode pooler; a transaction-mode pooler is refused.
+
+With -metrics-addr it serves Prometheus metrics: the relay's own, the
+outbox status (eventline_outbox_*) and, when -schema has the consumer
+tables, the consumer groups' status (eventline_group_*; none of those
+series on a schema without them). docs/METRICS.md lists them.
 
 Maintenance after moving the database (see the README, "Moving the
 database"):
@@ -172,7 +179,8 @@ database"):
 
 // openRelayPool opens a pool large enough for a relay that owns every
 // shard (producer.PoolSizeFor: one connection per shard and three for the
-// relay's own use) and one for metrics scrapes. While the database is
+// relay's own use) and two for metrics scrapes (the outbox and the consumer
+// groups' status collectors run concurrently). While the database is
 // unavailable it waits for it (waitForDatabase); it returns nil, nil if ctx
 // ends first.
 func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
@@ -189,7 +197,7 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 		if err != nil {
 			return err
 		}
-		pool, err = openPool(ctx, producer.PoolSizeFor(shards)+1)
+		pool, err = openPool(ctx, producer.PoolSizeFor(shards)+2)
 		return err
 	})
 	if err != nil {
@@ -202,16 +210,23 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-// serveMetrics serves the relay's metrics, the outbox status and the Go
-// runtime's collectors at addr/metrics, setting cfg.Metrics. A server that
+// serveMetrics serves the relay's metrics, the outbox status, the consumer
+// groups' status (when the schema has the consumer tables, see
+// groupStatusCollector) and the Go runtime's collectors at addr/metrics,
+// setting cfg.Metrics. A server that
 // fails while running cancels ctx through cancel. stop shuts it down.
 func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr string, pool *pgxpool.Pool, cfg *producer.RelayConfig) (stop func(), err error) {
 	reg := prometheus.NewRegistry()
 	if cfg.Metrics, err = producer.NewRelayMetrics(reg); err != nil {
 		return nil, err
 	}
+	groups, err := versioning.NewStatusCollector(pool, cfg.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
 	for _, c := range []prometheus.Collector{
 		producer.NewStatusCollector(pool, cfg.Schema),
+		&groupStatusCollector{Collector: groups, db: pool, schema: cfg.Schema},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
@@ -241,4 +256,34 @@ func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr stri
 		_ = srv.Shutdown(sctx)
 		<-done
 	}, nil
+}
+
+// groupStatusCollector is versioning.NewStatusCollector (the
+// eventline_group_* gauges) on a schema that may have no consumer tables: a
+// producer-only database whose consumers keep their tables elsewhere. At
+// each scrape it looks for them first; when they are not there it reports
+// no eventline_group_* series at all (not eventline_group_status_up 0,
+// which would page for nothing). When the look-up itself fails (the
+// database is unavailable) the status collector runs and reports
+// eventline_group_status_up 0. A scrape never fails on it.
+type groupStatusCollector struct {
+	prometheus.Collector
+	db     *pgxpool.Pool
+	schema string
+}
+
+// groupStatusTimeout bounds the look-up for the consumer tables.
+const groupStatusTimeout = 5 * time.Second
+
+func (c *groupStatusCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), groupStatusTimeout)
+	defer cancel()
+	// 002_consumer creates both; versioning.ReadGroupStatuses works from it on.
+	var absent bool
+	err := c.db.QueryRow(ctx, `SELECT to_regclass($1) IS NULL AND to_regclass($2) IS NULL`,
+		sqlident.Qualify(c.schema, "aggregate_versions"), sqlident.Qualify(c.schema, "parked_events")).Scan(&absent)
+	if err == nil && absent {
+		return
+	}
+	c.Collector.Collect(ch)
 }

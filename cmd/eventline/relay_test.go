@@ -15,6 +15,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // relayArgs are the flags of a quick test relay for env on brokers.
@@ -62,6 +63,13 @@ func TestRelayRunsUntilCancelledAndServesMetrics(t *testing.T) {
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
 	events := publish(t, env, topic, "a", "b", "c", "a")
+	// A consumer group with one parked event, for the group status collector.
+	_, err := env.Pool.Exec(context.Background(), `INSERT INTO `+sqlident.Qualify(env.Schema, "aggregate_versions")+
+		` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('billing','order','a',1);
+		INSERT INTO `+sqlident.Qualify(env.Schema, "parked_events")+
+		` (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, payload, metadata)
+		VALUES ('billing','order','a',3,2,'e3','order.updated','\x7b7d','{}')`)
+	require.NoError(t, err)
 
 	relay := start(t, relayArgs(env, brokers, "-metrics-addr", "127.0.0.1:0", "-batch-size", "2", "-max-publish-rate", "1000")...)
 	logs := waitOutput(t, relay, relay.stderr, "serving metrics")
@@ -83,6 +91,9 @@ func TestRelayRunsUntilCancelledAndServesMetrics(t *testing.T) {
 	require.Contains(t, body, `eventline_outbox_backlog{shard="0"} 0`, "status collector")
 	require.Contains(t, body, `eventline_outbox_up 1`)
 	require.Regexp(t, `eventline_relay_forwarded_total\{shard="\d"\} [1-4]`, body, "relay metrics")
+	require.Contains(t, body, "eventline_group_status_up 1", "group status collector")
+	require.Contains(t, body, `eventline_group_parked_events{group="billing"} 1`)
+	require.Contains(t, body, `eventline_group_open_gaps{group="billing"} 1`)
 	require.Contains(t, body, "go_goroutines ", "Go collector")
 	require.Contains(t, body, "process_", "process collector")
 
@@ -90,8 +101,33 @@ func TestRelayRunsUntilCancelledAndServesMetrics(t *testing.T) {
 	require.Contains(t, relay.stderr.String(), "relay stopping: finishing the batches in flight")
 	st = okJSON[statusJSON](t, env.Schema, "status", "-json")
 	require.Zero(t, st.Outbox.OwnedShards, "the relay released its shards")
-	_, err := get(m[1])
+	_, err = get(m[1])
 	require.Error(t, err, "the metrics server is shut down")
+}
+
+// TestRelayMetricsWithoutConsumerTables: on a producer-only schema (its
+// consumers keep their tables in another database) the relay's metrics
+// serve no eventline_group_* series, not a failing scrape nor a
+// eventline_group_status_up 0 that would page for nothing.
+func TestRelayMetricsWithoutConsumerTables(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	_, err := env.Pool.Exec(context.Background(), `DROP TABLE `+strings.Join([]string{
+		sqlident.Qualify(env.Schema, "consumer_dead_letters"), sqlident.Qualify(env.Schema, "late_events"),
+		sqlident.Qualify(env.Schema, "skipped_versions"), sqlident.Qualify(env.Schema, "parked_events"),
+		sqlident.Qualify(env.Schema, "aggregate_versions"), sqlident.Qualify(env.Schema, "processed_events"),
+	}, ", "))
+	require.NoError(t, err)
+	_, brokers := kafkatest.Fake(t)
+
+	relay := start(t, relayArgs(env, brokers, "-metrics-addr", "127.0.0.1:0")...)
+	logs := waitOutput(t, relay, relay.stderr, "serving metrics")
+	m := regexp.MustCompile(`url=(http://\S+/metrics)`).FindStringSubmatch(logs)
+	require.NotNil(t, m, "the metrics URL is logged")
+	body := scrape(t, m[1])
+	require.Contains(t, body, "eventline_outbox_up 1")
+	require.NotContains(t, body, "eventline_group_")
+	require.Equal(t, exitOK, relay.stop(t))
 }
 
 func TestRelayFailsClearlyWhenNotMigrated(t *testing.T) {

@@ -8,6 +8,9 @@ package tracing
 import (
 	"context"
 	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -61,6 +64,86 @@ const (
 	OutcomeSkipped      = "skipped"
 	OutcomeDeadLettered = "dead_lettered"
 )
+
+// The span event middleware.Retry adds to the span of the message's
+// context (the process span) at each retry it schedules: which attempt
+// failed (1 for the first), why it is retried (a RetryKind…), how long it
+// waits before the next attempt, and the attempt's error, cut to
+// MaxRetryErrorBytes and made valid UTF-8.
+const (
+	EventRetry       = "eventline.retry"
+	AttrRetryAttempt = attribute.Key("eventline.retry.attempt")
+	AttrRetryKind    = attribute.Key("eventline.retry.kind")
+	AttrRetryWait    = attribute.Key("eventline.retry.wait.seconds")
+	AttrRetryError   = attribute.Key("eventline.retry.error")
+
+	// RetryKindHandler: the handler failed; the retry spends the budget.
+	RetryKindHandler = "handler"
+	// RetryKindConflict: a transaction conflict (serialization failure,
+	// deadlock); retried without spending the budget.
+	RetryKindConflict = "conflict"
+	// RetryKindInfrastructure: the database is unavailable; the event
+	// waits for it.
+	RetryKindInfrastructure = "infrastructure"
+	// RetryKindUnsafeComposition: the middleware chain is composed
+	// unsafely; the event waits for a fixed deployment.
+	RetryKindUnsafeComposition = "unsafe_composition"
+
+	// MaxRetryErrorBytes bounds eventline.retry.error.
+	MaxRetryErrorBytes = 1024
+)
+
+// RetryEvent adds an eventline.retry event to the span in ctx. When that
+// span is not recording (tracing off, or not sampled) it does nothing and
+// allocates nothing.
+func RetryEvent(ctx context.Context, attempt int, kind string, wait time.Duration, err error) {
+	sp := trace.SpanFromContext(ctx)
+	if !sp.IsRecording() {
+		return
+	}
+	text := ""
+	if err != nil {
+		text = BoundedText(err.Error(), MaxRetryErrorBytes)
+	}
+	sp.AddEvent(EventRetry, trace.WithAttributes(AttrRetryAttempt.Int(attempt), AttrRetryKind.String(kind),
+		AttrRetryWait.Float64(wait.Seconds()), AttrRetryError.String(text)))
+}
+
+// cutMark marks text BoundedText cut.
+const cutMark = "…"
+
+// BoundedText returns s as valid UTF-8 (invalid bytes become U+FFFD) of at
+// most n bytes (n ≥ 4): cut on a rune boundary and ended with "…" when it
+// was longer. An exporter refuses invalid UTF-8 (losing the spans batched
+// with it), and a collector may drop a huge attribute.
+func BoundedText(s string, n int) string {
+	if len(s) <= n && utf8.ValidString(s) {
+		return s
+	}
+	cut := len(s) > n
+	if cut {
+		s = s[:n] // bounds the work below
+		// Drop a rune the cut split, rather than replace it.
+		j := len(s) - 1
+		for j > 0 && len(s)-j < utf8.UTFMax && !utf8.RuneStart(s[j]) {
+			j--
+		}
+		if !utf8.FullRuneInString(s[j:]) {
+			s = s[:j]
+		}
+	}
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	if !cut && len(s) <= n {
+		return s
+	}
+	if limit := n - len(cutMark); len(s) > limit {
+		for limit > 0 && !utf8.RuneStart(s[limit]) {
+			limit--
+		}
+		s = s[:limit]
+	}
+	return s + cutMark
+}
 
 // Tracer makes eventline's spans. The zero of a *Tracer, nil, is off.
 type Tracer struct {

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel"
@@ -78,4 +80,59 @@ func TestNilPropagatorFollowsTheGlobal(t *testing.T) {
 	md = map[string]string{}
 	tracing.New(rec.Provider, nil).Inject(ctx, md)
 	require.NotContains(t, md, "traceparent", "the application's global propagator (baggage only) is used")
+}
+
+// TestBoundedText: text for a span attribute is valid UTF-8 of at most n
+// bytes, cut on a rune boundary and marked when it was longer; short
+// valid text is returned as is.
+func TestBoundedText(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, "short", tracing.BoundedText("short", 16))
+	require.Equal(t, "a\uFFFDb", tracing.BoundedText("a\xffb", 16))
+	for _, s := range []string{
+		strings.Repeat("é", 1000), strings.Repeat("x", 2000), strings.Repeat("\xff", 2000),
+		strings.Repeat("a\xff", 1000), strings.Repeat("日本", 500) + "\xe6\x97",
+	} {
+		for _, n := range []int{4, 5, 16, 17, 255, 1024} {
+			got := tracing.BoundedText(s, n)
+			require.LessOrEqual(t, len(got), n, "%q cut to %d", s[:8], n)
+			require.True(t, utf8.ValidString(got), "%q cut to %d: %q", s[:8], n, got)
+			require.True(t, strings.HasSuffix(got, "…"), "%q cut to %d is marked: %q", s[:8], n, got)
+		}
+	}
+}
+
+// TestRetryEvent: the event lands on the recording span of the context,
+// its error bounded; on a context without one (tracing off) nothing is
+// recorded and nothing is allocated. Not parallel: AllocsPerRun.
+func TestRetryEvent(t *testing.T) {
+	rec := tracingtest.New(t)
+	ctx, span := rec.Provider.Tracer("t").Start(context.Background(), "process orders")
+	huge := errors.New(strings.Repeat("\xff日", 1<<20))
+	tracing.RetryEvent(ctx, 2, tracing.RetryKindHandler, 1500*time.Millisecond, huge)
+	span.End()
+	evs := rec.Spans()[0].Events
+	require.Len(t, evs, 1)
+	require.Equal(t, tracing.EventRetry, evs[0].Name)
+	got := map[string]string{}
+	for _, kv := range evs[0].Attributes {
+		got[string(kv.Key)] = kv.Value.Emit()
+	}
+	require.Equal(t, "2", got["eventline.retry.attempt"])
+	require.Equal(t, "handler", got["eventline.retry.kind"])
+	require.Equal(t, "1.5", got["eventline.retry.wait.seconds"])
+	require.LessOrEqual(t, len(got["eventline.retry.error"]), tracing.MaxRetryErrorBytes)
+	require.True(t, utf8.ValidString(got["eventline.retry.error"]))
+
+	off := context.Background()
+	err := errors.New("smtp down")
+	require.Zero(t, testing.AllocsPerRun(100, func() {
+		tracing.RetryEvent(off, 1, tracing.RetryKindConflict, time.Second, err)
+	}), "no allocation without a recording span")
+	_, ended := rec.Provider.Tracer("t").Start(context.Background(), "ended")
+	ended.End()
+	endedCtx := trace.ContextWithSpan(context.Background(), ended)
+	require.Zero(t, testing.AllocsPerRun(100, func() {
+		tracing.RetryEvent(endedCtx, 1, tracing.RetryKindConflict, time.Second, err)
+	}), "no allocation on a span no longer recording")
 }
