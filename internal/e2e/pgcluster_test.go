@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -38,15 +39,21 @@ func newPGCluster(t *testing.T) *pgCluster {
 	if _, err := exec.LookPath("pg_createcluster"); err != nil {
 		t.Skip("pg_createcluster (postgresql-common) is not installed: cannot create a PostgreSQL cluster to crash")
 	}
+	if _, err := os.Stat("/usr/lib/postgresql/" + pgClusterVersion + "/bin/initdb"); err != nil {
+		t.Skipf("PostgreSQL %s's server is not installed: %v", pgClusterVersion, err)
+	}
+	dropAbandonedClusters(t)
 	var b [4]byte
 	_, _ = rand.Read(b[:])
-	c := &pgCluster{t: t, name: fmt.Sprintf("eventline_pgcrash_%d_%s", os.Getpid(), hex.EncodeToString(b[:])), port: freePort(t)}
+	c := &pgCluster{t: t, name: fmt.Sprintf("%s%d_%s", pgClusterPrefix, os.Getpid(), hex.EncodeToString(b[:])), port: freePort(t)}
 	out, err := exec.Command("pg_createcluster", pgClusterVersion, c.name, "--port", strconv.Itoa(c.port),
 		"--start-conf=manual", // never started by the init scripts
 		"-o", "fsync=on", "-o", "synchronous_commit=on", "-o", "full_page_writes=on",
 		"--", "--auth=trust").CombinedOutput()
 	if err != nil {
-		if s := strings.ToLower(string(out)); strings.Contains(s, "permission") || strings.Contains(s, "must be run as") || strings.Contains(s, "not permitted") {
+		// Not root (nor the owner of /etc/postgresql): "you might need
+		// to run this program with root privileges".
+		if s := strings.ToLower(string(out)); strings.Contains(s, "permission") || strings.Contains(s, "privileges") || strings.Contains(s, "not permitted") {
 			t.Skipf("cannot create a PostgreSQL cluster here: %v: %s", err, out)
 		}
 		// It may exist partly: drop what there is.
@@ -65,6 +72,35 @@ func newPGCluster(t *testing.T) *pgCluster {
 	})
 	c.ctl("start")
 	return c
+}
+
+// pgClusterPrefix starts the name of every cluster newPGCluster creates;
+// the creating process's id follows.
+const pgClusterPrefix = "eventline_pgcrash_"
+
+// dropAbandonedClusters drops the clusters of test processes that died
+// without their cleanup (killed, or panicked on -timeout).
+func dropAbandonedClusters(t *testing.T) {
+	entries, err := os.ReadDir("/etc/postgresql/" + pgClusterVersion)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		rest, ok := strings.CutPrefix(e.Name(), pgClusterPrefix)
+		if !ok {
+			continue
+		}
+		pidText, _, _ := strings.Cut(rest, "_")
+		pid, err := strconv.Atoi(pidText)
+		if err != nil || pid <= 0 || syscall.Kill(pid, 0) != syscall.ESRCH {
+			continue // not ours, or its process lives
+		}
+		if out, err := exec.Command("pg_dropcluster", "--stop", pgClusterVersion, e.Name()).CombinedOutput(); err != nil {
+			t.Logf("drop abandoned cluster %s: %v: %s", e.Name(), err, out)
+		} else {
+			t.Logf("dropped abandoned cluster %s (process %d is gone)", e.Name(), pid)
+		}
+	}
 }
 
 // freePort returns a TCP port nobody listens on at the moment.
