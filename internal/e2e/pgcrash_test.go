@@ -12,14 +12,17 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/verify"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -87,7 +90,10 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	// The consumer: default park timeout (an hour: nothing may be skipped
 	// in this run).
 	const group = "pgcrash"
-	cfg := r.consumerConfig(group, versioning.HoldLate, nil)
+	reg := prometheus.NewRegistry()
+	metrics, err := middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := r.consumerConfig(group, versioning.HoldLate, metrics)
 	cfg.ParkTimeout = 0
 	c, err := consumer.New(newPool(6), cfg)
 	require.NoError(t, err)
@@ -240,7 +246,10 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	for id := range inOutbox {
 		require.True(t, appliedIDs[id], "seed %d: event %s committed but never applied", seed, id)
 	}
-	t.Logf("%d events in the outbox: %d published, %d of failed publishes that committed", outboxEvents, len(succeeded), ambiguous)
+	t.Logf("%d events in the outbox: %d published, %d of failed publishes that committed; the consumer waited on the database %v times, retried %v times, recognised %v duplicates",
+		outboxEvents, len(succeeded), ambiguous, metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total"),
+		metrictest.Sum(t, reg, "eventline_consumer_retries_total"), metrictest.Sum(t, reg, "eventline_consumer_events_duplicate_total"))
+	require.Zero(t, metrictest.Sum(t, reg, "eventline_consumer_events_dead_lettered_total"), "seed %d: the consumer dead-lettered", seed)
 	require.Equal(t, outboxEvents, len(ids), "seed %d: every outbox event applied", seed)
 
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT event_id FROM `+effects+` GROUP BY 1 HAVING count(*) > 1) d`), "seed %d: an event applied twice", seed)
