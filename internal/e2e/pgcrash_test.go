@@ -110,6 +110,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	var published sync.WaitGroup
 	var mu sync.Mutex
 	succeeded, failed := map[string]bool{}, map[string]bool{}
+	var succeededInOrder []string
 	var publishErrs []string
 	published.Add(1)
 	go func() {
@@ -137,6 +138,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 			for _, e := range evs {
 				if err == nil {
 					succeeded[e.ID] = true
+					succeededInOrder = append(succeededInOrder, e.ID)
 				} else {
 					failed[e.ID] = true
 				}
@@ -157,25 +159,33 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 		}
 		return n
 	}
-	// waitProgress waits until the consumer applies more events than now:
-	// the pipeline works (again).
+	// waitProgress waits until an event published from now on is applied:
+	// producer, relay and consumer all work (again).
 	waitProgress := func(why string) {
 		t.Helper()
-		from := applied() // -1 while the database does not answer yet
+		mu.Lock()
+		mark := len(succeededInOrder)
+		mu.Unlock()
+		var id string
 		for deadline := time.Now().Add(time.Minute); ; {
-			switch n := applied(); {
-			case from < 0:
-				from = n
-			case n > from:
-				return
+			mu.Lock()
+			if id == "" && len(succeededInOrder) > mark {
+				id = succeededInOrder[mark]
+			}
+			mu.Unlock()
+			if id != "" {
+				var n int
+				if err := checks.QueryRow(ctx, `SELECT count(*) FROM `+effects+` WHERE event_id = $1`, id).Scan(&n); err == nil && n > 0 {
+					return
+				}
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("seed %d: no event applied for a minute %s (%d applied)", seed, why, applied())
+				t.Fatalf("seed %d: no event published and applied within a minute %s (published %q; %d applied)", seed, why, id, applied())
 			}
 			time.Sleep(50 * time.Millisecond) // polling interval
 		}
 	}
-	waitProgress("after the start")
+	waitProgress("of the start")
 
 	// The crashes, two or three, each at a random moment once the pipeline
 	// works again after the previous one.
@@ -187,7 +197,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 		before := applied()
 		pg.crash()
 		log = append(log, fmt.Sprintf("crash %d after %s (%d applied)", i+1, calm, before))
-		waitProgress(fmt.Sprintf("after crash %d", i+1))
+		waitProgress(fmt.Sprintf("of crash %d", i+1))
 	}
 	close(stopPublishing)
 	published.Wait()
