@@ -16,6 +16,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/dbwait"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/middleware"
 )
@@ -102,10 +103,10 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		return err
 	}
 	if err := c.checkSchema(ctx); err != nil {
-		if ctx.Err() != nil {
-			return nil // cancelled before it started: a clean stop
-		}
 		return err
+	}
+	if ctx.Err() != nil {
+		return nil // cancelled before it started: a clean stop
 	}
 	sub, err := c.subscriber(wlog) // engine_run.go
 	if err != nil {
@@ -256,36 +257,17 @@ func stoppedOnItsOwn(err error) error {
 // (middleware.CheckMigrated). While the database is unavailable it waits
 // for it, backing off like a running consumer in an outage, instead of
 // failing: a consumer started during a database restart or failover starts
-// consuming when the database answers.
+// consuming when the database answers. It returns nil if ctx ends first.
 func (c *Consumer) checkSchema(ctx context.Context) error {
-	wait := c.cfg.InfraRetryInitialInterval
-	for {
-		err := middleware.CheckMigrated(ctx, c.db, c.cfg.Schema)
-		if err == nil || ctx.Err() != nil || !middleware.IsInfrastructure(err) {
-			return err
-		}
-		c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
-			"group", c.cfg.Group, "wait", wait, "error", err)
-		if err := c.pause(ctx, wait); err != nil {
-			return err
-		}
-		wait = min(2*wait, c.cfg.InfraRetryMaxInterval)
+	wait := dbwait.Policy{
+		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
+		Unavailable: middleware.IsInfrastructure,
+		Waiting: func(wait time.Duration, err error) {
+			c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
+				"group", c.cfg.Group, "wait", wait, "error", err)
+		},
 	}
-}
-
-// pause waits for d or until ctx ends, with the test timer when one is set.
-func (c *Consumer) pause(ctx context.Context, d time.Duration) error {
-	if c.sleep != nil {
-		return c.sleep(ctx, d)
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return wait.Retry(ctx, func() error { return middleware.CheckMigrated(ctx, c.db, c.cfg.Schema) })
 }
 
 // checkKafka connects to the brokers, failing with an error that names

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/time/rate"
 
+	"github.com/eventline/eventline/internal/dbwait"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/middleware"
 )
@@ -184,21 +185,14 @@ var errNoAnswer = errors.New("no answer from PostgreSQL")
 // once they pass or when ctx ends first (then r.shards is still 0), and
 // the checks' error when it is not an outage (ErrNotMigrated…).
 func (r *Relay) waitForOutbox(ctx context.Context) error {
-	wait := 500 * time.Millisecond
-	for {
-		err := r.checkOutbox(ctx)
-		switch {
-		case err == nil:
-			return nil
-		case ctx.Err() != nil:
-			return nil
-		case !dbUnavailable(err):
-			return err
-		}
-		r.log.Warn("PostgreSQL is unavailable; waiting for it before relaying", "schema", r.cfg.Schema, "retry_in", wait, "err", err)
-		r.pause(ctx, wait)
-		wait = min(2*wait, 30*time.Second)
+	wait := dbwait.Policy{
+		First: 500 * time.Millisecond, Max: 30 * time.Second,
+		Unavailable: dbUnavailable,
+		Waiting: func(wait time.Duration, err error) {
+			r.log.Warn("PostgreSQL is unavailable; waiting for it before relaying", "schema", r.cfg.Schema, "retry_in", wait, "err", err)
+		},
 	}
+	return wait.Retry(ctx, func() error { return r.checkOutbox(ctx) })
 }
 
 // lockNamespace derives an advisory-lock namespace from the schema, so

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/internal/dbwait"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -89,26 +90,13 @@ const (
 // database restart or failover starts when the database answers, while a
 // wrong URL, password or schema still fails at once.
 func waitForDatabase(ctx context.Context, before string, try func() error) error {
-	wait := dbWaitFirst
-	for {
-		err := try()
-		switch {
-		case err == nil:
-			return nil
-		case ctx.Err() != nil:
-			return nil
-		case !middleware.IsInfrastructure(err):
-			return err
-		}
-		logger(ctx).Warn("PostgreSQL is unavailable; waiting for it before "+before,
-			"database", redactURL(globalsOf(ctx).databaseURL), "retry_in", wait, "err", err)
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil
-		case <-t.C:
-		}
-		wait = min(2*wait, dbWaitMax)
+	wait := dbwait.Policy{
+		First: dbWaitFirst, Max: dbWaitMax,
+		Unavailable: middleware.IsInfrastructure,
+		Waiting: func(wait time.Duration, err error) {
+			logger(ctx).Warn("PostgreSQL is unavailable; waiting for it before "+before,
+				"database", redactURL(globalsOf(ctx).databaseURL), "retry_in", wait, "err", err)
+		},
 	}
+	return wait.Retry(ctx, try)
 }
