@@ -1,7 +1,6 @@
 package e2e_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -9,7 +8,6 @@ import (
 	"os/signal"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -29,7 +27,6 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -176,35 +173,15 @@ func TestChaosLosesNothing(t *testing.T) {
 
 	// The producer: 16 aggregates, a few events at a time, until the
 	// chaos ends.
-	stopPublishing := make(chan struct{})
-	var published sync.WaitGroup
 	var total int
-	published.Add(1)
-	go func() {
-		defer published.Done()
-		prng := rand.New(rand.NewPCG(seed+1, seed))
-		for {
-			select {
-			case <-stopPublishing:
-				return
-			case <-time.After(time.Duration(5+prng.IntN(20)) * time.Millisecond): // publishing pace
-			}
-			var evs []eventline.Event
-			for range 1 + prng.IntN(3) {
-				e, err := eventline.NewJSONEvent("order.updated", "order", fmt.Sprintf("agg-%02d", prng.IntN(16)), map[string]int{"n": total})
-				if err != nil {
-					panic(err)
-				}
-				e.ID = eventline.NewEventID()
-				evs = append(evs, e)
-			}
-			if err := r.prod.Publish(ctx, env.Pool, evs...); err != nil {
-				t.Errorf("publish: %v", err)
-				return
-			}
-			total += len(evs)
+	stopPublishing := publishRandomly(seed, func(evs []eventline.Event) bool {
+		if err := r.prod.Publish(ctx, env.Pool, evs...); err != nil {
+			t.Errorf("publish: %v", err)
+			return false
 		}
-	}()
+		total += len(evs)
+		return true
+	})
 
 	// The chaos: one fault at a time, each for 0.3 to 2 s, for 20 s.
 	chaosEnd := time.Now().Add(20 * time.Second)
@@ -236,32 +213,11 @@ func TestChaosLosesNothing(t *testing.T) {
 		}
 		time.Sleep(time.Duration(100+rng.IntN(400)) * time.Millisecond) // calm between faults
 	}
-	close(stopPublishing)
-	published.Wait()
+	stopPublishing()
 	t.Logf("%d events; faults: %s", total, strings.Join(log, "; "))
 
 	// Faults over: everything arrives, once, in order.
-	applied := func() int {
-		return r.count(`SELECT count(*) FROM `+r.table("processed_events")+` WHERE consumer_group = $1 AND outcome = 'applied'`, group)
-	}
-	runVerify := func() (*verify.Report, string) {
-		rep, err := verify.Run(ctx, env.Pool, nil, verify.Config{
-			Schema: env.Schema, Brokers: r.brokers, Groups: []string{group},
-			EffectsQueries: map[string]string{group: `SELECT event_id, seq FROM ` + effects},
-			Logger:         testLogger(),
-		})
-		require.NoError(t, err)
-		var text bytes.Buffer
-		require.NoError(t, rep.WriteText(&text))
-		return rep, text.String()
-	}
-	for deadline := time.Now().Add(2 * time.Minute); applied() < total; {
-		if time.Now().After(deadline) {
-			_, text := runVerify()
-			t.Fatalf("seed %d: %d of %d events applied two minutes after the chaos; verify:\n%s", seed, applied(), total, text)
-		}
-		time.Sleep(50 * time.Millisecond) // polling interval
-	}
+	r.waitAllApplied(ctx, seed, group, effects, total)
 	p := &pipeline{t: t, env: env, brokers: r.brokers, topic: r.topic}
 	p.waitConsumed(group)
 	stopConsumer()
@@ -269,14 +225,6 @@ func TestChaosLosesNothing(t *testing.T) {
 		_ = rc.Signal(syscall.SIGTERM)
 		<-rc.Done()
 	}
-	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT event_id FROM `+effects+` GROUP BY 1 HAVING count(*) > 1) d`), "an event applied twice")
-	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT aggregate_id, version, lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS prev FROM `+effects+`) x WHERE prev IS NOT NULL AND version <> prev + 1`),
-		"versions applied out of order")
-
-	rep, text := runVerify()
-	t.Logf("verify:\n%s", text)
-	require.True(t, rep.OK, "verify (seed %d):\n%s", seed, text)
-	require.Zero(t, rep.Problems, "verify (seed %d):\n%s", seed, text)
-	require.Zero(t, rep.Warnings, "verify (seed %d):\n%s", seed, text)
-	require.EqualValues(t, total, rep.Outbox.Events)
+	r.requireAppliedOnceInOrder(seed, effects)
+	r.requireVerifyClean(ctx, seed, group, effects, total)
 }

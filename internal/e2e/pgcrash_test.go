@@ -1,7 +1,6 @@
 package e2e_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -21,7 +20,6 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
@@ -106,49 +104,29 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	// The producer: 16 aggregates, a few events at a time, until the
 	// crashes are over. A publish that fails (the database crashed or is
 	// recovering) is not retried: its events are "failed", committed or not.
-	stopPublishing := make(chan struct{})
-	var published sync.WaitGroup
 	var mu sync.Mutex
 	succeeded, failed := map[string]bool{}, map[string]bool{}
 	var succeededInOrder []string
 	var publishErrs []string
-	published.Add(1)
-	go func() {
-		defer published.Done()
-		prng := rand.New(rand.NewPCG(seed+1, seed))
-		for n := 0; ; n++ {
-			select {
-			case <-stopPublishing:
-				return
-			case <-time.After(time.Duration(5+prng.IntN(20)) * time.Millisecond): // publishing pace
+	stopPublishing := publishRandomly(seed, func(evs []eventline.Event) bool {
+		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := r.prod.Publish(pctx, prodPool, evs...)
+		cancel()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, e := range evs {
+			if err == nil {
+				succeeded[e.ID] = true
+				succeededInOrder = append(succeededInOrder, e.ID)
+			} else {
+				failed[e.ID] = true
 			}
-			var evs []eventline.Event
-			for range 1 + prng.IntN(3) {
-				e, err := eventline.NewJSONEvent("order.updated", "order", fmt.Sprintf("agg-%02d", prng.IntN(16)), map[string]int{"n": n})
-				if err != nil {
-					panic(err)
-				}
-				e.ID = eventline.NewEventID()
-				evs = append(evs, e)
-			}
-			pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-			err := r.prod.Publish(pctx, prodPool, evs...)
-			cancel()
-			mu.Lock()
-			for _, e := range evs {
-				if err == nil {
-					succeeded[e.ID] = true
-					succeededInOrder = append(succeededInOrder, e.ID)
-				} else {
-					failed[e.ID] = true
-				}
-			}
-			if err != nil && len(publishErrs) < 5 {
-				publishErrs = append(publishErrs, err.Error())
-			}
-			mu.Unlock()
 		}
-	}()
+		if err != nil && len(publishErrs) < 5 {
+			publishErrs = append(publishErrs, err.Error())
+		}
+		return true
+	})
 
 	// applied counts the group's applied events; it fails (-1) while the
 	// database is down or recovering.
@@ -199,8 +177,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 		log = append(log, fmt.Sprintf("crash %d after %s (%d applied)", i+1, calm, before))
 		waitProgress(fmt.Sprintf("of crash %d", i+1))
 	}
-	close(stopPublishing)
-	published.Wait()
+	stopPublishing()
 	mu.Lock()
 	t.Logf("%d events published, %d in failed publishes; %s; first publish errors: %s",
 		len(succeeded), len(failed), strings.Join(log, "; "), strings.Join(publishErrs, " | "))
@@ -262,26 +239,10 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	require.Zero(t, metrictest.Sum(t, reg, "eventline_consumer_events_dead_lettered_total"), "seed %d: the consumer dead-lettered", seed)
 	require.Equal(t, outboxEvents, len(ids), "seed %d: every outbox event applied", seed)
 
-	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT event_id FROM `+effects+` GROUP BY 1 HAVING count(*) > 1) d`), "seed %d: an event applied twice", seed)
-	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT aggregate_id, version, lag(version) OVER (PARTITION BY aggregate_id ORDER BY seq) AS prev FROM `+effects+`) x WHERE prev IS NOT NULL AND version <> prev + 1`),
-		"seed %d: versions applied out of order", seed)
-	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT aggregate_id, min(version) AS v FROM `+effects+` GROUP BY 1) x WHERE v <> 1`),
-		"seed %d: an aggregate's first applied version is not 1", seed)
+	r.requireAppliedOnceInOrder(seed, effects)
 	for _, table := range []string{"dead_letters", "relay_failures", "consumer_dead_letters", "skipped_versions", "parked_events", "late_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "seed %d: rows in %s", seed, table)
 	}
 
-	rep, err := verify.Run(ctx, checks, nil, verify.Config{
-		Schema: schema, Brokers: r.brokers, Groups: []string{group},
-		EffectsQueries: map[string]string{group: `SELECT event_id, seq FROM ` + effects},
-		Logger:         testLogger(),
-	})
-	require.NoError(t, err)
-	var text bytes.Buffer
-	require.NoError(t, rep.WriteText(&text))
-	t.Logf("verify:\n%s", text.String())
-	require.True(t, rep.OK, "verify (seed %d):\n%s", seed, text.String())
-	require.Zero(t, rep.Problems, "verify (seed %d):\n%s", seed, text.String())
-	require.Zero(t, rep.Warnings, "verify (seed %d):\n%s", seed, text.String())
-	require.EqualValues(t, outboxEvents, rep.Outbox.Events)
+	r.requireVerifyClean(ctx, seed, group, effects, outboxEvents)
 }
