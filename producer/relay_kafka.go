@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -40,6 +41,9 @@ type kafkaSink struct {
 	// does not exist (explainMissing).
 	missingMu sync.Mutex
 	missing   map[string]time.Time
+	// anyMissing is whether missing has entries, so the acknowledgement
+	// of every record need not take missingMu.
+	anyMissing atomic.Bool
 }
 
 // missingTopicMemory is how long a broker's "unknown topic" answer explains
@@ -70,8 +74,12 @@ func (e *missingTopicError) Unwrap() error { return e.err }
 // for the same topic; otherwise the breaker error names no cause, and
 // Kafka being unreachable opens it too. A success clears the memory.
 func (s *kafkaSink) explainMissing(topic string, err error) error {
+	if err == nil && !s.anyMissing.Load() {
+		return nil // the common case: no topic is remembered as missing
+	}
 	s.missingMu.Lock()
 	defer s.missingMu.Unlock()
+	defer func() { s.anyMissing.Store(len(s.missing) > 0) }()
 	now := time.Now()
 	switch {
 	case err == nil:
