@@ -251,6 +251,20 @@ func (w *logWatch) MaxInt(key string) int64 {
 	return m
 }
 
+// String returns a string attribute of the last matching record logged
+// since the last Next ("" if none).
+func (w *logWatch) String(key string) string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.matches) == 0 {
+		return ""
+	}
+	if v, ok := w.matches[len(w.matches)-1][key]; ok {
+		return v.String()
+	}
+	return ""
+}
+
 func (w *logWatch) saw(r slog.Record) {
 	if !strings.HasPrefix(r.Message, w.msg) {
 		return

@@ -16,8 +16,8 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
-	"github.com/eventline/eventline/internal/dbwait"
 	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/startwait"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -78,10 +78,11 @@ const (
 // short by the shutdown is not dead-lettered: it is left unacknowledged and
 // redelivered later.
 //
-// Run returns an error when it cannot start (the error names the brokers
-// when Kafka is unreachable; the consumer's schema is not migrated) or when
-// the router stops on its own. A consumer started while its database is
-// unavailable waits for the database, logging, and then starts.
+// Run returns an error when it cannot start (the consumer's schema is not
+// migrated, a Sarama configuration error) or when the router stops on its
+// own. A consumer started while Kafka or its database is unavailable
+// waits for it, logging a warning that names the brokers (or the database
+// error) at every try, and then starts; a stop meanwhile is clean.
 func (c *Consumer) Run(ctx context.Context) (err error) {
 	c.mu.Lock()
 	if c.running {
@@ -99,7 +100,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	wlog := watermill.NewSlogLoggerWithLevelMapping(cfg.Logger.With("component", "watermill", "group", cfg.Group),
 		map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug})
 
-	if err := c.checkKafka(ctx); err != nil {
+	if err := c.waitForKafka(ctx); err != nil {
 		return err
 	}
 	if err := c.checkSchema(ctx); err != nil {
@@ -259,7 +260,7 @@ func stoppedOnItsOwn(err error) error {
 // failing: a consumer started during a database restart or failover starts
 // consuming when the database answers. It returns nil if ctx ends first.
 func (c *Consumer) checkSchema(ctx context.Context) error {
-	wait := dbwait.Policy{
+	wait := startwait.Policy{
 		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
 		Unavailable: middleware.IsInfrastructure,
 		Waiting: func(wait time.Duration, err error) {
@@ -270,15 +271,37 @@ func (c *Consumer) checkSchema(ctx context.Context) error {
 	return wait.Retry(ctx, func() error { return middleware.CheckMigrated(ctx, c.db, c.cfg.Schema) })
 }
 
-// checkKafka connects to the brokers, failing with an error that names
-// them when none answers, and warns about topics that do not exist yet:
-// eventline creates none.
-func (c *Consumer) checkKafka(ctx context.Context) error {
+// waitForKafka connects to the brokers. While none answers it waits,
+// backing off like a consumer waiting for its database and logging a
+// warning that names the brokers, instead of failing: a consumer started
+// during a broker outage (or before the brokers) starts consuming when
+// Kafka answers, as a running consumer resumes after one. A Sarama
+// configuration error fails at once. It warns about topics that do not
+// exist yet (eventline creates none) and returns nil if ctx ends first.
+func (c *Consumer) waitForKafka(ctx context.Context) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
-	client, err := sarama.NewClient(c.cfg.Brokers, kafkaconf.Consumer("eventline-check-"+c.cfg.Group))
+	var client sarama.Client
+	wait := startwait.Policy{
+		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
+		Unavailable: func(err error) bool {
+			var mistake sarama.ConfigurationError
+			return !errors.As(err, &mistake)
+		},
+		Waiting: func(wait time.Duration, err error) {
+			c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
+				"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
+				"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
+		},
+	}
+	err := wait.Retry(ctx, func() (err error) {
+		client, err = sarama.NewClient(c.cfg.Brokers, kafkaconf.Consumer("eventline-check-"+c.cfg.Group))
+		return err
+	})
 	if err != nil {
-		return fmt.Errorf("eventline consumer: cannot reach the Kafka brokers %s: %w; check consumer.Config.Brokers (or %s) and that the brokers are up",
-			brokers, err, kafkaconf.BrokersEnv)
+		return fmt.Errorf("eventline consumer: connect to the Kafka brokers %s: %w", brokers, err)
+	}
+	if client == nil {
+		return nil // ctx ended first
 	}
 	defer client.Close()
 	topics, err := client.Topics()

@@ -17,7 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/time/rate"
 
-	"github.com/eventline/eventline/internal/dbwait"
+	"github.com/eventline/eventline/internal/startwait"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/middleware"
 )
@@ -185,7 +185,7 @@ var errNoAnswer = errors.New("no answer from PostgreSQL")
 // once they pass or when ctx ends first (then r.shards is still 0), and
 // the checks' error when it is not an outage (ErrNotMigrated…).
 func (r *Relay) waitForOutbox(ctx context.Context) error {
-	wait := dbwait.Policy{
+	wait := startwait.Policy{
 		First: 500 * time.Millisecond, Max: 30 * time.Second,
 		Unavailable: dbUnavailable,
 		Waiting: func(wait time.Duration, err error) {

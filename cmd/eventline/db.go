@@ -8,7 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/internal/dbwait"
+	"github.com/eventline/eventline/internal/startwait"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -90,7 +90,7 @@ const (
 // database restart or failover starts when the database answers, while a
 // wrong URL, password or schema still fails at once.
 func waitForDatabase(ctx context.Context, before string, try func() error) error {
-	wait := dbwait.Policy{
+	wait := startwait.Policy{
 		First: dbWaitFirst, Max: dbWaitMax,
 		Unavailable: middleware.IsInfrastructure,
 		Waiting: func(wait time.Duration, err error) {

@@ -1,8 +1,9 @@
-// Package dbwait waits for a database that is unavailable when a
-// long-running component starts (the consumer, the relay, `eventline
-// relay`): one started during a restart or failover starts when the
-// database answers, while a configuration mistake still fails at once.
-package dbwait
+// Package startwait waits for a dependency (PostgreSQL, Kafka) that is
+// unavailable when a long-running component starts (the consumer, the
+// relay, `eventline relay`): one started during a restart, failover or
+// broker outage starts when the dependency answers, while a configuration
+// mistake still fails at once.
+package startwait
 
 import (
 	"context"
@@ -13,7 +14,7 @@ import (
 type Policy struct {
 	// First is the first wait; waits double up to Max.
 	First, Max time.Duration
-	// Unavailable reports whether an error means the database is
+	// Unavailable reports whether an error means the dependency is
 	// unavailable (worth waiting for) rather than misconfigured.
 	Unavailable func(error) bool
 	// Waiting is called before each wait, to log it.

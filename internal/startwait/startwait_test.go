@@ -1,4 +1,4 @@
-package dbwait_test
+package startwait_test
 
 import (
 	"context"
@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/eventline/eventline/internal/dbwait"
+	"github.com/eventline/eventline/internal/startwait"
 )
 
 var (
@@ -14,8 +14,8 @@ var (
 	errWrong = errors.New("misconfigured")
 )
 
-func policy(waits *[]time.Duration) dbwait.Policy {
-	return dbwait.Policy{
+func policy(waits *[]time.Duration) startwait.Policy {
+	return startwait.Policy{
 		First: time.Millisecond, Max: 4 * time.Millisecond,
 		Unavailable: func(err error) bool { return errors.Is(err, errDown) },
 		Waiting:     func(d time.Duration, _ error) { *waits = append(*waits, d) },
