@@ -172,6 +172,9 @@ func readmeOwnRouter(ctx context.Context, pool *pgxpool.Pool, brokers []string) 
 		if !ok {
 			return middleware.Permanent(errors.New("no eventline event in the message context"))
 		}
+		if e.Type != "order.created" {
+			return nil // every event type of the topic comes here: let the others pass (applied as no-ops)
+		}
 		o, err := eventline.DecodePayload[OrderCreated](e) // an error here is permanent: dead-lettered at once
 		if err != nil {
 			return err

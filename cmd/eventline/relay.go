@@ -177,10 +177,14 @@ database"):
 	return nil
 }
 
+// metricsScrapeConns are the connections openRelayPool adds for metrics
+// scrapes: the outbox and the consumer groups' status collectors run
+// concurrently. The README and docs/OPERATIONS.md state it.
+const metricsScrapeConns = 2
+
 // openRelayPool opens a pool large enough for a relay that owns every
 // shard (producer.PoolSizeFor: one connection per shard and three for the
-// relay's own use) and two for metrics scrapes (the outbox and the consumer
-// groups' status collectors run concurrently). While the database is
+// relay's own use) and metricsScrapeConns for metrics scrapes. While the database is
 // unavailable it waits for it (waitForDatabase); it returns nil, nil if ctx
 // ends first.
 func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
@@ -197,7 +201,7 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 		if err != nil {
 			return err
 		}
-		pool, err = openPool(ctx, producer.PoolSizeFor(shards)+2)
+		pool, err = openPool(ctx, producer.PoolSizeFor(shards)+metricsScrapeConns)
 		return err
 	})
 	if err != nil {
