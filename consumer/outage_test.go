@@ -272,31 +272,10 @@ func TestRunStartedDuringAKafkaOutageConsumesWhenItEnds(t *testing.T) {
 	t.Cleanup(func() { _ = proxy.Close() })
 	proxy.Set(faultproxy.Refuse)
 	cfg := k.config(group)
-	outageBudget(&cfg)
 	cfg.Brokers = []string{proxy.Addr()}
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
-	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
-	want := events(1, 3, "a")
-	publish(t, k.brokers, k.topic, messages(t, want)...)
-
-	r := start(t, c)
-	eventually(t, 60*time.Second, func() bool {
-		select {
-		case err := <-r.done:
-			r.done <- err // for r.stop
-			t.Fatalf("Run returned during the outage: %v", err)
-		default:
-		}
-		// Sarama's client tries a broker 4 times (Metadata.Retry.Max 3)
-		// before it gives up: 12 refusals outlast three clients.
-		return proxy.Refused() >= 12
-	}, "the consumer tries the brokers several times")
-	proxy.Set(faultproxy.Pass)
-	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(want) }, "the consumer starts when Kafka answers")
-	require.NoError(t, r.stop())
-	appliedOnce(t, k.Effects(t, group), want)
-	failureFree(t, k, group)
+	// Sarama's client tries a broker 4 times (Metadata.Retry.Max 3) before
+	// it gives up: 12 refusals outlast three clients.
+	consumeAfterOutage(t, k, k.Pool, cfg, proxy, 12, "Kafka")
 }
 
 // A consumer started while its database refuses connections waits for it
@@ -306,15 +285,23 @@ func TestRunStartedDuringAKafkaOutageConsumesWhenItEnds(t *testing.T) {
 func TestRunStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
-	const group = "late-db"
 	proxy := startProxy(t)
 	proxy.Set(faultproxy.Refuse)
-	pool := consumerPool(t, proxy.Addr)
-	cfg := k.config(group)
+	consumeAfterOutage(t, k, consumerPool(t, proxy.Addr), k.config("late-db"), proxy, 3, "the database")
+}
+
+// consumeAfterOutage starts a consumer (cfg, on pool) while proxy, in
+// front of its database or its brokers, refuses connections, with three
+// events of one aggregate waiting on k's topic. It checks that Run keeps
+// waiting until proxy has refused the given number of connections, ends
+// the outage, and checks that the events are then applied once, in
+// order, with nothing dead-lettered, parked or skipped.
+func consumeAfterOutage(t *testing.T, k kenv, pool *pgxpool.Pool, cfg consumer.Config, proxy *faultproxy.Proxy, refusals int64, what string) {
+	t.Helper()
 	outageBudget(&cfg)
 	c, err := consumer.New(pool, cfg)
 	require.NoError(t, err)
-	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
+	require.NoError(t, c.Handle("thing.changed", k.applyHandler(cfg.Group)))
 	want := events(1, 3, "a")
 	publish(t, k.brokers, k.topic, messages(t, want)...)
 
@@ -326,13 +313,13 @@ func TestRunStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 			t.Fatalf("Run returned during the outage: %v", err)
 		default:
 		}
-		return proxy.Refused() >= 3
-	}, "the consumer tries the database several times")
+		return proxy.Refused() >= refusals
+	}, "the consumer tries %s several times", what)
 	proxy.Set(faultproxy.Pass)
-	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(want) }, "the consumer starts when the database answers")
+	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, cfg.Group)) == len(want) }, "the consumer starts when %s answers", what)
 	require.NoError(t, r.stop())
-	appliedOnce(t, k.Effects(t, group), want)
-	failureFree(t, k, group)
+	appliedOnce(t, k.Effects(t, cfg.Group), want)
+	failureFree(t, k, cfg.Group)
 }
 
 // TestRunRefusesAnUnmigratedSchema: a consumer pointed at a schema without
