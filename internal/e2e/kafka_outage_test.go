@@ -1,0 +1,175 @@
+package e2e_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/faultproxy"
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
+)
+
+// Kafka outage of TestKafkaOutageLosesNothing: the broker refuses every
+// connection (open ones dropped) for kafkaRefuseFor, then, after the
+// pipeline caught up, stops answering on every connection, open and new,
+// for kafkaFreezeFor. Both outlive the clients' retry budgets: Sarama's
+// producer retries (5 × 100 ms), its metadata retries (3 × 250 ms), the
+// relay's attempts (3, 20 ms and 50 ms apart), the consumer group's session
+// timeout (6 s) and, for the freeze, the clients' network timeouts
+// (kafkaNetTimeout).
+const (
+	kafkaRefuseFor  = 20 * time.Second
+	kafkaFreezeFor  = 15 * time.Second
+	kafkaNetTimeout = 5 * time.Second
+)
+
+// TestKafkaOutageLosesNothing runs producer ▸ relay ▸ Kafka ▸ consumer,
+// all in this process, while events are published continuously, and takes
+// the whole Kafka broker away twice mid-run: first it refuses and resets
+// every connection, then it stops answering without closing any. Neither
+// the relay nor the consumer is restarted: each must notice Kafka is back
+// by itself and catch up. In the end every committed event is applied
+// once, in per-aggregate order, with nothing dead-lettered (relay or
+// consumer), parked, skipped or held late, and internal/verify reports
+// nothing.
+func TestKafkaOutageLosesNothing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the Kafka outages last about 35 s")
+	}
+	t.Parallel()
+	seed := chaosSeed(t)
+	t.Logf("seed %d (rerun with %s=%d)", seed, envChaosSeed, seed)
+	ctx := context.Background()
+
+	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 8})
+	r := &faultRig{t: t, env: env}
+	var faults *kafkatest.Faults
+	r.cluster, r.brokers, faults = kafkatest.FakeWithFaults(t)
+	r.topic = kafkatest.Topic(t, "outage")
+	kafkatest.CreateTopic(t, r.brokers, r.topic, 3)
+	var err error
+	r.prod, err = producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
+	require.NoError(t, err)
+	r.proxy, err = faultproxy.Start(pgtest.Addr()) // stays in Pass: only Kafka fails here
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = r.proxy.Close() })
+	effects := r.table("outage_effects")
+	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
+	require.NoError(t, err)
+
+	// The relay: three attempts per event, so an outage counted as
+	// attempts would dead-letter at once.
+	relayCfg := producer.RelayConfig{
+		Schema: env.Schema, Brokers: r.brokers,
+		PollInterval: 100 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
+		Backoff: []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}, MaxAttempts: 3,
+		Logger: testLogger(),
+	}
+	rel, err := producer.NewRelay(ctx, env.Pool, relayCfg)
+	require.NoError(t, err)
+	stopRelay := runUntilStopped(t, rel.Run)
+
+	// The consumer: no park timeout (nothing may be skipped), short
+	// network timeouts so the freeze outlives them.
+	const group = "outage"
+	reg := prometheus.NewRegistry()
+	metrics, err := middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg := r.consumerConfig(group, versioning.HoldLate, metrics)
+	cfg.ParkTimeout = 0
+	cfg.SaramaConfig.Net.DialTimeout = kafkaNetTimeout
+	cfg.SaramaConfig.Net.ReadTimeout = kafkaNetTimeout
+	cfg.SaramaConfig.Net.WriteTimeout = kafkaNetTimeout
+	c, err := consumer.New(r.proxiedPool(), cfg)
+	require.NoError(t, err)
+	require.NoError(t, c.Handle("order.updated", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version) VALUES ($1, $2, $3)`, e.ID, e.AggregateID, e.AggregateVersion)
+		return err
+	}))
+	stopConsumer := runUntilStopped(t, c.Run)
+
+	// The producer: PublishTx in its own transaction, without pause;
+	// committed counts the events whose transaction committed.
+	var committed atomic.Int64
+	stopPublishing := publishRandomly(seed, func(evs []eventline.Event) bool {
+		err := pgx.BeginFunc(ctx, env.Pool, func(tx pgx.Tx) error { return r.prod.PublishTx(ctx, tx, evs...) })
+		if err != nil {
+			t.Errorf("publish: %v", err)
+			return false
+		}
+		committed.Add(int64(len(evs)))
+		return true
+	})
+	stopPublishing = sync.OnceFunc(stopPublishing)
+	t.Cleanup(stopPublishing) // if the test fails before it stops publishing
+	applied := func() int { return r.count(`SELECT count(*) FROM ` + effects) }
+	// caughtUp waits until every event committed so far is applied and
+	// returns how long that took.
+	caughtUp := func(what string) time.Duration {
+		t.Helper()
+		start, want := time.Now(), int(committed.Load())
+		require.Eventually(t, func() bool { return applied() >= want }, time.Minute, 20*time.Millisecond,
+			"seed %d: %s: %d events committed, applied: %d", seed, what, want, applied())
+		return time.Since(start)
+	}
+	// Before the outages: the pipeline runs (the consumer has joined its
+	// group and applies events).
+	require.Eventually(t, func() bool { return committed.Load() >= 100 }, time.Minute, 20*time.Millisecond)
+	caughtUp("before the outages")
+
+	// Outage 1: every connection refused, the open ones reset.
+	faults.Set(faultproxy.Refuse)
+	faults.Drop()
+	time.Sleep(kafkaRefuseFor) // the outage's duration
+	appliedDuring := applied()
+	refused := faults.Refused()
+	faults.Set(faultproxy.Pass)
+	refuseRecovery := caughtUp("after Kafka refused connections")
+	t.Logf("refuse %s: clients reconnected %d times; %d events committed, caught up %s after Kafka came back",
+		kafkaRefuseFor, refused, committed.Load(), refuseRecovery.Round(time.Millisecond))
+	require.Positive(t, refused, "the clients tried to reconnect during the outage")
+	_ = appliedDuring
+
+	// Outage 2: the broker stops answering, connections stay open.
+	faults.Set(faultproxy.Freeze)
+	time.Sleep(kafkaFreezeFor) // the outage's duration
+	faults.Set(faultproxy.Pass)
+	freezeRecovery := caughtUp("after Kafka stopped answering")
+	t.Logf("freeze %s: %d events committed, caught up %s after Kafka answered again",
+		kafkaFreezeFor, committed.Load(), freezeRecovery.Round(time.Millisecond))
+
+	stopPublishing()
+	total := int(committed.Load())
+	r.waitAllApplied(ctx, seed, group, effects, total)
+	p := &pipeline{t: t, env: env, brokers: r.brokers, topic: r.topic}
+	p.waitConsumed(group)
+	// Stopped only now: had either ended by itself, runUntilStopped would
+	// have failed the test.
+	stopConsumer()
+	stopRelay()
+
+	r.requireAppliedOnceInOrder(seed, effects)
+	dls, err := producer.ListDeadLetters(ctx, env.Pool, env.Schema, producer.DeadLetterFilter{IncludeReplayed: true})
+	require.NoError(t, err)
+	require.Empty(t, dls, "the relay dead-lettered events")
+	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "%s must be empty", table)
+	}
+	require.Zero(t, metrictest.Sum(t, reg, "eventline_consumer_events_dead_lettered_total"))
+	r.requireVerifyClean(ctx, seed, group, effects, total)
+	t.Logf("%d events, all applied once in order", total)
+}
