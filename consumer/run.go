@@ -82,7 +82,9 @@ const (
 // migrated, a Sarama configuration error) or when the router stops on its
 // own. A consumer started while Kafka or its database is unavailable
 // waits for it, logging a warning that names the brokers (or the database
-// error) at every try, and then starts; a stop meanwhile is clean.
+// error) at every try, and then starts; so does one whose brokers go away
+// before it has joined its group. A stop meanwhile is clean. Once it has
+// joined, it rejoins by itself after a Kafka outage.
 func (c *Consumer) Run(ctx context.Context) (err error) {
 	c.mu.Lock()
 	if c.running {
