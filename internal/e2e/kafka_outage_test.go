@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -15,6 +16,7 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
+	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -37,12 +39,13 @@ const (
 	kafkaNetTimeout = 5 * time.Second
 )
 
-// TestKafkaOutageLosesNothing runs producer ▸ relay ▸ Kafka ▸ consumer,
-// all in this process, while events are published continuously, and takes
+// TestKafkaOutageLosesNothing runs producer ▸ relay ▸ Kafka ▸ two
+// consumer groups (the laned subscriber, watermill-kafka's), all in this
+// process, while events are published continuously (PublishTx), and takes
 // the whole Kafka broker away twice mid-run: first it refuses and resets
 // every connection, then it stops answering without closing any. Neither
-// the relay nor the consumer is restarted: each must notice Kafka is back
-// by itself and catch up. In the end every committed event is applied
+// the relay nor a consumer is restarted: each must notice Kafka is back by
+// itself and catch up. In the end every committed event is applied
 // once, in per-aggregate order, with nothing dead-lettered (relay or
 // consumer), parked, skipped or held late, and internal/verify reports
 // nothing.
@@ -67,40 +70,52 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	r.proxy, err = faultproxy.Start(pgtest.Addr()) // stays in Pass: only Kafka fails here
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = r.proxy.Close() })
-	effects := r.table("outage_effects")
-	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
-	require.NoError(t, err)
 
 	// The relay: three attempts per event, so an outage counted as
-	// attempts would dead-letter at once.
-	relayCfg := producer.RelayConfig{
-		Schema: env.Schema, Brokers: r.brokers,
+	// attempts would dead-letter at once; short network timeouts so the
+	// freeze outlives them.
+	sc := kafkaconf.Producer("e2e-outage-relay")
+	shortNetTimeouts(sc)
+	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{
+		Schema: env.Schema, Brokers: r.brokers, SaramaConfig: sc,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
 		Backoff: []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}, MaxAttempts: 3,
 		Logger: testLogger(),
-	}
-	rel, err := producer.NewRelay(ctx, env.Pool, relayCfg)
+	})
 	require.NoError(t, err)
 	stopRelay := runUntilStopped(t, rel.Run)
 
-	// The consumer: no park timeout (nothing may be skipped), short
-	// network timeouts so the freeze outlives them.
-	const group = "outage"
-	reg := prometheus.NewRegistry()
-	metrics, err := middleware.NewMetrics(reg)
-	require.NoError(t, err)
-	cfg := r.consumerConfig(group, versioning.HoldLate, metrics)
-	cfg.ParkTimeout = 0
-	cfg.SaramaConfig.Net.DialTimeout = kafkaNetTimeout
-	cfg.SaramaConfig.Net.ReadTimeout = kafkaNetTimeout
-	cfg.SaramaConfig.Net.WriteTimeout = kafkaNetTimeout
-	c, err := consumer.New(r.proxiedPool(), cfg)
-	require.NoError(t, err)
-	require.NoError(t, c.Handle("order.updated", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
-		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version) VALUES ($1, $2, $3)`, e.ID, e.AggregateID, e.AggregateVersion)
-		return err
-	}))
-	stopConsumer := runUntilStopped(t, c.Run)
+	// Two consumer groups, one per subscriber kind: the laned, batching
+	// one (the default) and watermill-kafka's (Lanes and BatchSize 1).
+	// No park timeout (nothing may be skipped), short network timeouts.
+	type group struct {
+		name, effects string
+		reg           *prometheus.Registry
+		stop          func()
+	}
+	groups := []*group{{name: "laned"}, {name: "watermill"}}
+	for _, g := range groups {
+		g.effects = r.table("outage_effects_" + g.name)
+		_, err = env.Pool.Exec(ctx, `CREATE TABLE `+g.effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
+		require.NoError(t, err)
+		g.reg = prometheus.NewRegistry()
+		metrics, err := middleware.NewMetrics(g.reg)
+		require.NoError(t, err)
+		cfg := r.consumerConfig(g.name, versioning.HoldLate, metrics)
+		cfg.ParkTimeout = 0
+		if g.name == "watermill" {
+			cfg.Lanes, cfg.BatchSize = 1, 1
+		}
+		shortNetTimeouts(cfg.SaramaConfig)
+		c, err := consumer.New(r.proxiedPool(), cfg)
+		require.NoError(t, err)
+		effects := g.effects
+		require.NoError(t, c.Handle("order.updated", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+			_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version) VALUES ($1, $2, $3)`, e.ID, e.AggregateID, e.AggregateVersion)
+			return err
+		}))
+		g.stop = runUntilStopped(t, c.Run)
+	}
 
 	// The producer: PublishTx in its own transaction, without pause;
 	// committed counts the events whose transaction committed.
@@ -116,9 +131,18 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	})
 	stopPublishing = sync.OnceFunc(stopPublishing)
 	t.Cleanup(stopPublishing) // if the test fails before it stops publishing
-	applied := func() int { return r.count(`SELECT count(*) FROM ` + effects) }
-	// caughtUp waits until every event committed so far is applied and
-	// returns how long that took.
+	// applied is the fewest events a group has applied.
+	applied := func() int {
+		n := -1
+		for _, g := range groups {
+			if m := r.count(`SELECT count(*) FROM ` + g.effects); n < 0 || m < n {
+				n = m
+			}
+		}
+		return n
+	}
+	// caughtUp waits until every group applied every event committed so
+	// far and returns how long that took.
 	caughtUp := func(what string) time.Duration {
 		t.Helper()
 		start, want := time.Now(), int(committed.Load())
@@ -145,31 +169,47 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	_ = appliedDuring
 
 	// Outage 2: the broker stops answering, connections stay open.
+	conns := faults.Conns()
 	faults.Set(faultproxy.Freeze)
 	time.Sleep(kafkaFreezeFor) // the outage's duration
 	faults.Set(faultproxy.Pass)
 	freezeRecovery := caughtUp("after Kafka stopped answering")
-	t.Logf("freeze %s: %d events committed, caught up %s after Kafka answered again",
-		kafkaFreezeFor, committed.Load(), freezeRecovery.Round(time.Millisecond))
+	t.Logf("freeze %s of %d open connections: %d events committed, caught up %s after Kafka answered again",
+		kafkaFreezeFor, conns, committed.Load(), freezeRecovery.Round(time.Millisecond))
+	require.Positive(t, conns, "clients were connected when Kafka froze")
 
 	stopPublishing()
 	total := int(committed.Load())
-	r.waitAllApplied(ctx, seed, group, effects, total)
 	p := &pipeline{t: t, env: env, brokers: r.brokers, topic: r.topic}
-	p.waitConsumed(group)
-	// Stopped only now: had either ended by itself, runUntilStopped would
-	// have failed the test.
-	stopConsumer()
+	for _, g := range groups {
+		r.waitAllApplied(ctx, seed, g.name, g.effects, total)
+		p.waitConsumed(g.name)
+	}
+	// Stopped only now: had one ended by itself, runUntilStopped would have
+	// failed the test.
+	for _, g := range groups {
+		g.stop()
+	}
 	stopRelay()
 
-	r.requireAppliedOnceInOrder(seed, effects)
 	dls, err := producer.ListDeadLetters(ctx, env.Pool, env.Schema, producer.DeadLetterFilter{IncludeReplayed: true})
 	require.NoError(t, err)
 	require.Empty(t, dls, "the relay dead-lettered events")
 	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "%s must be empty", table)
 	}
-	require.Zero(t, metrictest.Sum(t, reg, "eventline_consumer_events_dead_lettered_total"))
-	r.requireVerifyClean(ctx, seed, group, effects, total)
-	t.Logf("%d events, all applied once in order", total)
+	for _, g := range groups {
+		r.requireAppliedOnceInOrder(seed, g.effects)
+		require.Zero(t, metrictest.Sum(t, g.reg, "eventline_consumer_events_dead_lettered_total"), "group %s", g.name)
+		r.requireVerifyClean(ctx, seed, g.name, g.effects, total)
+	}
+	t.Logf("%d events, all applied once in order by both groups", total)
+}
+
+// shortNetTimeouts sets a Sarama client's network timeouts to
+// kafkaNetTimeout.
+func shortNetTimeouts(sc *sarama.Config) {
+	sc.Net.DialTimeout = kafkaNetTimeout
+	sc.Net.ReadTimeout = kafkaNetTimeout
+	sc.Net.WriteTimeout = kafkaNetTimeout
 }
