@@ -32,11 +32,15 @@ import (
 // producer retries (5 × 100 ms), its metadata retries (3 × 250 ms), the
 // relay's attempts (3, 20 ms and 50 ms apart), the consumer group's session
 // timeout (6 s) and, for the freeze, the clients' network timeouts
-// (kafkaNetTimeout).
+// (kafkaNetTimeout for the consumers; for the relay kafkaRelayNetTimeout
+// with one producer retry and one metadata retry: by default its Sarama
+// producer's own retries, each refreshing metadata, would outlast the
+// freeze, and the relay would not hear of it).
 const (
-	kafkaRefuseFor  = 20 * time.Second
-	kafkaFreezeFor  = 15 * time.Second
-	kafkaNetTimeout = 5 * time.Second
+	kafkaRefuseFor       = 20 * time.Second
+	kafkaFreezeFor       = 15 * time.Second
+	kafkaNetTimeout      = 5 * time.Second
+	kafkaRelayNetTimeout = time.Second
 )
 
 // TestKafkaOutageLosesNothing runs producer ▸ relay ▸ Kafka ▸ two
@@ -72,12 +76,17 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	t.Cleanup(func() { _ = r.proxy.Close() })
 
 	// The relay: three attempts per event, so an outage counted as
-	// attempts would dead-letter at once; short network timeouts so the
-	// freeze outlives them.
+	// attempts would dead-letter at once; short network timeouts and
+	// Sarama retries so the freeze outlives them.
 	sc := kafkaconf.Producer("e2e-outage-relay")
-	shortNetTimeouts(sc)
+	shortNetTimeouts(sc, kafkaRelayNetTimeout)
+	sc.Producer.Retry.Max, sc.Metadata.Retry.Max = 1, 1
+	relayReg := prometheus.NewRegistry()
+	relayMetrics, err := producer.NewRelayMetrics(relayReg)
+	require.NoError(t, err)
+	relayRetries := func() float64 { return metrictest.Sum(t, relayReg, "eventline_relay_retries_total") }
 	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: r.brokers, SaramaConfig: sc,
+		Schema: env.Schema, Brokers: r.brokers, SaramaConfig: sc, Metrics: relayMetrics,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
 		Backoff: []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}, MaxAttempts: 3,
 		Logger: testLogger(),
@@ -106,7 +115,7 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 		if g.name == "watermill" {
 			cfg.Lanes, cfg.BatchSize = 1, 1
 		}
-		shortNetTimeouts(cfg.SaramaConfig)
+		shortNetTimeouts(cfg.SaramaConfig, kafkaNetTimeout)
 		c, err := consumer.New(r.proxiedPool(), cfg)
 		require.NoError(t, err)
 		effects := g.effects
@@ -155,28 +164,33 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	require.Eventually(t, func() bool { return committed.Load() >= 100 }, time.Minute, 20*time.Millisecond)
 	caughtUp("before the outages")
 
-	// Outage 1: every connection refused, the open ones reset.
+	// Outage 1: every connection refused, the open ones reset. The relay
+	// must feel it (its Sarama producer gives up, the relay retries).
+	retries := relayRetries()
 	faults.Set(faultproxy.Refuse)
 	faults.Drop()
 	time.Sleep(kafkaRefuseFor) // the outage's duration
-	appliedDuring := applied()
 	refused := faults.Refused()
 	faults.Set(faultproxy.Pass)
 	refuseRecovery := caughtUp("after Kafka refused connections")
-	t.Logf("refuse %s: clients reconnected %d times; %d events committed, caught up %s after Kafka came back",
-		kafkaRefuseFor, refused, committed.Load(), refuseRecovery.Round(time.Millisecond))
+	refuseRetries := relayRetries() - retries
+	t.Logf("refuse %s: clients reconnected %d times, the relay retried %g times; %d events committed, caught up %s after Kafka came back",
+		kafkaRefuseFor, refused, refuseRetries, committed.Load(), refuseRecovery.Round(time.Millisecond))
 	require.Positive(t, refused, "the clients tried to reconnect during the outage")
-	_ = appliedDuring
+	require.Positive(t, refuseRetries, "the relay's publishes failed during the outage")
 
 	// Outage 2: the broker stops answering, connections stay open.
+	retries = relayRetries()
 	conns := faults.Conns()
 	faults.Set(faultproxy.Freeze)
 	time.Sleep(kafkaFreezeFor) // the outage's duration
 	faults.Set(faultproxy.Pass)
 	freezeRecovery := caughtUp("after Kafka stopped answering")
-	t.Logf("freeze %s of %d open connections: %d events committed, caught up %s after Kafka answered again",
-		kafkaFreezeFor, conns, committed.Load(), freezeRecovery.Round(time.Millisecond))
+	freezeRetries := relayRetries() - retries
+	t.Logf("freeze %s of %d open connections: the relay retried %g times; %d events committed, caught up %s after Kafka answered again",
+		kafkaFreezeFor, conns, freezeRetries, committed.Load(), freezeRecovery.Round(time.Millisecond))
 	require.Positive(t, conns, "clients were connected when Kafka froze")
+	require.Positive(t, freezeRetries, "the relay's publishes failed during the freeze")
 
 	stopPublishing()
 	total := int(committed.Load())
@@ -206,10 +220,9 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	t.Logf("%d events, all applied once in order by both groups", total)
 }
 
-// shortNetTimeouts sets a Sarama client's network timeouts to
-// kafkaNetTimeout.
-func shortNetTimeouts(sc *sarama.Config) {
-	sc.Net.DialTimeout = kafkaNetTimeout
-	sc.Net.ReadTimeout = kafkaNetTimeout
-	sc.Net.WriteTimeout = kafkaNetTimeout
+// shortNetTimeouts sets a Sarama client's network timeouts to d.
+func shortNetTimeouts(sc *sarama.Config, d time.Duration) {
+	sc.Net.DialTimeout = d
+	sc.Net.ReadTimeout = d
+	sc.Net.WriteTimeout = d
 }
