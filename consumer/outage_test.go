@@ -343,3 +343,89 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 
 	require.NoError(t, middleware.CheckMigrated(context.Background(), k.Pool, k.Schema), "a migrated schema passes")
 }
+
+// Kafka goes away after a starting consumer found the brokers and before
+// it joined its group: here while it waits for its database. It must wait
+// for Kafka again, as it does when Kafka is unreachable from the start,
+// and consume when Kafka is back. Before, joining the group (or connecting
+// the dead-letter publisher) failed on the first refused connection and
+// Run returned: the consumer stopped for good (the e2e Kafka outage test
+// hit this when its outage began while the consumer started). Every
+// subscriber kind: the laned one with and without a dead-letter topic, and
+// watermill-kafka's (Lanes and BatchSize 1). A stop meanwhile is clean.
+func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name         string
+		lanes, batch int
+		dlq          bool
+		stop         bool // stopped during the outage instead
+	}{
+		{"laned with dead-letter topic", 0, 0, true, false},
+		{"laned", 0, 0, false, false},
+		{"watermill-kafka", 1, 1, false, false},
+		{"laned with dead-letter topic stopped", 0, 0, true, true},
+		{"laned stopped", 0, 0, false, true},
+		{"watermill-kafka stopped", 1, 1, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, brokers, faults := kafkatest.FakeWithFaults(t)
+			k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: brokers,
+				topic: kafkatest.Topic(t, "events"), dlq: kafkatest.Topic(t, "dlq")}
+			kafkatest.CreateTopic(t, k.brokers, k.topic, 2)
+			kafkatest.CreateTopic(t, k.brokers, k.dlq, 1)
+			const group = "kafka-gone"
+			proxy := startProxy(t)
+			proxy.Set(faultproxy.Refuse)
+			cfg := k.config(group)
+			outageBudget(&cfg)
+			cfg.Lanes, cfg.BatchSize = tc.lanes, tc.batch
+			if !tc.dlq {
+				cfg.DeadLetterTopic = ""
+			}
+			log, dbWait := watchLog("eventline: the consumer's database is unavailable; waiting for it before consuming")
+			cfg.Logger = log
+			c, err := consumer.New(consumerPool(t, proxy.Addr), cfg)
+			require.NoError(t, err)
+			require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
+			want := events(1, 3, "a", "b")
+			publish(t, k.brokers, k.topic, messages(t, want)...)
+
+			waiting := dbWait.Next()
+			r := start(t, c)
+			select {
+			case <-waiting:
+			case err := <-r.done:
+				r.done <- err
+				t.Fatalf("Run returned: %v", err)
+			case <-time.After(30 * time.Second):
+				t.Fatal("the consumer did not wait for its database")
+			}
+			// The brokers answered; now Kafka goes, the database comes.
+			faults.Set(faultproxy.Refuse)
+			faults.Drop()
+			proxy.Set(faultproxy.Pass)
+			eventually(t, 60*time.Second, func() bool {
+				select {
+				case err := <-r.done:
+					r.done <- err // for r.stop
+					t.Fatalf("Run returned during the Kafka outage: %v", err)
+				default:
+				}
+				// Sarama's client tries a broker 4 times (Metadata.Retry.Max
+				// 3) before it gives up: 12 refusals are three tries.
+				return faults.Refused() >= 12
+			}, "the consumer tries the brokers several times")
+			if tc.stop {
+				require.NoError(t, r.stop(), "a stop while waiting for Kafka is clean")
+				return
+			}
+			faults.Set(faultproxy.Pass)
+			eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(want) }, "the consumer consumes when Kafka is back")
+			require.NoError(t, r.stop())
+			appliedOnce(t, k.Effects(t, group), want)
+			failureFree(t, k, group)
+		})
+	}
+}

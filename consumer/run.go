@@ -82,7 +82,9 @@ const (
 // migrated, a Sarama configuration error) or when the router stops on its
 // own. A consumer started while Kafka or its database is unavailable
 // waits for it, logging a warning that names the brokers (or the database
-// error) at every try, and then starts; a stop meanwhile is clean.
+// error) at every try, and then starts; so does one whose brokers go away
+// before it has joined its group. A stop meanwhile is clean. Once it has
+// joined, it rejoins by itself after a Kafka outage.
 func (c *Consumer) Run(ctx context.Context) (err error) {
 	c.mu.Lock()
 	if c.running {
@@ -121,13 +123,21 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator,
 	}
 	if cfg.DeadLetterTopic != "" {
-		pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-			Brokers:               cfg.Brokers,
-			Marshaler:             kafka.NewWithPartitioningMarshaler(deadLetterKey),
-			OverwriteSaramaConfig: kafkaconf.Producer("eventline-dlq-" + cfg.Group),
-		}, wlog)
+		// Kafka may have gone since waitForKafka: wait for it again.
+		var pub *kafka.Publisher
+		err := c.kafkaWait(ctx).Retry(ctx, func() (err error) {
+			pub, err = kafka.NewPublisher(kafka.PublisherConfig{
+				Brokers:               cfg.Brokers,
+				Marshaler:             kafka.NewWithPartitioningMarshaler(deadLetterKey),
+				OverwriteSaramaConfig: kafkaconf.Producer("eventline-dlq-" + cfg.Group),
+			}, wlog)
+			return err
+		})
 		if err != nil {
 			return fmt.Errorf("eventline consumer: connect the dead-letter publisher to brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
+		}
+		if pub == nil {
+			return nil // ctx ended first: a clean stop
 		}
 		defer pub.Close()
 		dlc.Publisher, dlc.Topic = pub, cfg.DeadLetterTopic
@@ -150,7 +160,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	chain := c.chain(dl)
 	for _, topic := range cfg.Topics {
 		name := HandlerName(cfg.Group, topic)
-		router.AddConsumerHandler(name, topic, sub, func(msg *message.Message) error {
+		router.AddConsumerHandler(name, topic, waitingSubscriber{Subscriber: sub, ctx: ctx, wait: c.kafkaWait(ctx)}, func(msg *message.Message) error {
 			_, err := chain(msg)
 			return err
 		})
@@ -281,19 +291,7 @@ func (c *Consumer) checkSchema(ctx context.Context) error {
 func (c *Consumer) waitForKafka(ctx context.Context) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
 	var client sarama.Client
-	wait := startwait.Policy{
-		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
-		Unavailable: func(err error) bool {
-			var mistake sarama.ConfigurationError
-			return !errors.As(err, &mistake)
-		},
-		Waiting: func(wait time.Duration, err error) {
-			c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
-				"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
-				"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
-		},
-	}
-	err := wait.Retry(ctx, func() (err error) {
+	err := c.kafkaWait(ctx).Retry(ctx, func() (err error) {
 		client, err = sarama.NewClient(c.cfg.Brokers, kafkaconf.Consumer("eventline-check-"+c.cfg.Group))
 		return err
 	})
@@ -323,6 +321,54 @@ func (c *Consumer) waitForKafka(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// kafkaWait is how a starting consumer waits for Kafka: every error but a
+// Sarama configuration error means the brokers are unavailable; each wait
+// is logged with the brokers' names.
+func (c *Consumer) kafkaWait(ctx context.Context) startwait.Policy {
+	brokers := strings.Join(c.cfg.Brokers, ",")
+	return startwait.Policy{
+		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
+		Unavailable: func(err error) bool {
+			var mistake sarama.ConfigurationError
+			return !errors.As(err, &mistake) && !errors.Is(err, errSubscriberClosed)
+		},
+		Waiting: func(wait time.Duration, err error) {
+			c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
+				"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
+				"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
+		},
+	}
+}
+
+// waitingSubscriber subscribes with the subscriber it wraps, waiting (the
+// wait policy) while Kafka is unavailable: Kafka may go between
+// waitForKafka and the router's Subscribe, which joins the consumer group.
+// Once subscribed, both subscribers rejoin by themselves after an outage.
+// ctx is Run's: when it ends, Subscribe gives up and returns a closed
+// channel.
+type waitingSubscriber struct {
+	message.Subscriber
+	ctx  context.Context
+	wait startwait.Policy
+}
+
+func (s waitingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	var out <-chan *message.Message
+	err := s.wait.Retry(s.ctx, func() (err error) {
+		out, err = s.Subscriber.Subscribe(ctx, topic)
+		return err
+	})
+	if err == nil && out == nil {
+		// Run stopped meanwhile. No error: watermill's router, when a
+		// Subscribe fails, leaves goroutines behind that wait for the
+		// handler for good. A closed channel ends the handler instead.
+		closed := make(chan *message.Message)
+		close(closed)
+		return closed, nil
+	}
+	return out, err
 }
 
 // detach gives the rest of the chain a context that survives the end of

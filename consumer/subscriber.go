@@ -192,6 +192,9 @@ func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
 	return &Subscriber{cfg: cfg, closing: make(chan struct{})}, nil
 }
 
+// errSubscriberClosed is Subscribe's error once the Subscriber is closed.
+var errSubscriberClosed = errors.New("eventline: consumer.Subscriber is closed")
+
 // subscription is one topic's consumer group membership.
 type subscription struct {
 	s      *Subscriber
@@ -211,7 +214,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return nil, errors.New("eventline: consumer.Subscriber is closed")
+		return nil, errSubscriberClosed
 	}
 	group, err := sarama.NewConsumerGroup(s.cfg.Brokers, s.cfg.Group, s.cfg.SaramaConfig)
 	if err != nil {
