@@ -28,7 +28,11 @@ var errSinkClosed = errors.New("eventline: relay Kafka producer is closed")
 // the record's batch, which the shard waits for before acknowledging the
 // outbox rows. Many records are thus in flight per Kafka round trip, while
 // the idempotent producer (one request in flight per broker) keeps each
-// partition in send order.
+// partition in send order as long as sends succeed. A record whose send
+// failed (Kafka unreachable) is sent again after the records behind it may
+// have been written: Kafka then holds its aggregate's versions out of
+// order, which the consumers' version gate puts right (docs/DESIGN.md,
+// "Ordering").
 type kafkaSink struct {
 	producer  sarama.AsyncProducer
 	marshaler kafka.Marshaler
