@@ -233,7 +233,7 @@ func TestRelayWaitsOutBrokerErrors(t *testing.T) {
 }
 
 // TestKafkaOutageDoesNotStretchTheRetryWait: while Kafka is unreachable a
-// shard's wait doubles from Backoff's first entry up to 30 s, however long
+// shard's wait doubles from Backoff's first entry up to 5 s, however long
 // the outage, so it resumes soon after Kafka does. Before, those failures
 // walked Backoff like a failing message (up to 10 min by default): here,
 // whose second entry is an hour, the shard stopped retrying after its

@@ -45,7 +45,7 @@ shards and exits 0. A second signal exits at once; nothing is lost either way
 A relay started while PostgreSQL is unavailable (refusing connections,
 restarting, not answering) waits for it, logging a warning at every try and
 backing off up to 30s, and starts when it answers; so it does while Kafka is
-unreachable. A wrong -database-url, password or -schema (not migrated) fails
+unreachable (backing off up to 5s). A wrong -database-url, password or -schema (not migrated) fails
 at once.
 
 Run as many relays as you like: they share the outbox shards, each shard
