@@ -188,12 +188,12 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	select {
 	case <-router.Running():
 	case err := <-runErr:
-		return stoppedOnItsOwn(err)
+		return stoppedOnItsOwn(ctx, err)
 	}
 	select {
 	case <-ctx.Done():
 	case err := <-runErr:
-		return stoppedOnItsOwn(err)
+		return stoppedOnItsOwn(ctx, err)
 	}
 	cfg.Logger.InfoContext(ctx, "eventline: consumer shutting down; finishing in-flight events", "group", cfg.Group, "timeout", cfg.ShutdownTimeout)
 	stopping()
@@ -257,7 +257,15 @@ func (c *Consumer) stop(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-func stoppedOnItsOwn(err error) error {
+// stoppedOnItsOwn is what Run returns when the router returned err before
+// Run asked it to stop.
+func stoppedOnItsOwn(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		// A stop while the router was starting: a subscription still
+		// waiting for Kafka ends its handler, and the router may stop
+		// before Run sees ctx end. The caller asked for it: a clean stop.
+		return nil
+	}
 	if err == nil {
 		err = errors.New("the router stopped on its own (see the logs)")
 	}
