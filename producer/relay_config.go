@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"strconv"
 	"time"
@@ -52,6 +53,13 @@ const (
 	leaseTTLIntervals   = 4
 	leaseValidIntervals = 3
 )
+
+// maxRelayInterval bounds PollInterval and RebalanceInterval. The lease
+// timeouts the relay gives PostgreSQL (tcp_user_timeout,
+// idle_session_timeout: TakeoverBound(RebalanceInterval) in milliseconds)
+// must fit in PostgreSQL's int, about 24.8 days, and a day between looks
+// at an idle shard is already longer than any poll needs.
+const maxRelayInterval = 24 * time.Hour
 
 // TakeoverBound is the longest the shards of a relay that vanished (host
 // gone, network partition, process frozen) wait for another relay, with
@@ -240,14 +248,18 @@ func (c RelayConfig) validate() error {
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {
 		errs = append(errs, fmt.Errorf("RelayConfig.BatchSize must be between 1 and 100000, got %d", c.BatchSize))
 	}
-	if c.PollInterval < 10*time.Millisecond {
-		errs = append(errs, fmt.Errorf("RelayConfig.PollInterval must be at least 10ms, got %s", c.PollInterval))
+	if err := sqlident.Text("RelayConfig.ID", c.ID); err != nil {
+		// The ID is the shard leases' owner: PostgreSQL must store it.
+		errs = append(errs, err)
 	}
-	if c.MaxPublishRate < 0 {
-		errs = append(errs, fmt.Errorf("RelayConfig.MaxPublishRate must not be negative, got %g", c.MaxPublishRate))
+	if c.PollInterval < 10*time.Millisecond || c.PollInterval > maxRelayInterval {
+		errs = append(errs, fmt.Errorf("RelayConfig.PollInterval must be between 10ms and %s, got %s", maxRelayInterval, c.PollInterval))
 	}
-	if c.RebalanceInterval < 10*time.Millisecond {
-		errs = append(errs, fmt.Errorf("RelayConfig.RebalanceInterval must be at least 10ms, got %s", c.RebalanceInterval))
+	if c.MaxPublishRate < 0 || math.IsNaN(c.MaxPublishRate) {
+		errs = append(errs, fmt.Errorf("RelayConfig.MaxPublishRate must be a rate, not negative (0 means no cap), got %g", c.MaxPublishRate))
+	}
+	if c.RebalanceInterval < 10*time.Millisecond || c.RebalanceInterval > maxRelayInterval {
+		errs = append(errs, fmt.Errorf("RelayConfig.RebalanceInterval must be between 10ms and %s, got %s", maxRelayInterval, c.RebalanceInterval))
 	}
 	switch c.Partitioner {
 	case PartitionerMurmur2, PartitionerFNV1a:
