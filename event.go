@@ -198,6 +198,13 @@ func (e Event) Validate() error {
 		return &InvalidEventError{Field: MetaPreviousVersion, Value: fmt.Sprint(e.PreviousVersion),
 			Reason: "must be below aggregate_version and not negative (or NoPreviousVersion)"}
 	}
+	if !e.OccurredAt.IsZero() {
+		// RFC 3339, the envelope's format, has four-digit years: Decode
+		// could not read another back, and the consumer would refuse it.
+		if y := e.OccurredAt.UTC().Year(); y < 0 || y > 9999 {
+			return &InvalidEventError{Field: MetaOccurredAt, Value: e.OccurredAt.String(), Reason: "must be within years 0000 to 9999 (UTC), as RFC 3339 writes them"}
+		}
+	}
 	if err := checkText("correlation_id", e.CorrelationID); err != nil {
 		return err
 	}
