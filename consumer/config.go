@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -236,7 +238,7 @@ func (c Config) withDefaults() Config {
 		c.RetryInitialInterval = DefaultRetryInitialInterval
 	}
 	if c.RetryMaxInterval == 0 {
-		c.RetryMaxInterval = DefaultRetryMaxInterval
+		c.RetryMaxInterval = max(DefaultRetryMaxInterval, c.RetryInitialInterval)
 	}
 	if c.RetryMultiplier == 0 {
 		c.RetryMultiplier = DefaultRetryMultiplier
@@ -278,8 +280,11 @@ func (c Config) validate() error {
 	if err := kafkaconf.ValidateBrokers("consumer.Config.Brokers", c.Brokers); err != nil {
 		return err
 	}
-	if c.Group == "" {
+	if strings.TrimSpace(c.Group) == "" {
 		return errors.New("consumer.Config.Group is empty: name the Kafka consumer group")
+	}
+	if err := sqlident.Text("consumer.Config.Group", c.Group); err != nil {
+		return err
 	}
 	if len(c.Topics) == 0 {
 		return errors.New("consumer.Config.Topics is empty: name at least one topic to consume")
@@ -312,9 +317,9 @@ func (c Config) validate() error {
 		return fmt.Errorf("consumer.Config.RetryInitialInterval is %s; it must be positive", c.RetryInitialInterval)
 	case c.RetryMaxInterval < c.RetryInitialInterval:
 		return fmt.Errorf("consumer.Config.RetryMaxInterval (%s) is below RetryInitialInterval (%s)", c.RetryMaxInterval, c.RetryInitialInterval)
-	case c.RetryMultiplier < 1:
+	case c.RetryMultiplier < 1 || math.IsNaN(c.RetryMultiplier) || math.IsInf(c.RetryMultiplier, 0):
 		return fmt.Errorf("consumer.Config.RetryMultiplier is %g; it must be at least 1", c.RetryMultiplier)
-	case c.RetryJitter < 0 || c.RetryJitter > 1:
+	case c.RetryJitter < 0 || c.RetryJitter > 1 || math.IsNaN(c.RetryJitter):
 		return fmt.Errorf("consumer.Config.RetryJitter is %g; it must be between 0 and 1 (or NoJitter)", c.RetryJitter)
 	case c.InfraRetryInitialInterval < 0:
 		return fmt.Errorf("consumer.Config.InfraRetryInitialInterval is %s; it must be positive", c.InfraRetryInitialInterval)
