@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -114,8 +115,11 @@ func (c GateConfig) withDefaults() GateConfig {
 }
 
 func (c GateConfig) validate(field string) error {
-	if c.Group == "" {
+	if strings.TrimSpace(c.Group) == "" {
 		return fmt.Errorf("%s.Group is empty: name the consumer group (dedup records and versions are kept per group)", field)
+	}
+	if err := sqlident.Text(field+".Group", c.Group); err != nil {
+		return err
 	}
 	if err := sqlident.Validate(field+".Schema", c.Schema); err != nil {
 		return err
