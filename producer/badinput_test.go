@@ -13,6 +13,7 @@ import (
 	"go.uber.org/goleak"
 	"pgregory.net/rapid"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/producer"
@@ -176,4 +177,30 @@ func TestNewRelayConfigProperty(t *testing.T) {
 			require.NotNil(rt, r)
 		}
 	})
+}
+
+// TestPublishTxRefusesAnIDTwiceInOneCall: two events of one call with the
+// same id were both written; every consumer then applied the first and
+// dead-lettered the second as an id conflict. The call is refused before
+// any SQL, naming the field and both events.
+func TestPublishTxRefusesAnIDTwiceInOneCall(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{})
+	p := newProducer(t, env)
+	ctx := context.Background()
+
+	a, b := orderEvent(t, "a"), orderEvent(t, "b")
+	a.ID = eventline.NewEventID()
+	b.ID = a.ID
+	err := p.Publish(ctx, env.Pool, a, orderEvent(t, "c"), b)
+	var ie *eventline.InvalidEventError
+	require.ErrorAs(t, err, &ie)
+	require.Equal(t, eventline.MetaEventID, ie.Field)
+	require.ErrorContains(t, err, "event 2: ")
+	require.ErrorContains(t, err, "event 0 of the same call has it too")
+	require.Zero(t, outboxCount(t, env))
+
+	b.ID = ""
+	require.NoError(t, p.Publish(ctx, env.Pool, a, b))
+	require.Equal(t, 2, outboxCount(t, env))
 }

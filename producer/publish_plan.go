@@ -94,10 +94,23 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 	}
 	byKey := make(map[aggregateKey]*aggPlan, len(events))
 	var order []*aggPlan
+	// Ids given twice in one call: consumers would apply the first event
+	// and refuse the second as an id conflict.
+	var ids map[string]int
+	if len(events) > 1 {
+		ids = make(map[string]int, len(events))
+	}
 	for i, e := range events {
 		e, err := p.withDefaults(i, e, now, trace)
 		if err != nil {
 			return nil, err
+		}
+		if ids != nil {
+			if j, dup := ids[e.ID]; dup {
+				return nil, fmt.Errorf("event %d: %w", i, &eventline.InvalidEventError{Field: eventline.MetaEventID, Value: e.ID,
+					Reason: fmt.Sprintf("event %d of the same call has it too: give each event its own id (or leave ID empty for a new one)", j)})
+			}
+			ids[e.ID] = i
 		}
 		// Validates the event (Encode does), checks its size and builds
 		// its outbox envelope.
