@@ -204,3 +204,26 @@ func TestPublishTxRefusesAnIDTwiceInOneCall(t *testing.T) {
 	require.NoError(t, p.Publish(ctx, env.Pool, a, b))
 	require.Equal(t, 2, outboxCount(t, env))
 }
+
+// TestPublishTxRefusesAVersionPastTheLargest: an event left to follow a
+// supplied version math.MaxInt64 in the same call overflowed to a negative
+// version, and PostgreSQL refused the row with a check-constraint error
+// that aborted the caller's transaction. The call is refused before any
+// SQL, naming the field, and tx stays usable.
+func TestPublishTxRefusesAVersionPastTheLargest(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{})
+	p := newProducerWith(t, env, producer.Config{AllowVersionGaps: true})
+	ctx := context.Background()
+
+	tx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	err = p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a"), orderEvent(t, "a"))
+	var ie *eventline.InvalidEventError
+	require.ErrorAs(t, err, &ie)
+	require.Equal(t, eventline.MetaAggregateVersion, ie.Field)
+	require.ErrorContains(t, err, "event 2: ")
+	require.NoError(t, p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a")), "tx is still usable")
+	require.NoError(t, tx.Commit(ctx))
+}

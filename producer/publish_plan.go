@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"math"
 	"sort"
 	"strconv"
 	"time"
@@ -197,6 +198,11 @@ func (a *aggPlan) add(i int, e *eventline.Event, allowGaps bool, ver, prev *int6
 	a.n++
 	known := a.firstSupplied != 0
 	switch v := e.AggregateVersion; {
+	case v == 0 && known && a.last == math.MaxInt64:
+		return &eventline.InvalidEventError{
+			Field: eventline.MetaAggregateVersion, Value: "0",
+			Reason: fmt.Sprintf("would follow version %d, the largest there is", a.last),
+		}
 	case v == 0 && known:
 		*ver, *prev = a.last+1, a.last
 	case v == 0:
