@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -203,4 +204,20 @@ func TestNewConfigProperty(t *testing.T) {
 		}
 		require.True(rt, named, "the error names none of the fields the draw set: %v", err)
 	})
+}
+
+// TestNewValidatesTheSaramaConfig: a SaramaConfig Sarama refuses passed
+// New and failed only when Run created its Kafka subscriber.
+func TestNewValidatesTheSaramaConfig(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
+	cfg := badInputConfig(env.Schema)
+	cfg.SaramaConfig = sarama.NewConfig()
+	cfg.SaramaConfig.Net.MaxOpenRequests = 0
+	_, err := consumer.New(env.Pool, cfg)
+	require.ErrorContains(t, err, "consumer.Config.SaramaConfig: kafka: invalid configuration (Net.MaxOpenRequests must be > 0)")
+
+	cfg.SaramaConfig = sarama.NewConfig()
+	_, err = consumer.New(env.Pool, cfg)
+	require.NoError(t, err)
 }

@@ -333,6 +333,10 @@ func (c Config) validate() error {
 	if err := validateLanes("consumer.Config", c.Lanes, c.BatchSize, c.BatchLinger, c.ShutdownTimeout, "ShutdownTimeout"); err != nil {
 		return err
 	}
+	if err := c.SaramaConfig.Validate(); err != nil {
+		// Run's Kafka subscriber would refuse it.
+		return fmt.Errorf("consumer.Config.SaramaConfig: %w", err)
+	}
 	for i, m := range c.Middleware {
 		if m == nil {
 			return fmt.Errorf("consumer.Config.Middleware[%d] is nil", i)
