@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -226,4 +227,27 @@ func TestPublishTxRefusesAVersionPastTheLargest(t *testing.T) {
 	require.ErrorContains(t, err, "event 2: ")
 	require.NoError(t, p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a")), "tx is still usable")
 	require.NoError(t, tx.Commit(ctx))
+}
+
+// TestNewRelayValidatesTheSaramaConfig: a SaramaConfig Sarama refuses
+// (after the relay enforced its own settings on it) passed NewRelay, and
+// Run then logged "Kafka unreachable; retrying" for ever. NewRelay refuses
+// it, naming the field and Sarama's reason.
+func TestNewRelayValidatesTheSaramaConfig(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{})
+	sc := sarama.NewConfig()
+	sc.Net.DialTimeout = 0
+	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
+		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: testLogger(t)})
+	require.ErrorContains(t, err, "RelayConfig.SaramaConfig: kafka: invalid configuration (Net.DialTimeout must be > 0)")
+
+	// What the relay enforces (idempotence, acks, one request in flight)
+	// is not held against the caller's config.
+	sc = sarama.NewConfig()
+	sc.Producer.RequiredAcks = sarama.NoResponse
+	sc.Net.MaxOpenRequests = 5
+	_, err = producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
+		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: testLogger(t)})
+	require.NoError(t, err)
 }

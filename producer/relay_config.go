@@ -290,6 +290,13 @@ func (c RelayConfig) validate() error {
 	if c.CleanupBatchSize < 1 {
 		errs = append(errs, fmt.Errorf("RelayConfig.CleanupBatchSize must be at least 1, got %d", c.CleanupBatchSize))
 	}
+	if len(errs) == 0 {
+		// What Run gives Sarama; refused there, it would look like Kafka
+		// being unreachable, retried for ever.
+		if err := c.producerConfig().Validate(); err != nil {
+			errs = append(errs, fmt.Errorf("RelayConfig.SaramaConfig: %w", err))
+		}
+	}
 	return errors.Join(errs...)
 }
 
