@@ -97,6 +97,8 @@ type Event struct {
 	// with [NoPreviousVersion].
 	PreviousVersion int64
 	// OccurredAt is when the event happened. Defaults to the publish time.
+	// Its UTC year must be within 0000 to 9999, the years RFC 3339 (the
+	// envelope's format) can write.
 	OccurredAt time.Time
 	// CorrelationID ties the event to the request or workflow that caused it.
 	CorrelationID string

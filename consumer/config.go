@@ -68,7 +68,9 @@ type Config struct {
 	Brokers []string
 	// Group is the Kafka consumer group, and the group eventline keeps
 	// dedup records, versions and parked events under. Consumers sharing a
-	// group share the work (and the exactly-once bookkeeping). Required.
+	// group share the work (and the exactly-once bookkeeping). Required;
+	// it is stored with every record, so it must be valid UTF-8 without
+	// NUL bytes.
 	Group string
 	// Topics are the Kafka topics to consume; each gets one Watermill
 	// handler named "eventline/<group>/<topic>". Required.
@@ -119,7 +121,8 @@ type Config struct {
 	// 1.6s. Defaults to DefaultRetryInitialInterval (100ms).
 	RetryInitialInterval time.Duration
 	// RetryMaxInterval caps the wait between retries. Defaults to
-	// DefaultRetryMaxInterval (10s).
+	// DefaultRetryMaxInterval (10s), or RetryInitialInterval when that is
+	// longer.
 	RetryMaxInterval time.Duration
 	// RetryMultiplier scales the wait after each retry. Defaults to
 	// DefaultRetryMultiplier (2).
@@ -156,7 +159,7 @@ type Config struct {
 	// (Consumer.Offsets.Initial = sarama.OffsetOldest) and auto-commits
 	// marked offsets every second. When you pass your own, keep
 	// OffsetOldest, or a new group skips events published before it
-	// started.
+	// started. New checks it with Sarama's Validate.
 	SaramaConfig *sarama.Config
 	// Lanes is how many lanes each Kafka partition is split into: events
 	// are spread over lanes by aggregate, each aggregate's events stay in

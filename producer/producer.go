@@ -178,8 +178,10 @@ func (p *Producer) ShardFor(aggregateType, aggregateID string) int {
 // (*eventline.InvalidEventError, which covers NUL bytes and invalid UTF-8
 // in metadata), too large for Kafka (*EventTooLargeError, see
 // Config.MaxMessageBytes), of an undeclared schema version
-// (*SchemaVersionError) or inconsistent with the call's other events of its
-// aggregate fails the whole call and leaves tx untouched.
+// (*SchemaVersionError), inconsistent with the call's other events of its
+// aggregate, or with the id of another event of the call
+// (*eventline.InvalidEventError) fails the whole call and leaves tx
+// untouched.
 //
 // Versions. Events without an AggregateVersion get the next versions of
 // their aggregate, allocated in tx: concurrent writers of one aggregate

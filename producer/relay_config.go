@@ -117,7 +117,9 @@ type RelayConfig struct {
 	// It must not exceed the topics' max.message.bytes. Defaults to
 	// DefaultMaxMessageBytes.
 	MaxMessageBytes int
-	// ID names this relay in logs. Defaults to "<hostname>-<pid>".
+	// ID names this relay in logs and as the owner of its shard leases, so
+	// it must be valid UTF-8 without NUL bytes. Defaults to
+	// "<hostname>-<pid>".
 	ID string
 
 	// BatchSize is the number of outbox rows read and published per
@@ -126,8 +128,8 @@ type RelayConfig struct {
 	// DefaultBatchSize.
 	BatchSize int
 	// PollInterval is the longest an idle shard sleeps between looks at its
-	// table; inserts wake it sooner via NOTIFY. Defaults to
-	// DefaultPollInterval.
+	// table; inserts wake it sooner via NOTIFY. Between 10ms and 24h.
+	// Defaults to DefaultPollInterval.
 	PollInterval time.Duration
 	// MaxPublishRate caps the events per second this relay publishes, over
 	// all its shards. 0 means no cap. Defaults to 0.
@@ -136,7 +138,9 @@ type RelayConfig struct {
 	// re-checks its fair share. It bounds takeovers: the shards of a relay
 	// that vanished are taken within TakeoverBound(RebalanceInterval), and
 	// a relay that cannot renew (its database connection hangs) stops
-	// relaying them before that. Defaults to DefaultRebalanceInterval.
+	// relaying them before that. Between 10ms and 24h (the lease timeouts
+	// given to PostgreSQL must fit its limits). Defaults to
+	// DefaultRebalanceInterval.
 	RebalanceInterval time.Duration
 
 	// Backoff lists the waits before successive retries of a message that
