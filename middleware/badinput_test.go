@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
@@ -58,4 +59,30 @@ func TestConstructorsRefuseWhatFailsLater(t *testing.T) {
 	require.NoError(t, err)
 	_, err = store.NewSweeper(nilPool, versioning.SweeperConfig{Group: "g", Apply: func(context.Context, pgx.Tx, versioning.Parked) error { return nil }})
 	require.ErrorContains(t, err, "versioning.NewSweeper: db is nil")
+}
+
+// TestRegisterIgnoresANilHandler: Register(name, nil) on a middleware
+// with Upcasters registered the upcasting wrapper around nil, so the
+// sweeper's release of an event parked under that name panicked (in the
+// sweeper's goroutine, with nothing to recover it). A nil handler is
+// ignored: the release fails with ErrNoHandler, saying what to register.
+func TestRegisterIgnoresANilHandler(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
+	ctx := context.Background()
+	up, err := eventline.NewUpcasters(map[string]int{"thing.changed": 1})
+	require.NoError(t, err)
+	el, err := middleware.New(middleware.Config{DB: env.Pool, Group: "g", Schema: env.Schema, Upcasters: up, Logger: quiet()})
+	require.NoError(t, err)
+	el.Register("things-handler", nil)
+
+	msg, err := eventline.Encode(eventline.Event{Type: "thing.changed", AggregateType: "thing", AggregateID: "1", AggregateVersion: 2, Payload: []byte(`{}`)})
+	require.NoError(t, err)
+	p := versioning.Parked{Group: "g", AggregateType: "thing", AggregateID: "1", Version: 2, EventID: msg.UUID, EventType: "thing.changed",
+		Handler: "things-handler", Topic: "things", Payload: msg.Payload, Metadata: msg.Metadata}
+	tx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	require.NotPanics(t, func() { err = el.Gate().ApplyParked(ctx, tx, p) })
+	require.ErrorIs(t, err, versioning.ErrNoHandler)
 }

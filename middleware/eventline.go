@@ -414,8 +414,12 @@ func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware
 }
 
 // Register tells the sweeper which handler releases events parked under
-// the Watermill handler name handlerName; see [Gate.Register].
+// the Watermill handler name handlerName; see [Gate.Register]. A nil h is
+// ignored.
 func (el *Eventline) Register(handlerName string, h message.HandlerFunc) {
+	if h == nil {
+		return
+	}
 	el.gate.Register(handlerName, el.upcasting(h))
 }
 

@@ -216,8 +216,12 @@ func (g *Gate) MiddlewareFor(handlerName string) message.HandlerMiddleware {
 // otherwise learned only when a handler receives a message, and the
 // fallback, the only handler the gate wrapped, works only when there is
 // exactly one. Pass the same function given to the router, without the
-// gate's own middleware (the sweeper supplies transaction and event).
+// gate's own middleware (the sweeper supplies transaction and event). A
+// nil h is ignored: it would hide a handler the gate learned.
 func (g *Gate) Register(handlerName string, h message.HandlerFunc) {
+	if h == nil {
+		return
+	}
 	g.reg.register(handlerName, h)
 }
 
