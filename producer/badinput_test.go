@@ -251,3 +251,61 @@ func TestNewRelayValidatesTheSaramaConfig(t *testing.T) {
 		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: testLogger(t)})
 	require.NoError(t, err)
 }
+
+// TestOperationsRefuseANilHandle: the package's operational functions
+// (what `eventline status`, `dlq`, `cleanup` and the recovery commands
+// call) panicked on a nil handle; each returns an error naming itself and
+// the argument.
+func TestOperationsRefuseANilHandle(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{})
+	ctx := context.Background()
+	var nilPool *pgxpool.Pool
+	calls := map[string]func() error{
+		"producer.ListDeadLetters: db is nil": func() error {
+			_, err := producer.ListDeadLetters(ctx, nilPool, env.Schema, producer.DeadLetterFilter{})
+			return err
+		},
+		"producer.ReplayDeadLetters: db is nil": func() error {
+			_, err := producer.ReplayDeadLetters(ctx, nilPool, env.Schema, 1)
+			return err
+		},
+		"producer.Cleanup: db is nil": func() error {
+			_, err := producer.Cleanup(ctx, nilPool, producer.CleanupConfig{Schema: env.Schema, Shards: []int{0}})
+			return err
+		},
+		"producer.ReadStatus: db is nil": func() error {
+			_, err := producer.ReadStatus(ctx, nilPool, env.Schema)
+			return err
+		},
+		"producer.ReadHorizonHolder: db is nil": func() error {
+			_, err := producer.ReadHorizonHolder(ctx, nilPool)
+			return err
+		},
+		"producer.ShardOwners: db is nil": func() error {
+			_, err := producer.ShardOwners(ctx, nilPool, env.Schema)
+			return err
+		},
+		"producer.CheckPositions: db is nil": func() error {
+			_, err := producer.CheckPositions(ctx, nilPool, env.Schema)
+			return err
+		},
+		"producer.RebasePositions: db is nil": func() error {
+			_, err := producer.RebasePositions(ctx, nilPool, env.Schema, true)
+			return err
+		},
+		"producer.AdvanceSequences: producerDB is nil": func() error {
+			_, err := producer.AdvanceSequences(ctx, nilPool, env.Schema, env.Pool, env.Schema, true)
+			return err
+		},
+		"producer.AdvanceSequences: consumerDB is nil": func() error {
+			_, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, nilPool, env.Schema, true)
+			return err
+		},
+	}
+	for want, call := range calls {
+		var err error
+		require.NotPanics(t, func() { err = call() }, want)
+		require.ErrorContains(t, err, want)
+	}
+}

@@ -161,6 +161,11 @@ func ReadShardCount(ctx context.Context, db DBTX, schema string) (int, error) {
 	return shards, nil
 }
 
+// nilDB is the error for a nil database handle passed as arg to fn.
+func nilDB(fn, arg string) error {
+	return fmt.Errorf("producer.%s: %s is nil: pass a *pgxpool.Pool (or a *pgx.Conn)", fn, arg)
+}
+
 // Shards returns the number of outbox shards.
 func (p *Producer) Shards() int { return p.shards }
 
