@@ -170,6 +170,11 @@ func (c Config) validate() error {
 	case (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == ""):
 		return errors.New("middleware.Config.DeadLetterPublisher and DeadLetterTopic go together: set both to copy dead letters to a topic, or neither")
 	}
+	if c.DeadLetterTopic != "" {
+		if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
+			return fmt.Errorf("middleware.Config.DeadLetterTopic: %w", err)
+		}
+	}
 	if _, err := c.Retry.withDefaults(); err != nil {
 		return fmt.Errorf("middleware.Config.Retry: %w", err)
 	}
