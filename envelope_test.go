@@ -230,3 +230,39 @@ func TestNoPreviousVersionRoundTrips(t *testing.T) {
 	_, err = eventline.Encode(below)
 	require.ErrorIs(t, err, eventline.ErrInvalidEvent)
 }
+
+// TestOccurredAtOutsideRFC3339IsRefusedAtEncode: an OccurredAt whose UTC
+// year has more than four digits (or is negative) used to be encoded, so
+// PublishTx accepted it, and then Decode could not read it back: every
+// consumer refused the event as malformed. Encode refuses it, naming the
+// field; the years RFC 3339 can write round-trip.
+func TestOccurredAtOutsideRFC3339IsRefusedAtEncode(t *testing.T) {
+	base := eventline.Event{Type: "order.created", AggregateType: "order", AggregateID: "42", Payload: []byte(`{}`)}
+	for _, at := range []time.Time{
+		time.Date(10000, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(99999, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(-5, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(9999, 12, 31, 23, 0, 0, 0, time.FixedZone("EST", -5*3600)), // year 10000 in UTC
+	} {
+		e := base
+		e.OccurredAt = at
+		_, err := eventline.Encode(e)
+		var ie *eventline.InvalidEventError
+		require.ErrorAs(t, err, &ie, at.String())
+		require.Equal(t, eventline.MetaOccurredAt, ie.Field)
+		require.ErrorIs(t, e.Validate(), eventline.ErrInvalidEvent)
+	}
+	for _, at := range []time.Time{
+		time.Date(0, 1, 1, 0, 0, 0, 0, time.UTC),
+		time.Date(1, 1, 1, 0, 0, 0, 1, time.UTC),
+		time.Date(9999, 12, 31, 23, 59, 59, 999999999, time.UTC),
+	} {
+		e := base
+		e.OccurredAt = at
+		msg, err := eventline.Encode(e)
+		require.NoError(t, err, at.String())
+		out, err := eventline.Decode(msg)
+		require.NoError(t, err, at.String())
+		require.True(t, at.Equal(out.OccurredAt), at.String())
+	}
+}

@@ -97,6 +97,8 @@ type Event struct {
 	// with [NoPreviousVersion].
 	PreviousVersion int64
 	// OccurredAt is when the event happened. Defaults to the publish time.
+	// Its UTC year must be within 0000 to 9999, the years RFC 3339 (the
+	// envelope's format) can write.
 	OccurredAt time.Time
 	// CorrelationID ties the event to the request or workflow that caused it.
 	CorrelationID string
@@ -197,6 +199,13 @@ func (e Event) Validate() error {
 	case e.PreviousVersion < NoPreviousVersion || (e.PreviousVersion > 0 && e.PreviousVersion >= e.AggregateVersion):
 		return &InvalidEventError{Field: MetaPreviousVersion, Value: fmt.Sprint(e.PreviousVersion),
 			Reason: "must be below aggregate_version and not negative (or NoPreviousVersion)"}
+	}
+	if !e.OccurredAt.IsZero() {
+		// RFC 3339, the envelope's format, has four-digit years: Decode
+		// could not read another back, and the consumer would refuse it.
+		if y := e.OccurredAt.UTC().Year(); y < 0 || y > 9999 {
+			return &InvalidEventError{Field: MetaOccurredAt, Value: e.OccurredAt.String(), Reason: "must be within years 0000 to 9999 (UTC), as RFC 3339 writes them"}
+		}
 	}
 	if err := checkText("correlation_id", e.CorrelationID); err != nil {
 		return err

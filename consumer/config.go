@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -66,7 +68,9 @@ type Config struct {
 	Brokers []string
 	// Group is the Kafka consumer group, and the group eventline keeps
 	// dedup records, versions and parked events under. Consumers sharing a
-	// group share the work (and the exactly-once bookkeeping). Required.
+	// group share the work (and the exactly-once bookkeeping). Required;
+	// it is stored with every record, so it must be valid UTF-8 without
+	// NUL bytes.
 	Group string
 	// Topics are the Kafka topics to consume; each gets one Watermill
 	// handler named "eventline/<group>/<topic>". Required.
@@ -117,7 +121,8 @@ type Config struct {
 	// 1.6s. Defaults to DefaultRetryInitialInterval (100ms).
 	RetryInitialInterval time.Duration
 	// RetryMaxInterval caps the wait between retries. Defaults to
-	// DefaultRetryMaxInterval (10s).
+	// DefaultRetryMaxInterval (10s), or RetryInitialInterval when that is
+	// longer.
 	RetryMaxInterval time.Duration
 	// RetryMultiplier scales the wait after each retry. Defaults to
 	// DefaultRetryMultiplier (2).
@@ -154,7 +159,7 @@ type Config struct {
 	// (Consumer.Offsets.Initial = sarama.OffsetOldest) and auto-commits
 	// marked offsets every second. When you pass your own, keep
 	// OffsetOldest, or a new group skips events published before it
-	// started.
+	// started. New checks it with Sarama's Validate.
 	SaramaConfig *sarama.Config
 	// Lanes is how many lanes each Kafka partition is split into: events
 	// are spread over lanes by aggregate, each aggregate's events stay in
@@ -236,7 +241,7 @@ func (c Config) withDefaults() Config {
 		c.RetryInitialInterval = DefaultRetryInitialInterval
 	}
 	if c.RetryMaxInterval == 0 {
-		c.RetryMaxInterval = DefaultRetryMaxInterval
+		c.RetryMaxInterval = max(DefaultRetryMaxInterval, c.RetryInitialInterval)
 	}
 	if c.RetryMultiplier == 0 {
 		c.RetryMultiplier = DefaultRetryMultiplier
@@ -278,8 +283,11 @@ func (c Config) validate() error {
 	if err := kafkaconf.ValidateBrokers("consumer.Config.Brokers", c.Brokers); err != nil {
 		return err
 	}
-	if c.Group == "" {
+	if strings.TrimSpace(c.Group) == "" {
 		return errors.New("consumer.Config.Group is empty: name the Kafka consumer group")
+	}
+	if err := sqlident.Text("consumer.Config.Group", c.Group); err != nil {
+		return err
 	}
 	if len(c.Topics) == 0 {
 		return errors.New("consumer.Config.Topics is empty: name at least one topic to consume")
@@ -312,9 +320,9 @@ func (c Config) validate() error {
 		return fmt.Errorf("consumer.Config.RetryInitialInterval is %s; it must be positive", c.RetryInitialInterval)
 	case c.RetryMaxInterval < c.RetryInitialInterval:
 		return fmt.Errorf("consumer.Config.RetryMaxInterval (%s) is below RetryInitialInterval (%s)", c.RetryMaxInterval, c.RetryInitialInterval)
-	case c.RetryMultiplier < 1:
+	case c.RetryMultiplier < 1 || math.IsNaN(c.RetryMultiplier) || math.IsInf(c.RetryMultiplier, 0):
 		return fmt.Errorf("consumer.Config.RetryMultiplier is %g; it must be at least 1", c.RetryMultiplier)
-	case c.RetryJitter < 0 || c.RetryJitter > 1:
+	case c.RetryJitter < 0 || c.RetryJitter > 1 || math.IsNaN(c.RetryJitter):
 		return fmt.Errorf("consumer.Config.RetryJitter is %g; it must be between 0 and 1 (or NoJitter)", c.RetryJitter)
 	case c.InfraRetryInitialInterval < 0:
 		return fmt.Errorf("consumer.Config.InfraRetryInitialInterval is %s; it must be positive", c.InfraRetryInitialInterval)
@@ -327,6 +335,10 @@ func (c Config) validate() error {
 	}
 	if err := validateLanes("consumer.Config", c.Lanes, c.BatchSize, c.BatchLinger, c.ShutdownTimeout, "ShutdownTimeout"); err != nil {
 		return err
+	}
+	if err := c.SaramaConfig.Validate(); err != nil {
+		// Run's Kafka subscriber would refuse it.
+		return fmt.Errorf("consumer.Config.SaramaConfig: %w", err)
 	}
 	for i, m := range c.Middleware {
 		if m == nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -141,8 +142,8 @@ func (c *Consumer) Handle(eventType string, fn HandlerFunc, opts ...HandleOption
 	switch {
 	case c.running:
 		return ErrRunning
-	case eventType == "":
-		return errors.New("consumer.Handle: event type is empty")
+	case strings.TrimSpace(eventType) == "":
+		return fmt.Errorf("consumer.Handle(%q): event type is empty: name the type its events carry", eventType)
 	case fn == nil:
 		return fmt.Errorf("consumer.Handle(%q): handler is nil", eventType)
 	case c.handlers[eventType] != nil || c.ignored[eventType]:
@@ -222,13 +223,16 @@ func (c *Consumer) Ignore(eventTypes ...string) error {
 	if c.running {
 		return ErrRunning
 	}
+	// Check every type first: a refused call ignores none of them.
 	for _, t := range eventTypes {
-		if t == "" {
-			return errors.New("consumer.Ignore: event type is empty")
+		if strings.TrimSpace(t) == "" {
+			return fmt.Errorf("consumer.Ignore(%q): event type is empty: name the type its events carry", t)
 		}
 		if c.handlers[t] != nil {
 			return fmt.Errorf("consumer.Ignore(%q): the event type has a handler", t)
 		}
+	}
+	for _, t := range eventTypes {
 		c.ignored[t] = true
 		c.cfg.Metrics.RegisterEventTypes(t)
 	}

@@ -410,3 +410,22 @@ func TestSetupRowsAndSequencesAreRestoredForEveryRun(t *testing.T) {
 		Trials: 6,
 	})
 }
+
+// TestCaseWithAnEventIDTwiceIsRefused: two events of a Case with one id
+// (an event copied for a second aggregate, say) were applied twice by the
+// reference run and once by eventline, which refuses the second as an id
+// conflict, and the kit reported that difference as the handler's fault.
+// Check refuses the Case instead, naming both events.
+func TestCaseWithAnEventIDTwiceIsRefused(t *testing.T) {
+	c := ordersCase(t, func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
+		_, err := tx.Exec(ctx, `INSERT INTO orders VALUES ($1, $2, $3)`, e.AggregateID, e.AggregateVersion, o.AmountCents)
+		return err
+	})
+	c.Events = orders(t, []string{"ada", "bob"}, 1)
+	c.Events[0].ID = eventline.NewEventID()
+	c.Events[1].ID = c.Events[0].ID
+	f, err := eventlinetest.Check(t.Context(), c)
+	require.Nil(t, f)
+	require.ErrorContains(t, err, "Case.Events[1] has the id")
+	require.ErrorContains(t, err, "of Case.Events[0]")
+}

@@ -84,12 +84,19 @@ func prepare(c Case, testName string) (*kit, error) {
 	events := slices.Clone(c.Events)
 	last := map[[2]string]int64{}
 	aggIndex := map[[2]string]int{}
+	ids := map[string]int{}
 	for i := range events {
 		e := &events[i]
 		key := [2]string{e.AggregateType, e.AggregateID}
 		if e.ID == "" {
 			e.ID = eventline.NewEventID()
 		}
+		if j, dup := ids[e.ID]; dup {
+			// The reference run would apply both, eventline the first
+			// only: the difference would be blamed on the handler.
+			return nil, fmt.Errorf("eventlinetest: Case.Events[%d] has the id %q of Case.Events[%d]: give each event its own id (or leave ID empty)", i, e.ID, j)
+		}
+		ids[e.ID] = i
 		if e.AggregateVersion == 0 {
 			e.AggregateVersion = last[key] + 1
 		}

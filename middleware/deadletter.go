@@ -18,6 +18,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/migrations"
@@ -138,7 +139,7 @@ func NewDeadLetter(cfg DeadLetterConfig) (*DeadLetter, error) {
 		cfg.InfraMaxInterval = max(DefaultInfraMaxInterval, cfg.InfraInitialInterval)
 	}
 	switch {
-	case cfg.DB == nil:
+	case nilcheck.IsNil(cfg.DB):
 		return nil, errors.New("middleware.DeadLetterConfig.DB is nil: give it the consumer's *pgxpool.Pool")
 	case cfg.Group == "":
 		return nil, errors.New("middleware.DeadLetterConfig.Group is empty: name the consumer group")
@@ -149,6 +150,12 @@ func NewDeadLetter(cfg DeadLetterConfig) (*DeadLetter, error) {
 	}
 	if err := sqlident.Validate("middleware.DeadLetterConfig.Schema", cfg.Schema); err != nil {
 		return nil, err
+	}
+	if cfg.Topic != "" {
+		// Every copy would fail, and copies are best effort: say it now.
+		if err := eventline.ValidateTopic(cfg.Topic); err != nil {
+			return nil, fmt.Errorf("middleware.DeadLetterConfig.Topic: %w", err)
+		}
 	}
 	store, err := dedup.NewDeadLetterStore(cfg.Schema)
 	if err != nil {

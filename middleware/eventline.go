@@ -170,6 +170,11 @@ func (c Config) validate() error {
 	case (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == ""):
 		return errors.New("middleware.Config.DeadLetterPublisher and DeadLetterTopic go together: set both to copy dead letters to a topic, or neither")
 	}
+	if c.DeadLetterTopic != "" {
+		if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
+			return fmt.Errorf("middleware.Config.DeadLetterTopic: %w", err)
+		}
+	}
 	if _, err := c.Retry.withDefaults(); err != nil {
 		return fmt.Errorf("middleware.Config.Retry: %w", err)
 	}
@@ -414,8 +419,12 @@ func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware
 }
 
 // Register tells the sweeper which handler releases events parked under
-// the Watermill handler name handlerName; see [Gate.Register].
+// the Watermill handler name handlerName; see [Gate.Register]. A nil h is
+// ignored.
 func (el *Eventline) Register(handlerName string, h message.HandlerFunc) {
+	if h == nil {
+		return
+	}
 	el.gate.Register(handlerName, el.upcasting(h))
 }
 

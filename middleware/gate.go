@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -114,8 +115,11 @@ func (c GateConfig) withDefaults() GateConfig {
 }
 
 func (c GateConfig) validate(field string) error {
-	if c.Group == "" {
+	if strings.TrimSpace(c.Group) == "" {
 		return fmt.Errorf("%s.Group is empty: name the consumer group (dedup records and versions are kept per group)", field)
+	}
+	if err := sqlident.Text(field+".Group", c.Group); err != nil {
+		return err
 	}
 	if err := sqlident.Validate(field+".Schema", c.Schema); err != nil {
 		return err
@@ -212,8 +216,12 @@ func (g *Gate) MiddlewareFor(handlerName string) message.HandlerMiddleware {
 // otherwise learned only when a handler receives a message, and the
 // fallback, the only handler the gate wrapped, works only when there is
 // exactly one. Pass the same function given to the router, without the
-// gate's own middleware (the sweeper supplies transaction and event).
+// gate's own middleware (the sweeper supplies transaction and event). A
+// nil h is ignored: it would hide a handler the gate learned.
 func (g *Gate) Register(handlerName string, h message.HandlerFunc) {
+	if h == nil {
+		return
+	}
 	g.reg.register(handlerName, h)
 }
 

@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -55,7 +56,10 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
-func (c Config) validate() error {
+func (c Config) validate(fn string, db Beginner) error {
+	if nilcheck.IsNil(db) {
+		return fmt.Errorf("%s: db is nil: pass a *pgxpool.Pool or *pgx.Conn", fn)
+	}
 	if err := sqlident.Validate("migrations.Config.Schema", c.Schema); err != nil {
 		return err
 	}
@@ -146,7 +150,7 @@ func All() ([]Migration, error) {
 // caller's business transaction.
 func Up(ctx context.Context, db Beginner, cfg Config) error {
 	cfg = cfg.withDefaults()
-	if err := cfg.validate(); err != nil {
+	if err := cfg.validate("migrations.Up", db); err != nil {
 		return err
 	}
 	all, err := All()
@@ -174,7 +178,7 @@ func Up(ctx context.Context, db Beginner, cfg Config) error {
 // tables, and every event still in them.
 func Down(ctx context.Context, db Beginner, cfg Config, steps int) error {
 	cfg = cfg.withDefaults()
-	if err := cfg.validate(); err != nil {
+	if err := cfg.validate("migrations.Down", db); err != nil {
 		return err
 	}
 	all, err := All()
@@ -209,7 +213,7 @@ func Down(ctx context.Context, db Beginner, cfg Config, steps int) error {
 // reads: a schema that does not exist yet reports every migration pending.
 func Status(ctx context.Context, db Beginner, cfg Config) ([]MigrationStatus, error) {
 	cfg = cfg.withDefaults()
-	if err := cfg.validate(); err != nil {
+	if err := cfg.validate("migrations.Status", db); err != nil {
 		return nil, err
 	}
 	all, err := All()

@@ -2,9 +2,11 @@ package migrations_test
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/internal/pgtest"
@@ -80,5 +82,29 @@ func TestEveryMigrationHasUpAndDown(t *testing.T) {
 		require.Equal(t, i+1, m.Version, "migrations are numbered 1, 2, 3… without gaps")
 		require.NotEmpty(t, m.Up)
 		require.NotEmpty(t, m.Down)
+	}
+}
+
+// TestBadInputIsRefusedNamingTheArgument: a nil handle (untyped or a nil
+// *pgxpool.Pool) is an error naming the call, not a panic, and a schema
+// name PostgreSQL reserves is refused up front, naming the field, instead
+// of failing inside the migration's transaction.
+func TestBadInputIsRefusedNamingTheArgument(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	var nilPool *pgxpool.Pool
+	for name, db := range map[string]migrations.Beginner{"untyped nil": nil, "nil pool": nilPool} {
+		require.ErrorContains(t, migrations.Up(ctx, db, migrations.Config{}), "migrations.Up: db is nil", name)
+		require.ErrorContains(t, migrations.Down(ctx, db, migrations.Config{}, 1), "migrations.Down: db is nil", name)
+		_, err := migrations.Status(ctx, db, migrations.Config{})
+		require.ErrorContains(t, err, "migrations.Status: db is nil", name)
+	}
+
+	pool := pgtest.Pool(t, 1)
+	for _, schema := range []string{"pg_eventline", `x"; DROP SCHEMA public; --`, "x; drop table y", strings.Repeat("s", 64), " ", "1x"} {
+		require.ErrorContains(t, migrations.Up(ctx, pool, migrations.Config{Schema: schema}), "migrations.Config.Schema", schema)
+		require.ErrorContains(t, migrations.Down(ctx, pool, migrations.Config{Schema: schema}, 1), "migrations.Config.Schema", schema)
+		_, err := migrations.Status(ctx, pool, migrations.Config{Schema: schema})
+		require.ErrorContains(t, err, "migrations.Config.Schema", schema)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -44,6 +45,9 @@ type DeadLetterFilter struct {
 
 // ListDeadLetters returns dead letters oldest first.
 func ListDeadLetters(ctx context.Context, db DBTX, schema string, f DeadLetterFilter) ([]DeadLetter, error) {
+	if nilcheck.IsNil(db) {
+		return nil, nilDB("ListDeadLetters", "db")
+	}
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return nil, err
 	}
@@ -79,6 +83,9 @@ var ErrNoDeadLetters = errors.New("eventline: no dead letters to replay")
 func ReplayDeadLetters(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, schema string, ids ...int64) (int, error) {
+	if nilcheck.IsNil(db) {
+		return 0, nilDB("ReplayDeadLetters", "db")
+	}
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return 0, err
 	}

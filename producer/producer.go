@@ -143,6 +143,12 @@ func New(ctx context.Context, db DBTX, cfg Config) (*Producer, error) {
 
 // ReadShardCount returns the number of outbox shards recorded in schema.
 func ReadShardCount(ctx context.Context, db DBTX, schema string) (int, error) {
+	if nilcheck.IsNil(db) {
+		return 0, errors.New("producer.ReadShardCount: db is nil: pass a *pgxpool.Pool (or a pgx.Tx or *pgx.Conn)")
+	}
+	if err := sqlident.Validate("producer.ReadShardCount schema", schema); err != nil {
+		return 0, err
+	}
 	var shards int
 	err := db.QueryRow(ctx, `SELECT shards FROM `+sqlident.Qualify(schema, "outbox_config")).Scan(&shards)
 	if err != nil {
@@ -153,6 +159,11 @@ func ReadShardCount(ctx context.Context, db DBTX, schema string) (int, error) {
 		return 0, fmt.Errorf("read outbox shard count: %w", err)
 	}
 	return shards, nil
+}
+
+// nilDB is the error for a nil database handle passed as arg to fn.
+func nilDB(fn, arg string) error {
+	return fmt.Errorf("producer.%s: %s is nil: pass a *pgxpool.Pool (or a *pgx.Conn)", fn, arg)
 }
 
 // Shards returns the number of outbox shards.
@@ -172,8 +183,10 @@ func (p *Producer) ShardFor(aggregateType, aggregateID string) int {
 // (*eventline.InvalidEventError, which covers NUL bytes and invalid UTF-8
 // in metadata), too large for Kafka (*EventTooLargeError, see
 // Config.MaxMessageBytes), of an undeclared schema version
-// (*SchemaVersionError) or inconsistent with the call's other events of its
-// aggregate fails the whole call and leaves tx untouched.
+// (*SchemaVersionError), inconsistent with the call's other events of its
+// aggregate, or with the id of another event of the call
+// (*eventline.InvalidEventError) fails the whole call and leaves tx
+// untouched.
 //
 // Versions. Events without an AggregateVersion get the next versions of
 // their aggregate, allocated in tx: concurrent writers of one aggregate
@@ -206,7 +219,7 @@ func (p *Producer) PublishTx(ctx context.Context, tx pgx.Tx, events ...eventline
 // order given: with their ids, aggregate versions, previous versions,
 // schema versions, topics, trace context and occurred_at filled in.
 func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...eventline.Event) ([]eventline.Event, error) {
-	if tx == nil {
+	if nilcheck.IsNil(tx) {
 		return nil, errors.New("eventline: PublishTx needs a transaction, got nil")
 	}
 	if len(events) == 0 {
@@ -227,6 +240,9 @@ func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...
 func (p *Producer) Publish(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, events ...eventline.Event) error {
+	if nilcheck.IsNil(db) {
+		return errors.New("producer.Publish: db is nil: pass the producer's *pgxpool.Pool (or a *pgx.Conn)")
+	}
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return p.PublishTx(ctx, tx, events...) })
 }
 

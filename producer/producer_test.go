@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -90,13 +91,14 @@ func TestPublishTxRejectsBadInputBeforeSQL(t *testing.T) {
 		mutate func(*eventline.Event)
 		field  string
 	}{
-		"empty aggregate id":   {func(e *eventline.Event) { e.AggregateID = "" }, "aggregate_id"},
-		"empty aggregate type": {func(e *eventline.Event) { e.AggregateType = " " }, "aggregate_type"},
-		"empty type":           {func(e *eventline.Event) { e.Type = "" }, "event_type"},
-		"bad topic":            {func(e *eventline.Event) { e.Topic = "orders; DROP TABLE x" }, "topic"},
-		"invalid json":         {func(e *eventline.Event) { e.Payload = []byte(`{"a":`) }, "payload"},
-		"reserved metadata":    {func(e *eventline.Event) { e.Metadata = map[string]string{"event_id": "x"} }, "metadata"},
-		"negative version":     {func(e *eventline.Event) { e.AggregateVersion = -1 }, "aggregate_version"},
+		"empty aggregate id":     {func(e *eventline.Event) { e.AggregateID = "" }, "aggregate_id"},
+		"empty aggregate type":   {func(e *eventline.Event) { e.AggregateType = " " }, "aggregate_type"},
+		"empty type":             {func(e *eventline.Event) { e.Type = "" }, "event_type"},
+		"bad topic":              {func(e *eventline.Event) { e.Topic = "orders; DROP TABLE x" }, "topic"},
+		"invalid json":           {func(e *eventline.Event) { e.Payload = []byte(`{"a":`) }, "payload"},
+		"reserved metadata":      {func(e *eventline.Event) { e.Metadata = map[string]string{"event_id": "x"} }, "metadata"},
+		"negative version":       {func(e *eventline.Event) { e.AggregateVersion = -1 }, "aggregate_version"},
+		"occurred in year 99999": {func(e *eventline.Event) { e.OccurredAt = time.Date(99999, 1, 1, 0, 0, 0, 0, time.UTC) }, "occurred_at"},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"math"
 	"sort"
 	"strconv"
 	"time"
@@ -94,10 +95,23 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 	}
 	byKey := make(map[aggregateKey]*aggPlan, len(events))
 	var order []*aggPlan
+	// Ids given twice in one call: consumers would apply the first event
+	// and refuse the second as an id conflict.
+	var ids map[string]int
+	if len(events) > 1 {
+		ids = make(map[string]int, len(events))
+	}
 	for i, e := range events {
 		e, err := p.withDefaults(i, e, now, trace)
 		if err != nil {
 			return nil, err
+		}
+		if ids != nil {
+			if j, dup := ids[e.ID]; dup {
+				return nil, fmt.Errorf("event %d: %w", i, &eventline.InvalidEventError{Field: eventline.MetaEventID, Value: e.ID,
+					Reason: fmt.Sprintf("event %d of the same call has it too: give each event its own id (or leave ID empty for a new one)", j)})
+			}
+			ids[e.ID] = i
 		}
 		// Validates the event (Encode does), checks its size and builds
 		// its outbox envelope.
@@ -184,6 +198,11 @@ func (a *aggPlan) add(i int, e *eventline.Event, allowGaps bool, ver, prev *int6
 	a.n++
 	known := a.firstSupplied != 0
 	switch v := e.AggregateVersion; {
+	case v == 0 && known && a.last == math.MaxInt64:
+		return &eventline.InvalidEventError{
+			Field: eventline.MetaAggregateVersion, Value: "0",
+			Reason: fmt.Sprintf("would follow version %d, the largest there is", a.last),
+		}
 	case v == 0 && known:
 		*ver, *prev = a.last+1, a.last
 	case v == 0:

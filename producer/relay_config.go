@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"strconv"
 	"time"
@@ -52,6 +53,13 @@ const (
 	leaseTTLIntervals   = 4
 	leaseValidIntervals = 3
 )
+
+// maxRelayInterval bounds PollInterval and RebalanceInterval. The lease
+// timeouts the relay gives PostgreSQL (tcp_user_timeout,
+// idle_session_timeout: TakeoverBound(RebalanceInterval) in milliseconds)
+// must fit in PostgreSQL's int, about 24.8 days, and a day between looks
+// at an idle shard is already longer than any poll needs.
+const maxRelayInterval = 24 * time.Hour
 
 // TakeoverBound is the longest the shards of a relay that vanished (host
 // gone, network partition, process frozen) wait for another relay, with
@@ -109,7 +117,9 @@ type RelayConfig struct {
 	// It must not exceed the topics' max.message.bytes. Defaults to
 	// DefaultMaxMessageBytes.
 	MaxMessageBytes int
-	// ID names this relay in logs. Defaults to "<hostname>-<pid>".
+	// ID names this relay in logs and as the owner of its shard leases, so
+	// it must be valid UTF-8 without NUL bytes. Defaults to
+	// "<hostname>-<pid>".
 	ID string
 
 	// BatchSize is the number of outbox rows read and published per
@@ -118,8 +128,8 @@ type RelayConfig struct {
 	// DefaultBatchSize.
 	BatchSize int
 	// PollInterval is the longest an idle shard sleeps between looks at its
-	// table; inserts wake it sooner via NOTIFY. Defaults to
-	// DefaultPollInterval.
+	// table; inserts wake it sooner via NOTIFY. Between 10ms and 24h.
+	// Defaults to DefaultPollInterval.
 	PollInterval time.Duration
 	// MaxPublishRate caps the events per second this relay publishes, over
 	// all its shards. 0 means no cap. Defaults to 0.
@@ -128,7 +138,9 @@ type RelayConfig struct {
 	// re-checks its fair share. It bounds takeovers: the shards of a relay
 	// that vanished are taken within TakeoverBound(RebalanceInterval), and
 	// a relay that cannot renew (its database connection hangs) stops
-	// relaying them before that. Defaults to DefaultRebalanceInterval.
+	// relaying them before that. Between 10ms and 24h (the lease timeouts
+	// given to PostgreSQL must fit its limits). Defaults to
+	// DefaultRebalanceInterval.
 	RebalanceInterval time.Duration
 
 	// Backoff lists the waits before successive retries of a message that
@@ -240,14 +252,18 @@ func (c RelayConfig) validate() error {
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {
 		errs = append(errs, fmt.Errorf("RelayConfig.BatchSize must be between 1 and 100000, got %d", c.BatchSize))
 	}
-	if c.PollInterval < 10*time.Millisecond {
-		errs = append(errs, fmt.Errorf("RelayConfig.PollInterval must be at least 10ms, got %s", c.PollInterval))
+	if err := sqlident.Text("RelayConfig.ID", c.ID); err != nil {
+		// The ID is the shard leases' owner: PostgreSQL must store it.
+		errs = append(errs, err)
 	}
-	if c.MaxPublishRate < 0 {
-		errs = append(errs, fmt.Errorf("RelayConfig.MaxPublishRate must not be negative, got %g", c.MaxPublishRate))
+	if c.PollInterval < 10*time.Millisecond || c.PollInterval > maxRelayInterval {
+		errs = append(errs, fmt.Errorf("RelayConfig.PollInterval must be between 10ms and %s, got %s", maxRelayInterval, c.PollInterval))
 	}
-	if c.RebalanceInterval < 10*time.Millisecond {
-		errs = append(errs, fmt.Errorf("RelayConfig.RebalanceInterval must be at least 10ms, got %s", c.RebalanceInterval))
+	if c.MaxPublishRate < 0 || math.IsNaN(c.MaxPublishRate) {
+		errs = append(errs, fmt.Errorf("RelayConfig.MaxPublishRate must be a rate, not negative (0 means no cap), got %g", c.MaxPublishRate))
+	}
+	if c.RebalanceInterval < 10*time.Millisecond || c.RebalanceInterval > maxRelayInterval {
+		errs = append(errs, fmt.Errorf("RelayConfig.RebalanceInterval must be between 10ms and %s, got %s", maxRelayInterval, c.RebalanceInterval))
 	}
 	switch c.Partitioner {
 	case PartitionerMurmur2, PartitionerFNV1a:
@@ -277,6 +293,13 @@ func (c RelayConfig) validate() error {
 	}
 	if c.CleanupBatchSize < 1 {
 		errs = append(errs, fmt.Errorf("RelayConfig.CleanupBatchSize must be at least 1, got %d", c.CleanupBatchSize))
+	}
+	if len(errs) == 0 {
+		// What Run gives Sarama; refused there, it would look like Kafka
+		// being unreachable, retried for ever.
+		if err := c.producerConfig().Validate(); err != nil {
+			errs = append(errs, fmt.Errorf("RelayConfig.SaramaConfig: %w", err))
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -394,6 +395,9 @@ type ShardOwner struct {
 // ShardOwners returns the shards with an unexpired lease and their
 // owners.
 func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
+	if nilcheck.IsNil(db) {
+		return nil, nilDB("ShardOwners", "db")
+	}
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return nil, err
 	}

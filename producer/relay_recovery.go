@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -56,6 +57,9 @@ func positionCheckSQL(schema string, shard int) string {
 // CheckPositions compares every shard's position and rows with the
 // cluster's transaction counter; see PositionCheck.Ahead.
 func CheckPositions(ctx context.Context, db DBTX, schema string) ([]PositionCheck, error) {
+	if nilcheck.IsNil(db) {
+		return nil, nilDB("CheckPositions", "db")
+	}
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return nil, err
 	}
@@ -114,6 +118,9 @@ type RebaseResult struct {
 func RebasePositions(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, schema string, dryRun bool) ([]RebaseResult, error) {
+	if nilcheck.IsNil(db) {
+		return nil, nilDB("RebasePositions", "db")
+	}
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return nil, err
 	}
@@ -205,6 +212,12 @@ type SequenceAdvance struct {
 func AdvanceSequences(ctx context.Context, producerDB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, schema string, consumerDB DBTX, consumerSchema string, dryRun bool) (SequenceAdvance, error) {
+	if nilcheck.IsNil(consumerDB) {
+		return SequenceAdvance{}, nilDB("AdvanceSequences", "consumerDB")
+	}
+	if nilcheck.IsNil(producerDB) {
+		return SequenceAdvance{}, nilDB("AdvanceSequences", "producerDB")
+	}
 	var res SequenceAdvance
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return res, err

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
@@ -42,6 +43,9 @@ type CleanupResult struct {
 // created_at is written in the producer session's time zone (watermill-sql's
 // schema uses TIMESTAMP); run producers and cleanup with the same TimeZone.
 func Cleanup(ctx context.Context, db DBTX, cfg CleanupConfig) (CleanupResult, error) {
+	if nilcheck.IsNil(db) {
+		return CleanupResult{}, nilDB("Cleanup", "db")
+	}
 	if cfg.Schema == "" {
 		cfg.Schema = migrations.DefaultSchema
 	}

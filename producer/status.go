@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -86,6 +87,9 @@ const horizonHolderSQL = `SELECT pid, xid, xmin, age_s, query_start, state, app,
 // ReadHorizonHolder returns the oldest transaction holding a transaction
 // id in the cluster, or nil when there is none.
 func ReadHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
+	if nilcheck.IsNil(db) {
+		return nil, nilDB("ReadHorizonHolder", "db")
+	}
 	var h HorizonHolder
 	var age float64
 	err := db.QueryRow(ctx, horizonHolderSQL).Scan(&h.PID, &h.Xid, &h.BackendXmin, &age, &h.QueryStart, &h.State, &h.ApplicationName, &h.Database, &h.Query, &h.PreparedGID)
@@ -120,6 +124,9 @@ func (s OutboxStatus) OldestPending() time.Duration {
 // ReadStatus reads the outbox's backlog per shard, the oldest pending age,
 // and the dead letters and retries waiting.
 func ReadStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus, error) {
+	if nilcheck.IsNil(db) {
+		return OutboxStatus{}, nilDB("ReadStatus", "db")
+	}
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return OutboxStatus{}, err
 	}

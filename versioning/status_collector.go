@@ -2,9 +2,12 @@ package versioning
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/eventline/eventline/internal/nilcheck"
 )
 
 // statusCollector reports ReadGroupStatuses at scrape time.
@@ -33,6 +36,10 @@ type statusCollector struct {
 // of the group runs. Each scrape costs one query per group, plus one for
 // the groups, bounded by a 5-second timeout.
 func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
+	if nilcheck.IsNil(db) {
+		// It would panic at the first scrape.
+		return nil, errors.New("versioning.NewStatusCollector: db is nil: pass a *pgxpool.Pool")
+	}
 	s, err := NewStore(schema)
 	if err != nil {
 		return nil, err

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/txhooks"
 )
 
@@ -190,8 +191,8 @@ func (s *Store) NewSweeper(db Pool, cfg SweeperConfig) (*Sweeper, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	if db == nil {
-		return nil, errors.New("versioning.NewSweeper: db is nil")
+	if nilcheck.IsNil(db) {
+		return nil, errors.New("versioning.NewSweeper: db is nil: pass the consumer's *pgxpool.Pool")
 	}
 	return &Sweeper{db: db, store: s, cfg: cfg, opts: cfg.release(s)}, nil
 }

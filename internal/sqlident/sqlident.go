@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
+	"unicode/utf8"
 )
 
 // MaxLength is PostgreSQL's identifier limit (NAMEDATALEN - 1).
@@ -19,6 +20,23 @@ var valid = regexp.MustCompile(`^[a-zA-Z_][a-zA-Z0-9_]*$`)
 func Validate(field, name string) error {
 	if !valid.MatchString(name) || len(name) > MaxLength {
 		return fmt.Errorf("%s %q is not a valid SQL identifier: use letters, digits and underscores, starting with a letter or underscore, at most %d characters", field, name, MaxLength)
+	}
+	if strings.HasPrefix(name, "pg_") {
+		// PostgreSQL refuses to create such a schema; say so before the
+		// migration fails on it or a relay calls it "not migrated".
+		return fmt.Errorf("%s %q starts with \"pg_\", which PostgreSQL reserves for system schemas: choose another name", field, name)
+	}
+	return nil
+}
+
+// Text returns an error naming field when v cannot be stored in a
+// PostgreSQL text column as it is: invalid UTF-8 or a NUL byte.
+func Text(field, v string) error {
+	switch {
+	case !utf8.ValidString(v):
+		return fmt.Errorf("%s %q is not valid UTF-8: PostgreSQL cannot store it", field, v)
+	case strings.IndexByte(v, 0) >= 0:
+		return fmt.Errorf("%s %q contains a NUL byte: PostgreSQL cannot store it", field, v)
 	}
 	return nil
 }
