@@ -14,6 +14,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/assert"
@@ -27,9 +28,19 @@ import (
 	"github.com/eventline/eventline/versioning"
 )
 
+// unusedPool never connects: describing a collector queries nothing, but
+// the status collectors' constructors refuse a nil handle.
+var unusedPool = func() *pgxpool.Pool {
+	pool, err := pgxpool.New(context.Background(), "postgres://127.0.0.1:1/unused")
+	if err != nil {
+		panic(err)
+	}
+	return pool
+}()
+
 // constructors are eventline's collector constructors, each registering
 // what it creates with reg. Describe needs no database, so the status
-// collectors get none.
+// collectors get a pool that never connects.
 //
 // To add metrics: when they come from a new constructor, add it here; then
 // add a row per metric family to docs/METRICS.md (the test names what is
@@ -46,10 +57,10 @@ var constructors = map[string]func(reg prometheus.Registerer) error{
 		return err
 	},
 	"producer.NewStatusCollector": func(reg prometheus.Registerer) error {
-		return reg.Register(producer.NewStatusCollector(nil, "eventline"))
+		return reg.Register(producer.NewStatusCollector(unusedPool, "eventline"))
 	},
 	"versioning.NewStatusCollector": func(reg prometheus.Registerer) error {
-		c, err := versioning.NewStatusCollector(nil, "eventline")
+		c, err := versioning.NewStatusCollector(unusedPool, "eventline")
 		if err != nil {
 			return err
 		}
