@@ -174,12 +174,16 @@ func Up(ctx context.Context, db Beginner, cfg Config) error {
 }
 
 // Down rolls back the newest steps applied migrations (all of them when steps
-// is 0 or less). Rolling back the first migration also drops the outbox shard
-// tables, and every event still in them.
+// is 0). Rolling back the first migration also drops the outbox shard
+// tables, and every event still in them. A negative steps is an error, not
+// "all": a sign slip must not drop the outbox.
 func Down(ctx context.Context, db Beginner, cfg Config, steps int) error {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate("migrations.Down", db); err != nil {
 		return err
+	}
+	if steps < 0 {
+		return fmt.Errorf("migrations.Down: steps is %d; give how many migrations to roll back, or 0 for all of them", steps)
 	}
 	all, err := All()
 	if err != nil {
@@ -187,7 +191,7 @@ func Down(ctx context.Context, db Beginner, cfg Config, steps int) error {
 	}
 	return inMigrationTx(ctx, db, cfg.Schema, func(tx pgx.Tx, applied map[int]time.Time) error {
 		done := 0
-		for i := len(all) - 1; i >= 0 && (steps <= 0 || done < steps); i-- {
+		for i := len(all) - 1; i >= 0 && (steps == 0 || done < steps); i-- {
 			m := all[i]
 			if _, ok := applied[m.Version]; !ok {
 				continue

@@ -55,7 +55,11 @@ func TestUpDownStatusRoundTrip(t *testing.T) {
 	require.ErrorIs(t, err, migrations.ErrShardCountMismatch)
 	require.NoError(t, migrations.Up(ctx, pool, migrations.Config{Schema: schema}))
 
-	// One step down, then all the way, then up again.
+	// A negative count is refused (it used to mean "all", dropping the
+	// outbox on a sign slip); one step down, then all the way, then up
+	// again.
+	require.ErrorContains(t, migrations.Down(ctx, pool, cfg, -1), "steps is -1")
+	require.Equal(t, 6, pgtest.Count(t, pool, tables, schema), "nothing rolled back")
 	require.NoError(t, migrations.Down(ctx, pool, cfg, 1))
 	st, err = migrations.Status(ctx, pool, cfg)
 	require.NoError(t, err)
