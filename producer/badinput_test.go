@@ -81,6 +81,8 @@ func TestNewRelayRefusesValuesThatBreakAtRunTime(t *testing.T) {
 		"RelayConfig.MaxPublishRate":    {MaxPublishRate: math.NaN()},
 		"RelayConfig.ID":                {ID: "relay\x00one"},
 		"RelayConfig.ID ":               {ID: "relay-\xff"},
+		"RelayConfig.MaxMessageBytes":   {MaxMessageBytes: int(sarama.MaxRequestSize)}, // Sarama ignored it
+		"RelayConfig.MaxMessageBytes ":  {MaxMessageBytes: 10},
 	} {
 		cfg.Schema, cfg.Brokers, cfg.Logger = env.Schema, []string{"localhost:9092"}, testLogger(t)
 		_, err := producer.NewRelay(context.Background(), env.Pool, cfg)

@@ -115,7 +115,8 @@ type RelayConfig struct {
 	// MaxMessageBytes is the largest record the relay sends to Kafka
 	// (Sarama's Producer.MaxMessageBytes); a larger event is dead-lettered.
 	// It must not exceed the topics' max.message.bytes. Defaults to
-	// DefaultMaxMessageBytes.
+	// DefaultMaxMessageBytes. At least 1024 and below Sarama's
+	// MaxRequestSize, as producer.Config.MaxMessageBytes.
 	MaxMessageBytes int
 	// ID names this relay in logs and as the owner of its shard leases, so
 	// it must be valid UTF-8 without NUL bytes. Defaults to
@@ -274,8 +275,11 @@ func (c RelayConfig) validate() error {
 	default:
 		errs = append(errs, fmt.Errorf(`RelayConfig.Partitioner must be "murmur2", "fnv1a" or "sarama-config", got %q`, c.Partitioner))
 	}
-	if c.MaxMessageBytes < 1 {
-		errs = append(errs, fmt.Errorf("RelayConfig.MaxMessageBytes must be positive, got %d", c.MaxMessageBytes))
+	if c.MaxMessageBytes < minMaxMessageBytes || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
+		// Sarama ignores (with a log line) a limit at or above its request
+		// size, and producer.Config refuses the same range.
+		errs = append(errs, fmt.Errorf("RelayConfig.MaxMessageBytes must be between %d and %d bytes (0 means the default, %d), got %d",
+			minMaxMessageBytes, sarama.MaxRequestSize-1, DefaultMaxMessageBytes, c.MaxMessageBytes))
 	}
 	if len(c.Backoff) == 0 {
 		errs = append(errs, errors.New("RelayConfig.Backoff must have at least one entry (nil means the default)"))
