@@ -103,14 +103,16 @@ func startRelayChild(t *testing.T, schema string, brokers []string, id string) *
 	return &relayChild{id: id, Proc: childproc.Start(t, envChild+"=relay", envSchema+"="+schema, envBrokers+"="+strings.Join(brokers, ","), envRelayID+"="+id)}
 }
 
-func chaosSeed(t *testing.T) uint64 {
+func chaosSeed(t *testing.T) (uint64, *rand.Rand) {
 	t.Helper()
+	seed := uint64(time.Now().UnixNano())
 	if s := os.Getenv(envChaosSeed); s != "" {
-		seed, err := strconv.ParseUint(s, 10, 64)
+		var err error
+		seed, err = strconv.ParseUint(s, 10, 64)
 		require.NoError(t, err, "%s must be a number", envChaosSeed)
-		return seed
 	}
-	return uint64(time.Now().UnixNano())
+	t.Logf("%s seed %d (rerun with %s=%d)", t.Name(), seed, envChaosSeed, seed)
+	return seed, rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
 }
 
 // TestChaosLosesNothing runs producer ▸ two relays (child processes) ▸
@@ -126,9 +128,7 @@ func TestChaosLosesNothing(t *testing.T) {
 		t.Skip("chaos runs for about half a minute")
 	}
 	t.Parallel()
-	seed := chaosSeed(t)
-	t.Logf("chaos seed %d (rerun with %s=%d)", seed, envChaosSeed, seed)
-	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	seed, rng := chaosSeed(t)
 	ctx := context.Background()
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 8})
@@ -173,15 +173,7 @@ func TestChaosLosesNothing(t *testing.T) {
 
 	// The producer: 16 aggregates, a few events at a time, until the
 	// chaos ends.
-	var total int
-	stopPublishing := publishRandomly(seed, func(evs []eventline.Event) bool {
-		if err := r.prod.Publish(ctx, env.Pool, evs...); err != nil {
-			t.Errorf("publish: %v", err)
-			return false
-		}
-		total += len(evs)
-		return true
-	})
+	stopPublishing, published := r.publishAll(ctx, seed)
 
 	// The chaos: one fault at a time, each for 0.3 to 2 s, for 20 s.
 	chaosEnd := time.Now().Add(20 * time.Second)
@@ -214,6 +206,7 @@ func TestChaosLosesNothing(t *testing.T) {
 		time.Sleep(time.Duration(100+rng.IntN(400)) * time.Millisecond) // calm between faults
 	}
 	stopPublishing()
+	total := published()
 	t.Logf("%d events; faults: %s", total, strings.Join(log, "; "))
 
 	// Faults over: everything arrives, once, in order.

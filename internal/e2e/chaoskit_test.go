@@ -54,6 +54,22 @@ func publishRandomly(seed uint64, publish func(evs []eventline.Event) bool) (sto
 	}
 }
 
+// publishAll publishes publishRandomly's events with the rig's producer,
+// each call in its own transaction (Publish), until stop is called; after
+// stop, published says how many events were published.
+func (r *faultRig) publishAll(ctx context.Context, seed uint64) (stop func(), published func() int) {
+	var total int
+	stop = publishRandomly(seed, func(evs []eventline.Event) bool {
+		if err := r.prod.Publish(ctx, r.env.Pool, evs...); err != nil {
+			r.t.Errorf("publish: %v", err)
+			return false
+		}
+		total += len(evs)
+		return true
+	})
+	return stop, func() int { return total }
+}
+
 // verifyGroup runs internal/verify on the rig's schema for group, whose
 // handler recorded its effects in the table effects, and returns the
 // report and its text.

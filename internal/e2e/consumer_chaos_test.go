@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"os"
 	"os/signal"
 	"slices"
@@ -170,9 +169,7 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 		t.Skip("chaos runs for about half a minute")
 	}
 	t.Parallel()
-	seed := chaosSeed(t)
-	t.Logf("consumer chaos seed %d (rerun with %s=%d)", seed, envChaosSeed, seed)
-	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	seed, rng := chaosSeed(t)
 	ctx := context.Background()
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 10})
@@ -256,15 +253,7 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 
 	// The producer: 16 aggregates, a few events at a time, until the
 	// chaos ends.
-	var total int
-	stopPublishing := publishRandomly(seed, func(evs []eventline.Event) bool {
-		if err := r.prod.Publish(ctx, env.Pool, evs...); err != nil {
-			t.Errorf("publish: %v", err)
-			return false
-		}
-		total += len(evs)
-		return true
-	})
+	stopPublishing, published := r.publishAll(ctx, seed)
 
 	// The chaos, for 20 s: a fault (sometimes two overlapping: a kill
 	// while another consumer is frozen, or two kills in a row, the second
@@ -325,6 +314,7 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 		waitStable("after " + what)
 	}
 	stopPublishing()
+	total := published()
 	t.Logf("%d events; faults (%d freezes past the session timeout): %s", total, stopsPastSession, strings.Join(log, "; "))
 
 	// Faults over: everything arrives, once, in order.

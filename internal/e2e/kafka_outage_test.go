@@ -58,8 +58,7 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 		t.Skip("the Kafka outages last about 35 s")
 	}
 	t.Parallel()
-	seed := chaosSeed(t)
-	t.Logf("seed %d (rerun with %s=%d)", seed, envChaosSeed, seed)
+	seed, _ := chaosSeed(t)
 	ctx := context.Background()
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 8})

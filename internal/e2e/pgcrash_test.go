@@ -3,7 +3,6 @@ package e2e_test
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"strings"
 	"sync"
 	"testing"
@@ -42,9 +41,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 		t.Skip("creates a PostgreSQL cluster and crashes it: about half a minute")
 	}
 	t.Parallel()
-	seed := chaosSeed(t)
-	t.Logf("pg crash seed %d (rerun with %s=%d)", seed, envChaosSeed, seed)
-	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	seed, rng := chaosSeed(t)
 	ctx := context.Background()
 
 	pg := newPGCluster(t)
