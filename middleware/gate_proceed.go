@@ -44,7 +44,7 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 		g.obs.outcome(ctx, tracing.OutcomeParked)
 		return nil, nil
 	case versioning.Jump:
-		if a.Missing() > g.cfg.MaxGap {
+		if !a.Declared && a.Missing() > g.cfg.MaxGap {
 			return nil, g.refuse(ctx, e, RefusedGapTooLarge, &versioning.GapTooLargeError{AggregateType: e.AggregateType, AggregateID: e.AggregateID,
 				EventID: e.ID, Version: e.AggregateVersion, Previous: a.Follows, Known: a.Previous, MaxGap: g.cfg.MaxGap})
 		}
