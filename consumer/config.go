@@ -91,8 +91,11 @@ type Config struct {
 	// LatePolicyByType overrides LatePolicy per event type.
 	LatePolicyByType map[string]versioning.LatePolicy
 	// MaxGap bounds the versions one event may leave missing in front of
-	// it; an event beyond it (an inflated version) is dead-lettered.
-	// Defaults to versioning.DefaultMaxGap (1000).
+	// it; an event beyond it (an inflated version) is dead-lettered. An
+	// event that declares its predecessor (aggregate_previous_version,
+	// written by the producer for sparse versions) is not bounded: it
+	// waits for that one event. Defaults to versioning.DefaultMaxGap
+	// (1000).
 	MaxGap int64
 	// MaxReleaseAttempts is how many failed attempts to apply a parked
 	// event are allowed before it is given up (held in late_events, its

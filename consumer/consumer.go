@@ -135,7 +135,10 @@ func WithValidate(fn func(e eventline.Event) error) HandleOption {
 }
 
 // Handle registers fn for events of eventType. It fails after Run started
-// and when the type already has a handler.
+// and when the type already has a handler. An event of the type that
+// Config.Upcasters cannot bring to its current schema version is
+// dead-lettered as permanent, also when it arrives out of order (the gate
+// checks it before parking it).
 func (c *Consumer) Handle(eventType string, fn HandlerFunc, opts ...HandleOption) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -185,7 +188,8 @@ func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Contex
 }
 
 // validate is the gate's ValidateFunc: the event's type has a handler (or
-// is ignored) and passes the handler's checks.
+// is ignored), its payload can be upcast to the version the handler reads,
+// and it passes the handler's checks.
 func (c *Consumer) validate(_ context.Context, e eventline.Event) error {
 	if c.handlers[e.Type] == nil {
 		if c.ignored[e.Type] {
@@ -193,16 +197,16 @@ func (c *Consumer) validate(_ context.Context, e eventline.Event) error {
 		}
 		return &UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group}
 	}
-	if len(c.validators[e.Type]) == 0 {
-		return nil
-	}
 	// Validate what the handler will see: the payload upcast to the
-	// current version. An event too new for the upcasters parks unchecked;
-	// a consumer that knows its version releases it (or, released here, it
-	// is dead-lettered as permanent then).
+	// current version. An event the upcasters cannot bring there (too new
+	// for this consumer, too old for the chain, a failing step) is refused
+	// as dispatch would refuse it in order: dead-lettered, so its
+	// successors park behind it and a replay once the consumer knows its
+	// version restores the order. Parked, it would fail on release, be
+	// given up as late, and its successors would be applied before it.
 	u, err := c.cfg.Upcasters.Upcast(e)
 	if err != nil {
-		return nil
+		return err
 	}
 	for _, v := range c.validators[e.Type] {
 		if err := v(u); err != nil {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
@@ -18,6 +19,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -144,4 +146,67 @@ func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
 	require.Equal(t, consumer.DeadLetterPermanent, header(dead[0], consumer.DeadLetterKindKey), "an unknown version is not retried")
 	require.Contains(t, reason, "has payload schema version 4, newer than this consumer's current version 3")
 	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+seen+` WHERE order_id = 'o-9'`))
+}
+
+// An event whose payload schema version is newer than the consumer's
+// upcasters know (eventline.ErrUnknownSchemaVersion) is refused when it
+// arrives out of order, as in order: dead-lettered, not parked. Its
+// successors park behind it, and once a consumer that knows the version
+// gets it (a replay after the upgrade), the aggregate is applied in
+// order. Before: the runner's check let it park; when its predecessor
+// came, its release failed for good, its version was given up as skipped,
+// the event held as late, and its successor applied before it.
+func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
+	t.Parallel()
+	env := consumertest.New(t, pgtest.Options{MaxConns: 4})
+	const group = "billing"
+	var applied []int64
+	newConsumer := func(up *eventline.Upcasters) message.HandlerFunc {
+		c, err := consumer.New(env.Pool, consumer.Config{Brokers: []string{"127.0.0.1:9"}, Group: group, Topics: []string{"orders"},
+			Schema: env.Schema, Upcasters: up, Logger: quietLogger()})
+		require.NoError(t, err)
+		require.NoError(t, consumer.HandleJSON(c, "order.created", func(context.Context, pgx.Tx, eventline.Event, orderV3) error { return nil }))
+		require.NoError(t, c.Handle("order.noted", func(context.Context, pgx.Tx, eventline.Event) error { return nil }))
+		return c.Middleware().Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			e, _ := middleware.EventFromContext(msg.Context())
+			applied = append(applied, e.AggregateVersion)
+			return nil, nil
+		})
+	}
+	ev := func(typ string, version int64, schema int) *message.Message {
+		return consumertest.Message(t, eventline.Event{ID: eventline.NewEventID(), Type: typ, SchemaVersion: schema,
+			AggregateType: "order", AggregateID: "o-1", AggregateVersion: version, Payload: []byte(`{"amount_cents":100,"currency":"EUR"}`)})
+	}
+	up, err := eventline.NewUpcasters(map[string]int{"order.created": 3, "order.noted": 1})
+	require.NoError(t, err)
+	h := newConsumer(up)
+	deliver := func(h message.HandlerFunc, msg *message.Message) error {
+		_, err := h(consumertest.Redeliver(msg))
+		return err
+	}
+
+	require.NoError(t, deliver(h, ev("order.created", 1, 3)))
+	tooNew := ev("order.created", 3, 4)
+	for _, msg := range []*message.Message{tooNew, ev("order.noted", 3, 2)} { // a HandleJSON handler, and a plain one
+		err := deliver(h, msg)
+		require.ErrorIs(t, err, eventline.ErrUnknownSchemaVersion, "refused before parking")
+		require.True(t, middleware.IsPermanent(err), "dead-lettered at once")
+	}
+	parked := func() int {
+		return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "parked_events"))
+	}
+	require.Zero(t, parked())
+	require.NoError(t, deliver(h, ev("order.created", 2, 3)))
+	require.NoError(t, deliver(h, ev("order.created", 4, 3)), "v4 parks behind the refused v3")
+	require.Equal(t, 1, parked())
+	require.Equal(t, []int64{1, 2}, applied)
+
+	// The consumer is upgraded; the dead letter is replayed.
+	up4, err := eventline.NewUpcasters(map[string]int{"order.created": 4, "order.noted": 1},
+		eventline.Upcaster{Type: "order.created", From: 3, Func: func(p []byte) ([]byte, error) { return p, nil }})
+	require.NoError(t, err)
+	require.NoError(t, deliver(newConsumer(up4), tooNew))
+	require.Equal(t, []int64{1, 2, 3, 4}, applied, "applied in order")
+	require.Zero(t, parked())
+	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "late_events")))
 }

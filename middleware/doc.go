@@ -29,8 +29,9 @@
 //	    applies, discards (stale), holds (late) or parks the event (see
 //	    package versioning), draining parked successors once the missing
 //	    version is applied. Before an event may park or be held as late it
-//	    must pass Config.Validate ([ValidateFunc]) and leave at most MaxGap
-//	    versions missing; otherwise it is refused as permanent.
+//	    must pass Config.Validate ([ValidateFunc]) and, unless it declares
+//	    its predecessor, leave at most MaxGap versions missing; otherwise
+//	    it is refused as permanent.
 //
 // In the composed middleware, dedup and the gate's lock, check and version
 // advance are one SQL statement (on a duplicate it also returns the

@@ -51,7 +51,9 @@ type Config struct {
 	// LatePolicyByType overrides LatePolicy per event type.
 	LatePolicyByType map[string]versioning.LatePolicy
 	// MaxGap bounds the versions one event may leave missing in front of
-	// it; an event beyond it is refused as permanent. Defaults to
+	// it; an event beyond it is refused as permanent. An event that
+	// declares its predecessor (versioning.DeclaresPredecessor) is not
+	// bounded: it waits for that one event. Defaults to
 	// versioning.DefaultMaxGap (1000).
 	MaxGap int64
 	// Validate, when set, is called before an event is parked or held as
@@ -64,7 +66,10 @@ type Config struct {
 	// late events and replayed dead letters are upcast when they run. An
 	// event at a version the upcasters cannot reach is a permanent error,
 	// dead-lettered whole by the safe chain. It is the same as wrapping
-	// each handler in [Upcast] yourself.
+	// each handler in [Upcast] yourself, plus one check: before an event
+	// parks or is held as late, the gate refuses it (dead-lettered, as in
+	// order) when the upcasters cannot bring it to the current version,
+	// so its successors wait behind it instead of being applied first.
 	Upcasters *eventline.Upcasters
 	// Unversioned is what happens to an event without an aggregate
 	// version. Defaults to versioning.PassUnversioned.
@@ -241,7 +246,7 @@ func New(cfg Config) (*Eventline, error) {
 	}
 	gate, err := newGate(GateConfig{
 		Group: cfg.Group, Schema: cfg.Schema, GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType,
-		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap, Validate: cfg.Validate,
+		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap, Validate: upcastable(cfg.Upcasters, cfg.Validate),
 		Unversioned: cfg.Unversioned, MaxReleaseAttempts: cfg.MaxReleaseAttempts, ReleaseBackoff: cfg.ReleaseBackoff,
 		MaxReleaseBackoff: cfg.MaxReleaseBackoff, DeadLetter: cfg.DeadLetter, Logger: cfg.Logger, Metrics: cfg.Metrics,
 		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator, MeterProvider: cfg.MeterProvider,
@@ -426,6 +431,27 @@ func (el *Eventline) Register(handlerName string, h message.HandlerFunc) {
 		return
 	}
 	el.gate.Register(handlerName, el.upcasting(h))
+}
+
+// upcastable is validate preceded by the check that up can bring the
+// event to the current schema version of its type: an event it cannot is
+// refused before it parks or is held as late, as the handler would refuse
+// it in order, so it is dead-lettered and its successors wait behind it
+// instead of being applied first. validate still sees the event as
+// received. Without upcasters it is validate.
+func upcastable(up *eventline.Upcasters, validate ValidateFunc) ValidateFunc {
+	if up == nil {
+		return validate
+	}
+	return func(ctx context.Context, e eventline.Event) error {
+		if _, err := up.Upcast(e); err != nil {
+			return err
+		}
+		if validate != nil {
+			return validate(ctx, e)
+		}
+		return nil
+	}
 }
 
 // upcasting is h behind Config.Upcasters, or h itself without them.

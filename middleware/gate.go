@@ -49,7 +49,9 @@ type GateConfig struct {
 	LatePolicyByType map[string]versioning.LatePolicy
 	// MaxGap bounds the versions one event may leave missing in front of
 	// it; an event beyond it is refused as permanent (an inflated
-	// version). Defaults to versioning.DefaultMaxGap (1000).
+	// version). An event that declares its predecessor
+	// (versioning.DeclaresPredecessor) is not bounded: it waits for that
+	// one event. Defaults to versioning.DefaultMaxGap (1000).
 	MaxGap int64
 	// Validate, when set, is called before an event is parked or held as
 	// late (see ValidateFunc). The consumer package supplies one that

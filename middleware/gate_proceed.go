@@ -44,7 +44,7 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 		g.obs.outcome(ctx, tracing.OutcomeParked)
 		return nil, nil
 	case versioning.Jump:
-		if a.Missing() > g.cfg.MaxGap {
+		if !a.Declared && a.Missing() > g.cfg.MaxGap {
 			return nil, g.refuse(ctx, e, RefusedGapTooLarge, &versioning.GapTooLargeError{AggregateType: e.AggregateType, AggregateID: e.AggregateID,
 				EventID: e.ID, Version: e.AggregateVersion, Previous: a.Follows, Known: a.Previous, MaxGap: g.cfg.MaxGap})
 		}
@@ -107,8 +107,9 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 }
 
 // stale settles an event the aggregate is already past: late when its
-// version was given up on (held, or applied now under ApplyLate), else
-// discarded as stale.
+// version was given up on (held, or applied now under ApplyLate); a
+// version conflict, held for the operator, when it is a replayed dead
+// letter (see conflict); else discarded as stale.
 func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
@@ -120,6 +121,9 @@ func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	}
 	attrs := []any{"group", group, "event_id", e.ID, "event_type", e.Type, "aggregate_type", e.AggregateType,
 		"aggregate_id", e.AggregateID, "version", e.AggregateVersion, "current", a.Previous}
+	if !late && isReplay(ctx) {
+		return nil, g.conflict(msg, tx, e, a, attrs)
+	}
 	if !late {
 		log.DebugContext(ctx, "eventline: stale event discarded", attrs...)
 		AfterCommit(ctx, func() { m.incStale(group, e.Type) })
@@ -144,6 +148,36 @@ func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	}
 	AfterCommit(ctx, func() { m.incLate(group, e.Type, "applied") })
 	return out, nil
+}
+
+// conflict holds a replayed dead letter whose version the aggregate
+// passed while it was dead (an event that was never applied, so not a
+// duplicate): another event took its version, or a successor declared an
+// earlier predecessor. It is held in late_events for the operator, under
+// every late policy, never discarded as stale.
+//
+// Only replays are checked: naming the event that took the version is a
+// lookup of processed_events by aggregate and version, affordable on this
+// rare, operator-driven path but not for every stale arrival, since
+// processed_events is keyed by event id and the lookup reads the group's
+// records. An arrival from Kafka that is merely stale is discarded as
+// before (a redelivery whose dedup record expired is one).
+func (g *Gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a versioning.Admission, attrs []any) error {
+	ctx := msg.Context()
+	if err := g.validate(ctx, e, "held as a version conflict"); err != nil {
+		return err
+	}
+	reason, err := g.store.HoldConflict(ctx, tx, versioning.LateRequest{Group: g.cfg.Group, Event: e, Message: msg,
+		Handler: HandlerName(ctx), Topic: e.Topic, Current: a.Previous})
+	if err != nil {
+		return g.refusal(ctx, e, err)
+	}
+	g.cfg.Logger.WarnContext(ctx, "eventline: replayed event held for the operator: the aggregate passed its version while it was dead (version conflict); apply it with `eventline parked apply-late` or discard it",
+		append(attrs, "reason", reason)...)
+	group, m := g.cfg.Group, g.cfg.Metrics
+	AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })
+	g.obs.outcome(ctx, tracing.OutcomeSkipped)
+	return nil
 }
 
 // run calls the handler for an event applied on arrival.

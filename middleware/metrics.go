@@ -60,8 +60,8 @@ const MaxUnregisteredEventTypes = 50
 const (
 	// RefusedIDConflict: the event id is recorded for a different event.
 	RefusedIDConflict = "id_conflict"
-	// RefusedGapTooLarge: the event would leave more than MaxGap versions
-	// missing (an inflated version).
+	// RefusedGapTooLarge: the event, declaring no predecessor, would
+	// leave more than MaxGap versions missing (an inflated version).
 	RefusedGapTooLarge = "gap_too_large"
 	// RefusedInvalid: the event cannot be parked or held (Validate failed,
 	// or its content cannot be stored).

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"math"
-	"strconv"
 	"testing"
 	"time"
 
@@ -220,16 +219,43 @@ func TestReusedEventIDIsAConflictNotADuplicate(t *testing.T) {
 	require.True(t, middleware.IsPermanent(err))
 }
 
-// A hand-made record may declare its predecessor as 0 (not set); with a
-// version far above the aggregate's it is refused like any inflated one.
-func TestDeclaredPreviousVersionIsBounded(t *testing.T) {
+// An event that declares its predecessor (aggregate_previous_version, as
+// the producer writes it for sparse versions) leaves one known event
+// missing, whatever the distance: it parks for it, and MaxGap does not
+// apply. Versions 1, 2000, 4000, with v4000 delivered before v2000. Before:
+// v4000 was refused as gap_too_large ("its version is probably inflated")
+// and dead-lettered.
+func TestDeclaredPredecessorParksBeyondMaxGap(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, middleware.Config{})
-	require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", 1))))
-	m := consumertest.Message(t, consumertest.Event("a", 5000))
-	m.Metadata.Set(eventline.MetaPreviousVersion, strconv.Itoa(4000))
+	f := newFixture(t, middleware.Config{PolicyByType: map[string]versioning.GapPolicy{"thing.jumped": versioning.Apply}})
+	sparse := func(id string, v, prev int64) *message.Message {
+		e := consumertest.Event(id, v)
+		e.PreviousVersion = prev
+		return consumertest.Message(t, e)
+	}
+	require.NoError(t, f.deliver(t, sparse("a", 1, 0)))
+	require.NoError(t, f.deliver(t, sparse("a", 4000, 2000)), "v4000 waits for the one event it names")
+	require.Equal(t, 1, f.count(t, "parked_events"))
+	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_events_refused_total"))
+	require.NoError(t, f.deliver(t, sparse("a", 2000, 1)))
+	require.Equal(t, []int64{1, 2000, 4000}, f.versions(t, "a"))
+	require.Equal(t, 0, f.count(t, "parked_events"))
+	require.Equal(t, 0, f.count(t, "skipped_versions"))
+
+	// Under Apply, a jump over a declared predecessor is not bounded either.
+	jump := consumertest.Event("b", 5000)
+	jump.Type, jump.PreviousVersion = "thing.jumped", 4000
+	require.NoError(t, f.deliver(t, sparse("b", 1, 0)))
+	require.NoError(t, f.deliver(t, consumertest.Message(t, jump)))
+	require.Equal(t, []int64{1, 5000}, f.versions(t, "b"))
+
+	// Without a declared predecessor (it follows v-1), the bound stands.
+	require.ErrorIs(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", 6000))), versioning.ErrGapTooLarge)
+	// A hand-made record declaring the predecessor v-1 says nothing more.
+	m := consumertest.Message(t, consumertest.Event("a", 7000))
+	m.Metadata.Set(eventline.MetaPreviousVersion, "6999")
 	require.ErrorIs(t, f.deliver(t, m), versioning.ErrGapTooLarge)
-	m.Metadata.Set(eventline.MetaPreviousVersion, "1")
-	require.NoError(t, f.deliver(t, m), "following v1, it applies")
-	require.Equal(t, []int64{1, 5000}, f.versions(t, "a"))
+	m.Metadata.Set(eventline.MetaPreviousVersion, "4000")
+	require.NoError(t, f.deliver(t, m), "following v4000, it applies")
+	require.Equal(t, []int64{1, 2000, 4000, 7000}, f.versions(t, "a"))
 }

@@ -22,7 +22,9 @@ const replayStatementTimeout = 30 * time.Second
 // ReplayResult reports one replay pass.
 type ReplayResult struct {
 	// Replayed counts dead letters that went through their handler and
-	// committed (applied, parked, or recognised as duplicate or stale).
+	// committed (applied, parked, recognised as a duplicate, or held in
+	// late_events for the operator: late, or a version conflict when the
+	// aggregate passed its version while it was dead).
 	Replayed int
 	// Failed counts dead letters whose replay failed, or that were held
 	// back because an earlier dead letter of their aggregate failed; they
@@ -42,6 +44,11 @@ type ReplayResult struct {
 // replayed while an earlier one of its aggregate is still dead (not asked
 // to replay): it goes back to dead, saying which one to replay or discard
 // first. So an aggregate's dead letters are never applied out of order.
+// A dead letter whose version its aggregate passed meanwhile (another
+// event took it, or a successor declared an earlier predecessor) is never
+// discarded as stale: it is held in late_events as a version conflict
+// (kind passed, reason "version_conflict: version N was applied by event
+// X"), for the operator to apply late or discard.
 // An infrastructure error ends the pass; what was not replayed stays
 // requested for the next one.
 //
@@ -141,9 +148,20 @@ func (el *Eventline) replay(ctx context.Context, d dedup.DeadLetter) error {
 		return fmt.Errorf("%w: %q; register it with Register, MiddlewareFor or AddHandler", versioning.ErrNoHandler, d.Handler)
 	}
 	msg := d.Message()
+	ctx = context.WithValue(ctx, replayKey{}, true)
 	msg.SetContext(ContextWithSource(ctx, Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
 	_, err := el.handler(el.guard(h))(msg)
 	return err
+}
+
+// replayKey marks the context of a dead letter's replay.
+type replayKey struct{}
+
+// isReplay reports whether ctx is a dead letter's replay: the gate then
+// holds a stale verdict as a version conflict (see Gate.conflict).
+func isReplay(ctx context.Context) bool {
+	r, _ := ctx.Value(replayKey{}).(bool)
+	return r
 }
 
 // runReplays replays requested dead letters every SweepInterval until ctx

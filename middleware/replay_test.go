@@ -13,6 +13,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline/versioning"
 )
 
 func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
@@ -80,4 +81,80 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	require.ErrorIs(t, err, dedup.ErrNoDeadLetters)
 	_, err = store.Discard(ctx, env.Pool, dedup.DeadLetterFilter{IDs: []int64{idY1}}, " ")
 	require.Error(t, err)
+}
+
+// A replayed dead letter whose version the aggregate has since passed
+// is held for the operator as a version conflict, never discarded as
+// stale: in late_events (kind passed), its reason naming the event that
+// applied the version when that event is still recorded, its dedup
+// outcome late, so the operator applies it (marked late) or discards it.
+// A dead letter of an event applied since is a duplicate, as before.
+// Before: both conflicts were discarded as stale and their dead letters
+// marked replayed, silently.
+func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, middleware.Config{})
+	log := &lateLog{calls: map[string][]bool{}}
+	f.observe = log.observe
+	store := f.el.DeadLetters().Store()
+	offset := int64(0)
+	dead := func(e eventline.Event) int64 {
+		msg := consumertest.Message(t, e)
+		offset++
+		id, err := store.Add(ctx, f.env.Pool, dedup.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
+			MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata, EventID: e.ID, EventType: e.Type,
+			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Kind: dedup.KindRetriesExhausted, Reason: "r"})
+		require.NoError(t, err)
+		return id
+	}
+	sparse := func(id string, v, prev int64) eventline.Event {
+		e := consumertest.Event(id, v)
+		e.PreviousVersion = prev
+		return e
+	}
+
+	// a: v2 died; another event with version 2 was applied since.
+	taker := consumertest.Event("a", 2)
+	a2 := consumertest.Event("a", 2)
+	// b: v5 died; v10 said it follows v1, so nothing ever applied v5.
+	b5 := sparse("b", 5, 4)
+	// c: v2 died and was applied since (a redelivery): a duplicate.
+	c2 := consumertest.Event("c", 2)
+	for _, e := range []eventline.Event{consumertest.Event("a", 1), taker, consumertest.Event("b", 1), sparse("b", 10, 1), consumertest.Event("c", 1), c2} {
+		require.NoError(t, f.deliver(t, consumertest.Message(t, e)))
+	}
+	dead(a2)
+	dead(b5)
+	dead(c2)
+	_, err := store.RequestReplay(ctx, f.env.Pool, dedup.DeadLetterFilter{Group: group})
+	require.NoError(t, err)
+	res, err := f.el.ReplayDeadLetters(ctx)
+	require.NoError(t, err)
+	require.Equal(t, middleware.ReplayResult{Replayed: 3}, res)
+
+	held, err := f.el.Store().ListLate(ctx, f.env.Pool, versioning.LateFilter{Group: group})
+	require.NoError(t, err)
+	require.Len(t, held, 2, "both conflicts are held, the duplicate is not")
+	require.Equal(t, a2.ID, held[0].EventID)
+	require.Equal(t, versioning.LatePassed, held[0].Kind)
+	require.Equal(t, "version_conflict: version 2 was applied by event "+taker.ID, held[0].Reason)
+	require.EqualValues(t, 2, held[0].CurrentVersion)
+	require.Equal(t, b5.ID, held[1].EventID)
+	require.Contains(t, held[1].Reason, "version_conflict: the aggregate passed version 5 without this event")
+	require.Equal(t, dedup.OutcomeLate, f.outcome(t, a2.ID))
+	require.Equal(t, dedup.OutcomeLate, f.outcome(t, b5.ID))
+	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_events_stale_total"), "nothing discarded as stale")
+	require.Equal(t, []int64{1, 2}, f.versions(t, "a"))
+	require.Empty(t, log.of(a2.ID), "not applied out of order")
+
+	// The operator applies one, marked late, and discards the other.
+	_, err = f.el.Store().RequestLateApply(ctx, f.env.Pool, group, a2.ID)
+	require.NoError(t, err)
+	_, err = f.el.Sweep(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []bool{true}, log.of(a2.ID))
+	n, err := f.el.Store().DiscardLate(ctx, f.env.Pool, group, b5.ID)
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
 }

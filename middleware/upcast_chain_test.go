@@ -93,3 +93,31 @@ func testUpcastInTheChain(t *testing.T, viaConfig bool) {
 	require.EqualValues(t, 3, dead[0].AggregateVersion)
 	require.JSONEq(t, `{"n":3}`, string(dead[0].Payload), "dead-lettered as written")
 }
+
+// With Config.Upcasters, the gate refuses an event the upcasters cannot
+// bring to the current version before it parks (or is held as late), as
+// the handler would refuse it in order: dead-lettered whole, its
+// successors parked behind it until a replay. Before: it parked, failed
+// when released, was given up as late, and its successor was applied
+// before it.
+func TestConfigUpcastersRefuseATooNewEventBeforeItParks(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{Upcasters: func() *eventline.Upcasters {
+		up, err := eventline.NewUpcasters(map[string]int{"thing.changed": 2},
+			eventline.Upcaster{Type: "thing.changed", From: 1, Func: func(p []byte) ([]byte, error) { return p, nil }})
+		require.NoError(t, err)
+		return up
+	}()})
+	ev := func(version int64, schema int) *message.Message {
+		e := consumertest.Event("a", version)
+		e.SchemaVersion = schema
+		return consumertest.Message(t, e)
+	}
+	require.NoError(t, f.deliver(t, ev(1, 1)))
+	err := f.deliver(t, ev(3, 3))
+	require.ErrorIs(t, err, eventline.ErrUnknownSchemaVersion)
+	require.True(t, middleware.IsPermanent(err), "dead-lettered at once")
+	require.Equal(t, 0, f.count(t, "parked_events"))
+	require.NoError(t, f.deliver(t, ev(3, 1)), "a version the chain reaches parks")
+	require.Equal(t, 1, f.count(t, "parked_events"))
+}

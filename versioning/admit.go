@@ -64,6 +64,10 @@ type Admission struct {
 	Current int64
 	// Follows is the version the event follows (see [Follows]).
 	Follows int64
+	// Declared is true when the event declares its predecessor (see
+	// [DeclaresPredecessor]): a gap in front of it is one known event,
+	// and MaxGap does not bound it.
+	Declared bool
 	// Parked is how many of the aggregate's events are parked.
 	Parked int
 }
@@ -72,7 +76,9 @@ type Admission struct {
 func (a Admission) Applies() bool { return a.Verdict == Next || a.Verdict == Jump }
 
 // Missing is the number of versions missing in front of the event, for a
-// Gap or a Jump: Previous+1 up to Follows.
+// Gap or a Jump: Previous+1 up to Follows. For an event that declares its
+// predecessor these are versions, not events: the producer may not have
+// used them.
 func (a Admission) Missing() int64 {
 	if a.Follows <= a.Previous {
 		return 0
@@ -212,6 +218,20 @@ func Follows(e eventline.Event) (int64, error) {
 	return e.PreviousVersion, nil
 }
 
+// DeclaresPredecessor reports whether e names the version it follows
+// below AggregateVersion-1 (aggregate_previous_version on the wire, which
+// the producer writes for sparse versions; or NoPreviousVersion): the
+// versions in between were never used, and the gate knows exactly which
+// event it waits for. An event that follows AggregateVersion-1 says
+// nothing about the versions below that, so the gate counts them all as
+// missing, and MaxGap bounds only such events: a gap behind a declared
+// predecessor is one event the producer published, however far back its
+// number is. It is false for an event Follows refuses.
+func DeclaresPredecessor(e eventline.Event) bool {
+	p, err := Follows(e)
+	return err == nil && p < e.AggregateVersion-1
+}
+
 // withFollows returns e with PreviousVersion set to Follows(e).
 func withFollows(e eventline.Event) (eventline.Event, error) {
 	p, err := Follows(e)
@@ -235,7 +255,8 @@ func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.E
 		}
 		return Admission{Verdict: Duplicate}, nil
 	}
-	a := Admission{Previous: *r.previous, Current: *r.current, Parked: *r.parked, Follows: e.PreviousVersion}
+	a := Admission{Previous: *r.previous, Current: *r.current, Parked: *r.parked, Follows: e.PreviousVersion,
+		Declared: e.PreviousVersion < e.AggregateVersion-1}
 	v, p := e.AggregateVersion, e.PreviousVersion
 	switch {
 	case a.Previous >= v:

@@ -30,12 +30,17 @@
 //     arrived.
 //
 // No version arithmetic is done in SQL, so versions up to MaxInt64 are
-// safe. A gap is bounded: an event that would leave more than MaxGap
-// versions missing (p minus the highest version applied or parked below
-// it; DefaultMaxGap is 1000) is refused with a permanent *GapTooLargeError,
-// so an inflated version (a bad producer, a hand-made record) is
-// dead-lettered instead of parking and, at the park timeout, skipping every
-// genuine version in between.
+// safe. A gap in front of an event that follows v-1 is bounded: such an
+// event says nothing about the versions below v-1, so all of them count as
+// missing, and one that would leave more than MaxGap missing (p minus the
+// highest version applied or parked below it; DefaultMaxGap is 1000) is
+// refused with a permanent *GapTooLargeError, so an inflated version (a
+// bad producer, a hand-made record) is dead-lettered instead of parking
+// and, at the park timeout, skipping every genuine version in between. An
+// event that declares its predecessor (aggregate_previous_version below
+// v-1, as the producer writes it for sparse versions; see
+// DeclaresPredecessor) waits for that one event however far back its
+// number is: MaxGap does not apply to it.
 //
 // One aggregate, one topic: versions are allocated per aggregate, so a
 // consumer group that reads only some of the topics an aggregate's events

@@ -8,9 +8,10 @@ import (
 // ErrGapTooLarge is matched by *GapTooLargeError.
 var ErrGapTooLarge = errors.New("eventline: the event would leave too many aggregate versions missing")
 
-// GapTooLargeError refuses an event that would leave more than MaxGap
-// versions missing in front of it: most likely its version is inflated (a
-// bad producer, a hand-made record). Parking it would, after the park
+// GapTooLargeError refuses an event that follows v-1 (it declares no
+// other predecessor) and would leave more than MaxGap versions missing in
+// front of it: most likely its version is inflated (a bad producer, a
+// hand-made record). Parking it would, after the park
 // timeout, skip every genuine version in between. Retrying cannot help:
 // the middleware dead-letters it with this error as the reason.
 type GapTooLargeError struct {

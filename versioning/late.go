@@ -22,9 +22,12 @@ const (
 	// on (it is in skipped_versions): after the park timeout, under the
 	// Apply policy, or by an operator's release.
 	LateArrived LateKind = "arrived_late"
-	// LatePassed: the event was parked, and the aggregate passed its
-	// version without it (another event claimed the version, or a
-	// successor declared an earlier predecessor).
+	// LatePassed: the aggregate passed the event's version without it
+	// (another event claimed the version, or a successor declared an
+	// earlier predecessor). Either the event was parked, or it is a
+	// replayed dead letter that arrived after that (see
+	// [Store.HoldConflict]; its reason starts with
+	// [ConflictReasonPrefix]).
 	LatePassed LateKind = "passed"
 	// LateReleaseFailed: the event was parked and could not be applied
 	// within the release-attempt limit (or failed permanently); the
@@ -107,6 +110,70 @@ func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool
 		return false, "", nil
 	}
 	return true, *why, nil
+}
+
+// ConflictReasonPrefix starts the reason of an event held by
+// [Store.HoldConflict].
+const ConflictReasonPrefix = "version_conflict: "
+
+// HoldConflict holds a stale event that is not late (Admit returned Stale
+// and HoldLate found its version was not given up on) in late_events for
+// the operator, in tx, which holds the aggregate's lock: kind passed, its
+// dedup outcome late. Its reason starts with ConflictReasonPrefix and
+// names the event recorded in processed_events as applying the version
+// (see [Store.AppliedBy]), or says none is recorded (a successor declared
+// an earlier predecessor, or the record of the event that applied it
+// expired). The gate calls it for a replayed dead letter, which is an
+// event that was never applied: a stale verdict means its version was
+// taken while it was dead, which an operator must settle (apply it late,
+// or discard it), not a duplicate to drop.
+//
+// An event whose metadata cannot be stored byte-exact is refused with an
+// *eventline.InvalidEventError, before anything is written.
+func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reason string, err error) {
+	e, err := withFollows(r.Event)
+	if err != nil {
+		return "", err
+	}
+	payload, md, err := storedMessage(e, r.Message)
+	if err != nil {
+		return "", err
+	}
+	k := Key{Group: r.Group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
+	by, found, err := s.AppliedBy(ctx, tx, k, e.AggregateVersion, e.ID)
+	if err != nil {
+		return "", err
+	}
+	reason = fmt.Sprintf("%sversion %d was applied by event %s", ConflictReasonPrefix, e.AggregateVersion, by)
+	if !found {
+		reason = fmt.Sprintf("%sthe aggregate passed version %d without this event (it is at v%d), and no other event is recorded as applying it: "+
+			"a later event declared an earlier predecessor, or the record of the event that applied it (this one, maybe) expired",
+			ConflictReasonPrefix, e.AggregateVersion, r.Current)
+	}
+	_, err = tx.Exec(ctx, s.q.holdConflict, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
+		r.Handler, r.Topic, payload, md, r.Current, reason)
+	if err != nil {
+		return "", contentError(fmt.Errorf("versioning: hold conflicting event %s: %w", e.ID, err))
+	}
+	return reason, nil
+}
+
+// AppliedBy returns the id of an event, other than exceptID, that the
+// group recorded in processed_events as applied (in order or late) with
+// the aggregate's given version, the first one recorded; found is false
+// when none is recorded (never applied, or its record expired). It
+// filters the group's records by aggregate, so it belongs on rare paths:
+// an index that leads with the aggregate makes it a range scan over that
+// aggregate's records, without one it reads the group's.
+func (s *Store) AppliedBy(ctx context.Context, db DBTX, k Key, version int64, exceptID string) (eventID string, found bool, err error) {
+	err = db.QueryRow(ctx, s.q.appliedBy, k.Group, k.AggregateType, k.AggregateID, version, exceptID).Scan(&eventID)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", false, nil
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("versioning: find the event that applied %s v%d: %w", k, version, err)
+	}
+	return eventID, true, nil
 }
 
 // HoldFailed is the default DeadLetterFunc: it keeps a parked event the

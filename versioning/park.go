@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -105,7 +106,8 @@ type ParkRequest struct {
 	// Current is the aggregate's current version (Admission.Previous).
 	Current int64
 	// MaxGap bounds the versions the event may leave missing in front of
-	// it (see DefaultMaxGap). Defaults to DefaultMaxGap.
+	// it (see DefaultMaxGap), unless it declares its predecessor (see
+	// DeclaresPredecessor). Defaults to DefaultMaxGap.
 	MaxGap int64
 }
 
@@ -115,9 +117,10 @@ type ParkRequest struct {
 // sets its dedup outcome to parked.
 //
 // It refuses, writing nothing:
-//   - with a *GapTooLargeError, an event that would leave more than MaxGap
-//     versions missing: its previous version minus the highest version
-//     the aggregate has applied or parked below it;
+//   - with a *GapTooLargeError, an event that does not declare its
+//     predecessor (see DeclaresPredecessor) and would leave more than
+//     MaxGap versions missing: its previous version minus the highest
+//     version the aggregate has applied or parked below it;
 //   - with an *eventline.InvalidEventError, an event whose metadata
 //     cannot be stored byte-exact (invalid UTF-8, NUL bytes; eventline.Decode
 //     already refuses those in every field it reads) or that PostgreSQL
@@ -137,7 +140,12 @@ func (s *Store) Park(ctx context.Context, tx DBTX, r ParkRequest) (already bool,
 		return false, err
 	}
 	maxGap := r.MaxGap
-	if maxGap <= 0 {
+	switch {
+	case e.PreviousVersion < e.AggregateVersion-1:
+		// It declares its predecessor: one known event is missing, however
+		// far back its number (see DeclaresPredecessor).
+		maxGap = math.MaxInt64
+	case maxGap <= 0:
 		maxGap = DefaultMaxGap
 	}
 	var inserted bool

@@ -110,9 +110,13 @@ const (
 	DefaultSweepTxTimeout = time.Minute
 	// DefaultSweepBatch is the most aggregates one sweeper pass visits.
 	DefaultSweepBatch = 500
-	// DefaultMaxGap bounds the versions one event may leave missing in
-	// front of it: its previous version minus the highest version the
-	// aggregate has applied or parked. A genuine gap is one missing event
+	// DefaultMaxGap bounds the versions one event that follows v-1 (it
+	// declares no other predecessor, see DeclaresPredecessor) may leave
+	// missing in front of it: its previous version minus the highest
+	// version the aggregate has applied or parked. An event that declares
+	// its predecessor waits for that one event and is not bounded: the
+	// producer published it, and its number says nothing about how many
+	// events are missing. A genuine gap is one missing event
 	// per event lost upstream (each lost event has its own dead letter),
 	// or a few in flight during an xid inversion, far below 1000. A
 	// version inflated by a bad producer or a hand-made record (1,000,000;

@@ -105,6 +105,7 @@ type queries struct {
 	groupsSkipped     string
 
 	holdLate, holdFailed           string
+	holdConflict, appliedBy        string
 	lateOf, lateCandidates         string
 	failLate, doneLate, giveUpLate string
 	requestLate, discardLate       string
@@ -277,6 +278,21 @@ func newQueries(schema, processed string) queries {
 				WHERE consumer_group = $1 AND event_id = $6
 			)
 			SELECT (SELECT reason FROM sk)`,
+		// A stale event that is not late, held as a version conflict
+		// ($1..$12 as for holdLate, $13 the reason); its dedup outcome
+		// becomes late.
+		holdConflict: `WITH held AS (
+				INSERT INTO ` + le + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+					event_type, handler, topic, payload, metadata, kind, reason, current_version)
+				VALUES ($1, $6, $2, $3, $4::bigint, $5::bigint, $7, $8, $9, $10, $11, 'passed', $13, $12::bigint)
+				ON CONFLICT DO NOTHING
+			)
+			UPDATE ` + processed + ` SET outcome = 'late' WHERE consumer_group = $1 AND event_id = $6`,
+		// ($1 group, $2 type, $3 id, $4 version, $5 event id to leave out)
+		appliedBy: `SELECT event_id FROM ` + processed + `
+			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
+				AND event_id <> $5 AND outcome IN ('applied', 'late_applied')
+			ORDER BY processed_at LIMIT 1`,
 		// The default dead letter: the given-up parked event joins the
 		// late events, and its dedup record says late again.
 		holdFailed: `WITH held AS (

@@ -57,7 +57,7 @@ func TestAdmitVerdicts(t *testing.T) {
 	// a version it had before it was published).
 	firstAt5 := ev("4", 5)
 	firstAt5.PreviousVersion = eventline.NoPreviousVersion
-	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 0, Current: 5, Follows: 0}, admit(t, s, tx, firstAt5, false, true))
+	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 0, Current: 5, Follows: 0, Declared: true}, admit(t, s, tx, firstAt5, false, true))
 	cur, err := s.Current(ctx, tx, versioning.Key{Group: "g", AggregateType: "acct", AggregateID: "1"})
 	require.NoError(t, err)
 	require.EqualValues(t, 4, cur)
@@ -66,15 +66,15 @@ func TestAdmitVerdicts(t *testing.T) {
 	// version it follows, so sparse versions are no gap.
 	sparse := ev("1", 10)
 	sparse.PreviousVersion = 4
-	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 4, Current: 10, Follows: 4}, admit(t, s, tx, sparse, false, true))
+	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 4, Current: 10, Follows: 4, Declared: true}, admit(t, s, tx, sparse, false, true))
 	early := ev("1", 30)
 	early.PreviousVersion = 20
-	require.Equal(t, versioning.Admission{Verdict: versioning.Gap, Previous: 10, Current: 10, Follows: 20}, admit(t, s, tx, early, false, true))
+	require.Equal(t, versioning.Admission{Verdict: versioning.Gap, Previous: 10, Current: 10, Follows: 20, Declared: true}, admit(t, s, tx, early, false, true))
 	// Its predecessor is behind the current version: everything it
 	// follows is applied, so it applies.
 	behind := ev("1", 25)
 	behind.PreviousVersion = 7
-	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 10, Current: 25, Follows: 7}, admit(t, s, tx, behind, false, true))
+	require.Equal(t, versioning.Admission{Verdict: versioning.Next, Previous: 10, Current: 25, Follows: 7, Declared: true}, admit(t, s, tx, behind, false, true))
 	stale := ev("1", 25)
 	stale.PreviousVersion = 20
 	require.Equal(t, versioning.Stale, admit(t, s, tx, stale, false, true).Verdict, "v <= current is stale whatever it follows")
