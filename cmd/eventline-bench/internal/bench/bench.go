@@ -72,7 +72,7 @@ type Sizes struct {
 	IdleWindow time.Duration
 }
 
-// FullSizes is the preset of `eventline bench`.
+// FullSizes is the preset of `eventline-bench`.
 func FullSizes() Sizes {
 	return Sizes{
 		Producers: 16, ProducerPhase: 5 * time.Second, Rounds: 3,
@@ -82,7 +82,7 @@ func FullSizes() Sizes {
 	}
 }
 
-// QuickSizes is the preset of `eventline bench -quick`: the same scenarios
+// QuickSizes is the preset of `eventline-bench -quick`: the same scenarios
 // with smaller backlogs and shorter phases, under three minutes in all.
 func QuickSizes() Sizes {
 	return Sizes{
