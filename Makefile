@@ -20,7 +20,7 @@ demo: postgres ## Run the end-to-end orders demo (in-process Kafka unless KAFKA_
 bench: postgres ## Run the full benchmark suite (several minutes).
 	$(GO) run ./cmd/eventline-bench
 
-bench-quick: postgres ## Run a smaller benchmark suite (under 3 minutes).
+bench-quick: postgres ## Run a smaller benchmark suite (about 4 minutes).
 	$(GO) run ./cmd/eventline-bench -quick
 
 lint: ## gofmt, go vet, and golangci-lint when installed.

@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/signal"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -52,7 +53,11 @@ FOR UPDATE SKIP LOCKED relay, against the PostgreSQL of -database-url and the
 Kafka of -brokers (an in-process kfake cluster when none is given).
 
 Scenarios: %s. Each creates its own schemas and topics and drops them when
-it ends.
+it ends. Measured phases run on warm pools; cold starts are rows of their
+own.
+
+With a real broker, KAFKA_BROKER_PID (the broker's process id on this
+machine) adds the broker's CPU share beside the pipeline's.
 
 Progress goes to stderr. stdout gets one table, eventline's figure next to
 the baseline's, then one "ratio <name>=<x.xx>" line per
@@ -109,11 +114,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 			return usage("%v", err)
 		}
 	}
+	var brokerPID int
+	if v := getenv(bench.BrokerPIDEnv); v != "" {
+		pid, err := strconv.Atoi(v)
+		if err != nil || pid <= 0 {
+			return usage("%s=%q is not a process id", bench.BrokerPIDEnv, v)
+		}
+		brokerPID = pid
+	}
 	_, err := bench.Run(ctx, bench.Config{
 		Quick:       *quick,
 		Scenarios:   names,
 		DatabaseURL: *databaseURL,
 		Brokers:     brokers,
+		BrokerPID:   brokerPID,
 		ProfileDir:  *profileDir,
 		Out:         stdout,
 		Progress:    stderr,
