@@ -18,10 +18,10 @@ demo: postgres ## Run the end-to-end orders demo (in-process Kafka unless KAFKA_
 	$(GO) run ./examples/orders
 
 bench: postgres ## Run the full benchmark suite (several minutes).
-	$(GO) run ./cmd/eventline bench
+	$(GO) run ./cmd/eventline-bench
 
-bench-quick: postgres ## Run a smaller benchmark suite (under 3 minutes).
-	$(GO) run ./cmd/eventline bench -quick
+bench-quick: postgres ## Run a smaller benchmark suite (about 4 minutes).
+	$(GO) run ./cmd/eventline-bench -quick
 
 lint: ## gofmt, go vet, and golangci-lint when installed.
 	@test -z "$$(gofmt -l .)" || (gofmt -l . && exit 1)

@@ -16,14 +16,14 @@ import (
 // init function:
 //
 //	func init() {
-//		register(command{name: "bench", summary: "Run the benchmark suite", run: runBench})
+//		register(command{name: "version", summary: "Print the eventline version", run: runVersion})
 //	}
 //
 // run gets the arguments after the command name. The usual shape is:
 //
-//	func runBench(ctx context.Context, args []string) error {
-//		fs := newFlagSet(ctx, "bench", "[-quick]", "Runs the benchmark suite ...")
-//		quick := fs.Bool("quick", false, "Run a smaller suite.")
+//	func runVersion(ctx context.Context, args []string) error {
+//		fs := newFlagSet(ctx, "version", "[-json]", "Prints the version ...")
+//		asJSON := fs.Bool("json", false, "Print JSON.")
 //		if _, err := fs.parse(args); err != nil {
 //			return err // -h, or a usage error
 //		}

@@ -126,7 +126,7 @@ func TestGlobalsComeFromTheEnvironment(t *testing.T) {
 	require.Equal(t, "url=postgres://x/y schema=before brokers=[] args=[a b]\n", out.String())
 }
 
-// env-echo is registered the way another file (bench.go) adds a command.
+// env-echo is registered the way another file (status.go) adds a command.
 func init() {
 	register(command{name: "env-echo", summary: "(test) print the global configuration", run: func(ctx context.Context, args []string) error {
 		fs := newFlagSet(ctx, "env-echo", "[args]", "")

@@ -46,8 +46,8 @@ const handDDL = `CREATE TABLE %[1]s (
 CREATE INDEX ON %[1]s (status, next_run_at, id)`
 
 type handOutbox struct {
-	table string
-	sql   handSQL
+	schema, table string
+	sql           handSQL
 }
 
 type handSQL struct {
@@ -64,7 +64,7 @@ func (e *env) newHandOutbox(ctx context.Context) (*handOutbox, func(), error) {
 		drop()
 		return nil, nil, err
 	}
-	return &handOutbox{table: t, sql: handSQL{
+	return &handOutbox{schema: schema, table: t, sql: handSQL{
 		insertBatch: `INSERT INTO ` + t + ` (aggregate_type, aggregate_id, topic, payload, status)
 			SELECT 'order', a, $1, p::jsonb, 'pending' FROM unnest($2::text[], $3::text[]) AS u(a, p)`,
 		claim: `SELECT id, aggregate_id, topic, payload::text, attempts FROM ` + t + `

@@ -22,10 +22,16 @@ func (r Report) Write(w io.Writer) {
 	}
 	_ = tw.Flush()
 	fmt.Fprintln(w)
+	if r.writeCosts(w) {
+		fmt.Fprintln(w)
+	}
 	for _, res := range r.Results {
 		for _, n := range res.Notes {
 			fmt.Fprintf(w, "note %s: %s\n", res.Scenario, n)
 		}
+	}
+	if r.CostSource != "" && r.hasCosts() {
+		fmt.Fprintf(w, "note cost: RT/EV and STMTS/EV are counted by a pgx tracer on each stage's own pool (see queryCounter): round trips are Query/Exec (BEGIN and COMMIT included), Batch, CopyFrom, server-side Prepare and liveness pings; %s; \"-\" where the stage shares its schema with other stages\n", r.CostSource)
 	}
 	fmt.Fprintln(w)
 	for _, res := range r.Results {
@@ -33,6 +39,39 @@ func (r Report) Write(w io.Writer) {
 			fmt.Fprintf(w, "ratio %s=%.2f\n", q.Name, q.Value)
 		}
 	}
+}
+
+func (r Report) hasCosts() bool {
+	for _, res := range r.Results {
+		if len(res.Costs) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// writeCosts prints the cost table, if any scenario measured costs.
+func (r Report) writeCosts(w io.Writer) bool {
+	if !r.hasCosts() {
+		return false
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "STAGE\tSCENARIO\tVARIANT\tRATE/S\tEVENTS\tRT/EV\tSTMTS/EV\tROWS/EV\tWAL B/EV")
+	for _, res := range r.Results {
+		for _, c := range res.Costs {
+			rate, rows, wal := "-", "-", "-"
+			if c.Rate > 0 {
+				rate = formatFigure(c.Rate)
+			}
+			if c.Server {
+				rows, wal = fmt.Sprintf("%.2f", perEvent(c.Rows, c.Events)), formatFigure(perEvent(c.WALBytes, c.Events))
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%.2f\t%.2f\t%s\t%s\n", c.Stage, res.Scenario, c.Variant, rate, c.Events,
+				c.RoundTripsPerEvent(), c.StatementsPerEvent(), rows, wal)
+		}
+	}
+	_ = tw.Flush()
+	return true
 }
 
 // Ratio returns the ratio line called name, if any scenario printed one.
@@ -62,8 +101,8 @@ func describeSizes(s Sizes) string {
 	for i, r := range s.Rates {
 		rates[i] = fmt.Sprint(r)
 	}
-	return fmt.Sprintf("producers=%d phase=%s×%d relay_backlog=%d consumer_backlog=%d×%d slow_backlog=%d rates=%s/%s idle=%s",
-		s.Producers, s.ProducerPhase, s.Rounds, s.RelayBacklog, s.ConsumerBacklog, s.ConsumerRounds, s.SlowBacklog,
+	return fmt.Sprintf("producers=%d phase=%s×%d relay_backlog=%d×%d consumer_backlog=%d×%d slow_backlog=%d rates=%s/%s idle=%s",
+		s.Producers, s.ProducerPhase, s.Rounds, s.RelayBacklog, max(s.RelayRounds, 1), s.ConsumerBacklog, s.ConsumerRounds, s.SlowBacklog,
 		strings.Join(rates, ","), s.RatePhase, s.IdleWindow)
 }
 

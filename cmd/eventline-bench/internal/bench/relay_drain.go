@@ -3,11 +3,13 @@ package bench
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
@@ -52,23 +54,50 @@ func encode(events []eventline.Event) ([]*message.Message, error) {
 	return out, nil
 }
 
+// warmShare: the first 1/warmShare of a backlog (at least one event) is a
+// drain's warm-up; its rate is measured over the rest.
+const warmShare = 10
+
+func warmEvents(n int) int { return max(n/warmShare, 1) }
+
+// drainResult is one or more drains of a backlog by one variant.
 type drainResult struct {
+	// events and elapsed are the steady part: from the warm-up's last
+	// event to the backlog's last.
 	events  int
 	elapsed time.Duration
+	// cold is the time from starting the component to its first event
+	// done (connections, leases, Kafka metadata or group join, first
+	// statements prepared), summed over runs.
+	cold time.Duration
+	runs int
+	// cost is over the whole drain, its warm-up included.
+	cost Cost
 }
 
 func (d drainResult) rate() float64 { return float64(d.events) / d.elapsed.Seconds() }
 
+// coldMillis is the mean cold start in milliseconds.
+func (d drainResult) coldMillis() float64 { return millis(d.cold) / float64(max(d.runs, 1)) }
+
 // add sums two measurements of the same variant.
 func (d drainResult) add(o drainResult) drainResult {
-	return drainResult{events: d.events + o.events, elapsed: d.elapsed + o.elapsed}
+	return drainResult{events: d.events + o.events, elapsed: d.elapsed + o.elapsed, cold: d.cold + o.cold, runs: d.runs + o.runs, cost: d.cost.add(o.cost)}
 }
 
 func drainTimeout(n int) time.Duration { return time.Minute + time.Duration(n/200)*time.Second }
 
+// relayVariant is one relay_drain design.
+type relayVariant struct {
+	name  string
+	drain func(ctx context.Context, k *kafkaEnv, events []eventline.Event) (drainResult, error)
+	sum   drainResult
+}
+
 // runRelayDrain drains the same backlog with plain Watermill's forwarder,
 // eventline's relay on 1 and on relayShards shards, and the hand-written
-// relay, each from its own schema into its own topic.
+// relay, each from its own schema into its own topic, RelayRounds times,
+// the order reversed every other round.
 func runRelayDrain(ctx context.Context, e *env) (Result, error) {
 	n := e.sizes.RelayBacklog
 	k, err := e.kafka()
@@ -78,48 +107,74 @@ func runRelayDrain(ctx context.Context, e *env) (Result, error) {
 	defer k.close()
 	events := backlog(n)
 
-	plain, err := e.drainPlain(ctx, k, events)
-	if err != nil {
-		return Result{}, fmt.Errorf("plain Watermill: %w", err)
-	}
-	one, err := e.drainEventline(ctx, k, events, 1)
-	if err != nil {
-		return Result{}, fmt.Errorf("eventline, 1 shard: %w", err)
-	}
-	sharded, err := e.drainEventline(ctx, k, events, relayShards)
-	if err != nil {
-		return Result{}, fmt.Errorf("eventline, %d shards: %w", relayShards, err)
-	}
-	hand, err := e.drainHand(ctx, k, events)
-	if err != nil {
-		return Result{}, fmt.Errorf("hand-written relay: %w", err)
-	}
-
 	plainName := "plain Watermill forwarder (1 topic, sync kafka.Publisher)"
 	handName := fmt.Sprintf("hand-written SKIP LOCKED relay, %d workers × %d (no per-aggregate order)", handWorkers, handBatch)
+	variants := []*relayVariant{
+		{name: plainName, drain: e.drainPlain},
+		{name: "eventline relay, 1 shard", drain: func(ctx context.Context, k *kafkaEnv, ev []eventline.Event) (drainResult, error) {
+			return e.drainEventline(ctx, k, ev, 1)
+		}},
+		{name: fmt.Sprintf("eventline relay, %d shards", relayShards), drain: func(ctx context.Context, k *kafkaEnv, ev []eventline.Event) (drainResult, error) {
+			return e.drainEventline(ctx, k, ev, relayShards)
+		}},
+		{name: handName, drain: e.drainHand},
+	}
+	rounds := max(e.sizes.RelayRounds, 1)
+	for round := 0; round < rounds; round++ {
+		if rounds > 1 {
+			e.progressf("   round %d/%d", round+1, rounds)
+		}
+		for _, v := range alternate(variants, round) {
+			d, err := v.drain(ctx, k, events)
+			if err != nil {
+				return Result{}, fmt.Errorf("%s: %w", v.name, err)
+			}
+			v.sum = v.sum.add(d)
+		}
+	}
+	plain, one, sharded, hand := variants[0].sum, variants[1].sum, variants[2].sum, variants[3].sum
+
 	res := Result{
 		Rows: []Row{
 			{Metric: fmt.Sprintf("drain events/s, %d shards", relayShards), Ours: sharded.rate(), Base: plain.rate(), Baseline: plainName, Target: "≥ 3.00"},
 			{Metric: fmt.Sprintf("drain events/s, %d shards", relayShards), Ours: sharded.rate(), Base: hand.rate(), Baseline: handName, Target: "≥ 1.00"},
 			{Metric: "drain events/s, 1 shard", Ours: one.rate(), Base: plain.rate(), Baseline: plainName},
 			{Metric: "drain events/s, 1 shard", Ours: one.rate(), Base: hand.rate(), Baseline: handName},
+			{Metric: fmt.Sprintf("round trips per event, %d shards", relayShards), Ours: sharded.cost.RoundTripsPerEvent(), Base: plain.cost.RoundTripsPerEvent(), Baseline: plainName},
+			{Metric: fmt.Sprintf("cold start: relay started → first event relayed, ms, %d shards", relayShards), Ours: sharded.coldMillis(), Base: plain.coldMillis(), Baseline: plainName},
 		},
 		Notes: []string{
-			fmt.Sprintf("backlog of %d events over %d aggregates (consecutive versions), prefilled before the clock starts; the clock runs from starting the relay until every event is acknowledged in the outbox after Kafka acknowledged it; %d-partition topics, records keyed by aggregate id",
-				n, max(n/10, 1), Partitions),
+			fmt.Sprintf("backlog of %d events over %d aggregates (consecutive versions), prefilled before the relay starts on a pool whose connections are all open; the rate runs from the %dth event acknowledged (the first %d%% are the warm-up: statements prepared, shards under way) to the last, each acknowledged in the outbox after Kafka acknowledged it; %d round(s), the order reversed every other round; %d-partition topics, records keyed by aggregate id",
+				n, max(n/10, 1), warmEvents(n), 100/warmShare, rounds, Partitions),
 			fmt.Sprintf("eventline relay: defaults (batch %d, Sarama async idempotent producer, acks=all, 1 request in flight); plain Watermill: watermill-sql defaults (batch 100, REPEATABLE READ, offsets row FOR UPDATE) and Watermill's default Sarama sync config",
 				producer.DefaultBatchSize),
+			"cold start: from starting the relay (pool already open) to its first event acknowledged; the plain forwarder's includes up to one 1s poll interval",
+			"costs (cost table): the relay's own pool over the whole drain, warm-up included; rows and WAL of the variant's schema",
 		},
 	}
 	if e.sizes.RelayBacklog < FullSizes().RelayBacklog {
 		res.Notes = append(res.Notes, fmt.Sprintf("reduced backlog (%d instead of %d): startup weighs more, ratios are indicative", n, FullSizes().RelayBacklog))
 	}
+	for _, v := range variants {
+		res.Costs = append(res.Costs, v.sum.cost)
+	}
 	res.Ratios = []Ratio{
 		{Name: "relay_drain_throughput", Value: res.Rows[0].Ratio()},
 		{Name: "relay_drain_throughput_vs_handwritten", Value: res.Rows[1].Ratio()},
 		{Name: "relay_drain_throughput_1shard", Value: res.Rows[2].Ratio()},
+		{Name: "relay_drain_round_trips_per_event", Value: res.Rows[4].Ratio()},
 	}
 	return res, nil
+}
+
+// alternate returns vs in order on even rounds and reversed on odd ones,
+// so drift in the machine's load does not always favour the same design.
+func alternate[T any](vs []T, round int) []T {
+	out := slices.Clone(vs)
+	if round%2 == 1 {
+		slices.Reverse(out)
+	}
+	return out
 }
 
 // prefill writes batches through write, each in its own transaction.
@@ -135,7 +190,9 @@ func (e *env) prefill(ctx context.Context, label string, n int, write func(tx pg
 	return nil
 }
 
-// measureDrain times count reaching n, with progress and profiling.
+// measureDrain starts a component on a backlog of n and times it: the
+// cold start (start → first event), then the rate from the warm-up's last
+// event (warmEvents) to the last.
 func (e *env) measureDrain(ctx context.Context, label, profile string, n int, start func() error, count func() int64) (drainResult, error) {
 	stopProfile := e.profile(profile)
 	t0 := time.Now()
@@ -144,15 +201,44 @@ func (e *env) measureDrain(ctx context.Context, label, profile string, n int, st
 		return drainResult{}, err
 	}
 	stopWatch := e.watch(label, n, count)
-	end, err := waitFor(ctx, drainTimeout(n), int64(n), count)
+	marks, err := waitMarks(ctx, drainTimeout(n), count, 1, int64(warmEvents(n)), int64(n))
 	stopWatch()
 	stopProfile()
 	if err != nil {
 		return drainResult{}, err
 	}
-	d := drainResult{events: n, elapsed: end.Sub(t0)}
-	e.progressf("   %s: %d events in %s = %.0f events/s", label, n, d.elapsed.Round(time.Millisecond), d.rate())
+	d := drainResult{events: n - warmEvents(n), elapsed: marks[2].Sub(marks[1]), cold: marks[0].Sub(t0), runs: 1}
+	if d.events == 0 { // a backlog of one: nothing left after the warm-up
+		d.events, d.elapsed = n, marks[2].Sub(marks[0])
+	}
+	e.progressf("   %s: %d events in %s, cold start %s, then %.0f events/s", label, n, marks[2].Sub(t0).Round(time.Millisecond), d.cold.Round(time.Millisecond), d.rate())
 	return d, nil
+}
+
+// waitMarks polls count until it reaches each of marks (ascending) and
+// returns when it did.
+func waitMarks(ctx context.Context, timeout time.Duration, count func() int64, marks ...int64) ([]time.Time, error) {
+	out := make([]time.Time, 0, len(marks))
+	deadline := time.Now().Add(timeout)
+	for len(out) < len(marks) {
+		now := time.Now()
+		c := count()
+		for len(out) < len(marks) && c >= marks[len(out)] {
+			out = append(out, now)
+		}
+		if len(out) == len(marks) {
+			break
+		}
+		if now.After(deadline) {
+			return nil, fmt.Errorf("%w: %d of %d after %s", errIncomplete, c, marks[len(marks)-1], timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+	return out, nil
 }
 
 // checkRecords verifies Kafka holds exactly n records in topic.
@@ -187,11 +273,16 @@ func (e *env) drainPlain(ctx context.Context, k *kafkaEnv, events []eventline.Ev
 	}); err != nil {
 		return drainResult{}, err
 	}
-	pool, err := e.openPool(ctx, 4, nil)
+	q := newQueryCounter()
+	pool, err := e.warmPool(ctx, 4, q)
 	if err != nil {
 		return drainResult{}, err
 	}
 	defer pool.Close()
+	m, err := e.startMeter(ctx, "relay", "plain Watermill forwarder", []string{o.schema}, []*pgxpool.Pool{pool}, q)
+	if err != nil {
+		return drainResult{}, err
+	}
 	var r *plainRelay
 	defer func() {
 		if r != nil {
@@ -211,6 +302,10 @@ func (e *env) drainPlain(ctx context.Context, k *kafkaEnv, events []eventline.Ev
 		return d, err
 	}
 	r.close()
+	if d.cost, err = m.stop(ctx, int64(len(events)), d.rate()); err != nil {
+		return d, err
+	}
+	e.logCost(d.cost)
 	return d, checkRecords(k, topic, len(events))
 }
 
@@ -240,7 +335,8 @@ func (e *env) drainEventline(ctx context.Context, k *kafkaEnv, events []eventlin
 	}); err != nil {
 		return drainResult{}, err
 	}
-	pool, err := e.openPool(ctx, int32(shards)+4, nil)
+	q := newQueryCounter()
+	pool, err := e.warmPool(ctx, int32(shards)+4, q)
 	if err != nil {
 		return drainResult{}, err
 	}
@@ -253,6 +349,10 @@ func (e *env) drainEventline(ctx context.Context, k *kafkaEnv, events []eventlin
 	relay, err := producer.NewRelay(ctx, pool, producer.RelayConfig{
 		Schema: schema, Brokers: k.brokers, ID: "bench", Logger: quiet, Metrics: metrics,
 	})
+	if err != nil {
+		return drainResult{}, err
+	}
+	m, err := e.startMeter(ctx, "relay", label, []string{schema}, []*pgxpool.Pool{pool}, q)
 	if err != nil {
 		return drainResult{}, err
 	}
@@ -273,6 +373,10 @@ func (e *env) drainEventline(ctx context.Context, k *kafkaEnv, events []eventlin
 	if err != nil {
 		return d, err
 	}
+	if d.cost, err = m.stop(ctx, int64(len(events)), d.rate()); err != nil {
+		return d, err
+	}
+	e.logCost(d.cost)
 	st, err := producer.ReadStatus(ctx, e.admin, schema)
 	if err != nil {
 		return d, err
@@ -299,11 +403,16 @@ func (e *env) drainHand(ctx context.Context, k *kafkaEnv, events []eventline.Eve
 	}); err != nil {
 		return drainResult{}, err
 	}
-	pool, err := e.openPool(ctx, 2*handWorkers+1, nil)
+	q := newQueryCounter()
+	pool, err := e.warmPool(ctx, 2*handWorkers+1, q)
 	if err != nil {
 		return drainResult{}, err
 	}
 	defer pool.Close()
+	m, err := e.startMeter(ctx, "relay", "hand-written relay", []string{o.schema}, []*pgxpool.Pool{pool}, q)
+	if err != nil {
+		return drainResult{}, err
+	}
 	var r *handRelay
 	d, err := e.measureDrain(ctx, label, "relay_drain.handwritten", len(events), func() error {
 		r, err = o.startRelay(ctx, pool, k.brokers)
@@ -322,6 +431,10 @@ func (e *env) drainHand(ctx context.Context, k *kafkaEnv, events []eventline.Eve
 	if err != nil {
 		return d, err
 	}
+	if d.cost, err = m.stop(ctx, int64(len(events)), d.rate()); err != nil {
+		return d, err
+	}
+	e.logCost(d.cost)
 	return d, checkRecords(k, topic, len(events))
 }
 

@@ -6,8 +6,16 @@
 //
 // Every scenario creates its own schemas and topics and drops them when it
 // ends. Progress goes to Config.Progress; the result is one table, with
-// eventline's figure and the baseline's side by side, and one
-// "ratio <name>=<x.xx>" line per scenario (eventline ÷ baseline).
+// eventline's figure and the baseline's side by side, a table of what each
+// stage asked of PostgreSQL per event (round trips, statements, rows, WAL
+// bytes), and one "ratio <name>=<x.xx>" line per figure (eventline ÷
+// baseline).
+//
+// Every measured phase runs on warm pools (every connection open, its
+// statements prepared and past PostgreSQL's first custom plans); the cold
+// start is measured apart and reported as rows of its own. Designs that are
+// compared alternate (end_to_end_latency interleaves them rate by rate), so
+// a change in the machine's load hits both.
 //
 // Only ratios measured in the same run mean anything: absolute figures
 // depend on the machine and on what else runs on it.
@@ -53,8 +61,10 @@ type Sizes struct {
 	// alone, or with PublishTx) runs; Rounds alternate the two.
 	ProducerPhase time.Duration
 	Rounds        int
-	// RelayBacklog is the outbox backlog each relay_drain variant drains.
+	// RelayBacklog is the outbox backlog each relay_drain variant drains,
+	// RelayRounds times (at least once), the variants alternating.
 	RelayBacklog int
+	RelayRounds  int
 	// ConsumerBacklog is the Kafka backlog each consumer_drain variant
 	// consumes, ConsumerRounds times, the variants alternating.
 	ConsumerBacklog int
@@ -72,22 +82,23 @@ type Sizes struct {
 	IdleWindow time.Duration
 }
 
-// FullSizes is the preset of `eventline bench`.
+// FullSizes is the preset of `eventline-bench`.
 func FullSizes() Sizes {
 	return Sizes{
 		Producers: 16, ProducerPhase: 5 * time.Second, Rounds: 3,
-		RelayBacklog: 50_000, ConsumerBacklog: 50_000, ConsumerRounds: 2, SlowBacklog: 3_000,
+		RelayBacklog: 50_000, RelayRounds: 2, ConsumerBacklog: 50_000, ConsumerRounds: 2, SlowBacklog: 3_000,
 		Rates: []int{100, 250, 500, 1000, 2000}, RatePhase: 15 * time.Second,
 		IdleWindow: 30 * time.Second,
 	}
 }
 
-// QuickSizes is the preset of `eventline bench -quick`: the same scenarios
-// with smaller backlogs and shorter phases, under three minutes in all.
+// QuickSizes is the preset of `eventline-bench -quick`: the same scenarios
+// with smaller backlogs and shorter phases, about four minutes in all
+// (3 min 46 s with the machine loaded).
 func QuickSizes() Sizes {
 	return Sizes{
 		Producers: 16, ProducerPhase: 3 * time.Second, Rounds: 1,
-		RelayBacklog: 10_000, ConsumerBacklog: 10_000, ConsumerRounds: 1, SlowBacklog: 2_000,
+		RelayBacklog: 10_000, RelayRounds: 1, ConsumerBacklog: 10_000, ConsumerRounds: 1, SlowBacklog: 2_000,
 		Rates: []int{100, 500, 1000}, RatePhase: 10 * time.Second,
 		IdleWindow: 10 * time.Second,
 	}
@@ -107,6 +118,10 @@ type Config struct {
 	// Brokers are the Kafka brokers. Defaults to KAFKA_BROKERS; when that
 	// is empty too, each scenario starts an in-process kfake cluster.
 	Brokers []string
+	// BrokerPID is the process id of the (real) broker on this machine,
+	// when known: end_to_end_latency then reports its CPU share beside the
+	// pipeline's. eventline-bench reads it from KAFKA_BROKER_PID.
+	BrokerPID int
 	// ProfileDir, when set, receives a CPU profile per measured phase and
 	// block and mutex profiles (cumulative) after each phase.
 	ProfileDir string
@@ -154,6 +169,10 @@ func (c Config) sizes() Sizes {
 	return FullSizes()
 }
 
+// BrokerPIDEnv names the environment variable eventline-bench reads
+// Config.BrokerPID from: the process id of a real broker on this machine.
+const BrokerPIDEnv = "KAFKA_BROKER_PID"
+
 // DatabaseURLFromEnv returns TEST_DATABASE_URL, DATABASE_URL or
 // DefaultDatabaseURL, the first that is set.
 func DatabaseURLFromEnv() string {
@@ -196,12 +215,16 @@ type Result struct {
 	Ratios []Ratio
 	// Notes qualify the figures (sizes, settings, caveats).
 	Notes []string
+	// Costs are what each stage asked of PostgreSQL per event.
+	Costs []Cost
 }
 
 // Report is the outcome of Run.
 type Report struct {
 	Results []Result
 	Elapsed time.Duration
+	// CostSource says where the costs' rows and WAL bytes come from.
+	CostSource string
 }
 
 // Run runs the configured scenarios in order, writes the table and ratio
@@ -219,8 +242,13 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 	}
 	defer e.close()
 	e.progressf("eventline %s, PostgreSQL %s, Kafka %s, GOMAXPROCS %d, sizes %s", buildRevision(), e.pgVersion, e.kafkaName(), gomaxprocs(), describeSizes(e.sizes))
+	if e.server.pgss != "" {
+		e.progressf("rows and WAL per event from pg_stat_user_tables and %s", e.server.pgss)
+	} else {
+		e.progressf("rows per event from pg_stat_user_tables, WAL from pg_current_wal_lsn(): %s", e.server.why)
+	}
 
-	var rep Report
+	rep := Report{CostSource: e.server.describe()}
 	for _, name := range Scenarios {
 		if !slices.Contains(cfg.Scenarios, name) {
 			continue

@@ -3,10 +3,12 @@ package bench
 import (
 	"bytes"
 	"context"
+	"os"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 )
@@ -59,8 +61,25 @@ func TestScenariosSmoke(t *testing.T) {
 			require.Contains(t, out.String(), "SCENARIO")
 			for _, q := range res.Ratios {
 				require.Greater(t, q.Value, 0.0, q.Name)
-				require.True(t, strings.HasPrefix(q.Name, name), "ratio %s is named after its scenario", q.Name)
+				prefix := name
+				if name == EndToEndLatency {
+					prefix = "end_to_end_" // end_to_end_cpu_per_event_at_…
+				}
+				require.True(t, strings.HasPrefix(q.Name, prefix), "ratio %s is named after its scenario", q.Name)
 				require.Contains(t, out.String(), "ratio "+q.Name+"=")
+			}
+			if name != IdleQueries && name != ConsumerSlow {
+				require.NotEmpty(t, res.Costs, "%s measures each stage's cost", name)
+				require.Contains(t, out.String(), "RT/EV")
+				require.Contains(t, out.String(), "note cost: ")
+			}
+			for _, c := range res.Costs {
+				require.Positive(t, c.Events, "%s %s", c.Stage, c.Variant)
+				require.Positive(t, c.RoundTrips, "%s %s: round trips", c.Stage, c.Variant)
+				require.GreaterOrEqual(t, c.RoundTrips, c.Statements-c.Events*100, "%s %s", c.Stage, c.Variant)
+				if c.Server && c.Stage != "relay" {
+					require.Positive(t, c.Rows, "%s %s: rows written", c.Stage, c.Variant)
+				}
 			}
 			require.Contains(t, progress.String(), "== "+name)
 		})
@@ -136,4 +155,96 @@ func TestCPUBetween(t *testing.T) {
 	_, ok := readCPU()
 	require.True(t, ok, "this machine has /proc/stat")
 	require.NotEqual(t, "n/a", loadAvg())
+}
+
+func TestOffsetTrackerCommitsTheLowestUnfinishedOffset(t *testing.T) {
+	tr := &offsetTracker{done: map[int64]bool{}}
+	for o := int64(10); o < 15; o++ {
+		tr.add(o)
+	}
+	var marks []int64
+	mark := func(next int64) { marks = append(marks, next) }
+	tr.finish([]int64{12, 13}, mark) // a lane ahead of 10 and 11
+	require.Empty(t, marks, "nothing below 12 is finished")
+	tr.finish([]int64{10}, mark)
+	require.Equal(t, []int64{11}, marks)
+	tr.finish([]int64{11}, mark)
+	require.Equal(t, []int64{11, 14}, marks, "10–13 done: the next offset is 14")
+	tr.finish([]int64{14}, mark)
+	require.Equal(t, []int64{11, 14, 15}, marks)
+	require.Empty(t, tr.pending)
+	require.Empty(t, tr.done)
+}
+
+func TestWaitMarks(t *testing.T) {
+	var n int64
+	count := func() int64 { n++; return n }
+	marks, err := waitMarks(context.Background(), time.Second, count, 1, 3, 5)
+	require.NoError(t, err)
+	require.Len(t, marks, 3)
+	require.False(t, marks[1].Before(marks[0]))
+	require.False(t, marks[2].Before(marks[1]))
+	_, err = waitMarks(context.Background(), 10*time.Millisecond, func() int64 { return 0 }, 1)
+	require.ErrorIs(t, err, errIncomplete)
+}
+
+func TestProcCPU(t *testing.T) {
+	d, ok := procCPU(os.Getpid())
+	require.True(t, ok, "this machine has /proc/<pid>/stat")
+	require.Positive(t, d)
+	_, ok = procCPU(-1)
+	require.False(t, ok)
+}
+
+func TestCostTable(t *testing.T) {
+	rep := Report{CostSource: "rows from somewhere", Results: []Result{{
+		Scenario: "relay_drain",
+		Costs: []Cost{
+			{Stage: "relay", Variant: "eventline relay, 8 shards", Rate: 9000, Events: 1000, RoundTrips: 50, Statements: 60, Rows: 20, WALBytes: 300000, Server: true},
+			{Stage: "relay", Variant: "shared schema", Events: 10, RoundTrips: 30, Statements: 30},
+		},
+	}}}
+	var b bytes.Buffer
+	rep.Write(&b)
+	out := b.String()
+	require.Regexp(t, `STAGE\s+SCENARIO\s+VARIANT\s+RATE/S\s+EVENTS\s+RT/EV\s+STMTS/EV\s+ROWS/EV\s+WAL B/EV`, out)
+	require.Regexp(t, `relay\s+relay_drain\s+eventline relay, 8 shards\s+9000\s+1000\s+0.05\s+0.06\s+0.02\s+300`, out)
+	require.Regexp(t, `relay\s+relay_drain\s+shared schema\s+-\s+10\s+3.00\s+3.00\s+-\s+-`, out)
+	require.Contains(t, out, "note cost: ")
+	require.Contains(t, out, "rows from somewhere")
+}
+
+// TestQueryCounterCountsRoundTrips checks the tracer's arithmetic against
+// a real server: a statement's first execution on a connection is a
+// Prepare and an Exec (two round trips), later ones one; a Batch is one
+// round trip for all its statements.
+func TestQueryCounterCountsRoundTrips(t *testing.T) {
+	if testing.Short() {
+		t.Skip("talks to PostgreSQL")
+	}
+	ctx := context.Background()
+	e, err := newEnv(ctx, Config{DatabaseURL: DatabaseURLFromEnv(), Progress: &bytes.Buffer{}, Out: &bytes.Buffer{}}.withDefaults())
+	require.NoError(t, err)
+	defer e.close()
+	q := newQueryCounter()
+	pool, err := e.openPool(ctx, 1, q)
+	require.NoError(t, err)
+	defer pool.Close()
+	c0 := q.count()
+	require.Equal(t, int64(1), c0.connects)
+	_, err = pool.Exec(ctx, `SELECT $1::int`, 1)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `SELECT $1::int`, 2)
+	require.NoError(t, err)
+	c1 := q.count().sub(c0)
+	require.Equal(t, int64(3), c1.roundTrips(), "prepare + 2 executions: %+v", c1)
+	require.Equal(t, int64(2), c1.statements())
+	b := &pgx.Batch{}
+	for i := range 5 {
+		b.Queue(`SELECT $1::int`, i)
+	}
+	require.NoError(t, pool.SendBatch(ctx, b).Close())
+	c2 := q.count().sub(c0).sub(c1)
+	require.Equal(t, int64(1), c2.roundTrips(), "%+v", c2)
+	require.Equal(t, int64(5), c2.statements())
 }

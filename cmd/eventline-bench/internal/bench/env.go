@@ -14,7 +14,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -32,6 +31,7 @@ type env struct {
 	sizes     Sizes
 	admin     *pgxpool.Pool
 	pgVersion string
+	server    serverStats
 	start     time.Time
 
 	mu sync.Mutex // serializes progress lines
@@ -48,6 +48,7 @@ func newEnv(ctx context.Context, cfg Config) (*env, error) {
 		pool.Close()
 		return nil, fmt.Errorf("read PostgreSQL version: %w", err)
 	}
+	e.server = detectServerStats(ctx, pool)
 	if cfg.ProfileDir != "" {
 		if err := os.MkdirAll(cfg.ProfileDir, 0o755); err != nil {
 			pool.Close()
@@ -136,7 +137,7 @@ func (e *env) horizonHolder() string {
 }
 
 // openPool opens a pool on the benchmark database. tracer may be nil.
-func (e *env) openPool(ctx context.Context, maxConns int32, tracer pgx.QueryTracer) (*pgxpool.Pool, error) {
+func (e *env) openPool(ctx context.Context, maxConns int32, tracer *queryCounter) (*pgxpool.Pool, error) {
 	pcfg, err := pgxpool.ParseConfig(e.cfg.DatabaseURL)
 	if err != nil {
 		return nil, fmt.Errorf("parse database URL: %w", err)
@@ -144,9 +145,7 @@ func (e *env) openPool(ctx context.Context, maxConns int32, tracer pgx.QueryTrac
 	pcfg.MaxConns = maxConns
 	if tracer != nil {
 		pcfg.ConnConfig.Tracer = tracer
-		if pc, ok := tracer.(*queryCounter); ok {
-			pcfg.ShouldPing = pc.shouldPing
-		}
+		pcfg.ShouldPing = tracer.shouldPing
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {

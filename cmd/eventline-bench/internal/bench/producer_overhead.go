@@ -73,7 +73,8 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 	if err := e.exec(ctx, fmt.Sprintf(ordersDDL, orders)); err != nil {
 		return Result{}, err
 	}
-	pool, err := e.openPool(ctx, int32(sz.Producers)+2, nil)
+	q := newQueryCounter()
+	pool, err := e.openPool(ctx, int32(sz.Producers)+2, q)
 	if err != nil {
 		return Result{}, err
 	}
@@ -93,13 +94,14 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 		return plain.publish(tx, "orders.events", msg)
 	}
 
-	variants := []struct {
+	variants := []*struct {
 		name, profile string
 		publish       publishFunc
 		notify        bool
 		lat           latencies
 		n             int64
 		t             time.Duration
+		cost          Cost
 	}{
 		{name: "business tx alone", profile: "producer_overhead.bare", notify: true},
 		{name: "+ PublishTx", profile: "producer_overhead.publishtx", publish: publishTx, notify: true},
@@ -125,16 +127,42 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 	}
 	defer func() { _ = setNotify(true) }()
 
-	e.progressf("   warm-up")
-	for i := range variants {
-		if _, err := w.phase(ctx, sz.Producers, 300*time.Millisecond, variants[i].publish, nil); err != nil {
-			return Result{}, err
+	// Cold start: the first transaction on each of Producers new
+	// connections at once (connect, prepare, first plans), the business
+	// transaction alone and with PublishTx, each on a pool of its own.
+	coldBare, err := e.coldProducers(ctx, w.insert, nil)
+	if err != nil {
+		return Result{}, fmt.Errorf("cold start: %w", err)
+	}
+	coldOurs, err := e.coldProducers(ctx, w.insert, publishTx)
+	if err != nil {
+		return Result{}, fmt.Errorf("cold start: %w", err)
+	}
+	e.progressf("   cold start, first tx per new connection: business tx alone %s; + PublishTx %s", coldBare, coldOurs)
+
+	// Warm-up: every connection of the pool runs every variant's
+	// transaction warmRuns times (connections open, statements prepared,
+	// past PostgreSQL's first custom plans).
+	e.progressf("   warm-up: %d connections × %d variants × %d", pool.Config().MaxConns, len(variants), warmRuns)
+	if err := onEveryConn(ctx, pool, func(ctx context.Context, c *pgxpool.Conn) error {
+		for range warmRuns {
+			for _, v := range variants {
+				if _, err := w.tx(ctx, c, v.publish); err != nil {
+					return err
+				}
+			}
 		}
+		return nil
+	}); err != nil {
+		return Result{}, err
 	}
 	for round := 0; round < sz.Rounds; round++ {
-		for i := range variants {
-			v := &variants[i]
+		for _, v := range alternate(variants, round) {
 			if err := setNotify(v.notify); err != nil {
+				return Result{}, err
+			}
+			m, err := e.startMeter(ctx, "producer", v.name, []string{schema, plain.schema}, []*pgxpool.Pool{pool}, q)
+			if err != nil {
 				return Result{}, err
 			}
 			stop := func() {}
@@ -143,19 +171,27 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 			}
 			start := time.Now()
 			count, err := w.phase(ctx, sz.Producers, sz.ProducerPhase, v.publish, &v.lat)
-			v.t += time.Since(start)
+			elapsed := time.Since(start)
+			v.t += elapsed
 			stop()
 			if err != nil {
 				return Result{}, fmt.Errorf("%s: %w", v.name, err)
 			}
 			v.n += count
-			e.progressf("   round %d/%d %-26s %6.0f tx/s", round+1, sz.Rounds, v.name, float64(count)/time.Since(start).Seconds())
+			cost, err := m.stop(ctx, count, float64(count)/elapsed.Seconds())
+			if err != nil {
+				return Result{}, err
+			}
+			v.cost = v.cost.add(cost)
+			e.progressf("   round %d/%d %-26s %6.0f tx/s", round+1, sz.Rounds, v.name, float64(count)/elapsed.Seconds())
+			e.logCost(cost)
 		}
 	}
 	sum := make([]summary, len(variants))
-	for i := range variants {
-		sum[i] = variants[i].lat.summary()
-		e.progressf("   %-26s %s", variants[i].name, sum[i])
+	for i, v := range variants {
+		sum[i] = v.lat.summary()
+		e.progressf("   %-26s %s", v.name, sum[i])
+		v.cost.Rate = float64(v.n) / v.t.Seconds()
 	}
 	tps := func(i int) float64 { return float64(variants[i].n) / variants[i].t.Seconds() }
 	bare, ours, pl, quietNotify := sum[0], sum[1], sum[2], sum[3]
@@ -168,11 +204,15 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 			{Metric: fmt.Sprintf("throughput, tx/s (%d producers)", sz.Producers), Ours: tps(1), Base: tps(0), Baseline: base},
 			{Metric: "tx latency mean, ms", Ours: millis(ours.mean), Base: millis(pl.mean), Baseline: plainBase, Target: "≤ 1.10 " + issue10},
 			{Metric: "tx latency mean, ms, NOTIFY trigger off (diagnostic)", Ours: millis(quietNotify.mean), Base: millis(bare.mean), Baseline: base},
+			{Metric: "round trips per tx", Ours: variants[1].cost.RoundTripsPerEvent(), Base: variants[2].cost.RoundTripsPerEvent(), Baseline: plainBase},
+			{Metric: fmt.Sprintf("cold start: first tx on each of %d new connections, mean ms", sz.Producers), Ours: millis(coldOurs.mean), Base: millis(coldBare.mean), Baseline: base},
 		},
 		Notes: []string{
 			fmt.Sprintf("%d concurrent producers in closed loops, %d round(s) of %s per variant, alternating; each tx inserts one order row; PublishTx adds one event in one statement: its version allocated from aggregate_sequences and one outbox row in one of %d shards (whose statement trigger NOTIFYs only a relay that waits idle, so never here); no relay running",
 				sz.Producers, sz.Rounds, sz.ProducerPhase, migrations.DefaultShards),
 			"plain Watermill row: the same event written with watermill-sql's publisher wrapped in forwarder.NewPublisher (one INSERT, no version, no NOTIFY)",
+			fmt.Sprintf("measured on a warm pool: before the rounds every one of its %d connections ran every variant's transaction %d times; the cold start row is the first transaction on each of %d new connections at once, on a pool of its own per variant", sz.Producers+2, warmRuns, sz.Producers),
+			"costs (cost table) are per transaction over the measured phases, on the producers' pool; rows and WAL of the eventline and plain Watermill schemas",
 			"diagnostic row: PublishTx with the outbox tables' trigger disabled (ALTER TABLE … DISABLE TRIGGER USER), i.e. the cost of its outbox_waiting check; the trigger NOTIFYs only idle relays because PostgreSQL serializes the commits of transactions that sent a NOTIFY (a database-wide lock held through the commit's WAL flush), which defeats group commit",
 		},
 	}
@@ -181,8 +221,50 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 		{Name: "producer_overhead_latency_p99", Value: res.Rows[1].Ratio()},
 		{Name: "producer_overhead_latency_vs_plain_watermill", Value: res.Rows[3].Ratio()},
 		{Name: "producer_overhead_latency_without_notify", Value: res.Rows[4].Ratio()},
+		{Name: "producer_overhead_round_trips_per_event_vs_plain_watermill", Value: res.Rows[5].Ratio()},
+	}
+	for _, v := range variants {
+		res.Costs = append(res.Costs, v.cost)
 	}
 	return res, nil
+}
+
+// warmRuns is how many times a warm-up runs each statement on each
+// connection: PostgreSQL plans a prepared statement anew for its first
+// five executions before it may settle on a generic plan.
+const warmRuns = 6
+
+// coldProducers opens a pool of Producers+2 connections and runs the
+// first transaction on Producers of them at once, and returns their
+// latencies.
+func (e *env) coldProducers(ctx context.Context, insert string, publish publishFunc) (summary, error) {
+	pool, err := e.openPool(ctx, int32(e.sizes.Producers)+2, nil)
+	if err != nil {
+		return summary{}, err
+	}
+	defer pool.Close()
+	w := &orderWriter{pool: pool, insert: insert}
+	var lat latencies
+	var wg sync.WaitGroup
+	errc := make(chan error, e.sizes.Producers)
+	for range e.sizes.Producers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			start := time.Now()
+			if _, err := w.tx(ctx, pool, publish); err != nil {
+				errc <- err
+				return
+			}
+			lat.add(time.Since(start))
+		}()
+	}
+	wg.Wait()
+	close(errc)
+	if err := <-errc; err != nil {
+		return summary{}, err
+	}
+	return lat.summary(), nil
 }
 
 // orderWriter runs business transactions, with or without an event.
@@ -192,11 +274,12 @@ type orderWriter struct {
 	seq    atomic.Int64
 }
 
-// tx inserts one order and, when publish is set, writes an order.created
-// event for it in the same transaction. It returns the event (zero when
-// publish is nil).
-func (w *orderWriter) tx(ctx context.Context, publish publishFunc) (eventline.Event, error) {
-	tx, err := w.pool.Begin(ctx)
+// tx inserts one order through db (the writer's pool or one of its
+// connections) and, when publish is set, writes an order.created event for
+// it in the same transaction. It returns the event (zero when publish is
+// nil).
+func (w *orderWriter) tx(ctx context.Context, db txBeginner, publish publishFunc) (eventline.Event, error) {
+	tx, err := db.Begin(ctx)
 	if err != nil {
 		return eventline.Event{}, err
 	}
@@ -236,7 +319,7 @@ func (w *orderWriter) phase(ctx context.Context, n int, d time.Duration, publish
 			defer wg.Done()
 			for ctx.Err() == nil && time.Now().Before(deadline) {
 				start := time.Now()
-				if _, err := w.tx(ctx, publish); err != nil {
+				if _, err := w.tx(ctx, w.pool, publish); err != nil {
 					errc <- err
 					cancel()
 					return

@@ -1,17 +1,11 @@
 package bench
 
 import (
-	"context"
 	"fmt"
-	"maps"
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
-
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // latencies collects durations from many goroutines.
@@ -68,46 +62,6 @@ func ms(d time.Duration) string { return fmt.Sprintf("%.2fms", float64(d)/float6
 
 // millis converts to float milliseconds for the table.
 func millis(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-
-// queryCounter is a pgx QueryTracer that counts the statements a pool runs
-// (BEGIN and COMMIT included: each is a round trip) and the liveness pings
-// pgxpool sends before handing out a connection idle for over a second.
-type queryCounter struct {
-	queries atomic.Int64
-	pings   atomic.Int64
-
-	mu     sync.Mutex
-	byKind map[string]int64
-}
-
-func newQueryCounter() *queryCounter { return &queryCounter{byKind: map[string]int64{}} }
-
-func (q *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	q.queries.Add(1)
-	kind := strings.ToUpper(firstWord(data.SQL))
-	q.mu.Lock()
-	q.byKind[kind]++
-	q.mu.Unlock()
-	return ctx
-}
-
-func (q *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
-// shouldPing is pgxpool's default ping rule, counted.
-func (q *queryCounter) shouldPing(_ context.Context, p pgxpool.ShouldPingParams) bool {
-	if p.IdleDuration > time.Second {
-		q.pings.Add(1)
-		return true
-	}
-	return false
-}
-
-// snapshot returns the counts so far.
-func (q *queryCounter) snapshot() (queries, pings int64, byKind map[string]int64) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	return q.queries.Load(), q.pings.Load(), maps.Clone(q.byKind)
-}
 
 func firstWord(s string) string {
 	s = strings.TrimSpace(s)

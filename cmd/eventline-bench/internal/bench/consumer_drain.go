@@ -42,9 +42,19 @@ func (b business) apply(ctx context.Context, tx pgx.Tx, e eventline.Event) error
 	return err
 }
 
-// runConsumerDrain consumes one prefilled topic with a bare handler and
-// with the same handler behind eventline's middleware, each in its own
-// consumer group and schema.
+// consumerVariant is one consumer_drain design.
+type consumerVariant struct {
+	name  string
+	drain func(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error)
+	sum   drainResult
+}
+
+// runConsumerDrain consumes one prefilled topic with bare handlers (one
+// event per transaction through watermill-kafka's Router; one event per
+// transaction and batches on the runner's lanes, with its offset rule) and
+// with eventline (the middleware on the Router; the consumer.New runner,
+// one event at a time and with its defaults), each in its own consumer
+// group and schema.
 func runConsumerDrain(ctx context.Context, e *env) (Result, error) {
 	n := e.sizes.ConsumerBacklog
 	k, err := e.kafka()
@@ -61,63 +71,80 @@ func runConsumerDrain(ctx context.Context, e *env) (Result, error) {
 		return Result{}, err
 	}
 
-	// Rounds alternate the variants, each round in fresh consumer groups
-	// and schemas reading the whole topic again, so drift in the machine's
-	// load hits all of them.
-	var bare, bareBatched, ours, single, runner drainResult
+	base := fmt.Sprintf("bare handler: insert in its own tx (watermill-kafka + Router, %d in flight)", Partitions)
+	baseLaned := fmt.Sprintf("bare handler, one tx per event, on the runner's lanes (Sarama group, %d lanes per partition, lowest unfinished offset committed), no Router, no dedup/gate", consumer.DefaultLanes)
+	baseBatched := fmt.Sprintf("bare handler batching the same way (Sarama group, %d lanes × batches of %d, one tx per batch, lowest unfinished offset committed), no Router, no dedup/gate", consumer.DefaultLanes, consumer.DefaultBatchSize)
+	variants := []*consumerVariant{
+		{name: base, drain: e.consumeBare},
+		{name: baseLaned, drain: func(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
+			return e.consumeBareLaned(ctx, k, topic, n, round, 1)
+		}},
+		{name: baseBatched, drain: func(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
+			return e.consumeBareLaned(ctx, k, topic, n, round, consumer.DefaultBatchSize)
+		}},
+		{name: "eventline middleware", drain: e.consumeMiddleware},
+		{name: "eventline runner, one event per tx", drain: func(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
+			return e.consumeRunner(ctx, k, topic, n, runnerVariant{
+				group: fmt.Sprintf("bench-runner1-%d", round), schema: "consumer_runner1", lanes: 1, batch: 1,
+				label: "eventline runner, one event per tx", profile: "consumer_drain.runner_single",
+			})
+		}},
+		{name: "eventline runner, lanes + batches", drain: func(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
+			return e.consumeRunner(ctx, k, topic, n, runnerVariant{
+				group: fmt.Sprintf("bench-runner-%d", round), schema: "consumer_runner",
+				label: "eventline runner, lanes + batches", profile: "consumer_drain.runner",
+			})
+		}},
+	}
+	// Rounds alternate the variants, the order reversed every other round,
+	// each round in fresh consumer groups and schemas reading the whole
+	// topic again, so drift in the machine's load hits all of them.
 	for round := 1; round <= e.sizes.ConsumerRounds; round++ {
 		e.progressf("   round %d/%d", round, e.sizes.ConsumerRounds)
-		d, err := e.consumeBare(ctx, k, topic, n, round)
-		if err != nil {
-			return Result{}, fmt.Errorf("bare handler: %w", err)
+		for _, v := range alternate(variants, round-1) {
+			d, err := v.drain(ctx, k, topic, n, round)
+			if err != nil {
+				return Result{}, fmt.Errorf("%s: %w", v.name, err)
+			}
+			v.sum = v.sum.add(d)
 		}
-		bare = bare.add(d)
-		if d, err = e.consumeBareBatched(ctx, k, topic, n, round); err != nil {
-			return Result{}, fmt.Errorf("bare batching handler: %w", err)
-		}
-		bareBatched = bareBatched.add(d)
-		if d, err = e.consumeMiddleware(ctx, k, topic, n, round); err != nil {
-			return Result{}, fmt.Errorf("eventline middleware: %w", err)
-		}
-		ours = ours.add(d)
-		if d, err = e.consumeRunner(ctx, k, topic, n, runnerVariant{
-			group: fmt.Sprintf("bench-runner1-%d", round), schema: "consumer_runner1", lanes: 1, batch: 1,
-			label: "eventline runner, one event per tx", profile: "consumer_drain.runner_single",
-		}); err != nil {
-			return Result{}, fmt.Errorf("eventline consumer runner (one event per tx): %w", err)
-		}
-		single = single.add(d)
-		if d, err = e.consumeRunner(ctx, k, topic, n, runnerVariant{
-			group: fmt.Sprintf("bench-runner-%d", round), schema: "consumer_runner",
-			label: "eventline runner, lanes + batches", profile: "consumer_drain.runner",
-		}); err != nil {
-			return Result{}, fmt.Errorf("eventline consumer runner: %w", err)
-		}
-		runner = runner.add(d)
 	}
-	base := "bare handler: insert in its own tx (watermill-kafka + Router)"
-	baseBatched := fmt.Sprintf("bare handler batching the same way (Sarama group, %d lanes × batches of %d, one tx per batch), no dedup/gate", consumer.DefaultLanes, consumer.DefaultBatchSize)
+	bare, laned, batched, ours, single, runner := variants[0].sum, variants[1].sum, variants[2].sum, variants[3].sum, variants[4].sum, variants[5].sum
 	defaults := fmt.Sprintf("consume events/s, consumer.New runner (defaults: %d lanes × batches of %d)", consumer.DefaultLanes, consumer.DefaultBatchSize)
 	res := Result{
 		Rows: []Row{
 			{Metric: "consume events/s, middleware (tx ▸ dedup ▸ gate)", Ours: ours.rate(), Base: bare.rate(), Baseline: base, Target: "≥ 0.80"},
 			{Metric: "consume events/s, consumer.New runner, Lanes 1, BatchSize 1", Ours: single.rate(), Base: bare.rate(), Baseline: base},
 			{Metric: defaults, Ours: runner.rate(), Base: bare.rate(), Baseline: base, Target: "≥ 2.00 " + issue10},
-			{Metric: defaults, Ours: runner.rate(), Base: bareBatched.rate(), Baseline: baseBatched, Target: "≥ 0.80 " + issue10},
+			{Metric: defaults, Ours: runner.rate(), Base: batched.rate(), Baseline: baseBatched, Target: "≥ 0.80 " + issue10},
+			{Metric: defaults, Ours: runner.rate(), Base: laned.rate(), Baseline: baseLaned},
+			{Metric: "round trips per event, consumer.New runner (defaults)", Ours: runner.cost.RoundTripsPerEvent(), Base: bare.cost.RoundTripsPerEvent(), Baseline: base},
+			{Metric: "round trips per event, consumer.New runner (defaults)", Ours: runner.cost.RoundTripsPerEvent(), Base: batched.cost.RoundTripsPerEvent(), Baseline: baseBatched},
+			{Metric: "cold start: Run → first event committed, ms, consumer.New runner", Ours: runner.coldMillis(), Base: bare.coldMillis(), Baseline: base},
 		},
 		Notes: []string{
-			fmt.Sprintf("%d events over %d aggregates × %d consecutive versions, %d partitions keyed by aggregate, prefilled; each variant reads the whole topic from the start in its own consumer group and schema, %d round(s), alternating; the clock runs from the first handled message to the last commit; watermill-kafka handles one message per partition at a time (%d in flight); every variant has a pool of %d connections",
-				n, aggregates, consumerVersions, Partitions, e.sizes.ConsumerRounds, Partitions, Partitions+4),
+			fmt.Sprintf("%d events over %d aggregates × %d consecutive versions, %d partitions keyed by aggregate, prefilled; each variant reads the whole topic from the start in its own consumer group and schema, on a pool of %d connections all open before it starts, %d round(s), the order reversed every other round; the rate runs from the %dth event committed (the first %d%% are the warm-up) to the last; the cold start from Run to the first event committed (group join included)",
+				n, aggregates, consumerVersions, Partitions, Partitions+4, e.sizes.ConsumerRounds, warmEvents(n), 100/warmShare),
+			fmt.Sprintf("in flight: watermill-kafka + Router handles one message per partition at a time (%d); the runner and the two laned bare handlers up to %d lanes per partition (%d), the runner's and the batching one's each with a batch; all bounded by the pool's %d connections",
+				Partitions, consumer.DefaultLanes, consumer.DefaultLanes*Partitions, Partitions+4),
+			"the laned bare handlers commit an offset only when every record below it is done (the runner's rule: the lowest unfinished offset per partition); they read records with Sarama directly, so they also skip the Router and Watermill's per-message hand-off that the runner pays",
+			"costs (cost table): each variant's pool over the whole drain, warm-up and start-up included; rows and WAL of the variant's schema",
 		},
 	}
 	if n < FullSizes().ConsumerBacklog {
 		res.Notes = append(res.Notes, fmt.Sprintf("reduced backlog (%d instead of %d)", n, FullSizes().ConsumerBacklog))
+	}
+	for _, v := range variants {
+		res.Costs = append(res.Costs, v.sum.cost)
 	}
 	res.Ratios = []Ratio{
 		{Name: "consumer_drain_throughput", Value: res.Rows[0].Ratio()},
 		{Name: "consumer_drain_throughput_runner_single", Value: res.Rows[1].Ratio()},
 		{Name: "consumer_drain_throughput_runner", Value: res.Rows[2].Ratio()},
 		{Name: "consumer_drain_throughput_runner_vs_bare_batched", Value: res.Rows[3].Ratio()},
+		{Name: "consumer_drain_throughput_runner_vs_bare_laned", Value: res.Rows[4].Ratio()},
+		{Name: "consumer_drain_round_trips_per_event", Value: res.Rows[5].Ratio()},
+		{Name: "consumer_drain_round_trips_per_event_vs_bare_batched", Value: res.Rows[6].Ratio()},
 	}
 	return res, nil
 }
@@ -148,51 +175,20 @@ func (e *env) prefillConsumer(ctx context.Context, k *kafkaEnv, topic string, n,
 	return nil
 }
 
-// consumerPool opens the consumer's pool: one connection per partition and
-// a few spare.
-func (e *env) consumerPool(ctx context.Context) (*pgxpool.Pool, error) {
-	return e.warmPool(ctx, Partitions+4)
-}
-
-// warmPool opens a pool and connects all its connections before the clock
-// starts: a consumer in production runs on a warm pool, and on a loaded
-// machine opening 16 connections at once takes long enough to hide what is
-// measured.
-func (e *env) warmPool(ctx context.Context, conns int32) (*pgxpool.Pool, error) {
-	pool, err := e.openPool(ctx, conns, nil)
-	if err != nil {
-		return nil, err
-	}
-	held := make([]*pgxpool.Conn, 0, conns)
-	var err2 error
-	for range conns {
-		c, err := pool.Acquire(ctx)
-		if err != nil {
-			err2 = fmt.Errorf("warm the consumer pool: %w", err)
-			break
-		}
-		held = append(held, c)
-	}
-	for _, c := range held {
-		c.Release()
-	}
-	if err2 != nil {
-		pool.Close()
-		return nil, err2
-	}
-	return pool, nil
+// consumerPool opens the consumer's pool, every connection connected: one
+// per partition and a few spare. q may be nil.
+func (e *env) consumerPool(ctx context.Context, q *queryCounter) (*pgxpool.Pool, error) {
+	return e.warmPool(ctx, Partitions+4, q)
 }
 
 // progressCounter counts messages whose handling succeeded (outermost, so
-// after the commit) and remembers when the first one started.
+// after the commit).
 type progressCounter struct {
-	done  atomic.Int64
-	first atomic.Int64 // unix nanoseconds
+	done atomic.Int64
 }
 
 func (c *progressCounter) middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		c.first.CompareAndSwap(0, time.Now().UnixNano())
 		out, err := h(msg)
 		if err == nil {
 			c.done.Add(1)
@@ -201,22 +197,22 @@ func (c *progressCounter) middleware(h message.HandlerFunc) message.HandlerFunc 
 	}
 }
 
-// drain times the counter reaching n, from the first message on.
+// drainConsumer starts a consumer and times the counter: the cold start
+// (start → first event committed), then the rate from the warm-up's last
+// event to the last.
 func (e *env) drainConsumer(ctx context.Context, label, profile string, n int, c *progressCounter, start func() error) (drainResult, error) {
-	stopProfile := e.profile(profile)
-	defer stopProfile()
-	if err := start(); err != nil {
-		return drainResult{}, err
-	}
-	stopWatch := e.watch(label, n, c.done.Load)
-	end, err := waitFor(ctx, drainTimeout(n), int64(n), c.done.Load)
-	stopWatch()
+	return e.measureDrain(ctx, label, profile, n, start, c.done.Load)
+}
+
+// stopCost ends d's cost window after the consumer stopped.
+func (e *env) stopCost(ctx context.Context, m *meter, n int, d *drainResult) error {
+	cost, err := m.stop(ctx, int64(n), d.rate())
 	if err != nil {
-		return drainResult{}, err
+		return err
 	}
-	d := drainResult{events: n, elapsed: end.Sub(time.Unix(0, c.first.Load()))}
-	e.progressf("   %s: %d events in %s = %.0f events/s", label, n, d.elapsed.Round(time.Millisecond), d.rate())
-	return d, nil
+	d.cost = cost
+	e.logCost(cost)
+	return nil
 }
 
 // routerConsumer runs a watermill-kafka subscriber and a Router with one
@@ -292,7 +288,7 @@ func (e *env) checkEffects(ctx context.Context, schema string, n int) error {
 func (e *env) consumeBare(ctx context.Context, k *kafkaEnv, topic string, n, round int) (drainResult, error) {
 	return e.consumeWithRouter(ctx, k, topic, n, routerVariant{
 		group: fmt.Sprintf("bench-bare-%d", round), schema: "consumer_bare",
-		label: "bare handler", profile: "consumer_drain.bare",
+		label: "bare handler (Router)", profile: "consumer_drain.bare",
 		build: func(pool *pgxpool.Pool, _ string, biz business) (message.HandlerMiddleware, message.NoPublishHandlerFunc, error) {
 			return nil, func(msg *message.Message) error {
 				ev, err := eventline.Decode(msg)
@@ -339,12 +335,17 @@ func (e *env) consumeWithRouter(ctx context.Context, k *kafkaEnv, topic string, 
 		return drainResult{}, err
 	}
 	defer drop()
-	pool, err := e.consumerPool(ctx)
+	q := newQueryCounter()
+	pool, err := e.consumerPool(ctx, q)
 	if err != nil {
 		return drainResult{}, err
 	}
 	defer pool.Close()
 	mw, handler, err := v.build(pool, schema, biz)
+	if err != nil {
+		return drainResult{}, err
+	}
+	m, err := e.startMeter(ctx, "consumer", v.label, []string{schema}, []*pgxpool.Pool{pool}, q)
 	if err != nil {
 		return drainResult{}, err
 	}
@@ -362,6 +363,9 @@ func (e *env) consumeWithRouter(ctx context.Context, k *kafkaEnv, topic string, 
 		if serr := stop(); err == nil {
 			err = serr
 		}
+	}
+	if err == nil {
+		err = e.stopCost(ctx, m, n, &d)
 	}
 	if err != nil {
 		return d, err
@@ -397,7 +401,8 @@ func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n in
 	if conns == 0 {
 		conns = Partitions + 4
 	}
-	pool, err := e.warmPool(ctx, conns)
+	q := newQueryCounter()
+	pool, err := e.warmPool(ctx, conns, q)
 	if err != nil {
 		return drainResult{}, err
 	}
@@ -425,6 +430,10 @@ func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n in
 	if err := cons.Handle("order.created", handle); err != nil {
 		return drainResult{}, err
 	}
+	m, err := e.startMeter(ctx, "consumer", v.label, []string{schema}, []*pgxpool.Pool{pool}, q)
+	if err != nil {
+		return drainResult{}, err
+	}
 	rctx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
 	var runErr error
@@ -437,6 +446,9 @@ func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n in
 	wg.Wait()
 	if err == nil {
 		err = runErr
+	}
+	if err == nil {
+		err = e.stopCost(ctx, m, n, &d)
 	}
 	if err != nil {
 		return d, err

@@ -14,6 +14,14 @@ type rateResult struct {
 	sustained bool
 	cpu       cpuUse // the machine's CPU use while the rate was offered
 	cpuOK     bool
+	// cpuPerEvent is the machine's CPU milliseconds per measured event.
+	cpuPerEvent float64
+	// proc and broker are the cores this process and the Kafka broker
+	// (when its pid is known) used over the same window.
+	proc, broker     float64
+	procOK, brokerOK bool
+	// costs are each stage's, then the whole pipeline's.
+	costs []Cost
 }
 
 // rateSearch offers rates above the highest one whose p99 stayed within
@@ -65,7 +73,7 @@ func (e *env) drain(ctx context.Context, p *pipeline, label string) (float64, er
 		go func() {
 			defer wg.Done()
 			for range jobs {
-				id, err := p.publish(ctx)
+				id, err := p.publish(ctx, p.prodPool)
 				if err != nil {
 					select {
 					case errc <- err:

@@ -1,0 +1,62 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os/exec"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func noEnv(string) string { return "" }
+
+func TestHelpExits0AndListsTheScenarios(t *testing.T) {
+	var out, errw bytes.Buffer
+	code := run(context.Background(), []string{"-h"}, &out, &errw, noEnv)
+	require.Equal(t, exitOK, code)
+	require.Empty(t, out.String())
+	for _, want := range []string{"Usage: eventline-bench [flags]", "producer_overhead", "end_to_end_latency", "-quick", "-scenarios names", "-profile DIR", "-database-url URL", "-brokers brokers"} {
+		require.Contains(t, errw.String(), want)
+	}
+}
+
+func TestUsageErrorsExit2(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"extra"}, `takes no arguments, got ["extra"]`},
+		{[]string{"-scenarios", "relay_drain,nope"}, `unknown scenario "nope"`},
+		{[]string{"-brokers", "nohostport"}, `broker "nohostport" is not host:port`},
+		{[]string{"-nope"}, "flag provided but not defined: -nope"},
+	} {
+		t.Run(tc.want, func(t *testing.T) {
+			var out, errw bytes.Buffer
+			code := run(context.Background(), tc.args, &out, &errw, noEnv)
+			require.Equal(t, exitUsage, code)
+			require.Contains(t, errw.String(), tc.want)
+			require.Empty(t, out.String())
+		})
+	}
+}
+
+// TestTheEventlineBinaryDoesNotLinkTheHarness is the point of this
+// command: the harness and its in-process fakes stay out of the CLI users
+// install.
+func TestTheEventlineBinaryDoesNotLinkTheHarness(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs go list")
+	}
+	deps := goList(t, "-deps", "github.com/eventline/eventline/cmd/eventline")
+	require.NotContains(t, deps, "eventline-bench")
+	require.NotContains(t, deps, "/bench")
+}
+
+// goList runs `go list args...` and returns its output.
+func goList(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command("go", append([]string{"list"}, args...)...).CombinedOutput()
+	require.NoError(t, err, "go list: %s", out)
+	return string(out)
+}
