@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 
@@ -113,8 +114,18 @@ type RebaseResult struct {
 // Afterwards the relay sends the old rows it had not sent (in insertion
 // order), then every row written on this cluster. Rows relayed before the
 // move whose transaction id is below this cluster's counter are sent
-// again: consumers skip them as duplicates. Nothing is lost. Shards that
-// are not ahead are left alone. With dryRun it only reports.
+// again: consumers skip them as duplicates. Shards that are not ahead are
+// left alone. With dryRun it only reports.
+//
+// Producers may keep writing meanwhile: nothing they commit is marked
+// relayed. The counter that decides which rows are re-based, the rows and
+// the position are read and written by one statement, under one snapshot.
+// A row of this cluster carries its transaction's id; an id at or above
+// that snapshot's xmax belongs to a transaction the snapshot does not see
+// (still running, or not started, when the statement began), so its rows
+// are invisible to the statement and keep their id; every other row of
+// this cluster has an id below the counter and is not touched. Either way
+// the row sorts after the new position and is relayed.
 func RebasePositions(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, schema string, dryRun bool) ([]RebaseResult, error) {
@@ -141,6 +152,7 @@ func RebasePositions(ctx context.Context, db interface {
 			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int, $2::int)`, fenceNS, shard); err != nil {
 				return fmt.Errorf("take shard %d's read fence: %w", shard, err)
 			}
+			// A cheap look first, so shards that are fine are left alone.
 			c, err := checkPosition(ctx, tx, schema, shard)
 			if err != nil {
 				return err
@@ -149,30 +161,21 @@ func RebasePositions(ctx context.Context, db interface {
 			if !c.Ahead() {
 				return nil
 			}
-			messages := sqlident.Qualify(schema, outbox.Table(shard))
-			offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
-			// Classify by the original ids, then move them, in one statement.
-			err = tx.QueryRow(ctx, `WITH pos AS (
-					SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM `+offsets+` WHERE consumer_group = $1
-				), moved AS (
-					UPDATE `+messages+` m
-					SET transaction_id = CASE WHEN pos.xid IS NOT NULL AND (m.transaction_id, m."offset") <= (pos.xid, pos.off) THEN '0'::xid8 ELSE '1'::xid8 END
-					FROM (SELECT 1) one LEFT JOIN pos ON true
-					WHERE m.transaction_id >= $2::text::xid8
-					RETURNING m.transaction_id = '0'::xid8 AS relayed
-				)
-				SELECT count(*) FILTER (WHERE relayed), count(*) FILTER (WHERE NOT relayed) FROM moved`,
-				outbox.RelayConsumerGroup, strconv.FormatUint(c.Counter, 10)).Scan(&res.Relayed, &res.Pending)
-			if err != nil {
-				return fmt.Errorf("re-base shard %d rows: %w", shard, err)
+			if hook := rebaseHook.Load(); hook != nil {
+				(*hook)(schema, shard)
 			}
-			_, err = tx.Exec(ctx, `INSERT INTO `+offsets+` (consumer_group, offset_acked, last_processed_transaction_id)
-				VALUES ($1, COALESCE((SELECT max("offset") FROM `+messages+` WHERE transaction_id = '0'::xid8), 0), '0')
-				ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id`,
-				outbox.RelayConsumerGroup)
+			// The counter read above is stale by now: a producer may have
+			// taken an id at or above it and committed since. The re-base
+			// reads its own, in the statement that moves the rows.
+			var pos, newest, counter string
+			err = tx.QueryRow(ctx, rebaseSQL(schema, shard), outbox.RelayConsumerGroup).
+				Scan(&pos, &newest, &counter, &res.Relayed, &res.Pending)
 			if err != nil {
-				return fmt.Errorf("re-base shard %d position: %w", shard, err)
+				return fmt.Errorf("re-base shard %d: %w", shard, err)
 			}
+			res.Position, _ = strconv.ParseUint(pos, 10, 64)
+			res.NewestRow, _ = strconv.ParseUint(newest, 10, 64)
+			res.Counter, _ = strconv.ParseUint(counter, 10, 64)
 			if dryRun {
 				return errDryRun
 			}
@@ -184,6 +187,47 @@ func RebasePositions(ctx context.Context, db interface {
 		out = append(out, res)
 	}
 	return out, nil
+}
+
+// rebaseHook, when set (by tests), runs in RebasePositions after a shard
+// was found ahead and before it is re-based.
+var rebaseHook atomic.Pointer[func(schema string, shard int)]
+
+// rebaseSQL re-bases one shard ($1 the relay's consumer group) in one
+// statement, so the counter it compares ids with comes from the snapshot
+// its reads and writes use (see RebasePositions): it returns position,
+// newest row and counter as text, and the rows it marked relayed and
+// pending. Rows are classified by their original ids; the position is the
+// highest offset among the rows at 0, those moved there now and those a
+// previous re-base left there (the statement does not see its own
+// update).
+func rebaseSQL(schema string, shard int) string {
+	messages := sqlident.Qualify(schema, outbox.Table(shard))
+	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
+	return `WITH pos AS (
+			SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM ` + offsets + ` WHERE consumer_group = $1
+		), chk AS (
+			SELECT COALESCE((SELECT xid FROM pos), '0'::xid8) AS position,
+				COALESCE((SELECT max(transaction_id) FROM ` + messages + `), '0'::xid8) AS newest,
+				pg_snapshot_xmax(pg_current_snapshot()) AS counter
+		), ahead AS (
+			SELECT counter FROM chk WHERE position >= counter OR newest >= counter
+		), moved AS (
+			UPDATE ` + messages + ` m
+			SET transaction_id = CASE WHEN pos.xid IS NOT NULL AND (m.transaction_id, m."offset") <= (pos.xid, pos.off) THEN '0'::xid8 ELSE '1'::xid8 END
+			FROM ahead LEFT JOIN pos ON true
+			WHERE m.transaction_id >= ahead.counter
+			RETURNING m.transaction_id = '0'::xid8 AS relayed, m."offset" AS off
+		), positioned AS (
+			INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id)
+			SELECT $1, GREATEST(COALESCE((SELECT max(off) FROM moved WHERE relayed), 0),
+				COALESCE((SELECT max("offset") FROM ` + messages + ` WHERE transaction_id = '0'::xid8), 0)), '0'::xid8
+			FROM ahead
+			ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id
+		)
+		SELECT position::text, newest::text, counter::text,
+			(SELECT count(*) FROM moved WHERE relayed), (SELECT count(*) FROM moved WHERE NOT relayed)
+		FROM chk`
 }
 
 var errDryRun = errors.New("dry run")

@@ -28,7 +28,10 @@ read fence: rows from the old cluster are re-based (relayed ones before the
 position, the others after it, in insertion order) and the position is reset,
 so the relay sends what it had not sent, then everything written since.
 Events relayed before the move may be sent again (consumers skip them);
-nothing is lost. Shards that are fine are left alone. Stop the relays first.`)
+nothing is lost. Producers may keep writing: the rows to re-base are chosen
+by the statement that moves them, under its own snapshot, so an event
+committed meanwhile is never taken for one relayed before the move. Shards
+that are fine are left alone. Stop the relays first.`)
 	dryRun := fs.Bool("dry-run", false, "report what would change, change nothing")
 	pos, err := fs.parse(args)
 	if err != nil {
