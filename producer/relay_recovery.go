@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
@@ -238,21 +240,34 @@ type SequenceAdvance struct {
 	Aggregates int64
 	// Advanced counts those whose sequence was behind and was moved up.
 	Advanced int64
+	// KeysTooLong counts aggregates left out because their type and id
+	// are too long for PostgreSQL's index on aggregate_sequences (a
+	// hostile record a consumer dead-lettered): no producer can publish
+	// such an aggregate, so no new event can reuse its versions.
+	KeysTooLong int64
 }
 
 // AdvanceSequences moves every aggregate's producer sequence
-// (aggregate_sequences) up to the highest version any consumer group has
-// applied or parked for it, so the producer never hands out a version
-// consumers have already seen. Run it after a failover that lost commits
-// (asynchronous replication): the outbox and the sequences rolled back,
-// the consumers did not, and new events would otherwise reuse versions the
-// consumers discard as stale.
+// (aggregate_sequences) up to the highest version any consumer group holds
+// for it, so the producer never hands out a version consumers have already
+// seen. Run it after a failover that lost commits (asynchronous
+// replication): the outbox and the sequences rolled back, the consumers did
+// not, and new events would otherwise reuse versions the consumers discard
+// as stale.
 //
-// consumerDB and consumerSchema hold the consumer groups' aggregate_versions
-// and parked_events: the producer's own database and schema when producer
-// and consumers share one, or the consumers' database otherwise (run it
-// once per consumer database). Sequences only ever move up. With dryRun
-// nothing is written.
+// A version is held wherever a consumer can keep it: applied
+// (aggregate_versions), parked (parked_events), late (late_events) and
+// dead-lettered (consumer_dead_letters, whatever the letter's status: a
+// discarded letter's version was still used by an event, and a replayed
+// one's is applied or held elsewhere, so counting it costs nothing). Dead
+// letters whose envelope did not decode carry no version and do not count.
+// Tables a consumer schema predates (late_events, consumer_dead_letters)
+// hold nothing and are skipped.
+//
+// consumerDB and consumerSchema hold the consumer groups' tables: the
+// producer's own database and schema when producer and consumers share
+// one, or the consumers' database otherwise (run it once per consumer
+// database). Sequences only ever move up. With dryRun nothing is written.
 func AdvanceSequences(ctx context.Context, producerDB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, schema string, consumerDB DBTX, consumerSchema string, dryRun bool) (SequenceAdvance, error) {
@@ -269,11 +284,11 @@ func AdvanceSequences(ctx context.Context, producerDB interface {
 	if err := sqlident.Validate("consumer schema", consumerSchema); err != nil {
 		return res, err
 	}
-	rows, err := consumerDB.Query(ctx, `SELECT aggregate_type, aggregate_id, max(version) FROM (
-			SELECT aggregate_type, aggregate_id, version FROM `+sqlident.Qualify(consumerSchema, "aggregate_versions")+`
-			UNION ALL
-			SELECT aggregate_type, aggregate_id, aggregate_version FROM `+sqlident.Qualify(consumerSchema, "parked_events")+`
-		) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`)
+	seen, err := heldVersionsSQL(ctx, consumerDB, consumerSchema)
+	if err != nil {
+		return res, err
+	}
+	rows, err := consumerDB.Query(ctx, seen)
 	if err != nil {
 		return res, fmt.Errorf("read the versions consumers have seen: %w", err)
 	}
@@ -293,19 +308,25 @@ func AdvanceSequences(ctx context.Context, producerDB interface {
 	}
 	res.Aggregates = int64(len(types))
 	const chunk = 10_000
+	seqs := sqlident.Qualify(schema, "aggregate_sequences")
 	err = pgx.BeginFunc(ctx, producerDB, func(tx pgx.Tx) error {
 		for start := 0; start < len(types); start += chunk {
 			end := min(start+chunk, len(types))
-			var n int64
-			err := tx.QueryRow(ctx, `WITH seen AS (
-					SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(aggregate_type, aggregate_id, version)
-				), up AS (
-					INSERT INTO `+sqlident.Qualify(schema, "aggregate_sequences")+` AS q (aggregate_type, aggregate_id, version)
-					SELECT aggregate_type, aggregate_id, version FROM seen
-					ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = excluded.version
-					WHERE q.version < excluded.version
-					RETURNING 1
-				) SELECT count(*) FROM up`, types[start:end], ids[start:end], versions[start:end]).Scan(&n)
+			n, err := advanceChunk(ctx, tx, seqs, types[start:end], ids[start:end], versions[start:end])
+			if isKeyTooLong(err) {
+				// One aggregate's key is too long for the index: go one by
+				// one and leave those out.
+				n, err = 0, nil
+				for i := start; i < end && err == nil; i++ {
+					var one int64
+					one, err = advanceChunk(ctx, tx, seqs, types[i:i+1], ids[i:i+1], versions[i:i+1])
+					if isKeyTooLong(err) {
+						one, err = 0, nil
+						res.KeysTooLong++
+					}
+					n += one
+				}
+			}
 			if err != nil {
 				return fmt.Errorf("advance aggregate sequences: %w", err)
 			}
@@ -320,4 +341,55 @@ func AdvanceSequences(ctx context.Context, producerDB interface {
 		return res, err
 	}
 	return res, nil
+}
+
+// advanceChunk moves the sequences of one chunk of aggregates up, in a
+// savepoint of tx, and returns how many moved.
+func advanceChunk(ctx context.Context, tx pgx.Tx, seqs string, types, ids []string, versions []int64) (int64, error) {
+	var n int64
+	err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+		return sp.QueryRow(ctx, `WITH seen AS (
+				SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(aggregate_type, aggregate_id, version)
+			), up AS (
+				INSERT INTO `+seqs+` AS q (aggregate_type, aggregate_id, version)
+				SELECT aggregate_type, aggregate_id, version FROM seen
+				ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = excluded.version
+				WHERE q.version < excluded.version
+				RETURNING 1
+			) SELECT count(*) FROM up`, types, ids, versions).Scan(&n)
+	})
+	return n, err
+}
+
+// isKeyTooLong reports PostgreSQL refusing an index entry as too large
+// (SQLSTATE 54000, program_limit_exceeded).
+func isKeyTooLong(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "54000"
+}
+
+// heldVersionsSQL returns the query for the highest version consumers hold
+// per aggregate (type, id, version), over the tables of consumerSchema
+// that can hold one (see AdvanceSequences).
+func heldVersionsSQL(ctx context.Context, db DBTX, schema string) (string, error) {
+	parts := []string{
+		`SELECT aggregate_type, aggregate_id, version FROM ` + sqlident.Qualify(schema, "aggregate_versions"),
+		`SELECT aggregate_type, aggregate_id, aggregate_version FROM ` + sqlident.Qualify(schema, "parked_events"),
+	}
+	late, dead := sqlident.Qualify(schema, "late_events"), sqlident.Qualify(schema, "consumer_dead_letters")
+	var hasLate, hasDead bool
+	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL`, late, dead).Scan(&hasLate, &hasDead); err != nil {
+		return "", fmt.Errorf("look for the consumers' late events and dead letters: %w", err)
+	}
+	if hasLate {
+		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM `+late)
+	}
+	if hasDead {
+		// A letter whose envelope did not decode has version 0 and no
+		// aggregate.
+		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM `+dead+` WHERE aggregate_id <> ''`)
+	}
+	return `SELECT aggregate_type, aggregate_id, max(version) FROM (
+			` + strings.Join(parts, "\n\t\t\tUNION ALL\n\t\t\t") + `
+		) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`, nil
 }

@@ -2,6 +2,8 @@ package producer_test
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"testing"
 	"time"
 
@@ -80,4 +82,67 @@ func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 	_, stop = runRelay(t, env.Pool, cfg)
 	requireAllDelivered(t, brokers, topic, append(ids(unsent), committed.ID, inFlight.ID), 30*time.Second)
 	stop()
+}
+
+// TestAdvanceSequencesCountsEveryVersionConsumersHold: after a failover
+// that lost commits, a consumer group may hold a version not only as
+// applied or parked but as a late event or a dead letter (the dead letter
+// of the newest version, say, while later ones wait). Before the fix
+// AdvanceSequences read only aggregate_versions and parked_events, left
+// the sequence below the dead letter's version, and the next event took
+// that version too. A dead letter whose envelope did not decode holds no
+// version; one whose aggregate key is too long for the sequences' index
+// (a hostile record) could never have been published, and is left out
+// instead of failing the whole run.
+func TestAdvanceSequencesCountsEveryVersionConsumersHold(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		_, err := env.Pool.Exec(ctx, sql, args...)
+		require.NoError(t, err)
+	}
+	q := func(table string) string { return sqlident.Qualify(env.Schema, table) }
+	exec(`INSERT INTO ` + q("aggregate_sequences") + ` VALUES ('order','a',3)`)
+	exec(`INSERT INTO ` + q("aggregate_versions") + ` (consumer_group, aggregate_type, aggregate_id, version)
+		VALUES ('billing','order','a',7), ('billing','order','d',2)`)
+	exec(`INSERT INTO ` + q("late_events") + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+			event_type, payload, metadata, kind, reason, current_version)
+		VALUES ('billing','e9','order','d',9,8,'order.updated','\x7b7d','{}','passed','passed while parked',10)`)
+	dead := func(group, typ, id string, version int64, status string) {
+		t.Helper()
+		exec(`INSERT INTO `+q("consumer_dead_letters")+` (consumer_group, message_uuid, payload, header_keys, header_values,
+				event_id, aggregate_type, aggregate_id, aggregate_version, kind, reason, status)
+			VALUES ($1, '\x00', '\x00', '{}', '{}', 'ev', $2, $3, $4, 'permanent', 'test', $5)`, group, typ, id, version, status)
+	}
+	dead("billing", "order", "a", 12, "dead")         // waits for the operator
+	dead("shipping", "order", "e", 15, "discarded")   // given up on, but its version was used
+	dead("shipping", "order", "f", 4, "replayed")     // applied or held elsewhere since; counts all the same
+	dead("shipping", "", "", 0, "dead")               // did not decode: no version
+	dead("shipping", "order", hugeKey(t), 99, "dead") // a hostile record's key
+
+	res, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, env.Pool, env.Schema, false)
+	require.NoError(t, err)
+	require.Equal(t, producer.SequenceAdvance{Aggregates: 5, Advanced: 4, KeysTooLong: 1}, res)
+	seq := func(id string) int {
+		return pgtest.Count(t, env.Pool, `SELECT version FROM `+q("aggregate_sequences")+` WHERE aggregate_type = 'order' AND aggregate_id = $1`, id)
+	}
+	require.Equal(t, 12, seq("a"), "the dead letter's version, not the applied one below it")
+	require.Equal(t, 9, seq("d"), "the late event's version")
+	require.Equal(t, 15, seq("e"), "a discarded dead letter's version was used")
+	require.Equal(t, 4, seq("f"))
+
+	p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
+	require.NoError(t, err)
+	require.NoError(t, p.Publish(ctx, env.Pool, mustEvent(t, "a", "orders", 1)))
+	require.Equal(t, 13, seq("a"), "the next event follows the version held as a dead letter")
+}
+
+// hugeKey returns an aggregate id no PostgreSQL index can hold.
+func hugeKey(t *testing.T) string {
+	var b [8 << 10]byte
+	_, err := rand.Read(b[:])
+	require.NoError(t, err)
+	return hex.EncodeToString(b[:])
 }
