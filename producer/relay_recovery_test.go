@@ -23,9 +23,11 @@ import (
 // and commits before the rows are moved, wrote a row whose id is at or
 // above that counter: before the fix the re-base took it for a row of the
 // old cluster, gave it id 0 ("relayed before the move") and set the
-// position on it, so the relay never sent it. A producer still in flight
-// while the rows are moved commits after the re-base. Both events must be
-// relayed, with the old cluster's unsent one.
+// position on it, so the relay never sent it. A producer that took its id
+// before the re-base began may sit at or above the counter too (it is one
+// past the newest completed transaction); one still in flight while the
+// rows are moved commits after the re-base. Every one of these events must
+// be relayed, with the old cluster's unsent one.
 func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
@@ -47,11 +49,19 @@ func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 	require.NoError(t, err)
 	committed := mustEvent(t, "agg-0", topic, "committed while the re-base ran")
 	inFlight := mustEvent(t, "agg-1", topic, "in flight while the re-base ran")
+	// This one took its id before the re-base began: the counter, one past
+	// the newest completed transaction, may be at or below it.
+	early := mustEvent(t, "agg-2", topic, "begun before the re-base, committed while it ran")
+	earlyTx, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = earlyTx.Rollback(ctx) }()
+	require.NoError(t, p.PublishTx(ctx, earlyTx, early))
 	var open pgx.Tx
 	restore := producer.SetRebaseHook(func(schema string, _ int) {
 		if schema != env.Schema {
 			return
 		}
+		require.NoError(t, earlyTx.Commit(ctx))
 		// The re-base has read the counter. This transaction takes a
 		// newer id, and commits before the rows are moved.
 		require.NoError(t, p.Publish(ctx, env.Pool, committed))
@@ -67,20 +77,20 @@ func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 	require.NotNil(t, open, "the hook ran")
 	require.NoError(t, open.Commit(ctx))
 
-	// Both rows sort after the new position.
+	// Every one of those rows sorts after the new position.
 	var rows, behind int
 	require.NoError(t, env.Pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE
 			(m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)) FROM `+sqlident.Qualify(env.Schema, outbox.Table(0))+` m, `+
 		sqlident.Qualify(env.Schema, outbox.OffsetsTable(0))+` o
-		WHERE o.consumer_group = $1 AND m.payload->>'uuid' = ANY($2)`, outbox.RelayConsumerGroup, []string{committed.ID, inFlight.ID}).Scan(&rows, &behind))
-	require.Equal(t, 2, rows)
+		WHERE o.consumer_group = $1 AND m.payload->>'uuid' = ANY($2)`, outbox.RelayConsumerGroup, []string{committed.ID, inFlight.ID, early.ID}).Scan(&rows, &behind))
+	require.Equal(t, 3, rows)
 	require.Zero(t, behind, "an event committed during the re-base is at or before the relay's position: it will never be sent")
 	require.True(t, res[0].Ahead())
 	require.EqualValues(t, 3, res[0].Relayed, "only the rows relayed on the old cluster count as relayed")
 	require.EqualValues(t, 1, res[0].Pending)
 
 	_, stop = runRelay(t, env.Pool, cfg)
-	requireAllDelivered(t, brokers, topic, append(ids(unsent), committed.ID, inFlight.ID), 30*time.Second)
+	requireAllDelivered(t, brokers, topic, append(ids(unsent), committed.ID, inFlight.ID, early.ID), 30*time.Second)
 	stop()
 }
 
