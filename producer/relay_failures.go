@@ -24,6 +24,10 @@ var errFlushTimeout = errors.New("eventline: no answer from Kafka within the flu
 // stop grace ran out, or its lease was lost) before Kafka answered.
 var errShardStopped = errors.New("eventline: the shard stopped before Kafka answered")
 
+// errNotSent marks a row not handed to Kafka because its shard's lease ran
+// out, or the shard was asked to stop, just before.
+var errNotSent = errors.New("eventline: not sent: the shard's lease ran out, or the shard is stopping")
+
 // permanentError marks a publish failure that retrying cannot fix.
 type permanentError struct{ err error }
 
@@ -79,7 +83,7 @@ func classify(err error) failureKind {
 	switch {
 	case errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
 		errors.Is(err, sarama.ErrClosedClient), errors.Is(err, sarama.ErrShuttingDown),
-		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout), errors.Is(err, errShardStopped),
+		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout), errors.Is(err, errShardStopped), errors.Is(err, errNotSent),
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
 		errors.As(err, &netErr):
 		return failUnavailable
@@ -239,7 +243,7 @@ func (s *shardRunner) finish(t *relayTx) {
 		s.relay.metrics.addDeadLetter(s.shard)
 		s.log.Warn("event dead-lettered", "event_id", it.event.ID, "outbox_uuid", it.outboxUUID, "reason", it.deadReason)
 	}
-	if p.first != nil && p.first.state == itemFailed && !errors.Is(p.first.err, errShardStopped) {
+	if p.first != nil && p.first.state == itemFailed && !errors.Is(p.first.err, errShardStopped) && !errors.Is(p.first.err, errNotSent) {
 		s.recordFailure(ctx, p.first)
 	}
 }

@@ -144,7 +144,11 @@ func (o *ownership) tick(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	o.reap(qctx)
+	// A released runner that ended since the renewal loses its lease now:
+	// it was renewed, but is no longer held.
+	for shard := range o.reap(qctx) {
+		delete(held, shard)
+	}
 
 	var live int
 	if err := o.conn.QueryRow(qctx, o.sql.live).Scan(&live); err != nil {
@@ -163,6 +167,7 @@ func (o *ownership) tick(ctx context.Context) error {
 			continue
 		}
 		if len(owned) < share {
+			delete(o.released, shard)
 			r.startShard(shard, deadline)
 			owned = append(owned, shard)
 			r.log.Info("resumed shard", "shard", shard)
@@ -262,8 +267,11 @@ func (o *ownership) renew(ctx context.Context) (held map[int]bool, deadline time
 }
 
 // reap forgets runners that ended and deletes the leases of those that
-// were released, so another relay can take them at once.
-func (o *ownership) reap(ctx context.Context) {
+// were released, so another relay can take them at once. It returns the
+// shards whose leases it released (or tried to: a lease it failed to
+// delete expires by itself); the caller must not relay them on the
+// strength of an earlier renewal.
+func (o *ownership) reap(ctx context.Context) map[int]bool {
 	r := o.r
 	r.mu.Lock()
 	var ended []*shardRunner
@@ -274,11 +282,16 @@ func (o *ownership) reap(ctx context.Context) {
 		}
 	}
 	r.mu.Unlock()
+	var released map[int]bool
 	for _, runner := range ended {
 		if !o.released[runner.shard] || o.conn == nil {
 			continue
 		}
 		delete(o.released, runner.shard)
+		if released == nil {
+			released = map[int]bool{}
+		}
+		released[runner.shard] = true
 		qctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
 		_, err := o.conn.Exec(qctx, o.sql.release, runner.shard, r.instance)
 		cancel()
@@ -286,6 +299,7 @@ func (o *ownership) reap(ctx context.Context) {
 			r.log.Warn("release shard lease; it expires by itself", "shard", runner.shard, "err", err)
 		}
 	}
+	return released
 }
 
 // shutdown stops every shard, renewing the leases while their batches

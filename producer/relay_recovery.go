@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
@@ -113,8 +116,18 @@ type RebaseResult struct {
 // Afterwards the relay sends the old rows it had not sent (in insertion
 // order), then every row written on this cluster. Rows relayed before the
 // move whose transaction id is below this cluster's counter are sent
-// again: consumers skip them as duplicates. Nothing is lost. Shards that
-// are not ahead are left alone. With dryRun it only reports.
+// again: consumers skip them as duplicates. Shards that are not ahead are
+// left alone. With dryRun it only reports.
+//
+// Producers may keep writing meanwhile: nothing they commit is marked
+// relayed. The counter that decides which rows are re-based, the rows and
+// the position are read and written by one statement, under one snapshot.
+// A row of this cluster carries its transaction's id; an id at or above
+// that snapshot's xmax belongs to a transaction the snapshot does not see
+// (still running, or not started, when the statement began), so its rows
+// are invisible to the statement and keep their id; every other row of
+// this cluster has an id below the counter and is not touched. Either way
+// the row sorts after the new position and is relayed.
 func RebasePositions(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, schema string, dryRun bool) ([]RebaseResult, error) {
@@ -141,6 +154,7 @@ func RebasePositions(ctx context.Context, db interface {
 			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1::int, $2::int)`, fenceNS, shard); err != nil {
 				return fmt.Errorf("take shard %d's read fence: %w", shard, err)
 			}
+			// A cheap look first, so shards that are fine are left alone.
 			c, err := checkPosition(ctx, tx, schema, shard)
 			if err != nil {
 				return err
@@ -149,30 +163,21 @@ func RebasePositions(ctx context.Context, db interface {
 			if !c.Ahead() {
 				return nil
 			}
-			messages := sqlident.Qualify(schema, outbox.Table(shard))
-			offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
-			// Classify by the original ids, then move them, in one statement.
-			err = tx.QueryRow(ctx, `WITH pos AS (
-					SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM `+offsets+` WHERE consumer_group = $1
-				), moved AS (
-					UPDATE `+messages+` m
-					SET transaction_id = CASE WHEN pos.xid IS NOT NULL AND (m.transaction_id, m."offset") <= (pos.xid, pos.off) THEN '0'::xid8 ELSE '1'::xid8 END
-					FROM (SELECT 1) one LEFT JOIN pos ON true
-					WHERE m.transaction_id >= $2::text::xid8
-					RETURNING m.transaction_id = '0'::xid8 AS relayed
-				)
-				SELECT count(*) FILTER (WHERE relayed), count(*) FILTER (WHERE NOT relayed) FROM moved`,
-				outbox.RelayConsumerGroup, strconv.FormatUint(c.Counter, 10)).Scan(&res.Relayed, &res.Pending)
-			if err != nil {
-				return fmt.Errorf("re-base shard %d rows: %w", shard, err)
+			if hook := rebaseHook.Load(); hook != nil {
+				(*hook)(schema, shard)
 			}
-			_, err = tx.Exec(ctx, `INSERT INTO `+offsets+` (consumer_group, offset_acked, last_processed_transaction_id)
-				VALUES ($1, COALESCE((SELECT max("offset") FROM `+messages+` WHERE transaction_id = '0'::xid8), 0), '0')
-				ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id`,
-				outbox.RelayConsumerGroup)
+			// The counter read above is stale by now: a producer may have
+			// taken an id at or above it and committed since. The re-base
+			// reads its own, in the statement that moves the rows.
+			var pos, newest, counter string
+			err = tx.QueryRow(ctx, rebaseSQL(schema, shard), outbox.RelayConsumerGroup).
+				Scan(&pos, &newest, &counter, &res.Relayed, &res.Pending)
 			if err != nil {
-				return fmt.Errorf("re-base shard %d position: %w", shard, err)
+				return fmt.Errorf("re-base shard %d: %w", shard, err)
 			}
+			res.Position, _ = strconv.ParseUint(pos, 10, 64)
+			res.NewestRow, _ = strconv.ParseUint(newest, 10, 64)
+			res.Counter, _ = strconv.ParseUint(counter, 10, 64)
 			if dryRun {
 				return errDryRun
 			}
@@ -186,6 +191,47 @@ func RebasePositions(ctx context.Context, db interface {
 	return out, nil
 }
 
+// rebaseHook, when set (by tests), runs in RebasePositions after a shard
+// was found ahead and before it is re-based.
+var rebaseHook atomic.Pointer[func(schema string, shard int)]
+
+// rebaseSQL re-bases one shard ($1 the relay's consumer group) in one
+// statement, so the counter it compares ids with comes from the snapshot
+// its reads and writes use (see RebasePositions): it returns position,
+// newest row and counter as text, and the rows it marked relayed and
+// pending. Rows are classified by their original ids; the position is the
+// highest offset among the rows at 0, those moved there now and those a
+// previous re-base left there (the statement does not see its own
+// update).
+func rebaseSQL(schema string, shard int) string {
+	messages := sqlident.Qualify(schema, outbox.Table(shard))
+	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
+	return `WITH pos AS (
+			SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM ` + offsets + ` WHERE consumer_group = $1
+		), chk AS (
+			SELECT COALESCE((SELECT xid FROM pos), '0'::xid8) AS position,
+				COALESCE((SELECT max(transaction_id) FROM ` + messages + `), '0'::xid8) AS newest,
+				pg_snapshot_xmax(pg_current_snapshot()) AS counter
+		), ahead AS (
+			SELECT counter FROM chk WHERE position >= counter OR newest >= counter
+		), moved AS (
+			UPDATE ` + messages + ` m
+			SET transaction_id = CASE WHEN pos.xid IS NOT NULL AND (m.transaction_id, m."offset") <= (pos.xid, pos.off) THEN '0'::xid8 ELSE '1'::xid8 END
+			FROM ahead LEFT JOIN pos ON true
+			WHERE m.transaction_id >= ahead.counter
+			RETURNING m.transaction_id = '0'::xid8 AS relayed, m."offset" AS off
+		), positioned AS (
+			INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id)
+			SELECT $1, GREATEST(COALESCE((SELECT max(off) FROM moved WHERE relayed), 0),
+				COALESCE((SELECT max("offset") FROM ` + messages + ` WHERE transaction_id = '0'::xid8), 0)), '0'::xid8
+			FROM ahead
+			ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id
+		)
+		SELECT position::text, newest::text, counter::text,
+			(SELECT count(*) FROM moved WHERE relayed), (SELECT count(*) FROM moved WHERE NOT relayed)
+		FROM chk`
+}
+
 var errDryRun = errors.New("dry run")
 
 // SequenceAdvance is what AdvanceSequences did (or would do).
@@ -194,21 +240,34 @@ type SequenceAdvance struct {
 	Aggregates int64
 	// Advanced counts those whose sequence was behind and was moved up.
 	Advanced int64
+	// KeysTooLong counts aggregates left out because their type and id
+	// are too long for PostgreSQL's index on aggregate_sequences (a
+	// hostile record a consumer dead-lettered): no producer can publish
+	// such an aggregate, so no new event can reuse its versions.
+	KeysTooLong int64
 }
 
 // AdvanceSequences moves every aggregate's producer sequence
-// (aggregate_sequences) up to the highest version any consumer group has
-// applied or parked for it, so the producer never hands out a version
-// consumers have already seen. Run it after a failover that lost commits
-// (asynchronous replication): the outbox and the sequences rolled back,
-// the consumers did not, and new events would otherwise reuse versions the
-// consumers discard as stale.
+// (aggregate_sequences) up to the highest version any consumer group holds
+// for it, so the producer never hands out a version consumers have already
+// seen. Run it after a failover that lost commits (asynchronous
+// replication): the outbox and the sequences rolled back, the consumers did
+// not, and new events would otherwise reuse versions the consumers discard
+// as stale.
 //
-// consumerDB and consumerSchema hold the consumer groups' aggregate_versions
-// and parked_events: the producer's own database and schema when producer
-// and consumers share one, or the consumers' database otherwise (run it
-// once per consumer database). Sequences only ever move up. With dryRun
-// nothing is written.
+// A version is held wherever a consumer can keep it: applied
+// (aggregate_versions), parked (parked_events), late (late_events) and
+// dead-lettered (consumer_dead_letters, whatever the letter's status: a
+// discarded letter's version was still used by an event, and a replayed
+// one's is applied or held elsewhere, so counting it costs nothing). Dead
+// letters whose envelope did not decode carry no version and do not count.
+// Tables a consumer schema predates (late_events, consumer_dead_letters)
+// hold nothing and are skipped.
+//
+// consumerDB and consumerSchema hold the consumer groups' tables: the
+// producer's own database and schema when producer and consumers share
+// one, or the consumers' database otherwise (run it once per consumer
+// database). Sequences only ever move up. With dryRun nothing is written.
 func AdvanceSequences(ctx context.Context, producerDB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, schema string, consumerDB DBTX, consumerSchema string, dryRun bool) (SequenceAdvance, error) {
@@ -225,11 +284,11 @@ func AdvanceSequences(ctx context.Context, producerDB interface {
 	if err := sqlident.Validate("consumer schema", consumerSchema); err != nil {
 		return res, err
 	}
-	rows, err := consumerDB.Query(ctx, `SELECT aggregate_type, aggregate_id, max(version) FROM (
-			SELECT aggregate_type, aggregate_id, version FROM `+sqlident.Qualify(consumerSchema, "aggregate_versions")+`
-			UNION ALL
-			SELECT aggregate_type, aggregate_id, aggregate_version FROM `+sqlident.Qualify(consumerSchema, "parked_events")+`
-		) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`)
+	seen, err := heldVersionsSQL(ctx, consumerDB, consumerSchema)
+	if err != nil {
+		return res, err
+	}
+	rows, err := consumerDB.Query(ctx, seen)
 	if err != nil {
 		return res, fmt.Errorf("read the versions consumers have seen: %w", err)
 	}
@@ -249,19 +308,25 @@ func AdvanceSequences(ctx context.Context, producerDB interface {
 	}
 	res.Aggregates = int64(len(types))
 	const chunk = 10_000
+	seqs := sqlident.Qualify(schema, "aggregate_sequences")
 	err = pgx.BeginFunc(ctx, producerDB, func(tx pgx.Tx) error {
 		for start := 0; start < len(types); start += chunk {
 			end := min(start+chunk, len(types))
-			var n int64
-			err := tx.QueryRow(ctx, `WITH seen AS (
-					SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(aggregate_type, aggregate_id, version)
-				), up AS (
-					INSERT INTO `+sqlident.Qualify(schema, "aggregate_sequences")+` AS q (aggregate_type, aggregate_id, version)
-					SELECT aggregate_type, aggregate_id, version FROM seen
-					ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = excluded.version
-					WHERE q.version < excluded.version
-					RETURNING 1
-				) SELECT count(*) FROM up`, types[start:end], ids[start:end], versions[start:end]).Scan(&n)
+			n, err := advanceChunk(ctx, tx, seqs, types[start:end], ids[start:end], versions[start:end])
+			if isKeyTooLong(err) {
+				// One aggregate's key is too long for the index: go one by
+				// one and leave those out.
+				n, err = 0, nil
+				for i := start; i < end && err == nil; i++ {
+					var one int64
+					one, err = advanceChunk(ctx, tx, seqs, types[i:i+1], ids[i:i+1], versions[i:i+1])
+					if isKeyTooLong(err) {
+						one, err = 0, nil
+						res.KeysTooLong++
+					}
+					n += one
+				}
+			}
 			if err != nil {
 				return fmt.Errorf("advance aggregate sequences: %w", err)
 			}
@@ -276,4 +341,55 @@ func AdvanceSequences(ctx context.Context, producerDB interface {
 		return res, err
 	}
 	return res, nil
+}
+
+// advanceChunk moves the sequences of one chunk of aggregates up, in a
+// savepoint of tx, and returns how many moved.
+func advanceChunk(ctx context.Context, tx pgx.Tx, seqs string, types, ids []string, versions []int64) (int64, error) {
+	var n int64
+	err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
+		return sp.QueryRow(ctx, `WITH seen AS (
+				SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(aggregate_type, aggregate_id, version)
+			), up AS (
+				INSERT INTO `+seqs+` AS q (aggregate_type, aggregate_id, version)
+				SELECT aggregate_type, aggregate_id, version FROM seen
+				ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = excluded.version
+				WHERE q.version < excluded.version
+				RETURNING 1
+			) SELECT count(*) FROM up`, types, ids, versions).Scan(&n)
+	})
+	return n, err
+}
+
+// isKeyTooLong reports PostgreSQL refusing an index entry as too large
+// (SQLSTATE 54000, program_limit_exceeded).
+func isKeyTooLong(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "54000"
+}
+
+// heldVersionsSQL returns the query for the highest version consumers hold
+// per aggregate (type, id, version), over the tables of consumerSchema
+// that can hold one (see AdvanceSequences).
+func heldVersionsSQL(ctx context.Context, db DBTX, schema string) (string, error) {
+	parts := []string{
+		`SELECT aggregate_type, aggregate_id, version FROM ` + sqlident.Qualify(schema, "aggregate_versions"),
+		`SELECT aggregate_type, aggregate_id, aggregate_version FROM ` + sqlident.Qualify(schema, "parked_events"),
+	}
+	late, dead := sqlident.Qualify(schema, "late_events"), sqlident.Qualify(schema, "consumer_dead_letters")
+	var hasLate, hasDead bool
+	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL`, late, dead).Scan(&hasLate, &hasDead); err != nil {
+		return "", fmt.Errorf("look for the consumers' late events and dead letters: %w", err)
+	}
+	if hasLate {
+		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM `+late)
+	}
+	if hasDead {
+		// A letter whose envelope did not decode has version 0 and no
+		// aggregate.
+		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM `+dead+` WHERE aggregate_id <> ''`)
+	}
+	return `SELECT aggregate_type, aggregate_id, max(version) FROM (
+			` + strings.Join(parts, "\n\t\t\tUNION ALL\n\t\t\t") + `
+		) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`, nil
 }

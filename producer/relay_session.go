@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -33,11 +34,14 @@ const probeTimeout = 2 * time.Second
 // after about two hours: keepalive probes after a few seconds of silence,
 // unacknowledged data dropped after tcp_user_timeout, and, on the
 // ownership connection, idle_session_timeout. Settings the server does not
-// know (older versions) are skipped.
+// know (older versions) are skipped. It also adds the relay's identity to
+// the session's application_name (relayAppName), which the server reports
+// to the client whenever it changes, so reading it costs no round trip.
 func (r *Relay) prepareSession(ctx context.Context, conn *pgx.Conn, ownership bool) error {
+	name := conn.PgConn().ParameterStatus("application_name")
 	secs := max(1, int(r.cfg.RebalanceInterval.Round(time.Second)/time.Second))
 	settings := [][2]string{
-		{"application_name", "eventline-relay"},
+		{"application_name", relayAppName(name)},
 		{"tcp_keepalives_idle", strconv.Itoa(secs)},
 		{"tcp_keepalives_interval", strconv.Itoa(secs)},
 		{"tcp_keepalives_count", "3"},
@@ -58,6 +62,43 @@ func (r *Relay) prepareSession(ctx context.Context, conn *pgx.Conn, ownership bo
 		return fmt.Errorf("configure relay session: %w", err)
 	}
 	return nil
+}
+
+// relayIdentity names the relay's sessions in pg_stat_activity.
+const relayIdentity = "eventline-relay"
+
+// maxAppNameBytes is the longest application_name PostgreSQL keeps
+// (NAMEDATALEN - 1); pg_stat_activity cuts longer ones.
+const maxAppNameBytes = 63
+
+// relayAppName returns the application_name of a relay session whose pool
+// named it name: the operator's name with the relay's identity added
+// ("billing-svc (eventline-relay)"), so pg_stat_activity still tells the
+// services apart and shows which of a service's sessions are its relay's.
+// The operator's name is cut (at a character boundary) so the whole fits
+// in PostgreSQL's 63 bytes; without one it is "eventline-relay". A name
+// that already ends with the identity is kept as it is.
+func relayAppName(name string) string {
+	const suffix = " (" + relayIdentity + ")"
+	name = strings.TrimSpace(name)
+	switch {
+	case name == "", name == relayIdentity:
+		return relayIdentity
+	case strings.HasSuffix(name, suffix) && len(name) <= maxAppNameBytes:
+		return name
+	}
+	limit := maxAppNameBytes - len(suffix)
+	if len(name) > limit {
+		cut := limit
+		for cut > 0 && !utf8.RuneStart(name[cut]) {
+			cut--
+		}
+		name = strings.TrimSpace(name[:cut])
+		if name == "" {
+			return relayIdentity
+		}
+	}
+	return name + suffix
 }
 
 // listen wakes idle shards when their tables get rows: every outbox table

@@ -84,6 +84,12 @@ type shardRunner struct {
 
 	leaseMu    sync.Mutex
 	leaseTimer *time.Timer // stops the shard at its lease's local deadline
+	// leaseUntil is the lease's local deadline, in monoNow's clock. The
+	// timer stops the shard then; the publish path checks it too, since a
+	// process resumed after being stopped (SIGSTOP, a VM pause) runs its
+	// goroutines and its fired timers in no particular order.
+	leaseUntil  atomic.Int64
+	expiredOnce sync.Once
 
 	// waiting is set while the shard's outbox_waiting row asks producers
 	// to notify it. Only the subscriber's goroutine touches it.
@@ -159,7 +165,8 @@ func (r *Relay) startShard(shard int, deadline time.Time) {
 	}
 	s.soft, s.cancelSoft = context.WithCancel(context.Background())
 	s.hard, s.cancelHard = context.WithCancel(context.Background())
-	s.leaseTimer = time.AfterFunc(time.Until(deadline), s.leaseExpired)
+	s.leaseUntil.Store(monoAt(deadline))
+	s.leaseTimer = time.AfterFunc(time.Until(deadline), s.leaseTimerFired)
 	r.mu.Lock()
 	r.running[shard] = s
 	r.mu.Unlock()
@@ -372,18 +379,62 @@ func (s *shardRunner) extend(deadline time.Time) {
 	s.leaseMu.Lock()
 	defer s.leaseMu.Unlock()
 	if s.leaseTimer.Stop() {
+		s.leaseUntil.Store(monoAt(deadline))
 		s.leaseTimer.Reset(time.Until(deadline))
 	}
 }
 
-// leaseExpired runs when the lease's local deadline passes unrenewed.
-func (s *shardRunner) leaseExpired() {
-	if !s.ended() {
-		s.log.Warn("shard lease could not be renewed in time; stopping the shard before another relay may take it")
-		s.relay.metrics.addLeaseExpired(s.shard)
+// leaseTimerFired runs when the lease's local deadline passes unrenewed.
+func (s *shardRunner) leaseTimerFired() {
+	if hook := leaseTimerHook.Load(); hook != nil {
+		(*hook)(s.relay.cfg.Schema, s.shard)
 	}
+	s.leaseExpired()
+}
+
+// leaseTimerHook, when set (by tests), runs when a shard's lease timer
+// fires, before the shard is stopped: holding it stands for a process
+// resumed after a pause whose fired timers have not run yet.
+var leaseTimerHook atomic.Pointer[func(schema string, shard int)]
+
+// leaseExpired stops the shard once the lease's local deadline passed
+// unrenewed: called by its timer, or by the publish path finding the
+// deadline passed first.
+func (s *shardRunner) leaseExpired() {
+	s.expiredOnce.Do(func() {
+		if !s.ended() {
+			s.log.Warn("shard lease could not be renewed in time; stopping the shard before another relay may take it")
+			s.relay.metrics.addLeaseExpired(s.shard)
+		}
+	})
 	s.halt(stopExpired)
 }
+
+// mayPublish is checked right before each record is handed to Kafka: the
+// shard is not stopping and its lease's local deadline has not passed, by
+// the monotonic clock. It stops the shard when the deadline has passed.
+func (s *shardRunner) mayPublish() bool {
+	if s.stopping() {
+		return false
+	}
+	if monoNow() >= s.leaseUntil.Load() {
+		s.leaseExpired()
+		return false
+	}
+	return true
+}
+
+// monoStart anchors monoNow: readings taken from it use Go's monotonic
+// clock, which never jumps with the wall clock and keeps counting while
+// the process is stopped.
+var monoStart = time.Now()
+
+// monoNow is the time since monoStart, in nanoseconds.
+func monoNow() int64 { return int64(time.Since(monoStart)) }
+
+// monoAt is t (a time.Now reading, or one derived from it) in monoNow's
+// clock.
+func monoAt(t time.Time) int64 { return int64(t.Sub(monoStart)) }
 
 func (s *shardRunner) ended() bool {
 	select {
@@ -486,6 +537,14 @@ func (p shardPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if err := eventline.ValidateTopic(topic); err != nil {
 			return &publishError{&permanentError{err}}
 		}
+		if hook := beforeSendHook.Load(); hook != nil {
+			(*hook)(p.s.relay.cfg.Schema, p.s.shard, e.ID)
+		}
+		if !p.s.mayPublish() {
+			// The lease ran out (or the shard was asked to stop) since the
+			// guard looked: another relay may relay this row now.
+			return &publishError{errNotSent}
+		}
 		if tr := p.s.relay.tracer; tr != nil {
 			// The send span continues the trace PublishTx captured in the
 			// row; the record carries the send span's context instead.
@@ -509,3 +568,7 @@ func (p shardPublisher) Publish(topic string, msgs ...*message.Message) error {
 }
 
 func (p shardPublisher) Close() error { return nil }
+
+// beforeSendHook, when set (by tests), runs in shardPublisher.Publish
+// before the lease check that precedes each send.
+var beforeSendHook atomic.Pointer[func(schema string, shard int, eventID string)]

@@ -28,7 +28,10 @@ read fence: rows from the old cluster are re-based (relayed ones before the
 position, the others after it, in insertion order) and the position is reset,
 so the relay sends what it had not sent, then everything written since.
 Events relayed before the move may be sent again (consumers skip them);
-nothing is lost. Shards that are fine are left alone. Stop the relays first.`)
+nothing is lost. Producers may keep writing: the rows to re-base are chosen
+by the statement that moves them, under its own snapshot, so an event
+committed meanwhile is never taken for one relayed before the move. Shards
+that are fine are left alone. Stop the relays first.`)
 	dryRun := fs.Bool("dry-run", false, "report what would change, change nothing")
 	pos, err := fs.parse(args)
 	if err != nil {
@@ -69,10 +72,11 @@ nothing is lost. Shards that are fine are left alone. Stop the relays first.`)
 func relayAdvanceSequences(ctx context.Context, args []string) error {
 	fs := newFlagSet(ctx, "relay advance-sequences", "[-consumer-database-url URL] [-consumer-schema S] [-dry-run]", `
 Moves every aggregate's producer sequence (aggregate_sequences) up to the
-highest version any consumer group has applied or parked for it. Run it after
-a failover that lost commits (asynchronous replication): the producer's
+highest version any consumer group holds for it: applied, parked, held as
+late, or dead-lettered (whatever the dead letter's status). Run it after a
+failover that lost commits (asynchronous replication): the producer's
 sequences rolled back but the consumers did not, and new events would reuse
-versions consumers have already applied, and be discarded as stale.
+versions consumers have already seen, and be discarded as stale.
 Sequences only move up. When the consumers keep their tables in another
 database, give it with -consumer-database-url (and -consumer-schema), and run
 the command once per consumer database.`)
@@ -118,5 +122,8 @@ the command once per consumer database.`)
 		verb = "would advance"
 	}
 	fmt.Fprintf(stdout(ctx), "%s %d of %d aggregate sequences consumers have seen\n", verb, res.Advanced, res.Aggregates)
+	if res.KeysTooLong > 0 {
+		fmt.Fprintf(stdout(ctx), "left out %d aggregates whose type and id are too long for a sequence (dead-lettered records no producer could have published)\n", res.KeysTooLong)
+	}
 	return nil
 }

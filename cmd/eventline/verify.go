@@ -58,6 +58,8 @@ and skipped gaps. It reports per group:
   lost           relayed, never applied, while the group moved past it (its
                  version of the aggregate, or its Kafka offset), with no dead
                  letter or skipped range to explain it; or not on Kafka at all
+  discarded      discarded as stale while another event, with another id, had
+                 been applied at its version: two events claim one version
   applied twice  from the group's own effects (-effects-query)
   out of order   a version applied after a higher one of its aggregate
   parked         waiting for a missing version, and why (a problem once older

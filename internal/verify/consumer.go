@@ -290,6 +290,25 @@ func (q consumerSQL) outOfOrderSQL() string {
 	WHERE aggregate_version < before_t AND aggregate_version < before_x`
 }
 
+// discardedSQL finds events of the groups ($3) discarded as stale in the
+// window ($1..$2) while another event, with another id, was applied at
+// their aggregate version: a second event claiming a version (a producer
+// whose sequence fell behind what consumers had seen, as after a failover
+// that lost commits), of which only the first applied. A stale event whose
+// version no other event of the group applied is a redelivery whose dedup
+// record expired, or one whose other event's record expired: nothing to
+// say. It returns one row per discarded event, with the smallest of the
+// other ids.
+func (q consumerSQL) discardedSQL() string {
+	return `SELECT s.consumer_group, s.aggregate_type, s.aggregate_id, s.aggregate_version, s.event_id, s.event_type, s.processed_at, min(a.event_id)
+	FROM ` + q.processed + ` s
+	JOIN ` + q.processed + ` a ON a.consumer_group = s.consumer_group AND a.aggregate_type = s.aggregate_type
+		AND a.aggregate_id = s.aggregate_id AND a.aggregate_version = s.aggregate_version
+		AND a.outcome IN ('applied', 'late_applied') AND a.event_id <> s.event_id
+	WHERE s.consumer_group = ANY($3) AND s.outcome = 'stale' AND s.aggregate_version > 0 AND ` + windowSQL("s.processed_at", 1, 2) + `
+	GROUP BY s.consumer_group, s.aggregate_type, s.aggregate_id, s.aggregate_version, s.event_id, s.event_type, s.processed_at`
+}
+
 // readConsumerDeadLetters calls fn for each dead letter of the groups in
 // ConsumerDeadLetterTable neither replayed nor discarded, in the window.
 func (q consumerSQL) readConsumerDeadLetters(ctx context.Context, tx pgx.Tx, groups []string, w window, fn func(deadRecord)) error {

@@ -31,8 +31,10 @@
 //
 // Besides, per group: events applied out of order (a version applied after
 // a higher one of its aggregate), events applied twice (from the group's
-// own effects, when Config.EffectsQueries has a query for it), parked
-// events (a problem once older than Config.MaxParkedAge) and skipped gaps.
+// own effects, when Config.EffectsQueries has a query for it), events
+// discarded as stale while another event had been applied at their
+// version (the stale outcome is checked, not trusted), parked events (a
+// problem once older than Config.MaxParkedAge) and skipped gaps.
 //
 // # How, and at what cost
 //

@@ -36,6 +36,11 @@ const (
 	// with no dedup record, no skipped range and no dead letter to explain
 	// it; or relayed and not on Kafka.
 	Lost Kind = "lost"
+	// Discarded: the group discarded the event as stale because another
+	// event, with another id, had been applied at its aggregate version:
+	// two events claim one version, and this one's effect was never
+	// applied.
+	Discarded Kind = "discarded"
 	// AppliedTwice: the group's effects query returned the event more than
 	// once.
 	AppliedTwice Kind = "applied_twice"
@@ -57,7 +62,7 @@ const (
 )
 
 // kindOrder is the order findings are listed in.
-var kindOrder = map[Kind]int{Lost: 0, AppliedTwice: 1, OutOfOrder: 2, DeadLetter: 3, Pending: 4, Parked: 5, Skipped: 6, Late: 7}
+var kindOrder = map[Kind]int{Lost: 0, Discarded: 1, AppliedTwice: 2, OutOfOrder: 3, DeadLetter: 4, Pending: 5, Parked: 6, Skipped: 7, Late: 8}
 
 // Finding is one event, aggregate or gap the check has something to say
 // about.
@@ -191,6 +196,9 @@ type GroupReport struct {
 	Stuck                int64   `json:"stuck"`
 	OldestPendingSeconds float64 `json:"oldest_pending_seconds"`
 	Lost                 int64   `json:"lost"`
+	// Discarded counts events the group discarded as stale because
+	// another event had been applied at their version (Kind Discarded).
+	Discarded int64 `json:"discarded"`
 	// Unverifiable counts events without a dedup record committed before
 	// the dedup horizon, whose record retention may have deleted.
 	Unverifiable int64 `json:"unverifiable"`

@@ -94,6 +94,9 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	if err := r.checkConsumerDeadLetters(ctx, ctx1, groups); err != nil {
 		return err
 	}
+	if err := r.checkDiscarded(ctx, ctx1, groups); err != nil {
+		return err
+	}
 	if len(byRecords) == 0 {
 		return nil
 	}
@@ -194,6 +197,37 @@ func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, grou
 				return fmt.Errorf("look up the dead letters of group %q: %w", g, err)
 			}
 		}
+	}
+	return nil
+}
+
+// checkDiscarded reports events a group discarded as stale because another
+// event had been applied at their version. The gate's stale outcome is
+// not trusted: an event is stale legitimately only when it is the one that
+// holds its version (a redelivery whose dedup record expired).
+func (r *runner) checkDiscarded(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
+	rows, err := ctx1.Query(ctx, r.consumer.discardedSQL(), r.w.since, r.w.until, groups)
+	if err != nil {
+		return fmt.Errorf("check stale events against the versions applied: %w", err)
+	}
+	var (
+		group, typ, id, eventID, eventType, other string
+		version                                   int64
+		at                                        time.Time
+	)
+	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &version, &eventID, &eventType, &at, &other}, func() error {
+		gs := r.groups[group]
+		gs.rep.Discarded++
+		t := at
+		r.details.add(Finding{Severity: Problem, Kind: Discarded, Group: group, EventID: eventID, EventType: eventType,
+			AggregateType: typ, AggregateID: id, AggregateVersion: version, At: &t, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
+			Detail: fmt.Sprintf("discarded as stale: the group had applied v%d of %s/%s from another event, %s, so this event's effect was never applied. "+
+				"Two events claim one version: a producer's sequence fell behind what consumers had seen (after a failover that lost commits, run `eventline relay advance-sequences` before producers start); "+
+				"re-publish this event if its effect is needed", version, typ, id, other)})
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("check stale events against the versions applied: %w", err)
 	}
 	return nil
 }

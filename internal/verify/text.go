@@ -61,7 +61,7 @@ func (r *Report) WriteText(w io.Writer) error {
 		ew.printf("Consumer groups: none found\n")
 	} else {
 		tw := tabwriter.NewWriter(ew, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "GROUP\tTOPICS\tEVENTS\tAPPLIED\tPENDING\tSTUCK\tLOST\tTWICE\tOUT OF ORDER\tPARKED\tSKIPPED\tDEAD LETTERS\tLATE")
+		fmt.Fprintln(tw, "GROUP\tTOPICS\tEVENTS\tAPPLIED\tPENDING\tSTUCK\tLOST\tDISCARDED\tTWICE\tOUT OF ORDER\tPARKED\tSKIPPED\tDEAD LETTERS\tLATE")
 		for _, g := range r.Groups {
 			topics := strings.Join(g.Topics, ",")
 			if topics == "" {
@@ -71,8 +71,8 @@ func (r *Report) WriteText(w io.Writer) error {
 			if g.AppliedTwice != nil {
 				twice = fmt.Sprint(*g.AppliedTwice)
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%d\t%d\t%d\t%d\t%d\n", g.Group, topics, g.Events, g.Outcomes["applied"],
-				g.Pending, g.Stuck, g.Lost, twice, g.OutOfOrder, g.Parked, g.SkippedGaps, g.ConsumerDeadLetters, g.LateHeld)
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%d\t%d\t%d\t%d\t%d\n", g.Group, topics, g.Events, g.Outcomes["applied"],
+				g.Pending, g.Stuck, g.Lost, g.Discarded, twice, g.OutOfOrder, g.Parked, g.SkippedGaps, g.ConsumerDeadLetters, g.LateHeld)
 		}
 		if err := tw.Flush(); err != nil {
 			return err

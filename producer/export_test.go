@@ -1,0 +1,26 @@
+package producer
+
+// Hooks for tests that force an interleaving. Each is called with the
+// schema, so a test acts on its own relay's calls only; one test at a time
+// may set each hook, and restore removes it.
+
+// SetRebaseHook runs f in RebasePositions after a shard was found ahead of
+// the cluster's counter and before it is re-based.
+func SetRebaseHook(f func(schema string, shard int)) (restore func()) {
+	rebaseHook.Store(&f)
+	return func() { rebaseHook.Store(nil) }
+}
+
+// SetBeforeSendHook runs f in the relay's publish path before the lease
+// check that precedes each Kafka send.
+func SetBeforeSendHook(f func(schema string, shard int, eventID string)) (restore func()) {
+	beforeSendHook.Store(&f)
+	return func() { beforeSendHook.Store(nil) }
+}
+
+// SetLeaseTimerHook runs f when a shard's lease timer fires, before the
+// shard is stopped.
+func SetLeaseTimerHook(f func(schema string, shard int)) (restore func()) {
+	leaseTimerHook.Store(&f)
+	return func() { leaseTimerHook.Store(nil) }
+}
