@@ -51,3 +51,11 @@ func Quote(name string) string {
 func Qualify(schema, name string) string {
 	return Quote(schema) + "." + Quote(name)
 }
+
+// SQL renders query for schema: every "{schema}" in it becomes the quoted
+// schema name. eventline's statements are written as SQL, their tables
+// named {schema}.processed_events and so on, and rendered once, when the
+// component that runs them is built; schema has been validated by then.
+func SQL(schema, query string) string {
+	return strings.ReplaceAll(query, "{schema}", Quote(schema))
+}

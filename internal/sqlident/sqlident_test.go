@@ -28,3 +28,11 @@ func TestText(t *testing.T) {
 	require.ErrorContains(t, sqlident.Text("Config.Group", "a\x00b"), "Config.Group")
 	require.ErrorContains(t, sqlident.Text("Config.Group", "\xff"), "not valid UTF-8")
 }
+
+func TestSQLRendersTheSchemaEverywhere(t *testing.T) {
+	got := sqlident.SQL("billing", `SELECT 1 FROM {schema}.processed_events p JOIN {schema}.aggregate_versions v USING (consumer_group)`)
+	want := `SELECT 1 FROM "billing".processed_events p JOIN "billing".aggregate_versions v USING (consumer_group)`
+	if got != want {
+		t.Fatalf("got %s, want %s", got, want)
+	}
+}
