@@ -251,3 +251,23 @@ func TestBatchRefusesAnIDConflictAlone(t *testing.T) {
 	require.Empty(t, f.versions(t, "b"))
 	require.Equal(t, []int64{1}, f.versions(t, "c"))
 }
+
+// TestBatchResolvesAnIDInArrivalOrder: two different events with one id
+// in a batch, the first to arrive of an aggregate that sorts after the
+// second's (admissions are queued by aggregate, for lock order): the first
+// to arrive is applied and the second refused, as one at a time. Before:
+// the second was applied and the first refused.
+func TestBatchResolvesAnIDInArrivalOrder(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{})
+	b, a, c := consumertest.Event("b", 1), consumertest.Event("a", 1), consumertest.Event("c", 1)
+	a.ID = b.ID // arrives second, lies about its id
+	errs := deliverBatch(f.handler, consumertest.Message(t, b), consumertest.Message(t, a), consumertest.Message(t, c))
+	require.NoError(t, errs[0])
+	require.ErrorIs(t, errs[1], dedup.ErrIDConflict)
+	require.True(t, middleware.IsPermanent(errs[1]), "refused for good: dead-lettered at once")
+	require.NoError(t, errs[2])
+	require.Equal(t, []int64{1}, f.versions(t, "b"))
+	require.Empty(t, f.versions(t, "a"))
+	require.Equal(t, []int64{1}, f.versions(t, "c"))
+}

@@ -29,3 +29,11 @@ func CountUnsafeHolds(t interface{ Cleanup(func()) }) *atomic.Int32 {
 	t.Cleanup(func() { holdUnsafe = prev })
 	return &n
 }
+
+// AdmissionOrder is admissionOrder: the order a batch's admissions are
+// queued in.
+var AdmissionOrder = admissionOrder
+
+// IDCutAt is idCutAt: where a batch is cut so that members sharing a dedup
+// record are admitted in arrival order.
+var IDCutAt = idCutAt

@@ -439,3 +439,61 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 		}
 	}
 }
+
+// TestPropertyBatchAdmitsSharedIDsInArrivalOrder draws batches of events
+// over a few aggregates and ids and splits each as the batch path does
+// (IDCutAt, then the rest as a new batch). In every part the admissions are
+// queued in lock order (sorted by aggregate) and, for any two members that
+// write the same processed_events row (same event id), the one that
+// arrived first is admitted first, so it is the one recorded, as one at a
+// time.
+func TestPropertyBatchAdmitsSharedIDsInArrivalOrder(t *testing.T) {
+	t.Parallel()
+	rapid.Check(t, func(rt *rapid.T) {
+		events := rapid.SliceOfN(rapid.Custom(func(rt *rapid.T) eventline.Event {
+			return eventline.Event{
+				ID:            rapid.SampledFrom([]string{"e1", "e2", "e3"}).Draw(rt, "id"),
+				AggregateType: rapid.SampledFrom([]string{"t", "u"}).Draw(rt, "type"),
+				AggregateID:   rapid.SampledFrom([]string{"a", "b", "c"}).Draw(rt, "aggregate"),
+			}
+		}), 1, 10).Draw(rt, "batch")
+		record := func(e eventline.Event) string { return e.ID } // the processed_events row it writes
+		aggregate := func(e eventline.Event) string { return e.AggregateType + "\x00" + e.AggregateID }
+		for rest := events; len(rest) > 0; {
+			part := rest
+			if at := middleware.IDCutAt(rest); at > 0 {
+				part = rest[:at]
+				shared := false
+				for _, e := range part {
+					shared = shared || (record(e) == record(rest[at]) && aggregate(e) != aggregate(rest[at]))
+				}
+				require.True(rt, shared, "cut at %d only where an earlier member of another aggregate has its id", at)
+			}
+			order := middleware.AdmissionOrder(part)
+			require.ElementsMatch(rt, order, indexes(len(part)))
+			pos := make([]int, len(part))
+			for p, i := range order {
+				pos[i] = p
+				if p > 0 {
+					require.LessOrEqual(rt, aggregate(part[order[p-1]]), aggregate(part[i]), "lock order")
+				}
+			}
+			for i := range part {
+				for j := i + 1; j < len(part); j++ {
+					if record(part[i]) == record(part[j]) {
+						require.Less(rt, pos[i], pos[j], "members %d and %d share a record: arrival order", i, j)
+					}
+				}
+			}
+			rest = rest[len(part):]
+		}
+	})
+}
+
+func indexes(n int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = i
+	}
+	return out
+}
