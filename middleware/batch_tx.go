@@ -109,9 +109,6 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
 	for i, it := range items {
 		events[i] = it.e
 	}
-	if at := idCutAt(events); at > 0 {
-		return attempt{outcome: cut, at: at}
-	}
 
 	// BEGIN and every admission in one round trip, in lock order.
 	pb := &pgx.Batch{}
@@ -210,8 +207,10 @@ func (el *Eventline) proceedInBatch(bctx context.Context, it *arrival, tx pgx.Tx
 // queued: by aggregate, so two batches touching the same aggregates lock
 // their rows in the same order; stable, so one aggregate's events keep
 // their arrival order. Members of different aggregates may be admitted in
-// another order than they arrived: idCutAt keeps that from deciding which
-// of two events with one id is recorded.
+// another order than they arrived, which decides nothing: their dedup
+// records never collide (an event id is recorded per aggregate), so of two
+// members with one id in one aggregate the first to arrive is recorded,
+// as one at a time.
 func admissionOrder(events []eventline.Event) []int {
 	order := make([]int, len(events))
 	for i := range order {
@@ -225,26 +224,6 @@ func admissionOrder(events []eventline.Event) []int {
 		return strings.Compare(ex.AggregateID, ey.AggregateID)
 	})
 	return order
-}
-
-// idCutAt returns the first member whose event id an earlier member of
-// another aggregate carries; 0 means none. Both insert the same
-// processed_events row, and the one admitted first is recorded (the other
-// is a duplicate or an id conflict); admissionOrder may put the later one
-// first, so the batch is cut before it: one at a time, the first to
-// arrive wins.
-func idCutAt(events []eventline.Event) int {
-	type agg struct{ typ, id string }
-	first := make(map[string]agg, len(events))
-	for i, e := range events {
-		a := agg{e.AggregateType, e.AggregateID}
-		if prev, seen := first[e.ID]; !seen {
-			first[e.ID] = a
-		} else if prev != a {
-			return i
-		}
-	}
-	return 0
 }
 
 // cutAt returns the first member whose admission, made before the members

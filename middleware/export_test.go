@@ -33,7 +33,3 @@ func CountUnsafeHolds(t interface{ Cleanup(func()) }) *atomic.Int32 {
 // AdmissionOrder is admissionOrder: the order a batch's admissions are
 // queued in.
 var AdmissionOrder = admissionOrder
-
-// IDCutAt is idCutAt: where a batch is cut so that members sharing a dedup
-// record are admitted in arrival order.
-var IDCutAt = idCutAt
