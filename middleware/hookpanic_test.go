@@ -155,8 +155,13 @@ func (r *hookRig) check(t *testing.T, applied int, e eventline.Event) {
 // A hook registered with a context of the user's own (ContextWithTx, then
 // RunAfterCommit after the user's commit) that panics does not stop the
 // hooks after it; the panic is logged (through slog's default logger:
-// there is no middleware to name a logger).
+// there is no middleware to name a logger). Not parallel: it replaces the
+// default logger.
 func TestRunAfterCommitRunsTheHooksAfterAPanickingOne(t *testing.T) {
+	logs := &syncBuffer{}
+	prev := slog.Default()
+	slog.SetDefault(slog.New(slog.NewTextHandler(logs, nil)))
+	t.Cleanup(func() { slog.SetDefault(prev) })
 	ctx := middleware.ContextWithTx(context.Background(), nil)
 	var ran []int
 	middleware.AfterCommit(ctx, func() { ran = append(ran, 1) })
@@ -164,4 +169,5 @@ func TestRunAfterCommitRunsTheHooksAfterAPanickingOne(t *testing.T) {
 	middleware.AfterCommit(ctx, func() { ran = append(ran, 3) })
 	require.Nil(t, noPanic(func() { middleware.RunAfterCommit(ctx) }))
 	require.Equal(t, []int{1, 3}, ran)
+	require.Contains(t, logs.String(), "AfterCommit hook panicked")
 }
