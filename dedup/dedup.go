@@ -73,10 +73,12 @@ type DBTX interface {
 // one aggregate. An event id is recorded per aggregate, so an id another
 // aggregate reuses is another event (see the package documentation).
 type Key struct {
+	// Group is the consumer group, EventID the event's id, AggregateType
+	// and AggregateID the aggregate the event names in its envelope.
 	Group         string
-	EventID       string
-	AggregateType string
-	AggregateID   string
+	EventID       string // see Group
+	AggregateType string // see Group
+	AggregateID   string // see Group
 }
 
 // KeyOf returns the key under which group records e.
