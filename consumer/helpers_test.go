@@ -182,13 +182,16 @@ func header(m *sarama.ConsumerMessage, key string) string {
 
 // appliedOnce checks that every event in want was applied exactly once and
 // that each aggregate's versions were applied in increasing order
-// (unversioned events have no order).
+// (unversioned events have no order). Events are told apart by aggregate
+// and id, as the dedup records are: an id reused by another aggregate is
+// another event.
 func appliedOnce(t *testing.T, effects []consumertest.Effect, want []eventline.Event) {
 	t.Helper()
-	count := map[string]int{}
+	type key struct{ typ, agg, id string }
+	count := map[key]int{}
 	last := map[string]int64{}
 	for _, e := range effects {
-		count[e.EventID]++
+		count[key{e.AggregateType, e.AggregateID, e.EventID}]++
 		if e.Version == 0 {
 			continue // unversioned: no order
 		}
@@ -196,7 +199,7 @@ func appliedOnce(t *testing.T, effects []consumertest.Effect, want []eventline.E
 		last[e.AggregateID] = e.Version
 	}
 	for _, e := range want {
-		require.Equal(t, 1, count[e.ID], "event %s (%s v%d) must be applied exactly once", e.ID, e.AggregateID, e.AggregateVersion)
+		require.Equal(t, 1, count[key{e.AggregateType, e.AggregateID, e.ID}], "event %s (%s v%d) must be applied exactly once", e.ID, e.AggregateID, e.AggregateVersion)
 	}
 	require.Len(t, effects, len(want), "no effect other than the expected ones")
 }

@@ -69,14 +69,33 @@ type DBTX interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
+// Key names one processed_events row: a group's record of an event id in
+// one aggregate. An event id is recorded per aggregate, so an id another
+// aggregate reuses is another event (see the package documentation).
+type Key struct {
+	// Group is the consumer group, EventID the event's id, AggregateType
+	// and AggregateID the aggregate the event names in its envelope.
+	Group         string
+	EventID       string // see Group
+	AggregateType string // see Group
+	AggregateID   string // see Group
+}
+
+// KeyOf returns the key under which group records e.
+func KeyOf(group string, e eventline.Event) Key {
+	return Key{Group: group, EventID: e.ID, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
+}
+
 // Record is one row of processed_events.
 type Record struct {
 	// Group is the consumer group that handled the event.
 	Group string
-	// EventID is the event's id, the dedup key within the group.
+	// EventID is the event's id; with the aggregate, the dedup key within
+	// the group.
 	EventID string
-	// EventType, AggregateType, AggregateID and AggregateVersion copy the
-	// event's envelope, for operators.
+	// EventType and AggregateVersion copy the event's envelope, for
+	// operators and to tell a duplicate from an id conflict;
+	// AggregateType and AggregateID name its aggregate (part of the key).
 	EventType        string
 	AggregateType    string // see EventType
 	AggregateID      string // see EventType
@@ -89,8 +108,9 @@ type Record struct {
 }
 
 // Matches reports whether r records the event e: same event type,
-// aggregate type, aggregate id and aggregate version. A dedup hit that does
-// not match is an id conflict (see [IDConflictError]).
+// aggregate type, aggregate id and aggregate version. A dedup hit (same
+// id, same aggregate) that does not match is an id conflict (see
+// [IDConflictError]).
 func (r Record) Matches(e eventline.Event) bool {
 	return r.EventType == e.Type && r.AggregateType == e.AggregateType &&
 		r.AggregateID == e.AggregateID && r.AggregateVersion == e.AggregateVersion
@@ -105,6 +125,7 @@ type Store struct {
 	insertSQL     string
 	setOutcomeSQL string
 	getSQL        string
+	findSQL       string
 	countSQL      string
 	cleanupAllSQL string
 	cleanupSQL    string
@@ -132,21 +153,37 @@ func NewStore(schema string) (*Store, error) {
 				INSERT INTO ` + t + ` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
 				VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING RETURNING 1)
 			SELECT EXISTS (SELECT 1 FROM ins), ` + RecordedColumns("r") + `
-			FROM (SELECT) AS one LEFT JOIN (SELECT * FROM ` + t + ` WHERE consumer_group = $1 AND event_id = $2
+			FROM (SELECT) AS one LEFT JOIN (SELECT * FROM ` + t + ` WHERE ` + KeyPredicate("", "$1", "$2", "$4", "$5") + `
 				AND NOT EXISTS (SELECT 1 FROM ins)) r ON true`,
-		setOutcomeSQL: `UPDATE ` + t + ` SET outcome = $3 WHERE consumer_group = $1 AND event_id = $2`,
-		getSQL: `SELECT consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome, processed_at
-			FROM ` + t + ` WHERE consumer_group = $1 AND event_id = $2`,
+		setOutcomeSQL: `UPDATE ` + t + ` SET outcome = $5 WHERE ` + KeyPredicate("", "$1", "$2", "$3", "$4"),
+		getSQL:        `SELECT ` + recordCols + ` FROM ` + t + ` WHERE ` + KeyPredicate("", "$1", "$2", "$3", "$4"),
+		findSQL: `SELECT ` + recordCols + ` FROM ` + t + ` WHERE consumer_group = $1 AND event_id = $2
+			ORDER BY aggregate_type, aggregate_id`,
 		countSQL: `SELECT count(*) FROM ` + t + ` WHERE consumer_group = $1`,
 		// Parked and late rows are never deleted: their event is still
 		// waiting, and its redelivery must stay a duplicate.
-		cleanupAllSQL: `DELETE FROM ` + t + ` WHERE (consumer_group, event_id) IN (
-			SELECT consumer_group, event_id FROM ` + t + `
+		cleanupAllSQL: `DELETE FROM ` + t + ` WHERE (consumer_group, event_id, aggregate_type, aggregate_id) IN (
+			SELECT consumer_group, event_id, aggregate_type, aggregate_id FROM ` + t + `
 			WHERE processed_at < $1 AND outcome NOT IN ('parked', 'late') LIMIT $2)`,
-		cleanupSQL: `DELETE FROM ` + t + ` WHERE (consumer_group, event_id) IN (
-			SELECT consumer_group, event_id FROM ` + t + `
+		cleanupSQL: `DELETE FROM ` + t + ` WHERE (consumer_group, event_id, aggregate_type, aggregate_id) IN (
+			SELECT consumer_group, event_id, aggregate_type, aggregate_id FROM ` + t + `
 			WHERE consumer_group = $3 AND processed_at < $1 AND outcome NOT IN ('parked', 'late') LIMIT $2)`,
 	}, nil
+}
+
+// recordCols are the columns Get and Find scan.
+const recordCols = `consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome, processed_at`
+
+// KeyPredicate returns the SQL condition that selects the processed_events
+// row of one key (see [Key]), with alias ("" for none) and the SQL
+// expressions of its parts. Every statement that reads or writes one
+// event's record uses it, so all of them follow the primary key.
+func KeyPredicate(alias, group, eventID, aggregateType, aggregateID string) string {
+	if alias != "" {
+		alias += "."
+	}
+	return alias + "consumer_group = " + group + " AND " + alias + "event_id = " + eventID +
+		" AND " + alias + "aggregate_type = " + aggregateType + " AND " + alias + "aggregate_id = " + aggregateID
 }
 
 // Schema returns the schema the store works in.
@@ -157,12 +194,14 @@ func (s *Store) Table() string { return s.table }
 
 // Insert records that group handled e with the given outcome, in db's
 // transaction. It returns false, and writes nothing, when the group has
-// already recorded e.ID for the same event (same type, aggregate and
+// already recorded e.ID in e's aggregate for the same event (same type and
 // version): the event is a duplicate. When the recorded row belongs to a
-// different event, two events share one id: Insert returns an
-// *IDConflictError (matching ErrIDConflict), which retrying cannot fix.
-// When another transaction is inserting the same event id concurrently,
-// Insert waits for it to end.
+// different event of that aggregate, two events share one id: Insert
+// returns an *IDConflictError (matching ErrIDConflict), which retrying
+// cannot fix. The id recorded in another aggregate is another event's:
+// it neither makes e a duplicate nor conflicts with it. When another
+// transaction is inserting the same key concurrently, Insert waits for it
+// to end.
 //
 // The row becomes visible when db's transaction commits and disappears with
 // it on rollback, so a failed handler leaves the event unrecorded.
@@ -203,15 +242,16 @@ func (r *Recorded) Dest() []any {
 	return []any{&r.EventType, &r.AggregateType, &r.AggregateID, &r.AggregateVersion}
 }
 
-// CheckDuplicate decides whether a dedup hit on e.ID is a duplicate of e
-// (nil) or an id conflict (*IDConflictError). rec is the recorded row's
-// identity as read next to the insert; when it was not visible (nil
-// fields: another transaction recorded it concurrently and has committed
-// since), the row is read again through db.
+// CheckDuplicate decides whether a dedup hit on e's key (its id in its
+// aggregate) is a duplicate of e (nil) or an id conflict
+// (*IDConflictError). rec is the recorded row's identity as read next to
+// the insert; when it was not visible (nil fields: another transaction
+// recorded it concurrently and has committed since), the row is read
+// again through db.
 func (s *Store) CheckDuplicate(ctx context.Context, db DBTX, group string, e eventline.Event, rec Recorded) error {
 	var r Record
 	if rec.EventType == nil {
-		got, err := s.Get(ctx, db, group, e.ID)
+		got, err := s.Get(ctx, db, KeyOf(group, e))
 		if err != nil {
 			return fmt.Errorf("dedup: read the record of duplicate event %s: %w", e.ID, err)
 		}
@@ -294,30 +334,50 @@ func (s *Store) insertArgs(group string, e eventline.Event, outcome Outcome) ([]
 // SetOutcome changes the recorded outcome of an event. It is a no-op when
 // the event is not recorded (for example when the version gate runs without
 // dedup).
-func (s *Store) SetOutcome(ctx context.Context, db DBTX, group, eventID string, outcome Outcome) error {
+func (s *Store) SetOutcome(ctx context.Context, db DBTX, k Key, outcome Outcome) error {
 	if !outcome.Valid() {
 		return fmt.Errorf("dedup: unknown outcome %q", outcome)
 	}
-	if _, err := db.Exec(ctx, s.setOutcomeSQL, group, eventID, string(outcome)); err != nil {
-		return fmt.Errorf("dedup: set outcome of event %s to %s: %w", eventID, outcome, err)
+	if _, err := db.Exec(ctx, s.setOutcomeSQL, k.Group, k.EventID, k.AggregateType, k.AggregateID, string(outcome)); err != nil {
+		return fmt.Errorf("dedup: set outcome of event %s (%s/%s) to %s: %w", k.EventID, k.AggregateType, k.AggregateID, outcome, err)
 	}
 	return nil
 }
 
-// Get returns the group's record of an event, or ErrNotFound.
-func (s *Store) Get(ctx context.Context, db DBTX, group, eventID string) (Record, error) {
-	var r Record
-	var outcome string
-	err := db.QueryRow(ctx, s.getSQL, group, eventID).Scan(
-		&r.Group, &r.EventID, &r.EventType, &r.AggregateType, &r.AggregateID, &r.AggregateVersion, &outcome, &r.ProcessedAt)
+// Get returns the group's record of an event id in an aggregate, or
+// ErrNotFound.
+func (s *Store) Get(ctx context.Context, db DBTX, k Key) (Record, error) {
+	r, err := scanRecord(db.QueryRow(ctx, s.getSQL, k.Group, k.EventID, k.AggregateType, k.AggregateID))
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Record{}, fmt.Errorf("%w: group %q, event %s", ErrNotFound, group, eventID)
+		return Record{}, fmt.Errorf("%w: group %q, event %s of %s/%s", ErrNotFound, k.Group, k.EventID, k.AggregateType, k.AggregateID)
 	}
 	if err != nil {
-		return Record{}, fmt.Errorf("dedup: read event %s: %w", eventID, err)
+		return Record{}, fmt.Errorf("dedup: read event %s: %w", k.EventID, err)
 	}
-	r.Outcome = Outcome(outcome)
 	return r, nil
+}
+
+// Find returns every record of an event id in group, ordered by aggregate:
+// one, or none; more when records of several aggregates carry the id
+// (a producer reused it, see [IDConflictError]).
+func (s *Store) Find(ctx context.Context, db DBTX, group, eventID string) ([]Record, error) {
+	rows, err := db.Query(ctx, s.findSQL, group, eventID)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: find event %s: %w", eventID, err)
+	}
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Record, error) { return scanRecord(row) })
+	if err != nil {
+		return nil, fmt.Errorf("dedup: find event %s: %w", eventID, err)
+	}
+	return out, nil
+}
+
+func scanRecord(row pgx.Row) (Record, error) {
+	var r Record
+	var outcome string
+	err := row.Scan(&r.Group, &r.EventID, &r.EventType, &r.AggregateType, &r.AggregateID, &r.AggregateVersion, &outcome, &r.ProcessedAt)
+	r.Outcome = Outcome(outcome)
+	return r, err
 }
 
 // Count returns how many events the group has recorded (the dedup table's

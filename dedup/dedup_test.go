@@ -40,7 +40,7 @@ func TestInsertRecognisesDuplicatesAndRollsBackWithTheTransaction(t *testing.T) 
 	require.NoError(t, err)
 	require.True(t, fresh)
 	require.NoError(t, tx.Rollback(ctx))
-	_, err = s.Get(ctx, env.Pool, "g", e.ID)
+	_, err = s.Get(ctx, env.Pool, dedup.KeyOf("g", e))
 	require.ErrorIs(t, err, dedup.ErrNotFound, "a rolled-back handler leaves no record")
 
 	fresh, err = s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
@@ -53,8 +53,8 @@ func TestInsertRecognisesDuplicatesAndRollsBackWithTheTransaction(t *testing.T) 
 	require.NoError(t, err)
 	require.True(t, fresh, "groups are independent")
 
-	require.NoError(t, s.SetOutcome(ctx, env.Pool, "g", e.ID, dedup.OutcomeStale))
-	r, err := s.Get(ctx, env.Pool, "g", e.ID)
+	require.NoError(t, s.SetOutcome(ctx, env.Pool, dedup.KeyOf("g", e), dedup.OutcomeStale))
+	r, err := s.Get(ctx, env.Pool, dedup.KeyOf("g", e))
 	require.NoError(t, err)
 	require.Equal(t, dedup.OutcomeStale, r.Outcome)
 	require.Equal(t, e.AggregateID, r.AggregateID)
@@ -166,9 +166,39 @@ func TestCleanupConfigErrorsNameTheField(t *testing.T) {
 	require.Error(t, err)
 }
 
-// A dedup hit on a row recorded for a different event (another aggregate,
-// version or type under the same id) is an id conflict, not a duplicate.
-// Before: Insert reported a duplicate and the second event was skipped.
+// An event id is recorded per aggregate: an event of another aggregate
+// that carries a recorded id is a different event, recorded on its own,
+// and each is a duplicate of itself only. So a record that reuses a
+// genuine event's id on another aggregate, arriving first, no longer
+// costs the genuine event (before: it was refused as an id conflict).
+func TestAnIDReusedByAnotherAggregateIsAnotherEvent(t *testing.T) {
+	t.Parallel()
+	s, env := newStore(t)
+	ctx := context.Background()
+	genuine := event()
+	reused := genuine
+	reused.AggregateID = "2"
+	otherType := genuine
+	otherType.AggregateType, otherType.Type = "b", "other"
+	for _, e := range []eventline.Event{reused, otherType, genuine} {
+		fresh, err := s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+		require.NoError(t, err, "%s/%s", e.AggregateType, e.AggregateID)
+		require.True(t, fresh, "%s/%s is recorded on its own", e.AggregateType, e.AggregateID)
+	}
+	for _, e := range []eventline.Event{reused, otherType, genuine} {
+		fresh, err := s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+		require.NoError(t, err)
+		require.False(t, fresh, "%s/%s: a duplicate of itself", e.AggregateType, e.AggregateID)
+	}
+	n, err := s.Count(ctx, env.Pool, "g")
+	require.NoError(t, err)
+	require.EqualValues(t, 3, n, "a record of every event the group saw")
+}
+
+// A dedup hit on a row recorded for a different event of the same
+// aggregate (another version or type under the same id) is an id
+// conflict, not a duplicate. Before: Insert reported a duplicate and the
+// second event was skipped.
 func TestInsertTellsAnIDConflictFromADuplicate(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
@@ -181,7 +211,6 @@ func TestInsertTellsAnIDConflictFromADuplicate(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, fresh, "the same event: a duplicate")
 	for _, change := range []func(*eventline.Event){
-		func(o *eventline.Event) { o.AggregateID = "2" },
 		func(o *eventline.Event) { o.AggregateVersion = 2 },
 		func(o *eventline.Event) { o.Type = "other" },
 	} {
@@ -210,7 +239,7 @@ func TestConcurrentIDConflictIsDetected(t *testing.T) {
 	_, err = s.Insert(ctx, tx1, "g", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	other := e
-	other.AggregateID = "2"
+	other.AggregateVersion = 2
 	second := make(chan error, 1)
 	go func() {
 		_, err := s.Insert(ctx, env.Pool, "g", other, dedup.OutcomeApplied)

@@ -4,8 +4,9 @@
 //
 // # How it works
 //
-// Each consumer group has one row per event id in processed_events, primary
-// key (consumer_group, event_id). The row is written with
+// Each consumer group has one row per event id and aggregate in
+// processed_events, primary key (consumer_group, event_id, aggregate_type,
+// aggregate_id). The row is written with
 // INSERT … ON CONFLICT DO NOTHING in the same transaction as the handler's
 // own writes: when the insert affects no row, the event is a duplicate and
 // the handler is skipped. Because the row commits or rolls back together
@@ -20,14 +21,24 @@
 // version gate discarded it), parked (it waits in parked_events for a
 // missing version; it becomes applied when it is released), late (it is
 // held in late_events for an operator), late_applied or late_discarded.
-// Operators can look a row up with [Store.Get].
+// Operators can look a row up with [Store.Get], or every row of an id with
+// [Store.Find].
 //
-// The key is the event id alone, so the row also records the event's
-// identity (type, aggregate, version). A hit whose identity differs is not
-// a duplicate but an id conflict: two events share one id, and Insert
-// returns a permanent *IDConflictError instead of skipping the second one.
-// The insert returns the recorded identity in the same statement, so the
-// check costs no extra round trip.
+// # Scope: the id within its aggregate
+//
+// An event id is unique per event, but a consumer cannot tell a genuine
+// event from a record that reuses its id. The id is therefore recorded per
+// aggregate: a record that carries a genuine event's id for another
+// aggregate is a different event of that aggregate (gated on its own
+// version there) and costs the genuine event nothing, whichever of the two
+// is recorded first. Within one aggregate the row also records the event's
+// identity (type, version): a hit whose identity differs is not a
+// duplicate but an id conflict, two events of the aggregate share one id,
+// and Insert returns a permanent *IDConflictError instead of skipping the
+// second one. The insert returns the recorded identity in the same
+// statement, so the check costs no extra round trip. Events without an
+// aggregate version still name an aggregate (the envelope requires one)
+// and are scoped by it the same way.
 //
 // The middleware package runs this for you (middleware.Dedup, or the
 // composed middleware.New, which folds the insert into the version gate's

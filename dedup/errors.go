@@ -9,11 +9,13 @@ import (
 var ErrIDConflict = errors.New("eventline: two different events share one event id")
 
 // IDConflictError reports a dedup hit whose recorded row belongs to a
-// different event: another event type, aggregate or aggregate version
-// carrying the same event id. Dedup cannot tell which of the two is
-// genuine, so the event is refused (the middleware dead-letters it with
+// different event of the same aggregate: another event type or aggregate
+// version carrying the same event id. Dedup cannot tell which of the two
+// is genuine, so the event is refused (the middleware dead-letters it with
 // this error as the reason) instead of being skipped as a duplicate.
-// Retrying cannot help.
+// Retrying cannot help. (Events of different aggregates never conflict:
+// the id is recorded per aggregate, so an id reused in another aggregate
+// is another event and costs the genuine one nothing.)
 type IDConflictError struct {
 	// Group is the consumer group.
 	Group string

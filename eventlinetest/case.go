@@ -70,17 +70,30 @@ const (
 	// the handler ran: its transaction rolls back and the event is
 	// retried. Effects written outside the transaction stay behind.
 	HandlerErrors
+	// Batches delivers runs of consecutive records of a partition as one
+	// batch, as the ready runner does by default (consumer.Config
+	// BatchSize): several events, of one aggregate or several, admitted
+	// and applied in one transaction; with HandlerErrors, a member that
+	// fails costs only itself (the members before it are applied again,
+	// it is retried alone, the rest follow as a new batch). Some events'
+	// AfterCommit hooks (registered by the kit next to the handler's own)
+	// panic: the event stays applied and the other hooks run.
+	Batches
 
 	// AllFaults is every fault class; a zero Case.Faults means it.
-	AllFaults = Duplicates | Reordering | Withholding | Crashes | Rebalances | HandlerErrors
+	AllFaults = Duplicates | Reordering | Withholding | Crashes | Rebalances | HandlerErrors | Batches
 )
+
+// hookPanics is the kit's own fault kind for an event whose AfterCommit
+// hook panics, injected with Batches (not a class of its own).
+const hookPanics Fault = 1 << 31
 
 var faultNames = []struct {
 	f    Fault
 	name string
 }{
 	{Duplicates, "duplicates"}, {Reordering, "reordering"}, {Withholding, "withholding"},
-	{Crashes, "crashes"}, {Rebalances, "rebalances"}, {HandlerErrors, "handler errors"},
+	{Crashes, "crashes"}, {Rebalances, "rebalances"}, {HandlerErrors, "handler errors"}, {Batches, "batches"},
 }
 
 // String lists the classes in f.

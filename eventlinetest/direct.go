@@ -124,31 +124,40 @@ func (s *sim) newInstance() (*instance, error) {
 type runsKey struct{}
 
 type runList struct {
-	mu   sync.Mutex
-	runs []string
+	mu     sync.Mutex
+	runs   []string
+	panics []string // events whose AfterCommit hook panicked
 }
 
 // injector makes the handler's first run for chosen events fail after it
-// ran (HandlerErrors), and records, in the runList of the context, which
+// ran (HandlerErrors), registers an AfterCommit hook that panics for
+// others (with Batches), and records, in the runList of the context, which
 // events the handler ran for, including parked events released within a
 // delivery.
 type injector struct {
-	// failFirst holds the events whose first handler run fails.
-	failFirst map[int]bool
-	index     map[string]int
+	// failFirst holds the events whose first handler run fails;
+	// panicHook those whose first committed run's AfterCommit hook panics.
+	failFirst, panicHook map[int]bool
+	index                map[string]int
 
-	// onRun, when set, also receives every run's note.
-	onRun func(note string)
+	// onRun, when set, also receives every run's note; onHookPanic the
+	// label of every event whose hook panicked.
+	onRun       func(note string)
+	onHookPanic func(label string)
 
-	mu   sync.Mutex
-	runs map[string]int
+	mu       sync.Mutex
+	runs     map[string]int
+	panicked map[int]bool
 }
 
 func (k *kit) newInjector(s schedule) *injector {
-	in := &injector{failFirst: map[int]bool{}, index: map[string]int{}, runs: map[string]int{}}
+	in := &injector{failFirst: map[int]bool{}, panicHook: map[int]bool{}, index: map[string]int{}, runs: map[string]int{}, panicked: map[int]bool{}}
 	for _, f := range s.faults {
-		if f.kind == HandlerErrors {
+		switch f.kind {
+		case HandlerErrors:
 			in.failFirst[f.event] = true
+		case hookPanics:
+			in.panicHook[f.event] = true
 		}
 	}
 	for i, e := range k.Events {
@@ -174,6 +183,27 @@ func (in *injector) run(ctx context.Context, e eventline.Event, call func() erro
 		note += " (then an injected failure)"
 	} else if err != nil {
 		note += " (failed: " + firstLine(err.Error()) + ")"
+	}
+	if err == nil && known && in.panicHook[i] {
+		label := fmt.Sprintf("%s/%s v%d", e.AggregateType, e.AggregateID, e.AggregateVersion)
+		middleware.AfterCommit(ctx, func() {
+			in.mu.Lock()
+			done := in.panicked[i]
+			in.panicked[i] = true
+			in.mu.Unlock()
+			if done {
+				return
+			}
+			if l, ok := ctx.Value(runsKey{}).(*runList); ok {
+				l.mu.Lock()
+				l.panics = append(l.panics, label)
+				l.mu.Unlock()
+			}
+			if in.onHookPanic != nil {
+				in.onHookPanic(label)
+			}
+			panic("eventlinetest: injected panic in an AfterCommit hook of " + label + " (Batches fault)")
+		})
 	}
 	if l, ok := ctx.Value(runsKey{}).(*runList); ok {
 		l.mu.Lock()
@@ -203,10 +233,12 @@ func (s *sim) note(format string, args ...any) {
 	s.mu.Unlock()
 }
 
-// run executes the schedule: partitions are consumed record by record by
-// their owning instance, offsets committed now and then, sweeper passes
-// run now and then, and crashes and rebalances happen before the
-// deliveries the schedule names.
+// run executes the schedule: partitions are consumed record by record
+// (or, from where a Batches fault starts, several records at once as one
+// batch) by their owning instance, offsets committed now and then,
+// sweeper passes run now and then, and crashes and rebalances happen
+// before the deliveries the schedule names (right after a batch that
+// took that delivery).
 func (s *sim) run(ctx context.Context) error {
 	logs := s.logs(s.s)
 	np := len(logs)
@@ -219,12 +251,13 @@ func (s *sim) run(ctx context.Context) error {
 	for p := range owner {
 		owner[p] = first
 	}
-	at := map[int][]fault{}
+	var stops []fault // crashes, rebalances and batches, by the delivery they come before
 	for _, f := range s.s.faults {
-		if f.kind == Crashes || f.kind == Rebalances {
-			at[f.after] = append(at[f.after], f)
+		if f.kind == Crashes || f.kind == Rebalances || f.kind == Batches {
+			stops = append(stops, f)
 		}
 	}
+	slices.SortStableFunc(stops, func(a, b fault) int { return a.after - b.after })
 	remaining := func() []int {
 		var ps []int
 		for p := range logs {
@@ -236,8 +269,13 @@ func (s *sim) run(ctx context.Context) error {
 	}
 	delivered := 0
 	for len(remaining()) > 0 {
-		for _, f := range at[delivered+1] {
+		batch := 1
+		for len(stops) > 0 && stops[0].after <= delivered+1 {
+			f := stops[0]
+			stops = stops[1:]
 			switch f.kind {
+			case Batches:
+				batch = max(batch, f.size)
 			case Crashes:
 				inst, err := s.newInstance()
 				if err != nil {
@@ -262,12 +300,12 @@ func (s *sim) run(ctx context.Context) error {
 				var oldErr error
 				if next[p] < len(logs[p]) {
 					inflight := logs[p][next[p]]
-					wg.Go(func() { oldErr = s.deliver(ctx, old, inflight, "(in flight on the old owner)") })
+					wg.Go(func() { oldErr = s.deliver(ctx, old, inflight, "(in flight on the old owner)", s.note) })
 				}
 				next[p] = committed[p]
 				var newErr error
 				if next[p] < len(logs[p]) {
-					newErr = s.deliver(ctx, inst, logs[p][next[p]], fmt.Sprintf("%d.", delivered+1))
+					newErr = s.deliver(ctx, inst, logs[p][next[p]], fmt.Sprintf("%d.", delivered+1), s.note)
 					next[p]++
 					delivered++
 				}
@@ -285,11 +323,18 @@ func (s *sim) run(ctx context.Context) error {
 		if !s.s.reverse {
 			p = ps[s.rng.IntN(len(ps))]
 		}
-		if err := s.deliver(ctx, owner[p], logs[p][next[p]], fmt.Sprintf("%d.", delivered+1)); err != nil {
+		n := min(batch, len(logs[p])-next[p])
+		var err error
+		if n > 1 {
+			err = s.deliverBatch(ctx, owner[p], logs[p][next[p]:next[p]+n], delivered+1, p)
+		} else {
+			err = s.deliver(ctx, owner[p], logs[p][next[p]], fmt.Sprintf("%d.", delivered+1), s.note)
+		}
+		if err != nil {
 			return err
 		}
-		next[p]++
-		delivered++
+		next[p] += n
+		delivered += n
 		if s.rng.IntN(s.s.commitEvery) == 0 {
 			committed[p] = next[p]
 		}
@@ -327,18 +372,28 @@ func (s *sim) run(ctx context.Context) error {
 }
 
 // deliver hands event i to inst as a broker would, retrying (as the
-// runner's retry middleware does) after a failure.
-func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string) error {
+// runner's retry middleware does) after a failure, and says what happened
+// through note. In a batch (ctx carries a middleware.Batch member) its
+// first attempt runs with the batch, its retries on their own.
+func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string, note func(string, ...any)) error {
+	_, batched := ctx.Value(batchMemberKey{}).(bool)
 	for attempt := 1; ; attempt++ {
 		runs := &runList{}
 		before := counters(inst.reg)
 		_, err := inst.h(s.message(context.WithValue(ctx, runsKey{}, runs), i))
-		outcome := describeOutcome(before, counters(inst.reg), err, runs.runs)
+		var outcome string
+		if batched && attempt == 1 {
+			// The counters move for the whole batch: its summary line
+			// tells them.
+			outcome = describeOutcome(nil, nil, err, runs.runs, runs.panics)
+		} else {
+			outcome = describeOutcome(before, counters(inst.reg), err, runs.runs, runs.panics)
+		}
 		what := "deliver"
 		if attempt > 1 {
 			what = "retry"
 		}
-		s.note("%s %s %s → instance %d: %s", step, what, s.label(i), inst.id, outcome)
+		note("%s %s %s → instance %d: %s", step, what, s.label(i), inst.id, outcome)
 		switch {
 		case err == nil:
 			return nil
@@ -351,6 +406,42 @@ func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string) e
 	}
 }
 
+// batchMemberKey marks the context of a batch member's delivery.
+type batchMemberKey struct{}
+
+// deliverBatch hands the records recs of partition p to inst as the
+// members of one middleware.Batch, as the ready runner's lanes do: each
+// member runs the chain on its own goroutine (retried on its own after a
+// failure, as by the runner's retry middleware), the batch applies those
+// that reach the middleware together. What each member did is noted in
+// member order, after a line for the batch.
+func (s *sim) deliverBatch(ctx context.Context, inst *instance, recs []int, first, p int) error {
+	b := middleware.NewBatch()
+	notes := make([][]string, len(recs))
+	errs := make([]error, len(recs))
+	before := counters(inst.reg)
+	var wg sync.WaitGroup
+	for j, i := range recs {
+		mctx := context.WithValue(b.Add(ctx), batchMemberKey{}, true)
+		note := func(format string, args ...any) { notes[j] = append(notes[j], "  "+fmt.Sprintf(format, args...)) }
+		wg.Go(func() {
+			defer b.Leave(j)
+			errs[j] = s.deliver(mctx, inst, i, fmt.Sprintf("%d.", first+j), note)
+		})
+	}
+	b.Seal()
+	b.Run(ctx)
+	wg.Wait()
+	s.note("%d–%d. batch of %d records of partition %d → instance %d: %s", first, first+len(recs)-1, len(recs), p, inst.id,
+		batchSummary(before, counters(inst.reg)))
+	for _, ns := range notes {
+		for _, n := range ns {
+			s.note("%s", n)
+		}
+	}
+	return errors.Join(errs...)
+}
+
 // sweep runs one sweeper pass on inst.
 func (s *sim) sweep(ctx context.Context, inst *instance) error {
 	runs := &runList{}
@@ -359,7 +450,11 @@ func (s *sim) sweep(ctx context.Context, inst *instance) error {
 		return fmt.Errorf("eventlinetest: sweeper pass: %w", err)
 	}
 	if res.Released > 0 || res.Failed > 0 || len(runs.runs) > 0 {
-		s.note("-- sweeper pass on instance %d: released %d, failed %d; handler ran for %s", inst.id, res.Released, res.Failed, strings.Join(runs.runs, ", "))
+		panics := ""
+		if len(runs.panics) > 0 {
+			panics = "; the AfterCommit hook of " + strings.Join(runs.panics, ", ") + " panicked (recovered)"
+		}
+		s.note("-- sweeper pass on instance %d: released %d, failed %d; handler ran for %s%s", inst.id, res.Released, res.Failed, strings.Join(runs.runs, ", "), panics)
 	}
 	return nil
 }
@@ -381,12 +476,43 @@ func counters(reg *prometheus.Registry) map[string]float64 {
 	return out
 }
 
-func describeOutcome(before, after map[string]float64, err error, runs []string) string {
+// batchSummary says what a batch's deliveries did altogether, from the
+// counters before and after it.
+func batchSummary(before, after map[string]float64) string {
+	var parts []string
+	for _, c := range []struct{ name, says string }{
+		{"events_applied_total", "applied"}, {"events_duplicate_total", "duplicates"}, {"events_stale_total", "stale"},
+		{"events_parked_total", "parked"}, {"parked_released_total", "released from parking"},
+		{"after_commit_panics_total", "AfterCommit hooks panicked (recovered)"},
+	} {
+		if n := int(after[c.name] - before[c.name]); n > 0 {
+			parts = append(parts, fmt.Sprintf("%s %d", c.says, n))
+		}
+	}
+	if len(parts) == 0 {
+		return "nothing committed"
+	}
+	return strings.Join(parts, ", ")
+}
+
+// describeOutcome says what one delivery did: whom the handler ran for,
+// and, from the counters before and after (nil: not told, it ran in a
+// batch), what became of the event.
+func describeOutcome(before, after map[string]float64, err error, runs, panics []string) string {
 	var parts []string
 	if len(runs) > 0 {
 		parts = append(parts, "handler ran for "+strings.Join(runs, ", "))
 	} else {
 		parts = append(parts, "handler did not run")
+	}
+	if len(panics) > 0 {
+		parts = append(parts, "the AfterCommit hook of "+strings.Join(panics, ", ")+" panicked (recovered)")
+	}
+	if before == nil {
+		if err != nil {
+			parts = append(parts, "rolled back")
+		}
+		return strings.Join(parts, "; ")
 	}
 	d := func(name string) int { return int(after[name] - before[name]) }
 	switch {

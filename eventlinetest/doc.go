@@ -47,6 +47,10 @@
 //     one is still handling its event;
 //   - HandlerErrors: the handler's first run for an event fails after it
 //     ran, the transaction rolls back and the event is retried;
+//   - Batches: runs of consecutive records delivered as one batch, applied
+//     in one transaction, as the ready runner does by default (with
+//     HandlerErrors, a failing member costs only itself), and AfterCommit
+//     hooks next to the handler's that panic;
 //
 // the rest mix them at random, or use all of them at once. Each trial
 // starts from the state right after Setup in one isolated schema (created,

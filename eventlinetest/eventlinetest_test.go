@@ -211,11 +211,13 @@ func readOutside(ctx context.Context, tx pgx.Tx, sql string, args ...any) (int64
 // TestWithholdingCatchesAReadOutsideTheTransaction: a handler that reads
 // the state it updates through another connection works while every
 // event commits on its own, and breaks when a withheld version releases
-// its parked successors in one transaction.
+// its parked successors in one transaction, or when a batch applies
+// several events of its aggregate in one transaction (the ready runner's
+// default).
 func TestWithholdingCatchesAReadOutsideTheTransaction(t *testing.T) {
 
 	c := balanceCase(t, false)
-	c.Faults, c.Trials = eventlinetest.AllFaults&^eventlinetest.Withholding, 12
+	c.Faults, c.Trials = eventlinetest.AllFaults&^(eventlinetest.Withholding|eventlinetest.Batches), 12
 	eventlinetest.Run(t, c) // no other fault shows it
 
 	c.Faults = eventlinetest.Withholding
@@ -224,6 +226,13 @@ func TestWithholdingCatchesAReadOutsideTheTransaction(t *testing.T) {
 	require.NotNil(t, f, "withholding must catch a read outside the transaction")
 	require.Contains(t, f.Minimal[0], "is withheld until after")
 	require.Contains(t, strings.Join(f.Deliveries, "\n"), "parked")
+
+	c.Faults = eventlinetest.Batches
+	f, err = eventlinetest.Check(t.Context(), c)
+	require.NoError(t, err)
+	require.NotNil(t, f, "batches must catch a read outside the transaction")
+	require.Contains(t, f.Minimal[0], "delivered as one batch")
+	require.Contains(t, strings.Join(f.Deliveries, "\n"), "batch of")
 
 	fixed := balanceCase(t, true)
 	fixed.Trials = 12

@@ -28,6 +28,12 @@ const redeliverWindow = 3
 // pollInterval is how often the end-to-end mode checks progress.
 const pollInterval = 20 * time.Millisecond
 
+// batchLinger is the consumers' BatchLinger when the schedule has
+// Batches: a free lane waits that long for more records, so the records
+// published together reach the handler in batches (with the default, 0,
+// only those that queue up while a lane is busy do).
+const batchLinger = 20 * time.Millisecond
+
 // checkKafka runs each schedule end to end through Kafka and the ready
 // runner.
 func (k *kit) checkKafka(ctx context.Context, want any, seeds []uint64, replay bool) (*Failure, error) {
@@ -56,6 +62,7 @@ type kafkaRun struct {
 	cluster      *kafkatest.Cluster
 	brokers      []string
 	topic, group string
+	batchLinger  time.Duration
 	metrics      *middleware.Metrics
 	reg          *prometheus.Registry
 	inject       *injector
@@ -89,6 +96,10 @@ func (k *kit) runKafka(ctx context.Context, cluster *kafkatest.Cluster, s schedu
 	}
 	r := &kafkaRun{kit: k, cluster: cluster, brokers: cluster.Brokers, topic: kafkatest.Topic("eventlinetest"), group: kafkatest.Topic(k.Group), inject: k.newInjector(s)}
 	r.inject.onRun = func(note string) { r.note("handler ran for %s", note) }
+	r.inject.onHookPanic = func(label string) { r.note("the AfterCommit hook of %s panicked (recovered)", label) }
+	if countKind(s.faults, Batches) > 0 {
+		r.batchLinger = batchLinger
+	}
 	r.reg = prometheus.NewRegistry()
 	if r.metrics, err = middleware.NewMetrics(r.reg); err != nil {
 		return nil, err
@@ -207,6 +218,9 @@ func (r *kafkaRun) start() error {
 		MaxRetries: maxAttempts - 1, RetryInitialInterval: 5 * time.Millisecond, RetryMaxInterval: 50 * time.Millisecond,
 		ParkTimeout: parkTimeout, SweepInterval: 100 * time.Millisecond, ShutdownTimeout: 20 * time.Second,
 		SaramaConfig: cfg, Logger: r.Logger, Metrics: r.metrics,
+		// Lanes and BatchSize stay the runner's defaults (8, 16): batches
+		// are what it does unless told otherwise.
+		BatchLinger: r.batchLinger,
 	}
 	if r.Handler == nil {
 		ccfg.Upcasters = r.Upcasters

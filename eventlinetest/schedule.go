@@ -18,6 +18,9 @@ const (
 	profileHandlerErrors
 	profileMixed
 	profileAll
+	// profileBatches comes last so that the seeds of the other profiles
+	// keep their numbers.
+	profileBatches
 )
 
 // singleProfiles are the profiles that test one fault class alone, in
@@ -28,6 +31,7 @@ var singleProfiles = []struct {
 }{
 	{profileDuplicates, Duplicates}, {profileReordering, Reordering}, {profileWithholding, Withholding},
 	{profileCrashes, Crashes}, {profileRebalances, Rebalances}, {profileHandlerErrors, HandlerErrors},
+	{profileBatches, Batches},
 }
 
 func (p profile) String() string {
@@ -55,6 +59,8 @@ type fault struct {
 	after int
 	// partition is the partition a Rebalances fault moves.
 	partition int
+	// size is, for Batches, how many records the batch takes at most.
+	size int
 }
 
 // schedule is one trial's delivery plan. It is a pure function of the seed
@@ -85,7 +91,7 @@ func (s schedule) rng() *rand.Rand { return rand.New(rand.NewPCG(s.seed, 0x65766
 func (k *kit) schedule(seed uint64) schedule {
 	rng := rand.New(rand.NewPCG(seed, 0x7363686564756c65))
 	p := profile(seed & 0xff)
-	if p < profileDuplicates || p > profileAll {
+	if p < profileDuplicates || p > profileBatches {
 		p = profileMixed
 	}
 	has := func(f Fault) bool {
@@ -163,6 +169,23 @@ func (k *kit) schedule(seed uint64) schedule {
 			s.faults = append(s.faults, fault{kind: Rebalances, after: 1 + rng.IntN(records-1), partition: rng.IntN(s.partitions)})
 		}
 	}
+	// Drawn last, so that a schedule without batches is the one its seed
+	// drew before they existed.
+	if has(Batches) {
+		// A batch starts at a delivery and takes up to size records of the
+		// partition being read: at every delivery in the schedule that
+		// tests batches alone, at a quarter of them in a mix.
+		for d := 1; d <= records; d++ {
+			if p == profileBatches || rng.IntN(4) == 0 {
+				s.faults = append(s.faults, fault{kind: Batches, after: d, size: 2 + rng.IntN(5)})
+			}
+		}
+		for i := range n {
+			if pick() {
+				s.faults = append(s.faults, fault{kind: hookPanics, event: i})
+			}
+		}
+	}
 	return s
 }
 
@@ -230,6 +253,10 @@ func (k *kit) describe(f fault) string {
 		return fmt.Sprintf("before delivery %d, partition %d moves to a new consumer instance while the old one is still handling its event", f.after, f.partition)
 	case HandlerErrors:
 		return fmt.Sprintf("the handler's first run for %s fails after it ran, and the event is retried", k.label(f.event))
+	case Batches:
+		return fmt.Sprintf("from delivery %d, up to %d records of the partition are delivered as one batch (one transaction)", f.after, f.size)
+	case hookPanics:
+		return fmt.Sprintf("an AfterCommit hook registered with %s's first committed run panics", k.label(f.event))
 	}
 	return fmt.Sprintf("fault %d", f.kind)
 }

@@ -134,6 +134,10 @@ func TestEachProfileInjectsItsFault(t *testing.T) {
 			case HandlerErrors:
 				require.Equal(t, n, count("(then an injected failure)"), "every first run fails")
 				require.Equal(t, n, count(". retry "))
+			case Batches:
+				require.Positive(t, count(". batch of "))
+				require.Zero(t, count("handler did not run"), "every member reached the handler")
+				require.Equal(t, n, count("the AfterCommit hook of "), "every event's first committed run's hook panicked, and the trial went on")
 			}
 		})
 	}

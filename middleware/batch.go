@@ -31,7 +31,9 @@ import (
 // metrics per event. When a member's gate decision would change what a later
 // member of the same aggregate is admitted as (it parks, or drains parked
 // successors), the batch is cut before that later member and the rest runs
-// as a new batch. A member whose gate step or handler fails or panics costs
+// as a new batch. Admissions are queued by aggregate, for lock order, and
+// an event id is recorded per aggregate, so of two members with one id the
+// first to arrive wins, as one at a time. A member whose gate step or handler fails or panics costs
 // only itself: the transaction rolls back, the members before it are
 // applied again as a batch, the failing one gets its error back (its retry
 // and dead-letter middleware take over, one event at a time) and, once its

@@ -234,20 +234,42 @@ func TestBatchDuringDatabaseOutage(t *testing.T) {
 	require.Equal(t, xm[evs[0].ID], xm[evs[2].ID], "one transaction once the database is back")
 }
 
-// TestBatchRefusesAnIDConflictAlone: two different events with one id in
-// a batch: the first is applied, the second refused (permanent, as on its
-// own), the rest of the batch applied.
+// TestBatchRefusesAnIDConflictAlone: two different events of one
+// aggregate with one id in a batch: the first is applied, the second
+// refused (permanent, as on its own), the rest of the batch applied.
 func TestBatchRefusesAnIDConflictAlone(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{})
-	a, b, c := consumertest.Event("a", 1), consumertest.Event("b", 1), consumertest.Event("c", 1)
-	b.ID = a.ID // lies about its id
-	errs := deliverBatch(f.handler, consumertest.Message(t, a), consumertest.Message(t, b), consumertest.Message(t, c))
+	a1, a2, c := consumertest.Event("a", 1), consumertest.Event("a", 2), consumertest.Event("c", 1)
+	a2.ID = a1.ID // lies about its id
+	errs := deliverBatch(f.handler, consumertest.Message(t, a1), consumertest.Message(t, a2), consumertest.Message(t, c))
 	require.NoError(t, errs[0])
 	require.ErrorIs(t, errs[1], dedup.ErrIDConflict)
 	require.True(t, middleware.IsPermanent(errs[1]), "refused for good: dead-lettered at once")
 	require.NoError(t, errs[2])
 	require.Equal(t, []int64{1}, f.versions(t, "a"))
-	require.Empty(t, f.versions(t, "b"))
+	require.Equal(t, []int64{1}, f.versions(t, "c"))
+}
+
+// TestBatchResolvesAnIDInArrivalOrder: events sharing one id in a batch,
+// the first to arrive of an aggregate that sorts after the second's
+// (admissions are queued by aggregate, for lock order). The event of the
+// other aggregate is another event: applied. Within the first one's
+// aggregate, the first to arrive wins and a later event under the id is
+// refused, as one at a time. Before: the second to arrive was applied and
+// the first refused.
+func TestBatchResolvesAnIDInArrivalOrder(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, middleware.Config{})
+	b1, a, c, b2 := consumertest.Event("b", 1), consumertest.Event("a", 1), consumertest.Event("c", 1), consumertest.Event("b", 2)
+	a.ID, b2.ID = b1.ID, b1.ID // arrive later under b1's id
+	errs := deliverBatch(f.handler, consumertest.Message(t, b1), consumertest.Message(t, a), consumertest.Message(t, c), consumertest.Message(t, b2))
+	require.NoError(t, errs[0])
+	require.NoError(t, errs[1], "another aggregate's event")
+	require.NoError(t, errs[2])
+	require.ErrorIs(t, errs[3], dedup.ErrIDConflict)
+	require.True(t, middleware.IsPermanent(errs[3]), "refused for good: dead-lettered at once")
+	require.Equal(t, []int64{1}, f.versions(t, "b"))
+	require.Equal(t, []int64{1}, f.versions(t, "a"))
 	require.Equal(t, []int64{1}, f.versions(t, "c"))
 }

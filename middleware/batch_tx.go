@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/versioning"
 )
@@ -104,25 +105,16 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
 		defer stop()
 	}
 
-	// BEGIN and every admission in one round trip. Admissions are queued
-	// by aggregate (stable, so one aggregate's events keep their order),
-	// so two batches touching the same aggregates lock their rows in the
-	// same order.
+	events := make([]eventline.Event, len(items))
+	for i, it := range items {
+		events[i] = it.e
+	}
+
+	// BEGIN and every admission in one round trip, in lock order.
 	pb := &pgx.Batch{}
 	pb.BeginTx(el.cfg.TxOptions)
-	order := make([]int, len(items))
-	for i := range order {
-		order[i] = i
-	}
-	slices.SortStableFunc(order, func(x, y int) int {
-		ex, ey := items[x].e, items[y].e
-		if c := strings.Compare(ex.AggregateType, ey.AggregateType); c != 0 {
-			return c
-		}
-		return strings.Compare(ex.AggregateID, ey.AggregateID)
-	})
 	results := make([]func(context.Context, versioning.DBTX) (versioning.Admission, error), len(items))
-	for _, i := range order {
+	for _, i := range admissionOrder(events) {
 		results[i] = g.queueAdmission(pb, items[i].e)
 	}
 	br := el.cfg.DB.SendBatch(bctx, pb)
@@ -209,6 +201,29 @@ func (el *Eventline) proceedInBatch(bctx context.Context, it *arrival, tx pgx.Tx
 	}()
 	out, err = el.gate.proceed(it.msg, tx, it.e, it.h, a)
 	return out, ictx, err
+}
+
+// admissionOrder returns the order in which a batch's admissions are
+// queued: by aggregate, so two batches touching the same aggregates lock
+// their rows in the same order; stable, so one aggregate's events keep
+// their arrival order. Members of different aggregates may be admitted in
+// another order than they arrived, which decides nothing: their dedup
+// records never collide (an event id is recorded per aggregate), so of two
+// members with one id in one aggregate the first to arrive is recorded,
+// as one at a time.
+func admissionOrder(events []eventline.Event) []int {
+	order := make([]int, len(events))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(x, y int) int {
+		ex, ey := events[x], events[y]
+		if c := strings.Compare(ex.AggregateType, ey.AggregateType); c != 0 {
+			return c
+		}
+		return strings.Compare(ex.AggregateID, ey.AggregateID)
+	})
+	return order
 }
 
 // cutAt returns the first member whose admission, made before the members

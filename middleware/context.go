@@ -124,6 +124,32 @@ func AfterCommit(ctx context.Context, fn func()) {
 // RunAfterCommit runs, once, the hooks registered with AfterCommit on a
 // context made by ContextWithTx. Call it after committing the transaction
 // yourself; the Tx middleware calls it for you.
+//
+// A hook that panics does not stop the others, nor reach the caller: the
+// transaction has committed, so the panic is recovered and reported (by
+// the composed middleware: logged with the event and counted in
+// eventline_consumer_after_commit_panics_total; otherwise logged through
+// slog's default logger), and the remaining hooks run. The sweeper's
+// release of parked events runs its hooks the same way.
 func RunAfterCommit(ctx context.Context) {
 	txhooks.From(ctx).Run()
+}
+
+// withHookReports returns ctx reporting the panics of AfterCommit hooks
+// registered under it to el's logger and metrics.
+func (el *Eventline) withHookReports(ctx context.Context) context.Context {
+	return txhooks.WithPanicHandler(ctx, el.hookPanic)
+}
+
+// reportHookPanic logs and counts an AfterCommit hook that panicked; ctx
+// is the context the hook was registered with.
+func (el *Eventline) reportHookPanic(ctx context.Context, v any, stack []byte) {
+	el.cfg.Metrics.incHookPanic(el.cfg.Group)
+	attrs := []any{"group", el.cfg.Group, "panic", v}
+	if e, ok := EventFromContext(ctx); ok {
+		attrs = append(attrs, "event_id", e.ID, "event_type", e.Type, "aggregate_type", e.AggregateType,
+			"aggregate_id", e.AggregateID, "version", e.AggregateVersion)
+	}
+	el.cfg.Logger.ErrorContext(ctx, "eventline: an AfterCommit hook panicked after its event committed; recovered, the event stays applied and the other hooks ran",
+		append(attrs, "stack", string(stack))...)
 }

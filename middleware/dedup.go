@@ -33,8 +33,10 @@ type DedupConfig struct {
 // The row commits or rolls back with the handler's effects, so a handler
 // error leaves nothing behind and the redelivery is handled normally.
 //
-// A recorded row that belongs to a different event (another type,
-// aggregate or version under the same id) is not a duplicate but an id
+// The row is keyed by the event id within its aggregate: an event of
+// another aggregate that carries a recorded id is another event. A
+// recorded row that belongs to a different event of the same aggregate
+// (another type or version under the same id) is not a duplicate but an id
 // conflict: Dedup fails with a permanent *dedup.IDConflictError, so the
 // event is dead-lettered with that reason and counted in
 // eventline_consumer_events_refused_total{reason="id_conflict"}.

@@ -20,11 +20,12 @@
 //	    ([EventFromContext]); a message without an event id, with a
 //	    non-numeric or negative version… never reaches the handler and fails
 //	    with a permanent error.
-//	  - dedup ([Dedup]) records the event id in processed_events; a duplicate
-//	    is acknowledged without running the handler. A recorded row that is
-//	    a different event under the same id (another type, aggregate or
-//	    version) is an id conflict: a permanent *dedup.IDConflictError,
-//	    never a silent skip.
+//	  - dedup ([Dedup]) records the event id, within its aggregate, in
+//	    processed_events; a duplicate is acknowledged without running the
+//	    handler. A recorded row that is a different event of the aggregate
+//	    under the same id (another type or version) is an id conflict: a
+//	    permanent *dedup.IDConflictError, never a silent skip. The id on
+//	    another aggregate is another event, recorded on its own.
 //	  - the version gate ([Gate]) locks the aggregate's version row and
 //	    applies, discards (stale), holds (late) or parks the event (see
 //	    package versioning), draining parked successors once the missing

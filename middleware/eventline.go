@@ -16,6 +16,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/nilcheck"
+	"github.com/eventline/eventline/internal/txhooks"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -221,6 +222,8 @@ type Eventline struct {
 	gate    *Gate
 	sweeper *versioning.Sweeper
 	dl      *DeadLetter
+	// hookPanic is reportHookPanic, bound once.
+	hookPanic txhooks.PanicHandler
 }
 
 // New returns the composed middleware. It fails, naming the field, when the
@@ -270,7 +273,9 @@ func New(cfg Config) (*Eventline, error) {
 	if err != nil {
 		return nil, fmt.Errorf("middleware.Config: %w", err)
 	}
-	return &Eventline{cfg: cfg, gate: gate, sweeper: sweeper, dl: dl}, nil
+	el := &Eventline{cfg: cfg, gate: gate, sweeper: sweeper, dl: dl}
+	el.hookPanic = el.reportHookPanic
+	return el, nil
 }
 
 // Middleware returns the composed middleware; add it to a Router
@@ -308,16 +313,20 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 		if err := g.precheck(e); err != nil {
 			return nil, err
 		}
+		// AfterCommit hooks registered from here on report their panics
+		// to el (RunAfterCommit recovers them).
+		hctx := el.withHookReports(parent)
 		if s := slotFromContext(parent); s != nil {
 			// A member of a Batch: applied with the others (batch.go), or
 			// told to run on its own below.
+			msg.SetContext(hctx)
 			if out, err, alone := s.arrive(el, msg, e, inner); !alone {
 				return out, err
 			}
 		}
-		ctx, cancel := parent, context.CancelFunc(func() {})
+		ctx, cancel := hctx, context.CancelFunc(func() {})
 		if el.cfg.TxTimeout > 0 {
-			ctx, cancel = context.WithTimeout(parent, el.cfg.TxTimeout)
+			ctx, cancel = context.WithTimeout(hctx, el.cfg.TxTimeout)
 		}
 		defer func() {
 			cancel()
@@ -471,7 +480,7 @@ func (el *Eventline) Store() *versioning.Store { return el.gate.store }
 // Sweep makes one sweeper pass over the group's parked events (see
 // versioning.Sweeper.Sweep).
 func (el *Eventline) Sweep(ctx context.Context) (versioning.SweepResult, error) {
-	res, err := el.sweeper.Sweep(ctx)
+	res, err := el.sweeper.Sweep(el.withHookReports(ctx))
 	el.gate.observeSweep(res, err)
 	return res, err
 }
@@ -481,6 +490,7 @@ func (el *Eventline) Sweep(ctx context.Context) (versioning.SweepResult, error) 
 // requested (see [Eventline.ReplayDeadLetters]). Run it next to the router
 // (the consumer package does).
 func (el *Eventline) RunSweeper(ctx context.Context) error {
+	ctx = el.withHookReports(ctx)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

@@ -29,3 +29,7 @@ func CountUnsafeHolds(t interface{ Cleanup(func()) }) *atomic.Int32 {
 	t.Cleanup(func() { holdUnsafe = prev })
 	return &n
 }
+
+// AdmissionOrder is admissionOrder: the order a batch's admissions are
+// queued in.
+var AdmissionOrder = admissionOrder

@@ -130,9 +130,10 @@ func TestHandComposedChain(t *testing.T) {
 		versions = append(versions, e.Version)
 	}
 	require.Equal(t, []int64{1, 2, 3}, versions)
-	r, err := g.Store().Dedup().Get(context.Background(), env.Pool, group, m3.UUID)
+	r, err := g.Store().Dedup().Find(context.Background(), env.Pool, group, m3.UUID)
 	require.NoError(t, err)
-	require.Equal(t, dedup.OutcomeApplied, r.Outcome)
+	require.Len(t, r, 1)
+	require.Equal(t, dedup.OutcomeApplied, r[0].Outcome)
 
 	// Without Tx outside, Dedup and Gate refuse to work.
 	_, err = d.Middleware(business)(consumertest.Redeliver(m1))

@@ -53,10 +53,15 @@ func hostileValue() *rapid.Generator[string] {
 }
 
 // hostileMessage draws a message of its own aggregate (so no two collide
-// by accident) with one to three fields corrupted, or removed.
-func hostileMessage(agg string) *rapid.Generator[*message.Message] {
+// by accident) with one to three fields corrupted, or removed. With an id
+// it carries that id (a valid event's, reused on its own aggregate) unless
+// a mutation replaces it.
+func hostileMessage(agg, id string) *rapid.Generator[*message.Message] {
 	return rapid.Custom(func(rt *rapid.T) *message.Message {
 		e := consumertest.Event(agg, 1)
+		if id != "" {
+			e.ID = id
+		}
 		e.Payload = []byte(`{"name":"ok"}`)
 		msg := consumertest.Message(rt, e)
 		msg.Metadata.Set("tenant", "acme")
@@ -94,9 +99,10 @@ func hostileMessage(agg string) *rapid.Generator[*message.Message] {
 }
 
 // TestPropertyHostileMessagesCostOnlyThemselves sends random hostile
-// messages (see hostileMessage), interleaved with an aggregate's valid
-// events delivered out of order, through the safe chain (DeadLetter ▸
-// Retry ▸ eventline ▸ handler) as records of one partition. The handler
+// messages (see hostileMessage; some reuse a valid event's id on their own
+// aggregate, arriving before or after it), interleaved with an aggregate's
+// valid events delivered out of order, through the safe chain (DeadLetter
+// ▸ Retry ▸ eventline ▸ handler) as records of one partition. The handler
 // writes fields of the payload to text, uuid and integer columns, so
 // content PostgreSQL refuses (a NUL byte: SQLSTATE 22021; a malformed
 // uuid: 22P02) or pgx cannot encode (a number beyond int4) reaches it too.
@@ -111,7 +117,10 @@ func hostileMessage(agg string) *rapid.Generator[*message.Message] {
 //     parked or refused as the gate says, with a dedup record or a dead
 //     letter; a message the gate parks (or finds stale) has not reached
 //     the handler, so its content is not judged yet, whatever it holds;
-//   - the valid events are all applied once, in order.
+//   - the valid events are all applied once, in order: a hostile message
+//     that reuses a valid event's id on another aggregate is another
+//     event there (the id is recorded per aggregate), whichever comes
+//     first.
 func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond}})
@@ -143,9 +152,17 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 		valid := fmt.Sprintf("valid-%d", r)
 		n := rapid.IntRange(1, 5).Draw(rt, "valid events")
 		order := rapid.Permutation(versionsUpTo(n)).Draw(rt, "valid order")
+		validEvents := map[int64]eventline.Event{}
+		for _, v := range order {
+			validEvents[v] = consumertest.Event(valid, v)
+		}
 		hostile := make([]*message.Message, rapid.IntRange(1, 5).Draw(rt, "hostile messages"))
 		for i := range hostile {
-			hostile[i] = hostileMessage(fmt.Sprintf("h-%d-%d", r, i)).Draw(rt, "hostile")
+			var reused string
+			if rapid.Bool().Draw(rt, "reuse a valid id") {
+				reused = validEvents[rapid.Int64Range(1, int64(n)).Draw(rt, "reused version")].ID
+			}
+			hostile[i] = hostileMessage(fmt.Sprintf("h-%d-%d", r, i), reused).Draw(rt, "hostile")
 		}
 		var msgs []*message.Message
 		isHostile := map[int]bool{}
@@ -154,7 +171,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 				isHostile[len(msgs)] = true
 				msgs, hostile = append(msgs, hostile[0]), hostile[1:]
 			}
-			msgs = append(msgs, consumertest.Message(rt, consumertest.Event(valid, v)))
+			msgs = append(msgs, consumertest.Message(rt, validEvents[v]))
 		}
 		for _, h := range hostile {
 			isHostile[len(msgs)] = true
@@ -186,7 +203,8 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 			var outcome *string
 			if derr == nil {
 				err := f.env.Pool.QueryRow(context.Background(), `SELECT outcome FROM `+sqlident.Qualify(f.env.Schema, "processed_events")+
-					` WHERE consumer_group = $1 AND event_id = $2`, group, e.ID).Scan(&outcome)
+					` WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $3 AND aggregate_id = $4`,
+					group, e.ID, e.AggregateType, e.AggregateID).Scan(&outcome)
 				if err != nil {
 					require.ErrorIs(rt, err, pgx.ErrNoRows)
 				}

@@ -12,6 +12,7 @@ type failpathMetrics struct {
 	deadLetterPublish  *prometheus.CounterVec
 	deadLettersReplay  *prometheus.CounterVec
 	unsafeCompositions *prometheus.CounterVec
+	hookPanics         *prometheus.CounterVec
 }
 
 func newFailpathMetrics(counter func(name, help string, labels ...string) *prometheus.CounterVec) failpathMetrics {
@@ -28,12 +29,14 @@ func newFailpathMetrics(counter func(name, help string, labels ...string) *prome
 		deadLettersReplay: counter("dead_letters_replayed_total", "Dead letters replayed on request: result replayed or failed.", "group", "result"),
 		unsafeCompositions: counter("unsafe_compositions_total",
 			"Events refused because the middleware chain was composed unsafely (a poison queue or retry inside the eventline transaction); nothing was committed.", "group"),
+		hookPanics: counter("after_commit_panics_total",
+			"AfterCommit hooks that panicked after their transaction committed: recovered and logged with the event; the other hooks ran, the event stays applied.", "group"),
 	}
 }
 
 func (f failpathMetrics) collectors() []prometheus.Collector {
 	return []prometheus.Collector{f.retries, f.infraWaits, f.waitingOnDatabase, f.deadLetterWrites, f.deadLetterPublish,
-		f.deadLettersReplay, f.unsafeCompositions}
+		f.deadLettersReplay, f.unsafeCompositions, f.hookPanics}
 }
 
 func (m *Metrics) incRetry(group, reason string) {
@@ -75,5 +78,11 @@ func (m *Metrics) incReplay(group, result string) {
 func (m *Metrics) incUnsafeComposition(group string) {
 	if m != nil {
 		m.failpath.unsafeCompositions.WithLabelValues(group).Inc()
+	}
+}
+
+func (m *Metrics) incHookPanic(group string) {
+	if m != nil {
+		m.failpath.hookPanics.WithLabelValues(group).Inc()
 	}
 }

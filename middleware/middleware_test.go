@@ -131,9 +131,10 @@ func (f *fixture) versions(t *testing.T, aggregateID string) []int64 {
 
 func (f *fixture) outcome(t *testing.T, eventID string) dedup.Outcome {
 	t.Helper()
-	r, err := f.el.Store().Dedup().Get(context.Background(), f.env.Pool, group, eventID)
+	r, err := f.el.Store().Dedup().Find(context.Background(), f.env.Pool, group, eventID)
 	require.NoError(t, err)
-	return r.Outcome
+	require.Len(t, r, 1, "one record of event %s", eventID)
+	return r[0].Outcome
 }
 
 func (f *fixture) count(t *testing.T, table string) int {

@@ -68,7 +68,7 @@ func TestHotPathRoundTrips(t *testing.T) {
 	n, err = cost(consumertest.Message(t, first))
 	require.NoError(t, err)
 	require.EqualValues(t, 2, n, "a duplicate: batch + COMMIT")
-	clash := consumertest.Event("b", 1)
+	clash := consumertest.Event("a", 2)
 	clash.ID = first.ID
 	n, err = cost(consumertest.Message(t, clash))
 	require.ErrorIs(t, err, dedup.ErrIDConflict)

@@ -24,6 +24,7 @@ func ExampleAll() {
 	// 004_consumer_dead_letters
 	// 005_relay_leases
 	// 006_aggregate_topic
+	// 007_dedup_scope
 }
 
 // Applying the schema from a service's start-up code, before producers or

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
 
@@ -111,4 +112,37 @@ func TestBadInputIsRefusedNamingTheArgument(t *testing.T) {
 		_, err := migrations.Status(ctx, pool, migrations.Config{Schema: schema})
 		require.ErrorContains(t, err, "migrations.Config.Schema", schema)
 	}
+}
+
+// 007_dedup_scope keys processed_events (and late_events) by event id and
+// aggregate: up keeps the rows recorded under the old key; down refuses,
+// naming the table, while a group has recorded one id in two aggregates
+// (the old key cannot hold both), and goes back once it has not.
+func TestDedupScopeMigration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, 2)
+	schema := pgtest.NewSchemaName(t)
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+	cfg := migrations.Config{Schema: schema, Shards: 1}
+	require.NoError(t, migrations.Up(ctx, pool, cfg))
+	require.NoError(t, migrations.Down(ctx, pool, cfg, 1))
+	processed := sqlident.Qualify(schema, "processed_events")
+	_, err := pool.Exec(ctx, `INSERT INTO `+processed+` (consumer_group, event_id, aggregate_type, aggregate_id, outcome) VALUES ('g', 'e1', 'order', 'o-1', 'applied')`)
+	require.NoError(t, err)
+	require.NoError(t, migrations.Up(ctx, pool, cfg))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+processed))
+
+	_, err = pool.Exec(ctx, `INSERT INTO `+processed+` (consumer_group, event_id, aggregate_type, aggregate_id, outcome) VALUES ('g', 'e1', 'order', 'o-2', 'applied')`)
+	require.NoError(t, err, "one id in another aggregate is another record")
+	err = migrations.Down(ctx, pool, cfg, 1)
+	require.ErrorContains(t, err, "processed_events records 1 event id(s) in more than one aggregate")
+	st, err := migrations.Status(ctx, pool, cfg)
+	require.NoError(t, err)
+	require.True(t, st[len(st)-1].Applied(), "nothing rolled back")
+
+	_, err = pool.Exec(ctx, `DELETE FROM `+processed+` WHERE aggregate_id = 'o-2'`)
+	require.NoError(t, err)
+	require.NoError(t, migrations.Down(ctx, pool, cfg, 1))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+processed))
 }

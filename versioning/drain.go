@@ -280,7 +280,7 @@ func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p P
 		if _, err := sp.Exec(ctx, s.q.deleteParked, p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
 			return err
 		}
-		if _, err := sp.Exec(ctx, s.q.forget, p.Group, p.EventID); err != nil {
+		if _, err := sp.Exec(ctx, s.q.forget, p.Group, p.EventID, p.AggregateType, p.AggregateID); err != nil {
 			return err
 		}
 		if err := s.RecordSkipped(ctx, sp, k, current+1, p.Version, reason); err != nil {
@@ -363,7 +363,7 @@ func (s *Store) removeParked(ctx context.Context, tx pgx.Tx, p Parked, outcome d
 	if _, err := tx.Exec(ctx, s.q.deleteParked, p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
 		return fmt.Errorf("versioning: remove parked event %s: %w", p.EventID, err)
 	}
-	return s.dedup.SetOutcome(ctx, tx, p.Group, p.EventID, outcome)
+	return s.dedup.SetOutcome(ctx, tx, p.DedupKey(), outcome)
 }
 
 func anyExpired(ps []Parked) bool {

@@ -266,8 +266,9 @@ func collectLate(rows pgx.Rows) ([]LateEvent, error) {
 // late events (`eventline parked apply-late`): its sweeper applies each on
 // its next pass, in version order per aggregate, with the event marked
 // late, and removes it from late_events (outcome late_applied). A request
-// resets the event's failed attempts. It returns how many of the ids were
-// held; it needs only the database.
+// resets the event's failed attempts. It returns how many late events the
+// ids named (an id held late in several aggregates, reused by a producer,
+// names each of them); it needs only the database.
 func (s *Store) RequestLateApply(ctx context.Context, db DBTX, group string, eventIDs ...string) (int, error) {
 	if group == "" || len(eventIDs) == 0 {
 		return 0, errors.New("versioning.RequestLateApply: the group and at least one event id are required")
@@ -282,7 +283,7 @@ func (s *Store) RequestLateApply(ctx context.Context, db DBTX, group string, eve
 // DiscardLate deletes the given late events of group for good (`eventline
 // parked discard-late`); their processed_events outcome becomes
 // late_discarded, so redeliveries stay duplicates. It returns how many were
-// held.
+// held (an id held late in several aggregates names each of them).
 func (s *Store) DiscardLate(ctx context.Context, db DBTX, group string, eventIDs ...string) (int, error) {
 	if group == "" || len(eventIDs) == 0 {
 		return 0, errors.New("versioning.DiscardLate: the group and at least one event id are required")
@@ -339,7 +340,7 @@ func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOpt
 			return err
 		}
 		if herr == nil {
-			if _, err := tx.Exec(ctx, s.q.doneLate, l.Group, l.EventID, string(dedup.OutcomeLateApplied)); err != nil {
+			if _, err := tx.Exec(ctx, s.q.doneLate, l.Group, l.EventID, l.AggregateType, l.AggregateID, string(dedup.OutcomeLateApplied)); err != nil {
 				return fmt.Errorf("versioning: remove applied late event %s: %w", l.EventID, err)
 			}
 			res.LateApplied++
@@ -353,7 +354,7 @@ func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOpt
 			return err
 		}
 		if p.ReleaseAttempts >= opts.MaxAttempts || (opts.Permanent != nil && opts.Permanent(herr)) {
-			if _, err := tx.Exec(ctx, s.q.giveUpLate, l.Group, l.EventID); err != nil {
+			if _, err := tx.Exec(ctx, s.q.giveUpLate, l.Group, l.EventID, l.AggregateType, l.AggregateID); err != nil {
 				return fmt.Errorf("versioning: clear the apply request of late event %s: %w", l.EventID, err)
 			}
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/dedup"
 )
 
 // Parked is one event waiting in parked_events for a missing earlier
@@ -63,6 +64,11 @@ type Parked struct {
 // Key returns the parked event's aggregate key.
 func (p Parked) Key() Key {
 	return Key{Group: p.Group, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
+}
+
+// DedupKey returns the key of the event's processed_events record.
+func (p Parked) DedupKey() dedup.Key {
+	return dedup.Key{Group: p.Group, EventID: p.EventID, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
 }
 
 // Message rebuilds the Watermill message the event arrived as.

@@ -163,7 +163,7 @@ func newQueries(schema, processed string) queries {
 		), adm AS (`+fmt.Sprintf(upsert, `SELECT $1, $4, $5, `+newRow+` FROM dedup`)+`)
 		SELECT a.previous_version, a.version, a.parked_count, `+dedup.RecordedColumns("r")+`
 		FROM (SELECT) AS one LEFT JOIN adm a ON true
-		LEFT JOIN (SELECT * FROM `+processed+` WHERE consumer_group = $1 AND event_id = $2
+		LEFT JOIN (SELECT * FROM `+processed+` WHERE `+dedup.KeyPredicate("", "$1", "$2", "$4", "$5")+`
 			AND NOT EXISTS (SELECT 1 FROM dedup)) r ON true`,
 			"$1", "$4", "$5", "$6", "$7", "$8"),
 		// Without dedup: the upsert over ($1 group, $2 type, $3 id, $4
@@ -198,7 +198,7 @@ func newQueries(schema, processed string) queries {
 				WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND EXISTS (SELECT 1 FROM ins)
 			), outcome AS (
 				UPDATE ` + processed + ` SET outcome = 'parked'
-				WHERE consumer_group = $1 AND event_id = $6 AND EXISTS (SELECT 1 FROM ins)
+				WHERE ` + dedup.KeyPredicate("", "$1", "$6", "$2", "$3") + ` AND EXISTS (SELECT 1 FROM ins)
 			)
 			SELECT EXISTS (SELECT 1 FROM ins), (SELECT v FROM known),
 				(SELECT event_id FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint)`,
@@ -223,9 +223,11 @@ func newQueries(schema, processed string) queries {
 					CASE WHEN EXISTS (SELECT 1 FROM sk) THEN 'arrived_late' ELSE 'passed' END, coalesce((SELECT reason FROM sk), $5), $6::bigint
 				FROM moved m ON CONFLICT DO NOTHING
 			)
-			UPDATE ` + processed + ` SET outcome = 'late' WHERE consumer_group = $1 AND event_id IN (SELECT event_id FROM moved)`,
+			UPDATE ` + processed + ` SET outcome = 'late'
+			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_id IN (SELECT event_id FROM moved)`,
 		deleteParked: `DELETE FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4`,
-		forget:       `DELETE FROM ` + processed + ` WHERE consumer_group = $1 AND event_id = $2`,
+		// ($1 group, $2 event id, $3 type, $4 id)
+		forget: `DELETE FROM ` + processed + ` WHERE ` + dedup.KeyPredicate("", "$1", "$2", "$3", "$4"),
 		// ($1 group, $2 type, $3 id, $4 version, $5 event id, $6 error,
 		// $7 backoff in microseconds, $8 attempts)
 		failParked: `UPDATE ` + pe + ` SET release_attempts = $8, last_error = $6, last_attempt_at = now(),
@@ -275,7 +277,7 @@ func newQueries(schema, processed string) queries {
 				FROM sk WHERE $13::boolean ON CONFLICT DO NOTHING RETURNING 1
 			), outcome AS (
 				UPDATE ` + processed + ` SET outcome = CASE WHEN EXISTS (SELECT 1 FROM sk) THEN $14::text ELSE 'stale' END
-				WHERE consumer_group = $1 AND event_id = $6
+				WHERE ` + dedup.KeyPredicate("", "$1", "$6", "$2", "$3") + `
 			)
 			SELECT (SELECT reason FROM sk)`,
 		// A stale event that is not late, held as a version conflict
@@ -287,7 +289,7 @@ func newQueries(schema, processed string) queries {
 				VALUES ($1, $6, $2, $3, $4::bigint, $5::bigint, $7, $8, $9, $10, $11, 'passed', $13, $12::bigint)
 				ON CONFLICT DO NOTHING
 			)
-			UPDATE ` + processed + ` SET outcome = 'late' WHERE consumer_group = $1 AND event_id = $6`,
+			UPDATE ` + processed + ` SET outcome = 'late' WHERE ` + dedup.KeyPredicate("", "$1", "$6", "$2", "$3"),
 		// ($1 group, $2 type, $3 id, $4 version, $5 event id to leave out)
 		appliedBy: `SELECT event_id FROM ` + processed + `
 			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
@@ -304,7 +306,7 @@ func newQueries(schema, processed string) queries {
 			)
 			INSERT INTO ` + processed + ` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
 			VALUES ($1, $2, $7, $3, $4, $5::bigint, 'late')
-			ON CONFLICT (consumer_group, event_id) DO UPDATE SET outcome = 'late'`,
+			ON CONFLICT (consumer_group, event_id, aggregate_type, aggregate_id) DO UPDATE SET outcome = 'late'`,
 		lateOf: `SELECT ` + lateCols + ` FROM ` + le + `
 			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
 				AND apply_requested_at IS NOT NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
@@ -315,13 +317,17 @@ func newQueries(schema, processed string) queries {
 		failLate: `UPDATE ` + le + ` SET attempts = $8, last_error = $6, last_attempt_at = now(),
 				next_attempt_at = now() + $7::bigint * interval '1 microsecond'
 			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4 AND event_id = $5`,
-		doneLate: `WITH gone AS (DELETE FROM ` + le + ` WHERE consumer_group = $1 AND event_id = $2 RETURNING event_id)
-			UPDATE ` + processed + ` SET outcome = $3 WHERE consumer_group = $1 AND event_id IN (SELECT event_id FROM gone)`,
-		giveUpLate: `UPDATE ` + le + ` SET apply_requested_at = NULL WHERE consumer_group = $1 AND event_id = $2`,
+		// doneLate and giveUpLate: ($1 group, $2 event id, $3 type, $4
+		// id), doneLate's outcome $5.
+		doneLate: `WITH gone AS (DELETE FROM ` + le + ` WHERE ` + dedup.KeyPredicate("", "$1", "$2", "$3", "$4") + ` RETURNING event_id)
+			UPDATE ` + processed + ` SET outcome = $5 WHERE ` + dedup.KeyPredicate("", "$1", "$2", "$3", "$4") + ` AND EXISTS (SELECT 1 FROM gone)`,
+		giveUpLate: `UPDATE ` + le + ` SET apply_requested_at = NULL WHERE ` + dedup.KeyPredicate("", "$1", "$2", "$3", "$4"),
 		requestLate: `UPDATE ` + le + ` SET apply_requested_at = now(), attempts = 0, next_attempt_at = NULL
 			WHERE consumer_group = $1 AND event_id = ANY($2::text[])`,
-		discardLate: `WITH gone AS (DELETE FROM ` + le + ` WHERE consumer_group = $1 AND event_id = ANY($2::text[]) RETURNING event_id),
-			o AS (UPDATE ` + processed + ` SET outcome = 'late_discarded' WHERE consumer_group = $1 AND event_id IN (SELECT event_id FROM gone))
+		discardLate: `WITH gone AS (DELETE FROM ` + le + ` WHERE consumer_group = $1 AND event_id = ANY($2::text[])
+				RETURNING event_id, aggregate_type, aggregate_id),
+			o AS (UPDATE ` + processed + ` p SET outcome = 'late_discarded' FROM gone g
+				WHERE ` + dedup.KeyPredicate("p", "$1", "g.event_id", "g.aggregate_type", "g.aggregate_id") + `)
 			SELECT count(*) FROM gone`,
 		listLate: `SELECT ` + lateCols + ` FROM ` + le + `
 			WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)

@@ -205,7 +205,9 @@ func (s *Store) NewSweeper(db Pool, cfg SweeperConfig) (*Sweeper, error) {
 // the error reports database failures and ctx's end.
 //
 // AfterCommit hooks (internal/txhooks) registered while applying an event
-// run after that aggregate's transaction commits.
+// run after that aggregate's transaction commits; one that panics is
+// recovered and reported (txhooks.WithPanicHandler), and the others, and
+// the pass, go on.
 func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	var res SweepResult
 	timeout := w.parkTimeout()

@@ -144,7 +144,7 @@ func TestParkedEventIsGivenUpAfterMaxReleaseAttempts(t *testing.T) {
 	require.Len(t, late, 1)
 	require.Equal(t, versioning.LateReleaseFailed, late[0].Kind)
 	require.EqualValues(t, 3, late[0].Version)
-	r, err := s.Dedup().Get(ctx, env.Pool, "g", late[0].EventID)
+	r, err := s.Dedup().Get(ctx, env.Pool, late[0].DedupKey())
 	require.NoError(t, err)
 	require.Equal(t, dedup.OutcomeLate, r.Outcome, "a redelivery is a duplicate while it is held")
 	require.Empty(t, dead)
@@ -169,7 +169,7 @@ func TestParkedEventIsGivenUpAfterMaxReleaseAttempts(t *testing.T) {
 	require.Equal(t, 1, res.DeadLettered)
 	require.Len(t, dead, 1)
 	require.Contains(t, dead[0], "can never be applied: cannot decode")
-	_, err = s.Dedup().Get(ctx, env.Pool, "g", parked[0].EventID)
+	_, err = s.Dedup().Get(ctx, env.Pool, parked[0].DedupKey())
 	require.ErrorIs(t, err, dedup.ErrNotFound, "its dedup record is gone, so a replay from the dead letters is not a duplicate")
 }
 

@@ -5,19 +5,46 @@
 // AfterCommit and the version gate's drain and sweeper share it, so a hook
 // registered by a handler runs once for every committed application,
 // whichever path applied the event.
+//
+// A hook that panics is recovered where the hooks run ([Set.Run]): the
+// panic goes to the [PanicHandler] of the context the hook was registered
+// with, and the hooks after it still run. The transaction has committed by
+// then; nothing can be undone, and no caller should die of it.
 package txhooks
 
 import (
 	"context"
+	"log/slog"
+	"runtime/debug"
 	"sync"
 )
 
 type key struct{}
 
+type panicKey struct{}
+
+// PanicHandler is told about a hook that panicked: ctx is the context the
+// hook was registered with (it carries the event, for instance), value
+// what it panicked with, stack where.
+type PanicHandler func(ctx context.Context, value any, stack []byte)
+
+// WithPanicHandler returns ctx carrying h: hooks registered with ctx, or a
+// context derived from it, report their panics to h. Without one, a panic
+// is logged through slog's default logger.
+func WithPanicHandler(ctx context.Context, h PanicHandler) context.Context {
+	return context.WithValue(ctx, panicKey{}, h)
+}
+
+// hook is a registered function and the context it was registered with.
+type hook struct {
+	ctx context.Context
+	fn  func()
+}
+
 // Set holds the hooks of one transaction or savepoint.
 type Set struct {
 	mu     sync.Mutex
-	fns    []func()
+	fns    []hook
 	parent *Set
 }
 
@@ -49,7 +76,7 @@ func Add(ctx context.Context, fn func()) bool {
 		return false
 	}
 	s.mu.Lock()
-	s.fns = append(s.fns, fn)
+	s.fns = append(s.fns, hook{ctx: ctx, fn: fn})
 	s.mu.Unlock()
 	return true
 }
@@ -80,7 +107,8 @@ func (s *Set) Drop() {
 }
 
 // Run runs the hooks once, in the order they were registered, and forgets
-// them. Call it after the transaction committed.
+// them. Call it after the transaction committed. A hook that panics is
+// recovered and reported (see [WithPanicHandler]); the hooks after it run.
 func (s *Set) Run() {
 	if s == nil {
 		return
@@ -89,7 +117,26 @@ func (s *Set) Run() {
 	fns := s.fns
 	s.fns = nil
 	s.mu.Unlock()
-	for _, fn := range fns {
-		fn()
+	for _, h := range fns {
+		h.run()
 	}
+}
+
+// run calls the hook, recovering and reporting a panic.
+func (h hook) run() {
+	defer func() {
+		if v := recover(); v != nil {
+			report(h.ctx, v, debug.Stack())
+		}
+	}()
+	h.fn()
+}
+
+func report(ctx context.Context, v any, stack []byte) {
+	if ph, _ := ctx.Value(panicKey{}).(PanicHandler); ph != nil {
+		ph(ctx, v, stack)
+		return
+	}
+	slog.Default().ErrorContext(ctx, "eventline: an AfterCommit hook panicked after its transaction committed; recovered, the other hooks ran",
+		"panic", v, "stack", string(stack))
 }

@@ -34,3 +34,24 @@ func TestSavepointHooksJoinOrLeaveTheTransaction(t *testing.T) {
 	root.Run()
 	require.Equal(t, "orphan", ran[2], "a child without a parent keeps its hooks for Run")
 }
+
+// A hook that panics is reported to the panic handler of the context it
+// was registered with, and the hooks after it run.
+func TestPanickingHookIsReportedAndTheRestRun(t *testing.T) {
+	type who struct{}
+	var reported []any
+	handler := func(ctx context.Context, v any, stack []byte) {
+		reported = append(reported, ctx.Value(who{}), v)
+		require.NotEmpty(t, stack)
+	}
+	ctx, tx := txhooks.New(txhooks.WithPanicHandler(context.Background(), handler))
+	var ran []string
+	txhooks.Add(ctx, func() { ran = append(ran, "first") })
+	txhooks.Add(context.WithValue(ctx, who{}, "b"), func() { panic("boom") })
+	sp, child := txhooks.Child(ctx)
+	txhooks.Add(sp, func() { ran = append(ran, "savepoint") })
+	child.Promote()
+	require.NotPanics(t, tx.Run)
+	require.Equal(t, []string{"first", "savepoint"}, ran)
+	require.Equal(t, []any{"b", "boom"}, reported)
+}

@@ -26,7 +26,8 @@ func (q consumerSQL) classifySQL(eventsSQL string, p int) string {
 	consumerDead := "false"
 	if q.deadLetters != nil {
 		consumerDead = `a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.deadLetters.table + ` c
-			WHERE c.consumer_group = a.grp AND c.event_id = a.event_id AND c.replayed_at IS NULL)`
+			WHERE c.consumer_group = a.grp AND c.event_id = a.event_id AND c.aggregate_type = a.aggregate_type
+				AND c.aggregate_id = a.aggregate_id AND c.replayed_at IS NULL)`
 	}
 	return `SELECT a.outcome IS NOT NULL, a.grp, a.outcome, a.n,
 		a.event_id, a.event_type, a.topic, a.aggregate_type, a.aggregate_id, a.version, a.created_at, a.relayed, a.dead,
@@ -40,6 +41,7 @@ func (q consumerSQL) classifySQL(eventsSQL string, p int) string {
 		FROM (` + eventsSQL + `) ev
 		JOIN unnest(` + g + `::text[], ` + t + `::text[]) AS gt(grp, topic) ON gt.topic = ev.topic
 		LEFT JOIN ` + q.processed + ` p ON p.consumer_group = gt.grp AND p.event_id = ev.event_id
+			AND p.aggregate_type = ev.aggregate_type AND p.aggregate_id = ev.aggregate_id
 		CROSS JOIN LATERAL (SELECT
 			CASE WHEN p.event_id IS NULL THEN ev.event_id END AS event_id,
 			CASE WHEN p.event_id IS NULL THEN ev.event_type END AS event_type,

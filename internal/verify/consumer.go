@@ -158,7 +158,8 @@ func addTopic(m map[string]map[string]bool, group, topic string) {
 // relation eventsSQL it has dedup records of. $p is the groups array.
 func (q consumerSQL) inferTopicsSQL(eventsSQL string, p int) string {
 	return `SELECT DISTINCT pe.consumer_group, ev.topic FROM (` + eventsSQL + `) ev
-		JOIN ` + q.processed + ` pe ON pe.consumer_group = ANY($` + fmt.Sprint(p) + `) AND pe.event_id = ev.event_id`
+		JOIN ` + q.processed + ` pe ON pe.consumer_group = ANY($` + fmt.Sprint(p) + `) AND pe.event_id = ev.event_id
+			AND pe.aggregate_type = ev.aggregate_type AND pe.aggregate_id = ev.aggregate_id`
 }
 
 // readParked calls fn for each parked event of the groups in the window,
@@ -335,7 +336,8 @@ func (q consumerSQL) readConsumerDeadLetters(ctx context.Context, tx pgx.Tx, gro
 // up (a skipped range covers it).
 func (q consumerSQL) resolvedSQL() string {
 	return `SELECT t.event_id,
-		EXISTS (SELECT 1 FROM ` + q.processed + ` p WHERE p.consumer_group = $1 AND p.event_id = t.event_id)
+		EXISTS (SELECT 1 FROM ` + q.processed + ` p WHERE p.consumer_group = $1 AND p.event_id = t.event_id
+			AND p.aggregate_type = t.aggregate_type AND p.aggregate_id = t.aggregate_id)
 		OR (t.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = $1
 			AND sv.aggregate_type = t.aggregate_type AND sv.aggregate_id = t.aggregate_id
 			AND t.version BETWEEN sv.from_version AND sv.to_version))

@@ -52,11 +52,17 @@ func (r *runner) checkEffects(ctx context.Context, tx pgx.Tx, gs *groupState, qu
 	if columns == 2 {
 		alias = "e(event_id, seq)"
 	}
+	// Dedup records are kept per event id and aggregate, so an id a
+	// producer reused in several aggregates is that many events: their
+	// effects count against the records whose handler ran.
 	err = pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
-		rows, err := sp.Query(ctx, `SELECT d.event_id, d.n, COALESCE(p.aggregate_type, ''), COALESCE(p.aggregate_id, ''),
+		rows, err := sp.Query(ctx, `SELECT DISTINCT ON (d.event_id) d.event_id, d.n, COALESCE(p.aggregate_type, ''), COALESCE(p.aggregate_id, ''),
 				COALESCE(p.aggregate_version, 0), COALESCE(p.event_type, ''), p.processed_at
 			FROM (SELECT event_id::text AS event_id, count(*) AS n FROM (`+q+`) AS `+alias+` GROUP BY 1 HAVING count(*) > 1) d
-			LEFT JOIN `+r.consumer.processed+` p ON p.consumer_group = $1 AND p.event_id = d.event_id`, group)
+			LEFT JOIN `+r.consumer.processed+` p ON p.consumer_group = $1 AND p.event_id = d.event_id
+			WHERE d.n > GREATEST(1, (SELECT count(*) FROM `+r.consumer.processed+` h
+				WHERE h.consumer_group = $1 AND h.event_id = d.event_id AND h.outcome IN ('applied', 'late_applied')))
+			ORDER BY d.event_id, p.processed_at`, group)
 		if err != nil {
 			return err
 		}
@@ -95,6 +101,10 @@ func (r *runner) checkEffects(ctx context.Context, tx pgx.Tx, gs *groupState, qu
 				FROM (`+q+`) AS `+alias+`
 				JOIN `+r.consumer.processed+` p ON p.consumer_group = $1 AND p.event_id = e.event_id::text
 				WHERE p.outcome = 'applied' AND p.aggregate_version > 0
+					-- An id recorded in several aggregates (reused by a producer) does
+					-- not say which aggregate an effect was for: left out.
+					AND NOT EXISTS (SELECT 1 FROM `+r.consumer.processed+` o WHERE o.consumer_group = $1 AND o.event_id = p.event_id
+						AND (o.aggregate_type, o.aggregate_id) <> (p.aggregate_type, p.aggregate_id))
 			) s WHERE aggregate_version < before`, group)
 		if err != nil {
 			return fail(err)
