@@ -176,7 +176,7 @@ type Config struct {
 	// transaction (dedup records and version checks for the whole batch in
 	// one round trip with BEGIN, the handlers one after the other, one
 	// COMMIT, then the offsets). Per-event guarantees are unchanged; an
-	// event that fails costs only itself (see middleware.Batch). 1
+	// event that fails costs only itself (see internal/delivery.Batch). 1
 	// disables batching. Lanes and BatchSize both 1 use watermill-kafka's
 	// subscriber, as eventline did before batches. Defaults to
 	// DefaultBatchSize (16); at most MaxBatchSize.

@@ -55,7 +55,7 @@ const (
 // partition is split into Config.Lanes lanes by aggregate (one aggregate's
 // events stay in one lane, in offset order), and each lane's waiting events,
 // up to Config.BatchSize, are applied in one transaction (see
-// middleware.Batch); with Lanes and BatchSize both 1 it uses
+// internal/delivery.Batch); with Lanes and BatchSize both 1 it uses
 // watermill-kafka's subscriber, one message per partition at a time. It
 // runs every message through, outermost first: dead-lettering ▸
 // retry (middleware.Retry: permanent errors skip it, database outages wait

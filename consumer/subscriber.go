@@ -61,7 +61,7 @@ type SubscriberConfig struct {
 	// (8); at most MaxLanes.
 	Lanes int
 	// BatchSize is the most events of one lane delivered together as a
-	// middleware.Batch, which the composed eventline middleware applies in
+	// batch, which the composed eventline middleware applies in
 	// one transaction. 1 disables batching. Defaults to DefaultBatchSize
 	// (16); at most MaxBatchSize.
 	BatchSize int
@@ -149,7 +149,7 @@ func validateLanes(field string, lanes, batchSize int, linger, closeTimeout time
 // Messages are decoded with watermill-kafka's DefaultMarshaler, so UUID,
 // payload and metadata are what watermill-kafka's subscriber produces. The
 // record's topic, partition, offset and key are in the message context as a
-// middleware.Source (middleware.SourceFromContext; dead letters record
+// delivery.Source (dead letters record
 // them); watermill-kafka's own context accessors find nothing.
 //
 // Delivery and offsets:

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -373,7 +374,7 @@ func (s *sim) run(ctx context.Context) error {
 
 // deliver hands event i to inst as a broker would, retrying (as the
 // runner's retry middleware does) after a failure, and says what happened
-// through note. In a batch (ctx carries a middleware.Batch member) its
+// through note. In a batch (ctx carries a batch member) its
 // first attempt runs with the batch, its retries on their own.
 func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string, note func(string, ...any)) error {
 	_, batched := ctx.Value(batchMemberKey{}).(bool)
@@ -410,13 +411,13 @@ func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string, n
 type batchMemberKey struct{}
 
 // deliverBatch hands the records recs of partition p to inst as the
-// members of one middleware.Batch, as the ready runner's lanes do: each
+// members of one batch, as the ready runner's lanes do: each
 // member runs the chain on its own goroutine (retried on its own after a
 // failure, as by the runner's retry middleware), the batch applies those
 // that reach the middleware together. What each member did is noted in
 // member order, after a line for the batch.
 func (s *sim) deliverBatch(ctx context.Context, inst *instance, recs []int, first, p int) error {
-	b := middleware.NewBatch()
+	b := delivery.NewBatch()
 	notes := make([][]string, len(recs))
 	errs := make([]error, len(recs))
 	before := counters(inst.reg)

@@ -15,6 +15,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -25,11 +26,11 @@ import (
 // middleware.Batch, as the consumer's Subscriber does, and returns each
 // member's error.
 func deliverBatch(h message.HandlerFunc, msgs ...*message.Message) []error {
-	return deliverBatchTo(middleware.NewBatch(), h, msgs...)
+	return deliverBatchTo(delivery.NewBatch(), h, msgs...)
 }
 
 // deliverBatchTo is deliverBatch with the batch given.
-func deliverBatchTo(b *middleware.Batch, h message.HandlerFunc, msgs ...*message.Message) []error {
+func deliverBatchTo(b *delivery.Batch, h message.HandlerFunc, msgs ...*message.Message) []error {
 	errs := make([]error, len(msgs))
 	var wg sync.WaitGroup
 	for i, m := range msgs {
@@ -128,12 +129,12 @@ func TestBatchMembersThatNeverArriveDoNotHoldItUp(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{})
 	reject := errors.New("rejected in front of eventline")
-	batch := middleware.NewBatch()
+	batch := delivery.NewBatch()
 	h := func(msg *message.Message) ([]*message.Message, error) {
 		if msg.Metadata.Get(eventline.MetaAggregateID) == "rejected" {
 			// Leave only once the others wait at the middleware: the batch
 			// must notice the member that will never arrive.
-			assert.Eventually(t, func() bool { return middleware.BatchArrivals(batch) == 2 }, 30*time.Second, time.Millisecond,
+			assert.Eventually(t, func() bool { return batch.Members() == 2 }, 30*time.Second, time.Millisecond,
 				"a and b reach the middleware")
 			return nil, reject
 		}
@@ -154,7 +155,7 @@ func TestBatchMembersThatNeverArriveDoNotHoldItUp(t *testing.T) {
 func TestAbandonedBatchLetsItsMembersGoAlone(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{})
-	b := middleware.NewBatch()
+	b := delivery.NewBatch()
 	a := consumertest.Redeliver(consumertest.Message(t, consumertest.Event("a", 1)))
 	a.SetContext(b.Add(context.Background()))
 	_ = b.Add(context.Background()) // a member that never comes

@@ -17,6 +17,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -241,7 +242,7 @@ func BenchmarkBatchMiddleware(b *testing.B) {
 	b.RunParallel(func(pb *testing.PB) {
 		next := benchEvents(workers.Add(1))
 		for more := true; more; {
-			batch := middleware.NewBatch()
+			batch := delivery.NewBatch()
 			var msgs []*message.Message
 			for len(msgs) < benchBatch {
 				if more = pb.Next(); !more {

@@ -16,7 +16,6 @@ const (
 	txKey ctxKey = iota
 	eventKey
 	lateKey
-	sourceKey
 )
 
 // txState is what the Tx middleware puts in the message context: the

@@ -18,6 +18,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing"
@@ -299,7 +300,7 @@ func truncate(s string, n int) string {
 
 // record builds the dead letter of msg.
 func (d *DeadLetter) record(ctx context.Context, msg *message.Message, err error) dedup.DeadLetter {
-	src := SourceFromContext(ctx)
+	src := delivery.SourceOf(ctx)
 	rec := dedup.DeadLetter{
 		Group: d.cfg.Group, Topic: src.Topic, Handler: src.Handler,
 		FromKafka: src.FromKafka, Partition: src.Partition, Offset: src.Offset, Key: src.Key,

@@ -54,14 +54,15 @@
 //
 // Watermill runs each message through the chain on its own goroutine and
 // has no batch API. A subscriber that hands several messages out at once
-// can make them members of a [Batch]: the composed middleware then holds
+// can make them members of a batch: the composed middleware then holds
 // each member that reaches it until the batch is complete and applies them
 // all in one transaction: BEGIN and every member's dedup-and-gate statement
 // in one round trip, the gate's decision and the handler for each member in
-// order, one COMMIT. Per-event semantics do not change (see [Batch] for how
-// a member that parks, drains or fails is isolated). The consumer package's
-// Subscriber does this per lane of a Kafka partition. A message without a
-// Batch in its context takes the one-event path.
+// order, one COMMIT. Per-event semantics do not change (a member that
+// parks or drains cuts the batch before the next member of its aggregate;
+// one that fails costs only itself). The consumer package's subscriber does
+// this per lane of a Kafka partition. A message without a batch in its
+// context takes the one-event path.
 //
 // # Three kinds of failure
 //

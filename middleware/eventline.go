@@ -15,6 +15,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/txhooks"
 	"github.com/eventline/eventline/versioning"
@@ -308,7 +309,7 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 			return nil, err
 		}
 		if e.Topic == "" {
-			e.Topic = SourceFromContext(parent).Topic
+			e.Topic = delivery.SourceOf(parent).Topic
 		}
 		if err := g.precheck(e); err != nil {
 			return nil, err
@@ -316,11 +317,11 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 		// AfterCommit hooks registered from here on report their panics
 		// to el (RunAfterCommit recovers them).
 		hctx := el.withHookReports(parent)
-		if s := slotFromContext(parent); s != nil {
-			// A member of a Batch: applied with the others (batch.go), or
-			// told to run on its own below.
-			msg.SetContext(hctx)
-			if out, err, alone := s.arrive(el, msg, e, inner); !alone {
+		if s := delivery.SlotOf(parent); s != nil {
+			// A member of a batch: applied with the others (batch_tx.go),
+			// or told to run on its own below.
+			msg.SetContext(ContextWithEvent(hctx, e))
+			if out, err, alone := s.Arrive(el, el.runBatch, msg, e, inner); !alone {
 				return out, err
 			}
 		}

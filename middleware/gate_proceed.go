@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/versioning"
 )
@@ -19,7 +20,7 @@ import (
 // unversioned event).
 func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
-	name := HandlerName(ctx)
+	name := delivery.HandlerName(ctx)
 	g.reg.learn(name, h)
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	k := versioning.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
@@ -115,7 +116,7 @@ func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	hold := g.late.For(e.Type) == versioning.HoldLate
 	late, reason, err := g.store.HoldLate(ctx, tx, versioning.LateRequest{Group: group, Event: e, Message: msg,
-		Handler: HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
+		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
 	if err != nil {
 		return nil, g.refusal(ctx, e, err)
 	}
@@ -168,7 +169,7 @@ func (g *Gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a ve
 		return err
 	}
 	reason, err := g.store.HoldConflict(ctx, tx, versioning.LateRequest{Group: g.cfg.Group, Event: e, Message: msg,
-		Handler: HandlerName(ctx), Topic: e.Topic, Current: a.Previous})
+		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous})
 	if err != nil {
 		return g.refusal(ctx, e, err)
 	}

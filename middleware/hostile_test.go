@@ -21,6 +21,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
@@ -180,7 +181,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 
 		for i, m := range msgs {
 			off := offset.Add(1)
-			m.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: off}))
+			m.SetContext(delivery.WithSource(context.Background(), delivery.Source{Topic: "events", FromKafka: true, Offset: off}))
 			before := attempts.Load()
 			_, err := chain(m)
 			require.NoError(rt, err, "message %d: the chain acknowledges it", i)
@@ -297,7 +298,7 @@ func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 		e := consumertest.Event("a", []int64{1, 2, 2}[i]) // the refused v2, then a valid one
 		e.Payload = []byte(payload)
 		msg := consumertest.Message(t, e)
-		msg.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
+		msg.SetContext(delivery.WithSource(context.Background(), delivery.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
 		before := attempts.Load()
 		_, err := chain(msg)
 		require.NoError(t, err)
@@ -333,7 +334,7 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 		msg := consumertest.Message(t, consumertest.Event(fmt.Sprintf("a%d", i), 1))
 		msg.UUID = mib
 		msg.Metadata.Set(field, mib)
-		msg.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
+		msg.SetContext(delivery.WithSource(context.Background(), delivery.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
 		before := logged.n.Load()
 		_, err := chain(msg)
 		require.NoError(t, err)

@@ -17,6 +17,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
@@ -320,7 +321,7 @@ func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op,
 		}
 		return nil, nil
 	}
-	b := middleware.NewBatch()
+	b := delivery.NewBatch()
 	errs := make([]error, len(ops))
 	var wg sync.WaitGroup
 	for i, o := range ops {

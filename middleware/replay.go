@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -149,7 +150,7 @@ func (el *Eventline) replay(ctx context.Context, d dedup.DeadLetter) error {
 	}
 	msg := d.Message()
 	ctx = context.WithValue(ctx, replayKey{}, true)
-	msg.SetContext(ContextWithSource(ctx, Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
+	msg.SetContext(delivery.WithSource(ctx, delivery.Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
 	_, err := el.handler(el.guard(h))(msg)
 	return err
 }

@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/tracing"
 )
 
@@ -65,7 +66,7 @@ type procSpanKey struct{}
 // trace its headers carry, and returns the context carrying it.
 func (o observer) startProcess(msg *message.Message, group string) (context.Context, trace.Span) {
 	parent := msg.Context()
-	src := SourceFromContext(parent)
+	src := delivery.SourceOf(parent)
 	ctx := o.tr.Extract(parent, msg.Metadata)
 	ctx, span := o.tr.StartProcess(ctx, tracing.Source{Topic: src.Topic, Group: group, FromKafka: src.FromKafka,
 		Partition: src.Partition, Offset: src.Offset}, eventFromMetadata(msg.Metadata))
@@ -154,7 +155,7 @@ func (g *Gate) observeApplied(ctx context.Context, e eventline.Event) {
 		return
 	}
 	now := time.Now()
-	if ts := SourceFromContext(ctx).Timestamp; !ts.IsZero() {
+	if ts := delivery.SourceOf(ctx).Timestamp; !ts.IsZero() {
 		g.observeStage(StageRelayedToApplied, now.Sub(ts))
 	}
 	if !e.OccurredAt.IsZero() {

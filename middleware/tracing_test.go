@@ -17,6 +17,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
@@ -54,8 +55,8 @@ func sent(t *testing.T, rec *tracingtest.Recorder, e eventline.Event) (*message.
 func deliverFrom(t *testing.T, f *fixture, msg *message.Message) error {
 	t.Helper()
 	m := consumertest.Redeliver(msg)
-	m.SetContext(middleware.ContextWithSource(context.Background(),
-		middleware.Source{Topic: tracedTopic, FromKafka: true, Partition: 2, Offset: 7, Timestamp: time.Now().Add(-time.Second)}))
+	m.SetContext(delivery.WithSource(context.Background(),
+		delivery.Source{Topic: tracedTopic, FromKafka: true, Partition: 2, Offset: 7, Timestamp: time.Now().Add(-time.Second)}))
 	_, err := f.handler(m)
 	return err
 }
