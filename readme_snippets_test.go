@@ -155,7 +155,7 @@ func readmeOwnRouter(ctx context.Context, pool *pgxpool.Pool, brokers []string) 
 		return err
 	}
 
-	el, err := middleware.New(middleware.Config{DB: pool, Group: "billing"}) // eventline's group: dedup records, versions, parked events
+	el, err := middleware.New(pool, middleware.Config{Group: "billing"}) // eventline's group: dedup records, versions, parked events
 	if err != nil {
 		return err
 	}
@@ -186,12 +186,12 @@ func readmeOwnRouter(ctx context.Context, pool *pgxpool.Pool, brokers []string) 
 	if err != nil {
 		return err
 	}
-	go el.RunSweeper(ctx) // applies parked events, and replays dead letters on request
+	go el.Run(ctx) // applies parked events, and replays dead letters on request
 	return router.Run(ctx)
 }
 
 func readmeSeveralHandlers(router *message.Router, el *middleware.Eventline, ordersSub, refundsSub message.Subscriber,
-	onOrder, onRefund message.NoPublishHandlerFunc, onShipment message.HandlerFunc,
+	onOrder, onRefund message.NoPublishHandlerFunc,
 ) error {
 	// The safe chain, one call per handler; each is registered under its name.
 	if _, err := el.AddHandler(router, "billing.orders", "orders", ordersSub, onOrder); err != nil {
@@ -200,15 +200,6 @@ func readmeSeveralHandlers(router *message.Router, el *middleware.Eventline, ord
 	if _, err := el.AddHandler(router, "billing.refunds", "refunds", refundsSub, onRefund); err != nil {
 		return err
 	}
-
-	// Composed by hand (Chain is the same safe chain): register the handler
-	// under the router's handler name before the router starts.
-	el.Register("billing.shipments", onShipment)
-	chain := el.Chain(onShipment)
-	router.AddConsumerHandler("billing.shipments", "shipments", ordersSub, func(msg *message.Message) error {
-		_, err := chain(msg)
-		return err
-	})
 	return nil
 }
 
@@ -226,7 +217,7 @@ func readmeUpcasters(pool *pgxpool.Pool, router *message.Router, sub message.Sub
 
 	// Your own Router: the middleware upcasts inside the safe chain, so
 	// parked events and replayed dead letters are upcast too.
-	el, err := middleware.New(middleware.Config{DB: pool, Group: "billing", Upcasters: up})
+	el, err := middleware.New(pool, middleware.Config{Group: "billing", Upcasters: up})
 	if err != nil {
 		return err
 	}

@@ -28,19 +28,19 @@ const (
 	// before it is dead-lettered.
 	DefaultMaxRetries = middleware.DefaultMaxRetries
 	// DefaultRetryInitialInterval is the wait before the first retry.
-	DefaultRetryInitialInterval = middleware.DefaultRetryInitialInterval
+	DefaultRetryInitialInterval = 100 * time.Millisecond
 	// DefaultRetryMaxInterval caps the wait between retries.
-	DefaultRetryMaxInterval = middleware.DefaultRetryMaxInterval
+	DefaultRetryMaxInterval = 10 * time.Second
 	// DefaultRetryMultiplier scales the wait after each retry.
-	DefaultRetryMultiplier = middleware.DefaultRetryMultiplier
+	DefaultRetryMultiplier = 2.0
 	// DefaultRetryJitter spreads each retry's wait by up to ±20%.
 	DefaultRetryJitter = 0.2
 	// DefaultInfraRetryInitialInterval is the first wait while the
 	// database is unavailable.
-	DefaultInfraRetryInitialInterval = middleware.DefaultInfraInitialInterval
+	DefaultInfraRetryInitialInterval = 250 * time.Millisecond
 	// DefaultInfraRetryMaxInterval caps the waits while the database is
 	// unavailable.
-	DefaultInfraRetryMaxInterval = middleware.DefaultInfraMaxInterval
+	DefaultInfraRetryMaxInterval = 5 * time.Second
 	// DefaultTxTimeout bounds one event's transaction.
 	DefaultTxTimeout = middleware.DefaultTxTimeout
 	// DeadLetterTopicSuffix, appended to the group, is the conventional

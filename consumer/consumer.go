@@ -78,6 +78,11 @@ type Consumer struct {
 	hard context.Context
 	// sleep, when set, replaces the retry and wait timers (tests).
 	sleep func(ctx context.Context, d time.Duration) error
+	// retry and infra are the retry and database-wait schedules.
+	retry, infra eventline.Backoff
+	// dlq copies dead letters to Config.DeadLetterTopic once Run has
+	// connected it; nil without one.
+	dlq *lazyPublisher
 }
 
 // New returns a consumer that writes through db (a *pgxpool.Pool; keep it
@@ -96,16 +101,35 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 		handlers:   map[string]HandlerFunc{},
 		validators: map[string][]func(eventline.Event) error{},
 		ignored:    map[string]bool{},
+		retry: eventline.Backoff{Initial: cfg.RetryInitialInterval, Max: cfg.RetryMaxInterval, Multiplier: cfg.RetryMultiplier,
+			Jitter: cfg.RetryJitter},
+		infra: eventline.Backoff{Initial: cfg.InfraRetryInitialInterval, Max: cfg.InfraRetryMaxInterval, Multiplier: 2},
 	}
-	el, err := middleware.New(middleware.Config{
-		DB: db, Group: cfg.Group, Schema: cfg.Schema,
+	if c.retry.Jitter == 0 {
+		c.retry.Jitter = middleware.NoJitter // Config.withDefaults turned NoJitter into 0
+	}
+	mcfg := middleware.Config{
+		Group: cfg.Group, Schema: cfg.Schema,
 		GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType, Unversioned: cfg.Unversioned,
 		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap,
-		MaxReleaseAttempts: cfg.MaxReleaseAttempts, Validate: c.validate,
+		MaxReleaseAttempts: cfg.MaxReleaseAttempts, Validate: c.validate, Upcasters: cfg.Upcasters,
 		ParkTimeout: cfg.ParkTimeout, SweepInterval: cfg.SweepInterval, TxTimeout: cfg.TxTimeout,
-		Logger: cfg.Logger, Metrics: cfg.Metrics,
+		MaxRetries: cfg.MaxRetries, Retry: c.retry, InfraBackoff: c.infra,
+		// Outermost first, inside the retries: a context that outlives the
+		// subscriber's (detach), the event-type check, the user's own.
+		Middleware: append([]message.HandlerMiddleware{c.detach, c.knownType}, cfg.Middleware...),
+		Logger:     cfg.Logger, Metrics: cfg.Metrics,
 		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator, MeterProvider: cfg.MeterProvider,
-	})
+	}
+	if cfg.MaxRetries == 0 {
+		mcfg.MaxRetries = middleware.NoRetries // Config.withDefaults turned NoRetries into 0
+	}
+	if cfg.DeadLetterTopic != "" {
+		// The Kafka publisher is connected by Run, once Kafka answers.
+		c.dlq = &lazyPublisher{}
+		mcfg.DeadLetterPublisher, mcfg.DeadLetterTopic = c.dlq, cfg.DeadLetterTopic
+	}
+	el, err := middleware.New(db, mcfg)
 	if err != nil {
 		return nil, fmt.Errorf("consumer.Config: %w", err)
 	}
@@ -243,41 +267,31 @@ func (c *Consumer) Ignore(eventTypes ...string) error {
 	return nil
 }
 
-// Middleware returns the composed eventline middleware the consumer runs
-// (for its Store: ListParked, ListSkipped, ReleaseGap; or one Sweep).
-func (c *Consumer) Middleware() *middleware.Eventline { return c.el }
-
-// HandlerName is the Watermill handler name the consumer gives a topic's
-// handler; parked events record it.
-func HandlerName(group, topic string) string { return "eventline/" + group + "/" + topic }
+// handlerName is the Watermill handler name the consumer gives a topic's
+// handler; parked events and dead letters record it.
+func handlerName(group, topic string) string { return "eventline/" + group + "/" + topic }
 
 // dispatch is the Watermill handler inside the eventline middleware: it
-// calls the handler registered for the event's type.
-func (c *Consumer) dispatch(msg *message.Message) ([]*message.Message, error) {
+// calls the handler registered for the event's type, with the event at
+// the current payload schema version (the middleware upcast it).
+func (c *Consumer) dispatch(msg *message.Message) error {
 	ctx := msg.Context()
 	tx, ok := middleware.TxFromContext(ctx)
 	if !ok {
-		return nil, middleware.ErrNoTx
+		return middleware.ErrNoTx
 	}
 	e, ok := middleware.EventFromContext(ctx)
 	if !ok {
-		return nil, errors.New("eventline: no decoded event in the message context")
+		return errors.New("eventline: no decoded event in the message context")
 	}
 	fn := c.handlers[e.Type]
 	if fn == nil {
 		if c.ignored[e.Type] {
-			return nil, nil
+			return nil
 		}
-		return nil, middleware.Permanent(&UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group})
+		return middleware.Permanent(&UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group})
 	}
-	u, err := c.cfg.Upcasters.Upcast(e)
-	if err != nil {
-		return nil, middleware.Permanent(err)
-	}
-	if u.SchemaVersion != e.SchemaVersion {
-		ctx = middleware.ContextWithEvent(ctx, u)
-	}
-	return nil, fn(ctx, tx, u)
+	return fn(ctx, tx, e)
 }
 
 // knownType rejects, before any database work, a message whose event type

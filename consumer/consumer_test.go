@@ -16,6 +16,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -120,11 +121,11 @@ func TestBadInputIsDeadLetteredAndThePartitionMoves(t *testing.T) {
 
 	reasons := map[string]string{}
 	for _, m := range dead {
-		require.Equal(t, consumer.DeadLetterPermanent, header(m, consumer.DeadLetterKindKey), "bad input is not retried")
-		require.Equal(t, group, header(m, consumer.DeadLetterGroupKey))
-		require.Equal(t, k.topic, header(m, consumer.DeadLetterTopicKey))
-		require.NotEmpty(t, header(m, consumer.DeadLetterAtKey))
-		reasons[header(m, "_watermill_message_uuid")] = header(m, consumer.DeadLetterReasonKey)
+		require.Equal(t, dedup.KindPermanent, header(m, middleware.DeadLetterKindKey), "bad input is not retried")
+		require.Equal(t, group, header(m, middleware.DeadLetterGroupKey))
+		require.Equal(t, k.topic, header(m, middleware.DeadLetterTopicKey))
+		require.NotEmpty(t, header(m, middleware.DeadLetterAtKey))
+		reasons[header(m, "_watermill_message_uuid")] = header(m, middleware.DeadLetterReasonKey)
 	}
 	require.Contains(t, reasons["no-id"], "event_id")
 	require.Contains(t, reasons["nan"], "aggregate_version")
@@ -183,8 +184,8 @@ func TestExhaustedRetriesAreDeadLetteredWithNothingRecorded(t *testing.T) {
 	dead := deadLetters(t, k, 1)
 	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "the next message is applied")
 	require.NoError(t, r.stop())
-	require.Equal(t, consumer.DeadLetterRetriesExhausted, header(dead[0], consumer.DeadLetterKindKey))
-	require.Contains(t, header(dead[0], consumer.DeadLetterReasonKey), "smtp down")
+	require.Equal(t, dedup.KindRetriesExhausted, header(dead[0], middleware.DeadLetterKindKey))
+	require.Contains(t, header(dead[0], middleware.DeadLetterReasonKey), "smtp down")
 	require.EqualValues(t, 3, attempts.Load(), "1 attempt + MaxRetries (2)")
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{after})
 	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+` WHERE event_id = $1`, poison.ID))

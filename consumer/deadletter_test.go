@@ -122,7 +122,7 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 		require.True(t, bytes.Equal(want.Payload, d.Payload), "payload kept byte for byte")
 		require.Equal(t, map[string]string(want.Metadata), d.Metadata, "headers kept byte for byte")
 		require.Equal(t, topic, d.Topic)
-		require.Equal(t, consumer.HandlerName(group, topic), d.Handler)
+		require.Equal(t, "eventline/"+group+"/"+topic, d.Handler, "the consumer names a topic's handler eventline/<group>/<topic>")
 		require.True(t, d.FromKafka)
 		require.EqualValues(t, i+1, d.Offset, "the record's offset")
 	}

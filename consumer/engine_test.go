@@ -17,6 +17,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -234,8 +235,8 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 	require.NoError(t, r.stop())
 
 	require.Equal(t, poison.ID, header(dead[0], "_watermill_message_uuid"))
-	require.Equal(t, consumer.DeadLetterRetriesExhausted, header(dead[0], consumer.DeadLetterKindKey))
-	require.Contains(t, header(dead[0], consumer.DeadLetterReasonKey), "smtp down")
+	require.Equal(t, dedup.KindRetriesExhausted, header(dead[0], middleware.DeadLetterKindKey))
+	require.Contains(t, header(dead[0], middleware.DeadLetterReasonKey), "smtp down")
 	require.EqualValues(t, 3, poisonAttempts.Load(), "the attempt in the batch counts: 1 attempt + MaxRetries (2)")
 	require.EqualValues(t, 2, flakyAttempts.Load(), "the panic in the batch, then one retry")
 	var applied []eventline.Event

@@ -181,7 +181,7 @@ func ExampleNewSubscriber() {
 	if err != nil {
 		panic(err)
 	}
-	el, err := middleware.New(middleware.Config{DB: pool, Group: "ledger", Schema: schema,
+	el, err := middleware.New(pool, middleware.Config{Group: "ledger", Schema: schema,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		panic(err)
@@ -195,7 +195,7 @@ func ExampleNewSubscriber() {
 		e, _ := middleware.EventFromContext(msg.Context())
 		_, err := tx.Exec(msg.Context(), `INSERT INTO `+ledger+` (line) VALUES ($1)`, fmt.Sprintf("%s v%d", e.AggregateID, e.AggregateVersion))
 		return err
-	}).AddMiddleware(el.Middleware)
+	}).AddMiddleware(el.MiddlewareFor("ledger"))
 
 	var events []eventline.Event
 	for v := int64(1); v <= 3; v++ {

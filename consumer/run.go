@@ -15,38 +15,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
-	"github.com/eventline/eventline/internal/startwait"
 	"github.com/eventline/eventline/middleware"
-)
-
-// Metadata keys set on the copy of a dead letter published to
-// Config.DeadLetterTopic, next to the message's original metadata (see the
-// middleware package's DeadLetter* keys).
-const (
-	// DeadLetterReasonKey holds the error that dead-lettered the event.
-	DeadLetterReasonKey = middleware.DeadLetterReasonKey
-	// DeadLetterTopicKey holds the topic the event was consumed from.
-	DeadLetterTopicKey = middleware.DeadLetterTopicKey
-	// DeadLetterHandlerKey holds the Watermill handler name.
-	DeadLetterHandlerKey = middleware.DeadLetterHandlerKey
-	// DeadLetterKindKey classifies the reason: DeadLetterPermanent,
-	// DeadLetterRetriesExhausted, or another component's kind.
-	DeadLetterKindKey = middleware.DeadLetterKindKey
-	// DeadLetterGroupKey holds the consumer group that gave up.
-	DeadLetterGroupKey = middleware.DeadLetterGroupKey
-	// DeadLetterAtKey holds when, RFC 3339.
-	DeadLetterAtKey = middleware.DeadLetterAtKey
-	// DeadLetterIDKey holds the id of the dead letter's row in
-	// consumer_dead_letters.
-	DeadLetterIDKey = middleware.DeadLetterIDKey
-)
-
-// The kinds of dead letters (consumer_dead_letters.kind, DeadLetterKindKey).
-const (
-	DeadLetterPermanent        = dedup.KindPermanent
-	DeadLetterRetriesExhausted = dedup.KindRetriesExhausted
 )
 
 // Run consumes until ctx ends, then shuts down gracefully and returns nil.
@@ -116,16 +87,10 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		return err
 	}
 	defer sub.Close()
-	dlc := middleware.DeadLetterConfig{
-		DB: c.db, Group: cfg.Group, Schema: cfg.Schema,
-		InfraInitialInterval: cfg.InfraRetryInitialInterval, InfraMaxInterval: cfg.InfraRetryMaxInterval,
-		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: c.sleep,
-		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator,
-	}
-	if cfg.DeadLetterTopic != "" {
+	if c.dlq != nil {
 		// Kafka may have gone since waitForKafka: wait for it again.
 		var pub *kafka.Publisher
-		err := c.kafkaWait(ctx).Retry(ctx, func() (err error) {
+		err := c.waitKafka(ctx, func() (err error) {
 			pub, err = kafka.NewPublisher(kafka.PublisherConfig{
 				Brokers:               cfg.Brokers,
 				Marshaler:             kafka.NewWithPartitioningMarshaler(deadLetterKey),
@@ -140,11 +105,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 			return nil // ctx ended first: a clean stop
 		}
 		defer pub.Close()
-		dlc.Publisher, dlc.Topic = pub, cfg.DeadLetterTopic
-	}
-	dl, err := middleware.NewDeadLetter(dlc)
-	if err != nil {
-		return fmt.Errorf("eventline consumer: %w", err)
+		c.dlq.set(pub)
 	}
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
@@ -157,14 +118,13 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	defer stopping()
 	c.hard, c.soft = hard, soft
 
-	chain := c.chain(dl)
+	// The router's own middleware runs outside each handler's chain.
+	router.AddMiddleware(c.stop)
 	for _, topic := range cfg.Topics {
-		name := HandlerName(cfg.Group, topic)
-		router.AddConsumerHandler(name, topic, waitingSubscriber{Subscriber: sub, ctx: ctx, wait: c.kafkaWait(ctx)}, func(msg *message.Message) error {
-			_, err := chain(msg)
-			return err
-		})
-		c.el.Register(name, c.handler)
+		waiting := waitingSubscriber{Subscriber: sub, ctx: ctx, wait: c.waitKafka}
+		if _, err := c.el.AddHandler(router, handlerName(cfg.Group, topic), topic, waiting, c.dispatch); err != nil {
+			return fmt.Errorf("eventline consumer: %w", err)
+		}
 	}
 
 	runErr := make(chan error, 1)
@@ -176,7 +136,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	sweeper.Add(1)
 	go func() {
 		defer sweeper.Done()
-		_ = c.el.RunSweeper(sweepCtx)
+		_ = c.el.Run(sweepCtx)
 	}()
 	defer func() {
 		stopSweeper()
@@ -206,38 +166,9 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	return nil
 }
 
-// chain is the per-event middleware chain, outermost first: stopping ▸
-// tracing ▸ dead letter ▸ retry ▸ detach ▸ event-type check ▸ Config.Middleware ▸
-// eventline ▸ the handler of the event's type. Its error leaves the
-// message unacknowledged; nil acknowledges it (applied, skipped, parked or
-// dead-lettered).
-func (c *Consumer) chain(dl *middleware.DeadLetter) message.HandlerFunc {
-	cfg := c.cfg
-	retry := middleware.Retry{
-		MaxRetries: cfg.MaxRetries, InitialInterval: cfg.RetryInitialInterval, Multiplier: cfg.RetryMultiplier,
-		MaxInterval: cfg.RetryMaxInterval, Jitter: cfg.RetryJitter,
-		InfraInitialInterval: cfg.InfraRetryInitialInterval, InfraMaxInterval: cfg.InfraRetryMaxInterval,
-		Group: cfg.Group, Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: c.sleep,
-	}
-	if cfg.MaxRetries == 0 {
-		retry.MaxRetries = middleware.NoRetries // Config.withDefaults turned NoRetries into 0
-	}
-	h := c.el.Middleware(c.handler)
-	for i := len(cfg.Middleware) - 1; i >= 0; i-- {
-		h = cfg.Middleware[i](h)
-	}
-	return c.stop(c.el.Traced(dl.Middleware(retry.Middleware(c.detach(c.knownType(h))))))
-}
-
-// handler is the innermost handler: the one registered for the event's
-// type.
-func (c *Consumer) handler(msg *message.Message) ([]*message.Message, error) {
-	return middleware.Innermost(c.dispatch)(msg)
-}
-
-// stop gives the rest of the chain a context that ends when the shutdown
-// begins, so retries and waits for the database stop (and the message is
-// left unacknowledged) instead of holding the shutdown up.
+// stop gives the chain a context that ends when the shutdown begins, so
+// retries and waits for the database stop (and the message is left
+// unacknowledged) instead of holding the shutdown up.
 func (c *Consumer) stop(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
@@ -246,6 +177,9 @@ func (c *Consumer) stop(h message.HandlerFunc) message.HandlerFunc {
 			soft = context.Background()
 		}
 		ctx, cancel := context.WithCancel(orig)
+		if c.sleep != nil {
+			ctx = backoff.WithSleep(ctx, c.sleep)
+		}
 		stop := context.AfterFunc(soft, cancel)
 		defer func() {
 			stop()
@@ -278,15 +212,12 @@ func stoppedOnItsOwn(ctx context.Context, err error) error {
 // failing: a consumer started during a database restart or failover starts
 // consuming when the database answers. It returns nil if ctx ends first.
 func (c *Consumer) checkSchema(ctx context.Context) error {
-	wait := startwait.Policy{
-		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
-		Unavailable: middleware.IsInfrastructure,
-		Waiting: func(wait time.Duration, err error) {
+	return backoff.Retry(ctx, c.infra, middleware.IsInfrastructure,
+		func(wait time.Duration, err error) {
 			c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
 				"group", c.cfg.Group, "wait", wait, "error", err)
 		},
-	}
-	return wait.Retry(ctx, func() error { return middleware.CheckMigrated(ctx, c.db, c.cfg.Schema) })
+		func() error { return middleware.CheckMigrated(ctx, c.db, c.cfg.Schema) })
 }
 
 // waitForKafka connects to the brokers. While none answers it waits,
@@ -299,7 +230,7 @@ func (c *Consumer) checkSchema(ctx context.Context) error {
 func (c *Consumer) waitForKafka(ctx context.Context) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
 	var client sarama.Client
-	err := c.kafkaWait(ctx).Retry(ctx, func() (err error) {
+	err := c.waitKafka(ctx, func() (err error) {
 		client, err = sarama.NewClient(c.cfg.Brokers, kafkaconf.Consumer("eventline-check-"+c.cfg.Group))
 		return err
 	})
@@ -331,23 +262,21 @@ func (c *Consumer) waitForKafka(ctx context.Context) error {
 	return nil
 }
 
-// kafkaWait is how a starting consumer waits for Kafka: every error but a
-// Sarama configuration error means the brokers are unavailable; each wait
-// is logged with the brokers' names.
-func (c *Consumer) kafkaWait(ctx context.Context) startwait.Policy {
+// waitKafka runs try until it succeeds, fails for another reason than
+// Kafka being unavailable (a Sarama configuration error), or ctx ends
+// (then it returns nil), waiting on the database-wait schedule and
+// logging each wait with the brokers' names.
+func (c *Consumer) waitKafka(ctx context.Context, try func() error) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
-	return startwait.Policy{
-		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
-		Unavailable: func(err error) bool {
-			var mistake sarama.ConfigurationError
-			return !errors.As(err, &mistake) && !errors.Is(err, errSubscriberClosed)
-		},
-		Waiting: func(wait time.Duration, err error) {
-			c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
-				"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
-				"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
-		},
+	unavailable := func(err error) bool {
+		var mistake sarama.ConfigurationError
+		return !errors.As(err, &mistake) && !errors.Is(err, errSubscriberClosed)
 	}
+	return backoff.Retry(ctx, c.infra, unavailable, func(wait time.Duration, err error) {
+		c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
+			"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
+			"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
+	}, try)
 }
 
 // waitingSubscriber subscribes with the subscriber it wraps, waiting (the
@@ -359,12 +288,12 @@ func (c *Consumer) kafkaWait(ctx context.Context) startwait.Policy {
 type waitingSubscriber struct {
 	message.Subscriber
 	ctx  context.Context
-	wait startwait.Policy
+	wait func(ctx context.Context, try func() error) error
 }
 
 func (s waitingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	var out <-chan *message.Message
-	err := s.wait.Retry(s.ctx, func() (err error) {
+	err := s.wait(s.ctx, func() (err error) {
 		out, err = s.Subscriber.Subscribe(ctx, topic)
 		return err
 	})
@@ -413,3 +342,29 @@ func deadLetterKey(_ string, msg *message.Message) (string, error) {
 	}
 	return msg.UUID, nil
 }
+
+// lazyPublisher is the dead-letter publisher the middleware is configured
+// with at New; Run connects the Kafka publisher behind it before it
+// consumes.
+type lazyPublisher struct {
+	mu  sync.Mutex
+	pub message.Publisher
+}
+
+func (p *lazyPublisher) set(pub message.Publisher) {
+	p.mu.Lock()
+	p.pub = pub
+	p.mu.Unlock()
+}
+
+func (p *lazyPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	pub := p.pub
+	p.mu.Unlock()
+	if pub == nil {
+		return errors.New("eventline: the dead-letter publisher is not connected (the consumer is not running)")
+	}
+	return pub.Publish(topic, msgs...)
+}
+
+func (p *lazyPublisher) Close() error { return nil }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/eventlinetest/kafkatest"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/metrictest"
@@ -138,12 +139,12 @@ func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
 	}, got)
 
 	dead := deadLetters(t, env, 1)
-	reason := header(dead[0], consumer.DeadLetterReasonKey)
+	reason := header(dead[0], middleware.DeadLetterReasonKey)
 	t.Logf("dead letter: %s v%s schema %s, kind=%s, reason: %s", string(dead[0].Key), header(dead[0], eventline.MetaAggregateVersion),
-		header(dead[0], eventline.MetaEventVersion), header(dead[0], consumer.DeadLetterKindKey), reason)
+		header(dead[0], eventline.MetaEventVersion), header(dead[0], middleware.DeadLetterKindKey), reason)
 	require.Equal(t, "o-9", string(dead[0].Key))
 	require.Equal(t, "4", header(dead[0], eventline.MetaEventVersion), "the dead letter keeps the record as written")
-	require.Equal(t, consumer.DeadLetterPermanent, header(dead[0], consumer.DeadLetterKindKey), "an unknown version is not retried")
+	require.Equal(t, dedup.KindPermanent, header(dead[0], middleware.DeadLetterKindKey), "an unknown version is not retried")
 	require.Contains(t, reason, "has payload schema version 4, newer than this consumer's current version 3")
 	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+seen+` WHERE order_id = 'o-9'`))
 }
@@ -167,7 +168,7 @@ func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, consumer.HandleJSON(c, "order.created", func(context.Context, pgx.Tx, eventline.Event, orderV3) error { return nil }))
 		require.NoError(t, c.Handle("order.noted", func(context.Context, pgx.Tx, eventline.Event) error { return nil }))
-		return c.Middleware().Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		return consumer.Eventline(c).MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 			e, _ := middleware.EventFromContext(msg.Context())
 			applied = append(applied, e.AggregateVersion)
 			return nil, nil

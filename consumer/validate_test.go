@@ -38,7 +38,7 @@ func TestEventsAreValidatedBeforeTheyPark(t *testing.T) {
 			return nil
 		})))
 	require.NoError(t, c.Ignore("thing.noted"))
-	h := c.Middleware().Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	h := consumer.Eventline(c).MiddlewareFor("test")(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	deliver := func(typ string, v int64, payload string) error {
 		e := consumertest.Event("a", v)
 		e.Type, e.Payload = typ, []byte(payload)

@@ -97,7 +97,7 @@ func TestBatchCommitFailureFallsBackToOneByOne(t *testing.T) {
 	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+uniq+` (k text, CONSTRAINT uniq_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)`)
 	require.NoError(t, err)
 	business := f.business(group)
-	h := f.el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := f.el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())
 		if e.AggregateID == "a" || e.AggregateID == "c" {
 			tx, _ := middleware.TxFromContext(msg.Context())
@@ -190,13 +190,13 @@ func TestBatchDuringDatabaseOutage(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	el, err := middleware.New(middleware.Config{DB: pool, Schema: f.env.Schema, Group: group, Logger: quiet()})
+	el, err := middleware.New(pool, middleware.Config{Schema: f.env.Schema, Group: group, Logger: quiet()})
 	require.NoError(t, err)
 	var cut sync.Once
 	business := f.business(group)
 	var mu sync.Mutex
 	var order []string
-	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())
 		if e.AggregateID == "b" {
 			cut.Do(func() {

@@ -109,7 +109,7 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) at
 	for _, i := range admissionOrder(events) {
 		results[i] = g.queueAdmission(pb, items[i].Event)
 	}
-	br := el.cfg.DB.SendBatch(bctx, pb)
+	br := el.db.SendBatch(bctx, pb)
 	tx := br.Tx()
 	err := br.Close()
 	if tx == nil {
@@ -162,7 +162,7 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) at
 		return attempt{outcome: unavailable, err: fmt.Errorf("eventline: commit batch transaction: %w", err)}
 	}
 	for _, ictx := range ctxs {
-		RunAfterCommit(ictx)
+		delivery.RunAfterCommit(ictx)
 	}
 	return attempt{outcome: committed, outs: outs}
 }
@@ -170,7 +170,7 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) at
 // proceedInBatch runs the gate's decision and the handler for one member
 // in the batch's transaction, with the member's own context (its
 // after-commit hooks are its own; it ends when the batch's does),
-// recovering a panic as the Recover middleware would. It returns the
+// recovering a panic as recoverPanics would. It returns the
 // context the hooks were registered on (canceled by then: only its values
 // are used afterwards).
 func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, tx pgx.Tx, a versioning.Admission) (out []*message.Message, ictx context.Context, err error) {
@@ -181,14 +181,14 @@ func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, 
 		mctx, cancel = context.WithDeadline(orig, d)
 	}
 	stop := context.AfterFunc(bctx, cancel)
-	ictx = ContextWithTx(mctx, tx)
+	ictx = delivery.WithTx(mctx, tx)
 	it.Msg.SetContext(ictx)
 	defer func() {
 		stop()
 		cancel()
 		it.Msg.SetContext(orig)
 		if r := recover(); r != nil {
-			out, err = nil, &PanicError{Value: r, Stack: debug.Stack()}
+			out, err = nil, &panicError{value: r, stack: debug.Stack()}
 		}
 	}()
 	out, err = el.gate.proceed(it.Msg, tx, it.Event, it.Handler, a)

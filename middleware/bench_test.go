@@ -135,9 +135,9 @@ func BenchmarkBareHandler(b *testing.B) {
 
 func BenchmarkMiddleware(b *testing.B) {
 	be := newBenchEnv(b)
-	el, err := middleware.New(middleware.Config{DB: be.pool, Schema: be.env.Schema, Group: "bench", Logger: quiet()})
+	el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet()})
 	require.NoError(b, err)
-	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
 		e, _ := middleware.EventFromContext(ctx)
@@ -226,9 +226,9 @@ func BenchmarkBareBatch(b *testing.B) {
 // own goroutine as a Router runs them.
 func BenchmarkBatchMiddleware(b *testing.B) {
 	be := newBenchEnv(b)
-	el, err := middleware.New(middleware.Config{DB: be.pool, Schema: be.env.Schema, Group: "bench", Logger: quiet()})
+	el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet()})
 	require.NoError(b, err)
-	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
 		e, _ := middleware.EventFromContext(ctx)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"maps"
 	"strconv"
 	"time"
@@ -12,22 +11,17 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/delivery"
-	"github.com/eventline/eventline/internal/nilcheck"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing"
-	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
 )
 
-// Metadata keys set on the copy of a dead letter published to a dead-letter
-// topic, next to the message's own metadata. DeadLetterReasonKey,
+// Metadata keys set on the copy of a dead letter published to
+// Config.DeadLetterTopic, next to the message's own metadata. DeadLetterReasonKey,
 // DeadLetterTopicKey and DeadLetterHandlerKey are Watermill's PoisonQueue
 // keys, so Watermill tooling reads them too.
 const (
@@ -47,136 +41,47 @@ const (
 	DeadLetterIDKey = "eventline_dead_letter_id"
 )
 
-// DeadLetterConfig configures [DeadLetter].
-type DeadLetterConfig struct {
-	// DB is the consumer's database (its *pgxpool.Pool); each dead letter
-	// is written to consumer_dead_letters in its own transaction. Required.
-	DB dedup.DBTX
-	// Group is the consumer group. Required.
-	Group string
-	// Schema is the PostgreSQL schema holding consumer_dead_letters.
-	// Defaults to "eventline".
-	Schema string
-	// Publisher and Topic, when both set, also publish a copy of each dead
-	// letter to Topic, with the DeadLetter* metadata keys. The copy is best
-	// effort: the table row is written first and is complete; a copy the
-	// broker refuses (too large, broker down) is logged and counted, and
-	// never holds the partition up.
-	Publisher message.Publisher
-	Topic     string // see Publisher
-	// InfraInitialInterval and InfraMaxInterval pace the retries of a
-	// dead-letter write that failed (the database is down): the message
-	// stays unacknowledged until the write succeeds. Default to
-	// DefaultInfraInitialInterval (250ms) and DefaultInfraMaxInterval (5s).
-	InfraInitialInterval time.Duration
-	InfraMaxInterval     time.Duration // see InfraInitialInterval
-	// Logger receives a warning per dead letter. Defaults to
-	// slog.Default().
-	Logger *slog.Logger
-	// Metrics, when set, counts dead letters by kind and failed writes and
-	// publishes.
-	Metrics *Metrics
-	// Sleep waits between write attempts (see Retry.Sleep).
-	Sleep func(ctx context.Context, d time.Duration) error
-	// TracerProvider, when set, records a "dead_letter <topic>" span per
-	// dead letter written, a child of the message's process span (see
-	// Eventline.Traced) or, without one, of the trace its headers carry;
-	// the process span's eventline.outcome becomes dead_lettered.
-	// Defaults to nil: no spans.
-	TracerProvider trace.TracerProvider
-	// Propagator reads the trace context from the message metadata when
-	// there is no process span. Defaults to OpenTelemetry's global
-	// propagator if the application set one, else W3C trace context and
-	// baggage.
-	Propagator propagation.TextMapPropagator
-}
-
-// DeadLetter takes the messages the rest of the chain gave up on off the
+// deadLetter takes the messages the rest of the chain gave up on off the
 // partition, keeping them whole in the consumer's own database
 // (consumer_dead_letters), where `eventline consumer-dlq` lists, replays
-// and discards them. It replaces Watermill's PoisonQueue for eventline
-// consumers.
+// and discards them. It takes the place of Watermill's PoisonQueue.
 //
-// When the chain returns an error, DeadLetter:
+// When the chain returns an error, it:
 //   - returns it, leaving the message unacknowledged (to be redelivered),
 //     when the message's context has ended (shutdown), when it is an
 //     infrastructure error ([IsInfrastructure]: nothing is wrong with the
 //     event) or a *CompositionError;
 //   - otherwise writes the message, byte for byte, with its kind and
 //     reason, in its own transaction, and acknowledges it. A failed write
-//     (or one the database does not answer within 30s) is retried, waiting
-//     as [Retry] does for the database, until it succeeds or the context
-//     ends: a message is never acknowledged without its dead letter. There is no size limit and no broker that
-//     can refuse it, so a dead letter can never stall its partition.
+//     (or one the database does not answer within 30s) is retried on
+//     Config.InfraBackoff's schedule until it succeeds or the context
+//     ends: a message is never acknowledged without its dead letter.
+//     There is no size limit and no broker that can refuse it, so a dead
+//     letter can never stall its partition.
 //
 // The kind is the error's own when it has a DeadLetterKind() string
-// method, else dedup.KindPermanent, dedup.KindRetriesExhausted (a
-// *RetriesExhaustedError from Retry) or dedup.KindFailed.
-//
-// Put it outermost: DeadLetter ▸ Retry ▸ eventline ▸ handler. Inside a
-// consumer transaction it refuses to run, with a *CompositionError.
-type DeadLetter struct {
-	cfg   DeadLetterConfig
+// method, else dedup.KindPermanent, dedup.KindRetriesExhausted or
+// dedup.KindFailed. With Config.DeadLetterTopic it also publishes a copy,
+// best effort, with the DeadLetter* metadata keys.
+type deadLetter struct {
+	db    versioning.DBTX
+	cfg   *Config
 	store *dedup.DeadLetterStore
 	tr    *tracing.Tracer // nil: tracing off
 }
 
-// NewDeadLetter returns the DeadLetter middleware. It fails, naming the
-// field, when the configuration is invalid.
-func NewDeadLetter(cfg DeadLetterConfig) (*DeadLetter, error) {
-	if cfg.Schema == "" {
-		cfg.Schema = migrations.DefaultSchema
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
-	if cfg.Sleep == nil {
-		cfg.Sleep = sleep
-	}
-	if cfg.InfraInitialInterval == 0 {
-		cfg.InfraInitialInterval = DefaultInfraInitialInterval
-	}
-	if cfg.InfraMaxInterval == 0 {
-		cfg.InfraMaxInterval = max(DefaultInfraMaxInterval, cfg.InfraInitialInterval)
-	}
-	switch {
-	case nilcheck.IsNil(cfg.DB):
-		return nil, errors.New("middleware.DeadLetterConfig.DB is nil: give it the consumer's *pgxpool.Pool")
-	case cfg.Group == "":
-		return nil, errors.New("middleware.DeadLetterConfig.Group is empty: name the consumer group")
-	case (cfg.Publisher == nil) != (cfg.Topic == ""):
-		return nil, errors.New("middleware.DeadLetterConfig.Publisher and Topic go together: set both to copy dead letters to a topic, or neither")
-	case cfg.InfraInitialInterval < 0 || cfg.InfraMaxInterval < cfg.InfraInitialInterval:
-		return nil, fmt.Errorf("middleware.DeadLetterConfig.InfraInitialInterval (%s) must be positive and at most InfraMaxInterval (%s)", cfg.InfraInitialInterval, cfg.InfraMaxInterval)
-	}
-	if err := sqlident.Validate("middleware.DeadLetterConfig.Schema", cfg.Schema); err != nil {
-		return nil, err
-	}
-	if cfg.Topic != "" {
-		// Every copy would fail, and copies are best effort: say it now.
-		if err := eventline.ValidateTopic(cfg.Topic); err != nil {
-			return nil, fmt.Errorf("middleware.DeadLetterConfig.Topic: %w", err)
-		}
-	}
+func newDeadLetter(db versioning.DBTX, cfg *Config, tr *tracing.Tracer) (*deadLetter, error) {
 	store, err := dedup.NewDeadLetterStore(cfg.Schema)
 	if err != nil {
 		return nil, err
 	}
-	return &DeadLetter{cfg: cfg, store: store, tr: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
+	return &deadLetter{db: db, cfg: cfg, store: store, tr: tr}, nil
 }
 
-// Store returns the dead-letter table's store (List, RequestReplay,
-// Discard).
-func (d *DeadLetter) Store() *dedup.DeadLetterStore { return d.store }
-
-// Middleware returns the DeadLetter middleware.
-func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
+// middleware returns the dead-letter middleware around h.
+func (d *deadLetter) middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
-		if _, ok := TxFromContext(ctx); ok {
-			return nil, &CompositionError{Problem: "middleware.DeadLetter runs inside a consumer transaction, so a dead-lettered event would be committed as processed",
-				Fix: "put DeadLetter outermost, outside Retry and the eventline middleware (use Eventline.AddHandler)"}
-		}
 		out, err := h(msg)
 		if err == nil {
 			return out, nil
@@ -189,7 +94,7 @@ func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if werr != nil {
 			return nil, errors.Join(err, werr)
 		}
-		d.cfg.Metrics.DeadLettered(d.cfg.Group, rec.Kind)
+		d.cfg.Metrics.incDeadLettered(d.cfg.Group, rec.Kind)
 		// The record's fields are hostile input: the dead letter keeps them
 		// whole, the warning only their start.
 		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline consumer-dlq`",
@@ -202,7 +107,7 @@ func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // traceWrite is write inside a "dead_letter" span when tracing is on.
-func (d *DeadLetter) traceWrite(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
+func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
 	if d.tr == nil {
 		return d.write(ctx, msg, rec)
 	}
@@ -224,10 +129,10 @@ func (d *DeadLetter) traceWrite(ctx context.Context, msg *message.Message, rec d
 const writeTimeout = 30 * time.Second
 
 // write stores rec, retrying until it succeeds or ctx ends.
-func (d *DeadLetter) write(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
+func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
 	for attempt := 1; ; attempt++ {
 		wctx, cancel := context.WithTimeout(ctx, writeTimeout)
-		id, err := d.store.Add(wctx, d.cfg.DB, rec)
+		id, err := d.store.Add(wctx, d.db, rec)
 		cancel()
 		if err == nil {
 			if attempt > 1 {
@@ -245,7 +150,7 @@ func (d *DeadLetter) write(ctx context.Context, msg *message.Message, rec dedup.
 		}
 		log(ctx, "eventline: cannot write the dead letter; the message stays unacknowledged and the write is retried",
 			"group", d.cfg.Group, "message_uuid", truncate(msg.UUID, maxLoggedField), "attempt", attempt, "error", err)
-		if d.cfg.Sleep(ctx, backoff(d.cfg.InfraInitialInterval, 2, d.cfg.InfraMaxInterval, attempt)) != nil {
+		if backoff.Sleep(ctx, backoff.Jittered(d.cfg.InfraBackoff, attempt)) != nil {
 			return 0, fmt.Errorf("eventline: dead letter not written before shutdown; the message stays unacknowledged: %w", err)
 		}
 	}
@@ -253,8 +158,8 @@ func (d *DeadLetter) write(ctx context.Context, msg *message.Message, rec dedup.
 
 // publishCopy publishes the dead letter to the dead-letter topic, best
 // effort.
-func (d *DeadLetter) publishCopy(ctx context.Context, msg *message.Message, rec dedup.DeadLetter, id int64) {
-	if d.cfg.Publisher == nil {
+func (d *deadLetter) publishCopy(ctx context.Context, msg *message.Message, rec dedup.DeadLetter, id int64) {
+	if d.cfg.DeadLetterPublisher == nil {
 		return
 	}
 	dl := msg.Copy()
@@ -265,10 +170,10 @@ func (d *DeadLetter) publishCopy(ctx context.Context, msg *message.Message, rec 
 	dl.Metadata.Set(DeadLetterGroupKey, d.cfg.Group)
 	dl.Metadata.Set(DeadLetterAtKey, time.Now().UTC().Format(time.RFC3339Nano))
 	dl.Metadata.Set(DeadLetterIDKey, strconv.FormatInt(id, 10))
-	if err := d.cfg.Publisher.Publish(d.cfg.Topic, dl); err != nil {
+	if err := d.cfg.DeadLetterPublisher.Publish(d.cfg.DeadLetterTopic, dl); err != nil {
 		d.cfg.Metrics.incDeadLetterPublishFailure(d.cfg.Group)
 		d.cfg.Logger.WarnContext(ctx, "eventline: dead letter kept in consumer_dead_letters but not copied to the dead-letter topic",
-			"group", d.cfg.Group, "dead_letter_id", id, "topic", d.cfg.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField), "error", err)
+			"group", d.cfg.Group, "dead_letter_id", id, "topic", d.cfg.DeadLetterTopic, "message_uuid", truncate(msg.UUID, maxLoggedField), "error", err)
 	}
 }
 
@@ -299,13 +204,13 @@ func truncate(s string, n int) string {
 }
 
 // record builds the dead letter of msg.
-func (d *DeadLetter) record(ctx context.Context, msg *message.Message, err error) dedup.DeadLetter {
+func (d *deadLetter) record(ctx context.Context, msg *message.Message, err error) dedup.DeadLetter {
 	src := delivery.SourceOf(ctx)
 	rec := dedup.DeadLetter{
 		Group: d.cfg.Group, Topic: src.Topic, Handler: src.Handler,
 		FromKafka: src.FromKafka, Partition: src.Partition, Offset: src.Offset, Key: src.Key,
 		MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: maps.Clone(map[string]string(msg.Metadata)),
-		Kind: DeadLetterKind(err), Reason: err.Error(),
+		Kind: deadLetterKind(err), Reason: err.Error(),
 	}
 	if e, derr := eventline.Decode(msg); derr == nil {
 		rec.EventID, rec.EventType, rec.AggregateType, rec.AggregateID, rec.AggregateVersion = e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion
@@ -320,13 +225,13 @@ func (d *DeadLetter) record(ctx context.Context, msg *message.Message, err error
 	return rec
 }
 
-// DeadLetterKind classifies a dead-lettering error: the error's own kind
+// deadLetterKind classifies a dead-lettering error: the error's own kind
 // when it (or an error it wraps) has a DeadLetterKind() string method,
 // else dedup.KindPermanent, dedup.KindRetriesExhausted or
 // dedup.KindFailed.
-func DeadLetterKind(err error) string {
+func deadLetterKind(err error) string {
 	var k interface{ DeadLetterKind() string }
-	var exhausted *RetriesExhaustedError
+	var exhausted *retriesExhaustedError
 	switch {
 	case errors.As(err, &k) && k.DeadLetterKind() != "":
 		return k.DeadLetterKind()
@@ -336,22 +241,4 @@ func DeadLetterKind(err error) string {
 		return dedup.KindRetriesExhausted
 	}
 	return dedup.KindFailed
-}
-
-// DeadLetterParked returns a function that dead-letters a parked event in
-// the caller's transaction tx (so the dead letter commits with whatever
-// else the caller does, such as recording a skipped version), with the
-// given kind and reason. It fits a sweeper hook of the form
-// func(ctx, tx, versioning.Parked, reason) error.
-func DeadLetterParked(store *dedup.DeadLetterStore, kind string) func(ctx context.Context, tx pgx.Tx, p versioning.Parked, reason string) error {
-	return func(ctx context.Context, tx pgx.Tx, p versioning.Parked, reason string) error {
-		rec := dedup.DeadLetter{
-			Group: p.Group, Topic: p.Topic, Handler: p.Handler,
-			MessageUUID: p.EventID, Payload: p.Payload, Metadata: p.Metadata,
-			EventID: p.EventID, EventType: p.EventType, AggregateType: p.AggregateType, AggregateID: p.AggregateID, AggregateVersion: p.Version,
-			Kind: kind, Reason: reason,
-		}
-		_, err := store.Add(ctx, tx, rec)
-		return err
-	}
 }

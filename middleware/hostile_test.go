@@ -124,12 +124,12 @@ func hostileMessage(agg, id string) *rapid.Generator[*message.Message] {
 //     first.
 func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond}})
+	f := newFixture(t, middleware.Config{MaxRetries: 2, Retry: eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond}})
 	names := sqlident.Qualify(f.env.Schema, "names")
 	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+names+` (event_id text NOT NULL, name text NOT NULL, ref uuid, amount integer NOT NULL)`)
 	require.NoError(t, err)
 	var attempts atomic.Int64
-	chain := f.el.Chain(func(msg *message.Message) ([]*message.Message, error) {
+	chain := f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
 		attempts.Add(1)
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
@@ -146,7 +146,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 		}
 		return nil, f.env.Apply(ctx, tx, group, e)
 	})
-	store := f.el.DeadLetters().Store()
+	store := f.el.DeadLetterStore()
 	var run, offset atomic.Int64
 	rapid.Check(t, func(rt *rapid.T) {
 		r := run.Add(1)
@@ -275,12 +275,12 @@ func nonNil(b []byte) []byte {
 // dead-lettered at its first attempt, not after the retry budget.
 func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond}})
+	f := newFixture(t, middleware.Config{MaxRetries: 3, Retry: eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond}})
 	amounts := sqlident.Qualify(f.env.Schema, "amounts")
 	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+amounts+` (event_id text NOT NULL, amount integer NOT NULL)`)
 	require.NoError(t, err)
 	var attempts atomic.Int64
-	chain := f.el.Chain(func(msg *message.Message) ([]*message.Message, error) {
+	chain := f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
 		attempts.Add(1)
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
@@ -306,7 +306,7 @@ func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 			require.EqualValues(t, 1, attempts.Load()-before, "one attempt: retrying cannot encode it")
 		}
 	}
-	dead, err := f.el.DeadLetters().Store().List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group})
+	dead, err := f.el.DeadLetterStore().List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, 1)
 	require.Equal(t, dedup.KindPermanent, dead[0].Kind, dead[0].Reason)
@@ -328,7 +328,7 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 	t.Parallel()
 	var logged byteCounter
 	f := newFixture(t, middleware.Config{Logger: slog.New(slog.NewTextHandler(&logged, nil))})
-	chain := f.el.Chain(f.business(group))
+	chain := f.el.Chain("billing", f.business(group))
 	mib := strings.Repeat("x", 1<<20)
 	for i, field := range []string{eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateID} {
 		msg := consumertest.Message(t, consumertest.Event(fmt.Sprintf("a%d", i), 1))
@@ -340,7 +340,7 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 		require.NoError(t, err)
 		require.Less(t, logged.n.Load()-before, int64(16<<10), "%s: the warning is bounded", field)
 	}
-	dead, err := f.el.DeadLetters().Store().List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group})
+	dead, err := f.el.DeadLetterStore().List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, 3)
 	for _, d := range dead {
@@ -355,8 +355,8 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 // as it was.
 func TestSpansOfAHostileRecordCarryBoundedValidText(t *testing.T) {
 	t.Parallel()
-	f, rec := tracedFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: middleware.NoRetries}})
-	f.handler = f.el.Chain(f.business(group))
+	f, rec := tracedFixture(t, middleware.Config{MaxRetries: middleware.NoRetries})
+	f.handler = f.el.Chain("billing", f.business(group))
 	hostile := strings.Repeat("\xff", 1<<20)
 	msg := consumertest.Message(t, consumertest.Event("a", 1))
 	for _, k := range []string{eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateType, eventline.MetaAggregateID} {

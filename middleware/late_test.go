@@ -49,7 +49,7 @@ func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
 	for _, v := range []int64{1, 3} {
 		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
 	}
-	res, err := f.el.Sweep(ctx)
+	res, err := f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.GapsSkipped, "v2 given up after the park timeout")
 	require.Equal(t, []int64{1, 3}, f.versions(t, "a"))
@@ -75,7 +75,7 @@ func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
 	n, err := f.el.Store().RequestLateApply(ctx, f.env.Pool, group, late.UUID)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
-	res, err = f.el.Sweep(ctx)
+	res, err = f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.LateApplied)
 	require.Equal(t, []bool{true}, log.of(late.UUID), "the handler ran once, told the event is late")
@@ -97,7 +97,7 @@ func TestLateEventCanBeDiscarded(t *testing.T) {
 	for _, v := range []int64{1, 3} {
 		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
 	}
-	_, err := f.el.Sweep(ctx)
+	_, err := f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	late := consumertest.Message(t, consumertest.Event("a", 2))
 	require.NoError(t, f.deliver(t, late))
@@ -107,7 +107,7 @@ func TestLateEventCanBeDiscarded(t *testing.T) {
 	require.Equal(t, dedup.OutcomeLateDiscarded, f.outcome(t, late.UUID))
 	require.NoError(t, f.deliver(t, late))
 	require.Equal(t, []int64{1, 3}, f.versions(t, "a"))
-	_, err = f.el.Sweep(ctx)
+	_, err = f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_late_events"), "the gauge counts held late events")
 }

@@ -66,7 +66,6 @@ func newFixture(t *testing.T, cfg middleware.Config) *fixture {
 	f.registry = prometheus.NewRegistry()
 	f.metrics, err = middleware.NewMetrics(f.registry)
 	require.NoError(t, err)
-	cfg.DB = f.env.Pool
 	cfg.Schema = f.env.Schema
 	if cfg.Group == "" {
 		cfg.Group = group
@@ -75,9 +74,9 @@ func newFixture(t *testing.T, cfg middleware.Config) *fixture {
 		cfg.Logger = quiet()
 	}
 	cfg.Metrics = f.metrics
-	f.el, err = middleware.New(cfg)
+	f.el, err = middleware.New(f.env.Pool, cfg)
 	require.NoError(t, err)
-	f.handler = f.el.Middleware(f.business(cfg.Group))
+	f.handler = f.el.MiddlewareFor("test")(f.business(cfg.Group))
 	return f
 }
 
@@ -180,8 +179,8 @@ func TestHandlerPanicIsRolledBack(t *testing.T) {
 	msg := consumertest.Message(t, consumertest.Event("a", 1))
 
 	err := f.deliver(t, msg)
-	var pe *middleware.PanicError
-	require.ErrorAs(t, err, &pe)
+	_, panicked := middleware.PanicValue(err)
+	require.True(t, panicked, "%v", err)
 	require.False(t, middleware.IsPermanent(err), "a panic is retried")
 	require.Empty(t, f.env.Effects(t, group), "the effect written before the panic must be rolled back")
 	require.Equal(t, 0, f.count(t, "processed_events"))
@@ -237,7 +236,7 @@ func TestGapIsParkedAndDrainedInOrder(t *testing.T) {
 func TestFailedDrainStopsAndTheSweeperRetries(t *testing.T) {
 	t.Parallel()
 	// No release backoff: the sweeper may retry on its next pass.
-	f := newFixture(t, middleware.Config{ParkTimeout: time.Hour, ReleaseBackoff: time.Nanosecond})
+	f := newFixture(t, middleware.Config{ParkTimeout: time.Hour, ReleaseBackoff: eventline.Backoff{Initial: time.Nanosecond}})
 	var failV3 atomic.Bool
 	failV3.Store(true)
 	f.fail = func(e eventline.Event) error {
@@ -266,11 +265,11 @@ func TestFailedDrainStopsAndTheSweeperRetries(t *testing.T) {
 	require.Equal(t, 0, parked[1].ReleaseAttempts, "draining stopped at the failure")
 
 	// The sweeper retries the ready event (no timeout needed).
-	res, err := f.el.Sweep(context.Background())
+	res, err := f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Failed)
 	failV3.Store(false)
-	res, err = f.el.Sweep(context.Background())
+	res, err = f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Released)
 	require.Zero(t, res.GapsSkipped)
@@ -286,7 +285,7 @@ func TestSweeperSkipsGapsAfterParkTimeout(t *testing.T) {
 		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
 	}
 	require.Equal(t, []int64{1}, f.versions(t, "a"))
-	res, err := f.el.Sweep(context.Background())
+	res, err := f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 2, res.GapsSkipped)
 	require.EqualValues(t, 2, res.VersionsSkipped)
@@ -314,7 +313,7 @@ func TestSweeperWaitsForParkTimeout(t *testing.T) {
 	for _, v := range []int64{1, 3} {
 		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
 	}
-	res, err := f.el.Sweep(context.Background())
+	res, err := f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Zero(t, res.GapsSkipped)
 	require.EqualValues(t, 1, res.Parked)
@@ -335,7 +334,7 @@ func TestReleaseGapThenSweeperApplies(t *testing.T) {
 	require.Equal(t, 2, rel.Ready)
 	require.Equal(t, []int64{1}, f.versions(t, "a"), "ReleaseGap runs no handler")
 
-	res, err := f.el.Sweep(ctx)
+	res, err := f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Released)
 	require.Zero(t, res.GapsSkipped, "the gap before v7 has not timed out")

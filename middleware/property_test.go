@@ -92,8 +92,8 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	// Policies: all Park, all Apply, or mixed by event type; late events
 	// held, applied at once, or mixed.
 	mode := rapid.SampledFrom([]string{"park", "apply", "mixed"}).Draw(rt, "policy")
-	cfg := middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, ParkTimeout: time.Hour,
-		ReleaseBackoff: time.Nanosecond, MaxReleaseAttempts: rapid.IntRange(1, 3).Draw(rt, "maxReleaseAttempts"), Logger: quiet()}
+	cfg := middleware.Config{Schema: env.Schema, Group: group, ParkTimeout: time.Hour,
+		ReleaseBackoff: eventline.Backoff{Initial: time.Nanosecond}, MaxReleaseAttempts: rapid.IntRange(1, 3).Draw(rt, "maxReleaseAttempts"), Logger: quiet()}
 	switch mode {
 	case "apply":
 		cfg.GapPolicy = versioning.Apply
@@ -149,14 +149,14 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 		}
 		return nil, nil
 	}
-	el, err := middleware.New(cfg)
+	el, err := middleware.New(env.Pool, cfg)
 	require.NoError(rt, err)
-	h := el.Middleware(handler)
+	h := el.MiddlewareFor("test")(handler)
 	final := cfg
 	final.ParkTimeout = time.Nanosecond
-	finalEl, err := middleware.New(final)
+	finalEl, err := middleware.New(env.Pool, final)
 	require.NoError(rt, err)
-	finalEl.Middleware(handler) // registers the handler for the final sweep
+	finalEl.MiddlewareFor("test")(handler) // registers the handler for the final sweep
 
 	// Aggregates, sparse versions, which are delivered and how often.
 	nAgg := rapid.IntRange(1, 4).Draw(rt, "aggregates")
@@ -240,7 +240,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 				if queue[0].sweep {
 					queue = queue[1:]
 					qmu.Unlock()
-					if _, err := el.Sweep(ctx); err != nil {
+					if err := el.Sweep(ctx); err != nil {
 						errs <- err
 						return
 					}
@@ -275,7 +275,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	// Final sweeps give up on every remaining gap; parked events that keep
 	// failing are given up after the attempt limit.
 	for i := 0; i < 50; i++ {
-		res, err := finalEl.Sweep(ctx)
+		res, err := finalEl.SweepResult(ctx)
 		require.NoError(rt, err)
 		if res.Parked == 0 {
 			break
@@ -298,7 +298,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 		}
 		_, err = store.RequestLateApply(ctx, env.Pool, group, ids...)
 		require.NoError(rt, err)
-		_, err = finalEl.Sweep(ctx)
+		_, err = finalEl.SweepResult(ctx)
 		require.NoError(rt, err)
 	}
 	for id := range held {

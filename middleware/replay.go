@@ -20,8 +20,8 @@ const replayBatch = 100
 // transaction (the replays themselves are bounded by Config.TxTimeout).
 const replayStatementTimeout = 30 * time.Second
 
-// ReplayResult reports one replay pass.
-type ReplayResult struct {
+// replayResult reports one replay pass.
+type replayResult struct {
 	// Replayed counts dead letters that went through their handler and
 	// committed (applied, parked, recognised as a duplicate, or held in
 	// late_events for the operator: late, or a version conflict when the
@@ -33,7 +33,7 @@ type ReplayResult struct {
 	Failed int
 }
 
-// ReplayDeadLetters makes one pass over the group's dead letters whose
+// replayDeadLetters makes one pass over the group's dead letters whose
 // replay was requested (`eventline consumer-dlq replay`,
 // dedup.DeadLetterStore.RequestReplay). It claims them (rows another
 // replayer holds are skipped) and runs each, in order (per aggregate by
@@ -53,8 +53,8 @@ type ReplayResult struct {
 // An infrastructure error ends the pass; what was not replayed stays
 // requested for the next one.
 //
-// [Eventline.RunSweeper] calls it every SweepInterval.
-func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error) {
+// [Eventline.Run] calls it every SweepInterval.
+func (el *Eventline) replayDeadLetters(ctx context.Context) (replayResult, error) {
 	res, err := el.replayPass(ctx)
 	if err != nil {
 		return res, fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
@@ -62,8 +62,8 @@ func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error
 	return res, nil
 }
 
-func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
-	var res ReplayResult
+func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
+	var res replayResult
 	store := el.dl.store
 	// Each statement of the claim transaction is bounded, so a database
 	// that stops answering ends the pass instead of hanging it.
@@ -73,7 +73,7 @@ func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
 		return f(sctx)
 	}
 	var tx pgx.Tx
-	if err := bounded(func(ctx context.Context) (err error) { tx, err = el.cfg.DB.Begin(ctx); return err }); err != nil {
+	if err := bounded(func(ctx context.Context) (err error) { tx, err = el.db.Begin(ctx); return err }); err != nil {
 		return res, err
 	}
 	defer rollback(ctx, tx)
@@ -146,7 +146,7 @@ func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
 func (el *Eventline) replay(ctx context.Context, d dedup.DeadLetter) error {
 	h := el.gate.reg.lookup(d.Handler)
 	if h == nil {
-		return fmt.Errorf("%w: %q; register it with Register, MiddlewareFor or AddHandler", versioning.ErrNoHandler, d.Handler)
+		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, d.Handler)
 	}
 	msg := d.Message()
 	ctx = context.WithValue(ctx, replayKey{}, true)
@@ -176,7 +176,7 @@ func (el *Eventline) runReplays(ctx context.Context) {
 	defer t.Stop()
 	down := false // the database was unavailable on the last pass
 	for {
-		res, err := el.ReplayDeadLetters(ctx)
+		res, err := el.replayDeadLetters(ctx)
 		switch {
 		case ctx.Err() != nil:
 			return

@@ -20,10 +20,10 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := consumertest.New(t, pgtest.Options{MaxConns: 4})
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()})
+	el, err := middleware.New(env.Pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
 	require.NoError(t, err)
 	broken := true
-	el.Register("billing", func(msg *message.Message) ([]*message.Message, error) {
+	_ = el.MiddlewareFor("billing")(func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := middleware.TxFromContext(msg.Context())
 		e, _ := middleware.EventFromContext(msg.Context())
 		if broken && e.AggregateID == "x" {
@@ -31,7 +31,7 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 		}
 		return nil, env.Apply(msg.Context(), tx, group, e)
 	})
-	store := el.DeadLetters().Store()
+	store := el.DeadLetterStore()
 	add := func(e eventline.Event, offset int64) int64 {
 		msg := consumertest.Message(t, e)
 		id, err := store.Add(ctx, env.Pool, dedup.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
@@ -97,7 +97,7 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	f := newFixture(t, middleware.Config{})
 	log := &lateLog{calls: map[string][]bool{}}
 	f.observe = log.observe
-	store := f.el.DeadLetters().Store()
+	store := f.el.DeadLetterStore()
 	offset := int64(0)
 	dead := func(e eventline.Event) int64 {
 		msg := consumertest.Message(t, e)
@@ -151,7 +151,7 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	// The operator applies one, marked late, and discards the other.
 	_, err = f.el.Store().RequestLateApply(ctx, f.env.Pool, group, a2.ID)
 	require.NoError(t, err)
-	_, err = f.el.Sweep(ctx)
+	_, err = f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, []bool{true}, log.of(a2.ID))
 	n, err := f.el.Store().DiscardLate(ctx, f.env.Pool, group, b5.ID)

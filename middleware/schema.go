@@ -2,17 +2,12 @@ package middleware
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
 )
-
-// ErrNotMigrated is returned by [CheckMigrated] (and by consumer.Run) when
-// the consumer's schema lacks eventline's consumer tables.
-var ErrNotMigrated = errors.New("eventline: consumer schema is not migrated")
 
 // newestConsumerTable is created by the newest migration that adds a
 // consumer table (004_consumer_dead_letters); the migrations run in order,

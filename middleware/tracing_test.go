@@ -156,9 +156,9 @@ func TestTraceOfAParkedThenReleasedEvent(t *testing.T) {
 // dead_letter span under the process span, whose outcome is dead_lettered.
 func TestTraceOfADeadLetter(t *testing.T) {
 	t.Parallel()
-	f, rec := tracedFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: middleware.NoRetries}})
+	f, rec := tracedFixture(t, middleware.Config{MaxRetries: middleware.NoRetries})
 	f.fail = func(eventline.Event) error { return middleware.Permanent(errors.New("cannot apply")) }
-	f.handler = f.el.Chain(f.business(group))
+	f.handler = f.el.Chain("billing", f.business(group))
 	msg, send := sent(t, rec, consumertest.Event("a", 1))
 	require.NoError(t, deliverFrom(t, f, msg), "dead-lettered and acknowledged")
 
@@ -177,7 +177,7 @@ func TestNoTracerProviderNoSpans(t *testing.T) {
 	t.Parallel()
 	rec := tracingtest.New(t)
 	f := newFixture(t, middleware.Config{})
-	f.handler = f.el.Traced(f.el.Middleware(f.business(group)))
+	f.handler = f.el.Traced(f.el.MiddlewareFor("test")(f.business(group)))
 	msg, _ := sent(t, rec, consumertest.Event("a", 1))
 	require.NoError(t, deliverFrom(t, f, msg))
 	require.Len(t, rec.Spans(), 1, "only the test's send span")
@@ -201,7 +201,7 @@ func TestStageHistogramsInOTel(t *testing.T) {
 	counts := map[string]uint64{}
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
-			if m.Name != middleware.StageHistogramName {
+			if m.Name != "eventline.stage.duration" {
 				continue
 			}
 			for _, dp := range m.Data.(metricdata.Histogram[float64]).DataPoints {
@@ -249,7 +249,7 @@ func TestTraceOfAParkedEventReleasedBySweeper(t *testing.T) {
 	ctx := context.Background()
 	_, err := f.el.Store().ReleaseGap(ctx, f.env.Pool, group, "thing", "a", "v2 was lost upstream")
 	require.NoError(t, err)
-	res, err := f.el.Sweep(ctx)
+	res, err := f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Released, "%+v", res)
 

@@ -18,7 +18,7 @@ import (
 )
 
 // TestUpcastRunsWhenTheEventIsHandled checks the Router path: with
-// middleware.Upcast inside the eventline middleware, a handler written for
+// Config.Upcasters, a handler behind MiddlewareFor written for
 // version 2 reads version-1 events, including one parked as written (the
 // parked row keeps version 1) and upcast only when released; a version-3
 // event fails permanently before the handler, and the message the router
@@ -35,7 +35,7 @@ func TestUpcastRunsWhenTheEventIsHandled(t *testing.T) {
 		return json.Marshal(m)
 	}})
 	require.NoError(t, err)
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()})
+	el, err := middleware.New(env.Pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet(), Upcasters: up})
 	require.NoError(t, err)
 
 	var mu sync.Mutex
@@ -53,7 +53,7 @@ func TestUpcastRunsWhenTheEventIsHandled(t *testing.T) {
 		mu.Unlock()
 		return nil, nil
 	}
-	h := el.Middleware(middleware.Upcast(up)(handler))
+	h := el.MiddlewareFor("test")(handler)
 
 	ev := func(version int64, schema int, payload string) *message.Message {
 		e := consumertest.Event("a", version)

@@ -9,7 +9,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 )
 
 // ApplyFunc applies one parked or late event whose turn has come. tx is a
@@ -44,12 +46,9 @@ type ReleaseOptions struct {
 	// allowed before it is given up (DeadLetter). Defaults to
 	// DefaultMaxReleaseAttempts (10).
 	MaxAttempts int
-	// Backoff is the wait after the first failed attempt before the
-	// sweeper tries again; it doubles per further failure, up to
-	// MaxBackoff. Defaults to DefaultReleaseBackoff (5s) and
-	// DefaultMaxReleaseBackoff (5m).
-	Backoff    time.Duration
-	MaxBackoff time.Duration // see Backoff
+	// Backoff is the wait between failed attempts before the sweeper
+	// tries again. Zero fields take DefaultReleaseBackoff's.
+	Backoff eventline.Backoff
 	// Permanent, when set, reports errors that retrying cannot fix (the
 	// event does not decode, its payload does not fit the handler): the
 	// event is given up at once.
@@ -63,12 +62,7 @@ func (o ReleaseOptions) withDefaults(s *Store) ReleaseOptions {
 	if o.MaxAttempts == 0 {
 		o.MaxAttempts = DefaultMaxReleaseAttempts
 	}
-	if o.Backoff == 0 {
-		o.Backoff = DefaultReleaseBackoff
-	}
-	if o.MaxBackoff == 0 {
-		o.MaxBackoff = DefaultMaxReleaseBackoff
-	}
+	o.Backoff = o.Backoff.Or(DefaultReleaseBackoff)
 	if o.DeadLetter == nil {
 		o.DeadLetter = s.HoldFailed
 	}
@@ -81,19 +75,13 @@ func (o ReleaseOptions) validate(field string) error {
 		return fmt.Errorf("%s.Apply is nil: the gate needs a function that applies a parked event", field)
 	case o.MaxAttempts < 0:
 		return fmt.Errorf("%s.MaxReleaseAttempts is %d; it must be positive (0 means %d)", field, o.MaxAttempts, DefaultMaxReleaseAttempts)
-	case o.Backoff < 0 || o.MaxBackoff < 0:
-		return fmt.Errorf("%s.ReleaseBackoff and MaxReleaseBackoff must not be negative (0 means %s and %s)", field, DefaultReleaseBackoff, DefaultMaxReleaseBackoff)
 	}
-	return nil
+	return o.Backoff.Or(DefaultReleaseBackoff).Validate(field + ".ReleaseBackoff")
 }
 
 // backoff is the wait after the attempts-th failure.
 func (o ReleaseOptions) backoff(attempts int) time.Duration {
-	d := o.Backoff
-	for i := 1; i < attempts && d < o.MaxBackoff; i++ {
-		d *= 2
-	}
-	return min(d, o.MaxBackoff)
+	return backoff.Jittered(o.Backoff, attempts)
 }
 
 // drainLimit bounds the parked events one drain loads.

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -39,7 +40,7 @@ func TestClosedGapsAreReportedOnce(t *testing.T) {
 		}
 		return nil
 	}}
-	opts := versioning.ReleaseOptions{Apply: a.apply, Backoff: time.Nanosecond}
+	opts := versioning.ReleaseOptions{Apply: a.apply, Backoff: eventline.Backoff{Initial: time.Nanosecond}}
 	k := versioning.Key{Group: "g", AggregateType: "acct", AggregateID: "f"}
 
 	// Filled: f v1, v3 parked, then v2 arrives and drains; v3 fails.
@@ -62,7 +63,7 @@ func TestClosedGapsAreReportedOnce(t *testing.T) {
 	require.Equal(t, versioning.Gap, deliver(t, s, env, "r", 3))
 	_, err := s.ReleaseGap(ctx, env.Pool, "g", "acct", "r", "v2 lost")
 	require.NoError(t, err)
-	w, err := s.NewSweeper(env.Pool, versioning.SweeperConfig{Group: "g", ParkTimeout: time.Hour, Apply: a.apply, ReleaseBackoff: time.Nanosecond})
+	w, err := s.NewSweeper(env.Pool, versioning.SweeperConfig{Group: "g", ParkTimeout: time.Hour, Apply: a.apply, ReleaseBackoff: eventline.Backoff{Initial: time.Nanosecond}})
 	require.NoError(t, err)
 	res, err := w.Sweep(ctx)
 	require.NoError(t, err)

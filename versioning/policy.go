@@ -3,6 +3,8 @@ package versioning
 import (
 	"fmt"
 	"time"
+
+	"github.com/eventline/eventline"
 )
 
 // GapPolicy says what the gate does with an event whose predecessor has not
@@ -131,14 +133,13 @@ const (
 	// version audited as skipped; a late event stays held, its apply
 	// request cleared.
 	DefaultMaxReleaseAttempts = 10
-	// DefaultReleaseBackoff is the wait after the first failed release
-	// attempt; it doubles after each further failure up to
-	// DefaultMaxReleaseBackoff. With the defaults the 10 attempts span
-	// 5+10+20+40+80+160+300+300+300 s, about 20 minutes.
-	DefaultReleaseBackoff = 5 * time.Second
-	// DefaultMaxReleaseBackoff caps the wait between release attempts.
-	DefaultMaxReleaseBackoff = 5 * time.Minute
 )
+
+// DefaultReleaseBackoff is the wait between failed attempts to apply a
+// parked event: 5s after the first, doubling up to 5m. With
+// DefaultMaxReleaseAttempts the 10 attempts span 5+10+20+40+80+160+300+
+// 300+300 s, about 20 minutes.
+var DefaultReleaseBackoff = eventline.Backoff{Initial: 5 * time.Second, Max: 5 * time.Minute, Multiplier: 2}
 
 // Policies chooses a gap policy per event type.
 type Policies struct {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/txhooks"
 )
@@ -48,11 +49,9 @@ type SweeperConfig struct {
 	// DeadLetter and its version audited as skipped. Defaults to
 	// DefaultMaxReleaseAttempts (10).
 	MaxReleaseAttempts int
-	// ReleaseBackoff is the wait after a first failed attempt; it doubles
-	// per failure up to MaxReleaseBackoff. Defaults to
-	// DefaultReleaseBackoff (5s) and DefaultMaxReleaseBackoff (5m).
-	ReleaseBackoff    time.Duration
-	MaxReleaseBackoff time.Duration // see ReleaseBackoff
+	// ReleaseBackoff is the wait between failed attempts. Zero fields
+	// take DefaultReleaseBackoff's (5s doubling up to 5m).
+	ReleaseBackoff eventline.Backoff
 	// Permanent, when set, reports apply errors that retrying cannot fix:
 	// the event is given up at once.
 	Permanent func(error) bool
@@ -107,7 +106,7 @@ func (c SweeperConfig) validate() error {
 // the default dead letter (nil: left unset).
 func (c SweeperConfig) release(s *Store) ReleaseOptions {
 	o := ReleaseOptions{Apply: c.Apply, MaxAttempts: c.MaxReleaseAttempts, Backoff: c.ReleaseBackoff,
-		MaxBackoff: c.MaxReleaseBackoff, Permanent: c.Permanent, DeadLetter: c.DeadLetter}
+		Permanent: c.Permanent, DeadLetter: c.DeadLetter}
 	if s != nil {
 		o = o.withDefaults(s)
 	}

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/producer"
@@ -112,7 +113,7 @@ func TestParkedEventIsGivenUpAfterMaxReleaseAttempts(t *testing.T) {
 	}}
 	var dead []string
 	w, err := s.NewSweeper(env.Pool, versioning.SweeperConfig{Group: "g", ParkTimeout: time.Hour, Apply: a.apply,
-		MaxReleaseAttempts: 3, ReleaseBackoff: time.Nanosecond})
+		MaxReleaseAttempts: 3, ReleaseBackoff: eventline.Backoff{Initial: time.Nanosecond}})
 	require.NoError(t, err)
 	require.Equal(t, versioning.Next, deliver(t, s, env, "a", 1))
 	require.Equal(t, versioning.Gap, deliver(t, s, env, "a", 3))

@@ -265,8 +265,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err != nil {
 		return err
 	}
-	parkedLeft, err := c.Middleware().Store().CountParked(ctx, db, group)
-	if err != nil {
+	var parkedLeft int64
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{cfg.Schema, "parked_events"}.Sanitize()+` WHERE consumer_group = $1`, group).
+		Scan(&parkedLeft); err != nil {
 		return err
 	}
 	var applied int

@@ -20,7 +20,7 @@ import (
 )
 
 // Consumer dead-letter metadata the consumer package writes (see
-// consumer.DeadLetterGroupKey and friends); repeated here so verify does
+// middleware.DeadLetterGroupKey and friends); repeated here so verify does
 // not depend on the consumer runner.
 const (
 	dlqGroupKey  = "eventline_dead_group"

@@ -307,11 +307,11 @@ func (e *env) consumeMiddleware(ctx context.Context, k *kafkaEnv, topic string, 
 		group: group, schema: "consumer_el", eventline: true,
 		label: "eventline middleware", profile: "consumer_drain.middleware",
 		build: func(pool *pgxpool.Pool, schema string, biz business) (message.HandlerMiddleware, message.NoPublishHandlerFunc, error) {
-			el, err := middleware.New(middleware.Config{DB: pool, Group: group, Schema: schema, Logger: quiet})
+			el, err := middleware.New(pool, middleware.Config{Group: group, Schema: schema, Logger: quiet})
 			if err != nil {
 				return nil, nil, err
 			}
-			return el.Middleware, func(msg *message.Message) error {
+			return el.MiddlewareFor("bench"), func(msg *message.Message) error {
 				tx, _ := middleware.TxFromContext(msg.Context())
 				ev, _ := middleware.EventFromContext(msg.Context())
 				return biz.apply(msg.Context(), tx, ev)
