@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
@@ -159,9 +160,6 @@ func readmeOwnRouter(ctx context.Context, pool *pgxpool.Pool, brokers []string) 
 	if err != nil {
 		return err
 	}
-	if err := middleware.CheckMigrated(ctx, pool, ""); err != nil { // the consumer tables are there ("" = schema "eventline")
-		return err
-	}
 	_, err = el.AddHandler(router, "billing", "orders", kafkaSubscriber, func(msg *message.Message) error {
 		ctx := msg.Context()
 		tx, ok := middleware.TxFromContext(ctx)
@@ -186,8 +184,10 @@ func readmeOwnRouter(ctx context.Context, pool *pgxpool.Pool, brokers []string) 
 	if err != nil {
 		return err
 	}
-	go el.Run(ctx) // applies parked events, and replays dead letters on request
-	return router.Run(ctx)
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return el.Run(ctx) }) // checks the schema (middleware.ErrNotMigrated), then applies parked events and replays dead letters on request
+	g.Go(func() error { return router.Run(ctx) })
+	return g.Wait()
 }
 
 func readmeSeveralHandlers(router *message.Router, el *middleware.Eventline, ordersSub, refundsSub message.Subscriber,

@@ -29,6 +29,7 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -100,21 +101,21 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 		consumertest.Message(t, a2), consumertest.Message(t, b1)}
 	publishBig(t, k.brokers, topic, msgs...)
 
-	store, err := dedup.NewDeadLetterStore(k.Schema)
+	st, err := store.New(k.Schema)
 	require.NoError(t, err)
-	var dls []dedup.DeadLetter
+	var dls []store.DeadLetter
 	r := start(t, c)
 	// Lanes apply the records of other aggregates while the oversize ones
 	// are dead-lettered: wait for both.
 	eventually(t, 60*time.Second, func() bool {
-		dls, err = store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group})
+		dls, err = st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
 		require.NoError(t, err)
 		return len(k.Effects(t, group)) == 3 && len(dls) == 3
 	}, "the oversize records are dead-lettered and the records behind them applied")
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{a1, a2, b1})
 	// Lanes and batches dead-letter concurrently: rows come in any order.
-	slices.SortFunc(dls, func(a, b dedup.DeadLetter) int { return cmp.Compare(a.Offset, b.Offset) })
+	slices.SortFunc(dls, func(a, b store.DeadLetter) int { return cmp.Compare(a.Offset, b.Offset) })
 	for i, want := range msgs[1:4] {
 		d := dls[i]
 		require.Equal(t, dedup.KindPermanent, d.Kind)
@@ -166,11 +167,11 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	y1, y2, y3 := consumertest.Event("y", 1), renamed("y", 2), renamed("y", 3)
 	publish(t, k.brokers, k.topic, messages(t, []eventline.Event{x1, x2, x3, y1, y2, y3})...)
 	r := start(t, first)
-	store, err := dedup.NewDeadLetterStore(k.Schema)
+	st, err := store.New(k.Schema)
 	require.NoError(t, err)
-	var dls []dedup.DeadLetter
+	var dls []store.DeadLetter
 	eventually(t, 60*time.Second, func() bool {
-		dls, err = store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group})
+		dls, err = st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
 		require.NoError(t, err)
 		return len(dls) == 3 && len(k.Effects(t, group)) == 2
 	}, "x2 (retries exhausted) and y2, y3 (unknown type) dead-lettered; x1, y1 applied")
@@ -178,7 +179,7 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	// Different aggregates' lanes, and a batch's members rejected before
 	// its transaction, dead-letter concurrently: rows come in any order
 	// (replay orders them by aggregate and version).
-	slices.SortFunc(dls, func(a, b dedup.DeadLetter) int {
+	slices.SortFunc(dls, func(a, b store.DeadLetter) int {
 		return cmp.Or(cmp.Compare(a.AggregateID, b.AggregateID), cmp.Compare(a.AggregateVersion, b.AggregateVersion))
 	})
 	require.Equal(t, []string{x2.ID, y2.ID, y3.ID}, []string{dls[0].EventID, dls[1].EventID, dls[2].EventID})
@@ -194,24 +195,24 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	require.NoError(t, second.Handle("thing.renamed", handler))
 	r = start(t, second)
 	// Asked to replay y3 alone, the consumer refuses: y2 is still dead.
-	_, err = store.RequestReplay(context.Background(), k.Pool, dedup.DeadLetterFilter{IDs: []int64{dls[2].ID}})
+	_, err = st.RequestReplay(context.Background(), k.Pool, store.DeadLetterFilter{IDs: []int64{dls[2].ID}})
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool {
-		held, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{IDs: []int64{dls[2].ID}})
+		held, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{IDs: []int64{dls[2].ID}})
 		require.NoError(t, err)
-		return len(held) == 1 && held[0].Status == dedup.StatusDead && held[0].ReplayAttempts == 1
+		return len(held) == 1 && held[0].Status == store.StatusDead && held[0].ReplayAttempts == 1
 	}, "y3 is held back behind y2")
-	held, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{IDs: []int64{dls[2].ID}})
+	held, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{IDs: []int64{dls[2].ID}})
 	require.NoError(t, err)
 	require.Contains(t, held[0].LastReplayError, "of the same aggregate is still dead")
 	// `eventline consumer-dlq replay -group replay -all`.
-	_, err = store.RequestReplay(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group})
+	_, err = st.RequestReplay(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == 6 }, "the replays fill the gaps")
 	require.NoError(t, r.stop())
 
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{x1, x2, x3, y1, y2, y3})
-	dls, err = store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group, Statuses: []dedup.DeadLetterStatus{dedup.StatusReplayed}})
+	dls, err = st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group, Statuses: []store.DeadLetterStatus{store.StatusReplayed}})
 	require.NoError(t, err)
 	require.Len(t, dls, 3)
 	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")))
@@ -248,10 +249,10 @@ func TestConsumerRetriesOnTheDocumentedSchedule(t *testing.T) {
 	}))
 	publish(t, k.brokers, k.topic, consumertest.Message(t, consumertest.Event("a", 1)))
 	r := start(t, c)
-	store, err := dedup.NewDeadLetterStore(k.Schema)
+	st, err := store.New(k.Schema)
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool {
-		n, err := store.CountUnresolved(context.Background(), k.Pool, group)
+		n, err := st.CountDeadLetters(context.Background(), k.Pool, group)
 		require.NoError(t, err)
 		return n == 1
 	}, "dead-lettered after the last retry")

@@ -29,6 +29,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
 )
@@ -441,9 +442,9 @@ type hostile struct {
 // event's fault, with the record's bytes kept exactly.
 func checkDeadLetters(t *testing.T, k kenv, group string, want map[int64]hostile) {
 	t.Helper()
-	store, err := dedup.NewDeadLetterStore(k.Schema)
+	st, err := store.New(k.Schema)
 	require.NoError(t, err)
-	dead, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group, Limit: 100_000})
+	dead, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group, Limit: 100_000})
 	require.NoError(t, err)
 	got := map[int64]bool{}
 	for _, d := range dead {
@@ -563,9 +564,9 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 	r := start(t, c)
 	end := int64(len(msgs))
 	eventually(t, 60*time.Second, func() bool { return committedOffset(t, k, group) == end }, "the committed offset reaches the end of the partition (%d)", end)
-	store, err := dedup.NewDeadLetterStore(k.Schema)
+	st, err := store.New(k.Schema)
 	require.NoError(t, err)
-	dead, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group})
+	dead, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, len(wantDead))
 	for _, d := range dead {
@@ -636,9 +637,9 @@ func TestLiesInsideOneBatch(t *testing.T) {
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{x1, x2, x3, y1, reusedOnZ, w1, w2, w3})
 
-	store, err := dedup.NewDeadLetterStore(k.Schema)
+	st, err := store.New(k.Schema)
 	require.NoError(t, err)
-	dead, err := store.List(context.Background(), k.Pool, dedup.DeadLetterFilter{Group: group})
+	dead, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	got := map[int64]string{}
 	for _, d := range dead {

@@ -16,15 +16,14 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 // outageBudget is a retry budget small enough that an outage of a few
@@ -68,7 +67,7 @@ func startProxy(t *testing.T) *faultproxy.Proxy {
 // failureFree checks that nothing was dead-lettered, parked or skipped.
 func failureFree(t *testing.T, k kenv, group string) {
 	t.Helper()
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions"} {
+	for _, table := range []string{"consumer_dead_letters", "parked_events", "skipped_versions"} {
 		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
@@ -138,7 +137,7 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 	eventually(t, 60*time.Second, func() bool {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(2*(1+cfg.MaxRetries)) && time.Since(outageStart) > 4*time.Second
 	}, "the outage outlasts the retry budget")
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, dedup.DeadLetterTable)), "nothing dead-lettered during the outage")
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "consumer_dead_letters")), "nothing dead-lettered during the outage")
 	require.Len(t, k.Effects(t, group), len(aggs), "nothing applied during the outage")
 
 	proxy.Set(faultproxy.Pass)
@@ -206,7 +205,7 @@ func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(1+cfg.MaxRetries)
 	}, "the consumer notices the frozen connection and waits for longer than its retry budget")
 	require.Greater(t, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database"), 0.0)
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, dedup.DeadLetterTable)))
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "consumer_dead_letters")))
 
 	// Connections work again (the frozen host stays frozen).
 	addr.Store(healthy.Addr())
@@ -342,7 +341,11 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 	require.ErrorContains(t, err, cfg.Schema)
 	require.ErrorContains(t, err, "eventline migrate up")
 
-	require.NoError(t, middleware.CheckMigrated(context.Background(), k.Pool, k.Schema), "a migrated schema passes")
+	st, err := store.New(k.Schema)
+	require.NoError(t, err)
+	problem, err := st.Unmigrated(context.Background(), k.Pool)
+	require.NoError(t, err)
+	require.Empty(t, problem, "a migrated schema passes")
 }
 
 // Kafka goes away after a starting consumer found the brokers and before
@@ -479,13 +482,13 @@ func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing
 	publish(t, k.brokers, k.topic, consumertest.Message(t, v2))
 	eventually(t, 60*time.Second, func() bool { return count("late_events") == 1 }, "v2 arrives late")
 	require.NoError(t, r.stop())
-	store, err := versioning.NewStore(k.Schema)
+	st, err := store.New(k.Schema)
 	require.NoError(t, err)
-	late, err := store.ListLate(context.Background(), k.Pool, versioning.LateFilter{Group: group})
+	late, err := st.ListLate(context.Background(), k.Pool, store.LateFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
 	require.Equal(t, v2.ID, late[0].EventID)
-	require.Equal(t, versioning.LateArrived, late[0].Kind)
+	require.Equal(t, store.LateArrived, late[0].Kind)
 	require.Contains(t, late[0].Reason, "park timeout")
 	require.Len(t, k.Effects(t, group), 2, "v2 is held, not applied out of order")
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -206,18 +207,34 @@ func stoppedOnItsOwn(ctx context.Context, err error) error {
 	return fmt.Errorf("eventline consumer: %w", err)
 }
 
-// checkSchema checks that the consumer tables exist
-// (middleware.CheckMigrated). While the database is unavailable it waits
-// for it, backing off like a running consumer in an outage, instead of
-// failing: a consumer started during a database restart or failover starts
-// consuming when the database answers. It returns nil if ctx ends first.
+// checkSchema checks that the consumer tables exist, failing with an
+// error matching middleware.ErrNotMigrated. While the database is
+// unavailable it waits for it, backing off like a running consumer in an
+// outage, instead of failing: a consumer started during a database restart
+// or failover starts consuming when the database answers. It returns nil
+// if ctx ends first.
 func (c *Consumer) checkSchema(ctx context.Context) error {
-	return backoff.Retry(ctx, c.infra, middleware.IsInfrastructure,
+	st, err := store.New(c.cfg.Schema)
+	if err != nil {
+		return err
+	}
+	var problem string
+	err = backoff.Retry(ctx, c.infra, middleware.IsInfrastructure,
 		func(wait time.Duration, err error) {
 			c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
 				"group", c.cfg.Group, "wait", wait, "error", err)
 		},
-		func() error { return middleware.CheckMigrated(ctx, c.db, c.cfg.Schema) })
+		func() (err error) {
+			problem, err = st.Unmigrated(ctx, c.db)
+			return err
+		})
+	switch {
+	case err != nil:
+		return err
+	case problem != "":
+		return fmt.Errorf("%w: %s", middleware.ErrNotMigrated, problem)
+	}
+	return nil
 }
 
 // waitForKafka connects to the brokers. While none answers it waits,

@@ -16,8 +16,8 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 // maxAttempts bounds how often one delivery is tried when the handler
@@ -61,11 +61,11 @@ func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, err
 	if err := env.reset(ctx); err != nil {
 		return nil, err
 	}
-	store, err := versioning.NewStore(env.name)
+	st, err := store.New(env.name)
 	if err != nil {
 		return nil, err
 	}
-	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s), store: store}
+	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s), store: st}
 	r := &result{}
 	err = sim.run(ctx)
 	r.trace = sim.trace
@@ -89,7 +89,7 @@ type sim struct {
 	s      schedule
 	rng    *rand.Rand
 	inject *injector
-	store  *versioning.Store // to read what is still parked
+	store  *store.Store // to read what is still parked
 
 	mu        sync.Mutex
 	trace     []string
@@ -367,7 +367,7 @@ func (s *sim) run(ctx context.Context) error {
 			return err
 		}
 	}
-	parked, err := s.store.ListParked(ctx, s.env.pool, versioning.ParkedFilter{Group: s.Group})
+	parked, err := s.store.ListParked(ctx, s.env.pool, store.ParkedFilter{Group: s.Group})
 	if err != nil {
 		return fmt.Errorf("eventlinetest: list parked events: %w", err)
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -75,7 +76,7 @@ func TestReleaseUnderAnUnknownHandlerFailsWithErrNoHandler(t *testing.T) {
 
 	msg, err := eventline.Encode(eventline.Event{Type: "thing.changed", AggregateType: "thing", AggregateID: "1", AggregateVersion: 2, Payload: []byte(`{}`)})
 	require.NoError(t, err)
-	p := versioning.Parked{Group: "g", AggregateType: "thing", AggregateID: "1", Version: 2, EventID: msg.UUID, EventType: "thing.changed",
+	p := store.Parked{Group: "g", AggregateType: "thing", AggregateID: "1", Version: 2, EventID: msg.UUID, EventType: "thing.changed",
 		Handler: "things-handler", Topic: "things", Payload: msg.Payload, Metadata: msg.Metadata}
 	tx, err := env.Pool.Begin(ctx)
 	require.NoError(t, err)

@@ -15,7 +15,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/delivery"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // outcome is how one attempt at a batch transaction ended.
@@ -105,7 +105,7 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) at
 	// BEGIN and every admission in one round trip, in lock order.
 	pb := &pgx.Batch{}
 	pb.BeginTx(el.cfg.TxOptions)
-	results := make([]func(context.Context, versioning.DBTX) (versioning.Admission, error), len(items))
+	results := make([]func(context.Context, store.DBTX) (store.Admission, error), len(items))
 	for _, i := range admissionOrder(events) {
 		results[i] = g.queueAdmission(pb, items[i].Event)
 	}
@@ -119,7 +119,7 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) at
 		rollback(ctx, tx)
 		return attempt{outcome: unavailable, err: fmt.Errorf("eventline: begin batch transaction: %w", err)}
 	}
-	admissions := make([]versioning.Admission, len(items))
+	admissions := make([]store.Admission, len(items))
 	for i, res := range results {
 		if admissions[i], err = res(bctx, tx); err != nil {
 			rollback(ctx, tx)
@@ -173,7 +173,7 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) at
 // recovering a panic as recoverPanics would. It returns the
 // context the hooks were registered on (canceled by then: only its values
 // are used afterwards).
-func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, tx pgx.Tx, a versioning.Admission) (out []*message.Message, ictx context.Context, err error) {
+func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, tx pgx.Tx, a store.Admission) (out []*message.Message, ictx context.Context, err error) {
 	orig := it.Msg.Context()
 	// The member's context, ended with the batch's (its deadline too).
 	mctx, cancel := context.WithCancel(orig)
@@ -223,7 +223,7 @@ func admissionOrder(events []eventline.Event) []int {
 // earlier member of the same aggregate was not "quiet" (it will park, or
 // drain parked successors, or anything else than applying with nothing
 // parked or being a duplicate). 0 means no cut.
-func cutAt(items []*delivery.Arrival, admissions []versioning.Admission) int {
+func cutAt(items []*delivery.Arrival, admissions []store.Admission) int {
 	type key struct{ typ, id string }
 	quiet := map[key]bool{}
 	for i, it := range items {
@@ -236,7 +236,7 @@ func cutAt(items []*delivery.Arrival, admissions []versioning.Admission) int {
 			return i
 		}
 		a := admissions[i]
-		quiet[k] = (!seen || q) && (a.Verdict == versioning.Duplicate || (a.Verdict == versioning.Next && a.Parked == 0))
+		quiet[k] = (!seen || q) && (a.Verdict == store.Duplicate || (a.Verdict == store.Next && a.Parked == 0))
 	}
 	return 0
 }

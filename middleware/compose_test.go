@@ -23,6 +23,7 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -173,7 +174,7 @@ func TestAddHandlerComposesTheSafeChainInOneCall(t *testing.T) {
 	}
 	require.Equal(t, map[string]int{ok1.ID: 1, fl.ID: 1, ok2.ID: 1}, got)
 	require.EqualValues(t, 3, flaky.Load(), "two failures, then success")
-	dls, err := el.DeadLetterStore().List(context.Background(), env.Pool, dedup.DeadLetterFilter{Group: group})
+	dls, err := el.DeadLetterStore().ListDeadLetters(context.Background(), env.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dls, 1)
 	require.Equal(t, bad.ID, dls[0].EventID)

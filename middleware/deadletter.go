@@ -16,8 +16,8 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/tracing"
-	"github.com/eventline/eventline/versioning"
 )
 
 // Metadata keys set on the copy of a dead letter published to
@@ -64,18 +64,10 @@ const (
 // dedup.KindFailed. With Config.DeadLetterTopic it also publishes a copy,
 // best effort, with the DeadLetter* metadata keys.
 type deadLetter struct {
-	db    versioning.DBTX
+	db    store.DBTX
 	cfg   *Config
-	store *dedup.DeadLetterStore
+	store *store.Store
 	tr    *tracing.Tracer // nil: tracing off
-}
-
-func newDeadLetter(db versioning.DBTX, cfg *Config, tr *tracing.Tracer) (*deadLetter, error) {
-	store, err := dedup.NewDeadLetterStore(cfg.Schema)
-	if err != nil {
-		return nil, err
-	}
-	return &deadLetter{db: db, cfg: cfg, store: store, tr: tr}, nil
 }
 
 // middleware returns the dead-letter middleware around h.
@@ -107,7 +99,7 @@ func (d *deadLetter) middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 // traceWrite is write inside a "dead_letter" span when tracing is on.
-func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
+func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec store.DeadLetter) (int64, error) {
 	if d.tr == nil {
 		return d.write(ctx, msg, rec)
 	}
@@ -129,10 +121,10 @@ func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec d
 const writeTimeout = 30 * time.Second
 
 // write stores rec, retrying until it succeeds or ctx ends.
-func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
+func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec store.DeadLetter) (int64, error) {
 	for attempt := 1; ; attempt++ {
 		wctx, cancel := context.WithTimeout(ctx, writeTimeout)
-		id, err := d.store.Add(wctx, d.db, rec)
+		id, err := d.store.AddDeadLetter(wctx, d.db, rec)
 		cancel()
 		if err == nil {
 			if attempt > 1 {
@@ -158,7 +150,7 @@ func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec dedup.
 
 // publishCopy publishes the dead letter to the dead-letter topic, best
 // effort.
-func (d *deadLetter) publishCopy(ctx context.Context, msg *message.Message, rec dedup.DeadLetter, id int64) {
+func (d *deadLetter) publishCopy(ctx context.Context, msg *message.Message, rec store.DeadLetter, id int64) {
 	if d.cfg.DeadLetterPublisher == nil {
 		return
 	}
@@ -204,9 +196,9 @@ func truncate(s string, n int) string {
 }
 
 // record builds the dead letter of msg.
-func (d *deadLetter) record(ctx context.Context, msg *message.Message, err error) dedup.DeadLetter {
+func (d *deadLetter) record(ctx context.Context, msg *message.Message, err error) store.DeadLetter {
 	src := delivery.SourceOf(ctx)
-	rec := dedup.DeadLetter{
+	rec := store.DeadLetter{
 		Group: d.cfg.Group, Topic: src.Topic, Handler: src.Handler,
 		FromKafka: src.FromKafka, Partition: src.Partition, Offset: src.Offset, Key: src.Key,
 		MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: maps.Clone(map[string]string(msg.Metadata)),

@@ -16,6 +16,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
 )
@@ -49,7 +50,7 @@ func TestDeadLetterKeepsAnyMessageByteForByte(t *testing.T) {
 	require.NoError(t, err, "the message is acknowledged once its dead letter is written")
 	require.Empty(t, out)
 
-	list, err := dl.DeadLetterStore().List(context.Background(), env.Pool, dedup.DeadLetterFilter{Group: group})
+	list, err := dl.DeadLetterStore().ListDeadLetters(context.Background(), env.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, list, 1)
 	d := list[0]
@@ -61,7 +62,7 @@ func TestDeadLetterKeepsAnyMessageByteForByte(t *testing.T) {
 	require.Equal(t, "order", d.AggregateType)
 	require.Equal(t, "o-1", d.AggregateID)
 	require.EqualValues(t, 7, d.AggregateVersion)
-	require.Equal(t, dedup.StatusDead, d.Status)
+	require.Equal(t, store.StatusDead, d.Status)
 	rebuilt := d.Message()
 	require.Equal(t, msg.UUID, rebuilt.UUID)
 	require.Equal(t, want, map[string]string(rebuilt.Metadata))
@@ -96,7 +97,7 @@ func TestDeadLetterIsNeverAcknowledgedWithoutItsRow(t *testing.T) {
 	_, err = dl.DeadLetters(failWith(errors.New("handler bug")))(msg)
 	require.NoError(t, err)
 	require.Equal(t, ms(250, 500, 1000), c.recorded())
-	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+sqlident.Qualify(schema, dedup.DeadLetterTable)+` WHERE kind = 'failed'`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+sqlident.Qualify(schema, "consumer_dead_letters")+` WHERE kind = 'failed'`))
 
 	// Shutdown while the write keeps failing: not acknowledged.
 	ctx, cancel := context.WithCancel(context.Background())
@@ -130,6 +131,6 @@ func TestDeadLetterLeavesOutagesShutdownsAndBadChainsUnacknowledged(t *testing.T
 	msg.SetContext(ctx)
 	_, err = dl.DeadLetters(failWith(errors.New("retry cut short")))(msg)
 	require.Error(t, err, "a message whose context ended (shutdown) is not dead-lettered")
-	require.Equal(t, 0, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, dedup.DeadLetterTable)))
+	require.Equal(t, 0, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "consumer_dead_letters")))
 
 }

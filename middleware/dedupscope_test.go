@@ -64,11 +64,13 @@ func TestCheckMigratedWantsDedupRecordsKeyedByAggregate(t *testing.T) {
 	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
 	ctx := context.Background()
 	cfg := migrations.Config{Schema: env.Schema}
-	require.NoError(t, middleware.CheckMigrated(ctx, env.Pool, env.Schema))
+	el, err := middleware.New(env.Pool, middleware.Config{Group: "g", Schema: env.Schema, Logger: quiet()})
+	require.NoError(t, err)
+	require.NoError(t, el.CheckMigrated(ctx))
 	require.NoError(t, migrations.Down(ctx, env.Pool, cfg, 1))
-	err := middleware.CheckMigrated(ctx, env.Pool, env.Schema)
+	err = el.CheckMigrated(ctx)
 	require.ErrorIs(t, err, middleware.ErrNotMigrated)
 	require.ErrorContains(t, err, "007_dedup_scope")
 	require.NoError(t, migrations.Up(ctx, env.Pool, cfg))
-	require.NoError(t, middleware.CheckMigrated(ctx, env.Pool, env.Schema))
+	require.NoError(t, el.CheckMigrated(ctx))
 }

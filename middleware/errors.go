@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -57,7 +58,7 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &p) ||
 		errors.Is(err, eventline.ErrInvalidEvent) ||
 		errors.Is(err, versioning.ErrUnversioned) ||
-		errors.Is(err, versioning.ErrParkConflict) ||
+		errors.Is(err, store.ErrParkConflict) ||
 		permanentState(err) ||
 		encodeFailure(err)
 }

@@ -4,23 +4,29 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/nilcheck"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/txhooks"
-	"github.com/eventline/eventline/versioning"
 )
 
 // Pool is the database handle the middleware needs: batches that begin
 // transactions for events, and queries and transactions for the sweeper
 // and dead letters. *pgxpool.Pool satisfies it.
 type Pool interface {
-	versioning.Pool
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
@@ -56,7 +62,7 @@ type Eventline struct {
 	db      Pool
 	cfg     Config // defaults filled in, validated
 	gate    *gate
-	sweeper *versioning.Sweeper
+	sweeper *store.Sweeper
 	dl      *deadLetter
 	// hookPanic is reportHookPanic, bound once.
 	hookPanic txhooks.PanicHandler
@@ -74,17 +80,19 @@ func New(db Pool, cfg Config) (*Eventline, error) {
 	if err != nil {
 		return nil, err
 	}
+	st, err := store.New(cfg.Schema)
+	if err != nil {
+		return nil, err
+	}
+	obs, err := newObserver(cfg.TracerProvider, cfg.Propagator, cfg.MeterProvider)
+	if err != nil {
+		return nil, fmt.Errorf("middleware.Config.MeterProvider: %w", err)
+	}
 	el := &Eventline{db: db, cfg: cfg}
 	el.hookPanic = el.reportHookPanic
-	if el.gate, err = newGate(&el.cfg); err != nil {
-		return nil, err
-	}
-	if el.sweeper, err = el.gate.newSweeper(db); err != nil {
-		return nil, err
-	}
-	if el.dl, err = newDeadLetter(db, &el.cfg, el.gate.obs.tr); err != nil {
-		return nil, err
-	}
+	el.gate = &gate{cfg: &el.cfg, check: upcastable(cfg.Upcasters, cfg.Validate), store: st, reg: newRegistry(), obs: obs}
+	el.sweeper = el.gate.newSweeper(db)
+	el.dl = &deadLetter{db: db, cfg: &el.cfg, store: st, tr: obs.tr}
 	return el, nil
 }
 
@@ -119,19 +127,27 @@ func (el *Eventline) Sweep(ctx context.Context) error {
 }
 
 // sweep makes one sweeper pass and counts it.
-func (el *Eventline) sweep(ctx context.Context) (versioning.SweepResult, error) {
+func (el *Eventline) sweep(ctx context.Context) (store.SweepResult, error) {
 	res, err := el.sweeper.Sweep(el.withHookReports(ctx))
 	el.gate.observeSweep(res, err)
 	return res, err
 }
 
-// Run sweeps every SweepInterval until ctx ends, then returns nil: it
-// applies parked events once their missing versions arrived or were given
-// up on, and late events an operator asked to apply. Each pass also
-// replays the group's dead letters whose replay was requested (`eventline
-// consumer-dlq replay`). Run it next to the router (the consumer package
-// does).
+// Run checks that the consumer's schema is migrated, then sweeps every
+// SweepInterval until ctx ends, and returns nil: it applies parked events
+// once their missing versions arrived or were given up on, and late events
+// an operator asked to apply. Each pass also replays the group's dead
+// letters whose replay was requested (`eventline consumer-dlq replay`).
+// Run it next to the router (the consumer package does).
+//
+// A schema without eventline's consumer tables (or before their newest
+// shape) fails at once with an error matching ErrNotMigrated that names
+// the schema and what to run. While the database is unavailable, Run waits
+// for it (on Config.InfraBackoff's schedule) before it checks.
 func (el *Eventline) Run(ctx context.Context) error {
+	if err := el.checkMigrated(ctx); err != nil {
+		return err
+	}
 	ctx = el.withHookReports(ctx)
 	done := make(chan struct{})
 	go func() {
@@ -213,7 +229,7 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 
 // begin opens the event's transaction and admits the event in the same
 // round trip.
-func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, versioning.Admission, error) {
+func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, store.Admission, error) {
 	b := &pgx.Batch{}
 	b.BeginTx(el.cfg.TxOptions)
 	admission := el.gate.queueAdmission(b, e)
@@ -221,16 +237,16 @@ func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, vers
 	tx := br.Tx()
 	err := br.Close()
 	if tx == nil {
-		return nil, versioning.Admission{}, errNoBatchTx
+		return nil, store.Admission{}, errNoBatchTx
 	}
 	if err != nil {
 		rollback(ctx, tx)
-		return nil, versioning.Admission{}, fmt.Errorf("eventline: begin consumer transaction: %w", err)
+		return nil, store.Admission{}, fmt.Errorf("eventline: begin consumer transaction: %w", err)
 	}
 	a, err := admission(ctx, tx)
 	if err != nil {
 		rollback(ctx, tx)
-		return nil, versioning.Admission{}, el.gate.admissionError(ctx, e, err)
+		return nil, store.Admission{}, el.gate.admissionError(ctx, e, err)
 	}
 	return tx, a, nil
 }
@@ -252,23 +268,23 @@ var errNoBatchTx = errors.New("eventline: the consumer pool's SendBatch did not 
 // and advances its aggregate's version. The returned function reads the
 // admission, through the batch's transaction, once the batch results are
 // closed; a duplicate of an unversioned event reads as
-// versioning.Duplicate, an applicable unversioned event as the zero
+// store.Duplicate, an applicable unversioned event as the zero
 // Admission. Both the one-event path and batches admit through it.
-func (g *gate) queueAdmission(b *pgx.Batch, e eventline.Event) func(ctx context.Context, tx versioning.DBTX) (versioning.Admission, error) {
+func (g *gate) queueAdmission(b *pgx.Batch, e eventline.Event) func(ctx context.Context, tx store.DBTX) (store.Admission, error) {
 	if e.AggregateVersion > 0 {
-		p := g.store.QueueAdmit(b, g.cfg.Group, e, g.jumps(e), true)
+		p := g.store.QueueAdmit(b, g.cfg.Group, e, g.jumps(e))
 		return p.Result
 	}
-	p := g.store.Dedup().QueueInsert(b, g.cfg.Group, e, dedup.OutcomeApplied)
-	return func(ctx context.Context, tx versioning.DBTX) (versioning.Admission, error) {
+	p := g.store.QueueRecordProcessed(b, g.cfg.Group, e, dedup.OutcomeApplied)
+	return func(ctx context.Context, tx store.DBTX) (store.Admission, error) {
 		fresh, err := p.Result(ctx, tx)
 		if err != nil {
-			return versioning.Admission{}, err
+			return store.Admission{}, err
 		}
 		if !fresh {
-			return versioning.Admission{Verdict: versioning.Duplicate}, nil
+			return store.Admission{Verdict: store.Duplicate}, nil
 		}
-		return versioning.Admission{}, nil
+		return store.Admission{}, nil
 	}
 }
 
@@ -313,4 +329,27 @@ func (el *Eventline) upcasting(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return h(m)
 	}
+}
+
+// checkMigrated returns an error matching ErrNotMigrated when the schema
+// lacks the consumer tables, waiting while the database is unavailable;
+// nil when they are there or ctx ended first.
+func (el *Eventline) checkMigrated(ctx context.Context) error {
+	var problem string
+	err := backoff.Retry(ctx, el.cfg.InfraBackoff, IsInfrastructure,
+		func(wait time.Duration, err error) {
+			el.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
+				"group", el.cfg.Group, "wait", wait, "error", err)
+		},
+		func() (err error) {
+			problem, err = el.gate.store.Unmigrated(ctx, el.db)
+			return err
+		})
+	switch {
+	case err != nil:
+		return err
+	case problem != "":
+		return fmt.Errorf("%w: %s", ErrNotMigrated, problem)
+	}
+	return nil
 }

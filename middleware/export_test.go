@@ -8,8 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/dedup"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // What the external tests reach of the unexported machinery.
@@ -29,7 +28,7 @@ func CountUnsafeHolds(t interface{ Cleanup(func()) }) *atomic.Int32 {
 var AdmissionOrder = admissionOrder
 
 // SweepResult makes one sweeper pass, as Sweep, and returns what it did.
-func (el *Eventline) SweepResult(ctx context.Context) (versioning.SweepResult, error) {
+func (el *Eventline) SweepResult(ctx context.Context) (store.SweepResult, error) {
 	return el.sweep(ctx)
 }
 
@@ -48,11 +47,11 @@ func (el *Eventline) Chain(name string, h message.HandlerFunc) message.HandlerFu
 	return el.chain(name, el.upcasting(h))
 }
 
-// Store is the gate's store.
-func (el *Eventline) Store() *versioning.Store { return el.gate.store }
+// Store is the gate's st.
+func (el *Eventline) Store() *store.Store { return el.gate.store }
 
-// DeadLetterStore is the dead letters' store.
-func (el *Eventline) DeadLetterStore() *dedup.DeadLetterStore { return el.dl.store }
+// DeadLetterStore is the dead letters' st.
+func (el *Eventline) DeadLetterStore() *store.Store { return el.dl.store }
 
 // Retry returns the retries of a middleware configured with cfg, alone.
 func Retry(cfg Config) (message.HandlerMiddleware, error) {
@@ -66,7 +65,7 @@ func Retry(cfg Config) (message.HandlerMiddleware, error) {
 
 // ApplyParked releases p through the handler registered under p.Handler,
 // as the sweeper does, in the savepoint tx.
-func (el *Eventline) ApplyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked) error {
+func (el *Eventline) ApplyParked(ctx context.Context, tx pgx.Tx, p store.Parked) error {
 	return el.gate.applyParked(ctx, tx, p)
 }
 
@@ -107,3 +106,6 @@ func ExhaustedAttempts(err error) (int, bool) {
 
 // Traced wraps h in the process span, as the chain does outermost.
 func (el *Eventline) Traced(h message.HandlerFunc) message.HandlerFunc { return el.traced(h) }
+
+// CheckMigrated is Run's check of the schema, alone.
+func (el *Eventline) CheckMigrated(ctx context.Context) error { return el.checkMigrated(ctx) }

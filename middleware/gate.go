@@ -12,6 +12,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/versioning"
 )
@@ -23,52 +24,39 @@ import (
 type gate struct {
 	cfg   *Config                                      // the middleware's, defaults filled in
 	check func(context.Context, eventline.Event) error // Config.Validate behind the upcasters
-	store *versioning.Store
+	store *store.Store
 	reg   *registry
 	obs   observer // tracing.go
 }
 
-func newGate(cfg *Config) (*gate, error) {
-	store, err := versioning.NewStore(cfg.Schema)
-	if err != nil {
-		return nil, err
-	}
-	obs, err := newObserver(cfg.TracerProvider, cfg.Propagator, cfg.MeterProvider)
-	if err != nil {
-		return nil, fmt.Errorf("middleware.Config.MeterProvider: %w", err)
-	}
-	return &gate{cfg: cfg, check: upcastable(cfg.Upcasters, cfg.Validate), store: store, reg: newRegistry(), obs: obs}, nil
-}
-
 // newSweeper returns the sweeper of the gate's group, releasing parked
 // events through the registered handlers.
-func (g *gate) newSweeper(db versioning.Pool) (*versioning.Sweeper, error) {
-	return g.store.NewSweeper(db, versioning.SweeperConfig{
+func (g *gate) newSweeper(db store.Pool) *store.Sweeper {
+	return g.store.NewSweeper(db, store.SweeperConfig{
 		Group: g.cfg.Group, ParkTimeout: g.cfg.ParkTimeout, Interval: g.cfg.SweepInterval, Batch: g.cfg.SweepBatch,
 		TxTimeout: sweepTxTimeout(g.cfg.TxTimeout), Logger: g.cfg.Logger,
-		Apply: g.applyParked, Permanent: IsPermanent,
-		MaxReleaseAttempts: g.cfg.MaxReleaseAttempts, ReleaseBackoff: g.cfg.ReleaseBackoff,
+		Release: g.releaseOptions(g.applyParked),
 		OnSweep: g.observeSweep,
 	})
 }
 
 // sweepTxTimeout is the sweeper's bound per aggregate for the
-// middleware's TxTimeout: the same, or the sweeper's default when
-// transactions are unbounded.
+// middleware's TxTimeout: the same, or a minute when transactions are
+// unbounded.
 func sweepTxTimeout(d time.Duration) time.Duration {
 	if d <= 0 {
-		return versioning.DefaultSweepTxTimeout
+		return time.Minute
 	}
 	return d
 }
 
 // releaseOptions are the gate's release limits with apply.
-func (g *gate) releaseOptions(apply versioning.ApplyFunc) versioning.ReleaseOptions {
-	return versioning.ReleaseOptions{Apply: apply, MaxAttempts: g.cfg.MaxReleaseAttempts, Backoff: g.cfg.ReleaseBackoff,
+func (g *gate) releaseOptions(apply store.ApplyFunc) store.ReleaseOptions {
+	return store.ReleaseOptions{Apply: apply, MaxAttempts: g.cfg.MaxReleaseAttempts, Backoff: g.cfg.ReleaseBackoff,
 		Permanent: IsPermanent}
 }
 
-func (g *gate) observeSweep(r versioning.SweepResult, err error) {
+func (g *gate) observeSweep(r store.SweepResult, err error) {
 	m := g.cfg.Metrics
 	m.addReleased(g.cfg.Group, r.Released)
 	m.addReleaseFailures(g.cfg.Group, r.Failed)
@@ -81,14 +69,14 @@ func (g *gate) observeSweep(r versioning.SweepResult, err error) {
 	}
 }
 
-// applyParked is the sweeper's versioning.ApplyFunc: it runs the handler
+// applyParked is the sweeper's store.ApplyFunc: it runs the handler
 // registered for p.Handler with p's message, the savepoint tx and the
 // decoded event in its context (and IsLate for a late event). Hooks the
 // handler registers with AfterCommit run when the sweeper's transaction
 // commits. Messages the handler returns cannot be published from the
 // sweeper and are dropped with a warning; handlers that emit events should
 // write them with the producer's PublishTx through tx.
-func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked) error {
+func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p store.Parked) error {
 	h := g.reg.lookup(p.Handler)
 	if h == nil {
 		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, p.Handler)
@@ -104,7 +92,7 @@ func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p versioning.Parked) 
 // release runs h for a parked or late event in the savepoint tx. The
 // handler's AfterCommit hooks join those of the enclosing transaction when
 // it succeeds, and are dropped when it fails.
-func (g *gate) release(ctx context.Context, tx pgx.Tx, p versioning.Parked, h message.HandlerFunc) (out []*message.Message, err error) {
+func (g *gate) release(ctx context.Context, tx pgx.Tx, p store.Parked, h message.HandlerFunc) (out []*message.Message, err error) {
 	e, err := p.Event()
 	if err != nil {
 		return nil, Permanent(err)

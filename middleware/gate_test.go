@@ -17,6 +17,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -30,7 +31,7 @@ func TestApplyPolicyJumpsAndAuditsTheGap(t *testing.T) {
 	require.NoError(t, f.deliver(t, late))
 	require.Equal(t, []int64{1, 4}, f.versions(t, "a"))
 	require.Equal(t, dedup.OutcomeLate, f.outcome(t, late.UUID), "a skipped version arriving later is held as late")
-	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, versioning.SkippedFilter{Group: group})
+	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, store.SkippedFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, skipped, 1)
 	require.Equal(t, [2]int64{2, 3}, [2]int64{skipped[0].From, skipped[0].To})
@@ -95,7 +96,7 @@ func TestParkConflictIsPermanent(t *testing.T) {
 	require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", 1))))
 	require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", 3))))
 	err := f.deliver(t, consumertest.Message(t, consumertest.Event("a", 3))) // another event id, same version
-	require.ErrorIs(t, err, versioning.ErrParkConflict)
+	require.ErrorIs(t, err, store.ErrParkConflict)
 	require.True(t, middleware.IsPermanent(err))
 }
 
@@ -129,7 +130,7 @@ func TestChainAppliesOnceInOrder(t *testing.T) {
 		versions = append(versions, e.Version)
 	}
 	require.Equal(t, []int64{1, 2, 3}, versions)
-	r, err := el.Store().Dedup().Find(context.Background(), env.Pool, group, m3.UUID)
+	r, err := el.Store().FindProcessed(context.Background(), env.Pool, group, m3.UUID)
 	require.NoError(t, err)
 	require.Len(t, r, 1)
 	require.Equal(t, dedup.OutcomeApplied, r[0].Outcome)
@@ -182,7 +183,7 @@ func TestSweeperUsesTheHandlerTheEventArrivedOn(t *testing.T) {
 	require.NoError(t, router.Close())
 	require.NoError(t, pubsub.Close())
 	require.Equal(t, []string{"a1", "a2", "a3"}, seen["orders"])
-	parked, err := el.Store().ListParked(context.Background(), env.Pool, versioning.ParkedFilter{Group: group})
+	parked, err := el.Store().ListParked(context.Background(), env.Pool, store.ParkedFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, parked, 1)
 	require.Equal(t, "refunds", parked[0].Handler)
@@ -198,7 +199,7 @@ func TestSweeperUsesTheHandlerTheEventArrivedOn(t *testing.T) {
 	res, err := restarted.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Failed, "two handlers wrapped and none known as \"refunds\"")
-	parked, err = el.Store().ListParked(context.Background(), env.Pool, versioning.ParkedFilter{Group: group})
+	parked, err = el.Store().ListParked(context.Background(), env.Pool, store.ParkedFilter{Group: group})
 	require.NoError(t, err)
 	require.Contains(t, parked[0].LastError, "no handler registered")
 

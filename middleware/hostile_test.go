@@ -23,6 +23,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
 )
@@ -146,7 +147,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 		}
 		return nil, f.env.Apply(ctx, tx, group, e)
 	})
-	store := f.el.DeadLetterStore()
+	st := f.el.DeadLetterStore()
 	var run, offset atomic.Int64
 	rapid.Check(t, func(rt *rapid.T) {
 		r := run.Add(1)
@@ -189,14 +190,14 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 				continue
 			}
 			e, derr := eventline.Decode(m)
-			var d *dedup.DeadLetter
+			var d *store.DeadLetter
 			var ids []int64
-			rows, err := f.env.Pool.Query(context.Background(), `SELECT id FROM `+store.Table()+` WHERE consumer_group = $1 AND kafka_offset = $2`, group, off)
+			rows, err := f.env.Pool.Query(context.Background(), `SELECT id FROM `+sqlident.Qualify(f.env.Schema, "consumer_dead_letters")+` WHERE consumer_group = $1 AND kafka_offset = $2`, group, off)
 			require.NoError(rt, err)
 			ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
 			require.NoError(rt, err)
 			if len(ids) > 0 {
-				dead, err := store.List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group, IDs: ids})
+				dead, err := st.ListDeadLetters(context.Background(), f.env.Pool, store.DeadLetterFilter{Group: group, IDs: ids})
 				require.NoError(rt, err)
 				require.Len(rt, dead, 1, "message %d: one dead letter", i)
 				d = &dead[0]
@@ -306,7 +307,7 @@ func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 			require.EqualValues(t, 1, attempts.Load()-before, "one attempt: retrying cannot encode it")
 		}
 	}
-	dead, err := f.el.DeadLetterStore().List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group})
+	dead, err := f.el.DeadLetterStore().ListDeadLetters(context.Background(), f.env.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, 1)
 	require.Equal(t, dedup.KindPermanent, dead[0].Kind, dead[0].Reason)
@@ -340,7 +341,7 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 		require.NoError(t, err)
 		require.Less(t, logged.n.Load()-before, int64(16<<10), "%s: the warning is bounded", field)
 	}
-	dead, err := f.el.DeadLetterStore().List(context.Background(), f.env.Pool, dedup.DeadLetterFilter{Group: group})
+	dead, err := f.el.DeadLetterStore().ListDeadLetters(context.Background(), f.env.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, 3)
 	for _, d := range dead {

@@ -12,6 +12,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -62,11 +63,11 @@ func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
 	require.Equal(t, 1.0, f.metric(t, "eventline_consumer_late_events_total"))
 	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_events_stale_total"))
 
-	held, err := f.el.Store().ListLate(ctx, f.env.Pool, versioning.LateFilter{Group: group})
+	held, err := f.el.Store().ListLate(ctx, f.env.Pool, store.LateFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, held, 1)
 	require.Equal(t, late.UUID, held[0].EventID)
-	require.Equal(t, versioning.LateArrived, held[0].Kind)
+	require.Equal(t, store.LateArrived, held[0].Kind)
 	require.Contains(t, held[0].Reason, "park timeout")
 	require.EqualValues(t, 3, held[0].CurrentVersion)
 	require.Equal(t, []byte(late.Payload), held[0].Payload)
@@ -82,7 +83,7 @@ func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
 	require.Equal(t, dedup.OutcomeLateApplied, f.outcome(t, late.UUID))
 	require.Equal(t, []int64{1, 3, 2}, f.versions(t, "a"))
 	require.Equal(t, 1.0, f.metric(t, "eventline_consumer_late_applied_total"))
-	held, err = f.el.Store().ListLate(ctx, f.env.Pool, versioning.LateFilter{Group: group})
+	held, err = f.el.Store().ListLate(ctx, f.env.Pool, store.LateFilter{Group: group})
 	require.NoError(t, err)
 	require.Empty(t, held)
 	require.NoError(t, f.deliver(t, late))
@@ -164,7 +165,7 @@ func TestSparseVersionsFollowTheirPredecessor(t *testing.T) {
 	require.NoError(t, f.deliver(t, sparse(9, 5)), "follows v5: applies, and v20 drains after it")
 	require.Equal(t, []int64{1, 5, 9, 20}, f.versions(t, "a"))
 	require.Equal(t, 0, f.count(t, "parked_events"))
-	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, versioning.SkippedFilter{Group: group})
+	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, store.SkippedFilter{Group: group})
 	require.NoError(t, err)
 	require.Empty(t, skipped, "nothing was missing")
 }
@@ -182,10 +183,10 @@ func TestParkedEventPassedByAJumpIsHeldAsLate(t *testing.T) {
 	require.NoError(t, f.deliver(t, consumertest.Message(t, jump)))
 	require.Equal(t, []int64{1, 5}, f.versions(t, "a"))
 	require.Equal(t, 0, f.count(t, "parked_events"))
-	late, err := f.el.Store().ListLate(context.Background(), f.env.Pool, versioning.LateFilter{Group: group})
+	late, err := f.el.Store().ListLate(context.Background(), f.env.Pool, store.LateFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
 	require.Equal(t, parked.UUID, late[0].EventID)
-	require.Equal(t, versioning.LateArrived, late[0].Kind, "its version is in the jump's skipped range")
+	require.Equal(t, store.LateArrived, late[0].Kind, "its version is in the jump's skipped range")
 	require.Equal(t, dedup.OutcomeLate, f.outcome(t, parked.UUID))
 }

@@ -3,7 +3,7 @@ package middleware
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // gapDurationBuckets are the buckets (seconds) of
@@ -30,7 +30,7 @@ func (g gapMetrics) collectors() []prometheus.Collector {
 
 // observeGapsClosed records closed gaps; call it after their transaction
 // committed.
-func (m *Metrics) observeGapsClosed(group string, gaps []versioning.ClosedGap) {
+func (m *Metrics) observeGapsClosed(group string, gaps []store.ClosedGap) {
 	if m == nil {
 		return
 	}

@@ -21,8 +21,8 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 func TestMain(m *testing.M) {
@@ -130,7 +130,7 @@ func (f *fixture) versions(t *testing.T, aggregateID string) []int64 {
 
 func (f *fixture) outcome(t *testing.T, eventID string) dedup.Outcome {
 	t.Helper()
-	r, err := f.el.Store().Dedup().Find(context.Background(), f.env.Pool, group, eventID)
+	r, err := f.el.Store().FindProcessed(context.Background(), f.env.Pool, group, eventID)
 	require.NoError(t, err)
 	require.Len(t, r, 1, "one record of event %s", eventID)
 	return r[0].Outcome
@@ -255,7 +255,7 @@ func TestFailedDrainStopsAndTheSweeperRetries(t *testing.T) {
 	require.NoError(t, f.deliver(t, m[2]), "v2 itself commits even though draining v3 fails")
 	require.Equal(t, []int64{1, 2}, f.versions(t, "a"))
 
-	parked, err := f.el.Store().ListParked(context.Background(), f.env.Pool, versioning.ParkedFilter{Group: group})
+	parked, err := f.el.Store().ListParked(context.Background(), f.env.Pool, store.ParkedFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, parked, 2)
 	require.EqualValues(t, 3, parked[0].Version)
@@ -292,7 +292,7 @@ func TestSweeperSkipsGapsAfterParkTimeout(t *testing.T) {
 	require.Equal(t, 3, res.Released)
 	require.Equal(t, []int64{1, 3, 5, 6}, f.versions(t, "a"))
 
-	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, versioning.SkippedFilter{Group: group})
+	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, store.SkippedFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, skipped, 2)
 	require.Equal(t, [2]int64{2, 2}, [2]int64{skipped[0].From, skipped[0].To})
@@ -340,13 +340,13 @@ func TestReleaseGapThenSweeperApplies(t *testing.T) {
 	require.Zero(t, res.GapsSkipped, "the gap before v7 has not timed out")
 	require.Equal(t, []int64{1, 4, 5}, f.versions(t, "a"))
 
-	skipped, err := f.el.Store().ListSkipped(ctx, f.env.Pool, versioning.SkippedFilter{Group: group, AggregateID: "a"})
+	skipped, err := f.el.Store().ListSkipped(ctx, f.env.Pool, store.SkippedFilter{Group: group, AggregateID: "a"})
 	require.NoError(t, err)
 	require.Len(t, skipped, 1)
 	require.Contains(t, skipped[0].Reason, "released by operator: v2 and v3 were lost upstream")
 
 	_, err = f.el.Store().ReleaseGap(ctx, f.env.Pool, group, "thing", "nope", "x")
-	require.ErrorIs(t, err, versioning.ErrNothingParked)
+	require.ErrorIs(t, err, store.ErrNothingParked)
 	_, err = f.el.Store().ReleaseGap(ctx, f.env.Pool, group, "thing", "a", " ")
 	require.ErrorContains(t, err, "reason is empty")
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -281,13 +282,13 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 			break
 		}
 	}
-	store := finalEl.Store()
-	held := checkHeld(rt, env, store, group, delivered, late)
+	st := finalEl.Store()
+	held := checkHeld(rt, env, st, group, delivered, late)
 
 	// The operator applies every held late event (again, while a handler
 	// keeps failing and its request is dropped after the attempt limit).
 	for i := 0; i < 50; i++ {
-		list, err := store.ListLate(ctx, env.Pool, versioning.LateFilter{Group: group, Limit: 1000})
+		list, err := st.ListLate(ctx, env.Pool, store.LateFilter{Group: group, Limit: 1000})
 		require.NoError(rt, err)
 		if len(list) == 0 {
 			break
@@ -296,7 +297,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 		for _, l := range list {
 			ids = append(ids, l.EventID)
 		}
-		_, err = store.RequestLateApply(ctx, env.Pool, group, ids...)
+		_, err = st.RequestLateApply(ctx, env.Pool, group, ids...)
 		require.NoError(rt, err)
 		_, err = finalEl.SweepResult(ctx)
 		require.NoError(rt, err)
@@ -304,7 +305,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	for id := range held {
 		require.Equal(rt, 1, late.get(id), "held late event %s applied once on the operator's request", id)
 	}
-	checkInvariants(rt, env, store, group, chain, delivered, hooks, late)
+	checkInvariants(rt, env, st, group, chain, delivered, hooks, late)
 }
 
 // deliver runs ops through h, alone when there is one, else concurrently
@@ -352,9 +353,9 @@ func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op,
 // checkHeld checks the events held as late after the final sweep: each is
 // a delivered event whose version was skipped, with outcome late, not yet
 // applied. It returns their ids.
-func checkHeld(rt *rapid.T, env consumertest.Env, store *versioning.Store, group string, delivered map[string][]eventline.Event, late *counts) map[string]bool {
+func checkHeld(rt *rapid.T, env consumertest.Env, st *store.Store, group string, delivered map[string][]eventline.Event, late *counts) map[string]bool {
 	ctx := context.Background()
-	list, err := store.ListLate(ctx, env.Pool, versioning.LateFilter{Group: group, Limit: 1000})
+	list, err := st.ListLate(ctx, env.Pool, store.LateFilter{Group: group, Limit: 1000})
 	require.NoError(rt, err)
 	byID := map[string]eventline.Event{}
 	for _, evs := range delivered {
@@ -368,7 +369,7 @@ func checkHeld(rt *rapid.T, env consumertest.Env, store *versioning.Store, group
 		require.True(rt, ok, "late event %s was delivered", l.EventID)
 		require.Equal(rt, e.AggregateVersion, l.Version)
 		require.Zero(rt, late.get(l.EventID), "a held late event has not been applied")
-		r, err := store.Dedup().Get(ctx, env.Pool, l.DedupKey())
+		r, err := st.Processed(ctx, env.Pool, l.RecordKey())
 		require.NoError(rt, err)
 		require.Equal(rt, dedup.OutcomeLate, r.Outcome)
 		held[l.EventID] = true
@@ -376,7 +377,7 @@ func checkHeld(rt *rapid.T, env consumertest.Env, store *versioning.Store, group
 	return held
 }
 
-func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store, group string, chain map[string][]int64,
+func checkInvariants(rt *rapid.T, env consumertest.Env, st *store.Store, group string, chain map[string][]int64,
 	delivered map[string][]eventline.Event, hooks, late *counts) {
 	ctx := context.Background()
 	effects := env.Effects(rt, group)
@@ -392,16 +393,16 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 		}
 		applied[e.AggregateID] = append(vs, e.Version)
 	}
-	parked, err := store.ListParked(ctx, env.Pool, versioning.ParkedFilter{Group: group})
+	parked, err := st.ListParked(ctx, env.Pool, store.ParkedFilter{Group: group})
 	require.NoError(rt, err)
 	require.Empty(rt, parked, "nothing stays parked after the final sweep")
-	held, err := store.ListLate(ctx, env.Pool, versioning.LateFilter{Group: group})
+	held, err := st.ListLate(ctx, env.Pool, store.LateFilter{Group: group})
 	require.NoError(rt, err)
 	require.Empty(rt, held, "the operator applied every late event")
 
 	for id, evs := range delivered {
-		k := versioning.Key{Group: group, AggregateType: "thing", AggregateID: id}
-		current, err := store.Current(ctx, env.Pool, k)
+		k := store.Key{Group: group, AggregateType: "thing", AggregateID: id}
+		current, err := st.Current(ctx, env.Pool, k)
 		require.NoError(rt, err)
 		maxDelivered := evs[len(evs)-1].AggregateVersion
 		require.Equal(rt, maxDelivered, current, "aggregate %s ends at its highest delivered version", id)
@@ -419,7 +420,7 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 
 		// Versions the producer used, up to current: each applied in order
 		// or skipped, exactly once; no applied version is skipped.
-		skipped, err := store.ListSkipped(ctx, env.Pool, versioning.SkippedFilter{Group: group, AggregateID: id, Limit: 1000})
+		skipped, err := st.ListSkipped(ctx, env.Pool, store.SkippedFilter{Group: group, AggregateID: id, Limit: 1000})
 		require.NoError(rt, err)
 		covered := map[int64]string{}
 		for _, v := range applied[id] {
@@ -440,7 +441,7 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 		// Every delivered event: applied in order once, or late (its
 		// version skipped) and applied late once.
 		for _, e := range evs {
-			r, err := store.Dedup().Get(ctx, env.Pool, dedup.KeyOf(group, e))
+			r, err := st.Processed(ctx, env.Pool, store.RecordKeyOf(group, e))
 			require.NoError(rt, err)
 			if times[e.ID] == 1 {
 				require.Equal(rt, dedup.OutcomeApplied, r.Outcome)

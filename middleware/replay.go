@@ -8,8 +8,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -35,7 +35,7 @@ type replayResult struct {
 
 // replayDeadLetters makes one pass over the group's dead letters whose
 // replay was requested (`eventline consumer-dlq replay`,
-// dedup.DeadLetterStore.RequestReplay). It claims them (rows another
+// store.Store.RequestReplay). It claims them (rows another
 // replayer holds are skipped) and runs each, in order (per aggregate by
 // version, then as the records arrived), through the eventline middleware
 // and the handler registered under the dead letter's handler name, once,
@@ -64,7 +64,7 @@ func (el *Eventline) replayDeadLetters(ctx context.Context) (replayResult, error
 
 func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 	var res replayResult
-	store := el.dl.store
+	dls := el.dl.store
 	// Each statement of the claim transaction is bounded, so a database
 	// that stops answering ends the pass instead of hanging it.
 	bounded := func(f func(ctx context.Context) error) error {
@@ -77,9 +77,9 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 		return res, err
 	}
 	defer rollback(ctx, tx)
-	var dls []dedup.DeadLetter
+	var claimed []store.DeadLetter
 	if err := bounded(func(ctx context.Context) (err error) {
-		dls, err = store.ClaimReplays(ctx, tx, el.cfg.Group, replayBatch)
+		claimed, err = dls.ClaimReplays(ctx, tx, el.cfg.Group, replayBatch)
 		return err
 	}); err != nil {
 		return res, err
@@ -87,12 +87,12 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 	fail := func(id int64, why string) error {
 		res.Failed++
 		el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
-		return bounded(func(ctx context.Context) error { return store.MarkReplayFailed(ctx, tx, id, why) })
+		return bounded(func(ctx context.Context) error { return dls.MarkReplayFailed(ctx, tx, id, why) })
 	}
 	var stop error
-	failed := map[versioning.Key]int64{}
-	for _, d := range dls {
-		k := versioning.Key{Group: d.Group, AggregateType: d.AggregateType, AggregateID: d.AggregateID}
+	failed := map[store.Key]int64{}
+	for _, d := range claimed {
+		k := store.Key{Group: d.Group, AggregateType: d.AggregateType, AggregateID: d.AggregateID}
 		if k.AggregateID == "" {
 			k.AggregateID = fmt.Sprintf("dead letter %d", d.ID) // unrelated to any other
 		}
@@ -102,9 +102,9 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 			}
 			continue
 		}
-		var earlier dedup.DeadLetter
+		var earlier store.DeadLetter
 		var found bool
-		if err := bounded(func(ctx context.Context) (err error) { earlier, found, err = store.EarlierDead(ctx, tx, d); return err }); err != nil {
+		if err := bounded(func(ctx context.Context) (err error) { earlier, found, err = dls.EarlierDead(ctx, tx, d); return err }); err != nil {
 			return res, err
 		}
 		if found {
@@ -117,7 +117,7 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 		}
 		rerr := el.replay(ctx, d)
 		if rerr == nil {
-			if err := bounded(func(ctx context.Context) error { return store.MarkReplayed(ctx, tx, d.ID) }); err != nil {
+			if err := bounded(func(ctx context.Context) error { return dls.MarkReplayed(ctx, tx, d.ID) }); err != nil {
 				return res, err
 			}
 			res.Replayed++
@@ -143,7 +143,7 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 
 // replay runs one dead letter through the eventline middleware and its
 // handler.
-func (el *Eventline) replay(ctx context.Context, d dedup.DeadLetter) error {
+func (el *Eventline) replay(ctx context.Context, d store.DeadLetter) error {
 	h := el.gate.reg.lookup(d.Handler)
 	if h == nil {
 		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, d.Handler)

@@ -12,8 +12,8 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
@@ -31,10 +31,10 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 		}
 		return nil, env.Apply(msg.Context(), tx, group, e)
 	})
-	store := el.DeadLetterStore()
+	st := el.DeadLetterStore()
 	add := func(e eventline.Event, offset int64) int64 {
 		msg := consumertest.Message(t, e)
-		id, err := store.Add(ctx, env.Pool, dedup.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
+		id, err := st.AddDeadLetter(ctx, env.Pool, store.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
 			MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata, EventID: e.ID, EventType: e.Type,
 			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Kind: dedup.KindRetriesExhausted, Reason: "r"})
 		require.NoError(t, err)
@@ -42,18 +42,18 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	}
 	x1, x2, y1 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("y", 1)
 	idX2, idX1, idY1 := add(x2, 5), add(x1, 3), add(y1, 4) // x2 died first: the replay still goes by version
-	again, err := store.Add(ctx, env.Pool, dedup.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: 5,
+	again, err := st.AddDeadLetter(ctx, env.Pool, store.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: 5,
 		MessageUUID: x2.ID, Kind: dedup.KindPermanent, Reason: "died again"})
 	require.NoError(t, err)
 	require.Equal(t, idX2, again, "the same record dead-lettered again re-opens its row")
 
-	ids, err := store.RequestReplay(ctx, env.Pool, dedup.DeadLetterFilter{Group: group})
+	ids, err := st.RequestReplay(ctx, env.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.ElementsMatch(t, []int64{idX1, idX2, idY1}, ids)
 	res, err := el.ReplayDeadLetters(ctx)
 	require.NoError(t, err)
 	require.Equal(t, middleware.ReplayResult{Replayed: 1, Failed: 2}, res)
-	dead, err := store.List(ctx, env.Pool, dedup.DeadLetterFilter{Group: group, IDs: []int64{idX1, idX2}})
+	dead, err := st.ListDeadLetters(ctx, env.Pool, store.DeadLetterFilter{Group: group, IDs: []int64{idX1, idX2}})
 	require.NoError(t, err)
 	require.Len(t, dead, 2)
 	require.Equal(t, idX2, dead[0].ID)
@@ -63,7 +63,7 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	require.Equal(t, 2, dead[0].Times)
 
 	broken = false
-	_, err = store.RequestReplay(ctx, env.Pool, dedup.DeadLetterFilter{AggregateType: "thing", AggregateID: "x"})
+	_, err = st.RequestReplay(ctx, env.Pool, store.DeadLetterFilter{AggregateType: "thing", AggregateID: "x"})
 	require.NoError(t, err)
 	res, err = el.ReplayDeadLetters(ctx)
 	require.NoError(t, err)
@@ -77,9 +77,9 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	require.Equal(t, []int64{1, 2}, order)
 
 	// Nothing left to replay; discarding needs a reason.
-	_, err = store.RequestReplay(ctx, env.Pool, dedup.DeadLetterFilter{Group: group})
-	require.ErrorIs(t, err, dedup.ErrNoDeadLetters)
-	_, err = store.Discard(ctx, env.Pool, dedup.DeadLetterFilter{IDs: []int64{idY1}}, " ")
+	_, err = st.RequestReplay(ctx, env.Pool, store.DeadLetterFilter{Group: group})
+	require.ErrorIs(t, err, store.ErrNoDeadLetters)
+	_, err = st.DiscardDeadLetters(ctx, env.Pool, store.DeadLetterFilter{IDs: []int64{idY1}}, " ")
 	require.Error(t, err)
 }
 
@@ -97,12 +97,12 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	f := newFixture(t, middleware.Config{})
 	log := &lateLog{calls: map[string][]bool{}}
 	f.observe = log.observe
-	store := f.el.DeadLetterStore()
+	st := f.el.DeadLetterStore()
 	offset := int64(0)
 	dead := func(e eventline.Event) int64 {
 		msg := consumertest.Message(t, e)
 		offset++
-		id, err := store.Add(ctx, f.env.Pool, dedup.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
+		id, err := st.AddDeadLetter(ctx, f.env.Pool, store.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
 			MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata, EventID: e.ID, EventType: e.Type,
 			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Kind: dedup.KindRetriesExhausted, Reason: "r"})
 		require.NoError(t, err)
@@ -127,17 +127,17 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	dead(a2)
 	dead(b5)
 	dead(c2)
-	_, err := store.RequestReplay(ctx, f.env.Pool, dedup.DeadLetterFilter{Group: group})
+	_, err := st.RequestReplay(ctx, f.env.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	res, err := f.el.ReplayDeadLetters(ctx)
 	require.NoError(t, err)
 	require.Equal(t, middleware.ReplayResult{Replayed: 3}, res)
 
-	held, err := f.el.Store().ListLate(ctx, f.env.Pool, versioning.LateFilter{Group: group})
+	held, err := f.el.Store().ListLate(ctx, f.env.Pool, store.LateFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, held, 2, "both conflicts are held, the duplicate is not")
 	require.Equal(t, a2.ID, held[0].EventID)
-	require.Equal(t, versioning.LatePassed, held[0].Kind)
+	require.Equal(t, store.LatePassed, held[0].Kind)
 	require.Equal(t, "version_conflict: version 2 was applied by event "+taker.ID, held[0].Reason)
 	require.EqualValues(t, 2, held[0].CurrentVersion)
 	require.Equal(t, b5.ID, held[1].EventID)

@@ -11,9 +11,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -71,7 +71,7 @@ func TestUpcastInsideTheSafeChain(t *testing.T) {
 	_, err = chain(ev(3, 3, `{"n":3}`))
 	require.NoError(t, err, "the chain dead-letters what it cannot upcast and acknowledges it")
 	require.Len(t, seen, 2, "the handler never sees a version it cannot read")
-	dead, err := el.DeadLetterStore().List(context.Background(), env.Pool, dedup.DeadLetterFilter{Group: group})
+	dead, err := el.DeadLetterStore().ListDeadLetters(context.Background(), env.Pool, store.DeadLetterFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, 1)
 	require.EqualValues(t, 3, dead[0].AggregateVersion)

@@ -13,8 +13,8 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 // TestUpcastRunsWhenTheEventIsHandled checks the Router path: with
@@ -63,7 +63,7 @@ func TestUpcastRunsWhenTheEventIsHandled(t *testing.T) {
 	v2 := ev(2, 1, `{"n":2}`)
 	_, err = h(v2)
 	require.NoError(t, err)
-	parked, err := el.Store().ListParked(context.Background(), env.Pool, versioning.ParkedFilter{Group: group})
+	parked, err := el.Store().ListParked(context.Background(), env.Pool, store.ParkedFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, parked, 1)
 	require.JSONEq(t, `{"n":2}`, string(parked[0].Payload), "parked as written")

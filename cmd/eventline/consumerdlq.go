@@ -13,7 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/store"
 )
 
 func init() {
@@ -75,7 +75,7 @@ type binaryHeader struct {
 
 func isText(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
 
-func consumerDeadLetterToJSON(d dedup.DeadLetter) consumerDeadLetterJSON {
+func consumerDeadLetterToJSON(d store.DeadLetter) consumerDeadLetterJSON {
 	j := consumerDeadLetterJSON{
 		ID: d.ID, Group: d.Group, Topic: d.Topic, Handler: d.Handler, EventID: d.EventID, EventType: d.EventType,
 		AggregateType: d.AggregateType, AggregateID: d.AggregateID, AggregateVersion: d.AggregateVersion,
@@ -108,13 +108,13 @@ func consumerDeadLetterToJSON(d dedup.DeadLetter) consumerDeadLetterJSON {
 	return j
 }
 
-var consumerDLQStatuses = map[string][]dedup.DeadLetterStatus{
-	"unresolved":       {dedup.StatusDead, dedup.StatusReplayRequested},
-	"dead":             {dedup.StatusDead},
-	"replay_requested": {dedup.StatusReplayRequested},
-	"replayed":         {dedup.StatusReplayed},
-	"discarded":        {dedup.StatusDiscarded},
-	"all":              {dedup.StatusDead, dedup.StatusReplayRequested, dedup.StatusReplayed, dedup.StatusDiscarded},
+var consumerDLQStatuses = map[string][]store.DeadLetterStatus{
+	"unresolved":       {store.StatusDead, store.StatusReplayRequested},
+	"dead":             {store.StatusDead},
+	"replay_requested": {store.StatusReplayRequested},
+	"replayed":         {store.StatusReplayed},
+	"discarded":        {store.StatusDiscarded},
+	"all":              {store.StatusDead, store.StatusReplayRequested, store.StatusReplayed, store.StatusDiscarded},
 }
 
 func consumerDLQList(ctx context.Context, args []string) error {
@@ -132,12 +132,12 @@ base64-encoded, never altered).`)
 	if !ok {
 		return fs.usageErrorf("-status %q: want unresolved, dead, replay_requested, replayed, discarded or all", *status)
 	}
-	store, pool, err := openDeadLetters(ctx)
+	st, pool, err := openDeadLetters(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	dls, err := store.List(ctx, pool, dedup.DeadLetterFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID,
+	dls, err := st.ListDeadLetters(ctx, pool, store.DeadLetterFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID,
 		Statuses: statuses, Limit: lf.limit})
 	if err != nil {
 		return err
@@ -162,7 +162,7 @@ base64-encoded, never altered).`)
 			version = strconv.FormatInt(d.AggregateVersion, 10)
 		}
 		reason := d.Reason
-		if d.LastReplayError != "" && d.Status == dedup.StatusDead {
+		if d.LastReplayError != "" && d.Status == store.StatusDead {
 			reason = "replay failed: " + d.LastReplayError
 		}
 		row(tw, d.ID, d.Group, orDash(truncate(d.EventID, 40)), orDash(truncate(d.EventType, 30)),
@@ -180,7 +180,7 @@ base64-encoded, never altered).`)
 // dlqSelection is the dead letters a replay or discard applies to: ids, or
 // -all within the -group and -aggregate filters.
 type dlqSelection struct {
-	filter dedup.DeadLetterFilter
+	filter store.DeadLetterFilter
 	all    bool
 }
 
@@ -192,7 +192,7 @@ func parseDLQSelection(fs *flagSet, args []string) (dlqSelection, error) {
 	if err != nil {
 		return dlqSelection{}, err
 	}
-	sel := dlqSelection{all: *all, filter: dedup.DeadLetterFilter{Group: *group}}
+	sel := dlqSelection{all: *all, filter: store.DeadLetterFilter{Group: *group}}
 	if *agg != "" {
 		var ok bool
 		if sel.filter.AggregateType, sel.filter.AggregateID, ok = parseAggregate(*agg); !ok {
@@ -232,13 +232,13 @@ together. Replaying an event that was applied in the meantime does nothing
 	if err != nil {
 		return err
 	}
-	store, pool, err := openDeadLetters(ctx)
+	st, pool, err := openDeadLetters(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ids, err := store.RequestReplay(ctx, pool, sel.filter)
-	if errors.Is(err, dedup.ErrNoDeadLetters) {
+	ids, err := st.RequestReplay(ctx, pool, sel.filter)
+	if errors.Is(err, store.ErrNoDeadLetters) {
 		return errors.New("no dead letter matched that waits for an operator (status dead); see eventline consumer-dlq list -status all")
 	}
 	if err != nil {
@@ -267,13 +267,13 @@ parked later versions of the aggregate applies them after its park timeout
 	if strings.TrimSpace(*reason) == "" {
 		return fs.usageErrorf("-reason is required: say why these events are given up (it is kept with them)")
 	}
-	store, pool, err := openDeadLetters(ctx)
+	st, pool, err := openDeadLetters(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	ids, err := store.Discard(ctx, pool, sel.filter, *reason)
-	if errors.Is(err, dedup.ErrNoDeadLetters) {
+	ids, err := st.DiscardDeadLetters(ctx, pool, sel.filter, *reason)
+	if errors.Is(err, store.ErrNoDeadLetters) {
 		return errors.New("no unresolved dead letter matched; see eventline consumer-dlq list -status all")
 	}
 	if err != nil {
@@ -291,10 +291,10 @@ func joinIDs(ids []int64) string {
 	return strings.Join(s, " ")
 }
 
-// openDeadLetters opens the consumer dead-letter store of the -schema flag
+// openDeadLetters opens the consumer dead-letter st of the -schema flag
 // and a small pool on the -database-url one.
-func openDeadLetters(ctx context.Context) (*dedup.DeadLetterStore, *pgxpool.Pool, error) {
-	store, err := dedup.NewDeadLetterStore(globalsOf(ctx).schema)
+func openDeadLetters(ctx context.Context) (*store.Store, *pgxpool.Pool, error) {
+	st, err := store.New(globalsOf(ctx).schema)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -302,5 +302,5 @@ func openDeadLetters(ctx context.Context) (*dedup.DeadLetterStore, *pgxpool.Pool
 	if err != nil {
 		return nil, nil, err
 	}
-	return store, pool, nil
+	return st, pool, nil
 }

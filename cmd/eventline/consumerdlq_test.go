@@ -11,17 +11,18 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 )
 
 func TestConsumerDLQListReplayDiscard(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	ctx := context.Background()
-	store, err := dedup.NewDeadLetterStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
 	add := func(group, agg string, v int64, kind string, payload []byte, md map[string]string) int64 {
 		e := consumertest.Event(agg, v)
-		id, err := store.Add(ctx, env.Pool, dedup.DeadLetter{Group: group, Topic: "orders", Handler: "h", FromKafka: true, Offset: v,
+		id, err := st.AddDeadLetter(ctx, env.Pool, store.DeadLetter{Group: group, Topic: "orders", Handler: "h", FromKafka: true, Offset: v,
 			MessageUUID: e.ID, Payload: payload, Metadata: md, EventID: e.ID, EventType: e.Type, AggregateType: e.AggregateType,
 			AggregateID: e.AggregateID, AggregateVersion: v, Kind: kind, Reason: "the tax service said no"})
 		require.NoError(t, err)

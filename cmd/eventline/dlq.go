@@ -12,8 +12,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 func init() {
@@ -204,7 +204,7 @@ func warnSkipped(ctx context.Context, pool *pgxpool.Pool, schema string, ids []i
 	if err != nil {
 		return err
 	}
-	store, err := versioning.NewStore(schema)
+	st, err := store.New(schema)
 	if err != nil {
 		return err
 	}
@@ -213,7 +213,7 @@ func warnSkipped(ctx context.Context, pool *pgxpool.Pool, schema string, ids []i
 		if d.AggregateVersion <= 0 || (len(ids) > 0 && !slices.Contains(ids, d.ID)) {
 			continue
 		}
-		groups, err := store.GroupsThatSkipped(ctx, pool, d.AggregateType, d.AggregateID, d.AggregateVersion)
+		groups, err := st.GroupsThatSkipped(ctx, pool, d.AggregateType, d.AggregateID, d.AggregateVersion)
 		var pg *pgconn.PgError
 		if errors.As(err, &pg) && pg.Code == "42P01" { // no consumer tables in this schema
 			fmt.Fprintf(w, "note: no consumer tables in schema %s; consumer groups whose tables live elsewhere were not checked for skipped versions\n", schema)

@@ -8,7 +8,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
@@ -172,12 +171,8 @@ func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, tar
 					m.Version, m.Name, plural(late, "event"))
 			}
 		case "consumer_dead_letters":
-			store, err := dedup.NewDeadLetterStore(schema)
-			if err != nil {
-				return err
-			}
 			var n int64
-			err = pool.QueryRow(ctx, `SELECT count(*) FROM `+store.Table()+` WHERE status IN ('dead', 'replay_requested')`).Scan(&n)
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "consumer_dead_letters")+` WHERE status IN ('dead', 'replay_requested')`).Scan(&n)
 			if err != nil {
 				return fmt.Errorf("count consumer dead letters before rollback: %w", err)
 			}

@@ -13,9 +13,9 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 // stepsFrom returns how many migrations `migrate down -steps` must roll
@@ -167,11 +167,11 @@ func TestMigrateDownRefusesToDropLateEvents(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	ctx := context.Background()
-	store, err := versioning.NewStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
-	k := versioning.Key{Group: "billing", AggregateType: "thing", AggregateID: "a"}
-	require.NoError(t, store.RecordSkipped(ctx, env.Pool, k, 2, 2, "park timeout"))
-	late, _, err := store.HoldLate(ctx, env.Pool, versioning.LateRequest{Group: "billing", Event: consumertest.Event("a", 2), Current: 3, Hold: true})
+	k := store.Key{Group: "billing", AggregateType: "thing", AggregateID: "a"}
+	require.NoError(t, st.RecordSkipped(ctx, env.Pool, k, 2, 2, "park timeout"))
+	late, _, err := st.HoldLate(ctx, env.Pool, store.LateRequest{Group: "billing", Event: consumertest.Event("a", 2), Current: 3, Hold: true})
 	require.NoError(t, err)
 	require.True(t, late)
 
@@ -184,16 +184,16 @@ func TestMigrateDownRefusesToDropLateEvents(t *testing.T) {
 func TestMigrateDownRefusesToDropConsumerDeadLetters(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	store, err := dedup.NewDeadLetterStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
-	id, err := store.Add(context.Background(), env.Pool, dedup.DeadLetter{Group: "billing", MessageUUID: "m", Kind: dedup.KindPermanent, Reason: "r"})
+	id, err := st.AddDeadLetter(context.Background(), env.Pool, store.DeadLetter{Group: "billing", MessageUUID: "m", Kind: dedup.KindPermanent, Reason: "r"})
 	require.NoError(t, err)
 
 	steps := strconv.Itoa(stepsFrom(t, versionOf(t, "consumer_dead_letters")))
 	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-steps", steps)...)
 	require.Equal(t, exitFailure, r.code)
 	require.Contains(t, r.stderr, "consumer_dead_letters holds 1 dead letter")
-	_, err = store.Discard(context.Background(), env.Pool, dedup.DeadLetterFilter{IDs: []int64{id}}, "test")
+	_, err = st.DiscardDeadLetters(context.Background(), env.Pool, store.DeadLetterFilter{IDs: []int64{id}}, "test")
 	require.NoError(t, err)
 	require.Equal(t, rolledBack(t, versionOf(t, "consumer_dead_letters")), ok(t, env.Schema, "migrate", "down", "-steps", steps))
 }

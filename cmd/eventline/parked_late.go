@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // lateJSON is one late event in `parked late -json`.
@@ -55,12 +55,12 @@ after later versions) or drop them with 'eventline parked discard-late'.`)
 	if err := lf.parse(fs, "parked late", args); err != nil {
 		return err
 	}
-	store, pool, err := openVersioning(ctx)
+	st, pool, err := openVersioning(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	late, err := store.ListLate(ctx, pool, versioning.LateFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit})
+	late, err := st.ListLate(ctx, pool, store.LateFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit})
 	if err != nil {
 		return err
 	}
@@ -96,7 +96,7 @@ after later versions) or drop them with 'eventline parked discard-late'.`)
 			apply = "requested"
 		}
 		reason := l.Reason
-		if l.LastError != "" && l.Kind != versioning.LateReleaseFailed {
+		if l.LastError != "" && l.Kind != store.LateReleaseFailed {
 			reason = "last apply failed: " + l.LastError
 		}
 		row(tw, l.Group, aggregate(l.AggregateType, l.AggregateID), l.Version, l.EventID, l.EventType, string(l.Kind),
@@ -114,7 +114,7 @@ after later versions) or drop them with 'eventline parked discard-late'.`)
 
 // lateTargets parses `<group> <event-id>...` or `-aggregate TYPE/ID
 // <group>` (every late event of the aggregate).
-func lateTargets(ctx context.Context, fs *flagSet, agg string, pos []string, store *versioning.Store, db versioning.DBTX) (group string, ids []string, err error) {
+func lateTargets(ctx context.Context, fs *flagSet, agg string, pos []string, st *store.Store, db store.DBTX) (group string, ids []string, err error) {
 	if len(pos) == 0 {
 		return "", nil, fs.usageErrorf("name the consumer group and the late events' ids (see eventline parked late)")
 	}
@@ -129,7 +129,7 @@ func lateTargets(ctx context.Context, fs *flagSet, agg string, pos []string, sto
 		if !ok {
 			return "", nil, fs.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", agg)
 		}
-		late, err := store.ListLate(ctx, db, versioning.LateFilter{Group: group, AggregateType: typ, AggregateID: id, Limit: 100_000})
+		late, err := st.ListLate(ctx, db, store.LateFilter{Group: group, AggregateType: typ, AggregateID: id, Limit: 100_000})
 		if err != nil {
 			return "", nil, err
 		}
@@ -152,7 +152,7 @@ knows later versions of the aggregate were applied before it. An applied event
 leaves the late events (its outcome becomes late_applied). A handler that keeps
 failing is retried with a backoff; after the release-attempt limit the request
 is dropped and the event stays listed with its last error.`,
-		(*versioning.Store).RequestLateApply,
+		(*store.Store).RequestLateApply,
 		func(n int, group string) string {
 			return fmt.Sprintf("%s to apply: the sweeper of a running %s consumer applies them on its next pass", plural(int64(n), "late event"), group)
 		})
@@ -163,7 +163,7 @@ func parkedDiscardLate(ctx context.Context, args []string) error {
 Discards late events for good: they are deleted from the late events and never
 applied; their dedup record keeps the outcome late_discarded, so a redelivery is
 skipped as a duplicate.`,
-		(*versioning.Store).DiscardLate,
+		(*store.Store).DiscardLate,
 		func(n int, group string) string {
 			return fmt.Sprintf("discarded %s of group %s", plural(int64(n), "late event"), group)
 		})
@@ -173,7 +173,7 @@ skipped as a duplicate.`,
 // or on every late event of one aggregate: act does it and returns how
 // many it reached, done says so.
 func lateAction(ctx context.Context, args []string, name, help string,
-	act func(*versioning.Store, context.Context, versioning.DBTX, string, ...string) (int, error),
+	act func(*store.Store, context.Context, store.DBTX, string, ...string) (int, error),
 	done func(n int, group string) string,
 ) error {
 	fs := newFlagSet(ctx, name, "<group> <event-id>... | -aggregate TYPE/ID <group>", help)
@@ -182,16 +182,16 @@ func lateAction(ctx context.Context, args []string, name, help string,
 	if err != nil {
 		return err
 	}
-	store, pool, err := openVersioning(ctx)
+	st, pool, err := openVersioning(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	group, ids, err := lateTargets(ctx, fs, *agg, pos, store, pool)
+	group, ids, err := lateTargets(ctx, fs, *agg, pos, st, pool)
 	if err != nil {
 		return err
 	}
-	n, err := act(store, ctx, pool, group, ids...)
+	n, err := act(st, ctx, pool, group, ids...)
 	if err != nil {
 		return err
 	}

@@ -16,8 +16,8 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 // A late event (its version was skipped after the park timeout) is listed
@@ -102,10 +102,10 @@ func TestDLQReplayWarnsWhenAGroupSkippedTheVersion(t *testing.T) {
 			(payload->'metadata'->>'aggregate_version')::bigint, payload->>'destination_topic', payload, metadata, 5, 'kafka said no', 'gave up after 5 attempts'
 		FROM moved ORDER BY "offset"`)
 	require.NoError(t, err)
-	store, err := versioning.NewStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
 	for _, g := range []string{"billing", "shipping"} {
-		require.NoError(t, store.RecordSkipped(ctx, env.Pool, versioning.Key{Group: g, AggregateType: "order", AggregateID: "x"}, 1, 1, "park timeout"))
+		require.NoError(t, st.RecordSkipped(ctx, env.Pool, store.Key{Group: g, AggregateType: "order", AggregateID: "x"}, 1, 1, "park timeout"))
 	}
 	dls := okJSON[[]deadLetterJSONTest](t, env.Schema, "dlq", "list", "-json")
 	require.Len(t, dls, 2)

@@ -15,8 +15,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 func init() {
@@ -224,10 +224,11 @@ func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr stri
 	if cfg.Metrics, err = producer.NewRelayMetrics(reg); err != nil {
 		return nil, err
 	}
-	groups, err := versioning.NewStatusCollector(pool, cfg.Schema)
+	st, err := store.New(cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
+	groups := st.NewStatusCollector(pool)
 	for _, c := range []prometheus.Collector{
 		producer.NewStatusCollector(pool, cfg.Schema),
 		&groupStatusCollector{Collector: groups, db: pool, schema: cfg.Schema},

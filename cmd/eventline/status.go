@@ -10,10 +10,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 func init() {
@@ -206,7 +205,7 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 	}
 
 	var present bool
-	err = tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, dedup.Table)).Scan(&present)
+	err = tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "processed_events")).Scan(&present)
 	if err != nil {
 		return rep, fmt.Errorf("look for the consumer tables: %w", err)
 	}
@@ -218,19 +217,19 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 	if err != nil {
 		return rep, err
 	}
-	ds, err := dedup.NewStore(schema)
+	ds, err := store.New(schema)
 	if err != nil {
 		return rep, err
 	}
-	vs, err := versioning.NewStore(schema)
+	vs, err := store.New(schema)
 	if err != nil {
 		return rep, err
 	}
-	statuses, err := vs.ReadGroupStatuses(ctx, tx, versioning.ReadGroupStatusOptions{OpenGapsLimit: statusOpenGaps})
+	statuses, err := vs.ReadGroupStatuses(ctx, tx, store.ReadGroupStatusOptions{OpenGapsLimit: statusOpenGaps})
 	if err != nil {
 		return rep, err
 	}
-	byGroup := map[string]versioning.GroupStatus{}
+	byGroup := map[string]store.GroupStatus{}
 	for _, gs := range statuses {
 		byGroup[gs.Group] = gs
 		groups = append(groups, gs.Group)
@@ -246,7 +245,7 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 			gr.OpenGapList = append(gr.OpenGapList, openGapReport{AggregateType: g.AggregateType, AggregateID: g.AggregateID,
 				Current: g.Current, MissingFrom: g.Current + 1, MissingTo: g.Follows, Parked: g.Parked, AgeSeconds: g.Age.Seconds()})
 		}
-		if gr.Processed, err = ds.Count(ctx, tx, name); err != nil {
+		if gr.Processed, err = ds.CountProcessed(ctx, tx, name); err != nil {
 			return rep, err
 		}
 		if gr.Parked, err = vs.CountParked(ctx, tx, name); err != nil {
@@ -268,7 +267,7 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 // cost grows with the number of groups, not rows.
 func consumerGroups(ctx context.Context, tx pgx.Tx, schema string) ([]string, error) {
 	var out []string
-	for _, table := range []string{dedup.Table, "aggregate_versions"} {
+	for _, table := range []string{"processed_events", "aggregate_versions"} {
 		rows, err := tx.Query(ctx, distinctGroupsSQL(sqlident.Qualify(schema, table)))
 		if err != nil {
 			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)

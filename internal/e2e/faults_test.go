@@ -23,13 +23,13 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -47,7 +47,7 @@ type faultRig struct {
 	prod    *producer.Producer
 	proxy   *faultproxy.Proxy
 	applied string // qualified table: one row per handler run
-	store   *versioning.Store
+	store   *store.Store
 }
 
 func newFaultRig(t *testing.T) *faultRig {
@@ -66,9 +66,9 @@ func newFaultRig(t *testing.T) *faultRig {
 	proxy, err := faultproxy.Start(pgtest.Addr())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = proxy.Close() })
-	store, err := versioning.NewStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
-	return &faultRig{t: t, env: env, cluster: cluster, brokers: brokers, topic: topic, prod: prod, proxy: proxy, applied: applied, store: store}
+	return &faultRig{t: t, env: env, cluster: cluster, brokers: brokers, topic: topic, prod: prod, proxy: proxy, applied: applied, store: st}
 }
 
 // proxiedConnectTimeout bounds one connection attempt through the proxy.
@@ -241,10 +241,10 @@ func (r *faultRig) describe(group string) string {
 		fmt.Fprintf(&b, "applied %s %v; ", agg, vs)
 	}
 	require.NoError(r.t, rows.Err())
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"consumer_dead_letters", "parked_events", "skipped_versions", "late_events"} {
 		fmt.Fprintf(&b, "%s: %d; ", table, r.count(`SELECT count(*) FROM `+r.table(table)+` WHERE consumer_group = $1`, group))
 	}
-	rows, err = r.env.Pool.Query(context.Background(), `SELECT coalesce(string_agg(DISTINCT kind || ': ' || left(reason, 200), ' | '), '') FROM `+r.table(dedup.DeadLetterTable)+` WHERE consumer_group = $1`, group)
+	rows, err = r.env.Pool.Query(context.Background(), `SELECT coalesce(string_agg(DISTINCT kind || ': ' || left(reason, 200), ' | '), '') FROM `+r.table("consumer_dead_letters")+` WHERE consumer_group = $1`, group)
 	if err == nil {
 		var errs string
 		if rows.Next() && rows.Scan(&errs) == nil && errs != "" {
@@ -348,7 +348,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		}
 		require.Zero(t, metrictest.Sum(t, regs[g], "eventline_consumer_events_dead_lettered_total"), "group %s dead-lettered", g)
 	}
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"consumer_dead_letters", "parked_events", "skipped_versions", "late_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "phase 1: %s must be empty", table)
 	}
 	for _, g := range groups {
@@ -380,7 +380,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	for _, g := range groups {
 		require.Eventually(t, func() bool { return slices.Equal(versions(r.runs(g, "L")), []int64{1, 3, 4}) },
 			time.Minute, 20*time.Millisecond, "group %s skips v2 after the park timeout and applies v3, v4", g)
-		sk, err := r.store.ListSkipped(ctx, r.env.Pool, versioning.SkippedFilter{Group: g, AggregateType: "order", AggregateID: "L"})
+		sk, err := r.store.ListSkipped(ctx, r.env.Pool, store.SkippedFilter{Group: g, AggregateType: "order", AggregateID: "L"})
 		require.NoError(t, err)
 		require.Len(t, sk, 1)
 		require.Equal(t, [2]int64{2, 2}, [2]int64{sk[0].From, sk[0].To}, "group %s", g)
@@ -399,14 +399,14 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	require.Equal(t, []run{{EventID: v2.ID, Version: 2, Late: true}}, r.runs(apply, "L")[3:], "group apply: v2 applied late")
 
 	// HoldLate (the default): held for the operator, listed, not applied…
-	var held []versioning.LateEvent
+	var held []store.LateEvent
 	require.Eventually(t, func() bool {
-		held, err = r.store.ListLate(ctx, r.env.Pool, versioning.LateFilter{Group: hold})
+		held, err = r.store.ListLate(ctx, r.env.Pool, store.LateFilter{Group: hold})
 		require.NoError(t, err)
 		return len(held) == 1
 	}, time.Minute, 20*time.Millisecond, "group hold holds the replayed v2 in late_events")
 	require.Equal(t, v2.ID, held[0].EventID)
-	require.Equal(t, versioning.LateArrived, held[0].Kind)
+	require.Equal(t, store.LateArrived, held[0].Kind)
 	require.Equal(t, []int64{1, 3, 4}, versions(r.runs(hold, "L")), "group hold: a held event is not applied")
 	// …until the operator asks (`eventline parked apply-late hold <id>`).
 	n, err = r.store.RequestLateApply(ctx, r.env.Pool, hold, v2.ID)
@@ -415,14 +415,14 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	require.Eventually(t, func() bool { return len(r.runs(hold, "L")) == 4 }, time.Minute, 20*time.Millisecond, "group hold applies v2 on request")
 	require.Equal(t, []run{{EventID: v2.ID, Version: 2, Late: true}}, r.runs(hold, "L")[3:], "group hold: v2 applied late")
 	require.Eventually(t, func() bool {
-		held, err = r.store.ListLate(ctx, r.env.Pool, versioning.LateFilter{Group: hold})
+		held, err = r.store.ListLate(ctx, r.env.Pool, store.LateFilter{Group: hold})
 		require.NoError(t, err)
 		return len(held) == 0
 	}, time.Minute, 20*time.Millisecond, "an applied late event leaves late_events")
 
 	// Nothing dead-lettered by a consumer, nothing run twice, the relay's
 	// dead letter marked replayed.
-	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(dedup.DeadLetterTable)), "consumer dead letters")
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("consumer_dead_letters")), "consumer dead letters")
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT grp, event_id FROM `+r.applied+` GROUP BY 1, 2 HAVING count(*) > 1) d`), "an event ran twice")
 	all, err := producer.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, producer.DeadLetterFilter{IncludeReplayed: true})
 	require.NoError(t, err)

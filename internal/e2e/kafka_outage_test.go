@@ -14,7 +14,6 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -210,7 +209,7 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	dls, err := producer.ListDeadLetters(ctx, env.Pool, env.Schema, producer.DeadLetterFilter{IncludeReplayed: true})
 	require.NoError(t, err)
 	require.Empty(t, dls, "the relay dead-lettered events")
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"consumer_dead_letters", "parked_events", "skipped_versions", "late_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "%s must be empty", table)
 	}
 	for _, g := range groups {

@@ -23,9 +23,9 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 // unusedPool never connects: describing a collector queries nothing, but
@@ -59,12 +59,13 @@ var constructors = map[string]func(reg prometheus.Registerer) error{
 	"producer.NewStatusCollector": func(reg prometheus.Registerer) error {
 		return reg.Register(producer.NewStatusCollector(unusedPool, "eventline"))
 	},
-	"versioning.NewStatusCollector": func(reg prometheus.Registerer) error {
-		c, err := versioning.NewStatusCollector(unusedPool, "eventline")
+	// The consumer groups' status, which `eventline relay` serves.
+	"store.NewStatusCollector": func(reg prometheus.Registerer) error {
+		s, err := store.New("eventline")
 		if err != nil {
 			return err
 		}
-		return reg.Register(c)
+		return reg.Register(s.NewStatusCollector(unusedPool))
 	},
 }
 
@@ -257,12 +258,12 @@ func constructWith(construct func(prometheus.Registerer) error, name string, env
 	switch name {
 	case "producer.NewStatusCollector":
 		return reg.Register(producer.NewStatusCollector(env.Pool, env.Schema))
-	case "versioning.NewStatusCollector":
-		c, err := versioning.NewStatusCollector(env.Pool, env.Schema)
+	case "store.NewStatusCollector":
+		s, err := store.New(env.Schema)
 		if err != nil {
 			return err
 		}
-		return reg.Register(c)
+		return reg.Register(s.NewStatusCollector(env.Pool))
 	}
 	return construct(reg)
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -90,17 +91,17 @@ func TestConsumerDeadLetterTable(t *testing.T) {
 	f.record("billing", evs[0], "applied", time.Minute)
 	f.park("billing", evs[2], time.Minute)
 
-	store, err := dedup.NewDeadLetterStore(f.env.Schema)
+	st, err := store.New(f.env.Schema)
 	require.NoError(t, err)
 	dead := func(e eventline.Event, reason string) int64 {
-		id, err := store.Add(f.ctx, f.env.Pool, dedup.DeadLetter{Group: "billing", MessageUUID: e.ID, EventID: e.ID, EventType: e.Type,
+		id, err := st.AddDeadLetter(f.ctx, f.env.Pool, store.DeadLetter{Group: "billing", MessageUUID: e.ID, EventID: e.ID, EventType: e.Type,
 			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Kind: dedup.KindPermanent, Reason: reason})
 		require.NoError(t, err)
 		return id
 	}
 	dead(evs[1], "handler: boom")
 	old := dead(evs[0], "handler: old news")
-	_, err = store.Discard(f.ctx, f.env.Pool, dedup.DeadLetterFilter{IDs: []int64{old}}, "resolved by hand")
+	_, err = st.DiscardDeadLetters(f.ctx, f.env.Pool, store.DeadLetterFilter{IDs: []int64{old}}, "resolved by hand")
 	require.NoError(t, err)
 
 	rep := f.run(verify.Config{})

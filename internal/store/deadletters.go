@@ -1,4 +1,4 @@
-package dedup
+package store
 
 import (
 	"context"
@@ -13,29 +13,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/dedup"
 )
 
-// DeadLetterTable is the unqualified name of the consumer dead-letter
-// table.
-const DeadLetterTable = "consumer_dead_letters"
-
-// Kinds of consumer dead letters (DeadLetter.Kind). The kind is free text:
-// components that dead-letter for their own reasons add their own.
-const (
-	// KindPermanent: the event can never succeed (it does not decode, no
-	// handler knows its type, the handler marked its error permanent…).
-	KindPermanent = "permanent"
-	// KindRetriesExhausted: the handler kept failing until the retry
-	// budget was spent.
-	KindRetriesExhausted = "retries_exhausted"
-	// KindFailed: the handler failed and no retry middleware ran.
-	KindFailed = "failed"
-	// KindIDConflict: the event reused the id of a different event the
-	// group already recorded (see IDConflictError).
-	KindIDConflict = "id_conflict"
-)
+// consumer_dead_letters: the messages a consumer group gave up on, kept
+// whole in its own database.
 
 // DeadLetterStatus is where a dead letter is in its life.
 type DeadLetterStatus string
@@ -92,7 +74,8 @@ type DeadLetter struct {
 	AggregateType    string // see EventID
 	AggregateID      string // see EventID
 	AggregateVersion int64  // see EventID
-	// Kind classifies the reason (KindPermanent, KindRetriesExhausted…);
+	// Kind classifies the reason (dedup.KindPermanent,
+	// dedup.KindRetriesExhausted…);
 	// Reason is the error, in full (up to 8 KiB).
 	Kind   string
 	Reason string // see Kind
@@ -143,76 +126,59 @@ var ErrNoDeadLetters = errors.New("eventline: no consumer dead letter matched")
 // maxReasonBytes bounds a stored reason (a panic's stack can be long).
 const maxReasonBytes = 8 << 10
 
-// DeadLetterStore reads and writes consumer_dead_letters in one schema. It
-// holds no connections and is safe for concurrent use.
-type DeadLetterStore struct {
-	table string
-	cols  string
+// deadLetterCols are the columns collectDeadLetters scans.
+const deadLetterCols = `id, consumer_group, topic, handler, kafka_partition, kafka_offset, kafka_key, message_uuid, payload, header_keys, header_values,
+	event_id, event_type, aggregate_type, aggregate_id, aggregate_version, kind, reason, dead_at, times_dead,
+	status, replay_requested_at, replayed_at, replay_attempts, coalesce(last_replay_error, ''), discarded_at, coalesce(discard_reason, '')`
 
-	insertSQL, listSQL, claimSQL, replayedSQL, replayFailedSQL, requestSQL, discardSQL, countSQL, earlierSQL string
-}
+// deadLetterFilter is the condition a DeadLetterFilter becomes ($1 group,
+// $2 aggregate type, $3 aggregate id, $4 ids, $5 statuses).
+const deadLetterFilter = `($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
+	AND (cardinality($4::bigint[]) = 0 OR id = ANY($4)) AND status = ANY($5)`
 
-// NewDeadLetterStore returns a store for the table in schema ("" means
-// "eventline"). It fails when schema is not a plain SQL identifier.
-func NewDeadLetterStore(schema string) (*DeadLetterStore, error) {
-	if schema == "" {
-		schema = migrations.DefaultSchema
-	}
-	if err := sqlident.Validate("dead-letter schema", schema); err != nil {
-		return nil, err
-	}
-	t := sqlident.Qualify(schema, DeadLetterTable)
-	cols := `id, consumer_group, topic, handler, kafka_partition, kafka_offset, kafka_key, message_uuid, payload, header_keys, header_values,
-		event_id, event_type, aggregate_type, aggregate_id, aggregate_version, kind, reason, dead_at, times_dead,
-		status, replay_requested_at, replayed_at, replay_attempts, coalesce(last_replay_error, ''), discarded_at, coalesce(discard_reason, '')`
-	filter := `($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
-		AND (cardinality($4::bigint[]) = 0 OR id = ANY($4)) AND status = ANY($5)`
-	return &DeadLetterStore{
-		table: t,
-		cols:  cols,
-		// A record dead-lettered again (redelivered after a crash, or
-		// failing again after a replay) re-opens its row, with the new
-		// reason; the record itself is the same.
-		insertSQL: `INSERT INTO ` + t + ` AS d (consumer_group, topic, handler, kafka_partition, kafka_offset, kafka_key, message_uuid, payload,
-				header_keys, header_values, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, kind, reason)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
-			ON CONFLICT (consumer_group, topic, kafka_partition, kafka_offset) DO UPDATE
-			SET kind = excluded.kind, reason = excluded.reason, dead_at = now(), times_dead = d.times_dead + 1, status = 'dead'
-			RETURNING id`,
-		listSQL: `SELECT ` + cols + ` FROM ` + t + ` WHERE ` + filter + ` ORDER BY id LIMIT $6`,
-		// Replays go per aggregate in version order, then in the order
-		// the records arrived.
-		claimSQL: `SELECT ` + cols + ` FROM ` + t + ` WHERE consumer_group = $1 AND status = 'replay_requested'
-			ORDER BY aggregate_type, aggregate_id, aggregate_version, kafka_partition, kafka_offset, id
-			LIMIT $2 FOR UPDATE SKIP LOCKED`,
-		replayedSQL: `UPDATE ` + t + ` SET status = 'replayed', replayed_at = now(), replay_attempts = replay_attempts + 1, last_replay_error = NULL
-			WHERE id = $1`,
-		replayFailedSQL: `UPDATE ` + t + ` SET status = 'dead', replay_attempts = replay_attempts + 1, last_replay_error = $2
-			WHERE id = $1`,
-		requestSQL: `UPDATE ` + t + ` SET status = 'replay_requested', replay_requested_at = now()
-			WHERE ` + filter + ` RETURNING id`,
-		discardSQL: `UPDATE ` + t + ` SET status = 'discarded', discarded_at = now(), discard_reason = $6
-			WHERE ` + filter + ` RETURNING id`,
-		countSQL: `SELECT count(*) FROM ` + t + ` WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested')`,
-		earlierSQL: `SELECT id, aggregate_version FROM ` + t + ` WHERE consumer_group = $1 AND status = 'dead'
+var (
+	// A record dead-lettered again (redelivered after a crash, or failing
+	// again after a replay) re-opens its row, with the new reason; the
+	// record itself is the same.
+	addDeadLetterSQL = statement(`INSERT INTO {schema}.consumer_dead_letters AS d (consumer_group, topic, handler, kafka_partition, kafka_offset,
+			kafka_key, message_uuid, payload, header_keys, header_values, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, kind, reason)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
+		ON CONFLICT (consumer_group, topic, kafka_partition, kafka_offset) DO UPDATE
+		SET kind = excluded.kind, reason = excluded.reason, dead_at = now(), times_dead = d.times_dead + 1, status = 'dead'
+		RETURNING id`)
+	listDeadLettersSQL = statement(`SELECT ` + deadLetterCols + ` FROM {schema}.consumer_dead_letters WHERE ` + deadLetterFilter + `
+		ORDER BY id LIMIT $6`)
+	// Replays go per aggregate in version order, then in the order the
+	// records arrived.
+	claimReplaysSQL = statement(`SELECT ` + deadLetterCols + ` FROM {schema}.consumer_dead_letters
+		WHERE consumer_group = $1 AND status = 'replay_requested'
+		ORDER BY aggregate_type, aggregate_id, aggregate_version, kafka_partition, kafka_offset, id
+		LIMIT $2 FOR UPDATE SKIP LOCKED`)
+	replayedSQL = statement(`UPDATE {schema}.consumer_dead_letters
+		SET status = 'replayed', replayed_at = now(), replay_attempts = replay_attempts + 1, last_replay_error = NULL
+		WHERE id = $1`)
+	replayFailedSQL = statement(`UPDATE {schema}.consumer_dead_letters
+		SET status = 'dead', replay_attempts = replay_attempts + 1, last_replay_error = $2
+		WHERE id = $1`)
+	requestReplaySQL = statement(`UPDATE {schema}.consumer_dead_letters SET status = 'replay_requested', replay_requested_at = now()
+		WHERE ` + deadLetterFilter + ` RETURNING id`)
+	discardDeadLettersSQL = statement(`UPDATE {schema}.consumer_dead_letters SET status = 'discarded', discarded_at = now(), discard_reason = $6
+		WHERE ` + deadLetterFilter + ` RETURNING id`)
+	countDeadLettersSQL = statement(`SELECT count(*) FROM {schema}.consumer_dead_letters
+		WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested')`)
+	earlierDeadSQL = statement(`SELECT id, aggregate_version FROM {schema}.consumer_dead_letters
+		WHERE consumer_group = $1 AND status = 'dead'
 			AND aggregate_type = $2 AND aggregate_id = $3 AND (aggregate_version < $4 OR (aggregate_version = $4 AND id < $5))
-			ORDER BY aggregate_version, id LIMIT 1`,
-	}, nil
-}
+		ORDER BY aggregate_version, id LIMIT 1`)
+)
 
-// Table returns the quoted, schema-qualified table name.
-func (s *DeadLetterStore) Table() string { return s.table }
-
-// Add stores a dead letter through db (a pool: its own transaction; or a
+// AddDeadLetter stores a dead letter through db (a pool: its own transaction; or a
 // transaction, to commit it with other writes) and returns its id. It
 // never fails because of the message's content: bytes are stored as bytea
 // and text fields that PostgreSQL cannot hold (NUL bytes, invalid UTF-8)
 // are cleaned. A record from Kafka that already has a row (the same group,
 // topic, partition and offset) re-opens that row.
-func (s *DeadLetterStore) Add(ctx context.Context, db DBTX, d DeadLetter) (int64, error) {
-	if d.Group == "" {
-		return 0, errors.New("dedup: dead letter without a consumer group")
-	}
+func (s *Store) AddDeadLetter(ctx context.Context, db DBTX, d DeadLetter) (int64, error) {
 	var partition *int32
 	var offset *int64
 	if d.FromKafka {
@@ -229,19 +195,19 @@ func (s *DeadLetterStore) Add(ctx context.Context, db DBTX, d DeadLetter) (int64
 	}
 	kind := cleanText(d.Kind)
 	if kind == "" {
-		kind = KindFailed
+		kind = dedup.KindFailed
 	}
 	var id int64
-	err := db.QueryRow(ctx, s.insertSQL, cleanText(d.Group), cleanText(d.Topic), cleanText(d.Handler), partition, offset, d.Key,
+	err := db.QueryRow(ctx, s.q(addDeadLetterSQL), cleanText(d.Group), cleanText(d.Topic), cleanText(d.Handler), partition, offset, d.Key,
 		[]byte(d.MessageUUID), payload, hk, hv, cleanText(d.EventID), cleanText(d.EventType), cleanText(d.AggregateType),
 		cleanText(d.AggregateID), d.AggregateVersion, kind, cleanText(truncate(d.Reason, maxReasonBytes))).Scan(&id)
 	if err != nil {
-		return 0, fmt.Errorf("dedup: write dead letter of group %s: %w", d.Group, err)
+		return 0, fmt.Errorf("eventline: write dead letter of group %s: %w", d.Group, err)
 	}
 	return id, nil
 }
 
-func (s *DeadLetterStore) args(f DeadLetterFilter, defaults ...DeadLetterStatus) []any {
+func deadLetterArgs(f DeadLetterFilter, defaults ...DeadLetterStatus) []any {
 	statuses := f.Statuses
 	if len(statuses) == 0 {
 		statuses = defaults
@@ -259,15 +225,15 @@ func (s *DeadLetterStore) args(f DeadLetterFilter, defaults ...DeadLetterStatus)
 	return []any{cleanText(f.Group), cleanText(f.AggregateType), cleanText(f.AggregateID), ids, st}
 }
 
-// List returns dead letters in the order they died (unresolved ones
-// unless f.Statuses says otherwise).
-func (s *DeadLetterStore) List(ctx context.Context, db DBTX, f DeadLetterFilter) ([]DeadLetter, error) {
+// ListDeadLetters returns dead letters in the order they died (unresolved
+// ones unless f.Statuses says otherwise).
+func (s *Store) ListDeadLetters(ctx context.Context, db DBTX, f DeadLetterFilter) ([]DeadLetter, error) {
 	if f.Limit <= 0 {
-		f.Limit = 100
+		f.Limit = DefaultListLimit
 	}
-	rows, err := db.Query(ctx, s.listSQL, append(s.args(f, StatusDead, StatusReplayRequested), f.Limit)...)
+	rows, err := db.Query(ctx, s.q(listDeadLettersSQL), append(deadLetterArgs(f, StatusDead, StatusReplayRequested), f.Limit)...)
 	if err != nil {
-		return nil, fmt.Errorf("dedup: list dead letters: %w", err)
+		return nil, fmt.Errorf("eventline: list dead letters: %w", err)
 	}
 	return collectDeadLetters(rows)
 }
@@ -277,30 +243,30 @@ func (s *DeadLetterStore) List(ctx context.Context, db DBTX, f DeadLetterFilter)
 // each one's group replays them on its next sweep, in order: per
 // aggregate by version, then as they arrived. It returns ErrNoDeadLetters
 // when nothing matched.
-func (s *DeadLetterStore) RequestReplay(ctx context.Context, db DBTX, f DeadLetterFilter) ([]int64, error) {
+func (s *Store) RequestReplay(ctx context.Context, db DBTX, f DeadLetterFilter) ([]int64, error) {
 	f.Statuses = []DeadLetterStatus{StatusDead}
-	return s.update(ctx, db, s.requestSQL, "request replay of", s.args(f))
+	return s.updateDeadLetters(ctx, db, requestReplaySQL, "request replay of", deadLetterArgs(f))
 }
 
-// Discard gives up on the dead letters f selects among the unresolved ones,
+// DiscardDeadLetters gives up on the dead letters f selects among the unresolved ones,
 // recording reason, and returns their ids. It returns ErrNoDeadLetters
 // when nothing matched.
-func (s *DeadLetterStore) Discard(ctx context.Context, db DBTX, f DeadLetterFilter, reason string) ([]int64, error) {
+func (s *Store) DiscardDeadLetters(ctx context.Context, db DBTX, f DeadLetterFilter, reason string) ([]int64, error) {
 	if strings.TrimSpace(reason) == "" {
-		return nil, errors.New("dedup: discarding a dead letter needs a reason: it is kept for the audit")
+		return nil, errors.New("eventline: discarding a dead letter needs a reason: it is kept for the audit")
 	}
 	f.Statuses = []DeadLetterStatus{StatusDead, StatusReplayRequested}
-	return s.update(ctx, db, s.discardSQL, "discard", append(s.args(f), cleanText(reason)))
+	return s.updateDeadLetters(ctx, db, discardDeadLettersSQL, "discard", append(deadLetterArgs(f), cleanText(reason)))
 }
 
-func (s *DeadLetterStore) update(ctx context.Context, db DBTX, sql, what string, args []any) ([]int64, error) {
-	rows, err := db.Query(ctx, sql, args...)
+func (s *Store) updateDeadLetters(ctx context.Context, db DBTX, st stmt, what string, args []any) ([]int64, error) {
+	rows, err := db.Query(ctx, s.q(st), args...)
 	if err != nil {
-		return nil, fmt.Errorf("dedup: %s dead letters: %w", what, err)
+		return nil, fmt.Errorf("eventline: %s dead letters: %w", what, err)
 	}
 	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	if err != nil {
-		return nil, fmt.Errorf("dedup: %s dead letters: %w", what, err)
+		return nil, fmt.Errorf("eventline: %s dead letters: %w", what, err)
 	}
 	if len(ids) == 0 {
 		return nil, ErrNoDeadLetters
@@ -312,27 +278,27 @@ func (s *DeadLetterStore) update(ctx context.Context, db DBTX, sql, what string,
 // ClaimReplays locks, in tx, up to limit of the group's dead letters
 // waiting for replay, in replay order, skipping those another replayer
 // holds. Mark each with MarkReplayed or MarkReplayFailed in the same tx.
-func (s *DeadLetterStore) ClaimReplays(ctx context.Context, tx pgx.Tx, group string, limit int) ([]DeadLetter, error) {
-	rows, err := tx.Query(ctx, s.claimSQL, group, limit)
+func (s *Store) ClaimReplays(ctx context.Context, tx pgx.Tx, group string, limit int) ([]DeadLetter, error) {
+	rows, err := tx.Query(ctx, s.q(claimReplaysSQL), group, limit)
 	if err != nil {
-		return nil, fmt.Errorf("dedup: claim dead letters to replay: %w", err)
+		return nil, fmt.Errorf("eventline: claim dead letters to replay: %w", err)
 	}
 	return collectDeadLetters(rows)
 }
 
 // MarkReplayed records that dead letter id was replayed and committed.
-func (s *DeadLetterStore) MarkReplayed(ctx context.Context, db DBTX, id int64) error {
-	if _, err := db.Exec(ctx, s.replayedSQL, id); err != nil {
-		return fmt.Errorf("dedup: mark dead letter %d replayed: %w", id, err)
+func (s *Store) MarkReplayed(ctx context.Context, db DBTX, id int64) error {
+	if _, err := db.Exec(ctx, s.q(replayedSQL), id); err != nil {
+		return fmt.Errorf("eventline: mark dead letter %d replayed: %w", id, err)
 	}
 	return nil
 }
 
 // MarkReplayFailed puts dead letter id back to dead with the replay's
 // error.
-func (s *DeadLetterStore) MarkReplayFailed(ctx context.Context, db DBTX, id int64, replayErr string) error {
-	if _, err := db.Exec(ctx, s.replayFailedSQL, id, cleanText(truncate(replayErr, maxReasonBytes))); err != nil {
-		return fmt.Errorf("dedup: record failed replay of dead letter %d: %w", id, err)
+func (s *Store) MarkReplayFailed(ctx context.Context, db DBTX, id int64, replayErr string) error {
+	if _, err := db.Exec(ctx, s.q(replayFailedSQL), id, cleanText(truncate(replayErr, maxReasonBytes))); err != nil {
+		return fmt.Errorf("eventline: record failed replay of dead letter %d: %w", id, err)
 	}
 	return nil
 }
@@ -341,27 +307,27 @@ func (s *DeadLetterStore) MarkReplayFailed(ctx context.Context, db DBTX, id int6
 // before d in replay order and still waits for an operator (status dead),
 // if any: replaying d before it would apply the aggregate's versions out of
 // order. Dead letters without an aggregate have none.
-func (s *DeadLetterStore) EarlierDead(ctx context.Context, db DBTX, d DeadLetter) (DeadLetter, bool, error) {
+func (s *Store) EarlierDead(ctx context.Context, db DBTX, d DeadLetter) (DeadLetter, bool, error) {
 	if d.AggregateType == "" && d.AggregateID == "" {
 		return DeadLetter{}, false, nil
 	}
 	var e DeadLetter
-	err := db.QueryRow(ctx, s.earlierSQL, d.Group, cleanText(d.AggregateType), cleanText(d.AggregateID), d.AggregateVersion, d.ID).Scan(&e.ID, &e.AggregateVersion)
+	err := db.QueryRow(ctx, s.q(earlierDeadSQL), d.Group, cleanText(d.AggregateType), cleanText(d.AggregateID), d.AggregateVersion, d.ID).Scan(&e.ID, &e.AggregateVersion)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return DeadLetter{}, false, nil
 	}
 	if err != nil {
-		return DeadLetter{}, false, fmt.Errorf("dedup: look for earlier dead letters of dead letter %d: %w", d.ID, err)
+		return DeadLetter{}, false, fmt.Errorf("eventline: look for earlier dead letters of dead letter %d: %w", d.ID, err)
 	}
 	return e, true, nil
 }
 
-// CountUnresolved returns how many of the group's dead letters wait for an
-// operator or for their replay.
-func (s *DeadLetterStore) CountUnresolved(ctx context.Context, db DBTX, group string) (int64, error) {
+// CountDeadLetters returns how many of the group's dead letters wait for
+// an operator or for their replay.
+func (s *Store) CountDeadLetters(ctx context.Context, db DBTX, group string) (int64, error) {
 	var n int64
-	if err := db.QueryRow(ctx, s.countSQL, group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("dedup: count dead letters of %q: %w", group, err)
+	if err := db.QueryRow(ctx, s.q(countDeadLettersSQL), group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("eventline: count dead letters of %q: %w", group, err)
 	}
 	return n, nil
 }
@@ -397,7 +363,7 @@ func collectDeadLetters(rows pgx.Rows) ([]DeadLetter, error) {
 		return d, nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("dedup: read dead letters: %w", err)
+		return nil, fmt.Errorf("eventline: read dead letters: %w", err)
 	}
 	return out, nil
 }

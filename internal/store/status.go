@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -6,8 +6,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // SkippedWindow is the window GroupStatus.SkippedGapsRecent counts over.
@@ -77,14 +75,13 @@ type statusTables struct {
 	late, deadLetters, previousVersion bool
 }
 
+var statusTablesSQL = statement(`SELECT to_regclass('{schema}.late_events') IS NOT NULL, to_regclass('{schema}.consumer_dead_letters') IS NOT NULL,
+	EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'parked_events' AND column_name = 'previous_version')`)
+
 func (s *Store) statusTables(ctx context.Context, db DBTX) (statusTables, error) {
 	var t statusTables
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
-			EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = $3 AND table_name = 'parked_events' AND column_name = 'previous_version')`,
-		sqlident.Qualify(s.schema, "late_events"), sqlident.Qualify(s.schema, "consumer_dead_letters"), s.schema).
-		Scan(&t.late, &t.deadLetters, &t.previousVersion)
-	if err != nil {
-		return t, fmt.Errorf("versioning: look for the consumer tables: %w", err)
+	if err := db.QueryRow(ctx, s.q(statusTablesSQL), s.schema).Scan(&t.late, &t.deadLetters, &t.previousVersion); err != nil {
+		return t, fmt.Errorf("eventline: look for the consumer tables: %w", err)
 	}
 	return t, nil
 }
@@ -124,64 +121,90 @@ func (s *Store) ReadGroupStatuses(ctx context.Context, db DBTX, opts ReadGroupSt
 	return out, nil
 }
 
-// distinctGroups returns the distinct consumer_group values of table by
-// skipping from one group to the next along its index.
-func distinctGroups(table string) string {
-	return `WITH RECURSIVE g(name) AS (
-		(SELECT consumer_group FROM ` + table + ` ORDER BY consumer_group LIMIT 1)
-		UNION ALL
-		SELECT (SELECT consumer_group FROM ` + table + ` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
-		FROM g WHERE g.name IS NOT NULL
-	) SELECT name FROM g WHERE name IS NOT NULL`
+// The status statements, in a variant per optional table a schema may
+// lack (indexed by statusTables' booleans).
+var (
+	// statusGroupsSQL[late][dead] lists the consumer groups of every
+	// table, skipping from one group to the next along each table's index.
+	statusGroupsSQL [2][2]stmt
+	// statusCountsSQL[late][dead] counts a group's parked, skipped, late
+	// and dead ($1 group, $2 the skipped window in microseconds).
+	statusCountsSQL [2][2]stmt
+	// openGapsSQL[previousVersion]: per aggregate with parked events, the
+	// lowest one, the predecessor it waits for and the aggregate's
+	// version; a gap is open when that predecessor has not been applied
+	// ($1 group, $2 limit).
+	openGapsSQL [2]stmt
+)
+
+func init() {
+	distinctGroups := func(table string) string {
+		return `(WITH RECURSIVE g(name) AS (
+			(SELECT consumer_group FROM {schema}.` + table + ` ORDER BY consumer_group LIMIT 1)
+			UNION ALL
+			SELECT (SELECT consumer_group FROM {schema}.` + table + ` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
+			FROM g WHERE g.name IS NOT NULL
+		) SELECT name FROM g WHERE name IS NOT NULL)`
+	}
+	for late := range 2 {
+		for dead := range 2 {
+			groups := distinctGroups("aggregate_versions") + " UNION " + distinctGroups("parked_events")
+			lateCount, deadCount := "0::bigint", "0::bigint"
+			if late == 1 {
+				groups += " UNION " + distinctGroups("late_events")
+				lateCount = `(SELECT count(*) FROM {schema}.late_events WHERE consumer_group = $1)`
+			}
+			if dead == 1 {
+				groups += " UNION " + distinctGroups("consumer_dead_letters")
+				deadCount = `(SELECT count(*) FROM {schema}.consumer_dead_letters WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested'))`
+			}
+			statusGroupsSQL[late][dead] = statement(`SELECT name FROM (` + groups + `) g ORDER BY name`)
+			statusCountsSQL[late][dead] = statement(`SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
+					(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
+					` + lateCount + `, ` + deadCount + `
+				FROM {schema}.parked_events WHERE consumer_group = $1`)
+		}
+	}
+	for i, previous := range []string{"aggregate_version - 1", "previous_version"} {
+		openGapsSQL[i] = statement(`SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
+				SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
+					EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
+				FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
+						(array_agg(` + previous + ` ORDER BY aggregate_version))[1] AS follows
+					FROM {schema}.parked_events WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
+				LEFT JOIN {schema}.aggregate_versions av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
+				WHERE p.follows > COALESCE(av.version, 0)
+			) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`)
+	}
+}
+
+// b2i is 1 for true.
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func (s *Store) statusGroups(ctx context.Context, db DBTX, t statusTables) ([]string, error) {
-	tables := []string{"aggregate_versions", "parked_events"}
-	if t.late {
-		tables = append(tables, "late_events")
-	}
-	if t.deadLetters {
-		tables = append(tables, "consumer_dead_letters")
-	}
-	q := ""
-	for i, table := range tables {
-		if i > 0 {
-			q += " UNION "
-		}
-		q += "(" + distinctGroups(sqlident.Qualify(s.schema, table)) + ")"
-	}
-	rows, err := db.Query(ctx, `SELECT name FROM (`+q+`) g ORDER BY name`)
+	rows, err := db.Query(ctx, s.q(statusGroupsSQL[b2i(t.late)][b2i(t.deadLetters)]))
 	if err != nil {
-		return nil, fmt.Errorf("versioning: list consumer groups: %w", err)
+		return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
 	}
 	groups, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("versioning: list consumer groups: %w", err)
+		return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
 	}
 	return groups, nil
 }
 
 func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions, t statusTables) (GroupStatus, error) {
 	st := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
-	pe := sqlident.Qualify(s.schema, "parked_events")
-	av := sqlident.Qualify(s.schema, "aggregate_versions")
-	sv := sqlident.Qualify(s.schema, "skipped_versions")
-	late, dead := "0::bigint", "0::bigint"
-	if t.late {
-		late = `(SELECT count(*) FROM ` + sqlident.Qualify(s.schema, "late_events") + ` WHERE consumer_group = $1)`
-	}
-	if t.deadLetters {
-		dead = `(SELECT count(*) FROM ` + sqlident.Qualify(s.schema, "consumer_dead_letters") +
-			` WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested'))`
-	}
 	var oldest float64
-	err := db.QueryRow(ctx, `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
-			(SELECT count(*) FROM `+sv+` WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
-			`+late+`, `+dead+`
-		FROM `+pe+` WHERE consumer_group = $1`, group, SkippedWindow.Microseconds()).
+	err := db.QueryRow(ctx, s.q(statusCountsSQL[b2i(t.late)][b2i(t.deadLetters)]), group, SkippedWindow.Microseconds()).
 		Scan(&st.Parked, &oldest, &st.SkippedGapsRecent, &st.LateHeld, &st.DeadLetters)
 	if err != nil {
-		return st, fmt.Errorf("versioning: read the status of group %q: %w", group, err)
+		return st, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
 	}
 	st.OldestParked = seconds(oldest)
 	if st.Parked == 0 {
@@ -191,24 +214,9 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 	if limit == 0 {
 		limit = DefaultOpenGapsListed
 	}
-	previous := "previous_version"
-	if !t.previousVersion {
-		previous = "aggregate_version - 1"
-	}
-	// Per aggregate with parked events: the lowest one, the predecessor it
-	// waits for and the aggregate's version; a gap is open when that
-	// predecessor has not been applied.
-	rows, err := db.Query(ctx, `SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
-			SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
-				EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
-			FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
-					(array_agg(`+previous+` ORDER BY aggregate_version))[1] AS follows
-				FROM `+pe+` WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
-			LEFT JOIN `+av+` av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
-			WHERE p.follows > COALESCE(av.version, 0)
-		) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`, group, limit)
+	rows, err := db.Query(ctx, s.q(openGapsSQL[b2i(t.previousVersion)]), group, limit)
 	if err != nil {
-		return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+		return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 	}
 	defer rows.Close()
 	first := true
@@ -216,7 +224,7 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 		var g OpenGap
 		var age float64
 		if err := rows.Scan(&g.AggregateType, &g.AggregateID, &g.Current, &g.Follows, &g.Version, &g.Parked, &age, &st.OpenGapCount); err != nil {
-			return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+			return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 		}
 		g.Age = seconds(age)
 		if first {
@@ -227,7 +235,7 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+		return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 	}
 	return st, nil
 }

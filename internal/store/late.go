@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -11,6 +11,105 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+)
+
+// lateCols are the columns collectLate scans.
+const lateCols = `consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, handler, topic,
+	payload, metadata, held_at, attempts, coalesce(last_error, ''), last_attempt_at, next_attempt_at,
+	kind, reason, current_version, apply_requested_at`
+
+var (
+	// A parked event whose version the aggregate ($6 = current
+	// version) has passed moves to late_events, with the reason of
+	// the skip that covers its version, or $5.
+	passParkedSQL = statement(`WITH sk AS (
+			SELECT reason FROM {schema}.skipped_versions WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+				AND $4::bigint BETWEEN from_version AND to_version ORDER BY id DESC LIMIT 1
+		), moved AS (
+			DELETE FROM {schema}.parked_events WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
+			RETURNING *
+		), held AS (
+			INSERT INTO {schema}.late_events (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+				event_type, handler, topic, payload, metadata, kind, reason, current_version)
+			SELECT m.consumer_group, m.event_id, m.aggregate_type, m.aggregate_id, m.aggregate_version, m.previous_version,
+				m.event_type, m.handler, m.topic, m.payload, m.metadata,
+				CASE WHEN EXISTS (SELECT 1 FROM sk) THEN 'arrived_late' ELSE 'passed' END, coalesce((SELECT reason FROM sk), $5), $6::bigint
+			FROM moved m ON CONFLICT DO NOTHING
+		)
+		UPDATE {schema}.processed_events SET outcome = 'late'
+		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_id IN (SELECT event_id FROM moved)`)
+	// A stale event ($4 version <= current) whose version is in
+	// skipped_versions is late: with $13 it is held in late_events;
+	// its dedup outcome becomes $14 (late, or late_applied when the
+	// caller applies it now), else stale. Returns the skip's reason,
+	// NULL when the event is merely stale. ($1 group, $2 type, $3 id,
+	// $5 previous version, $6 event id, $7 event type, $8 handler,
+	// $9 topic, $10 payload, $11 metadata, $12 current version)
+	holdLateSQL = statement(`WITH sk AS (
+			SELECT reason FROM {schema}.skipped_versions WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+				AND $4::bigint BETWEEN from_version AND to_version ORDER BY id DESC LIMIT 1
+		), held AS (
+			INSERT INTO {schema}.late_events (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+				event_type, handler, topic, payload, metadata, kind, reason, current_version)
+			SELECT $1, $6, $2, $3, $4::bigint, $5::bigint, $7, $8, $9, $10, $11, 'arrived_late', sk.reason, $12::bigint
+			FROM sk WHERE $13::boolean ON CONFLICT DO NOTHING RETURNING 1
+		), outcome AS (
+			UPDATE {schema}.processed_events SET outcome = CASE WHEN EXISTS (SELECT 1 FROM sk) THEN $14::text ELSE 'stale' END
+			WHERE consumer_group = $1 AND event_id = $6 AND aggregate_type = $2 AND aggregate_id = $3
+		)
+		SELECT (SELECT reason FROM sk)`)
+	// A stale event that is not late, held as a version conflict
+	// ($1..$12 as for holdLate, $13 the reason); its dedup outcome
+	// becomes late.
+	holdConflictSQL = statement(`WITH held AS (
+			INSERT INTO {schema}.late_events (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+				event_type, handler, topic, payload, metadata, kind, reason, current_version)
+			VALUES ($1, $6, $2, $3, $4::bigint, $5::bigint, $7, $8, $9, $10, $11, 'passed', $13, $12::bigint)
+			ON CONFLICT DO NOTHING
+		)
+		UPDATE {schema}.processed_events SET outcome = 'late' WHERE consumer_group = $1 AND event_id = $6 AND aggregate_type = $2 AND aggregate_id = $3`)
+	// ($1 group, $2 type, $3 id, $4 version, $5 event id to leave out)
+	appliedBySQL = statement(`SELECT event_id FROM {schema}.processed_events
+		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
+			AND event_id <> $5 AND outcome IN ('applied', 'late_applied')
+		ORDER BY processed_at LIMIT 1`)
+	// The default dead letter: the given-up parked event joins the
+	// late events, and its dedup record says late again.
+	holdFailedSQL = statement(`WITH held AS (
+			INSERT INTO {schema}.late_events (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
+				event_type, handler, topic, payload, metadata, kind, reason, current_version,
+				attempts, last_error, last_attempt_at)
+			VALUES ($1, $2, $3, $4, $5::bigint, $6::bigint, $7, $8, $9, $10, $11, 'release_failed', $12, $13::bigint, $14, $15, now())
+			ON CONFLICT DO NOTHING
+		)
+		INSERT INTO {schema}.processed_events (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
+		VALUES ($1, $2, $7, $3, $4, $5::bigint, 'late')
+		ON CONFLICT (consumer_group, event_id, aggregate_type, aggregate_id) DO UPDATE SET outcome = 'late'`)
+	lateOfSQL = statement(`SELECT ` + lateCols + ` FROM {schema}.late_events
+		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+			AND apply_requested_at IS NOT NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+		ORDER BY aggregate_version, held_at LIMIT $4 FOR UPDATE`)
+	failLateSQL = statement(`UPDATE {schema}.late_events SET attempts = $8, last_error = $6, last_attempt_at = now(),
+			next_attempt_at = now() + $7::bigint * interval '1 microsecond'
+		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4 AND event_id = $5`)
+	// doneLate and giveUpLate: ($1 group, $2 event id, $3 type, $4
+	// id), doneLate's outcome $5.
+	doneLateSQL = statement(`WITH gone AS (DELETE FROM {schema}.late_events WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $3 AND aggregate_id = $4 RETURNING event_id)
+		UPDATE {schema}.processed_events SET outcome = $5 WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $3 AND aggregate_id = $4 AND EXISTS (SELECT 1 FROM gone)`)
+	giveUpLateSQL  = statement(`UPDATE {schema}.late_events SET apply_requested_at = NULL WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $3 AND aggregate_id = $4`)
+	requestLateSQL = statement(`UPDATE {schema}.late_events SET apply_requested_at = now(), attempts = 0, next_attempt_at = NULL
+		WHERE consumer_group = $1 AND event_id = ANY($2::text[])`)
+	discardLateSQL = statement(`WITH gone AS (DELETE FROM {schema}.late_events WHERE consumer_group = $1 AND event_id = ANY($2::text[])
+			RETURNING event_id, aggregate_type, aggregate_id),
+		o AS (UPDATE {schema}.processed_events p SET outcome = 'late_discarded' FROM gone g
+			WHERE p.consumer_group = $1 AND p.event_id = g.event_id AND p.aggregate_type = g.aggregate_type AND p.aggregate_id = g.aggregate_id)
+		SELECT count(*) FROM gone`)
+	listLateSQL = statement(`SELECT ` + lateCols + ` FROM {schema}.late_events
+		WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
+		ORDER BY consumer_group, aggregate_type, aggregate_id, aggregate_version, held_at LIMIT $4`)
+	countLateSQL     = statement(`SELECT count(*) FROM {schema}.late_events WHERE consumer_group = $1`)
+	groupsSkippedSQL = statement(`SELECT DISTINCT consumer_group FROM {schema}.skipped_versions
+		WHERE aggregate_type = $1 AND aggregate_id = $2 AND $3::bigint BETWEEN from_version AND to_version ORDER BY consumer_group`)
 )
 
 // LateKind says how an event came to be held in late_events.
@@ -31,7 +130,7 @@ const (
 	LatePassed LateKind = "passed"
 	// LateReleaseFailed: the event was parked and could not be applied
 	// within the release-attempt limit (or failed permanently); the
-	// default DeadLetterFunc holds it here, its version recorded as
+	// gate holds it here (HoldFailed), its version recorded as
 	// skipped.
 	LateReleaseFailed LateKind = "release_failed"
 )
@@ -101,10 +200,10 @@ func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool
 		outcome = dedup.OutcomeLateApplied
 	}
 	var why *string
-	err = tx.QueryRow(ctx, s.q.holdLate, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
+	err = tx.QueryRow(ctx, s.q(holdLateSQL), r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
 		r.Handler, r.Topic, payload, md, r.Current, r.Hold, string(outcome)).Scan(&why)
 	if err != nil {
-		return false, "", contentError(fmt.Errorf("versioning: settle stale event %s: %w", e.ID, err))
+		return false, "", contentError(fmt.Errorf("eventline: settle stale event %s: %w", e.ID, err))
 	}
 	if why == nil {
 		return false, "", nil
@@ -150,10 +249,10 @@ func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reaso
 			"a later event declared an earlier predecessor, or the record of the event that applied it (this one, maybe) expired",
 			ConflictReasonPrefix, e.AggregateVersion, r.Current)
 	}
-	_, err = tx.Exec(ctx, s.q.holdConflict, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
+	_, err = tx.Exec(ctx, s.q(holdConflictSQL), r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
 		r.Handler, r.Topic, payload, md, r.Current, reason)
 	if err != nil {
-		return "", contentError(fmt.Errorf("versioning: hold conflicting event %s: %w", e.ID, err))
+		return "", contentError(fmt.Errorf("eventline: hold conflicting event %s: %w", e.ID, err))
 	}
 	return reason, nil
 }
@@ -166,21 +265,20 @@ func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reaso
 // an index that leads with the aggregate makes it a range scan over that
 // aggregate's records, without one it reads the group's.
 func (s *Store) AppliedBy(ctx context.Context, db DBTX, k Key, version int64, exceptID string) (eventID string, found bool, err error) {
-	err = db.QueryRow(ctx, s.q.appliedBy, k.Group, k.AggregateType, k.AggregateID, version, exceptID).Scan(&eventID)
+	err = db.QueryRow(ctx, s.q(appliedBySQL), k.Group, k.AggregateType, k.AggregateID, version, exceptID).Scan(&eventID)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return "", false, nil
 	}
 	if err != nil {
-		return "", false, fmt.Errorf("versioning: find the event that applied %s v%d: %w", k, version, err)
+		return "", false, fmt.Errorf("eventline: find the event that applied %s v%d: %w", k, version, err)
 	}
 	return eventID, true, nil
 }
 
-// HoldFailed is the default DeadLetterFunc: it keeps a parked event the
-// gate gave up on in late_events (kind release_failed) with reason, and
-// records its dedup outcome as late, so redeliveries are duplicates while
-// an operator decides (`eventline parked late`, `apply-late`,
-// `discard-late`).
+// HoldFailed keeps a parked event the gate gave up on in late_events
+// (kind release_failed) with reason, and records its dedup outcome as
+// late, so redeliveries are duplicates while an operator decides
+// (`eventline parked late`, `apply-late`, `discard-late`).
 func (s *Store) HoldFailed(ctx context.Context, tx pgx.Tx, p Parked, reason string) error {
 	current, err := s.Current(ctx, tx, p.Key())
 	if err != nil {
@@ -194,10 +292,10 @@ func (s *Store) HoldFailed(ctx context.Context, tx pgx.Tx, p Parked, reason stri
 	if md == nil {
 		md = map[string]string{}
 	}
-	_, err = tx.Exec(ctx, s.q.holdFailed, p.Group, p.EventID, p.AggregateType, p.AggregateID, p.Version, p.PreviousVersion,
+	_, err = tx.Exec(ctx, s.q(holdFailedSQL), p.Group, p.EventID, p.AggregateType, p.AggregateID, p.Version, p.PreviousVersion,
 		p.EventType, p.Handler, p.Topic, payload, md, reason, current, p.ReleaseAttempts, p.LastError)
 	if err != nil {
-		return fmt.Errorf("versioning: hold given-up event %s in late_events: %w", p.EventID, err)
+		return fmt.Errorf("eventline: hold given-up event %s in late_events: %w", p.EventID, err)
 	}
 	return nil
 }
@@ -206,8 +304,8 @@ func (s *Store) HoldFailed(ctx context.Context, tx pgx.Tx, p Parked, reason stri
 // (current) to late_events.
 func (s *Store) passParked(ctx context.Context, tx pgx.Tx, p Parked, current int64) error {
 	reason := fmt.Sprintf("the aggregate reached v%d without applying %s: another event claimed its version, or a successor declared an earlier predecessor", current, p.describe())
-	if _, err := tx.Exec(ctx, s.q.passParked, p.Group, p.AggregateType, p.AggregateID, p.Version, reason, current); err != nil {
-		return fmt.Errorf("versioning: move passed parked event %s to late_events: %w", p.EventID, err)
+	if _, err := tx.Exec(ctx, s.q(passParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version, reason, current); err != nil {
+		return fmt.Errorf("eventline: move passed parked event %s to late_events: %w", p.EventID, err)
 	}
 	return nil
 }
@@ -229,9 +327,9 @@ func (s *Store) ListLate(ctx context.Context, db DBTX, f LateFilter) ([]LateEven
 	if f.Limit <= 0 {
 		f.Limit = DefaultListLimit
 	}
-	rows, err := db.Query(ctx, s.q.listLate, f.Group, f.AggregateType, f.AggregateID, f.Limit)
+	rows, err := db.Query(ctx, s.q(listLateSQL), f.Group, f.AggregateType, f.AggregateID, f.Limit)
 	if err != nil {
-		return nil, fmt.Errorf("versioning: list late events: %w", err)
+		return nil, fmt.Errorf("eventline: list late events: %w", err)
 	}
 	return collectLate(rows)
 }
@@ -257,7 +355,7 @@ func collectLate(rows pgx.Rows) ([]LateEvent, error) {
 		return l, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("versioning: read late events: %w", err)
+		return nil, fmt.Errorf("eventline: read late events: %w", err)
 	}
 	return out, nil
 }
@@ -273,9 +371,9 @@ func (s *Store) RequestLateApply(ctx context.Context, db DBTX, group string, eve
 	if group == "" || len(eventIDs) == 0 {
 		return 0, errors.New("versioning.RequestLateApply: the group and at least one event id are required")
 	}
-	tag, err := db.Exec(ctx, s.q.requestLate, group, eventIDs)
+	tag, err := db.Exec(ctx, s.q(requestLateSQL), group, eventIDs)
 	if err != nil {
-		return 0, fmt.Errorf("versioning: request late apply: %w", err)
+		return 0, fmt.Errorf("eventline: request late apply: %w", err)
 	}
 	return int(tag.RowsAffected()), nil
 }
@@ -289,8 +387,8 @@ func (s *Store) DiscardLate(ctx context.Context, db DBTX, group string, eventIDs
 		return 0, errors.New("versioning.DiscardLate: the group and at least one event id are required")
 	}
 	var n int
-	if err := db.QueryRow(ctx, s.q.discardLate, group, eventIDs).Scan(&n); err != nil {
-		return 0, fmt.Errorf("versioning: discard late events: %w", err)
+	if err := db.QueryRow(ctx, s.q(discardLateSQL), group, eventIDs).Scan(&n); err != nil {
+		return 0, fmt.Errorf("eventline: discard late events: %w", err)
 	}
 	return n, nil
 }
@@ -298,8 +396,8 @@ func (s *Store) DiscardLate(ctx context.Context, db DBTX, group string, eventIDs
 // CountLate returns how many events the group holds as late.
 func (s *Store) CountLate(ctx context.Context, db DBTX, group string) (int64, error) {
 	var n int64
-	if err := db.QueryRow(ctx, s.q.countLate, group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("versioning: count late events of %q: %w", group, err)
+	if err := db.QueryRow(ctx, s.q(countLateSQL), group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("eventline: count late events of %q: %w", group, err)
 	}
 	return n, nil
 }
@@ -308,13 +406,13 @@ func (s *Store) CountLate(ctx context.Context, db DBTX, group string) (int64, er
 // an aggregate in skipped_versions: an event with that version reaching
 // them now is late (`eventline dlq replay` warns with it).
 func (s *Store) GroupsThatSkipped(ctx context.Context, db DBTX, aggregateType, aggregateID string, version int64) ([]string, error) {
-	rows, err := db.Query(ctx, s.q.groupsSkipped, aggregateType, aggregateID, version)
+	rows, err := db.Query(ctx, s.q(groupsSkippedSQL), aggregateType, aggregateID, version)
 	if err != nil {
-		return nil, fmt.Errorf("versioning: find groups that skipped %s/%s v%d: %w", aggregateType, aggregateID, version, err)
+		return nil, fmt.Errorf("eventline: find groups that skipped %s/%s v%d: %w", aggregateType, aggregateID, version, err)
 	}
 	groups, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("versioning: find groups that skipped %s/%s v%d: %w", aggregateType, aggregateID, version, err)
+		return nil, fmt.Errorf("eventline: find groups that skipped %s/%s v%d: %w", aggregateType, aggregateID, version, err)
 	}
 	return groups, nil
 }
@@ -326,9 +424,9 @@ func (s *Store) GroupsThatSkipped(ctx context.Context, db DBTX, aggregateType, a
 // (or a permanent one) the request is cleared: the event stays held with
 // its last error for the operator.
 func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOptions, res *SweepResult) error {
-	rows, err := tx.Query(ctx, s.q.lateOf, k.Group, k.AggregateType, k.AggregateID, drainLimit)
+	rows, err := tx.Query(ctx, s.q(lateOfSQL), k.Group, k.AggregateType, k.AggregateID, drainLimit)
 	if err != nil {
-		return fmt.Errorf("versioning: load late events of %s: %w", k, err)
+		return fmt.Errorf("eventline: load late events of %s: %w", k, err)
 	}
 	late, err := collectLate(rows)
 	if err != nil {
@@ -340,8 +438,8 @@ func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOpt
 			return err
 		}
 		if herr == nil {
-			if _, err := tx.Exec(ctx, s.q.doneLate, l.Group, l.EventID, l.AggregateType, l.AggregateID, string(dedup.OutcomeLateApplied)); err != nil {
-				return fmt.Errorf("versioning: remove applied late event %s: %w", l.EventID, err)
+			if _, err := tx.Exec(ctx, s.q(doneLateSQL), l.Group, l.EventID, l.AggregateType, l.AggregateID, string(dedup.OutcomeLateApplied)); err != nil {
+				return fmt.Errorf("eventline: remove applied late event %s: %w", l.EventID, err)
 			}
 			res.LateApplied++
 			continue
@@ -350,12 +448,12 @@ func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOpt
 		p.ReleaseAttempts++
 		p.LastError = herr.Error()
 		res.LateFailed++
-		if err := s.recordFailure(ctx, tx, s.q.failLate, p, opts.backoff(p.ReleaseAttempts)); err != nil {
+		if err := s.recordFailure(ctx, tx, s.q(failLateSQL), p, opts.backoff(p.ReleaseAttempts)); err != nil {
 			return err
 		}
 		if p.ReleaseAttempts >= opts.MaxAttempts || (opts.Permanent != nil && opts.Permanent(herr)) {
-			if _, err := tx.Exec(ctx, s.q.giveUpLate, l.Group, l.EventID, l.AggregateType, l.AggregateID); err != nil {
-				return fmt.Errorf("versioning: clear the apply request of late event %s: %w", l.EventID, err)
+			if _, err := tx.Exec(ctx, s.q(giveUpLateSQL), l.Group, l.EventID, l.AggregateType, l.AggregateID); err != nil {
+				return fmt.Errorf("eventline: clear the apply request of late event %s: %w", l.EventID, err)
 			}
 		}
 	}
