@@ -111,8 +111,8 @@ func readmeRelayRestart(ctx context.Context, pool *pgxpool.Pool, cfg producer.Re
 
 func readmeConsume(ctx context.Context, pool *pgxpool.Pool) error {
 	c, err := consumer.New(pool, consumer.Config{
+		Config:  middleware.Config{Group: "billing"}, // eventline's settings, shared with the middleware: group, retries, policies…
 		Brokers: []string{"kafka:9092"},
-		Group:   "billing",
 		Topics:  []string{"orders"},
 	})
 	if err != nil {
@@ -213,7 +213,7 @@ func readmeUpcasters(pool *pgxpool.Pool, router *message.Router, sub message.Sub
 	}
 
 	// The ready runner: every handler gets version 3.
-	c, err := consumer.New(pool, consumer.Config{Group: "billing", Topics: []string{"orders"}, Upcasters: up})
+	c, err := consumer.New(pool, consumer.Config{Config: middleware.Config{Group: "billing", Upcasters: up}, Topics: []string{"orders"}})
 
 	// Your own Router: the middleware upcasts inside the safe chain, so
 	// parked events and replayed dead letters are upcast too.

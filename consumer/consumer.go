@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/configerr"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/middleware"
 )
@@ -28,17 +29,19 @@ import (
 // tx.
 type HandlerFunc func(ctx context.Context, tx pgx.Tx, e eventline.Event) error
 
-// ErrRunning is returned by Handle and Ignore after Run started, and by a
-// second Run, whether the first is still running or has returned: a
-// Consumer runs once; create a new one to run again.
-var ErrRunning = errors.New("eventline: consumer was already started; register handlers before Run, and run a Consumer once (create a new one to run again)")
-
-// ErrNoHandlers is returned by Run when no handler is registered and no
-// event type ignored: every event would be dead-lettered as unknown.
-var ErrNoHandlers = errors.New("eventline: consumer has no handlers: register them with Handle or HandleJSON (and list the types to skip with Ignore) before Run")
-
-// ErrUnknownEventType is matched by *UnknownEventTypeError.
-var ErrUnknownEventType = errors.New("eventline: no handler for the event type")
+// Errors of the consumer's life: registering handlers and running.
+var (
+	// ErrRunning is returned by Handle and Ignore after Run started, and
+	// by a second Run, whether the first is still running or has returned:
+	// a Consumer runs once; create a new one to run again.
+	ErrRunning = errors.New("eventline: consumer was already started; register handlers before Run, and run a Consumer once (create a new one to run again)")
+	// ErrNoHandlers is returned by Run when no handler is registered and
+	// no event type ignored: every event would be dead-lettered as
+	// unknown.
+	ErrNoHandlers = errors.New("eventline: consumer has no handlers: register them with Handle or HandleJSON (and list the types to skip with Ignore) before Run")
+	// ErrUnknownEventType is matched by *UnknownEventTypeError.
+	ErrUnknownEventType = errors.New("eventline: no handler for the event type")
+)
 
 // UnknownEventTypeError dead-letters an event whose type has no handler. It
 // is permanent.
@@ -78,8 +81,9 @@ type Consumer struct {
 	hard context.Context
 	// sleep, when set, replaces the retry and wait timers (tests).
 	sleep func(ctx context.Context, d time.Duration) error
-	// retry and infra are the retry and database-wait schedules.
-	retry, infra eventline.Backoff
+	// infra is the database-wait schedule, also the consumer's wait for
+	// Kafka when it starts.
+	infra eventline.Backoff
 	// dlq copies dead letters to Config.DeadLetterTopic once Run has
 	// connected it; nil without one.
 	dlq *lazyPublisher
@@ -92,8 +96,8 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 	if nilcheck.IsNil(db) {
 		return nil, errors.New("consumer.New: db is nil: pass the consumer's *pgxpool.Pool")
 	}
-	cfg = cfg.withDefaults()
-	if err := cfg.validate(); err != nil {
+	cfg = cfg.runnerDefaults()
+	if err := cfg.validateRunner(); err != nil {
 		return nil, err
 	}
 	c := &Consumer{
@@ -101,37 +105,21 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 		handlers:   map[string]HandlerFunc{},
 		validators: map[string][]func(eventline.Event) error{},
 		ignored:    map[string]bool{},
-		retry: eventline.Backoff{Initial: cfg.RetryInitialInterval, Max: cfg.RetryMaxInterval, Multiplier: cfg.RetryMultiplier,
-			Jitter: cfg.RetryJitter},
-		infra: eventline.Backoff{Initial: cfg.InfraRetryInitialInterval, Max: cfg.InfraRetryMaxInterval, Multiplier: 2},
+		infra:      cfg.InfraBackoff.Or(middleware.DefaultInfraBackoff),
 	}
-	if c.retry.Jitter == 0 {
-		c.retry.Jitter = middleware.NoJitter // Config.withDefaults turned NoJitter into 0
-	}
-	mcfg := middleware.Config{
-		Group: cfg.Group, Schema: cfg.Schema,
-		GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType, Unversioned: cfg.Unversioned,
-		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap,
-		MaxReleaseAttempts: cfg.MaxReleaseAttempts, Validate: c.validate, Upcasters: cfg.Upcasters,
-		ParkTimeout: cfg.ParkTimeout, SweepInterval: cfg.SweepInterval, TxTimeout: cfg.TxTimeout,
-		MaxRetries: cfg.MaxRetries, Retry: c.retry, InfraBackoff: c.infra,
-		// Outermost first, inside the retries: a context that outlives the
-		// subscriber's (detach), the event-type check, the user's own.
-		Middleware: append([]message.HandlerMiddleware{c.detach, c.knownType}, cfg.Middleware...),
-		Logger:     cfg.Logger, Metrics: cfg.Metrics,
-		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator, MeterProvider: cfg.MeterProvider,
-	}
-	if cfg.MaxRetries == 0 {
-		mcfg.MaxRetries = middleware.NoRetries // Config.withDefaults turned NoRetries into 0
-	}
-	if cfg.DeadLetterTopic != "" {
+	mcfg := cfg.Config
+	mcfg.Validate = c.validate
+	// Outermost first, inside the retries: a context that outlives the
+	// subscriber's (detach), the event-type check, the user's own.
+	mcfg.Middleware = append([]message.HandlerMiddleware{c.detach, c.knownType}, cfg.Middleware...)
+	if cfg.DeadLetterTopic != "" && cfg.DeadLetterPublisher == nil {
 		// The Kafka publisher is connected by Run, once Kafka answers.
 		c.dlq = &lazyPublisher{}
-		mcfg.DeadLetterPublisher, mcfg.DeadLetterTopic = c.dlq, cfg.DeadLetterTopic
+		mcfg.DeadLetterPublisher = c.dlq
 	}
 	el, err := middleware.New(db, mcfg)
 	if err != nil {
-		return nil, fmt.Errorf("consumer.Config: %w", err)
+		return nil, configerr.Rename(err, "consumer.Config")
 	}
 	c.el = el
 	return c, nil
@@ -214,7 +202,7 @@ func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Contex
 // validate is the gate's ValidateFunc: the event's type has a handler (or
 // is ignored), its payload can be upcast to the version the handler reads,
 // and it passes the handler's checks.
-func (c *Consumer) validate(_ context.Context, e eventline.Event) error {
+func (c *Consumer) validate(ctx context.Context, e eventline.Event) error {
 	if c.handlers[e.Type] == nil {
 		if c.ignored[e.Type] {
 			return nil
@@ -236,6 +224,9 @@ func (c *Consumer) validate(_ context.Context, e eventline.Event) error {
 		if err := v(u); err != nil {
 			return err
 		}
+	}
+	if c.cfg.Validate != nil {
+		return c.cfg.Validate(ctx, e)
 	}
 	return nil
 }

@@ -231,7 +231,7 @@ func TestShutdownFinishesInFlightEvent(t *testing.T) {
 func TestConfigErrorsNameTheField(t *testing.T) {
 	t.Parallel()
 	env := pgtest.Pool(t, 1)
-	base := consumer.Config{Brokers: []string{"127.0.0.1:9092"}, Group: "g", Topics: []string{"t"}}
+	base := consumer.Config{Config: middleware.Config{Group: "g"}, Brokers: []string{"127.0.0.1:9092"}, Topics: []string{"t"}}
 	for _, tc := range []struct {
 		mut  func(*consumer.Config)
 		want string
@@ -243,7 +243,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{func(c *consumer.Config) { c.Schema = "x;drop" }, "consumer.Config.Schema"},
 		{func(c *consumer.Config) { c.DeadLetterTopic = "t" }, "consumer.Config.DeadLetterTopic"},
 		{func(c *consumer.Config) { c.GapPolicy = "maybe" }, "GapPolicy"},
-		{func(c *consumer.Config) { c.RetryMultiplier = 0.5 }, "consumer.Config.RetryMultiplier"},
+		{func(c *consumer.Config) { c.Retry.Multiplier = 0.5 }, "consumer.Config.Retry.Multiplier"},
 		{func(c *consumer.Config) { c.ParkTimeout = -time.Second }, "ParkTimeout"},
 		{func(c *consumer.Config) { c.Lanes = -1 }, "consumer.Config.Lanes"},
 		{func(c *consumer.Config) { c.Lanes = consumer.MaxLanes + 1 }, "consumer.Config.Lanes"},
@@ -304,6 +304,6 @@ func TestRunRefusesAConsumerWithoutHandlers(t *testing.T) {
 // untyped nil; before, New accepted it and Run panicked.
 func TestNewRefusesANilPoolPointer(t *testing.T) {
 	var pool *pgxpool.Pool
-	_, err := consumer.New(pool, consumer.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}})
+	_, err := consumer.New(pool, consumer.Config{Config: middleware.Config{Group: "g"}, Brokers: []string{"127.0.0.1:1"}, Topics: []string{"t"}})
 	require.ErrorContains(t, err, "db is nil")
 }

@@ -44,7 +44,7 @@ const (
 // SIGKILL right after an event's transaction committed, before Kafka heard
 // about it (the child auto-commits offsets only once an hour), restarts the
 // consumer and checks that the redelivered events change nothing: once
-// with one event per transaction (watermill-kafka's subscriber), once with
+// with one event per transaction (one lane, batches of one), once with
 // lanes and batches, where the kill lands after a whole batch committed.
 func TestCrashAfterCommitBeforeOffsetCommit(t *testing.T) {
 	t.Parallel()
@@ -189,16 +189,18 @@ func TestCrashChild(t *testing.T) {
 		}
 	}
 	cfg := consumer.Config{
-		Brokers:         kafkaconf.ParseBrokers(os.Getenv(crashBrokersEnv)),
-		Group:           crashGroup,
-		Topics:          []string{os.Getenv(crashTopicEnv)},
-		DeadLetterTopic: os.Getenv(crashDLQEnv),
-		Schema:          env.Schema,
-		SaramaConfig:    sc,
-		Middleware:      []message.HandlerMiddleware{crash},
-		Logger:          quietLogger(),
-		Lanes:           1,
-		BatchSize:       1,
+		Config: middleware.Config{
+			Group:           crashGroup,
+			DeadLetterTopic: os.Getenv(crashDLQEnv),
+			Schema:          env.Schema,
+			Middleware:      []message.HandlerMiddleware{crash},
+			Logger:          quietLogger(),
+		},
+		Brokers:      kafkaconf.ParseBrokers(os.Getenv(crashBrokersEnv)),
+		Topics:       []string{os.Getenv(crashTopicEnv)},
+		SaramaConfig: sc,
+		Lanes:        1,
+		BatchSize:    1,
 	}
 	if os.Getenv(crashBatchedEnv) == "true" {
 		// Batches wait up to a second to fill, so the first ones are full.

@@ -229,10 +229,10 @@ func TestConsumerRetriesOnTheDocumentedSchedule(t *testing.T) {
 	const group = "schedule"
 	cfg := k.config(group)
 	cfg.MaxRetries = 4
-	cfg.RetryInitialInterval = 100 * time.Millisecond
-	cfg.RetryMultiplier = 3
-	cfg.RetryMaxInterval = time.Second
-	cfg.RetryJitter = consumer.NoJitter
+	cfg.Retry.Initial = 100 * time.Millisecond
+	cfg.Retry.Multiplier = 3
+	cfg.Retry.Max = time.Second
+	cfg.Retry.Jitter = middleware.NoJitter
 	c, err := consumer.New(k.Pool, cfg)
 	require.NoError(t, err)
 	var waits []time.Duration

@@ -31,9 +31,9 @@ import (
 // 200 ms.
 func outageBudget(cfg *consumer.Config) {
 	cfg.MaxRetries = 3
-	cfg.RetryInitialInterval = 50 * time.Millisecond
-	cfg.RetryMaxInterval = 200 * time.Millisecond
-	cfg.InfraRetryMaxInterval = time.Second
+	cfg.Retry.Initial = 50 * time.Millisecond
+	cfg.Retry.Max = 200 * time.Millisecond
+	cfg.InfraBackoff.Max = time.Second
 }
 
 // consumerPool is the consumer's pool as the docs recommend it: bounded
@@ -229,8 +229,15 @@ func TestRunStartedWhileKafkaIsUnreachableNamesTheBrokersAndWaits(t *testing.T) 
 	t.Parallel()
 	pool := pgtest.Pool(t, 1)
 	log, warnings := watchLog("eventline: cannot reach the Kafka brokers")
-	c, err := consumer.New(pool, consumer.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Logger: log,
-		InfraRetryInitialInterval: 10 * time.Millisecond, InfraRetryMaxInterval: 50 * time.Millisecond})
+	c, err := consumer.New(pool, consumer.Config{
+		Config: middleware.Config{
+			Group:        "g",
+			Logger:       log,
+			InfraBackoff: eventline.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		},
+		Brokers: []string{"127.0.0.1:1"},
+		Topics:  []string{"t"},
+	})
 	require.NoError(t, err)
 	require.NoError(t, c.Ignore("t.happened"))
 	warned := warnings.Next()
@@ -354,9 +361,10 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 // and consume when Kafka is back. Before, joining the group (or connecting
 // the dead-letter publisher) failed on the first refused connection and
 // Run returned: the consumer stopped for good (the e2e Kafka outage test
-// hit this when its outage began while the consumer started). Every
-// subscriber kind: the laned one with and without a dead-letter topic, and
-// watermill-kafka's (Lanes and BatchSize 1). A stop meanwhile is clean.
+// hit this when its outage began while the consumer started). With and
+// without a dead-letter topic, and with one lane of batches of one (Lanes
+// and BatchSize 1, which once used watermill-kafka's subscriber). A stop
+// meanwhile is clean.
 func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -367,10 +375,10 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 	}{
 		{"laned with dead-letter topic", 0, 0, true, false},
 		{"laned", 0, 0, false, false},
-		{"watermill-kafka", 1, 1, false, false},
+		{"one lane, one event at a time", 1, 1, false, false},
 		{"laned with dead-letter topic stopped", 0, 0, true, true},
 		{"laned stopped", 0, 0, false, true},
-		{"watermill-kafka stopped", 1, 1, false, true},
+		{"one lane, one event at a time stopped", 1, 1, false, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

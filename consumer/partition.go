@@ -18,12 +18,12 @@ import (
 // × batch size need it.
 const minWindow = 256
 
-// haltKey carries, in the contexts of messages the Subscriber delivers,
+// haltKey carries, in the contexts of messages the subscriber delivers,
 // the context that ends when the partition abandons its in-flight
 // messages.
 type haltKey struct{}
 
-// abandonedBy returns the context that ends when the Subscriber abandons
+// abandonedBy returns the context that ends when the subscriber abandons
 // the message of ctx, or one that never ends for other messages.
 func abandonedBy(ctx context.Context) context.Context {
 	if h, ok := ctx.Value(haltKey{}).(context.Context); ok {
@@ -56,7 +56,7 @@ const (
 // records one at a time or in batches and settles their offsets.
 type partitionRun struct {
 	sub       *subscription
-	cfg       SubscriberConfig
+	cfg       subscriberConfig
 	sess      sarama.ConsumerGroupSession
 	topic     string
 	partition int32
@@ -240,16 +240,6 @@ func (l *lane) push(d *record) {
 	}
 }
 
-// pushFront puts deliveries back at the head of the queue, in order.
-func (l *lane) pushFront(ds []*record) {
-	if len(ds) == 0 {
-		return
-	}
-	l.mu.Lock()
-	l.queue = append(append([]*record(nil), ds...), l.queue...)
-	l.mu.Unlock()
-}
-
 // take removes up to n deliveries from the head of the queue.
 func (l *lane) take(n int) []*record {
 	l.mu.Lock()
@@ -341,12 +331,9 @@ type memberResult struct {
 	ack   ack
 }
 
-// deliverBatch delivers first and what is queued behind it as one
-// delivery.Batch. first goes alone; the others follow once it has reached
-// the eventline middleware (Batch.Joined). If it leaves without reaching
-// it, the chain has no such middleware: first counts as a batch of one and
-// the others go back to the queue. (The ready runner, whose chain has it,
-// sends them all at once.)
+// deliverBatch delivers first and what is queued behind it as one batch
+// (internal/delivery.Batch), which the eventline middleware in the chain
+// applies in one transaction.
 func (l *lane) deliverBatch(first *record) {
 	p := l.p
 	cfg := p.cfg
@@ -378,31 +365,14 @@ func (l *lane) deliverBatch(first *record) {
 		}()
 	}
 	add(first)
-	var early []memberResult
-	grow := func() {
-		for _, d := range more {
-			add(d)
-		}
-		l.fill(add, len(members))
+	for _, d := range more {
+		add(d)
 	}
-	if cfg.chainBatches {
-		grow() // the chain is known to contain the eventline middleware
-	} else {
-		select {
-		case <-b.Joined():
-			grow()
-		case r := <-results:
-			early = append(early, r)
-			l.pushFront(more)
-		}
-	}
+	l.fill(add, len(members))
 	b.Seal()
 	b.Run(p.halt)
 	got := make([]ack, len(members))
-	for _, r := range early {
-		got[r.index] = r.ack
-	}
-	for range len(members) - len(early) {
+	for range members {
 		r := <-results
 		got[r.index] = r.ack
 	}

@@ -23,19 +23,19 @@ import (
 
 // Run consumes until ctx ends, then shuts down gracefully and returns nil.
 //
-// It subscribes to Config.Topics in Config.Group with a [Subscriber]: each
-// partition is split into Config.Lanes lanes by aggregate (one aggregate's
-// events stay in one lane, in offset order), and each lane's waiting events,
-// up to Config.BatchSize, are applied in one transaction (see
-// internal/delivery.Batch); with Lanes and BatchSize both 1 it uses
-// watermill-kafka's subscriber, one message per partition at a time. It
-// runs every message through, outermost first: dead-lettering ▸
-// retry (middleware.Retry: permanent errors skip it, database outages wait
-// without spending it) ▸ a detached context ▸ the event-type check ▸
-// Config.Middleware ▸ the eventline middleware (recover ▸ tx ▸ decode ▸
-// dedup ▸ version gate) ▸ the handler registered for the event's type. The
-// sweeper for parked events runs next to it, and replays the dead letters
-// an operator asked to replay (`eventline consumer-dlq replay`).
+// It subscribes to Config.Topics in Config.Group: each partition is split
+// into Config.Lanes lanes by aggregate (one aggregate's events stay in one
+// lane, in offset order), and each lane's waiting events, up to
+// Config.BatchSize, are applied in one transaction (Lanes and BatchSize
+// both 1: one event per partition at a time). It runs every message
+// through the middleware's chain (middleware.Eventline.AddHandler),
+// outermost first: dead-lettering ▸ retries (permanent errors skip them,
+// database outages wait without spending them) ▸ a detached context ▸ the
+// event-type check ▸ Config.Middleware ▸ the eventline transaction (dedup ▸
+// version gate) ▸ the handler registered for the event's type. The sweeper
+// for parked events runs next to it (middleware.Eventline.Run), and replays
+// the dead letters an operator asked to replay (`eventline consumer-dlq
+// replay`).
 //
 // Dead letters are written to the consumer_dead_letters table in the
 // consumer's database, whole and whatever their size, and copied to
@@ -83,10 +83,11 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if ctx.Err() != nil {
 		return nil // cancelled before it started: a clean stop
 	}
-	sub, err := c.subscriber(wlog) // engine_run.go
-	if err != nil {
-		return err
-	}
+	sub := newSubscriber(subscriberConfig{
+		Brokers: cfg.Brokers, Group: cfg.Group, SaramaConfig: cfg.SaramaConfig,
+		Lanes: cfg.Lanes, BatchSize: cfg.BatchSize, BatchLinger: cfg.BatchLinger,
+		CloseTimeout: cfg.ShutdownTimeout, Logger: cfg.Logger,
+	})
 	defer sub.Close()
 	if c.dlq != nil {
 		// Kafka may have gone since waitForKafka: wait for it again.

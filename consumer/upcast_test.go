@@ -163,8 +163,16 @@ func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
 	const group = "billing"
 	var applied []int64
 	newConsumer := func(up *eventline.Upcasters) message.HandlerFunc {
-		c, err := consumer.New(env.Pool, consumer.Config{Brokers: []string{"127.0.0.1:9"}, Group: group, Topics: []string{"orders"},
-			Schema: env.Schema, Upcasters: up, Logger: quietLogger()})
+		c, err := consumer.New(env.Pool, consumer.Config{
+			Config: middleware.Config{
+				Group:     group,
+				Schema:    env.Schema,
+				Upcasters: up,
+				Logger:    quietLogger(),
+			},
+			Brokers: []string{"127.0.0.1:9"},
+			Topics:  []string{"orders"},
+		})
 		require.NoError(t, err)
 		require.NoError(t, consumer.HandleJSON(c, "order.created", func(context.Context, pgx.Tx, eventline.Event, orderV3) error { return nil }))
 		require.NoError(t, c.Handle("order.noted", func(context.Context, pgx.Tx, eventline.Event) error { return nil }))

@@ -164,7 +164,7 @@ func TestAbandonedBatchLetsItsMembersGoAlone(t *testing.T) {
 		_, err := f.handler(a)
 		done <- err
 	}()
-	<-b.Joined()
+	require.Eventually(t, func() bool { return b.Members() == 1 }, 10*time.Second, time.Millisecond, "a reaches the middleware")
 	b.Seal()
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()

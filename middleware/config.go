@@ -15,6 +15,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/configerr"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
@@ -183,33 +184,36 @@ type Config struct {
 }
 
 // withDefaults returns c with every default filled in, or an error naming
-// the first invalid field as middleware.Config.<Field>. It is the one
+// the first invalid field as middleware.Config.<Field> (the consumer names
+// it consumer.Config.<Field>: its Config embeds this one). It is the one
 // validation of the configuration: what it returns is trusted inside.
 func (c Config) withDefaults() (Config, error) {
-	const field = "middleware.Config"
+	const name = "middleware.Config"
+	fail := func(format string, args ...any) (Config, error) { return c, configerr.New(name, format, args...) }
+	wrap := func(err error) (Config, error) { return c, &configerr.Error{Struct: name, Err: err} }
 	if strings.TrimSpace(c.Group) == "" {
-		return c, errors.New(field + ".Group is empty: name the consumer group (dedup records and versions are kept per group)")
+		return fail("Group is empty: name the consumer group (dedup records and versions are kept per group)")
 	}
-	if err := sqlident.Text(field+".Group", c.Group); err != nil {
-		return c, err
+	if err := sqlident.Text("Group", c.Group); err != nil {
+		return wrap(err)
 	}
 	if c.Schema == "" {
 		c.Schema = migrations.DefaultSchema
 	}
-	if err := sqlident.Validate(field+".Schema", c.Schema); err != nil {
-		return c, err
+	if err := sqlident.Validate("Schema", c.Schema); err != nil {
+		return wrap(err)
 	}
-	if err := validateGapPolicies(field, c.GapPolicy, c.PolicyByType); err != nil {
-		return c, err
+	if err := validateGapPolicies(c.GapPolicy, c.PolicyByType); err != nil {
+		return wrap(err)
 	}
-	if err := validateLatePolicies(field, c.LatePolicy, c.LatePolicyByType); err != nil {
-		return c, err
+	if err := validateLatePolicies(c.LatePolicy, c.LatePolicyByType); err != nil {
+		return wrap(err)
 	}
 	c.GapPolicy = or(c.GapPolicy, versioning.DefaultGapPolicy)
 	c.LatePolicy = or(c.LatePolicy, versioning.DefaultLatePolicy)
 	c.Unversioned = or(c.Unversioned, versioning.DefaultUnversionedPolicy)
 	if c.Unversioned != versioning.PassUnversioned && c.Unversioned != versioning.RejectUnversioned {
-		return c, fmt.Errorf("%s.Unversioned %q is unknown: use %q or %q", field, c.Unversioned, versioning.PassUnversioned, versioning.RejectUnversioned)
+		return fail("Unversioned %q is unknown: use %q or %q", c.Unversioned, versioning.PassUnversioned, versioning.RejectUnversioned)
 	}
 	c.MaxGap = or(c.MaxGap, versioning.DefaultMaxGap)
 	c.ParkTimeout = or(c.ParkTimeout, versioning.DefaultParkTimeout)
@@ -219,21 +223,21 @@ func (c Config) withDefaults() (Config, error) {
 	c.TxTimeout = or(c.TxTimeout, DefaultTxTimeout)
 	switch {
 	case c.MaxGap < 0:
-		return c, fmt.Errorf("%s.MaxGap is %d; it must be positive (0 means %d; math.MaxInt64 disables the bound)", field, c.MaxGap, versioning.DefaultMaxGap)
+		return fail("MaxGap is %d; it must be positive (0 means %d; math.MaxInt64 disables the bound)", c.MaxGap, versioning.DefaultMaxGap)
 	case c.ParkTimeout < 0:
-		return c, fmt.Errorf("%s.ParkTimeout is %s; it must be positive (0 means %s)", field, c.ParkTimeout, versioning.DefaultParkTimeout)
+		return fail("ParkTimeout is %s; it must be positive (0 means %s)", c.ParkTimeout, versioning.DefaultParkTimeout)
 	case c.SweepInterval < 0:
-		return c, fmt.Errorf("%s.SweepInterval is %s; it must be positive (0 means %s)", field, c.SweepInterval, versioning.DefaultSweepInterval)
+		return fail("SweepInterval is %s; it must be positive (0 means %s)", c.SweepInterval, versioning.DefaultSweepInterval)
 	case c.SweepBatch < 0:
-		return c, fmt.Errorf("%s.SweepBatch is %d; it must be positive (0 means %d)", field, c.SweepBatch, versioning.DefaultSweepBatch)
+		return fail("SweepBatch is %d; it must be positive (0 means %d)", c.SweepBatch, versioning.DefaultSweepBatch)
 	case c.MaxReleaseAttempts < 0:
-		return c, fmt.Errorf("%s.MaxReleaseAttempts is %d; it must be positive (0 means %d)", field, c.MaxReleaseAttempts, versioning.DefaultMaxReleaseAttempts)
+		return fail("MaxReleaseAttempts is %d; it must be positive (0 means %d)", c.MaxReleaseAttempts, versioning.DefaultMaxReleaseAttempts)
 	case c.MaxRetries < 0 && c.MaxRetries != NoRetries:
-		return c, fmt.Errorf("%s.MaxRetries is %d; use a positive count, 0 for %d, or NoRetries", field, c.MaxRetries, DefaultMaxRetries)
+		return fail("MaxRetries is %d; use a positive count, 0 for %d, or NoRetries", c.MaxRetries, DefaultMaxRetries)
 	case c.TxTimeout < 0 && c.TxTimeout != NoTxTimeout:
-		return c, fmt.Errorf("%s.TxTimeout is %s; it must be positive (0 means %s, NoTxTimeout none)", field, c.TxTimeout, DefaultTxTimeout)
+		return fail("TxTimeout is %s; it must be positive (0 means %s, NoTxTimeout none)", c.TxTimeout, DefaultTxTimeout)
 	case (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == ""):
-		return c, errors.New(field + ".DeadLetterPublisher and DeadLetterTopic go together: set both to copy dead letters to a topic, or neither")
+		return fail("DeadLetterPublisher and DeadLetterTopic go together: set both to copy dead letters to a topic, or neither")
 	}
 	switch c.MaxRetries {
 	case 0:
@@ -255,19 +259,19 @@ func (c Config) withDefaults() (Config, error) {
 		name string
 		b    eventline.Backoff
 	}{{"Retry", c.Retry}, {"InfraBackoff", c.InfraBackoff}, {"ReleaseBackoff", c.ReleaseBackoff}} {
-		if err := b.b.Validate(field + "." + b.name); err != nil {
-			return c, err
+		if err := b.b.Validate(b.name); err != nil {
+			return wrap(err)
 		}
 	}
 	if c.DeadLetterTopic != "" {
 		// Every copy would fail, and copies are best effort: say it now.
 		if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
-			return c, fmt.Errorf("%s.DeadLetterTopic: %w", field, err)
+			return fail("DeadLetterTopic: %w", err)
 		}
 	}
 	for i, m := range c.Middleware {
 		if m == nil {
-			return c, fmt.Errorf("%s.Middleware[%d] is nil", field, i)
+			return fail("Middleware[%d] is nil", i)
 		}
 	}
 	if c.Logger == nil {
@@ -285,7 +289,7 @@ func or[T comparable](v, def T) T {
 	return v
 }
 
-func validateGapPolicies(field string, def versioning.GapPolicy, byType map[string]versioning.GapPolicy) error {
+func validateGapPolicies(def versioning.GapPolicy, byType map[string]versioning.GapPolicy) error {
 	check := func(name string, p versioning.GapPolicy) error {
 		switch p {
 		case versioning.Park, versioning.Apply:
@@ -296,22 +300,22 @@ func validateGapPolicies(field string, def versioning.GapPolicy, byType map[stri
 		return fmt.Errorf("%s %q is unknown: use %q or %q", name, p, versioning.Park, versioning.Apply)
 	}
 	if def != "" {
-		if err := check(field+".GapPolicy", def); err != nil {
+		if err := check("GapPolicy", def); err != nil {
 			return err
 		}
 	}
 	for typ, p := range byType {
 		if typ == "" {
-			return fmt.Errorf("%s.PolicyByType has an empty event type", field)
+			return errors.New("PolicyByType has an empty event type")
 		}
-		if err := check(fmt.Sprintf("%s.PolicyByType[%q]", field, typ), p); err != nil {
+		if err := check(fmt.Sprintf("PolicyByType[%q]", typ), p); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func validateLatePolicies(field string, def versioning.LatePolicy, byType map[string]versioning.LatePolicy) error {
+func validateLatePolicies(def versioning.LatePolicy, byType map[string]versioning.LatePolicy) error {
 	check := func(name string, p versioning.LatePolicy) error {
 		if p != versioning.HoldLate && p != versioning.ApplyLate {
 			return fmt.Errorf("%s %q is unknown: use %q or %q", name, p, versioning.HoldLate, versioning.ApplyLate)
@@ -319,15 +323,15 @@ func validateLatePolicies(field string, def versioning.LatePolicy, byType map[st
 		return nil
 	}
 	if def != "" {
-		if err := check(field+".LatePolicy", def); err != nil {
+		if err := check("LatePolicy", def); err != nil {
 			return err
 		}
 	}
 	for typ, p := range byType {
 		if typ == "" {
-			return fmt.Errorf("%s.LatePolicyByType has an empty event type", field)
+			return errors.New("LatePolicyByType has an empty event type")
 		}
-		if err := check(fmt.Sprintf("%s.LatePolicyByType[%q]", field, typ), p); err != nil {
+		if err := check(fmt.Sprintf("LatePolicyByType[%q]", typ), p); err != nil {
 			return err
 		}
 	}

@@ -206,14 +206,16 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return err
 	}
 	c, err := consumer.New(consumerDB, consumer.Config{
-		Brokers:         k.Brokers,
-		Group:           group,
-		Topics:          []string{accountsTopic},
-		Schema:          cfg.Schema,
-		DeadLetterTopic: dlq,
-		GapPolicy:       versioning.Park,
-		Logger:          log,
-		Metrics:         metrics,
+		Config: middleware.Config{
+			Group:           group,
+			Schema:          cfg.Schema,
+			DeadLetterTopic: dlq,
+			GapPolicy:       versioning.Park,
+			Logger:          log,
+			Metrics:         metrics,
+		},
+		Brokers: k.Brokers,
+		Topics:  []string{accountsTopic},
 	})
 	if err != nil {
 		return err

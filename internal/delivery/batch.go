@@ -37,14 +37,12 @@ type Batch struct {
 	sealed  bool
 	started bool // Run took the members: later arrivals go alone
 
-	joined   chan struct{} // closed when the first member arrives
-	joinOnce sync.Once
-	wake     chan struct{} // cap 1: something changed
+	wake chan struct{} // cap 1: something changed
 }
 
 // NewBatch returns an empty batch.
 func NewBatch() *Batch {
-	return &Batch{joined: make(chan struct{}), wake: make(chan struct{}, 1)}
+	return &Batch{wake: make(chan struct{}, 1)}
 }
 
 // Runner applies the arrivals of one batch (in member order) and answers
@@ -99,13 +97,6 @@ func (b *Batch) Add(ctx context.Context) context.Context {
 	b.slots = append(b.slots, s)
 	return context.WithValue(ctx, batchKey{}, s)
 }
-
-// Joined is closed when a member has reached the middleware: the chain
-// the messages run through has one, so the batch can be filled. A
-// subscriber that cannot know its chain sends the first member alone and
-// the rest only after Joined, so a chain without the middleware still sees
-// a lane's messages one at a time.
-func (b *Batch) Joined() <-chan struct{} { return b.joined }
 
 // Seal closes the batch to new members.
 func (b *Batch) Seal() {
@@ -261,7 +252,6 @@ func (s *Slot) Arrive(owner any, run Runner, msg *message.Message, e eventline.E
 	a := &Arrival{Msg: msg, Event: e, Handler: h, slot: s, owner: owner, run: run, reply: make(chan Reply, 1)}
 	s.arrival = a
 	b.mu.Unlock()
-	b.joinOnce.Do(func() { close(b.joined) })
 	b.poke()
 	r := <-a.reply
 	return r.Out, r.Err, r.Alone

@@ -43,7 +43,7 @@ const (
 )
 
 // TestKafkaOutageLosesNothing runs producer ▸ relay ▸ Kafka ▸ two
-// consumer groups (the laned subscriber, watermill-kafka's), all in this
+// consumer groups (lanes and batches, and one event at a time), all in this
 // process, while events are published continuously (PublishTx), and takes
 // the whole Kafka broker away twice mid-run: first it refuses and resets
 // every connection, then it stops answering without closing any. Neither
@@ -92,8 +92,8 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	require.NoError(t, err)
 	stopRelay := runUntilStopped(t, rel.Run)
 
-	// Two consumer groups, one per subscriber kind: the laned, batching
-	// one (the default) and watermill-kafka's (Lanes and BatchSize 1).
+	// Two consumer groups: lanes and batches (the default), and one lane
+	// of batches of one (Lanes and BatchSize 1).
 	// No park timeout (nothing may be skipped), short network timeouts.
 	type group struct {
 		name, effects string

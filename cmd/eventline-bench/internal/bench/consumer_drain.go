@@ -409,9 +409,16 @@ func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n in
 	defer pool.Close()
 	var c progressCounter
 	cons, err := consumer.New(pool, consumer.Config{
-		Brokers: k.brokers, Group: v.group, Topics: []string{topic}, Schema: schema,
-		Lanes: v.lanes, BatchSize: v.batch,
-		Middleware: []message.HandlerMiddleware{c.middleware}, Logger: quiet,
+		Config: middleware.Config{
+			Group:      v.group,
+			Schema:     schema,
+			Middleware: []message.HandlerMiddleware{c.middleware},
+			Logger:     quiet,
+		},
+		Brokers:   k.brokers,
+		Topics:    []string{topic},
+		Lanes:     v.lanes,
+		BatchSize: v.batch,
 	})
 	if err != nil {
 		return drainResult{}, err

@@ -206,7 +206,7 @@ func (e *env) eventlinePipeline(ctx context.Context, k *kafkaEnv) (*pipeline, er
 		return fail(err)
 	}
 	closers = append(closers, func() error { consPool.Close(); return nil })
-	cons, err := consumer.New(consPool, consumer.Config{Brokers: k.brokers, Group: "bench-e2e-el", Topics: []string{topic}, Schema: schema, Logger: quiet})
+	cons, err := consumer.New(consPool, consumer.Config{Config: middleware.Config{Group: "bench-e2e-el", Schema: schema, Logger: quiet}, Brokers: k.brokers, Topics: []string{topic}})
 	if err != nil {
 		return fail(err)
 	}
