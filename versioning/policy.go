@@ -99,7 +99,7 @@ const (
 	// DefaultSweepBatch is the most aggregates one sweeper pass visits.
 	DefaultSweepBatch = 500
 	// DefaultMaxGap bounds the versions one event that follows v-1 (it
-	// declares no other predecessor, see DeclaresPredecessor) may leave
+	// declares no other predecessor in aggregate_previous_version) may leave
 	// missing in front of it: its previous version minus the highest
 	// version the aggregate has applied or parked. An event that declares
 	// its predecessor waits for that one event and is not bounded: the
@@ -115,7 +115,7 @@ const (
 	DefaultMaxGap int64 = 1000
 	// DefaultMaxReleaseAttempts is how many times a parked (or late) event
 	// whose turn has come is tried before the sweeper gives up on it: a
-	// parked event is then dead-lettered (see DeadLetterFunc) and its
+	// parked event is then given up (held in late_events for the operator) and its
 	// version audited as skipped; a late event stays held, its apply
 	// request cleared.
 	DefaultMaxReleaseAttempts = 10

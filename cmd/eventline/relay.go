@@ -263,7 +263,7 @@ func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr stri
 	}, nil
 }
 
-// groupStatusCollector is versioning.NewStatusCollector (the
+// groupStatusCollector is the consumer groups' status collector (the
 // eventline_group_* gauges) on a schema that may have no consumer tables: a
 // producer-only database whose consumers keep their tables elsewhere. At
 // each scrape it looks for them first; when they are not there it reports
