@@ -23,8 +23,8 @@ import (
 )
 
 // deliverBatch runs msgs through h concurrently as the members of one
-// middleware.Batch, as the consumer's Subscriber does, and returns each
-// member's error.
+// batch (internal/delivery), as the consumer's subscriber does, and
+// returns each member's error.
 func deliverBatch(h message.HandlerFunc, msgs ...*message.Message) []error {
 	return deliverBatchTo(delivery.NewBatch(), h, msgs...)
 }

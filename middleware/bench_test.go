@@ -31,7 +31,7 @@ import (
 //	go test -run '^$' -bench 'BenchmarkBareHandler|BenchmarkMiddleware' -benchtime 5s ./middleware/
 //
 // BenchmarkBareBatch and BenchmarkBatchMiddleware do the same with 16 events
-// per transaction (middleware.Batch). Every benchmark also reports CPU per
+// per transaction (one batch). Every benchmark also reports CPU per
 // event, of this process (go-µs/ev) and of its PostgreSQL backends
 // (pg-µs/ev): on a shared machine those vary much less than events/s.
 //
@@ -222,7 +222,7 @@ func BenchmarkBareBatch(b *testing.B) {
 }
 
 // BenchmarkBatchMiddleware applies benchBatch events per transaction
-// through the composed middleware (middleware.Batch), each member on its
+// through the composed middleware (one batch), each member on its
 // own goroutine as a Router runs them.
 func BenchmarkBatchMiddleware(b *testing.B) {
 	be := newBenchEnv(b)

@@ -37,7 +37,7 @@ type op struct {
 // delayed and reordered events over several aggregates, through the
 // composed middleware on PostgreSQL, with one to three workers in flight
 // at a time, each delivering one event at a time or batches of up to six
-// (middleware.Batch: one transaction; failures, panics, duplicates and
+// (one batch, internal/delivery: one transaction; failures, panics, duplicates and
 // reordered versions of one aggregate inside a batch). Versions are sparse: each event declares the version it
 // follows (aggregate_previous_version), some aggregates skip more than
 // MaxGap versions at a step (never refused: the gate waits for the
@@ -219,7 +219,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	}
 	workers := rapid.IntRange(1, 3).Draw(rt, "workers")
 	// Each worker takes up to batch consecutive deliveries at once and
-	// hands them over as one middleware.Batch (1: one at a time).
+	// hands them over as one batch (1: one at a time).
 	batch := rapid.IntRange(1, 6).Draw(rt, "batch")
 
 	// Execute: workers take ops in order; a failed delivery goes back into
@@ -309,7 +309,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 }
 
 // deliver runs ops through h, alone when there is one, else concurrently
-// as the members of one middleware.Batch, the way the consumer's
+// as the members of one batch, the way the consumer's
 // Subscriber delivers a lane's events. It returns the ops whose delivery
 // failed (to be redelivered).
 func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op, err error) {

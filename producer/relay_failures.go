@@ -96,7 +96,7 @@ func isPermanent(err error) bool { return classify(err) == failPermanent }
 // maxUnavailableWait caps the wait before retrying a message while Kafka is
 // unreachable, as it caps the waits between connection attempts: a shard
 // resumes within 5 s of Kafka's return, however long the outage, as a
-// consumer does (consumer.DefaultInfraRetryMaxInterval).
+// consumer does (middleware.DefaultInfraBackoff.Max).
 const maxUnavailableWait = 5 * time.Second
 
 // unavailableWait is the wait after the n-th failure in a row while Kafka
