@@ -17,9 +17,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/time/rate"
 
+	"github.com/eventline/eventline/internal/pgerr"
 	"github.com/eventline/eventline/internal/startwait"
 	"github.com/eventline/eventline/internal/tracing"
-	"github.com/eventline/eventline/middleware"
 )
 
 type watermillLogger = watermill.LoggerAdapter
@@ -94,7 +94,7 @@ func PoolSizeFor(shards int) int32 { return int32(shards) + relayOwnConns }
 //
 // A database that is unavailable is not a mistake: when the checks fail
 // because PostgreSQL refuses connections, resets them or does not answer
-// within a few seconds (middleware.IsInfrastructure), NewRelay logs a
+// within a few seconds, NewRelay logs a
 // warning and returns the relay anyway, with Shards 0; Run then waits for
 // the database, backing off, and makes the checks before relaying (their
 // configuration errors are then Run's). A relay process started during a
@@ -169,12 +169,12 @@ func (r *Relay) checkOutbox(ctx context.Context) error {
 
 // dbUnavailable reports whether err says PostgreSQL is unavailable (down,
 // restarting, refusing or dropping connections, not answering) rather than
-// misconfigured: the consumer's classification, middleware.IsInfrastructure.
+// misconfigured: the classification the consumer uses too (pgerr).
 func dbUnavailable(err error) bool {
 	if errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrPoolTooSmall) {
 		return false
 	}
-	return errors.Is(err, errNoAnswer) || middleware.IsInfrastructure(err)
+	return errors.Is(err, errNoAnswer) || pgerr.Unavailable(err)
 }
 
 // errNoAnswer marks an outbox check that PostgreSQL did not answer in time.
