@@ -17,8 +17,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/time/rate"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/pgerr"
-	"github.com/eventline/eventline/internal/startwait"
 	"github.com/eventline/eventline/internal/tracing"
 )
 
@@ -180,19 +181,18 @@ func dbUnavailable(err error) bool {
 // errNoAnswer marks an outbox check that PostgreSQL did not answer in time.
 var errNoAnswer = errors.New("no answer from PostgreSQL")
 
+// databaseWait is how a relay waits for an unavailable database: 500ms,
+// doubling, at most 30s.
+var databaseWait = eventline.Backoff{Initial: 500 * time.Millisecond, Multiplier: 2, Max: 30 * time.Second}
+
 // waitForOutbox makes the outbox checks NewRelay could not make, waiting
 // for the database with backoff while it is unavailable. It returns nil
 // once they pass or when ctx ends first (then r.shards is still 0), and
 // the checks' error when it is not an outage (ErrNotMigrated…).
 func (r *Relay) waitForOutbox(ctx context.Context) error {
-	wait := startwait.Policy{
-		First: 500 * time.Millisecond, Max: 30 * time.Second,
-		Unavailable: dbUnavailable,
-		Waiting: func(wait time.Duration, err error) {
-			r.log.Warn("PostgreSQL is unavailable; waiting for it before relaying", "schema", r.cfg.Schema, "retry_in", wait, "err", err)
-		},
-	}
-	return wait.Retry(ctx, func() error { return r.checkOutbox(ctx) })
+	return backoff.Retry(ctx, databaseWait, dbUnavailable, func(wait time.Duration, err error) {
+		r.log.Warn("PostgreSQL is unavailable; waiting for it before relaying", "schema", r.cfg.Schema, "retry_in", wait, "err", err)
+	}, func() error { return r.checkOutbox(ctx) })
 }
 
 // lockNamespace derives an advisory-lock namespace from the schema, so
