@@ -143,13 +143,13 @@ func TestNewRelayConfigProperty(t *testing.T) {
 		bad["MaxPublishRate"] = cfg.MaxPublishRate < 0 || math.IsNaN(cfg.MaxPublishRate)
 		switch rapid.IntRange(0, 3).Draw(rt, "backoff") {
 		case 1:
-			cfg.Backoff = []time.Duration{}
+			cfg.Backoff = eventline.Backoff{Initial: -time.Second}
 			bad["Backoff"] = true
 		case 2:
-			cfg.Backoff = []time.Duration{time.Second, -time.Second}
+			cfg.Backoff = eventline.Backoff{Initial: time.Second, Max: time.Millisecond, Multiplier: math.NaN()}
 			bad["Backoff"] = true
 		case 3:
-			cfg.Backoff = []time.Duration{0, math.MaxInt64}
+			cfg.Backoff = eventline.Backoff{Max: math.MaxInt64}
 		}
 		cfg.ID = rapid.SampledFrom([]string{"", " ", "relay-1", "é", "a\x00b", "\xff", strings.Repeat("r", 10_000)}).Draw(rt, "id")
 		bad["ID"] = strings.ContainsRune(cfg.ID, 0) || cfg.ID == "\xff"

@@ -254,10 +254,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		r.log.Info("PostgreSQL answers; the outbox is ready", "schema", r.cfg.Schema, "shards", r.Shards())
 	}
-	sink, err := r.connectKafka(ctx)
-	if err != nil {
-		return err
-	}
+	sink := r.connectKafka(ctx)
 	if sink == nil {
 		return nil // cancelled while waiting for Kafka
 	}
@@ -325,32 +322,21 @@ func stopCause(ctx, runCtx context.Context) error {
 	return cause
 }
 
-// connectKafka creates the Kafka producer, retrying while the cluster is
-// unreachable. It returns nil, nil if ctx ends first.
-func (r *Relay) connectKafka(ctx context.Context) (*kafkaSink, error) {
-	wait := 500 * time.Millisecond
-	for {
-		sink, err := newKafkaSink(r.cfg.Brokers, r.cfg.producerConfig())
-		if err == nil {
-			return sink, nil
-		}
-		r.log.Warn("Kafka unreachable; retrying", "brokers", strings.Join(r.cfg.Brokers, ","), "retry_in", wait, "err", err)
-		select {
-		case <-ctx.Done():
-			return nil, nil
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, maxUnavailableWait)
-	}
-}
+// kafkaWait is how a relay waits for unreachable Kafka brokers: 500ms,
+// doubling, at most maxUnavailableWait.
+var kafkaWait = eventline.Backoff{Initial: 500 * time.Millisecond, Multiplier: 2, Max: maxUnavailableWait}
 
-func (r *Relay) pause(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-	}
+// connectKafka creates the Kafka producer, retrying while the cluster is
+// unreachable. It returns nil if ctx ends first.
+func (r *Relay) connectKafka(ctx context.Context) *kafkaSink {
+	var sink *kafkaSink
+	_ = backoff.Retry(ctx, kafkaWait, func(error) bool { return true }, func(wait time.Duration, err error) {
+		r.log.Warn("Kafka unreachable; retrying", "brokers", strings.Join(r.cfg.Brokers, ","), "retry_in", wait, "err", err)
+	}, func() (err error) {
+		sink, err = newKafkaSink(r.cfg.Brokers, r.cfg.producerConfig())
+		return err
+	})
+	return sink
 }
 
 func (r *Relay) wake(shard int) {

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -99,14 +100,11 @@ func isPermanent(err error) bool { return classify(err) == failPermanent }
 // consumer does (consumer.DefaultInfraRetryMaxInterval).
 const maxUnavailableWait = 5 * time.Second
 
-// unavailableWait is the wait after the n-th failure in a row while Kafka
-// is unreachable: first, doubling, at most maxUnavailableWait.
-func unavailableWait(first time.Duration, n int) time.Duration {
-	wait := min(first, maxUnavailableWait)
-	for i := 1; i < n && wait < maxUnavailableWait; i++ {
-		wait *= 2
-	}
-	return min(wait, maxUnavailableWait)
+// unavailableBackoff is the schedule of waits while Kafka is unreachable,
+// derived from the relay's Backoff: its first wait, doubling, at most
+// maxUnavailableWait.
+func unavailableBackoff(b eventline.Backoff) eventline.Backoff {
+	return eventline.Backoff{Initial: min(b.Initial, maxUnavailableWait), Multiplier: 2, Max: maxUnavailableWait, Jitter: b.Jitter}
 }
 
 // failureRecord is the retry state of one outbox row.
@@ -115,7 +113,7 @@ type failureRecord struct {
 	// specific to the message, not Kafka being unreachable.
 	attempts int
 	// failures counts every failure in a row; it grows the wait while
-	// Kafka is unreachable (unavailableWait).
+	// Kafka is unreachable (unavailableBackoff).
 	failures    int
 	nextAttempt time.Time
 }
@@ -216,7 +214,7 @@ func (s *shardRunner) finish(t *relayTx) {
 	}
 	if hook := s.relay.cfg.AfterPublish; hook != nil && len(p.delivered) > 0 {
 		if err := hook(s.shard, p.delivered); err != nil {
-			wait := s.relay.cfg.backoffFor(1)
+			wait := backoff.Jittered(s.relay.cfg.Backoff, 1)
 			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "retry_in", wait, "err", err)
 			s.rollback(t)
 			s.setBackoff(wait)
@@ -329,11 +327,11 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 	// A failure of the message walks Backoff by its counted attempts.
 	// Kafka being away says nothing about the message, and the shard must
 	// resume soon after Kafka does, however long it was away: not
-	// Backoff's 10 min but doubling from its first wait, up to the wait
-	// between connection attempts.
-	wait := s.relay.cfg.backoffFor(rec.attempts)
+	// Backoff's 10 min but unavailableBackoff, up to the wait between
+	// connection attempts.
+	wait := backoff.Jittered(s.relay.cfg.Backoff, rec.attempts)
 	if kind == failUnavailable {
-		wait = unavailableWait(s.relay.cfg.Backoff[0], rec.failures)
+		wait = backoff.Jittered(unavailableBackoff(s.relay.cfg.Backoff), rec.failures)
 	}
 	if errors.Is(it.err, breaker.ErrBreakerOpen) {
 		// Sarama's breaker stays open for 10s; retrying sooner only

@@ -26,7 +26,7 @@ import (
 )
 
 // fastRetries makes retry tests quick: a few short waits, three attempts.
-var fastRetries = producer.RelayConfig{Backoff: []time.Duration{10 * time.Millisecond, 20 * time.Millisecond}, MaxAttempts: 3}
+var fastRetries = producer.RelayConfig{Backoff: eventline.Backoff{Initial: 10 * time.Millisecond, Multiplier: 2, Max: 20 * time.Millisecond}, MaxAttempts: 3}
 
 func mustEvent(t *testing.T, aggID, topic string, payload any) eventline.Event {
 	t.Helper()
@@ -182,7 +182,7 @@ func TestRelaySurvivesKafkaDown(t *testing.T) {
 	kafkatest.CreateTopic(t, brokers, topic, 3)
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	cfg := producer.RelayConfig{Brokers: brokers, Backoff: []time.Duration{100 * time.Millisecond, 500 * time.Millisecond, time.Second}, MaxAttempts: 2}
+	cfg := producer.RelayConfig{Brokers: brokers, Backoff: eventline.Backoff{Initial: 100 * time.Millisecond, Multiplier: 5, Max: time.Second}, MaxAttempts: 2}
 	startRelay(t, env, cfg)
 
 	before := publishOrders(t, env, topic, 8, 40, 5)
@@ -219,7 +219,7 @@ func TestRelayWaitsOutBrokerErrors(t *testing.T) {
 
 	fault := cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: -1})
 	events := publishOrders(t, env, topic, 4, 20, 5)
-	cfg := producer.RelayConfig{Brokers: brokers, Backoff: []time.Duration{100 * time.Millisecond}, MaxAttempts: 1}
+	cfg := producer.RelayConfig{Brokers: brokers, Backoff: eventline.Backoff{Initial: 100 * time.Millisecond, Max: 100 * time.Millisecond, Multiplier: 1}, MaxAttempts: 1}
 	startRelay(t, env, cfg)
 	require.NoError(t, fault.Wait(context.Background(), 3))
 	time.Sleep(2 * time.Second) // the fault's duration: the relay keeps failing with MaxAttempts 1 and must not dead-letter
@@ -233,10 +233,10 @@ func TestRelayWaitsOutBrokerErrors(t *testing.T) {
 }
 
 // TestKafkaOutageDoesNotStretchTheRetryWait: while Kafka is unreachable a
-// shard's wait doubles from Backoff's first entry up to 5 s, however long
-// the outage, so it resumes soon after Kafka does. Before, those failures
+// shard's wait doubles from Backoff.Initial up to 5 s, however long the
+// outage, so it resumes soon after Kafka does. Before, those failures
 // walked Backoff like a failing message (up to 10 min by default): here,
-// whose second entry is an hour, the shard stopped retrying after its
+// whose second wait is an hour, the shard stopped retrying after its
 // second failure.
 func TestKafkaOutageDoesNotStretchTheRetryWait(t *testing.T) {
 	t.Parallel()
@@ -250,7 +250,7 @@ func TestKafkaOutageDoesNotStretchTheRetryWait(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	metrics, err := producer.NewRelayMetrics(reg)
 	require.NoError(t, err)
-	cfg := producer.RelayConfig{Brokers: brokers, Backoff: []time.Duration{20 * time.Millisecond, time.Hour}, MaxAttempts: 1, Metrics: metrics}
+	cfg := producer.RelayConfig{Brokers: brokers, Backoff: eventline.Backoff{Initial: 20 * time.Millisecond, Multiplier: 180_000, Max: time.Hour}, MaxAttempts: 1, Metrics: metrics}
 	startRelay(t, env, cfg)
 	require.Eventually(t, func() bool { return metrictest.Sum(t, reg, "eventline_relay_retries_total") >= 4 }, 30*time.Second, 20*time.Millisecond,
 		"the shard keeps retrying while Kafka is unavailable")

@@ -8,6 +8,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -30,14 +32,19 @@ const (
 	// instead of planning each poll again (with the list of the shards
 	// lingering at that instant, 85% of polls were planned).
 	busyWindow = 2 * time.Second
-	// stallPollMax caps the polling interval while every polled shard has
-	// been held back by the xmin horizon for longer than stallFastPhase.
-	stallPollMax   = 20 * time.Millisecond
+	// stallFastPhase is how long the poller keeps polling every
+	// hotPollInterval while every polled shard is held back by the xmin
+	// horizon; after it, it backs off (pollBackoff).
 	stallFastPhase = 2 * time.Second
 	// stallWarnAfter is how long a stall lasts before the relay warns and
 	// names the transaction holding the horizon.
 	stallWarnAfter = 10 * time.Second
 )
+
+// pollBackoff is the poller's interval while every polled shard has been
+// held back by the xmin horizon for longer than stallFastPhase, or its poll
+// failed: hotPollInterval, doubling, at most 20ms.
+var pollBackoff = eventline.Backoff{Initial: hotPollInterval, Multiplier: 2, Max: 20 * time.Millisecond}
 
 // poller looks at the shards that are waiting for rows with one query per
 // interval, and wakes those that have rows they can read. A shard is
@@ -120,8 +127,8 @@ func (p *poller) busy(shards []*shardRunner) []int {
 
 // run polls until ctx ends.
 func (p *poller) run(ctx context.Context) {
-	interval := hotPollInterval
-	t := time.NewTimer(interval)
+	slow := 0 // polls in a row that failed or found every shard stalled
+	t := time.NewTimer(hotPollInterval)
 	defer t.Stop()
 	for {
 		shards := p.watched()
@@ -130,11 +137,11 @@ func (p *poller) run(ctx context.Context) {
 			case <-ctx.Done():
 				return
 			case <-p.kick:
-				interval = hotPollInterval
+				slow = 0
 				continue
 			}
 		}
-		t.Reset(interval)
+		t.Reset(backoff.Delay(pollBackoff, slow+1))
 		select {
 		case <-ctx.Done():
 			return
@@ -149,7 +156,7 @@ func (p *poller) run(ctx context.Context) {
 			if ctx.Err() == nil {
 				p.r.log.Debug("poll outbox shards", "err", err)
 			}
-			interval = min(2*max(interval, time.Millisecond), stallPollMax)
+			slow++
 			continue
 		}
 		allStalled := true
@@ -170,9 +177,9 @@ func (p *poller) run(ctx context.Context) {
 			}
 		}
 		if allStalled {
-			interval = min(2*interval, stallPollMax)
+			slow++
 		} else {
-			interval = hotPollInterval
+			slow = 0
 		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
 )
 
@@ -117,7 +118,7 @@ func (r *Relay) listen(ctx context.Context, ready chan<- error) error {
 	for ctx.Err() == nil {
 		conn, err := r.pool.Acquire(ctx)
 		if err != nil {
-			r.pause(ctx, time.Second)
+			_ = backoff.Sleep(ctx, time.Second)
 			continue
 		}
 		err = r.startListening(ctx, conn.Conn(), first)
@@ -156,7 +157,7 @@ func (r *Relay) listen(ctx context.Context, ready chan<- error) error {
 		// A connection that was listening is closed, not returned to the
 		// pool, so no other user inherits the LISTEN.
 		closeConn(conn)
-		r.pause(ctx, 100*time.Millisecond)
+		_ = backoff.Sleep(ctx, 100*time.Millisecond)
 	}
 	if first {
 		ready <- nil

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -39,11 +40,12 @@ const (
 	setupTimeout = 10 * time.Second
 	// queryRetryInterval is the pause after a failed outbox query.
 	queryRetryInterval = time.Second
-	// restartMinDelay and restartMaxDelay bound the backoff between
-	// restarts of a shard whose relaying stopped unexpectedly.
-	restartMinDelay = 100 * time.Millisecond
-	restartMaxDelay = 30 * time.Second
 )
+
+// restartBackoff is the wait before each restart of a shard whose relaying
+// stopped unexpectedly: 100ms, doubling, at most 30s; a run that lasted
+// longer than Max starts the schedule again.
+var restartBackoff = eventline.Backoff{Initial: 100 * time.Millisecond, Multiplier: 2, Max: 30 * time.Second}
 
 // stopReason says why a shard runner stops.
 type stopReason int32
@@ -191,23 +193,24 @@ func (s *shardRunner) supervise() {
 		default:
 		}
 	}()
-	delay := restartMinDelay
+	restarts := 0
 	for {
 		began := time.Now()
 		err := s.runOnce()
 		if s.stopping() {
 			return
 		}
-		if time.Since(began) > restartMaxDelay {
-			delay = restartMinDelay
+		if time.Since(began) > restartBackoff.Max {
+			restarts = 0
 		}
+		restarts++
+		delay := backoff.Jittered(restartBackoff, restarts)
 		s.relay.metrics.addShardRestart(s.shard)
 		if err == nil {
 			err = errors.New("the forwarder stopped by itself")
 		}
 		s.log.Error("shard relaying stopped unexpectedly; restarting it", "err", err, "retry_in", delay)
 		s.sleep(delay)
-		delay = min(2*delay, restartMaxDelay)
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -214,7 +215,7 @@ func TestRelayNamesAMissingTopic(t *testing.T) {
 	logs := newLogRecorder(t, slog.LevelWarn)
 	startRelay(t, env, producer.RelayConfig{
 		Brokers: brokers, Logger: slog.New(logs),
-		Backoff: []time.Duration{10 * time.Millisecond}, MaxAttempts: 1000, // never dead-lettered here
+		Backoff: eventline.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond, Multiplier: 1}, MaxAttempts: 1000, // never dead-lettered here
 	})
 	hinted := func(l string) bool {
 		return strings.Contains(l, `Kafka topic "`+missing+`" does not exist, and eventline creates no topics`) &&

@@ -199,7 +199,7 @@ func TestNewRelayValidatesConfig(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{})
 	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: []string{"nohostport"}, BatchSize: -1, Backoff: []time.Duration{},
+		Schema: env.Schema, Brokers: []string{"nohostport"}, BatchSize: -1, Backoff: eventline.Backoff{Initial: -time.Second},
 	})
 	require.Error(t, err)
 	for _, field := range []string{"RelayConfig.Brokers", "RelayConfig.BatchSize", "RelayConfig.Backoff"} {

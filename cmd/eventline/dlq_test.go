@@ -44,7 +44,7 @@ func TestDLQListAndReplayThroughTheRelay(t *testing.T) {
 	lost := publish(t, env, missing, "L")[0] // its topic does not exist yet (one aggregate, one topic: another aggregate)
 	later := publish(t, env, topic, "A")
 
-	relay := start(t, relayArgs(env, brokers, "-backoff", "10ms,20ms", "-max-attempts", "2")...)
+	relay := start(t, relayArgs(env, brokers, "-backoff-initial", "10ms", "-backoff-max", "20ms", "-max-attempts", "2")...)
 
 	var dls []deadLetterJSONTest
 	require.Eventually(t, func() bool {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -51,9 +50,10 @@ at once.
 Run as many relays as you like: they share the outbox shards, each shard
 relayed by one of them at a time, and take over the shards of one that dies.
 
-A message that fails to publish is retried after each -backoff wait (the
-last repeats); after -max-attempts failures it is dead-lettered (see
-eventline dlq). Kafka being unreachable never dead-letters: the relay waits.
+A message that fails to publish is retried after a wait of -backoff-initial,
+multiplied by -backoff-multiplier at each retry, at most -backoff-max; after
+-max-attempts failures it is dead-lettered (see eventline dlq). Kafka being
+unreachable never dead-letters: the relay waits.
 
 Relays need session-level connections (they LISTEN): connect them directly
 or through a session-mode pooler; a transaction-mode pooler is refused.
@@ -71,12 +71,14 @@ database"):
   eventline relay advance-sequences   move aggregate sequences past the
                                       versions consumers have seen, after a
                                       failover that lost commits`)
-	cfg := producer.RelayConfig{Backoff: slices.Clone(producer.DefaultBackoff)}
+	var cfg producer.RelayConfig
 	fs.IntVar(&cfg.BatchSize, "batch-size", producer.DefaultBatchSize, "outbox rows read and published per transaction")
 	fs.DurationVar(&cfg.PollInterval, "poll-interval", producer.DefaultPollInterval, "longest an idle shard waits before looking again (inserts wake it at once)")
 	fs.Float64Var(&cfg.MaxPublishRate, "max-publish-rate", 0, "most events per second this relay publishes over all its shards; 0 means no cap")
 	fs.DurationVar(&cfg.RebalanceInterval, "rebalance-interval", producer.DefaultRebalanceInterval, "how often shard ownership is re-checked (bounds a dead relay's takeover time)")
-	fs.Var(&durationsValue{&cfg.Backoff}, "backoff", "comma-separated waits before successive retries of a failed message; the last repeats")
+	fs.DurationVar(&cfg.Backoff.Initial, "backoff-initial", producer.DefaultBackoffInitial, "wait before the first retry of a message that failed to publish")
+	fs.Float64Var(&cfg.Backoff.Multiplier, "backoff-multiplier", producer.DefaultBackoffMultiplier, "factor of each later wait over the one before (at least 1)")
+	fs.DurationVar(&cfg.Backoff.Max, "backoff-max", producer.DefaultBackoffMax, "longest wait between two retries of a message")
 	fs.IntVar(&cfg.MaxAttempts, "max-attempts", producer.DefaultMaxAttempts, "failed publishes of one message before it is dead-lettered")
 	fs.DurationVar(&cfg.RetentionWindow, "retention", producer.DefaultRetentionWindow, "how long relayed rows stay in the outbox before cleanup deletes them")
 	fs.DurationVar(&cfg.CleanupInterval, "cleanup-interval", producer.DefaultCleanupInterval, "how often this relay deletes expired rows from its shards; 0 disables")
@@ -101,6 +103,12 @@ database"):
 		return fs.usageErrorf("-max-publish-rate must not be negative (0 means no cap), got %g", cfg.MaxPublishRate)
 	case cfg.RebalanceInterval <= 0:
 		return fs.usageErrorf("-rebalance-interval must be positive, got %s", cfg.RebalanceInterval)
+	case cfg.Backoff.Initial <= 0:
+		return fs.usageErrorf("-backoff-initial must be positive, got %s", cfg.Backoff.Initial)
+	case !(cfg.Backoff.Multiplier >= 1):
+		return fs.usageErrorf("-backoff-multiplier must be at least 1, got %g", cfg.Backoff.Multiplier)
+	case cfg.Backoff.Max < cfg.Backoff.Initial:
+		return fs.usageErrorf("-backoff-max (%s) must not be below -backoff-initial (%s)", cfg.Backoff.Max, cfg.Backoff.Initial)
 	case cfg.MaxAttempts < 1:
 		return fs.usageErrorf("-max-attempts must be at least 1, got %d", cfg.MaxAttempts)
 	case cfg.RetentionWindow <= 0:

@@ -190,7 +190,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	relay, err := producer.NewRelay(ctx, relayDB, producer.RelayConfig{
 		Schema:      cfg.Schema,
 		Brokers:     k.Brokers,
-		Backoff:     []time.Duration{200 * time.Millisecond},
+		Backoff:     eventline.Backoff{Initial: 200 * time.Millisecond, Max: 200 * time.Millisecond, Multiplier: 1},
 		MaxAttempts: 2,
 		Logger:      log,
 	})

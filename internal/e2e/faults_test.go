@@ -98,7 +98,7 @@ func (r *faultRig) runRelay() {
 	rel, err := producer.NewRelay(context.Background(), r.env.Pool, producer.RelayConfig{
 		Schema: r.env.Schema, Brokers: r.brokers,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
-		Backoff: []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}, MaxAttempts: 3,
+		Backoff: eventline.Backoff{Initial: 20 * time.Millisecond, Multiplier: 2.5, Max: 50 * time.Millisecond}, MaxAttempts: 3,
 		Logger: testLogger(),
 	})
 	require.NoError(r.t, err)

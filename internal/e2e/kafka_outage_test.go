@@ -87,7 +87,7 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{
 		Schema: env.Schema, Brokers: r.brokers, SaramaConfig: sc, Metrics: relayMetrics,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
-		Backoff: []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}, MaxAttempts: 3,
+		Backoff: eventline.Backoff{Initial: 20 * time.Millisecond, Multiplier: 2.5, Max: 50 * time.Millisecond}, MaxAttempts: 3,
 		Logger: testLogger(),
 	})
 	require.NoError(t, err)

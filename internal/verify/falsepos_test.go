@@ -13,6 +13,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -336,8 +337,8 @@ func TestEffectsQueryShapes(t *testing.T) {
 // their comments say.
 func TestDefaultAgesFollowTheComponentsDefaults(t *testing.T) {
 	var relayGivesUp time.Duration
-	for i := 0; i < producer.DefaultMaxAttempts-1; i++ {
-		relayGivesUp += producer.DefaultBackoff[min(i, len(producer.DefaultBackoff)-1)]
+	for n := 1; n < producer.DefaultMaxAttempts; n++ {
+		relayGivesUp += backoff.Delay(eventline.Backoff{Initial: producer.DefaultBackoffInitial, Multiplier: producer.DefaultBackoffMultiplier, Max: producer.DefaultBackoffMax}, n)
 	}
 	require.Equal(t, 156*time.Second, relayGivesUp, "the relay's dead-letter time quoted in DefaultMaxPendingAge's comment")
 	require.Greater(t, verify.DefaultMaxPendingAge, relayGivesUp)
