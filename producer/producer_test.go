@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -251,7 +252,7 @@ func mustTx(t *testing.T, env pgtest.Env) pgx.Tx {
 // New panicked on it.
 func TestNewRefusesANilPool(t *testing.T) {
 	var pool *pgxpool.Pool
-	for _, db := range []producer.DBTX{nil, pool} {
+	for _, db := range []admin.DBTX{nil, pool} {
 		_, err := producer.New(context.Background(), db, producer.Config{})
 		require.ErrorContains(t, err, "db is nil")
 	}

@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"log/slog"
 	"slices"
 	"strings"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgerr"
 	"github.com/eventline/eventline/internal/tracing"
 )
@@ -116,7 +116,7 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		pool:     pool,
 		cfg:      cfg,
 		log:      cfg.Logger.With("component", "eventline.relay", "relay", cfg.ID),
-		lockNS:   lockNamespace(cfg.Schema),
+		lockNS:   outbox.LockNamespace(cfg.Schema),
 		metrics:  cfg.Metrics,
 		tracer:   tracing.New(cfg.TracerProvider, cfg.Propagator),
 		running:  map[int]*shardRunner{},
@@ -148,9 +148,9 @@ const outboxCheckTimeout = 10 * time.Second
 func (r *Relay) checkOutbox(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, outboxCheckTimeout)
 	defer cancel()
-	shards, err := ReadShardCount(cctx, r.pool, r.cfg.Schema)
+	shards, err := outbox.ShardCount(cctx, r.pool, r.cfg.Schema)
 	if err == nil {
-		err = checkLeaseTables(cctx, r.pool, r.cfg.Schema)
+		err = outbox.CheckLeaseTables(cctx, r.pool, r.cfg.Schema)
 	}
 	if err != nil {
 		if cctx.Err() != nil && ctx.Err() == nil {
@@ -193,14 +193,6 @@ func (r *Relay) waitForOutbox(ctx context.Context) error {
 	return backoff.Retry(ctx, databaseWait, dbUnavailable, func(wait time.Duration, err error) {
 		r.log.Warn("PostgreSQL is unavailable; waiting for it before relaying", "schema", r.cfg.Schema, "retry_in", wait, "err", err)
 	}, func() error { return r.checkOutbox(ctx) })
-}
-
-// lockNamespace derives an advisory-lock namespace from the schema, so
-// outboxes in different schemas of one database do not collide.
-func lockNamespace(schema string) int64 {
-	h := fnv.New32a()
-	_, _ = h.Write([]byte("eventline.relay:" + schema))
-	return int64(h.Sum32() & 0x7fffffff)
 }
 
 // Shards returns the number of outbox shards, or 0 while it is not known:
@@ -370,14 +362,16 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 		if len(owned) == 0 {
 			continue
 		}
-		res, err := Cleanup(ctx, r.pool, CleanupConfig{
-			Schema: r.cfg.Schema, Retention: r.cfg.RetentionWindow, BatchSize: r.cfg.CleanupBatchSize, Shards: owned,
-		})
+		deleted, err := outbox.Clean(ctx, r.pool, r.cfg.Schema, owned, r.cfg.RetentionWindow, r.cfg.CleanupBatchSize, 0)
 		if err != nil && ctx.Err() == nil {
 			r.log.Warn("outbox cleanup", "err", err)
 		}
-		if res.Deleted > 0 {
-			r.log.Debug("outbox cleanup", "deleted", res.Deleted)
+		var n int64
+		for _, d := range deleted {
+			n += d
+		}
+		if n > 0 {
+			r.log.Debug("outbox cleanup", "deleted", n)
 		}
 	}
 }

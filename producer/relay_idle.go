@@ -201,7 +201,7 @@ func (s *shardRunner) warnStalled() {
 	s.mu.Unlock()
 	ctx, cancel := context.WithTimeout(s.soft, 5*time.Second)
 	defer cancel()
-	h, err := ReadHorizonHolder(ctx, s.relay.pool)
+	h, err := outbox.ReadHorizonHolder(ctx, s.relay.pool)
 	if err != nil || h == nil {
 		s.log.Warn("relay stalled: committed events wait behind an older open transaction (xmin horizon); find it in pg_stat_activity", "stalled_for", stalled)
 		return

@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -69,20 +68,6 @@ func newLeaseSQL(schema string) leaseSQL {
 		leave: `WITH l AS (DELETE FROM ` + leases + ` WHERE owner = $1)
 			DELETE FROM ` + members + ` WHERE instance = $1`,
 	}
-}
-
-// checkLeaseTables returns ErrNotMigrated when migration 005 is missing.
-func checkLeaseTables(ctx context.Context, db DBTX, schema string) error {
-	var ok bool
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`,
-		sqlident.Qualify(schema, "relay_leases"), sqlident.Qualify(schema, "relay_members")).Scan(&ok)
-	if err != nil {
-		return fmt.Errorf("look for the relay lease tables: %w", err)
-	}
-	if !ok {
-		return fmt.Errorf("%w: schema %q has no relay_leases table (migration 005_relay_leases); run `eventline migrate up` or migrations.Up first", ErrNotMigrated, schema)
-	}
-	return nil
 }
 
 // ownership is the state of the ownership loop.
@@ -389,55 +374,4 @@ func (r *Relay) runner(shard int) *shardRunner {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.running[shard]
-}
-
-// ShardOwner is the relay holding a shard's lease.
-type ShardOwner struct {
-	// Relay is the owner's RelayConfig.ID.
-	Relay string
-	// Instance names the owner's Run: Relay plus a random suffix.
-	Instance string
-	// BackendPID is the PostgreSQL backend pid of the owner's ownership
-	// connection (see pg_stat_activity for the client behind it).
-	BackendPID int32
-	// Epoch counts the shard's takeovers.
-	Epoch int64
-	// ExpiresIn is how long the lease lasts unless renewed.
-	ExpiresIn time.Duration
-}
-
-// ShardOwners returns the shards with an unexpired lease and their
-// owners.
-func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
-	if nilcheck.IsNil(db) {
-		return nil, nilDB("ShardOwners", "db")
-	}
-	if err := sqlident.Validate("schema", schema); err != nil {
-		return nil, err
-	}
-	// Checked first: a failing query would abort the caller's transaction.
-	if err := checkLeaseTables(ctx, db, schema); err != nil {
-		return nil, err
-	}
-	rows, err := db.Query(ctx, `SELECT l.shard, COALESCE(m.relay_id, ''), l.owner, COALESCE(m.backend_pid, 0), l.epoch,
-			EXTRACT(EPOCH FROM l.expires_at - clock_timestamp())::float8
-		FROM `+sqlident.Qualify(schema, "relay_leases")+` l
-		LEFT JOIN `+sqlident.Qualify(schema, "relay_members")+` m ON m.instance = l.owner
-		WHERE l.expires_at > clock_timestamp()`)
-	if err != nil {
-		return nil, fmt.Errorf("read shard owners: %w", err)
-	}
-	defer rows.Close()
-	out := map[int]ShardOwner{}
-	for rows.Next() {
-		var shard int
-		var o ShardOwner
-		var secs float64
-		if err := rows.Scan(&shard, &o.Relay, &o.Instance, &o.BackendPID, &o.Epoch, &secs); err != nil {
-			return nil, err
-		}
-		o.ExpiresIn = time.Duration(secs * float64(time.Second))
-		out[shard] = o
-	}
-	return out, rows.Err()
 }

@@ -41,7 +41,7 @@ func newRelayOffsetsAdapter(schema string, shard int) relayOffsetsAdapter {
 	return relayOffsetsAdapter{
 		DefaultPostgreSQLOffsetsAdapter: outbox.OffsetsAdapter(schema),
 		offsetsTable:                    sqlident.Qualify(schema, outbox.OffsetsTable(shard)),
-		fenceNS:                         lockNamespace(schema + ":fence"),
+		fenceNS:                         outbox.FenceNamespace(schema),
 		shard:                           shard,
 	}
 }

@@ -308,7 +308,7 @@ func (s *shardRunner) setUp() error {
 // It needs the right to signal that backend (same role, or
 // pg_signal_backend); without it the shard waits for the timeout.
 func (s *shardRunner) clearFence(ctx context.Context) {
-	rows, err := s.relay.pool.Query(ctx, s.sql.fenceHolders, lockNamespace(s.relay.cfg.Schema+":fence"), s.shard)
+	rows, err := s.relay.pool.Query(ctx, s.sql.fenceHolders, outbox.FenceNamespace(s.relay.cfg.Schema), s.shard)
 	if err != nil {
 		s.log.Warn("look for a stale read fence", "err", err)
 		return
@@ -337,13 +337,13 @@ func (s *shardRunner) clearFence(ctx context.Context) {
 // `eventline relay rebase-positions`.
 func (s *shardRunner) checkPosition(ctx context.Context) {
 	s.lastPositionCheck = time.Now()
-	c, err := checkPosition(ctx, s.relay.pool, s.relay.cfg.Schema, s.shard)
+	c, err := outbox.CheckPosition(ctx, s.relay.pool, s.relay.cfg.Schema, s.shard)
 	if err != nil {
 		return
 	}
 	s.relay.metrics.setPositionAhead(s.shard, c.Ahead())
 	if c.Ahead() {
-		s.log.Error("nothing on this shard can be relayed: "+ErrPositionAhead.Error()+"; stop the relays and run `eventline relay rebase-positions` (see the README, \"Moving the database\")",
+		s.log.Error("nothing on this shard can be relayed: "+outbox.ErrPositionAhead.Error()+"; stop the relays and run `eventline relay rebase-positions` (see the README, \"Moving the database\")",
 			"position_xid", c.Position, "newest_row_xid", c.NewestRow, "cluster_next_xid", c.Counter)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -62,7 +63,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 			brokers := kafkatest.Brokers(t)
 			topic := kafkatest.Topic(t, "orders")
 			kafkatest.CreateTopic(t, brokers, topic, 3)
-			events := publishOrders(t, env, topic, 4, 20, 5)
+			events := relaytest.PublishOrders(t, env, topic, 4, 20, 5)
 
 			proxy, err := faultproxy.Start(pgtest.Addr())
 			require.NoError(t, err)
@@ -93,7 +94,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 			require.Empty(t, logs.at(slog.LevelError))
 
 			proxy.Set(faultproxy.Pass)
-			counts := distinct(readTopic(t, brokers, topic, len(events), time.Minute))
+			counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, len(events), time.Minute))
 			require.Len(t, counts, len(events), "the relay relays once the database answers")
 			require.Equal(t, env.Shards, r.Shards())
 			stop()
@@ -116,7 +117,7 @@ func TestRelayStartedDuringADatabaseOutageStillRefusesAnUnmigratedSchema(t *test
 	pool := proxiedPool(t, proxy, producer.PoolSizeFor(4))
 	newRelay := func(schema string) *producer.Relay {
 		r, err := producer.NewRelay(context.Background(), pool, producer.RelayConfig{
-			Schema: schema, Brokers: []string{"127.0.0.1:1"}, Logger: testLogger(t),
+			Schema: schema, Brokers: []string{"127.0.0.1:1"}, Logger: relaytest.Logger(t),
 		})
 		require.NoError(t, err)
 		return r
@@ -210,10 +211,10 @@ func TestRelayNamesAMissingTopic(t *testing.T) {
 	_, brokers := kafkatest.Fake(t) // like a production cluster: no topic created on first use
 	missing := kafkatest.Topic(t, "missing")
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	events := publishOrders(t, env, missing, 1, 1, 1)
+	events := relaytest.PublishOrders(t, env, missing, 1, 1, 1)
 
 	logs := newLogRecorder(t, slog.LevelWarn)
-	startRelay(t, env, producer.RelayConfig{
+	relaytest.Start(t, env, producer.RelayConfig{
 		Brokers: brokers, Logger: slog.New(logs),
 		Backoff: eventline.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond, Multiplier: 1}, MaxAttempts: 1000, // never dead-lettered here
 	})
@@ -239,5 +240,5 @@ func TestRelayNamesAMissingTopic(t *testing.T) {
 	}
 
 	kafkatest.CreateTopic(t, brokers, missing, 1)
-	require.Len(t, distinct(readTopic(t, brokers, missing, len(events), time.Minute)), len(events), "published once the topic exists")
+	require.Len(t, relaytest.Distinct(relaytest.ReadTopic(t, brokers, missing, len(events), time.Minute)), len(events), "published once the topic exists")
 }

@@ -9,11 +9,11 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/producer"
 )
 
 // deadLetterJSONTest mirrors the documented JSON of `dlq list -json`.
@@ -133,7 +133,7 @@ func TestDLQReplayByIDAndAll(t *testing.T) {
 	out = ok(t, env.Schema, "dlq", "replay", "--all")
 	require.Contains(t, out, "replayed 2 dead letters")
 	require.Equal(t, 3, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table))
-	st, err := producer.ReadStatus(ctx, env.Pool, env.Schema)
+	st, err := admin.ReadOutboxStatus(ctx, env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.Zero(t, st.DeadLetters)
 	require.EqualValues(t, 3, st.Backlog())

@@ -8,11 +8,11 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/producer"
 )
 
 func init() {
@@ -68,7 +68,7 @@ tables. Run it before starting producers, relays or consumers.`)
 			applied++
 		}
 	}
-	n, err := producer.ReadShardCount(ctx, pool, g.schema)
+	n, err := admin.ReadShardCount(ctx, pool, g.schema)
 	if err != nil {
 		return err
 	}
@@ -186,7 +186,7 @@ func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, tar
 					m.Version, m.Name, plural(n, "dead letter"))
 			}
 		case "outbox":
-			st, err := producer.ReadStatus(ctx, pool, schema)
+			st, err := admin.ReadOutboxStatus(ctx, pool, schema)
 			if err != nil {
 				return fmt.Errorf("read outbox status before rollback: %w", err)
 			}

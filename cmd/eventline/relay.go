@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -203,7 +204,7 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 			return err
 		}
 		qctx, cancel := context.WithTimeout(ctx, connectTimeout) // a server that stops answering is unavailable too
-		shards, err := producer.ReadShardCount(qctx, conn, globalsOf(ctx).schema)
+		shards, err := admin.ReadShardCount(qctx, conn, globalsOf(ctx).schema)
 		cancel()
 		_ = conn.Close(context.WithoutCancel(ctx))
 		if err != nil {
@@ -236,8 +237,12 @@ func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr stri
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
+	outboxStatus, err := admin.NewStatusCollector(pool, cfg.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
 	for _, c := range []prometheus.Collector{
-		producer.NewStatusCollector(pool, cfg.Schema),
+		outboxStatus,
 		&groupStatusCollector{Collector: groups, db: pool, schema: cfg.Schema},
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
@@ -155,11 +156,11 @@ query start). It reads a consistent snapshot and changes nothing.`)
 // readStatus gathers the report in one snapshot.
 func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, error) {
 	rep := statusReport{Schema: schema, Groups: []groupReport{}}
-	st, err := producer.ReadStatus(ctx, tx, schema)
+	st, err := admin.ReadOutboxStatus(ctx, tx, schema)
 	if err != nil {
 		return rep, err
 	}
-	owners, err := producer.ShardOwners(ctx, tx, schema)
+	owners, err := admin.ShardOwners(ctx, tx, schema)
 	if errors.Is(err, producer.ErrNotMigrated) {
 		rep.Warnings = append(rep.Warnings, "the relay lease tables are missing (migration 005_relay_leases is not applied): relays cannot run; run `eventline migrate up`")
 	} else if err != nil {
@@ -177,7 +178,7 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		sr := shardReport{Shard: s.Shard, Backlog: s.Backlog, OldestPendingSeconds: s.OldestPending.Seconds(), Stored: s.Stored,
 			PositionAhead: s.PositionAhead, HeldBack: s.HeldBack}
 		if s.PositionAhead {
-			rep.Warnings = append(rep.Warnings, fmt.Sprintf("shard %d: %v; nothing on it is relayed: stop the relays and run `eventline relay rebase-positions`", s.Shard, producer.ErrPositionAhead))
+			rep.Warnings = append(rep.Warnings, fmt.Sprintf("shard %d: %v; nothing on it is relayed: stop the relays and run `eventline relay rebase-positions`", s.Shard, admin.ErrPositionAhead))
 		}
 		if h := st.HorizonHolder; h != nil && s.HeldBack > 0 {
 			pid := h.PID

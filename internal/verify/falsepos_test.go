@@ -12,6 +12,7 @@ import (
 	"pgregory.net/rapid"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
@@ -35,7 +36,7 @@ func TestReplayedDeadLetterIsPendingAgain(t *testing.T) {
 	one(t, rep, "x", verify.DeadLetter, verify.Problem, 1)
 	require.EqualValues(t, 1, group(t, rep, "billing").DeadLettered)
 
-	n, err := producer.ReplayDeadLetters(f.ctx, f.env.Pool, f.env.Schema)
+	n, err := admin.ReplayDeadLetters(f.ctx, f.env.Pool, f.env.Schema)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
 	rep = f.run(verify.Config{Groups: []string{"billing"}, GroupTopics: map[string][]string{"billing": {f.topic}}})
