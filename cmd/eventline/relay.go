@@ -14,9 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 func init() {
@@ -83,7 +81,7 @@ database"):
 	fs.IntVar(&cfg.MaxAttempts, "max-attempts", producer.DefaultMaxAttempts, "failed publishes of one message before it is dead-lettered")
 	fs.DurationVar(&cfg.RetentionWindow, "retention", producer.DefaultRetentionWindow, "how long relayed rows stay in the outbox before cleanup deletes them")
 	fs.DurationVar(&cfg.CleanupInterval, "cleanup-interval", producer.DefaultCleanupInterval, "how often this relay deletes expired rows from its shards; 0 disables")
-	fs.IntVar(&cfg.CleanupBatchSize, "cleanup-batch", producer.DefaultCleanupBatchSize, "most rows one cleanup DELETE removes")
+	fs.IntVar(&cfg.CleanupBatchSize, "cleanup-batch", producer.DefaultCleanupBatchSize, "most rows one cleanup statement removes")
 	fs.StringVar(&cfg.ID, "id", "", "this relay's name in logs (default <hostname>-<pid>)")
 	partitioner := fs.String("partitioner", string(producer.DefaultPartitioner), "how aggregate ids map to Kafka partitions: murmur2 (Kafka's own, as the Java client and franz-go) or fnv1a (Sarama's, the relay's default before murmur2); every relay of one outbox must use the same, see the README before changing it")
 	fs.IntVar(&cfg.MaxMessageBytes, "max-message-bytes", producer.DefaultMaxMessageBytes, "largest Kafka record the relay sends; larger events are dead-lettered")
@@ -225,25 +223,24 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 
 // serveMetrics serves the relay's metrics, the outbox status, the consumer
 // groups' status (when the schema has the consumer tables, see
-// groupStatusCollector) and the Go runtime's collectors at addr/metrics,
-// setting cfg.Metrics. A server that
-// fails while running cancels ctx through cancel. stop shuts it down.
+// admin.NewGroupStatusCollector) and the Go runtime's collectors at
+// addr/metrics, setting cfg.Metrics. A server that fails while running
+// cancels ctx through cancel. stop shuts it down.
 func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr string, pool *pgxpool.Pool, cfg *producer.RelayConfig) (stop func(), err error) {
 	reg := prometheus.NewRegistry()
 	if cfg.Metrics, err = producer.NewRelayMetrics(reg); err != nil {
 		return nil, err
 	}
-	groups, err := versioning.NewStatusCollector(pool, cfg.Schema)
-	if err != nil {
-		return nil, fmt.Errorf("register metrics: %w", err)
-	}
 	outboxStatus, err := admin.NewStatusCollector(pool, cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
+	groups, err := admin.NewGroupStatusCollector(pool, cfg.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("register metrics: %w", err)
+	}
 	for _, c := range []prometheus.Collector{
-		outboxStatus,
-		&groupStatusCollector{Collector: groups, db: pool, schema: cfg.Schema},
+		outboxStatus, groups,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
@@ -273,34 +270,4 @@ func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr stri
 		_ = srv.Shutdown(sctx)
 		<-done
 	}, nil
-}
-
-// groupStatusCollector is versioning.NewStatusCollector (the
-// eventline_group_* gauges) on a schema that may have no consumer tables: a
-// producer-only database whose consumers keep their tables elsewhere. At
-// each scrape it looks for them first; when they are not there it reports
-// no eventline_group_* series at all (not eventline_group_status_up 0,
-// which would page for nothing). When the look-up itself fails (the
-// database is unavailable) the status collector runs and reports
-// eventline_group_status_up 0. A scrape never fails on it.
-type groupStatusCollector struct {
-	prometheus.Collector
-	db     *pgxpool.Pool
-	schema string
-}
-
-// groupStatusTimeout bounds the look-up for the consumer tables.
-const groupStatusTimeout = 5 * time.Second
-
-func (c *groupStatusCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), groupStatusTimeout)
-	defer cancel()
-	// 002_consumer creates both; versioning.ReadGroupStatuses works from it on.
-	var absent bool
-	err := c.db.QueryRow(ctx, `SELECT to_regclass($1) IS NULL AND to_regclass($2) IS NULL`,
-		sqlident.Qualify(c.schema, "aggregate_versions"), sqlident.Qualify(c.schema, "parked_events")).Scan(&absent)
-	if err == nil && absent {
-		return
-	}
-	c.Collector.Collect(ch)
 }
