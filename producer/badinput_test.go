@@ -75,7 +75,7 @@ func TestRelayRunsAtTheLongestRebalanceInterval(t *testing.T) {
 	env := pgtest.New(t, pgtest.Options{})
 	brokers := kafkatest.Brokers(t)
 	r, _ := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, RebalanceInterval: 24 * time.Hour, PollInterval: 24 * time.Hour})
-	require.Eventually(t, func() bool { return len(r.OwnedShards()) == env.Shards }, 30*time.Second, 20*time.Millisecond,
+	require.Eventually(t, func() bool { return len(producer.OwnedShards(r)) == env.Shards }, 30*time.Second, 20*time.Millisecond,
 		"the relay never took its shards")
 	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
 		Schema: env.Schema, Brokers: brokers, RebalanceInterval: 24*time.Hour + 1,

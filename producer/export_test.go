@@ -17,3 +17,9 @@ func SetLeaseTimerHook(f func(schema string, shard int)) (restore func()) {
 	leaseTimerHook.Store(&f)
 	return func() { leaseTimerHook.Store(nil) }
 }
+
+// OwnedShards returns the shards r is relaying now, in order.
+func OwnedShards(r *Relay) []int { return r.ownedShards() }
+
+// ShardCount returns r's shard count, or 0 while it is not known.
+func ShardCount(r *Relay) int { return r.shardCount() }

@@ -102,10 +102,6 @@ func (c Config) validate() error {
 // envelope's headers of a small event.
 const minMaxMessageBytes = 1024
 
-// ErrNotMigrated is returned by New and NewRelay when the schema has no
-// outbox (or, for a relay, lacks a later migration's tables).
-var ErrNotMigrated = outbox.ErrNotMigrated
-
 // Producer writes events into the transactional outbox. It is safe for
 // concurrent use and holds no connections of its own.
 type Producer struct {
@@ -134,11 +130,8 @@ func New(ctx context.Context, db interface {
 	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema)}, nil
 }
 
-// Shards returns the number of outbox shards.
-func (p *Producer) Shards() int { return p.shards }
-
-// ShardFor returns the outbox shard an aggregate's events are written to.
-func (p *Producer) ShardFor(aggregateType, aggregateID string) int {
+// shardFor returns the outbox shard an aggregate's events are written to.
+func (p *Producer) shardFor(aggregateType, aggregateID string) int {
 	return outbox.ShardFor(aggregateType, aggregateID, p.shards)
 }
 

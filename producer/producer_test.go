@@ -66,7 +66,7 @@ func TestPublishTxCommitsAndRollsBackWithCallerTx(t *testing.T) {
 
 	// The row lands in the aggregate's shard, as a forwarder envelope for
 	// the default topic carrying the envelope metadata.
-	shard := p.ShardFor("order", "2")
+	shard := outbox.ShardFor("order", "2", env.Shards)
 	var payload []byte
 	require.NoError(t, env.Pool.QueryRow(ctx, `SELECT payload FROM `+sqlident.Qualify(env.Schema, outbox.Table(shard))).Scan(&payload))
 	var envelope struct {

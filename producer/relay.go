@@ -66,14 +66,6 @@ type Relay struct {
 	exited chan struct{}
 }
 
-// ErrRelayRunning is returned by a second call to Relay.Run, whether the
-// first is still running or has returned.
-var ErrRelayRunning = errors.New("eventline: relay was already started; a Relay runs once (create a new one to run again)")
-
-// ErrPoolTooSmall is returned by NewRelay when the pool cannot hold the
-// connections a relay needs; the error says how many.
-var ErrPoolTooSmall = errors.New("eventline: the relay's pool is too small")
-
 // relayOwnConns is the number of connections a relay uses besides one per
 // shard it relays: the ownership connection, the LISTEN connection, and
 // one for short statements (idle checks, failure records, cleanup).
@@ -95,10 +87,9 @@ func PoolSizeFor(shards int) int32 { return int32(shards) + relayOwnConns }
 //
 // A database that is unavailable is not a mistake: when the checks fail
 // because PostgreSQL refuses connections, resets them or does not answer
-// within a few seconds, NewRelay logs a
-// warning and returns the relay anyway, with Shards 0; Run then waits for
-// the database, backing off, and makes the checks before relaying (their
-// configuration errors are then Run's). A relay process started during a
+// within a few seconds, NewRelay logs a warning and returns the relay
+// anyway; Run then waits for the database, backing off, and makes the
+// checks before relaying (their configuration errors are then Run's). A relay process started during a
 // database restart or failover thus starts relaying when the database
 // answers, and stops cleanly if asked to before. NewRelay still returns
 // the error if ctx ends during the checks.
@@ -195,17 +186,18 @@ func (r *Relay) waitForOutbox(ctx context.Context) error {
 	}, func() error { return r.checkOutbox(ctx) })
 }
 
-// Shards returns the number of outbox shards, or 0 while it is not known:
-// NewRelay found the database unavailable and Run has not reached it yet.
-func (r *Relay) Shards() int {
+// shardCount returns the number of outbox shards, or 0 while it is not
+// known: NewRelay found the database unavailable and Run has not reached it
+// yet.
+func (r *Relay) shardCount() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.shards
 }
 
-// OwnedShards returns the shards this relay is relaying now, in order (not
+// ownedShards returns the shards this relay is relaying now, in order (not
 // those it is releasing).
-func (r *Relay) OwnedShards() []int {
+func (r *Relay) ownedShards() []int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	out := make([]int, 0, len(r.running))
@@ -244,7 +236,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.log.Info("relay stopped before the database answered")
 			return nil
 		}
-		r.log.Info("PostgreSQL answers; the outbox is ready", "schema", r.cfg.Schema, "shards", r.Shards())
+		r.log.Info("PostgreSQL answers; the outbox is ready", "schema", r.cfg.Schema, "shards", r.shardCount())
 	}
 	sink := r.connectKafka(ctx)
 	if sink == nil {
@@ -358,7 +350,7 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 			return
 		case <-ticker.C:
 		}
-		owned := r.OwnedShards()
+		owned := r.ownedShards()
 		if len(owned) == 0 {
 			continue
 		}

@@ -19,8 +19,17 @@ import (
 	"github.com/eventline/eventline/migrations"
 )
 
-// Defaults for RelayConfig.
+// Defaults for Config and RelayConfig.
 const (
+	// DefaultMaxMessageBytes is the largest Kafka record, as Sarama sizes it,
+	// that the producer accepts into the outbox and the relay sends: 1 MiB,
+	// Sarama's own default for Producer.MaxMessageBytes and the Kafka Java
+	// producer's max.request.size. The producer (Config.MaxMessageBytes) and the
+	// relay (RelayConfig.MaxMessageBytes) must use the same value, so that
+	// nothing enters the outbox that the relay can never send; the brokers'
+	// message.max.bytes (or the topic's max.message.bytes) must admit it too
+	// (Kafka's default, 1,048,588 bytes, does).
+	DefaultMaxMessageBytes = 1024 * 1024
 	// DefaultBatchSize is how many outbox rows one relay transaction reads
 	// and publishes before recording its progress.
 	DefaultBatchSize = 500

@@ -143,7 +143,7 @@ func (o *ownership) tick(ctx context.Context) error {
 	share := (r.shards + live - 1) / live
 	r.metrics.setLiveRelays(live)
 
-	owned := r.OwnedShards()
+	owned := r.ownedShards()
 	// A lease still held without a runner: the runner stopped when its
 	// local deadline passed before a late renewal came through, or after a
 	// failure. Relay it again if the share allows, else let it go.

@@ -233,7 +233,7 @@ func TestTakeoverWhileTheOwnerStillRuns(t *testing.T) {
 	}
 	a, stopA := relaytest.Run(t, env.Pool, withID(cfg, "a"))
 	b, stopB := relaytest.Run(t, env.Pool, withID(cfg, "b"))
-	owned := func() int { return len(a.OwnedShards()) + len(b.OwnedShards()) }
+	owned := func() int { return len(producer.OwnedShards(a)) + len(producer.OwnedShards(b)) }
 	require.Eventually(t, func() bool { return owned() == env.Shards }, 10*time.Second, 10*time.Millisecond)
 	rounds := 20
 	if testing.Short() {

@@ -18,14 +18,6 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 )
 
-// ErrSessionPooling is returned by Relay.Run when its connections go
-// through a pooler that hands out server connections per transaction or
-// statement (PgBouncer's pool_mode = transaction or statement): LISTEN
-// and session settings do not survive there. Connect relays to PostgreSQL
-// directly or through a session-mode pool; producers and consumers need
-// no session and work through any pooler.
-var ErrSessionPooling = errors.New("eventline: the relay's connections go through a transaction- or statement-mode pooler; relays need session-level connections: connect them directly to PostgreSQL or through a pool in session mode (PgBouncer pool_mode = session)")
-
 // probeTimeout bounds the wait for the listener's own probe notification.
 const probeTimeout = 2 * time.Second
 

@@ -76,7 +76,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 				PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
 			})
 			require.NoError(t, err, "an unavailable database is not a configuration error")
-			require.Zero(t, r.Shards(), "the shard count is not known yet")
+			require.Zero(t, producer.ShardCount(r), "the shard count is not known yet")
 
 			done, stop := runInBackground(t, r)
 			waits := func() int {
@@ -96,7 +96,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 			proxy.Set(faultproxy.Pass)
 			counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, len(events), time.Minute))
 			require.Len(t, counts, len(events), "the relay relays once the database answers")
-			require.Equal(t, env.Shards, r.Shards())
+			require.Equal(t, env.Shards, producer.ShardCount(r))
 			stop()
 			require.NoError(t, <-done)
 			done <- nil
@@ -177,7 +177,7 @@ func TestRelayRunStopsCleanlyAtTheCallersDeadline(t *testing.T) {
 			defer cancel(nil)
 			done := make(chan error, 1)
 			go func() { done <- r.Run(ctx) }()
-			require.Eventually(t, func() bool { return len(r.OwnedShards()) == env.Shards }, time.Minute, 10*time.Millisecond)
+			require.Eventually(t, func() bool { return len(producer.OwnedShards(r)) == env.Shards }, time.Minute, 10*time.Millisecond)
 			cancel(cause) // what a context.WithTimeout does when its time is up
 			select {
 			case err := <-done:

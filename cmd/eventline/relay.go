@@ -136,7 +136,7 @@ database"):
 	log := logger(ctx)
 	cfg.Logger = log
 
-	pool, err := openRelayPool(ctx)
+	pool, shards, err := openRelayPool(ctx)
 	if err != nil {
 		return err
 	}
@@ -163,11 +163,7 @@ database"):
 		}
 		return err
 	}
-	if n := relay.Shards(); n > 0 {
-		log.Info("relay started", "schema", cfg.Schema, "shards", n, "brokers", cfg.Brokers)
-	} else { // the database went away again since openRelayPool: Run waits for it
-		log.Info("relay started", "schema", cfg.Schema, "brokers", cfg.Brokers)
-	}
+	log.Info("relay started", "schema", cfg.Schema, "shards", shards, "brokers", cfg.Brokers)
 	announce := context.AfterFunc(runCtx, func() {
 		log.Info("relay stopping: finishing the batches in flight (interrupt again to exit at once)")
 	})
@@ -191,18 +187,19 @@ const metricsScrapeConns = 2
 
 // openRelayPool opens a pool large enough for a relay that owns every
 // shard (producer.PoolSizeFor: one connection per shard and three for the
-// relay's own use) and metricsScrapeConns for metrics scrapes. While the database is
-// unavailable it waits for it (waitForDatabase); it returns nil, nil if ctx
-// ends first.
-func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
+// relay's own use) and metricsScrapeConns for metrics scrapes, and returns
+// it with the shard count. While the database is unavailable it waits for
+// it (waitForDatabase); it returns a nil pool if ctx ends first.
+func openRelayPool(ctx context.Context) (*pgxpool.Pool, int, error) {
 	var pool *pgxpool.Pool
+	var shards int
 	err := waitForDatabase(ctx, "relaying", func() error {
 		conn, err := connectOnce(ctx)
 		if err != nil {
 			return err
 		}
 		qctx, cancel := context.WithTimeout(ctx, connectTimeout) // a server that stops answering is unavailable too
-		shards, err := admin.ReadShardCount(qctx, conn, globalsOf(ctx).schema)
+		shards, err = admin.ReadShardCount(qctx, conn, globalsOf(ctx).schema)
 		cancel()
 		_ = conn.Close(context.WithoutCancel(ctx))
 		if err != nil {
@@ -212,13 +209,13 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 		return err
 	})
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	if ctx.Err() != nil && pool != nil {
 		pool.Close()
-		return nil, nil
+		return nil, 0, nil
 	}
-	return pool, nil
+	return pool, shards, nil
 }
 
 // serveMetrics serves the relay's metrics, the outbox status, the consumer
