@@ -119,8 +119,7 @@ type failureRecord struct {
 }
 
 func loadFailures(ctx context.Context, pool *pgxpool.Pool, schema string, shard int) (map[string]failureRecord, error) {
-	rows, err := pool.Query(ctx, `SELECT outbox_uuid, attempts, next_attempt_at FROM `+
-		sqlident.Qualify(schema, "relay_failures")+` WHERE shard = $1`, shard)
+	rows, err := pool.Query(ctx, sqlident.SQL(schema, `SELECT outbox_uuid, attempts, next_attempt_at FROM {schema}.relay_failures WHERE shard = $1`), shard)
 	if err != nil {
 		return nil, fmt.Errorf("shard %d: load relay failures: %w", shard, err)
 	}
@@ -279,8 +278,7 @@ func (s *shardRunner) record(ctx context.Context, tx pgx.Tx, p settlePlan) error
 		}
 	}
 	if len(p.cleared) > 0 {
-		if _, err := tx.Exec(ctx, `DELETE FROM `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+
-			` WHERE shard = $1 AND outbox_uuid = ANY($2)`, s.shard, p.cleared); err != nil {
+		if _, err := tx.Exec(ctx, s.sql.clearFailures, s.shard, p.cleared); err != nil {
 			return fmt.Errorf("clear relay failures: %w", err)
 		}
 	}
@@ -302,10 +300,7 @@ func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item)
 	if it.err != nil {
 		lastErr = it.err.Error()
 	}
-	_, err := tx.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "dead_letters")+` (
-			shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
-			destination_topic, payload, metadata, attempts, last_error, dead_reason)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::json, $10::json, $11, $12, $13)`,
+	_, err := tx.Exec(ctx, s.sql.deadLetter,
 		s.shard, it.outboxUUID, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion,
 		topic, nullJSON(it.payload), nullJSON(it.storedMetadata()), attempts, lastErr, it.deadReason)
 	if err != nil {
@@ -346,10 +341,7 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 	s.relay.metrics.addRetry(s.shard)
 	s.log.Warn("publish failed; the shard waits and retries", "event_id", it.event.ID, "topic", it.topic,
 		"attempts", rec.attempts, "failures", rec.failures, "retry_in", wait, "err", it.err)
-	_, err := s.relay.pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+`
-			(shard, outbox_uuid, attempts, last_error, next_attempt_at) VALUES ($1, $2, $3, $4, $5)
-		ON CONFLICT (shard, outbox_uuid) DO UPDATE SET
-			attempts = excluded.attempts, last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at`,
+	_, err := s.relay.pool.Exec(ctx, s.sql.recordFailure,
 		s.shard, it.outboxUUID, rec.attempts, it.err.Error(), rec.nextAttempt)
 	if err != nil {
 		s.log.Warn("persist relay failure", "err", err)

@@ -36,37 +36,36 @@ type leaseSQL struct {
 }
 
 func newLeaseSQL(schema string) leaseSQL {
-	leases := sqlident.Qualify(schema, "relay_leases")
-	members := sqlident.Qualify(schema, "relay_members")
-	ttl := `clock_timestamp() + make_interval(secs => $3)`
+	q := func(query string) string { return sqlident.SQL(schema, query) }
 	return leaseSQL{
 		// $1 instance, $2 relay id, $3 lease seconds. Renews the member row
 		// and every unexpired lease of the instance; returns the shards
 		// still held and the backend pid (the same on every renewal unless
 		// a pooler hands out server connections per transaction).
-		renew: `WITH m AS (
-				INSERT INTO ` + members + ` (instance, relay_id, backend_pid, expires_at) VALUES ($1, $2, pg_backend_pid(), ` + ttl + `)
+		renew: q(`WITH m AS (
+				INSERT INTO {schema}.relay_members (instance, relay_id, backend_pid, expires_at)
+				VALUES ($1, $2, pg_backend_pid(), clock_timestamp() + make_interval(secs => $3))
 				ON CONFLICT (instance) DO UPDATE SET expires_at = excluded.expires_at, backend_pid = excluded.backend_pid
 			), l AS (
-				UPDATE ` + leases + ` SET expires_at = ` + ttl + `
+				UPDATE {schema}.relay_leases SET expires_at = clock_timestamp() + make_interval(secs => $3)
 				WHERE owner = $1 AND expires_at > clock_timestamp() RETURNING shard
 			)
-			SELECT pg_backend_pid(), COALESCE((SELECT array_agg(shard) FROM l), '{}')`,
-		live: `SELECT count(*) FROM ` + members + ` WHERE expires_at > clock_timestamp()`,
+			SELECT pg_backend_pid(), COALESCE((SELECT array_agg(shard) FROM l), '{}')`),
+		live: q(`SELECT count(*) FROM {schema}.relay_members WHERE expires_at > clock_timestamp()`),
 		// $1 shard count: shards without an unexpired lease.
-		free: `SELECT s FROM generate_series(0, $1 - 1) s
-			WHERE NOT EXISTS (SELECT 1 FROM ` + leases + ` l WHERE l.shard = s AND l.expires_at > clock_timestamp())`,
+		free: q(`SELECT s FROM generate_series(0, $1 - 1) s
+			WHERE NOT EXISTS (SELECT 1 FROM {schema}.relay_leases l WHERE l.shard = s AND l.expires_at > clock_timestamp())`),
 		// $1 shard, $2 instance, $3 lease seconds. Takes the shard if its
 		// lease is missing or expired; concurrent takers of one shard
 		// serialize on its row and only the first gets it.
-		take: `INSERT INTO ` + leases + ` AS l (shard, owner, expires_at) VALUES ($1, $2, clock_timestamp() + make_interval(secs => $3))
+		take: q(`INSERT INTO {schema}.relay_leases AS l (shard, owner, expires_at) VALUES ($1, $2, clock_timestamp() + make_interval(secs => $3))
 			ON CONFLICT (shard) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at,
 				acquired_at = clock_timestamp(), epoch = l.epoch + 1
 			WHERE l.expires_at <= clock_timestamp() OR l.owner = excluded.owner
-			RETURNING epoch`,
-		release: `DELETE FROM ` + leases + ` WHERE shard = $1 AND owner = $2`,
-		leave: `WITH l AS (DELETE FROM ` + leases + ` WHERE owner = $1)
-			DELETE FROM ` + members + ` WHERE instance = $1`,
+			RETURNING epoch`),
+		release: q(`DELETE FROM {schema}.relay_leases WHERE shard = $1 AND owner = $2`),
+		leave: q(`WITH l AS (DELETE FROM {schema}.relay_leases WHERE owner = $1)
+			DELETE FROM {schema}.relay_members WHERE instance = $1`),
 	}
 }
 

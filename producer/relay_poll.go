@@ -11,7 +11,6 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 const (
@@ -184,6 +183,16 @@ func (p *poller) run(ctx context.Context) {
 	}
 }
 
+// pollShardSQL says whether the row after a shard's position ($1 the
+// relays' consumer group) can be read, NULL when there is none. LATERAL
+// makes the position a parameter of the index scan: a plain join would
+// filter every row from the start.
+const pollShardSQL = `(SELECT x.readable FROM {offsets} o CROSS JOIN LATERAL (
+	SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) AS readable FROM {messages} m
+	WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+	ORDER BY m.transaction_id, m."offset" LIMIT 1) x
+	WHERE o.consumer_group = $1)`
+
 type pollResult int
 
 const (
@@ -206,15 +215,7 @@ func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult,
 	if !ok {
 		parts := make([]string, len(busy))
 		for i, shard := range busy {
-			messages := sqlident.Qualify(p.r.cfg.Schema, outbox.Table(shard))
-			offsets := sqlident.Qualify(p.r.cfg.Schema, outbox.OffsetsTable(shard))
-			// LATERAL makes the position a parameter of the index scan:
-			// a plain join would filter every row from the start.
-			parts[i] = `(SELECT x.readable FROM ` + offsets + ` o CROSS JOIN LATERAL (
-				SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) AS readable FROM ` + messages + ` m
-				WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
-				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
-				WHERE o.consumer_group = $1)`
+			parts[i] = outbox.SQL(p.r.cfg.Schema, shard, pollShardSQL)
 		}
 		q = `SELECT ARRAY[` + strings.Join(parts, ", ") + `]::bool[]`
 		if len(p.sql) > 256 {

@@ -64,12 +64,13 @@ func NilHandle(db any) bool {
 }
 
 // SQL renders query for one shard of the outbox in schema: {messages} and
-// {offsets} become the shard's tables (watermill-sql's names), {schema}
-// the quoted schema.
+// {offsets} become the shard's tables (watermill-sql's names), {shard} its
+// number, {schema} the quoted schema.
 func SQL(schema string, shard int, query string) string {
 	query = strings.NewReplacer(
 		"{messages}", sqlident.Qualify(schema, Table(shard)),
 		"{offsets}", sqlident.Qualify(schema, OffsetsTable(shard)),
+		"{shard}", strconv.Itoa(shard),
 	).Replace(query)
 	return sqlident.SQL(schema, query)
 }
