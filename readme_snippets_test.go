@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
@@ -66,7 +67,7 @@ func readmePublishReturning(ctx context.Context, tx pgx.Tx, prod *producer.Produ
 }
 
 func readmeRelayPool(ctx context.Context, pool *pgxpool.Pool, databaseURL string) (*pgxpool.Pool, error) {
-	shards, err := producer.ReadShardCount(ctx, pool, "eventline") // the schema's shard count; pool: any pool or connection to the database
+	shards, err := admin.ReadShardCount(ctx, pool, "eventline") // the schema's shard count; pool: any pool or connection to the database
 	if err != nil {
 		return nil, err
 	}

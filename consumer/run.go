@@ -16,8 +16,8 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
-	"github.com/eventline/eventline/internal/startwait"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -125,7 +125,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if cfg.DeadLetterTopic != "" {
 		// Kafka may have gone since waitForKafka: wait for it again.
 		var pub *kafka.Publisher
-		err := c.kafkaWait(ctx).Retry(ctx, func() (err error) {
+		err := c.kafkaWait(ctx)(func() (err error) {
 			pub, err = kafka.NewPublisher(kafka.PublisherConfig{
 				Brokers:               cfg.Brokers,
 				Marshaler:             kafka.NewWithPartitioningMarshaler(deadLetterKey),
@@ -160,7 +160,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	chain := c.chain(dl)
 	for _, topic := range cfg.Topics {
 		name := HandlerName(cfg.Group, topic)
-		router.AddConsumerHandler(name, topic, waitingSubscriber{Subscriber: sub, ctx: ctx, wait: c.kafkaWait(ctx)}, func(msg *message.Message) error {
+		router.AddConsumerHandler(name, topic, waitingSubscriber{Subscriber: sub, wait: c.kafkaWait(ctx)}, func(msg *message.Message) error {
 			_, err := chain(msg)
 			return err
 		})
@@ -278,15 +278,10 @@ func stoppedOnItsOwn(ctx context.Context, err error) error {
 // failing: a consumer started during a database restart or failover starts
 // consuming when the database answers. It returns nil if ctx ends first.
 func (c *Consumer) checkSchema(ctx context.Context) error {
-	wait := startwait.Policy{
-		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
-		Unavailable: middleware.IsInfrastructure,
-		Waiting: func(wait time.Duration, err error) {
-			c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
-				"group", c.cfg.Group, "wait", wait, "error", err)
-		},
-	}
-	return wait.Retry(ctx, func() error { return middleware.CheckMigrated(ctx, c.db, c.cfg.Schema) })
+	return backoff.Retry(ctx, c.infraBackoff(), middleware.IsInfrastructure, func(wait time.Duration, err error) {
+		c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
+			"group", c.cfg.Group, "wait", wait, "error", err)
+	}, func() error { return middleware.CheckMigrated(ctx, c.db, c.cfg.Schema) })
 }
 
 // waitForKafka connects to the brokers. While none answers it waits,
@@ -299,7 +294,7 @@ func (c *Consumer) checkSchema(ctx context.Context) error {
 func (c *Consumer) waitForKafka(ctx context.Context) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
 	var client sarama.Client
-	err := c.kafkaWait(ctx).Retry(ctx, func() (err error) {
+	err := c.kafkaWait(ctx)(func() (err error) {
 		client, err = sarama.NewClient(c.cfg.Brokers, kafkaconf.Consumer("eventline-check-"+c.cfg.Group))
 		return err
 	})
@@ -334,37 +329,39 @@ func (c *Consumer) waitForKafka(ctx context.Context) error {
 // kafkaWait is how a starting consumer waits for Kafka: every error but a
 // Sarama configuration error means the brokers are unavailable; each wait
 // is logged with the brokers' names.
-func (c *Consumer) kafkaWait(ctx context.Context) startwait.Policy {
+func (c *Consumer) kafkaWait(ctx context.Context) func(try func() error) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
-	return startwait.Policy{
-		First: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval,
-		Unavailable: func(err error) bool {
-			var mistake sarama.ConfigurationError
-			return !errors.As(err, &mistake) && !errors.Is(err, errSubscriberClosed)
-		},
-		Waiting: func(wait time.Duration, err error) {
-			c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
-				"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
-				"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
-		},
+	unavailable := func(err error) bool {
+		var mistake sarama.ConfigurationError
+		return !errors.As(err, &mistake) && !errors.Is(err, errSubscriberClosed)
 	}
+	waiting := func(wait time.Duration, err error) {
+		c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
+			"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
+			"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
+	}
+	return func(try func() error) error { return backoff.Retry(ctx, c.infraBackoff(), unavailable, waiting, try) }
+}
+
+// infraBackoff is how a starting consumer waits for its database or Kafka.
+func (c *Consumer) infraBackoff() eventline.Backoff {
+	return eventline.Backoff{Initial: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval, Multiplier: 2}
 }
 
 // waitingSubscriber subscribes with the subscriber it wraps, waiting (the
 // wait policy) while Kafka is unavailable: Kafka may go between
 // waitForKafka and the router's Subscribe, which joins the consumer group.
 // Once subscribed, both subscribers rejoin by themselves after an outage.
-// ctx is Run's: when it ends, Subscribe gives up and returns a closed
-// channel.
+// wait runs under Run's ctx: when it ends, Subscribe gives up and returns
+// a closed channel.
 type waitingSubscriber struct {
 	message.Subscriber
-	ctx  context.Context
-	wait startwait.Policy
+	wait func(try func() error) error
 }
 
 func (s waitingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	var out <-chan *message.Message
-	err := s.wait.Retry(s.ctx, func() (err error) {
+	err := s.wait(func() (err error) {
 		out, err = s.Subscriber.Subscribe(ctx, topic)
 		return err
 	})

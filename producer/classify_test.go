@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 )
 
 // Outages and producer-state hiccups must never count towards dead-lettering
@@ -45,8 +46,8 @@ func TestClassify(t *testing.T) {
 	}
 }
 
-// While Kafka is unreachable a shard's wait doubles from Backoff's first
-// entry up to 5 s, so it resumes within 5 s of Kafka's return. Before,
+// While Kafka is unreachable a shard's wait doubles from Backoff.Initial
+// up to 5 s, so it resumes within 5 s of Kafka's return. Before,
 // the cap was 30 s: after a 20 s outage the relay caught up 7–13 s late
 // (internal/e2e.TestKafkaOutageLosesNothing).
 func TestUnavailableWaitDoublesUpToFiveSeconds(t *testing.T) {
@@ -63,8 +64,8 @@ func TestUnavailableWaitDoublesUpToFiveSeconds(t *testing.T) {
 		{20 * time.Millisecond, 3, 80 * time.Millisecond},
 		{time.Minute, 1, 5 * time.Second},
 	} {
-		if got := unavailableWait(c.first, c.n); got != c.want {
-			t.Errorf("unavailableWait(%s, %d) = %s, want %s", c.first, c.n, got, c.want)
+		if got := backoff.Delay(unavailableBackoff(eventline.Backoff{Initial: c.first}), c.n); got != c.want {
+			t.Errorf("unavailable wait %d from %s = %s, want %s", c.n, c.first, got, c.want)
 		}
 	}
 }

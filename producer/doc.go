@@ -22,8 +22,9 @@
 // accepted a message but before the outbox recorded it means the message is
 // sent again, never lost.
 //
-// After moving the database to another cluster, see [RebasePositions]; after
-// a failover that lost commits, [AdvanceSequences].
+// After moving the database to another cluster, see admin.RebasePositions;
+// after a failover that lost commits, admin.AdvanceSequences. The admin
+// package holds every operator action (status, dead letters, cleanup).
 //
 // Tracing: PublishTx stores the caller's trace context (traceparent,
 // tracestate, baggage) with each event; a relay given

@@ -10,23 +10,13 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
-
-// DBTX is the smallest database handle the producer needs to read its
-// configuration; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
-type DBTX interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
 
 // Config configures a Producer.
 type Config struct {
@@ -112,9 +102,6 @@ func (c Config) validate() error {
 // envelope's headers of a small event.
 const minMaxMessageBytes = 1024
 
-// ErrNotMigrated is returned by New when the schema has no outbox.
-var ErrNotMigrated = errors.New("eventline: outbox schema is not migrated")
-
 // Producer writes events into the transactional outbox. It is safe for
 // concurrent use and holds no connections of its own.
 type Producer struct {
@@ -126,51 +113,25 @@ type Producer struct {
 // New returns a Producer for the outbox in cfg.Schema, reading its shard
 // count from the database. The schema must have been migrated
 // (migrations.Up or `eventline migrate up`).
-func New(ctx context.Context, db DBTX, cfg Config) (*Producer, error) {
-	if nilcheck.IsNil(db) {
+func New(ctx context.Context, db interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}, cfg Config) (*Producer, error) {
+	if outbox.NilHandle(db) {
 		return nil, errors.New("producer.New: db is nil: pass the producer's *pgxpool.Pool (or a pgx.Tx or *pgx.Conn)")
 	}
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	shards, err := ReadShardCount(ctx, db, cfg.Schema)
+	shards, err := outbox.ShardCount(ctx, db, cfg.Schema)
 	if err != nil {
 		return nil, err
 	}
 	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema)}, nil
 }
 
-// ReadShardCount returns the number of outbox shards recorded in schema.
-func ReadShardCount(ctx context.Context, db DBTX, schema string) (int, error) {
-	if nilcheck.IsNil(db) {
-		return 0, errors.New("producer.ReadShardCount: db is nil: pass a *pgxpool.Pool (or a pgx.Tx or *pgx.Conn)")
-	}
-	if err := sqlident.Validate("producer.ReadShardCount schema", schema); err != nil {
-		return 0, err
-	}
-	var shards int
-	err := db.QueryRow(ctx, `SELECT shards FROM `+sqlident.Qualify(schema, "outbox_config")).Scan(&shards)
-	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000") || errors.Is(err, pgx.ErrNoRows) {
-			return 0, fmt.Errorf("%w: schema %q has no outbox_config; run `eventline migrate up` or migrations.Up first", ErrNotMigrated, schema)
-		}
-		return 0, fmt.Errorf("read outbox shard count: %w", err)
-	}
-	return shards, nil
-}
-
-// nilDB is the error for a nil database handle passed as arg to fn.
-func nilDB(fn, arg string) error {
-	return fmt.Errorf("producer.%s: %s is nil: pass a *pgxpool.Pool (or a *pgx.Conn)", fn, arg)
-}
-
-// Shards returns the number of outbox shards.
-func (p *Producer) Shards() int { return p.shards }
-
-// ShardFor returns the outbox shard an aggregate's events are written to.
-func (p *Producer) ShardFor(aggregateType, aggregateID string) int {
+// shardFor returns the outbox shard an aggregate's events are written to.
+func (p *Producer) shardFor(aggregateType, aggregateID string) int {
 	return outbox.ShardFor(aggregateType, aggregateID, p.shards)
 }
 
@@ -219,7 +180,7 @@ func (p *Producer) PublishTx(ctx context.Context, tx pgx.Tx, events ...eventline
 // order given: with their ids, aggregate versions, previous versions,
 // schema versions, topics, trace context and occurred_at filled in.
 func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...eventline.Event) ([]eventline.Event, error) {
-	if nilcheck.IsNil(tx) {
+	if outbox.NilHandle(tx) {
 		return nil, errors.New("eventline: PublishTx needs a transaction, got nil")
 	}
 	if len(events) == 0 {
@@ -240,7 +201,7 @@ func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...
 func (p *Producer) Publish(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, events ...eventline.Event) error {
-	if nilcheck.IsNil(db) {
+	if outbox.NilHandle(db) {
 		return errors.New("producer.Publish: db is nil: pass the producer's *pgxpool.Pool (or a *pgx.Conn)")
 	}
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return p.PublishTx(ctx, tx, events...) })

@@ -132,7 +132,7 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 			return nil, fmt.Errorf("event %d: %w", i, err)
 		}
 		pl.evRel[i] = a.n
-		pl.evShard[i] = int32(p.ShardFor(k.typ, k.id))
+		pl.evShard[i] = int32(p.shardFor(k.typ, k.id))
 		pl.events[i] = e
 	}
 

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -99,14 +100,11 @@ func isPermanent(err error) bool { return classify(err) == failPermanent }
 // consumer does (consumer.DefaultInfraRetryMaxInterval).
 const maxUnavailableWait = 5 * time.Second
 
-// unavailableWait is the wait after the n-th failure in a row while Kafka
-// is unreachable: first, doubling, at most maxUnavailableWait.
-func unavailableWait(first time.Duration, n int) time.Duration {
-	wait := min(first, maxUnavailableWait)
-	for i := 1; i < n && wait < maxUnavailableWait; i++ {
-		wait *= 2
-	}
-	return min(wait, maxUnavailableWait)
+// unavailableBackoff is the schedule of waits while Kafka is unreachable,
+// derived from the relay's Backoff: its first wait, doubling, at most
+// maxUnavailableWait.
+func unavailableBackoff(b eventline.Backoff) eventline.Backoff {
+	return eventline.Backoff{Initial: min(b.Initial, maxUnavailableWait), Multiplier: 2, Max: maxUnavailableWait, Jitter: b.Jitter}
 }
 
 // failureRecord is the retry state of one outbox row.
@@ -115,14 +113,13 @@ type failureRecord struct {
 	// specific to the message, not Kafka being unreachable.
 	attempts int
 	// failures counts every failure in a row; it grows the wait while
-	// Kafka is unreachable (unavailableWait).
+	// Kafka is unreachable (unavailableBackoff).
 	failures    int
 	nextAttempt time.Time
 }
 
 func loadFailures(ctx context.Context, pool *pgxpool.Pool, schema string, shard int) (map[string]failureRecord, error) {
-	rows, err := pool.Query(ctx, `SELECT outbox_uuid, attempts, next_attempt_at FROM `+
-		sqlident.Qualify(schema, "relay_failures")+` WHERE shard = $1`, shard)
+	rows, err := pool.Query(ctx, sqlident.SQL(schema, `SELECT outbox_uuid, attempts, next_attempt_at FROM {schema}.relay_failures WHERE shard = $1`), shard)
 	if err != nil {
 		return nil, fmt.Errorf("shard %d: load relay failures: %w", shard, err)
 	}
@@ -216,7 +213,7 @@ func (s *shardRunner) finish(t *relayTx) {
 	}
 	if hook := s.relay.cfg.AfterPublish; hook != nil && len(p.delivered) > 0 {
 		if err := hook(s.shard, p.delivered); err != nil {
-			wait := s.relay.cfg.backoffFor(1)
+			wait := backoff.Jittered(s.relay.cfg.Backoff, 1)
 			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "retry_in", wait, "err", err)
 			s.rollback(t)
 			s.setBackoff(wait)
@@ -281,8 +278,7 @@ func (s *shardRunner) record(ctx context.Context, tx pgx.Tx, p settlePlan) error
 		}
 	}
 	if len(p.cleared) > 0 {
-		if _, err := tx.Exec(ctx, `DELETE FROM `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+
-			` WHERE shard = $1 AND outbox_uuid = ANY($2)`, s.shard, p.cleared); err != nil {
+		if _, err := tx.Exec(ctx, s.sql.clearFailures, s.shard, p.cleared); err != nil {
 			return fmt.Errorf("clear relay failures: %w", err)
 		}
 	}
@@ -304,10 +300,7 @@ func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item)
 	if it.err != nil {
 		lastErr = it.err.Error()
 	}
-	_, err := tx.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "dead_letters")+` (
-			shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
-			destination_topic, payload, metadata, attempts, last_error, dead_reason)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::json, $10::json, $11, $12, $13)`,
+	_, err := tx.Exec(ctx, s.sql.deadLetter,
 		s.shard, it.outboxUUID, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion,
 		topic, nullJSON(it.payload), nullJSON(it.storedMetadata()), attempts, lastErr, it.deadReason)
 	if err != nil {
@@ -329,11 +322,11 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 	// A failure of the message walks Backoff by its counted attempts.
 	// Kafka being away says nothing about the message, and the shard must
 	// resume soon after Kafka does, however long it was away: not
-	// Backoff's 10 min but doubling from its first wait, up to the wait
-	// between connection attempts.
-	wait := s.relay.cfg.backoffFor(rec.attempts)
+	// Backoff's 10 min but unavailableBackoff, up to the wait between
+	// connection attempts.
+	wait := backoff.Jittered(s.relay.cfg.Backoff, rec.attempts)
 	if kind == failUnavailable {
-		wait = unavailableWait(s.relay.cfg.Backoff[0], rec.failures)
+		wait = backoff.Jittered(unavailableBackoff(s.relay.cfg.Backoff), rec.failures)
 	}
 	if errors.Is(it.err, breaker.ErrBreakerOpen) {
 		// Sarama's breaker stays open for 10s; retrying sooner only
@@ -348,10 +341,7 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 	s.relay.metrics.addRetry(s.shard)
 	s.log.Warn("publish failed; the shard waits and retries", "event_id", it.event.ID, "topic", it.topic,
 		"attempts", rec.attempts, "failures", rec.failures, "retry_in", wait, "err", it.err)
-	_, err := s.relay.pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+`
-			(shard, outbox_uuid, attempts, last_error, next_attempt_at) VALUES ($1, $2, $3, $4, $5)
-		ON CONFLICT (shard, outbox_uuid) DO UPDATE SET
-			attempts = excluded.attempts, last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at`,
+	_, err := s.relay.pool.Exec(ctx, s.sql.recordFailure,
 		s.shard, it.outboxUUID, rec.attempts, it.err.Error(), rec.nextAttempt)
 	if err != nil {
 		s.log.Warn("persist relay failure", "err", err)

@@ -8,8 +8,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 const (
@@ -30,14 +31,19 @@ const (
 	// instead of planning each poll again (with the list of the shards
 	// lingering at that instant, 85% of polls were planned).
 	busyWindow = 2 * time.Second
-	// stallPollMax caps the polling interval while every polled shard has
-	// been held back by the xmin horizon for longer than stallFastPhase.
-	stallPollMax   = 20 * time.Millisecond
+	// stallFastPhase is how long the poller keeps polling every
+	// hotPollInterval while every polled shard is held back by the xmin
+	// horizon; after it, it backs off (pollBackoff).
 	stallFastPhase = 2 * time.Second
 	// stallWarnAfter is how long a stall lasts before the relay warns and
 	// names the transaction holding the horizon.
 	stallWarnAfter = 10 * time.Second
 )
+
+// pollBackoff is the poller's interval while every polled shard has been
+// held back by the xmin horizon for longer than stallFastPhase, or its poll
+// failed: hotPollInterval, doubling, at most 20ms.
+var pollBackoff = eventline.Backoff{Initial: hotPollInterval, Multiplier: 2, Max: 20 * time.Millisecond}
 
 // poller looks at the shards that are waiting for rows with one query per
 // interval, and wakes those that have rows they can read. A shard is
@@ -120,8 +126,8 @@ func (p *poller) busy(shards []*shardRunner) []int {
 
 // run polls until ctx ends.
 func (p *poller) run(ctx context.Context) {
-	interval := hotPollInterval
-	t := time.NewTimer(interval)
+	slow := 0 // polls in a row that failed or found every shard stalled
+	t := time.NewTimer(hotPollInterval)
 	defer t.Stop()
 	for {
 		shards := p.watched()
@@ -130,11 +136,11 @@ func (p *poller) run(ctx context.Context) {
 			case <-ctx.Done():
 				return
 			case <-p.kick:
-				interval = hotPollInterval
+				slow = 0
 				continue
 			}
 		}
-		t.Reset(interval)
+		t.Reset(backoff.Delay(pollBackoff, slow+1))
 		select {
 		case <-ctx.Done():
 			return
@@ -149,7 +155,7 @@ func (p *poller) run(ctx context.Context) {
 			if ctx.Err() == nil {
 				p.r.log.Debug("poll outbox shards", "err", err)
 			}
-			interval = min(2*max(interval, time.Millisecond), stallPollMax)
+			slow++
 			continue
 		}
 		allStalled := true
@@ -170,12 +176,22 @@ func (p *poller) run(ctx context.Context) {
 			}
 		}
 		if allStalled {
-			interval = min(2*interval, stallPollMax)
+			slow++
 		} else {
-			interval = hotPollInterval
+			slow = 0
 		}
 	}
 }
+
+// pollShardSQL says whether the row after a shard's position ($1 the
+// relays' consumer group) can be read, NULL when there is none. LATERAL
+// makes the position a parameter of the index scan: a plain join would
+// filter every row from the start.
+const pollShardSQL = `(SELECT x.readable FROM {offsets} o CROSS JOIN LATERAL (
+	SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) AS readable FROM {messages} m
+	WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+	ORDER BY m.transaction_id, m."offset" LIMIT 1) x
+	WHERE o.consumer_group = $1)`
 
 type pollResult int
 
@@ -199,15 +215,7 @@ func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult,
 	if !ok {
 		parts := make([]string, len(busy))
 		for i, shard := range busy {
-			messages := sqlident.Qualify(p.r.cfg.Schema, outbox.Table(shard))
-			offsets := sqlident.Qualify(p.r.cfg.Schema, outbox.OffsetsTable(shard))
-			// LATERAL makes the position a parameter of the index scan:
-			// a plain join would filter every row from the start.
-			parts[i] = `(SELECT x.readable FROM ` + offsets + ` o CROSS JOIN LATERAL (
-				SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) AS readable FROM ` + messages + ` m
-				WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
-				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
-				WHERE o.consumer_group = $1)`
+			parts[i] = outbox.SQL(p.r.cfg.Schema, shard, pollShardSQL)
 		}
 		q = `SELECT ARRAY[` + strings.Join(parts, ", ") + `]::bool[]`
 		if len(p.sql) > 256 {

@@ -10,7 +10,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -204,15 +206,15 @@ func TestWedgedAggregatesCannotStarveTheSweeper(t *testing.T) {
 
 // The park timeout is the operator's window to replay a relay dead letter
 // in order. The relay dead-letters after MaxAttempts publishes with the
-// Backoff waits between them, 1s+5s+30s+2m = 156s by default; the
+// Backoff waits between them, 1s+5s+25s+125s = 156s by default; the
 // aggregate's later events only reach consumers after that (same shard),
 // so the window is the whole park timeout: an hour. Before: 15 minutes,
 // documented as outlasting a 13-minute relay schedule that does not exist.
 func TestDefaultParkTimeoutLeavesAnOperatorWindow(t *testing.T) {
 	t.Parallel()
 	var relay time.Duration
-	for i := 0; i < producer.DefaultMaxAttempts-1; i++ {
-		relay += producer.DefaultBackoff[min(i, len(producer.DefaultBackoff)-1)]
+	for n := 1; n < producer.DefaultMaxAttempts; n++ {
+		relay += backoff.Delay(eventline.Backoff{Initial: producer.DefaultBackoffInitial, Multiplier: producer.DefaultBackoffMultiplier, Max: producer.DefaultBackoffMax}, n)
 	}
 	require.Equal(t, 156*time.Second, relay, "the relay's time to dead-letter, as documented")
 	require.GreaterOrEqual(t, versioning.DefaultParkTimeout, time.Hour, "an operator paged by the dead letter has an hour")

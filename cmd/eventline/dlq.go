@@ -9,10 +9,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/internal/pgerr"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -77,7 +77,7 @@ reason; -json shows it in full with the last publish error.`)
 		return err
 	}
 	defer pool.Close()
-	dls, err := producer.ListDeadLetters(ctx, pool, g.schema, producer.DeadLetterFilter{IncludeReplayed: *all, Limit: *limit})
+	dls, err := admin.ListDeadLetters(ctx, pool, g.schema, admin.DeadLetterFilter{IncludeReplayed: *all, Limit: *limit})
 	if err != nil {
 		return err
 	}
@@ -173,12 +173,12 @@ replayed at most once. Take the ids from 'eventline dlq list'.`)
 	if err := warnSkipped(ctx, pool, g.schema, ids); err != nil {
 		return err
 	}
-	n, err := producer.ReplayDeadLetters(ctx, pool, g.schema, ids...)
+	n, err := admin.ReplayDeadLetters(ctx, pool, g.schema, ids...)
 	switch {
-	case errors.Is(err, producer.ErrNoDeadLetters) && *all:
+	case errors.Is(err, admin.ErrNoDeadLetters) && *all:
 		fmt.Fprintln(stdout(ctx), "no dead letters waiting for replay")
 		return nil
-	case errors.Is(err, producer.ErrNoDeadLetters):
+	case errors.Is(err, admin.ErrNoDeadLetters):
 		return fmt.Errorf("none of the ids %v is a dead letter waiting for replay; they do not exist or were replayed already (eventline dlq list -all)", ids)
 	case err != nil:
 		return err
@@ -200,7 +200,7 @@ const maxReplayCheck = 100_000
 // and is held for the operator instead of being applied in order. ids
 // empty means every dead letter waiting for replay.
 func warnSkipped(ctx context.Context, pool *pgxpool.Pool, schema string, ids []int64) error {
-	dls, err := producer.ListDeadLetters(ctx, pool, schema, producer.DeadLetterFilter{Limit: maxReplayCheck})
+	dls, err := admin.ListDeadLetters(ctx, pool, schema, admin.DeadLetterFilter{Limit: maxReplayCheck})
 	if err != nil {
 		return err
 	}
@@ -214,8 +214,7 @@ func warnSkipped(ctx context.Context, pool *pgxpool.Pool, schema string, ids []i
 			continue
 		}
 		groups, err := store.GroupsThatSkipped(ctx, pool, d.AggregateType, d.AggregateID, d.AggregateVersion)
-		var pg *pgconn.PgError
-		if errors.As(err, &pg) && pg.Code == "42P01" { // no consumer tables in this schema
+		if pgerr.HasCode(err, pgerr.UndefinedTable) { // no consumer tables in this schema
 			fmt.Fprintf(w, "note: no consumer tables in schema %s; consumer groups whose tables live elsewhere were not checked for skipped versions\n", schema)
 			return nil
 		}

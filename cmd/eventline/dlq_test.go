@@ -9,11 +9,11 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/producer"
 )
 
 // deadLetterJSONTest mirrors the documented JSON of `dlq list -json`.
@@ -44,7 +44,7 @@ func TestDLQListAndReplayThroughTheRelay(t *testing.T) {
 	lost := publish(t, env, missing, "L")[0] // its topic does not exist yet (one aggregate, one topic: another aggregate)
 	later := publish(t, env, topic, "A")
 
-	relay := start(t, relayArgs(env, brokers, "-backoff", "10ms,20ms", "-max-attempts", "2")...)
+	relay := start(t, relayArgs(env, brokers, "-backoff-initial", "10ms", "-backoff-max", "20ms", "-max-attempts", "2")...)
 
 	var dls []deadLetterJSONTest
 	require.Eventually(t, func() bool {
@@ -133,7 +133,7 @@ func TestDLQReplayByIDAndAll(t *testing.T) {
 	out = ok(t, env.Schema, "dlq", "replay", "--all")
 	require.Contains(t, out, "replayed 2 dead letters")
 	require.Equal(t, 3, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table))
-	st, err := producer.ReadStatus(ctx, env.Pool, env.Schema)
+	st, err := admin.ReadOutboxStatus(ctx, env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.Zero(t, st.DeadLetters)
 	require.EqualValues(t, 3, st.Backlog())

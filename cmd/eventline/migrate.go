@@ -8,11 +8,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/producer"
 )
 
 func init() {
@@ -68,7 +66,7 @@ tables. Run it before starting producers, relays or consumers.`)
 			applied++
 		}
 	}
-	n, err := producer.ReadShardCount(ctx, pool, g.schema)
+	n, err := admin.ReadShardCount(ctx, pool, g.schema)
 	if err != nil {
 		return err
 	}
@@ -150,43 +148,8 @@ relayed or dead letters not yet replayed.`)
 // relay's and consumers') not replayed.
 func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, targets []migrations.MigrationStatus) error {
 	for _, m := range targets {
-		switch m.Name {
-		case "consumer":
-			var parked int64
-			err := pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "parked_events")).Scan(&parked)
-			if err != nil {
-				return fmt.Errorf("count parked events before rollback: %w", err)
-			}
-			if parked > 0 {
-				return fmt.Errorf("refusing to roll back %03d_%s: parked_events holds %s, which would be lost; release them (eventline parked list, parked release) or pass -force",
-					m.Version, m.Name, plural(parked, "event"))
-			}
-		case "consumer_gate":
-			var late int64
-			err := pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "late_events")).Scan(&late)
-			if err != nil {
-				return fmt.Errorf("count late events before rollback: %w", err)
-			}
-			if late > 0 {
-				return fmt.Errorf("refusing to roll back %03d_%s: late_events holds %s, which would be lost; apply or discard them (eventline parked late) or pass -force",
-					m.Version, m.Name, plural(late, "event"))
-			}
-		case "consumer_dead_letters":
-			store, err := dedup.NewDeadLetterStore(schema)
-			if err != nil {
-				return err
-			}
-			var n int64
-			err = pool.QueryRow(ctx, `SELECT count(*) FROM `+store.Table()+` WHERE status IN ('dead', 'replay_requested')`).Scan(&n)
-			if err != nil {
-				return fmt.Errorf("count consumer dead letters before rollback: %w", err)
-			}
-			if n > 0 {
-				return fmt.Errorf("refusing to roll back %03d_%s: consumer_dead_letters holds %s not yet replayed or discarded, which would be lost; resolve them (eventline consumer-dlq list, replay, discard) or pass -force",
-					m.Version, m.Name, plural(n, "dead letter"))
-			}
-		case "outbox":
-			st, err := producer.ReadStatus(ctx, pool, schema)
+		if m.Name == "outbox" {
+			st, err := admin.ReadOutboxStatus(ctx, pool, schema)
 			if err != nil {
 				return fmt.Errorf("read outbox status before rollback: %w", err)
 			}
@@ -194,6 +157,27 @@ func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, tar
 				return fmt.Errorf("refusing to roll back %03d_%s: the outbox holds %s not yet relayed and %s not yet replayed, which would be lost; run a relay until `eventline status` shows no backlog, or pass -force",
 					m.Version, m.Name, plural(st.Backlog(), "event"), plural(st.DeadLetters, "dead letter"))
 			}
+			continue
+		}
+		n, err := migrations.Unresolved(ctx, pool, migrations.Config{Schema: schema}, m.Version)
+		if err != nil {
+			return fmt.Errorf("before rollback: %w", err)
+		}
+		if n == 0 {
+			continue
+		}
+		switch m.Name {
+		case "consumer":
+			return fmt.Errorf("refusing to roll back %03d_%s: parked_events holds %s, which would be lost; release them (eventline parked list, parked release) or pass -force",
+				m.Version, m.Name, plural(n, "event"))
+		case "consumer_gate":
+			return fmt.Errorf("refusing to roll back %03d_%s: late_events holds %s, which would be lost; apply or discard them (eventline parked late) or pass -force",
+				m.Version, m.Name, plural(n, "event"))
+		case "consumer_dead_letters":
+			return fmt.Errorf("refusing to roll back %03d_%s: consumer_dead_letters holds %s not yet replayed or discarded, which would be lost; resolve them (eventline consumer-dlq list, replay, discard) or pass -force",
+				m.Version, m.Name, plural(n, "dead letter"))
+		default:
+			return fmt.Errorf("refusing to roll back %03d_%s: it holds %d rows not yet resolved, which would be lost; pass -force to drop them", m.Version, m.Name, n)
 		}
 	}
 	return nil

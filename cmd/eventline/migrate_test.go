@@ -9,12 +9,12 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -94,7 +94,7 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 	out := ok(t, schema, "migrate", "up", "-shards", "3")
 	require.Contains(t, out, "applied 001_outbox\napplied 002_consumer\n")
 	require.Contains(t, out, "3 outbox shards")
-	n, err := producer.ReadShardCount(ctx, pool, schema)
+	n, err := admin.ReadShardCount(ctx, pool, schema)
 	require.NoError(t, err)
 	require.Equal(t, 3, n)
 
@@ -143,7 +143,7 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 
 	// And back up again: the round trip leaves a working schema.
 	ok(t, schema, "migrate", "up", "-shards", "2")
-	n, err = producer.ReadShardCount(ctx, pool, schema)
+	n, err = admin.ReadShardCount(ctx, pool, schema)
 	require.NoError(t, err)
 	require.Equal(t, 2, n)
 }

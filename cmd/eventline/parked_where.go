@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
@@ -127,7 +128,7 @@ func locateMissing(ctx context.Context, consumerDB versioning.DBTX, consumerSche
 // searchOutbox looks the versions up in the relay's dead letters and the
 // outbox shards. An error means the outbox could not be searched.
 func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]versioning.Key) (map[aggVersion]versionWhere, error) {
-	shards, err := producer.ReadShardCount(ctx, ob.db, ob.schema)
+	shards, err := admin.ReadShardCount(ctx, ob.db, ob.schema)
 	if errors.Is(err, producer.ErrNotMigrated) {
 		return nil, fmt.Errorf("no outbox in schema %s: if it lives elsewhere, pass -outbox-database-url and -outbox-schema", ob.schema)
 	}

@@ -35,6 +35,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/examples/internal/setup"
 	"github.com/eventline/eventline/middleware"
@@ -190,7 +191,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	relay, err := producer.NewRelay(ctx, relayDB, producer.RelayConfig{
 		Schema:      cfg.Schema,
 		Brokers:     k.Brokers,
-		Backoff:     []time.Duration{200 * time.Millisecond},
+		Backoff:     eventline.Backoff{Initial: 200 * time.Millisecond, Max: 200 * time.Millisecond, Multiplier: 1},
 		MaxAttempts: 2,
 		Logger:      log,
 	})
@@ -237,10 +238,10 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 
 	// 4. The relay gives up on the poison: it lands in the dead-letter
 	// table with the reason, and the shard goes on.
-	var dls []producer.DeadLetter
+	var dls []admin.DeadLetter
 	err = setup.WaitFor(ctx, time.Minute, "the poison event to be dead-lettered", func() (bool, error) {
 		var err error
-		dls, err = producer.ListDeadLetters(ctx, db, cfg.Schema, producer.DeadLetterFilter{})
+		dls, err = admin.ListDeadLetters(ctx, db, cfg.Schema, admin.DeadLetterFilter{})
 		return len(dls) > 0, err
 	})
 	if err != nil {
@@ -283,7 +284,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err := k.SetTopicConfig(accountsTopic, "max.message.bytes", fmt.Sprint(fixedTopicLimit)); err != nil {
 		return err
 	}
-	replayed, err := producer.ReplayDeadLetters(ctx, db, cfg.Schema, dead.ID)
+	replayed, err := admin.ReplayDeadLetters(ctx, db, cfg.Schema, dead.ID)
 	if err != nil {
 		return err
 	}
@@ -314,7 +315,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err != nil {
 		return err
 	}
-	st, err := producer.ReadStatus(ctx, db, cfg.Schema)
+	st, err := admin.ReadOutboxStatus(ctx, db, cfg.Schema)
 	if err != nil {
 		return err
 	}

@@ -43,6 +43,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/examples/internal/setup"
 	"github.com/eventline/eventline/internal/tracing"
@@ -354,7 +355,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		}
 		applied[g.name] = n
 	}
-	st, err := producer.ReadStatus(ctx, db, cfg.Schema)
+	st, err := admin.ReadOutboxStatus(ctx, db, cfg.Schema)
 	if err != nil {
 		return err
 	}

@@ -78,7 +78,7 @@ func runRelayChild() int {
 		ID:                os.Getenv(envRelayID),
 		PollInterval:      100 * time.Millisecond,
 		RebalanceInterval: 250 * time.Millisecond,
-		Backoff:           []time.Duration{50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond},
+		Backoff:           eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
 		Logger:            testLogger(),
 	})
 	if err != nil {

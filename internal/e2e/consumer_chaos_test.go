@@ -189,7 +189,7 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{
 		Schema: env.Schema, Brokers: r.brokers,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
-		Backoff: []time.Duration{50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond},
+		Backoff: eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
 		Logger:  testLogger(),
 	})
 	require.NoError(t, err)

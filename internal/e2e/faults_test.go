@@ -22,6 +22,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
@@ -98,7 +99,7 @@ func (r *faultRig) runRelay() {
 	rel, err := producer.NewRelay(context.Background(), r.env.Pool, producer.RelayConfig{
 		Schema: r.env.Schema, Brokers: r.brokers,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
-		Backoff: []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}, MaxAttempts: 3,
+		Backoff: eventline.Backoff{Initial: 20 * time.Millisecond, Multiplier: 2.5, Max: 50 * time.Millisecond}, MaxAttempts: 3,
 		Logger: testLogger(),
 	})
 	require.NoError(r.t, err)
@@ -309,7 +310,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		r.publish(a, perAgg-1)
 	}
 	require.Eventually(t, func() bool {
-		st, err := producer.ReadStatus(ctx, r.env.Pool, r.env.Schema)
+		st, err := admin.ReadOutboxStatus(ctx, r.env.Pool, r.env.Schema)
 		require.NoError(t, err)
 		return st.Backlog() == 0
 	}, time.Minute, 20*time.Millisecond, "the relay forwards the events published during the outage")
@@ -366,10 +367,10 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	// idle, sends L v2 alone.
 	r.cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: r.topic, Err: kerr.MessageTooLarge})
 	v2 := r.publish("L", 1)[0]
-	var dls []producer.DeadLetter
+	var dls []admin.DeadLetter
 	require.Eventually(t, func() bool {
 		var err error
-		dls, err = producer.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, producer.DeadLetterFilter{})
+		dls, err = admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{})
 		require.NoError(t, err)
 		return len(dls) == 1
 	}, time.Minute, 20*time.Millisecond, "the relay dead-letters L v2")
@@ -390,7 +391,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	require.NoError(t, err)
 	slices.Sort(skippedBy)
 	require.Equal(t, []string{apply, hold}, skippedBy)
-	n, err := producer.ReplayDeadLetters(ctx, r.env.Pool, r.env.Schema, dls[0].ID)
+	n, err := admin.ReplayDeadLetters(ctx, r.env.Pool, r.env.Schema, dls[0].ID)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
 
@@ -424,7 +425,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	// dead letter marked replayed.
 	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(dedup.DeadLetterTable)), "consumer dead letters")
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT grp, event_id FROM `+r.applied+` GROUP BY 1, 2 HAVING count(*) > 1) d`), "an event ran twice")
-	all, err := producer.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, producer.DeadLetterFilter{IncludeReplayed: true})
+	all, err := admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{IncludeReplayed: true})
 	require.NoError(t, err)
 	require.Len(t, all, 1)
 	require.NotNil(t, all[0].ReplayedAt)

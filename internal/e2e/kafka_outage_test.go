@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
@@ -87,7 +88,7 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{
 		Schema: env.Schema, Brokers: r.brokers, SaramaConfig: sc, Metrics: relayMetrics,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
-		Backoff: []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}, MaxAttempts: 3,
+		Backoff: eventline.Backoff{Initial: 20 * time.Millisecond, Multiplier: 2.5, Max: 50 * time.Millisecond}, MaxAttempts: 3,
 		Logger: testLogger(),
 	})
 	require.NoError(t, err)
@@ -207,7 +208,7 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	}
 	stopRelay()
 
-	dls, err := producer.ListDeadLetters(ctx, env.Pool, env.Schema, producer.DeadLetterFilter{IncludeReplayed: true})
+	dls, err := admin.ListDeadLetters(ctx, env.Pool, env.Schema, admin.DeadLetterFilter{IncludeReplayed: true})
 	require.NoError(t, err)
 	require.Empty(t, dls, "the relay dead-lettered events")
 	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {

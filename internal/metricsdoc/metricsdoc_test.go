@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -56,8 +57,12 @@ var constructors = map[string]func(reg prometheus.Registerer) error{
 		_, err := producer.NewRelayMetrics(reg)
 		return err
 	},
-	"producer.NewStatusCollector": func(reg prometheus.Registerer) error {
-		return reg.Register(producer.NewStatusCollector(unusedPool, "eventline"))
+	"admin.NewStatusCollector": func(reg prometheus.Registerer) error {
+		c, err := admin.NewStatusCollector(unusedPool, "eventline")
+		if err != nil {
+			return err
+		}
+		return reg.Register(c)
 	},
 	"versioning.NewStatusCollector": func(reg prometheus.Registerer) error {
 		c, err := versioning.NewStatusCollector(unusedPool, "eventline")
@@ -255,8 +260,12 @@ func gatheredTypes(t *testing.T, env pgtest.Env) map[string]string {
 // schema instead of none.
 func constructWith(construct func(prometheus.Registerer) error, name string, env pgtest.Env, reg prometheus.Registerer) error {
 	switch name {
-	case "producer.NewStatusCollector":
-		return reg.Register(producer.NewStatusCollector(env.Pool, env.Schema))
+	case "admin.NewStatusCollector":
+		c, err := admin.NewStatusCollector(env.Pool, env.Schema)
+		if err != nil {
+			return err
+		}
+		return reg.Register(c)
 	case "versioning.NewStatusCollector":
 		c, err := versioning.NewStatusCollector(env.Pool, env.Schema)
 		if err != nil {

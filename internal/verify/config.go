@@ -23,8 +23,8 @@ const (
 	// applied by a group before it counts as stuck (a problem) rather than
 	// pending (information). With its defaults the relay gives up on an
 	// event it cannot publish after about 2.6 minutes (5 attempts,
-	// waiting 1s, 5s, 30s and 2m: producer.DefaultMaxAttempts and
-	// producer.DefaultBackoff) and dead-letters it, so an event still
+	// waiting 1s, 5s, 25s and 125s: producer.DefaultMaxAttempts and
+	// producer.DefaultBackoff*) and dead-letters it, so an event still
 	// pending after 5 minutes is not a publish retry in progress: no relay
 	// runs or it cannot reach Kafka (it waits that out without
 	// dead-lettering), or the group's consumer is down or behind.

@@ -12,7 +12,9 @@ import (
 	"pgregory.net/rapid"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -34,7 +36,7 @@ func TestReplayedDeadLetterIsPendingAgain(t *testing.T) {
 	one(t, rep, "x", verify.DeadLetter, verify.Problem, 1)
 	require.EqualValues(t, 1, group(t, rep, "billing").DeadLettered)
 
-	n, err := producer.ReplayDeadLetters(f.ctx, f.env.Pool, f.env.Schema)
+	n, err := admin.ReplayDeadLetters(f.ctx, f.env.Pool, f.env.Schema)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
 	rep = f.run(verify.Config{Groups: []string{"billing"}, GroupTopics: map[string][]string{"billing": {f.topic}}})
@@ -336,8 +338,8 @@ func TestEffectsQueryShapes(t *testing.T) {
 // their comments say.
 func TestDefaultAgesFollowTheComponentsDefaults(t *testing.T) {
 	var relayGivesUp time.Duration
-	for i := 0; i < producer.DefaultMaxAttempts-1; i++ {
-		relayGivesUp += producer.DefaultBackoff[min(i, len(producer.DefaultBackoff)-1)]
+	for n := 1; n < producer.DefaultMaxAttempts; n++ {
+		relayGivesUp += backoff.Delay(eventline.Backoff{Initial: producer.DefaultBackoffInitial, Multiplier: producer.DefaultBackoffMultiplier, Max: producer.DefaultBackoffMax}, n)
 	}
 	require.Equal(t, 156*time.Second, relayGivesUp, "the relay's dead-letter time quoted in DefaultMaxPendingAge's comment")
 	require.Greater(t, verify.DefaultMaxPendingAge, relayGivesUp)

@@ -10,7 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/internal/outbox"
 )
 
 // DB is a database verify reads from; *pgxpool.Pool and *pgx.Conn satisfy
@@ -166,7 +166,7 @@ func (r *runner) listGroups(ctx context.Context, db DB) ([]string, bool, error) 
 // run does the checks inside the snapshots.
 func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, groups []string, present bool) error {
 	cfg := r.cfg
-	shards, err := producer.ReadShardCount(ctx, otx, cfg.Schema)
+	shards, err := outbox.ShardCount(ctx, otx, cfg.Schema)
 	if err != nil {
 		return err
 	}

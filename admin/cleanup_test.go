@@ -1,4 +1,4 @@
-package producer_test
+package admin_test
 
 import (
 	"context"
@@ -8,10 +8,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
 )
@@ -19,7 +21,7 @@ import (
 func waitDrained(t *testing.T, env pgtest.Env) {
 	t.Helper()
 	require.Eventually(t, func() bool {
-		st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+		st, err := admin.ReadOutboxStatus(context.Background(), env.Pool, env.Schema)
 		require.NoError(t, err)
 		return st.Backlog() == 0
 	}, 30*time.Second, 20*time.Millisecond)
@@ -32,18 +34,18 @@ func TestCleanupDeletesOnlyExpiredRowsEveryGroupAcked(t *testing.T) {
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 1)
 	ctx := context.Background()
-	cleanup := func(retention time.Duration) producer.CleanupResult {
-		res, err := producer.Cleanup(ctx, env.Pool, producer.CleanupConfig{Schema: env.Schema, Retention: retention, BatchSize: 3})
+	cleanup := func(retention time.Duration) admin.CleanupResult {
+		res, err := admin.Cleanup(ctx, env.Pool, admin.CleanupConfig{Schema: env.Schema, Retention: retention, BatchSize: 3})
 		require.NoError(t, err)
 		return res
 	}
 	offsets := sqlident.Qualify(env.Schema, outbox.OffsetsTable(0))
 
 	// Nobody has read the shard yet: nothing may go, however old.
-	publishOrders(t, env, topic, 3, 10, 5)
+	relaytest.PublishOrders(t, env, topic, 3, 10, 5)
 	require.Zero(t, cleanup(time.Nanosecond).Deleted)
 
-	_, stop := startRelay(t, env, producer.RelayConfig{Brokers: brokers, CleanupInterval: -1})
+	_, stop := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, CleanupInterval: -1})
 	waitDrained(t, env)
 	stop()
 
@@ -59,10 +61,10 @@ func TestCleanupDeletesOnlyExpiredRowsEveryGroupAcked(t *testing.T) {
 	require.NoError(t, err)
 
 	// Rows written after the relay stopped are not acknowledged: they stay.
-	publishOrders(t, env, topic, 3, 4, 4)
+	relaytest.PublishOrders(t, env, topic, 3, 4, 4)
 	res := cleanup(time.Nanosecond)
 	require.EqualValues(t, 10, res.Deleted, "deleted in batches of 3 until none is left")
-	st, err := producer.ReadStatus(ctx, env.Pool, env.Schema)
+	st, err := admin.ReadOutboxStatus(ctx, env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.EqualValues(t, 4, st.Shards[0].Stored)
 	require.EqualValues(t, 4, st.Shards[0].Backlog)
@@ -77,13 +79,15 @@ func TestRelayMetricsAndStatusCollector(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	metrics, err := producer.NewRelayMetrics(reg)
 	require.NoError(t, err)
-	require.NoError(t, reg.Register(producer.NewStatusCollector(env.Pool, env.Schema)))
+	status, err := admin.NewStatusCollector(env.Pool, env.Schema)
+	require.NoError(t, err)
+	require.NoError(t, reg.Register(status))
 
-	publishOrders(t, env, topic, 4, 30, 10)
+	relaytest.PublishOrders(t, env, topic, 4, 30, 10)
 	require.EqualValues(t, 30, metrictest.Sum(t, reg, "eventline_outbox_backlog"))
 	require.Positive(t, metrictest.Sum(t, reg, "eventline_outbox_oldest_pending_seconds"))
 
-	_, stop := startRelay(t, env, producer.RelayConfig{Brokers: brokers, Metrics: metrics})
+	_, stop := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, Metrics: metrics})
 	waitDrained(t, env)
 	stop()
 	require.EqualValues(t, 30, metrictest.Sum(t, reg, "eventline_relay_forwarded_total"))

@@ -1,9 +1,8 @@
-package producer
+package admin
 
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"time"
 
@@ -11,7 +10,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -43,21 +41,23 @@ type DeadLetterFilter struct {
 	Limit int
 }
 
-// ListDeadLetters returns dead letters oldest first.
+// listDeadLettersSQL lists dead letters ($1 replayed ones too), oldest
+// first, at most $2.
+const listDeadLettersSQL = `SELECT id, shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id,
+		aggregate_version, destination_topic, attempts, last_error, dead_reason, dead_at, replayed_at
+	FROM {schema}.dead_letters
+	WHERE $1 OR replayed_at IS NULL ORDER BY id LIMIT $2`
+
+// ListDeadLetters returns the relay's dead letters in schema, oldest
+// first.
 func ListDeadLetters(ctx context.Context, db DBTX, schema string, f DeadLetterFilter) ([]DeadLetter, error) {
-	if nilcheck.IsNil(db) {
-		return nil, nilDB("ListDeadLetters", "db")
-	}
-	if err := sqlident.Validate("schema", schema); err != nil {
+	if err := checkArgs("ListDeadLetters", db, schema); err != nil {
 		return nil, err
 	}
 	if f.Limit <= 0 {
 		f.Limit = 100
 	}
-	rows, err := db.Query(ctx, `SELECT id, shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id,
-			aggregate_version, destination_topic, attempts, last_error, dead_reason, dead_at, replayed_at
-		FROM `+sqlident.Qualify(schema, "dead_letters")+`
-		WHERE $1 OR replayed_at IS NULL ORDER BY id LIMIT $2`, f.IncludeReplayed, f.Limit)
+	rows, err := db.Query(ctx, sqlident.SQL(schema, listDeadLettersSQL), f.IncludeReplayed, f.Limit)
 	if err != nil {
 		return nil, fmt.Errorf("list dead letters: %w", err)
 	}
@@ -69,9 +69,14 @@ func ListDeadLetters(ctx context.Context, db DBTX, schema string, f DeadLetterFi
 	})
 }
 
-// ErrNoDeadLetters is returned by ReplayDeadLetters when none of the given
-// ids is a dead letter waiting for replay.
-var ErrNoDeadLetters = errors.New("eventline: no dead letters to replay")
+// selectForReplaySQL locks the dead letters waiting for replay, of the ids
+// $1 or all when it is empty, in the order they died.
+const selectForReplaySQL = `SELECT id, shard, outbox_uuid, payload::text, metadata::text FROM {schema}.dead_letters
+	WHERE replayed_at IS NULL AND (cardinality($1::bigint[]) = 0 OR id = ANY($1))
+	ORDER BY id FOR UPDATE`
+
+// markReplayedSQL marks dead letter $1 replayed.
+const markReplayedSQL = `UPDATE {schema}.dead_letters SET replayed_at = now() WHERE id = $1`
 
 // ReplayDeadLetters puts dead letters back into their outbox shard, with
 // the same envelope: same event id, same aggregate version, same topic.
@@ -80,24 +85,17 @@ var ErrNoDeadLetters = errors.New("eventline: no dead letters to replay")
 // replayed; the relay then publishes them like new rows. Consumers that
 // parked later versions of the same aggregate apply them once the replayed
 // event fills the gap.
-func ReplayDeadLetters(ctx context.Context, db interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}, schema string, ids ...int64) (int, error) {
-	if nilcheck.IsNil(db) {
-		return 0, nilDB("ReplayDeadLetters", "db")
-	}
-	if err := sqlident.Validate("schema", schema); err != nil {
+func ReplayDeadLetters(ctx context.Context, db Beginner, schema string, ids ...int64) (int, error) {
+	if err := checkArgs("ReplayDeadLetters", db, schema); err != nil {
 		return 0, err
 	}
-	table := sqlident.Qualify(schema, "dead_letters")
 	if ids == nil {
 		ids = []int64{} // NULL would match nothing
 	}
+	markReplayed := sqlident.SQL(schema, markReplayedSQL)
 	replayed := 0
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		rows, err := tx.Query(ctx, `SELECT id, shard, outbox_uuid, payload::text, metadata::text FROM `+table+`
-			WHERE replayed_at IS NULL AND (cardinality($1::bigint[]) = 0 OR id = ANY($1))
-			ORDER BY id FOR UPDATE`, ids)
+		rows, err := tx.Query(ctx, sqlident.SQL(schema, selectForReplaySQL), ids)
 		if err != nil {
 			return fmt.Errorf("select dead letters: %w", err)
 		}
@@ -136,7 +134,7 @@ func ReplayDeadLetters(ctx context.Context, db interface {
 			if err := pub.Publish(outbox.Topic(d.shard), msg); err != nil {
 				return fmt.Errorf("re-enqueue dead letter %d: %w", d.id, err)
 			}
-			if _, err := tx.Exec(ctx, `UPDATE `+table+` SET replayed_at = now() WHERE id = $1`, d.id); err != nil {
+			if _, err := tx.Exec(ctx, markReplayed, d.id); err != nil {
 				return err
 			}
 			replayed++

@@ -1,18 +1,21 @@
-package producer_test
+package admin_test
 
 import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
 )
@@ -36,28 +39,28 @@ func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 	kafkatest.CreateTopic(t, brokers, topic, 1)
 	ctx := context.Background()
 	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, PollInterval: 200 * time.Millisecond,
-		RebalanceInterval: 250 * time.Millisecond, Logger: testLogger(t)}
+		RebalanceInterval: 250 * time.Millisecond, Logger: relaytest.Logger(t)}
 
-	before := publishOrders(t, env, topic, 1, 3, 3)
-	_, stop := runRelay(t, env.Pool, cfg)
-	requireAllDelivered(t, brokers, topic, ids(before), 30*time.Second)
+	before := relaytest.PublishOrders(t, env, topic, 1, 3, 3)
+	_, stop := relaytest.Run(t, env.Pool, cfg)
+	relaytest.RequireAllDelivered(t, brokers, topic, relaytest.IDs(before), 30*time.Second)
 	stop()
-	unsent := publishOrders(t, env, topic, 1, 1, 1)
-	moveToAHigherCounterCluster(t, env, 0)
+	unsent := relaytest.PublishOrders(t, env, topic, 1, 1, 1)
+	relaytest.MoveToAHigherCounterCluster(t, env, 0)
 
 	p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
 	require.NoError(t, err)
-	committed := mustEvent(t, "agg-0", topic, "committed while the re-base ran")
-	inFlight := mustEvent(t, "agg-1", topic, "in flight while the re-base ran")
+	committed := relaytest.Event(t, "agg-0", topic, "committed while the re-base ran")
+	inFlight := relaytest.Event(t, "agg-1", topic, "in flight while the re-base ran")
 	// This one took its id before the re-base began: the counter, one past
 	// the newest completed transaction, may be at or below it.
-	early := mustEvent(t, "agg-2", topic, "begun before the re-base, committed while it ran")
+	early := relaytest.Event(t, "agg-2", topic, "begun before the re-base, committed while it ran")
 	earlyTx, err := env.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = earlyTx.Rollback(ctx) }()
 	require.NoError(t, p.PublishTx(ctx, earlyTx, early))
 	var open pgx.Tx
-	restore := producer.SetRebaseHook(func(schema string, _ int) {
+	restore := admin.SetRebaseHook(func(schema string, _ int) {
 		if schema != env.Schema {
 			return
 		}
@@ -71,7 +74,7 @@ func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, p.PublishTx(ctx, open, inFlight))
 	})
-	res, err := producer.RebasePositions(ctx, env.Pool, env.Schema, false)
+	res, err := admin.RebasePositions(ctx, env.Pool, env.Schema, false)
 	restore()
 	require.NoError(t, err)
 	require.NotNil(t, open, "the hook ran")
@@ -89,8 +92,8 @@ func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 	require.EqualValues(t, 3, res[0].Relayed, "only the rows relayed on the old cluster count as relayed")
 	require.EqualValues(t, 1, res[0].Pending)
 
-	_, stop = runRelay(t, env.Pool, cfg)
-	requireAllDelivered(t, brokers, topic, append(ids(unsent), committed.ID, inFlight.ID, early.ID), 30*time.Second)
+	_, stop = relaytest.Run(t, env.Pool, cfg)
+	relaytest.RequireAllDelivered(t, brokers, topic, append(relaytest.IDs(unsent), committed.ID, inFlight.ID, early.ID), 30*time.Second)
 	stop()
 }
 
@@ -132,9 +135,9 @@ func TestAdvanceSequencesCountsEveryVersionConsumersHold(t *testing.T) {
 	dead("shipping", "", "", 0, "dead")               // did not decode: no version
 	dead("shipping", "order", hugeKey(t), 99, "dead") // a hostile record's key
 
-	res, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, env.Pool, env.Schema, false)
+	res, err := admin.AdvanceSequences(ctx, env.Pool, env.Schema, env.Pool, env.Schema, false)
 	require.NoError(t, err)
-	require.Equal(t, producer.SequenceAdvance{Aggregates: 5, Advanced: 4, KeysTooLong: 1}, res)
+	require.Equal(t, admin.SequenceAdvance{Aggregates: 5, Advanced: 4, KeysTooLong: 1}, res)
 	seq := func(id string) int {
 		return pgtest.Count(t, env.Pool, `SELECT version FROM `+q("aggregate_sequences")+` WHERE aggregate_type = 'order' AND aggregate_id = $1`, id)
 	}
@@ -145,7 +148,7 @@ func TestAdvanceSequencesCountsEveryVersionConsumersHold(t *testing.T) {
 
 	p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
 	require.NoError(t, err)
-	require.NoError(t, p.Publish(ctx, env.Pool, mustEvent(t, "a", "orders", 1)))
+	require.NoError(t, p.Publish(ctx, env.Pool, relaytest.Event(t, "a", "orders", 1)))
 	require.Equal(t, 13, seq("a"), "the next event follows the version held as a dead letter")
 }
 
@@ -155,4 +158,52 @@ func hugeKey(t *testing.T) string {
 	_, err := rand.Read(b[:])
 	require.NoError(t, err)
 	return hex.EncodeToString(b[:])
+}
+
+// TestAdvanceSequencesMovesPastWhatConsumersSaw: after a failover that lost
+// commits, the producer's sequences are behind versions consumers applied
+// or parked; AdvanceSequences moves them up (never down), reading the
+// consumer tables from wherever they live.
+func TestAdvanceSequencesMovesPastWhatConsumersSaw(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, separate := range []bool{false, true} {
+		t.Run(fmt.Sprintf("separate=%v", separate), func(t *testing.T) {
+			env := pgtest.New(t, pgtest.Options{Shards: 1})
+			consumers := env
+			if separate {
+				consumers = pgtest.New(t, pgtest.Options{Shards: 1}) // stands for the consumers' own database
+			}
+			exec := func(env pgtest.Env, sql string) {
+				_, err := env.Pool.Exec(ctx, sql)
+				require.NoError(t, err)
+			}
+			exec(env, `INSERT INTO `+sqlident.Qualify(env.Schema, "aggregate_sequences")+` VALUES ('order','a',3), ('order','c',10)`)
+			exec(consumers, `INSERT INTO `+sqlident.Qualify(consumers.Schema, "aggregate_versions")+
+				` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('billing','order','a',7), ('shipping','order','a',6), ('billing','order','c',2)`)
+			exec(consumers, `INSERT INTO `+sqlident.Qualify(consumers.Schema, "parked_events")+
+				` (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, payload, metadata)
+				VALUES ('billing','order','b',5,4,'e5','order.updated','\x7b7d','{}')`)
+
+			dry, err := admin.AdvanceSequences(ctx, env.Pool, env.Schema, consumers.Pool, consumers.Schema, true)
+			require.NoError(t, err)
+			require.Equal(t, admin.SequenceAdvance{Aggregates: 3, Advanced: 2}, dry)
+			res, err := admin.AdvanceSequences(ctx, env.Pool, env.Schema, consumers.Pool, consumers.Schema, false)
+			require.NoError(t, err)
+			require.Equal(t, admin.SequenceAdvance{Aggregates: 3, Advanced: 2}, res)
+			seq := func(id string) int {
+				return pgtest.Count(t, env.Pool, `SELECT version FROM `+sqlident.Qualify(env.Schema, "aggregate_sequences")+
+					` WHERE aggregate_type = 'order' AND aggregate_id = $1`, id)
+			}
+			require.Equal(t, 7, seq("a"))
+			require.Equal(t, 5, seq("b"))
+			require.Equal(t, 10, seq("c"), "sequences never move down")
+
+			p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
+			require.NoError(t, err)
+			e := relaytest.Event(t, "a", "orders", 1)
+			require.NoError(t, p.Publish(ctx, env.Pool, e))
+			require.Equal(t, 8, seq("a"), "the next event follows what consumers applied")
+		})
+	}
 }

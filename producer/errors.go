@@ -3,10 +3,49 @@ package producer
 import (
 	"errors"
 	"fmt"
+
+	"github.com/eventline/eventline/internal/outbox"
 )
 
-// ErrVersionConflict is matched by *VersionConflictError.
-var ErrVersionConflict = errors.New("eventline: aggregate version conflict")
+// Errors a caller matches with errors.Is. The typed errors
+// (VersionConflictError and the others) match theirs; every error says what
+// to do about it.
+var (
+	// ErrVersionConflict is matched by *VersionConflictError.
+	ErrVersionConflict = errors.New("eventline: aggregate version conflict")
+
+	// ErrVersionGap is matched by *VersionGapError.
+	ErrVersionGap = errors.New("eventline: aggregate version gap")
+
+	// ErrTopicConflict is matched by *TopicConflictError.
+	ErrTopicConflict = errors.New("eventline: aggregate published to a second topic")
+
+	// ErrSchemaVersion is matched by *SchemaVersionError.
+	ErrSchemaVersion = errors.New("eventline: payload schema version not declared")
+
+	// ErrEventTooLarge is matched by *EventTooLargeError.
+	ErrEventTooLarge = errors.New("eventline: event too large for Kafka")
+
+	// ErrNotMigrated is returned by New and NewRelay when the schema has no
+	// outbox (or, for a relay, lacks a later migration's tables).
+	ErrNotMigrated = outbox.ErrNotMigrated
+
+	// ErrPoolTooSmall is returned by NewRelay when the pool cannot hold the
+	// connections a relay needs; the error says how many.
+	ErrPoolTooSmall = errors.New("eventline: the relay's pool is too small")
+
+	// ErrRelayRunning is returned by a second call to Relay.Run, whether the
+	// first is still running or has returned.
+	ErrRelayRunning = errors.New("eventline: relay was already started; a Relay runs once (create a new one to run again)")
+
+	// ErrSessionPooling is returned by Relay.Run when its connections go
+	// through a pooler that hands out server connections per transaction or
+	// statement (PgBouncer's pool_mode = transaction or statement): LISTEN
+	// and session settings do not survive there. Connect relays to PostgreSQL
+	// directly or through a session-mode pool; producers and consumers need
+	// no session and work through any pooler.
+	ErrSessionPooling = errors.New("eventline: the relay's connections go through a transaction- or statement-mode pooler; relays need session-level connections: connect them directly to PostgreSQL or through a pool in session mode (PgBouncer pool_mode = session)")
+)
 
 // VersionConflictError reports a supplied aggregate version that is not
 // above the aggregate's last published version (counting the events before
@@ -38,9 +77,6 @@ func (e *VersionConflictError) Error() string {
 // Unwrap lets errors.Is(err, ErrVersionConflict) match.
 func (e *VersionConflictError) Unwrap() error { return ErrVersionConflict }
 
-// ErrVersionGap is matched by *VersionGapError.
-var ErrVersionGap = errors.New("eventline: aggregate version gap")
-
 // VersionGapError reports a supplied aggregate version that skips versions
 // while the producer does not allow gaps (Config.AllowVersionGaps): without
 // it, every consumer would wait for versions that never come. Nothing of the
@@ -64,9 +100,6 @@ func (e *VersionGapError) Error() string {
 
 // Unwrap lets errors.Is(err, ErrVersionGap) match.
 func (e *VersionGapError) Unwrap() error { return ErrVersionGap }
-
-// ErrTopicConflict is matched by *TopicConflictError.
-var ErrTopicConflict = errors.New("eventline: aggregate published to a second topic")
 
 // TopicConflictError reports an event for a topic other than the one its
 // aggregate's events go to. One aggregate, one topic: a consumer group
@@ -92,9 +125,6 @@ func (e *TopicConflictError) Error() string {
 
 // Unwrap lets errors.Is(err, ErrTopicConflict) match.
 func (e *TopicConflictError) Unwrap() error { return ErrTopicConflict }
-
-// ErrSchemaVersion is matched by *SchemaVersionError.
-var ErrSchemaVersion = errors.New("eventline: payload schema version not declared")
 
 // SchemaVersionError reports an event whose SchemaVersion is above the
 // version the producer declares for its type (Config.SchemaVersions): a

@@ -1,4 +1,4 @@
-package producer
+package admin
 
 import (
 	"context"
@@ -9,10 +9,9 @@ import (
 	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/pgerr"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -24,11 +23,6 @@ import (
 // relayed yet stay invisible (above the new cluster's xmin horizon): the
 // relay stops without an error. This file detects that and re-bases the
 // positions.
-
-// ErrPositionAhead is wrapped by the errors RebasePositions and the relay
-// report for a shard whose position or rows carry transaction ids this
-// cluster has not handed out yet.
-var ErrPositionAhead = errors.New("eventline: outbox position is ahead of this cluster's transaction ids (the outbox was restored or replicated from another cluster)")
 
 // PositionCheck compares a shard's relay position and newest row with the
 // cluster's transaction counter.
@@ -47,50 +41,27 @@ type PositionCheck struct {
 // Ahead reports whether the position or a row carries a transaction id
 // this cluster has not handed out: the outbox was moved from a cluster
 // with a higher counter, and the shard needs RebasePositions.
-func (c PositionCheck) Ahead() bool { return c.Position >= c.Counter || c.NewestRow >= c.Counter }
-
-// positionCheckSQL returns position, newest row and counter of one shard.
-func positionCheckSQL(schema string, shard int) string {
-	return `SELECT COALESCE((SELECT last_processed_transaction_id::text FROM ` + sqlident.Qualify(schema, outbox.OffsetsTable(shard)) + `
-			WHERE consumer_group = $1), '0'),
-		COALESCE((SELECT max(transaction_id)::text FROM ` + sqlident.Qualify(schema, outbox.Table(shard)) + `), '0'),
-		pg_snapshot_xmax(pg_current_snapshot())::text`
-}
+func (c PositionCheck) Ahead() bool { return outbox.Position(c).Ahead() }
 
 // CheckPositions compares every shard's position and rows with the
 // cluster's transaction counter; see PositionCheck.Ahead.
 func CheckPositions(ctx context.Context, db DBTX, schema string) ([]PositionCheck, error) {
-	if nilcheck.IsNil(db) {
-		return nil, nilDB("CheckPositions", "db")
-	}
-	if err := sqlident.Validate("schema", schema); err != nil {
+	if err := checkArgs("CheckPositions", db, schema); err != nil {
 		return nil, err
 	}
-	shards, err := ReadShardCount(ctx, db, schema)
+	shards, err := outbox.ShardCount(ctx, db, schema)
 	if err != nil {
 		return nil, err
 	}
 	out := make([]PositionCheck, 0, shards)
 	for shard := 0; shard < shards; shard++ {
-		c, err := checkPosition(ctx, db, schema, shard)
+		c, err := outbox.CheckPosition(ctx, db, schema, shard)
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, c)
+		out = append(out, PositionCheck(c))
 	}
 	return out, nil
-}
-
-func checkPosition(ctx context.Context, db DBTX, schema string, shard int) (PositionCheck, error) {
-	c := PositionCheck{Shard: shard}
-	var pos, newest, counter string
-	if err := db.QueryRow(ctx, positionCheckSQL(schema, shard), outbox.RelayConsumerGroup).Scan(&pos, &newest, &counter); err != nil {
-		return c, fmt.Errorf("check shard %d position: %w", shard, err)
-	}
-	c.Position, _ = strconv.ParseUint(pos, 10, 64)
-	c.NewestRow, _ = strconv.ParseUint(newest, 10, 64)
-	c.Counter, _ = strconv.ParseUint(counter, 10, 64)
-	return c, nil
 }
 
 // RebaseResult is what RebasePositions did (or would do) to one shard.
@@ -128,25 +99,20 @@ type RebaseResult struct {
 // are invisible to the statement and keep their id; every other row of
 // this cluster has an id below the counter and is not touched. Either way
 // the row sorts after the new position and is relayed.
-func RebasePositions(ctx context.Context, db interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}, schema string, dryRun bool) ([]RebaseResult, error) {
-	if nilcheck.IsNil(db) {
-		return nil, nilDB("RebasePositions", "db")
-	}
-	if err := sqlident.Validate("schema", schema); err != nil {
+func RebasePositions(ctx context.Context, db Beginner, schema string, dryRun bool) ([]RebaseResult, error) {
+	if err := checkArgs("RebasePositions", db, schema); err != nil {
 		return nil, err
 	}
 	var shards int
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		var err error
-		shards, err = ReadShardCount(ctx, tx, schema)
+		shards, err = outbox.ShardCount(ctx, tx, schema)
 		return err
 	})
 	if err != nil {
 		return nil, err
 	}
-	fenceNS := lockNamespace(schema + ":fence")
+	fenceNS := outbox.FenceNamespace(schema)
 	var out []RebaseResult
 	for shard := 0; shard < shards; shard++ {
 		var res RebaseResult
@@ -155,11 +121,11 @@ func RebasePositions(ctx context.Context, db interface {
 				return fmt.Errorf("take shard %d's read fence: %w", shard, err)
 			}
 			// A cheap look first, so shards that are fine are left alone.
-			c, err := checkPosition(ctx, tx, schema, shard)
+			c, err := outbox.CheckPosition(ctx, tx, schema, shard)
 			if err != nil {
 				return err
 			}
-			res.PositionCheck = c
+			res.PositionCheck = PositionCheck(c)
 			if !c.Ahead() {
 				return nil
 			}
@@ -170,7 +136,7 @@ func RebasePositions(ctx context.Context, db interface {
 			// taken an id at or above it and committed since. The re-base
 			// reads its own, in the statement that moves the rows.
 			var pos, newest, counter string
-			err = tx.QueryRow(ctx, rebaseSQL(schema, shard), outbox.RelayConsumerGroup).
+			err = tx.QueryRow(ctx, outbox.SQL(schema, shard, rebaseSQL), outbox.RelayConsumerGroup).
 				Scan(&pos, &newest, &counter, &res.Relayed, &res.Pending)
 			if err != nil {
 				return fmt.Errorf("re-base shard %d: %w", shard, err)
@@ -203,36 +169,30 @@ var rebaseHook atomic.Pointer[func(schema string, shard int)]
 // highest offset among the rows at 0, those moved there now and those a
 // previous re-base left there (the statement does not see its own
 // update).
-func rebaseSQL(schema string, shard int) string {
-	messages := sqlident.Qualify(schema, outbox.Table(shard))
-	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
-	return `WITH pos AS (
-			SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM ` + offsets + ` WHERE consumer_group = $1
-		), chk AS (
-			SELECT COALESCE((SELECT xid FROM pos), '0'::xid8) AS position,
-				COALESCE((SELECT max(transaction_id) FROM ` + messages + `), '0'::xid8) AS newest,
-				pg_snapshot_xmax(pg_current_snapshot()) AS counter
-		), ahead AS (
-			SELECT counter FROM chk WHERE position >= counter OR newest >= counter
-		), moved AS (
-			UPDATE ` + messages + ` m
-			SET transaction_id = CASE WHEN pos.xid IS NOT NULL AND (m.transaction_id, m."offset") <= (pos.xid, pos.off) THEN '0'::xid8 ELSE '1'::xid8 END
-			FROM ahead LEFT JOIN pos ON true
-			WHERE m.transaction_id >= ahead.counter
-			RETURNING m.transaction_id = '0'::xid8 AS relayed, m."offset" AS off
-		), positioned AS (
-			INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id)
-			SELECT $1, GREATEST(COALESCE((SELECT max(off) FROM moved WHERE relayed), 0),
-				COALESCE((SELECT max("offset") FROM ` + messages + ` WHERE transaction_id = '0'::xid8), 0)), '0'::xid8
-			FROM ahead
-			ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id
-		)
-		SELECT position::text, newest::text, counter::text,
-			(SELECT count(*) FROM moved WHERE relayed), (SELECT count(*) FROM moved WHERE NOT relayed)
-		FROM chk`
-}
-
-var errDryRun = errors.New("dry run")
+const rebaseSQL = `WITH pos AS (
+		SELECT last_processed_transaction_id AS xid, offset_acked AS off FROM {offsets} WHERE consumer_group = $1
+	), chk AS (
+		SELECT COALESCE((SELECT xid FROM pos), '0'::xid8) AS position,
+			COALESCE((SELECT max(transaction_id) FROM {messages}), '0'::xid8) AS newest,
+			pg_snapshot_xmax(pg_current_snapshot()) AS counter
+	), ahead AS (
+		SELECT counter FROM chk WHERE position >= counter OR newest >= counter
+	), moved AS (
+		UPDATE {messages} m
+		SET transaction_id = CASE WHEN pos.xid IS NOT NULL AND (m.transaction_id, m."offset") <= (pos.xid, pos.off) THEN '0'::xid8 ELSE '1'::xid8 END
+		FROM ahead LEFT JOIN pos ON true
+		WHERE m.transaction_id >= ahead.counter
+		RETURNING m.transaction_id = '0'::xid8 AS relayed, m."offset" AS off
+	), positioned AS (
+		INSERT INTO {offsets} (consumer_group, offset_acked, last_processed_transaction_id)
+		SELECT $1, GREATEST(COALESCE((SELECT max(off) FROM moved WHERE relayed), 0),
+			COALESCE((SELECT max("offset") FROM {messages} WHERE transaction_id = '0'::xid8), 0)), '0'::xid8
+		FROM ahead
+		ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id
+	)
+	SELECT position::text, newest::text, counter::text,
+		(SELECT count(*) FROM moved WHERE relayed), (SELECT count(*) FROM moved WHERE NOT relayed)
+	FROM chk`
 
 // SequenceAdvance is what AdvanceSequences did (or would do).
 type SequenceAdvance struct {
@@ -268,20 +228,18 @@ type SequenceAdvance struct {
 // producer's own database and schema when producer and consumers share
 // one, or the consumers' database otherwise (run it once per consumer
 // database). Sequences only ever move up. With dryRun nothing is written.
-func AdvanceSequences(ctx context.Context, producerDB interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}, schema string, consumerDB DBTX, consumerSchema string, dryRun bool) (SequenceAdvance, error) {
-	if nilcheck.IsNil(consumerDB) {
-		return SequenceAdvance{}, nilDB("AdvanceSequences", "consumerDB")
-	}
-	if nilcheck.IsNil(producerDB) {
-		return SequenceAdvance{}, nilDB("AdvanceSequences", "producerDB")
-	}
+func AdvanceSequences(ctx context.Context, producerDB Beginner, schema string, consumerDB DBTX, consumerSchema string, dryRun bool) (SequenceAdvance, error) {
 	var res SequenceAdvance
-	if err := sqlident.Validate("schema", schema); err != nil {
+	if err := checkDB("AdvanceSequences", "consumerDB", consumerDB); err != nil {
 		return res, err
 	}
-	if err := sqlident.Validate("consumer schema", consumerSchema); err != nil {
+	if err := checkDB("AdvanceSequences", "producerDB", producerDB); err != nil {
+		return res, err
+	}
+	if err := sqlident.Validate("admin.AdvanceSequences: schema", schema); err != nil {
+		return res, err
+	}
+	if err := sqlident.Validate("admin.AdvanceSequences: consumerSchema", consumerSchema); err != nil {
 		return res, err
 	}
 	seen, err := heldVersionsSQL(ctx, consumerDB, consumerSchema)
@@ -308,18 +266,18 @@ func AdvanceSequences(ctx context.Context, producerDB interface {
 	}
 	res.Aggregates = int64(len(types))
 	const chunk = 10_000
-	seqs := sqlident.Qualify(schema, "aggregate_sequences")
+	advance := sqlident.SQL(schema, advanceSQL)
 	err = pgx.BeginFunc(ctx, producerDB, func(tx pgx.Tx) error {
 		for start := 0; start < len(types); start += chunk {
 			end := min(start+chunk, len(types))
-			n, err := advanceChunk(ctx, tx, seqs, types[start:end], ids[start:end], versions[start:end])
+			n, err := advanceChunk(ctx, tx, advance, types[start:end], ids[start:end], versions[start:end])
 			if isKeyTooLong(err) {
 				// One aggregate's key is too long for the index: go one by
 				// one and leave those out.
 				n, err = 0, nil
 				for i := start; i < end && err == nil; i++ {
 					var one int64
-					one, err = advanceChunk(ctx, tx, seqs, types[i:i+1], ids[i:i+1], versions[i:i+1])
+					one, err = advanceChunk(ctx, tx, advance, types[i:i+1], ids[i:i+1], versions[i:i+1])
 					if isKeyTooLong(err) {
 						one, err = 0, nil
 						res.KeysTooLong++
@@ -345,51 +303,53 @@ func AdvanceSequences(ctx context.Context, producerDB interface {
 
 // advanceChunk moves the sequences of one chunk of aggregates up, in a
 // savepoint of tx, and returns how many moved.
-func advanceChunk(ctx context.Context, tx pgx.Tx, seqs string, types, ids []string, versions []int64) (int64, error) {
+func advanceChunk(ctx context.Context, tx pgx.Tx, advance string, types, ids []string, versions []int64) (int64, error) {
 	var n int64
 	err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
-		return sp.QueryRow(ctx, `WITH seen AS (
-				SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(aggregate_type, aggregate_id, version)
-			), up AS (
-				INSERT INTO `+seqs+` AS q (aggregate_type, aggregate_id, version)
-				SELECT aggregate_type, aggregate_id, version FROM seen
-				ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = excluded.version
-				WHERE q.version < excluded.version
-				RETURNING 1
-			) SELECT count(*) FROM up`, types, ids, versions).Scan(&n)
+		return sp.QueryRow(ctx, advance, types, ids, versions).Scan(&n)
 	})
 	return n, err
 }
 
+// advanceSQL moves the sequences of the aggregates ($1 types, $2 ids) up
+// to the versions ($3) where they are behind, and counts those it moved.
+const advanceSQL = `WITH seen AS (
+		SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS s(aggregate_type, aggregate_id, version)
+	), up AS (
+		INSERT INTO {schema}.aggregate_sequences AS q (aggregate_type, aggregate_id, version)
+		SELECT aggregate_type, aggregate_id, version FROM seen
+		ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = excluded.version
+		WHERE q.version < excluded.version
+		RETURNING 1
+	) SELECT count(*) FROM up`
+
 // isKeyTooLong reports PostgreSQL refusing an index entry as too large
 // (SQLSTATE 54000, program_limit_exceeded).
-func isKeyTooLong(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "54000"
-}
+func isKeyTooLong(err error) bool { return pgerr.HasCode(err, pgerr.ProgramLimitExceeded) }
 
 // heldVersionsSQL returns the query for the highest version consumers hold
 // per aggregate (type, id, version), over the tables of consumerSchema
 // that can hold one (see AdvanceSequences).
 func heldVersionsSQL(ctx context.Context, db DBTX, schema string) (string, error) {
 	parts := []string{
-		`SELECT aggregate_type, aggregate_id, version FROM ` + sqlident.Qualify(schema, "aggregate_versions"),
-		`SELECT aggregate_type, aggregate_id, aggregate_version FROM ` + sqlident.Qualify(schema, "parked_events"),
+		`SELECT aggregate_type, aggregate_id, version FROM {schema}.aggregate_versions`,
+		`SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.parked_events`,
 	}
-	late, dead := sqlident.Qualify(schema, "late_events"), sqlident.Qualify(schema, "consumer_dead_letters")
 	var hasLate, hasDead bool
-	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL`, late, dead).Scan(&hasLate, &hasDead); err != nil {
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL`,
+		sqlident.Qualify(schema, "late_events"), sqlident.Qualify(schema, "consumer_dead_letters")).Scan(&hasLate, &hasDead)
+	if err != nil {
 		return "", fmt.Errorf("look for the consumers' late events and dead letters: %w", err)
 	}
 	if hasLate {
-		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM `+late)
+		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.late_events`)
 	}
 	if hasDead {
 		// A letter whose envelope did not decode has version 0 and no
 		// aggregate.
-		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM `+dead+` WHERE aggregate_id <> ''`)
+		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.consumer_dead_letters WHERE aggregate_id <> ''`)
 	}
-	return `SELECT aggregate_type, aggregate_id, max(version) FROM (
-			` + strings.Join(parts, "\n\t\t\tUNION ALL\n\t\t\t") + `
-		) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`, nil
+	return sqlident.SQL(schema, `SELECT aggregate_type, aggregate_id, max(version) FROM (
+			`+strings.Join(parts, "\n\t\t\tUNION ALL\n\t\t\t")+`
+		) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`), nil
 }

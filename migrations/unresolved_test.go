@@ -1,0 +1,76 @@
+package migrations_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/versioning"
+)
+
+// TestUnresolvedCountsWhatARollbackWouldDrop: parked events, late events
+// and dead letters still waiting are counted for the migration that holds
+// them; resolved dead letters, other migrations and a schema that never
+// had the tables count none.
+func TestUnresolvedCountsWhatARollbackWouldDrop(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	cfg := migrations.Config{Schema: env.Schema}
+	count := func(version int) int64 {
+		t.Helper()
+		n, err := migrations.Unresolved(ctx, env.Pool, cfg, version)
+		require.NoError(t, err)
+		return n
+	}
+	for v := 1; v <= 6; v++ {
+		require.Zero(t, count(v), "migration %d on an empty schema", v)
+	}
+	exec := func(sql string) {
+		t.Helper()
+		_, err := env.Pool.Exec(ctx, sqlident.SQL(env.Schema, sql))
+		require.NoError(t, err)
+	}
+	exec(`INSERT INTO {schema}.parked_events (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, payload, metadata)
+		VALUES ('billing', 'order', 'a', 5, 4, 'e5', 'order.updated', '\x7b7d', '{}'), ('billing', 'order', 'a', 6, 5, 'e6', 'order.updated', '\x7b7d', '{}')`)
+	require.EqualValues(t, 2, count(2))
+	require.Zero(t, count(1), "the outbox's own backlog is admin's to count")
+	require.Zero(t, count(5))
+
+	vs, err := versioning.NewStore(env.Schema)
+	require.NoError(t, err)
+	k := versioning.Key{Group: "billing", AggregateType: "thing", AggregateID: "a"}
+	require.NoError(t, vs.RecordSkipped(ctx, env.Pool, k, 2, 2, "park timeout"))
+	late, _, err := vs.HoldLate(ctx, env.Pool, versioning.LateRequest{Group: "billing", Event: consumertest.Event("a", 2), Current: 3, Hold: true})
+	require.NoError(t, err)
+	require.True(t, late)
+	require.EqualValues(t, 1, count(3))
+
+	dl, err := dedup.NewDeadLetterStore(env.Schema)
+	require.NoError(t, err)
+	var ids []int64
+	for _, m := range []string{"m1", "m2"} {
+		id, err := dl.Add(ctx, env.Pool, dedup.DeadLetter{Group: "billing", MessageUUID: m, Kind: dedup.KindPermanent, Reason: "r"})
+		require.NoError(t, err)
+		ids = append(ids, id)
+	}
+	require.EqualValues(t, 2, count(4))
+	_, err = dl.Discard(ctx, env.Pool, dedup.DeadLetterFilter{IDs: ids[:1]}, "test")
+	require.NoError(t, err)
+	require.EqualValues(t, 1, count(4), "a discarded dead letter is resolved")
+
+	none, err := migrations.Unresolved(ctx, env.Pool, migrations.Config{Schema: pgtest.NewSchemaName(t)}, 2)
+	require.NoError(t, err)
+	require.Zero(t, none, "a schema without the tables holds nothing")
+
+	_, err = migrations.Unresolved(ctx, nil, cfg, 2)
+	require.ErrorContains(t, err, "migrations.Unresolved: db is nil")
+	_, err = migrations.Unresolved(ctx, env.Pool, migrations.Config{Schema: `x"`}, 2)
+	require.ErrorContains(t, err, "migrations.Config.Schema")
+}
