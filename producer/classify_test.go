@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"testing"
 	"time"
@@ -30,6 +31,7 @@ func TestClassify(t *testing.T) {
 			sarama.ErrInvalidProducerEpoch, sarama.ErrOutOfOrderSequenceNumber, sarama.ErrUnknownProducerID,
 			errFlushTimeout, context.DeadlineExceeded,
 			&net.OpError{Op: "dial", Err: errors.New("connection refused")},
+			io.EOF, io.ErrUnexpectedEOF, fmt.Errorf("wrapped: %w", io.EOF),
 			fmt.Errorf("wrapped: %w", sarama.ErrOutOfBrokers),
 			&missingTopicError{topic: "t", err: breaker.ErrBreakerOpen},
 		},

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"time"
 
@@ -77,7 +78,14 @@ func classify(err error) failureKind {
 	}
 	var netErr net.Error
 	switch {
-	case errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
+	// io.EOF: the broker (or a proxy or load balancer in front of it)
+	// closed the connection, accepting it and closing it at once when it
+	// is going away; Sarama returns the bare EOF once its retries are
+	// spent. Counted as the message's attempts, it dead-lettered events
+	// during an outage (TestKafkaOutageDoesNotStretchTheRetryWait against
+	// a fault proxy).
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
+		errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
 		errors.Is(err, sarama.ErrClosedClient), errors.Is(err, sarama.ErrShuttingDown),
 		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout), errors.Is(err, errShardStopped),
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
