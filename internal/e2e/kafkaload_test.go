@@ -61,6 +61,9 @@ type loadTimeouts struct {
 	// one each, so that it hears of an outage: by default its producer's
 	// own retries, each refreshing metadata, could outlast it.
 	relay time.Duration
+	// refresh, when set, is every client's Metadata.RefreshFrequency
+	// (Sarama's default: 10 minutes), how soon they see a topic change.
+	refresh time.Duration
 }
 
 // startKafkaLoad starts the rig on cluster (a topic of 3 partitions) and
@@ -86,6 +89,9 @@ func startKafkaLoad(t *testing.T, cluster *kafkatest.Cluster, name string, timeo
 	sc := kafkaconf.Producer("e2e-" + name + "-relay")
 	shortNetTimeouts(sc, timeouts.relay)
 	sc.Producer.Retry.Max, sc.Metadata.Retry.Max = 1, 1
+	if timeouts.refresh > 0 {
+		sc.Metadata.RefreshFrequency = timeouts.refresh
+	}
 	l.relayReg = prometheus.NewRegistry()
 	relayMetrics, err := producer.NewRelayMetrics(l.relayReg)
 	require.NoError(t, err)
@@ -113,6 +119,9 @@ func startKafkaLoad(t *testing.T, cluster *kafkatest.Cluster, name string, timeo
 			cfg.Lanes, cfg.BatchSize = 1, 1
 		}
 		shortNetTimeouts(cfg.SaramaConfig, timeouts.consumer)
+		if timeouts.refresh > 0 {
+			cfg.SaramaConfig.Metadata.RefreshFrequency = timeouts.refresh
+		}
 		c, err := consumer.New(r.proxiedPool(), cfg)
 		require.NoError(t, err)
 		effects := g.effects
