@@ -70,3 +70,22 @@ func TestUnavailableWaitDoublesUpToFiveSeconds(t *testing.T) {
 		}
 	}
 }
+
+// A record Kafka refuses as too large (MESSAGE_TOO_LARGE) is at fault
+// only if it was sent alone: Sarama batches records up to
+// RelayConfig.MaxMessageBytes, and a topic whose max.message.bytes is
+// smaller refuses a batch of records that each fit
+// (internal/e2e.TestTopicLimitBelowTheRelaysDeadLettersOnlyTheTooLargeEvent
+// dead-lettered 100 such records before). Sarama's own size check is about
+// the record alone.
+func TestClassifyItemTooLarge(t *testing.T) {
+	tooLarge := &recordTooLargeError{topic: "t", recordBytes: 2000, topicLimit: 1024, relayLimit: DefaultMaxMessageBytes, err: sarama.ErrMessageSizeTooLarge}
+	require.Equal(t, failBatchTooLarge, classifyItem(&item{err: tooLarge}))
+	require.Equal(t, failBatchTooLarge, classifyItem(&item{err: sarama.ErrMessageSizeTooLarge}))
+	require.Equal(t, failPermanent, classifyItem(&item{err: tooLarge, alone: true}))
+	require.Equal(t, failPermanent, classifyItem(&item{err: sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes")}))
+	require.Equal(t, failUnavailable, classifyItem(&item{err: sarama.ErrOutOfBrokers}))
+	for _, s := range []string{`topic "t"`, "max.message.bytes, 1024 bytes", "RelayConfig.MaxMessageBytes (1048576 bytes)", "about 2000 bytes"} {
+		require.Contains(t, tooLarge.Error(), s)
+	}
+}

@@ -50,11 +50,18 @@ type faultRig struct {
 
 func newFaultRig(t *testing.T) *faultRig {
 	t.Helper()
+	return newFaultRigWith(t, 3, nil)
+}
+
+// newFaultRigWith is newFaultRig with a topic of the given partition count
+// and configuration overrides.
+func newFaultRigWith(t *testing.T, partitions int32, topicConfig map[string]string) *faultRig {
+	t.Helper()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 8})
 	cluster := kafkatest.Start(t, kafkatest.Config{})
 	brokers := cluster.Brokers
 	topic := kafkatest.Topic(t, "orders")
-	require.NoError(t, cluster.CreateTopics(context.Background(), 3, topic))
+	require.NoError(t, cluster.CreateTopicsWithConfig(context.Background(), partitions, topicConfig, topic))
 	prod, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
 	require.NoError(t, err)
 	applied := sqlident.Qualify(env.Schema, "applied")
