@@ -84,3 +84,19 @@ func produce(t *testing.T, brokers []string, topic string, n int) {
 		require.NoError(t, err)
 	}
 }
+
+// TestApacheKafkaCapsMinInsyncAtTheReplicationFactor shows why a one-node
+// Apache Kafka cannot stand in for kfake's NOT_ENOUGH_REPLICAS fault: a
+// topic of one replica whose min.insync.replicas is 2 still takes acks=all
+// produces, since Kafka 4 caps the minimum at the replication factor. The
+// relay's handling of that retriable error is tested on kfake
+// (producer.TestRelayWaitsOutBrokerErrors); on Apache Kafka the chaos and
+// outage tests take the broker away instead.
+func TestApacheKafkaCapsMinInsyncAtTheReplicationFactor(t *testing.T) {
+	kafkatest.NeedReal(t)
+	t.Parallel()
+	k := kafkatest.Start(t, kafkatest.Config{})
+	topic := kafkatest.Topic(t, "min-insync")
+	require.NoError(t, k.CreateTopicsWithConfig(context.Background(), 1, map[string]string{"min.insync.replicas": "2"}, topic))
+	produce(t, k.Brokers, topic, 3) // acks=all (kafkaconf.Producer)
+}
