@@ -224,6 +224,11 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 
 	require.NoError(t, r.cluster.DeleteTopics(ctx, r.topic))
 	deleted := time.Now()
+	// The broker forgets the group's offsets on the deleted topic (so the
+	// recreated one is read from its oldest offset, not from offsets that
+	// would skip its first records).
+	require.Eventually(t, func() bool { return slices.Equal(committedOffsets(t, r.brokers, group, r.topic), []int64{-1, -1, -1}) },
+		30*time.Second, 50*time.Millisecond, "the group's offsets on the deleted topic are dropped")
 	for _, a := range aggs {
 		r.publish(a, 2) // v4, v5: the topic is missing
 	}
@@ -235,7 +240,7 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 	require.NoError(t, r.cluster.CreateTopics(ctx, 3, r.topic))
 	recreated := time.Since(deleted)
 	for _, a := range aggs {
-		r.publish(a, 2) // v6, v7
+		r.publish(a, 4) // v6…v9: more records than the deleted topic held, so a stale offset would skip some
 	}
 	require.Eventually(t, func() bool {
 		st, err := producer.ReadStatus(ctx, r.env.Pool, r.env.Schema)
@@ -251,13 +256,33 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 	n, err := producer.ReplayDeadLetters(ctx, r.env.Pool, r.env.Schema)
 	require.NoError(t, err)
 	require.Equal(t, len(dls), n)
-	r.waitRuns(group, 7*len(aggs), "every event, the replayed ones included")
+	r.waitRuns(group, 9*len(aggs), "every event, the replayed ones included")
 	for _, a := range aggs {
-		require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7}, versions(r.runs(group, a)), "aggregate %s: each version applied once, in order", a)
+		require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7, 8, 9}, versions(r.runs(group, a)), "aggregate %s: each version applied once, in order", a)
 	}
 	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "%s must be empty", table)
 	}
 	t.Logf("topic missing for %s: %d of %d events published meanwhile dead-lettered by the relay, replayed; every event applied once, in order",
 		recreated.Round(time.Millisecond), len(dls), 2*len(aggs))
+}
+
+// committedOffsets returns the offsets group has committed on topic's
+// partitions 0-2, as the broker lists them (-1: none).
+func committedOffsets(t *testing.T, brokers []string, group, topic string) []int64 {
+	t.Helper()
+	admin, err := kafkatest.Admin(brokers)
+	require.NoError(t, err)
+	defer admin.Close()
+	res, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: {0, 1, 2}})
+	require.NoError(t, err)
+	var out []int64
+	for p := int32(0); p < 3; p++ {
+		off := int64(-1)
+		if b := res.GetBlock(topic, p); b != nil {
+			off = b.Offset
+		}
+		out = append(out, off)
+	}
+	return out
 }
