@@ -61,7 +61,7 @@ func TestTopicLimitBelowTheRelaysDeadLettersOnlyTheTooLargeEvent(t *testing.T) {
 		}
 	}
 	r.runRelay()
-	const group = "limits"
+	group := kafkatest.Topic(t, "limits") // unique: the broker may be shared
 	cfg := r.consumerConfig(group, versioning.HoldLate, nil)
 	cfg.ParkTimeout = 0 // nothing may be skipped
 	r.runConsumer(cfg)
@@ -208,7 +208,7 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 	ctx := context.Background()
 	r := newFaultRig(t)
 	r.runRelay()
-	const group = "recreated"
+	group := kafkatest.Topic(t, "recreated") // unique: the broker may be shared
 	cfg := r.consumerConfig(group, versioning.HoldLate, nil)
 	cfg.ParkTimeout = 0 // nothing may be skipped
 	cfg.SaramaConfig.Metadata.RefreshFrequency = 2 * time.Second

@@ -150,7 +150,7 @@ func TestChaosLosesNothing(t *testing.T) {
 
 	// The consumer: default park timeout (an hour: nothing may be skipped
 	// in this run), its pool through the proxy.
-	const group = "chaos"
+	group := kafkatest.Topic(t, "chaos") // unique: the broker may be shared
 	reg := prometheus.NewRegistry()
 	metrics, err := middleware.NewMetrics(reg)
 	require.NoError(t, err)

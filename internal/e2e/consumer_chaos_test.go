@@ -261,7 +261,7 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 	require.NoError(t, err)
 	stopRelay := runUntilStopped(t, rel.Run)
 
-	const group = "cchaos"
+	group := kafkatest.Topic(t, "cchaos") // unique: the broker may be shared
 	children := newConsumerChildren(t, r, seed, group, effects, deliveries)
 	var live, stopped []*consumerChild // stopped: sent SIGTERM, must exit cleanly
 	newChild := children.start

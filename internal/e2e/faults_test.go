@@ -281,7 +281,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	r := newFaultRig(t)
-	const hold, apply = "hold", "apply"
+	hold, apply := kafkatest.Topic(t, "hold"), kafkatest.Topic(t, "apply") // unique: the broker may be shared
 	groups := []string{hold, apply}
 	regs := map[string]*prometheus.Registry{}
 	var cfg consumer.Config

@@ -47,9 +47,9 @@ type kafkaLoad struct {
 }
 
 type loadGroup struct {
-	name, effects string
-	reg           *prometheus.Registry
-	stop          func()
+	name, group, effects string // group: the consumer group, name made unique
+	reg                  *prometheus.Registry
+	stop                 func()
 }
 
 // loadTimeouts are the clients' Kafka network timeouts: short, so a
@@ -107,13 +107,14 @@ func startKafkaLoad(t *testing.T, cluster *kafkatest.Cluster, name string, timeo
 	// No park timeout (nothing may be skipped), short network timeouts.
 	l.groups = []*loadGroup{{name: "laned"}, {name: "watermill"}}
 	for _, g := range l.groups {
+		g.group = kafkatest.Topic(t, g.name) // unique: the broker may be shared
 		g.effects = r.table(name + "_effects_" + g.name)
 		_, err = env.Pool.Exec(ctx, `CREATE TABLE `+g.effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
 		require.NoError(t, err)
 		g.reg = prometheus.NewRegistry()
 		metrics, err := middleware.NewMetrics(g.reg)
 		require.NoError(t, err)
-		cfg := r.consumerConfig(g.name, versioning.HoldLate, metrics)
+		cfg := r.consumerConfig(g.group, versioning.HoldLate, metrics)
 		cfg.ParkTimeout = 0
 		if g.name == "watermill" {
 			cfg.Lanes, cfg.BatchSize = 1, 1
@@ -185,8 +186,8 @@ func (l *kafkaLoad) finish() {
 	total := int(l.committed.Load())
 	p := &pipeline{t: l.t, env: l.env, brokers: l.brokers, topic: l.topic}
 	for _, g := range l.groups {
-		l.waitAllApplied(ctx, l.seed, g.name, g.effects, total)
-		p.waitConsumed(g.name)
+		l.waitAllApplied(ctx, l.seed, g.group, g.effects, total)
+		p.waitConsumed(g.group)
 	}
 	// Stopped only now: had one ended by itself, runUntilStopped would have
 	// failed the test.
@@ -204,7 +205,7 @@ func (l *kafkaLoad) finish() {
 	for _, g := range l.groups {
 		l.requireAppliedOnceInOrder(l.seed, g.effects)
 		require.Zero(l.t, metrictest.Sum(l.t, g.reg, "eventline_consumer_events_dead_lettered_total"), "group %s", g.name)
-		l.requireVerifyClean(ctx, l.seed, g.name, g.effects, total)
+		l.requireVerifyClean(ctx, l.seed, g.group, g.effects, total)
 	}
 	l.t.Logf("%d events, all applied once in order by both groups", total)
 }

@@ -85,7 +85,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 
 	// The consumer: default park timeout (an hour: nothing may be skipped
 	// in this run).
-	const group = "pgcrash"
+	group := kafkatest.Topic(t, "pgcrash") // unique: the broker may be shared
 	reg := prometheus.NewRegistry()
 	metrics, err := middleware.NewMetrics(reg)
 	require.NoError(t, err)

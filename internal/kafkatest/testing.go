@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"slices"
 	"testing"
 	"time"
 
@@ -115,23 +114,15 @@ func UniqueName(prefix string) string {
 }
 
 // CreateTopic creates topic on brokers with the given partition count and
-// waits until every partition has a leader. On the shared cluster of
-// real-broker mode, the topic is deleted when the test ends.
+// waits until every partition has a leader. It is never deleted: tests
+// that share a cluster may share a topic name, and the brokers of
+// real-broker mode live only as long as the test run.
 func CreateTopic(t testing.TB, brokers []string, topic string, partitions int32) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), topicWait)
 	defer cancel()
-	created, err := CreateTopics(ctx, brokers, partitions, nil, topic)
-	if err != nil {
+	if _, err := CreateTopics(ctx, brokers, partitions, nil, topic); err != nil {
 		t.Fatalf("%v", err)
-	}
-	if len(created) > 0 && slices.Equal(brokers, kafkaconf.BrokersFromEnv()) {
-		t.Cleanup(func() {
-			if admin, err := Admin(brokers); err == nil {
-				_ = admin.DeleteTopic(topic)
-				_ = admin.Close()
-			}
-		})
 	}
 }
 
