@@ -131,6 +131,16 @@ func Jars(ctx context.Context) (string, error) {
 	return jars, nil
 }
 
+// Resolved reports whether the jars are cached, so Start runs no Maven.
+func Resolved() bool {
+	cache, err := CacheDir()
+	if err != nil {
+		return false
+	}
+	sum := sha256.Sum256(pom)
+	return stamped(cache, hex.EncodeToString(sum[:]))
+}
+
 // KafkaVersion is the Apache Kafka version pom.xml pins.
 const KafkaVersion = "4.4.0"
 

@@ -53,7 +53,11 @@ func run() int {
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
 
-	fmt.Fprintf(os.Stderr, "kafka-broker: starting Apache Kafka %s (first run: resolving it with Maven)\n", kafkabroker.KafkaVersion)
+	if kafkabroker.Resolved() {
+		fmt.Fprintf(os.Stderr, "kafka-broker: starting Apache Kafka %s\n", kafkabroker.KafkaVersion)
+	} else {
+		fmt.Fprintf(os.Stderr, "kafka-broker: resolving Apache Kafka %s with Maven (internal/kafkabroker/pom.xml, from Maven Central), then starting it\n", kafkabroker.KafkaVersion)
+	}
 	begin := time.Now()
 	b, err := kafkabroker.Start(ctx, kafkabroker.Config{Port: *port, Heap: *heap, LogLevel: *logLevel})
 	if err != nil {
