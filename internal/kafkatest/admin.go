@@ -87,7 +87,7 @@ func CreateTopics(ctx context.Context, brokers []string, partitions int32, confi
 			return created, fmt.Errorf("kafkatest: create topic %s on %s: %w", topic, strings.Join(brokers, ","), err)
 		}
 	}
-	return created, waitTopics(ctx, admin, topics, func(m *sarama.TopicMetadata) bool {
+	err = waitTopics(ctx, admin, topics, func(m *sarama.TopicMetadata) bool {
 		if m.Err != sarama.ErrNoError || len(m.Partitions) == 0 {
 			return false
 		}
@@ -98,6 +98,48 @@ func CreateTopics(ctx context.Context, brokers []string, partitions int32, confi
 		}
 		return true
 	})
+	if err != nil {
+		return created, err
+	}
+	return created, waitServed(ctx, brokers, topics)
+}
+
+// waitServed waits until every partition of topics answers a ListOffsets
+// request. Apache Kafka's metadata names a new partition's leader a moment
+// before that broker serves it: a consumer starting then got
+// NOT_LEADER_OR_FOLLOWER (producer.TestRelayPartitionsLikeKafkasJavaClient,
+// once in a make test-kafka run).
+func waitServed(ctx context.Context, brokers []string, topics []string) error {
+	ctx, cancel := context.WithTimeout(ctx, topicWait)
+	defer cancel()
+	client, err := sarama.NewClient(brokers, saramaConfig())
+	if err != nil {
+		return fmt.Errorf("kafkatest: connect to Kafka at %s: %w", strings.Join(brokers, ","), err)
+	}
+	defer client.Close()
+	for _, topic := range topics {
+		for {
+			err := client.RefreshMetadata(topic)
+			var parts []int32
+			if err == nil {
+				parts, err = client.Partitions(topic)
+			}
+			for _, p := range parts {
+				if err == nil {
+					_, err = client.GetOffset(topic, p, sarama.OffsetNewest)
+				}
+			}
+			if err == nil {
+				break
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("kafkatest: topic %s not served by its leaders: %w (%w)", topic, err, context.Cause(ctx))
+			case <-time.After(20 * time.Millisecond): // polling interval
+			}
+		}
+	}
+	return nil
 }
 
 // waitTopics waits until ok holds for every topic's metadata.
@@ -186,7 +228,7 @@ func (c *Cluster) AddPartitions(ctx context.Context, topic string, total int32) 
 	if err := admin.CreatePartitions(topic, total, nil, false); err != nil {
 		return fmt.Errorf("kafkatest: add partitions to %s: %w", topic, err)
 	}
-	return waitTopics(ctx, admin, []string{topic}, func(m *sarama.TopicMetadata) bool {
+	err = waitTopics(ctx, admin, []string{topic}, func(m *sarama.TopicMetadata) bool {
 		if m.Err != sarama.ErrNoError || len(m.Partitions) != int(total) {
 			return false
 		}
@@ -197,6 +239,10 @@ func (c *Cluster) AddPartitions(ctx context.Context, topic string, total int32) 
 		}
 		return true
 	})
+	if err != nil {
+		return err
+	}
+	return waitServed(ctx, c.Brokers, []string{topic})
 }
 
 // DeleteTopics deletes topics and waits until the metadata no longer lists

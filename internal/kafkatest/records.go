@@ -167,6 +167,16 @@ func consume(ctx context.Context, brokers []string, topic string, fn func(*saram
 	}()
 	for _, p := range parts {
 		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
+		for err != nil && retriable(err) {
+			// A partition that moved or has just been created: its leader
+			// serves it in a moment.
+			select {
+			case <-ctx.Done():
+				return err
+			case <-time.After(50 * time.Millisecond):
+			}
+			pc, err = consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
+		}
 		if err != nil {
 			return err
 		}
@@ -194,4 +204,11 @@ func consume(ctx context.Context, brokers []string, topic string, fn func(*saram
 			return ctx.Err()
 		}
 	}
+}
+
+// retriable reports whether a Kafka error passes once leadership settles.
+func retriable(err error) bool {
+	var kerr sarama.KError
+	return errors.As(err, &kerr) && (kerr == sarama.ErrNotLeaderForPartition || kerr == sarama.ErrLeaderNotAvailable ||
+		kerr == sarama.ErrUnknownTopicOrPartition || kerr == sarama.ErrNotCoordinatorForConsumer)
 }
