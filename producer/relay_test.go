@@ -100,7 +100,14 @@ type record struct {
 // timeout passed, and returns every record read (duplicates included).
 func readTopic(t *testing.T, brokers []string, topic string, want int, timeout time.Duration) []record {
 	t.Helper()
-	return readUntil(t, brokers, topic, timeout, func(recs []record) bool { return len(distinct(recs)) >= want })
+	seen, read := map[string]bool{}, 0 // counted as records arrive, not again at each one
+	return readUntil(t, brokers, topic, timeout, func(recs []record) bool {
+		for _, r := range recs[read:] {
+			seen[r.eventID] = true
+		}
+		read = len(recs)
+		return len(seen) >= want
+	})
 }
 
 // readUntil reads topic from the start until done says so or the timeout
