@@ -62,7 +62,8 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	require.NoError(t, migrations.Up(ctx, checks, migrations.Config{Schema: schema, Shards: shards}))
 	env := pgtest.Env{Pool: checks, Schema: schema, Shards: shards}
 	r := &faultRig{t: t, env: env}
-	r.cluster, r.brokers = kafkatest.Fake(t)
+	r.cluster = kafkatest.Start(t, kafkatest.Config{})
+	r.brokers = r.cluster.Brokers
 	r.topic = kafkatest.Topic(t, "pgcrash")
 	kafkatest.CreateTopic(t, r.brokers, r.topic, 3)
 	prodPool := newPool(4)
@@ -84,7 +85,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 
 	// The consumer: default park timeout (an hour: nothing may be skipped
 	// in this run).
-	const group = "pgcrash"
+	group := kafkatest.Topic(t, "pgcrash") // unique: the broker may be shared
 	reg := prometheus.NewRegistry()
 	metrics, err := middleware.NewMetrics(reg)
 	require.NoError(t, err)
