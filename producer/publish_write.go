@@ -30,7 +30,7 @@ func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
 	if len(pl.events) == 1 && pl.aggs[0].firstSupplied == 0 {
 		var version int64
 		a := &pl.aggs[0]
-		err := tx.QueryRow(ctx, p.stmts.one(pl.shards[0]), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).Scan(&version)
+		err := tx.QueryRow(ctx, p.stmts.one(pl.shards[0], false), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).Scan(&version)
 		switch {
 		case err == nil:
 			pl.fill([]aggResult{{version: version}})
