@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/eventline/eventline"
@@ -67,6 +68,7 @@ type poller struct {
 	recent map[int]time.Time // when each shard last relayed rows
 	kick   chan struct{}
 	sql    map[string]string // poll statement by shard list
+	polls  atomic.Int64      // polls run, for tests
 	// rows counts the rows the relay's shards read, decaying with time
 	// constant rateWindow since rowsAt: rows/rateWindow estimates the
 	// relay's rate.
@@ -194,6 +196,7 @@ func (p *poller) run(ctx context.Context) {
 			continue
 		}
 		ready, err := p.poll(ctx, shards)
+		p.polls.Add(1)
 		if err != nil {
 			if ctx.Err() == nil {
 				p.r.log.Debug("poll outbox shards", "err", err)
