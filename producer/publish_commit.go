@@ -40,7 +40,8 @@ import (
 // *VersionGapError) rolls the whole transaction back: retry it from the
 // start, re-reading what it depends on. Events with supplied versions
 // take PublishTx's statement and then COMMIT, two round trips; events
-// without take the one-round-trip path.
+// without, or whose versions are all the caller's
+// (Config.CallerVersionedTypes), take the one-round-trip path.
 //
 // As with any commit, an error from the COMMIT itself (the connection
 // broke while it was on its way) leaves the outcome unknown: look for the
@@ -98,7 +99,8 @@ func (p *Producer) PublishAndCommit(ctx context.Context, db interface {
 	if err != nil {
 		return nil, err
 	}
-	if conn == nil || !pl.auto() {
+	allCaller := pl.callerAggs() == len(pl.aggs)
+	if conn == nil || !pl.auto() && !allCaller {
 		if err := p.write(ctx, tx, pl); err != nil {
 			return nil, err
 		}
@@ -113,15 +115,21 @@ func (p *Producer) PublishAndCommit(ctx context.Context, db interface {
 }
 
 // writeAndCommit sends pl's outbox statement (publishOneCommitSQL or
-// publishAutoCommitSQL: every version is assigned) and COMMIT in one
-// round trip on conn, where tx is open, and fills in the versions. When
+// publishAutoCommitSQL when every version is assigned, the caller-versioned
+// rows when every version is the caller's) and COMMIT in one round trip on
+// conn, where tx is open, and fills in the versions. When
 // the statement fails, PostgreSQL skips the COMMIT; tx is then rolled
 // back, and a statement that failed because an aggregate records another
 // topic is reported as a *TopicConflictError.
 func (p *Producer) writeAndCommit(ctx context.Context, conn *pgx.Conn, tx pgx.Tx, pl *plan) error {
 	b := &pgx.Batch{}
 	var res []aggResult
-	if len(pl.events) == 1 {
+	if pl.callerAggs() == len(pl.aggs) {
+		// Every version is the caller's: the statement only inserts rows,
+		// and cannot write nothing.
+		query, args := p.callerVersionedStatement(pl)
+		b.Queue(query, args...).Exec(func(pgconn.CommandTag) error { res = []aggResult{}; return nil })
+	} else if len(pl.events) == 1 {
 		a := &pl.aggs[0]
 		b.Queue(p.stmts.one(pl.shards[0], true), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).QueryRow(func(row pgx.Row) error {
 			var version int64
@@ -180,7 +188,9 @@ func (p *Producer) writeAndCommit(ctx context.Context, conn *pgx.Conn, tx pgx.Tx
 	if tag.String() != "COMMIT" {
 		return pgx.ErrTxCommitRollback
 	}
-	pl.fill(res)
+	if len(res) > 0 {
+		pl.fill(res)
+	}
 	return nil
 }
 
@@ -196,7 +206,7 @@ func (p *Producer) notWritten(ctx context.Context, conn *pgx.Conn, pl *plan) err
 			return fmt.Errorf("eventline: the outbox statement wrote nothing and the transaction was rolled back; reading why failed: %w", err)
 		}
 		if topic != nil && *topic != a.topic {
-			return fmt.Errorf("event %d: %w", a.events[0], &TopicConflictError{AggregateType: a.typ, AggregateID: a.id, Topic: *topic, Requested: a.topic})
+			return fmt.Errorf("event %d: %w", pl.index(a.events[0]), &TopicConflictError{AggregateType: a.typ, AggregateID: a.id, Topic: *topic, Requested: a.topic})
 		}
 	}
 	// Another transaction recorded the topic, or changed it back,

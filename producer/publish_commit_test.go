@@ -44,8 +44,9 @@ func insertOrder(t *testing.T, table, id string, events ...eventline.Event) func
 // transaction of one statement costs three round trips with
 // PublishAndCommit (BEGIN, the statement, the outbox statement with
 // COMMIT) where PublishTx and Commit cost four; on a pool and on a
-// connection, for one event or many. Events with supplied versions take
-// PublishTx's path: four.
+// connection, for one event or many, and for events whose versions are the
+// caller's (Config.CallerVersionedTypes). Events with supplied versions
+// otherwise take PublishTx's path: four.
 func TestPublishAndCommitSendsTheOutboxStatementWithTheCommit(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1}) // one statement per shard (set), prepared by round 0
@@ -69,26 +70,33 @@ func TestPublishAndCommitSendsTheOutboxStatementWithTheCommit(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close(ctx) })
 
+	trusting, err := producer.New(ctx, pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders", CallerVersionedTypes: []string{"order"}})
+	require.NoError(t, err)
+
 	seq := 0
 	id := func() string { seq++; return "o-" + strconv.Itoa(seq) }
 	for name, c := range map[string]struct {
+		p  *producer.Producer
 		db interface {
 			Begin(context.Context) (pgx.Tx, error)
 		}
 		events func(id string) []eventline.Event
 		want   int64
 	}{
-		"pool, one event": {pool, func(id string) []eventline.Event { return []eventline.Event{orderEvent(t, id)} }, 3},
-		"conn, one event": {conn, func(id string) []eventline.Event { return []eventline.Event{orderEvent(t, id)} }, 3},
-		"pool, 3 events of 2 aggregates": {pool, func(id string) []eventline.Event {
+		"pool, one event": {p, pool, func(id string) []eventline.Event { return []eventline.Event{orderEvent(t, id)} }, 3},
+		"conn, one event": {p, conn, func(id string) []eventline.Event { return []eventline.Event{orderEvent(t, id)} }, 3},
+		"pool, 3 events of 2 aggregates": {p, pool, func(id string) []eventline.Event {
 			return []eventline.Event{orderEvent(t, id), orderEvent(t, id+"-b"), orderEvent(t, id)}
 		}, 3},
-		"pool, supplied version": {pool, func(id string) []eventline.Event { return []eventline.Event{versioned(t, id, 1)} }, 4},
+		"pool, supplied version": {p, pool, func(id string) []eventline.Event { return []eventline.Event{versioned(t, id, 1)} }, 4},
+		"pool, the caller's versions": {trusting, pool, func(id string) []eventline.Event {
+			return []eventline.Event{versioned(t, id, 1), versioned(t, id, 2), versioned(t, id+"-b", 1)}
+		}, 3},
 	} {
 		for round := range 3 {
 			before := writes.Load()
 			oid := id()
-			written, err := p.PublishAndCommit(ctx, c.db, insertOrder(t, table, oid, c.events(oid)...))
+			written, err := c.p.PublishAndCommit(ctx, c.db, insertOrder(t, table, oid, c.events(oid)...))
 			require.NoError(t, err, name)
 			n := writes.Load() - before
 			require.Equal(t, oid, written[0].AggregateID)
@@ -98,8 +106,8 @@ func TestPublishAndCommitSendsTheOutboxStatementWithTheCommit(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, 12, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table))
-	require.Equal(t, 3+3+3*3+3, outboxCount(t, env))
+	require.Equal(t, 15, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table))
+	require.Equal(t, 3+3+3*3+3+3*3, outboxCount(t, env))
 	require.EqualValues(t, 1, pool.Stat().IdleConns(), "the connection went back to the pool")
 }
 

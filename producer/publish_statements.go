@@ -208,6 +208,26 @@ const publishAutoCommitSQL = `WITH seq AS (
 ){shard_inserts}
 SELECT (SELECT v FROM done), 0 / (SELECT count(*) FROM done)`
 
+// publishRowSQL writes one event whose versions are the caller's
+// (Config.CallerVersionedTypes): its outbox row and nothing else, the
+// payload complete ($1).
+const publishRowSQL = `INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
+VALUES (gen_random_uuid()::text, $1::json, '{}', pg_current_xact_id())`
+
+// publishRowsSQL writes events whose versions are the caller's: per shard
+// (publishRowsShardSQL), the rows of the events of that shard ($1) with
+// their complete payloads ($2), in call order.
+const publishRowsSQL = `WITH p AS (SELECT 1){shard_inserts}
+SELECT 1`
+
+const publishRowsShardSQL = `, o{shard} AS (
+	INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
+	SELECT gen_random_uuid()::text, e.body::json, '{}', pg_current_xact_id()
+	FROM unnest($1::int[], $2::text[]) WITH ORDINALITY AS e(shard, body, ord)
+	WHERE e.shard = {shard}
+	ORDER BY e.ord
+)`
+
 // errNotWrittenCode is the SQLSTATE with which the statements of
 // PublishAndCommit fail when they wrote nothing (division_by_zero).
 const errNotWrittenCode = "22012"
@@ -263,6 +283,24 @@ func (s *statements) publish(shards []int, auto bool) string {
 		return s.build("auto:", shards, publishAutoSQL, publishAutoShardSQL)
 	}
 	return s.build("", shards, publishSQL, publishShardSQL)
+}
+
+// row returns publishRowSQL for shard.
+func (s *statements) row(shard int) string {
+	key := "row:" + strconv.Itoa(shard)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if q, ok := s.byKey[key]; ok {
+		return q
+	}
+	q := outbox.SQL(s.schema, shard, publishRowSQL)
+	s.byKey[key] = q
+	return q
+}
+
+// rows returns publishRowsSQL writing to shards (ascending).
+func (s *statements) rows(shards []int) string {
+	return s.build("rows:", shards, publishRowsSQL, publishRowsShardSQL)
 }
 
 // autoCommit returns publishAutoCommitSQL writing to shards (ascending).
