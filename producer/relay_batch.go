@@ -233,9 +233,8 @@ type relayBeginner struct {
 // progress could not be recorded): they run under the shard's hard
 // context, which ends only when the lease is lost or the stop grace ran
 // out, and the transaction's own deadline (txTimeout). PostgreSQL ends the
-// transaction by itself after as long idle
-// (idle_in_transaction_session_timeout), in case the relay vanishes
-// holding it.
+// transaction by itself after as long idle (relaySettings), in case the
+// relay vanishes holding it.
 func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx, error) {
 	s := rb.shard
 	if s.stopping() {
@@ -250,14 +249,18 @@ func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx
 	return &relayTx{conn: conn, ctx: ctx, cancel: cancel, batch: &batch{shard: s}}, nil
 }
 
-// relaySettingsSQL is a relay transaction's settings, sent with its BEGIN.
-// Its commit does not wait for the WAL flush (synchronous_commit = off):
-// what it writes (the position, dead letters, cleared retries) only ever
-// lets the relay skip work, so a crash of PostgreSQL that loses it makes
-// the relay publish those rows again (duplicates, never a loss; a lost
-// dead letter is retried and dead-lettered again), and the flush it saves
-// is one per batch, which at moderate rates is one per event or two.
-var relaySettingsSQL = fmt.Sprintf(`SELECT set_config('idle_in_transaction_session_timeout', '%d', true), set_config('synchronous_commit', 'off', true)`,
+// relaySettings are a relay transaction's settings, as select-list
+// expressions of its read (nextOffsetSQL), so they cost no statement of
+// their own. PostgreSQL ends the transaction after as long idle
+// (idle_in_transaction_session_timeout), in case the relay vanishes
+// holding the shard's fence. Its commit does not wait for the WAL flush
+// (synchronous_commit = off): what it writes (the position, dead letters,
+// cleared retries) only ever lets the relay skip work, so a crash of
+// PostgreSQL that loses it makes the relay publish those rows again
+// (duplicates, never a loss; a lost dead letter is retried and
+// dead-lettered again), and the flush it saves is one per batch, which at
+// moderate rates is one per event or two.
+var relaySettings = fmt.Sprintf(`set_config('idle_in_transaction_session_timeout', '%d', true) AS idle_timeout, set_config('synchronous_commit', 'off', true) AS synchronous_commit`,
 	(txTimeout + commitTimeout).Milliseconds())
 
 func (rb relayBeginner) ExecContext(ctx context.Context, query string, args ...any) (wsql.Result, error) {
@@ -274,9 +277,9 @@ func (rb relayBeginner) QueryContext(ctx context.Context, query string, args ...
 // acknowledges rows in it, and eventline settles the batch on commit. It
 // costs two round trips: BEGIN (REPEATABLE READ: the position write then
 // fails with a serialization error, instead of overwriting a newer
-// position, if another relay moved it meanwhile), its settings and the
-// read travel together, and so do the position write and COMMIT
-// (commit).
+// position, if another relay moved it meanwhile) and the read, which also
+// applies the transaction's settings (relaySettings), travel together, and
+// so do the position write and COMMIT (commit).
 type relayTx struct {
 	conn   *pgxpool.Conn   // released when the transaction ends
 	tx     pgx.Tx          // nil until the first statement began it
@@ -286,20 +289,17 @@ type relayTx struct {
 	ended  bool // committed by commit
 }
 
-// begin sends BEGIN, the transaction's settings and query, with args, in
-// one round trip, and returns the results with query's next.
+// begin sends BEGIN and query, with args, in one round trip, and returns
+// the results with query's next.
 func (t *relayTx) begin(query string, args []any) (pgx.BatchResults, error) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
-	b.Queue(relaySettingsSQL)
 	b.Queue(query, args...)
 	br := t.conn.SendBatch(t.ctx, b)
 	t.tx = br.Tx()
-	for range 2 { // BEGIN, the settings
-		if _, err := br.Exec(); err != nil {
-			_ = br.Close()
-			return nil, err
-		}
+	if _, err := br.Exec(); err != nil { // BEGIN
+		_ = br.Close()
+		return nil, err
 	}
 	return br, nil
 }
