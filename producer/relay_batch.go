@@ -378,15 +378,19 @@ func (t *relayTx) commit(ctx context.Context, sql *shardSQL, shard int, last *it
 		err = pgx.ErrTxCommitRollback
 	}
 	t.ended = err == nil
+	if t.ended {
+		t.releaseConn()
+	}
 	return err
 }
 
-// rollback ends the transaction if it is still open.
+// rollback ends the transaction if it is still open, and gives its
+// connection back.
 func (t *relayTx) rollback(ctx context.Context) {
-	if t.tx == nil || t.ended || t.conn.Conn().PgConn().TxStatus() == 'I' {
-		return
+	if t.tx != nil && !t.ended && t.conn != nil && t.conn.Conn().PgConn().TxStatus() != 'I' {
+		_ = t.tx.Rollback(ctx)
 	}
-	_ = t.tx.Rollback(ctx)
+	t.releaseConn()
 }
 
 // Commit settles the batch, then commits or rolls back. It reports
@@ -409,11 +413,22 @@ func (t *relayTx) Rollback() error {
 	return nil
 }
 
-// release returns the connection to the pool, which closes it instead if
-// a transaction is still open on it.
+// release ends the transaction's context and gives its connection back,
+// if commit or rollback has not already.
 func (t *relayTx) release() {
 	t.cancel()
-	t.conn.Release()
+	t.releaseConn()
+}
+
+// releaseConn returns the connection to the pool (which closes it instead
+// if a transaction is still open on it) as soon as the transaction ended:
+// what finish does after it (a retry record) takes a connection of its
+// own.
+func (t *relayTx) releaseConn() {
+	if t.conn != nil {
+		t.conn.Release()
+		t.conn = nil
+	}
 }
 
 // batchRows are the rows of a relay transaction's first query, read from
