@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -35,6 +37,33 @@ type Config struct {
 	// Defaults to false: a supplied version must be exactly the next one,
 	// and a jump fails with *VersionGapError.
 	AllowVersionGaps bool
+	// CallerVersionedTypes lists aggregate types whose versions the
+	// caller owns, typically a version column of the aggregate's own row
+	// that the business transaction increments (UPDATE … SET version =
+	// version + 1 … RETURNING version), or the INSERT that creates the
+	// aggregate at version 1. Every event of these types must carry its
+	// AggregateVersion, and PublishTx writes only its outbox row: no
+	// aggregate_sequences row is read, locked or written. Within one call
+	// the versions of an aggregate must still follow each other (see
+	// AllowVersionGaps); everything else is the caller's:
+	//
+	//   - each version is published once and none is skipped: the caller's
+	//     transaction holds a lock on the aggregate (its row) until it
+	//     commits, so concurrent writers of one aggregate take turns, and
+	//     an event follows version AggregateVersion-1;
+	//   - all of an aggregate's events go to one topic (the
+	//     TopicConflictError check needs the sequence row);
+	//   - events of these types are never published with assigned
+	//     versions (AggregateVersion 0), by this producer or another: the
+	//     outbox would number them from 1 again, and consumers would
+	//     discard them as stale;
+	//   - after a failover that lost commits, admin.AdvanceSequences does
+	//     not cover them: move the caller's versions past those consumers
+	//     hold before publishing again.
+	//
+	// An event of such a type without AggregateVersion fails with
+	// *eventline.InvalidEventError before any SQL. Defaults to none.
+	CallerVersionedTypes []string
 	// MaxMessageBytes is the largest Kafka record (as Sarama sizes it, see
 	// EncodedRecordSize) an event may become; a larger event fails with
 	// *EventTooLargeError before anything is written. Set the relay's
@@ -74,6 +103,7 @@ func (c Config) withDefaults() Config {
 	}
 	// A copy: the caller may go on changing its map.
 	c.SchemaVersions = maps.Clone(c.SchemaVersions)
+	c.CallerVersionedTypes = slices.Clone(c.CallerVersionedTypes)
 	return c
 }
 
@@ -95,6 +125,11 @@ func (c Config) validate() error {
 			return fmt.Errorf("producer.Config.SchemaVersions[%q] must be at least 1, got %d", typ, v)
 		}
 	}
+	for i, typ := range c.CallerVersionedTypes {
+		if strings.TrimSpace(typ) == "" {
+			return fmt.Errorf("producer.Config.CallerVersionedTypes[%d] is empty: name an aggregate type", i)
+		}
+	}
 	return nil
 }
 
@@ -108,6 +143,8 @@ type Producer struct {
 	cfg    Config
 	shards int
 	stmts  *statements
+	// callerVersioned holds Config.CallerVersionedTypes.
+	callerVersioned map[string]bool
 }
 
 // New returns a Producer for the outbox in cfg.Schema, reading its shard
@@ -127,7 +164,11 @@ func New(ctx context.Context, db interface {
 	if err != nil {
 		return nil, err
 	}
-	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema)}, nil
+	callerVersioned := map[string]bool{}
+	for _, typ := range cfg.CallerVersionedTypes {
+		callerVersioned[typ] = true
+	}
+	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema), callerVersioned: callerVersioned}, nil
 }
 
 // shardFor returns the outbox shard an aggregate's events are written to.

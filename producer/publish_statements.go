@@ -171,6 +171,67 @@ const publishOneSQL = `WITH seq AS (
 )
 SELECT version FROM seq`
 
+// publishOneCommitSQL is publishOneSQL for PublishAndCommit, where COMMIT
+// travels behind it in the same round trip: it cannot answer "nothing
+// written" with an empty result, since the COMMIT would then commit the
+// caller's rows without the event. It records the topic of an aggregate
+// whose row has none (a row from before topics were recorded), as
+// publishSQL does, and fails when the row records another topic: then it
+// divides by zero (SQLSTATE 22012, which nothing else in it can raise),
+// PostgreSQL skips the COMMIT queued behind it, and PublishAndCommit rolls
+// back and reports the conflict.
+const publishOneCommitSQL = `WITH seq AS (
+	INSERT INTO {schema}.aggregate_sequences AS s (aggregate_type, aggregate_id, version, topic) VALUES ($1, $2, 1, $3)
+	ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = s.version + 1, topic = excluded.topic
+	WHERE s.topic = excluded.topic OR s.topic IS NULL
+	RETURNING version
+), o AS (
+	INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
+	SELECT gen_random_uuid()::text, ($4 || version || $5)::json, '{}', pg_current_xact_id() FROM seq
+)
+SELECT (SELECT version FROM seq) + 0 / (SELECT count(*) FROM seq)`
+
+// publishAutoCommitSQL is publishAutoSQL for PublishAndCommit, failing
+// instead of writing nothing, like publishOneCommitSQL. It returns the
+// aggregates' new versions in parameter order.
+const publishAutoCommitSQL = `WITH seq AS (
+	INSERT INTO {schema}.aggregate_sequences AS s (aggregate_type, aggregate_id, version, topic)
+	SELECT a.t, a.i, a.n, a.topic
+	FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) WITH ORDINALITY AS a(t, i, n, topic, k)
+	ORDER BY a.k
+	ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = s.version + excluded.version, topic = excluded.topic
+	WHERE s.topic = excluded.topic OR s.topic IS NULL
+	RETURNING aggregate_type AS t, aggregate_id AS i, version
+), done AS (
+	SELECT array_agg(version) AS v FROM seq
+	HAVING count(*) = cardinality($1::text[]) AND array_agg(t) = $1::text[] AND array_agg(i) = $2::text[]
+){shard_inserts}
+SELECT (SELECT v FROM done), 0 / (SELECT count(*) FROM done)`
+
+// publishRowSQL writes one event whose versions are the caller's
+// (Config.CallerVersionedTypes): its outbox row and nothing else, the
+// payload complete ($1).
+const publishRowSQL = `INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
+VALUES (gen_random_uuid()::text, $1::json, '{}', pg_current_xact_id())`
+
+// publishRowsSQL writes events whose versions are the caller's: per shard
+// (publishRowsShardSQL), the rows of the events of that shard ($1) with
+// their complete payloads ($2), in call order.
+const publishRowsSQL = `WITH p AS (SELECT 1){shard_inserts}
+SELECT 1`
+
+const publishRowsShardSQL = `, o{shard} AS (
+	INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
+	SELECT gen_random_uuid()::text, e.body::json, '{}', pg_current_xact_id()
+	FROM unnest($1::int[], $2::text[]) WITH ORDINALITY AS e(shard, body, ord)
+	WHERE e.shard = {shard}
+	ORDER BY e.ord
+)`
+
+// errNotWrittenCode is the SQLSTATE with which the statements of
+// PublishAndCommit fail when they wrote nothing (division_by_zero).
+const errNotWrittenCode = "22012"
+
 // maxPublishAttempts bounds how often a stale publish statement is run
 // again. Under read committed the second attempt cannot be stale (the first
 // left every row locked); the bound only guards against surprises.
@@ -197,15 +258,20 @@ func newStatements(schema string) *statements {
 	return &statements{schema: schema, undo: sqlident.SQL(schema, undoSQL), byKey: map[string]string{}}
 }
 
-// one returns publishOneSQL for shard.
-func (s *statements) one(shard int) string {
-	key := "one:" + strconv.Itoa(shard)
+// one returns publishOneSQL for shard, or publishOneCommitSQL when
+// commit is set.
+func (s *statements) one(shard int, commit bool) string {
+	key, stmt := "one:", publishOneSQL
+	if commit {
+		key, stmt = "one-commit:", publishOneCommitSQL
+	}
+	key += strconv.Itoa(shard)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if q, ok := s.byKey[key]; ok {
 		return q
 	}
-	q := outbox.SQL(s.schema, shard, publishOneSQL)
+	q := outbox.SQL(s.schema, shard, stmt)
 	s.byKey[key] = q
 	return q
 }
@@ -213,10 +279,40 @@ func (s *statements) one(shard int) string {
 // publish returns the statement writing to shards (ascending): publishSQL,
 // or publishAutoSQL when auto is set.
 func (s *statements) publish(shards []int, auto bool) string {
-	var key strings.Builder
 	if auto {
-		key.WriteString("auto:")
+		return s.build("auto:", shards, publishAutoSQL, publishAutoShardSQL)
 	}
+	return s.build("", shards, publishSQL, publishShardSQL)
+}
+
+// row returns publishRowSQL for shard.
+func (s *statements) row(shard int) string {
+	key := "row:" + strconv.Itoa(shard)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if q, ok := s.byKey[key]; ok {
+		return q
+	}
+	q := outbox.SQL(s.schema, shard, publishRowSQL)
+	s.byKey[key] = q
+	return q
+}
+
+// rows returns publishRowsSQL writing to shards (ascending).
+func (s *statements) rows(shards []int) string {
+	return s.build("rows:", shards, publishRowsSQL, publishRowsShardSQL)
+}
+
+// autoCommit returns publishAutoCommitSQL writing to shards (ascending).
+func (s *statements) autoCommit(shards []int) string {
+	return s.build("auto-commit:", shards, publishAutoCommitSQL, publishAutoShardSQL)
+}
+
+// build returns stmt with shardStmt rendered for each of shards, cached
+// under prefix and the shards.
+func (s *statements) build(prefix string, shards []int, stmt, shardStmt string) string {
+	var key strings.Builder
+	key.WriteString(prefix)
 	for _, sh := range shards {
 		key.WriteString(strconv.Itoa(sh))
 		key.WriteByte(',')
@@ -225,10 +321,6 @@ func (s *statements) publish(shards []int, auto bool) string {
 	defer s.mu.Unlock()
 	if q, ok := s.byKey[key.String()]; ok {
 		return q
-	}
-	stmt, shardStmt := publishSQL, publishShardSQL
-	if auto {
-		stmt, shardStmt = publishAutoSQL, publishAutoShardSQL
 	}
 	var inserts strings.Builder
 	for _, sh := range shards {

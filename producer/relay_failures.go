@@ -17,7 +17,6 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
-	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -329,7 +328,7 @@ func (s *shardRunner) finish(t *relayTx) {
 			return
 		}
 	}
-	if err := s.record(ctx, t.tx, p); err != nil {
+	if err := s.record(ctx, t, p); err != nil {
 		if t.ctx.Err() != nil {
 			s.abandoned(t, p, "the shard stopped while recording its batch")
 			return
@@ -367,31 +366,18 @@ func (s *shardRunner) abandoned(t *relayTx, p settlePlan, why string) {
 func (s *shardRunner) rollback(t *relayTx) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	_ = t.tx.Rollback(ctx)
+	t.rollback(ctx)
 }
 
-// record writes the plan in tx and commits it.
-func (s *shardRunner) record(ctx context.Context, tx pgx.Tx, p settlePlan) error {
-	if last := p.last(); last != nil {
-		// The position is the last finished row: a row that is not
-		// finished (and everything after it) is read again.
-		if _, err := tx.Exec(ctx, s.sql.recordOffset, last.pos.offset, fmt.Sprint(last.pos.txID), outbox.RelayConsumerGroup); err != nil {
-			return fmt.Errorf("record position: %w", err)
-		}
-	}
-	// A transaction without rows still commits: watermill-sql runs its
-	// set-up statements (the group's zero position) through it too.
+// record writes the plan in t and commits it: dead letters first, then the
+// position, cleared retries and COMMIT in one round trip (relayTx.commit).
+func (s *shardRunner) record(ctx context.Context, t *relayTx, p settlePlan) error {
 	for _, it := range p.dead {
-		if err := s.insertDeadLetter(ctx, tx, it); err != nil {
+		if err := s.insertDeadLetter(ctx, t.tx, it); err != nil {
 			return err
 		}
 	}
-	if len(p.cleared) > 0 {
-		if _, err := tx.Exec(ctx, s.sql.clearFailures, s.shard, p.cleared); err != nil {
-			return fmt.Errorf("clear relay failures: %w", err)
-		}
-	}
-	return tx.Commit(ctx)
+	return t.commit(ctx, &s.sql, s.shard, p.last(), p.cleared)
 }
 
 func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item) error {

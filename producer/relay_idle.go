@@ -38,7 +38,7 @@ func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time
 	}
 	if !noMsg {
 		s.lastRows = time.Now()
-		s.relay.poller.relayed(s.shard)
+		s.relay.poller.relayed(s.shard, s.lastBatch)
 		s.unwait()
 		if s.lastBatch >= s.relay.cfg.BatchSize {
 			return 0 // a full batch: more rows are probably readable now

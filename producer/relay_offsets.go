@@ -37,8 +37,12 @@ type relayOffsetsAdapter struct {
 }
 
 // nextOffsetSQL reads the relays' position ($1 their consumer group) if
-// the shard's read fence ($2 namespace, $3 shard) can be taken.
-const nextOffsetSQL = `SELECT offset_acked, last_processed_transaction_id FROM {offsets}
+// the shard's read fence ($2 namespace, $3 shard) can be taken, and then
+// applies the relay transaction's settings (relaySettings) in the same
+// statement: watermill-sql materializes this query once per read (a CTE
+// its select refers to three times), and the row it returns, the one case
+// in which the transaction holds the fence and may write, computes them.
+var nextOffsetSQL = `SELECT offset_acked, last_processed_transaction_id, ` + relaySettings + ` FROM {offsets}
 	WHERE consumer_group = $1 AND pg_try_advisory_xact_lock($2::int, $3::int)`
 
 func newRelayOffsetsAdapter(schema string, shard int) relayOffsetsAdapter {

@@ -2,6 +2,7 @@ package producer
 
 import (
 	"context"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -32,8 +33,16 @@ const (
 	// instead of planning each poll again (with the list of the shards
 	// lingering at that instant, 85% of polls were planned).
 	busyWindow = 2 * time.Second
-	// stallFastPhase is how long the poller keeps polling every
-	// hotPollInterval while every polled shard is held back by the xmin
+	// maxHotPollInterval is the longest interval between polls while
+	// shards linger: at low rates the poller polls about once per event
+	// relayed (rateInterval), never less often than this, so a row is
+	// noticed as soon as plain Watermill polling every 10 ms would.
+	maxHotPollInterval = 10 * time.Millisecond
+	// rateWindow is the time constant of the relay's rate estimate
+	// (poller.rows), which sets the poll interval.
+	rateWindow = time.Second
+	// stallFastPhase is how long the poller keeps polling at its usual
+	// interval while every polled shard is held back by the xmin
 	// horizon; after it, it backs off (pollBackoff).
 	stallFastPhase = 2 * time.Second
 	// stallWarnAfter is how long a stall lasts before the relay warns and
@@ -60,18 +69,52 @@ type poller struct {
 	kick   chan struct{}
 	sql    map[string]string // poll statement by shard list
 	polls  atomic.Int64      // polls run, for tests
+	// rows counts the rows the relay's shards read, decaying with time
+	// constant rateWindow since rowsAt: rows/rateWindow estimates the
+	// relay's rate.
+	rows   float64
+	rowsAt time.Time
 }
 
 func newPoller(r *Relay) *poller {
 	return &poller{r: r, set: map[int]*shardRunner{}, recent: map[int]time.Time{}, kick: make(chan struct{}, 1), sql: map[string]string{}}
 }
 
-// relayed records that shard s just relayed rows: it stays in the poll
-// statement for busyWindow.
-func (p *poller) relayed(shard int) {
+// relayed records that shard just relayed rows rows: it stays in the poll
+// statement for busyWindow, and the rows count towards the relay's rate.
+func (p *poller) relayed(shard, rows int) {
 	p.mu.Lock()
-	p.recent[shard] = time.Now()
+	defer p.mu.Unlock()
+	now := time.Now()
+	p.recent[shard] = now
+	p.decay(now)
+	p.rows += float64(rows)
+}
+
+// decay brings the rows count to now; p.mu is held.
+func (p *poller) decay(now time.Time) {
+	if !p.rowsAt.IsZero() {
+		p.rows *= math.Exp(-float64(now.Sub(p.rowsAt)) / float64(rateWindow))
+	}
+	p.rowsAt = now
+}
+
+// rateInterval is the poll interval at the relay's current rate: about
+// one poll per row relayed, between hotPollInterval and
+// maxHotPollInterval. A poll costs the same whether it finds rows or not,
+// so at low rates polling more often than rows arrive spends a query per
+// empty poll for a millisecond or two of latency: at 100 events/s a 2 ms
+// interval was 2.8 polls per event relayed, each a statement of up to 8
+// index probes.
+func (p *poller) rateInterval() time.Duration {
+	p.mu.Lock()
+	p.decay(time.Now())
+	rate := p.rows / rateWindow.Seconds()
 	p.mu.Unlock()
+	if rate*maxHotPollInterval.Seconds() <= 1 {
+		return maxHotPollInterval
+	}
+	return max(time.Duration(float64(time.Second)/rate), hotPollInterval)
 }
 
 // watch adds s to the polled shards.
@@ -142,7 +185,7 @@ func (p *poller) run(ctx context.Context) {
 				continue
 			}
 		}
-		t.Reset(backoff.Delay(pollBackoff, slow+1))
+		t.Reset(max(backoff.Delay(pollBackoff, slow+1), p.rateInterval()))
 		select {
 		case <-ctx.Done():
 			return
