@@ -9,7 +9,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -67,13 +66,6 @@ type consumerDeadLetterJSON struct {
 	Payload       json.RawMessage `json:"payload,omitempty"`
 	PayloadBase64 []byte          `json:"payload_base64,omitempty"`
 }
-
-type binaryHeader struct {
-	Key   []byte `json:"key_base64"`
-	Value []byte `json:"value_base64"`
-}
-
-func isText(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
 
 func consumerDeadLetterToJSON(d dedup.DeadLetter) consumerDeadLetterJSON {
 	j := consumerDeadLetterJSON{
@@ -281,14 +273,6 @@ parked later versions of the aggregate applies them after its park timeout
 	}
 	fmt.Fprintf(stdout(ctx), "discarded %s: %s\n", plural(int64(len(ids)), "dead letter"), joinIDs(ids))
 	return nil
-}
-
-func joinIDs(ids []int64) string {
-	s := make([]string, len(ids))
-	for i, id := range ids {
-		s[i] = strconv.FormatInt(id, 10)
-	}
-	return strings.Join(s, " ")
 }
 
 // openDeadLetters opens the consumer dead-letter store of the -schema flag

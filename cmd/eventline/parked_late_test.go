@@ -4,7 +4,6 @@ import (
 	"context"
 	"io"
 	"log/slog"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -13,11 +12,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/internal/consumertest"
-	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 // A late event (its version was skipped after the park timeout) is listed
@@ -84,37 +80,4 @@ func TestParkedLateApplyAndDiscard(t *testing.T) {
 	r := cli(t, append(dbArgs(env.Schema), "parked", "apply-late", "billing")...)
 	require.Equal(t, exitUsage, r.code)
 	require.Contains(t, r.stderr, "give the ids of the late events")
-}
-
-// `dlq replay` warns, naming the groups, before it re-enqueues a relay
-// dead letter whose version a consumer group already gave up on: there the
-// replay arrives late and is held, not applied in order.
-func TestDLQReplayWarnsWhenAGroupSkippedTheVersion(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	ctx := context.Background()
-	events := publish(t, env, "orders", "x", "y")
-	table := sqlident.Qualify(env.Schema, outbox.Table(0))
-	_, err := env.Pool.Exec(ctx, `WITH moved AS (DELETE FROM `+table+` RETURNING "offset", uuid, payload, metadata)
-		INSERT INTO `+sqlident.Qualify(env.Schema, "dead_letters")+`
-			(shard, outbox_uuid, event_id, aggregate_type, aggregate_id, aggregate_version, destination_topic, payload, metadata, attempts, last_error, dead_reason)
-		SELECT 0, uuid, payload->>'uuid', payload->'metadata'->>'aggregate_type', payload->'metadata'->>'aggregate_id',
-			(payload->'metadata'->>'aggregate_version')::bigint, payload->>'destination_topic', payload, metadata, 5, 'kafka said no', 'gave up after 5 attempts'
-		FROM moved ORDER BY "offset"`)
-	require.NoError(t, err)
-	store, err := versioning.NewStore(env.Schema)
-	require.NoError(t, err)
-	for _, g := range []string{"billing", "shipping"} {
-		require.NoError(t, store.RecordSkipped(ctx, env.Pool, versioning.Key{Group: g, AggregateType: "order", AggregateID: "x"}, 1, 1, "park timeout"))
-	}
-	dls := okJSON[[]deadLetterJSONTest](t, env.Schema, "dlq", "list", "-json")
-	require.Len(t, dls, 2)
-	require.EqualValues(t, 1, dls[0].AggregateVersion)
-
-	r := cli(t, append(dbArgs(env.Schema), "dlq", "replay", "-all")...)
-	require.Equal(t, exitOK, r.code)
-	require.Contains(t, r.stderr, "warning: dead letter "+strconv.FormatInt(dls[0].ID, 10)+" (event "+events[0].ID+", order/x v1): consumer group(s) billing, shipping already gave up on that version")
-	require.Contains(t, r.stderr, "eventline parked apply-late billing "+events[0].ID)
-	require.NotContains(t, r.stderr, "order/y", "no group skipped y's version")
-	require.Contains(t, r.stdout, "replayed 2 dead letters", "a warning, not a refusal")
 }

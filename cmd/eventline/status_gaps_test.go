@@ -69,10 +69,9 @@ func TestStatusShowsGapsAndStalls(t *testing.T) {
 	require.Contains(t, out, "eventline parked list")
 }
 
-// TestStatusGapsOnASchemaBeforeTheGateMigration: on a schema at
-// 002_consumer (no late_events, no previous_version), status still reads
-// the gaps.
-func TestStatusGapsOnASchemaBeforeTheGateMigration(t *testing.T) {
+// TestStatusGapsOnASchemaWithoutHeldEvents: on a schema at 002_consumer
+// (rolled back past 003_held_events), status still reads the gaps.
+func TestStatusGapsOnASchemaWithoutHeldEvents(t *testing.T) {
 	t.Parallel()
 	schema := pgtest.NewSchemaName(t)
 	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
@@ -81,8 +80,8 @@ func TestStatusGapsOnASchemaBeforeTheGateMigration(t *testing.T) {
 	pool := pgtest.Pool(t, 2)
 	_, err := pool.Exec(context.Background(), `
 		INSERT INTO `+sqlident.Qualify(schema, "aggregate_versions")+` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('g', 'thing', 'a', 1);
-		INSERT INTO `+sqlident.Qualify(schema, "parked_events")+` (consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, payload, metadata)
-			VALUES ('g', 'thing', 'a', 3, 'e3', 't', '\x00', '{}')`)
+		INSERT INTO `+sqlident.Qualify(schema, "parked_events")+` (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, payload, metadata)
+			VALUES ('g', 'thing', 'a', 3, 2, 'e3', 't', '\x00', '{}')`)
 	require.NoError(t, err)
 	st := okJSON[statusGapsJSON](t, schema, "status", "-json")
 	require.Len(t, st.Groups, 1)

@@ -275,9 +275,11 @@ func TestVerifyBrokenDatabaseExits3(t *testing.T) {
 	recordApplied(t, env, "billing", twice[0], time.Minute)
 	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "invoices")+` (event_id) VALUES ($1)`, twice[0].ID)
 	require.NoError(t, err)
-	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "dead_letters")+`
-		(shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, destination_topic, attempts, last_error, dead_reason)
-		SELECT $1, uuid, $2, 'order.updated', 'order', 'o-dead', 1, 'orders', 5, 'kafka: message too large', 'gave up after 5 attempts'
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+`
+		(kind, shard, message_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, topic, attempts, last_error, cause, reason,
+		 payload, header_keys, header_values)
+		SELECT 'relay_dead_letter', $1, convert_to(uuid::text, 'UTF8'), $2, 'order.updated', 'order', 'o-dead', 1, 'orders', 5, 'kafka: message too large',
+			'retries_exhausted', 'gave up after 5 attempts', convert_to(payload::text, 'UTF8'), '{}', '{}'
 		FROM `+sqlident.Qualify(env.Schema, outbox.Table(outbox.ShardFor("order", "o-dead", env.Shards)))+` WHERE payload->>'uuid' = $2`,
 		outbox.ShardFor("order", "o-dead", env.Shards), dead[0].ID)
 	require.NoError(t, err)

@@ -236,12 +236,13 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		}
 	}()
 
-	// 4. The relay gives up on the poison: it lands in the dead-letter
-	// table with the reason, and the shard goes on.
-	var dls []admin.DeadLetter
+	// 4. The relay gives up on the poison: it is held for the operator
+	// (held_events, kind relay_dead_letter) with the reason, and the shard
+	// goes on.
+	var dls []admin.HeldEvent
 	err = setup.WaitFor(ctx, time.Minute, "the poison event to be dead-lettered", func() (bool, error) {
 		var err error
-		dls, err = admin.ListDeadLetters(ctx, db, cfg.Schema, admin.DeadLetterFilter{})
+		dls, err = admin.ListHeld(ctx, db, cfg.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		return len(dls) > 0, err
 	})
 	if err != nil {
@@ -284,10 +285,11 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err := k.SetTopicConfig(accountsTopic, "max.message.bytes", fmt.Sprint(fixedTopicLimit)); err != nil {
 		return err
 	}
-	replayed, err := admin.ReplayDeadLetters(ctx, db, cfg.Schema, dead.ID)
+	res, err := admin.ReplayHeld(ctx, db, cfg.Schema, admin.HeldFilter{IDs: []int64{dead.ID}})
 	if err != nil {
 		return err
 	}
+	replayed := len(res.Enqueued)
 	fmt.Fprintf(stdout, "fix topic_max_message_bytes=%d replayed=%d\n", fixedTopicLimit, replayed)
 
 	// 7. Version 2 arrives, is applied, and releases 3 and 4 in the same

@@ -367,10 +367,10 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	// idle, sends L v2 alone.
 	r.cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: r.topic, Err: kerr.MessageTooLarge})
 	v2 := r.publish("L", 1)[0]
-	var dls []admin.DeadLetter
+	var dls []admin.HeldEvent
 	require.Eventually(t, func() bool {
 		var err error
-		dls, err = admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{})
+		dls, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		require.NoError(t, err)
 		return len(dls) == 1
 	}, time.Minute, 20*time.Millisecond, "the relay dead-letters L v2")
@@ -386,14 +386,14 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		require.Len(t, sk, 1)
 		require.Equal(t, [2]int64{2, 2}, [2]int64{sk[0].From, sk[0].To}, "group %s", g)
 	}
-	// What `eventline dlq replay` warns about before it replays.
-	skippedBy, err := r.store.GroupsThatSkipped(ctx, r.env.Pool, "order", "L", 2)
+	// What `eventline held replay` warns about.
+	res, err := admin.ReplayHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{IDs: []int64{dls[0].ID}})
 	require.NoError(t, err)
+	require.Equal(t, []int64{dls[0].ID}, res.Enqueued)
+	require.Len(t, res.ArrivesLate, 1)
+	skippedBy := res.ArrivesLate[0].Groups
 	slices.Sort(skippedBy)
 	require.Equal(t, []string{apply, hold}, skippedBy)
-	n, err := admin.ReplayDeadLetters(ctx, r.env.Pool, r.env.Schema, dls[0].ID)
-	require.NoError(t, err)
-	require.Equal(t, 1, n)
 
 	// ApplyLate: applied at once, told it is late.
 	require.Eventually(t, func() bool { return len(r.runs(apply, "L")) == 4 }, time.Minute, 20*time.Millisecond, "group apply applies the replayed v2")
@@ -410,7 +410,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	require.Equal(t, versioning.LateArrived, held[0].Kind)
 	require.Equal(t, []int64{1, 3, 4}, versions(r.runs(hold, "L")), "group hold: a held event is not applied")
 	// …until the operator asks (`eventline parked apply-late hold <id>`).
-	n, err = r.store.RequestLateApply(ctx, r.env.Pool, hold, v2.ID)
+	n, err := r.store.RequestLateApply(ctx, r.env.Pool, hold, v2.ID)
 	require.NoError(t, err)
 	require.Equal(t, 1, n)
 	require.Eventually(t, func() bool { return len(r.runs(hold, "L")) == 4 }, time.Minute, 20*time.Millisecond, "group hold applies v2 on request")
@@ -425,7 +425,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	// dead letter marked replayed.
 	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(dedup.DeadLetterTable)), "consumer dead letters")
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT grp, event_id FROM `+r.applied+` GROUP BY 1, 2 HAVING count(*) > 1) d`), "an event ran twice")
-	all, err := admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{IncludeReplayed: true})
+	all, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter, Statuses: []admin.HeldStatus{admin.StatusReplayed}})
 	require.NoError(t, err)
 	require.Len(t, all, 1)
 	require.NotNil(t, all[0].ReplayedAt)

@@ -208,7 +208,8 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	}
 	stopRelay()
 
-	dls, err := admin.ListDeadLetters(ctx, env.Pool, env.Schema, admin.DeadLetterFilter{IncludeReplayed: true})
+	dls, err := admin.ListHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter,
+		Statuses: []admin.HeldStatus{admin.StatusHeld, admin.StatusReplayed, admin.StatusDiscarded}})
 	require.NoError(t, err)
 	require.Empty(t, dls, "the relay dead-lettered events")
 	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {

@@ -11,7 +11,7 @@
 //
 //   - recorded: the group has a processed_events row (applied, stale,
 //     parked…), counted per outcome;
-//   - dead-lettered: by the relay (dead_letters, not replayed) or by the
+//   - dead-lettered: by the relay (held_events of kind relay_dead_letter, not replayed) or by the
 //     group (its dead-letter topic, or consumer_dead_letters once that
 //     table exists); each dead letter is a problem of its own;
 //   - skipped: a skipped_versions range of the group covers its version

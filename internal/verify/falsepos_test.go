@@ -36,9 +36,9 @@ func TestReplayedDeadLetterIsPendingAgain(t *testing.T) {
 	one(t, rep, "x", verify.DeadLetter, verify.Problem, 1)
 	require.EqualValues(t, 1, group(t, rep, "billing").DeadLettered)
 
-	n, err := admin.ReplayDeadLetters(f.ctx, f.env.Pool, f.env.Schema)
+	res, err := admin.ReplayHeld(f.ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Len(t, res.Enqueued, 1)
 	rep = f.run(verify.Config{Groups: []string{"billing"}, GroupTopics: map[string][]string{"billing": {f.topic}}})
 	p := one(t, rep, "x", verify.Pending, verify.Info, 1)
 	require.Equal(t, "outbox", p.Stage, "the replayed row waits for the relay")

@@ -2,7 +2,22 @@
 -- the audit of skipped gaps. Every row is scoped by consumer group.
 
 -- One row per event a consumer group has handled, written in the handler's
--- transaction. outcome says what happened to it.
+-- transaction. outcome says what happened to it: applied; stale (its
+-- version was already applied); parked (waiting for a missing version);
+-- late (held in held_events: its version was given up on or passed),
+-- late_applied (applied after later versions, the handler told so),
+-- late_discarded (the operator discarded it).
+--
+-- Keyed by (group, event id, aggregate). An event id is unique per event,
+-- but a consumer cannot tell a genuine event from a record that reuses its
+-- id: keyed by aggregate, an id reused in another aggregate is another
+-- event of that aggregate, gated on its own version, and costs the genuine
+-- event nothing, whichever arrives first. Within one aggregate the id still
+-- conflicts: a second event under a recorded id is refused
+-- (dedup.IDConflictError). The event id comes before the aggregate: ids
+-- are UUIDv7 by default, so new rows land at the right edge of the index,
+-- and a lookup by id alone (every record of an id in a group) reads a
+-- prefix of it.
 CREATE TABLE processed_events (
     consumer_group    text        NOT NULL,
     event_id          text        NOT NULL,
@@ -10,9 +25,10 @@ CREATE TABLE processed_events (
     aggregate_type    text        NOT NULL DEFAULT '',
     aggregate_id      text        NOT NULL DEFAULT '',
     aggregate_version bigint      NOT NULL DEFAULT 0,
-    outcome           text        NOT NULL CHECK (outcome IN ('applied', 'stale', 'parked')),
+    outcome           text        NOT NULL
+                      CHECK (outcome IN ('applied', 'stale', 'parked', 'late', 'late_applied', 'late_discarded')),
     processed_at      timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer_group, event_id)
+    PRIMARY KEY (consumer_group, event_id, aggregate_type, aggregate_id)
 );
 
 -- Rows arrive in processed_at order, so a BRIN index serves retention at
@@ -40,11 +56,15 @@ CREATE TABLE aggregate_versions (
 WITH (fillfactor = 70);
 
 -- Events that arrived ahead of a missing version, waiting for it.
+-- previous_version is the version the event follows
+-- (aggregate_previous_version on the wire, else aggregate_version - 1): it
+-- is applied once its aggregate is at that version or past it.
 CREATE TABLE parked_events (
     consumer_group    text        NOT NULL,
     aggregate_type    text        NOT NULL,
     aggregate_id      text        NOT NULL,
     aggregate_version bigint      NOT NULL,
+    previous_version  bigint      NOT NULL,
     event_id          text        NOT NULL,
     event_type        text        NOT NULL,
     handler           text        NOT NULL DEFAULT '',
@@ -53,10 +73,15 @@ CREATE TABLE parked_events (
     metadata          jsonb       NOT NULL,
     parked_at         timestamptz NOT NULL DEFAULT now(),
     -- Failed attempts to apply it once its turn came, and the last error.
+    -- After a failure the sweeper tries the event again no sooner than
+    -- next_attempt_at (exponential backoff), so wedged aggregates cannot
+    -- starve the others.
     release_attempts  integer     NOT NULL DEFAULT 0,
     last_error        text,
     last_attempt_at   timestamptz,
-    PRIMARY KEY (consumer_group, aggregate_type, aggregate_id, aggregate_version)
+    next_attempt_at   timestamptz,
+    PRIMARY KEY (consumer_group, aggregate_type, aggregate_id, aggregate_version),
+    CHECK (previous_version >= 0 AND previous_version < aggregate_version)
 );
 
 CREATE INDEX parked_events_parked_at_idx ON parked_events (consumer_group, parked_at);
@@ -76,3 +101,83 @@ CREATE TABLE skipped_versions (
 );
 
 CREATE INDEX skipped_versions_aggregate_idx ON skipped_versions (consumer_group, aggregate_type, aggregate_id);
+
+-- Late events and consumer dead letters; they move into held_events.
+CREATE TABLE late_events (
+    consumer_group     text        NOT NULL,
+    event_id           text        NOT NULL,
+    aggregate_type     text        NOT NULL,
+    aggregate_id       text        NOT NULL,
+    aggregate_version  bigint      NOT NULL,
+    previous_version   bigint      NOT NULL,
+    event_type         text        NOT NULL,
+    handler            text        NOT NULL DEFAULT '',
+    topic              text        NOT NULL DEFAULT '',
+    payload            bytea       NOT NULL,
+    metadata           jsonb       NOT NULL,
+    kind               text        NOT NULL CHECK (kind IN ('arrived_late', 'passed', 'release_failed')),
+    -- Why: the skipped_versions reason, or the last release error.
+    reason             text        NOT NULL,
+    -- The aggregate's version when the event was held.
+    current_version    bigint      NOT NULL,
+    held_at            timestamptz NOT NULL DEFAULT now(),
+    -- Set by `eventline parked apply-late`: the consumer's sweeper applies
+    -- the event on its next pass.
+    apply_requested_at timestamptz,
+    attempts           integer     NOT NULL DEFAULT 0,
+    last_error         text,
+    last_attempt_at    timestamptz,
+    next_attempt_at    timestamptz,
+    PRIMARY KEY (consumer_group, event_id, aggregate_type, aggregate_id)
+);
+
+CREATE INDEX late_events_aggregate_idx ON late_events (consumer_group, aggregate_type, aggregate_id, aggregate_version);
+CREATE INDEX late_events_apply_idx ON late_events (consumer_group, apply_requested_at) WHERE apply_requested_at IS NOT NULL;
+
+CREATE TABLE consumer_dead_letters (
+    id                  bigserial   PRIMARY KEY,
+    consumer_group      text        NOT NULL,
+    topic               text        NOT NULL DEFAULT '',
+    -- The Watermill handler the message was delivered to; a replay runs
+    -- it through the same handler.
+    handler             text        NOT NULL DEFAULT '',
+    -- Where the Kafka record was, when it came from Kafka.
+    kafka_partition     integer,
+    kafka_offset        bigint,
+    kafka_key           bytea,
+    -- The message byte for byte: headers are bytea so NUL bytes and
+    -- invalid UTF-8 survive.
+    message_uuid        bytea       NOT NULL,
+    payload             bytea       NOT NULL,
+    header_keys         bytea[]     NOT NULL,
+    header_values       bytea[]     NOT NULL,
+    -- From the envelope when it decodes, for listing and replay order. Not
+    -- indexed: a hostile record may make them arbitrarily long.
+    event_id            text        NOT NULL DEFAULT '',
+    event_type          text        NOT NULL DEFAULT '',
+    aggregate_type      text        NOT NULL DEFAULT '',
+    aggregate_id        text        NOT NULL DEFAULT '',
+    aggregate_version   bigint      NOT NULL DEFAULT 0,
+    -- permanent, retries_exhausted, failed, or a component's own kind.
+    kind                text        NOT NULL,
+    reason              text        NOT NULL,
+    dead_at             timestamptz NOT NULL DEFAULT now(),
+    times_dead          integer     NOT NULL DEFAULT 1,
+    status              text        NOT NULL DEFAULT 'dead'
+                        CHECK (status IN ('dead', 'replay_requested', 'replayed', 'discarded')),
+    replay_requested_at timestamptz,
+    replayed_at         timestamptz,
+    replay_attempts     integer     NOT NULL DEFAULT 0,
+    last_replay_error   text,
+    discarded_at        timestamptz,
+    discard_reason      text,
+    CHECK (cardinality(header_keys) = cardinality(header_values))
+);
+
+-- One row per Kafka record and group: a record dead-lettered again (a
+-- redelivery after a crash, a failed replay's redelivery) re-opens its row.
+-- Rows without a partition (not from Kafka) never conflict.
+CREATE UNIQUE INDEX consumer_dead_letters_record_idx
+    ON consumer_dead_letters (consumer_group, topic, kafka_partition, kafka_offset);
+
+CREATE INDEX consumer_dead_letters_status_idx ON consumer_dead_letters (consumer_group, status, id);
