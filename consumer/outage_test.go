@@ -371,8 +371,9 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			_, brokers, faults := kafkatest.FakeWithFaults(t)
-			k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: brokers,
+			kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
+			faults := kc.Proxy
+			k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
 				topic: kafkatest.Topic(t, "events"), dlq: kafkatest.Topic(t, "dlq")}
 			kafkatest.CreateTopic(t, k.brokers, k.topic, 2)
 			kafkatest.CreateTopic(t, k.brokers, k.dlq, 1)
@@ -442,8 +443,9 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 // here).
 func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing.T) {
 	t.Parallel()
-	_, brokers, faults := kafkatest.FakeWithFaults(t)
-	k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: brokers,
+	kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
+	faults := kc.Proxy
+	k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
 		topic: kafkatest.Topic(t, "events"), dlq: kafkatest.Topic(t, "dlq")}
 	kafkatest.CreateTopic(t, k.brokers, k.topic, 1)
 	kafkatest.CreateTopic(t, k.brokers, k.dlq, 1)

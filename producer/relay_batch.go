@@ -62,8 +62,12 @@ type item struct {
 
 	span trace.Span // the send span, nil when tracing is off
 
-	state      itemState
-	sent       bool // handed to the Kafka producer, which will call complete
+	state itemState
+	sent  bool // handed to the Kafka producer, which will call complete
+	// alone: published as the only row of its transaction, so Kafka
+	// cannot have batched it with others (a retry after a batch that
+	// Kafka refused as too large, see failBatchTooLarge).
+	alone      bool
 	err        error
 	deadReason string
 	deadCause  string // held.Cause*: set when the publish failed for good; else the row is malformed

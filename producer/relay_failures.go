@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"strconv"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -48,6 +50,12 @@ const (
 	// breaker stopped trying for a while; retry with backoff forever, and
 	// do not count it as an attempt of the message.
 	failUnavailable
+	// failBatchTooLarge: Kafka refused, as too large for the topic, the
+	// record batch this record was sent in with others (Sarama batches up
+	// to RelayConfig.MaxMessageBytes; a topic's max.message.bytes may be
+	// smaller). Not the record's fault yet: sent again at once, alone, not
+	// counted; refused alone, it is (failPermanent).
+	failBatchTooLarge
 )
 
 func classify(err error) failureKind {
@@ -83,7 +91,14 @@ func classify(err error) failureKind {
 	}
 	var netErr net.Error
 	switch {
-	case errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
+	// io.EOF: the broker (or a proxy or load balancer in front of it)
+	// closed the connection, accepting it and closing it at once when it
+	// is going away; Sarama returns the bare EOF once its retries are
+	// spent. Counted as the message's attempts, it dead-lettered events
+	// during an outage (TestKafkaOutageDoesNotStretchTheRetryWait against
+	// a fault proxy).
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
+		errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
 		errors.Is(err, sarama.ErrClosedClient), errors.Is(err, sarama.ErrShuttingDown),
 		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout), errors.Is(err, errShardStopped), errors.Is(err, errNotSent),
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
@@ -94,6 +109,97 @@ func classify(err error) failureKind {
 }
 
 func isPermanent(err error) bool { return classify(err) == failPermanent }
+
+// classifyItem is classify for a row's failure, told whether the row was
+// published alone: a record Kafka refuses as too large is at fault only
+// if nothing was batched with it.
+func classifyItem(it *item) failureKind {
+	kind := classify(it.err)
+	if kind == failPermanent && !it.alone && errors.Is(it.err, sarama.ErrMessageSizeTooLarge) {
+		var cfgErr sarama.ConfigurationError // Sarama's own size check, before any batch
+		if !errors.As(it.err, &cfgErr) {
+			return failBatchTooLarge
+		}
+	}
+	return kind
+}
+
+// sendAlone reports whether a row is to be published alone in its
+// transaction (its last failure was failBatchTooLarge).
+func (s *shardRunner) sendAlone(outboxUUID string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.failures[outboxUUID].alone
+}
+
+// topicLimit is a topic's max.message.bytes as a broker described it.
+type topicLimit struct {
+	bytes int // 0: unknown
+	at    time.Time
+}
+
+// topicLimitMemory is how long a described max.message.bytes is trusted.
+const topicLimitMemory = time.Minute
+
+// recordTooLargeError is Kafka's refusal of a record as too large
+// (MESSAGE_TOO_LARGE) with what the relay knows of both limits. It
+// unwraps to Kafka's error, so it is classified like it.
+type recordTooLargeError struct {
+	topic       string
+	recordBytes int // Sarama's estimate of the record alone
+	topicLimit  int // the topic's max.message.bytes; 0 if unknown
+	relayLimit  int // RelayConfig.MaxMessageBytes
+	err         error
+}
+
+func (e *recordTooLargeError) Error() string {
+	topic := "its max.message.bytes (unknown: describing the topic failed; or the brokers' message.max.bytes)"
+	if e.topicLimit > 0 {
+		topic = fmt.Sprintf("its max.message.bytes, %d bytes,", e.topicLimit)
+	}
+	return fmt.Sprintf("Kafka refused a record of about %d bytes as too large for topic %q: %s is below RelayConfig.MaxMessageBytes (%d bytes), "+
+		"which sizes the relay's records and batches; raise the topic's max.message.bytes to at least RelayConfig.MaxMessageBytes "+
+		"(and producer.Config.MaxMessageBytes to match), or lower both to the topic's: %v",
+		e.recordBytes, e.topic, topic, e.relayLimit, e.err)
+}
+
+func (e *recordTooLargeError) Unwrap() error { return e.err }
+
+// explainTooLarge returns err, as a *recordTooLargeError naming both limits
+// when Kafka refused msg as too large.
+func (s *kafkaSink) explainTooLarge(msg *sarama.ProducerMessage, err error) error {
+	var cfgErr sarama.ConfigurationError
+	if !errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.As(err, &cfgErr) {
+		return err
+	}
+	return &recordTooLargeError{topic: msg.Topic, recordBytes: msg.ByteSize(2), topicLimit: s.topicLimit(msg.Topic),
+		relayLimit: s.cfg.Producer.MaxMessageBytes, err: err}
+}
+
+// topicLimit returns topic's max.message.bytes as the brokers describe it
+// (cached for topicLimitMemory), or 0 when they cannot say.
+func (s *kafkaSink) topicLimit(topic string) int {
+	s.limitsMu.Lock()
+	defer s.limitsMu.Unlock()
+	if l, ok := s.limits[topic]; ok && time.Since(l.at) < topicLimitMemory {
+		return l.bytes
+	}
+	l := topicLimit{at: time.Now()}
+	if admin, err := sarama.NewClusterAdmin(s.brokers, s.cfg); err == nil {
+		entries, err := admin.DescribeConfig(sarama.ConfigResource{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"max.message.bytes"}})
+		for _, e := range entries {
+			if err == nil && e.Name == "max.message.bytes" {
+				l.bytes, _ = strconv.Atoi(e.Value)
+			}
+		}
+		_ = admin.Close()
+	}
+	if s.limits == nil {
+		s.limits = map[string]topicLimit{}
+	}
+	s.limits[topic] = l
+	return l.bytes
+}
 
 // maxUnavailableWait caps the wait before retrying a message while Kafka is
 // unreachable, as it caps the waits between connection attempts: a shard
@@ -117,6 +223,9 @@ type failureRecord struct {
 	// Kafka is unreachable (unavailableBackoff).
 	failures    int
 	nextAttempt time.Time
+	// alone: the row is to be published alone in its next transaction
+	// (failBatchTooLarge).
+	alone bool
 }
 
 func loadFailures(ctx context.Context, pool *pgxpool.Pool, schema string, shard int) (map[string]failureRecord, error) {
@@ -168,7 +277,7 @@ func (s *shardRunner) plan(items []*item) settlePlan {
 		case itemDead:
 		case itemFailed:
 			attempts := s.failures[it.outboxUUID].attempts + 1
-			switch kind := classify(it.err); {
+			switch kind := classifyItem(it); {
 			case kind == failPermanent:
 				it.state, it.deadReason, it.deadCause = itemDead, "rejected: "+it.err.Error(), held.CauseRejected
 			case kind == failRetry && attempts >= s.relay.cfg.MaxAttempts:
@@ -315,21 +424,25 @@ func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item)
 // recordFailure counts a failed attempt of the row the shard now waits on
 // and schedules its retry.
 func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
-	kind := classify(it.err)
+	kind := classifyItem(it)
 	s.mu.Lock()
 	rec := s.failures[it.outboxUUID]
 	rec.failures++
 	if kind == failRetry {
 		rec.attempts++
 	}
+	rec.alone = kind == failBatchTooLarge
 	// A failure of the message walks Backoff by its counted attempts.
 	// Kafka being away says nothing about the message, and the shard must
 	// resume soon after Kafka does, however long it was away: not
 	// Backoff's 10 min but unavailableBackoff, up to the wait between
 	// connection attempts.
 	wait := backoff.Jittered(s.relay.cfg.Backoff, rec.attempts)
-	if kind == failUnavailable {
+	switch kind {
+	case failUnavailable:
 		wait = backoff.Jittered(unavailableBackoff(s.relay.cfg.Backoff), rec.failures)
+	case failBatchTooLarge:
+		wait = 0 // at once, alone
 	}
 	if errors.Is(it.err, breaker.ErrBreakerOpen) {
 		// Sarama's breaker stays open for 10s; retrying sooner only

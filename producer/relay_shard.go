@@ -495,6 +495,13 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 				return nil, nil
 			}
 		}
+		alone := s.sendAlone(it.outboxUUID)
+		if alone {
+			// Kafka refused the batch this row was in as too large: it
+			// goes alone, the rows after it in the next transaction.
+			it.alone = true
+			b.stopped.Store(true)
+		}
 		msg.SetContext(withItem(msg.Context(), it))
 		_, err := h(msg)
 		if err == nil {

@@ -208,7 +208,7 @@ func TestRelayRunStopsCleanlyAtTheCallersDeadline(t *testing.T) {
 // every error was "circuit breaker is open", with no hint of the cause.
 func TestRelayNamesAMissingTopic(t *testing.T) {
 	t.Parallel()
-	_, brokers := kafkatest.Fake(t) // like a production cluster: no topic created on first use
+	brokers := kafkatest.Brokers(t) // like a production cluster: no topic created on first use
 	missing := kafkatest.Topic(t, "missing")
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	events := relaytest.PublishOrders(t, env, missing, 1, 1, 1)

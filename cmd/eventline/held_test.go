@@ -43,7 +43,7 @@ type heldJSONTest struct {
 func TestHeldRelayDeadLetterThroughTheRelay(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	_, brokers := kafkatest.Fake(t)
+	brokers := kafkatest.Brokers(t)
 	topic, missing := kafkatest.Topic(t, "orders"), kafkatest.Topic(t, "missing")
 	kafkatest.CreateTopic(t, brokers, topic, 2)
 	good := publish(t, env, topic, "A")

@@ -17,9 +17,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kerr"
-	"github.com/twmb/franz-go/pkg/kfake"
-	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
@@ -37,12 +34,13 @@ import (
 )
 
 // faultRig is the fault test's pipeline: a producer and relay on the
-// test's own pool, Kafka in kfake (faults injectable), and consumers whose
-// pools reach PostgreSQL through a fault proxy.
+// test's own pool, Kafka (kfake, or Apache Kafka in real-broker mode, see
+// internal/kafkatest), and consumers whose pools reach PostgreSQL through a
+// fault proxy.
 type faultRig struct {
 	t       *testing.T
 	env     pgtest.Env
-	cluster *kfake.Cluster
+	cluster *kafkatest.Cluster
 	brokers []string
 	topic   string
 	prod    *producer.Producer
@@ -53,10 +51,18 @@ type faultRig struct {
 
 func newFaultRig(t *testing.T) *faultRig {
 	t.Helper()
+	return newFaultRigWith(t, 3, nil)
+}
+
+// newFaultRigWith is newFaultRig with a topic of the given partition count
+// and configuration overrides.
+func newFaultRigWith(t *testing.T, partitions int32, topicConfig map[string]string) *faultRig {
+	t.Helper()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 8})
-	cluster, brokers := kafkatest.Fake(t)
+	cluster := kafkatest.Start(t, kafkatest.Config{})
+	brokers := cluster.Brokers
 	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 3)
+	require.NoError(t, cluster.CreateTopicsWithConfig(context.Background(), partitions, topicConfig, topic))
 	prod, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
 	require.NoError(t, err)
 	applied := sqlident.Qualify(env.Schema, "applied")
@@ -276,7 +282,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	r := newFaultRig(t)
-	const hold, apply = "hold", "apply"
+	hold, apply := kafkatest.Topic(t, "hold"), kafkatest.Topic(t, "apply") // unique: the broker may be shared
 	groups := []string{hold, apply}
 	regs := map[string]*prometheus.Registry{}
 	var cfg consumer.Config
@@ -363,9 +369,10 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	for _, g := range groups {
 		require.Eventually(t, func() bool { return len(r.runs(g, "L")) == 1 }, time.Minute, 20*time.Millisecond, "group %s applies L v1", g)
 	}
-	// Kafka refuses the next produce to the topic for good: the relay,
-	// idle, sends L v2 alone.
-	r.cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: r.topic, Err: kerr.MessageTooLarge})
+	// Kafka refuses L v2 for good: the topic's max.message.bytes is set
+	// below any record, and the relay, idle, sends L v2 alone. Restored
+	// once it is dead-lettered.
+	require.NoError(t, r.cluster.SetTopicConfig(r.topic, "max.message.bytes", "16"))
 	v2 := r.publish("L", 1)[0]
 	var dls []admin.HeldEvent
 	require.Eventually(t, func() bool {
@@ -376,6 +383,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	}, time.Minute, 20*time.Millisecond, "the relay dead-letters L v2")
 	require.Equal(t, v2.ID, dls[0].EventID)
 	require.EqualValues(t, 2, dls[0].AggregateVersion)
+	require.NoError(t, r.cluster.ResetTopicConfig(r.topic, "max.message.bytes"))
 
 	r.publish("L", 2) // v3, v4: park behind the missing v2, then the park timeout skips it
 	for _, g := range groups {

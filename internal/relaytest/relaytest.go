@@ -136,7 +136,14 @@ type Record struct {
 // timeout passed, and returns every record read (duplicates included).
 func ReadTopic(t *testing.T, brokers []string, topic string, want int, timeout time.Duration) []Record {
 	t.Helper()
-	return ReadUntil(t, brokers, topic, timeout, func(recs []Record) bool { return len(Distinct(recs)) >= want })
+	seen, read := map[string]bool{}, 0 // counted as records arrive, not again at each one
+	return ReadUntil(t, brokers, topic, timeout, func(recs []Record) bool {
+		for _, r := range recs[read:] {
+			seen[r.EventID] = true
+		}
+		read = len(recs)
+		return len(seen) >= want
+	})
 }
 
 // ReadUntil reads topic from the start until done says so or the timeout
@@ -176,13 +183,18 @@ func RequireAllDelivered(t *testing.T, brokers []string, topic string, ids []str
 	for _, id := range ids {
 		want[id] = true
 	}
+	// Counted as records arrive: recounting every record read at each one
+	// took longer than the timeout for 16k events under load, and the
+	// test reported them missing.
+	seen, n, read := map[string]bool{}, 0, 0
 	recs := ReadUntil(t, brokers, topic, timeout, func(recs []Record) bool {
-		n := 0
-		for id := range Distinct(recs) {
-			if want[id] {
+		for _, r := range recs[read:] {
+			if want[r.EventID] && !seen[r.EventID] {
+				seen[r.EventID] = true
 				n++
 			}
 		}
+		read = len(recs)
 		return n == len(want)
 	})
 	counts := Distinct(recs)
