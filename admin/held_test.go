@@ -39,6 +39,47 @@ func (b bundle) relayDeadLetter(t *testing.T, shard int, uuid string, e eventlin
 	return 0
 }
 
+// deadLetter holds a message group gave up on, as the consumer does, and
+// returns its id.
+func (b bundle) deadLetter(t *testing.T, group string, offset int64, e eventline.Event) int64 {
+	t.Helper()
+	id, err := held.New(b.env.Schema).AddDeadLetter(b.ctx, b.env.Pool, held.Event{
+		Group: group, Topic: "orders", Handler: "orders", FromKafka: true, Partition: 0, Offset: offset,
+		MessageUUID: "m-" + e.ID, Payload: []byte(`{"n":1}`), Metadata: map[string]string{"event_id": e.ID, "bin\x00": "\xff"},
+		EventID: e.ID, EventType: e.Type, AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion,
+		Cause: held.CausePermanent, Reason: "no handler",
+	})
+	require.NoError(t, err)
+	return id
+}
+
+// late holds e as a late event of group (its dedup record says late), as
+// the version gate does, and returns its id.
+func (b bundle) late(t *testing.T, group string, e eventline.Event) int64 {
+	t.Helper()
+	var id int64
+	err := b.env.Pool.QueryRow(b.ctx, sqlident.SQL(b.env.Schema, `WITH h AS (
+			INSERT INTO {schema}.held_events (kind, cause, reason, consumer_group, event_id, event_type, aggregate_type, aggregate_id,
+				aggregate_version, previous_version, current_version, message_uuid, payload, header_keys, header_values)
+			VALUES ('late', 'arrived_late', 'park timeout', $1, $2, $3, $4, $5, $6::bigint, $6::bigint - 1, $6::bigint + 1, convert_to($2, 'UTF8'), '{}', '{}', '{}')
+			RETURNING id
+		), p AS (
+			INSERT INTO {schema}.processed_events (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, outcome)
+			VALUES ($1, $2, $4, $5, $6::bigint, 'late')
+		) SELECT id FROM h`), group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion).Scan(&id)
+	require.NoError(t, err)
+	return id
+}
+
+// outcome returns group's dedup outcome for e.
+func (b bundle) outcome(t *testing.T, group string, e eventline.Event) string {
+	t.Helper()
+	var o string
+	require.NoError(t, b.env.Pool.QueryRow(b.ctx, sqlident.SQL(b.env.Schema, `SELECT outcome FROM {schema}.processed_events
+		WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $3 AND aggregate_id = $4`), group, e.ID, e.AggregateType, e.AggregateID).Scan(&o))
+	return o
+}
+
 func order(id string, version int64) eventline.Event {
 	return eventline.Event{ID: "e-" + id, Type: "order.created", AggregateType: "order", AggregateID: id, AggregateVersion: version}
 }
@@ -86,6 +127,22 @@ func TestListHeld(t *testing.T) {
 		}
 		require.Equal(t, tc.want, ids, name)
 	}
+
+	dl := b.deadLetter(t, "billing", 7, order("o-3", 2))
+	late := b.late(t, "shipping", order("o-4", 5))
+	list, err = admin.ListHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{Group: "billing"})
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	h = list[0]
+	require.Equal(t, []any{dl, admin.HeldDeadLetter, "permanent", "no handler", "billing", "orders", "orders", true, int32(0), int64(7), "m-e-o-3"},
+		[]any{h.ID, h.Kind, h.Cause, h.Reason, h.Group, h.Topic, h.Handler, h.FromKafka, h.Partition, h.Offset, h.MessageUUID})
+	require.Equal(t, map[string]string{"event_id": "e-o-3", "bin\x00": "\xff"}, h.Metadata, "headers byte for byte")
+	list, err = admin.ListHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{Kind: admin.HeldLate})
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	h = list[0]
+	require.Equal(t, []any{late, "shipping", "arrived_late", int64(5), int64(4), int64(6)},
+		[]any{h.ID, h.Group, h.Cause, h.AggregateVersion, h.PreviousVersion, h.CurrentVersion})
 
 	_, err = admin.ListHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{Kind: "parked"})
 	require.ErrorContains(t, err, `admin.ListHeld: HeldFilter.Kind "parked" is unknown`)
@@ -145,6 +202,35 @@ func TestReplayHeld(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, []string{"u-2", "u-3", "u-9"}, uuids, "enqueued in that order")
 	})
+
+	t.Run("consumer dead letters and late events wait for a running consumer of their group", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, 1)
+		relay := b.relayDeadLetter(t, 0, "u-1", order("o-1", 1))
+		dl2 := b.deadLetter(t, "billing", 2, order("o-2", 2))
+		dl1 := b.deadLetter(t, "billing", 1, order("o-2", 1))
+		late := b.late(t, "billing", order("o-3", 4))
+		other := b.deadLetter(t, "shipping", 1, order("o-2", 1))
+
+		res, err := admin.ReplayHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{Group: "billing"})
+		require.NoError(t, err)
+		require.Empty(t, res.Enqueued, "the relay's have no group")
+		require.Equal(t, []int64{dl1, dl2, late}, res.Requested, "per aggregate in version order")
+		list, err := admin.ListHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{Statuses: []admin.HeldStatus{admin.StatusReplayRequested}})
+		require.NoError(t, err)
+		require.Len(t, list, 3)
+		for _, h := range list {
+			require.NotNil(t, h.ReplayRequestedAt)
+			require.Nil(t, h.ReplayedAt, "replayed by the consumer, not here")
+		}
+		_, err = admin.ReplayHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{IDs: []int64{dl1}})
+		require.ErrorIs(t, err, admin.ErrNoHeld, "a requested replay is not requested again")
+
+		res, err = admin.ReplayHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{IDs: []int64{relay, other}})
+		require.NoError(t, err)
+		require.Equal(t, []int64{relay}, res.Enqueued)
+		require.Equal(t, []int64{other}, res.Requested, "one call replays every kind")
+	})
 }
 
 // TestDiscardHeld: an open held event is given up with a reason (which
@@ -174,4 +260,19 @@ func TestDiscardHeld(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, list, 1)
 	require.Equal(t, keep, list[0].ID)
+
+	// A late event's dedup record says late_discarded, so a redelivery
+	// stays a duplicate; a replay-requested dead letter can be discarded
+	// too; the filter selects.
+	lateEvent := order("o-5", 3)
+	late := b.late(t, "billing", lateEvent)
+	dl := b.deadLetter(t, "billing", 1, order("o-6", 1))
+	_, err = admin.ReplayHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{IDs: []int64{dl}})
+	require.NoError(t, err)
+	_, err = admin.DiscardHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{Group: "shipping"}, "no such group")
+	require.ErrorIs(t, err, admin.ErrNoHeld)
+	ids, err = admin.DiscardHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{Group: "billing"}, "obsolete")
+	require.NoError(t, err)
+	require.Equal(t, []int64{late, dl}, ids)
+	require.Equal(t, "late_discarded", b.outcome(t, "billing", lateEvent))
 }
