@@ -216,10 +216,11 @@ const defaultLimit = 100
 // Store runs the statements on held_events of one schema. It holds no
 // connections and is safe for concurrent use.
 type Store struct {
-	addRelay, addDeadLetter                  string
-	list, lock, claim, earlier, countOpen    string
-	replayed, requested, replayFailed, clear string
-	discard                                  string
+	addRelay, addDeadLetter               string
+	list, lock, claim, earlier, countOpen string
+	replayed, requested, replayFailed     string
+	discard                               string
+	lateAggregates, lockLate, lateApplied string
 }
 
 // columns are the columns scan reads, in its order.
@@ -290,7 +291,27 @@ func New(schema string) *Store {
 				next_attempt_at = CASE WHEN $4 THEN NULL ELSE now() + $3::bigint * interval '1 microsecond' END,
 				status = CASE WHEN $4 THEN 'held' ELSE status END
 			WHERE id = $1`),
-		clear: q(`UPDATE {schema}.held_events SET status = 'held' WHERE id = $1`),
+		// The group's aggregates with late events whose replay was
+		// requested and is due ($1 group, $2 limit), those waiting longest
+		// first, so aggregates whose events keep failing (each failure
+		// pushes its next attempt back) cannot starve the others.
+		lateAggregates: q(`SELECT aggregate_type, aggregate_id FROM {schema}.held_events
+			WHERE consumer_group = $1 AND kind = 'late' AND status = 'replay_requested' AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+			GROUP BY aggregate_type, aggregate_id ORDER BY min(coalesce(next_attempt_at, replay_requested_at)) LIMIT $2`),
+		// Those late events of one aggregate ($1 group, $2 type, $3 id, $4
+		// limit), locked, in version order.
+		lockLate: q(`SELECT ` + columns + ` FROM {schema}.held_events
+			WHERE consumer_group = $1 AND kind = 'late' AND status = 'replay_requested' AND aggregate_type = $2 AND aggregate_id = $3
+				AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+			ORDER BY aggregate_version, id LIMIT $4 FOR UPDATE`),
+		// A late event applied ($1 id): replayed, its dedup record's
+		// outcome late_applied.
+		lateApplied: q(`WITH h AS (
+				UPDATE {schema}.held_events SET status = 'replayed', replayed_at = now(), last_error = NULL, next_attempt_at = NULL
+				WHERE id = $1 RETURNING consumer_group, event_id, aggregate_type, aggregate_id
+			)
+			UPDATE {schema}.processed_events p SET outcome = 'late_applied' FROM h
+			WHERE p.consumer_group = h.consumer_group AND p.event_id = h.event_id AND p.aggregate_type = h.aggregate_type AND p.aggregate_id = h.aggregate_id`),
 		// Discarding a late event records the outcome late_discarded in
 		// the group's dedup record, so a redelivery stays a duplicate.
 		discard: q(`WITH d AS (
@@ -426,6 +447,47 @@ func (s *Store) EarlierHeld(ctx context.Context, db DBTX, e Event) (id, version 
 		return 0, 0, false, fmt.Errorf("look for held events before held event %d: %w", e.ID, err)
 	}
 	return id, version, true, nil
+}
+
+// Aggregate names one aggregate.
+type Aggregate struct{ Type, ID string }
+
+// LateAggregates returns up to limit of the group's aggregates with late
+// events whose replay was requested and is due, those waiting longest
+// first.
+func (s *Store) LateAggregates(ctx context.Context, db DBTX, group string, limit int) ([]Aggregate, error) {
+	rows, err := db.Query(ctx, s.lateAggregates, group, limit)
+	if err != nil {
+		return nil, fmt.Errorf("find late events to apply: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Aggregate, error) {
+		var a Aggregate
+		return a, row.Scan(&a.Type, &a.ID)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("find late events to apply: %w", err)
+	}
+	return out, nil
+}
+
+// LockLate locks, in tx (which holds the aggregate's lock), up to limit of
+// the aggregate's late events whose replay was requested and is due, in
+// version order.
+func (s *Store) LockLate(ctx context.Context, tx pgx.Tx, group string, a Aggregate, limit int) ([]Event, error) {
+	rows, err := tx.Query(ctx, s.lockLate, group, a.Type, a.ID, limit)
+	if err != nil {
+		return nil, fmt.Errorf("load late events of %s/%s: %w", a.Type, a.ID, err)
+	}
+	return collect(rows)
+}
+
+// MarkLateApplied records, in tx, that late event id was applied: it is
+// replayed, and its dedup record's outcome is late_applied.
+func (s *Store) MarkLateApplied(ctx context.Context, tx DBTX, id int64) error {
+	if _, err := tx.Exec(ctx, s.lateApplied, id); err != nil {
+		return fmt.Errorf("mark late event %d applied: %w", id, err)
+	}
+	return nil
 }
 
 // CountOpen returns how many events of kind the group holds open (held or
