@@ -7,8 +7,6 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -20,7 +18,7 @@ import (
 // field of waiting_for in -json).
 const (
 	// whereConsumerDeadLetter: the group dead-lettered it
-	// (eventline consumer-dlq list).
+	// (eventline held list -kind dead_letter).
 	whereConsumerDeadLetter = "consumer_dead_letter"
 	// whereRelayDeadLetter: the relay gave up publishing it
 	// (eventline held list -kind relay_dead_letter).
@@ -72,25 +70,18 @@ func locateMissing(ctx context.Context, consumerDB versioning.DBTX, consumerSche
 	if len(want) == 0 {
 		return out, nil
 	}
-	// Consumer dead letters (004_consumer_dead_letters).
-	var present bool
-	cdl := sqlident.Qualify(consumerSchema, "consumer_dead_letters")
-	if err := consumerDB.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, cdl).Scan(&present); err != nil {
-		return nil, fmt.Errorf("look for consumer_dead_letters: %w", err)
-	}
+	// The groups' dead letters of the missing versions, the newest of each.
 	for k, v := range want {
-		if !present {
-			break
-		}
-		var id int64
-		var kind string
-		err := consumerDB.QueryRow(ctx, `SELECT id, kind FROM `+cdl+` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
-			AND aggregate_version = $4 AND status IN ('dead', 'replay_requested') ORDER BY id DESC LIMIT 1`, k.Group, k.AggregateType, k.AggregateID, v).Scan(&id, &kind)
-		if err == nil {
-			out[k] = versionWhere{Version: v, Location: whereConsumerDeadLetter,
-				Detail: fmt.Sprintf("dead-lettered by the group (%s, id %d): eventline consumer-dlq list -group %s", kind, id, k.Group)}
-		} else if !isNoRows(err) {
+		list, err := admin.ListHeld(ctx, consumerDB, consumerSchema, admin.HeldFilter{Kind: admin.HeldDeadLetter, Group: k.Group,
+			AggregateType: k.AggregateType, AggregateID: k.AggregateID, Limit: 10_000})
+		if err != nil {
 			return nil, fmt.Errorf("read consumer dead letters: %w", err)
+		}
+		for _, d := range list {
+			if d.AggregateVersion == v {
+				out[k] = versionWhere{Version: v, Location: whereConsumerDeadLetter,
+					Detail: fmt.Sprintf("dead-lettered by the group (%s, held event %d): eventline held list -group %s", d.Cause, d.ID, k.Group)}
+			}
 		}
 	}
 	wanted := map[aggVersion][]versioning.Key{}
@@ -232,5 +223,3 @@ func relayDeadLetters(ctx context.Context, ob outboxTarget, wanted map[aggVersio
 	}
 	return out, nil
 }
-
-func isNoRows(err error) bool { return errors.Is(err, pgx.ErrNoRows) }

@@ -42,9 +42,9 @@ func TestStatusShowsGapsAndStalls(t *testing.T) {
 	parkGap(t, env, "billing", "a1", 1, 4, 5) // waits for v2..v3
 	parkGap(t, env, "shipping", "b", 0, 2)    // waits for v1
 	ok(t, env.Schema, "parked", "release", "-reason", "lost", "shipping", "thing/b")
-	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "consumer_dead_letters")+
-		` (consumer_group, message_uuid, payload, header_keys, header_values, kind, reason)
-		VALUES ('billing', '\x01', '\x00', '{}', '{}', 'permanent', 'r')`)
+	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+
+		` (kind, consumer_group, message_uuid, payload, header_keys, header_values, cause, reason)
+		VALUES ('dead_letter', 'billing', '\x01', '\x00', '{}', '{}', 'permanent', 'r')`)
 	require.NoError(t, err)
 
 	st := okJSON[statusGapsJSON](t, env.Schema, "status", "-json")

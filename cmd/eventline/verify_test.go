@@ -145,7 +145,6 @@ func TestVerifyCleanPipelineExits0(t *testing.T) {
 	topic := kafkatest.Topic(t, "orders")
 	group := kafkatest.Topic(t, "billing")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
-	kafkatest.CreateTopic(t, brokers, group+consumer.DeadLetterTopicSuffix, 1)
 	invoices := sqlident.Qualify(env.Schema, "invoices")
 	orders := sqlident.Qualify(env.Schema, "orders")
 	for _, ddl := range []string{
@@ -210,7 +209,7 @@ func TestVerifyCleanPipelineExits0(t *testing.T) {
 	require.Empty(t, r.stderr)
 	out := r.stdout
 	require.Contains(t, out, "Outbox: 2 shards, 10 events, 10 relayed, 0 pending, 0 retrying, 0 dead letters not replayed")
-	require.Contains(t, out, "Kafka: read to the high watermark: "+topic+" (3 partitions, 10 records, 0 duplicates); "+group+".dlq (dead letters, 0 records)")
+	require.Contains(t, out, "Kafka: read to the high watermark: "+topic+" (3 partitions, 10 records, 0 duplicates)\n")
 	require.Regexp(t, `GROUP\s+TOPICS\s+EVENTS\s+APPLIED\s+PENDING\s+STUCK\s+LOST\s+DISCARDED\s+TWICE\s+OUT OF ORDER\s+PARKED\s+SKIPPED\s+DEAD LETTERS\s+LATE`, out)
 	require.Regexp(t, `(?m)^`+group+`\s+`+topic+`\s+10\s+10\s+0\s+0\s+0\s+0\s+0\s+0\s+0\s+0\s+0\s+0$`, out)
 	require.NotContains(t, out, "Findings:")
@@ -305,7 +304,7 @@ func TestVerifyBrokenDatabaseExits3(t *testing.T) {
 		"PROBLEM  out_of_order  group billing  order/o-order v2  event " + ooo[1].ID,
 		"v2 was applied after v3",
 		"PROBLEM  dead_letter  relay  order/o-dead v1  event " + dead[0].ID,
-		"replay it with `eventline dlq replay 1`",
+		"replay it with `eventline held replay 1`",
 		"PROBLEM  pending  group billing  order/o-stuck v1  event " + stuck[0].ID,
 		"committed, not relayed yet (stuck: pending for longer than 5m)",
 		"WARNING  skipped  group billing  thing/y v1..v2",

@@ -12,7 +12,6 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
@@ -116,7 +115,7 @@ func TestTopicLimitBelowTheRelaysDeadLettersOnlyTheTooLargeEvent(t *testing.T) {
 	for _, a := range aggs {
 		require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25}, versions(r.runs(group, a)), "aggregate %s", a)
 	}
-	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(dedup.DeadLetterTable)), "consumer dead letters")
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind = 'dead_letter'`), "consumer dead letters")
 	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("parked_events")), "parked events")
 	require.True(t, slices.ContainsFunc(r.runs(group, "big"), func(x run) bool { return x.Version == 2 && !x.Late }), "big v2 applied in order, not late")
 }
@@ -261,9 +260,10 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 	for _, a := range aggs {
 		require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7, 8, 9}, versions(r.runs(group, a)), "aggregate %s: each version applied once, in order", a)
 	}
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"parked_events", "skipped_versions"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "%s must be empty", table)
 	}
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind <> 'relay_dead_letter'`), "no consumer dead letter or late event held")
 	t.Logf("topic missing for %s: %d of %d events published meanwhile dead-lettered by the relay, replayed; every event applied once, in order",
 		recreated.Round(time.Millisecond), len(dls), 2*len(aggs))
 }

@@ -505,7 +505,7 @@ func (s *Store) CountOpen(ctx context.Context, db DBTX, group string, kind Kind)
 // row's uuid), Payload and Metadata are the row; Cause and Reason why;
 // Attempts and LastError its publishes.
 func (s *Store) AddRelay(ctx context.Context, tx DBTX, e Event) error {
-	hk, hv := headers(e.Metadata)
+	hk, hv := Headers(e.Metadata)
 	_, err := tx.Exec(ctx, s.addRelay, e.Cause, CleanText(truncate(e.Reason, maxReasonBytes)), e.Shard, []byte(e.MessageUUID),
 		CleanText(e.EventID), CleanText(e.EventType), CleanText(e.AggregateType), CleanText(e.AggregateID), e.AggregateVersion,
 		CleanText(e.Topic), payload(e.Payload), hk, hv, e.Attempts, CleanText(truncate(e.LastError, maxReasonBytes)))
@@ -535,7 +535,7 @@ func (s *Store) AddDeadLetter(ctx context.Context, db DBTX, e Event) (int64, err
 	if cause == "" {
 		cause = CauseFailed
 	}
-	hk, hv := headers(e.Metadata)
+	hk, hv := Headers(e.Metadata)
 	var id int64
 	err := db.QueryRow(ctx, s.addDeadLetter, CleanText(e.Group), CleanText(e.Topic), CleanText(e.Handler), partition, offset, e.Key,
 		[]byte(e.MessageUUID), payload(e.Payload), hk, hv, CleanText(e.EventID), CleanText(e.EventType), CleanText(e.AggregateType),
@@ -546,9 +546,9 @@ func (s *Store) AddDeadLetter(ctx context.Context, db DBTX, e Event) (int64, err
 	return id, nil
 }
 
-// headers returns metadata as the header_keys and header_values columns:
+// Headers returns metadata as the header_keys and header_values columns:
 // sorted by key, bytes as they are.
-func headers(md map[string]string) (keys, values [][]byte) {
+func Headers(md map[string]string) (keys, values [][]byte) {
 	ks := slices.Sorted(maps.Keys(md))
 	keys, values = make([][]byte, len(ks)), make([][]byte, len(ks))
 	for i, k := range ks {

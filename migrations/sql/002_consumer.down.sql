@@ -1,5 +1,3 @@
-DROP TABLE IF EXISTS consumer_dead_letters;
-DROP TABLE IF EXISTS late_events;
 DROP TABLE IF EXISTS skipped_versions;
 DROP TABLE IF EXISTS parked_events;
 DROP TABLE IF EXISTS aggregate_versions;
