@@ -23,3 +23,6 @@ func OwnedShards(r *Relay) []int { return r.ownedShards() }
 
 // ShardCount returns r's shard count, or 0 while it is not known.
 func ShardCount(r *Relay) int { return r.shardCount() }
+
+// Polls returns how many times r's poller has looked at its waiting shards.
+func Polls(r *Relay) int64 { return r.poller.polls.Load() }

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/eventline/eventline"
@@ -58,6 +59,7 @@ type poller struct {
 	recent map[int]time.Time // when each shard last relayed rows
 	kick   chan struct{}
 	sql    map[string]string // poll statement by shard list
+	polls  atomic.Int64      // polls run, for tests
 }
 
 func newPoller(r *Relay) *poller {
@@ -151,6 +153,7 @@ func (p *poller) run(ctx context.Context) {
 			continue
 		}
 		ready, err := p.poll(ctx, shards)
+		p.polls.Add(1)
 		if err != nil {
 			if ctx.Err() == nil {
 				p.r.log.Debug("poll outbox shards", "err", err)

@@ -121,23 +121,25 @@ func TestBusyRelayIsNotNotified(t *testing.T) {
 
 // TestRelayReadsRowsAsSoonAsTheHorizonPasses: committed rows held back by an
 // older open transaction become readable the moment it ends, and nothing
-// notifies the relay then (no insert happens). The relay must notice within
-// a few polls instead of sleeping: here the old transaction stays open 4s,
-// long enough for a backing-off poll to sleep for hundreds of
-// milliseconds, and the time from its end to the relay recording the
-// held-back event is measured in several rounds. Before, the relay slept
-// up to 500ms in that state.
+// notifies the relay then (no insert happens). The relay must keep looking
+// instead of sleeping: here the old transaction stays open 4s, long enough
+// for a backing-off poll to sleep for hundreds of milliseconds, and the
+// relay must poll all along (every 20 ms at most once the stall is 2 s
+// old; the test asks for at least one poll per 200 ms on average, which
+// the relay that slept up to 500 ms in that state did not make) and then
+// record the held-back event. The time from the horizon's end to that is
+// logged, not asserted: on a loaded machine it says more about the
+// machine than about the relay.
 func TestRelayReadsRowsAsSoonAsTheHorizonPasses(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 10})
 	brokers := kafkatest.Brokers(t)
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 1)
-	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, PollInterval: time.Second})
+	rel, _ := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, PollInterval: time.Second})
 	require.Eventually(t, func() bool { return waitingShards(t, env) == 1 }, 15*time.Second, 10*time.Millisecond)
 	ctx := context.Background()
 
-	var worst time.Duration
 	for round := 0; round < 5; round++ {
 		holder, err := env.Pool.Begin(ctx)
 		require.NoError(t, err)
@@ -149,8 +151,12 @@ func TestRelayReadsRowsAsSoonAsTheHorizonPasses(t *testing.T) {
 		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT transaction_id::text, "offset" FROM `+sqlident.Qualify(env.Schema, "outbox_0")+
 			` ORDER BY transaction_id DESC, "offset" DESC LIMIT 1`).Scan(&tx, &off))
 		want, _ := strconv.ParseUint(tx, 10, 64)
-		time.Sleep(4 * time.Second) // the horizon is held this long: the stall the relay's poll backs off in
+		const hold = 4 * time.Second
+		polls := producer.Polls(rel)
+		time.Sleep(hold) // the horizon is held this long: the stall the relay's poll backs off in
+		polled := producer.Polls(rel) - polls
 		require.NoError(t, holder.Rollback(ctx))
+		require.GreaterOrEqual(t, polled, int64(hold/(200*time.Millisecond)), "round %d: the relay slept while committed rows waited behind the horizon", round)
 		ended := time.Now()
 		var took time.Duration
 		require.Eventually(t, func() bool {
@@ -161,8 +167,6 @@ func TestRelayReadsRowsAsSoonAsTheHorizonPasses(t *testing.T) {
 			}
 			return false
 		}, 30*time.Second, 2*time.Millisecond)
-		t.Logf("round %d: relayed %s after the horizon passed", round, took.Round(time.Millisecond))
-		worst = max(worst, took)
+		t.Logf("round %d: %d polls while held back; relayed %s after the horizon passed", round, polled, took.Round(time.Millisecond))
 	}
-	require.Less(t, worst, 200*time.Millisecond, "the relay slept while committed rows were readable")
 }
