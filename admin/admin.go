@@ -23,25 +23,20 @@ type DBTX interface {
 }
 
 // Beginner is the handle of the functions that run transactions of their
-// own (RebasePositions, AdvanceSequences, ReplayDeadLetters):
+// own (RebasePositions, AdvanceSequences, ReplayHeld):
 // *pgxpool.Pool and *pgx.Conn satisfy it, and so does pgx.Tx (each
 // transaction is then a savepoint of the caller's).
 type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
 
-var (
-	// ErrPositionAhead describes a shard whose position or rows carry
-	// transaction ids this cluster has not handed out yet
-	// (ShardStatus.PositionAhead, PositionCheck.Ahead): the outbox was
-	// restored or replicated from another cluster, nothing on the shard is
-	// relayed, and RebasePositions repairs it. The relay's log and
-	// `eventline status` quote it.
-	ErrPositionAhead = outbox.ErrPositionAhead
-	// ErrNoDeadLetters is returned by ReplayDeadLetters when none of the
-	// given ids is a dead letter waiting for replay.
-	ErrNoDeadLetters = errors.New("eventline: no dead letters to replay")
-)
+// ErrPositionAhead describes a shard whose position or rows carry
+// transaction ids this cluster has not handed out yet
+// (ShardStatus.PositionAhead, PositionCheck.Ahead): the outbox was
+// restored or replicated from another cluster, nothing on the shard is
+// relayed, and RebasePositions repairs it. The relay's log and `eventline
+// status` quote it.
+var ErrPositionAhead = outbox.ErrPositionAhead
 
 // ReadShardCount returns the number of outbox shards recorded in schema
 // (what a relay's pool is sized by: producer.PoolSizeFor). A schema

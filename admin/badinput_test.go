@@ -38,7 +38,7 @@ func TestReadShardCountRefusesBadInput(t *testing.T) {
 }
 
 // TestOperationsRefuseANilHandle: the operator functions (what
-// `eventline status`, `dlq`, `cleanup` and the recovery commands call)
+// `eventline status`, `held`, `cleanup` and the recovery commands call)
 // panicked on a nil handle; each returns an error naming itself and the
 // argument.
 func TestOperationsRefuseANilHandle(t *testing.T) {
@@ -47,12 +47,16 @@ func TestOperationsRefuseANilHandle(t *testing.T) {
 	ctx := context.Background()
 	var nilPool *pgxpool.Pool
 	calls := map[string]func() error{
-		"admin.ListDeadLetters: db is nil": func() error {
-			_, err := admin.ListDeadLetters(ctx, nilPool, env.Schema, admin.DeadLetterFilter{})
+		"admin.ListHeld: db is nil": func() error {
+			_, err := admin.ListHeld(ctx, nilPool, env.Schema, admin.HeldFilter{})
 			return err
 		},
-		"admin.ReplayDeadLetters: db is nil": func() error {
-			_, err := admin.ReplayDeadLetters(ctx, nilPool, env.Schema, 1)
+		"admin.ReplayHeld: db is nil": func() error {
+			_, err := admin.ReplayHeld(ctx, nilPool, env.Schema, admin.HeldFilter{IDs: []int64{1}})
+			return err
+		},
+		"admin.DiscardHeld: db is nil": func() error {
+			_, err := admin.DiscardHeld(ctx, nilPool, env.Schema, admin.HeldFilter{IDs: []int64{1}}, "r")
 			return err
 		},
 		"admin.Cleanup: db is nil": func() error {
@@ -108,11 +112,15 @@ func TestOperationsNameABadSchema(t *testing.T) {
 		"admin.ShardOwners: schema":      func() error { _, err := admin.ShardOwners(ctx, env.Pool, bad); return err },
 		"admin.CheckPositions: schema":   func() error { _, err := admin.CheckPositions(ctx, env.Pool, bad); return err },
 		"admin.RebasePositions: schema":  func() error { _, err := admin.RebasePositions(ctx, env.Pool, bad, true); return err },
-		"admin.ListDeadLetters: schema": func() error {
-			_, err := admin.ListDeadLetters(ctx, env.Pool, bad, admin.DeadLetterFilter{})
+		"admin.ListHeld: schema": func() error {
+			_, err := admin.ListHeld(ctx, env.Pool, bad, admin.HeldFilter{})
 			return err
 		},
-		"admin.ReplayDeadLetters: schema": func() error { _, err := admin.ReplayDeadLetters(ctx, env.Pool, bad); return err },
+		"admin.ReplayHeld: schema": func() error { _, err := admin.ReplayHeld(ctx, env.Pool, bad, admin.HeldFilter{}); return err },
+		"admin.DiscardHeld: schema": func() error {
+			_, err := admin.DiscardHeld(ctx, env.Pool, bad, admin.HeldFilter{}, "r")
+			return err
+		},
 		"admin.AdvanceSequences: consumerSchema": func() error {
 			_, err := admin.AdvanceSequences(ctx, env.Pool, env.Schema, env.Pool, bad, true)
 			return err

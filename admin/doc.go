@@ -1,6 +1,6 @@
 // Package admin is what an operator does to a running pipeline, one
 // function each: the CLI (`eventline status`, `relay rebase-positions`,
-// `relay advance-sequences`, `cleanup`, `dlq`) calls these and holds no SQL
+// `relay advance-sequences`, `cleanup`, `held`) calls these and holds no SQL
 // of its own, and a service's admin endpoint can call them too.
 //
 // Look:
@@ -14,7 +14,9 @@
 //     Prometheus scrape.
 //
 // Act:
-//   - [ListDeadLetters] and [ReplayDeadLetters]: the relay's dead letters.
+//   - [ListHeld], [ReplayHeld] and [DiscardHeld]: the events held for the
+//     operator, of every kind (the relay's dead letters, the consumers'
+//     dead letters, late events).
 //   - [Cleanup]: outbox rows past retention (relays do it for their shards).
 //   - After moving the database to another cluster, [CheckPositions] and
 //     [RebasePositions]; after a failover that lost commits,

@@ -18,7 +18,7 @@ import (
 )
 
 // What an operator looks at first: the backlog and who relays it, each
-// consumer group's state, the dead letters, and whether the outbox was
+// consumer group's state, the events held for the operator, and whether the outbox was
 // moved from another cluster. Here one event waits for a relay.
 func Example() {
 	ctx := context.Background()
@@ -42,11 +42,11 @@ func Example() {
 		panic(err)
 	}
 	fmt.Println("backlog:", st.Outbox.Backlog(), "shards owned:", len(st.Owners), "consumer groups:", len(st.Groups))
-	dead, err := admin.ListDeadLetters(ctx, pool, schema, admin.DeadLetterFilter{})
+	held, err := admin.ListHeld(ctx, pool, schema, admin.HeldFilter{})
 	if err != nil {
 		panic(err)
 	}
-	fmt.Println("dead letters:", len(dead))
+	fmt.Println("held events:", len(held))
 	checks, err := admin.CheckPositions(ctx, pool, schema)
 	if err != nil {
 		panic(err)
@@ -54,7 +54,7 @@ func Example() {
 	fmt.Println("shard 0 needs RebasePositions:", checks[0].Ahead())
 	// Output:
 	// backlog: 1 shards owned: 0 consumer groups: 0
-	// dead letters: 0
+	// held events: 0
 	// shard 0 needs RebasePositions: false
 }
 

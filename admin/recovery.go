@@ -216,13 +216,12 @@ type SequenceAdvance struct {
 // as stale.
 //
 // A version is held wherever a consumer can keep it: applied
-// (aggregate_versions), parked (parked_events), late (late_events) and
-// dead-lettered (consumer_dead_letters, whatever the letter's status: a
-// discarded letter's version was still used by an event, and a replayed
+// (aggregate_versions), parked (parked_events), and held late or
+// dead-lettered (held_events of those kinds, whatever their status: a
+// discarded event's version was still used by an event, and a replayed
 // one's is applied or held elsewhere, so counting it costs nothing). Dead
 // letters whose envelope did not decode carry no version and do not count.
-// Tables a consumer schema predates (late_events, consumer_dead_letters)
-// hold nothing and are skipped.
+// A schema rolled back past 003_held_events holds none there.
 //
 // consumerDB and consumerSchema hold the consumer groups' tables: the
 // producer's own database and schema when producer and consumers share
@@ -335,19 +334,16 @@ func heldVersionsSQL(ctx context.Context, db DBTX, schema string) (string, error
 		`SELECT aggregate_type, aggregate_id, version FROM {schema}.aggregate_versions`,
 		`SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.parked_events`,
 	}
-	var hasLate, hasDead bool
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL`,
-		sqlident.Qualify(schema, "late_events"), sqlident.Qualify(schema, "consumer_dead_letters")).Scan(&hasLate, &hasDead)
+	var hasHeld bool
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "held_events")).Scan(&hasHeld)
 	if err != nil {
-		return "", fmt.Errorf("look for the consumers' late events and dead letters: %w", err)
+		return "", fmt.Errorf("look for the consumers' held events: %w", err)
 	}
-	if hasLate {
-		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.late_events`)
-	}
-	if hasDead {
-		// A letter whose envelope did not decode has version 0 and no
-		// aggregate.
-		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.consumer_dead_letters WHERE aggregate_id <> ''`)
+	if hasHeld {
+		// A dead letter whose envelope did not decode has version 0 and
+		// no aggregate; the relay's hold no version of a group.
+		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.held_events
+			WHERE kind IN ('dead_letter', 'late') AND aggregate_id <> ''`)
 	}
 	return sqlident.SQL(schema, `SELECT aggregate_type, aggregate_id, max(version) FROM (
 			`+strings.Join(parts, "\n\t\t\tUNION ALL\n\t\t\t")+`

@@ -120,20 +120,20 @@ func TestAdvanceSequencesCountsEveryVersionConsumersHold(t *testing.T) {
 	exec(`INSERT INTO ` + q("aggregate_sequences") + ` VALUES ('order','a',3)`)
 	exec(`INSERT INTO ` + q("aggregate_versions") + ` (consumer_group, aggregate_type, aggregate_id, version)
 		VALUES ('billing','order','a',7), ('billing','order','d',2)`)
-	exec(`INSERT INTO ` + q("late_events") + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
-			event_type, payload, metadata, kind, reason, current_version)
-		VALUES ('billing','e9','order','d',9,8,'order.updated','\x7b7d','{}','passed','passed while parked',10)`)
+	exec(`INSERT INTO ` + q("held_events") + ` (kind, cause, reason, consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version,
+			previous_version, event_type, message_uuid, payload, header_keys, header_values, current_version)
+		VALUES ('late', 'passed', 'passed while parked', 'billing', 'e9', 'order', 'd', 9, 8, 'order.updated', '\x00', '\x7b7d', '{}', '{}', 10)`)
 	dead := func(group, typ, id string, version int64, status string) {
 		t.Helper()
-		exec(`INSERT INTO `+q("consumer_dead_letters")+` (consumer_group, message_uuid, payload, header_keys, header_values,
-				event_id, aggregate_type, aggregate_id, aggregate_version, kind, reason, status)
-			VALUES ($1, '\x00', '\x00', '{}', '{}', 'ev', $2, $3, $4, 'permanent', 'test', $5)`, group, typ, id, version, status)
+		exec(`INSERT INTO `+q("held_events")+` (kind, consumer_group, message_uuid, payload, header_keys, header_values,
+				event_id, aggregate_type, aggregate_id, aggregate_version, cause, reason, status)
+			VALUES ('dead_letter', $1, '\x00', '\x00', '{}', '{}', 'ev', $2, $3, $4, 'permanent', 'test', $5)`, group, typ, id, version, status)
 	}
-	dead("billing", "order", "a", 12, "dead")         // waits for the operator
+	dead("billing", "order", "a", 12, "held")         // waits for the operator
 	dead("shipping", "order", "e", 15, "discarded")   // given up on, but its version was used
 	dead("shipping", "order", "f", 4, "replayed")     // applied or held elsewhere since; counts all the same
-	dead("shipping", "", "", 0, "dead")               // did not decode: no version
-	dead("shipping", "order", hugeKey(t), 99, "dead") // a hostile record's key
+	dead("shipping", "", "", 0, "held")               // did not decode: no version
+	dead("shipping", "order", hugeKey(t), 99, "held") // a hostile record's key
 
 	res, err := admin.AdvanceSequences(ctx, env.Pool, env.Schema, env.Pool, env.Schema, false)
 	require.NoError(t, err)

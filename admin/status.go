@@ -21,9 +21,10 @@ type Status struct {
 	// Owners maps each shard with an unexpired lease to the relay holding
 	// it (see ShardOwners); shards no relay owns are absent.
 	Owners map[int]ShardOwner
-	// LeaseTables is false when the schema lacks the relay lease tables
-	// (migration 005_relay_leases): relays cannot run, Owners is empty.
-	LeaseTables bool
+	// RelayTables is false when the schema lacks the tables relays write
+	// besides the outbox (relay_leases, held_events: a schema rolled back
+	// past 003_held_events): relays cannot run, Owners is empty.
+	RelayTables bool
 	// Groups are the consumer groups that recorded anything, by name.
 	Groups []GroupStatus
 	// ConsumerTables is false when the schema has no consumer tables
@@ -48,7 +49,7 @@ type GroupStatus struct {
 // owners and every consumer group's status from schema. It changes
 // nothing; run it in a read-only repeatable-read transaction for one
 // snapshot (as `eventline status` does). Tables a schema lacks are
-// reported (LeaseTables, ConsumerTables), never a failed statement that
+// reported (RelayTables, ConsumerTables), never a failed statement that
 // would abort that transaction.
 //
 // Open gaps are listed up to openGaps per group (the oldest first; all
@@ -62,8 +63,8 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	if st.Outbox, err = readOutboxStatus(ctx, db, schema); err != nil {
 		return st, err
 	}
-	if err := outbox.CheckLeaseTables(ctx, db, schema); err == nil {
-		st.LeaseTables = true
+	if err := outbox.CheckRelayTables(ctx, db, schema); err == nil {
+		st.RelayTables = true
 		if st.Owners, err = shardOwners(ctx, db, schema); err != nil {
 			return st, err
 		}
@@ -146,7 +147,8 @@ func readGroups(ctx context.Context, db DBTX, schema string, openGaps int) ([]Gr
 // OutboxStatus is a snapshot of the outbox read from the database.
 type OutboxStatus struct {
 	Shards []ShardStatus
-	// DeadLetters counts dead letters not yet replayed.
+	// DeadLetters counts the relay's dead letters waiting for an operator
+	// (held events of kind relay_dead_letter, status held).
 	DeadLetters int64
 	// Retrying counts rows that failed to publish and wait for a retry.
 	Retrying int64
@@ -247,11 +249,10 @@ const shardStatusSQL = `SELECT
 			AND m.transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))
 	FROM {messages} m LEFT JOIN {offsets} o ON o.consumer_group = $1`
 
-// relayBacklogSQL counts the dead letters waiting for replay and the rows
-// waiting for a retry.
-const relayBacklogSQL = `SELECT
-		(SELECT count(*) FROM {schema}.dead_letters WHERE replayed_at IS NULL),
-		(SELECT count(*) FROM {schema}.relay_failures)`
+// relayBacklogSQL counts the rows waiting for a retry and the relay's
+// dead letters waiting for an operator.
+const relayBacklogSQL = `SELECT (SELECT count(*) FROM {schema}.relay_failures),
+		(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = '' AND kind = 'relay_dead_letter' AND status = 'held')`
 
 // ReadOutboxStatus reads the outbox's backlog per shard, the oldest
 // pending age, and the dead letters and retries waiting. A schema without
@@ -293,7 +294,17 @@ func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 			}
 		}
 	}
-	err = db.QueryRow(ctx, sqlident.SQL(schema, relayBacklogSQL)).Scan(&st.DeadLetters, &st.Retrying)
+	// A schema rolled back past 003_held_events has none (asked first: a
+	// failed statement would abort the caller's transaction).
+	var hasHeld bool
+	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "held_events")).Scan(&hasHeld); err != nil {
+		return st, fmt.Errorf("look for held_events: %w", err)
+	}
+	if !hasHeld {
+		err = db.QueryRow(ctx, sqlident.SQL(schema, `SELECT count(*) FROM {schema}.relay_failures`)).Scan(&st.Retrying)
+	} else {
+		err = db.QueryRow(ctx, sqlident.SQL(schema, relayBacklogSQL)).Scan(&st.Retrying, &st.DeadLetters)
+	}
 	if err != nil {
 		return st, fmt.Errorf("read dead letters: %w", err)
 	}
@@ -316,7 +327,7 @@ type ShardOwner struct {
 }
 
 // ShardOwners returns the shards with an unexpired lease and their
-// owners. A schema without the lease tables (migration 005_relay_leases)
+// owners. A schema without the relay's tables (see Status.RelayTables)
 // is an error wrapping producer.ErrNotMigrated; no statement has failed
 // then, so a transaction db stays usable.
 func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
@@ -324,7 +335,7 @@ func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwne
 		return nil, err
 	}
 	// Checked first: a failing query would abort the caller's transaction.
-	if err := outbox.CheckLeaseTables(ctx, db, schema); err != nil {
+	if err := outbox.CheckRelayTables(ctx, db, schema); err != nil {
 		return nil, err
 	}
 	return shardOwners(ctx, db, schema)

@@ -18,7 +18,6 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -85,12 +84,10 @@ func TestReadStatus(t *testing.T) {
 		for _, e := range events {
 			perShard[outbox.ShardFor(e.AggregateType, e.AggregateID, 3)]++
 		}
-		_, err := b.env.Pool.Exec(b.ctx, sqlident.SQL(b.env.Schema, `INSERT INTO {schema}.dead_letters (shard, outbox_uuid, attempts, last_error, dead_reason)
-			VALUES (0, 'u-1', 3, 'boom', 'gave up after 3 attempts')`))
-		require.NoError(t, err)
+		b.relayDeadLetter(t, 0, "u-1", eventline.Event{})
 		b.park(t, "billing", "a", 2, 4)
 		b.park(t, "shipping", "x", 0, 3)
-		_, err = b.vs.ReleaseGap(b.ctx, b.env.Pool, "shipping", "thing", "x", "test")
+		_, err := b.vs.ReleaseGap(b.ctx, b.env.Pool, "shipping", "thing", "x", "test")
 		require.NoError(t, err)
 		ds, err := dedup.NewStore(b.env.Schema)
 		require.NoError(t, err)
@@ -106,7 +103,7 @@ func TestReadStatus(t *testing.T) {
 			require.Equal(t, perShard[i], s.Stored, "shard %d", i)
 		}
 		require.EqualValues(t, 1, st.Outbox.DeadLetters)
-		require.True(t, st.LeaseTables)
+		require.True(t, st.RelayTables)
 		require.Empty(t, st.Owners, "no relay runs")
 		require.True(t, st.ConsumerTables)
 		require.Len(t, st.Groups, 3)
@@ -141,7 +138,7 @@ func TestReadStatus(t *testing.T) {
 
 		st := b.readStatus(t, schema)
 		require.Len(t, st.Outbox.Shards, 1)
-		require.False(t, st.LeaseTables)
+		require.False(t, st.RelayTables)
 		require.Empty(t, st.Owners)
 		require.False(t, st.ConsumerTables)
 		require.Empty(t, st.Groups)
@@ -230,47 +227,6 @@ func TestReadHorizonHolder(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 1, st.Shards[0].HeldBack)
 	require.NotNil(t, st.HorizonHolder)
-}
-
-// TestDeadLetters: a dead letter is listed until it is replayed, then
-// re-enqueued into its shard with its envelope, once.
-func TestDeadLetters(t *testing.T) {
-	t.Parallel()
-	b := setup(t, 2)
-	const payload = `{"destination_topic":"orders","uuid":"m-1","payload":"e30=","metadata":{"event_id":"e-1"}}`
-	var id int64
-	err := b.env.Pool.QueryRow(b.ctx, sqlident.SQL(b.env.Schema, `INSERT INTO {schema}.dead_letters
-			(shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
-			 destination_topic, payload, metadata, attempts, last_error, dead_reason)
-		VALUES (1, 'u-1', 'e-1', 'order.created', 'order', 'o-1', 1, 'orders', $1::json, '{"k":"v"}', 5, 'boom', 'gave up')
-		RETURNING id`), payload).Scan(&id)
-	require.NoError(t, err)
-
-	dls, err := admin.ListDeadLetters(b.ctx, b.env.Pool, b.env.Schema, admin.DeadLetterFilter{})
-	require.NoError(t, err)
-	require.Len(t, dls, 1)
-	d := dls[0]
-	require.Equal(t, []any{id, 1, "u-1", "e-1", "order/o-1", int64(1), "orders", 5, "gave up"},
-		[]any{d.ID, d.Shard, d.OutboxUUID, d.EventID, d.AggregateType + "/" + d.AggregateID, d.AggregateVersion, d.Topic, d.Attempts, d.Reason})
-	require.Nil(t, d.ReplayedAt)
-
-	_, err = admin.ReplayDeadLetters(b.ctx, b.env.Pool, b.env.Schema, id+1)
-	require.ErrorIs(t, err, admin.ErrNoDeadLetters, "an unknown id replays nothing")
-	n, err := admin.ReplayDeadLetters(b.ctx, b.env.Pool, b.env.Schema, id)
-	require.NoError(t, err)
-	require.Equal(t, 1, n)
-	require.Equal(t, 1, pgtest.Count(t, b.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(b.env.Schema, outbox.Table(1))+
-		` WHERE uuid = 'u-1' AND payload::text = $1`, payload), "re-enqueued into its shard with its envelope")
-	_, err = admin.ReplayDeadLetters(b.ctx, b.env.Pool, b.env.Schema)
-	require.ErrorIs(t, err, admin.ErrNoDeadLetters, "a dead letter is replayed once")
-
-	dls, err = admin.ListDeadLetters(b.ctx, b.env.Pool, b.env.Schema, admin.DeadLetterFilter{})
-	require.NoError(t, err)
-	require.Empty(t, dls)
-	dls, err = admin.ListDeadLetters(b.ctx, b.env.Pool, b.env.Schema, admin.DeadLetterFilter{IncludeReplayed: true, Limit: 1})
-	require.NoError(t, err)
-	require.Len(t, dls, 1)
-	require.NotNil(t, dls[0].ReplayedAt)
 }
 
 // TestNewGroupStatusCollector: the consumer groups' gauges on a schema

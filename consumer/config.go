@@ -43,10 +43,6 @@ const (
 	DefaultInfraRetryMaxInterval = middleware.DefaultInfraMaxInterval
 	// DefaultTxTimeout bounds one event's transaction.
 	DefaultTxTimeout = middleware.DefaultTxTimeout
-	// DeadLetterTopicSuffix, appended to the group, is the conventional
-	// name of a dead-letter topic (Config.DeadLetterTopic is empty unless
-	// you set it).
-	DeadLetterTopicSuffix = ".dlq"
 	// DefaultShutdownTimeout bounds how long Run waits for in-flight
 	// events when its context ends.
 	DefaultShutdownTimeout = 30 * time.Second
@@ -85,7 +81,7 @@ type Config struct {
 	PolicyByType map[string]versioning.GapPolicy
 	// LatePolicy is what happens to a late event, one whose version was
 	// given up on (the park timeout passed) before it arrived: held for
-	// the operator (`eventline parked late`), or applied at once with
+	// the operator (`eventline held list -kind late`), or applied at once with
 	// middleware.IsLate. Defaults to versioning.HoldLate.
 	LatePolicy versioning.LatePolicy
 	// LatePolicyByType overrides LatePolicy per event type.
@@ -98,7 +94,7 @@ type Config struct {
 	// (1000).
 	MaxGap int64
 	// MaxReleaseAttempts is how many failed attempts to apply a parked
-	// event are allowed before it is given up (held in late_events, its
+	// event are allowed before it is given up (held as late in held_events, its
 	// version recorded as skipped). Defaults to
 	// versioning.DefaultMaxReleaseAttempts (10).
 	MaxReleaseAttempts int
@@ -149,14 +145,6 @@ type Config struct {
 	// without closing is noticed (see middleware.Config.TxTimeout).
 	// Defaults to DefaultTxTimeout (1m); NoTxTimeout disables it.
 	TxTimeout time.Duration
-	// DeadLetterTopic, when set, also receives a copy of every dead
-	// letter, with the reason in its metadata (see the DeadLetter* keys).
-	// Dead letters always go to the consumer_dead_letters table first
-	// (`eventline consumer-dlq` lists and replays them); the copy is best
-	// effort: one Kafka refuses (too large, broker down) is logged and
-	// counted and never holds the partition up. The topic must exist
-	// (eventline does not create topics). Defaults to none.
-	DeadLetterTopic string
 	// SaramaConfig is the Kafka consumer's Sarama configuration. Defaults
 	// to a configuration that starts a new group at the oldest offset
 	// (Consumer.Offsets.Initial = sarama.OffsetOldest) and auto-commits
@@ -304,14 +292,6 @@ func (c Config) validate() error {
 			return fmt.Errorf("consumer.Config.Topics lists %q twice", t)
 		}
 		seen[t] = true
-	}
-	if c.DeadLetterTopic != "" {
-		if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
-			return fmt.Errorf("consumer.Config.DeadLetterTopic: %w", err)
-		}
-		if seen[c.DeadLetterTopic] {
-			return fmt.Errorf("consumer.Config.DeadLetterTopic %q is also in Topics: dead letters would be consumed again", c.DeadLetterTopic)
-		}
 	}
 	if err := sqlident.Validate("consumer.Config.Schema", c.Schema); err != nil {
 		return err

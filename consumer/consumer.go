@@ -21,7 +21,7 @@ import (
 // event's effects through it, and they commit together with the dedup
 // record and the version advance, before the Kafka offset moves. Returning
 // an error rolls everything back; the event is retried and finally
-// dead-lettered (to consumer_dead_letters), unless the error says the
+// dead-lettered (held in held_events), unless the error says the
 // database is unavailable (middleware.IsInfrastructure): then the event
 // waits for it and is never dead-lettered. Wrap an error with
 // middleware.Permanent to dead-letter at once. Do not commit or roll back

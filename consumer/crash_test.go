@@ -34,7 +34,6 @@ const (
 	crashBrokersEnv = "EVENTLINE_CRASH_BROKERS"
 	crashSchemaEnv  = "EVENTLINE_CRASH_SCHEMA"
 	crashTopicEnv   = "EVENTLINE_CRASH_TOPIC"
-	crashDLQEnv     = "EVENTLINE_CRASH_DLQ"
 	crashAfterEnv   = "EVENTLINE_CRASH_AFTER"
 	crashBatchedEnv = "EVENTLINE_CRASH_BATCHED"
 	crashGroup      = "crashy"
@@ -93,7 +92,6 @@ func testCrashAfterCommit(t *testing.T, tc crashCase) {
 		crashBrokersEnv+"="+strings.Join(k.brokers, ","),
 		crashSchemaEnv+"="+k.Schema,
 		crashTopicEnv+"="+k.topic,
-		crashDLQEnv+"="+k.dlq,
 		crashAfterEnv+"="+strconv.Itoa(tc.crashAfter),
 		crashBatchedEnv+"="+strconv.FormatBool(tc.batched),
 	)
@@ -189,16 +187,15 @@ func TestCrashChild(t *testing.T) {
 		}
 	}
 	cfg := consumer.Config{
-		Brokers:         kafkaconf.ParseBrokers(os.Getenv(crashBrokersEnv)),
-		Group:           crashGroup,
-		Topics:          []string{os.Getenv(crashTopicEnv)},
-		DeadLetterTopic: os.Getenv(crashDLQEnv),
-		Schema:          env.Schema,
-		SaramaConfig:    sc,
-		Middleware:      []message.HandlerMiddleware{crash},
-		Logger:          quietLogger(),
-		Lanes:           1,
-		BatchSize:       1,
+		Brokers:      kafkaconf.ParseBrokers(os.Getenv(crashBrokersEnv)),
+		Group:        crashGroup,
+		Topics:       []string{os.Getenv(crashTopicEnv)},
+		Schema:       env.Schema,
+		SaramaConfig: sc,
+		Middleware:   []message.HandlerMiddleware{crash},
+		Logger:       quietLogger(),
+		Lanes:        1,
+		BatchSize:    1,
 	}
 	if os.Getenv(crashBatchedEnv) == "true" {
 		// Batches wait up to a second to fill, so the first ones are full.

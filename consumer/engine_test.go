@@ -229,13 +229,13 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 	}))
 	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
 	r := start(t, c)
-	dead := deadLetters(t, k, 1)
+	dead := deadLetters(t, k, group, 1)
 	eventually(t, 40*time.Second, func() bool { return len(k.Effects(t, group)) == 7 }, "every other event applied")
 	require.NoError(t, r.stop())
 
-	require.Equal(t, poison.ID, header(dead[0], "_watermill_message_uuid"))
-	require.Equal(t, consumer.DeadLetterRetriesExhausted, header(dead[0], consumer.DeadLetterKindKey))
-	require.Contains(t, header(dead[0], consumer.DeadLetterReasonKey), "smtp down")
+	require.Equal(t, poison.ID, dead[0].MessageUUID)
+	require.Equal(t, consumer.DeadLetterRetriesExhausted, dead[0].Cause)
+	require.Contains(t, dead[0].Reason, "smtp down")
 	require.EqualValues(t, 3, poisonAttempts.Load(), "the attempt in the batch counts: 1 attempt + MaxRetries (2)")
 	require.EqualValues(t, 2, flakyAttempts.Load(), "the panic in the batch, then one retry")
 	var applied []eventline.Event

@@ -33,7 +33,7 @@ func Example() {
 	ctx := context.Background()
 	pool, schema, cleanup := exampleEnv(ctx)
 	defer cleanup()
-	brokers, stopKafka := exampleKafka("orders", "billing.dlq")
+	brokers, stopKafka := exampleKafka("orders")
 	defer stopKafka()
 	ledger := sqlident.Qualify(schema, "ledger")
 	if _, err := pool.Exec(ctx, `CREATE TABLE `+ledger+` (seq serial, line text)`); err != nil {

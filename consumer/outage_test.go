@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -15,8 +14,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -24,7 +23,6 @@ import (
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 // outageBudget is a retry budget small enough that an outage of a few
@@ -65,16 +63,14 @@ func startProxy(t *testing.T) *faultproxy.Proxy {
 	return p
 }
 
-// failureFree checks that nothing was dead-lettered, parked or skipped.
+// failureFree checks that nothing was dead-lettered, held, parked or
+// skipped.
 func failureFree(t *testing.T, k kenv, group string) {
 	t.Helper()
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions"} {
+	for _, table := range []string{"held_events", "parked_events", "skipped_versions"} {
 		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
-	var copies int
-	kafkatest.Consume(t, k.brokers, k.dlq, time.Second, func(*sarama.ConsumerMessage) bool { copies++; return false })
-	require.Zero(t, copies, "nothing on the dead-letter topic")
 }
 
 // events returns versions from..to of each aggregate, interleaved.
@@ -138,7 +134,7 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 	eventually(t, 60*time.Second, func() bool {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(2*(1+cfg.MaxRetries)) && time.Since(outageStart) > 4*time.Second
 	}, "the outage outlasts the retry budget")
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, dedup.DeadLetterTable)), "nothing dead-lettered during the outage")
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")), "nothing dead-lettered during the outage")
 	require.Len(t, k.Effects(t, group), len(aggs), "nothing applied during the outage")
 
 	proxy.Set(faultproxy.Pass)
@@ -206,7 +202,7 @@ func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(1+cfg.MaxRetries)
 	}, "the consumer notices the frozen connection and waits for longer than its retry budget")
 	require.Greater(t, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database"), 0.0)
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, dedup.DeadLetterTable)))
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")))
 
 	// Connections work again (the frozen host stays frozen).
 	addr.Store(healthy.Addr())
@@ -352,40 +348,33 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 // the dead-letter publisher) failed on the first refused connection and
 // Run returned: the consumer stopped for good (the e2e Kafka outage test
 // hit this when its outage began while the consumer started). Every
-// subscriber kind: the laned one with and without a dead-letter topic, and
-// watermill-kafka's (Lanes and BatchSize 1). A stop meanwhile is clean.
+// subscriber kind: the laned one and watermill-kafka's (Lanes and
+// BatchSize 1). A stop meanwhile is clean.
 func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name         string
 		lanes, batch int
-		dlq          bool
 		stop         bool // stopped during the outage instead
 	}{
-		{"laned with dead-letter topic", 0, 0, true, false},
-		{"laned", 0, 0, false, false},
-		{"watermill-kafka", 1, 1, false, false},
-		{"laned with dead-letter topic stopped", 0, 0, true, true},
-		{"laned stopped", 0, 0, false, true},
-		{"watermill-kafka stopped", 1, 1, false, true},
+		{"laned", 0, 0, false},
+		{"watermill-kafka", 1, 1, false},
+		{"laned stopped", 0, 0, true},
+		{"watermill-kafka stopped", 1, 1, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
 			faults := kc.Proxy
 			k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
-				topic: kafkatest.Topic(t, "events"), dlq: kafkatest.Topic(t, "dlq")}
+				topic: kafkatest.Topic(t, "events")}
 			kafkatest.CreateTopic(t, k.brokers, k.topic, 2)
-			kafkatest.CreateTopic(t, k.brokers, k.dlq, 1)
 			const group = "kafka-gone"
 			proxy := startProxy(t)
 			proxy.Set(faultproxy.Refuse)
 			cfg := k.config(group)
 			outageBudget(&cfg)
 			cfg.Lanes, cfg.BatchSize = tc.lanes, tc.batch
-			if !tc.dlq {
-				cfg.DeadLetterTopic = ""
-			}
 			log, dbWait := watchLog("eventline: the consumer's database is unavailable; waiting for it before consuming")
 			cfg.Logger = log
 			c, err := consumer.New(consumerPool(t, proxy.Addr), cfg)
@@ -446,9 +435,8 @@ func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing
 	kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
 	faults := kc.Proxy
 	k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
-		topic: kafkatest.Topic(t, "events"), dlq: kafkatest.Topic(t, "dlq")}
+		topic: kafkatest.Topic(t, "events")}
 	kafkatest.CreateTopic(t, k.brokers, k.topic, 1)
-	kafkatest.CreateTopic(t, k.brokers, k.dlq, 1)
 	const group = "kafka-outage-park"
 	cfg := k.config(group)
 	cfg.ParkTimeout = 2 * time.Second
@@ -479,13 +467,13 @@ func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing
 	// Kafka is back; the relay sends v2.
 	faults.Set(faultproxy.Pass)
 	publish(t, k.brokers, k.topic, consumertest.Message(t, v2))
-	eventually(t, 60*time.Second, func() bool { return count("late_events") == 1 }, "v2 arrives late")
+	eventually(t, 60*time.Second, func() bool { return count("held_events") == 1 }, "v2 arrives late")
 	require.NoError(t, r.stop())
-	late, err := c.Middleware().Store().ListLate(context.Background(), k.Pool, versioning.LateFilter{Group: group})
+	late, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
 	require.Equal(t, v2.ID, late[0].EventID)
-	require.Equal(t, versioning.LateArrived, late[0].Kind)
+	require.Equal(t, "arrived_late", late[0].Cause)
 	require.Contains(t, late[0].Reason, "park timeout")
 	require.Len(t, k.Effects(t, group), 2, "v2 is held, not applied out of order")
 }

@@ -11,7 +11,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/eventline/eventline"
@@ -21,29 +20,7 @@ import (
 	"github.com/eventline/eventline/middleware"
 )
 
-// Metadata keys set on the copy of a dead letter published to
-// Config.DeadLetterTopic, next to the message's original metadata (see the
-// middleware package's DeadLetter* keys).
-const (
-	// DeadLetterReasonKey holds the error that dead-lettered the event.
-	DeadLetterReasonKey = middleware.DeadLetterReasonKey
-	// DeadLetterTopicKey holds the topic the event was consumed from.
-	DeadLetterTopicKey = middleware.DeadLetterTopicKey
-	// DeadLetterHandlerKey holds the Watermill handler name.
-	DeadLetterHandlerKey = middleware.DeadLetterHandlerKey
-	// DeadLetterKindKey classifies the reason: DeadLetterPermanent,
-	// DeadLetterRetriesExhausted, or another component's kind.
-	DeadLetterKindKey = middleware.DeadLetterKindKey
-	// DeadLetterGroupKey holds the consumer group that gave up.
-	DeadLetterGroupKey = middleware.DeadLetterGroupKey
-	// DeadLetterAtKey holds when, RFC 3339.
-	DeadLetterAtKey = middleware.DeadLetterAtKey
-	// DeadLetterIDKey holds the id of the dead letter's row in
-	// consumer_dead_letters.
-	DeadLetterIDKey = middleware.DeadLetterIDKey
-)
-
-// The kinds of dead letters (consumer_dead_letters.kind, DeadLetterKindKey).
+// Causes of dead letters (the cause of a held event of kind dead_letter).
 const (
 	DeadLetterPermanent        = dedup.KindPermanent
 	DeadLetterRetriesExhausted = dedup.KindRetriesExhausted
@@ -63,11 +40,10 @@ const (
 // Config.Middleware ▸ the eventline middleware (recover ▸ tx ▸ decode ▸
 // dedup ▸ version gate) ▸ the handler registered for the event's type. The
 // sweeper for parked events runs next to it, and replays the dead letters
-// an operator asked to replay (`eventline consumer-dlq replay`).
+// an operator asked to replay (`eventline held replay`).
 //
-// Dead letters are written to the consumer_dead_letters table in the
-// consumer's database, whole and whatever their size, and copied to
-// Config.DeadLetterTopic when it is set. While the database is
+// Dead letters are held in the held_events table in the consumer's
+// database, whole and whatever their size. While the database is
 // unavailable nothing is dead-lettered: events wait (see
 // middleware.IsInfrastructure) and the consumer resumes by itself.
 //
@@ -121,26 +97,6 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		InfraInitialInterval: cfg.InfraRetryInitialInterval, InfraMaxInterval: cfg.InfraRetryMaxInterval,
 		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: c.sleep,
 		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator,
-	}
-	if cfg.DeadLetterTopic != "" {
-		// Kafka may have gone since waitForKafka: wait for it again.
-		var pub *kafka.Publisher
-		err := c.kafkaWait(ctx)(func() (err error) {
-			pub, err = kafka.NewPublisher(kafka.PublisherConfig{
-				Brokers:               cfg.Brokers,
-				Marshaler:             kafka.NewWithPartitioningMarshaler(deadLetterKey),
-				OverwriteSaramaConfig: kafkaconf.Producer("eventline-dlq-" + cfg.Group),
-			}, wlog)
-			return err
-		})
-		if err != nil {
-			return fmt.Errorf("eventline consumer: connect the dead-letter publisher to brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
-		}
-		if pub == nil {
-			return nil // ctx ended first: a clean stop
-		}
-		defer pub.Close()
-		dlc.Publisher, dlc.Topic = pub, cfg.DeadLetterTopic
 	}
 	dl, err := middleware.NewDeadLetter(dlc)
 	if err != nil {
@@ -314,11 +270,7 @@ func (c *Consumer) waitForKafka(ctx context.Context) error {
 	for _, t := range topics {
 		have[t] = true
 	}
-	want := c.cfg.Topics
-	if c.cfg.DeadLetterTopic != "" {
-		want = append([]string{c.cfg.DeadLetterTopic}, want...)
-	}
-	for _, t := range want {
+	for _, t := range c.cfg.Topics {
 		if !have[t] {
 			c.cfg.Logger.WarnContext(ctx, "eventline: topic does not exist; create it (eventline creates no topics)", "group", c.cfg.Group, "topic", t)
 		}
@@ -401,12 +353,4 @@ func (c *Consumer) detach(h message.HandlerFunc) message.HandlerFunc {
 		msg.SetContext(ctx)
 		return h(msg)
 	}
-}
-
-// deadLetterKey keys dead letters like the original events: by aggregate.
-func deadLetterKey(_ string, msg *message.Message) (string, error) {
-	if k := msg.Metadata.Get(eventline.MetaAggregateID); k != "" {
-		return k, nil
-	}
-	return msg.UUID, nil
 }

@@ -33,7 +33,7 @@ const (
 	OutcomeParked Outcome = "parked"
 	// OutcomeLate: the event's version had been given up on (it is in
 	// skipped_versions) before the event could be applied; it is held in
-	// late_events for an operator, who applies it late or discards it.
+	// held_events (kind late) for an operator, who applies it late or discards it.
 	OutcomeLate Outcome = "late"
 	// OutcomeLateApplied: a late event was applied after later versions
 	// of its aggregate, its handler told so (middleware.IsLate).

@@ -20,7 +20,7 @@
 // Every row also records its outcome (see [Outcome]): applied, stale (the
 // version gate discarded it), parked (it waits in parked_events for a
 // missing version; it becomes applied when it is released), late (it is
-// held in late_events for an operator), late_applied or late_discarded.
+// held as late in held_events for an operator), late_applied or late_discarded.
 // Operators can look a row up with [Store.Get], or every row of an id with
 // [Store.Find].
 //
@@ -46,12 +46,12 @@
 //
 // # Dead letters
 //
-// [DeadLetterStore] keeps the messages a consumer group gave up on in
-// consumer_dead_letters, in the same database: whole (payload and headers
-// as bytea), whatever their size, with their kind and reason, listable,
-// replayable in order by a running consumer, and discardable with a
-// reason (`eventline consumer-dlq`). The middleware package's DeadLetter
-// writes them.
+// The messages a consumer group gives up on are held in held_events (kind
+// dead_letter), in the same database: whole (payload and headers as
+// bytea), whatever their size, with their cause (KindPermanent…) and
+// reason, listed, replayed in order by a running consumer, and discarded
+// with a reason (admin.ListHeld, ReplayHeld, DiscardHeld; `eventline
+// held`). The middleware package's DeadLetter writes them.
 //
 // # Retention
 //

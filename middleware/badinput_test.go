@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -21,18 +20,10 @@ import (
 	"github.com/eventline/eventline/versioning"
 )
 
-// discardPublisher stands in for a Kafka publisher the constructors only
-// keep.
-type discardPublisher struct{}
-
-func (discardPublisher) Publish(string, ...*message.Message) error { return nil }
-func (discardPublisher) Close() error                              { return nil }
-
 // TestConstructorsRefuseWhatFailsLater: values the constructors accepted
 // and that then failed on every event are refused, naming the field. A nil
 // *pgxpool.Pool passed DeadLetterConfig.DB's == nil check and panicked on
 // the first dead letter (and NewSweeper's, on the first sweep); a
-// dead-letter Topic Kafka refuses made every best-effort copy fail; a
 // Group with a NUL byte or invalid UTF-8 failed in PostgreSQL on every
 // event, and a blank one passed as a name.
 func TestConstructorsRefuseWhatFailsLater(t *testing.T) {
@@ -42,16 +33,7 @@ func TestConstructorsRefuseWhatFailsLater(t *testing.T) {
 
 	_, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: nilPool, Group: "g", Schema: env.Schema})
 	require.ErrorContains(t, err, "middleware.DeadLetterConfig.DB is nil")
-	for _, topic := range []string{"a b", "..", "dlq/x"} {
-		_, err = middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: env.Pool, Group: "g", Schema: env.Schema,
-			Publisher: discardPublisher{}, Topic: topic})
-		require.ErrorContains(t, err, "middleware.DeadLetterConfig.Topic", topic)
-		_, err = middleware.New(middleware.Config{DB: env.Pool, Group: "g", Schema: env.Schema,
-			DeadLetterPublisher: discardPublisher{}, DeadLetterTopic: topic})
-		require.ErrorContains(t, err, "middleware.Config.DeadLetterTopic", topic)
-	}
-	_, err = middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: env.Pool, Group: "g", Schema: env.Schema,
-		Publisher: discardPublisher{}, Topic: "orders.dlq"})
+	_, err = middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: env.Pool, Group: "g", Schema: env.Schema})
 	require.NoError(t, err)
 
 	for _, group := range []string{"g\x00", "g-\xff", " "} {
@@ -164,11 +146,6 @@ func TestNewConfigProperty(t *testing.T) {
 				cfg.Schema = rapid.SampledFrom([]string{`x"; drop schema public; --`, "pg_x", strings.Repeat("s", 64)}).Draw(rt, "Schema")
 				set["Schema"] = true
 				unusable = true
-			},
-			func() {
-				cfg.DeadLetterPublisher, cfg.DeadLetterTopic = discardPublisher{}, rapid.SampledFrom([]string{"", "a b", "dlq"}).Draw(rt, "DeadLetterTopic")
-				set["DeadLetterTopic"], set["DeadLetterPublisher"] = true, true
-				unusable = unusable || cfg.DeadLetterTopic != "dlq"
 			},
 		}
 		for _, i := range rapid.SliceOfNDistinct(rapid.IntRange(0, len(perturb)-1), 1, 3, rapid.ID[int]).Draw(rt, "fields") {

@@ -95,8 +95,7 @@ func (el *Eventline) guard(h message.HandlerFunc) message.HandlerFunc {
 //
 //	dead letter ▸ retry ▸ eventline (recover ▸ tx ▸ decode ▸ dedup ▸ gate) ▸ h
 //
-// with Config.Retry's schedule and dead letters written to
-// consumer_dead_letters (and copied to Config.DeadLetterTopic when set).
+// with Config.Retry's schedule and dead letters held in held_events.
 // h is wrapped with [Innermost]. Nothing a Router adds inside it can
 // change the order, but a middleware added between Chain and the handler
 // (a handler-level middleware added after it) is inside the transaction;

@@ -11,13 +11,13 @@ import (
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing"
@@ -25,44 +25,17 @@ import (
 	"github.com/eventline/eventline/versioning"
 )
 
-// Metadata keys set on the copy of a dead letter published to a dead-letter
-// topic, next to the message's own metadata. DeadLetterReasonKey,
-// DeadLetterTopicKey and DeadLetterHandlerKey are Watermill's PoisonQueue
-// keys, so Watermill tooling reads them too.
-const (
-	// DeadLetterReasonKey holds the error that dead-lettered the event.
-	DeadLetterReasonKey = wmiddleware.ReasonForPoisonedKey
-	// DeadLetterTopicKey holds the topic the event was consumed from.
-	DeadLetterTopicKey = wmiddleware.PoisonedTopicKey
-	// DeadLetterHandlerKey holds the Watermill handler name.
-	DeadLetterHandlerKey = wmiddleware.PoisonedHandlerKey
-	// DeadLetterKindKey holds the kind (dedup.KindPermanent…).
-	DeadLetterKindKey = "eventline_dead_kind"
-	// DeadLetterGroupKey holds the consumer group that gave up.
-	DeadLetterGroupKey = "eventline_dead_group"
-	// DeadLetterAtKey holds when, RFC 3339.
-	DeadLetterAtKey = "eventline_dead_at"
-	// DeadLetterIDKey holds the id of the consumer_dead_letters row.
-	DeadLetterIDKey = "eventline_dead_letter_id"
-)
-
 // DeadLetterConfig configures [DeadLetter].
 type DeadLetterConfig struct {
 	// DB is the consumer's database (its *pgxpool.Pool); each dead letter
-	// is written to consumer_dead_letters in its own transaction. Required.
+	// is held in held_events (kind dead_letter) in its own transaction.
+	// Required.
 	DB dedup.DBTX
 	// Group is the consumer group. Required.
 	Group string
-	// Schema is the PostgreSQL schema holding consumer_dead_letters.
-	// Defaults to "eventline".
+	// Schema is the PostgreSQL schema holding held_events. Defaults to
+	// "eventline".
 	Schema string
-	// Publisher and Topic, when both set, also publish a copy of each dead
-	// letter to Topic, with the DeadLetter* metadata keys. The copy is best
-	// effort: the table row is written first and is complete; a copy the
-	// broker refuses (too large, broker down) is logged and counted, and
-	// never holds the partition up.
-	Publisher message.Publisher
-	Topic     string // see Publisher
 	// InfraInitialInterval and InfraMaxInterval pace the retries of a
 	// dead-letter write that failed (the database is down): the message
 	// stays unacknowledged until the write succeeds. Default to
@@ -72,8 +45,7 @@ type DeadLetterConfig struct {
 	// Logger receives a warning per dead letter. Defaults to
 	// slog.Default().
 	Logger *slog.Logger
-	// Metrics, when set, counts dead letters by kind and failed writes and
-	// publishes.
+	// Metrics, when set, counts dead letters by kind and failed writes.
 	Metrics *Metrics
 	// Sleep waits between write attempts (see Retry.Sleep).
 	Sleep func(ctx context.Context, d time.Duration) error
@@ -92,7 +64,7 @@ type DeadLetterConfig struct {
 
 // DeadLetter takes the messages the rest of the chain gave up on off the
 // partition, keeping them whole in the consumer's own database
-// (consumer_dead_letters), where `eventline consumer-dlq` lists, replays
+// (held_events, kind dead_letter), where `eventline held` lists, replays
 // and discards them. It replaces Watermill's PoisonQueue for eventline
 // consumers.
 //
@@ -101,7 +73,7 @@ type DeadLetterConfig struct {
 //     when the message's context has ended (shutdown), when it is an
 //     infrastructure error ([IsInfrastructure]: nothing is wrong with the
 //     event) or a *CompositionError;
-//   - otherwise writes the message, byte for byte, with its kind and
+//   - otherwise writes the message, byte for byte, with its cause and
 //     reason, in its own transaction, and acknowledges it. A failed write
 //     (or one the database does not answer within 30s) is retried, waiting
 //     as [Retry] does for the database, until it succeeds or the context
@@ -116,7 +88,7 @@ type DeadLetterConfig struct {
 // consumer transaction it refuses to run, with a *CompositionError.
 type DeadLetter struct {
 	cfg   DeadLetterConfig
-	store *dedup.DeadLetterStore
+	store *held.Store
 	tr    *tracing.Tracer // nil: tracing off
 }
 
@@ -143,30 +115,14 @@ func NewDeadLetter(cfg DeadLetterConfig) (*DeadLetter, error) {
 		return nil, errors.New("middleware.DeadLetterConfig.DB is nil: give it the consumer's *pgxpool.Pool")
 	case cfg.Group == "":
 		return nil, errors.New("middleware.DeadLetterConfig.Group is empty: name the consumer group")
-	case (cfg.Publisher == nil) != (cfg.Topic == ""):
-		return nil, errors.New("middleware.DeadLetterConfig.Publisher and Topic go together: set both to copy dead letters to a topic, or neither")
 	case cfg.InfraInitialInterval < 0 || cfg.InfraMaxInterval < cfg.InfraInitialInterval:
 		return nil, fmt.Errorf("middleware.DeadLetterConfig.InfraInitialInterval (%s) must be positive and at most InfraMaxInterval (%s)", cfg.InfraInitialInterval, cfg.InfraMaxInterval)
 	}
 	if err := sqlident.Validate("middleware.DeadLetterConfig.Schema", cfg.Schema); err != nil {
 		return nil, err
 	}
-	if cfg.Topic != "" {
-		// Every copy would fail, and copies are best effort: say it now.
-		if err := eventline.ValidateTopic(cfg.Topic); err != nil {
-			return nil, fmt.Errorf("middleware.DeadLetterConfig.Topic: %w", err)
-		}
-	}
-	store, err := dedup.NewDeadLetterStore(cfg.Schema)
-	if err != nil {
-		return nil, err
-	}
-	return &DeadLetter{cfg: cfg, store: store, tr: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
+	return &DeadLetter{cfg: cfg, store: held.New(cfg.Schema), tr: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
 }
-
-// Store returns the dead-letter table's store (List, RequestReplay,
-// Discard).
-func (d *DeadLetter) Store() *dedup.DeadLetterStore { return d.store }
 
 // Middleware returns the DeadLetter middleware.
 func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
@@ -188,20 +144,19 @@ func (d *DeadLetter) Middleware(h message.HandlerFunc) message.HandlerFunc {
 		if werr != nil {
 			return nil, errors.Join(err, werr)
 		}
-		d.cfg.Metrics.DeadLettered(d.cfg.Group, rec.Kind)
+		d.cfg.Metrics.DeadLettered(d.cfg.Group, rec.Cause)
 		// The record's fields are hostile input: the dead letter keeps them
 		// whole, the warning only their start.
-		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline consumer-dlq`",
-			"group", d.cfg.Group, "dead_letter_id", id, "topic", rec.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField),
+		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline held`",
+			"group", d.cfg.Group, "held_event_id", id, "topic", rec.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField),
 			"event_id", truncate(rec.EventID, maxLoggedField), "event_type", truncate(rec.EventType, maxLoggedField),
-			"kind", rec.Kind, "error", truncate(err.Error(), maxReasonHeader))
-		d.publishCopy(ctx, msg, rec, id)
+			"cause", rec.Cause, "error", truncate(err.Error(), maxLoggedError))
 		return nil, nil
 	}
 }
 
 // traceWrite is write inside a "dead_letter" span when tracing is on.
-func (d *DeadLetter) traceWrite(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
+func (d *DeadLetter) traceWrite(ctx context.Context, msg *message.Message, rec held.Event) (int64, error) {
 	if d.tr == nil {
 		return d.write(ctx, msg, rec)
 	}
@@ -212,7 +167,7 @@ func (d *DeadLetter) traceWrite(ctx context.Context, msg *message.Message, rec d
 	} else {
 		sctx = d.tr.Extract(ctx, msg.Metadata)
 	}
-	_, span := d.tr.StartDeadLetter(sctx, rec.Topic, d.cfg.Group, rec.Kind, eventFromMetadata(msg.Metadata))
+	_, span := d.tr.StartDeadLetter(sctx, rec.Topic, d.cfg.Group, rec.Cause, eventFromMetadata(msg.Metadata))
 	id, err := d.write(ctx, msg, rec)
 	tracing.End(span, err)
 	return id, err
@@ -223,10 +178,10 @@ func (d *DeadLetter) traceWrite(ctx context.Context, msg *message.Message, rec d
 const writeTimeout = 30 * time.Second
 
 // write stores rec, retrying until it succeeds or ctx ends.
-func (d *DeadLetter) write(ctx context.Context, msg *message.Message, rec dedup.DeadLetter) (int64, error) {
+func (d *DeadLetter) write(ctx context.Context, msg *message.Message, rec held.Event) (int64, error) {
 	for attempt := 1; ; attempt++ {
 		wctx, cancel := context.WithTimeout(ctx, writeTimeout)
-		id, err := d.store.Add(wctx, d.cfg.DB, rec)
+		id, err := d.store.AddDeadLetter(wctx, d.cfg.DB, rec)
 		cancel()
 		if err == nil {
 			if attempt > 1 {
@@ -250,36 +205,12 @@ func (d *DeadLetter) write(ctx context.Context, msg *message.Message, rec dedup.
 	}
 }
 
-// publishCopy publishes the dead letter to the dead-letter topic, best
-// effort.
-func (d *DeadLetter) publishCopy(ctx context.Context, msg *message.Message, rec dedup.DeadLetter, id int64) {
-	if d.cfg.Publisher == nil {
-		return
-	}
-	dl := msg.Copy()
-	dl.Metadata.Set(DeadLetterReasonKey, truncateReason(rec.Reason))
-	dl.Metadata.Set(DeadLetterKindKey, rec.Kind)
-	dl.Metadata.Set(DeadLetterTopicKey, rec.Topic)
-	dl.Metadata.Set(DeadLetterHandlerKey, rec.Handler)
-	dl.Metadata.Set(DeadLetterGroupKey, d.cfg.Group)
-	dl.Metadata.Set(DeadLetterAtKey, time.Now().UTC().Format(time.RFC3339Nano))
-	dl.Metadata.Set(DeadLetterIDKey, strconv.FormatInt(id, 10))
-	if err := d.cfg.Publisher.Publish(d.cfg.Topic, dl); err != nil {
-		d.cfg.Metrics.incDeadLetterPublishFailure(d.cfg.Group)
-		d.cfg.Logger.WarnContext(ctx, "eventline: dead letter kept in consumer_dead_letters but not copied to the dead-letter topic",
-			"group", d.cfg.Group, "dead_letter_id", id, "topic", d.cfg.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField), "error", err)
-	}
-}
-
-// maxReasonHeader bounds the reason in the Kafka copy's headers, and the
-// error in the dead-letter warning.
-const maxReasonHeader = 8 << 10
+// maxLoggedError bounds the error in the dead-letter warning.
+const maxLoggedError = 8 << 10
 
 // maxLoggedField bounds each of the record's own fields (message UUID,
 // event id, event type) in the dead-letter warning.
 const maxLoggedField = 256
-
-func truncateReason(s string) string { return truncate(s, maxReasonHeader) }
 
 // truncate cuts s to at most n bytes, on a rune boundary, marking the cut
 // with "…".
@@ -298,16 +229,17 @@ func truncate(s string, n int) string {
 }
 
 // record builds the dead letter of msg.
-func (d *DeadLetter) record(ctx context.Context, msg *message.Message, err error) dedup.DeadLetter {
+func (d *DeadLetter) record(ctx context.Context, msg *message.Message, err error) held.Event {
 	src := SourceFromContext(ctx)
-	rec := dedup.DeadLetter{
+	rec := held.Event{
 		Group: d.cfg.Group, Topic: src.Topic, Handler: src.Handler,
 		FromKafka: src.FromKafka, Partition: src.Partition, Offset: src.Offset, Key: src.Key,
 		MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: maps.Clone(map[string]string(msg.Metadata)),
-		Kind: DeadLetterKind(err), Reason: err.Error(),
+		Cause: DeadLetterKind(err), Reason: err.Error(),
 	}
 	if e, derr := eventline.Decode(msg); derr == nil {
 		rec.EventID, rec.EventType, rec.AggregateType, rec.AggregateID, rec.AggregateVersion = e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion
+		rec.PreviousVersion = e.PreviousVersion
 	} else {
 		md := msg.Metadata
 		rec.EventID, rec.EventType = md.Get(eventline.MetaEventID), md.Get(eventline.MetaEventType)
@@ -339,18 +271,22 @@ func DeadLetterKind(err error) string {
 
 // DeadLetterParked returns a function that dead-letters a parked event in
 // the caller's transaction tx (so the dead letter commits with whatever
-// else the caller does, such as recording a skipped version), with the
-// given kind and reason. It fits a sweeper hook of the form
-// func(ctx, tx, versioning.Parked, reason) error.
-func DeadLetterParked(store *dedup.DeadLetterStore, kind string) func(ctx context.Context, tx pgx.Tx, p versioning.Parked, reason string) error {
+// else the caller does, such as recording a skipped version), held in
+// schema's held_events with the given cause and reason. It fits a sweeper
+// hook of the form func(ctx, tx, versioning.Parked, reason) error.
+func DeadLetterParked(schema, cause string) func(ctx context.Context, tx pgx.Tx, p versioning.Parked, reason string) error {
+	if schema == "" {
+		schema = migrations.DefaultSchema
+	}
+	store := held.New(schema)
 	return func(ctx context.Context, tx pgx.Tx, p versioning.Parked, reason string) error {
-		rec := dedup.DeadLetter{
+		rec := held.Event{
 			Group: p.Group, Topic: p.Topic, Handler: p.Handler,
 			MessageUUID: p.EventID, Payload: p.Payload, Metadata: p.Metadata,
-			EventID: p.EventID, EventType: p.EventType, AggregateType: p.AggregateType, AggregateID: p.AggregateID, AggregateVersion: p.Version,
-			Kind: kind, Reason: reason,
+			EventID: p.EventID, EventType: p.EventType, AggregateType: p.AggregateType, AggregateID: p.AggregateID,
+			AggregateVersion: p.Version, PreviousVersion: p.PreviousVersion, Cause: cause, Reason: reason,
 		}
-		_, err := store.Add(ctx, tx, rec)
+		_, err := store.AddDeadLetter(ctx, tx, rec)
 		return err
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -25,7 +26,7 @@ func failWith(err error) message.HandlerFunc {
 
 // A message that cannot be dead-lettered to Kafka as it is (5 MiB payload,
 // a header with a NUL byte and invalid UTF-8, an event id too long for an
-// index) is kept whole in consumer_dead_letters and acknowledged.
+// index) is kept whole in held_events and acknowledged.
 func TestDeadLetterKeepsAnyMessageByteForByte(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 2})
@@ -48,19 +49,20 @@ func TestDeadLetterKeepsAnyMessageByteForByte(t *testing.T) {
 	require.NoError(t, err, "the message is acknowledged once its dead letter is written")
 	require.Empty(t, out)
 
-	list, err := dl.Store().List(context.Background(), env.Pool, dedup.DeadLetterFilter{Group: group})
+	list, err := held.New(env.Schema).List(context.Background(), env.Pool, held.Filter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, list, 1)
 	d := list[0]
 	require.Equal(t, "uuid-\xff\x00", d.MessageUUID)
 	require.True(t, bytes.Equal(payload, d.Payload), "payload byte for byte")
 	require.Equal(t, want, d.Metadata, "headers byte for byte")
-	require.Equal(t, dedup.KindPermanent, d.Kind)
+	require.Equal(t, held.KindDeadLetter, d.Kind)
+	require.Equal(t, dedup.KindPermanent, d.Cause)
 	require.Contains(t, d.Reason, "no handler for \uFFFD type", "the reason is stored as text")
 	require.Equal(t, "order", d.AggregateType)
 	require.Equal(t, "o-1", d.AggregateID)
 	require.EqualValues(t, 7, d.AggregateVersion)
-	require.Equal(t, dedup.StatusDead, d.Status)
+	require.Equal(t, held.StatusHeld, d.Status)
 	rebuilt := d.Message()
 	require.Equal(t, msg.UUID, rebuilt.UUID)
 	require.Equal(t, want, map[string]string(rebuilt.Metadata))
@@ -94,7 +96,7 @@ func TestDeadLetterIsNeverAcknowledgedWithoutItsRow(t *testing.T) {
 	_, err = dl.Middleware(failWith(errors.New("handler bug")))(msg)
 	require.NoError(t, err)
 	require.Equal(t, ms(250, 500, 1000), c.recorded())
-	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+sqlident.Qualify(schema, dedup.DeadLetterTable)+` WHERE kind = 'failed'`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+sqlident.Qualify(schema, "held_events")+` WHERE kind = 'dead_letter' AND cause = 'failed'`))
 
 	// Shutdown while the write keeps failing: not acknowledged.
 	ctx, cancel := context.WithCancel(context.Background())
@@ -129,7 +131,7 @@ func TestDeadLetterLeavesOutagesShutdownsAndBadChainsUnacknowledged(t *testing.T
 	msg.SetContext(ctx)
 	_, err = dl.Middleware(failWith(errors.New("retry cut short")))(msg)
 	require.Error(t, err, "a message whose context ended (shutdown) is not dead-lettered")
-	require.Equal(t, 0, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, dedup.DeadLetterTable)))
+	require.Equal(t, 0, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "held_events")))
 
 	// Inside a consumer transaction it refuses to run.
 	tx, err := env.Pool.Begin(context.Background())
@@ -147,9 +149,8 @@ func TestDeadLetterParkedWritesInTheCallersTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 2})
-	store, err := dedup.NewDeadLetterStore(env.Schema)
-	require.NoError(t, err)
-	hook := middleware.DeadLetterParked(store, "release_attempts")
+	store := held.New(env.Schema)
+	hook := middleware.DeadLetterParked(env.Schema, "release_attempts")
 	e := consumertest.Event("a", 3)
 	msg := consumertest.Message(t, e)
 	p := versioning.Parked{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID, Version: 3, EventID: e.ID,
@@ -159,7 +160,7 @@ func TestDeadLetterParkedWritesInTheCallersTransaction(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, hook(ctx, tx, p, "gave up after 10 release attempts"))
 	require.NoError(t, tx.Rollback(ctx))
-	n, err := store.CountUnresolved(ctx, env.Pool, group)
+	n, err := store.CountOpen(ctx, env.Pool, group, held.KindDeadLetter)
 	require.NoError(t, err)
 	require.Zero(t, n, "rolled back with the caller's transaction")
 
@@ -167,10 +168,10 @@ func TestDeadLetterParkedWritesInTheCallersTransaction(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, hook(ctx, tx, p, "gave up after 10 release attempts"))
 	require.NoError(t, tx.Commit(ctx))
-	dls, err := store.List(ctx, env.Pool, dedup.DeadLetterFilter{Group: group})
+	dls, err := store.List(ctx, env.Pool, held.Filter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dls, 1)
-	require.Equal(t, "release_attempts", dls[0].Kind)
+	require.Equal(t, "release_attempts", dls[0].Cause)
 	require.Equal(t, e.ID, dls[0].EventID)
 	require.EqualValues(t, 3, dls[0].AggregateVersion)
 	require.Equal(t, map[string]string(msg.Metadata), dls[0].Metadata)

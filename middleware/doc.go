@@ -94,10 +94,10 @@
 //
 // [Eventline.AddHandler] adds a handler to your Router with exactly that
 // chain (and [Eventline.Chain] returns it as one middleware). [DeadLetter]
-// writes what the chain gave up on to consumer_dead_letters, whole, in its
-// own transaction, and never acknowledges a message without its row;
-// [Eventline.RunSweeper] replays the dead letters an operator asked to
-// replay (`eventline consumer-dlq replay`). [Retry] waits the documented
+// holds what the chain gave up on in held_events (kind dead_letter), whole,
+// in its own transaction, and never acknowledges a message without its
+// row; [Eventline.RunSweeper] replays the dead letters an operator asked
+// to replay (`eventline held replay`). [Retry] waits the documented
 // schedule and waits out outages.
 //
 // Another order loses events: a poison queue inside the eventline

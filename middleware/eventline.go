@@ -91,8 +91,8 @@ type Config struct {
 	ReleaseBackoff    time.Duration
 	MaxReleaseBackoff time.Duration // see ReleaseBackoff
 	// DeadLetter stores a parked event that was given up (see
-	// versioning.DeadLetterFunc). Defaults to holding it in late_events,
-	// where `eventline parked late` lists it.
+	// versioning.DeadLetterFunc). Defaults to holding it as late (held_events),
+	// where `eventline held list -kind late` lists it.
 	DeadLetter versioning.DeadLetterFunc
 	// SweepInterval is the pause between sweeper passes in RunSweeper.
 	// Defaults to versioning.DefaultSweepInterval (5s).
@@ -116,13 +116,6 @@ type Config struct {
 	// take the Retry defaults; Group, Logger and Metrics default to this
 	// Config's.
 	Retry Retry
-	// DeadLetterPublisher and DeadLetterTopic, when both set, make Chain
-	// and AddHandler also publish a copy of each dead letter to that topic
-	// (best effort: the consumer_dead_letters row is always written first
-	// and is complete; a copy Kafka refuses, say for its size, is logged
-	// and counted).
-	DeadLetterPublisher message.Publisher
-	DeadLetterTopic     string // see DeadLetterPublisher
 	// Logger receives what the middleware and sweeper report. Defaults to
 	// slog.Default().
 	Logger *slog.Logger
@@ -173,13 +166,6 @@ func (c Config) validate() error {
 		return fmt.Errorf("middleware.Config.SweepBatch is %d; it must be positive (0 means %d)", c.SweepBatch, versioning.DefaultSweepBatch)
 	case c.TxTimeout < 0 && c.TxTimeout != NoTxTimeout:
 		return fmt.Errorf("middleware.Config.TxTimeout is %s; it must be positive (0 means %s, NoTxTimeout none)", c.TxTimeout, DefaultTxTimeout)
-	case (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == ""):
-		return errors.New("middleware.Config.DeadLetterPublisher and DeadLetterTopic go together: set both to copy dead letters to a topic, or neither")
-	}
-	if c.DeadLetterTopic != "" {
-		if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
-			return fmt.Errorf("middleware.Config.DeadLetterTopic: %w", err)
-		}
 	}
 	if _, err := c.Retry.withDefaults(); err != nil {
 		return fmt.Errorf("middleware.Config.Retry: %w", err)
@@ -265,7 +251,7 @@ func New(cfg Config) (*Eventline, error) {
 		return nil, err
 	}
 	dl, err := NewDeadLetter(DeadLetterConfig{
-		DB: cfg.DB, Group: cfg.Group, Schema: cfg.Schema, Publisher: cfg.DeadLetterPublisher, Topic: cfg.DeadLetterTopic,
+		DB: cfg.DB, Group: cfg.Group, Schema: cfg.Schema,
 		InfraInitialInterval: cfg.Retry.InfraInitialInterval, InfraMaxInterval: cfg.Retry.InfraMaxInterval,
 		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: cfg.Retry.Sleep,
 		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator,

@@ -72,7 +72,7 @@ type GateConfig struct {
 	MaxReleaseBackoff  time.Duration // see MaxReleaseAttempts
 	// DeadLetter stores a parked event that was given up (see
 	// versioning.DeadLetterFunc). Defaults to the store's HoldFailed:
-	// it is held in late_events for an operator.
+	// it is held as late (held_events) for an operator.
 	DeadLetter versioning.DeadLetterFunc
 	// Logger receives debug lines for duplicates and stale events and
 	// warnings for skipped gaps, late events and failed releases.

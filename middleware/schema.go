@@ -15,9 +15,9 @@ import (
 var ErrNotMigrated = errors.New("eventline: consumer schema is not migrated")
 
 // newestConsumerTable is created by the newest migration that adds a
-// consumer table (004_consumer_dead_letters); the migrations run in order,
+// consumer table (003_held_events); the migrations run in order,
 // so its presence implies every earlier consumer table.
-const newestConsumerTable = "consumer_dead_letters"
+const newestConsumerTable = "held_events"
 
 // CheckMigrated returns an error wrapping [ErrNotMigrated], naming the
 // schema and what to run, when schema lacks the consumer tables

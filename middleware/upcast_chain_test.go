@@ -11,8 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/middleware"
 )
@@ -87,7 +87,7 @@ func testUpcastInTheChain(t *testing.T, viaConfig bool) {
 	_, err = chain(ev(3, 3, `{"n":3}`))
 	require.NoError(t, err, "the chain dead-letters what it cannot upcast and acknowledges it")
 	require.Len(t, seen, 2, "the handler never sees a version it cannot read")
-	dead, err := el.DeadLetters().Store().List(context.Background(), env.Pool, dedup.DeadLetterFilter{Group: group})
+	dead, err := held.New(env.Schema).List(context.Background(), env.Pool, held.Filter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, 1)
 	require.EqualValues(t, 3, dead[0].AggregateVersion)

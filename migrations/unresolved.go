@@ -14,16 +14,15 @@ import (
 // is looked for first, so a migration not applied counts none.
 var unresolvedSQL = map[int]struct{ table, count string }{
 	2: {"parked_events", `SELECT count(*) FROM {schema}.parked_events`},
-	3: {"late_events", `SELECT count(*) FROM {schema}.late_events`},
-	4: {"consumer_dead_letters", `SELECT count(*) FROM {schema}.consumer_dead_letters WHERE status IN ('dead', 'replay_requested')`},
+	3: {"held_events", `SELECT count(*) FROM {schema}.held_events WHERE status IN ('held', 'replay_requested')`},
 }
 
 // Unresolved counts the rows that rolling back migration version would
 // drop while they still wait for a consumer or an operator: parked events
-// (002_consumer), late events held (003_consumer_gate) and consumer dead
-// letters not yet replayed or discarded (004_consumer_dead_letters). The
-// other migrations hold none of these (the outbox's events not yet relayed
-// and its dead letters are admin.ReadOutboxStatus's), and a migration not
+// (002_consumer) and held events not yet replayed or discarded
+// (003_held_events: the relay's and the consumers' dead letters, late
+// events). The outbox's events not yet relayed are admin.ReadOutboxStatus's
+// to count; the other migrations hold none of these, and a migration not
 // applied holds none. `eventline migrate down` refuses to drop any without
 // -force.
 func Unresolved(ctx context.Context, db Beginner, cfg Config, version int) (int64, error) {

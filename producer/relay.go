@@ -18,6 +18,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgerr"
 	"github.com/eventline/eventline/internal/tracing"
@@ -49,6 +50,7 @@ type Relay struct {
 	shards  int
 	lockNS  int64 // advisory-lock namespace, from the schema name
 	metrics *RelayMetrics
+	held    *held.Store // where dead letters go
 	limiter *rate.Limiter
 	sink    *kafkaSink
 	tracer  *tracing.Tracer // nil: tracing off
@@ -77,7 +79,7 @@ const relayOwnConns = 3
 func PoolSizeFor(shards int) int32 { return int32(shards) + relayOwnConns }
 
 // NewRelay returns a relay for the outbox in cfg.Schema. It checks the
-// outbox (its shard count, the lease tables, the pool's size) in the
+// outbox (its shard count, the relay's tables, the pool's size) in the
 // database; it connects to Kafka when Run starts.
 //
 // Configuration mistakes fail at once: an invalid cfg, a schema that is not
@@ -109,6 +111,7 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		log:      cfg.Logger.With("component", "eventline.relay", "relay", cfg.ID),
 		lockNS:   outbox.LockNamespace(cfg.Schema),
 		metrics:  cfg.Metrics,
+		held:     held.New(cfg.Schema),
 		tracer:   tracing.New(cfg.TracerProvider, cfg.Propagator),
 		running:  map[int]*shardRunner{},
 		exited:   make(chan struct{}, 1),
@@ -134,14 +137,14 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 // does not answer counts as unavailable instead of hanging the caller.
 const outboxCheckTimeout = 10 * time.Second
 
-// checkOutbox reads the shard count, checks the lease tables and the
+// checkOutbox reads the shard count, checks the relay's tables and the
 // pool's size, and records the shard count.
 func (r *Relay) checkOutbox(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, outboxCheckTimeout)
 	defer cancel()
 	shards, err := outbox.ShardCount(cctx, r.pool, r.cfg.Schema)
 	if err == nil {
-		err = outbox.CheckLeaseTables(cctx, r.pool, r.cfg.Schema)
+		err = outbox.CheckRelayTables(cctx, r.pool, r.cfg.Schema)
 	}
 	if err != nil {
 		if cctx.Err() != nil && ctx.Err() == nil {

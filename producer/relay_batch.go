@@ -72,6 +72,7 @@ type item struct {
 	alone      bool
 	err        error
 	deadReason string
+	deadCause  string // held.Cause*: set when the publish failed for good; else the row is malformed
 }
 
 // endSpan ends the item's send span, if any, with Kafka's answer: the

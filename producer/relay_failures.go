@@ -17,6 +17,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -277,9 +278,9 @@ func (s *shardRunner) plan(items []*item) settlePlan {
 			attempts := s.failures[it.outboxUUID].attempts + 1
 			switch kind := classifyItem(it); {
 			case kind == failPermanent:
-				it.state, it.deadReason = itemDead, "rejected: "+it.err.Error()
+				it.state, it.deadReason, it.deadCause = itemDead, "rejected: "+it.err.Error(), held.CauseRejected
 			case kind == failRetry && attempts >= s.relay.cfg.MaxAttempts:
-				it.state, it.deadReason = itemDead, fmt.Sprintf("gave up after %d attempts: %v", attempts, it.err)
+				it.state, it.deadReason, it.deadCause = itemDead, fmt.Sprintf("gave up after %d attempts: %v", attempts, it.err), held.CauseRetriesExhausted
 			default:
 				p.first = it
 				return p
@@ -391,17 +392,19 @@ func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item)
 	if it.err != nil && classify(it.err) != failUnavailable {
 		attempts++
 	}
+	cause := it.deadCause
+	if cause == "" {
+		cause = held.CauseMalformed
+	}
 	lastErr := it.deadReason
 	if it.err != nil {
 		lastErr = it.err.Error()
 	}
-	_, err := tx.Exec(ctx, s.sql.deadLetter,
-		s.shard, it.outboxUUID, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion,
-		topic, nullJSON(it.payload), nullJSON(it.storedMetadata()), attempts, lastErr, it.deadReason)
-	if err != nil {
-		return fmt.Errorf("write dead letter: %w", err)
-	}
-	return nil
+	return s.relay.held.AddRelay(ctx, tx, held.Event{
+		Cause: cause, Reason: it.deadReason, Shard: s.shard, MessageUUID: it.outboxUUID,
+		EventID: e.ID, EventType: e.Type, AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion,
+		Topic: topic, Payload: it.payload, Metadata: it.storedMetadata(), Attempts: attempts, LastError: lastErr,
+	})
 }
 
 // recordFailure counts a failed attempt of the row the shard now waits on
@@ -473,21 +476,12 @@ func peekEnvelope(payload []byte) (eventline.Event, string) {
 	return e, env.DestinationTopic
 }
 
-// storedMetadata is the row's metadata column for its dead letter.
-func (it *item) storedMetadata() []byte {
+// storedMetadata is the row's metadata column for its dead letter: a
+// column that was not a JSON object of strings is kept whole under
+// metaRawMetadata (a replay re-enqueues the row without it).
+func (it *item) storedMetadata() map[string]string {
 	if it.rawMeta != nil {
-		return it.rawMeta
+		return map[string]string{metaRawMetadata: string(it.rawMeta)}
 	}
-	if len(it.metadata) == 0 {
-		return nil
-	}
-	b, _ := json.Marshal(it.metadata)
-	return b
-}
-
-func nullJSON(b []byte) any {
-	if len(b) == 0 || !json.Valid(b) {
-		return nil
-	}
-	return string(b)
+	return it.metadata
 }

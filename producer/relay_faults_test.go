@@ -37,12 +37,12 @@ func insertRaw(t *testing.T, env pgtest.Env, shard int, payload, metadata string
 	require.NoError(t, err)
 }
 
-func waitDeadLetters(t *testing.T, env pgtest.Env, n int) []admin.DeadLetter {
+func waitDeadLetters(t *testing.T, env pgtest.Env, n int) []admin.HeldEvent {
 	t.Helper()
-	var dls []admin.DeadLetter
+	var dls []admin.HeldEvent
 	require.Eventually(t, func() bool {
 		var err error
-		dls, err = admin.ListDeadLetters(context.Background(), env.Pool, env.Schema, admin.DeadLetterFilter{})
+		dls, err = admin.ListHeld(context.Background(), env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		require.NoError(t, err)
 		return len(dls) >= n
 	}, time.Minute, 50*time.Millisecond, "want %d dead letters", n)
@@ -98,7 +98,10 @@ func TestRelayDeadLettersWhatCanNeverBePublished(t *testing.T) {
 	require.Contains(t, reasons[oversized.ID], "larger than")
 	require.Contains(t, reasons[refused.ID], "too large")
 	require.Equal(t, 1, dls[0].Attempts, "a message Kafka rejects for good is not retried")
+	require.Equal(t, []string{"rejected", "rejected", "malformed", "malformed", "rejected"},
+		[]string{dls[0].Cause, dls[1].Cause, dls[2].Cause, dls[3].Cause, dls[4].Cause})
 	require.Contains(t, dls[2].Reason+dls[3].Reason+dls[4].Reason, "malformed")
+	require.Equal(t, `[1, 2]`, dls[3].Metadata["_eventline_outbox_raw_metadata"], "a metadata column the relay cannot read is kept whole")
 	require.Contains(t, dls[4].Reason, "event_id")
 	require.Equal(t, "d", dls[4].AggregateID, "dead letters keep what could be read of the envelope")
 
@@ -134,24 +137,25 @@ func TestRelayRetriesThenDeadLettersThenReplays(t *testing.T) {
 	require.EqualValues(t, 1, dls[0].AggregateVersion)
 	require.Equal(t, missing, dls[0].Topic)
 	require.Contains(t, dls[0].Reason, "gave up after 3 attempts")
+	require.Equal(t, "retries_exhausted", dls[0].Cause)
 	counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, 2, 30*time.Second))
 	require.Equal(t, 1, counts[a3.ID], "the shard moved on after the dead letter")
 
 	// Once the topic exists, a replay delivers the same event id and
 	// aggregate version.
 	kafkatest.CreateTopic(t, brokers, missing, 1)
-	n, err := admin.ReplayDeadLetters(context.Background(), env.Pool, env.Schema)
+	res, err := admin.ReplayHeld(context.Background(), env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Len(t, res.Enqueued, 1)
 	recs := relaytest.ReadTopic(t, brokers, missing, 1, 30*time.Second)
 	require.Len(t, recs, 1)
 	require.Equal(t, m2.ID, recs[0].EventID)
 	require.EqualValues(t, 1, recs[0].Version)
 	stop()
 
-	_, err = admin.ReplayDeadLetters(context.Background(), env.Pool, env.Schema)
-	require.ErrorIs(t, err, admin.ErrNoDeadLetters, "a dead letter is replayed once")
-	all, err := admin.ListDeadLetters(context.Background(), env.Pool, env.Schema, admin.DeadLetterFilter{IncludeReplayed: true})
+	_, err = admin.ReplayHeld(context.Background(), env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
+	require.ErrorIs(t, err, admin.ErrNoHeld, "a dead letter is replayed once")
+	all, err := admin.ListHeld(context.Background(), env.Pool, env.Schema, admin.HeldFilter{Statuses: []admin.HeldStatus{admin.StatusReplayed}})
 	require.NoError(t, err)
 	require.NotNil(t, all[0].ReplayedAt)
 }

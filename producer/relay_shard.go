@@ -121,7 +121,6 @@ type shardSQL struct {
 	horizonPassed string
 	snapshotXmax  string
 	fenceHolders  string
-	deadLetter    string
 	recordFailure string
 	clearFailures string
 }
@@ -152,10 +151,6 @@ func newShardSQL(schema string, shard int) shardSQL {
 			WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND pid <> pg_backend_pid()
 			  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 			  AND classid::bigint = $1 AND objid::bigint = $2`,
-		deadLetter: q(`INSERT INTO {schema}.dead_letters (
-				shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
-				destination_topic, payload, metadata, attempts, last_error, dead_reason)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::json, $10::json, $11, $12, $13)`),
 		recordFailure: q(`INSERT INTO {schema}.relay_failures (shard, outbox_uuid, attempts, last_error, next_attempt_at) VALUES ($1, $2, $3, $4, $5)
 			ON CONFLICT (shard, outbox_uuid) DO UPDATE SET
 				attempts = excluded.attempts, last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at`),

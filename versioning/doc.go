@@ -107,19 +107,20 @@
 // release attempts. It is never dropped silently. By the [LatePolicy]
 // (per event type):
 //
-//   - HoldLate (the default): the event is stored in late_events, its
-//     dedup outcome is late and it is counted; an operator lists it
-//     ([Store.ListLate], `eventline parked late`), then applies it
-//     ([Store.RequestLateApply], `eventline parked apply-late`: the
-//     consumer's sweeper runs the handler, marked late) or discards it
-//     ([Store.DiscardLate], `eventline parked discard-late`). The dedup
-//     record makes redeliveries duplicates and does not block the apply.
+//   - HoldLate (the default): the event is held for the operator
+//     (held_events, kind late), its dedup outcome is late and it is
+//     counted; an operator lists it (admin.ListHeld, `eventline held
+//     list -kind late`), then replays it (admin.ReplayHeld, `eventline
+//     held replay`: the consumer's sweeper runs the handler, marked late)
+//     or discards it (admin.DiscardHeld, `eventline held discard`). The
+//     dedup record makes redeliveries duplicates and does not block the
+//     replay.
 //   - ApplyLate: the handler runs at once, marked late
 //     (middleware.IsLate), for handlers that can apply an event after
 //     later ones.
 //
-// `eventline dlq replay` warns before it replays a relay dead letter whose
-// version a consumer group already gave up on ([Store.GroupsThatSkipped]).
+// `eventline held replay` (admin.ReplayHeld) warns when it replays a relay
+// dead letter whose version a consumer group already gave up on.
 //
 // The middleware package wires the gate into a Watermill handler chain and
 // supplies the sweeper's ApplyFunc from its handler registry.

@@ -31,8 +31,8 @@ type ApplyFunc func(ctx context.Context, tx pgx.Tx, p Parked) error
 // was skipped) and follows the late policy. An error rolls the give-up
 // back: the event stays parked and is tried again after its backoff.
 //
-// The default, [Store.HoldFailed], keeps the event in late_events (kind
-// release_failed) next to the events that arrived late.
+// The default, [Store.HoldFailed], holds the event as late (held_events,
+// cause release_failed) next to the events that arrived late.
 type DeadLetterFunc func(ctx context.Context, tx pgx.Tx, p Parked, reason string) error
 
 // ReleaseOptions say how parked events are applied, by [Store.Drain] and by
@@ -105,7 +105,7 @@ type DrainResult struct {
 	Version int64
 	// Released are the parked events applied, in order.
 	Released []Parked
-	// Late counts parked events moved to late_events because the
+	// Late counts parked events held as late because the
 	// aggregate had passed their version.
 	Late int
 	// GapsSkipped counts the gaps given up on after the park timeout;
@@ -132,7 +132,7 @@ type DrainResult struct {
 // applied, in version order, each through opts.Apply in its own savepoint,
 // in tx. tx must hold the aggregate's lock and current must be its version
 // (as after [Store.Admit] returned Next or Jump). Parked events at or below
-// current are moved to late_events. Draining stops at the next gap, at an
+// current are held as late. Draining stops at the next gap, at an
 // event waiting for its release backoff, or at the first event whose apply
 // fails: that savepoint is rolled back, the failure is recorded on the
 // parked row, and the rest stays parked for the sweeper, unless the event

@@ -4,56 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/held"
 )
-
-// LateKind says how an event came to be held in late_events.
-type LateKind string
-
-// The kinds of late events.
-const (
-	// LateArrived: the event arrived after its version had been given up
-	// on (it is in skipped_versions): after the park timeout, under the
-	// Apply policy, or by an operator's release.
-	LateArrived LateKind = "arrived_late"
-	// LatePassed: the aggregate passed the event's version without it
-	// (another event claimed the version, or a successor declared an
-	// earlier predecessor). Either the event was parked, or it is a
-	// replayed dead letter that arrived after that (see
-	// [Store.HoldConflict]; its reason starts with
-	// [ConflictReasonPrefix]).
-	LatePassed LateKind = "passed"
-	// LateReleaseFailed: the event was parked and could not be applied
-	// within the release-attempt limit (or failed permanently); the
-	// default DeadLetterFunc holds it here, its version recorded as
-	// skipped.
-	LateReleaseFailed LateKind = "release_failed"
-)
-
-// LateEvent is an event held in late_events: received, never applied,
-// and its aggregate is past its version. Its processed_events outcome is
-// late, so redeliveries are duplicates.
-type LateEvent struct {
-	// Parked holds the event as stored (Late is true; ParkedAt is when it
-	// was held; ReleaseAttempts, LastError, LastAttemptAt and
-	// NextAttemptAt describe operator-requested applies that failed).
-	Parked
-	// Kind says how the event came here; Reason why (the skip's reason,
-	// or the last release error).
-	Kind   LateKind
-	Reason string // see Kind
-	// CurrentVersion was the aggregate's version when the event was held.
-	CurrentVersion int64
-	// ApplyRequestedAt is set when an operator asked for the event to be
-	// applied (RequestLateApply); the consumer's sweeper applies it.
-	ApplyRequestedAt time.Time
-}
 
 // LateRequest describes a stale event to check against skipped_versions.
 type LateRequest struct {
@@ -69,7 +27,7 @@ type LateRequest struct {
 	Topic   string // see Handler
 	// Current is the aggregate's version.
 	Current int64
-	// Hold stores the event in late_events when it is late (HoldLate);
+	// Hold holds the event (held_events, kind late) when it is late (HoldLate);
 	// false only checks and records the outcome late_applied, for a
 	// caller that applies the event now (ApplyLate).
 	Hold bool
@@ -77,8 +35,9 @@ type LateRequest struct {
 
 // HoldLate settles a stale event (Admit returned Stale) in tx, which holds
 // the aggregate's lock, in one statement. When its version is recorded in
-// skipped_versions the event is late: with r.Hold it is stored in
-// late_events (kind arrived_late) and its dedup outcome becomes late;
+// skipped_versions the event is late: with r.Hold it is held for the
+// operator (held_events: kind late, cause arrived_late) and its dedup
+// outcome becomes late;
 // without, its outcome becomes late_applied and the caller must apply it
 // now (and roll back if that fails). Otherwise it is merely stale (a
 // redelivery whose dedup record expired, or a second event claiming an
@@ -101,8 +60,9 @@ func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool
 		outcome = dedup.OutcomeLateApplied
 	}
 	var why *string
+	hk, hv := held.Headers(md)
 	err = tx.QueryRow(ctx, s.q.holdLate, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
-		r.Handler, r.Topic, payload, md, r.Current, r.Hold, string(outcome)).Scan(&why)
+		r.Handler, r.Topic, payload, hk, hv, r.Current, r.Hold, string(outcome)).Scan(&why)
 	if err != nil {
 		return false, "", contentError(fmt.Errorf("versioning: settle stale event %s: %w", e.ID, err))
 	}
@@ -112,15 +72,11 @@ func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool
 	return true, *why, nil
 }
 
-// ConflictReasonPrefix starts the reason of an event held by
-// [Store.HoldConflict].
-const ConflictReasonPrefix = "version_conflict: "
-
 // HoldConflict holds a stale event that is not late (Admit returned Stale
-// and HoldLate found its version was not given up on) in late_events for
-// the operator, in tx, which holds the aggregate's lock: kind passed, its
-// dedup outcome late. Its reason starts with ConflictReasonPrefix and
-// names the event recorded in processed_events as applying the version
+// and HoldLate found its version was not given up on) for the operator, in
+// tx, which holds the aggregate's lock: held_events, kind late, cause
+// version_conflict; its dedup outcome late. Its reason names the event
+// recorded in processed_events as applying the version
 // (see [Store.AppliedBy]), or says none is recorded (a successor declared
 // an earlier predecessor, or the record of the event that applied it
 // expired). The gate calls it for a replayed dead letter, which is an
@@ -144,14 +100,15 @@ func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reaso
 	if err != nil {
 		return "", err
 	}
-	reason = fmt.Sprintf("%sversion %d was applied by event %s", ConflictReasonPrefix, e.AggregateVersion, by)
+	reason = fmt.Sprintf("version %d was applied by event %s", e.AggregateVersion, by)
 	if !found {
-		reason = fmt.Sprintf("%sthe aggregate passed version %d without this event (it is at v%d), and no other event is recorded as applying it: "+
+		reason = fmt.Sprintf("the aggregate passed version %d without this event (it is at v%d), and no other event is recorded as applying it: "+
 			"a later event declared an earlier predecessor, or the record of the event that applied it (this one, maybe) expired",
-			ConflictReasonPrefix, e.AggregateVersion, r.Current)
+			e.AggregateVersion, r.Current)
 	}
+	hk, hv := held.Headers(md)
 	_, err = tx.Exec(ctx, s.q.holdConflict, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
-		r.Handler, r.Topic, payload, md, r.Current, reason)
+		r.Handler, r.Topic, payload, hk, hv, r.Current, reason)
 	if err != nil {
 		return "", contentError(fmt.Errorf("versioning: hold conflicting event %s: %w", e.ID, err))
 	}
@@ -176,11 +133,11 @@ func (s *Store) AppliedBy(ctx context.Context, db DBTX, k Key, version int64, ex
 	return eventID, true, nil
 }
 
-// HoldFailed is the default DeadLetterFunc: it keeps a parked event the
-// gate gave up on in late_events (kind release_failed) with reason, and
-// records its dedup outcome as late, so redeliveries are duplicates while
-// an operator decides (`eventline parked late`, `apply-late`,
-// `discard-late`).
+// HoldFailed is the default DeadLetterFunc: it holds a parked event the
+// gate gave up on for the operator (held_events: kind late, cause
+// release_failed) with reason, and records its dedup outcome as late, so
+// redeliveries are duplicates while an operator decides (`eventline held
+// list`, `replay`, `discard`).
 func (s *Store) HoldFailed(ctx context.Context, tx pgx.Tx, p Parked, reason string) error {
 	current, err := s.Current(ctx, tx, p.Key())
 	if err != nil {
@@ -190,174 +147,67 @@ func (s *Store) HoldFailed(ctx context.Context, tx pgx.Tx, p Parked, reason stri
 	if payload == nil {
 		payload = []byte{}
 	}
-	md := p.Metadata
-	if md == nil {
-		md = map[string]string{}
-	}
-	_, err = tx.Exec(ctx, s.q.holdFailed, p.Group, p.EventID, p.AggregateType, p.AggregateID, p.Version, p.PreviousVersion,
-		p.EventType, p.Handler, p.Topic, payload, md, reason, current, p.ReleaseAttempts, p.LastError)
+	hk, hv := held.Headers(p.Metadata)
+	_, err = tx.Exec(ctx, s.q.holdFailed, p.Group, p.AggregateType, p.AggregateID, p.Version, p.PreviousVersion, p.EventID,
+		p.EventType, p.Handler, p.Topic, payload, hk, hv, current, reason, p.ReleaseAttempts, p.LastError)
 	if err != nil {
-		return fmt.Errorf("versioning: hold given-up event %s in late_events: %w", p.EventID, err)
+		return fmt.Errorf("versioning: hold given-up event %s: %w", p.EventID, err)
 	}
 	return nil
 }
 
-// passParked moves a parked event whose version the aggregate has passed
-// (current) to late_events.
+// passParked holds a parked event whose version the aggregate has passed
+// (current) as late.
 func (s *Store) passParked(ctx context.Context, tx pgx.Tx, p Parked, current int64) error {
 	reason := fmt.Sprintf("the aggregate reached v%d without applying %s: another event claimed its version, or a successor declared an earlier predecessor", current, p.describe())
 	if _, err := tx.Exec(ctx, s.q.passParked, p.Group, p.AggregateType, p.AggregateID, p.Version, reason, current); err != nil {
-		return fmt.Errorf("versioning: move passed parked event %s to late_events: %w", p.EventID, err)
+		return fmt.Errorf("versioning: hold passed parked event %s as late: %w", p.EventID, err)
 	}
 	return nil
 }
 
-// LateFilter selects late events for [Store.ListLate]. Empty fields match
-// everything.
-type LateFilter struct {
-	// Group, AggregateType and AggregateID select exact values.
-	Group         string
-	AggregateType string // see Group
-	AggregateID   string // see Group
-	// Limit caps the result. Defaults to 100.
-	Limit int
-}
-
-// ListLate returns late events ordered by group, aggregate and version.
-// It takes no locks (it backs `eventline parked late`).
-func (s *Store) ListLate(ctx context.Context, db DBTX, f LateFilter) ([]LateEvent, error) {
-	if f.Limit <= 0 {
-		f.Limit = DefaultListLimit
-	}
-	rows, err := db.Query(ctx, s.q.listLate, f.Group, f.AggregateType, f.AggregateID, f.Limit)
-	if err != nil {
-		return nil, fmt.Errorf("versioning: list late events: %w", err)
-	}
-	return collectLate(rows)
-}
-
-func collectLate(rows pgx.Rows) ([]LateEvent, error) {
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LateEvent, error) {
-		var l LateEvent
-		var last, next, requested *time.Time
-		var kind string
-		err := r.Scan(&l.Group, &l.AggregateType, &l.AggregateID, &l.Version, &l.PreviousVersion, &l.EventID, &l.EventType, &l.Handler, &l.Topic,
-			&l.Payload, &l.Metadata, &l.ParkedAt, &l.ReleaseAttempts, &l.LastError, &last, &next,
-			&kind, &l.Reason, &l.CurrentVersion, &requested)
-		l.Kind, l.Late, l.due = LateKind(kind), true, true
-		if last != nil {
-			l.LastAttemptAt = *last
-		}
-		if next != nil {
-			l.NextAttemptAt = *next
-		}
-		if requested != nil {
-			l.ApplyRequestedAt = *requested
-		}
-		return l, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("versioning: read late events: %w", err)
-	}
-	return out, nil
-}
-
-// RequestLateApply asks the group's running consumer to apply the given
-// late events (`eventline parked apply-late`): its sweeper applies each on
-// its next pass, in version order per aggregate, with the event marked
-// late, and removes it from late_events (outcome late_applied). A request
-// resets the event's failed attempts. It returns how many late events the
-// ids named (an id held late in several aggregates, reused by a producer,
-// names each of them); it needs only the database.
-func (s *Store) RequestLateApply(ctx context.Context, db DBTX, group string, eventIDs ...string) (int, error) {
-	if group == "" || len(eventIDs) == 0 {
-		return 0, errors.New("versioning.RequestLateApply: the group and at least one event id are required")
-	}
-	tag, err := db.Exec(ctx, s.q.requestLate, group, eventIDs)
-	if err != nil {
-		return 0, fmt.Errorf("versioning: request late apply: %w", err)
-	}
-	return int(tag.RowsAffected()), nil
-}
-
-// DiscardLate deletes the given late events of group for good (`eventline
-// parked discard-late`); their processed_events outcome becomes
-// late_discarded, so redeliveries stay duplicates. It returns how many were
-// held (an id held late in several aggregates names each of them).
-func (s *Store) DiscardLate(ctx context.Context, db DBTX, group string, eventIDs ...string) (int, error) {
-	if group == "" || len(eventIDs) == 0 {
-		return 0, errors.New("versioning.DiscardLate: the group and at least one event id are required")
-	}
-	var n int
-	if err := db.QueryRow(ctx, s.q.discardLate, group, eventIDs).Scan(&n); err != nil {
-		return 0, fmt.Errorf("versioning: discard late events: %w", err)
-	}
-	return n, nil
-}
-
-// CountLate returns how many events the group holds as late.
-func (s *Store) CountLate(ctx context.Context, db DBTX, group string) (int64, error) {
-	var n int64
-	if err := db.QueryRow(ctx, s.q.countLate, group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("versioning: count late events of %q: %w", group, err)
-	}
-	return n, nil
-}
-
-// GroupsThatSkipped returns the consumer groups that recorded version of
-// an aggregate in skipped_versions: an event with that version reaching
-// them now is late (`eventline dlq replay` warns with it).
-func (s *Store) GroupsThatSkipped(ctx context.Context, db DBTX, aggregateType, aggregateID string, version int64) ([]string, error) {
-	rows, err := db.Query(ctx, s.q.groupsSkipped, aggregateType, aggregateID, version)
-	if err != nil {
-		return nil, fmt.Errorf("versioning: find groups that skipped %s/%s v%d: %w", aggregateType, aggregateID, version, err)
-	}
-	groups, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return nil, fmt.Errorf("versioning: find groups that skipped %s/%s v%d: %w", aggregateType, aggregateID, version, err)
-	}
-	return groups, nil
-}
-
-// applyLate applies an aggregate's late events whose apply an operator
+// applyLate applies an aggregate's late events whose replay an operator
 // requested, in tx holding the aggregate's lock: each in a savepoint with
-// p.Late set. A success removes the event (outcome late_applied); a
+// p.Late set. A success marks the event replayed (outcome late_applied); a
 // failure is recorded with a backoff, and after opts.MaxAttempts failures
-// (or a permanent one) the request is cleared: the event stays held with
-// its last error for the operator.
+// (or a permanent one) it is held again with its last error for the
+// operator.
 func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOptions, res *SweepResult) error {
-	rows, err := tx.Query(ctx, s.q.lateOf, k.Group, k.AggregateType, k.AggregateID, drainLimit)
+	late, err := s.held.LockLate(ctx, tx, k.Group, held.Aggregate{Type: k.AggregateType, ID: k.AggregateID}, drainLimit)
 	if err != nil {
-		return fmt.Errorf("versioning: load late events of %s: %w", k, err)
-	}
-	late, err := collectLate(rows)
-	if err != nil {
-		return err
+		return fmt.Errorf("versioning: %w", err)
 	}
 	for _, l := range late {
-		herr, err := s.attempt(ctx, tx, l.Parked, opts.Apply, nil)
+		p := lateParked(l)
+		herr, err := s.attempt(ctx, tx, p, opts.Apply, nil)
 		if err != nil {
 			return err
 		}
 		if herr == nil {
-			if _, err := tx.Exec(ctx, s.q.doneLate, l.Group, l.EventID, l.AggregateType, l.AggregateID, string(dedup.OutcomeLateApplied)); err != nil {
-				return fmt.Errorf("versioning: remove applied late event %s: %w", l.EventID, err)
+			if err := s.held.MarkLateApplied(ctx, tx, l.ID); err != nil {
+				return fmt.Errorf("versioning: %w", err)
 			}
 			res.LateApplied++
 			continue
 		}
-		p := l.Parked
-		p.ReleaseAttempts++
-		p.LastError = herr.Error()
 		res.LateFailed++
-		if err := s.recordFailure(ctx, tx, s.q.failLate, p, opts.backoff(p.ReleaseAttempts)); err != nil {
-			return err
-		}
-		if p.ReleaseAttempts >= opts.MaxAttempts || (opts.Permanent != nil && opts.Permanent(herr)) {
-			if _, err := tx.Exec(ctx, s.q.giveUpLate, l.Group, l.EventID, l.AggregateType, l.AggregateID); err != nil {
-				return fmt.Errorf("versioning: clear the apply request of late event %s: %w", l.EventID, err)
-			}
+		attempts := l.Attempts + 1
+		giveUp := attempts >= opts.MaxAttempts || (opts.Permanent != nil && opts.Permanent(herr))
+		if err := s.held.MarkReplayFailed(ctx, tx, l.ID, herr.Error(), opts.backoff(attempts), giveUp); err != nil {
+			return fmt.Errorf("versioning: %w", err)
 		}
 	}
 	return nil
+}
+
+// lateParked is a late event as the sweeper applies it.
+func lateParked(l held.Event) Parked {
+	p := Parked{Group: l.Group, AggregateType: l.AggregateType, AggregateID: l.AggregateID, Version: l.AggregateVersion,
+		PreviousVersion: l.PreviousVersion, EventID: l.EventID, EventType: l.EventType, Handler: l.Handler, Topic: l.Topic,
+		Payload: l.Payload, Metadata: l.Metadata, ParkedAt: l.HeldAt, ReleaseAttempts: l.Attempts, LastError: l.LastError,
+		Late: true, due: true}
+	if l.LastAttemptAt != nil {
+		p.LastAttemptAt = *l.LastAttemptAt
+	}
+	return p
 }

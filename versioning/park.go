@@ -51,7 +51,7 @@ type Parked struct {
 	LastError       string    // see ReleaseAttempts
 	LastAttemptAt   time.Time // see ReleaseAttempts
 	NextAttemptAt   time.Time // see ReleaseAttempts
-	// Late is true for an event from late_events: its version was given
+	// Late is true for a late event (held_events): its version was given
 	// up on and later versions have been applied; the handler is told
 	// (middleware.IsLate).
 	Late bool

@@ -38,8 +38,8 @@ type OpenGap struct {
 }
 
 // GroupStatus is the gap and stall picture of one consumer group, read
-// from the database by ReadGroupStatus. Counts of tables a database has
-// not migrated to yet (late_events, consumer_dead_letters) are 0.
+// from the database by ReadGroupStatus. On a schema rolled back past
+// 003_held_events, LateHeld and DeadLetters are 0.
 type GroupStatus struct {
 	Group string
 	// Parked counts parked events; OldestParked is the age of the oldest
@@ -57,11 +57,12 @@ type GroupStatus struct {
 	// last SkippedWindow (24 hours), by the sweeper, the Apply policy, a
 	// give-up or an operator.
 	SkippedGapsRecent int64
-	// LateHeld counts late events held for the operator.
-	LateHeld int64
-	// DeadLetters counts the group's consumer dead letters not yet
-	// resolved (status dead or replay_requested).
-	DeadLetters int64
+	// LateHeld counts the group's late events held for the operator, and
+	// DeadLetters its dead letters, not yet replayed or discarded (held
+	// events of kind late and dead_letter, status held or
+	// replay_requested).
+	LateHeld    int64
+	DeadLetters int64 // see LateHeld
 }
 
 // ReadGroupStatusOptions tune ReadGroupStatus.
@@ -71,29 +72,22 @@ type ReadGroupStatusOptions struct {
 	OpenGapsLimit int
 }
 
-// statusTables says which of the optional tables and columns the schema
-// has (older migrations lack them).
-type statusTables struct {
-	late, deadLetters, previousVersion bool
-}
+// statusTables says whether the schema has held_events (a schema rolled
+// back past 003_held_events has not).
+type statusTables struct{ held bool }
 
 func (s *Store) statusTables(ctx context.Context, db DBTX) (statusTables, error) {
 	var t statusTables
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
-			EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = $3 AND table_name = 'parked_events' AND column_name = 'previous_version')`,
-		sqlident.Qualify(s.schema, "late_events"), sqlident.Qualify(s.schema, "consumer_dead_letters"), s.schema).
-		Scan(&t.late, &t.deadLetters, &t.previousVersion)
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(s.schema, "held_events")).Scan(&t.held)
 	if err != nil {
-		return t, fmt.Errorf("versioning: look for the consumer tables: %w", err)
+		return t, fmt.Errorf("versioning: look for held_events: %w", err)
 	}
 	return t, nil
 }
 
 // ReadGroupStatus reads the group's parked events, open gaps, recently
 // skipped gaps, held late events and unresolved dead letters. It changes
-// nothing; run it in a repeatable-read transaction for one snapshot. It
-// works on a schema migrated to 003_consumer_gate or later, and on one at
-// 002_consumer (counting no late events or dead letters).
+// nothing; run it in a repeatable-read transaction for one snapshot.
 func (s *Store) ReadGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions) (GroupStatus, error) {
 	t, err := s.statusTables(ctx, db)
 	if err != nil {
@@ -103,7 +97,8 @@ func (s *Store) ReadGroupStatus(ctx context.Context, db DBTX, group string, opts
 }
 
 // ReadGroupStatuses is ReadGroupStatus for every group that recorded a
-// version, a parked event, a late event or a dead letter, by group name.
+// version or a parked event, or holds an open late event or dead letter,
+// by group name.
 func (s *Store) ReadGroupStatuses(ctx context.Context, db DBTX, opts ReadGroupStatusOptions) ([]GroupStatus, error) {
 	t, err := s.statusTables(ctx, db)
 	if err != nil {
@@ -124,31 +119,26 @@ func (s *Store) ReadGroupStatuses(ctx context.Context, db DBTX, opts ReadGroupSt
 	return out, nil
 }
 
-// distinctGroups returns the distinct consumer_group values of table by
-// skipping from one group to the next along its index.
-func distinctGroups(table string) string {
+// distinctGroups returns the distinct consumer_group values of table's
+// rows that match the condition and (AND …, or ""), by skipping from one
+// group to the next along its index.
+func distinctGroups(table, and string) string {
 	return `WITH RECURSIVE g(name) AS (
-		(SELECT consumer_group FROM ` + table + ` ORDER BY consumer_group LIMIT 1)
+		(SELECT consumer_group FROM ` + table + ` WHERE true ` + and + ` ORDER BY consumer_group LIMIT 1)
 		UNION ALL
-		SELECT (SELECT consumer_group FROM ` + table + ` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
+		SELECT (SELECT consumer_group FROM ` + table + ` WHERE consumer_group > g.name ` + and + ` ORDER BY consumer_group LIMIT 1)
 		FROM g WHERE g.name IS NOT NULL
 	) SELECT name FROM g WHERE name IS NOT NULL`
 }
 
 func (s *Store) statusGroups(ctx context.Context, db DBTX, t statusTables) ([]string, error) {
-	tables := []string{"aggregate_versions", "parked_events"}
-	if t.late {
-		tables = append(tables, "late_events")
-	}
-	if t.deadLetters {
-		tables = append(tables, "consumer_dead_letters")
-	}
-	q := ""
-	for i, table := range tables {
-		if i > 0 {
-			q += " UNION "
-		}
-		q += "(" + distinctGroups(sqlident.Qualify(s.schema, table)) + ")"
+	q := "(" + distinctGroups(sqlident.Qualify(s.schema, "aggregate_versions"), "") + ") UNION (" +
+		distinctGroups(sqlident.Qualify(s.schema, "parked_events"), "") + ")"
+	if t.held {
+		// The groups holding open events (the relay's have none), along
+		// the index of the open rows.
+		q += " UNION (" + distinctGroups(sqlident.Qualify(s.schema, "held_events"),
+			`AND status IN ('held', 'replay_requested') AND consumer_group <> ''`) + ")"
 	}
 	rows, err := db.Query(ctx, `SELECT name FROM (`+q+`) g ORDER BY name`)
 	if err != nil {
@@ -167,12 +157,12 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 	av := sqlident.Qualify(s.schema, "aggregate_versions")
 	sv := sqlident.Qualify(s.schema, "skipped_versions")
 	late, dead := "0::bigint", "0::bigint"
-	if t.late {
-		late = `(SELECT count(*) FROM ` + sqlident.Qualify(s.schema, "late_events") + ` WHERE consumer_group = $1)`
-	}
-	if t.deadLetters {
-		dead = `(SELECT count(*) FROM ` + sqlident.Qualify(s.schema, "consumer_dead_letters") +
-			` WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested'))`
+	if t.held {
+		open := func(kind string) string {
+			return `(SELECT count(*) FROM ` + sqlident.Qualify(s.schema, "held_events") +
+				` WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
+		}
+		late, dead = open("late"), open("dead_letter")
 	}
 	var oldest float64
 	err := db.QueryRow(ctx, `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
@@ -191,10 +181,6 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 	if limit == 0 {
 		limit = DefaultOpenGapsListed
 	}
-	previous := "previous_version"
-	if !t.previousVersion {
-		previous = "aggregate_version - 1"
-	}
 	// Per aggregate with parked events: the lowest one, the predecessor it
 	// waits for and the aggregate's version; a gap is open when that
 	// predecessor has not been applied.
@@ -202,7 +188,7 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 			SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
 				EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
 			FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
-					(array_agg(`+previous+` ORDER BY aggregate_version))[1] AS follows
+					(array_agg(previous_version ORDER BY aggregate_version))[1] AS follows
 				FROM `+pe+` WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
 			LEFT JOIN `+av+` av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
 			WHERE p.follows > COALESCE(av.version, 0)

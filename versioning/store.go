@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
@@ -46,6 +47,7 @@ func (k Key) String() string { return k.Group + ":" + k.AggregateType + "/" + k.
 type Store struct {
 	schema string
 	dedup  *dedup.Store
+	held   *held.Store
 	q      queries
 }
 
@@ -62,7 +64,7 @@ func NewStore(schema string) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Store{schema: schema, dedup: d, q: newQueries(schema, d.Table())}, nil
+	return &Store{schema: schema, dedup: d, held: held.New(schema), q: newQueries(schema, d.Table())}, nil
 }
 
 // Schema returns the schema the store works in.
@@ -102,14 +104,9 @@ type queries struct {
 	countParked       string
 	listParked        string
 	listSkipped       string
-	groupsSkipped     string
 
-	holdLate, holdFailed           string
-	holdConflict, appliedBy        string
-	lateOf, lateCandidates         string
-	failLate, doneLate, giveUpLate string
-	requestLate, discardLate       string
-	listLate, countLate            string
+	holdLate, holdFailed    string
+	holdConflict, appliedBy string
 }
 
 // parkedCols are the columns collectParked scans, followed by the expired
@@ -117,16 +114,22 @@ type queries struct {
 const parkedCols = `consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, handler, topic,
 		payload, metadata, parked_at, release_attempts, coalesce(last_error, ''), last_attempt_at, next_attempt_at`
 
-// lateCols are the columns collectLate scans.
-const lateCols = `consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, handler, topic,
-		payload, metadata, held_at, attempts, coalesce(last_error, ''), last_attempt_at, next_attempt_at,
-		kind, reason, current_version, apply_requested_at`
+// heldLateCols are the columns of held_events a late event fills: $1
+// group, $2 type, $3 id, $4 version, $5 previous version, $6 event id, $7
+// event type, $8 handler, $9 topic, $10 payload, $11 and $12 the header
+// keys and values (held.Headers), $13 the aggregate's version; the
+// message uuid is the event id, as for parked events.
+const heldLateCols = `kind, consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type,
+		handler, topic, message_uuid, payload, header_keys, header_values, current_version, cause, reason`
+
+// heldLateValues are heldLateCols' values but the cause and reason.
+const heldLateValues = `'late', $1, $2, $3, $4::bigint, $5::bigint, $6, $7, $8, $9, convert_to($6, 'UTF8'), $10, $11, $12, $13::bigint`
 
 func newQueries(schema, processed string) queries {
 	av := sqlident.Qualify(schema, "aggregate_versions")
 	pe := sqlident.Qualify(schema, "parked_events")
 	sv := sqlident.Qualify(schema, "skipped_versions")
-	le := sqlident.Qualify(schema, "late_events")
+	he := sqlident.Qualify(schema, "held_events")
 	// The upsert below creates the aggregate's row or locks the existing
 	// one (ON CONFLICT DO UPDATE waits for, then re-reads, a row another
 	// transaction holds), decides in the SET clause whether the event
@@ -207,8 +210,9 @@ func newQueries(schema, processed string) queries {
 			FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
 			ORDER BY aggregate_version LIMIT $5`,
 		// A parked event whose version the aggregate ($6 = current
-		// version) has passed moves to late_events, with the reason of
-		// the skip that covers its version, or $5.
+		// version) has passed is held as late, with the reason of the
+		// skip that covers its version, or $5; its metadata becomes the
+		// header columns.
 		passParked: `WITH sk AS (
 				SELECT reason FROM ` + sv + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
 					AND $4::bigint BETWEEN from_version AND to_version ORDER BY id DESC LIMIT 1
@@ -216,11 +220,12 @@ func newQueries(schema, processed string) queries {
 				DELETE FROM ` + pe + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
 				RETURNING *
 			), held AS (
-				INSERT INTO ` + le + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
-					event_type, handler, topic, payload, metadata, kind, reason, current_version)
-				SELECT m.consumer_group, m.event_id, m.aggregate_type, m.aggregate_id, m.aggregate_version, m.previous_version,
-					m.event_type, m.handler, m.topic, m.payload, m.metadata,
-					CASE WHEN EXISTS (SELECT 1 FROM sk) THEN 'arrived_late' ELSE 'passed' END, coalesce((SELECT reason FROM sk), $5), $6::bigint
+				INSERT INTO ` + he + ` (` + heldLateCols + `)
+				SELECT 'late', m.consumer_group, m.aggregate_type, m.aggregate_id, m.aggregate_version, m.previous_version, m.event_id, m.event_type,
+					m.handler, m.topic, convert_to(m.event_id, 'UTF8'), m.payload,
+					coalesce((SELECT array_agg(convert_to(k, 'UTF8') ORDER BY k COLLATE "C") FROM jsonb_object_keys(m.metadata) k), '{}'),
+					coalesce((SELECT array_agg(convert_to(m.metadata->>k, 'UTF8') ORDER BY k COLLATE "C") FROM jsonb_object_keys(m.metadata) k), '{}'),
+					$6::bigint, CASE WHEN EXISTS (SELECT 1 FROM sk) THEN 'arrived_late' ELSE 'passed' END, coalesce((SELECT reason FROM sk), $5)
 				FROM moved m ON CONFLICT DO NOTHING
 			)
 			UPDATE ` + processed + ` SET outcome = 'late'
@@ -257,36 +262,32 @@ func newQueries(schema, processed string) queries {
 		listSkipped: `SELECT id, consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at FROM ` + sv + `
 			WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
 			ORDER BY id LIMIT $4`,
-		groupsSkipped: `SELECT DISTINCT consumer_group FROM ` + sv + `
-			WHERE aggregate_type = $1 AND aggregate_id = $2 AND $3::bigint BETWEEN from_version AND to_version ORDER BY consumer_group`,
 
 		// A stale event ($4 version <= current) whose version is in
-		// skipped_versions is late: with $13 it is held in late_events;
-		// its dedup outcome becomes $14 (late, or late_applied when the
-		// caller applies it now), else stale. Returns the skip's reason,
-		// NULL when the event is merely stale. ($1 group, $2 type, $3 id,
-		// $5 previous version, $6 event id, $7 event type, $8 handler,
-		// $9 topic, $10 payload, $11 metadata, $12 current version)
+		// skipped_versions is late: with $14 it is held (cause
+		// arrived_late, the skip's reason), in the statement that finds it
+		// late; its dedup outcome becomes $15 (late, or late_applied when
+		// the caller applies it now), else stale. Returns the skip's
+		// reason, NULL when the event is merely stale. ($1..$13 as
+		// heldLateCols says.)
 		holdLate: `WITH sk AS (
 				SELECT reason FROM ` + sv + ` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
 					AND $4::bigint BETWEEN from_version AND to_version ORDER BY id DESC LIMIT 1
 			), held AS (
-				INSERT INTO ` + le + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
-					event_type, handler, topic, payload, metadata, kind, reason, current_version)
-				SELECT $1, $6, $2, $3, $4::bigint, $5::bigint, $7, $8, $9, $10, $11, 'arrived_late', sk.reason, $12::bigint
-				FROM sk WHERE $13::boolean ON CONFLICT DO NOTHING RETURNING 1
+				INSERT INTO ` + he + ` (` + heldLateCols + `)
+				SELECT ` + heldLateValues + `, 'arrived_late', sk.reason
+				FROM sk WHERE $14::boolean ON CONFLICT DO NOTHING RETURNING 1
 			), outcome AS (
-				UPDATE ` + processed + ` SET outcome = CASE WHEN EXISTS (SELECT 1 FROM sk) THEN $14::text ELSE 'stale' END
+				UPDATE ` + processed + ` SET outcome = CASE WHEN EXISTS (SELECT 1 FROM sk) THEN $15::text ELSE 'stale' END
 				WHERE ` + dedup.KeyPredicate("", "$1", "$6", "$2", "$3") + `
 			)
 			SELECT (SELECT reason FROM sk)`,
 		// A stale event that is not late, held as a version conflict
-		// ($1..$12 as for holdLate, $13 the reason); its dedup outcome
+		// ($1..$13 as for holdLate, $14 the reason); its dedup outcome
 		// becomes late.
 		holdConflict: `WITH held AS (
-				INSERT INTO ` + le + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
-					event_type, handler, topic, payload, metadata, kind, reason, current_version)
-				VALUES ($1, $6, $2, $3, $4::bigint, $5::bigint, $7, $8, $9, $10, $11, 'passed', $13, $12::bigint)
+				INSERT INTO ` + he + ` (` + heldLateCols + `)
+				VALUES (` + heldLateValues + `, 'version_conflict', $14)
 				ON CONFLICT DO NOTHING
 			)
 			UPDATE ` + processed + ` SET outcome = 'late' WHERE ` + dedup.KeyPredicate("", "$1", "$6", "$2", "$3"),
@@ -295,43 +296,17 @@ func newQueries(schema, processed string) queries {
 			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
 				AND event_id <> $5 AND outcome IN ('applied', 'late_applied')
 			ORDER BY processed_at LIMIT 1`,
-		// The default dead letter: the given-up parked event joins the
-		// late events, and its dedup record says late again.
+		// The default dead letter: the given-up parked event is held as
+		// late ($1..$13 as for holdLate, $14 the reason, $15 its release
+		// attempts, $16 the last error), and its dedup record says late
+		// again.
 		holdFailed: `WITH held AS (
-				INSERT INTO ` + le + ` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version,
-					event_type, handler, topic, payload, metadata, kind, reason, current_version,
-					attempts, last_error, last_attempt_at)
-				VALUES ($1, $2, $3, $4, $5::bigint, $6::bigint, $7, $8, $9, $10, $11, 'release_failed', $12, $13::bigint, $14, $15, now())
+				INSERT INTO ` + he + ` (` + heldLateCols + `, attempts, last_error, last_attempt_at)
+				VALUES (` + heldLateValues + `, 'release_failed', $14, $15, $16, now())
 				ON CONFLICT DO NOTHING
 			)
 			INSERT INTO ` + processed + ` (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
-			VALUES ($1, $2, $7, $3, $4, $5::bigint, 'late')
+			VALUES ($1, $6, $7, $2, $3, $4::bigint, 'late')
 			ON CONFLICT (consumer_group, event_id, aggregate_type, aggregate_id) DO UPDATE SET outcome = 'late'`,
-		lateOf: `SELECT ` + lateCols + ` FROM ` + le + `
-			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
-				AND apply_requested_at IS NOT NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-			ORDER BY aggregate_version, held_at LIMIT $4 FOR UPDATE`,
-		lateCandidates: `SELECT aggregate_type, aggregate_id FROM ` + le + `
-			WHERE consumer_group = $1 AND apply_requested_at IS NOT NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-			GROUP BY aggregate_type, aggregate_id ORDER BY min(coalesce(next_attempt_at, apply_requested_at)) LIMIT $2`,
-		failLate: `UPDATE ` + le + ` SET attempts = $8, last_error = $6, last_attempt_at = now(),
-				next_attempt_at = now() + $7::bigint * interval '1 microsecond'
-			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4 AND event_id = $5`,
-		// doneLate and giveUpLate: ($1 group, $2 event id, $3 type, $4
-		// id), doneLate's outcome $5.
-		doneLate: `WITH gone AS (DELETE FROM ` + le + ` WHERE ` + dedup.KeyPredicate("", "$1", "$2", "$3", "$4") + ` RETURNING event_id)
-			UPDATE ` + processed + ` SET outcome = $5 WHERE ` + dedup.KeyPredicate("", "$1", "$2", "$3", "$4") + ` AND EXISTS (SELECT 1 FROM gone)`,
-		giveUpLate: `UPDATE ` + le + ` SET apply_requested_at = NULL WHERE ` + dedup.KeyPredicate("", "$1", "$2", "$3", "$4"),
-		requestLate: `UPDATE ` + le + ` SET apply_requested_at = now(), attempts = 0, next_attempt_at = NULL
-			WHERE consumer_group = $1 AND event_id = ANY($2::text[])`,
-		discardLate: `WITH gone AS (DELETE FROM ` + le + ` WHERE consumer_group = $1 AND event_id = ANY($2::text[])
-				RETURNING event_id, aggregate_type, aggregate_id),
-			o AS (UPDATE ` + processed + ` p SET outcome = 'late_discarded' FROM gone g
-				WHERE ` + dedup.KeyPredicate("p", "$1", "g.event_id", "g.aggregate_type", "g.aggregate_id") + `)
-			SELECT count(*) FROM gone`,
-		listLate: `SELECT ` + lateCols + ` FROM ` + le + `
-			WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
-			ORDER BY consumer_group, aggregate_type, aggregate_id, aggregate_version, held_at LIMIT $4`,
-		countLate: `SELECT count(*) FROM ` + le + ` WHERE consumer_group = $1`,
 	}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/txhooks"
 )
@@ -57,8 +58,8 @@ type SweeperConfig struct {
 	// the event is given up at once.
 	Permanent func(error) bool
 	// DeadLetter stores a parked event that is given up (see
-	// DeadLetterFunc). Defaults to Store.HoldFailed: it is held in
-	// late_events with the events that arrived late.
+	// DeadLetterFunc). Defaults to Store.HoldFailed: it is held as late
+	// (held_events) with the events that arrived late.
 	DeadLetter DeadLetterFunc
 	// OnSweep, when set, is called after every pass of Run with its
 	// result and error (metrics hook).
@@ -123,7 +124,7 @@ type SweepResult struct {
 	Busy int
 	// Released counts parked events applied.
 	Released int
-	// Late counts parked events moved to late_events because their
+	// Late counts parked events held as late because their
 	// aggregate had passed their version.
 	Late int
 	// GapsSkipped counts the gaps given up on after the park timeout;
@@ -224,11 +225,12 @@ func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 			return res, err
 		}
 	}
-	keys, err = w.keys(ctx, w.store.q.lateCandidates, w.cfg.Group, w.cfg.Batch)
+	aggs, err := w.store.held.LateAggregates(ctx, w.db, w.cfg.Group, w.cfg.Batch)
 	if err != nil {
-		return res, fmt.Errorf("versioning: find late events to apply: %w", err)
+		return res, fmt.Errorf("versioning: %w", err)
 	}
-	for _, k := range keys {
+	for _, a := range aggs {
+		k := Key{Group: w.cfg.Group, AggregateType: a.Type, AggregateID: a.ID}
 		r, err := w.sweepAggregate(ctx, k, func(ctx context.Context, tx pgx.Tx, k Key, _ int64, res *SweepResult) error {
 			return w.store.applyLate(ctx, tx, k, w.opts, res)
 		})
@@ -240,7 +242,7 @@ func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	if res.Parked, err = w.store.CountParked(ctx, w.db, w.cfg.Group); err != nil {
 		return res, err
 	}
-	res.HeldLate, err = w.store.CountLate(ctx, w.db, w.cfg.Group)
+	res.HeldLate, err = w.store.held.CountOpen(ctx, w.db, w.cfg.Group, held.KindLate)
 	return res, err
 }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -141,12 +142,14 @@ func TestParkedEventIsGivenUpAfterMaxReleaseAttempts(t *testing.T) {
 	require.Len(t, skipped, 1)
 	require.Equal(t, [2]int64{3, 3}, [2]int64{skipped[0].From, skipped[0].To})
 	require.Contains(t, skipped[0].Reason, "after 3 failed release attempts: handler bug")
-	late, err := s.ListLate(ctx, env.Pool, versioning.LateFilter{Group: "g"})
+	late, err := held.New(env.Schema).List(ctx, env.Pool, held.Filter{Kind: held.KindLate, Group: "g"})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
-	require.Equal(t, versioning.LateReleaseFailed, late[0].Kind)
-	require.EqualValues(t, 3, late[0].Version)
-	r, err := s.Dedup().Get(ctx, env.Pool, late[0].DedupKey())
+	require.Equal(t, held.CauseReleaseFailed, late[0].Cause)
+	require.EqualValues(t, 3, late[0].AggregateVersion)
+	require.Equal(t, 3, late[0].Attempts, "its release attempts")
+	require.Equal(t, "handler bug", late[0].LastError)
+	r, err := s.Dedup().Get(ctx, env.Pool, dedup.Key{Group: "g", EventID: late[0].EventID, AggregateType: late[0].AggregateType, AggregateID: late[0].AggregateID})
 	require.NoError(t, err)
 	require.Equal(t, dedup.OutcomeLate, r.Outcome, "a redelivery is a duplicate while it is held")
 	require.Empty(t, dead)

@@ -127,7 +127,7 @@ type flagSet struct {
 	help     string
 }
 
-// newFlagSet returns the flags of the command at path ("dlq list").
+// newFlagSet returns the flags of the command at path ("held list").
 // synopsis is the usage line after the path; help is printed by -h.
 func newFlagSet(ctx context.Context, path, synopsis, help string) *flagSet {
 	inv := invocationOf(ctx)

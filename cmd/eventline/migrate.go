@@ -82,11 +82,12 @@ func migrateDown(ctx context.Context, args []string) error {
 	fs := newFlagSet(ctx, "migrate down", "[-steps N | -all] [-force]", `
 Rolls back the newest applied migrations, one transaction for all of them.
 
-Rolling back 002_consumer drops the consumer tables (dedup records, aggregate
-versions, parked events, the skipped-gap audit); rolling back 001_outbox drops
-the outbox shard tables with every event in them. Unless -force is given, it
-refuses while parked events wait, or while the outbox holds events not yet
-relayed or dead letters not yet replayed.`)
+Rolling back 003_held_events drops the events held for the operator (dead
+letters, late events); 002_consumer the consumer tables (dedup records,
+aggregate versions, parked events, the skipped-gap audit); 001_outbox the outbox
+shard tables with every event in them. Unless -force is given, it refuses while
+held events are neither replayed nor discarded, while parked events wait, or
+while the outbox holds events not yet relayed.`)
 	steps := fs.Int("steps", 1, "number of migrations to roll back, newest first (at least 1)")
 	all := fs.Bool("all", false, "roll back every migration (drops all of eventline's tables)")
 	force := fs.Bool("force", false, "roll back even if it drops events that were never relayed or applied")
@@ -170,12 +171,9 @@ func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, tar
 		case "consumer":
 			return fmt.Errorf("refusing to roll back %03d_%s: parked_events holds %s, which would be lost; release them (eventline parked list, parked release) or pass -force",
 				m.Version, m.Name, plural(n, "event"))
-		case "consumer_gate":
-			return fmt.Errorf("refusing to roll back %03d_%s: late_events holds %s, which would be lost; apply or discard them (eventline parked late) or pass -force",
+		case "held_events":
+			return fmt.Errorf("refusing to roll back %03d_%s: held_events holds %s not yet replayed or discarded (dead letters, late events), which would be lost; resolve them (eventline held list, replay, discard) or pass -force",
 				m.Version, m.Name, plural(n, "event"))
-		case "consumer_dead_letters":
-			return fmt.Errorf("refusing to roll back %03d_%s: consumer_dead_letters holds %s not yet replayed or discarded, which would be lost; resolve them (eventline consumer-dlq list, replay, discard) or pass -force",
-				m.Version, m.Name, plural(n, "dead letter"))
 		default:
 			return fmt.Errorf("refusing to roll back %03d_%s: it holds %d rows not yet resolved, which would be lost; pass -force to drop them", m.Version, m.Name, n)
 		}

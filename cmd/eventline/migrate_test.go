@@ -10,12 +10,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/dedup"
-	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/versioning"
 )
 
 // stepsFrom returns how many migrations `migrate down -steps` must roll
@@ -163,37 +161,19 @@ func TestMigrateDownRefusesToDropParkedEvents(t *testing.T) {
 	require.Equal(t, rolledBack(t, 2), out)
 }
 
-func TestMigrateDownRefusesToDropLateEvents(t *testing.T) {
+// Held events not yet replayed or discarded, of any kind, block rolling
+// back 003_held_events unless forced.
+func TestMigrateDownRefusesToDropHeldEvents(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	ctx := context.Background()
-	store, err := versioning.NewStore(env.Schema)
-	require.NoError(t, err)
-	k := versioning.Key{Group: "billing", AggregateType: "thing", AggregateID: "a"}
-	require.NoError(t, store.RecordSkipped(ctx, env.Pool, k, 2, 2, "park timeout"))
-	late, _, err := store.HoldLate(ctx, env.Pool, versioning.LateRequest{Group: "billing", Event: consumertest.Event("a", 2), Current: 3, Hold: true})
-	require.NoError(t, err)
-	require.True(t, late)
+	require.NoError(t, held.New(env.Schema).AddRelay(ctx, env.Pool, held.Event{Cause: held.CauseRejected, Reason: "r", MessageUUID: "u-1"}))
 
-	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-all")...)
-	require.Equal(t, exitFailure, r.code)
-	require.Contains(t, r.stderr, "late_events holds 1 event")
-	require.Contains(t, r.stderr, "eventline parked late")
-}
-
-func TestMigrateDownRefusesToDropConsumerDeadLetters(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	store, err := dedup.NewDeadLetterStore(env.Schema)
-	require.NoError(t, err)
-	id, err := store.Add(context.Background(), env.Pool, dedup.DeadLetter{Group: "billing", MessageUUID: "m", Kind: dedup.KindPermanent, Reason: "r"})
-	require.NoError(t, err)
-
-	steps := strconv.Itoa(stepsFrom(t, versionOf(t, "consumer_dead_letters")))
+	steps := strconv.Itoa(stepsFrom(t, versionOf(t, "held_events")))
 	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-steps", steps)...)
 	require.Equal(t, exitFailure, r.code)
-	require.Contains(t, r.stderr, "consumer_dead_letters holds 1 dead letter")
-	_, err = store.Discard(context.Background(), env.Pool, dedup.DeadLetterFilter{IDs: []int64{id}}, "test")
-	require.NoError(t, err)
-	require.Equal(t, rolledBack(t, versionOf(t, "consumer_dead_letters")), ok(t, env.Schema, "migrate", "down", "-steps", steps))
+	require.Contains(t, r.stderr, "held_events holds 1 event not yet replayed or discarded")
+	require.Contains(t, r.stderr, "eventline held list")
+	ok(t, env.Schema, "held", "discard", "-reason", "test", "-kind", "relay_dead_letter", "-all")
+	require.Equal(t, rolledBack(t, versionOf(t, "held_events")), ok(t, env.Schema, "migrate", "down", "-steps", steps))
 }

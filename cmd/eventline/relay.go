@@ -51,7 +51,7 @@ relayed by one of them at a time, and take over the shards of one that dies.
 
 A message that fails to publish is retried after a wait of -backoff-initial,
 multiplied by -backoff-multiplier at each retry, at most -backoff-max; after
--max-attempts failures it is dead-lettered (see eventline dlq). Kafka being
+-max-attempts failures it is dead-lettered (see eventline held). Kafka being
 unreachable never dead-letters: the relay waits.
 
 Relays need session-level connections (they LISTEN): connect them directly

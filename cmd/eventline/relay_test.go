@@ -113,7 +113,6 @@ func TestRelayMetricsWithoutConsumerTables(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	_, err := env.Pool.Exec(context.Background(), `DROP TABLE `+strings.Join([]string{
-		sqlident.Qualify(env.Schema, "consumer_dead_letters"), sqlident.Qualify(env.Schema, "late_events"),
 		sqlident.Qualify(env.Schema, "skipped_versions"), sqlident.Qualify(env.Schema, "parked_events"),
 		sqlident.Qualify(env.Schema, "aggregate_versions"), sqlident.Qualify(env.Schema, "processed_events"),
 	}, ", "))

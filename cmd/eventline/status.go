@@ -155,8 +155,8 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 	if err != nil {
 		return rep, err
 	}
-	if !st.LeaseTables {
-		rep.Warnings = append(rep.Warnings, "the relay lease tables are missing (migration 005_relay_leases is not applied): relays cannot run; run `eventline migrate up`")
+	if !st.RelayTables {
+		rep.Warnings = append(rep.Warnings, "the relay's tables are missing (relay_leases, held_events: migration 003_held_events is not applied): relays cannot run; run `eventline migrate up`")
 	}
 	o := st.Outbox
 	rep.Outbox = outboxReport{
@@ -235,7 +235,7 @@ func printStatus(w io.Writer, rep statusReport) error {
 	}
 	fmt.Fprintf(w, "Dead letters waiting: %d", o.DeadLetters)
 	if o.DeadLetters > 0 {
-		fmt.Fprint(w, " (eventline dlq list)")
+		fmt.Fprint(w, " (eventline held list -kind relay_dead_letter)")
 	}
 	fmt.Fprintf(w, "\nRetrying: %d\n", o.Retrying)
 	if o.Backlog > 0 && o.OwnedShards == 0 {

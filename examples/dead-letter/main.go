@@ -1,9 +1,9 @@
 // Command dead-letter follows a poison event through eventline: Kafka
-// refuses it for good, so the relay moves it to the outbox's dead-letter
-// table with the reason; the consumer parks the later versions of the same
-// account, because applying them would skip one; an operator fixes the
-// cause and replays the dead letter; the replay fills the gap and the parked
-// versions are applied, in order.
+// refuses it for good, so the relay holds it for the operator (held_events,
+// kind relay_dead_letter) with the reason; the consumer parks the later
+// versions of the same account, because applying them would skip one; an
+// operator fixes the cause and replays the dead letter; the replay fills
+// the gap and the parked versions are applied, in order.
 //
 // The poison: an account.limit_changed event carries the signed terms, about
 // 1 MB. The producer accepts it (its record is within
@@ -120,11 +120,8 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	// Names unique to the run (accounts-3fa2c1), so runs against a shared
 	// cluster never mix. The accounts topic admits records up to 256 KiB.
 	group := k.Group("ledger")
-	accountsTopic, dlq := k.Topic("accounts"), k.Topic("ledger"+consumer.DeadLetterTopicSuffix)
+	accountsTopic := k.Topic("accounts")
 	if err := k.CreateTopicsWithConfig(ctx, 2, map[string]string{"max.message.bytes": fmt.Sprint(topicLimit)}, accountsTopic); err != nil {
-		return err
-	}
-	if err := k.CreateTopics(ctx, 1, dlq); err != nil {
 		return err
 	}
 
@@ -206,14 +203,13 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return err
 	}
 	c, err := consumer.New(consumerDB, consumer.Config{
-		Brokers:         k.Brokers,
-		Group:           group,
-		Topics:          []string{accountsTopic},
-		Schema:          cfg.Schema,
-		DeadLetterTopic: dlq,
-		GapPolicy:       versioning.Park,
-		Logger:          log,
-		Metrics:         metrics,
+		Brokers:   k.Brokers,
+		Group:     group,
+		Topics:    []string{accountsTopic},
+		Schema:    cfg.Schema,
+		GapPolicy: versioning.Park,
+		Logger:    log,
+		Metrics:   metrics,
 	})
 	if err != nil {
 		return err
@@ -236,12 +232,13 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		}
 	}()
 
-	// 4. The relay gives up on the poison: it lands in the dead-letter
-	// table with the reason, and the shard goes on.
-	var dls []admin.DeadLetter
+	// 4. The relay gives up on the poison: it is held for the operator
+	// (held_events, kind relay_dead_letter) with the reason, and the shard
+	// goes on.
+	var dls []admin.HeldEvent
 	err = setup.WaitFor(ctx, time.Minute, "the poison event to be dead-lettered", func() (bool, error) {
 		var err error
-		dls, err = admin.ListDeadLetters(ctx, db, cfg.Schema, admin.DeadLetterFilter{})
+		dls, err = admin.ListHeld(ctx, db, cfg.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		return len(dls) > 0, err
 	})
 	if err != nil {
@@ -284,10 +281,11 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err := k.SetTopicConfig(accountsTopic, "max.message.bytes", fmt.Sprint(fixedTopicLimit)); err != nil {
 		return err
 	}
-	replayed, err := admin.ReplayDeadLetters(ctx, db, cfg.Schema, dead.ID)
+	res, err := admin.ReplayHeld(ctx, db, cfg.Schema, admin.HeldFilter{IDs: []int64{dead.ID}})
 	if err != nil {
 		return err
 	}
+	replayed := len(res.Enqueued)
 	fmt.Fprintf(stdout, "fix topic_max_message_bytes=%d replayed=%d\n", fixedTopicLimit, replayed)
 
 	// 7. Version 2 arrives, is applied, and releases 3 and 4 in the same

@@ -12,7 +12,6 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
@@ -67,13 +66,13 @@ func TestTopicLimitBelowTheRelaysDeadLettersOnlyTheTooLargeEvent(t *testing.T) {
 	cfg.ParkTimeout = 0 // nothing may be skipped
 	r.runConsumer(cfg)
 
-	var dls []admin.DeadLetter
+	var dls []admin.HeldEvent
 	require.Eventually(t, func() bool {
 		st, err := admin.ReadOutboxStatus(ctx, r.env.Pool, r.env.Schema)
 		require.NoError(t, err)
 		return st.Backlog() == 0
 	}, 2*time.Minute, 50*time.Millisecond, "the relay gets through the backlog")
-	dls, err := admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{})
+	dls, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 	require.NoError(t, err)
 	var deadIDs []string
 	for _, d := range dls {
@@ -108,15 +107,15 @@ func TestTopicLimitBelowTheRelaysDeadLettersOnlyTheTooLargeEvent(t *testing.T) {
 
 	// The operator raises the topic's limit and replays the dead letter.
 	require.NoError(t, r.cluster.SetTopicConfig(r.topic, "max.message.bytes", strconv.Itoa(producer.DefaultMaxMessageBytes+12)))
-	n, err := admin.ReplayDeadLetters(ctx, r.env.Pool, r.env.Schema, dls[0].ID)
+	res, err := admin.ReplayHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{IDs: []int64{dls[0].ID}})
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Len(t, res.Enqueued, 1)
 	r.waitRuns(group, len(published), "every event after the replay")
 	require.Equal(t, []int64{1, 2, 3}, versions(r.runs(group, "big")))
 	for _, a := range aggs {
 		require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25}, versions(r.runs(group, a)), "aggregate %s", a)
 	}
-	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(dedup.DeadLetterTable)), "consumer dead letters")
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind = 'dead_letter'`), "consumer dead letters")
 	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("parked_events")), "parked events")
 	require.True(t, slices.ContainsFunc(r.runs(group, "big"), func(x run) bool { return x.Version == 2 && !x.Late }), "big v2 applied in order, not late")
 }
@@ -234,7 +233,7 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 		r.publish(a, 2) // v4, v5: the topic is missing
 	}
 	require.Eventually(t, func() bool {
-		dls, err := admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{})
+		dls, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		require.NoError(t, err)
 		return len(dls) > 0
 	}, time.Minute, 20*time.Millisecond, "the relay gives up on an event for the missing topic")
@@ -248,22 +247,23 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 		require.NoError(t, err)
 		return st.Backlog() == 0
 	}, 2*time.Minute, 50*time.Millisecond, "the relay gets through the outbox once the topic exists again")
-	dls, err := admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{})
+	dls, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 	require.NoError(t, err)
 	for _, d := range dls {
 		require.Contains(t, d.Reason, "does not exist", "dead letter %s v%d", d.AggregateID, d.AggregateVersion)
 		require.Contains(t, []int64{4, 5}, d.AggregateVersion, "only events published while the topic was missing")
 	}
-	n, err := admin.ReplayDeadLetters(ctx, r.env.Pool, r.env.Schema)
+	res, err := admin.ReplayHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 	require.NoError(t, err)
-	require.Equal(t, len(dls), n)
+	require.Len(t, res.Enqueued, len(dls))
 	r.waitRuns(group, 9*len(aggs), "every event, the replayed ones included")
 	for _, a := range aggs {
 		require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7, 8, 9}, versions(r.runs(group, a)), "aggregate %s: each version applied once, in order", a)
 	}
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"parked_events", "skipped_versions"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "%s must be empty", table)
 	}
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind <> 'relay_dead_letter'`), "no consumer dead letter or late event held")
 	t.Logf("topic missing for %s: %d of %d events published meanwhile dead-lettered by the relay, replayed; every event applied once, in order",
 		recreated.Round(time.Millisecond), len(dls), 2*len(aggs))
 }

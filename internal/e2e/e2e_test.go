@@ -40,7 +40,6 @@ func newPipeline(t *testing.T, shards int) *pipeline {
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
 	group := kafkatest.Topic(t, "e2e") // unique: the broker may be shared
-	kafkatest.CreateTopic(t, brokers, group+consumer.DeadLetterTopicSuffix, 1)
 	prod, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
 	require.NoError(t, err)
 	applied := sqlident.Qualify(env.Schema, "applied")

@@ -21,7 +21,6 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -248,10 +247,10 @@ func (r *faultRig) describe(group string) string {
 		fmt.Fprintf(&b, "applied %s %v; ", agg, vs)
 	}
 	require.NoError(r.t, rows.Err())
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"held_events", "parked_events", "skipped_versions"} {
 		fmt.Fprintf(&b, "%s: %d; ", table, r.count(`SELECT count(*) FROM `+r.table(table)+` WHERE consumer_group = $1`, group))
 	}
-	rows, err = r.env.Pool.Query(context.Background(), `SELECT coalesce(string_agg(DISTINCT kind || ': ' || left(reason, 200), ' | '), '') FROM `+r.table(dedup.DeadLetterTable)+` WHERE consumer_group = $1`, group)
+	rows, err = r.env.Pool.Query(context.Background(), `SELECT coalesce(string_agg(DISTINCT kind || ' ' || cause || ': ' || left(reason, 200), ' | '), '') FROM `+r.table("held_events")+` WHERE consumer_group = $1`, group)
 	if err == nil {
 		var errs string
 		if rows.Next() && rows.Scan(&errs) == nil && errs != "" {
@@ -273,10 +272,10 @@ func (r *faultRig) describe(group string) string {
 //
 // Phase 2: an event whose Kafka produce failed for good lands in the
 // relay's dead letters; its successors arrive, park, and the park timeout
-// skips its version. Replayed then (the `eventline dlq replay` path, which
+// skips its version. Replayed then (the `eventline held replay` path, which
 // first names the groups that skipped it), it arrives late: the group with
 // the default late policy holds it for the operator (listed; applied late
-// once the operator asks, `eventline parked apply-late`), the group with
+// once the operator asks, `eventline held replay`), the group with
 // ApplyLate applies it at once with middleware.IsLate. Never dropped.
 func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	t.Parallel()
@@ -355,9 +354,10 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		}
 		require.Zero(t, metrictest.Sum(t, regs[g], "eventline_consumer_events_dead_lettered_total"), "group %s dead-lettered", g)
 	}
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"parked_events", "skipped_versions"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "phase 1: %s must be empty", table)
 	}
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind <> 'relay_dead_letter'`), "phase 1: no consumer dead letter or late event held")
 	for _, g := range groups {
 		require.True(t, sawWaiting[g], "group %s never reported that it waits for the database", g)
 		require.Eventually(t, func() bool { return metrictest.Sum(t, regs[g], "eventline_consumer_waiting_on_database") == 0 },
@@ -374,10 +374,10 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	// once it is dead-lettered.
 	require.NoError(t, r.cluster.SetTopicConfig(r.topic, "max.message.bytes", "16"))
 	v2 := r.publish("L", 1)[0]
-	var dls []admin.DeadLetter
+	var dls []admin.HeldEvent
 	require.Eventually(t, func() bool {
 		var err error
-		dls, err = admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{})
+		dls, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		require.NoError(t, err)
 		return len(dls) == 1
 	}, time.Minute, 20*time.Millisecond, "the relay dead-letters L v2")
@@ -394,46 +394,46 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		require.Len(t, sk, 1)
 		require.Equal(t, [2]int64{2, 2}, [2]int64{sk[0].From, sk[0].To}, "group %s", g)
 	}
-	// What `eventline dlq replay` warns about before it replays.
-	skippedBy, err := r.store.GroupsThatSkipped(ctx, r.env.Pool, "order", "L", 2)
+	// What `eventline held replay` warns about.
+	res, err := admin.ReplayHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{IDs: []int64{dls[0].ID}})
 	require.NoError(t, err)
+	require.Equal(t, []int64{dls[0].ID}, res.Enqueued)
+	require.Len(t, res.ArrivesLate, 1)
+	skippedBy := res.ArrivesLate[0].Groups
 	slices.Sort(skippedBy)
 	require.Equal(t, []string{apply, hold}, skippedBy)
-	n, err := admin.ReplayDeadLetters(ctx, r.env.Pool, r.env.Schema, dls[0].ID)
-	require.NoError(t, err)
-	require.Equal(t, 1, n)
 
 	// ApplyLate: applied at once, told it is late.
 	require.Eventually(t, func() bool { return len(r.runs(apply, "L")) == 4 }, time.Minute, 20*time.Millisecond, "group apply applies the replayed v2")
 	require.Equal(t, []run{{EventID: v2.ID, Version: 2, Late: true}}, r.runs(apply, "L")[3:], "group apply: v2 applied late")
 
 	// HoldLate (the default): held for the operator, listed, not applied…
-	var held []versioning.LateEvent
+	var held []admin.HeldEvent
 	require.Eventually(t, func() bool {
-		held, err = r.store.ListLate(ctx, r.env.Pool, versioning.LateFilter{Group: hold})
+		held, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: hold})
 		require.NoError(t, err)
 		return len(held) == 1
-	}, time.Minute, 20*time.Millisecond, "group hold holds the replayed v2 in late_events")
+	}, time.Minute, 20*time.Millisecond, "group hold holds the replayed v2 as late")
 	require.Equal(t, v2.ID, held[0].EventID)
-	require.Equal(t, versioning.LateArrived, held[0].Kind)
+	require.Equal(t, "arrived_late", held[0].Cause)
 	require.Equal(t, []int64{1, 3, 4}, versions(r.runs(hold, "L")), "group hold: a held event is not applied")
-	// …until the operator asks (`eventline parked apply-late hold <id>`).
-	n, err = r.store.RequestLateApply(ctx, r.env.Pool, hold, v2.ID)
+	// …until the operator asks (`eventline held replay <id>`).
+	res, err = admin.ReplayHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{IDs: []int64{held[0].ID}})
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Equal(t, []int64{held[0].ID}, res.Requested)
 	require.Eventually(t, func() bool { return len(r.runs(hold, "L")) == 4 }, time.Minute, 20*time.Millisecond, "group hold applies v2 on request")
 	require.Equal(t, []run{{EventID: v2.ID, Version: 2, Late: true}}, r.runs(hold, "L")[3:], "group hold: v2 applied late")
 	require.Eventually(t, func() bool {
-		held, err = r.store.ListLate(ctx, r.env.Pool, versioning.LateFilter{Group: hold})
+		held, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: hold})
 		require.NoError(t, err)
 		return len(held) == 0
-	}, time.Minute, 20*time.Millisecond, "an applied late event leaves late_events")
+	}, time.Minute, 20*time.Millisecond, "an applied late event is replayed, no longer open")
 
 	// Nothing dead-lettered by a consumer, nothing run twice, the relay's
 	// dead letter marked replayed.
-	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(dedup.DeadLetterTable)), "consumer dead letters")
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind = 'dead_letter'`), "consumer dead letters")
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT grp, event_id FROM `+r.applied+` GROUP BY 1, 2 HAVING count(*) > 1) d`), "an event ran twice")
-	all, err := admin.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, admin.DeadLetterFilter{IncludeReplayed: true})
+	all, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter, Statuses: []admin.HeldStatus{admin.StatusReplayed}})
 	require.NoError(t, err)
 	require.Len(t, all, 1)
 	require.NotNil(t, all[0].ReplayedAt)

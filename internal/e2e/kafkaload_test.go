@@ -15,7 +15,6 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -197,12 +196,14 @@ func (l *kafkaLoad) finish() {
 	}
 	l.stopRelay()
 
-	dls, err := admin.ListDeadLetters(ctx, l.env.Pool, l.env.Schema, admin.DeadLetterFilter{IncludeReplayed: true})
+	dls, err := admin.ListHeld(ctx, l.env.Pool, l.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter,
+		Statuses: []admin.HeldStatus{admin.StatusHeld, admin.StatusReplayed, admin.StatusDiscarded}})
 	require.NoError(l.t, err)
 	require.Empty(l.t, dls, "the relay dead-lettered events")
-	for _, table := range []string{dedup.DeadLetterTable, "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"parked_events", "skipped_versions"} {
 		require.Zero(l.t, l.count(`SELECT count(*) FROM `+l.table(table)), "%s must be empty", table)
 	}
+	require.Zero(l.t, l.count(`SELECT count(*) FROM `+l.table("held_events")+` WHERE kind <> 'relay_dead_letter'`), "no consumer dead letter or late event held")
 	for _, g := range l.groups {
 		l.requireAppliedOnceInOrder(l.seed, g.effects)
 		require.Zero(l.t, metrictest.Sum(l.t, g.reg, "eventline_consumer_events_dead_lettered_total"), "group %s", g.name)

@@ -238,7 +238,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	require.Equal(t, outboxEvents, len(ids), "seed %d: every outbox event applied", seed)
 
 	r.requireAppliedOnceInOrder(seed, effects)
-	for _, table := range []string{"dead_letters", "relay_failures", "consumer_dead_letters", "skipped_versions", "parked_events", "late_events"} {
+	for _, table := range []string{"held_events", "relay_failures", "skipped_versions", "parked_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "seed %d: rows in %s", seed, table)
 	}
 

@@ -89,17 +89,18 @@ func ShardCount(ctx context.Context, db RowQuerier, schema string) (int, error) 
 	return shards, nil
 }
 
-// CheckLeaseTables returns an error wrapping ErrNotMigrated when the relay
-// lease tables (migration 005) are missing.
-func CheckLeaseTables(ctx context.Context, db RowQuerier, schema string) error {
+// CheckRelayTables returns an error wrapping ErrNotMigrated when a table
+// the relay writes besides the outbox is missing: its leases
+// (001_outbox) or held_events, where its dead letters go (003_held_events).
+func CheckRelayTables(ctx context.Context, db RowQuerier, schema string) error {
 	var ok bool
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`,
-		sqlident.Qualify(schema, "relay_leases"), sqlident.Qualify(schema, "relay_members")).Scan(&ok)
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL`,
+		sqlident.Qualify(schema, "relay_leases"), sqlident.Qualify(schema, "relay_members"), sqlident.Qualify(schema, "held_events")).Scan(&ok)
 	if err != nil {
-		return fmt.Errorf("look for the relay lease tables: %w", err)
+		return fmt.Errorf("look for the relay's tables: %w", err)
 	}
 	if !ok {
-		return fmt.Errorf("%w: schema %q has no relay_leases table (migration 005_relay_leases); run `eventline migrate up` or migrations.Up first", ErrNotMigrated, schema)
+		return fmt.Errorf("%w: schema %q lacks the relay's tables (relay_leases, held_events); run `eventline migrate up` or migrations.Up first", ErrNotMigrated, schema)
 	}
 	return nil
 }

@@ -99,10 +99,6 @@ type Config struct {
 	// SaramaConfig is the Kafka client configuration. Defaults to one with
 	// eventline's protocol version and client id "eventline-verify".
 	SaramaConfig *sarama.Config
-	// DeadLetterTopics names each group's consumer dead-letter topic.
-	// Defaults to the group's name followed by ".dlq" (the consumer's
-	// default), when that topic exists.
-	DeadLetterTopics map[string]string
 	// MaxPendingAge: see DefaultMaxPendingAge.
 	MaxPendingAge time.Duration
 	// MaxParkedAge: see DefaultMaxParkedAge.
@@ -208,11 +204,6 @@ func (c Config) validate() error {
 	for g, q := range c.EffectsQueries {
 		if g == "" || strings.TrimSpace(trimQuery(q)) == "" {
 			return fmt.Errorf("verify.Config.EffectsQueries: group %q needs a name and a SELECT", g)
-		}
-	}
-	for g, t := range c.DeadLetterTopics {
-		if err := eventline.ValidateTopic(t); err != nil {
-			return fmt.Errorf("verify.Config.DeadLetterTopics[%q]: %w", g, err)
 		}
 	}
 	if len(c.Brokers) > 0 {
