@@ -1,9 +1,10 @@
 # eventline: run `make help` for the targets.
-GO      ?= go
-TIMEOUT ?= 30m
+GO         ?= go
+TIMEOUT    ?= 30m
+KAFKA_PORT ?= 9092
 
 .DEFAULT_GOAL := help
-.PHONY: help test demo bench bench-quick lint postgres
+.PHONY: help test test-kafka kafka demo bench bench-quick lint postgres
 
 help: ## Show the targets.
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -13,6 +14,16 @@ postgres: ## Start (and on a fresh Debian machine, install) the local PostgreSQL
 
 test: postgres ## Run every test with -race against PostgreSQL and in-process Kafka (kfake).
 	$(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
+
+# The broker runner (internal/kafkabroker), built into the git-ignored cache
+# and exec'd, so that Ctrl-C reaches it directly and stops it cleanly.
+KAFKA_BROKER = $(GO) build -o .cache/kafka-broker ./internal/kafkabroker/cmd/kafka-broker && exec .cache/kafka-broker
+
+test-kafka: postgres ## Run the Kafka-facing tests against Apache Kafka 4.4 (Java 17+, Maven; about 8 minutes here).
+	$(KAFKA_BROKER) -port 0 -- ./.ci/test-kafka
+
+kafka: ## Run Apache Kafka 4.4 in the foreground on 127.0.0.1:9092 (KAFKA_PORT=n to change, 0 for a free port); Ctrl-C stops it.
+	$(KAFKA_BROKER) -port $(KAFKA_PORT)
 
 demo: postgres ## Run the end-to-end orders demo (in-process Kafka unless KAFKA_BROKERS is set).
 	$(GO) run ./examples/orders

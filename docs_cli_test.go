@@ -34,7 +34,7 @@ func TestDocumentedCommandsAndFlagsExist(t *testing.T) {
 		for _, span := range []string{
 			"eventline relay -no-such-flag",
 			"eventline no-such-command",
-			"eventline dlq no-such-subcommand",
+			"eventline held no-such-subcommand",
 			"eventline migrate up\\|sideways",
 			"go run ./cmd/eventline kafka-dev -topic orders",
 			"eventline relay rebase-positions -force",

@@ -34,7 +34,9 @@ func TestDesignDefaultsMatchTheCode(t *testing.T) {
 		"producer.DefaultRebalanceInterval":                human(producer.DefaultRebalanceInterval),
 		"producer.TakeoverBound(DefaultRebalanceInterval)": human(producer.TakeoverBound(producer.DefaultRebalanceInterval)),
 		"producer.DefaultMaxAttempts":                      fmt.Sprint(producer.DefaultMaxAttempts),
-		"producer.DefaultBackoff":                          humans(producer.DefaultBackoff),
+		"producer.DefaultBackoffInitial":                   human(producer.DefaultBackoffInitial),
+		"producer.DefaultBackoffMultiplier":                fmt.Sprint(producer.DefaultBackoffMultiplier),
+		"producer.DefaultBackoffMax":                       human(producer.DefaultBackoffMax),
 		"producer.DefaultRetentionWindow":                  human(producer.DefaultRetentionWindow),
 		"producer.DefaultCleanupInterval":                  human(producer.DefaultCleanupInterval),
 		"producer.DefaultCleanupBatchSize":                 fmt.Sprint(producer.DefaultCleanupBatchSize),
@@ -130,14 +132,6 @@ func human(d time.Duration) string {
 	default:
 		return fmt.Sprintf("%d ms", d/time.Millisecond)
 	}
-}
-
-func humans(ds []time.Duration) string {
-	s := make([]string, len(ds))
-	for i, d := range ds {
-		s[i] = human(d)
-	}
-	return strings.Join(s, ", ")
 }
 
 func bytes(n int) string {

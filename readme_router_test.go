@@ -53,7 +53,7 @@ func TestReadmeOwnRouterLetsOtherEventTypesPass(t *testing.T) {
 	go func() { done <- readmeOwnRouter(runCtx, pool, brokers) }()
 	settled := func() int {
 		return pgtest.Count(t, pool, `SELECT (SELECT count(*) FROM eventline.processed_events WHERE consumer_group = 'billing')
-			+ (SELECT count(*) FROM eventline.consumer_dead_letters)`)
+			+ (SELECT count(*) FROM eventline.held_events WHERE kind = 'dead_letter')`)
 	}
 	require.Eventually(t, func() bool { return settled() >= 2 }, 45*time.Second, 50*time.Millisecond,
 		"both events applied or dead-lettered")
@@ -61,7 +61,7 @@ func TestReadmeOwnRouterLetsOtherEventTypesPass(t *testing.T) {
 	require.NoError(t, <-done)
 
 	var reasons []string
-	rows, err := pool.Query(ctx, `SELECT event_type || ': ' || reason FROM eventline.consumer_dead_letters`)
+	rows, err := pool.Query(ctx, `SELECT event_type || ': ' || reason FROM eventline.held_events WHERE kind = 'dead_letter'`)
 	require.NoError(t, err)
 	for rows.Next() {
 		var r string

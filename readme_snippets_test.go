@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
@@ -55,6 +56,27 @@ func readmePublish(ctx context.Context, pool *pgxpool.Pool, id string, amount in
 	return err
 }
 
+func readmePublishAndCommit(ctx context.Context, pool *pgxpool.Pool, prod *producer.Producer, id string, amount int64) error {
+	_, err := prod.PublishAndCommit(ctx, pool, func(tx pgx.Tx) ([]eventline.Event, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO orders (id, amount_cents) VALUES ($1, $2)`, id, amount); err != nil {
+			return nil, err // rolled back
+		}
+		e, err := eventline.NewJSONEvent("order.created", "order", id, OrderCreated{ID: id, AmountCents: amount})
+		return []eventline.Event{e}, err // written, then committed with the order
+	})
+	return err
+}
+
+func readmeProducerPool(ctx context.Context, databaseURL string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(databaseURL)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = 32
+	cfg.MinConns = 32 // opened at start and kept: a new connection is a handshake and statements prepared and planned anew
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
 func readmePublishReturning(ctx context.Context, tx pgx.Tx, prod *producer.Producer, created, paid eventline.Event) error {
 	written, err := prod.PublishTxReturning(ctx, tx, created, paid)
 	if err != nil {
@@ -67,7 +89,7 @@ func readmePublishReturning(ctx context.Context, tx pgx.Tx, prod *producer.Produ
 }
 
 func readmeRelayPool(ctx context.Context, pool *pgxpool.Pool, databaseURL string) (*pgxpool.Pool, error) {
-	shards, err := producer.ReadShardCount(ctx, pool, "eventline") // the schema's shard count; pool: any pool or connection to the database
+	shards, err := admin.ReadShardCount(ctx, pool, "eventline") // the schema's shard count; pool: any pool or connection to the database
 	if err != nil {
 		return nil, err
 	}

@@ -32,10 +32,6 @@ const (
 	MaxBatchSize = 1000
 	// MaxBatchLinger bounds BatchLinger.
 	MaxBatchLinger = time.Second
-	// DeadLetterTopicSuffix, appended to the group, is the conventional
-	// name of a dead-letter topic (Config.DeadLetterTopic is empty unless
-	// you set it).
-	DeadLetterTopicSuffix = ".dlq"
 )
 
 // Config configures a Consumer. Only Group and Topics are required.
@@ -51,10 +47,8 @@ const (
 //	cfg := consumer.Config{Topics: []string{"orders"}, Lanes: 4}
 //	cfg.Group, cfg.MaxRetries = "billing", 3
 //
-// In the consumer, Group is also the Kafka consumer group, and
-// DeadLetterTopic (set it, leave DeadLetterPublisher nil) is published to
-// through the consumer's Kafka brokers. Its errors name the field as
-// consumer.Config.<Field>, the embedded ones too.
+// In the consumer, Group is also the Kafka consumer group. Its errors name
+// the field as consumer.Config.<Field>, the embedded ones too.
 type Config struct {
 	middleware.Config
 	// Brokers are the Kafka brokers, host:port. Defaults to the
@@ -139,9 +133,6 @@ func (c Config) validateRunner() error {
 			return fmt.Errorf("consumer.Config.Topics lists %q twice", t)
 		}
 		seen[t] = true
-	}
-	if seen[c.DeadLetterTopic] {
-		return fmt.Errorf("consumer.Config.DeadLetterTopic %q is also in Topics: dead letters would be consumed again", c.DeadLetterTopic)
 	}
 	switch {
 	case c.Lanes < 0 || c.Lanes > MaxLanes:

@@ -22,7 +22,7 @@ import (
 // event's effects through it, and they commit together with the dedup
 // record and the version advance, before the Kafka offset moves. Returning
 // an error rolls everything back; the event is retried and finally
-// dead-lettered (to consumer_dead_letters), unless the error says the
+// dead-lettered (held in held_events), unless the error says the
 // database is unavailable (middleware.IsInfrastructure): then the event
 // waits for it and is never dead-lettered. Wrap an error with
 // middleware.Permanent to dead-letter at once. Do not commit or roll back
@@ -84,9 +84,6 @@ type Consumer struct {
 	// infra is the database-wait schedule, also the consumer's wait for
 	// Kafka when it starts.
 	infra eventline.Backoff
-	// dlq copies dead letters to Config.DeadLetterTopic once Run has
-	// connected it; nil without one.
-	dlq *lazyPublisher
 }
 
 // New returns a consumer that writes through db (a *pgxpool.Pool; keep it
@@ -112,11 +109,6 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 	// Outermost first, inside the retries: a context that outlives the
 	// subscriber's (detach), the event-type check, the user's own.
 	mcfg.Middleware = append([]message.HandlerMiddleware{c.detach, c.knownType}, cfg.Middleware...)
-	if cfg.DeadLetterTopic != "" && cfg.DeadLetterPublisher == nil {
-		// The Kafka publisher is connected by Run, once Kafka answers.
-		c.dlq = &lazyPublisher{}
-		mcfg.DeadLetterPublisher = c.dlq
-	}
 	el, err := middleware.New(db, mcfg)
 	if err != nil {
 		return nil, configerr.Rename(err, "consumer.Config")

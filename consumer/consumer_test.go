@@ -113,19 +113,19 @@ func TestBadInputIsDeadLetteredAndThePartitionMoves(t *testing.T) {
 	publish(t, k.brokers, k.topic, msgs...)
 
 	r := start(t, c)
-	dead := deadLetters(t, k, len(bad))
+	dead := deadLetters(t, k, group, len(bad))
 	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 3 }, "good messages after the bad ones are applied")
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{first, second, third})
 	require.EqualValues(t, 60, amounts.Load())
 
 	reasons := map[string]string{}
-	for _, m := range dead {
-		require.Equal(t, dedup.KindPermanent, header(m, middleware.DeadLetterKindKey), "bad input is not retried")
-		require.Equal(t, group, header(m, middleware.DeadLetterGroupKey))
-		require.Equal(t, k.topic, header(m, middleware.DeadLetterTopicKey))
-		require.NotEmpty(t, header(m, middleware.DeadLetterAtKey))
-		reasons[header(m, "_watermill_message_uuid")] = header(m, middleware.DeadLetterReasonKey)
+	for _, d := range dead {
+		require.Equal(t, dedup.KindPermanent, d.Cause, "bad input is not retried")
+		require.Equal(t, group, d.Group)
+		require.Equal(t, k.topic, d.Topic)
+		require.False(t, d.HeldAt.IsZero())
+		reasons[d.MessageUUID] = d.Reason
 	}
 	require.Contains(t, reasons["no-id"], "event_id")
 	require.Contains(t, reasons["nan"], "aggregate_version")
@@ -181,11 +181,11 @@ func TestExhaustedRetriesAreDeadLetteredWithNothingRecorded(t *testing.T) {
 	poison, after := consumertest.Event("poison", 1), consumertest.Event("fine", 1)
 	publish(t, k.brokers, k.topic, consumertest.Message(t, poison), consumertest.Message(t, after))
 	r := start(t, c)
-	dead := deadLetters(t, k, 1)
+	dead := deadLetters(t, k, group, 1)
 	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "the next message is applied")
 	require.NoError(t, r.stop())
-	require.Equal(t, dedup.KindRetriesExhausted, header(dead[0], middleware.DeadLetterKindKey))
-	require.Contains(t, header(dead[0], middleware.DeadLetterReasonKey), "smtp down")
+	require.Equal(t, dedup.KindRetriesExhausted, dead[0].Cause)
+	require.Contains(t, dead[0].Reason, "smtp down")
 	require.EqualValues(t, 3, attempts.Load(), "1 attempt + MaxRetries (2)")
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{after})
 	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+` WHERE event_id = $1`, poison.ID))
@@ -241,7 +241,6 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{func(c *consumer.Config) { c.Topics = []string{"bad topic"} }, "consumer.Config.Topics"},
 		{func(c *consumer.Config) { c.Brokers = []string{"nohost"} }, "consumer.Config.Brokers"},
 		{func(c *consumer.Config) { c.Schema = "x;drop" }, "consumer.Config.Schema"},
-		{func(c *consumer.Config) { c.DeadLetterTopic = "t" }, "consumer.Config.DeadLetterTopic"},
 		{func(c *consumer.Config) { c.GapPolicy = "maybe" }, "GapPolicy"},
 		{func(c *consumer.Config) { c.Retry.Multiplier = 0.5 }, "consumer.Config.Retry.Multiplier"},
 		{func(c *consumer.Config) { c.ParkTimeout = -time.Second }, "ParkTimeout"},

@@ -34,7 +34,6 @@ const (
 	crashBrokersEnv = "EVENTLINE_CRASH_BROKERS"
 	crashSchemaEnv  = "EVENTLINE_CRASH_SCHEMA"
 	crashTopicEnv   = "EVENTLINE_CRASH_TOPIC"
-	crashDLQEnv     = "EVENTLINE_CRASH_DLQ"
 	crashAfterEnv   = "EVENTLINE_CRASH_AFTER"
 	crashBatchedEnv = "EVENTLINE_CRASH_BATCHED"
 	crashGroup      = "crashy"
@@ -93,7 +92,6 @@ func testCrashAfterCommit(t *testing.T, tc crashCase) {
 		crashBrokersEnv+"="+strings.Join(k.brokers, ","),
 		crashSchemaEnv+"="+k.Schema,
 		crashTopicEnv+"="+k.topic,
-		crashDLQEnv+"="+k.dlq,
 		crashAfterEnv+"="+strconv.Itoa(tc.crashAfter),
 		crashBatchedEnv+"="+strconv.FormatBool(tc.batched),
 	)
@@ -190,11 +188,10 @@ func TestCrashChild(t *testing.T) {
 	}
 	cfg := consumer.Config{
 		Config: middleware.Config{
-			Group:           crashGroup,
-			DeadLetterTopic: os.Getenv(crashDLQEnv),
-			Schema:          env.Schema,
-			Middleware:      []message.HandlerMiddleware{crash},
-			Logger:          quietLogger(),
+			Group:      crashGroup,
+			Schema:     env.Schema,
+			Middleware: []message.HandlerMiddleware{crash},
+			Logger:     quietLogger(),
 		},
 		Brokers:      kafkaconf.ParseBrokers(os.Getenv(crashBrokersEnv)),
 		Topics:       []string{os.Getenv(crashTopicEnv)},

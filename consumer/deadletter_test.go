@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
@@ -29,7 +30,6 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -64,8 +64,8 @@ func publishBig(t *testing.T, brokers []string, topic string, msgs ...*message.M
 // dead-letter producer accepts (a 1 MiB event id, a 5 MiB payload, an
 // unknown-type record of 1,048,476 bytes) used to be nacked and
 // redelivered forever, stalling their partition. Now they are kept whole
-// in consumer_dead_letters; the copy to the dead-letter topic fails, is
-// logged and counted; and the records behind them are applied.
+// in held_events (there is no Kafka copy to refuse them), and the records
+// behind them are applied.
 func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
@@ -101,24 +101,23 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 		consumertest.Message(t, a2), consumertest.Message(t, b1)}
 	publishBig(t, k.brokers, topic, msgs...)
 
-	st, err := store.New(k.Schema)
-	require.NoError(t, err)
-	var dls []store.DeadLetter
+	var dls []admin.HeldEvent
 	r := start(t, c)
 	// Lanes apply the records of other aggregates while the oversize ones
 	// are dead-lettered: wait for both.
 	eventually(t, 60*time.Second, func() bool {
-		dls, err = st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
+		dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group})
 		require.NoError(t, err)
 		return len(k.Effects(t, group)) == 3 && len(dls) == 3
 	}, "the oversize records are dead-lettered and the records behind them applied")
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{a1, a2, b1})
 	// Lanes and batches dead-letter concurrently: rows come in any order.
-	slices.SortFunc(dls, func(a, b store.DeadLetter) int { return cmp.Compare(a.Offset, b.Offset) })
+	slices.SortFunc(dls, func(a, b admin.HeldEvent) int { return cmp.Compare(a.Offset, b.Offset) })
 	for i, want := range msgs[1:4] {
 		d := dls[i]
-		require.Equal(t, dedup.KindPermanent, d.Kind)
+		require.Equal(t, admin.HeldDeadLetter, d.Kind)
+		require.Equal(t, dedup.KindPermanent, d.Cause)
 		require.Equal(t, want.UUID, d.MessageUUID)
 		require.True(t, bytes.Equal(want.Payload, d.Payload), "payload kept byte for byte")
 		require.Equal(t, map[string]string(want.Metadata), d.Metadata, "headers kept byte for byte")
@@ -131,8 +130,6 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 	require.Contains(t, dls[1].Reason, "too large")
 	require.Contains(t, dls[2].Reason, "thing.unheard_of")
 	require.Equal(t, 3.0, metrictest.Sum(t, reg, "eventline_consumer_events_dead_lettered_total"))
-	require.Equal(t, 3.0, metrictest.Sum(t, reg, "eventline_consumer_dead_letter_publish_failures_total"),
-		"none of the three fits the dead-letter topic; the table has them")
 }
 
 // Dead letters are replayed on request by a running consumer of the group,
@@ -167,11 +164,9 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	y1, y2, y3 := consumertest.Event("y", 1), renamed("y", 2), renamed("y", 3)
 	publish(t, k.brokers, k.topic, messages(t, []eventline.Event{x1, x2, x3, y1, y2, y3})...)
 	r := start(t, first)
-	st, err := store.New(k.Schema)
-	require.NoError(t, err)
-	var dls []store.DeadLetter
+	var dls []admin.HeldEvent
 	eventually(t, 60*time.Second, func() bool {
-		dls, err = st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
+		dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group})
 		require.NoError(t, err)
 		return len(dls) == 3 && len(k.Effects(t, group)) == 2
 	}, "x2 (retries exhausted) and y2, y3 (unknown type) dead-lettered; x1, y1 applied")
@@ -179,11 +174,11 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	// Different aggregates' lanes, and a batch's members rejected before
 	// its transaction, dead-letter concurrently: rows come in any order
 	// (replay orders them by aggregate and version).
-	slices.SortFunc(dls, func(a, b store.DeadLetter) int {
+	slices.SortFunc(dls, func(a, b admin.HeldEvent) int {
 		return cmp.Or(cmp.Compare(a.AggregateID, b.AggregateID), cmp.Compare(a.AggregateVersion, b.AggregateVersion))
 	})
 	require.Equal(t, []string{x2.ID, y2.ID, y3.ID}, []string{dls[0].EventID, dls[1].EventID, dls[2].EventID})
-	require.Equal(t, dedup.KindRetriesExhausted, dls[0].Kind)
+	require.Equal(t, dedup.KindRetriesExhausted, dls[0].Cause)
 	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")), "x3 waits for x2")
 
 	// The fix is deployed: the tax service accepts x2, and a new version of
@@ -194,25 +189,25 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	require.NoError(t, second.Handle("thing.changed", handler))
 	require.NoError(t, second.Handle("thing.renamed", handler))
 	r = start(t, second)
-	// Asked to replay y3 alone, the consumer refuses: y2 is still dead.
-	_, err = st.RequestReplay(context.Background(), k.Pool, store.DeadLetterFilter{IDs: []int64{dls[2].ID}})
+	// Asked to replay y3 alone, the consumer refuses: y2 is still held.
+	_, err = admin.ReplayHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool {
-		held, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{IDs: []int64{dls[2].ID}})
+		held, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
 		require.NoError(t, err)
-		return len(held) == 1 && held[0].Status == store.StatusDead && held[0].ReplayAttempts == 1
+		return len(held) == 1 && held[0].Status == admin.StatusHeld && held[0].Attempts == 1
 	}, "y3 is held back behind y2")
-	held, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{IDs: []int64{dls[2].ID}})
+	held, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
 	require.NoError(t, err)
-	require.Contains(t, held[0].LastReplayError, "of the same aggregate is still dead")
-	// `eventline consumer-dlq replay -group replay -all`.
-	_, err = st.RequestReplay(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
+	require.Contains(t, held[0].LastError, "of the same aggregate is still held")
+	// `eventline held replay -group replay -all`.
+	_, err = admin.ReplayHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group})
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == 6 }, "the replays fill the gaps")
 	require.NoError(t, r.stop())
 
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{x1, x2, x3, y1, y2, y3})
-	dls, err = st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group, Statuses: []store.DeadLetterStatus{store.StatusReplayed}})
+	dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group, Statuses: []admin.HeldStatus{admin.StatusReplayed}})
 	require.NoError(t, err)
 	require.Len(t, dls, 3)
 	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")))
@@ -249,12 +244,10 @@ func TestConsumerRetriesOnTheDocumentedSchedule(t *testing.T) {
 	}))
 	publish(t, k.brokers, k.topic, consumertest.Message(t, consumertest.Event("a", 1)))
 	r := start(t, c)
-	st, err := store.New(k.Schema)
-	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool {
-		n, err := st.CountDeadLetters(context.Background(), k.Pool, group)
+		n, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Kind: admin.HeldDeadLetter, Group: group})
 		require.NoError(t, err)
-		return n == 1
+		return len(n) == 1
 	}, "dead-lettered after the last retry")
 	require.NoError(t, r.stop())
 	require.EqualValues(t, 5, attempts.Load(), "1 attempt + MaxRetries")

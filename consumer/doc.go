@@ -21,7 +21,7 @@
 //     after Config.ParkTimeout, until the sweeper gives up on them and
 //     records the gap in skipped_versions), stale ones are discarded, and
 //     late ones (their version was given up on before they arrived) are
-//     held for the operator (`eventline parked late`) or, under
+//     held for the operator (`eventline held list -kind late`) or, under
 //     Config.LatePolicy ApplyLate, applied marked late. An event that
 //     would park must pass its handler's checks first (HandleJSON: the
 //     payload decodes; WithValidate), else it is dead-lettered at once.
@@ -45,12 +45,12 @@
 //     one line its end; eventline_consumer_waiting_on_database is above 0
 //     meanwhile.
 //   - Dead letters are kept whole in the consumer's own database
-//     (consumer_dead_letters), next to the dedup records: no size limit and
-//     no broker that can refuse them, so no record can stall its partition
-//     by failing. `eventline consumer-dlq list|replay|discard` inspects
+//     (held_events, kind dead_letter), next to the dedup records: no size
+//     limit and no broker that can refuse them, so no record can stall its
+//     partition by failing. `eventline held list|replay|discard` inspects
 //     them, asks the running consumer to replay them (per aggregate, in
 //     version order, through the handler they arrived on), or gives up on
-//     them. Config.DeadLetterTopic adds a best-effort copy on Kafka.
+//     them.
 //   - Graceful shutdown: when Run's context ends, events in flight finish
 //     (or, after Config.ShutdownTimeout, roll back), offsets of finished
 //     events are committed, and Run returns with no goroutine or connection

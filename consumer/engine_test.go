@@ -200,7 +200,7 @@ func TestBatchAppliesInOneTransaction(t *testing.T) {
 // TestFailureInBatchCostsOnlyItself puts a failing and a panicking event
 // in the middle of batches: the events before each commit together, the
 // failing one follows its own retries (exactly 1 + MaxRetries attempts)
-// to the dead-letter topic, the panicking one is applied on its retry,
+// to its dead letter, the panicking one is applied on its retry,
 // and the events after each commit together in a later batch: [0 1 2]
 // together, 3 dead-lettered, [4] (before the panic), 5 on its retry, [6 7].
 func TestFailureInBatchCostsOnlyItself(t *testing.T) {
@@ -229,13 +229,13 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 	}))
 	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
 	r := start(t, c)
-	dead := deadLetters(t, k, 1)
+	dead := deadLetters(t, k, group, 1)
 	eventually(t, 40*time.Second, func() bool { return len(k.Effects(t, group)) == 7 }, "every other event applied")
 	require.NoError(t, r.stop())
 
-	require.Equal(t, poison.ID, header(dead[0], "_watermill_message_uuid"))
-	require.Equal(t, dedup.KindRetriesExhausted, header(dead[0], middleware.DeadLetterKindKey))
-	require.Contains(t, header(dead[0], middleware.DeadLetterReasonKey), "smtp down")
+	require.Equal(t, poison.ID, dead[0].MessageUUID)
+	require.Equal(t, dedup.KindRetriesExhausted, dead[0].Cause)
+	require.Contains(t, dead[0].Reason, "smtp down")
 	require.EqualValues(t, 3, poisonAttempts.Load(), "the attempt in the batch counts: 1 attempt + MaxRetries (2)")
 	require.EqualValues(t, 2, flakyAttempts.Load(), "the panic in the batch, then one retry")
 	var applied []eventline.Event

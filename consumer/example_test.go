@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -16,8 +15,8 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/internal/devkafka"
 	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -34,7 +33,7 @@ func Example() {
 	ctx := context.Background()
 	pool, schema, cleanup := exampleEnv(ctx)
 	defer cleanup()
-	brokers, stopKafka := exampleKafka("orders", "billing.dlq")
+	brokers, stopKafka := exampleKafka("orders")
 	defer stopKafka()
 	ledger := sqlident.Qualify(schema, "ledger")
 	if _, err := pool.Exec(ctx, `CREATE TABLE `+ledger+` (seq serial, line text)`); err != nil {
@@ -113,25 +112,15 @@ func exampleEnv(ctx context.Context) (*pgxpool.Pool, string, func()) {
 	}
 }
 
+// exampleKafka starts an in-process Kafka (kfake, reached over TCP) with
+// the given topics (1 partition each). In-process even in real-broker
+// mode: the examples' topic names are fixed, as in a user's code.
 func exampleKafka(topics ...string) ([]string, func()) {
-	cluster, err := devkafka.Start(0)
+	c, err := kafkatest.New(context.Background(), kafkatest.Config{InProcess: true, Partitions: 1, Topics: topics})
 	if err != nil {
 		panic(err)
 	}
-	brokers := cluster.ListenAddrs()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(brokers, cfg)
-	if err != nil {
-		panic(err)
-	}
-	defer admin.Close()
-	for _, t := range topics {
-		if err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
-			panic(err)
-		}
-	}
-	return brokers, cluster.Close
+	return c.Brokers, c.Close
 }
 
 func publishEvents(brokers []string, topic string, events ...eventline.Event) {

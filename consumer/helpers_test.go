@@ -19,6 +19,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
@@ -41,8 +42,8 @@ func TestMain(m *testing.M) {
 // kenv is one test's database schema, Kafka cluster and topics.
 type kenv struct {
 	consumertest.Env
-	brokers    []string
-	topic, dlq string
+	brokers []string
+	topic   string
 }
 
 func newKenv(t *testing.T, partitions int32) kenv {
@@ -51,10 +52,8 @@ func newKenv(t *testing.T, partitions int32) kenv {
 		Env:     consumertest.New(t, pgtest.Options{MaxConns: 6}),
 		brokers: kafkatest.Brokers(t),
 		topic:   kafkatest.Topic(t, "events"),
-		dlq:     kafkatest.Topic(t, "dlq"),
 	}
 	kafkatest.CreateTopic(t, k.brokers, k.topic, partitions)
-	kafkatest.CreateTopic(t, k.brokers, k.dlq, 1)
 	return k
 }
 
@@ -63,13 +62,12 @@ func newKenv(t *testing.T, partitions int32) kenv {
 func (k kenv) config(group string) consumer.Config {
 	return consumer.Config{
 		Config: middleware.Config{
-			Group:           group,
-			Schema:          k.Schema,
-			DeadLetterTopic: k.dlq,
-			MaxRetries:      2,
-			SweepInterval:   50 * time.Millisecond,
-			Logger:          quietLogger(),
-			Retry:           eventline.Backoff{Initial: 5 * time.Millisecond, Max: 20 * time.Millisecond},
+			Group:         group,
+			Schema:        k.Schema,
+			MaxRetries:    2,
+			SweepInterval: 50 * time.Millisecond,
+			Logger:        quietLogger(),
+			Retry:         eventline.Backoff{Initial: 5 * time.Millisecond, Max: 20 * time.Millisecond},
 		},
 		Brokers:         k.brokers,
 		Topics:          []string{k.topic},
@@ -161,25 +159,19 @@ func eventually(t *testing.T, timeout time.Duration, cond func() bool, format st
 	}
 }
 
-// deadLetters reads n records from the dead-letter topic.
-func deadLetters(t *testing.T, k kenv, n int) []*sarama.ConsumerMessage {
+// deadLetters waits for the group's n dead letters (held events of kind
+// dead_letter) and returns them, as they were held.
+func deadLetters(t *testing.T, k kenv, group string, n int) []admin.HeldEvent {
 	t.Helper()
-	var out []*sarama.ConsumerMessage
-	kafkatest.Consume(t, k.brokers, k.dlq, 60*time.Second, func(m *sarama.ConsumerMessage) bool {
-		out = append(out, m)
+	var out []admin.HeldEvent
+	eventually(t, 60*time.Second, func() bool {
+		var err error
+		out, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Kind: admin.HeldDeadLetter, Group: group})
+		require.NoError(t, err)
 		return len(out) >= n
-	})
+	}, "%d dead letters", n)
 	require.Len(t, out, n, "dead letters")
 	return out
-}
-
-func header(m *sarama.ConsumerMessage, key string) string {
-	for _, h := range m.Headers {
-		if string(h.Key) == key {
-			return string(h.Value)
-		}
-	}
-	return ""
 }
 
 // appliedOnce checks that every event in want was applied exactly once and

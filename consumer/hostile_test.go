@@ -22,6 +22,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
@@ -29,7 +30,6 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
 )
@@ -382,10 +382,12 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 	staleID := stale.message(t).Metadata.Get(eventline.MetaEventID)
 	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
 		` WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleID), "the stale liar is recorded as discarded")
-	for _, table := range []string{"parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"parked_events", "skipped_versions"} {
 		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")+` WHERE consumer_group = $1 AND kind = 'late'`, group),
+		"no late event held")
 }
 
 // A record that carries a genuine event's id for another aggregate, right
@@ -442,9 +444,7 @@ type hostile struct {
 // event's fault, with the record's bytes kept exactly.
 func checkDeadLetters(t *testing.T, k kenv, group string, want map[int64]hostile) {
 	t.Helper()
-	st, err := store.New(k.Schema)
-	require.NoError(t, err)
-	dead, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group, Limit: 100_000})
+	dead, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Kind: admin.HeldDeadLetter, Group: group, Limit: 100_000})
 	require.NoError(t, err)
 	got := map[int64]bool{}
 	for _, d := range dead {
@@ -453,7 +453,7 @@ func checkDeadLetters(t *testing.T, k kenv, group string, want map[int64]hostile
 		require.True(t, ok, "offset %d was dead-lettered but is valid: %s", d.Offset, d.Reason)
 		require.False(t, got[d.Offset], "offset %d dead-lettered twice", d.Offset)
 		got[d.Offset] = true
-		require.NotContains(t, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Kind, "%s: the event's fault, not retried: %s", h.name, d.Reason)
+		require.NotContains(t, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Cause, "%s: the event's fault, not retried: %s", h.name, d.Reason)
 		require.Equal(t, 1, d.Times, "%s: dead-lettered once", h.name)
 		require.Contains(t, d.Reason, h.reason, "%s", h.name)
 		msg := h.message(t)
@@ -564,15 +564,13 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 	r := start(t, c)
 	end := int64(len(msgs))
 	eventually(t, 60*time.Second, func() bool { return committedOffset(t, k, group) == end }, "the committed offset reaches the end of the partition (%d)", end)
-	st, err := store.New(k.Schema)
-	require.NoError(t, err)
-	dead, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
+	dead, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Kind: admin.HeldDeadLetter, Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, len(wantDead))
 	for _, d := range dead {
 		code, ok := wantDead[d.EventID]
 		require.True(t, ok, "unexpected dead letter %s: %s", d.EventID, d.Reason)
-		require.Equal(t, dedup.KindPermanent, d.Kind, "%s: the event's fault, dead-lettered without retries: %s", d.EventID, d.Reason)
+		require.Equal(t, dedup.KindPermanent, d.Cause, "%s: the event's fault, dead-lettered without retries: %s", d.EventID, d.Reason)
 		require.Equal(t, 1, d.Times)
 		if code != "int4" {
 			code = "SQLSTATE " + code
@@ -583,8 +581,8 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), want)
 	var reason string
-	require.NoError(t, k.Pool.QueryRow(context.Background(), `SELECT reason FROM `+sqlident.Qualify(k.Schema, "late_events")+
-		` WHERE consumer_group = $1 AND event_id = $2 AND kind = 'release_failed' AND attempts <= 1`, group, parkedBad.ID).Scan(&reason),
+	require.NoError(t, k.Pool.QueryRow(context.Background(), `SELECT reason FROM `+sqlident.Qualify(k.Schema, "held_events")+
+		` WHERE consumer_group = $1 AND event_id = $2 AND kind = 'late' AND cause = 'release_failed' AND attempts <= 1`, group, parkedBad.ID).Scan(&reason),
 		"the parked event is given up at its first failed release")
 	require.Contains(t, reason, "SQLSTATE 22021")
 	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "skipped_versions")+
@@ -637,21 +635,21 @@ func TestLiesInsideOneBatch(t *testing.T) {
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{x1, x2, x3, y1, reusedOnZ, w1, w2, w3})
 
-	st, err := store.New(k.Schema)
-	require.NoError(t, err)
-	dead, err := st.ListDeadLetters(context.Background(), k.Pool, store.DeadLetterFilter{Group: group})
+	dead, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Kind: admin.HeldDeadLetter, Group: group})
 	require.NoError(t, err)
 	got := map[int64]string{}
 	for _, d := range dead {
-		require.NotContains(t, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Kind, "offset %d: the event's fault: %s", d.Offset, d.Reason)
+		require.NotContains(t, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Cause, "offset %d: the event's fault: %s", d.Offset, d.Reason)
 		require.Equal(t, 1, d.Times)
-		got[d.Offset] = d.Kind
+		got[d.Offset] = d.Cause
 	}
 	require.Equal(t, map[int64]string{1: dedup.KindIDConflict, 2: dedup.KindPermanent, 7: dedup.KindPermanent, 9: dedup.KindPermanent}, got)
 	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
 		` WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleV2.ID), "the stale liar is recorded as discarded")
-	for _, table := range []string{"parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"parked_events", "skipped_versions"} {
 		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")+` WHERE consumer_group = $1 AND kind = 'late'`, group),
+		"no late event held")
 }

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -15,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/faultproxy"
@@ -64,16 +64,14 @@ func startProxy(t *testing.T) *faultproxy.Proxy {
 	return p
 }
 
-// failureFree checks that nothing was dead-lettered, parked or skipped.
+// failureFree checks that nothing was dead-lettered, held, parked or
+// skipped.
 func failureFree(t *testing.T, k kenv, group string) {
 	t.Helper()
-	for _, table := range []string{"consumer_dead_letters", "parked_events", "skipped_versions"} {
+	for _, table := range []string{"held_events", "parked_events", "skipped_versions"} {
 		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
-	var copies int
-	kafkatest.Consume(t, k.brokers, k.dlq, time.Second, func(*sarama.ConsumerMessage) bool { copies++; return false })
-	require.Zero(t, copies, "nothing on the dead-letter topic")
 }
 
 // events returns versions from..to of each aggregate, interleaved.
@@ -137,7 +135,7 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 	eventually(t, 60*time.Second, func() bool {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(2*(1+cfg.MaxRetries)) && time.Since(outageStart) > 4*time.Second
 	}, "the outage outlasts the retry budget")
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "consumer_dead_letters")), "nothing dead-lettered during the outage")
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")), "nothing dead-lettered during the outage")
 	require.Len(t, k.Effects(t, group), len(aggs), "nothing applied during the outage")
 
 	proxy.Set(faultproxy.Pass)
@@ -205,7 +203,7 @@ func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(1+cfg.MaxRetries)
 	}, "the consumer notices the frozen connection and waits for longer than its retry budget")
 	require.Greater(t, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database"), 0.0)
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "consumer_dead_letters")))
+	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")))
 
 	// Connections work again (the frozen host stays frozen).
 	addr.Store(healthy.Addr())
@@ -361,41 +359,34 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 // and consume when Kafka is back. Before, joining the group (or connecting
 // the dead-letter publisher) failed on the first refused connection and
 // Run returned: the consumer stopped for good (the e2e Kafka outage test
-// hit this when its outage began while the consumer started). With and
-// without a dead-letter topic, and with one lane of batches of one (Lanes
-// and BatchSize 1, which once used watermill-kafka's subscriber). A stop
-// meanwhile is clean.
+// hit this when its outage began while the consumer started). Laned, and
+// with one lane of batches of one (Lanes and BatchSize 1, which once used
+// watermill-kafka's subscriber). A stop meanwhile is clean.
 func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name         string
 		lanes, batch int
-		dlq          bool
 		stop         bool // stopped during the outage instead
 	}{
-		{"laned with dead-letter topic", 0, 0, true, false},
-		{"laned", 0, 0, false, false},
-		{"one lane, one event at a time", 1, 1, false, false},
-		{"laned with dead-letter topic stopped", 0, 0, true, true},
-		{"laned stopped", 0, 0, false, true},
-		{"one lane, one event at a time stopped", 1, 1, false, true},
+		{"laned", 0, 0, false},
+		{"one lane, one event at a time", 1, 1, false},
+		{"laned stopped", 0, 0, true},
+		{"one lane, one event at a time stopped", 1, 1, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			_, brokers, faults := kafkatest.FakeWithFaults(t)
-			k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: brokers,
-				topic: kafkatest.Topic(t, "events"), dlq: kafkatest.Topic(t, "dlq")}
+			kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
+			faults := kc.Proxy
+			k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
+				topic: kafkatest.Topic(t, "events")}
 			kafkatest.CreateTopic(t, k.brokers, k.topic, 2)
-			kafkatest.CreateTopic(t, k.brokers, k.dlq, 1)
 			const group = "kafka-gone"
 			proxy := startProxy(t)
 			proxy.Set(faultproxy.Refuse)
 			cfg := k.config(group)
 			outageBudget(&cfg)
 			cfg.Lanes, cfg.BatchSize = tc.lanes, tc.batch
-			if !tc.dlq {
-				cfg.DeadLetterTopic = ""
-			}
 			log, dbWait := watchLog("eventline: the consumer's database is unavailable; waiting for it before consuming")
 			cfg.Logger = log
 			c, err := consumer.New(consumerPool(t, proxy.Addr), cfg)
@@ -453,11 +444,11 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 // here).
 func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing.T) {
 	t.Parallel()
-	_, brokers, faults := kafkatest.FakeWithFaults(t)
-	k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: brokers,
-		topic: kafkatest.Topic(t, "events"), dlq: kafkatest.Topic(t, "dlq")}
+	kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
+	faults := kc.Proxy
+	k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
+		topic: kafkatest.Topic(t, "events")}
 	kafkatest.CreateTopic(t, k.brokers, k.topic, 1)
-	kafkatest.CreateTopic(t, k.brokers, k.dlq, 1)
 	const group = "kafka-outage-park"
 	cfg := k.config(group)
 	cfg.ParkTimeout = 2 * time.Second
@@ -488,15 +479,13 @@ func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing
 	// Kafka is back; the relay sends v2.
 	faults.Set(faultproxy.Pass)
 	publish(t, k.brokers, k.topic, consumertest.Message(t, v2))
-	eventually(t, 60*time.Second, func() bool { return count("late_events") == 1 }, "v2 arrives late")
+	eventually(t, 60*time.Second, func() bool { return count("held_events") == 1 }, "v2 arrives late")
 	require.NoError(t, r.stop())
-	st, err := store.New(k.Schema)
-	require.NoError(t, err)
-	late, err := st.ListLate(context.Background(), k.Pool, store.LateFilter{Group: group})
+	late, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
 	require.Equal(t, v2.ID, late[0].EventID)
-	require.Equal(t, store.LateArrived, late[0].Kind)
+	require.Equal(t, "arrived_late", late[0].Cause)
 	require.Contains(t, late[0].Reason, "park timeout")
 	require.Len(t, k.Effects(t, group), 2, "v2 is held, not applied out of order")
 }

@@ -11,10 +11,8 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/store"
@@ -34,12 +32,10 @@ import (
 // event-type check ▸ Config.Middleware ▸ the eventline transaction (dedup ▸
 // version gate) ▸ the handler registered for the event's type. The sweeper
 // for parked events runs next to it (middleware.Eventline.Run), and replays
-// the dead letters an operator asked to replay (`eventline consumer-dlq
-// replay`).
+// the dead letters an operator asked to replay (`eventline held replay`).
 //
-// Dead letters are written to the consumer_dead_letters table in the
-// consumer's database, whole and whatever their size, and copied to
-// Config.DeadLetterTopic when it is set. While the database is
+// Dead letters are held in the held_events table in the consumer's
+// database, whole and whatever their size. While the database is
 // unavailable nothing is dead-lettered: events wait (see
 // middleware.IsInfrastructure) and the consumer resumes by itself.
 //
@@ -89,26 +85,6 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		CloseTimeout: cfg.ShutdownTimeout, Logger: cfg.Logger,
 	})
 	defer sub.Close()
-	if c.dlq != nil {
-		// Kafka may have gone since waitForKafka: wait for it again.
-		var pub *kafka.Publisher
-		err := c.waitKafka(ctx, func() (err error) {
-			pub, err = kafka.NewPublisher(kafka.PublisherConfig{
-				Brokers:               cfg.Brokers,
-				Marshaler:             kafka.NewWithPartitioningMarshaler(deadLetterKey),
-				OverwriteSaramaConfig: kafkaconf.Producer("eventline-dlq-" + cfg.Group),
-			}, wlog)
-			return err
-		})
-		if err != nil {
-			return fmt.Errorf("eventline consumer: connect the dead-letter publisher to brokers %s: %w", strings.Join(cfg.Brokers, ","), err)
-		}
-		if pub == nil {
-			return nil // ctx ended first: a clean stop
-		}
-		defer pub.Close()
-		c.dlq.set(pub)
-	}
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
 	if err != nil {
@@ -268,11 +244,7 @@ func (c *Consumer) waitForKafka(ctx context.Context) error {
 	for _, t := range topics {
 		have[t] = true
 	}
-	want := c.cfg.Topics
-	if c.cfg.DeadLetterTopic != "" {
-		want = append([]string{c.cfg.DeadLetterTopic}, want...)
-	}
-	for _, t := range want {
+	for _, t := range c.cfg.Topics {
 		if !have[t] {
 			c.cfg.Logger.WarnContext(ctx, "eventline: topic does not exist; create it (eventline creates no topics)", "group", c.cfg.Group, "topic", t)
 		}
@@ -301,8 +273,8 @@ func (c *Consumer) waitKafka(ctx context.Context, try func() error) error {
 // wait policy) while Kafka is unavailable: Kafka may go between
 // waitForKafka and the router's Subscribe, which joins the consumer group.
 // Once subscribed, both subscribers rejoin by themselves after an outage.
-// ctx is Run's: when it ends, Subscribe gives up and returns a closed
-// channel.
+// wait runs under Run's ctx: when it ends, Subscribe gives up and returns
+// a closed channel.
 type waitingSubscriber struct {
 	message.Subscriber
 	ctx  context.Context
@@ -352,37 +324,3 @@ func (c *Consumer) detach(h message.HandlerFunc) message.HandlerFunc {
 		return h(msg)
 	}
 }
-
-// deadLetterKey keys dead letters like the original events: by aggregate.
-func deadLetterKey(_ string, msg *message.Message) (string, error) {
-	if k := msg.Metadata.Get(eventline.MetaAggregateID); k != "" {
-		return k, nil
-	}
-	return msg.UUID, nil
-}
-
-// lazyPublisher is the dead-letter publisher the middleware is configured
-// with at New; Run connects the Kafka publisher behind it before it
-// consumes.
-type lazyPublisher struct {
-	mu  sync.Mutex
-	pub message.Publisher
-}
-
-func (p *lazyPublisher) set(pub message.Publisher) {
-	p.mu.Lock()
-	p.pub = pub
-	p.mu.Unlock()
-}
-
-func (p *lazyPublisher) Publish(topic string, msgs ...*message.Message) error {
-	p.mu.Lock()
-	pub := p.pub
-	p.mu.Unlock()
-	if pub == nil {
-		return errors.New("eventline: the dead-letter publisher is not connected (the consumer is not running)")
-	}
-	return pub.Publish(topic, msgs...)
-}
-
-func (p *lazyPublisher) Close() error { return nil }

@@ -70,10 +70,8 @@ func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
 		Env:     consumertest.New(t, pgtest.Options{MaxConns: 6}),
 		brokers: k.Brokers,
 		topic:   kafkatest.Topic("orders"),
-		dlq:     kafkatest.Topic("billing-dlq"),
 	}
 	k.CreateTopic(t, env.topic, 2)
-	k.CreateTopic(t, env.dlq, 1)
 	ctx := context.Background()
 	seen := pgx.Identifier{env.Schema, "orders_seen"}.Sanitize()
 	_, err := env.Pool.Exec(ctx, `CREATE TABLE `+seen+` (order_id text, aggregate_version bigint, amount_cents bigint, currency text, PRIMARY KEY (order_id, aggregate_version))`)
@@ -138,13 +136,13 @@ func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
 		"o-4 v2 4200 EUR",
 	}, got)
 
-	dead := deadLetters(t, env, 1)
-	reason := header(dead[0], middleware.DeadLetterReasonKey)
-	t.Logf("dead letter: %s v%s schema %s, kind=%s, reason: %s", string(dead[0].Key), header(dead[0], eventline.MetaAggregateVersion),
-		header(dead[0], eventline.MetaEventVersion), header(dead[0], middleware.DeadLetterKindKey), reason)
-	require.Equal(t, "o-9", string(dead[0].Key))
-	require.Equal(t, "4", header(dead[0], eventline.MetaEventVersion), "the dead letter keeps the record as written")
-	require.Equal(t, dedup.KindPermanent, header(dead[0], middleware.DeadLetterKindKey), "an unknown version is not retried")
+	dead := deadLetters(t, env, group, 1)
+	reason := dead[0].Reason
+	t.Logf("dead letter: %s v%d schema %s, cause=%s, reason: %s", dead[0].AggregateID, dead[0].AggregateVersion,
+		dead[0].Metadata[eventline.MetaEventVersion], dead[0].Cause, reason)
+	require.Equal(t, "o-9", dead[0].AggregateID)
+	require.Equal(t, "4", dead[0].Metadata[eventline.MetaEventVersion], "the dead letter keeps the record as written")
+	require.Equal(t, dedup.KindPermanent, dead[0].Cause, "an unknown version is not retried")
 	require.Contains(t, reason, "has payload schema version 4, newer than this consumer's current version 3")
 	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+seen+` WHERE order_id = 'o-9'`))
 }
@@ -217,5 +215,5 @@ func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
 	require.NoError(t, deliver(newConsumer(up4), tooNew))
 	require.Equal(t, []int64{1, 2, 3, 4}, applied, "applied in order")
 	require.Zero(t, parked())
-	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "late_events")))
+	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "held_events")+` WHERE kind = 'late'`))
 }

@@ -18,7 +18,7 @@ const (
 	OutcomeParked Outcome = "parked"
 	// OutcomeLate: the event's version had been given up on (it is in
 	// skipped_versions) before the event could be applied; it is held in
-	// late_events for an operator, who applies it late or discards it.
+	// held_events (kind late) for an operator, who applies it late or discards it.
 	OutcomeLate Outcome = "late"
 	// OutcomeLateApplied: a late event was applied after later versions
 	// of its aggregate, its handler told so (middleware.IsLate).
@@ -50,9 +50,11 @@ type Record struct {
 	ProcessedAt time.Time
 }
 
-// Kinds of consumer dead letters (consumer_dead_letters.kind, and
-// middleware.DeadLetterKindKey on a dead letter's copy). The kind is free
-// text: an error with a DeadLetterKind() string method names its own.
+// Causes of consumer dead letters (the cause of a held event of kind
+// dead_letter, and the reason label of
+// eventline_consumer_events_dead_lettered_total). Components that
+// dead-letter for their own reasons add their own, through an error with
+// a DeadLetterKind() string method.
 const (
 	// KindPermanent: the event can never succeed (it does not decode, no
 	// handler knows its type, the handler marked its error permanent…).

@@ -20,8 +20,8 @@
 // Every row also records its outcome (see [Outcome]): applied, stale (the
 // version gate discarded it), parked (it waits in parked_events for a
 // missing version; it becomes applied when it is released), late (it is
-// held in late_events for an operator), late_applied or late_discarded.
-// A [Record] is what a row says.
+// held as late in held_events for an operator), late_applied or
+// late_discarded. A [Record] is what a row says.
 //
 // # Scope: the id within its aggregate
 //
@@ -44,12 +44,12 @@
 //
 // # Dead letters
 //
-// The messages a consumer group gave up on are kept in
-// consumer_dead_letters, in the same database: whole (payload and headers
-// as bytea), whatever their size, with their kind ([KindPermanent],
-// [KindRetriesExhausted]…) and reason, listable, replayable in order by a
-// running consumer, and discardable with a reason (`eventline
-// consumer-dlq`).
+// The messages a consumer group gives up on are held in held_events (kind
+// dead_letter), in the same database: whole (payload and headers as
+// bytea), whatever their size, with their cause ([KindPermanent],
+// [KindRetriesExhausted]…) and reason, listed, replayed in order by a
+// running consumer, and discarded with a reason (admin.ListHeld,
+// ReplayHeld, DiscardHeld; `eventline held`). The middleware writes them.
 //
 // # Retention
 //

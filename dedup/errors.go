@@ -46,6 +46,6 @@ func describe(r Record) string {
 	return fmt.Sprintf("%s of %s/%s v%d", r.EventType, r.AggregateType, r.AggregateID, r.AggregateVersion)
 }
 
-// DeadLetterKind files the refused event under KindIDConflict in
-// consumer_dead_letters.
+// DeadLetterKind files the refused event's dead letter under
+// KindIDConflict.
 func (e *IDConflictError) DeadLetterKind() string { return KindIDConflict }

@@ -104,11 +104,7 @@ func (k *kit) runKafka(ctx context.Context, cluster *kafkatest.Cluster, s schedu
 	if r.metrics, err = middleware.NewMetrics(r.reg); err != nil {
 		return nil, err
 	}
-	dlq := r.group + consumer.DeadLetterTopicSuffix
 	if err := cluster.CreateTopics(ctx, int32(s.partitions), r.topic); err != nil {
-		return nil, fmt.Errorf("eventlinetest: %w", err)
-	}
-	if err := cluster.CreateTopics(ctx, 1, dlq); err != nil {
 		return nil, fmt.Errorf("eventlinetest: %w", err)
 	}
 	defer func() {

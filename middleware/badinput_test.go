@@ -21,20 +21,12 @@ import (
 	"github.com/eventline/eventline/versioning"
 )
 
-// discardPublisher stands in for a Kafka publisher the constructors only
-// keep.
-type discardPublisher struct{}
-
-func (discardPublisher) Publish(string, ...*message.Message) error { return nil }
-func (discardPublisher) Close() error                              { return nil }
-
 // TestConstructorsRefuseWhatFailsLater: values the constructor accepted
 // and that then failed on every event are refused, naming the field. A nil
 // *pgxpool.Pool passed the dead letters' == nil check and panicked on the
-// first dead letter (and the sweeper's, on the first sweep); a dead-letter
-// topic Kafka refuses made every best-effort copy fail; a Group with a NUL
-// byte or invalid UTF-8 failed in PostgreSQL on every event, and a blank
-// one passed as a name.
+// first dead letter (and the sweeper's, on the first sweep); a Group with
+// a NUL byte or invalid UTF-8 failed in PostgreSQL on every event, and a
+// blank one passed as a name.
 func TestConstructorsRefuseWhatFailsLater(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
@@ -42,13 +34,7 @@ func TestConstructorsRefuseWhatFailsLater(t *testing.T) {
 
 	_, err := middleware.New(nilPool, middleware.Config{Group: "g", Schema: env.Schema})
 	require.ErrorContains(t, err, "middleware.New: db is nil")
-	for _, topic := range []string{"a b", "..", "dlq/x"} {
-		_, err = middleware.New(env.Pool, middleware.Config{Group: "g", Schema: env.Schema,
-			DeadLetterPublisher: discardPublisher{}, DeadLetterTopic: topic})
-		require.ErrorContains(t, err, "middleware.Config.DeadLetterTopic", topic)
-	}
-	_, err = middleware.New(env.Pool, middleware.Config{Group: "g", Schema: env.Schema,
-		DeadLetterPublisher: discardPublisher{}, DeadLetterTopic: "orders.dlq"})
+	_, err = middleware.New(env.Pool, middleware.Config{Group: "g", Schema: env.Schema})
 	require.NoError(t, err)
 
 	for _, group := range []string{"g\x00", "g-\xff", " "} {
@@ -157,11 +143,6 @@ func TestNewConfigProperty(t *testing.T) {
 				cfg.Schema = rapid.SampledFrom([]string{`x"; drop schema public; --`, "pg_x", strings.Repeat("s", 64)}).Draw(rt, "Schema")
 				set["Schema"] = true
 				unusable = true
-			},
-			func() {
-				cfg.DeadLetterPublisher, cfg.DeadLetterTopic = discardPublisher{}, rapid.SampledFrom([]string{"", "a b", "dlq"}).Draw(rt, "DeadLetterTopic")
-				set["DeadLetterTopic"], set["DeadLetterPublisher"] = true, true
-				unusable = unusable || cfg.DeadLetterTopic != "dlq"
 			},
 		}
 		perturb = append(perturb, backoff("Retry", &cfg.Retry, middleware.NoJitter)...)

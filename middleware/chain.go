@@ -84,9 +84,8 @@ func (el *Eventline) chain(name string, inner message.HandlerFunc) message.Handl
 //
 //	dead letters ▸ retries ▸ Config.Middleware ▸ the eventline transaction (dedup ▸ version gate) ▸ fn
 //
-// with Config's retry schedule, dead letters written to
-// consumer_dead_letters (and copied to Config.DeadLetterTopic when set),
-// and fn registered under name for the sweeper and dead-letter replays.
+// with Config's retry schedule, dead letters held in held_events, and fn
+// registered under name for the sweeper and dead-letter replays.
 //
 //	el, err := middleware.New(pool, middleware.Config{Group: "billing"})
 //	_, err = el.AddHandler(router, "billing", "orders", kafkaSubscriber, func(msg *message.Message) error {

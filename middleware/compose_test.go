@@ -18,12 +18,12 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -174,11 +174,11 @@ func TestAddHandlerComposesTheSafeChainInOneCall(t *testing.T) {
 	}
 	require.Equal(t, map[string]int{ok1.ID: 1, fl.ID: 1, ok2.ID: 1}, got)
 	require.EqualValues(t, 3, flaky.Load(), "two failures, then success")
-	dls, err := el.DeadLetterStore().ListDeadLetters(context.Background(), env.Pool, store.DeadLetterFilter{Group: group})
+	dls, err := held.New(env.Schema).List(context.Background(), env.Pool, held.Filter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dls, 1)
 	require.Equal(t, bad.ID, dls[0].EventID)
-	require.Equal(t, dedup.KindPermanent, dls[0].Kind)
+	require.Equal(t, dedup.KindPermanent, dls[0].Cause)
 	require.Equal(t, "billing", dls[0].Handler)
 	require.Equal(t, k.topic, dls[0].Topic)
 	require.True(t, dls[0].FromKafka)

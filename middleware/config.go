@@ -67,7 +67,7 @@ type Config struct {
 	PolicyByType map[string]versioning.GapPolicy
 	// LatePolicy is what happens to a late event, one whose version was
 	// given up on before it arrived: held for the operator (`eventline
-	// parked late`), or applied at once with IsLate. Defaults to
+	// held list -kind late`), or applied at once with IsLate. Defaults to
 	// versioning.HoldLate.
 	LatePolicy versioning.LatePolicy
 	// LatePolicyByType overrides LatePolicy per event type.
@@ -108,8 +108,8 @@ type Config struct {
 	// to versioning.DefaultSweepBatch (500).
 	SweepBatch int
 	// MaxReleaseAttempts is how many failed attempts to apply a parked
-	// event are allowed before it is given up: held in late_events for the
-	// operator, its version recorded as skipped. Defaults to
+	// event are allowed before it is given up: held as late (held_events)
+	// for the operator, its version recorded as skipped. Defaults to
 	// versioning.DefaultMaxReleaseAttempts (10).
 	MaxReleaseAttempts int
 	// ReleaseBackoff is the wait between failed attempts to apply a
@@ -146,14 +146,6 @@ type Config struct {
 	// TxOptions are the consumer transactions' options. Defaults to read
 	// committed, read-write.
 	TxOptions pgx.TxOptions
-	// DeadLetterPublisher and DeadLetterTopic, when both set, also publish
-	// a copy of each dead letter to that topic, with the DeadLetter*
-	// metadata keys (best effort: the consumer_dead_letters row is always
-	// written first and is complete; a copy the broker refuses, say for its
-	// size, is logged and counted and never holds the partition up). The
-	// consumer package makes the publisher from its brokers.
-	DeadLetterPublisher message.Publisher
-	DeadLetterTopic     string // see DeadLetterPublisher
 	// Middleware runs around every event added with AddHandler, outside
 	// the eventline transaction and inside retries and dead-lettering
 	// (logging, tracing of your own…). The first is outermost. The events
@@ -236,8 +228,6 @@ func (c Config) withDefaults() (Config, error) {
 		return fail("MaxRetries is %d; use a positive count, 0 for %d, or NoRetries", c.MaxRetries, DefaultMaxRetries)
 	case c.TxTimeout < 0 && c.TxTimeout != NoTxTimeout:
 		return fail("TxTimeout is %s; it must be positive (0 means %s, NoTxTimeout none)", c.TxTimeout, DefaultTxTimeout)
-	case (c.DeadLetterPublisher == nil) != (c.DeadLetterTopic == ""):
-		return fail("DeadLetterPublisher and DeadLetterTopic go together: set both to copy dead letters to a topic, or neither")
 	}
 	switch c.MaxRetries {
 	case 0:
@@ -261,12 +251,6 @@ func (c Config) withDefaults() (Config, error) {
 	}{{"Retry", c.Retry}, {"InfraBackoff", c.InfraBackoff}, {"ReleaseBackoff", c.ReleaseBackoff}} {
 		if err := b.b.Validate(b.name); err != nil {
 			return wrap(err)
-		}
-	}
-	if c.DeadLetterTopic != "" {
-		// Every copy would fail, and copies are best effort: say it now.
-		if err := eventline.ValidateTopic(c.DeadLetterTopic); err != nil {
-			return fail("DeadLetterTopic: %w", err)
 		}
 	}
 	for i, m := range c.Middleware {

@@ -27,7 +27,7 @@ func EventFromContext(ctx context.Context) (eventline.Event, bool) { return deli
 // version was given up on (recorded in skipped_versions) or passed, so
 // later versions of its aggregate have already been applied. A handler
 // sees it under the ApplyLate policy and when an operator applies a held
-// late event (`eventline parked apply-late`). Handlers that set state from
+// late event (`eventline held replay`). Handlers that set state from
 // the event ("status = shipped") should not let a late event overwrite
 // newer state; additive effects can apply as usual.
 func IsLate(ctx context.Context) bool { return delivery.Late(ctx) }

@@ -10,48 +10,26 @@ import (
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/delivery"
-	"github.com/eventline/eventline/internal/store"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/tracing"
-)
-
-// Metadata keys set on the copy of a dead letter published to
-// Config.DeadLetterTopic, next to the message's own metadata. DeadLetterReasonKey,
-// DeadLetterTopicKey and DeadLetterHandlerKey are Watermill's PoisonQueue
-// keys, so Watermill tooling reads them too.
-const (
-	// DeadLetterReasonKey holds the error that dead-lettered the event.
-	DeadLetterReasonKey = wmiddleware.ReasonForPoisonedKey
-	// DeadLetterTopicKey holds the topic the event was consumed from.
-	DeadLetterTopicKey = wmiddleware.PoisonedTopicKey
-	// DeadLetterHandlerKey holds the Watermill handler name.
-	DeadLetterHandlerKey = wmiddleware.PoisonedHandlerKey
-	// DeadLetterKindKey holds the kind (dedup.KindPermanent…).
-	DeadLetterKindKey = "eventline_dead_kind"
-	// DeadLetterGroupKey holds the consumer group that gave up.
-	DeadLetterGroupKey = "eventline_dead_group"
-	// DeadLetterAtKey holds when, RFC 3339.
-	DeadLetterAtKey = "eventline_dead_at"
-	// DeadLetterIDKey holds the id of the consumer_dead_letters row.
-	DeadLetterIDKey = "eventline_dead_letter_id"
 )
 
 // deadLetter takes the messages the rest of the chain gave up on off the
 // partition, keeping them whole in the consumer's own database
-// (consumer_dead_letters), where `eventline consumer-dlq` lists, replays
-// and discards them. It takes the place of Watermill's PoisonQueue.
+// (held_events, kind dead_letter), where `eventline held` (admin.ListHeld,
+// ReplayHeld, DiscardHeld) lists, replays and discards them. It takes the place of Watermill's PoisonQueue.
 //
 // When the chain returns an error, it:
 //   - returns it, leaving the message unacknowledged (to be redelivered),
 //     when the message's context has ended (shutdown), when it is an
 //     infrastructure error ([IsInfrastructure]: nothing is wrong with the
 //     event) or a *CompositionError;
-//   - otherwise writes the message, byte for byte, with its kind and
+//   - otherwise writes the message, byte for byte, with its cause and
 //     reason, in its own transaction, and acknowledges it. A failed write
 //     (or one the database does not answer within 30s) is retried on
 //     Config.InfraBackoff's schedule until it succeeds or the context
@@ -59,14 +37,13 @@ const (
 //     There is no size limit and no broker that can refuse it, so a dead
 //     letter can never stall its partition.
 //
-// The kind is the error's own when it has a DeadLetterKind() string
+// The cause is the error's own when it has a DeadLetterKind() string
 // method, else dedup.KindPermanent, dedup.KindRetriesExhausted or
-// dedup.KindFailed. With Config.DeadLetterTopic it also publishes a copy,
-// best effort, with the DeadLetter* metadata keys.
+// dedup.KindFailed.
 type deadLetter struct {
-	db    store.DBTX
+	db    held.DBTX
 	cfg   *Config
-	store *store.Store
+	store *held.Store
 	tr    *tracing.Tracer // nil: tracing off
 }
 
@@ -86,20 +63,19 @@ func (d *deadLetter) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if werr != nil {
 			return nil, errors.Join(err, werr)
 		}
-		d.cfg.Metrics.incDeadLettered(d.cfg.Group, rec.Kind)
+		d.cfg.Metrics.incDeadLettered(d.cfg.Group, rec.Cause)
 		// The record's fields are hostile input: the dead letter keeps them
 		// whole, the warning only their start.
-		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline consumer-dlq`",
-			"group", d.cfg.Group, "dead_letter_id", id, "topic", rec.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField),
+		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline held`",
+			"group", d.cfg.Group, "held_event_id", id, "topic", rec.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField),
 			"event_id", truncate(rec.EventID, maxLoggedField), "event_type", truncate(rec.EventType, maxLoggedField),
-			"kind", rec.Kind, "error", truncate(err.Error(), maxReasonHeader))
-		d.publishCopy(ctx, msg, rec, id)
+			"cause", rec.Cause, "error", truncate(err.Error(), maxLoggedError))
 		return nil, nil
 	}
 }
 
 // traceWrite is write inside a "dead_letter" span when tracing is on.
-func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec store.DeadLetter) (int64, error) {
+func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec held.Event) (int64, error) {
 	if d.tr == nil {
 		return d.write(ctx, msg, rec)
 	}
@@ -110,7 +86,7 @@ func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec s
 	} else {
 		sctx = d.tr.Extract(ctx, msg.Metadata)
 	}
-	_, span := d.tr.StartDeadLetter(sctx, rec.Topic, d.cfg.Group, rec.Kind, eventFromMetadata(msg.Metadata))
+	_, span := d.tr.StartDeadLetter(sctx, rec.Topic, d.cfg.Group, rec.Cause, eventFromMetadata(msg.Metadata))
 	id, err := d.write(ctx, msg, rec)
 	tracing.End(span, err)
 	return id, err
@@ -121,7 +97,7 @@ func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec s
 const writeTimeout = 30 * time.Second
 
 // write stores rec, retrying until it succeeds or ctx ends.
-func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec store.DeadLetter) (int64, error) {
+func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec held.Event) (int64, error) {
 	for attempt := 1; ; attempt++ {
 		wctx, cancel := context.WithTimeout(ctx, writeTimeout)
 		id, err := d.store.AddDeadLetter(wctx, d.db, rec)
@@ -148,36 +124,12 @@ func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec store.
 	}
 }
 
-// publishCopy publishes the dead letter to the dead-letter topic, best
-// effort.
-func (d *deadLetter) publishCopy(ctx context.Context, msg *message.Message, rec store.DeadLetter, id int64) {
-	if d.cfg.DeadLetterPublisher == nil {
-		return
-	}
-	dl := msg.Copy()
-	dl.Metadata.Set(DeadLetterReasonKey, truncateReason(rec.Reason))
-	dl.Metadata.Set(DeadLetterKindKey, rec.Kind)
-	dl.Metadata.Set(DeadLetterTopicKey, rec.Topic)
-	dl.Metadata.Set(DeadLetterHandlerKey, rec.Handler)
-	dl.Metadata.Set(DeadLetterGroupKey, d.cfg.Group)
-	dl.Metadata.Set(DeadLetterAtKey, time.Now().UTC().Format(time.RFC3339Nano))
-	dl.Metadata.Set(DeadLetterIDKey, strconv.FormatInt(id, 10))
-	if err := d.cfg.DeadLetterPublisher.Publish(d.cfg.DeadLetterTopic, dl); err != nil {
-		d.cfg.Metrics.incDeadLetterPublishFailure(d.cfg.Group)
-		d.cfg.Logger.WarnContext(ctx, "eventline: dead letter kept in consumer_dead_letters but not copied to the dead-letter topic",
-			"group", d.cfg.Group, "dead_letter_id", id, "topic", d.cfg.DeadLetterTopic, "message_uuid", truncate(msg.UUID, maxLoggedField), "error", err)
-	}
-}
-
-// maxReasonHeader bounds the reason in the Kafka copy's headers, and the
-// error in the dead-letter warning.
-const maxReasonHeader = 8 << 10
+// maxLoggedError bounds the error in the dead-letter warning.
+const maxLoggedError = 8 << 10
 
 // maxLoggedField bounds each of the record's own fields (message UUID,
 // event id, event type) in the dead-letter warning.
 const maxLoggedField = 256
-
-func truncateReason(s string) string { return truncate(s, maxReasonHeader) }
 
 // truncate cuts s to at most n bytes, on a rune boundary, marking the cut
 // with "…".
@@ -196,16 +148,17 @@ func truncate(s string, n int) string {
 }
 
 // record builds the dead letter of msg.
-func (d *deadLetter) record(ctx context.Context, msg *message.Message, err error) store.DeadLetter {
+func (d *deadLetter) record(ctx context.Context, msg *message.Message, err error) held.Event {
 	src := delivery.SourceOf(ctx)
-	rec := store.DeadLetter{
+	rec := held.Event{
 		Group: d.cfg.Group, Topic: src.Topic, Handler: src.Handler,
 		FromKafka: src.FromKafka, Partition: src.Partition, Offset: src.Offset, Key: src.Key,
 		MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: maps.Clone(map[string]string(msg.Metadata)),
-		Kind: deadLetterKind(err), Reason: err.Error(),
+		Cause: deadLetterKind(err), Reason: err.Error(),
 	}
 	if e, derr := eventline.Decode(msg); derr == nil {
 		rec.EventID, rec.EventType, rec.AggregateType, rec.AggregateID, rec.AggregateVersion = e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion
+		rec.PreviousVersion = e.PreviousVersion
 	} else {
 		md := msg.Metadata
 		rec.EventID, rec.EventType = md.Get(eventline.MetaEventID), md.Get(eventline.MetaEventType)

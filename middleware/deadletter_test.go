@@ -14,9 +14,9 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
 )
@@ -27,7 +27,7 @@ func failWith(err error) message.HandlerFunc {
 
 // A message that cannot be dead-lettered to Kafka as it is (5 MiB payload,
 // a header with a NUL byte and invalid UTF-8, an event id too long for an
-// index) is kept whole in consumer_dead_letters and acknowledged.
+// index) is kept whole in held_events and acknowledged.
 func TestDeadLetterKeepsAnyMessageByteForByte(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 2})
@@ -50,19 +50,20 @@ func TestDeadLetterKeepsAnyMessageByteForByte(t *testing.T) {
 	require.NoError(t, err, "the message is acknowledged once its dead letter is written")
 	require.Empty(t, out)
 
-	list, err := dl.DeadLetterStore().ListDeadLetters(context.Background(), env.Pool, store.DeadLetterFilter{Group: group})
+	list, err := held.New(env.Schema).List(context.Background(), env.Pool, held.Filter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, list, 1)
 	d := list[0]
 	require.Equal(t, "uuid-\xff\x00", d.MessageUUID)
 	require.True(t, bytes.Equal(payload, d.Payload), "payload byte for byte")
 	require.Equal(t, want, d.Metadata, "headers byte for byte")
-	require.Equal(t, dedup.KindPermanent, d.Kind)
+	require.Equal(t, held.KindDeadLetter, d.Kind)
+	require.Equal(t, dedup.KindPermanent, d.Cause)
 	require.Contains(t, d.Reason, "no handler for \uFFFD type", "the reason is stored as text")
 	require.Equal(t, "order", d.AggregateType)
 	require.Equal(t, "o-1", d.AggregateID)
 	require.EqualValues(t, 7, d.AggregateVersion)
-	require.Equal(t, store.StatusDead, d.Status)
+	require.Equal(t, held.StatusHeld, d.Status)
 	rebuilt := d.Message()
 	require.Equal(t, msg.UUID, rebuilt.UUID)
 	require.Equal(t, want, map[string]string(rebuilt.Metadata))
@@ -97,7 +98,7 @@ func TestDeadLetterIsNeverAcknowledgedWithoutItsRow(t *testing.T) {
 	_, err = dl.DeadLetters(failWith(errors.New("handler bug")))(msg)
 	require.NoError(t, err)
 	require.Equal(t, ms(250, 500, 1000), c.recorded())
-	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+sqlident.Qualify(schema, "consumer_dead_letters")+` WHERE kind = 'failed'`))
+	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+sqlident.Qualify(schema, "held_events")+` WHERE kind = 'dead_letter' AND cause = 'failed'`))
 
 	// Shutdown while the write keeps failing: not acknowledged.
 	ctx, cancel := context.WithCancel(context.Background())
@@ -131,6 +132,6 @@ func TestDeadLetterLeavesOutagesShutdownsAndBadChainsUnacknowledged(t *testing.T
 	msg.SetContext(ctx)
 	_, err = dl.DeadLetters(failWith(errors.New("retry cut short")))(msg)
 	require.Error(t, err, "a message whose context ended (shutdown) is not dead-lettered")
-	require.Equal(t, 0, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "consumer_dead_letters")))
+	require.Equal(t, 0, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "held_events")))
 
 }

@@ -81,11 +81,12 @@
 //
 // # Dead letters
 //
-// What the chain gives up on is written, whole, to consumer_dead_letters in
-// the consumer's own database, in its own transaction; a message is never
-// acknowledged without its row. [Eventline.Run] replays the dead letters an
-// operator asked to replay (`eventline consumer-dlq replay`), per aggregate
-// in version order, through the handler they arrived on.
+// What the chain gives up on is held, whole, in held_events (kind
+// dead_letter) in the consumer's own database, in its own transaction; a
+// message is never acknowledged without its row. [Eventline.Run] replays
+// the dead letters an operator asked to replay (`eventline held replay`,
+// admin.ReplayHeld), per aggregate in version order, through the handler
+// they arrived on.
 //
 // Do not add Watermill's PoisonQueue or Retry to a router running eventline
 // handlers, and never use Watermill's Deduplicator middleware: it remembers

@@ -92,7 +92,7 @@ func New(db Pool, cfg Config) (*Eventline, error) {
 	el.hookPanic = el.reportHookPanic
 	el.gate = &gate{cfg: &el.cfg, check: upcastable(cfg.Upcasters, cfg.Validate), store: st, reg: newRegistry(), obs: obs}
 	el.sweeper = el.gate.newSweeper(db)
-	el.dl = &deadLetter{db: db, cfg: &el.cfg, store: st, tr: obs.tr}
+	el.dl = &deadLetter{db: db, cfg: &el.cfg, store: st.Held(), tr: obs.tr}
 	return el, nil
 }
 
@@ -137,7 +137,7 @@ func (el *Eventline) sweep(ctx context.Context) (store.SweepResult, error) {
 // SweepInterval until ctx ends, and returns nil: it applies parked events
 // once their missing versions arrived or were given up on, and late events
 // an operator asked to apply. Each pass also replays the group's dead
-// letters whose replay was requested (`eventline consumer-dlq replay`).
+// letters whose replay was requested (`eventline held replay`).
 // Run it next to the router (the consumer package does).
 //
 // A schema without eventline's consumer tables (or before their newest

@@ -4,14 +4,10 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"fmt"
-	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/internal/devkafka"
-	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
@@ -43,40 +39,12 @@ func exampleDatabase() (pool *pgxpool.Pool, schema string, cleanup func()) {
 }
 
 // exampleKafka starts an in-process Kafka (kfake, reached over TCP) with
-// the given topics.
+// the given topics (2 partitions each). In-process even in real-broker
+// mode: the examples' topic names are fixed, as in a user's code.
 func exampleKafka(topics ...string) (brokers []string, stop func()) {
-	cluster, err := devkafka.Start(0)
+	c, err := kafkatest.New(context.Background(), kafkatest.Config{InProcess: true, Partitions: 2, Topics: topics})
 	if err != nil {
 		panic(err)
 	}
-	brokers = cluster.ListenAddrs()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(brokers, cfg)
-	if err != nil {
-		panic(err)
-	}
-	defer admin.Close()
-	for _, t := range topics {
-		if err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: 2, ReplicationFactor: 1}, false); err != nil {
-			panic(err)
-		}
-	}
-	// Wait until the cluster lists every topic.
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		listed, err := admin.ListTopics()
-		missing := err != nil
-		for _, t := range topics {
-			if _, ok := listed[t]; !ok {
-				missing = true
-			}
-		}
-		if !missing {
-			break
-		}
-		if time.Now().After(deadline) {
-			panic(fmt.Sprintf("topics %v not listed after 10s: %v", topics, err))
-		}
-	}
-	return brokers, cluster.Close
+	return c.Brokers, c.Close
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/store"
 )
 
@@ -47,11 +48,11 @@ func (el *Eventline) Chain(name string, h message.HandlerFunc) message.HandlerFu
 	return el.chain(name, el.upcasting(h))
 }
 
-// Store is the gate's st.
+// Store is the gate's store.
 func (el *Eventline) Store() *store.Store { return el.gate.store }
 
-// DeadLetterStore is the dead letters' st.
-func (el *Eventline) DeadLetterStore() *store.Store { return el.dl.store }
+// DeadLetterStore is the dead letters' store (held_events).
+func (el *Eventline) DeadLetterStore() *held.Store { return el.dl.store }
 
 // Retry returns the retries of a middleware configured with cfg, alone.
 func Retry(cfg Config) (message.HandlerMiddleware, error) {

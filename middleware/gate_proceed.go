@@ -94,7 +94,7 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 			"version", d.Failed.Version, "event_id", d.Failed.EventID, "error", d.FailErr)
 	}
 	if d.Late > 0 {
-		log.WarnContext(ctx, "eventline: parked events whose version the aggregate passed were moved to late_events",
+		log.WarnContext(ctx, "eventline: parked events whose version the aggregate passed were held as late",
 			"group", group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID, "late", d.Late)
 	}
 	AfterCommit(ctx, func() {
@@ -136,7 +136,7 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 		if err := g.validate(ctx, e, "held as late"); err != nil {
 			return nil, err
 		}
-		log.WarnContext(ctx, "eventline: late event held for the operator: its version was given up on before it arrived; apply it with `eventline parked apply-late` or discard it",
+		log.WarnContext(ctx, "eventline: late event held for the operator: its version was given up on before it arrived; replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
 			append(attrs, "skip_reason", reason)...)
 		AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })
 		g.obs.outcome(ctx, tracing.OutcomeSkipped) // its version was skipped; held for the operator
@@ -155,7 +155,7 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 // conflict holds a replayed dead letter whose version the aggregate
 // passed while it was dead (an event that was never applied, so not a
 // duplicate): another event took its version, or a successor declared an
-// earlier predecessor. It is held in late_events for the operator, under
+// earlier predecessor. It is held as late (held_events, cause version_conflict) for the operator, under
 // every late policy, never discarded as stale.
 //
 // Only replays are checked: naming the event that took the version is a
@@ -174,7 +174,7 @@ func (g *gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a st
 	if err != nil {
 		return g.refusal(ctx, e, err)
 	}
-	g.cfg.Logger.WarnContext(ctx, "eventline: replayed event held for the operator: the aggregate passed its version while it was dead (version conflict); apply it with `eventline parked apply-late` or discard it",
+	g.cfg.Logger.WarnContext(ctx, "eventline: replayed event held for the operator: the aggregate passed its version while it was dead (version conflict); replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
 		append(attrs, "reason", reason)...)
 	group, m := g.cfg.Group, g.cfg.Metrics
 	AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })

@@ -22,8 +22,8 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
 )
@@ -190,14 +190,14 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 				continue
 			}
 			e, derr := eventline.Decode(m)
-			var d *store.DeadLetter
+			var d *held.Event
 			var ids []int64
-			rows, err := f.env.Pool.Query(context.Background(), `SELECT id FROM `+sqlident.Qualify(f.env.Schema, "consumer_dead_letters")+` WHERE consumer_group = $1 AND kafka_offset = $2`, group, off)
+			rows, err := f.env.Pool.Query(context.Background(), `SELECT id FROM `+sqlident.Qualify(f.env.Schema, "held_events")+` WHERE consumer_group = $1 AND kafka_offset = $2`, group, off)
 			require.NoError(rt, err)
 			ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
 			require.NoError(rt, err)
 			if len(ids) > 0 {
-				dead, err := st.ListDeadLetters(context.Background(), f.env.Pool, store.DeadLetterFilter{Group: group, IDs: ids})
+				dead, err := st.List(context.Background(), f.env.Pool, held.Filter{Group: group, IDs: ids})
 				require.NoError(rt, err)
 				require.Len(rt, dead, 1, "message %d: one dead letter", i)
 				d = &dead[0]
@@ -229,7 +229,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 				}
 			}
 			require.NotNil(rt, d, "message %d (%v) is dead-lettered", i, derr)
-			require.NotContains(rt, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Kind, "message %d: the event's fault: %s", i, d.Reason)
+			require.NotContains(rt, []string{dedup.KindRetriesExhausted, dedup.KindFailed}, d.Cause, "message %d: the event's fault: %s", i, d.Reason)
 			require.LessOrEqual(rt, attempts.Load()-before, int64(1), "message %d: at most one attempt reached the handler", i)
 			require.Equal(rt, 1, d.Times)
 			require.Equal(rt, nonNil(m.Payload), nonNil(d.Payload), "message %d: payload kept byte for byte", i)
@@ -307,10 +307,10 @@ func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 			require.EqualValues(t, 1, attempts.Load()-before, "one attempt: retrying cannot encode it")
 		}
 	}
-	dead, err := f.el.DeadLetterStore().ListDeadLetters(context.Background(), f.env.Pool, store.DeadLetterFilter{Group: group})
+	dead, err := held.New(f.env.Schema).List(context.Background(), f.env.Pool, held.Filter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, 1)
-	require.Equal(t, dedup.KindPermanent, dead[0].Kind, dead[0].Reason)
+	require.Equal(t, dedup.KindPermanent, dead[0].Cause, dead[0].Reason)
 	require.EqualValues(t, 1, dead[0].Offset)
 	require.Contains(t, dead[0].Reason, "int4")
 	require.Equal(t, []int64{1, 2}, f.versions(t, "a"))
@@ -341,7 +341,7 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 		require.NoError(t, err)
 		require.Less(t, logged.n.Load()-before, int64(16<<10), "%s: the warning is bounded", field)
 	}
-	dead, err := f.el.DeadLetterStore().ListDeadLetters(context.Background(), f.env.Pool, store.DeadLetterFilter{Group: group})
+	dead, err := held.New(f.env.Schema).List(context.Background(), f.env.Pool, held.Filter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, dead, 3)
 	for _, d := range dead {

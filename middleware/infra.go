@@ -4,14 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/eventline/eventline/internal/pgerr"
 )
 
 // The three kinds of failure. Every error a consumer sees is one of:
@@ -106,44 +105,7 @@ func IsInfrastructure(err error) bool {
 	if errors.Is(err, ErrInfrastructure) {
 		return true
 	}
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return infraState(pg.Code)
-	}
-	return connectionLost(err)
-}
-
-// connectionLost reports whether err comes from a connection that failed:
-// connecting, talking to the server, or waiting for it.
-func connectionLost(err error) bool {
-	var ce *pgconn.ConnectError
-	var ne net.Error
-	switch {
-	case errors.As(err, &ce), pgconn.Timeout(err), errors.As(err, &ne):
-		return true
-	case errors.Is(err, pgconn.ErrConnClosed), errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed):
-		return true
-	}
-	for _, e := range []error{syscall.ECONNREFUSED, syscall.ECONNRESET, syscall.ECONNABORTED, syscall.EPIPE,
-		syscall.ETIMEDOUT, syscall.EHOSTUNREACH, syscall.ENETUNREACH, syscall.ENETDOWN} {
-		if errors.Is(err, e) {
-			return true
-		}
-	}
-	return false
-}
-
-// infraState reports whether a SQLSTATE says the server cannot serve now.
-func infraState(code string) bool {
-	switch {
-	case strings.HasPrefix(code, "08"), strings.HasPrefix(code, "53"), strings.HasPrefix(code, "58"):
-		return true
-	}
-	switch code {
-	case "57P01", "57P02", "57P03", "57P04", "57P05":
-		return true
-	}
-	return false
+	return pgerr.Unavailable(err)
 }
 
 // IsConflict reports whether err is a transaction conflict: a
@@ -251,7 +213,7 @@ func (el *Eventline) classify(parent, ctx context.Context, stage string, lost bo
 	if !lost && !ours {
 		// The transaction's connection is fine: a network error or timeout
 		// of the handler's own calls is the handler's fault.
-		if connectionLost(err) {
+		if pgerr.ConnectionLost(err) {
 			return &handlerFault{err: err}
 		}
 		return err

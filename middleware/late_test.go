@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/store"
@@ -63,19 +64,20 @@ func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
 	require.Equal(t, 1.0, f.metric(t, "eventline_consumer_late_events_total"))
 	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_events_stale_total"))
 
-	held, err := f.el.Store().ListLate(ctx, f.env.Pool, store.LateFilter{Group: group})
+	held, err := admin.ListHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
 	require.NoError(t, err)
 	require.Len(t, held, 1)
 	require.Equal(t, late.UUID, held[0].EventID)
-	require.Equal(t, store.LateArrived, held[0].Kind)
+	require.Equal(t, "arrived_late", held[0].Cause)
 	require.Contains(t, held[0].Reason, "park timeout")
 	require.EqualValues(t, 3, held[0].CurrentVersion)
 	require.Equal(t, []byte(late.Payload), held[0].Payload)
+	require.Equal(t, map[string]string(late.Metadata), held[0].Metadata, "the message whole")
 
-	// The operator applies it: the sweeper runs the handler, marked late.
-	n, err := f.el.Store().RequestLateApply(ctx, f.env.Pool, group, late.UUID)
+	// The operator replays it: the sweeper runs the handler, marked late.
+	replay, err := admin.ReplayHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{IDs: []int64{held[0].ID}})
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Equal(t, []int64{held[0].ID}, replay.Requested)
 	res, err = f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.LateApplied)
@@ -83,9 +85,9 @@ func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
 	require.Equal(t, dedup.OutcomeLateApplied, f.outcome(t, late.UUID))
 	require.Equal(t, []int64{1, 3, 2}, f.versions(t, "a"))
 	require.Equal(t, 1.0, f.metric(t, "eventline_consumer_late_applied_total"))
-	held, err = f.el.Store().ListLate(ctx, f.env.Pool, store.LateFilter{Group: group})
+	held, err = admin.ListHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
 	require.NoError(t, err)
-	require.Empty(t, held)
+	require.Empty(t, held, "replayed, no longer open")
 	require.NoError(t, f.deliver(t, late))
 	require.Equal(t, []bool{true}, log.of(late.UUID), "still a duplicate afterwards")
 }
@@ -102,9 +104,9 @@ func TestLateEventCanBeDiscarded(t *testing.T) {
 	require.NoError(t, err)
 	late := consumertest.Message(t, consumertest.Event("a", 2))
 	require.NoError(t, f.deliver(t, late))
-	n, err := f.el.Store().DiscardLate(ctx, f.env.Pool, group, late.UUID, "unknown-id")
+	ids, err := admin.DiscardHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group}, "not needed")
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Len(t, ids, 1)
 	require.Equal(t, dedup.OutcomeLateDiscarded, f.outcome(t, late.UUID))
 	require.NoError(t, f.deliver(t, late))
 	require.Equal(t, []int64{1, 3}, f.versions(t, "a"))
@@ -183,10 +185,10 @@ func TestParkedEventPassedByAJumpIsHeldAsLate(t *testing.T) {
 	require.NoError(t, f.deliver(t, consumertest.Message(t, jump)))
 	require.Equal(t, []int64{1, 5}, f.versions(t, "a"))
 	require.Equal(t, 0, f.count(t, "parked_events"))
-	late, err := f.el.Store().ListLate(context.Background(), f.env.Pool, store.LateFilter{Group: group})
+	late, err := admin.ListHeld(context.Background(), f.env.Pool, f.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
 	require.Equal(t, parked.UUID, late[0].EventID)
-	require.Equal(t, store.LateArrived, late[0].Kind, "its version is in the jump's skipped range")
+	require.Equal(t, "arrived_late", late[0].Cause, "its version is in the jump's skipped range")
 	require.Equal(t, dedup.OutcomeLate, f.outcome(t, parked.UUID))
 }

@@ -9,7 +9,6 @@ type failpathMetrics struct {
 	infraWaits         *prometheus.CounterVec
 	waitingOnDatabase  *prometheus.GaugeVec
 	deadLetterWrites   *prometheus.CounterVec
-	deadLetterPublish  *prometheus.CounterVec
 	deadLettersReplay  *prometheus.CounterVec
 	unsafeCompositions *prometheus.CounterVec
 	hookPanics         *prometheus.CounterVec
@@ -23,9 +22,7 @@ func newFailpathMetrics(counter func(name, help string, labels ...string) *prome
 		waitingOnDatabase: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: "waiting_on_database",
 			Help: "Events currently waiting for the database to answer again; above 0 during an outage."}, []string{"group"}),
 		deadLetterWrites: counter("dead_letter_write_failures_total",
-			"Failed writes of a dead letter to consumer_dead_letters; the message stays unacknowledged and the write is retried.", "group"),
-		deadLetterPublish: counter("dead_letter_publish_failures_total",
-			"Dead letters whose copy could not be published to the dead-letter topic (too large, broker down); the consumer_dead_letters row is complete.", "group"),
+			"Failed writes of a dead letter to held_events; the message stays unacknowledged and the write is retried.", "group"),
 		deadLettersReplay: counter("dead_letters_replayed_total", "Dead letters replayed on request: result replayed or failed.", "group", "result"),
 		unsafeCompositions: counter("unsafe_compositions_total",
 			"Events refused because the middleware chain was composed unsafely (a poison queue or retry inside the eventline transaction); nothing was committed.", "group"),
@@ -35,7 +32,7 @@ func newFailpathMetrics(counter func(name, help string, labels ...string) *prome
 }
 
 func (f failpathMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{f.retries, f.infraWaits, f.waitingOnDatabase, f.deadLetterWrites, f.deadLetterPublish,
+	return []prometheus.Collector{f.retries, f.infraWaits, f.waitingOnDatabase, f.deadLetterWrites,
 		f.deadLettersReplay, f.unsafeCompositions, f.hookPanics}
 }
 
@@ -60,12 +57,6 @@ func (m *Metrics) addWaitingOnDatabase(group string, d float64) {
 func (m *Metrics) incDeadLetterWriteFailure(group string) {
 	if m != nil {
 		m.failpath.deadLetterWrites.WithLabelValues(group).Inc()
-	}
-}
-
-func (m *Metrics) incDeadLetterPublishFailure(group string) {
-	if m != nil {
-		m.failpath.deadLetterPublish.WithLabelValues(group).Inc()
 	}
 }
 

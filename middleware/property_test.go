@@ -15,6 +15,7 @@ import (
 	"pgregory.net/rapid"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/delivery"
@@ -285,20 +286,18 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	st := finalEl.Store()
 	held := checkHeld(rt, env, st, group, delivered, late)
 
-	// The operator applies every held late event (again, while a handler
-	// keeps failing and its request is dropped after the attempt limit).
+	// The operator replays every held late event (again, while a handler
+	// keeps failing and it is held again after the attempt limit).
 	for i := 0; i < 50; i++ {
-		list, err := st.ListLate(ctx, env.Pool, store.LateFilter{Group: group, Limit: 1000})
+		list, err := admin.ListHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group, Limit: 1000})
 		require.NoError(rt, err)
 		if len(list) == 0 {
 			break
 		}
-		var ids []string
-		for _, l := range list {
-			ids = append(ids, l.EventID)
+		_, err = admin.ReplayHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
+		if !errors.Is(err, admin.ErrNoHeld) { // all of them may wait for a retry
+			require.NoError(rt, err)
 		}
-		_, err = st.RequestLateApply(ctx, env.Pool, group, ids...)
-		require.NoError(rt, err)
 		_, err = finalEl.SweepResult(ctx)
 		require.NoError(rt, err)
 	}
@@ -355,7 +354,7 @@ func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op,
 // applied. It returns their ids.
 func checkHeld(rt *rapid.T, env consumertest.Env, st *store.Store, group string, delivered map[string][]eventline.Event, late *counts) map[string]bool {
 	ctx := context.Background()
-	list, err := st.ListLate(ctx, env.Pool, store.LateFilter{Group: group, Limit: 1000})
+	list, err := admin.ListHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group, Limit: 1000})
 	require.NoError(rt, err)
 	byID := map[string]eventline.Event{}
 	for _, evs := range delivered {
@@ -367,9 +366,9 @@ func checkHeld(rt *rapid.T, env consumertest.Env, st *store.Store, group string,
 	for _, l := range list {
 		e, ok := byID[l.EventID]
 		require.True(rt, ok, "late event %s was delivered", l.EventID)
-		require.Equal(rt, e.AggregateVersion, l.Version)
+		require.Equal(rt, e.AggregateVersion, l.AggregateVersion)
 		require.Zero(rt, late.get(l.EventID), "a held late event has not been applied")
-		r, err := st.Processed(ctx, env.Pool, l.RecordKey())
+		r, err := st.Processed(ctx, env.Pool, store.RecordKey{Group: l.Group, EventID: l.EventID, AggregateType: l.AggregateType, AggregateID: l.AggregateID})
 		require.NoError(rt, err)
 		require.Equal(rt, dedup.OutcomeLate, r.Outcome)
 		held[l.EventID] = true
@@ -396,7 +395,7 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, st *store.Store, group s
 	parked, err := st.ListParked(ctx, env.Pool, store.ParkedFilter{Group: group})
 	require.NoError(rt, err)
 	require.Empty(rt, parked, "nothing stays parked after the final sweep")
-	held, err := st.ListLate(ctx, env.Pool, store.LateFilter{Group: group})
+	held, err := admin.ListHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
 	require.NoError(rt, err)
 	require.Empty(rt, held, "the operator applied every late event")
 

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/versioning"
 )
@@ -24,32 +25,32 @@ const replayStatementTimeout = 30 * time.Second
 type replayResult struct {
 	// Replayed counts dead letters that went through their handler and
 	// committed (applied, parked, recognised as a duplicate, or held in
-	// late_events for the operator: late, or a version conflict when the
+	// held_events for the operator: late, or a version conflict when the
 	// aggregate passed its version while it was dead).
 	Replayed int
 	// Failed counts dead letters whose replay failed, or that were held
 	// back because an earlier dead letter of their aggregate failed; they
-	// are dead again, with the error in last_replay_error.
+	// are held again, with the error (HeldEvent.LastError).
 	Failed int
 }
 
 // replayDeadLetters makes one pass over the group's dead letters whose
-// replay was requested (`eventline consumer-dlq replay`,
-// store.Store.RequestReplay). It claims them (rows another
+// replay was requested (`eventline held replay`, admin.ReplayHeld). It
+// claims them (rows another
 // replayer holds are skipped) and runs each, in order (per aggregate by
 // version, then as the records arrived), through the eventline middleware
 // and the handler registered under the dead letter's handler name, once,
 // without retries. A replay that commits marks its dead letter replayed;
-// one that fails puts it back to dead with the error, and holds back the
+// one that fails holds it again with the error, and holds back the
 // aggregate's later dead letters in the pass. A dead letter is not
-// replayed while an earlier one of its aggregate is still dead (not asked
-// to replay): it goes back to dead, saying which one to replay or discard
+// replayed while an earlier one of its aggregate is still held (not asked
+// to replay): it is held again, saying which one to replay or discard
 // first. So an aggregate's dead letters are never applied out of order.
 // A dead letter whose version its aggregate passed meanwhile (another
 // event took it, or a successor declared an earlier predecessor) is never
-// discarded as stale: it is held in late_events as a version conflict
-// (kind passed, reason "version_conflict: version N was applied by event
-// X"), for the operator to apply late or discard.
+// discarded as stale: it is held as late, cause version_conflict (reason
+// "version N was applied by event X"), for the operator to replay (apply
+// late) or discard.
 // An infrastructure error ends the pass; what was not replayed stays
 // requested for the next one.
 //
@@ -77,9 +78,9 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 		return res, err
 	}
 	defer rollback(ctx, tx)
-	var claimed []store.DeadLetter
+	var claimed []held.Event
 	if err := bounded(func(ctx context.Context) (err error) {
-		claimed, err = dls.ClaimReplays(ctx, tx, el.cfg.Group, replayBatch)
+		claimed, err = dls.Claim(ctx, tx, el.cfg.Group, held.KindDeadLetter, replayBatch)
 		return err
 	}); err != nil {
 		return res, err
@@ -87,7 +88,7 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 	fail := func(id int64, why string) error {
 		res.Failed++
 		el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
-		return bounded(func(ctx context.Context) error { return dls.MarkReplayFailed(ctx, tx, id, why) })
+		return bounded(func(ctx context.Context) error { return dls.MarkReplayFailed(ctx, tx, id, why, 0, true) })
 	}
 	var stop error
 	failed := map[store.Key]int64{}
@@ -102,14 +103,17 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 			}
 			continue
 		}
-		var earlier store.DeadLetter
+		var earlier, version int64
 		var found bool
-		if err := bounded(func(ctx context.Context) (err error) { earlier, found, err = dls.EarlierDead(ctx, tx, d); return err }); err != nil {
+		if err := bounded(func(ctx context.Context) (err error) {
+			earlier, version, found, err = dls.EarlierHeld(ctx, tx, d)
+			return err
+		}); err != nil {
 			return res, err
 		}
 		if found {
-			failed[k] = earlier.ID
-			why := fmt.Sprintf("not replayed: dead letter %d (version %d) of the same aggregate is still dead; replay it too, or discard it, first", earlier.ID, earlier.AggregateVersion)
+			failed[k] = earlier
+			why := fmt.Sprintf("not replayed: dead letter %d (version %d) of the same aggregate is still held; replay it too, or discard it, first", earlier, version)
 			if err := fail(d.ID, why); err != nil {
 				return res, err
 			}
@@ -129,8 +133,8 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 			break
 		}
 		failed[k] = d.ID
-		el.cfg.Logger.WarnContext(ctx, "eventline: replay of a dead letter failed; it is dead again",
-			"group", el.cfg.Group, "dead_letter_id", d.ID, "event_id", d.EventID, "error", rerr)
+		el.cfg.Logger.WarnContext(ctx, "eventline: replay of a dead letter failed; it is held again",
+			"group", el.cfg.Group, "held_event_id", d.ID, "event_id", d.EventID, "error", rerr)
 		if err := fail(d.ID, rerr.Error()); err != nil {
 			return res, err
 		}
@@ -143,7 +147,7 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 
 // replay runs one dead letter through the eventline middleware and its
 // handler.
-func (el *Eventline) replay(ctx context.Context, d store.DeadLetter) error {
+func (el *Eventline) replay(ctx context.Context, d held.Event) error {
 	h := el.gate.reg.lookup(d.Handler)
 	if h == nil {
 		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, d.Handler)

@@ -9,10 +9,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -31,39 +32,40 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 		}
 		return nil, env.Apply(msg.Context(), tx, group, e)
 	})
-	st := el.DeadLetterStore()
+	hs := held.New(env.Schema)
 	add := func(e eventline.Event, offset int64) int64 {
 		msg := consumertest.Message(t, e)
-		id, err := st.AddDeadLetter(ctx, env.Pool, store.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
+		id, err := hs.AddDeadLetter(ctx, env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
 			MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata, EventID: e.ID, EventType: e.Type,
-			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Kind: dedup.KindRetriesExhausted, Reason: "r"})
+			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Cause: dedup.KindRetriesExhausted, Reason: "r"})
 		require.NoError(t, err)
 		return id
 	}
 	x1, x2, y1 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("y", 1)
 	idX2, idX1, idY1 := add(x2, 5), add(x1, 3), add(y1, 4) // x2 died first: the replay still goes by version
-	again, err := st.AddDeadLetter(ctx, env.Pool, store.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: 5,
-		MessageUUID: x2.ID, Kind: dedup.KindPermanent, Reason: "died again"})
+	again, err := hs.AddDeadLetter(ctx, env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: 5,
+		MessageUUID: x2.ID, Cause: dedup.KindPermanent, Reason: "died again"})
 	require.NoError(t, err)
 	require.Equal(t, idX2, again, "the same record dead-lettered again re-opens its row")
 
-	ids, err := st.RequestReplay(ctx, env.Pool, store.DeadLetterFilter{Group: group})
+	rr, err := admin.ReplayHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Group: group})
 	require.NoError(t, err)
-	require.ElementsMatch(t, []int64{idX1, idX2, idY1}, ids)
+	require.Equal(t, []int64{idX1, idX2, idY1}, rr.Requested, "per aggregate in version order")
 	res, err := el.ReplayDeadLetters(ctx)
 	require.NoError(t, err)
 	require.Equal(t, middleware.ReplayResult{Replayed: 1, Failed: 2}, res)
-	dead, err := st.ListDeadLetters(ctx, env.Pool, store.DeadLetterFilter{Group: group, IDs: []int64{idX1, idX2}})
+	dead, err := hs.List(ctx, env.Pool, held.Filter{Group: group, IDs: []int64{idX1, idX2}})
 	require.NoError(t, err)
 	require.Len(t, dead, 2)
 	require.Equal(t, idX2, dead[0].ID)
-	require.Contains(t, dead[0].LastReplayError, "not replayed: dead letter", "x2 is held back behind x1")
-	require.Contains(t, dead[1].LastReplayError, "still broken")
-	require.Equal(t, 1, dead[1].ReplayAttempts)
+	require.Contains(t, dead[0].LastError, "not replayed: dead letter", "x2 is held back behind x1")
+	require.Contains(t, dead[1].LastError, "still broken")
+	require.Equal(t, 1, dead[1].Attempts)
+	require.Equal(t, held.StatusHeld, dead[1].Status, "a failed replay is held again")
 	require.Equal(t, 2, dead[0].Times)
 
 	broken = false
-	_, err = st.RequestReplay(ctx, env.Pool, store.DeadLetterFilter{AggregateType: "thing", AggregateID: "x"})
+	_, err = admin.ReplayHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{AggregateType: "thing", AggregateID: "x"})
 	require.NoError(t, err)
 	res, err = el.ReplayDeadLetters(ctx)
 	require.NoError(t, err)
@@ -77,15 +79,15 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	require.Equal(t, []int64{1, 2}, order)
 
 	// Nothing left to replay; discarding needs a reason.
-	_, err = st.RequestReplay(ctx, env.Pool, store.DeadLetterFilter{Group: group})
-	require.ErrorIs(t, err, store.ErrNoDeadLetters)
-	_, err = st.DiscardDeadLetters(ctx, env.Pool, store.DeadLetterFilter{IDs: []int64{idY1}}, " ")
+	_, err = admin.ReplayHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Group: group})
+	require.ErrorIs(t, err, admin.ErrNoHeld)
+	_, err = admin.DiscardHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{IDs: []int64{idY1}}, " ")
 	require.Error(t, err)
 }
 
 // A replayed dead letter whose version the aggregate has since passed
 // is held for the operator as a version conflict, never discarded as
-// stale: in late_events (kind passed), its reason naming the event that
+// stale: as late (cause version_conflict), its reason naming the event that
 // applied the version when that event is still recorded, its dedup
 // outcome late, so the operator applies it (marked late) or discards it.
 // A dead letter of an event applied since is a duplicate, as before.
@@ -97,14 +99,14 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	f := newFixture(t, middleware.Config{})
 	log := &lateLog{calls: map[string][]bool{}}
 	f.observe = log.observe
-	st := f.el.DeadLetterStore()
+	hs := held.New(f.env.Schema)
 	offset := int64(0)
 	dead := func(e eventline.Event) int64 {
 		msg := consumertest.Message(t, e)
 		offset++
-		id, err := st.AddDeadLetter(ctx, f.env.Pool, store.DeadLetter{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
+		id, err := hs.AddDeadLetter(ctx, f.env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
 			MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata, EventID: e.ID, EventType: e.Type,
-			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Kind: dedup.KindRetriesExhausted, Reason: "r"})
+			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Cause: dedup.KindRetriesExhausted, Reason: "r"})
 		require.NoError(t, err)
 		return id
 	}
@@ -127,21 +129,22 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	dead(a2)
 	dead(b5)
 	dead(c2)
-	_, err := st.RequestReplay(ctx, f.env.Pool, store.DeadLetterFilter{Group: group})
+	_, err := admin.ReplayHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{Kind: admin.HeldDeadLetter, Group: group})
 	require.NoError(t, err)
 	res, err := f.el.ReplayDeadLetters(ctx)
 	require.NoError(t, err)
 	require.Equal(t, middleware.ReplayResult{Replayed: 3}, res)
 
-	held, err := f.el.Store().ListLate(ctx, f.env.Pool, store.LateFilter{Group: group})
+	held, err := admin.ListHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
 	require.NoError(t, err)
 	require.Len(t, held, 2, "both conflicts are held, the duplicate is not")
 	require.Equal(t, a2.ID, held[0].EventID)
-	require.Equal(t, store.LatePassed, held[0].Kind)
-	require.Equal(t, "version_conflict: version 2 was applied by event "+taker.ID, held[0].Reason)
+	require.Equal(t, "version_conflict", held[0].Cause)
+	require.Equal(t, "version 2 was applied by event "+taker.ID, held[0].Reason)
 	require.EqualValues(t, 2, held[0].CurrentVersion)
 	require.Equal(t, b5.ID, held[1].EventID)
-	require.Contains(t, held[1].Reason, "version_conflict: the aggregate passed version 5 without this event")
+	require.Equal(t, "version_conflict", held[1].Cause)
+	require.Contains(t, held[1].Reason, "the aggregate passed version 5 without this event")
 	require.Equal(t, dedup.OutcomeLate, f.outcome(t, a2.ID))
 	require.Equal(t, dedup.OutcomeLate, f.outcome(t, b5.ID))
 	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_events_stale_total"), "nothing discarded as stale")
@@ -149,12 +152,12 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	require.Empty(t, log.of(a2.ID), "not applied out of order")
 
 	// The operator applies one, marked late, and discards the other.
-	_, err = f.el.Store().RequestLateApply(ctx, f.env.Pool, group, a2.ID)
+	_, err = admin.ReplayHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{IDs: []int64{held[0].ID}})
 	require.NoError(t, err)
 	_, err = f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, []bool{true}, log.of(a2.ID))
-	n, err := f.el.Store().DiscardLate(ctx, f.env.Pool, group, b5.ID)
+	ids, err := admin.DiscardHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{IDs: []int64{held[1].ID}}, "not genuine")
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Equal(t, []int64{held[1].ID}, ids)
 }

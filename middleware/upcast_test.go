@@ -12,6 +12,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
@@ -126,7 +127,7 @@ func TestUpcast(t *testing.T) {
 		_, err = chain(ev(t, 3, 3, `{"n":3}`))
 		require.NoError(t, err, "the chain dead-letters what it cannot upcast and acknowledges it")
 		require.Len(t, b.seen, 2, "the handler never sees a version it cannot read")
-		dead, err := b.el.DeadLetterStore().ListDeadLetters(context.Background(), b.env.Pool, store.DeadLetterFilter{Group: group})
+		dead, err := b.el.DeadLetterStore().List(context.Background(), b.env.Pool, held.Filter{Group: group})
 		require.NoError(t, err)
 		require.Len(t, dead, 1)
 		require.EqualValues(t, 3, dead[0].AggregateVersion)

@@ -20,11 +20,7 @@ func ExampleAll() {
 	// Output:
 	// 001_outbox
 	// 002_consumer
-	// 003_consumer_gate
-	// 004_consumer_dead_letters
-	// 005_relay_leases
-	// 006_aggregate_topic
-	// 007_dedup_scope
+	// 003_held_events
 }
 
 // Applying the schema from a service's start-up code, before producers or

@@ -157,7 +157,7 @@ func Up(ctx context.Context, db Beginner, cfg Config) error {
 	if err != nil {
 		return err
 	}
-	return inMigrationTx(ctx, db, cfg.Schema, func(tx pgx.Tx, applied map[int]time.Time) error {
+	return inMigrationTx(ctx, db, cfg.Schema, all, func(tx pgx.Tx, applied map[int]time.Time) error {
 		for _, m := range all {
 			if _, ok := applied[m.Version]; ok {
 				continue
@@ -189,7 +189,7 @@ func Down(ctx context.Context, db Beginner, cfg Config, steps int) error {
 	if err != nil {
 		return err
 	}
-	return inMigrationTx(ctx, db, cfg.Schema, func(tx pgx.Tx, applied map[int]time.Time) error {
+	return inMigrationTx(ctx, db, cfg.Schema, all, func(tx pgx.Tx, applied map[int]time.Time) error {
 		done := 0
 		for i := len(all) - 1; i >= 0 && (steps == 0 || done < steps); i-- {
 			m := all[i]
@@ -254,8 +254,10 @@ func Status(ctx context.Context, db Beginner, cfg Config) ([]MigrationStatus, er
 }
 
 // inMigrationTx runs fn in a transaction holding the schema's migration lock,
-// with search_path set to the schema and the tracking table in place.
-func inMigrationTx(ctx context.Context, db Beginner, schema string, fn func(pgx.Tx, map[int]time.Time) error) error {
+// with search_path set to the schema and the tracking table in place. It
+// refuses a schema that records a migration all does not have (a
+// pre-release eventline's, see preReleaseError).
+func inMigrationTx(ctx context.Context, db Beginner, schema string, all []Migration, fn func(pgx.Tx, map[int]time.Time) error) error {
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('eventline.migrate.' || $1::text))`, schema); err != nil {
 			return fmt.Errorf("take migration lock: %w", err)
@@ -274,21 +276,33 @@ func inMigrationTx(ctx context.Context, db Beginner, schema string, fn func(pgx.
 		)`); err != nil {
 			return fmt.Errorf("create schema_migrations: %w", err)
 		}
-		rows, err := tx.Query(ctx, `SELECT version, applied_at FROM schema_migrations`)
+		rows, err := tx.Query(ctx, `SELECT version, name, applied_at FROM schema_migrations ORDER BY version`)
 		if err != nil {
 			return err
 		}
+		known := map[int]string{}
+		for _, m := range all {
+			known[m.Version] = m.Name
+		}
 		applied := map[int]time.Time{}
+		var foreign []string
 		for rows.Next() {
 			var v int
+			var name string
 			var at time.Time
-			if err := rows.Scan(&v, &at); err != nil {
+			if err := rows.Scan(&v, &name, &at); err != nil {
 				return err
+			}
+			if known[v] != name {
+				foreign = append(foreign, fmt.Sprintf("%03d_%s", v, name))
 			}
 			applied[v] = at
 		}
 		if err := rows.Err(); err != nil {
 			return err
+		}
+		if len(foreign) > 0 {
+			return preReleaseError(schema, foreign)
 		}
 		return fn(tx, applied)
 	})
@@ -356,6 +370,18 @@ func dropShards(ctx context.Context, tx pgx.Tx, schema string) error {
 		}
 	}
 	return nil
+}
+
+// preReleaseError refuses a schema migrated by a build whose migrations
+// this one does not have: a pre-release eventline's 003_consumer_gate to
+// 007_dedup_scope, squashed into 001-003 for the first release, whose
+// tables (dead_letters, consumer_dead_letters, late_events) became
+// held_events. Running this build's files over it would leave the old
+// shape behind.
+func preReleaseError(schema string, foreign []string) error {
+	return fmt.Errorf("schema %q records migrations this build does not have (%s): it was migrated by a pre-release eventline, whose migrations the first release squashed; "+
+		"resolve what it holds, roll it back with that build (`eventline migrate down -all`), then run `eventline migrate up` with this one (docs/OPERATIONS.md, \"Moving a pre-release schema\")",
+		schema, strings.Join(foreign, ", "))
 }
 
 func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }

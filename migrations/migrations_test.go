@@ -114,11 +114,10 @@ func TestBadInputIsRefusedNamingTheArgument(t *testing.T) {
 	}
 }
 
-// 007_dedup_scope keys processed_events (and late_events) by event id and
-// aggregate: up keeps the rows recorded under the old key; down refuses,
-// naming the table, while a group has recorded one id in two aggregates
-// (the old key cannot hold both), and goes back once it has not.
-func TestDedupScopeMigration(t *testing.T) {
+// A schema migrated by a pre-release eventline (migrations 003_consumer_gate
+// to 007_dedup_scope, squashed for the first release) is refused by Up and
+// Down, naming what it records and how to move it, and nothing changes.
+func TestAPreReleaseSchemaIsRefused(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := pgtest.Pool(t, 2)
@@ -127,22 +126,24 @@ func TestDedupScopeMigration(t *testing.T) {
 	cfg := migrations.Config{Schema: schema, Shards: 1}
 	require.NoError(t, migrations.Up(ctx, pool, cfg))
 	require.NoError(t, migrations.Down(ctx, pool, cfg, 1))
-	processed := sqlident.Qualify(schema, "processed_events")
-	_, err := pool.Exec(ctx, `INSERT INTO `+processed+` (consumer_group, event_id, aggregate_type, aggregate_id, outcome) VALUES ('g', 'e1', 'order', 'o-1', 'applied')`)
+	tracking := sqlident.Qualify(schema, "schema_migrations")
+	_, err := pool.Exec(ctx, `INSERT INTO `+tracking+` (version, name) VALUES (3, 'consumer_gate'), (7, 'dedup_scope')`)
 	require.NoError(t, err)
-	require.NoError(t, migrations.Up(ctx, pool, cfg))
-	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+processed))
 
-	_, err = pool.Exec(ctx, `INSERT INTO `+processed+` (consumer_group, event_id, aggregate_type, aggregate_id, outcome) VALUES ('g', 'e1', 'order', 'o-2', 'applied')`)
-	require.NoError(t, err, "one id in another aggregate is another record")
-	err = migrations.Down(ctx, pool, cfg, 1)
-	require.ErrorContains(t, err, "processed_events records 1 event id(s) in more than one aggregate")
+	err = migrations.Up(ctx, pool, cfg)
+	require.ErrorContains(t, err, "003_consumer_gate, 007_dedup_scope")
+	require.ErrorContains(t, err, "migrate down -all")
+	require.ErrorContains(t, migrations.Down(ctx, pool, cfg, 0), "pre-release eventline")
+	require.Zero(t, pgtest.Count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'held_events'`, schema), "nothing applied")
+	require.Equal(t, 4, pgtest.Count(t, pool, `SELECT count(*) FROM `+tracking), "nothing rolled back")
+
+	// Rolled back by the build that wrote it (every table dropped, the
+	// tracking rows deleted), the schema takes this one's.
+	pgtest.DropSchema(t, schema)
+	require.NoError(t, migrations.Up(ctx, pool, cfg))
 	st, err := migrations.Status(ctx, pool, cfg)
 	require.NoError(t, err)
-	require.True(t, st[len(st)-1].Applied(), "nothing rolled back")
-
-	_, err = pool.Exec(ctx, `DELETE FROM `+processed+` WHERE aggregate_id = 'o-2'`)
-	require.NoError(t, err)
-	require.NoError(t, migrations.Down(ctx, pool, cfg, 1))
-	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+processed))
+	for _, s := range st {
+		require.True(t, s.Applied(), "%03d_%s", s.Version, s.Name)
+	}
 }

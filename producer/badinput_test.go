@@ -17,6 +17,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -41,30 +42,6 @@ func TestPublishRefusesANilHandle(t *testing.T) {
 	require.Zero(t, outboxCount(t, env))
 }
 
-// TestReadShardCountRefusesBadInput: a nil handle is an error, not a
-// panic, and a schema that is not a plain identifier is refused before any
-// SQL, naming the argument, like ReadStatus and ListDeadLetters do.
-func TestReadShardCountRefusesBadInput(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	ctx := context.Background()
-
-	_, err := producer.ReadShardCount(ctx, nil, env.Schema)
-	require.ErrorContains(t, err, "db is nil")
-	var nilPool *pgxpool.Pool
-	_, err = producer.ReadShardCount(ctx, nilPool, env.Schema)
-	require.ErrorContains(t, err, "db is nil")
-
-	for _, schema := range []string{"", `x"; DROP TABLE y; --`, "x; drop table y", strings.Repeat("s", 64), "pg_x"} {
-		_, err := producer.ReadShardCount(ctx, env.Pool, schema)
-		require.ErrorContains(t, err, "schema", schema)
-		require.NotErrorIs(t, err, producer.ErrNotMigrated, "%q is not a schema to migrate", schema)
-	}
-	n, err := producer.ReadShardCount(ctx, env.Pool, env.Schema)
-	require.NoError(t, err)
-	require.Equal(t, env.Shards, n)
-}
-
 // TestNewRelayRefusesValuesThatBreakAtRunTime: settings NewRelay used to
 // accept and Run then could not use are refused, naming the field. A
 // RebalanceInterval of a week gave PostgreSQL a tcp_user_timeout beyond
@@ -84,7 +61,7 @@ func TestNewRelayRefusesValuesThatBreakAtRunTime(t *testing.T) {
 		"RelayConfig.MaxMessageBytes":   {MaxMessageBytes: int(sarama.MaxRequestSize)}, // Sarama ignored it
 		"RelayConfig.MaxMessageBytes ":  {MaxMessageBytes: 10},
 	} {
-		cfg.Schema, cfg.Brokers, cfg.Logger = env.Schema, []string{"localhost:9092"}, testLogger(t)
+		cfg.Schema, cfg.Brokers, cfg.Logger = env.Schema, []string{"localhost:9092"}, relaytest.Logger(t)
 		_, err := producer.NewRelay(context.Background(), env.Pool, cfg)
 		require.ErrorContains(t, err, strings.TrimSpace(field))
 	}
@@ -97,8 +74,8 @@ func TestRelayRunsAtTheLongestRebalanceInterval(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{})
 	brokers := kafkatest.Brokers(t)
-	r, _ := startRelay(t, env, producer.RelayConfig{Brokers: brokers, RebalanceInterval: 24 * time.Hour, PollInterval: 24 * time.Hour})
-	require.Eventually(t, func() bool { return len(r.OwnedShards()) == env.Shards }, 30*time.Second, 20*time.Millisecond,
+	r, _ := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, RebalanceInterval: 24 * time.Hour, PollInterval: 24 * time.Hour})
+	require.Eventually(t, func() bool { return len(producer.OwnedShards(r)) == env.Shards }, 30*time.Second, 20*time.Millisecond,
 		"the relay never took its shards")
 	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
 		Schema: env.Schema, Brokers: brokers, RebalanceInterval: 24*time.Hour + 1,
@@ -121,7 +98,7 @@ func TestNewRelayConfigProperty(t *testing.T) {
 		var cfg producer.RelayConfig
 		cfg.Schema = env.Schema
 		cfg.Brokers = []string{"localhost:9092"}
-		cfg.Logger = testLogger(t)
+		cfg.Logger = relaytest.Logger(t)
 		bad := map[string]bool{}
 
 		cfg.PollInterval = rapid.SampledFrom(durations).Draw(rt, "poll")
@@ -143,13 +120,13 @@ func TestNewRelayConfigProperty(t *testing.T) {
 		bad["MaxPublishRate"] = cfg.MaxPublishRate < 0 || math.IsNaN(cfg.MaxPublishRate)
 		switch rapid.IntRange(0, 3).Draw(rt, "backoff") {
 		case 1:
-			cfg.Backoff = []time.Duration{}
+			cfg.Backoff = eventline.Backoff{Initial: -time.Second}
 			bad["Backoff"] = true
 		case 2:
-			cfg.Backoff = []time.Duration{time.Second, -time.Second}
+			cfg.Backoff = eventline.Backoff{Initial: time.Second, Max: time.Millisecond, Multiplier: math.NaN()}
 			bad["Backoff"] = true
 		case 3:
-			cfg.Backoff = []time.Duration{0, math.MaxInt64}
+			cfg.Backoff = eventline.Backoff{Max: math.MaxInt64}
 		}
 		cfg.ID = rapid.SampledFrom([]string{"", " ", "relay-1", "é", "a\x00b", "\xff", strings.Repeat("r", 10_000)}).Draw(rt, "id")
 		bad["ID"] = strings.ContainsRune(cfg.ID, 0) || cfg.ID == "\xff"
@@ -241,7 +218,7 @@ func TestNewRelayValidatesTheSaramaConfig(t *testing.T) {
 	sc := sarama.NewConfig()
 	sc.Net.DialTimeout = 0
 	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: testLogger(t)})
+		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: relaytest.Logger(t)})
 	require.ErrorContains(t, err, "RelayConfig.SaramaConfig: kafka: invalid configuration (Net.DialTimeout must be > 0)")
 
 	// What the relay enforces (idempotence, acks, one request in flight)
@@ -250,64 +227,6 @@ func TestNewRelayValidatesTheSaramaConfig(t *testing.T) {
 	sc.Producer.RequiredAcks = sarama.NoResponse
 	sc.Net.MaxOpenRequests = 5
 	_, err = producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: testLogger(t)})
+		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: relaytest.Logger(t)})
 	require.NoError(t, err)
-}
-
-// TestOperationsRefuseANilHandle: the package's operational functions
-// (what `eventline status`, `dlq`, `cleanup` and the recovery commands
-// call) panicked on a nil handle; each returns an error naming itself and
-// the argument.
-func TestOperationsRefuseANilHandle(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	ctx := context.Background()
-	var nilPool *pgxpool.Pool
-	calls := map[string]func() error{
-		"producer.ListDeadLetters: db is nil": func() error {
-			_, err := producer.ListDeadLetters(ctx, nilPool, env.Schema, producer.DeadLetterFilter{})
-			return err
-		},
-		"producer.ReplayDeadLetters: db is nil": func() error {
-			_, err := producer.ReplayDeadLetters(ctx, nilPool, env.Schema, 1)
-			return err
-		},
-		"producer.Cleanup: db is nil": func() error {
-			_, err := producer.Cleanup(ctx, nilPool, producer.CleanupConfig{Schema: env.Schema, Shards: []int{0}})
-			return err
-		},
-		"producer.ReadStatus: db is nil": func() error {
-			_, err := producer.ReadStatus(ctx, nilPool, env.Schema)
-			return err
-		},
-		"producer.ReadHorizonHolder: db is nil": func() error {
-			_, err := producer.ReadHorizonHolder(ctx, nilPool)
-			return err
-		},
-		"producer.ShardOwners: db is nil": func() error {
-			_, err := producer.ShardOwners(ctx, nilPool, env.Schema)
-			return err
-		},
-		"producer.CheckPositions: db is nil": func() error {
-			_, err := producer.CheckPositions(ctx, nilPool, env.Schema)
-			return err
-		},
-		"producer.RebasePositions: db is nil": func() error {
-			_, err := producer.RebasePositions(ctx, nilPool, env.Schema, true)
-			return err
-		},
-		"producer.AdvanceSequences: producerDB is nil": func() error {
-			_, err := producer.AdvanceSequences(ctx, nilPool, env.Schema, env.Pool, env.Schema, true)
-			return err
-		},
-		"producer.AdvanceSequences: consumerDB is nil": func() error {
-			_, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, nilPool, env.Schema, true)
-			return err
-		},
-	}
-	for want, call := range calls {
-		var err error
-		require.NotPanics(t, func() { err = call() }, want)
-		require.ErrorContains(t, err, want)
-	}
 }

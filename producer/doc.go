@@ -8,7 +8,11 @@
 // shards by a stable hash of their aggregate, so one aggregate's events
 // always share a shard; they all go to one Kafka topic, and their versions
 // follow each other (see PublishTx for the rules, and [DefaultMaxMessageBytes]
-// for the size limit shared with the relay).
+// for the size limit shared with the relay). [Producer.PublishAndCommit]
+// runs the caller's function in a transaction of its own and sends the
+// outbox statement with COMMIT, one round trip fewer;
+// [Config.CallerVersionedTypes] lets aggregates whose version column the
+// caller's transaction locks skip the per-aggregate sequence row.
 //
 // The [Relay] runs one Watermill forwarder per shard it owns, moving rows to
 // Kafka keyed by aggregate id (partitioned with Kafka's own murmur2 hash).
@@ -22,8 +26,9 @@
 // accepted a message but before the outbox recorded it means the message is
 // sent again, never lost.
 //
-// After moving the database to another cluster, see [RebasePositions]; after
-// a failover that lost commits, [AdvanceSequences].
+// After moving the database to another cluster, see admin.RebasePositions;
+// after a failover that lost commits, admin.AdvanceSequences. The admin
+// package holds every operator action (status, dead letters, cleanup).
 //
 // Tracing: PublishTx stores the caller's trace context (traceparent,
 // tracestate, baggage) with each event; a relay given

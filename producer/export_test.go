@@ -4,13 +4,6 @@ package producer
 // schema, so a test acts on its own relay's calls only; one test at a time
 // may set each hook, and restore removes it.
 
-// SetRebaseHook runs f in RebasePositions after a shard was found ahead of
-// the cluster's counter and before it is re-based.
-func SetRebaseHook(f func(schema string, shard int)) (restore func()) {
-	rebaseHook.Store(&f)
-	return func() { rebaseHook.Store(nil) }
-}
-
 // SetBeforeSendHook runs f in the relay's publish path before the lease
 // check that precedes each Kafka send.
 func SetBeforeSendHook(f func(schema string, shard int, eventID string)) (restore func()) {
@@ -24,3 +17,12 @@ func SetLeaseTimerHook(f func(schema string, shard int)) (restore func()) {
 	leaseTimerHook.Store(&f)
 	return func() { leaseTimerHook.Store(nil) }
 }
+
+// OwnedShards returns the shards r is relaying now, in order.
+func OwnedShards(r *Relay) []int { return r.ownedShards() }
+
+// ShardCount returns r's shard count, or 0 while it is not known.
+func ShardCount(r *Relay) int { return r.shardCount() }
+
+// Polls returns how many times r's poller has looked at its waiting shards.
+func Polls(r *Relay) int64 { return r.poller.polls.Load() }

@@ -2,7 +2,6 @@ package producer
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
@@ -10,16 +9,6 @@ import (
 
 	"github.com/eventline/eventline"
 )
-
-// DefaultMaxMessageBytes is the largest Kafka record, as Sarama sizes it,
-// that the producer accepts into the outbox and the relay sends: 1 MiB,
-// Sarama's own default for Producer.MaxMessageBytes and the Kafka Java
-// producer's max.request.size. The producer (Config.MaxMessageBytes) and the
-// relay (RelayConfig.MaxMessageBytes) must use the same value, so that
-// nothing enters the outbox that the relay can never send; the brokers'
-// message.max.bytes (or the topic's max.message.bytes) must admit it too
-// (Kafka's default, 1,048,588 bytes, does).
-const DefaultMaxMessageBytes = 1024 * 1024
 
 // Sarama's size estimate of one record (ProducerMessage.ByteSize for record
 // batches, Kafka ≥ 0.11): a fixed overhead per record plus, per header, two
@@ -48,9 +37,6 @@ func EncodedRecordSize(msg *message.Message) int {
 	}
 	return size
 }
-
-// ErrEventTooLarge is matched by *EventTooLargeError.
-var ErrEventTooLarge = errors.New("eventline: event too large for Kafka")
 
 // EventTooLargeError reports an event whose Kafka record would exceed the
 // configured maximum. PublishTx returns it before any SQL runs, so the

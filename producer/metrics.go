@@ -9,7 +9,7 @@ import (
 
 // RelayMetrics are the relay's Prometheus collectors. A nil *RelayMetrics
 // records nothing. Figures that need the database (backlog, oldest pending
-// age, dead letters waiting) come from NewStatusCollector instead, so they
+// age, dead letters waiting) come from admin.NewStatusCollector instead, so they
 // are right even when no relay runs.
 type RelayMetrics struct {
 	forwarded      *prometheus.CounterVec

@@ -14,6 +14,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -30,7 +31,7 @@ func TestRelayForwardsCommittedEventsOnceUnderOverlappingTransactions(t *testing
 	kafkatest.CreateTopic(t, brokers, topic, 6)
 	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
 	require.NoError(t, err)
-	startRelay(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 16})
+	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 16})
 
 	var mu sync.Mutex
 	committed, rolledBack := map[string]bool{}, map[string]bool{}
@@ -87,11 +88,11 @@ func TestRelayForwardsCommittedEventsOnceUnderOverlappingTransactions(t *testing
 	wg.Wait()
 	require.NotEmpty(t, rolledBack)
 
-	records := readTopic(t, brokers, topic, len(committed), time.Minute)
+	records := relaytest.ReadTopic(t, brokers, topic, len(committed), time.Minute)
 	// Read on for a moment: a late duplicate or rolled-back event would
 	// show up here.
-	records = readUntil(t, brokers, topic, 2*time.Second, func(r []record) bool { return len(r) > len(records) })
-	counts := distinct(records)
+	records = relaytest.ReadUntil(t, brokers, topic, 2*time.Second, func(r []relaytest.Record) bool { return len(r) > len(records) })
+	counts := relaytest.Distinct(records)
 	for id := range committed {
 		require.Equal(t, 1, counts[id], "committed event %s must be forwarded exactly once", id)
 	}
@@ -129,15 +130,15 @@ func TestXidOrderCanInvertVersions(t *testing.T) {
 	_, err = txA.Exec(ctx, `SELECT pg_current_xact_id()`) // A's xid is older
 	require.NoError(t, err)
 
-	b := mustEvent(t, "X", topic, "b")
+	b := relaytest.Event(t, "X", topic, "b")
 	require.NoError(t, p.Publish(ctx, env.Pool, b)) // B: version 1, commits first
-	a := mustEvent(t, "X", topic, "a")
+	a := relaytest.Event(t, "X", topic, "a")
 	require.NoError(t, p.PublishTx(ctx, txA, a)) // A: version 2
 	require.NoError(t, txA.Commit(ctx))
 
-	startRelay(t, env, producer.RelayConfig{Brokers: brokers})
-	recs := readTopic(t, brokers, topic, 2, 30*time.Second)
+	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers})
+	recs := relaytest.ReadTopic(t, brokers, topic, 2, 30*time.Second)
 	require.Len(t, recs, 2)
-	require.Equal(t, []int64{2, 1}, []int64{recs[0].version, recs[1].version},
+	require.Equal(t, []int64{2, 1}, []int64{recs[0].Version, recs[1].Version},
 		"outbox order is transaction-id order, not commit or version order")
 }

@@ -13,8 +13,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -202,7 +204,7 @@ func TestRelayRefusesATransactionModePooler(t *testing.T) {
 	require.NotEqual(t, pid1, pid2)
 
 	r, err := producer.NewRelay(context.Background(), pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: kafkatest.Brokers(t), Logger: testLogger(t), RebalanceInterval: 250 * time.Millisecond,
+		Schema: env.Schema, Brokers: kafkatest.Brokers(t), Logger: relaytest.Logger(t), RebalanceInterval: 250 * time.Millisecond,
 	})
 	require.NoError(t, err, "producers and consumers work through the pooler, and so does NewRelay")
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -210,7 +212,7 @@ func TestRelayRefusesATransactionModePooler(t *testing.T) {
 	err = r.Run(ctx)
 	require.True(t, errors.Is(err, producer.ErrSessionPooling), "got %v", err)
 	require.ErrorContains(t, err, "session mode")
-	owners, err := producer.ShardOwners(context.Background(), env.Pool, env.Schema)
+	owners, err := admin.ShardOwners(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.Empty(t, owners, "a refused relay owns nothing")
 }

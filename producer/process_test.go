@@ -16,11 +16,13 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/childproc"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -116,13 +118,13 @@ func waitSoleOwner(t *testing.T, env pgtest.Env, id string, timeout time.Duratio
 
 // waitOwners waits until every shard is owned, by exactly owners distinct
 // relays, none holding more than its fair share.
-func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]producer.ShardOwner {
+func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]admin.ShardOwner {
 	t.Helper()
 	share := (env.Shards + owners - 1) / owners
-	var last map[int]producer.ShardOwner
+	var last map[int]admin.ShardOwner
 	require.Eventually(t, func() bool {
 		var err error
-		last, err = producer.ShardOwners(context.Background(), env.Pool, env.Schema)
+		last, err = admin.ShardOwners(context.Background(), env.Pool, env.Schema)
 		require.NoError(t, err)
 		perOwner := map[string]int{}
 		for _, o := range last {
@@ -159,7 +161,7 @@ func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
 	go func() {
 		defer close(published)
 		for i := 0; i < 20; i++ {
-			evs := publishOrders(t, env, topic, 64, 100, 10)
+			evs := relaytest.PublishOrders(t, env, topic, 64, 100, 10)
 			mu.Lock()
 			for _, e := range evs {
 				events = append(events, e.ID)
@@ -176,8 +178,8 @@ func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
 	mu.Lock()
 	want := append([]string(nil), events...)
 	mu.Unlock()
-	records := readTopic(t, brokers, topic, len(want), time.Minute)
-	counts := distinct(records)
+	records := relaytest.ReadTopic(t, brokers, topic, len(want), time.Minute)
+	counts := relaytest.Distinct(records)
 	for _, id := range want {
 		require.GreaterOrEqual(t, counts[id], 1, "event %s lost after a relay was killed", id)
 	}
@@ -187,12 +189,12 @@ func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
 	firstSeen := map[string]bool{}
 	last := map[string]int64{}
 	for _, r := range records {
-		if firstSeen[r.eventID] {
+		if firstSeen[r.EventID] {
 			continue
 		}
-		firstSeen[r.eventID] = true
-		require.Greater(t, r.version, last[r.key], "aggregate %s: version %d delivered after %d", r.key, r.version, last[r.key])
-		last[r.key] = r.version
+		firstSeen[r.EventID] = true
+		require.Greater(t, r.Version, last[r.Key], "aggregate %s: version %d delivered after %d", r.Key, r.Version, last[r.Key])
+		last[r.Key] = r.Version
 	}
 }
 
@@ -202,7 +204,7 @@ func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 	brokers := kafkatest.Brokers(t)
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
-	events := publishOrders(t, env, topic, 1, 1, 1)
+	events := relaytest.PublishOrders(t, env, topic, 1, 1, 1)
 
 	// The child publishes, Kafka acknowledges, and the child dies by
 	// SIGKILL before recording it in the outbox.
@@ -213,18 +215,18 @@ func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 		t.Fatal("relay child did not crash")
 	}
 	require.True(t, crashing.KilledBy(syscall.SIGKILL), "child must die by SIGKILL, got %v", crashing.Err())
-	require.Equal(t, 1, distinct(readTopic(t, brokers, topic, 1, 10*time.Second))[events[0].ID], "published_after_crash=1")
-	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	require.Equal(t, 1, relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, 1, 10*time.Second))[events[0].ID], "published_after_crash=1")
+	st, err := admin.ReadOutboxStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, st.Backlog(), "the outbox never recorded the publish")
 
 	// A new relay publishes it again: a duplicate, never a loss.
-	_, stop := startRelay(t, env, producer.RelayConfig{Brokers: brokers})
-	recs := readUntil(t, brokers, topic, 30*time.Second, func(r []record) bool { return len(r) >= 2 })
+	_, stop := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers})
+	recs := relaytest.ReadUntil(t, brokers, topic, 30*time.Second, func(r []relaytest.Record) bool { return len(r) >= 2 })
 	require.Len(t, recs, 2, "published_after_retry=2")
-	require.Equal(t, recs[0].eventID, recs[1].eventID)
+	require.Equal(t, recs[0].EventID, recs[1].EventID)
 	stop()
-	st, err = producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	st, err = admin.ReadOutboxStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.Zero(t, st.Backlog())
 }
@@ -285,7 +287,7 @@ func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
 	waitOwners(t, env, 3)
 	waitRelayedPastNow(t, env, 90*time.Second, "relayed after the relays came back")
 	pub.finish()
-	requireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
+	relaytest.RequireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
 	watch()
 	_ = a
 	_ = c

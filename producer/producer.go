@@ -6,27 +6,19 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
-
-// DBTX is the smallest database handle the producer needs to read its
-// configuration; *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
-type DBTX interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
 
 // Config configures a Producer.
 type Config struct {
@@ -45,6 +37,33 @@ type Config struct {
 	// Defaults to false: a supplied version must be exactly the next one,
 	// and a jump fails with *VersionGapError.
 	AllowVersionGaps bool
+	// CallerVersionedTypes lists aggregate types whose versions the
+	// caller owns, typically a version column of the aggregate's own row
+	// that the business transaction increments (UPDATE … SET version =
+	// version + 1 … RETURNING version), or the INSERT that creates the
+	// aggregate at version 1. Every event of these types must carry its
+	// AggregateVersion, and PublishTx writes only its outbox row: no
+	// aggregate_sequences row is read, locked or written. Within one call
+	// the versions of an aggregate must still follow each other (see
+	// AllowVersionGaps); everything else is the caller's:
+	//
+	//   - each version is published once and none is skipped: the caller's
+	//     transaction holds a lock on the aggregate (its row) until it
+	//     commits, so concurrent writers of one aggregate take turns, and
+	//     an event follows version AggregateVersion-1;
+	//   - all of an aggregate's events go to one topic (the
+	//     TopicConflictError check needs the sequence row);
+	//   - events of these types are never published with assigned
+	//     versions (AggregateVersion 0), by this producer or another: the
+	//     outbox would number them from 1 again, and consumers would
+	//     discard them as stale;
+	//   - after a failover that lost commits, admin.AdvanceSequences does
+	//     not cover them: move the caller's versions past those consumers
+	//     hold before publishing again.
+	//
+	// An event of such a type without AggregateVersion fails with
+	// *eventline.InvalidEventError before any SQL. Defaults to none.
+	CallerVersionedTypes []string
 	// MaxMessageBytes is the largest Kafka record (as Sarama sizes it, see
 	// EncodedRecordSize) an event may become; a larger event fails with
 	// *EventTooLargeError before anything is written. Set the relay's
@@ -84,6 +103,7 @@ func (c Config) withDefaults() Config {
 	}
 	// A copy: the caller may go on changing its map.
 	c.SchemaVersions = maps.Clone(c.SchemaVersions)
+	c.CallerVersionedTypes = slices.Clone(c.CallerVersionedTypes)
 	return c
 }
 
@@ -105,6 +125,11 @@ func (c Config) validate() error {
 			return fmt.Errorf("producer.Config.SchemaVersions[%q] must be at least 1, got %d", typ, v)
 		}
 	}
+	for i, typ := range c.CallerVersionedTypes {
+		if strings.TrimSpace(typ) == "" {
+			return fmt.Errorf("producer.Config.CallerVersionedTypes[%d] is empty: name an aggregate type", i)
+		}
+	}
 	return nil
 }
 
@@ -112,65 +137,42 @@ func (c Config) validate() error {
 // envelope's headers of a small event.
 const minMaxMessageBytes = 1024
 
-// ErrNotMigrated is returned by New when the schema has no outbox.
-var ErrNotMigrated = errors.New("eventline: outbox schema is not migrated")
-
 // Producer writes events into the transactional outbox. It is safe for
 // concurrent use and holds no connections of its own.
 type Producer struct {
 	cfg    Config
 	shards int
 	stmts  *statements
+	// callerVersioned holds Config.CallerVersionedTypes.
+	callerVersioned map[string]bool
 }
 
 // New returns a Producer for the outbox in cfg.Schema, reading its shard
 // count from the database. The schema must have been migrated
 // (migrations.Up or `eventline migrate up`).
-func New(ctx context.Context, db DBTX, cfg Config) (*Producer, error) {
-	if nilcheck.IsNil(db) {
+func New(ctx context.Context, db interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}, cfg Config) (*Producer, error) {
+	if outbox.NilHandle(db) {
 		return nil, errors.New("producer.New: db is nil: pass the producer's *pgxpool.Pool (or a pgx.Tx or *pgx.Conn)")
 	}
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	shards, err := ReadShardCount(ctx, db, cfg.Schema)
+	shards, err := outbox.ShardCount(ctx, db, cfg.Schema)
 	if err != nil {
 		return nil, err
 	}
-	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema)}, nil
+	callerVersioned := map[string]bool{}
+	for _, typ := range cfg.CallerVersionedTypes {
+		callerVersioned[typ] = true
+	}
+	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema), callerVersioned: callerVersioned}, nil
 }
 
-// ReadShardCount returns the number of outbox shards recorded in schema.
-func ReadShardCount(ctx context.Context, db DBTX, schema string) (int, error) {
-	if nilcheck.IsNil(db) {
-		return 0, errors.New("producer.ReadShardCount: db is nil: pass a *pgxpool.Pool (or a pgx.Tx or *pgx.Conn)")
-	}
-	if err := sqlident.Validate("producer.ReadShardCount schema", schema); err != nil {
-		return 0, err
-	}
-	var shards int
-	err := db.QueryRow(ctx, `SELECT shards FROM `+sqlident.Qualify(schema, "outbox_config")).Scan(&shards)
-	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000") || errors.Is(err, pgx.ErrNoRows) {
-			return 0, fmt.Errorf("%w: schema %q has no outbox_config; run `eventline migrate up` or migrations.Up first", ErrNotMigrated, schema)
-		}
-		return 0, fmt.Errorf("read outbox shard count: %w", err)
-	}
-	return shards, nil
-}
-
-// nilDB is the error for a nil database handle passed as arg to fn.
-func nilDB(fn, arg string) error {
-	return fmt.Errorf("producer.%s: %s is nil: pass a *pgxpool.Pool (or a *pgx.Conn)", fn, arg)
-}
-
-// Shards returns the number of outbox shards.
-func (p *Producer) Shards() int { return p.shards }
-
-// ShardFor returns the outbox shard an aggregate's events are written to.
-func (p *Producer) ShardFor(aggregateType, aggregateID string) int {
+// shardFor returns the outbox shard an aggregate's events are written to.
+func (p *Producer) shardFor(aggregateType, aggregateID string) int {
 	return outbox.ShardFor(aggregateType, aggregateID, p.shards)
 }
 
@@ -219,7 +221,7 @@ func (p *Producer) PublishTx(ctx context.Context, tx pgx.Tx, events ...eventline
 // order given: with their ids, aggregate versions, previous versions,
 // schema versions, topics, trace context and occurred_at filled in.
 func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...eventline.Event) ([]eventline.Event, error) {
-	if nilcheck.IsNil(tx) {
+	if outbox.NilHandle(tx) {
 		return nil, errors.New("eventline: PublishTx needs a transaction, got nil")
 	}
 	if len(events) == 0 {
@@ -240,7 +242,7 @@ func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...
 func (p *Producer) Publish(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }, events ...eventline.Event) error {
-	if nilcheck.IsNil(db) {
+	if outbox.NilHandle(db) {
 		return errors.New("producer.Publish: db is nil: pass the producer's *pgxpool.Pool (or a *pgx.Conn)")
 	}
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return p.PublishTx(ctx, tx, events...) })

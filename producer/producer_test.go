@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -65,7 +66,7 @@ func TestPublishTxCommitsAndRollsBackWithCallerTx(t *testing.T) {
 
 	// The row lands in the aggregate's shard, as a forwarder envelope for
 	// the default topic carrying the envelope metadata.
-	shard := p.ShardFor("order", "2")
+	shard := outbox.ShardFor("order", "2", env.Shards)
 	var payload []byte
 	require.NoError(t, env.Pool.QueryRow(ctx, `SELECT payload FROM `+sqlident.Qualify(env.Schema, outbox.Table(shard))).Scan(&payload))
 	var envelope struct {
@@ -251,7 +252,7 @@ func mustTx(t *testing.T, env pgtest.Env) pgx.Tx {
 // New panicked on it.
 func TestNewRefusesANilPool(t *testing.T) {
 	var pool *pgxpool.Pool
-	for _, db := range []producer.DBTX{nil, pool} {
+	for _, db := range []admin.DBTX{nil, pool} {
 		_, err := producer.New(context.Background(), db, producer.Config{})
 		require.ErrorContains(t, err, "db is nil")
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
 )
@@ -121,7 +122,7 @@ func TestPublishTxWritesWatermillsOutboxFormat(t *testing.T) {
 	require.Contains(t, rowsOf(t, env, written[5].ID)[0].payload, `"aggregate_previous_version":"0",`, "a first event numbered 5 follows version 0")
 
 	// The relay reads both kinds of row into identical records.
-	startRelay(t, env, producer.RelayConfig{Brokers: brokers})
+	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers})
 	type rec struct {
 		key, value string
 		headers    []string

@@ -7,6 +7,7 @@ import (
 	"math"
 	"sort"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -35,6 +36,17 @@ type plan struct {
 	evMid   []string // envelope after that slot, up to the version's digits
 	evTail  []string // envelope after the version's digits
 	shards  []int    // distinct shards, ascending
+	// orig maps an event of a subset (see subset) to its index in the
+	// call; nil for the whole call.
+	orig []int
+}
+
+// index is event i's index in the call.
+func (pl *plan) index(i int) int {
+	if pl.orig == nil {
+		return i
+	}
+	return pl.orig[i]
 }
 
 // aggPlan is one aggregate's part of a call. Its events take versions
@@ -48,6 +60,9 @@ type aggPlan struct {
 	lead           int64 // events before the first supplied version
 	firstSupplied  int64 // 0 when no version is supplied
 	last           int64 // the last event's version when known in advance, else 0
+	// caller: the aggregate's type is in Config.CallerVersionedTypes;
+	// every version is the caller's, and no sequence row is involved.
+	caller bool
 }
 
 // next is the version the aggregate's first supplied version must have
@@ -121,7 +136,7 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 		k := aggregateKey{e.AggregateType, e.AggregateID}
 		a := byKey[k]
 		if a == nil {
-			a = &aggPlan{typ: k.typ, id: k.id, topic: e.Topic}
+			a = &aggPlan{typ: k.typ, id: k.id, topic: e.Topic, caller: p.callerVersioned[k.typ]}
 			byKey[k] = a
 			order = append(order, a)
 		}
@@ -132,7 +147,7 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 			return nil, fmt.Errorf("event %d: %w", i, err)
 		}
 		pl.evRel[i] = a.n
-		pl.evShard[i] = int32(p.ShardFor(k.typ, k.id))
+		pl.evShard[i] = int32(p.shardFor(k.typ, k.id))
 		pl.events[i] = e
 	}
 
@@ -156,6 +171,81 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 	}
 	sort.Ints(pl.shards)
 	return pl, nil
+}
+
+// callerAggs counts the call's aggregates whose versions are the
+// caller's.
+func (pl *plan) callerAggs() int {
+	n := 0
+	for _, a := range pl.aggs {
+		if a.caller {
+			n++
+		}
+	}
+	return n
+}
+
+// subset returns the part of pl whose aggregates' versions are the
+// caller's (caller set) or not, with orig mapping its events to pl's.
+func (pl *plan) subset(caller bool) *plan {
+	sub := &plan{}
+	aggIndex := map[int]int32{} // pl's aggregate → sub's, 1-based
+	for ai, a := range pl.aggs {
+		if a.caller == caller {
+			sub.aggs = append(sub.aggs, a)
+			aggIndex[ai] = int32(len(sub.aggs))
+		}
+	}
+	eventIndex := map[int]int{} // pl's event → sub's
+	seen := map[int32]bool{}
+	for i := range pl.events {
+		ai, ok := aggIndex[int(pl.evAgg[i])-1]
+		if !ok {
+			continue
+		}
+		eventIndex[i] = len(sub.events)
+		sub.orig = append(sub.orig, pl.index(i))
+		sub.events = append(sub.events, pl.events[i])
+		sub.evAgg = append(sub.evAgg, ai)
+		sub.evRel = append(sub.evRel, pl.evRel[i])
+		sub.evVer = append(sub.evVer, pl.evVer[i])
+		sub.evPrev = append(sub.evPrev, pl.evPrev[i])
+		sub.evShard = append(sub.evShard, pl.evShard[i])
+		sub.evHead = append(sub.evHead, pl.evHead[i])
+		sub.evMid = append(sub.evMid, pl.evMid[i])
+		sub.evTail = append(sub.evTail, pl.evTail[i])
+		if s := pl.evShard[i]; !seen[s] {
+			seen[s] = true
+			sub.shards = append(sub.shards, int(s))
+		}
+	}
+	sort.Ints(sub.shards)
+	for k := range sub.aggs {
+		events := make([]int, len(sub.aggs[k].events))
+		for j, i := range sub.aggs[k].events {
+			events[j] = eventIndex[i]
+		}
+		sub.aggs[k].events = events
+	}
+	return sub
+}
+
+// body is event i's outbox payload with its known version and previous
+// version spliced in, as the publish statements splice them.
+func (pl *plan) body(i int) string {
+	v, prev := pl.evVer[i], pl.evPrev[i]
+	var b strings.Builder
+	b.Grow(len(pl.evHead[i]) + len(pl.evMid[i]) + len(pl.evTail[i]) + 64)
+	b.WriteString(pl.evHead[i])
+	if prev != v-1 {
+		b.WriteString(`"` + eventline.MetaPreviousVersion + `":"`)
+		b.WriteString(strconv.FormatInt(prev, 10))
+		b.WriteString(`",`)
+	}
+	b.WriteString(pl.evMid[i])
+	b.WriteString(strconv.FormatInt(v, 10))
+	b.WriteString(pl.evTail[i])
+	return b.String()
 }
 
 // withDefaults fills in what the producer owns: the default topic, the
@@ -197,6 +287,20 @@ func (a *aggPlan) add(i int, e *eventline.Event, allowGaps bool, ver, prev *int6
 	a.events = append(a.events, i)
 	a.n++
 	known := a.firstSupplied != 0
+	if a.caller && e.AggregateVersion == 0 {
+		return &eventline.InvalidEventError{
+			Field: eventline.MetaAggregateVersion, Value: "0",
+			Reason: fmt.Sprintf("aggregate type %q takes its versions from the caller (producer.Config.CallerVersionedTypes): set AggregateVersion", a.typ),
+		}
+	}
+	if a.caller && !known {
+		// The caller's version follows the one before it, which the
+		// caller's lock vouches for.
+		a.firstSupplied, a.last = e.AggregateVersion, e.AggregateVersion
+		*ver, *prev = e.AggregateVersion, e.AggregateVersion-1
+		e.PreviousVersion = *prev
+		return nil
+	}
 	switch v := e.AggregateVersion; {
 	case v == 0 && known && a.last == math.MaxInt64:
 		return &eventline.InvalidEventError{

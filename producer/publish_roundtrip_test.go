@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -30,7 +31,9 @@ func (c countingConn) Write(b []byte) (int, error) {
 // TestPublishTxIsOneRoundTrip: however many events a call writes, of
 // however many aggregates, with or without supplied versions, PublishTx
 // sends one message to PostgreSQL and waits once (once pgx has prepared
-// the statement on the connection).
+// the statement on the connection). Events whose versions are the
+// caller's (Config.CallerVersionedTypes) are one statement too, and two
+// when the call mixes them with others.
 func TestPublishTxIsOneRoundTrip(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
@@ -46,8 +49,10 @@ func TestPublishTxIsOneRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	ctx := context.Background()
-	p, err := producer.New(ctx, pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
+
+	trusting, err := producer.New(ctx, pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders", CallerVersionedTypes: []string{"invoice"}})
 	require.NoError(t, err)
+	invoices := 0
 
 	seq := 0
 	next := func(id string) eventline.Event { seq++; return orderEvent(t, id+"-"+strconv.Itoa(seq%3)) }
@@ -65,17 +70,26 @@ func TestPublishTxIsOneRoundTrip(t *testing.T) {
 			seq++
 			return []eventline.Event{versioned(t, id, 1), orderEvent(t, id), orderEvent(t, "other")}
 		},
+		"the caller's versions, mixed with assigned ones (two statements)": func() []eventline.Event {
+			invoices++
+			return []eventline.Event{{Type: "invoice.sent", AggregateType: "invoice", AggregateID: "inv", AggregateVersion: int64(invoices), Payload: []byte(`{}`)},
+				orderEvent(t, "mixed")}
+		},
 	}
 	for name, call := range calls {
 		for round := range 3 {
 			tx, err := pool.Begin(ctx)
 			require.NoError(t, err)
 			before := writes.Load()
-			require.NoError(t, p.PublishTx(ctx, tx, call()...), name)
+			require.NoError(t, trusting.PublishTx(ctx, tx, call()...), name)
 			n := writes.Load() - before
 			require.NoError(t, tx.Commit(ctx))
+			want := int64(1)
+			if strings.Contains(name, "two statements") {
+				want = 2
+			}
 			if round > 0 { // the first call prepares the statement
-				require.EqualValues(t, 1, n, "%s: round trips", name)
+				require.EqualValues(t, want, n, "%s: round trips", name)
 			}
 		}
 	}

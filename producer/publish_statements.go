@@ -1,7 +1,6 @@
 package producer
 
 import (
-	"fmt"
 	"strconv"
 	"strings"
 	"sync"
@@ -65,9 +64,9 @@ const publishSQL = `WITH chk AS (
 		WITH ORDINALITY AS a(t, i, n, lead, first_sup, last_v, topic, k)
 	-- OFFSET 0 keeps the lookup a per-aggregate index probe: pulled up into
 	-- a join, a plan made while the table was small would scan it.
-	LEFT JOIN LATERAL (SELECT version, topic FROM %[1]s WHERE aggregate_type = a.t AND aggregate_id = a.i OFFSET 0) s ON true
+	LEFT JOIN LATERAL (SELECT version, topic FROM {schema}.aggregate_sequences WHERE aggregate_type = a.t AND aggregate_id = a.i OFFSET 0) s ON true
 ), seq AS (
-	INSERT INTO %[1]s AS s (aggregate_type, aggregate_id, version, topic)
+	INSERT INTO {schema}.aggregate_sequences AS s (aggregate_type, aggregate_id, version, topic)
 	SELECT t, i, delta, topic FROM chk
 	WHERE NOT EXISTS (SELECT 1 FROM chk WHERE status <> 0)
 	ORDER BY k
@@ -89,7 +88,7 @@ const publishSQL = `WITH chk AS (
 			$14::text[] AS head, $15::text[] AS mid, $16::text[] AS tail OFFSET 0) x,
 		unnest(x.k, x.rel, x.v, x.p, x.shard, x.head, x.mid, x.tail) WITH ORDINALITY AS e(k, rel, v, p, shard, head, mid, tail, ord)
 	WHERE b.b IS NOT NULL
-)%[2]s
+){shard_inserts}
 SELECT c.status, c.old, c.cur_topic, q.t, q.i, q.v
 FROM (SELECT array_agg(status ORDER BY k) AS status, array_agg(old ORDER BY k) AS old, array_agg(cur_topic ORDER BY k) AS cur_topic FROM chk) c,
 	(SELECT array_agg(t) AS t, array_agg(i) AS i, array_agg(version) AS v FROM seq) q`
@@ -97,12 +96,12 @@ FROM (SELECT array_agg(status ORDER BY k) AS status, array_agg(old ORDER BY k) A
 // publishShardSQL inserts a shard's events (watermill-sql's columns; the
 // payload is the forwarder envelope, the metadata column an empty object,
 // as forwarder.Publisher writes them).
-const publishShardSQL = `, o%[2]d AS (
-	INSERT INTO %[1]s (uuid, payload, metadata, transaction_id)
+const publishShardSQL = `, o{shard} AS (
+	INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
 	SELECT gen_random_uuid()::text,
 		(head || CASE WHEN prev <> ver - 1 THEN '"` + `aggregate_previous_version` + `":"' || prev || '",' ELSE '' END || mid || ver || tail)::json,
 		'{}', pg_current_xact_id()
-	FROM ev WHERE shard = %[2]d ORDER BY ord
+	FROM ev WHERE shard = {shard} ORDER BY ord
 )`
 
 // undoSQL reverts what a stale publish statement wrote to the sequences:
@@ -111,9 +110,9 @@ const publishShardSQL = `, o%[2]d AS (
 const undoSQL = `WITH r AS (
 	SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) AS r(t, i, v, topic)
 ), d AS (
-	DELETE FROM %[1]s s USING r WHERE r.v = 0 AND s.aggregate_type = r.t AND s.aggregate_id = r.i
+	DELETE FROM {schema}.aggregate_sequences s USING r WHERE r.v = 0 AND s.aggregate_type = r.t AND s.aggregate_id = r.i
 )
-UPDATE %[1]s s SET version = r.v, topic = r.topic FROM r WHERE r.v > 0 AND s.aggregate_type = r.t AND s.aggregate_id = r.i`
+UPDATE {schema}.aggregate_sequences s SET version = r.v, topic = r.topic FROM r WHERE r.v > 0 AND s.aggregate_type = r.t AND s.aggregate_id = r.i`
 
 // publishAutoSQL is the publish statement for calls in which no event has a
 // supplied version, the common case, doing less: the sequences are advanced
@@ -131,7 +130,7 @@ UPDATE %[1]s s SET version = r.v, topic = r.topic FROM r WHERE r.v > 0 AND s.agg
 // Nothing here needs a sort: the function scans come in ordinality order,
 // which the planner knows.
 const publishAutoSQL = `WITH seq AS (
-	INSERT INTO %[1]s AS s (aggregate_type, aggregate_id, version, topic)
+	INSERT INTO {schema}.aggregate_sequences AS s (aggregate_type, aggregate_id, version, topic)
 	SELECT a.t, a.i, a.n, a.topic
 	FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) WITH ORDINALITY AS a(t, i, n, topic, k)
 	ORDER BY a.k
@@ -141,17 +140,17 @@ const publishAutoSQL = `WITH seq AS (
 ), done AS (
 	SELECT array_agg(version) AS v FROM seq
 	HAVING count(*) = cardinality($1::text[]) AND array_agg(t) = $1::text[] AND array_agg(i) = $2::text[]
-)%[2]s
+){shard_inserts}
 SELECT array_agg(t), array_agg(i), array_agg(version), EXISTS (SELECT 1 FROM done) FROM seq`
 
 // publishAutoShardSQL inserts a shard's events for publishAutoSQL: an
 // event's version is its aggregate's new last version, minus the
 // aggregate's event count, plus the event's position among them.
-const publishAutoShardSQL = `, o%[2]d AS (
-	INSERT INTO %[1]s (uuid, payload, metadata, transaction_id)
+const publishAutoShardSQL = `, o{shard} AS (
+	INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
 	SELECT gen_random_uuid()::text, (e.head || ((SELECT v FROM done)[e.k] - ($3::bigint[])[e.k] + e.rel) || e.tail)::json, '{}', pg_current_xact_id()
 	FROM unnest($5::int[], $6::bigint[], $7::int[], $8::text[], $9::text[]) WITH ORDINALITY AS e(k, rel, shard, head, tail, ord)
-	WHERE e.shard = %[2]d AND (SELECT v FROM done) IS NOT NULL
+	WHERE e.shard = {shard} AND (SELECT v FROM done) IS NOT NULL
 	ORDER BY e.ord
 )`
 
@@ -162,15 +161,76 @@ const publishAutoShardSQL = `, o%[2]d AS (
 // version. No row comes back when the sequence was not advanced, and then
 // nothing was written: publishSQL handles the call.
 const publishOneSQL = `WITH seq AS (
-	INSERT INTO %[1]s AS s (aggregate_type, aggregate_id, version, topic) VALUES ($1, $2, 1, $3)
+	INSERT INTO {schema}.aggregate_sequences AS s (aggregate_type, aggregate_id, version, topic) VALUES ($1, $2, 1, $3)
 	ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = s.version + 1
 	WHERE s.topic = excluded.topic
 	RETURNING version
 ), o AS (
-	INSERT INTO %[2]s (uuid, payload, metadata, transaction_id)
+	INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
 	SELECT gen_random_uuid()::text, ($4 || version || $5)::json, '{}', pg_current_xact_id() FROM seq
 )
 SELECT version FROM seq`
+
+// publishOneCommitSQL is publishOneSQL for PublishAndCommit, where COMMIT
+// travels behind it in the same round trip: it cannot answer "nothing
+// written" with an empty result, since the COMMIT would then commit the
+// caller's rows without the event. It records the topic of an aggregate
+// whose row has none (a row from before topics were recorded), as
+// publishSQL does, and fails when the row records another topic: then it
+// divides by zero (SQLSTATE 22012, which nothing else in it can raise),
+// PostgreSQL skips the COMMIT queued behind it, and PublishAndCommit rolls
+// back and reports the conflict.
+const publishOneCommitSQL = `WITH seq AS (
+	INSERT INTO {schema}.aggregate_sequences AS s (aggregate_type, aggregate_id, version, topic) VALUES ($1, $2, 1, $3)
+	ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = s.version + 1, topic = excluded.topic
+	WHERE s.topic = excluded.topic OR s.topic IS NULL
+	RETURNING version
+), o AS (
+	INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
+	SELECT gen_random_uuid()::text, ($4 || version || $5)::json, '{}', pg_current_xact_id() FROM seq
+)
+SELECT (SELECT version FROM seq) + 0 / (SELECT count(*) FROM seq)`
+
+// publishAutoCommitSQL is publishAutoSQL for PublishAndCommit, failing
+// instead of writing nothing, like publishOneCommitSQL. It returns the
+// aggregates' new versions in parameter order.
+const publishAutoCommitSQL = `WITH seq AS (
+	INSERT INTO {schema}.aggregate_sequences AS s (aggregate_type, aggregate_id, version, topic)
+	SELECT a.t, a.i, a.n, a.topic
+	FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[]) WITH ORDINALITY AS a(t, i, n, topic, k)
+	ORDER BY a.k
+	ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET version = s.version + excluded.version, topic = excluded.topic
+	WHERE s.topic = excluded.topic OR s.topic IS NULL
+	RETURNING aggregate_type AS t, aggregate_id AS i, version
+), done AS (
+	SELECT array_agg(version) AS v FROM seq
+	HAVING count(*) = cardinality($1::text[]) AND array_agg(t) = $1::text[] AND array_agg(i) = $2::text[]
+){shard_inserts}
+SELECT (SELECT v FROM done), 0 / (SELECT count(*) FROM done)`
+
+// publishRowSQL writes one event whose versions are the caller's
+// (Config.CallerVersionedTypes): its outbox row and nothing else, the
+// payload complete ($1).
+const publishRowSQL = `INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
+VALUES (gen_random_uuid()::text, $1::json, '{}', pg_current_xact_id())`
+
+// publishRowsSQL writes events whose versions are the caller's: per shard
+// (publishRowsShardSQL), the rows of the events of that shard ($1) with
+// their complete payloads ($2), in call order.
+const publishRowsSQL = `WITH p AS (SELECT 1){shard_inserts}
+SELECT 1`
+
+const publishRowsShardSQL = `, o{shard} AS (
+	INSERT INTO {messages} (uuid, payload, metadata, transaction_id)
+	SELECT gen_random_uuid()::text, e.body::json, '{}', pg_current_xact_id()
+	FROM unnest($1::int[], $2::text[]) WITH ORDINALITY AS e(shard, body, ord)
+	WHERE e.shard = {shard}
+	ORDER BY e.ord
+)`
+
+// errNotWrittenCode is the SQLSTATE with which the statements of
+// PublishAndCommit fail when they wrote nothing (division_by_zero).
+const errNotWrittenCode = "22012"
 
 // maxPublishAttempts bounds how often a stale publish statement is run
 // again. Under read committed the second attempt cannot be stale (the first
@@ -188,7 +248,6 @@ const (
 // statements builds and caches the publish statements for each set of
 // shards a call writes to.
 type statements struct {
-	seq    string // the qualified aggregate_sequences table
 	schema string
 	undo   string
 	mu     sync.Mutex
@@ -196,19 +255,23 @@ type statements struct {
 }
 
 func newStatements(schema string) *statements {
-	seq := sqlident.Qualify(schema, "aggregate_sequences")
-	return &statements{seq: seq, schema: schema, undo: fmt.Sprintf(undoSQL, seq), byKey: map[string]string{}}
+	return &statements{schema: schema, undo: sqlident.SQL(schema, undoSQL), byKey: map[string]string{}}
 }
 
-// one returns publishOneSQL for shard.
-func (s *statements) one(shard int) string {
-	key := "one:" + strconv.Itoa(shard)
+// one returns publishOneSQL for shard, or publishOneCommitSQL when
+// commit is set.
+func (s *statements) one(shard int, commit bool) string {
+	key, stmt := "one:", publishOneSQL
+	if commit {
+		key, stmt = "one-commit:", publishOneCommitSQL
+	}
+	key += strconv.Itoa(shard)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if q, ok := s.byKey[key]; ok {
 		return q
 	}
-	q := fmt.Sprintf(publishOneSQL, s.seq, sqlident.Qualify(s.schema, outbox.Table(shard)))
+	q := outbox.SQL(s.schema, shard, stmt)
 	s.byKey[key] = q
 	return q
 }
@@ -216,10 +279,40 @@ func (s *statements) one(shard int) string {
 // publish returns the statement writing to shards (ascending): publishSQL,
 // or publishAutoSQL when auto is set.
 func (s *statements) publish(shards []int, auto bool) string {
-	var key strings.Builder
 	if auto {
-		key.WriteString("auto:")
+		return s.build("auto:", shards, publishAutoSQL, publishAutoShardSQL)
 	}
+	return s.build("", shards, publishSQL, publishShardSQL)
+}
+
+// row returns publishRowSQL for shard.
+func (s *statements) row(shard int) string {
+	key := "row:" + strconv.Itoa(shard)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if q, ok := s.byKey[key]; ok {
+		return q
+	}
+	q := outbox.SQL(s.schema, shard, publishRowSQL)
+	s.byKey[key] = q
+	return q
+}
+
+// rows returns publishRowsSQL writing to shards (ascending).
+func (s *statements) rows(shards []int) string {
+	return s.build("rows:", shards, publishRowsSQL, publishRowsShardSQL)
+}
+
+// autoCommit returns publishAutoCommitSQL writing to shards (ascending).
+func (s *statements) autoCommit(shards []int) string {
+	return s.build("auto-commit:", shards, publishAutoCommitSQL, publishAutoShardSQL)
+}
+
+// build returns stmt with shardStmt rendered for each of shards, cached
+// under prefix and the shards.
+func (s *statements) build(prefix string, shards []int, stmt, shardStmt string) string {
+	var key strings.Builder
+	key.WriteString(prefix)
 	for _, sh := range shards {
 		key.WriteString(strconv.Itoa(sh))
 		key.WriteByte(',')
@@ -229,15 +322,11 @@ func (s *statements) publish(shards []int, auto bool) string {
 	if q, ok := s.byKey[key.String()]; ok {
 		return q
 	}
-	stmt, shardStmt := publishSQL, publishShardSQL
-	if auto {
-		stmt, shardStmt = publishAutoSQL, publishAutoShardSQL
-	}
 	var inserts strings.Builder
 	for _, sh := range shards {
-		fmt.Fprintf(&inserts, shardStmt, sqlident.Qualify(s.schema, outbox.Table(sh)), sh)
+		inserts.WriteString(outbox.SQL(s.schema, sh, shardStmt))
 	}
-	q := fmt.Sprintf(stmt, s.seq, inserts.String())
+	q := strings.Replace(sqlident.SQL(s.schema, stmt), "{shard_inserts}", inserts.String(), 1)
 	if len(s.byKey) < 4096 { // calls spanning many shards in many combinations are built anew
 		s.byKey[key.String()] = q
 	}

@@ -27,10 +27,25 @@ type aggResult struct {
 // none (its first publish since topics are recorded). write returns a
 // conflict error when the call conflicts, with nothing written.
 func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
+	if n := pl.callerAggs(); n > 0 {
+		if n == len(pl.aggs) {
+			return p.writeCallerVersioned(ctx, tx, pl)
+		}
+		// The statement that may answer a conflict, writing nothing, goes
+		// first.
+		rest := pl.subset(false)
+		if err := p.write(ctx, tx, rest); err != nil {
+			return err
+		}
+		for j, i := range rest.orig {
+			pl.events[i] = rest.events[j]
+		}
+		return p.writeCallerVersioned(ctx, tx, pl.subset(true))
+	}
 	if len(pl.events) == 1 && pl.aggs[0].firstSupplied == 0 {
 		var version int64
 		a := &pl.aggs[0]
-		err := tx.QueryRow(ctx, p.stmts.one(pl.shards[0]), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).Scan(&version)
+		err := tx.QueryRow(ctx, p.stmts.one(pl.shards[0], false), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).Scan(&version)
 		switch {
 		case err == nil:
 			pl.fill([]aggResult{{version: version}})
@@ -73,6 +88,30 @@ func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
 		}
 		p.cfg.Logger.DebugContext(ctx, "publish raced another writer of an aggregate; running it again", "attempt", attempt)
 	}
+}
+
+// writeCallerVersioned writes pl, whose versions are all the caller's
+// (Config.CallerVersionedTypes), with one statement that inserts the
+// outbox rows and nothing else.
+func (p *Producer) writeCallerVersioned(ctx context.Context, tx pgx.Tx, pl *plan) error {
+	query, args := p.callerVersionedStatement(pl)
+	if _, err := tx.Exec(ctx, query, args...); err != nil {
+		return fmt.Errorf("write events to the outbox: %w", err)
+	}
+	return nil
+}
+
+// callerVersionedStatement returns the statement writing pl's rows, whose
+// versions are all known, and its arguments: the payloads are complete.
+func (p *Producer) callerVersionedStatement(pl *plan) (string, []any) {
+	if len(pl.events) == 1 {
+		return p.stmts.row(pl.shards[0]), []any{pl.body(0)}
+	}
+	bodies := make([]string, len(pl.events))
+	for i := range bodies {
+		bodies[i] = pl.body(i)
+	}
+	return p.stmts.rows(pl.shards), []any{pl.evShard, bodies}
 }
 
 // writeAuto runs publishAutoSQL for a call without supplied versions. It
@@ -283,7 +322,7 @@ func (pl *plan) conflict(res []aggResult) error {
 	default:
 		err = errors.New("eventline: unknown publish status " + strconv.Itoa(r.status))
 	}
-	return fmt.Errorf("event %d: %w", index, err)
+	return fmt.Errorf("event %d: %w", pl.index(index), err)
 }
 
 // fill sets every event's version and previous version from the

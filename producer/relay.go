@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"hash/fnv"
 	"log/slog"
 	"slices"
 	"strings"
@@ -17,9 +16,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/time/rate"
 
-	"github.com/eventline/eventline/internal/startwait"
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/held"
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/pgerr"
 	"github.com/eventline/eventline/internal/tracing"
-	"github.com/eventline/eventline/middleware"
 )
 
 type watermillLogger = watermill.LoggerAdapter
@@ -48,6 +50,7 @@ type Relay struct {
 	shards  int
 	lockNS  int64 // advisory-lock namespace, from the schema name
 	metrics *RelayMetrics
+	held    *held.Store // where dead letters go
 	limiter *rate.Limiter
 	sink    *kafkaSink
 	tracer  *tracing.Tracer // nil: tracing off
@@ -65,14 +68,6 @@ type Relay struct {
 	exited chan struct{}
 }
 
-// ErrRelayRunning is returned by a second call to Relay.Run, whether the
-// first is still running or has returned.
-var ErrRelayRunning = errors.New("eventline: relay was already started; a Relay runs once (create a new one to run again)")
-
-// ErrPoolTooSmall is returned by NewRelay when the pool cannot hold the
-// connections a relay needs; the error says how many.
-var ErrPoolTooSmall = errors.New("eventline: the relay's pool is too small")
-
 // relayOwnConns is the number of connections a relay uses besides one per
 // shard it relays: the ownership connection, the LISTEN connection, and
 // one for short statements (idle checks, failure records, cleanup).
@@ -84,7 +79,7 @@ const relayOwnConns = 3
 func PoolSizeFor(shards int) int32 { return int32(shards) + relayOwnConns }
 
 // NewRelay returns a relay for the outbox in cfg.Schema. It checks the
-// outbox (its shard count, the lease tables, the pool's size) in the
+// outbox (its shard count, the relay's tables, the pool's size) in the
 // database; it connects to Kafka when Run starts.
 //
 // Configuration mistakes fail at once: an invalid cfg, a schema that is not
@@ -94,10 +89,9 @@ func PoolSizeFor(shards int) int32 { return int32(shards) + relayOwnConns }
 //
 // A database that is unavailable is not a mistake: when the checks fail
 // because PostgreSQL refuses connections, resets them or does not answer
-// within a few seconds (middleware.IsInfrastructure), NewRelay logs a
-// warning and returns the relay anyway, with Shards 0; Run then waits for
-// the database, backing off, and makes the checks before relaying (their
-// configuration errors are then Run's). A relay process started during a
+// within a few seconds, NewRelay logs a warning and returns the relay
+// anyway; Run then waits for the database, backing off, and makes the
+// checks before relaying (their configuration errors are then Run's). A relay process started during a
 // database restart or failover thus starts relaying when the database
 // answers, and stops cleanly if asked to before. NewRelay still returns
 // the error if ctx ends during the checks.
@@ -115,8 +109,9 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		pool:     pool,
 		cfg:      cfg,
 		log:      cfg.Logger.With("component", "eventline.relay", "relay", cfg.ID),
-		lockNS:   lockNamespace(cfg.Schema),
+		lockNS:   outbox.LockNamespace(cfg.Schema),
 		metrics:  cfg.Metrics,
+		held:     held.New(cfg.Schema),
 		tracer:   tracing.New(cfg.TracerProvider, cfg.Propagator),
 		running:  map[int]*shardRunner{},
 		exited:   make(chan struct{}, 1),
@@ -142,14 +137,14 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 // does not answer counts as unavailable instead of hanging the caller.
 const outboxCheckTimeout = 10 * time.Second
 
-// checkOutbox reads the shard count, checks the lease tables and the
+// checkOutbox reads the shard count, checks the relay's tables and the
 // pool's size, and records the shard count.
 func (r *Relay) checkOutbox(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, outboxCheckTimeout)
 	defer cancel()
-	shards, err := ReadShardCount(cctx, r.pool, r.cfg.Schema)
+	shards, err := outbox.ShardCount(cctx, r.pool, r.cfg.Schema)
 	if err == nil {
-		err = checkLeaseTables(cctx, r.pool, r.cfg.Schema)
+		err = outbox.CheckRelayTables(cctx, r.pool, r.cfg.Schema)
 	}
 	if err != nil {
 		if cctx.Err() != nil && ctx.Err() == nil {
@@ -169,51 +164,43 @@ func (r *Relay) checkOutbox(ctx context.Context) error {
 
 // dbUnavailable reports whether err says PostgreSQL is unavailable (down,
 // restarting, refusing or dropping connections, not answering) rather than
-// misconfigured: the consumer's classification, middleware.IsInfrastructure.
+// misconfigured: the classification the consumer uses too (pgerr).
 func dbUnavailable(err error) bool {
 	if errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrPoolTooSmall) {
 		return false
 	}
-	return errors.Is(err, errNoAnswer) || middleware.IsInfrastructure(err)
+	return errors.Is(err, errNoAnswer) || pgerr.Unavailable(err)
 }
 
 // errNoAnswer marks an outbox check that PostgreSQL did not answer in time.
 var errNoAnswer = errors.New("no answer from PostgreSQL")
+
+// databaseWait is how a relay waits for an unavailable database: 500ms,
+// doubling, at most 30s.
+var databaseWait = eventline.Backoff{Initial: 500 * time.Millisecond, Multiplier: 2, Max: 30 * time.Second}
 
 // waitForOutbox makes the outbox checks NewRelay could not make, waiting
 // for the database with backoff while it is unavailable. It returns nil
 // once they pass or when ctx ends first (then r.shards is still 0), and
 // the checks' error when it is not an outage (ErrNotMigrated…).
 func (r *Relay) waitForOutbox(ctx context.Context) error {
-	wait := startwait.Policy{
-		First: 500 * time.Millisecond, Max: 30 * time.Second,
-		Unavailable: dbUnavailable,
-		Waiting: func(wait time.Duration, err error) {
-			r.log.Warn("PostgreSQL is unavailable; waiting for it before relaying", "schema", r.cfg.Schema, "retry_in", wait, "err", err)
-		},
-	}
-	return wait.Retry(ctx, func() error { return r.checkOutbox(ctx) })
+	return backoff.Retry(ctx, databaseWait, dbUnavailable, func(wait time.Duration, err error) {
+		r.log.Warn("PostgreSQL is unavailable; waiting for it before relaying", "schema", r.cfg.Schema, "retry_in", wait, "err", err)
+	}, func() error { return r.checkOutbox(ctx) })
 }
 
-// lockNamespace derives an advisory-lock namespace from the schema, so
-// outboxes in different schemas of one database do not collide.
-func lockNamespace(schema string) int64 {
-	h := fnv.New32a()
-	_, _ = h.Write([]byte("eventline.relay:" + schema))
-	return int64(h.Sum32() & 0x7fffffff)
-}
-
-// Shards returns the number of outbox shards, or 0 while it is not known:
-// NewRelay found the database unavailable and Run has not reached it yet.
-func (r *Relay) Shards() int {
+// shardCount returns the number of outbox shards, or 0 while it is not
+// known: NewRelay found the database unavailable and Run has not reached it
+// yet.
+func (r *Relay) shardCount() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.shards
 }
 
-// OwnedShards returns the shards this relay is relaying now, in order (not
+// ownedShards returns the shards this relay is relaying now, in order (not
 // those it is releasing).
-func (r *Relay) OwnedShards() []int {
+func (r *Relay) ownedShards() []int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	out := make([]int, 0, len(r.running))
@@ -252,12 +239,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			r.log.Info("relay stopped before the database answered")
 			return nil
 		}
-		r.log.Info("PostgreSQL answers; the outbox is ready", "schema", r.cfg.Schema, "shards", r.Shards())
+		r.log.Info("PostgreSQL answers; the outbox is ready", "schema", r.cfg.Schema, "shards", r.shardCount())
 	}
-	sink, err := r.connectKafka(ctx)
-	if err != nil {
-		return err
-	}
+	sink := r.connectKafka(ctx)
 	if sink == nil {
 		return nil // cancelled while waiting for Kafka
 	}
@@ -325,32 +309,21 @@ func stopCause(ctx, runCtx context.Context) error {
 	return cause
 }
 
-// connectKafka creates the Kafka producer, retrying while the cluster is
-// unreachable. It returns nil, nil if ctx ends first.
-func (r *Relay) connectKafka(ctx context.Context) (*kafkaSink, error) {
-	wait := 500 * time.Millisecond
-	for {
-		sink, err := newKafkaSink(r.cfg.Brokers, r.cfg.producerConfig())
-		if err == nil {
-			return sink, nil
-		}
-		r.log.Warn("Kafka unreachable; retrying", "brokers", strings.Join(r.cfg.Brokers, ","), "retry_in", wait, "err", err)
-		select {
-		case <-ctx.Done():
-			return nil, nil
-		case <-time.After(wait):
-		}
-		wait = min(2*wait, maxUnavailableWait)
-	}
-}
+// kafkaWait is how a relay waits for unreachable Kafka brokers: 500ms,
+// doubling, at most maxUnavailableWait.
+var kafkaWait = eventline.Backoff{Initial: 500 * time.Millisecond, Multiplier: 2, Max: maxUnavailableWait}
 
-func (r *Relay) pause(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-	}
+// connectKafka creates the Kafka producer, retrying while the cluster is
+// unreachable. It returns nil if ctx ends first.
+func (r *Relay) connectKafka(ctx context.Context) *kafkaSink {
+	var sink *kafkaSink
+	_ = backoff.Retry(ctx, kafkaWait, func(error) bool { return true }, func(wait time.Duration, err error) {
+		r.log.Warn("Kafka unreachable; retrying", "brokers", strings.Join(r.cfg.Brokers, ","), "retry_in", wait, "err", err)
+	}, func() (err error) {
+		sink, err = newKafkaSink(r.cfg.Brokers, r.cfg.producerConfig())
+		return err
+	})
+	return sink
 }
 
 func (r *Relay) wake(shard int) {
@@ -380,18 +353,20 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 			return
 		case <-ticker.C:
 		}
-		owned := r.OwnedShards()
+		owned := r.ownedShards()
 		if len(owned) == 0 {
 			continue
 		}
-		res, err := Cleanup(ctx, r.pool, CleanupConfig{
-			Schema: r.cfg.Schema, Retention: r.cfg.RetentionWindow, BatchSize: r.cfg.CleanupBatchSize, Shards: owned,
-		})
+		deleted, err := outbox.Clean(ctx, r.pool, r.cfg.Schema, owned, r.cfg.RetentionWindow, r.cfg.CleanupBatchSize, 0)
 		if err != nil && ctx.Err() == nil {
 			r.log.Warn("outbox cleanup", "err", err)
 		}
-		if res.Deleted > 0 {
-			r.log.Debug("outbox cleanup", "deleted", res.Deleted)
+		var n int64
+		for _, d := range deleted {
+			n += d
+		}
+		if n > 0 {
+			r.log.Debug("outbox cleanup", "deleted", n)
 		}
 	}
 }

@@ -13,10 +13,12 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/tracing"
 )
 
@@ -62,10 +64,15 @@ type item struct {
 
 	span trace.Span // the send span, nil when tracing is off
 
-	state      itemState
-	sent       bool // handed to the Kafka producer, which will call complete
+	state itemState
+	sent  bool // handed to the Kafka producer, which will call complete
+	// alone: published as the only row of its transaction, so Kafka
+	// cannot have batched it with others (a retry after a batch that
+	// Kafka refused as too large, see failBatchTooLarge).
+	alone      bool
 	err        error
 	deadReason string
+	deadCause  string // held.Cause*: set when the publish failed for good; else the row is malformed
 }
 
 // endSpan ends the item's send span, if any, with Kafka's answer: the
@@ -219,40 +226,42 @@ type relayBeginner struct {
 	shard *shardRunner
 }
 
-// BeginTx begins a relay transaction. Its statements do not run under the
-// subscriber's context, which the router cancels the moment the shard is
-// asked to stop (a query cut off that way closes the connection, and the
-// batch's progress could not be recorded): they run under the shard's
-// hard context, which ends only when the lease is lost or the stop grace
-// ran out, and the transaction's own deadline (txTimeout). PostgreSQL ends
-// the transaction by itself after as long idle
-// (idle_in_transaction_session_timeout), in case the relay vanishes
-// holding it.
+// BeginTx takes a connection for a relay transaction; the transaction
+// itself begins with its first statement, in the same round trip
+// (relayTx.begin). Its statements do not run under the subscriber's
+// context, which the router cancels the moment the shard is asked to stop
+// (a query cut off that way closes the connection, and the batch's
+// progress could not be recorded): they run under the shard's hard
+// context, which ends only when the lease is lost or the stop grace ran
+// out, and the transaction's own deadline (txTimeout). PostgreSQL ends the
+// transaction by itself after as long idle (relaySettings), in case the
+// relay vanishes holding it.
 func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx, error) {
 	s := rb.shard
 	if s.stopping() {
 		return nil, errShardStopped
 	}
 	ctx, cancel := context.WithTimeout(s.hard, txTimeout)
-	// watermill-sql asks for REPEATABLE READ on PostgreSQL: the position
-	// write then fails with a serialization error, instead of overwriting
-	// a newer position, if another relay moved it meanwhile.
-	tx, err := rb.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, BeginQuery: relayBeginQuery})
+	conn, err := rb.pool.Acquire(ctx)
 	if err != nil {
 		cancel()
 		return nil, err
 	}
-	return &relayTx{tx: tx, ctx: ctx, cancel: cancel, batch: &batch{shard: s}}, nil
+	return &relayTx{conn: conn, ctx: ctx, cancel: cancel, batch: &batch{shard: s}}, nil
 }
 
-// relayBeginQuery starts a relay transaction in one round trip. Its commit
-// does not wait for the WAL flush (synchronous_commit = off): what it
-// writes (the position, dead letters, cleared retries) only ever lets the
-// relay skip work, so a crash of PostgreSQL that loses it makes the relay
-// publish those rows again (duplicates, never a loss; a lost dead letter
-// is retried and dead-lettered again), and the flush it saves is one per
-// batch, which at moderate rates is one per event or two.
-var relayBeginQuery = fmt.Sprintf("BEGIN ISOLATION LEVEL REPEATABLE READ; SET LOCAL idle_in_transaction_session_timeout = %d; SET LOCAL synchronous_commit = off",
+// relaySettings are a relay transaction's settings, as select-list
+// expressions of its read (nextOffsetSQL), so they cost no statement of
+// their own. PostgreSQL ends the transaction after as long idle
+// (idle_in_transaction_session_timeout), in case the relay vanishes
+// holding the shard's fence. Its commit does not wait for the WAL flush
+// (synchronous_commit = off): what it writes (the position, dead letters,
+// cleared retries) only ever lets the relay skip work, so a crash of
+// PostgreSQL that loses it makes the relay publish those rows again
+// (duplicates, never a loss; a lost dead letter is retried and
+// dead-lettered again), and the flush it saves is one per batch, which at
+// moderate rates is one per event or two.
+var relaySettings = fmt.Sprintf(`set_config('idle_in_transaction_session_timeout', '%d', true) AS idle_timeout, set_config('synchronous_commit', 'off', true) AS synchronous_commit`,
 	(txTimeout + commitTimeout).Milliseconds())
 
 func (rb relayBeginner) ExecContext(ctx context.Context, query string, args ...any) (wsql.Result, error) {
@@ -266,25 +275,123 @@ func (rb relayBeginner) QueryContext(ctx context.Context, query string, args ...
 }
 
 // relayTx is one relay transaction: the watermill-sql subscriber reads and
-// acknowledges rows in it, and eventline settles the batch on commit.
+// acknowledges rows in it, and eventline settles the batch on commit. It
+// costs two round trips: BEGIN (REPEATABLE READ: the position write then
+// fails with a serialization error, instead of overwriting a newer
+// position, if another relay moved it meanwhile) and the read, which also
+// applies the transaction's settings (relaySettings), travel together, and
+// so do the position write and COMMIT (commit).
 type relayTx struct {
-	tx     pgx.Tx
+	conn   *pgxpool.Conn   // released when the transaction ends
+	tx     pgx.Tx          // nil until the first statement began it
 	ctx    context.Context // the transaction's: see relayBeginner.BeginTx
 	cancel context.CancelFunc
 	batch  *batch
+	ended  bool // committed by commit
+}
+
+// begin sends BEGIN and query, with args, in one round trip, and returns
+// the results with query's next.
+func (t *relayTx) begin(query string, args []any) (pgx.BatchResults, error) {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	b.Queue(query, args...)
+	br := t.conn.SendBatch(t.ctx, b)
+	t.tx = br.Tx()
+	if _, err := br.Exec(); err != nil { // BEGIN
+		_ = br.Close()
+		return nil, err
+	}
+	return br, nil
 }
 
 func (t *relayTx) ExecContext(_ context.Context, query string, args ...any) (wsql.Result, error) {
 	if query == deferredAck {
 		return wsql.PgxResult{}, nil // finish writes the position
 	}
+	if t.tx == nil {
+		br, err := t.begin(query, args)
+		if err != nil {
+			return nil, err
+		}
+		tag, err := br.Exec()
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		return wsql.PgxResult{CommandTag: tag}, err
+	}
 	tag, err := t.tx.Exec(t.ctx, query, args...)
 	return wsql.PgxResult{CommandTag: tag}, err
 }
 
 func (t *relayTx) QueryContext(_ context.Context, query string, args ...any) (wsql.Rows, error) {
+	if t.tx == nil {
+		br, err := t.begin(query, args)
+		if err != nil {
+			return nil, err
+		}
+		rows, err := br.Query()
+		if err != nil {
+			rows.Close()
+			_ = br.Close()
+			return nil, err
+		}
+		return batchRows{rows, br}, nil
+	}
 	rows, err := t.tx.Query(t.ctx, query, args...)
 	return checkedRows{rows}, err
+}
+
+// commit records the position of last (nil: none) and clears the retry
+// records of cleared, and commits, in one round trip. Nothing is sent when
+// the transaction never began.
+func (t *relayTx) commit(ctx context.Context, sql *shardSQL, shard int, last *item, cleared []string) error {
+	if t.tx == nil {
+		return nil
+	}
+	b := &pgx.Batch{}
+	if last != nil {
+		// The position is the last finished row: a row that is not
+		// finished (and everything after it) is read again.
+		b.Queue(sql.recordOffset, last.pos.offset, strconv.FormatUint(last.pos.txID, 10), outbox.RelayConsumerGroup)
+	}
+	if len(cleared) > 0 {
+		b.Queue(sql.clearFailures, shard, cleared)
+	}
+	b.Queue("COMMIT")
+	br := t.tx.SendBatch(ctx, b)
+	var tag pgconn.CommandTag
+	var err error
+	for i := 0; i < b.Len() && err == nil; i++ {
+		tag, err = br.Exec()
+		switch {
+		case err == nil, i == b.Len()-1:
+		case last != nil && i == 0:
+			err = fmt.Errorf("record position: %w", err)
+		default:
+			err = fmt.Errorf("clear relay failures: %w", err)
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && tag.String() != "COMMIT" {
+		err = pgx.ErrTxCommitRollback
+	}
+	t.ended = err == nil
+	if t.ended {
+		t.releaseConn()
+	}
+	return err
+}
+
+// rollback ends the transaction if it is still open, and gives its
+// connection back.
+func (t *relayTx) rollback(ctx context.Context) {
+	if t.tx != nil && !t.ended && t.conn != nil && t.conn.Conn().PgConn().TxStatus() != 'I' {
+		_ = t.tx.Rollback(ctx)
+	}
+	t.releaseConn()
 }
 
 // Commit settles the batch, then commits or rolls back. It reports
@@ -292,7 +399,7 @@ func (t *relayTx) QueryContext(_ context.Context, query string, args ...any) (ws
 // watermill-sql only logs commit errors: the next read starts from whatever
 // position was recorded.
 func (t *relayTx) Commit() error {
-	defer t.cancel()
+	defer t.release()
 	t.batch.shard.finish(t)
 	return nil
 }
@@ -301,10 +408,45 @@ func (t *relayTx) Commit() error {
 // rows are read again. Like Commit it returns nil: a rollback that fails
 // means the connection is gone, and the transaction with it.
 func (t *relayTx) Rollback() error {
-	defer t.cancel()
+	defer t.release()
 	t.batch.wait(t.ctx, flushTimeout)
 	t.batch.shard.rollback(t)
 	return nil
+}
+
+// release ends the transaction's context and gives its connection back,
+// if commit or rollback has not already.
+func (t *relayTx) release() {
+	t.cancel()
+	t.releaseConn()
+}
+
+// releaseConn returns the connection to the pool (which closes it instead
+// if a transaction is still open on it) as soon as the transaction ended:
+// what finish does after it (a retry record) takes a connection of its
+// own.
+func (t *relayTx) releaseConn() {
+	if t.conn != nil {
+		t.conn.Release()
+		t.conn = nil
+	}
+}
+
+// batchRows are the rows of a relay transaction's first query, read from
+// the batch that began the transaction: closing them ends the batch, and
+// reports a read that ended early like checkedRows.
+type batchRows struct {
+	pgx.Rows
+	br pgx.BatchResults
+}
+
+func (r batchRows) Close() error {
+	r.Rows.Close()
+	err := r.Rows.Err()
+	if cerr := r.br.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // checkedRows reports a read that ended early (the connection broke) from

@@ -13,13 +13,23 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
 
-// Defaults for RelayConfig.
+// Defaults for Config and RelayConfig.
 const (
+	// DefaultMaxMessageBytes is the largest Kafka record, as Sarama sizes it,
+	// that the producer accepts into the outbox and the relay sends: 1 MiB,
+	// Sarama's own default for Producer.MaxMessageBytes and the Kafka Java
+	// producer's max.request.size. The producer (Config.MaxMessageBytes) and the
+	// relay (RelayConfig.MaxMessageBytes) must use the same value, so that
+	// nothing enters the outbox that the relay can never send; the brokers'
+	// message.max.bytes (or the topic's max.message.bytes) must admit it too
+	// (Kafka's default, 1,048,588 bytes, does).
+	DefaultMaxMessageBytes = 1024 * 1024
 	// DefaultBatchSize is how many outbox rows one relay transaction reads
 	// and publishes before recording its progress.
 	DefaultBatchSize = 500
@@ -34,6 +44,14 @@ const (
 	// DefaultMaxAttempts is how many times a message is published before it
 	// is dead-lettered, when the failure is specific to the message.
 	DefaultMaxAttempts = 5
+	// DefaultBackoffInitial, DefaultBackoffMultiplier and DefaultBackoffMax
+	// make the default wait before each retry of a message that failed to
+	// publish: 1s, 5s, 25s, about 2m, then 10m for every later attempt. With
+	// DefaultMaxAttempts a message is dead-lettered after 1s+5s+25s+125s =
+	// 156s of waits.
+	DefaultBackoffInitial    = time.Second
+	DefaultBackoffMultiplier = 5
+	DefaultBackoffMax        = 10 * time.Minute
 	// DefaultRetentionWindow is how long forwarded rows are kept.
 	DefaultRetentionWindow = 24 * time.Hour
 	// DefaultCleanupInterval is how often a relay deletes forwarded rows
@@ -91,10 +109,6 @@ const (
 	PartitionerSaramaConfig Partitioner = "sarama-config"
 )
 
-// DefaultBackoff is the wait before each retry of a message that failed to
-// publish: 1s, 5s, 30s, 2m, then 10m for every later attempt.
-var DefaultBackoff = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute, 10 * time.Minute}
-
 // RelayConfig configures a Relay.
 type RelayConfig struct {
 	// Schema is the PostgreSQL schema holding the outbox. Defaults to
@@ -144,14 +158,16 @@ type RelayConfig struct {
 	// DefaultRebalanceInterval.
 	RebalanceInterval time.Duration
 
-	// Backoff lists the waits before successive retries of a message that
-	// failed to publish; the last entry repeats. Defaults to DefaultBackoff.
-	Backoff []time.Duration
+	// Backoff is the schedule of waits before successive retries of a
+	// message that failed to publish. A zero field takes its default:
+	// Initial DefaultBackoffInitial, Multiplier DefaultBackoffMultiplier,
+	// Max DefaultBackoffMax, no Jitter.
+	Backoff eventline.Backoff
 	// MaxAttempts is how many failed publishes of one message are allowed
 	// before it is moved to the dead-letter table and the shard moves on.
 	// Failures that mean Kafka is unreachable never dead-letter and are not
-	// attempts: the shard retries until Kafka is back, waiting Backoff's
-	// first entry, doubling, at most 30 s. Defaults to
+	// attempts: the shard retries until Kafka is back, waiting
+	// Backoff.Initial, doubling, at most 5 s. Defaults to
 	// DefaultMaxAttempts.
 	MaxAttempts int
 
@@ -169,7 +185,7 @@ type RelayConfig struct {
 
 	// AfterPublish, if set, runs after Kafka acknowledged a batch and before
 	// the outbox records it, with the batch's event ids. Returning an error
-	// leaves the batch unacknowledged: the shard waits Backoff[0] and
+	// leaves the batch unacknowledged: the shard waits Backoff.Initial and
 	// publishes it again. This is the crash window the examples and fault
 	// tests exercise; to simulate a crash, cancel the relay's context from
 	// the hook and return an error: a relay that is stopping publishes
@@ -221,9 +237,7 @@ func (c RelayConfig) withDefaults() RelayConfig {
 	if c.MaxMessageBytes == 0 {
 		c.MaxMessageBytes = DefaultMaxMessageBytes
 	}
-	if c.Backoff == nil {
-		c.Backoff = DefaultBackoff
-	}
+	c.Backoff = c.Backoff.Or(eventline.Backoff{Initial: DefaultBackoffInitial, Multiplier: DefaultBackoffMultiplier, Max: DefaultBackoffMax})
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = DefaultMaxAttempts
 	}
@@ -281,13 +295,8 @@ func (c RelayConfig) validate() error {
 		errs = append(errs, fmt.Errorf("RelayConfig.MaxMessageBytes must be between %d and %d bytes (0 means the default, %d), got %d",
 			minMaxMessageBytes, sarama.MaxRequestSize-1, DefaultMaxMessageBytes, c.MaxMessageBytes))
 	}
-	if len(c.Backoff) == 0 {
-		errs = append(errs, errors.New("RelayConfig.Backoff must have at least one entry (nil means the default)"))
-	}
-	for i, d := range c.Backoff {
-		if d < 0 {
-			errs = append(errs, fmt.Errorf("RelayConfig.Backoff[%d] must not be negative, got %s", i, d))
-		}
+	if err := c.Backoff.Validate("producer.RelayConfig.Backoff"); err != nil {
+		errs = append(errs, err)
 	}
 	if c.MaxAttempts < 1 {
 		errs = append(errs, fmt.Errorf("RelayConfig.MaxAttempts must be at least 1, got %d", c.MaxAttempts))
@@ -306,17 +315,6 @@ func (c RelayConfig) validate() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// backoffFor returns the wait before retry number attempt (1-based).
-func (c RelayConfig) backoffFor(attempt int) time.Duration {
-	if attempt < 1 {
-		attempt = 1
-	}
-	if attempt > len(c.Backoff) {
-		return c.Backoff[len(c.Backoff)-1]
-	}
-	return c.Backoff[attempt-1]
 }
 
 // producerConfig returns the Sarama configuration with the settings the

@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"strconv"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -14,7 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -46,6 +49,12 @@ const (
 	// breaker stopped trying for a while; retry with backoff forever, and
 	// do not count it as an attempt of the message.
 	failUnavailable
+	// failBatchTooLarge: Kafka refused, as too large for the topic, the
+	// record batch this record was sent in with others (Sarama batches up
+	// to RelayConfig.MaxMessageBytes; a topic's max.message.bytes may be
+	// smaller). Not the record's fault yet: sent again at once, alone, not
+	// counted; refused alone, it is (failPermanent).
+	failBatchTooLarge
 )
 
 func classify(err error) failureKind {
@@ -81,7 +90,14 @@ func classify(err error) failureKind {
 	}
 	var netErr net.Error
 	switch {
-	case errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
+	// io.EOF: the broker (or a proxy or load balancer in front of it)
+	// closed the connection, accepting it and closing it at once when it
+	// is going away; Sarama returns the bare EOF once its retries are
+	// spent. Counted as the message's attempts, it dead-lettered events
+	// during an outage (TestKafkaOutageDoesNotStretchTheRetryWait against
+	// a fault proxy).
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
+		errors.Is(err, breaker.ErrBreakerOpen), errors.Is(err, sarama.ErrOutOfBrokers), errors.Is(err, sarama.ErrNotConnected),
 		errors.Is(err, sarama.ErrClosedClient), errors.Is(err, sarama.ErrShuttingDown),
 		errors.Is(err, errSinkClosed), errors.Is(err, errFlushTimeout), errors.Is(err, errShardStopped), errors.Is(err, errNotSent),
 		errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded),
@@ -93,20 +109,108 @@ func classify(err error) failureKind {
 
 func isPermanent(err error) bool { return classify(err) == failPermanent }
 
+// classifyItem is classify for a row's failure, told whether the row was
+// published alone: a record Kafka refuses as too large is at fault only
+// if nothing was batched with it.
+func classifyItem(it *item) failureKind {
+	kind := classify(it.err)
+	if kind == failPermanent && !it.alone && errors.Is(it.err, sarama.ErrMessageSizeTooLarge) {
+		var cfgErr sarama.ConfigurationError // Sarama's own size check, before any batch
+		if !errors.As(it.err, &cfgErr) {
+			return failBatchTooLarge
+		}
+	}
+	return kind
+}
+
+// sendAlone reports whether a row is to be published alone in its
+// transaction (its last failure was failBatchTooLarge).
+func (s *shardRunner) sendAlone(outboxUUID string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.failures[outboxUUID].alone
+}
+
+// topicLimit is a topic's max.message.bytes as a broker described it.
+type topicLimit struct {
+	bytes int // 0: unknown
+	at    time.Time
+}
+
+// topicLimitMemory is how long a described max.message.bytes is trusted.
+const topicLimitMemory = time.Minute
+
+// recordTooLargeError is Kafka's refusal of a record as too large
+// (MESSAGE_TOO_LARGE) with what the relay knows of both limits. It
+// unwraps to Kafka's error, so it is classified like it.
+type recordTooLargeError struct {
+	topic       string
+	recordBytes int // Sarama's estimate of the record alone
+	topicLimit  int // the topic's max.message.bytes; 0 if unknown
+	relayLimit  int // RelayConfig.MaxMessageBytes
+	err         error
+}
+
+func (e *recordTooLargeError) Error() string {
+	topic := "its max.message.bytes (unknown: describing the topic failed; or the brokers' message.max.bytes)"
+	if e.topicLimit > 0 {
+		topic = fmt.Sprintf("its max.message.bytes, %d bytes,", e.topicLimit)
+	}
+	return fmt.Sprintf("Kafka refused a record of about %d bytes as too large for topic %q: %s is below RelayConfig.MaxMessageBytes (%d bytes), "+
+		"which sizes the relay's records and batches; raise the topic's max.message.bytes to at least RelayConfig.MaxMessageBytes "+
+		"(and producer.Config.MaxMessageBytes to match), or lower both to the topic's: %v",
+		e.recordBytes, e.topic, topic, e.relayLimit, e.err)
+}
+
+func (e *recordTooLargeError) Unwrap() error { return e.err }
+
+// explainTooLarge returns err, as a *recordTooLargeError naming both limits
+// when Kafka refused msg as too large.
+func (s *kafkaSink) explainTooLarge(msg *sarama.ProducerMessage, err error) error {
+	var cfgErr sarama.ConfigurationError
+	if !errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.As(err, &cfgErr) {
+		return err
+	}
+	return &recordTooLargeError{topic: msg.Topic, recordBytes: msg.ByteSize(2), topicLimit: s.topicLimit(msg.Topic),
+		relayLimit: s.cfg.Producer.MaxMessageBytes, err: err}
+}
+
+// topicLimit returns topic's max.message.bytes as the brokers describe it
+// (cached for topicLimitMemory), or 0 when they cannot say.
+func (s *kafkaSink) topicLimit(topic string) int {
+	s.limitsMu.Lock()
+	defer s.limitsMu.Unlock()
+	if l, ok := s.limits[topic]; ok && time.Since(l.at) < topicLimitMemory {
+		return l.bytes
+	}
+	l := topicLimit{at: time.Now()}
+	if admin, err := sarama.NewClusterAdmin(s.brokers, s.cfg); err == nil {
+		entries, err := admin.DescribeConfig(sarama.ConfigResource{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"max.message.bytes"}})
+		for _, e := range entries {
+			if err == nil && e.Name == "max.message.bytes" {
+				l.bytes, _ = strconv.Atoi(e.Value)
+			}
+		}
+		_ = admin.Close()
+	}
+	if s.limits == nil {
+		s.limits = map[string]topicLimit{}
+	}
+	s.limits[topic] = l
+	return l.bytes
+}
+
 // maxUnavailableWait caps the wait before retrying a message while Kafka is
 // unreachable, as it caps the waits between connection attempts: a shard
 // resumes within 5 s of Kafka's return, however long the outage, as a
 // consumer does (middleware.DefaultInfraBackoff.Max).
 const maxUnavailableWait = 5 * time.Second
 
-// unavailableWait is the wait after the n-th failure in a row while Kafka
-// is unreachable: first, doubling, at most maxUnavailableWait.
-func unavailableWait(first time.Duration, n int) time.Duration {
-	wait := min(first, maxUnavailableWait)
-	for i := 1; i < n && wait < maxUnavailableWait; i++ {
-		wait *= 2
-	}
-	return min(wait, maxUnavailableWait)
+// unavailableBackoff is the schedule of waits while Kafka is unreachable,
+// derived from the relay's Backoff: its first wait, doubling, at most
+// maxUnavailableWait.
+func unavailableBackoff(b eventline.Backoff) eventline.Backoff {
+	return eventline.Backoff{Initial: min(b.Initial, maxUnavailableWait), Multiplier: 2, Max: maxUnavailableWait, Jitter: b.Jitter}
 }
 
 // failureRecord is the retry state of one outbox row.
@@ -115,14 +219,16 @@ type failureRecord struct {
 	// specific to the message, not Kafka being unreachable.
 	attempts int
 	// failures counts every failure in a row; it grows the wait while
-	// Kafka is unreachable (unavailableWait).
+	// Kafka is unreachable (unavailableBackoff).
 	failures    int
 	nextAttempt time.Time
+	// alone: the row is to be published alone in its next transaction
+	// (failBatchTooLarge).
+	alone bool
 }
 
 func loadFailures(ctx context.Context, pool *pgxpool.Pool, schema string, shard int) (map[string]failureRecord, error) {
-	rows, err := pool.Query(ctx, `SELECT outbox_uuid, attempts, next_attempt_at FROM `+
-		sqlident.Qualify(schema, "relay_failures")+` WHERE shard = $1`, shard)
+	rows, err := pool.Query(ctx, sqlident.SQL(schema, `SELECT outbox_uuid, attempts, next_attempt_at FROM {schema}.relay_failures WHERE shard = $1`), shard)
 	if err != nil {
 		return nil, fmt.Errorf("shard %d: load relay failures: %w", shard, err)
 	}
@@ -170,11 +276,11 @@ func (s *shardRunner) plan(items []*item) settlePlan {
 		case itemDead:
 		case itemFailed:
 			attempts := s.failures[it.outboxUUID].attempts + 1
-			switch kind := classify(it.err); {
+			switch kind := classifyItem(it); {
 			case kind == failPermanent:
-				it.state, it.deadReason = itemDead, "rejected: "+it.err.Error()
+				it.state, it.deadReason, it.deadCause = itemDead, "rejected: "+it.err.Error(), held.CauseRejected
 			case kind == failRetry && attempts >= s.relay.cfg.MaxAttempts:
-				it.state, it.deadReason = itemDead, fmt.Sprintf("gave up after %d attempts: %v", attempts, it.err)
+				it.state, it.deadReason, it.deadCause = itemDead, fmt.Sprintf("gave up after %d attempts: %v", attempts, it.err), held.CauseRetriesExhausted
 			default:
 				p.first = it
 				return p
@@ -216,14 +322,14 @@ func (s *shardRunner) finish(t *relayTx) {
 	}
 	if hook := s.relay.cfg.AfterPublish; hook != nil && len(p.delivered) > 0 {
 		if err := hook(s.shard, p.delivered); err != nil {
-			wait := s.relay.cfg.backoffFor(1)
+			wait := backoff.Jittered(s.relay.cfg.Backoff, 1)
 			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "retry_in", wait, "err", err)
 			s.rollback(t)
 			s.setBackoff(wait)
 			return
 		}
 	}
-	if err := s.record(ctx, t.tx, p); err != nil {
+	if err := s.record(ctx, t, p); err != nil {
 		if t.ctx.Err() != nil {
 			s.abandoned(t, p, "the shard stopped while recording its batch")
 			return
@@ -261,32 +367,18 @@ func (s *shardRunner) abandoned(t *relayTx, p settlePlan, why string) {
 func (s *shardRunner) rollback(t *relayTx) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	_ = t.tx.Rollback(ctx)
+	t.rollback(ctx)
 }
 
-// record writes the plan in tx and commits it.
-func (s *shardRunner) record(ctx context.Context, tx pgx.Tx, p settlePlan) error {
-	if last := p.last(); last != nil {
-		// The position is the last finished row: a row that is not
-		// finished (and everything after it) is read again.
-		if _, err := tx.Exec(ctx, s.sql.recordOffset, last.pos.offset, fmt.Sprint(last.pos.txID), outbox.RelayConsumerGroup); err != nil {
-			return fmt.Errorf("record position: %w", err)
-		}
-	}
-	// A transaction without rows still commits: watermill-sql runs its
-	// set-up statements (the group's zero position) through it too.
+// record writes the plan in t and commits it: dead letters first, then the
+// position, cleared retries and COMMIT in one round trip (relayTx.commit).
+func (s *shardRunner) record(ctx context.Context, t *relayTx, p settlePlan) error {
 	for _, it := range p.dead {
-		if err := s.insertDeadLetter(ctx, tx, it); err != nil {
+		if err := s.insertDeadLetter(ctx, t.tx, it); err != nil {
 			return err
 		}
 	}
-	if len(p.cleared) > 0 {
-		if _, err := tx.Exec(ctx, `DELETE FROM `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+
-			` WHERE shard = $1 AND outbox_uuid = ANY($2)`, s.shard, p.cleared); err != nil {
-			return fmt.Errorf("clear relay failures: %w", err)
-		}
-	}
-	return tx.Commit(ctx)
+	return t.commit(ctx, &s.sql, s.shard, p.last(), p.cleared)
 }
 
 func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item) error {
@@ -300,40 +392,43 @@ func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item)
 	if it.err != nil && classify(it.err) != failUnavailable {
 		attempts++
 	}
+	cause := it.deadCause
+	if cause == "" {
+		cause = held.CauseMalformed
+	}
 	lastErr := it.deadReason
 	if it.err != nil {
 		lastErr = it.err.Error()
 	}
-	_, err := tx.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "dead_letters")+` (
-			shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
-			destination_topic, payload, metadata, attempts, last_error, dead_reason)
-		VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::json, $10::json, $11, $12, $13)`,
-		s.shard, it.outboxUUID, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion,
-		topic, nullJSON(it.payload), nullJSON(it.storedMetadata()), attempts, lastErr, it.deadReason)
-	if err != nil {
-		return fmt.Errorf("write dead letter: %w", err)
-	}
-	return nil
+	return s.relay.held.AddRelay(ctx, tx, held.Event{
+		Cause: cause, Reason: it.deadReason, Shard: s.shard, MessageUUID: it.outboxUUID,
+		EventID: e.ID, EventType: e.Type, AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion,
+		Topic: topic, Payload: it.payload, Metadata: it.storedMetadata(), Attempts: attempts, LastError: lastErr,
+	})
 }
 
 // recordFailure counts a failed attempt of the row the shard now waits on
 // and schedules its retry.
 func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
-	kind := classify(it.err)
+	kind := classifyItem(it)
 	s.mu.Lock()
 	rec := s.failures[it.outboxUUID]
 	rec.failures++
 	if kind == failRetry {
 		rec.attempts++
 	}
+	rec.alone = kind == failBatchTooLarge
 	// A failure of the message walks Backoff by its counted attempts.
 	// Kafka being away says nothing about the message, and the shard must
 	// resume soon after Kafka does, however long it was away: not
-	// Backoff's 10 min but doubling from its first wait, up to the wait
-	// between connection attempts.
-	wait := s.relay.cfg.backoffFor(rec.attempts)
-	if kind == failUnavailable {
-		wait = unavailableWait(s.relay.cfg.Backoff[0], rec.failures)
+	// Backoff's 10 min but unavailableBackoff, up to the wait between
+	// connection attempts.
+	wait := backoff.Jittered(s.relay.cfg.Backoff, rec.attempts)
+	switch kind {
+	case failUnavailable:
+		wait = backoff.Jittered(unavailableBackoff(s.relay.cfg.Backoff), rec.failures)
+	case failBatchTooLarge:
+		wait = 0 // at once, alone
 	}
 	if errors.Is(it.err, breaker.ErrBreakerOpen) {
 		// Sarama's breaker stays open for 10s; retrying sooner only
@@ -348,10 +443,7 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 	s.relay.metrics.addRetry(s.shard)
 	s.log.Warn("publish failed; the shard waits and retries", "event_id", it.event.ID, "topic", it.topic,
 		"attempts", rec.attempts, "failures", rec.failures, "retry_in", wait, "err", it.err)
-	_, err := s.relay.pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(s.relay.cfg.Schema, "relay_failures")+`
-			(shard, outbox_uuid, attempts, last_error, next_attempt_at) VALUES ($1, $2, $3, $4, $5)
-		ON CONFLICT (shard, outbox_uuid) DO UPDATE SET
-			attempts = excluded.attempts, last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at`,
+	_, err := s.relay.pool.Exec(ctx, s.sql.recordFailure,
 		s.shard, it.outboxUUID, rec.attempts, it.err.Error(), rec.nextAttempt)
 	if err != nil {
 		s.log.Warn("persist relay failure", "err", err)
@@ -384,21 +476,12 @@ func peekEnvelope(payload []byte) (eventline.Event, string) {
 	return e, env.DestinationTopic
 }
 
-// storedMetadata is the row's metadata column for its dead letter.
-func (it *item) storedMetadata() []byte {
+// storedMetadata is the row's metadata column for its dead letter: a
+// column that was not a JSON object of strings is kept whole under
+// metaRawMetadata (a replay re-enqueues the row without it).
+func (it *item) storedMetadata() map[string]string {
 	if it.rawMeta != nil {
-		return it.rawMeta
+		return map[string]string{metaRawMetadata: string(it.rawMeta)}
 	}
-	if len(it.metadata) == 0 {
-		return nil
-	}
-	b, _ := json.Marshal(it.metadata)
-	return b
-}
-
-func nullJSON(b []byte) any {
-	if len(b) == 0 || !json.Valid(b) {
-		return nil
-	}
-	return string(b)
+	return it.metadata
 }

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"time"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
 )
 
@@ -13,6 +15,10 @@ const (
 	// position is not ahead of the cluster's transaction ids.
 	positionCheckInterval = time.Minute
 )
+
+// horizonWait is how often announce looks whether the transactions older
+// than its mark have ended: 1ms, doubling, at most 50ms.
+var horizonWait = eventline.Backoff{Initial: time.Millisecond, Multiplier: 2, Max: 50 * time.Millisecond}
 
 // HandleError implements watermill-sql's BackoffManager. It is called after
 // every read transaction ended, so waiting here holds no transaction; it
@@ -32,7 +38,7 @@ func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time
 	}
 	if !noMsg {
 		s.lastRows = time.Now()
-		s.relay.poller.relayed(s.shard)
+		s.relay.poller.relayed(s.shard, s.lastBatch)
 		s.unwait()
 		if s.lastBatch >= s.relay.cfg.BatchSize {
 			return 0 // a full batch: more rows are probably readable now
@@ -126,7 +132,7 @@ func (s *shardRunner) announce() error {
 		return err
 	}
 	deadline := time.Now().Add(s.relay.cfg.PollInterval)
-	for delay := time.Millisecond; time.Now().Before(deadline) && !s.stopping(); delay = min(2*delay, 50*time.Millisecond) {
+	for n := 1; time.Now().Before(deadline) && !s.stopping(); n++ {
 		var passed bool
 		if err := s.relay.pool.QueryRow(ctx, s.sql.horizonPassed, xmax).Scan(&passed); err != nil {
 			return err
@@ -134,7 +140,7 @@ func (s *shardRunner) announce() error {
 		if passed {
 			return nil
 		}
-		s.sleep(delay)
+		s.sleep(backoff.Delay(horizonWait, n))
 	}
 	return nil
 }
@@ -195,7 +201,7 @@ func (s *shardRunner) warnStalled() {
 	s.mu.Unlock()
 	ctx, cancel := context.WithTimeout(s.soft, 5*time.Second)
 	defer cancel()
-	h, err := ReadHorizonHolder(ctx, s.relay.pool)
+	h, err := outbox.ReadHorizonHolder(ctx, s.relay.pool)
 	if err != nil || h == nil {
 		s.log.Warn("relay stalled: committed events wait behind an older open transaction (xmin horizon); find it in pg_stat_activity", "stalled_for", stalled)
 		return
@@ -231,14 +237,7 @@ func (s *shardRunner) sleepOrWake(d time.Duration) bool {
 
 func (s *shardRunner) stopping() bool { return s.soft.Err() != nil }
 
-func (s *shardRunner) sleep(d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-s.soft.Done():
-	}
-}
+func (s *shardRunner) sleep(d time.Duration) { _ = backoff.Sleep(s.soft, d) }
 
 func (s *shardRunner) takeBackoff() time.Duration {
 	s.mu.Lock()

@@ -36,6 +36,13 @@ var errSinkClosed = errors.New("eventline: relay Kafka producer is closed")
 type kafkaSink struct {
 	producer  sarama.AsyncProducer
 	marshaler kafka.Marshaler
+	brokers   []string
+	cfg       *sarama.Config
+
+	// limits caches topics' max.message.bytes, read from the brokers when
+	// one refuses a record as too large (explainTooLarge).
+	limitsMu sync.Mutex
+	limits   map[string]topicLimit
 
 	mu     sync.RWMutex // guards closed against concurrent send
 	closed bool
@@ -112,6 +119,8 @@ func newKafkaSink(brokers []string, cfg *sarama.Config) (*kafkaSink, error) {
 	s := &kafkaSink{
 		producer:  p,
 		marshaler: kafka.NewWithPartitioningMarshaler(recordKey),
+		brokers:   brokers,
+		cfg:       cfg,
 		done:      make(chan struct{}),
 	}
 	go s.results()
@@ -165,6 +174,7 @@ func (s *kafkaSink) results() {
 		for pe := range s.producer.Errors() {
 			it := pe.Msg.Metadata.(*item)
 			err := s.explainMissing(pe.Msg.Topic, pe.Err)
+			err = s.explainTooLarge(pe.Msg, err)
 			it.endSpan(0, 0, err)
 			it.complete(err)
 		}

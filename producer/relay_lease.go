@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -37,52 +36,37 @@ type leaseSQL struct {
 }
 
 func newLeaseSQL(schema string) leaseSQL {
-	leases := sqlident.Qualify(schema, "relay_leases")
-	members := sqlident.Qualify(schema, "relay_members")
-	ttl := `clock_timestamp() + make_interval(secs => $3)`
+	q := func(query string) string { return sqlident.SQL(schema, query) }
 	return leaseSQL{
 		// $1 instance, $2 relay id, $3 lease seconds. Renews the member row
 		// and every unexpired lease of the instance; returns the shards
 		// still held and the backend pid (the same on every renewal unless
 		// a pooler hands out server connections per transaction).
-		renew: `WITH m AS (
-				INSERT INTO ` + members + ` (instance, relay_id, backend_pid, expires_at) VALUES ($1, $2, pg_backend_pid(), ` + ttl + `)
+		renew: q(`WITH m AS (
+				INSERT INTO {schema}.relay_members (instance, relay_id, backend_pid, expires_at)
+				VALUES ($1, $2, pg_backend_pid(), clock_timestamp() + make_interval(secs => $3))
 				ON CONFLICT (instance) DO UPDATE SET expires_at = excluded.expires_at, backend_pid = excluded.backend_pid
 			), l AS (
-				UPDATE ` + leases + ` SET expires_at = ` + ttl + `
+				UPDATE {schema}.relay_leases SET expires_at = clock_timestamp() + make_interval(secs => $3)
 				WHERE owner = $1 AND expires_at > clock_timestamp() RETURNING shard
 			)
-			SELECT pg_backend_pid(), COALESCE((SELECT array_agg(shard) FROM l), '{}')`,
-		live: `SELECT count(*) FROM ` + members + ` WHERE expires_at > clock_timestamp()`,
+			SELECT pg_backend_pid(), COALESCE((SELECT array_agg(shard) FROM l), '{}')`),
+		live: q(`SELECT count(*) FROM {schema}.relay_members WHERE expires_at > clock_timestamp()`),
 		// $1 shard count: shards without an unexpired lease.
-		free: `SELECT s FROM generate_series(0, $1 - 1) s
-			WHERE NOT EXISTS (SELECT 1 FROM ` + leases + ` l WHERE l.shard = s AND l.expires_at > clock_timestamp())`,
+		free: q(`SELECT s FROM generate_series(0, $1 - 1) s
+			WHERE NOT EXISTS (SELECT 1 FROM {schema}.relay_leases l WHERE l.shard = s AND l.expires_at > clock_timestamp())`),
 		// $1 shard, $2 instance, $3 lease seconds. Takes the shard if its
 		// lease is missing or expired; concurrent takers of one shard
 		// serialize on its row and only the first gets it.
-		take: `INSERT INTO ` + leases + ` AS l (shard, owner, expires_at) VALUES ($1, $2, clock_timestamp() + make_interval(secs => $3))
+		take: q(`INSERT INTO {schema}.relay_leases AS l (shard, owner, expires_at) VALUES ($1, $2, clock_timestamp() + make_interval(secs => $3))
 			ON CONFLICT (shard) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at,
 				acquired_at = clock_timestamp(), epoch = l.epoch + 1
 			WHERE l.expires_at <= clock_timestamp() OR l.owner = excluded.owner
-			RETURNING epoch`,
-		release: `DELETE FROM ` + leases + ` WHERE shard = $1 AND owner = $2`,
-		leave: `WITH l AS (DELETE FROM ` + leases + ` WHERE owner = $1)
-			DELETE FROM ` + members + ` WHERE instance = $1`,
+			RETURNING epoch`),
+		release: q(`DELETE FROM {schema}.relay_leases WHERE shard = $1 AND owner = $2`),
+		leave: q(`WITH l AS (DELETE FROM {schema}.relay_leases WHERE owner = $1)
+			DELETE FROM {schema}.relay_members WHERE instance = $1`),
 	}
-}
-
-// checkLeaseTables returns ErrNotMigrated when migration 005 is missing.
-func checkLeaseTables(ctx context.Context, db DBTX, schema string) error {
-	var ok bool
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`,
-		sqlident.Qualify(schema, "relay_leases"), sqlident.Qualify(schema, "relay_members")).Scan(&ok)
-	if err != nil {
-		return fmt.Errorf("look for the relay lease tables: %w", err)
-	}
-	if !ok {
-		return fmt.Errorf("%w: schema %q has no relay_leases table (migration 005_relay_leases); run `eventline migrate up` or migrations.Up first", ErrNotMigrated, schema)
-	}
-	return nil
 }
 
 // ownership is the state of the ownership loop.
@@ -158,7 +142,7 @@ func (o *ownership) tick(ctx context.Context) error {
 	share := (r.shards + live - 1) / live
 	r.metrics.setLiveRelays(live)
 
-	owned := r.OwnedShards()
+	owned := r.ownedShards()
 	// A lease still held without a runner: the runner stopped when its
 	// local deadline passed before a late renewal came through, or after a
 	// failure. Relay it again if the share allows, else let it go.
@@ -389,55 +373,4 @@ func (r *Relay) runner(shard int) *shardRunner {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.running[shard]
-}
-
-// ShardOwner is the relay holding a shard's lease.
-type ShardOwner struct {
-	// Relay is the owner's RelayConfig.ID.
-	Relay string
-	// Instance names the owner's Run: Relay plus a random suffix.
-	Instance string
-	// BackendPID is the PostgreSQL backend pid of the owner's ownership
-	// connection (see pg_stat_activity for the client behind it).
-	BackendPID int32
-	// Epoch counts the shard's takeovers.
-	Epoch int64
-	// ExpiresIn is how long the lease lasts unless renewed.
-	ExpiresIn time.Duration
-}
-
-// ShardOwners returns the shards with an unexpired lease and their
-// owners.
-func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
-	if nilcheck.IsNil(db) {
-		return nil, nilDB("ShardOwners", "db")
-	}
-	if err := sqlident.Validate("schema", schema); err != nil {
-		return nil, err
-	}
-	// Checked first: a failing query would abort the caller's transaction.
-	if err := checkLeaseTables(ctx, db, schema); err != nil {
-		return nil, err
-	}
-	rows, err := db.Query(ctx, `SELECT l.shard, COALESCE(m.relay_id, ''), l.owner, COALESCE(m.backend_pid, 0), l.epoch,
-			EXTRACT(EPOCH FROM l.expires_at - clock_timestamp())::float8
-		FROM `+sqlident.Qualify(schema, "relay_leases")+` l
-		LEFT JOIN `+sqlident.Qualify(schema, "relay_members")+` m ON m.instance = l.owner
-		WHERE l.expires_at > clock_timestamp()`)
-	if err != nil {
-		return nil, fmt.Errorf("read shard owners: %w", err)
-	}
-	defer rows.Close()
-	out := map[int]ShardOwner{}
-	for rows.Next() {
-		var shard int
-		var o ShardOwner
-		var secs float64
-		if err := rows.Scan(&shard, &o.Relay, &o.Instance, &o.BackendPID, &o.Epoch, &secs); err != nil {
-			return nil, err
-		}
-		o.ExpiresIn = time.Duration(secs * float64(time.Second))
-		out[shard] = o
-	}
-	return out, rows.Err()
 }

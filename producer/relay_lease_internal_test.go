@@ -48,8 +48,8 @@ func TestTickNeverRelaysAShardWhoseLeaseReapReleased(t *testing.T) {
 
 	// The share (one live relay, one shard) wants the shard back.
 	require.NoError(t, o.tick(ctx))
-	require.Equal(t, []int{0}, r.OwnedShards(), "the shard is relayed again")
-	for _, shard := range r.OwnedShards() {
+	require.Equal(t, []int{0}, r.ownedShards(), "the shard is relayed again")
+	for _, shard := range r.ownedShards() {
 		var n int
 		require.NoError(t, env.Pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "relay_leases")+
 			` WHERE shard = $1 AND owner = $2 AND expires_at > clock_timestamp()`, shard, r.instance).Scan(&n))

@@ -3,7 +3,6 @@ package producer_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
@@ -18,10 +17,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
 )
@@ -139,62 +140,6 @@ func (p *publisher) committed() []string {
 	return append([]string(nil), p.ids...)
 }
 
-// requireAllDelivered reads topic until every id is there.
-func requireAllDelivered(t *testing.T, brokers []string, topic string, ids []string, timeout time.Duration) map[string]int {
-	t.Helper()
-	want := map[string]bool{}
-	for _, id := range ids {
-		want[id] = true
-	}
-	recs := readUntil(t, brokers, topic, timeout, func(recs []record) bool {
-		n := 0
-		for id := range distinct(recs) {
-			if want[id] {
-				n++
-			}
-		}
-		return n == len(want)
-	})
-	counts := distinct(recs)
-	missing := 0
-	for id := range want {
-		if counts[id] == 0 {
-			missing++
-		}
-	}
-	require.Zero(t, missing, "%d of %d committed events never reached Kafka", missing, len(want))
-	return counts
-}
-
-// runRelay runs a relay until the returned stop is called; stop reports
-// how long Run took to return.
-func runRelay(t *testing.T, pool *pgxpool.Pool, cfg producer.RelayConfig) (*producer.Relay, func() time.Duration) {
-	t.Helper()
-	r, err := producer.NewRelay(context.Background(), pool, cfg)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	var once sync.Once
-	var took time.Duration
-	stop := func() time.Duration {
-		once.Do(func() {
-			began := time.Now()
-			cancel()
-			select {
-			case err := <-done:
-				require.NoError(t, err)
-			case <-time.After(time.Minute):
-				t.Error("relay did not stop within a minute")
-			}
-			took = time.Since(began)
-		})
-		return took
-	}
-	t.Cleanup(func() { stop() })
-	return r, stop
-}
-
 // TestGracefulStopRecordsProgressWithoutErrors stops a relay again and
 // again while producers keep publishing. A clean stop records the
 // progress of the batch in flight: it logs no error, and no event is sent
@@ -214,7 +159,7 @@ func TestGracefulStopRecordsProgressWithoutErrors(t *testing.T) {
 		rounds = 6
 	}
 	for i := 0; i < rounds; i++ {
-		_, stop := runRelay(t, env.Pool, producer.RelayConfig{
+		_, stop := relaytest.Run(t, env.Pool, producer.RelayConfig{
 			Schema: env.Schema, Brokers: brokers, Logger: slog.New(logs),
 			PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond, BatchSize: 20,
 		})
@@ -222,8 +167,8 @@ func TestGracefulStopRecordsProgressWithoutErrors(t *testing.T) {
 		stop()
 	}
 	pub.finish()
-	_, stop := runRelay(t, env.Pool, producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Logger: testLogger(t)})
-	counts := requireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
+	_, stop := relaytest.Run(t, env.Pool, producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Logger: relaytest.Logger(t)})
+	counts := relaytest.RequireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
 	stop()
 	require.Empty(t, logs.at(slog.LevelError), "a graceful stop must not log errors")
 	twice := 0
@@ -283,12 +228,12 @@ func TestTakeoverWhileTheOwnerStillRuns(t *testing.T) {
 	pub := startPublisher(t, env, topic, 100)
 
 	cfg := producer.RelayConfig{
-		Schema: env.Schema, Brokers: brokers, Logger: testLogger(t),
+		Schema: env.Schema, Brokers: brokers, Logger: relaytest.Logger(t),
 		PollInterval: 200 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond, BatchSize: 10,
 	}
-	a, stopA := runRelay(t, env.Pool, withID(cfg, "a"))
-	b, stopB := runRelay(t, env.Pool, withID(cfg, "b"))
-	owned := func() int { return len(a.OwnedShards()) + len(b.OwnedShards()) }
+	a, stopA := relaytest.Run(t, env.Pool, withID(cfg, "a"))
+	b, stopB := relaytest.Run(t, env.Pool, withID(cfg, "b"))
+	owned := func() int { return len(producer.OwnedShards(a)) + len(producer.OwnedShards(b)) }
 	require.Eventually(t, func() bool { return owned() == env.Shards }, 10*time.Second, 10*time.Millisecond)
 	rounds := 20
 	if testing.Short() {
@@ -298,15 +243,15 @@ func TestTakeoverWhileTheOwnerStillRuns(t *testing.T) {
 		time.Sleep(time.Duration(50+rand.IntN(150)) * time.Millisecond) // random time between takeovers: the fault schedule
 		forceTakeover(t, env)
 		require.Eventually(t, func() bool {
-			o, err := producer.ShardOwners(context.Background(), env.Pool, env.Schema)
+			o, err := admin.ShardOwners(context.Background(), env.Pool, env.Schema)
 			return err == nil && len(o) == env.Shards
 		}, 10*time.Second, 10*time.Millisecond, "round %d: every shard owned again", i)
 		waitRelayedPastNow(t, env, 10*time.Second, "round %d", i)
 	}
 	time.Sleep(300 * time.Millisecond) // the publisher keeps writing after the last takeover
 	pub.finish()
-	requireAllDelivered(t, brokers, topic, pub.committed(), 30*time.Second)
-	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	relaytest.RequireAllDelivered(t, brokers, topic, pub.committed(), 30*time.Second)
+	st, err := admin.ReadOutboxStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
 	for _, s := range st.Shards {
 		require.Zero(t, s.Backlog, "shard %d still has a backlog: owned but not relayed", s.Shard)
@@ -364,30 +309,22 @@ func TestShardSetUpFailureIsRetried(t *testing.T) {
 	failures := sqlident.Qualify(env.Schema, "relay_failures")
 	_, err := env.Pool.Exec(ctx, `ALTER TABLE `+failures+` RENAME TO relay_failures_away`)
 	require.NoError(t, err)
-	events := publishOrders(t, env, topic, 2, 10, 5)
+	events := relaytest.PublishOrders(t, env, topic, 2, 10, 5)
 
 	reg := prometheus.NewRegistry()
 	metrics, err := producer.NewRelayMetrics(reg)
 	require.NoError(t, err)
 	logs := newLogRecorder(t, slog.LevelWarn)
-	_, stop := runRelay(t, env.Pool, producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Metrics: metrics, Logger: slog.New(logs),
+	_, stop := relaytest.Run(t, env.Pool, producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Metrics: metrics, Logger: slog.New(logs),
 		PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond})
 	require.Eventually(t, func() bool { return len(logs.at(slog.LevelError)) >= 2 }, 10*time.Second, 10*time.Millisecond,
 		"the failed set-up is logged at every restart")
 	require.Contains(t, logs.at(slog.LevelError)[0], "restarting")
 	_, err = env.Pool.Exec(ctx, `ALTER TABLE `+sqlident.Qualify(env.Schema, "relay_failures_away")+` RENAME TO relay_failures`)
 	require.NoError(t, err)
-	requireAllDelivered(t, brokers, topic, ids(events), 30*time.Second)
+	relaytest.RequireAllDelivered(t, brokers, topic, relaytest.IDs(events), 30*time.Second)
 	require.Less(t, stop(), 10*time.Second)
 	require.GreaterOrEqual(t, counterValue(t, reg, "eventline_relay_shard_restarts_total"), 2.0)
-}
-
-func ids(events []eventline.Event) []string {
-	out := make([]string, len(events))
-	for i, e := range events {
-		out[i] = e.ID
-	}
-	return out
 }
 
 // TestNewRelayRefusesASmallPool: a relay needs one connection per shard
@@ -475,7 +412,7 @@ func waitOwnedBy(t *testing.T, env pgtest.Env, relayID string, timeout time.Dura
 	t.Helper()
 	began := time.Now()
 	require.Eventually(t, func() bool {
-		o, err := producer.ShardOwners(context.Background(), env.Pool, env.Schema)
+		o, err := admin.ShardOwners(context.Background(), env.Pool, env.Schema)
 		if err != nil || len(o) != env.Shards {
 			return false
 		}
@@ -521,12 +458,12 @@ func TestFrozenRelayIsTakenOverWithinTheBound(t *testing.T) {
 	t.Cleanup(func() { _ = proxy.Close() })
 
 	const interval = 200 * time.Millisecond
-	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Logger: testLogger(t), PollInterval: time.Second, RebalanceInterval: interval, BatchSize: 20}
-	_, stopA := runRelay(t, proxiedPool(t, proxy, 10), withID(cfg, "frozen"))
+	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Logger: relaytest.Logger(t), PollInterval: time.Second, RebalanceInterval: interval, BatchSize: 20}
+	_, stopA := relaytest.Run(t, proxiedPool(t, proxy, 10), withID(cfg, "frozen"))
 	waitOwnedBy(t, env, "frozen", 10*time.Second)
-	_, stopB := runRelay(t, pgtest.Pool(t, 10), withID(cfg, "survivor"))
+	_, stopB := relaytest.Run(t, pgtest.Pool(t, 10), withID(cfg, "survivor"))
 	require.Eventually(t, func() bool {
-		o, err := producer.ShardOwners(context.Background(), env.Pool, env.Schema)
+		o, err := admin.ShardOwners(context.Background(), env.Pool, env.Schema)
 		if err != nil || len(o) != env.Shards {
 			return false
 		}
@@ -572,23 +509,9 @@ func TestFrozenRelayIsTakenOverWithinTheBound(t *testing.T) {
 	require.Less(t, took, 20*time.Second, "a relay with frozen connections must still stop")
 	proxy.Set(faultproxy.Pass)
 	pub.finish()
-	requireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
+	relaytest.RequireAllDelivered(t, brokers, topic, pub.committed(), time.Minute)
 	stopB()
 	watch()
-}
-
-// moveToAHigherCounterCluster makes a shard look restored from a cluster
-// whose transaction counter was far higher: the position and every row get
-// ids this cluster has not handed out yet.
-func moveToAHigherCounterCluster(t *testing.T, env pgtest.Env, shard int) {
-	t.Helper()
-	ctx := context.Background()
-	const shift = `(transaction_id::text::bigint + 1000000000)::text::xid8`
-	_, err := env.Pool.Exec(ctx, `UPDATE `+sqlident.Qualify(env.Schema, outbox.Table(shard))+` SET transaction_id = `+shift)
-	require.NoError(t, err)
-	_, err = env.Pool.Exec(ctx, `UPDATE `+sqlident.Qualify(env.Schema, outbox.OffsetsTable(shard))+
-		` SET last_processed_transaction_id = (last_processed_transaction_id::text::bigint + 1000000000)::text::xid8`)
-	require.NoError(t, err)
 }
 
 // TestRelayDetectsAPositionAheadAndRebaseRepairsIt: after a restore into a
@@ -605,54 +528,54 @@ func TestRelayDetectsAPositionAheadAndRebaseRepairsIt(t *testing.T) {
 	ctx := context.Background()
 	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond}
 
-	before := publishOrders(t, env, topic, 1, 3, 3)
-	_, stop := runRelay(t, env.Pool, withLogger(cfg, testLogger(t)))
-	requireAllDelivered(t, brokers, topic, ids(before), 30*time.Second)
+	before := relaytest.PublishOrders(t, env, topic, 1, 3, 3)
+	_, stop := relaytest.Run(t, env.Pool, withLogger(cfg, relaytest.Logger(t)))
+	relaytest.RequireAllDelivered(t, brokers, topic, relaytest.IDs(before), 30*time.Second)
 	stop()
-	unsent := publishOrders(t, env, topic, 1, 1, 1) // committed, not relayed before the move
-	moveToAHigherCounterCluster(t, env, 0)
-	after := publishOrders(t, env, topic, 1, 2, 1) // written on the new cluster
+	unsent := relaytest.PublishOrders(t, env, topic, 1, 1, 1) // committed, not relayed before the move
+	relaytest.MoveToAHigherCounterCluster(t, env, 0)
+	after := relaytest.PublishOrders(t, env, topic, 1, 2, 1) // written on the new cluster
 
-	st, err := producer.ReadStatus(ctx, env.Pool, env.Schema)
+	st, err := admin.ReadOutboxStatus(ctx, env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.True(t, st.Shards[0].PositionAhead)
 	reg := prometheus.NewRegistry()
 	metrics, err := producer.NewRelayMetrics(reg)
 	require.NoError(t, err)
 	logs := newLogRecorder(t, slog.LevelError)
-	_, stop = runRelay(t, env.Pool, withLogger(withMetrics(cfg, metrics), slog.New(logs)))
+	_, stop = relaytest.Run(t, env.Pool, withLogger(withMetrics(cfg, metrics), slog.New(logs)))
 	require.Eventually(t, func() bool { return len(logs.at(slog.LevelError)) > 0 }, 10*time.Second, 10*time.Millisecond)
 	require.Contains(t, logs.at(slog.LevelError)[0], "eventline relay rebase-positions")
 	require.Equal(t, 1.0, gaugeValue(t, reg, "eventline_relay_position_ahead"))
 	stop()
 
-	dry, err := producer.RebasePositions(ctx, env.Pool, env.Schema, true)
+	dry, err := admin.RebasePositions(ctx, env.Pool, env.Schema, true)
 	require.NoError(t, err)
 	require.EqualValues(t, 3, dry[0].Relayed)
 	require.EqualValues(t, 1, dry[0].Pending)
-	st, err = producer.ReadStatus(ctx, env.Pool, env.Schema)
+	st, err = admin.ReadOutboxStatus(ctx, env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.True(t, st.Shards[0].PositionAhead, "a dry run changes nothing")
 
-	res, err := producer.RebasePositions(ctx, env.Pool, env.Schema, false)
+	res, err := admin.RebasePositions(ctx, env.Pool, env.Schema, false)
 	require.NoError(t, err)
 	require.True(t, res[0].Ahead())
 	require.EqualValues(t, 3, res[0].Relayed)
 	require.EqualValues(t, 1, res[0].Pending)
-	checks, err := producer.CheckPositions(ctx, env.Pool, env.Schema)
+	checks, err := admin.CheckPositions(ctx, env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.False(t, checks[0].Ahead())
 
-	_, stop = runRelay(t, env.Pool, withLogger(cfg, testLogger(t)))
-	want := append(ids(unsent), ids(after)...)
-	recs := readTopic(t, brokers, topic, len(before)+len(want), 30*time.Second)
-	counts := distinct(recs)
+	_, stop = relaytest.Run(t, env.Pool, withLogger(cfg, relaytest.Logger(t)))
+	want := append(relaytest.IDs(unsent), relaytest.IDs(after)...)
+	recs := relaytest.ReadTopic(t, brokers, topic, len(before)+len(want), 30*time.Second)
+	counts := relaytest.Distinct(recs)
 	for _, id := range want {
 		require.Equal(t, 1, counts[id], "event %s relayed once after the re-base", id)
 	}
 	var order []string
 	for _, r := range recs[len(before):] {
-		order = append(order, r.eventID)
+		order = append(order, r.EventID)
 	}
 	require.Equal(t, want, order, "the event that was waiting before the move goes first")
 	stop()
@@ -684,52 +607,4 @@ func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	}
 	t.Fatalf("metric %s not found", name)
 	return 0
-}
-
-// TestAdvanceSequencesMovesPastWhatConsumersSaw: after a failover that lost
-// commits, the producer's sequences are behind versions consumers applied
-// or parked; AdvanceSequences moves them up (never down), reading the
-// consumer tables from wherever they live.
-func TestAdvanceSequencesMovesPastWhatConsumersSaw(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	for _, separate := range []bool{false, true} {
-		t.Run(fmt.Sprintf("separate=%v", separate), func(t *testing.T) {
-			env := pgtest.New(t, pgtest.Options{Shards: 1})
-			consumers := env
-			if separate {
-				consumers = pgtest.New(t, pgtest.Options{Shards: 1}) // stands for the consumers' own database
-			}
-			exec := func(env pgtest.Env, sql string) {
-				_, err := env.Pool.Exec(ctx, sql)
-				require.NoError(t, err)
-			}
-			exec(env, `INSERT INTO `+sqlident.Qualify(env.Schema, "aggregate_sequences")+` VALUES ('order','a',3), ('order','c',10)`)
-			exec(consumers, `INSERT INTO `+sqlident.Qualify(consumers.Schema, "aggregate_versions")+
-				` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('billing','order','a',7), ('shipping','order','a',6), ('billing','order','c',2)`)
-			exec(consumers, `INSERT INTO `+sqlident.Qualify(consumers.Schema, "parked_events")+
-				` (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, payload, metadata)
-				VALUES ('billing','order','b',5,4,'e5','order.updated','\x7b7d','{}')`)
-
-			dry, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, consumers.Pool, consumers.Schema, true)
-			require.NoError(t, err)
-			require.Equal(t, producer.SequenceAdvance{Aggregates: 3, Advanced: 2}, dry)
-			res, err := producer.AdvanceSequences(ctx, env.Pool, env.Schema, consumers.Pool, consumers.Schema, false)
-			require.NoError(t, err)
-			require.Equal(t, producer.SequenceAdvance{Aggregates: 3, Advanced: 2}, res)
-			seq := func(id string) int {
-				return pgtest.Count(t, env.Pool, `SELECT version FROM `+sqlident.Qualify(env.Schema, "aggregate_sequences")+
-					` WHERE aggregate_type = 'order' AND aggregate_id = $1`, id)
-			}
-			require.Equal(t, 7, seq("a"))
-			require.Equal(t, 5, seq("b"))
-			require.Equal(t, 10, seq("c"), "sequences never move down")
-
-			p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
-			require.NoError(t, err)
-			e := mustEvent(t, "a", "orders", 1)
-			require.NoError(t, p.Publish(ctx, env.Pool, e))
-			require.Equal(t, 8, seq("a"), "the next event follows what consumers applied")
-		})
-	}
 }

@@ -4,7 +4,6 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 
 	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // deferredAck is the "query" relayOffsetsAdapter gives watermill-sql for
@@ -32,25 +31,33 @@ const deferredAck = "-- eventline: the relay records the position after Kafka ac
 // fence sees no rows.
 type relayOffsetsAdapter struct {
 	wsql.DefaultPostgreSQLOffsetsAdapter
-	offsetsTable string
-	fenceNS      int64
-	shard        int
+	nextOffset string
+	fenceNS    int64
+	shard      int
 }
+
+// nextOffsetSQL reads the relays' position ($1 their consumer group) if
+// the shard's read fence ($2 namespace, $3 shard) can be taken, and then
+// applies the relay transaction's settings (relaySettings) in the same
+// statement: watermill-sql materializes this query once per read (a CTE
+// its select refers to three times), and the row it returns, the one case
+// in which the transaction holds the fence and may write, computes them.
+var nextOffsetSQL = `SELECT offset_acked, last_processed_transaction_id, ` + relaySettings + ` FROM {offsets}
+	WHERE consumer_group = $1 AND pg_try_advisory_xact_lock($2::int, $3::int)`
 
 func newRelayOffsetsAdapter(schema string, shard int) relayOffsetsAdapter {
 	return relayOffsetsAdapter{
 		DefaultPostgreSQLOffsetsAdapter: outbox.OffsetsAdapter(schema),
-		offsetsTable:                    sqlident.Qualify(schema, outbox.OffsetsTable(shard)),
-		fenceNS:                         lockNamespace(schema + ":fence"),
+		nextOffset:                      outbox.SQL(schema, shard, nextOffsetSQL),
+		fenceNS:                         outbox.FenceNamespace(schema),
 		shard:                           shard,
 	}
 }
 
 func (a relayOffsetsAdapter) NextOffsetQuery(params wsql.NextOffsetQueryParams) (wsql.Query, error) {
 	return wsql.Query{
-		Query: `SELECT offset_acked, last_processed_transaction_id FROM ` + a.offsetsTable + `
-			WHERE consumer_group = $1 AND pg_try_advisory_xact_lock($2::int, $3::int)`,
-		Args: []any{params.ConsumerGroup, a.fenceNS, a.shard},
+		Query: a.nextOffset,
+		Args:  []any{params.ConsumerGroup, a.fenceNS, a.shard},
 	}, nil
 }
 

@@ -2,14 +2,17 @@ package producer
 
 import (
 	"context"
+	"math"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 const (
@@ -30,14 +33,27 @@ const (
 	// instead of planning each poll again (with the list of the shards
 	// lingering at that instant, 85% of polls were planned).
 	busyWindow = 2 * time.Second
-	// stallPollMax caps the polling interval while every polled shard has
-	// been held back by the xmin horizon for longer than stallFastPhase.
-	stallPollMax   = 20 * time.Millisecond
+	// maxHotPollInterval is the longest interval between polls while
+	// shards linger: at low rates the poller polls about once per event
+	// relayed (rateInterval), never less often than this, so a row is
+	// noticed as soon as plain Watermill polling every 10 ms would.
+	maxHotPollInterval = 10 * time.Millisecond
+	// rateWindow is the time constant of the relay's rate estimate
+	// (poller.rows), which sets the poll interval.
+	rateWindow = time.Second
+	// stallFastPhase is how long the poller keeps polling at its usual
+	// interval while every polled shard is held back by the xmin
+	// horizon; after it, it backs off (pollBackoff).
 	stallFastPhase = 2 * time.Second
 	// stallWarnAfter is how long a stall lasts before the relay warns and
 	// names the transaction holding the horizon.
 	stallWarnAfter = 10 * time.Second
 )
+
+// pollBackoff is the poller's interval while every polled shard has been
+// held back by the xmin horizon for longer than stallFastPhase, or its poll
+// failed: hotPollInterval, doubling, at most 20ms.
+var pollBackoff = eventline.Backoff{Initial: hotPollInterval, Multiplier: 2, Max: 20 * time.Millisecond}
 
 // poller looks at the shards that are waiting for rows with one query per
 // interval, and wakes those that have rows they can read. A shard is
@@ -52,18 +68,53 @@ type poller struct {
 	recent map[int]time.Time // when each shard last relayed rows
 	kick   chan struct{}
 	sql    map[string]string // poll statement by shard list
+	polls  atomic.Int64      // polls run, for tests
+	// rows counts the rows the relay's shards read, decaying with time
+	// constant rateWindow since rowsAt: rows/rateWindow estimates the
+	// relay's rate.
+	rows   float64
+	rowsAt time.Time
 }
 
 func newPoller(r *Relay) *poller {
 	return &poller{r: r, set: map[int]*shardRunner{}, recent: map[int]time.Time{}, kick: make(chan struct{}, 1), sql: map[string]string{}}
 }
 
-// relayed records that shard s just relayed rows: it stays in the poll
-// statement for busyWindow.
-func (p *poller) relayed(shard int) {
+// relayed records that shard just relayed rows rows: it stays in the poll
+// statement for busyWindow, and the rows count towards the relay's rate.
+func (p *poller) relayed(shard, rows int) {
 	p.mu.Lock()
-	p.recent[shard] = time.Now()
+	defer p.mu.Unlock()
+	now := time.Now()
+	p.recent[shard] = now
+	p.decay(now)
+	p.rows += float64(rows)
+}
+
+// decay brings the rows count to now; p.mu is held.
+func (p *poller) decay(now time.Time) {
+	if !p.rowsAt.IsZero() {
+		p.rows *= math.Exp(-float64(now.Sub(p.rowsAt)) / float64(rateWindow))
+	}
+	p.rowsAt = now
+}
+
+// rateInterval is the poll interval at the relay's current rate: about
+// one poll per row relayed, between hotPollInterval and
+// maxHotPollInterval. A poll costs the same whether it finds rows or not,
+// so at low rates polling more often than rows arrive spends a query per
+// empty poll for a millisecond or two of latency: at 100 events/s a 2 ms
+// interval was 2.8 polls per event relayed, each a statement of up to 8
+// index probes.
+func (p *poller) rateInterval() time.Duration {
+	p.mu.Lock()
+	p.decay(time.Now())
+	rate := p.rows / rateWindow.Seconds()
 	p.mu.Unlock()
+	if rate*maxHotPollInterval.Seconds() <= 1 {
+		return maxHotPollInterval
+	}
+	return max(time.Duration(float64(time.Second)/rate), hotPollInterval)
 }
 
 // watch adds s to the polled shards.
@@ -120,8 +171,8 @@ func (p *poller) busy(shards []*shardRunner) []int {
 
 // run polls until ctx ends.
 func (p *poller) run(ctx context.Context) {
-	interval := hotPollInterval
-	t := time.NewTimer(interval)
+	slow := 0 // polls in a row that failed or found every shard stalled
+	t := time.NewTimer(hotPollInterval)
 	defer t.Stop()
 	for {
 		shards := p.watched()
@@ -130,11 +181,11 @@ func (p *poller) run(ctx context.Context) {
 			case <-ctx.Done():
 				return
 			case <-p.kick:
-				interval = hotPollInterval
+				slow = 0
 				continue
 			}
 		}
-		t.Reset(interval)
+		t.Reset(max(backoff.Delay(pollBackoff, slow+1), p.rateInterval()))
 		select {
 		case <-ctx.Done():
 			return
@@ -145,11 +196,12 @@ func (p *poller) run(ctx context.Context) {
 			continue
 		}
 		ready, err := p.poll(ctx, shards)
+		p.polls.Add(1)
 		if err != nil {
 			if ctx.Err() == nil {
 				p.r.log.Debug("poll outbox shards", "err", err)
 			}
-			interval = min(2*max(interval, time.Millisecond), stallPollMax)
+			slow++
 			continue
 		}
 		allStalled := true
@@ -170,12 +222,22 @@ func (p *poller) run(ctx context.Context) {
 			}
 		}
 		if allStalled {
-			interval = min(2*interval, stallPollMax)
+			slow++
 		} else {
-			interval = hotPollInterval
+			slow = 0
 		}
 	}
 }
+
+// pollShardSQL says whether the row after a shard's position ($1 the
+// relays' consumer group) can be read, NULL when there is none. LATERAL
+// makes the position a parameter of the index scan: a plain join would
+// filter every row from the start.
+const pollShardSQL = `(SELECT x.readable FROM {offsets} o CROSS JOIN LATERAL (
+	SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) AS readable FROM {messages} m
+	WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+	ORDER BY m.transaction_id, m."offset" LIMIT 1) x
+	WHERE o.consumer_group = $1)`
 
 type pollResult int
 
@@ -199,15 +261,7 @@ func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult,
 	if !ok {
 		parts := make([]string, len(busy))
 		for i, shard := range busy {
-			messages := sqlident.Qualify(p.r.cfg.Schema, outbox.Table(shard))
-			offsets := sqlident.Qualify(p.r.cfg.Schema, outbox.OffsetsTable(shard))
-			// LATERAL makes the position a parameter of the index scan:
-			// a plain join would filter every row from the start.
-			parts[i] = `(SELECT x.readable FROM ` + offsets + ` o CROSS JOIN LATERAL (
-				SELECT m.transaction_id < pg_snapshot_xmin(pg_current_snapshot()) AS readable FROM ` + messages + ` m
-				WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
-				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
-				WHERE o.consumer_group = $1)`
+			parts[i] = outbox.SQL(p.r.cfg.Schema, shard, pollShardSQL)
 		}
 		q = `SELECT ARRAY[` + strings.Join(parts, ", ") + `]::bool[]`
 		if len(p.sql) > 256 {

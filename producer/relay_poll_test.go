@@ -16,6 +16,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
 )
@@ -144,7 +145,7 @@ func TestRelayPollsBusyShardsWithOneStatement(t *testing.T) {
 	kafkatest.CreateTopic(t, brokers, topic, 4)
 	tr := &pollTracer{texts: map[string]int{}}
 	pool := tracedRelayPool(t, env, tr)
-	_, stopRelay := startRelay(t, pgtest.Env{Pool: pool, Schema: env.Schema, Shards: env.Shards}, producer.RelayConfig{Brokers: brokers})
+	_, stopRelay := relaytest.Start(t, pgtest.Env{Pool: pool, Schema: env.Schema, Shards: env.Shards}, producer.RelayConfig{Brokers: brokers})
 
 	aggs := make([]string, 32)
 	for i := range aggs {
@@ -207,7 +208,7 @@ func TestRelayPollsOnlyBusyShards(t *testing.T) {
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 4)
 	tr := &pollTracer{texts: map[string]int{}}
-	startRelay(t, pgtest.Env{Pool: tracedRelayPool(t, env, tr), Schema: env.Schema, Shards: env.Shards}, producer.RelayConfig{Brokers: brokers})
+	relaytest.Start(t, pgtest.Env{Pool: tracedRelayPool(t, env, tr), Schema: env.Schema, Shards: env.Shards}, producer.RelayConfig{Brokers: brokers})
 	// Every shard goes idle first: it asks producers to notify it.
 	require.Eventually(t, func() bool { return waitingShards(t, env) == 4 }, 15*time.Second, 10*time.Millisecond)
 

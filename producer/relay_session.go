@@ -14,16 +14,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
 )
-
-// ErrSessionPooling is returned by Relay.Run when its connections go
-// through a pooler that hands out server connections per transaction or
-// statement (PgBouncer's pool_mode = transaction or statement): LISTEN
-// and session settings do not survive there. Connect relays to PostgreSQL
-// directly or through a session-mode pool; producers and consumers need
-// no session and work through any pooler.
-var ErrSessionPooling = errors.New("eventline: the relay's connections go through a transaction- or statement-mode pooler; relays need session-level connections: connect them directly to PostgreSQL or through a pool in session mode (PgBouncer pool_mode = session)")
 
 // probeTimeout bounds the wait for the listener's own probe notification.
 const probeTimeout = 2 * time.Second
@@ -117,7 +110,7 @@ func (r *Relay) listen(ctx context.Context, ready chan<- error) error {
 	for ctx.Err() == nil {
 		conn, err := r.pool.Acquire(ctx)
 		if err != nil {
-			r.pause(ctx, time.Second)
+			_ = backoff.Sleep(ctx, time.Second)
 			continue
 		}
 		err = r.startListening(ctx, conn.Conn(), first)
@@ -156,7 +149,7 @@ func (r *Relay) listen(ctx context.Context, ready chan<- error) error {
 		// A connection that was listening is closed, not returned to the
 		// pool, so no other user inherits the LISTEN.
 		closeConn(conn)
-		r.pause(ctx, 100*time.Millisecond)
+		_ = backoff.Sleep(ctx, 100*time.Millisecond)
 	}
 	if first {
 		ready <- nil

@@ -16,6 +16,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
 )
@@ -41,8 +42,8 @@ func TestRelaySessionsKeepThePoolsApplicationName(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 
-	_, stop := runRelay(t, pool, producer.RelayConfig{Schema: env.Schema, Brokers: kafkatest.Brokers(t),
-		PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond, Logger: testLogger(t)})
+	_, stop := relaytest.Run(t, pool, producer.RelayConfig{Schema: env.Schema, Brokers: kafkatest.Brokers(t),
+		PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond, Logger: relaytest.Logger(t)})
 	owners := waitOwners(t, env, 1)
 	var ownership string
 	require.NoError(t, env.Pool.QueryRow(ctx, `SELECT application_name FROM pg_stat_activity WHERE pid = $1`, owners[0].BackendPID).Scan(&ownership))
@@ -77,9 +78,9 @@ func TestRelaySendsNothingAfterItsLeaseRanOut(t *testing.T) {
 	metrics, err := producer.NewRelayMetrics(reg)
 	require.NoError(t, err)
 	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, PollInterval: 200 * time.Millisecond,
-		RebalanceInterval: 200 * time.Millisecond, Logger: testLogger(t)}
+		RebalanceInterval: 200 * time.Millisecond, Logger: relaytest.Logger(t)}
 
-	held := publishOrders(t, env, topic, 1, 1, 1)[0]
+	held := relaytest.PublishOrders(t, env, topic, 1, 1, 1)[0]
 	atSend, resume := make(chan struct{}), make(chan struct{})
 	var sendOnce sync.Once
 	restoreSend := producer.SetBeforeSendHook(func(schema string, _ int, eventID string) {
@@ -98,7 +99,7 @@ func TestRelaySendsNothingAfterItsLeaseRanOut(t *testing.T) {
 	defer restoreTimer()
 	defer close(thaw)
 
-	_, stop := runRelay(t, env.Pool, withMetrics(cfg, metrics))
+	_, stop := relaytest.Run(t, env.Pool, withMetrics(cfg, metrics))
 	waitFor(t, atSend, "the relay never reached the send")
 	lock, err := env.Pool.Begin(ctx)
 	require.NoError(t, err)
@@ -119,8 +120,8 @@ func TestRelaySendsNothingAfterItsLeaseRanOut(t *testing.T) {
 
 	// Not lost: the next owner sends it.
 	require.NoError(t, lock.Rollback(ctx))
-	_, stop = runRelay(t, env.Pool, cfg)
-	requireAllDelivered(t, brokers, topic, []string{held.ID}, time.Minute)
+	_, stop = relaytest.Run(t, env.Pool, cfg)
+	relaytest.RequireAllDelivered(t, brokers, topic, []string{held.ID}, time.Minute)
 	stop()
 }
 

@@ -16,8 +16,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 const (
@@ -39,11 +39,12 @@ const (
 	setupTimeout = 10 * time.Second
 	// queryRetryInterval is the pause after a failed outbox query.
 	queryRetryInterval = time.Second
-	// restartMinDelay and restartMaxDelay bound the backoff between
-	// restarts of a shard whose relaying stopped unexpectedly.
-	restartMinDelay = 100 * time.Millisecond
-	restartMaxDelay = 30 * time.Second
 )
+
+// restartBackoff is the wait before each restart of a shard whose relaying
+// stopped unexpectedly: 100ms, doubling, at most 30s; a run that lasted
+// longer than Max starts the schedule again.
+var restartBackoff = eventline.Backoff{Initial: 100 * time.Millisecond, Multiplier: 2, Max: 30 * time.Second}
 
 // stopReason says why a shard runner stops.
 type stopReason int32
@@ -111,6 +112,7 @@ type shardRunner struct {
 	stallWarned  bool
 }
 
+// shardSQL holds a shard's statements, rendered once for its tables.
 type shardSQL struct {
 	zeroOffsets   string
 	recordOffset  string
@@ -119,36 +121,40 @@ type shardSQL struct {
 	horizonPassed string
 	snapshotXmax  string
 	fenceHolders  string
+	recordFailure string
+	clearFailures string
 }
 
 func newShardSQL(schema string, shard int) shardSQL {
-	messages := sqlident.Qualify(schema, outbox.Table(shard))
-	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
-	waiting := sqlident.Qualify(schema, "outbox_waiting")
+	q := func(query string) string { return outbox.SQL(schema, shard, query) }
 	return shardSQL{
-		zeroOffsets: `INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ($1, 0, '0')
-			ON CONFLICT DO NOTHING`,
-		recordOffset: `INSERT INTO ` + offsets + ` (consumer_group, offset_acked, last_processed_transaction_id) VALUES ($3, $1, $2::text::xid8)
-			ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id`,
-		wait: `INSERT INTO ` + waiting + ` (shard, expires_at) VALUES ($1, now() + make_interval(secs => $2))
-			ON CONFLICT (shard) DO UPDATE SET expires_at = excluded.expires_at`,
-		unwait:        `DELETE FROM ` + waiting + ` WHERE shard = $1`,
+		zeroOffsets: q(`INSERT INTO {offsets} (consumer_group, offset_acked, last_processed_transaction_id) VALUES ($1, 0, '0')
+			ON CONFLICT DO NOTHING`),
+		recordOffset: q(`INSERT INTO {offsets} (consumer_group, offset_acked, last_processed_transaction_id) VALUES ($3, $1, $2::text::xid8)
+			ON CONFLICT (consumer_group) DO UPDATE SET offset_acked = excluded.offset_acked, last_processed_transaction_id = excluded.last_processed_transaction_id`),
+		wait: q(`INSERT INTO {schema}.outbox_waiting (shard, expires_at) VALUES ($1, now() + make_interval(secs => $2))
+			ON CONFLICT (shard) DO UPDATE SET expires_at = excluded.expires_at`),
+		unwait:        q(`DELETE FROM {schema}.outbox_waiting WHERE shard = $1`),
 		snapshotXmax:  `SELECT pg_snapshot_xmax(pg_current_snapshot())::text`,
 		horizonPassed: `SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::text::xid8`,
 		// Also keeps a waiting shard's request alive ($2, $3).
-		backlogExists: `WITH keep AS (
-				UPDATE ` + waiting + ` SET expires_at = now() + make_interval(secs => $3) WHERE shard = $2 AND $4
+		backlogExists: q(`WITH keep AS (
+				UPDATE {schema}.outbox_waiting SET expires_at = now() + make_interval(secs => $3) WHERE shard = $2 AND $4
 			)
-			SELECT EXISTS (SELECT 1 FROM ` + offsets + ` o CROSS JOIN LATERAL (
-				SELECT 1 FROM ` + messages + ` m WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+			SELECT EXISTS (SELECT 1 FROM {offsets} o CROSS JOIN LATERAL (
+				SELECT 1 FROM {messages} m WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
 				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
-			WHERE o.consumer_group = $1)`,
+			WHERE o.consumer_group = $1)`),
 		// Backends other than this one holding the shard's read fence ($1
 		// namespace, $2 shard): see clearFence.
 		fenceHolders: `SELECT pid FROM pg_locks
 			WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND pid <> pg_backend_pid()
 			  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 			  AND classid::bigint = $1 AND objid::bigint = $2`,
+		recordFailure: q(`INSERT INTO {schema}.relay_failures (shard, outbox_uuid, attempts, last_error, next_attempt_at) VALUES ($1, $2, $3, $4, $5)
+			ON CONFLICT (shard, outbox_uuid) DO UPDATE SET
+				attempts = excluded.attempts, last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at`),
+		clearFailures: q(`DELETE FROM {schema}.relay_failures WHERE shard = $1 AND outbox_uuid = ANY($2)`),
 	}
 }
 
@@ -191,23 +197,24 @@ func (s *shardRunner) supervise() {
 		default:
 		}
 	}()
-	delay := restartMinDelay
+	restarts := 0
 	for {
 		began := time.Now()
 		err := s.runOnce()
 		if s.stopping() {
 			return
 		}
-		if time.Since(began) > restartMaxDelay {
-			delay = restartMinDelay
+		if time.Since(began) > restartBackoff.Max {
+			restarts = 0
 		}
+		restarts++
+		delay := backoff.Jittered(restartBackoff, restarts)
 		s.relay.metrics.addShardRestart(s.shard)
 		if err == nil {
 			err = errors.New("the forwarder stopped by itself")
 		}
 		s.log.Error("shard relaying stopped unexpectedly; restarting it", "err", err, "retry_in", delay)
 		s.sleep(delay)
-		delay = min(2*delay, restartMaxDelay)
 	}
 }
 
@@ -305,7 +312,7 @@ func (s *shardRunner) setUp() error {
 // It needs the right to signal that backend (same role, or
 // pg_signal_backend); without it the shard waits for the timeout.
 func (s *shardRunner) clearFence(ctx context.Context) {
-	rows, err := s.relay.pool.Query(ctx, s.sql.fenceHolders, lockNamespace(s.relay.cfg.Schema+":fence"), s.shard)
+	rows, err := s.relay.pool.Query(ctx, s.sql.fenceHolders, outbox.FenceNamespace(s.relay.cfg.Schema), s.shard)
 	if err != nil {
 		s.log.Warn("look for a stale read fence", "err", err)
 		return
@@ -334,13 +341,13 @@ func (s *shardRunner) clearFence(ctx context.Context) {
 // `eventline relay rebase-positions`.
 func (s *shardRunner) checkPosition(ctx context.Context) {
 	s.lastPositionCheck = time.Now()
-	c, err := checkPosition(ctx, s.relay.pool, s.relay.cfg.Schema, s.shard)
+	c, err := outbox.CheckPosition(ctx, s.relay.pool, s.relay.cfg.Schema, s.shard)
 	if err != nil {
 		return
 	}
 	s.relay.metrics.setPositionAhead(s.shard, c.Ahead())
 	if c.Ahead() {
-		s.log.Error("nothing on this shard can be relayed: "+ErrPositionAhead.Error()+"; stop the relays and run `eventline relay rebase-positions` (see the README, \"Moving the database\")",
+		s.log.Error("nothing on this shard can be relayed: "+outbox.ErrPositionAhead.Error()+"; stop the relays and run `eventline relay rebase-positions` (see the README, \"Moving the database\")",
 			"position_xid", c.Position, "newest_row_xid", c.NewestRow, "cluster_next_xid", c.Counter)
 	}
 }
@@ -487,6 +494,13 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 				b.stopped.Store(true)
 				return nil, nil
 			}
+		}
+		alone := s.sendAlone(it.outboxUUID)
+		if alone {
+			// Kafka refused the batch this row was in as too large: it
+			// goes alone, the rows after it in the next transaction.
+			it.alone = true
+			b.stopped.Store(true)
 		}
 		msg.SetContext(withItem(msg.Context(), it))
 		_, err := h(msg)

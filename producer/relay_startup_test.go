@@ -11,9 +11,11 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -61,7 +63,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 			brokers := kafkatest.Brokers(t)
 			topic := kafkatest.Topic(t, "orders")
 			kafkatest.CreateTopic(t, brokers, topic, 3)
-			events := publishOrders(t, env, topic, 4, 20, 5)
+			events := relaytest.PublishOrders(t, env, topic, 4, 20, 5)
 
 			proxy, err := faultproxy.Start(pgtest.Addr())
 			require.NoError(t, err)
@@ -74,7 +76,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 				PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
 			})
 			require.NoError(t, err, "an unavailable database is not a configuration error")
-			require.Zero(t, r.Shards(), "the shard count is not known yet")
+			require.Zero(t, producer.ShardCount(r), "the shard count is not known yet")
 
 			done, stop := runInBackground(t, r)
 			waits := func() int {
@@ -92,9 +94,9 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 			require.Empty(t, logs.at(slog.LevelError))
 
 			proxy.Set(faultproxy.Pass)
-			counts := distinct(readTopic(t, brokers, topic, len(events), time.Minute))
+			counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, len(events), time.Minute))
 			require.Len(t, counts, len(events), "the relay relays once the database answers")
-			require.Equal(t, env.Shards, r.Shards())
+			require.Equal(t, env.Shards, producer.ShardCount(r))
 			stop()
 			require.NoError(t, <-done)
 			done <- nil
@@ -115,7 +117,7 @@ func TestRelayStartedDuringADatabaseOutageStillRefusesAnUnmigratedSchema(t *test
 	pool := proxiedPool(t, proxy, producer.PoolSizeFor(4))
 	newRelay := func(schema string) *producer.Relay {
 		r, err := producer.NewRelay(context.Background(), pool, producer.RelayConfig{
-			Schema: schema, Brokers: []string{"127.0.0.1:1"}, Logger: testLogger(t),
+			Schema: schema, Brokers: []string{"127.0.0.1:1"}, Logger: relaytest.Logger(t),
 		})
 		require.NoError(t, err)
 		return r
@@ -175,7 +177,7 @@ func TestRelayRunStopsCleanlyAtTheCallersDeadline(t *testing.T) {
 			defer cancel(nil)
 			done := make(chan error, 1)
 			go func() { done <- r.Run(ctx) }()
-			require.Eventually(t, func() bool { return len(r.OwnedShards()) == env.Shards }, time.Minute, 10*time.Millisecond)
+			require.Eventually(t, func() bool { return len(producer.OwnedShards(r)) == env.Shards }, time.Minute, 10*time.Millisecond)
 			cancel(cause) // what a context.WithTimeout does when its time is up
 			select {
 			case err := <-done:
@@ -206,15 +208,15 @@ func TestRelayRunStopsCleanlyAtTheCallersDeadline(t *testing.T) {
 // every error was "circuit breaker is open", with no hint of the cause.
 func TestRelayNamesAMissingTopic(t *testing.T) {
 	t.Parallel()
-	_, brokers := kafkatest.Fake(t) // like a production cluster: no topic created on first use
+	brokers := kafkatest.Brokers(t) // like a production cluster: no topic created on first use
 	missing := kafkatest.Topic(t, "missing")
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	events := publishOrders(t, env, missing, 1, 1, 1)
+	events := relaytest.PublishOrders(t, env, missing, 1, 1, 1)
 
 	logs := newLogRecorder(t, slog.LevelWarn)
-	startRelay(t, env, producer.RelayConfig{
+	relaytest.Start(t, env, producer.RelayConfig{
 		Brokers: brokers, Logger: slog.New(logs),
-		Backoff: []time.Duration{10 * time.Millisecond}, MaxAttempts: 1000, // never dead-lettered here
+		Backoff: eventline.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond, Multiplier: 1}, MaxAttempts: 1000, // never dead-lettered here
 	})
 	hinted := func(l string) bool {
 		return strings.Contains(l, `Kafka topic "`+missing+`" does not exist, and eventline creates no topics`) &&
@@ -238,5 +240,5 @@ func TestRelayNamesAMissingTopic(t *testing.T) {
 	}
 
 	kafkatest.CreateTopic(t, brokers, missing, 1)
-	require.Len(t, distinct(readTopic(t, brokers, missing, len(events), time.Minute)), len(events), "published once the topic exists")
+	require.Len(t, relaytest.Distinct(relaytest.ReadTopic(t, brokers, missing, len(events), time.Minute)), len(events), "published once the topic exists")
 }

@@ -3,134 +3,19 @@ package producer_test
 import (
 	"context"
 	"fmt"
-	"log/slog"
-	"strconv"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
-
-// testLogger logs warnings and errors through t.Log.
-func testLogger(t testing.TB) *slog.Logger {
-	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
-}
-
-type tWriter struct{ t testing.TB }
-
-func (w tWriter) Write(p []byte) (int, error) {
-	w.t.Helper()
-	w.t.Log(string(p))
-	return len(p), nil
-}
-
-// startRelay runs a relay until the test ends or stop is called.
-func startRelay(t *testing.T, env pgtest.Env, cfg producer.RelayConfig) (*producer.Relay, func()) {
-	t.Helper()
-	cfg.Schema = env.Schema
-	if cfg.PollInterval == 0 {
-		cfg.PollInterval = 200 * time.Millisecond
-	}
-	if cfg.RebalanceInterval == 0 {
-		cfg.RebalanceInterval = 250 * time.Millisecond
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = testLogger(t)
-	}
-	r, err := producer.NewRelay(context.Background(), env.Pool, cfg)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	var once sync.Once
-	stop := func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				require.NoError(t, err)
-			case <-time.After(time.Minute):
-				t.Error("relay did not stop within a minute")
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return r, stop
-}
-
-// publishOrders publishes n events spread over aggs aggregates, in
-// transactions of batch events.
-func publishOrders(t *testing.T, env pgtest.Env, topic string, aggs, n, batch int) []eventline.Event {
-	t.Helper()
-	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
-	require.NoError(t, err)
-	var all []eventline.Event
-	for i := 0; i < n; i += batch {
-		var events []eventline.Event
-		for j := i; j < min(i+batch, n); j++ {
-			e, err := eventline.NewJSONEvent("order.updated", "order", "agg-"+strconv.Itoa(j%aggs), map[string]int{"seq": j})
-			require.NoError(t, err)
-			e.ID = eventline.NewEventID()
-			events = append(events, e)
-		}
-		require.NoError(t, p.Publish(context.Background(), env.Pool, events...))
-		all = append(all, events...)
-	}
-	return all
-}
-
-// record is one event as read back from Kafka.
-type record struct {
-	eventID   string
-	key       string
-	version   int64
-	partition int32
-	offset    int64
-}
-
-// readTopic reads topic until want distinct event ids were seen or the
-// timeout passed, and returns every record read (duplicates included).
-func readTopic(t *testing.T, brokers []string, topic string, want int, timeout time.Duration) []record {
-	t.Helper()
-	return readUntil(t, brokers, topic, timeout, func(recs []record) bool { return len(distinct(recs)) >= want })
-}
-
-// readUntil reads topic from the start until done says so or the timeout
-// passed.
-func readUntil(t *testing.T, brokers []string, topic string, timeout time.Duration, done func([]record) bool) []record {
-	t.Helper()
-	var out []record
-	kafkatest.Consume(t, brokers, topic, timeout, func(m *sarama.ConsumerMessage) bool {
-		r := record{key: string(m.Key), partition: m.Partition, offset: m.Offset}
-		for _, h := range m.Headers {
-			switch string(h.Key) {
-			case eventline.MetaEventID:
-				r.eventID = string(h.Value)
-			case eventline.MetaAggregateVersion:
-				r.version, _ = strconv.ParseInt(string(h.Value), 10, 64)
-			}
-		}
-		out = append(out, r)
-		return done(out)
-	})
-	return out
-}
-
-func distinct(records []record) map[string]int {
-	out := map[string]int{}
-	for _, r := range records {
-		out[r.eventID]++
-	}
-	return out
-}
 
 func TestRelayForwardsEveryEventKeyedByAggregate(t *testing.T) {
 	t.Parallel()
@@ -139,11 +24,11 @@ func TestRelayForwardsEveryEventKeyedByAggregate(t *testing.T) {
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 6)
 
-	events := publishOrders(t, env, topic, 20, 500, 10)
-	_, stop := startRelay(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 64})
+	events := relaytest.PublishOrders(t, env, topic, 20, 500, 10)
+	_, stop := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 64})
 
-	records := readTopic(t, brokers, topic, len(events), 30*time.Second)
-	counts := distinct(records)
+	records := relaytest.ReadTopic(t, brokers, topic, len(events), 30*time.Second)
+	counts := relaytest.Distinct(records)
 	require.Len(t, counts, len(events), "every committed event reaches Kafka")
 	for _, e := range events {
 		require.Equal(t, 1, counts[e.ID], "event %s forwarded exactly once without crashes", e.ID)
@@ -153,16 +38,16 @@ func TestRelayForwardsEveryEventKeyedByAggregate(t *testing.T) {
 	partitionOf := map[string]int32{}
 	lastVersion := map[string]int64{}
 	for _, r := range records {
-		if p, ok := partitionOf[r.key]; ok {
-			require.Equal(t, p, r.partition, "aggregate %s split over partitions", r.key)
+		if p, ok := partitionOf[r.Key]; ok {
+			require.Equal(t, p, r.Partition, "aggregate %s split over partitions", r.Key)
 		}
-		partitionOf[r.key] = r.partition
-		require.Greater(t, r.version, lastVersion[r.key], "aggregate %s out of order", r.key)
-		lastVersion[r.key] = r.version
+		partitionOf[r.Key] = r.Partition
+		require.Greater(t, r.Version, lastVersion[r.Key], "aggregate %s out of order", r.Key)
+		lastVersion[r.Key] = r.Version
 	}
 
 	stop()
-	st, err := producer.ReadStatus(context.Background(), env.Pool, env.Schema)
+	st, err := admin.ReadOutboxStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.Zero(t, st.Backlog(), "relay recorded its progress: %+v", st)
 	require.Zero(t, st.DeadLetters)
@@ -181,15 +66,15 @@ func TestRelayPartitionsLikeKafkasJavaClient(t *testing.T) {
 	topic := kafkatest.Topic(t, "orders")
 	const partitions = 6
 	kafkatest.CreateTopic(t, brokers, topic, partitions)
-	events := publishOrders(t, env, topic, 50, 50, 10) // 50 aggregates, one event each
-	startRelay(t, env, producer.RelayConfig{Brokers: brokers})
+	events := relaytest.PublishOrders(t, env, topic, 50, 50, 10) // 50 aggregates, one event each
+	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers})
 
 	java := kgo.StickyKeyPartitioner(nil).ForTopic(topic)
 	moved := 0
-	for _, r := range readTopic(t, brokers, topic, len(events), 30*time.Second) {
-		if want := java.Partition(&kgo.Record{Key: []byte(r.key)}, partitions); int32(want) != r.partition {
+	for _, r := range relaytest.ReadTopic(t, brokers, topic, len(events), 30*time.Second) {
+		if want := java.Partition(&kgo.Record{Key: []byte(r.Key)}, partitions); int32(want) != r.Partition {
 			moved++
-			t.Logf("key %s: partition %d, a Java client would use %d", r.key, r.partition, want)
+			t.Logf("key %s: partition %d, a Java client would use %d", r.Key, r.Partition, want)
 		}
 	}
 	require.Zero(t, moved, "%d of %d keys in a different partition than Kafka's default partitioner picks", moved, len(events))
@@ -199,7 +84,7 @@ func TestNewRelayValidatesConfig(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{})
 	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: []string{"nohostport"}, BatchSize: -1, Backoff: []time.Duration{},
+		Schema: env.Schema, Brokers: []string{"nohostport"}, BatchSize: -1, Backoff: eventline.Backoff{Initial: -time.Second},
 	})
 	require.Error(t, err)
 	for _, field := range []string{"RelayConfig.Brokers", "RelayConfig.BatchSize", "RelayConfig.Backoff"} {

@@ -15,6 +15,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/producer"
@@ -64,7 +65,7 @@ func TestRelaySendSpanContinuesThePublishTrace(t *testing.T) {
 	require.NoError(t, err)
 	e.ID = eventline.NewEventID()
 	parent := publishTraced(t, env, rec, topic, e)
-	startRelay(t, env, producer.RelayConfig{Brokers: brokers, TracerProvider: rec.Provider})
+	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, TracerProvider: rec.Provider})
 
 	var headers map[string]string
 	kafkatest.Consume(t, brokers, topic, 30*time.Second, func(m *sarama.ConsumerMessage) bool {
@@ -103,7 +104,7 @@ func TestRelaySendSpanRecordsKafkaError(t *testing.T) {
 	e, err := eventline.NewJSONEvent("order.placed", "order", "o-big", map[string]string{"blob": strings.Repeat("x", 4000)})
 	require.NoError(t, err)
 	publishTraced(t, env, rec, topic, e)
-	startRelay(t, env, producer.RelayConfig{Brokers: brokers, TracerProvider: rec.Provider, MaxMessageBytes: 2048, MaxAttempts: 1})
+	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, TracerProvider: rec.Provider, MaxMessageBytes: 2048, MaxAttempts: 1})
 
 	s := waitSpans(t, rec, "send "+topic, 1)[0]
 	require.Equal(t, codes.Error, s.Status.Code, "Kafka's refusal is the span's status")
@@ -120,7 +121,7 @@ func TestRelayWithoutTracerProviderLeavesTheTraceparent(t *testing.T) {
 	e, err := eventline.NewJSONEvent("order.placed", "order", "o-2", map[string]int{"qty": 1})
 	require.NoError(t, err)
 	parent := publishTraced(t, env, rec, topic, e)
-	startRelay(t, env, producer.RelayConfig{Brokers: brokers})
+	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers})
 	var tp string
 	kafkatest.Consume(t, brokers, topic, 30*time.Second, func(m *sarama.ConsumerMessage) bool {
 		for _, h := range m.Headers {

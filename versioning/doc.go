@@ -64,7 +64,7 @@
 // fails MaxReleaseAttempts times ([DefaultMaxReleaseAttempts], 10, over
 // about 20 minutes with [DefaultReleaseBackoff]), or with a permanent
 // error, is given up: its version is recorded in skipped_versions, the
-// aggregate moves past it, and it is held with the late events (kind
+// aggregate moves past it, and it is held with the late events (cause
 // release_failed).
 //
 // The sweeper (the middleware's Run) visits aggregates whose lowest parked
@@ -89,16 +89,20 @@
 // event given up after its release attempts. It is never dropped silently.
 // By the LatePolicy (per event type):
 //
-//   - [HoldLate] (the default): the event is stored in late_events and
-//     counted; an operator lists it (`eventline parked late`), then applies
-//     it (`eventline parked apply-late`: the consumer's sweeper runs the
-//     handler, marked late) or discards it (`eventline parked
-//     discard-late`).
+//   - [HoldLate] (the default): the event is held for the operator
+//     (held_events, kind late), its dedup outcome is late and it is
+//     counted; an operator lists it (admin.ListHeld, `eventline held list
+//     -kind late`), then replays it (admin.ReplayHeld, `eventline held
+//     replay`: the consumer's sweeper runs the handler, marked late) or
+//     discards it (admin.DiscardHeld, `eventline held discard`). The dedup
+//     record makes redeliveries duplicates and does not block the replay.
 //   - [ApplyLate]: the handler runs at once, marked late
 //     (middleware.IsLate), for handlers that can apply an event after
 //     later ones.
 //
 // A replayed consumer dead letter whose version its aggregate passed
-// meanwhile is held the same way, as a version conflict, whatever the late
-// policy: it was never applied, so it is not a duplicate to drop.
+// meanwhile is held the same way (cause version_conflict), whatever the
+// late policy: it was never applied, so it is not a duplicate to drop.
+// `eventline held replay` (admin.ReplayHeld) warns when it replays a relay
+// dead letter whose version a consumer group already gave up on.
 package versioning

@@ -56,11 +56,11 @@ type LatePolicy string
 
 // The late policies.
 const (
-	// HoldLate stores the event in late_events, records its outcome as
-	// late and counts it; the handler does not run. An operator lists it
-	// (`eventline parked late`), then applies it (`eventline parked
-	// apply-late`: the consumer's sweeper runs the handler with the event
-	// marked late) or discards it. The default.
+	// HoldLate holds the event for the operator (held_events, kind late),
+	// records its outcome as late and counts it; the handler does not run.
+	// An operator lists it (`eventline held list -kind late`), then
+	// replays it (`eventline held replay`: the consumer's sweeper runs the
+	// handler with the event marked late) or discards it. The default.
 	HoldLate LatePolicy = "hold"
 	// ApplyLate runs the handler at once with the event marked late
 	// (middleware.IsLate reports true), for handlers that can apply an
@@ -89,7 +89,7 @@ const (
 	// dead-letters a failing event after its retries (seconds). Either
 	// way the park timeout starts about when the dead letter appears: an
 	// hour lets an operator paged by it fix the cause and replay the
-	// dead letter (`eventline dlq replay`) so that it is applied in order.
+	// dead letter (`eventline held replay`) so that it is applied in order.
 	// A replay after the timeout is not lost: the event arrives late and
 	// is held for the operator (see LatePolicy). The cost is that the
 	// aggregate's later events wait, parked, for up to that hour.
@@ -115,9 +115,9 @@ const (
 	DefaultMaxGap int64 = 1000
 	// DefaultMaxReleaseAttempts is how many times a parked (or late) event
 	// whose turn has come is tried before the sweeper gives up on it: a
-	// parked event is then given up (held in late_events for the operator) and its
-	// version audited as skipped; a late event stays held, its apply
-	// request cleared.
+	// parked event is then given up (held as late for the operator) and its
+	// version audited as skipped; a late event whose replay keeps failing
+	// is held again for the operator.
 	DefaultMaxReleaseAttempts = 10
 )
 

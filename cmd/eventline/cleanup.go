@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
@@ -70,7 +71,7 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 	retention := fs.Duration("retention", producer.DefaultRetentionWindow, "keep outbox rows this long after they were written")
 	dedupRetention := fs.Duration("dedup-retention", dedup.DefaultRetention, fmt.Sprintf("keep dedup records this long after they were processed (at least %s)", dedup.MinRetention))
 	group := fs.String("group", "", "clean dedup records of this consumer group only (default all groups)")
-	batch := fs.Int("batch", producer.DefaultCleanupBatchSize, "most rows one DELETE removes")
+	batch := fs.Int("batch", producer.DefaultCleanupBatchSize, "most rows one delete statement removes")
 	pause := fs.Duration("pause", defaultCleanupPause, "wait between two batches")
 	dryRun := fs.Bool("dry-run", false, "report what would be deleted and delete nothing")
 	asJSON := fs.Bool("json", false, "print JSON instead of text")
@@ -105,14 +106,14 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 
 	rep := cleanupReport{DryRun: *dryRun}
 	if doOutbox {
-		cfg := producer.CleanupConfig{Schema: g.schema, Retention: *retention, BatchSize: *batch, Pause: *pause}
-		var res producer.CleanupResult
-		err := maybeDry(ctx, pool, *dryRun, func(db producer.DBTX) error {
+		cfg := admin.CleanupConfig{Schema: g.schema, Retention: *retention, BatchSize: *batch, Pause: *pause}
+		var res admin.CleanupResult
+		err := maybeDry(ctx, pool, *dryRun, func(db admin.DBTX) error {
 			if *dryRun {
 				cfg.Pause = 0
 			}
 			var err error
-			res, err = producer.Cleanup(ctx, db, cfg)
+			res, err = admin.Cleanup(ctx, db, cfg)
 			return err
 		})
 		if err != nil {
@@ -128,7 +129,7 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 		// dedup's Pause 0 means its default; the smallest wait stands for none.
 		cfg := store.CleanupConfig{Group: *group, Retention: *dedupRetention, BatchSize: *batch, Pause: max(*pause, time.Nanosecond)}
 		var res store.CleanupResult
-		err = maybeDry(ctx, pool, *dryRun, func(db producer.DBTX) error {
+		err = maybeDry(ctx, pool, *dryRun, func(db admin.DBTX) error {
 			if *dryRun {
 				cfg.Pause = time.Nanosecond
 			}
@@ -150,7 +151,7 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 
 // maybeDry runs fn on the pool, or, for a dry run, in a transaction it
 // rolls back.
-func maybeDry(ctx context.Context, pool *pgxpool.Pool, dry bool, fn func(producer.DBTX) error) error {
+func maybeDry(ctx context.Context, pool *pgxpool.Pool, dry bool, fn func(admin.DBTX) error) error {
 	if !dry {
 		return fn(pool)
 	}

@@ -15,7 +15,7 @@ func TestCleanupOutboxAndDedup(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 2})
 	ctx := context.Background()
-	_, brokers := kafkatest.Fake(t)
+	brokers := kafkatest.Brokers(t)
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 2)
 	publish(t, env, topic, "a", "b", "c", "d", "e")

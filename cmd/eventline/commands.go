@@ -98,7 +98,7 @@ var errHelp = errors.New("help requested")
 
 // usageError is a mistake in the command line: the exit code is 2.
 type usageError struct {
-	path string // command path, e.g. "dlq replay"; empty for the top level
+	path string // command path, e.g. "held replay"; empty for the top level
 	msg  string
 }
 
@@ -166,7 +166,7 @@ func logger(ctx context.Context) *slog.Logger { return invocationOf(ctx).logger(
 // globalsOf returns the global configuration after the flags were parsed.
 func globalsOf(ctx context.Context) *globals { return invocationOf(ctx).globals }
 
-// subcommand is one verb of a command group such as `dlq list`.
+// subcommand is one verb of a command group such as `held list`.
 type subcommand struct {
 	name    string
 	summary string

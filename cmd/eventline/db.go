@@ -8,8 +8,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/internal/startwait"
-	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/pgerr"
 )
 
 // connectTimeout bounds the first connection to PostgreSQL.
@@ -75,28 +76,20 @@ func connectError(ctx context.Context, err error) error {
 		redactURL(globalsOf(ctx).databaseURL), err, envDatabaseURL)
 }
 
-// Backoff of waitForDatabase: the first wait, doubling up to the last.
-const (
-	dbWaitFirst = 500 * time.Millisecond
-	dbWaitMax   = 30 * time.Second
-)
+// dbWait is waitForDatabase's schedule: 500ms, doubling, at most 30s.
+var dbWait = eventline.Backoff{Initial: 500 * time.Millisecond, Multiplier: 2, Max: 30 * time.Second}
 
 // waitForDatabase runs try until it succeeds, fails for another reason
 // than PostgreSQL being unavailable (refused, reset, not answering:
-// middleware.IsInfrastructure), or ctx ends. While the database is
-// unavailable it logs a warning naming what waits (before) and backs off.
-// It returns try's last error, or nil when ctx ended first: the caller
-// checks ctx. Long-running commands use it so that one started during a
-// database restart or failover starts when the database answers, while a
-// wrong URL, password or schema still fails at once.
+// pgerr.Unavailable), or ctx ends. While the database is unavailable it
+// logs a warning naming what waits (before) and backs off. It returns
+// try's last error, or nil when ctx ended first: the caller checks ctx.
+// Long-running commands use it so that one started during a database
+// restart or failover starts when the database answers, while a wrong URL,
+// password or schema still fails at once.
 func waitForDatabase(ctx context.Context, before string, try func() error) error {
-	wait := startwait.Policy{
-		First: dbWaitFirst, Max: dbWaitMax,
-		Unavailable: middleware.IsInfrastructure,
-		Waiting: func(wait time.Duration, err error) {
-			logger(ctx).Warn("PostgreSQL is unavailable; waiting for it before "+before,
-				"database", redactURL(globalsOf(ctx).databaseURL), "retry_in", wait, "err", err)
-		},
-	}
-	return wait.Retry(ctx, try)
+	return backoff.Retry(ctx, dbWait, pgerr.Unavailable, func(wait time.Duration, err error) {
+		logger(ctx).Warn("PostgreSQL is unavailable; waiting for it before "+before,
+			"database", redactURL(globalsOf(ctx).databaseURL), "retry_in", wait, "err", err)
+	}, try)
 }

@@ -127,7 +127,7 @@ type flagSet struct {
 	help     string
 }
 
-// newFlagSet returns the flags of the command at path ("dlq list").
+// newFlagSet returns the flags of the command at path ("held list").
 // synopsis is the usage line after the path; help is printed by -h.
 func newFlagSet(ctx context.Context, path, synopsis, help string) *flagSet {
 	inv := invocationOf(ctx)
@@ -223,44 +223,6 @@ func printFlags(w io.Writer, fs *flag.FlagSet, filter func(string) bool) {
 		}
 		fmt.Fprintf(w, "%s\n    \t%s\n", line, usage)
 	})
-}
-
-// durationsValue is a flag.Value for a comma-separated list of durations,
-// such as "1s,5s,30s,2m,10m".
-type durationsValue struct{ p *[]time.Duration }
-
-func (v *durationsValue) Set(s string) error {
-	var out []time.Duration
-	for part := range strings.SplitSeq(s, ",") {
-		part = strings.TrimSpace(part)
-		if part == "" {
-			continue
-		}
-		d, err := time.ParseDuration(part)
-		if err != nil {
-			return fmt.Errorf("%q is not a duration like 500ms, 5s or 2m", part)
-		}
-		if d < 0 {
-			return fmt.Errorf("%s is negative", part)
-		}
-		out = append(out, d)
-	}
-	if len(out) == 0 {
-		return errors.New("give at least one duration, e.g. 1s,5s,30s")
-	}
-	*v.p = out
-	return nil
-}
-
-func (v *durationsValue) String() string {
-	if v == nil || v.p == nil {
-		return ""
-	}
-	parts := make([]string, len(*v.p))
-	for i, d := range *v.p {
-		parts[i] = shortDuration(d)
-	}
-	return strings.Join(parts, ",")
 }
 
 // shortDuration formats d without trailing zero units: 2m, not 2m0s.

@@ -8,10 +8,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/producer"
 )
 
 func init() {
@@ -67,7 +66,7 @@ tables. Run it before starting producers, relays or consumers.`)
 			applied++
 		}
 	}
-	n, err := producer.ReadShardCount(ctx, pool, g.schema)
+	n, err := admin.ReadShardCount(ctx, pool, g.schema)
 	if err != nil {
 		return err
 	}
@@ -83,11 +82,12 @@ func migrateDown(ctx context.Context, args []string) error {
 	fs := newFlagSet(ctx, "migrate down", "[-steps N | -all] [-force]", `
 Rolls back the newest applied migrations, one transaction for all of them.
 
-Rolling back 002_consumer drops the consumer tables (dedup records, aggregate
-versions, parked events, the skipped-gap audit); rolling back 001_outbox drops
-the outbox shard tables with every event in them. Unless -force is given, it
-refuses while parked events wait, or while the outbox holds events not yet
-relayed or dead letters not yet replayed.`)
+Rolling back 003_held_events drops the events held for the operator (dead
+letters, late events); 002_consumer the consumer tables (dedup records,
+aggregate versions, parked events, the skipped-gap audit); 001_outbox the outbox
+shard tables with every event in them. Unless -force is given, it refuses while
+held events are neither replayed nor discarded, while parked events wait, or
+while the outbox holds events not yet relayed.`)
 	steps := fs.Int("steps", 1, "number of migrations to roll back, newest first (at least 1)")
 	all := fs.Bool("all", false, "roll back every migration (drops all of eventline's tables)")
 	force := fs.Bool("force", false, "roll back even if it drops events that were never relayed or applied")
@@ -149,39 +149,8 @@ relayed or dead letters not yet replayed.`)
 // relay's and consumers') not replayed.
 func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, targets []migrations.MigrationStatus) error {
 	for _, m := range targets {
-		switch m.Name {
-		case "consumer":
-			var parked int64
-			err := pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "parked_events")).Scan(&parked)
-			if err != nil {
-				return fmt.Errorf("count parked events before rollback: %w", err)
-			}
-			if parked > 0 {
-				return fmt.Errorf("refusing to roll back %03d_%s: parked_events holds %s, which would be lost; release them (eventline parked list, parked release) or pass -force",
-					m.Version, m.Name, plural(parked, "event"))
-			}
-		case "consumer_gate":
-			var late int64
-			err := pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "late_events")).Scan(&late)
-			if err != nil {
-				return fmt.Errorf("count late events before rollback: %w", err)
-			}
-			if late > 0 {
-				return fmt.Errorf("refusing to roll back %03d_%s: late_events holds %s, which would be lost; apply or discard them (eventline parked late) or pass -force",
-					m.Version, m.Name, plural(late, "event"))
-			}
-		case "consumer_dead_letters":
-			var n int64
-			err := pool.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "consumer_dead_letters")+` WHERE status IN ('dead', 'replay_requested')`).Scan(&n)
-			if err != nil {
-				return fmt.Errorf("count consumer dead letters before rollback: %w", err)
-			}
-			if n > 0 {
-				return fmt.Errorf("refusing to roll back %03d_%s: consumer_dead_letters holds %s not yet replayed or discarded, which would be lost; resolve them (eventline consumer-dlq list, replay, discard) or pass -force",
-					m.Version, m.Name, plural(n, "dead letter"))
-			}
-		case "outbox":
-			st, err := producer.ReadStatus(ctx, pool, schema)
+		if m.Name == "outbox" {
+			st, err := admin.ReadOutboxStatus(ctx, pool, schema)
 			if err != nil {
 				return fmt.Errorf("read outbox status before rollback: %w", err)
 			}
@@ -189,6 +158,24 @@ func checkSafeToDrop(ctx context.Context, pool *pgxpool.Pool, schema string, tar
 				return fmt.Errorf("refusing to roll back %03d_%s: the outbox holds %s not yet relayed and %s not yet replayed, which would be lost; run a relay until `eventline status` shows no backlog, or pass -force",
 					m.Version, m.Name, plural(st.Backlog(), "event"), plural(st.DeadLetters, "dead letter"))
 			}
+			continue
+		}
+		n, err := migrations.Unresolved(ctx, pool, migrations.Config{Schema: schema}, m.Version)
+		if err != nil {
+			return fmt.Errorf("before rollback: %w", err)
+		}
+		if n == 0 {
+			continue
+		}
+		switch m.Name {
+		case "consumer":
+			return fmt.Errorf("refusing to roll back %03d_%s: parked_events holds %s, which would be lost; release them (eventline parked list, parked release) or pass -force",
+				m.Version, m.Name, plural(n, "event"))
+		case "held_events":
+			return fmt.Errorf("refusing to roll back %03d_%s: held_events holds %s not yet replayed or discarded (dead letters, late events), which would be lost; resolve them (eventline held list, replay, discard) or pass -force",
+				m.Version, m.Name, plural(n, "event"))
+		default:
+			return fmt.Errorf("refusing to roll back %03d_%s: it holds %d rows not yet resolved, which would be lost; pass -force to drop them", m.Version, m.Name, n)
 		}
 	}
 	return nil

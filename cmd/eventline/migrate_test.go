@@ -9,13 +9,11 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/dedup"
-	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/producer"
 )
 
 // stepsFrom returns how many migrations `migrate down -steps` must roll
@@ -94,7 +92,7 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 	out := ok(t, schema, "migrate", "up", "-shards", "3")
 	require.Contains(t, out, "applied 001_outbox\napplied 002_consumer\n")
 	require.Contains(t, out, "3 outbox shards")
-	n, err := producer.ReadShardCount(ctx, pool, schema)
+	n, err := admin.ReadShardCount(ctx, pool, schema)
 	require.NoError(t, err)
 	require.Equal(t, 3, n)
 
@@ -143,7 +141,7 @@ func TestMigrateUpStatusDownRoundTrip(t *testing.T) {
 
 	// And back up again: the round trip leaves a working schema.
 	ok(t, schema, "migrate", "up", "-shards", "2")
-	n, err = producer.ReadShardCount(ctx, pool, schema)
+	n, err = admin.ReadShardCount(ctx, pool, schema)
 	require.NoError(t, err)
 	require.Equal(t, 2, n)
 }
@@ -163,37 +161,19 @@ func TestMigrateDownRefusesToDropParkedEvents(t *testing.T) {
 	require.Equal(t, rolledBack(t, 2), out)
 }
 
-func TestMigrateDownRefusesToDropLateEvents(t *testing.T) {
+// Held events not yet replayed or discarded, of any kind, block rolling
+// back 003_held_events unless forced.
+func TestMigrateDownRefusesToDropHeldEvents(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	ctx := context.Background()
-	st, err := store.New(env.Schema)
-	require.NoError(t, err)
-	k := store.Key{Group: "billing", AggregateType: "thing", AggregateID: "a"}
-	require.NoError(t, st.RecordSkipped(ctx, env.Pool, k, 2, 2, "park timeout"))
-	late, _, err := st.HoldLate(ctx, env.Pool, store.LateRequest{Group: "billing", Event: consumertest.Event("a", 2), Current: 3, Hold: true})
-	require.NoError(t, err)
-	require.True(t, late)
+	require.NoError(t, held.New(env.Schema).AddRelay(ctx, env.Pool, held.Event{Cause: held.CauseRejected, Reason: "r", MessageUUID: "u-1"}))
 
-	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-all")...)
-	require.Equal(t, exitFailure, r.code)
-	require.Contains(t, r.stderr, "late_events holds 1 event")
-	require.Contains(t, r.stderr, "eventline parked late")
-}
-
-func TestMigrateDownRefusesToDropConsumerDeadLetters(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	st, err := store.New(env.Schema)
-	require.NoError(t, err)
-	id, err := st.AddDeadLetter(context.Background(), env.Pool, store.DeadLetter{Group: "billing", MessageUUID: "m", Kind: dedup.KindPermanent, Reason: "r"})
-	require.NoError(t, err)
-
-	steps := strconv.Itoa(stepsFrom(t, versionOf(t, "consumer_dead_letters")))
+	steps := strconv.Itoa(stepsFrom(t, versionOf(t, "held_events")))
 	r := cli(t, append(dbArgs(env.Schema), "migrate", "down", "-steps", steps)...)
 	require.Equal(t, exitFailure, r.code)
-	require.Contains(t, r.stderr, "consumer_dead_letters holds 1 dead letter")
-	_, err = st.DiscardDeadLetters(context.Background(), env.Pool, store.DeadLetterFilter{IDs: []int64{id}}, "test")
-	require.NoError(t, err)
-	require.Equal(t, rolledBack(t, versionOf(t, "consumer_dead_letters")), ok(t, env.Schema, "migrate", "down", "-steps", steps))
+	require.Contains(t, r.stderr, "held_events holds 1 event not yet replayed or discarded")
+	require.Contains(t, r.stderr, "eventline held list")
+	ok(t, env.Schema, "held", "discard", "-reason", "test", "-kind", "relay_dead_letter", "-all")
+	require.Equal(t, rolledBack(t, versionOf(t, "held_events")), ok(t, env.Schema, "migrate", "down", "-steps", steps))
 }

@@ -71,6 +71,15 @@ func orDash(s string) string {
 	return s
 }
 
+// payloadJSON returns a payload for JSON output: as is when it is JSON,
+// else base64.
+func payloadJSON(p []byte) (json.RawMessage, []byte) {
+	if json.Valid(p) {
+		return p, nil
+	}
+	return nil, p
+}
+
 // plural returns "1 event" or "3 events".
 func plural(n int64, word string) string {
 	if n == 1 {

@@ -16,7 +16,7 @@ import (
 )
 
 func init() {
-	register(command{name: "parked", summary: "Parked, skipped and late events of consumer groups (list|release|skipped|late|apply-late|discard-late)", run: runParked})
+	register(command{name: "parked", summary: "Parked events of consumer groups and the gaps given up on (list|release|skipped)", run: runParked})
 }
 
 func runParked(ctx context.Context, args []string) error {
@@ -27,16 +27,13 @@ as skipped and the consumer's sweeper applies what is parked. The sweeper also
 does this by itself after the consumer's park timeout (1 hour by default).
 
 An event whose version was given up on before it could be applied is late: it
-is held for you (unless its consumer applies late events at once). List them,
-then apply them late (the handler is told they arrive after later versions) or
-discard them. Parked events that cannot be applied within the release-attempt
-limit end up there too.`, args, []subcommand{
+is held for you (unless its consumer applies late events at once), with the
+parked events that cannot be applied within the release-attempt limit. See
+eventline held list -kind late, then held replay (applied late, the handler
+told) or held discard.`, args, []subcommand{
 		{"list", "List parked events with the versions they wait for", parkedList},
 		{"release", "Give up on an aggregate's missing versions", parkedRelease},
 		{"skipped", "List the audit of versions given up on", parkedSkipped},
-		{"late", "List late events held for the operator", parkedLate},
-		{"apply-late", "Have the running consumer apply held late events", parkedApplyLate},
-		{"discard-late", "Discard held late events for good", parkedDiscardLate},
 	})
 }
 
@@ -76,9 +73,8 @@ func parkedList(ctx context.Context, args []string) error {
 Lists parked events by group, aggregate and version, with each aggregate's
 current (last applied) version, so the missing versions are current+1 up to
 the predecessor the lowest parked event follows. For each aggregate it says
-where the next missing version is: dead-lettered by the group
-(consumer_dead_letters) or by the relay (dead_letters), in the outbox not yet
-relayed, relayed, or nowhere. With -brokers, a relayed version is looked up on
+where the next missing version is: dead-lettered by the group or by the relay
+(eventline held), in the outbox not yet relayed, relayed, or nowhere. With -brokers, a relayed version is looked up on
 Kafka too: its partition and offset, and the group's committed offset there.`)
 	lf := addListFlags(fs, "most parked events to list", "print JSON (with payload and metadata) instead of a table")
 	locate := fs.Bool("locate", true, "say where each aggregate's next missing version is: consumer or relay dead letters, the outbox (pending or relayed), or nowhere")
@@ -252,7 +248,7 @@ aggregate's version to just below that event. It needs only the database and
 runs no handler; the running consumer's sweeper applies the now-ready parked
 events on its next pass. Parked events the aggregate has already passed move to
 the late events. A version released here is not applied in order any more: if
-it arrives later it is late (see eventline parked late).`)
+it arrives later it is late (see eventline held list -kind late).`)
 	reason := fs.String("reason", "", "why the missing versions are given up (required; kept in the audit)")
 	asJSON := fs.Bool("json", false, "print the outcome as JSON")
 	pos, err := fs.parse(args)
@@ -279,7 +275,7 @@ it arrives later it is late (see eventline parked late).`)
 	if errors.Is(err, store.ErrNothingParked) {
 		msg := fmt.Sprintf("group %s has no parked events for %s/%s; nothing to release (eventline parked list -group %s)", group, typ, id, group)
 		if rel.Late > 0 {
-			msg += fmt.Sprintf("; %s the aggregate had already passed moved to the late events (eventline parked late)", plural(int64(rel.Late), "parked event"))
+			msg += fmt.Sprintf("; %s the aggregate had already passed held as late (eventline held list -kind late)", plural(int64(rel.Late), "parked event"))
 		}
 		return errors.New(msg)
 	}
@@ -304,7 +300,7 @@ it arrives later it is late (see eventline parked late).`)
 		fmt.Fprintf(out, "%s %s/%s: gave up on %s (recorded in skipped_versions)\n", group, typ, id, versionRange(rel.From, rel.To))
 	}
 	if rel.Late > 0 {
-		fmt.Fprintf(out, "moved %s the aggregate had already passed to the late events (eventline parked late)\n", plural(int64(rel.Late), "parked event"))
+		fmt.Fprintf(out, "moved %s the aggregate had already passed as late (eventline held list -kind late)\n", plural(int64(rel.Late), "parked event"))
 	}
 	fmt.Fprintf(out, "%s now ready: the sweeper of a running %s consumer applies them on its next pass\n", plural(int64(rel.Ready), "parked event"), group)
 	return nil

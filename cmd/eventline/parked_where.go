@@ -7,8 +7,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
@@ -19,10 +18,10 @@ import (
 // field of waiting_for in -json).
 const (
 	// whereConsumerDeadLetter: the group dead-lettered it
-	// (eventline consumer-dlq list).
+	// (eventline held list -kind dead_letter).
 	whereConsumerDeadLetter = "consumer_dead_letter"
 	// whereRelayDeadLetter: the relay gave up publishing it
-	// (eventline dlq list).
+	// (eventline held list -kind relay_dead_letter).
 	whereRelayDeadLetter = "relay_dead_letter"
 	// whereOutboxPending: committed in the outbox, not yet relayed.
 	whereOutboxPending = "outbox_pending"
@@ -71,25 +70,18 @@ func locateMissing(ctx context.Context, consumerDB store.DBTX, consumerSchema st
 	if len(want) == 0 {
 		return out, nil
 	}
-	// Consumer dead letters (004_consumer_dead_letters).
-	var present bool
-	cdl := sqlident.Qualify(consumerSchema, "consumer_dead_letters")
-	if err := consumerDB.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, cdl).Scan(&present); err != nil {
-		return nil, fmt.Errorf("look for consumer_dead_letters: %w", err)
-	}
+	// The groups' dead letters of the missing versions, the newest of each.
 	for k, v := range want {
-		if !present {
-			break
-		}
-		var id int64
-		var kind string
-		err := consumerDB.QueryRow(ctx, `SELECT id, kind FROM `+cdl+` WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
-			AND aggregate_version = $4 AND status IN ('dead', 'replay_requested') ORDER BY id DESC LIMIT 1`, k.Group, k.AggregateType, k.AggregateID, v).Scan(&id, &kind)
-		if err == nil {
-			out[k] = versionWhere{Version: v, Location: whereConsumerDeadLetter,
-				Detail: fmt.Sprintf("dead-lettered by the group (%s, id %d): eventline consumer-dlq list -group %s", kind, id, k.Group)}
-		} else if !isNoRows(err) {
+		list, err := admin.ListHeld(ctx, consumerDB, consumerSchema, admin.HeldFilter{Kind: admin.HeldDeadLetter, Group: k.Group,
+			AggregateType: k.AggregateType, AggregateID: k.AggregateID, Limit: 10_000})
+		if err != nil {
 			return nil, fmt.Errorf("read consumer dead letters: %w", err)
+		}
+		for _, d := range list {
+			if d.AggregateVersion == v {
+				out[k] = versionWhere{Version: v, Location: whereConsumerDeadLetter,
+					Detail: fmt.Sprintf("dead-lettered by the group (%s, held event %d): eventline held list -group %s", d.Cause, d.ID, k.Group)}
+			}
 		}
 	}
 	wanted := map[aggVersion][]store.Key{}
@@ -127,10 +119,14 @@ func locateMissing(ctx context.Context, consumerDB store.DBTX, consumerSchema st
 // searchOutbox looks the versions up in the relay's dead letters and the
 // outbox shards. An error means the outbox could not be searched.
 func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]store.Key) (map[aggVersion]versionWhere, error) {
-	shards, err := producer.ReadShardCount(ctx, ob.db, ob.schema)
+	shards, err := admin.ReadShardCount(ctx, ob.db, ob.schema)
 	if errors.Is(err, producer.ErrNotMigrated) {
 		return nil, fmt.Errorf("no outbox in schema %s: if it lives elsewhere, pass -outbox-database-url and -outbox-schema", ob.schema)
 	}
+	if err != nil {
+		return nil, err
+	}
+	dead, err := relayDeadLetters(ctx, ob, wanted)
 	if err != nil {
 		return nil, err
 	}
@@ -140,46 +136,45 @@ func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]
 		s := outbox.ShardFor(av.typ, av.id, shards)
 		byShard[s] = append(byShard[s], av)
 	}
-	dead := sqlident.Qualify(ob.schema, "dead_letters")
 	for shard, avs := range byShard {
 		types, ids, versions := make([]string, len(avs)), make([]string, len(avs)), make([]string, len(avs))
 		for i, av := range avs {
 			types[i], ids[i], versions[i] = av.typ, av.id, strconv.FormatInt(av.version, 10)
 		}
 		// The newest outbox row of each version: relayed when the relay's
-		// position is at or past it, dead when its dead letter was not
-		// replayed.
+		// position is at or past it, dead when the relay holds it.
 		rows, err := ob.db.Query(ctx, `SELECT DISTINCT ON (md.aggregate_type, md.aggregate_id, md.aggregate_version)
 				md.aggregate_type, md.aggregate_id, md.aggregate_version, COALESCE(env.uuid, ''), COALESCE(env.destination_topic, ''), m.created_at::timestamptz,
 				(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)),
-				EXISTS (SELECT 1 FROM `+dead+` d WHERE d.shard = $4 AND d.outbox_uuid = m.uuid::text AND d.replayed_at IS NULL)
+				m.uuid::text
 			FROM `+sqlident.Qualify(ob.schema, outbox.Table(shard))+` m
 			CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(m.payload) = 'object' THEN m.payload ELSE '{}' END)
 				AS env(uuid text, destination_topic text, metadata json)
 			CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(env.metadata) = 'object' THEN env.metadata ELSE '{}' END)
 				AS md(aggregate_type text, aggregate_id text, aggregate_version text)
-			LEFT JOIN `+sqlident.Qualify(ob.schema, outbox.OffsetsTable(shard))+` o ON o.consumer_group = $5
+			LEFT JOIN `+sqlident.Qualify(ob.schema, outbox.OffsetsTable(shard))+` o ON o.consumer_group = $4
 			WHERE (md.aggregate_type, md.aggregate_id, md.aggregate_version) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))
 			ORDER BY md.aggregate_type, md.aggregate_id, md.aggregate_version, m.transaction_id DESC, m."offset" DESC`,
-			types, ids, versions, shard, outbox.RelayConsumerGroup)
+			types, ids, versions, outbox.RelayConsumerGroup)
 		if err != nil {
 			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
 		}
 		for rows.Next() {
 			var av aggVersion
-			var version, eventID, topic string
+			var version, eventID, topic, uuid string
 			var created time.Time
-			var relayed, isDead bool
-			if err := rows.Scan(&av.typ, &av.id, &version, &eventID, &topic, &created, &relayed, &isDead); err != nil {
+			var relayed bool
+			if err := rows.Scan(&av.typ, &av.id, &version, &eventID, &topic, &created, &relayed, &uuid); err != nil {
 				rows.Close()
 				return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
 			}
 			av.version, _ = strconv.ParseInt(version, 10, 64)
 			w := versionWhere{Version: av.version, eventID: eventID, topic: topic, committed: created}
 			since := age(time.Since(created))
+			d, isDead := dead[av]
 			switch {
-			case isDead:
-				w.Location, w.Detail = whereRelayDeadLetter, fmt.Sprintf("the relay dead-lettered it (shard %d): eventline dlq list", shard)
+			case isDead && d.Shard == shard && d.MessageUUID == uuid:
+				w.Location, w.Detail = whereRelayDeadLetter, fmt.Sprintf("the relay dead-lettered it (held event %d): eventline held list -kind relay_dead_letter", d.ID)
 			case relayed:
 				w.Location, w.Detail = whereRelayed, fmt.Sprintf("relayed to Kafka topic %q (committed %s ago, shard %d); the group has not applied it: is it consuming that topic? (eventline verify reads it)", topic, since, shard)
 			default:
@@ -193,20 +188,38 @@ func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]
 		}
 	}
 	// Dead letters whose outbox row is gone (cleaned up).
-	for av := range wanted {
-		if _, ok := found[av]; ok {
-			continue
-		}
-		var id int64
-		err := ob.db.QueryRow(ctx, `SELECT id FROM `+dead+` WHERE aggregate_type = $1 AND aggregate_id = $2 AND aggregate_version = $3
-			AND replayed_at IS NULL ORDER BY id DESC LIMIT 1`, av.typ, av.id, av.version).Scan(&id)
-		if err == nil {
-			found[av] = versionWhere{Version: av.version, Location: whereRelayDeadLetter, Detail: fmt.Sprintf("the relay dead-lettered it (dead letter %d): eventline dlq list", id)}
-		} else if !isNoRows(err) {
-			return nil, fmt.Errorf("read relay dead letters: %w", err)
+	for av, d := range dead {
+		if _, ok := found[av]; !ok {
+			found[av] = versionWhere{Version: av.version, Location: whereRelayDeadLetter,
+				Detail: fmt.Sprintf("the relay dead-lettered it (held event %d): eventline held list -kind relay_dead_letter", d.ID)}
 		}
 	}
 	return found, nil
 }
 
-func isNoRows(err error) bool { return errors.Is(err, pgx.ErrNoRows) }
+// relayDeadLetters returns the relay's dead letters waiting for an
+// operator among the wanted versions, the newest of each.
+func relayDeadLetters(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]store.Key) (map[aggVersion]admin.HeldEvent, error) {
+	type agg struct{ typ, id string }
+	seen := map[agg]bool{}
+	out := map[aggVersion]admin.HeldEvent{}
+	for av := range wanted {
+		a := agg{av.typ, av.id}
+		if seen[a] {
+			continue
+		}
+		seen[a] = true
+		list, err := admin.ListHeld(ctx, ob.db, ob.schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter, AggregateType: a.typ, AggregateID: a.id,
+			Statuses: []admin.HeldStatus{admin.StatusHeld}, Limit: 10_000})
+		if err != nil {
+			return nil, fmt.Errorf("read relay dead letters: %w", err)
+		}
+		for _, d := range list {
+			v := aggVersion{d.AggregateType, d.AggregateID, d.AggregateVersion}
+			if _, ok := wanted[v]; ok {
+				out[v] = d // oldest first: the newest wins
+			}
+		}
+	}
+	return out, nil
+}

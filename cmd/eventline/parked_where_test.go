@@ -37,22 +37,22 @@ func TestParkedListSaysWhereTheMissingVersionIs(t *testing.T) {
 	publishThings(t, env, "pending", 2)
 	parkGap(t, env, "billing", "pending", 1, 3)
 	parkGap(t, env, "billing", "relaydead", 1, 3)
-	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "dead_letters")+`
-		(shard, outbox_uuid, aggregate_type, aggregate_id, aggregate_version, attempts, last_error, dead_reason)
-		VALUES (0, 'x', 'thing', 'relaydead', 2, 3, 'too large', 'permanent')`)
+	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+`
+		(kind, shard, message_uuid, payload, header_keys, header_values, aggregate_type, aggregate_id, aggregate_version, attempts, last_error, cause, reason)
+		VALUES ('relay_dead_letter', 0, 'x', '', '{}', '{}', 'thing', 'relaydead', 2, 3, 'too large', 'rejected', 'rejected: too large')`)
 	require.NoError(t, err)
 	parkGap(t, env, "billing", "consumerdead", 1, 3)
-	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "consumer_dead_letters")+`
-		(consumer_group, message_uuid, payload, header_keys, header_values, kind, reason, aggregate_type, aggregate_id, aggregate_version)
-		VALUES ('billing', '\x01', '\x00', '{}', '{}', 'permanent', 'r', 'thing', 'consumerdead', 2)`)
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+`
+		(kind, consumer_group, message_uuid, payload, header_keys, header_values, cause, reason, aggregate_type, aggregate_id, aggregate_version)
+		VALUES ('dead_letter', 'billing', '\x01', '\x00', '{}', '{}', 'permanent', 'r', 'thing', 'consumerdead', 2)`)
 	require.NoError(t, err)
 	parkGap(t, env, "billing", "lost", 1, 3)
 
 	out := ok(t, env.Schema, "parked", "list")
 	require.Contains(t, out, "billing thing/pending: at version 1, waiting for version 2;")
 	require.Regexp(t, `version 2: outbox_pending: in the outbox, not relayed yet \(committed \S+ ago, shard \d\)`, out)
-	require.Regexp(t, `version 2: relay_dead_letter: the relay dead-lettered it \(dead letter \d+\): eventline dlq list`, out)
-	require.Regexp(t, `version 2: consumer_dead_letter: dead-lettered by the group \(permanent, id \d+\)`, out)
+	require.Regexp(t, `version 2: relay_dead_letter: the relay dead-lettered it \(held event \d+\): eventline held list -kind relay_dead_letter`, out)
+	require.Regexp(t, `version 2: consumer_dead_letter: dead-lettered by the group \(permanent, held event \d+\): eventline held list -group billing`, out)
 	require.Contains(t, out, "version 2: nowhere: not in the outbox")
 
 	type entry struct {

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -14,8 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -51,9 +49,10 @@ at once.
 Run as many relays as you like: they share the outbox shards, each shard
 relayed by one of them at a time, and take over the shards of one that dies.
 
-A message that fails to publish is retried after each -backoff wait (the
-last repeats); after -max-attempts failures it is dead-lettered (see
-eventline dlq). Kafka being unreachable never dead-letters: the relay waits.
+A message that fails to publish is retried after a wait of -backoff-initial,
+multiplied by -backoff-multiplier at each retry, at most -backoff-max; after
+-max-attempts failures it is dead-lettered (see eventline held). Kafka being
+unreachable never dead-letters: the relay waits.
 
 Relays need session-level connections (they LISTEN): connect them directly
 or through a session-mode pooler; a transaction-mode pooler is refused.
@@ -71,16 +70,18 @@ database"):
   eventline relay advance-sequences   move aggregate sequences past the
                                       versions consumers have seen, after a
                                       failover that lost commits`)
-	cfg := producer.RelayConfig{Backoff: slices.Clone(producer.DefaultBackoff)}
+	var cfg producer.RelayConfig
 	fs.IntVar(&cfg.BatchSize, "batch-size", producer.DefaultBatchSize, "outbox rows read and published per transaction")
 	fs.DurationVar(&cfg.PollInterval, "poll-interval", producer.DefaultPollInterval, "longest an idle shard waits before looking again (inserts wake it at once)")
 	fs.Float64Var(&cfg.MaxPublishRate, "max-publish-rate", 0, "most events per second this relay publishes over all its shards; 0 means no cap")
 	fs.DurationVar(&cfg.RebalanceInterval, "rebalance-interval", producer.DefaultRebalanceInterval, "how often shard ownership is re-checked (bounds a dead relay's takeover time)")
-	fs.Var(&durationsValue{&cfg.Backoff}, "backoff", "comma-separated waits before successive retries of a failed message; the last repeats")
+	fs.DurationVar(&cfg.Backoff.Initial, "backoff-initial", producer.DefaultBackoffInitial, "wait before the first retry of a message that failed to publish")
+	fs.Float64Var(&cfg.Backoff.Multiplier, "backoff-multiplier", producer.DefaultBackoffMultiplier, "factor of each later wait over the one before (at least 1)")
+	fs.DurationVar(&cfg.Backoff.Max, "backoff-max", producer.DefaultBackoffMax, "longest wait between two retries of a message")
 	fs.IntVar(&cfg.MaxAttempts, "max-attempts", producer.DefaultMaxAttempts, "failed publishes of one message before it is dead-lettered")
 	fs.DurationVar(&cfg.RetentionWindow, "retention", producer.DefaultRetentionWindow, "how long relayed rows stay in the outbox before cleanup deletes them")
 	fs.DurationVar(&cfg.CleanupInterval, "cleanup-interval", producer.DefaultCleanupInterval, "how often this relay deletes expired rows from its shards; 0 disables")
-	fs.IntVar(&cfg.CleanupBatchSize, "cleanup-batch", producer.DefaultCleanupBatchSize, "most rows one cleanup DELETE removes")
+	fs.IntVar(&cfg.CleanupBatchSize, "cleanup-batch", producer.DefaultCleanupBatchSize, "most rows one cleanup statement removes")
 	fs.StringVar(&cfg.ID, "id", "", "this relay's name in logs (default <hostname>-<pid>)")
 	partitioner := fs.String("partitioner", string(producer.DefaultPartitioner), "how aggregate ids map to Kafka partitions: murmur2 (Kafka's own, as the Java client and franz-go) or fnv1a (Sarama's, the relay's default before murmur2); every relay of one outbox must use the same, see the README before changing it")
 	fs.IntVar(&cfg.MaxMessageBytes, "max-message-bytes", producer.DefaultMaxMessageBytes, "largest Kafka record the relay sends; larger events are dead-lettered")
@@ -101,6 +102,12 @@ database"):
 		return fs.usageErrorf("-max-publish-rate must not be negative (0 means no cap), got %g", cfg.MaxPublishRate)
 	case cfg.RebalanceInterval <= 0:
 		return fs.usageErrorf("-rebalance-interval must be positive, got %s", cfg.RebalanceInterval)
+	case cfg.Backoff.Initial <= 0:
+		return fs.usageErrorf("-backoff-initial must be positive, got %s", cfg.Backoff.Initial)
+	case !(cfg.Backoff.Multiplier >= 1):
+		return fs.usageErrorf("-backoff-multiplier must be at least 1, got %g", cfg.Backoff.Multiplier)
+	case cfg.Backoff.Max < cfg.Backoff.Initial:
+		return fs.usageErrorf("-backoff-max (%s) must not be below -backoff-initial (%s)", cfg.Backoff.Max, cfg.Backoff.Initial)
 	case cfg.MaxAttempts < 1:
 		return fs.usageErrorf("-max-attempts must be at least 1, got %d", cfg.MaxAttempts)
 	case cfg.RetentionWindow <= 0:
@@ -129,7 +136,7 @@ database"):
 	log := logger(ctx)
 	cfg.Logger = log
 
-	pool, err := openRelayPool(ctx)
+	pool, shards, err := openRelayPool(ctx)
 	if err != nil {
 		return err
 	}
@@ -156,11 +163,7 @@ database"):
 		}
 		return err
 	}
-	if n := relay.Shards(); n > 0 {
-		log.Info("relay started", "schema", cfg.Schema, "shards", n, "brokers", cfg.Brokers)
-	} else { // the database went away again since openRelayPool: Run waits for it
-		log.Info("relay started", "schema", cfg.Schema, "brokers", cfg.Brokers)
-	}
+	log.Info("relay started", "schema", cfg.Schema, "shards", shards, "brokers", cfg.Brokers)
 	announce := context.AfterFunc(runCtx, func() {
 		log.Info("relay stopping: finishing the batches in flight (interrupt again to exit at once)")
 	})
@@ -184,18 +187,19 @@ const metricsScrapeConns = 2
 
 // openRelayPool opens a pool large enough for a relay that owns every
 // shard (producer.PoolSizeFor: one connection per shard and three for the
-// relay's own use) and metricsScrapeConns for metrics scrapes. While the database is
-// unavailable it waits for it (waitForDatabase); it returns nil, nil if ctx
-// ends first.
-func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
+// relay's own use) and metricsScrapeConns for metrics scrapes, and returns
+// it with the shard count. While the database is unavailable it waits for
+// it (waitForDatabase); it returns a nil pool if ctx ends first.
+func openRelayPool(ctx context.Context) (*pgxpool.Pool, int, error) {
 	var pool *pgxpool.Pool
+	var shards int
 	err := waitForDatabase(ctx, "relaying", func() error {
 		conn, err := connectOnce(ctx)
 		if err != nil {
 			return err
 		}
 		qctx, cancel := context.WithTimeout(ctx, connectTimeout) // a server that stops answering is unavailable too
-		shards, err := producer.ReadShardCount(qctx, conn, globalsOf(ctx).schema)
+		shards, err = admin.ReadShardCount(qctx, conn, globalsOf(ctx).schema)
 		cancel()
 		_ = conn.Close(context.WithoutCancel(ctx))
 		if err != nil {
@@ -205,33 +209,31 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, error) {
 		return err
 	})
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	if ctx.Err() != nil && pool != nil {
 		pool.Close()
-		return nil, nil
+		return nil, 0, nil
 	}
-	return pool, nil
+	return pool, shards, nil
 }
 
-// serveMetrics serves the relay's metrics, the outbox status, the consumer
-// groups' status (when the schema has the consumer tables, see
-// groupStatusCollector) and the Go runtime's collectors at addr/metrics,
-// setting cfg.Metrics. A server that
-// fails while running cancels ctx through cancel. stop shuts it down.
+// serveMetrics serves the relay's metrics, the outbox status and the
+// consumer groups' status (when the schema has the consumer tables, see
+// admin.NewStatusCollector) and the Go runtime's collectors at
+// addr/metrics, setting cfg.Metrics. A server that fails while running
+// cancels ctx through cancel. stop shuts it down.
 func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr string, pool *pgxpool.Pool, cfg *producer.RelayConfig) (stop func(), err error) {
 	reg := prometheus.NewRegistry()
 	if cfg.Metrics, err = producer.NewRelayMetrics(reg); err != nil {
 		return nil, err
 	}
-	st, err := store.New(cfg.Schema)
+	status, err := admin.NewStatusCollector(pool, cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
-	groups := st.NewStatusCollector(pool)
 	for _, c := range []prometheus.Collector{
-		producer.NewStatusCollector(pool, cfg.Schema),
-		&groupStatusCollector{Collector: groups, db: pool, schema: cfg.Schema},
+		status,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {
@@ -261,34 +263,4 @@ func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr stri
 		_ = srv.Shutdown(sctx)
 		<-done
 	}, nil
-}
-
-// groupStatusCollector is the consumer groups' status collector (the
-// eventline_group_* gauges) on a schema that may have no consumer tables: a
-// producer-only database whose consumers keep their tables elsewhere. At
-// each scrape it looks for them first; when they are not there it reports
-// no eventline_group_* series at all (not eventline_group_status_up 0,
-// which would page for nothing). When the look-up itself fails (the
-// database is unavailable) the status collector runs and reports
-// eventline_group_status_up 0. A scrape never fails on it.
-type groupStatusCollector struct {
-	prometheus.Collector
-	db     *pgxpool.Pool
-	schema string
-}
-
-// groupStatusTimeout bounds the look-up for the consumer tables.
-const groupStatusTimeout = 5 * time.Second
-
-func (c *groupStatusCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), groupStatusTimeout)
-	defer cancel()
-	// 002_consumer creates both; versioning.ReadGroupStatuses works from it on.
-	var absent bool
-	err := c.db.QueryRow(ctx, `SELECT to_regclass($1) IS NULL AND to_regclass($2) IS NULL`,
-		sqlident.Qualify(c.schema, "aggregate_versions"), sqlident.Qualify(c.schema, "parked_events")).Scan(&absent)
-	if err == nil && absent {
-		return
-	}
-	c.Collector.Collect(ch)
 }

@@ -6,8 +6,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/producer"
 )
 
 // relayMaintenance are the `eventline relay` subcommands for moving the
@@ -45,7 +45,7 @@ that are fine are left alone. Stop the relays first.`)
 		return err
 	}
 	defer pool.Close()
-	res, err := producer.RebasePositions(ctx, pool, globalsOf(ctx).schema, *dryRun)
+	res, err := admin.RebasePositions(ctx, pool, globalsOf(ctx).schema, *dryRun)
 	if err != nil {
 		return err
 	}
@@ -113,7 +113,7 @@ the command once per consumer database.`)
 		}
 		defer consumers.Close()
 	}
-	res, err := producer.AdvanceSequences(ctx, pool, g.schema, consumers, *consumerSchema, *dryRun)
+	res, err := admin.AdvanceSequences(ctx, pool, g.schema, consumers, *consumerSchema, *dryRun)
 	if err != nil {
 		return err
 	}

@@ -37,7 +37,7 @@ func startPGProxy(t *testing.T) *faultproxy.Proxy {
 func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	_, brokers := kafkatest.Fake(t)
+	brokers := kafkatest.Brokers(t)
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
 	events := publish(t, env, topic, "a", "b", "c")
@@ -80,7 +80,7 @@ func TestRelayStoppedDuringADatabaseOutageExitsCleanly(t *testing.T) {
 func TestRelayExitsZeroOnSIGTERM(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	_, brokers := kafkatest.Fake(t)
+	brokers := kafkatest.Brokers(t)
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
 	events := publish(t, env, topic, "a", "b")

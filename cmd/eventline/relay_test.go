@@ -59,7 +59,7 @@ func eventIDs(t *testing.T, brokers []string, topic string, want int) map[string
 func TestRelayRunsUntilCancelledAndServesMetrics(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	_, brokers := kafkatest.Fake(t)
+	brokers := kafkatest.Brokers(t)
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
 	events := publish(t, env, topic, "a", "b", "c", "a")
@@ -113,12 +113,11 @@ func TestRelayMetricsWithoutConsumerTables(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	_, err := env.Pool.Exec(context.Background(), `DROP TABLE `+strings.Join([]string{
-		sqlident.Qualify(env.Schema, "consumer_dead_letters"), sqlident.Qualify(env.Schema, "late_events"),
 		sqlident.Qualify(env.Schema, "skipped_versions"), sqlident.Qualify(env.Schema, "parked_events"),
 		sqlident.Qualify(env.Schema, "aggregate_versions"), sqlident.Qualify(env.Schema, "processed_events"),
 	}, ", "))
 	require.NoError(t, err)
-	_, brokers := kafkatest.Fake(t)
+	brokers := kafkatest.Brokers(t)
 
 	relay := start(t, relayArgs(env, brokers, "-metrics-addr", "127.0.0.1:0")...)
 	logs := waitOutput(t, relay, relay.stderr, "serving metrics")

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -10,9 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
-	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/admin"
 )
 
 func init() {
@@ -87,7 +84,7 @@ type groupReport struct {
 	OldestParkedSeconds float64 `json:"oldest_parked_seconds"`
 	SkippedGaps         int64   `json:"skipped_gaps"`
 	SkippedVersions     int64   `json:"skipped_versions"`
-	// Gap and stall figures (versioning.ReadGroupStatus): aggregates whose
+	// Gap and stall figures (admin.GroupStatus): aggregates whose
 	// lowest parked event waits for missing versions, the oldest one's
 	// age, the first of them (oldest first), gaps skipped in the last 24
 	// hours, late events held and consumer dead letters not resolved.
@@ -151,44 +148,42 @@ query start). It reads a consistent snapshot and changes nothing.`)
 	return printStatus(stdout(ctx), rep)
 }
 
-// readStatus gathers the report in one snapshot.
+// readStatus gathers the report from admin.ReadStatus, in tx's snapshot.
 func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, error) {
 	rep := statusReport{Schema: schema, Groups: []groupReport{}}
-	st, err := producer.ReadStatus(ctx, tx, schema)
+	st, err := admin.ReadStatus(ctx, tx, schema, statusOpenGaps)
 	if err != nil {
 		return rep, err
 	}
-	owners, err := producer.ShardOwners(ctx, tx, schema)
-	if errors.Is(err, producer.ErrNotMigrated) {
-		rep.Warnings = append(rep.Warnings, "the relay lease tables are missing (migration 005_relay_leases is not applied): relays cannot run; run `eventline migrate up`")
-	} else if err != nil {
-		return rep, err
+	if !st.RelayTables {
+		rep.Warnings = append(rep.Warnings, "the relay's tables are missing (relay_leases, held_events: migration 003_held_events is not applied): relays cannot run; run `eventline migrate up`")
 	}
+	o := st.Outbox
 	rep.Outbox = outboxReport{
-		Shards:               make([]shardReport, 0, len(st.Shards)),
-		Backlog:              st.Backlog(),
-		OldestPendingSeconds: st.OldestPending().Seconds(),
-		DeadLetters:          st.DeadLetters,
-		Retrying:             st.Retrying,
-		OwnedShards:          len(owners),
+		Shards:               make([]shardReport, 0, len(o.Shards)),
+		Backlog:              o.Backlog(),
+		OldestPendingSeconds: o.OldestPending().Seconds(),
+		DeadLetters:          o.DeadLetters,
+		Retrying:             o.Retrying,
+		OwnedShards:          len(st.Owners),
 	}
-	for _, s := range st.Shards {
+	for _, s := range o.Shards {
 		sr := shardReport{Shard: s.Shard, Backlog: s.Backlog, OldestPendingSeconds: s.OldestPending.Seconds(), Stored: s.Stored,
 			PositionAhead: s.PositionAhead, HeldBack: s.HeldBack}
 		if s.PositionAhead {
-			rep.Warnings = append(rep.Warnings, fmt.Sprintf("shard %d: %v; nothing on it is relayed: stop the relays and run `eventline relay rebase-positions`", s.Shard, producer.ErrPositionAhead))
+			rep.Warnings = append(rep.Warnings, fmt.Sprintf("shard %d: %v; nothing on it is relayed: stop the relays and run `eventline relay rebase-positions`", s.Shard, admin.ErrPositionAhead))
 		}
-		if h := st.HorizonHolder; h != nil && s.HeldBack > 0 {
+		if h := o.HorizonHolder; h != nil && s.HeldBack > 0 {
 			pid := h.PID
 			sr.HeldBackBy = &pid
 		}
-		if o, ok := owners[s.Shard]; ok {
-			pid := o.BackendPID
-			sr.OwnerPID, sr.Owner, sr.LeaseExpiresInSeconds = &pid, o.Relay, o.ExpiresIn.Seconds()
+		if owner, ok := st.Owners[s.Shard]; ok {
+			pid := owner.BackendPID
+			sr.OwnerPID, sr.Owner, sr.LeaseExpiresInSeconds = &pid, owner.Relay, owner.ExpiresIn.Seconds()
 		}
 		rep.Outbox.Shards = append(rep.Outbox.Shards, sr)
 	}
-	if h := st.HorizonHolder; h != nil {
+	if h := o.HorizonHolder; h != nil {
 		hr := &horizonHolderReport{PID: h.PID, Xid: h.Xid, BackendXmin: h.BackendXmin, XactAgeSeconds: h.XactAge.Seconds(),
 			State: h.State, ApplicationName: h.ApplicationName, Database: h.Database, Query: h.Query, PreparedGID: h.PreparedGID}
 		if h.QueryStart != nil {
@@ -200,108 +195,25 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		if h.PreparedGID != "" {
 			who = fmt.Sprintf("prepared transaction %q", h.PreparedGID)
 		}
-		rep.Warnings = append(rep.Warnings, fmt.Sprintf("committed events wait behind an open transaction (%s, %s, open %s%s, application %q, database %q): the relays read only rows older than every open transaction; end it (or SELECT pg_terminate_backend(%d)) and they flow again",
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("committed events wait behind an open transaction (%s, %s, open %s%s, application %q, database %q): the relays read only rows older than every open transaction; end it (or terminate it: pg_terminate_backend(%d)) and they flow again",
 			who, h.State, age(h.XactAge), queryStarted(hr.QueryStart), h.ApplicationName, h.Database, h.PID))
 	}
-
-	var present bool
-	err = tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "processed_events")).Scan(&present)
-	if err != nil {
-		return rep, fmt.Errorf("look for the consumer tables: %w", err)
-	}
-	if !present {
+	if !st.ConsumerTables {
 		rep.Warnings = append(rep.Warnings, "the consumer tables are missing (migration 002_consumer is not applied): run `eventline migrate up`")
 		return rep, nil
 	}
-	groups, err := consumerGroups(ctx, tx, schema)
-	if err != nil {
-		return rep, err
-	}
-	ds, err := store.New(schema)
-	if err != nil {
-		return rep, err
-	}
-	vs, err := store.New(schema)
-	if err != nil {
-		return rep, err
-	}
-	statuses, err := vs.ReadGroupStatuses(ctx, tx, store.ReadGroupStatusOptions{OpenGapsLimit: statusOpenGaps})
-	if err != nil {
-		return rep, err
-	}
-	byGroup := map[string]store.GroupStatus{}
-	for _, gs := range statuses {
-		byGroup[gs.Group] = gs
-		groups = append(groups, gs.Group)
-	}
-	slices.Sort(groups)
-	groups = slices.Compact(groups)
-	for _, name := range groups {
-		gr := groupReport{Group: name, OpenGapList: []openGapReport{}}
-		gs := byGroup[name]
-		gr.OpenGaps, gr.OldestOpenGapSeconds, gr.SkippedGaps24h = gs.OpenGapCount, gs.OldestGap.Seconds(), gs.SkippedGapsRecent
-		gr.LateEvents, gr.DeadLetters = gs.LateHeld, gs.DeadLetters
-		for _, g := range gs.OpenGaps {
-			gr.OpenGapList = append(gr.OpenGapList, openGapReport{AggregateType: g.AggregateType, AggregateID: g.AggregateID,
-				Current: g.Current, MissingFrom: g.Current + 1, MissingTo: g.Follows, Parked: g.Parked, AgeSeconds: g.Age.Seconds()})
-		}
-		if gr.Processed, err = ds.CountProcessed(ctx, tx, name); err != nil {
-			return rep, err
-		}
-		if gr.Parked, err = vs.CountParked(ctx, tx, name); err != nil {
-			return rep, err
-		}
-		err := tx.QueryRow(ctx, groupAuditSQL(schema), name).Scan(&gr.OldestParkedSeconds, &gr.SkippedGaps, &gr.SkippedVersions)
-		if err != nil {
-			return rep, fmt.Errorf("read parked and skipped summary of group %q: %w", name, err)
+	for _, g := range st.Groups {
+		gr := groupReport{Group: g.Group, Processed: g.Processed, Parked: g.Parked, OldestParkedSeconds: g.OldestParked.Seconds(),
+			SkippedGaps: g.SkippedGaps, SkippedVersions: g.SkippedVersions,
+			OpenGaps: g.OpenGapCount, OldestOpenGapSeconds: g.OldestGap.Seconds(), OpenGapList: []openGapReport{},
+			SkippedGaps24h: g.SkippedGapsRecent, LateEvents: g.LateHeld, DeadLetters: g.DeadLetters}
+		for _, og := range g.OpenGaps {
+			gr.OpenGapList = append(gr.OpenGapList, openGapReport{AggregateType: og.AggregateType, AggregateID: og.AggregateID,
+				Current: og.Current, MissingFrom: og.Current + 1, MissingTo: og.Follows, Parked: og.Parked, AgeSeconds: og.Age.Seconds()})
 		}
 		rep.Groups = append(rep.Groups, gr)
 	}
 	return rep, nil
-}
-
-// consumerGroups lists the consumer groups that recorded anything: those in
-// processed_events and aggregate_versions (a group parks or skips only for
-// aggregates it has a version row for). Each table is read with a loose
-// index scan over its primary key, whose first column is the group, so the
-// cost grows with the number of groups, not rows.
-func consumerGroups(ctx context.Context, tx pgx.Tx, schema string) ([]string, error) {
-	var out []string
-	for _, table := range []string{"processed_events", "aggregate_versions"} {
-		rows, err := tx.Query(ctx, distinctGroupsSQL(sqlident.Qualify(schema, table)))
-		if err != nil {
-			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
-		}
-		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
-		}
-		out = append(out, names...)
-	}
-	slices.Sort(out)
-	return slices.Compact(out), nil
-}
-
-// distinctGroupsSQL returns the distinct consumer_group values of table
-// (quoted and qualified), by skipping from one group to the next.
-func distinctGroupsSQL(table string) string {
-	return `WITH RECURSIVE g(name) AS (
-		(SELECT consumer_group FROM ` + table + ` ORDER BY consumer_group LIMIT 1)
-		UNION ALL
-		SELECT (SELECT consumer_group FROM ` + table + ` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
-		FROM g WHERE g.name IS NOT NULL
-	) SELECT name FROM g WHERE name IS NOT NULL`
-}
-
-// groupAuditSQL reads, for the group $1, the oldest parked event's age in
-// seconds and the number of skipped gaps and versions.
-func groupAuditSQL(schema string) string {
-	return `SELECT
-		COALESCE((SELECT EXTRACT(EPOCH FROM now() - min(parked_at)) FROM ` + sqlident.Qualify(schema, "parked_events") + `
-			WHERE consumer_group = $1), 0)::float8,
-		s.gaps, s.versions
-	FROM (SELECT count(*) AS gaps, COALESCE(sum(to_version - from_version + 1), 0)::bigint AS versions
-		FROM ` + sqlident.Qualify(schema, "skipped_versions") + ` WHERE consumer_group = $1) s`
 }
 
 // printStatus writes the report as tables.
@@ -323,7 +235,7 @@ func printStatus(w io.Writer, rep statusReport) error {
 	}
 	fmt.Fprintf(w, "Dead letters waiting: %d", o.DeadLetters)
 	if o.DeadLetters > 0 {
-		fmt.Fprint(w, " (eventline dlq list)")
+		fmt.Fprint(w, " (eventline held list -kind relay_dead_letter)")
 	}
 	fmt.Fprintf(w, "\nRetrying: %d\n", o.Retrying)
 	if o.Backlog > 0 && o.OwnedShards == 0 {

@@ -42,9 +42,9 @@ func TestStatusShowsGapsAndStalls(t *testing.T) {
 	parkGap(t, env, "billing", "a1", 1, 4, 5) // waits for v2..v3
 	parkGap(t, env, "shipping", "b", 0, 2)    // waits for v1
 	ok(t, env.Schema, "parked", "release", "-reason", "lost", "shipping", "thing/b")
-	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "consumer_dead_letters")+
-		` (consumer_group, message_uuid, payload, header_keys, header_values, kind, reason)
-		VALUES ('billing', '\x01', '\x00', '{}', '{}', 'permanent', 'r')`)
+	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+
+		` (kind, consumer_group, message_uuid, payload, header_keys, header_values, cause, reason)
+		VALUES ('dead_letter', 'billing', '\x01', '\x00', '{}', '{}', 'permanent', 'r')`)
 	require.NoError(t, err)
 
 	st := okJSON[statusGapsJSON](t, env.Schema, "status", "-json")
@@ -69,10 +69,9 @@ func TestStatusShowsGapsAndStalls(t *testing.T) {
 	require.Contains(t, out, "eventline parked list")
 }
 
-// TestStatusGapsOnASchemaBeforeTheGateMigration: on a schema at
-// 002_consumer (no late_events, no previous_version), status still reads
-// the gaps.
-func TestStatusGapsOnASchemaBeforeTheGateMigration(t *testing.T) {
+// TestStatusGapsOnASchemaWithoutHeldEvents: on a schema at 002_consumer
+// (rolled back past 003_held_events), status still reads the gaps.
+func TestStatusGapsOnASchemaWithoutHeldEvents(t *testing.T) {
 	t.Parallel()
 	schema := pgtest.NewSchemaName(t)
 	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
@@ -81,8 +80,8 @@ func TestStatusGapsOnASchemaBeforeTheGateMigration(t *testing.T) {
 	pool := pgtest.Pool(t, 2)
 	_, err := pool.Exec(context.Background(), `
 		INSERT INTO `+sqlident.Qualify(schema, "aggregate_versions")+` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('g', 'thing', 'a', 1);
-		INSERT INTO `+sqlident.Qualify(schema, "parked_events")+` (consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, payload, metadata)
-			VALUES ('g', 'thing', 'a', 3, 'e3', 't', '\x00', '{}')`)
+		INSERT INTO `+sqlident.Qualify(schema, "parked_events")+` (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, payload, metadata)
+			VALUES ('g', 'thing', 'a', 3, 2, 'e3', 't', '\x00', '{}')`)
 	require.NoError(t, err)
 	st := okJSON[statusGapsJSON](t, schema, "status", "-json")
 	require.Len(t, st.Groups, 1)

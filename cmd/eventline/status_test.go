@@ -80,8 +80,9 @@ func TestStatusReportsBacklogDeadLettersAndGroups(t *testing.T) {
 		perShard[outbox.ShardFor("order", id, shards)]++
 	}
 	publish(t, env, "orders", ids...)
-	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "dead_letters")+
-		` (shard, outbox_uuid, attempts, last_error, dead_reason) VALUES (0, 'u-1', 3, 'boom', 'gave up after 3 attempts')`)
+	_, err := env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+
+		` (kind, shard, message_uuid, payload, header_keys, header_values, attempts, last_error, cause, reason)
+		VALUES ('relay_dead_letter', 0, 'u-1', '', '{}', '{}', 3, 'boom', 'retries_exhausted', 'gave up after 3 attempts')`)
 	require.NoError(t, err)
 	// billing applied a v1, v2 and parked v4; shipping parked x v3, then an
 	// operator gave up on x v1..v2.
@@ -128,7 +129,7 @@ func TestStatusReportsBacklogDeadLettersAndGroups(t *testing.T) {
 	for i, n := range perShard {
 		require.Regexp(t, fmt.Sprintf(`(?m)^%d\s+%d\s+\d+\s+\S+\s+%d\s+-$`, i, n, n), out)
 	}
-	require.Contains(t, out, "Dead letters waiting: 1 (eventline dlq list)")
+	require.Contains(t, out, "Dead letters waiting: 1 (eventline held list -kind relay_dead_letter)")
 	require.Contains(t, out, "Retrying: 0")
 	require.Contains(t, out, "No relay owns a shard: start one with `eventline relay`.")
 	require.Regexp(t, `GROUP\s+DEDUP ROWS\s+PARKED\s+OLDEST PARKED\s+SKIPPED GAPS\s+SKIPPED VERSIONS`, out)
@@ -153,7 +154,7 @@ func TestStatusOnAnIncompleteSchema(t *testing.T) {
 	require.Len(t, st.Outbox.Shards, 1)
 	require.Empty(t, st.Groups)
 	require.Len(t, ownWarnings(st), 2)
-	require.Contains(t, ownWarnings(st)[0], "relay lease tables are missing")
+	require.Contains(t, ownWarnings(st)[0], "the relay's tables are missing")
 	require.Contains(t, ownWarnings(st)[1], "consumer tables are missing")
 	out := ok(t, schema, "status")
 	require.Contains(t, out, "warning: the consumer tables are missing")

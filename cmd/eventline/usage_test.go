@@ -31,14 +31,21 @@ func TestUsageErrorsExit2WithAHint(t *testing.T) {
 		{[]string{"migrate", "down", "-all", "-steps", "2"}, "give -steps or -all, not both"},
 		{[]string{"relay"}, "no Kafka brokers: pass -brokers host:port or set KAFKA_BROKERS"},
 		{[]string{"relay", "-brokers", "nohostport"}, `broker "nohostport" is not host:port`},
-		{[]string{"relay", "-brokers", "h:1", "-backoff", "1s,soon"}, `"soon" is not a duration`},
+		{[]string{"relay", "-brokers", "h:1", "-backoff-initial", "soon"}, `invalid value "soon" for flag -backoff-initial`},
+		{[]string{"relay", "-brokers", "h:1", "-backoff-initial", "2s", "-backoff-max", "1s"}, `-backoff-max (1s) must not be below -backoff-initial (2s)`},
+		{[]string{"relay", "-brokers", "h:1", "-backoff-multiplier", "0.5"}, `-backoff-multiplier must be at least 1, got 0.5`},
 		{[]string{"relay", "-brokers", "h:1", "-max-attempts", "0"}, "-max-attempts must be at least 1"},
 		{[]string{"relay", "-brokers", "h:1", "-retention", "0s"}, "-retention must be positive"},
 		{[]string{"relay", "-brokers", "h:1", "-cleanup-interval", "-1s"}, "0 disables cleanup"},
-		{[]string{"dlq", "list", "-limit", "0"}, "-limit must be at least 1"},
-		{[]string{"dlq", "replay"}, "give the ids of the dead letters to replay"},
-		{[]string{"dlq", "replay", "-all", "3"}, "give dead letter ids or -all, not both"},
-		{[]string{"dlq", "replay", "three"}, `"three" is not a dead letter id`},
+		{[]string{"held", "list", "-limit", "0"}, "-limit must be at least 1"},
+		{[]string{"held", "list", "-kind", "parked"}, `-kind "parked": want relay_dead_letter, dead_letter or late`},
+		{[]string{"held", "list", "-status", "dead"}, `-status "dead": want open, held`},
+		{[]string{"held", "replay"}, "give the ids of the held events"},
+		{[]string{"held", "replay", "-all", "3"}, "give held event ids or -all, not both"},
+		{[]string{"held", "replay", "three"}, `"three" is not a held event id`},
+		{[]string{"held", "replay", "-all"}, "-all needs -kind, -group or -aggregate"},
+		{[]string{"held", "discard", "-all", "-group", "g"}, "-reason is required"},
+		{[]string{"held", "discard", "-reason", "r", "-aggregate", "x", "1"}, `-aggregate "x": want TYPE/ID`},
 		{[]string{"parked", "list", "-aggregate", "noslash"}, "want TYPE/ID"},
 		{[]string{"parked", "release", "billing"}, "want exactly two arguments"},
 		{[]string{"parked", "release", "-reason", "x", "billing", "order"}, `"order" is not <aggregate_type>/<aggregate_id>`},
@@ -65,7 +72,7 @@ func TestHelpExits0AndDocumentsDefaults(t *testing.T) {
 	t.Parallel()
 	r := cli(t, "-h")
 	require.Equal(t, exitOK, r.code)
-	for _, name := range []string{"migrate", "relay", "status", "dlq", "parked", "cleanup", "kafka-dev", "version"} {
+	for _, name := range []string{"migrate", "relay", "status", "held", "parked", "cleanup", "kafka-dev", "version"} {
 		require.Regexp(t, `(?m)^  `+name+` +\S`, r.stdout, "the command list names %s", name)
 	}
 	require.Contains(t, r.stdout, `-database-url URL`)
@@ -79,7 +86,9 @@ func TestHelpExits0AndDocumentsDefaults(t *testing.T) {
 		"-batch-size int", "(default 500)",
 		"-poll-interval duration", "(default 5s)",
 		"-max-publish-rate float", "0 means no cap",
-		"-backoff value", "(default 1s,5s,30s,2m,10m)",
+		"-backoff-initial duration", "(default 1s)",
+		"-backoff-multiplier float", "(default 5)",
+		"-backoff-max duration", "(default 10m0s)",
 		"-max-attempts int", "(default 5)",
 		"-retention duration", "(default 24h0m0s)",
 		"-cleanup-interval duration", "0 disables", "(default 5m0s)",
@@ -89,10 +98,10 @@ func TestHelpExits0AndDocumentsDefaults(t *testing.T) {
 		require.Contains(t, r.stdout, want)
 	}
 
-	for _, args := range [][]string{{"help", "dlq"}, {"dlq", "-h"}, {"dlq", "help"}} {
+	for _, args := range [][]string{{"help", "held"}, {"held", "-h"}, {"held", "help"}} {
 		r = cli(t, args...)
 		require.Equal(t, exitOK, r.code, "%v", args)
-		require.Contains(t, r.stdout, "Usage: eventline dlq <list|replay>")
+		require.Contains(t, r.stdout, "Usage: eventline held <list|replay|discard>")
 	}
 	r = cli(t, "help", "parked", "release")
 	require.Equal(t, exitOK, r.code)

@@ -65,8 +65,7 @@ and skipped gaps. It reports per group:
   parked         waiting for a missing version, and why (a problem once older
                  than -max-parked)
   skipped        versions the group gave up on (a warning)
-  dead letters   not replayed: the relay's, and the group's (its dead-letter
-                 topic, or consumer_dead_letters when that table exists)
+  dead letters   not replayed: the relay's, and the group's (eventline held)
 
 Events without a dedup record committed before now minus -dedup-retention are
 unverifiable (retention may have deleted the record), never lost. It only
@@ -88,8 +87,6 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 	fs.Var(&groupTopics, "group-topics", "`G=T1,T2`: the Kafka topics group G consumes (repeatable; default: its Kafka consumer group's\ncommitted offsets, else the topics of the events it has records of)")
 	effects := mapFlag{name: "effects-query"}
 	fs.Var(&effects, "effects-query", "`G=SQL`: a SELECT over group G's own effects returning event_id[, ordering column] (repeatable)")
-	dlqTopics := mapFlag{name: "dlq-topic"}
-	fs.Var(&dlqTopics, "dlq-topic", "`G=T`: group G's dead-letter topic (repeatable; default G.dlq when it exists)")
 	consumerURL := invocationOf(ctx).getenv(envConsumerDatabaseURL)
 	fs.Var(&secretURL{&consumerURL}, "consumer-database-url", "`URL` of the database holding the consumer tables, when not -database-url (env "+envConsumerDatabaseURL+")")
 	consumerSchema := fs.String("consumer-schema", "", "schema of the consumer tables (default -schema)")
@@ -134,9 +131,6 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 		for grp, v := range groupTopics.m {
 			cfg.GroupTopics[grp] = kafkaconf.ParseBrokers(v) // a comma-separated list
 		}
-	}
-	if len(dlqTopics.m) > 0 {
-		cfg.DeadLetterTopics = dlqTopics.m
 	}
 	if !*noKafka && g.brokers != "" {
 		if cfg.Brokers, err = g.brokerList(); err != nil {

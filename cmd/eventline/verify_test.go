@@ -146,7 +146,6 @@ func TestVerifyCleanPipelineExits0(t *testing.T) {
 	topic := kafkatest.Topic(t, "orders")
 	group := kafkatest.Topic(t, "billing")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
-	kafkatest.CreateTopic(t, brokers, group+consumer.DeadLetterTopicSuffix, 1)
 	invoices := sqlident.Qualify(env.Schema, "invoices")
 	orders := sqlident.Qualify(env.Schema, "orders")
 	for _, ddl := range []string{
@@ -211,7 +210,7 @@ func TestVerifyCleanPipelineExits0(t *testing.T) {
 	require.Empty(t, r.stderr)
 	out := r.stdout
 	require.Contains(t, out, "Outbox: 2 shards, 10 events, 10 relayed, 0 pending, 0 retrying, 0 dead letters not replayed")
-	require.Contains(t, out, "Kafka: read to the high watermark: "+topic+" (3 partitions, 10 records, 0 duplicates); "+group+".dlq (dead letters, 0 records)")
+	require.Contains(t, out, "Kafka: read to the high watermark: "+topic+" (3 partitions, 10 records, 0 duplicates)\n")
 	require.Regexp(t, `GROUP\s+TOPICS\s+EVENTS\s+APPLIED\s+PENDING\s+STUCK\s+LOST\s+DISCARDED\s+TWICE\s+OUT OF ORDER\s+PARKED\s+SKIPPED\s+DEAD LETTERS\s+LATE`, out)
 	require.Regexp(t, `(?m)^`+group+`\s+`+topic+`\s+10\s+10\s+0\s+0\s+0\s+0\s+0\s+0\s+0\s+0\s+0\s+0$`, out)
 	require.NotContains(t, out, "Findings:")
@@ -276,9 +275,11 @@ func TestVerifyBrokenDatabaseExits3(t *testing.T) {
 	recordApplied(t, env, "billing", twice[0], time.Minute)
 	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "invoices")+` (event_id) VALUES ($1)`, twice[0].ID)
 	require.NoError(t, err)
-	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "dead_letters")+`
-		(shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, destination_topic, attempts, last_error, dead_reason)
-		SELECT $1, uuid, $2, 'order.updated', 'order', 'o-dead', 1, 'orders', 5, 'kafka: message too large', 'gave up after 5 attempts'
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+`
+		(kind, shard, message_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, topic, attempts, last_error, cause, reason,
+		 payload, header_keys, header_values)
+		SELECT 'relay_dead_letter', $1, convert_to(uuid::text, 'UTF8'), $2, 'order.updated', 'order', 'o-dead', 1, 'orders', 5, 'kafka: message too large',
+			'retries_exhausted', 'gave up after 5 attempts', convert_to(payload::text, 'UTF8'), '{}', '{}'
 		FROM `+sqlident.Qualify(env.Schema, outbox.Table(outbox.ShardFor("order", "o-dead", env.Shards)))+` WHERE payload->>'uuid' = $2`,
 		outbox.ShardFor("order", "o-dead", env.Shards), dead[0].ID)
 	require.NoError(t, err)
@@ -304,7 +305,7 @@ func TestVerifyBrokenDatabaseExits3(t *testing.T) {
 		"PROBLEM  out_of_order  group billing  order/o-order v2  event " + ooo[1].ID,
 		"v2 was applied after v3",
 		"PROBLEM  dead_letter  relay  order/o-dead v1  event " + dead[0].ID,
-		"replay it with `eventline dlq replay 1`",
+		"replay it with `eventline held replay 1`",
 		"PROBLEM  pending  group billing  order/o-stuck v1  event " + stuck[0].ID,
 		"committed, not relayed yet (stuck: pending for longer than 5m)",
 		"WARNING  skipped  group billing  thing/y v1..v2",

@@ -3,12 +3,12 @@
 // TCP) on a free port, or the real cluster named by KAFKA_BROKERS, with the
 // test's topics created and everything cleaned up when the test ends.
 //
-//	k := kafkatest.Start(t, "orders", "billing.dlq")
+//	k := kafkatest.Start(t, "orders")
 //	c, err := consumer.New(pool, consumer.Config{Config: middleware.Config{Group: "billing"}, Brokers: k.Brokers, Topics: []string{"orders"}})
 //
 // Like a production cluster, the in-process one creates no topic on first
 // use (Config.AutoCreateTopics changes that): create every topic your
-// code uses, a consumer's dead-letter topic included. On a real cluster,
+// code uses. On a real cluster,
 // use Topic for names no earlier run used; the topics Start created are
 // deleted at the end.
 //

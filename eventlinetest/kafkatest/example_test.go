@@ -65,7 +65,7 @@ func TestBillingConsumer(t *testing.T) {
 	ctx := t.Context()
 	pool, schema := testDatabase(t)
 	topic, group := kafkatest.Topic("orders"), kafkatest.Topic("billing") // unique: a real cluster may be shared
-	k := kafkatest.Start(t, topic, group+".dlq")                          // in-process Kafka, or the cluster in $KAFKA_BROKERS
+	k := kafkatest.Start(t, topic)                                        // in-process Kafka, or the cluster in $KAFKA_BROKERS
 
 	c, err := consumer.New(pool, consumer.Config{
 		Config: middleware.Config{

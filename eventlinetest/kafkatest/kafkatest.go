@@ -2,32 +2,24 @@ package kafkatest
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
-	"errors"
-	"fmt"
-	"os"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
 )
 
 // BrokersEnv names the environment variable that, when set to a
 // comma-separated host:port list, makes Start use that cluster instead of
 // an in-process one.
-const BrokersEnv = "KAFKA_BROKERS"
+const BrokersEnv = kafkaconf.BrokersEnv
 
 // DefaultPartitions is the partition count of the topics Start creates.
-const DefaultPartitions = 4
+const DefaultPartitions = kafkatest.DefaultPartitions
 
 // topicWait bounds how long Start and CreateTopic wait for new topics to
 // appear in the cluster's metadata.
@@ -65,9 +57,7 @@ type Cluster struct {
 	// (Fake.ControlKey…); nil when KAFKA_BROKERS named a real cluster.
 	Fake *kfake.Cluster
 
-	partitions int32
-	mu         sync.Mutex
-	created    []string
+	c *kafkatest.Cluster
 }
 
 // Start returns a cluster for the test with the given topics created
@@ -96,64 +86,22 @@ func StartWith(t testing.TB, cfg Config) *Cluster {
 // New is Start outside a test, for a TestMain that shares one cluster
 // among a package's tests. Close it when done.
 func New(ctx context.Context, cfg Config) (*Cluster, error) {
-	if cfg.Partitions <= 0 {
-		cfg.Partitions = DefaultPartitions
-	}
-	c := &Cluster{partitions: cfg.Partitions}
-	if env := BrokersFromEnv(); len(env) > 0 && !cfg.InProcess {
-		c.Brokers = env
-	} else {
-		opts := []kfake.Opt{kfake.NumBrokers(1), kfake.Ports(0), kfake.DefaultNumPartitions(int(cfg.Partitions))}
-		if cfg.AutoCreateTopics {
-			opts = append(opts, kfake.AllowAutoTopicCreation())
-		}
-		fake, err := kfake.NewCluster(append(opts, cfg.FakeOptions...)...)
-		if err != nil {
-			return nil, fmt.Errorf("kafkatest: start the in-process Kafka cluster (kfake): %w", err)
-		}
-		c.Fake, c.Brokers = fake, fake.ListenAddrs()
-	}
-	if err := c.CreateTopics(ctx, cfg.Partitions, cfg.Topics...); err != nil {
-		c.Close()
+	c, err := kafkatest.New(ctx, kafkatest.Config{
+		Topics: cfg.Topics, Partitions: cfg.Partitions, InProcess: cfg.InProcess,
+		AutoCreateTopics: cfg.AutoCreateTopics, FakeOptions: cfg.FakeOptions,
+	})
+	if err != nil {
 		return nil, err
 	}
-	return c, nil
+	return &Cluster{Brokers: c.Brokers, Fake: c.Fake, c: c}, nil
 }
 
 // Close deletes, on a real cluster, the topics this Cluster created, and
 // stops an in-process cluster.
-func (c *Cluster) Close() {
-	if c.Fake != nil {
-		c.Fake.Close()
-		return
-	}
-	c.mu.Lock()
-	topics := c.created
-	c.created = nil
-	c.mu.Unlock()
-	if len(topics) == 0 {
-		return
-	}
-	admin, err := sarama.NewClusterAdmin(c.Brokers, c.saramaConfig())
-	if err != nil {
-		return
-	}
-	defer admin.Close()
-	for _, t := range topics {
-		_ = admin.DeleteTopic(t)
-	}
-}
+func (c *Cluster) Close() { c.c.Close() }
 
 // BrokersFromEnv returns the brokers listed in KAFKA_BROKERS, or nil.
-func BrokersFromEnv() []string {
-	var out []string
-	for _, b := range strings.Split(os.Getenv(BrokersEnv), ",") {
-		if b = strings.TrimSpace(b); b != "" {
-			out = append(out, b)
-		}
-	}
-	return out
-}
+func BrokersFromEnv() []string { return kafkaconf.BrokersFromEnv() }
 
 // InProcess reports whether the cluster runs in this process.
 func (c *Cluster) InProcess() bool { return c.Fake != nil }
@@ -161,11 +109,7 @@ func (c *Cluster) InProcess() bool { return c.Fake != nil }
 // Topic returns prefix with a random suffix ("orders-3fa2c1d0"), for
 // topic and group names that must not meet an earlier run's on a shared
 // cluster. It creates nothing.
-func Topic(prefix string) string {
-	var b [4]byte
-	_, _ = rand.Read(b[:])
-	return prefix + "-" + hex.EncodeToString(b[:])
-}
+func Topic(prefix string) string { return kafkatest.UniqueName(prefix) }
 
 // CreateTopic creates topic with the given partition count (0 means the
 // cluster's default for Start) and waits until the cluster's metadata
@@ -180,114 +124,29 @@ func (c *Cluster) CreateTopic(t testing.TB, topic string, partitions int32) {
 }
 
 // CreateTopics creates topics with the given partition count (0 means the
-// cluster's default) and waits until the cluster's metadata shows them.
-// Topics that already exist are left as they are. On a real cluster,
-// Close deletes the topics CreateTopics created.
+// cluster's default) and waits until every partition has a leader in the
+// cluster's metadata. Topics that already exist are left as they are. On
+// a real cluster, Close deletes the topics CreateTopics created.
 func (c *Cluster) CreateTopics(ctx context.Context, partitions int32, topics ...string) error {
-	if len(topics) == 0 {
-		return nil
-	}
-	if partitions <= 0 {
-		partitions = c.partitions
-	}
-	admin, err := sarama.NewClusterAdmin(c.Brokers, c.saramaConfig())
-	if err != nil {
-		return fmt.Errorf("kafkatest: connect to Kafka at %s: %w", strings.Join(c.Brokers, ","), err)
-	}
-	defer admin.Close()
-	for _, topic := range topics {
-		if err := eventline.ValidateTopic(topic); err != nil {
-			return fmt.Errorf("kafkatest: %w", err)
-		}
-		err = admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
-		var te *sarama.TopicError
-		switch {
-		case err == nil:
-			c.mu.Lock()
-			c.created = append(c.created, topic)
-			c.mu.Unlock()
-		case errors.As(err, &te) && te.Err == sarama.ErrTopicAlreadyExists:
-		default:
-			return fmt.Errorf("kafkatest: create topic %s on %s: %w", topic, strings.Join(c.Brokers, ","), err)
-		}
-	}
-	for {
-		md, err := admin.DescribeTopics(topics)
-		ready := err == nil && len(md) == len(topics)
-		for _, m := range md {
-			ready = ready && m.Err == sarama.ErrNoError && len(m.Partitions) > 0
-		}
-		if ready {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("kafkatest: topics %s did not appear in the cluster metadata: %w", strings.Join(topics, ", "), context.Cause(ctx))
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
-}
-
-func (c *Cluster) saramaConfig() *sarama.Config {
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_8_0_0
-	cfg.ClientID = "eventline-kafkatest"
-	return cfg
+	return c.c.CreateTopics(ctx, partitions, topics...)
 }
 
 // Publish writes events to topic, in order, as eventline's relay does:
 // encoded by eventline.Encode (an event without an ID gets one), keyed by
-// aggregate id, with watermill-kafka's default marshaler, so each lands in
-// its aggregate's partition and any eventline consumer reads it. Use it to
+// aggregate id and partitioned by Kafka's murmur2 hash (the relay's
+// default, and the Java client's), so each lands in the partition the
+// relay would put it in, and any eventline consumer reads it. Use it to
 // feed a consumer, or to deliver an event again, or out of order, on
 // purpose. Events are written as given: set AggregateVersion yourself
 // (the producer would assign it).
 func Publish(ctx context.Context, brokers []string, topic string, events ...eventline.Event) error {
-	if len(events) == 0 {
-		return nil
-	}
-	msgs := make([]*message.Message, 0, len(events))
-	for i, e := range events {
-		msg, err := eventline.Encode(e)
-		if err != nil {
-			return fmt.Errorf("kafkatest.Publish: event %d: %w", i, err)
-		}
-		msg.SetContext(ctx)
-		msgs = append(msgs, msg)
-	}
-	return PublishMessages(brokers, topic, msgs...)
+	return kafkatest.Publish(ctx, brokers, topic, events...)
 }
 
 // PublishMessages writes Watermill messages to topic as they are, keyed by
-// their aggregate_id metadata (or their UUID when there is none): for
-// records eventline.Encode would refuse, to test how a consumer treats bad
-// input.
+// their aggregate_id metadata (or their UUID when there is none), with
+// Publish's partitioning: for records eventline.Encode would refuse, to
+// test how a consumer treats bad input.
 func PublishMessages(brokers []string, topic string, msgs ...*message.Message) error {
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_8_0_0
-	cfg.ClientID = "eventline-kafkatest"
-	cfg.Producer.Return.Successes = true
-	cfg.Producer.RequiredAcks = sarama.WaitForAll
-	cfg.Producer.Partitioner = sarama.NewHashPartitioner
-	pub, err := kafka.NewPublisher(kafka.PublisherConfig{
-		Brokers: brokers,
-		Marshaler: kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
-			if k := msg.Metadata.Get(eventline.MetaAggregateID); k != "" {
-				return k, nil
-			}
-			return msg.UUID, nil
-		}),
-		OverwriteSaramaConfig: cfg,
-	}, watermill.NopLogger{})
-	if err != nil {
-		return fmt.Errorf("kafkatest: connect a publisher to %s: %w", strings.Join(brokers, ","), err)
-	}
-	err = pub.Publish(topic, msgs...)
-	if cerr := pub.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return fmt.Errorf("kafkatest: publish to %s: %w", topic, err)
-	}
-	return nil
+	return kafkatest.PublishMessages(brokers, topic, msgs...)
 }

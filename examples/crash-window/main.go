@@ -38,6 +38,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/examples/internal/setup"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
@@ -384,8 +385,8 @@ func relayPool(ctx context.Context, cfg config, prepare func(context.Context, *p
 	return pgxpool.NewWithConfig(ctx, pcfg)
 }
 
-func outboxPending(ctx context.Context, db producer.DBTX, schema string) (int64, error) {
-	st, err := producer.ReadStatus(ctx, db, schema)
+func outboxPending(ctx context.Context, db admin.DBTX, schema string) (int64, error) {
+	st, err := admin.ReadOutboxStatus(ctx, db, schema)
 	if err != nil {
 		return 0, err
 	}

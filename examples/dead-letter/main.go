@@ -1,9 +1,9 @@
 // Command dead-letter follows a poison event through eventline: Kafka
-// refuses it for good, so the relay moves it to the outbox's dead-letter
-// table with the reason; the consumer parks the later versions of the same
-// account, because applying them would skip one; an operator fixes the
-// cause and replays the dead letter; the replay fills the gap and the parked
-// versions are applied, in order.
+// refuses it for good, so the relay holds it for the operator (held_events,
+// kind relay_dead_letter) with the reason; the consumer parks the later
+// versions of the same account, because applying them would skip one; an
+// operator fixes the cause and replays the dead letter; the replay fills
+// the gap and the parked versions are applied, in order.
 //
 // The poison: an account.limit_changed event carries the signed terms, about
 // 1 MB. The producer accepts it (its record is within
@@ -36,6 +36,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/examples/internal/setup"
 	"github.com/eventline/eventline/middleware"
@@ -120,11 +121,8 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	// Names unique to the run (accounts-3fa2c1), so runs against a shared
 	// cluster never mix. The accounts topic admits records up to 256 KiB.
 	group := k.Group("ledger")
-	accountsTopic, dlq := k.Topic("accounts"), k.Topic("ledger"+consumer.DeadLetterTopicSuffix)
+	accountsTopic := k.Topic("accounts")
 	if err := k.CreateTopicsWithConfig(ctx, 2, map[string]string{"max.message.bytes": fmt.Sprint(topicLimit)}, accountsTopic); err != nil {
-		return err
-	}
-	if err := k.CreateTopics(ctx, 1, dlq); err != nil {
 		return err
 	}
 
@@ -191,7 +189,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	relay, err := producer.NewRelay(ctx, relayDB, producer.RelayConfig{
 		Schema:      cfg.Schema,
 		Brokers:     k.Brokers,
-		Backoff:     []time.Duration{200 * time.Millisecond},
+		Backoff:     eventline.Backoff{Initial: 200 * time.Millisecond, Max: 200 * time.Millisecond, Multiplier: 1},
 		MaxAttempts: 2,
 		Logger:      log,
 	})
@@ -207,12 +205,11 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 	c, err := consumer.New(consumerDB, consumer.Config{
 		Config: middleware.Config{
-			Group:           group,
-			Schema:          cfg.Schema,
-			DeadLetterTopic: dlq,
-			GapPolicy:       versioning.Park,
-			Logger:          log,
-			Metrics:         metrics,
+			Group:     group,
+			Schema:    cfg.Schema,
+			GapPolicy: versioning.Park,
+			Logger:    log,
+			Metrics:   metrics,
 		},
 		Brokers: k.Brokers,
 		Topics:  []string{accountsTopic},
@@ -238,12 +235,13 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		}
 	}()
 
-	// 4. The relay gives up on the poison: it lands in the dead-letter
-	// table with the reason, and the shard goes on.
-	var dls []producer.DeadLetter
+	// 4. The relay gives up on the poison: it is held for the operator
+	// (held_events, kind relay_dead_letter) with the reason, and the shard
+	// goes on.
+	var dls []admin.HeldEvent
 	err = setup.WaitFor(ctx, time.Minute, "the poison event to be dead-lettered", func() (bool, error) {
 		var err error
-		dls, err = producer.ListDeadLetters(ctx, db, cfg.Schema, producer.DeadLetterFilter{})
+		dls, err = admin.ListHeld(ctx, db, cfg.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		return len(dls) > 0, err
 	})
 	if err != nil {
@@ -283,10 +281,11 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err := k.SetTopicConfig(accountsTopic, "max.message.bytes", fmt.Sprint(fixedTopicLimit)); err != nil {
 		return err
 	}
-	replayed, err := producer.ReplayDeadLetters(ctx, db, cfg.Schema, dead.ID)
+	res, err := admin.ReplayHeld(ctx, db, cfg.Schema, admin.HeldFilter{IDs: []int64{dead.ID}})
 	if err != nil {
 		return err
 	}
+	replayed := len(res.Enqueued)
 	fmt.Fprintf(stdout, "fix topic_max_message_bytes=%d replayed=%d\n", fixedTopicLimit, replayed)
 
 	// 7. Version 2 arrives, is applied, and releases 3 and 4 in the same
@@ -315,7 +314,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		Scan(&parkedLeft); err != nil {
 		return err
 	}
-	st, err := producer.ReadStatus(ctx, db, cfg.Schema)
+	st, err := admin.ReadOutboxStatus(ctx, db, cfg.Schema)
 	if err != nil {
 		return err
 	}

@@ -43,6 +43,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/examples/internal/setup"
 	"github.com/eventline/eventline/internal/tracing"
@@ -158,8 +159,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return errors.New("-orders and -writers must be positive, -redeliver-every not negative")
 	}
 
-	// Kafka: the events topic, and a dead-letter topic per consumer group
-	// (a consumer needs one; eventline does not create topics).
+	// Kafka: the events topic (eventline does not create topics).
 	k, err := setup.StartKafka(cfg.Brokers)
 	if err != nil {
 		return err
@@ -171,12 +171,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 	// Group and topic names get a suffix unique to the run (billing-3fa2c1),
 	// so runs against a shared cluster never mix.
-	groupID, dlq := map[string]string{}, map[string]string{}
+	groupID := map[string]string{}
 	for _, g := range groups {
-		groupID[g.name], dlq[g.name] = k.Group(g.name), k.Topic(g.name+consumer.DeadLetterTopicSuffix)
-		if err := k.CreateTopics(ctx, 1, dlq[g.name]); err != nil {
-			return err
-		}
+		groupID[g.name] = k.Group(g.name)
 	}
 
 	// PostgreSQL: one schema holds eventline's tables and the business
@@ -262,12 +259,11 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	for _, g := range groups {
 		c, err := consumer.New(consumerDB[g.name], consumer.Config{
 			Config: middleware.Config{
-				Group:           groupID[g.name],
-				Schema:          cfg.Schema,
-				DeadLetterTopic: dlq[g.name],
-				Logger:          log,
-				Metrics:         consumerMetrics,
-				TracerProvider:  tp,
+				Group:          groupID[g.name],
+				Schema:         cfg.Schema,
+				Logger:         log,
+				Metrics:        consumerMetrics,
+				TracerProvider: tp,
 			},
 			Brokers: k.Brokers,
 			Topics:  []string{topic},
@@ -356,7 +352,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		}
 		applied[g.name] = n
 	}
-	st, err := producer.ReadStatus(ctx, db, cfg.Schema)
+	st, err := admin.ReadOutboxStatus(ctx, db, cfg.Schema)
 	if err != nil {
 		return err
 	}

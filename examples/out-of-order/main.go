@@ -115,11 +115,8 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	defer func() { err = errors.Join(err, k.Close()) }()
 	// Names unique to the run (ledger-3fa2c1), so runs against a shared
 	// cluster never mix.
-	group, topic, dlq := k.Group("ledger"), k.Topic("accounts"), k.Topic("ledger"+consumer.DeadLetterTopicSuffix)
+	group, topic := k.Group("ledger"), k.Topic("accounts")
 	if err := k.CreateTopics(ctx, 4, topic); err != nil {
-		return err
-	}
-	if err := k.CreateTopics(ctx, 1, dlq); err != nil {
 		return err
 	}
 
@@ -189,12 +186,11 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 	c, err := consumer.New(consumerDB, consumer.Config{
 		Config: middleware.Config{
-			Group:           group,
-			Schema:          cfg.Schema,
-			DeadLetterTopic: dlq,
-			GapPolicy:       versioning.Park,
-			Logger:          log,
-			Metrics:         metrics,
+			Group:     group,
+			Schema:    cfg.Schema,
+			GapPolicy: versioning.Park,
+			Logger:    log,
+			Metrics:   metrics,
 		},
 		Brokers: k.Brokers,
 		Topics:  []string{topic},

@@ -38,6 +38,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
@@ -154,7 +155,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) error {
 	published := cfg.Orders * (cfg.Items + 1)
 
 	// The relay, on a pool of its own, sized for the shards.
-	shards, err := producer.ReadShardCount(ctx, pool, cfg.Schema)
+	shards, err := admin.ReadShardCount(ctx, pool, cfg.Schema)
 	if err != nil {
 		return err
 	}

@@ -69,6 +69,38 @@ func TestRetryReturnsNilWhenTheContextEnds(t *testing.T) {
 	require.Equal(t, 1, waits)
 }
 
+// What a starting relay or consumer does while its database or Kafka is
+// down: the waits follow the schedule, and the first success ends them.
+func TestRetryWaitsOutAnOutageDoublingUpToMax(t *testing.T) {
+	down := errors.New("down")
+	var waits []time.Duration
+	tries := 0
+	err := Retry(context.Background(), eventline.Backoff{Initial: time.Millisecond, Max: 4 * time.Millisecond, Multiplier: 2},
+		func(err error) bool { return errors.Is(err, down) },
+		func(d time.Duration, _ error) { waits = append(waits, d) },
+		func() error {
+			if tries++; tries <= 5 {
+				return down
+			}
+			return nil
+		})
+	require.NoError(t, err)
+	require.Equal(t, 6, tries)
+	ms := time.Millisecond
+	require.Equal(t, []time.Duration{1 * ms, 2 * ms, 4 * ms, 4 * ms, 4 * ms}, waits)
+}
+
+func TestRetryReturnsAMistakeAtOnce(t *testing.T) {
+	wrong := errors.New("misconfigured")
+	waits := 0
+	err := Retry(context.Background(), eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond, Multiplier: 1},
+		func(err error) bool { return !errors.Is(err, wrong) },
+		func(time.Duration, error) { waits++ },
+		func() error { return wrong })
+	require.ErrorIs(t, err, wrong)
+	require.Zero(t, waits)
+}
+
 func TestWithSleepReplacesTheTimer(t *testing.T) {
 	var waits []time.Duration
 	ctx := WithSleep(context.Background(), func(_ context.Context, d time.Duration) error {

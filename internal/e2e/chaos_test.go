@@ -78,7 +78,7 @@ func runRelayChild() int {
 		ID:                os.Getenv(envRelayID),
 		PollInterval:      100 * time.Millisecond,
 		RebalanceInterval: 250 * time.Millisecond,
-		Backoff:           []time.Duration{50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond},
+		Backoff:           eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
 		Logger:            testLogger(),
 	})
 	if err != nil {
@@ -119,8 +119,9 @@ func chaosSeed(t *testing.T) (uint64, *rand.Rand) {
 // Kafka ▸ a consumer on a proxied pool while a seeded schedule of faults
 // plays: relays killed with SIGKILL (and replaced) or frozen with SIGSTOP
 // for a while, the consumer's database refused and reset, Kafka refusing
-// produce requests with a retriable error. Then, faults over, every event
-// must be applied once, in order, and internal/verify must report nothing:
+// produce requests with a retriable error (kfake) or connections (Apache
+// Kafka). Then, faults over, every event must be applied once, in order,
+// and internal/verify must report nothing:
 // no problem, no warning (nothing lost, dead-lettered, skipped or applied
 // twice). Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 func TestChaosLosesNothing(t *testing.T) {
@@ -133,9 +134,10 @@ func TestChaosLosesNothing(t *testing.T) {
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 8})
 	r := &faultRig{t: t, env: env}
-	r.cluster, r.brokers = kafkatest.Fake(t)
+	r.cluster = kafkatest.WithFaults(t)
+	r.brokers = r.cluster.Brokers
 	r.topic = kafkatest.Topic(t, "chaos")
-	kafkatest.CreateTopic(t, r.brokers, r.topic, 3)
+	require.NoError(t, r.cluster.CreateTopics(ctx, 3, r.topic))
 	var err error
 	r.prod, err = producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
 	require.NoError(t, err)
@@ -148,7 +150,7 @@ func TestChaosLosesNothing(t *testing.T) {
 
 	// The consumer: default park timeout (an hour: nothing may be skipped
 	// in this run), its pool through the proxy.
-	const group = "chaos"
+	group := kafkatest.Topic(t, "chaos") // unique: the broker may be shared
 	reg := prometheus.NewRegistry()
 	metrics, err := middleware.NewMetrics(reg)
 	require.NoError(t, err)
@@ -199,9 +201,22 @@ func TestChaosLosesNothing(t *testing.T) {
 			time.Sleep(hold) // the fault's duration
 			r.proxy.Set(faultproxy.Pass)
 		case 3:
-			n := 1 + rng.IntN(4)
-			log = append(log, fmt.Sprintf("Kafka refuses %d produce requests (NOT_ENOUGH_REPLICAS)", n))
-			r.cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: n})
+			if r.cluster.Fake != nil {
+				n := 1 + rng.IntN(4)
+				log = append(log, fmt.Sprintf("Kafka refuses %d produce requests (NOT_ENOUGH_REPLICAS)", n))
+				r.cluster.Fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: n})
+				break
+			}
+			// Apache Kafka cannot be made to refuse produces with a
+			// retriable error on one node (min.insync.replicas above the
+			// replication factor is capped at it, see
+			// TestApacheKafkaCapsMinInsyncAtTheReplicationFactor): its
+			// clients lose it instead.
+			log = append(log, fmt.Sprintf("Kafka refuses connections for %s", hold))
+			r.cluster.Proxy.Set(faultproxy.Refuse)
+			r.cluster.Proxy.Drop()
+			time.Sleep(hold) // the fault's duration
+			r.cluster.Proxy.Set(faultproxy.Pass)
 		}
 		time.Sleep(time.Duration(100+rng.IntN(400)) * time.Millisecond) // calm between faults
 	}

@@ -148,6 +148,68 @@ func groupMembers(admin sarama.ClusterAdmin, group string) (string, []string) {
 	return gs[0].State, ids
 }
 
+// consumerChildren starts consumer children (runConsumerChild) of one
+// group, and watches the group.
+type consumerChildren struct {
+	t                          *testing.T
+	seed                       uint64
+	r                          *faultRig
+	group, effects, deliveries string
+	admin                      sarama.ClusterAdmin
+	n                          int
+}
+
+func newConsumerChildren(t *testing.T, r *faultRig, seed uint64, group, effects, deliveries string) *consumerChildren {
+	t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	admin, err := sarama.NewClusterAdmin(r.brokers, cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = admin.Close() })
+	return &consumerChildren{t: t, seed: seed, r: r, group: group, effects: effects, deliveries: deliveries, admin: admin}
+}
+
+// start starts a child; its client id is the group's name and a number.
+func (c *consumerChildren) start() *consumerChild {
+	c.n++
+	id := fmt.Sprintf("%s-%d", c.group, c.n)
+	return &consumerChild{id: id, Proc: childproc.Start(c.t, envChild+"=consumer", envSchema+"="+c.r.env.Schema,
+		envBrokers+"="+strings.Join(c.r.brokers, ","), envTopic+"="+c.r.topic, envGroup+"="+c.group,
+		envEffects+"="+c.effects, envDeliveries+"="+c.deliveries, envClientID+"="+id)}
+}
+
+// waitStable waits up to a minute until the group is stable with exactly
+// the live consumers as members, failing the test if one of them exits,
+// and returns how long it waited.
+func (c *consumerChildren) waitStable(live []*consumerChild, why string) time.Duration {
+	c.t.Helper()
+	var want []string
+	for _, l := range live {
+		want = append(want, l.id)
+	}
+	slices.Sort(want)
+	start := time.Now()
+	var state string
+	var ids []string
+	for deadline := start.Add(time.Minute); ; {
+		state, ids = groupMembers(c.admin, c.group)
+		if state == "Stable" && slices.Equal(ids, want) {
+			return time.Since(start)
+		}
+		for _, l := range live {
+			select {
+			case <-l.Done():
+				c.t.Fatalf("seed %d: consumer %s exited on its own (%v) while waiting for the group (%s)", c.seed, l.id, l.Err(), why)
+			default:
+			}
+		}
+		if time.Now().After(deadline) {
+			c.t.Fatalf("seed %d: group %s not stable with members %v within a minute (%s): state %q, members %v", c.seed, c.group, want, why, state, ids)
+		}
+		time.Sleep(50 * time.Millisecond) // polling interval
+	}
+}
+
 // TestConsumerChaosLosesNothing runs producer ▸ relay ▸ Kafka ▸ three
 // consumer processes of one group (children of the test binary, default
 // lanes and batches) while a seeded schedule of faults plays on the
@@ -177,7 +239,11 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 10})
 	r := &faultRig{t: t, env: env}
-	r.cluster, r.brokers = kafkatest.Fake(t, kfake.GroupMinSessionTimeout(500*time.Millisecond))
+	// The children's session timeout is below the brokers' usual minimum
+	// (6 s): kfake's is lowered here, the Apache Kafka brokers started by
+	// internal/kafkabroker allow 500 ms.
+	r.cluster = kafkatest.Start(t, kafkatest.Config{FakeOptions: []kfake.Opt{kfake.GroupMinSessionTimeout(500 * time.Millisecond)}})
+	r.brokers = r.cluster.Brokers
 	r.topic = kafkatest.Topic(t, "cchaos")
 	kafkatest.CreateTopic(t, r.brokers, r.topic, 4)
 	var err error
@@ -192,62 +258,21 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{
 		Schema: env.Schema, Brokers: r.brokers,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
-		Backoff: []time.Duration{50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond},
+		Backoff: eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
 		Logger:  testLogger(),
 	})
 	require.NoError(t, err)
 	stopRelay := runUntilStopped(t, rel.Run)
 
-	const group = "cchaos"
-	admin, err := sarama.NewClusterAdmin(r.brokers, func() *sarama.Config {
-		c := sarama.NewConfig()
-		c.Version = kafkaconf.Version
-		return c
-	}())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = admin.Close() })
-
+	group := kafkatest.Topic(t, "cchaos") // unique: the broker may be shared
+	children := newConsumerChildren(t, r, seed, group, effects, deliveries)
 	var live, stopped []*consumerChild // stopped: sent SIGTERM, must exit cleanly
-	childN := 0
-	newChild := func() *consumerChild {
-		childN++
-		id := fmt.Sprintf("cchaos-%d", childN)
-		return &consumerChild{id: id, Proc: childproc.Start(t, envChild+"=consumer", envSchema+"="+env.Schema,
-			envBrokers+"="+strings.Join(r.brokers, ","), envTopic+"="+r.topic, envGroup+"="+group,
-			envEffects+"="+effects, envDeliveries+"="+deliveries, envClientID+"="+id)}
-	}
-	liveIDs := func() []string {
-		var ids []string
-		for _, c := range live {
-			ids = append(ids, c.id)
-		}
-		slices.Sort(ids)
-		return ids
-	}
+	newChild := children.start
 	// waitStable waits until the group is stable with exactly the live
 	// consumers as members, so every one of them finished its first join.
 	waitStable := func(why string) {
 		t.Helper()
-		want := liveIDs()
-		var state string
-		var ids []string
-		for deadline := time.Now().Add(time.Minute); ; {
-			state, ids = groupMembers(admin, group)
-			if state == "Stable" && slices.Equal(ids, want) {
-				return
-			}
-			for _, c := range live {
-				select {
-				case <-c.Done():
-					t.Fatalf("seed %d: consumer %s exited on its own (%v) while waiting for the group (%s)", seed, c.id, c.Err(), why)
-				default:
-				}
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("seed %d: group %s not stable with members %v within a minute (%s): state %q, members %v", seed, group, want, why, state, ids)
-			}
-			time.Sleep(50 * time.Millisecond) // polling interval
-		}
+		children.waitStable(live, why)
 	}
 	for range 3 {
 		live = append(live, newChild())

@@ -29,6 +29,7 @@ type pipeline struct {
 	env     pgtest.Env
 	brokers []string
 	topic   string
+	group   string // runConsumer's group
 	prod    *producer.Producer
 	applied string // qualified table of applied effects
 }
@@ -39,14 +40,14 @@ func newPipeline(t *testing.T, shards int) *pipeline {
 	brokers := kafkatest.Brokers(t)
 	topic := kafkatest.Topic(t, "orders")
 	kafkatest.CreateTopic(t, brokers, topic, 3)
-	kafkatest.CreateTopic(t, brokers, "e2e"+consumer.DeadLetterTopicSuffix, 1)
+	group := kafkatest.Topic(t, "e2e") // unique: the broker may be shared
 	prod, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
 	require.NoError(t, err)
 	applied := sqlident.Qualify(env.Schema, "applied")
 	_, err = env.Pool.Exec(context.Background(), `CREATE TABLE `+applied+` (
 		seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
 	require.NoError(t, err)
-	return &pipeline{t: t, env: env, brokers: brokers, topic: topic, prod: prod, applied: applied}
+	return &pipeline{t: t, env: env, brokers: brokers, topic: topic, group: group, prod: prod, applied: applied}
 }
 
 // runRelay runs a relay until the returned stop is called (or the test
@@ -65,7 +66,7 @@ func (p *pipeline) runConsumer(policy versioning.GapPolicy) (stop func()) {
 	p.t.Helper()
 	c, err := consumer.New(p.env.Pool, consumer.Config{
 		Config: middleware.Config{
-			Group:         "e2e",
+			Group:         p.group,
 			Schema:        p.env.Schema,
 			GapPolicy:     policy,
 			SweepInterval: 100 * time.Millisecond,
@@ -190,7 +191,7 @@ func TestVersionGateRestoresOrderAfterXidInversion(t *testing.T) {
 	p.runRelay(producer.RelayConfig{})
 	p.runConsumer(versioning.Park)
 	p.waitApplied(2)
-	p.waitConsumed("e2e") // nothing more may arrive
+	p.waitConsumed(p.group) // nothing more may arrive
 	require.Equal(t, []int64{1, 2}, p.appliedVersions("X"))
 }
 
@@ -220,7 +221,7 @@ func TestDuplicateFromRelayCrashIsAppliedOnce(t *testing.T) {
 	p.runRelay(producer.RelayConfig{})
 	p.runConsumer(versioning.Park)
 	p.waitApplied(len(events))
-	records := p.waitConsumed("e2e") // every copy on Kafka handled: the duplicates too
+	records := p.waitConsumed(p.group) // every copy on Kafka handled: the duplicates too
 	require.Greater(t, records, int64(len(events)), "Kafka holds duplicates of the crashed batch")
 	require.Equal(t, len(events), pgtest.Count(t, p.env.Pool, `SELECT count(*) FROM `+p.applied), "each event applied once")
 	require.Equal(t, len(events), pgtest.Count(t, p.env.Pool, `SELECT count(DISTINCT event_id) FROM `+p.applied))

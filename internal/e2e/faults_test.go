@@ -17,11 +17,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kerr"
-	"github.com/twmb/franz-go/pkg/kfake"
-	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
@@ -36,12 +34,13 @@ import (
 )
 
 // faultRig is the fault test's pipeline: a producer and relay on the
-// test's own pool, Kafka in kfake (faults injectable), and consumers whose
-// pools reach PostgreSQL through a fault proxy.
+// test's own pool, Kafka (kfake, or Apache Kafka in real-broker mode, see
+// internal/kafkatest), and consumers whose pools reach PostgreSQL through a
+// fault proxy.
 type faultRig struct {
 	t       *testing.T
 	env     pgtest.Env
-	cluster *kfake.Cluster
+	cluster *kafkatest.Cluster
 	brokers []string
 	topic   string
 	prod    *producer.Producer
@@ -52,10 +51,18 @@ type faultRig struct {
 
 func newFaultRig(t *testing.T) *faultRig {
 	t.Helper()
+	return newFaultRigWith(t, 3, nil)
+}
+
+// newFaultRigWith is newFaultRig with a topic of the given partition count
+// and configuration overrides.
+func newFaultRigWith(t *testing.T, partitions int32, topicConfig map[string]string) *faultRig {
+	t.Helper()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 8})
-	cluster, brokers := kafkatest.Fake(t)
+	cluster := kafkatest.Start(t, kafkatest.Config{})
+	brokers := cluster.Brokers
 	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 3)
+	require.NoError(t, cluster.CreateTopicsWithConfig(context.Background(), partitions, topicConfig, topic))
 	prod, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
 	require.NoError(t, err)
 	applied := sqlident.Qualify(env.Schema, "applied")
@@ -98,7 +105,7 @@ func (r *faultRig) runRelay() {
 	rel, err := producer.NewRelay(context.Background(), r.env.Pool, producer.RelayConfig{
 		Schema: r.env.Schema, Brokers: r.brokers,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
-		Backoff: []time.Duration{20 * time.Millisecond, 50 * time.Millisecond}, MaxAttempts: 3,
+		Backoff: eventline.Backoff{Initial: 20 * time.Millisecond, Multiplier: 2.5, Max: 50 * time.Millisecond}, MaxAttempts: 3,
 		Logger: testLogger(),
 	})
 	require.NoError(r.t, err)
@@ -243,10 +250,10 @@ func (r *faultRig) describe(group string) string {
 		fmt.Fprintf(&b, "applied %s %v; ", agg, vs)
 	}
 	require.NoError(r.t, rows.Err())
-	for _, table := range []string{"consumer_dead_letters", "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"held_events", "parked_events", "skipped_versions"} {
 		fmt.Fprintf(&b, "%s: %d; ", table, r.count(`SELECT count(*) FROM `+r.table(table)+` WHERE consumer_group = $1`, group))
 	}
-	rows, err = r.env.Pool.Query(context.Background(), `SELECT coalesce(string_agg(DISTINCT kind || ': ' || left(reason, 200), ' | '), '') FROM `+r.table("consumer_dead_letters")+` WHERE consumer_group = $1`, group)
+	rows, err = r.env.Pool.Query(context.Background(), `SELECT coalesce(string_agg(DISTINCT kind || ' ' || cause || ': ' || left(reason, 200), ' | '), '') FROM `+r.table("held_events")+` WHERE consumer_group = $1`, group)
 	if err == nil {
 		var errs string
 		if rows.Next() && rows.Scan(&errs) == nil && errs != "" {
@@ -268,16 +275,16 @@ func (r *faultRig) describe(group string) string {
 //
 // Phase 2: an event whose Kafka produce failed for good lands in the
 // relay's dead letters; its successors arrive, park, and the park timeout
-// skips its version. Replayed then (the `eventline dlq replay` path, which
+// skips its version. Replayed then (the `eventline held replay` path, which
 // first names the groups that skipped it), it arrives late: the group with
 // the default late policy holds it for the operator (listed; applied late
-// once the operator asks, `eventline parked apply-late`), the group with
+// once the operator asks, `eventline held replay`), the group with
 // ApplyLate applies it at once with middleware.IsLate. Never dropped.
 func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	r := newFaultRig(t)
-	const hold, apply = "hold", "apply"
+	hold, apply := kafkatest.Topic(t, "hold"), kafkatest.Topic(t, "apply") // unique: the broker may be shared
 	groups := []string{hold, apply}
 	regs := map[string]*prometheus.Registry{}
 	var cfg consumer.Config
@@ -311,7 +318,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		r.publish(a, perAgg-1)
 	}
 	require.Eventually(t, func() bool {
-		st, err := producer.ReadStatus(ctx, r.env.Pool, r.env.Schema)
+		st, err := admin.ReadOutboxStatus(ctx, r.env.Pool, r.env.Schema)
 		require.NoError(t, err)
 		return st.Backlog() == 0
 	}, time.Minute, 20*time.Millisecond, "the relay forwards the events published during the outage")
@@ -350,9 +357,10 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		}
 		require.Zero(t, metrictest.Sum(t, regs[g], "eventline_consumer_events_dead_lettered_total"), "group %s dead-lettered", g)
 	}
-	for _, table := range []string{"consumer_dead_letters", "parked_events", "skipped_versions", "late_events"} {
+	for _, table := range []string{"parked_events", "skipped_versions"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "phase 1: %s must be empty", table)
 	}
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind <> 'relay_dead_letter'`), "phase 1: no consumer dead letter or late event held")
 	for _, g := range groups {
 		require.True(t, sawWaiting[g], "group %s never reported that it waits for the database", g)
 		require.Eventually(t, func() bool { return metrictest.Sum(t, regs[g], "eventline_consumer_waiting_on_database") == 0 },
@@ -364,19 +372,21 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	for _, g := range groups {
 		require.Eventually(t, func() bool { return len(r.runs(g, "L")) == 1 }, time.Minute, 20*time.Millisecond, "group %s applies L v1", g)
 	}
-	// Kafka refuses the next produce to the topic for good: the relay,
-	// idle, sends L v2 alone.
-	r.cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: r.topic, Err: kerr.MessageTooLarge})
+	// Kafka refuses L v2 for good: the topic's max.message.bytes is set
+	// below any record, and the relay, idle, sends L v2 alone. Restored
+	// once it is dead-lettered.
+	require.NoError(t, r.cluster.SetTopicConfig(r.topic, "max.message.bytes", "16"))
 	v2 := r.publish("L", 1)[0]
-	var dls []producer.DeadLetter
+	var dls []admin.HeldEvent
 	require.Eventually(t, func() bool {
 		var err error
-		dls, err = producer.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, producer.DeadLetterFilter{})
+		dls, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		require.NoError(t, err)
 		return len(dls) == 1
 	}, time.Minute, 20*time.Millisecond, "the relay dead-letters L v2")
 	require.Equal(t, v2.ID, dls[0].EventID)
 	require.EqualValues(t, 2, dls[0].AggregateVersion)
+	require.NoError(t, r.cluster.ResetTopicConfig(r.topic, "max.message.bytes"))
 
 	r.publish("L", 2) // v3, v4: park behind the missing v2, then the park timeout skips it
 	for _, g := range groups {
@@ -387,46 +397,46 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 		require.Len(t, sk, 1)
 		require.Equal(t, [2]int64{2, 2}, [2]int64{sk[0].From, sk[0].To}, "group %s", g)
 	}
-	// What `eventline dlq replay` warns about before it replays.
-	skippedBy, err := r.store.GroupsThatSkipped(ctx, r.env.Pool, "order", "L", 2)
+	// What `eventline held replay` warns about.
+	res, err := admin.ReplayHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{IDs: []int64{dls[0].ID}})
 	require.NoError(t, err)
+	require.Equal(t, []int64{dls[0].ID}, res.Enqueued)
+	require.Len(t, res.ArrivesLate, 1)
+	skippedBy := res.ArrivesLate[0].Groups
 	slices.Sort(skippedBy)
 	require.Equal(t, []string{apply, hold}, skippedBy)
-	n, err := producer.ReplayDeadLetters(ctx, r.env.Pool, r.env.Schema, dls[0].ID)
-	require.NoError(t, err)
-	require.Equal(t, 1, n)
 
 	// ApplyLate: applied at once, told it is late.
 	require.Eventually(t, func() bool { return len(r.runs(apply, "L")) == 4 }, time.Minute, 20*time.Millisecond, "group apply applies the replayed v2")
 	require.Equal(t, []run{{EventID: v2.ID, Version: 2, Late: true}}, r.runs(apply, "L")[3:], "group apply: v2 applied late")
 
 	// HoldLate (the default): held for the operator, listed, not applied…
-	var held []store.LateEvent
+	var held []admin.HeldEvent
 	require.Eventually(t, func() bool {
-		held, err = r.store.ListLate(ctx, r.env.Pool, store.LateFilter{Group: hold})
+		held, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: hold})
 		require.NoError(t, err)
 		return len(held) == 1
-	}, time.Minute, 20*time.Millisecond, "group hold holds the replayed v2 in late_events")
+	}, time.Minute, 20*time.Millisecond, "group hold holds the replayed v2 as late")
 	require.Equal(t, v2.ID, held[0].EventID)
-	require.Equal(t, store.LateArrived, held[0].Kind)
+	require.Equal(t, "arrived_late", held[0].Cause)
 	require.Equal(t, []int64{1, 3, 4}, versions(r.runs(hold, "L")), "group hold: a held event is not applied")
-	// …until the operator asks (`eventline parked apply-late hold <id>`).
-	n, err = r.store.RequestLateApply(ctx, r.env.Pool, hold, v2.ID)
+	// …until the operator asks (`eventline held replay <id>`).
+	res, err = admin.ReplayHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{IDs: []int64{held[0].ID}})
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Equal(t, []int64{held[0].ID}, res.Requested)
 	require.Eventually(t, func() bool { return len(r.runs(hold, "L")) == 4 }, time.Minute, 20*time.Millisecond, "group hold applies v2 on request")
 	require.Equal(t, []run{{EventID: v2.ID, Version: 2, Late: true}}, r.runs(hold, "L")[3:], "group hold: v2 applied late")
 	require.Eventually(t, func() bool {
-		held, err = r.store.ListLate(ctx, r.env.Pool, store.LateFilter{Group: hold})
+		held, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: hold})
 		require.NoError(t, err)
 		return len(held) == 0
-	}, time.Minute, 20*time.Millisecond, "an applied late event leaves late_events")
+	}, time.Minute, 20*time.Millisecond, "an applied late event is replayed, no longer open")
 
 	// Nothing dead-lettered by a consumer, nothing run twice, the relay's
 	// dead letter marked replayed.
-	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("consumer_dead_letters")), "consumer dead letters")
+	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind = 'dead_letter'`), "consumer dead letters")
 	require.Zero(t, r.count(`SELECT count(*) FROM (SELECT grp, event_id FROM `+r.applied+` GROUP BY 1, 2 HAVING count(*) > 1) d`), "an event ran twice")
-	all, err := producer.ListDeadLetters(ctx, r.env.Pool, r.env.Schema, producer.DeadLetterFilter{IncludeReplayed: true})
+	all, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter, Statuses: []admin.HeldStatus{admin.StatusReplayed}})
 	require.NoError(t, err)
 	require.Len(t, all, 1)
 	require.NotNil(t, all[0].ReplayedAt)

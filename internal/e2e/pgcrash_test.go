@@ -62,7 +62,8 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	require.NoError(t, migrations.Up(ctx, checks, migrations.Config{Schema: schema, Shards: shards}))
 	env := pgtest.Env{Pool: checks, Schema: schema, Shards: shards}
 	r := &faultRig{t: t, env: env}
-	r.cluster, r.brokers = kafkatest.Fake(t)
+	r.cluster = kafkatest.Start(t, kafkatest.Config{})
+	r.brokers = r.cluster.Brokers
 	r.topic = kafkatest.Topic(t, "pgcrash")
 	kafkatest.CreateTopic(t, r.brokers, r.topic, 3)
 	prodPool := newPool(4)
@@ -76,7 +77,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	rel, err := producer.NewRelay(ctx, newPool(8), producer.RelayConfig{
 		Schema: schema, Brokers: r.brokers,
 		PollInterval: 100 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
-		Backoff: []time.Duration{50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond},
+		Backoff: eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
 		Logger:  testLogger(),
 	})
 	require.NoError(t, err)
@@ -84,7 +85,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 
 	// The consumer: default park timeout (an hour: nothing may be skipped
 	// in this run).
-	const group = "pgcrash"
+	group := kafkatest.Topic(t, "pgcrash") // unique: the broker may be shared
 	reg := prometheus.NewRegistry()
 	metrics, err := middleware.NewMetrics(reg)
 	require.NoError(t, err)
@@ -237,7 +238,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	require.Equal(t, outboxEvents, len(ids), "seed %d: every outbox event applied", seed)
 
 	r.requireAppliedOnceInOrder(seed, effects)
-	for _, table := range []string{"dead_letters", "relay_failures", "consumer_dead_letters", "skipped_versions", "parked_events", "late_events"} {
+	for _, table := range []string{"held_events", "relay_failures", "skipped_versions", "parked_events"} {
 		require.Zero(t, r.count(`SELECT count(*) FROM `+r.table(table)), "seed %d: rows in %s", seed, table)
 	}
 

@@ -21,9 +21,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
@@ -56,16 +56,12 @@ var constructors = map[string]func(reg prometheus.Registerer) error{
 		_, err := producer.NewRelayMetrics(reg)
 		return err
 	},
-	"producer.NewStatusCollector": func(reg prometheus.Registerer) error {
-		return reg.Register(producer.NewStatusCollector(unusedPool, "eventline"))
-	},
-	// The consumer groups' status, which `eventline relay` serves.
-	"store.NewStatusCollector": func(reg prometheus.Registerer) error {
-		s, err := store.New("eventline")
+	"admin.NewStatusCollector": func(reg prometheus.Registerer) error {
+		c, err := admin.NewStatusCollector(unusedPool, "eventline")
 		if err != nil {
 			return err
 		}
-		return reg.Register(s.NewStatusCollector(unusedPool))
+		return reg.Register(c)
 	},
 }
 
@@ -256,14 +252,12 @@ func gatheredTypes(t *testing.T, env pgtest.Env) map[string]string {
 // schema instead of none.
 func constructWith(construct func(prometheus.Registerer) error, name string, env pgtest.Env, reg prometheus.Registerer) error {
 	switch name {
-	case "producer.NewStatusCollector":
-		return reg.Register(producer.NewStatusCollector(env.Pool, env.Schema))
-	case "store.NewStatusCollector":
-		s, err := store.New(env.Schema)
+	case "admin.NewStatusCollector":
+		c, err := admin.NewStatusCollector(env.Pool, env.Schema)
 		if err != nil {
 			return err
 		}
-		return reg.Register(s.NewStatusCollector(env.Pool))
+		return reg.Register(c)
 	}
 	return construct(reg)
 }

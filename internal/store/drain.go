@@ -42,7 +42,7 @@ type ReleaseOptions struct {
 	Apply ApplyFunc
 	// MaxAttempts is how many failed attempts to apply a parked event are
 	// allowed before it is given up: its version recorded as skipped and
-	// the event held in late_events (HoldFailed).
+	// the event held as late (held_events, HoldFailed).
 	MaxAttempts int
 	// Backoff is the wait between failed attempts before the sweeper
 	// tries again.
@@ -67,7 +67,7 @@ type DrainResult struct {
 	Version int64
 	// Released are the parked events applied, in order.
 	Released []Parked
-	// Late counts parked events moved to late_events because the
+	// Late counts parked events held as late because the
 	// aggregate had passed their version.
 	Late int
 	// GapsSkipped counts the gaps given up on after the park timeout;
@@ -94,12 +94,12 @@ type DrainResult struct {
 // applied, in version order, each through opts.Apply in its own savepoint,
 // in tx. tx must hold the aggregate's lock and current must be its version
 // (as after [Store.Admit] returned Next or Jump). Parked events at or below
-// current are moved to late_events. Draining stops at the next gap, at an
+// current are held as late. Draining stops at the next gap, at an
 // event waiting for its release backoff, or at the first event whose apply
 // fails: that savepoint is rolled back, the failure is recorded on the
 // parked row, and the rest stays parked for the sweeper, unless the event
 // has now failed opts.MaxAttempts times (or permanently): then it is given
-// up (held in late_events, see HoldFailed) and draining goes on past it. Each released event
+// up (held as late, see HoldFailed) and draining goes on past it. Each released event
 // leaves parked_events and its dedup outcome becomes applied; the
 // aggregate's version and parked count are updated.
 //

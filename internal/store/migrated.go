@@ -6,19 +6,18 @@ import (
 )
 
 // newestConsumerTable is created by the newest migration that adds a
-// consumer table (004_consumer_dead_letters); the migrations run in order,
-// so its presence implies every earlier consumer table.
-const newestConsumerTable = "consumer_dead_letters"
+// consumer table (003_held_events); the migrations run in order, so its
+// presence implies every earlier consumer table.
+const newestConsumerTable = "held_events"
 
 // migratedSQL asks whether the newest consumer table exists, and whether
 // processed_events is keyed by aggregate (007_dedup_scope).
-var migratedSQL = statement(`SELECT to_regclass('{schema}.consumer_dead_letters') IS NOT NULL,
+var migratedSQL = statement(`SELECT to_regclass('{schema}.held_events') IS NOT NULL,
 	EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
 		WHERE i.indrelid = to_regclass('{schema}.processed_events') AND i.indisprimary AND a.attname = 'aggregate_id')`)
 
 // Unmigrated says what the schema lacks of the consumer tables
-// (processed_events, aggregate_versions, parked and late events, dead
-// letters) or of their newest shape (007_dedup_scope: dedup records keyed
+// (processed_events, aggregate_versions, parked events, held events) or of their newest shape (007_dedup_scope: dedup records keyed
 // by aggregate), and what to run; "" when they are there. Without them
 // every event would fail on a missing table, or be deduplicated by the old
 // key. err reports a failed query.

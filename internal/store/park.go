@@ -96,7 +96,7 @@ type Parked struct {
 	LastError       string    // see ReleaseAttempts
 	LastAttemptAt   time.Time // see ReleaseAttempts
 	NextAttemptAt   time.Time // see ReleaseAttempts
-	// Late is true for an event from late_events: its version was given
+	// Late is true for a late event (held_events): its version was given
 	// up on and later versions have been applied; the handler is told
 	// (middleware.IsLate).
 	Late bool
@@ -298,8 +298,8 @@ type ParkedFilter struct {
 	Limit int
 }
 
-// DefaultListLimit is the row limit of ListParked, ListSkipped, ListLate
-// and ListDeadLetters when the filter sets none.
+// DefaultListLimit is the row limit of ListParked and ListSkipped when the
+// filter sets none.
 const DefaultListLimit = 100
 
 // ListParked returns parked events ordered by group, aggregate and version.

@@ -23,7 +23,7 @@ type Release struct {
 	// consecutively; a running consumer's sweeper applies them on its
 	// next pass.
 	Ready int
-	// Late counts parked events moved to late_events because the
+	// Late counts parked events held as late because the
 	// aggregate had already passed their version.
 	Late int
 }

@@ -36,8 +36,8 @@ type OpenGap struct {
 }
 
 // GroupStatus is the gap and stall picture of one consumer group, read
-// from the database by ReadGroupStatus. Counts of tables a database has
-// not migrated to yet (late_events, consumer_dead_letters) are 0.
+// from the database by ReadGroupStatus. On a schema rolled back past
+// 003_held_events, LateHeld and DeadLetters are 0.
 type GroupStatus struct {
 	Group string
 	// Parked counts parked events; OldestParked is the age of the oldest
@@ -55,11 +55,12 @@ type GroupStatus struct {
 	// last SkippedWindow (24 hours), by the sweeper, the Apply policy, a
 	// give-up or an operator.
 	SkippedGapsRecent int64
-	// LateHeld counts late events held for the operator.
-	LateHeld int64
-	// DeadLetters counts the group's consumer dead letters not yet
-	// resolved (status dead or replay_requested).
-	DeadLetters int64
+	// LateHeld counts the group's late events held for the operator, and
+	// DeadLetters its dead letters, not yet replayed or discarded (held
+	// events of kind late and dead_letter, status held or
+	// replay_requested).
+	LateHeld    int64
+	DeadLetters int64 // see LateHeld
 }
 
 // ReadGroupStatusOptions tune ReadGroupStatus.
@@ -69,28 +70,23 @@ type ReadGroupStatusOptions struct {
 	OpenGapsLimit int
 }
 
-// statusTables says which of the optional tables and columns the schema
-// has (older migrations lack them).
-type statusTables struct {
-	late, deadLetters, previousVersion bool
-}
+// statusTables says whether the schema has held_events (a schema rolled
+// back past 003_held_events has not).
+type statusTables struct{ held bool }
 
-var statusTablesSQL = statement(`SELECT to_regclass('{schema}.late_events') IS NOT NULL, to_regclass('{schema}.consumer_dead_letters') IS NOT NULL,
-	EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'parked_events' AND column_name = 'previous_version')`)
+var statusTablesSQL = statement(`SELECT to_regclass('{schema}.held_events') IS NOT NULL`)
 
 func (s *Store) statusTables(ctx context.Context, db DBTX) (statusTables, error) {
 	var t statusTables
-	if err := db.QueryRow(ctx, s.q(statusTablesSQL), s.schema).Scan(&t.late, &t.deadLetters, &t.previousVersion); err != nil {
-		return t, fmt.Errorf("eventline: look for the consumer tables: %w", err)
+	if err := db.QueryRow(ctx, s.q(statusTablesSQL)).Scan(&t.held); err != nil {
+		return t, fmt.Errorf("eventline: look for held_events: %w", err)
 	}
 	return t, nil
 }
 
 // ReadGroupStatus reads the group's parked events, open gaps, recently
 // skipped gaps, held late events and unresolved dead letters. It changes
-// nothing; run it in a repeatable-read transaction for one snapshot. It
-// works on a schema migrated to 003_consumer_gate or later, and on one at
-// 002_consumer (counting no late events or dead letters).
+// nothing; run it in a repeatable-read transaction for one snapshot.
 func (s *Store) ReadGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions) (GroupStatus, error) {
 	t, err := s.statusTables(ctx, db)
 	if err != nil {
@@ -100,7 +96,8 @@ func (s *Store) ReadGroupStatus(ctx context.Context, db DBTX, group string, opts
 }
 
 // ReadGroupStatuses is ReadGroupStatus for every group that recorded a
-// version, a parked event, a late event or a dead letter, by group name.
+// version or a parked event, or holds an open late event or dead letter,
+// by group name.
 func (s *Store) ReadGroupStatuses(ctx context.Context, db DBTX, opts ReadGroupStatusOptions) ([]GroupStatus, error) {
 	t, err := s.statusTables(ctx, db)
 	if err != nil {
@@ -121,60 +118,59 @@ func (s *Store) ReadGroupStatuses(ctx context.Context, db DBTX, opts ReadGroupSt
 	return out, nil
 }
 
-// The status statements, in a variant per optional table a schema may
-// lack (indexed by statusTables' booleans).
+// The status statements, in a variant for a schema with held_events and
+// one for a schema rolled back past 003_held_events (indexed by
+// statusTables.held).
 var (
-	// statusGroupsSQL[late][dead] lists the consumer groups of every
-	// table, skipping from one group to the next along each table's index.
-	statusGroupsSQL [2][2]stmt
-	// statusCountsSQL[late][dead] counts a group's parked, skipped, late
-	// and dead ($1 group, $2 the skipped window in microseconds).
-	statusCountsSQL [2][2]stmt
-	// openGapsSQL[previousVersion]: per aggregate with parked events, the
-	// lowest one, the predecessor it waits for and the aggregate's
-	// version; a gap is open when that predecessor has not been applied
-	// ($1 group, $2 limit).
-	openGapsSQL [2]stmt
+	// statusGroupsSQL[held] lists the consumer groups of every table,
+	// skipping from one group to the next along each table's index.
+	statusGroupsSQL [2]stmt
+	// statusCountsSQL[held] counts a group's parked, skipped, late and
+	// dead ($1 group, $2 the skipped window in microseconds).
+	statusCountsSQL [2]stmt
+	// Per aggregate with parked events: the lowest one, the predecessor
+	// it waits for and the aggregate's version; a gap is open when that
+	// predecessor has not been applied ($1 group, $2 limit).
+	openGapsSQL = statement(`SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
+			SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
+				EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
+			FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
+					(array_agg(previous_version ORDER BY aggregate_version))[1] AS follows
+				FROM {schema}.parked_events WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
+			LEFT JOIN {schema}.aggregate_versions av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
+			WHERE p.follows > COALESCE(av.version, 0)
+		) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`)
 )
 
 func init() {
-	distinctGroups := func(table string) string {
+	// distinctGroups returns the distinct consumer_group values of
+	// table's rows that match the condition and (AND …, or ""), by
+	// skipping from one group to the next along its index.
+	distinctGroups := func(table, and string) string {
 		return `(WITH RECURSIVE g(name) AS (
-			(SELECT consumer_group FROM {schema}.` + table + ` ORDER BY consumer_group LIMIT 1)
+			(SELECT consumer_group FROM {schema}.` + table + ` WHERE true ` + and + ` ORDER BY consumer_group LIMIT 1)
 			UNION ALL
-			SELECT (SELECT consumer_group FROM {schema}.` + table + ` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
+			SELECT (SELECT consumer_group FROM {schema}.` + table + ` WHERE consumer_group > g.name ` + and + ` ORDER BY consumer_group LIMIT 1)
 			FROM g WHERE g.name IS NOT NULL
 		) SELECT name FROM g WHERE name IS NOT NULL)`
 	}
-	for late := range 2 {
-		for dead := range 2 {
-			groups := distinctGroups("aggregate_versions") + " UNION " + distinctGroups("parked_events")
-			lateCount, deadCount := "0::bigint", "0::bigint"
-			if late == 1 {
-				groups += " UNION " + distinctGroups("late_events")
-				lateCount = `(SELECT count(*) FROM {schema}.late_events WHERE consumer_group = $1)`
+	for held := range 2 {
+		groups := distinctGroups("aggregate_versions", "") + " UNION " + distinctGroups("parked_events", "")
+		late, dead := "0::bigint", "0::bigint"
+		if held == 1 {
+			// The groups holding open events (the relay's have none),
+			// along the index of the open rows.
+			groups += " UNION " + distinctGroups("held_events", `AND status IN ('held', 'replay_requested') AND consumer_group <> ''`)
+			open := func(kind string) string {
+				return `(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
 			}
-			if dead == 1 {
-				groups += " UNION " + distinctGroups("consumer_dead_letters")
-				deadCount = `(SELECT count(*) FROM {schema}.consumer_dead_letters WHERE consumer_group = $1 AND status IN ('dead', 'replay_requested'))`
-			}
-			statusGroupsSQL[late][dead] = statement(`SELECT name FROM (` + groups + `) g ORDER BY name`)
-			statusCountsSQL[late][dead] = statement(`SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
-					(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
-					` + lateCount + `, ` + deadCount + `
-				FROM {schema}.parked_events WHERE consumer_group = $1`)
+			late, dead = open("late"), open("dead_letter")
 		}
-	}
-	for i, previous := range []string{"aggregate_version - 1", "previous_version"} {
-		openGapsSQL[i] = statement(`SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
-				SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
-					EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
-				FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
-						(array_agg(` + previous + ` ORDER BY aggregate_version))[1] AS follows
-					FROM {schema}.parked_events WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
-				LEFT JOIN {schema}.aggregate_versions av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
-				WHERE p.follows > COALESCE(av.version, 0)
-			) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`)
+		statusGroupsSQL[held] = statement(`SELECT name FROM (` + groups + `) g ORDER BY name`)
+		statusCountsSQL[held] = statement(`SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
+				(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
+				` + late + `, ` + dead + `
+			FROM {schema}.parked_events WHERE consumer_group = $1`)
 	}
 }
 
@@ -187,7 +183,7 @@ func b2i(b bool) int {
 }
 
 func (s *Store) statusGroups(ctx context.Context, db DBTX, t statusTables) ([]string, error) {
-	rows, err := db.Query(ctx, s.q(statusGroupsSQL[b2i(t.late)][b2i(t.deadLetters)]))
+	rows, err := db.Query(ctx, s.q(statusGroupsSQL[b2i(t.held)]))
 	if err != nil {
 		return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
 	}
@@ -201,7 +197,7 @@ func (s *Store) statusGroups(ctx context.Context, db DBTX, t statusTables) ([]st
 func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions, t statusTables) (GroupStatus, error) {
 	st := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
 	var oldest float64
-	err := db.QueryRow(ctx, s.q(statusCountsSQL[b2i(t.late)][b2i(t.deadLetters)]), group, SkippedWindow.Microseconds()).
+	err := db.QueryRow(ctx, s.q(statusCountsSQL[b2i(t.held)]), group, SkippedWindow.Microseconds()).
 		Scan(&st.Parked, &oldest, &st.SkippedGapsRecent, &st.LateHeld, &st.DeadLetters)
 	if err != nil {
 		return st, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
@@ -214,7 +210,7 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 	if limit == 0 {
 		limit = DefaultOpenGapsListed
 	}
-	rows, err := db.Query(ctx, s.q(openGapsSQL[b2i(t.previousVersion)]), group, limit)
+	rows, err := db.Query(ctx, s.q(openGapsSQL), group, limit)
 	if err != nil {
 		return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 	}

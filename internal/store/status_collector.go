@@ -46,8 +46,8 @@ func (s *Store) NewStatusCollector(db DBTX) prometheus.Collector {
 		openGaps:     desc("open_gaps", "Aggregates whose lowest parked event waits for versions that have not arrived."),
 		oldestGap:    desc("oldest_open_gap_seconds", "Age of the oldest open gap (since the aggregate's oldest parked event parked); 0 when none."),
 		skipped:      desc("skipped_gaps_24h", "Gaps recorded in skipped_versions in the last 24 hours (park timeout, gap policy, give-ups, operator releases)."),
-		late:         desc("late_events", "Late events held for the operator (eventline parked late)."),
-		dead:         desc("dead_letters", "Consumer dead letters not yet replayed or discarded (eventline consumer-dlq list)."),
+		late:         desc("late_events", "Late events held for the operator, not yet replayed or discarded (eventline held list -kind late)."),
+		dead:         desc("dead_letters", "Consumer dead letters not yet replayed or discarded (eventline held list -kind dead_letter)."),
 	}
 }
 

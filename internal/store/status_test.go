@@ -8,6 +8,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
@@ -31,21 +32,26 @@ func TestReadGroupStatusAndCollector(t *testing.T) {
 	require.Equal(t, store.Gap, deliver(t, s, env, "c", 3))
 	_, err := s.ReleaseGap(ctx, env.Pool, "g", "acct", "c", "lost")
 	require.NoError(t, err)
-	// An old skip outside the 24-hour window, a late event, two dead
-	// letters of which one is resolved, and a group with only a dead letter.
+	// An old skip outside the 24-hour window, two late events and two dead
+	// letters of which one of each is resolved, a group with only a dead
+	// letter, and the relay's dead letter (no group's).
 	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "skipped_versions")+
 		` (consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at)
 		VALUES ('g', 'acct', 'z', 1, 1, 'old', now() - interval '25 hours')`)
 	require.NoError(t, err)
-	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "late_events")+
-		` (consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version, event_type, payload, metadata, kind, reason, current_version)
-		VALUES ('g', 'late-1', 'acct', 'z', 1, 0, 't', '\x7b7d', '{}', 'arrived_late', 'old', 2)`)
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+
+		` (kind, consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version, event_type, message_uuid, payload,
+			header_keys, header_values, cause, reason, current_version, status)
+		VALUES ('late', 'g', 'late-1', 'acct', 'z', 1, 0, 't', '\x00', '\x7b7d', '{}', '{}', 'arrived_late', 'old', 2, 'held'),
+			('late', 'g', 'late-2', 'acct', 'z', 2, 1, 't', '\x00', '\x7b7d', '{}', '{}', 'arrived_late', 'old', 2, 'replayed')`)
 	require.NoError(t, err)
-	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "consumer_dead_letters")+
-		` (consumer_group, message_uuid, payload, header_keys, header_values, kind, reason, status)
-		VALUES ('g', '\x01', '\x00', '{}', '{}', 'permanent', 'r', 'dead'), ('g', '\x02', '\x00', '{}', '{}', 'permanent', 'r', 'replayed'),
-			('other', '\x03', '\x00', '{}', '{}', 'permanent', 'r', 'replay_requested')`)
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+
+		` (kind, consumer_group, message_uuid, payload, header_keys, header_values, cause, reason, status)
+		VALUES ('dead_letter', 'g', '\x01', '\x00', '{}', '{}', 'permanent', 'r', 'held'),
+			('dead_letter', 'g', '\x02', '\x00', '{}', '{}', 'permanent', 'r', 'replayed'),
+			('dead_letter', 'other', '\x03', '\x00', '{}', '{}', 'permanent', 'r', 'replay_requested')`)
 	require.NoError(t, err)
+	require.NoError(t, held.New(env.Schema).AddRelay(ctx, env.Pool, held.Event{Cause: held.CauseRejected, Reason: "r", MessageUUID: "u"}))
 
 	st, err := s.ReadGroupStatus(ctx, env.Pool, "g", store.ReadGroupStatusOptions{})
 	require.NoError(t, err)

@@ -1,9 +1,11 @@
 // Package store holds the SQL of eventline's consumer-side tables, in one
 // place: processed_events (the dedup records), aggregate_versions,
-// parked_events, skipped_versions and late_events (the version gate), and
-// consumer_dead_letters. Every statement is written as SQL, its tables
-// named {schema}.processed_events and so on, and rendered once per schema
-// when a [Store] is built.
+// parked_events and skipped_versions (the version gate), and the gate's
+// and the sweeper's statements on held_events (late events held as the gate
+// finds them; package internal/held runs every other statement on that
+// table, the relay's included). Every statement is written as SQL, its
+// tables named {schema}.processed_events and so on, and rendered once per
+// schema when a [Store] is built.
 //
 // The middleware, the consumer and the CLI use it; the public packages
 // dedup and versioning hold only what users configure or match. Its
@@ -19,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
@@ -60,7 +63,8 @@ func (k Key) String() string { return k.Group + ":" + k.AggregateType + "/" + k.
 // connections and is safe for concurrent use.
 type Store struct {
 	schema string
-	sql    []string // every statement, rendered for schema
+	sql    []string    // every statement, rendered for schema
+	held   *held.Store // held_events: dead letters, late events
 }
 
 // New returns a Store for the tables in schema ("" means the default,
@@ -72,7 +76,7 @@ func New(schema string) (*Store, error) {
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return nil, err
 	}
-	s := &Store{schema: schema, sql: make([]string, len(statements))}
+	s := &Store{schema: schema, sql: make([]string, len(statements)), held: held.New(schema)}
 	for i, q := range statements {
 		s.sql[i] = sqlident.SQL(schema, q)
 	}
@@ -81,6 +85,9 @@ func New(schema string) (*Store, error) {
 
 // Schema returns the schema the store works in.
 func (s *Store) Schema() string { return s.schema }
+
+// Held returns the store of the schema's held_events.
+func (s *Store) Held() *held.Store { return s.held }
 
 // stmt is one of the store's statements (see statement).
 type stmt int

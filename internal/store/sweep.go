@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/txhooks"
 )
 
@@ -28,9 +29,6 @@ var (
 		WHERE (p.head_next IS NULL OR p.head_next <= now())
 			AND (p.head_previous <= av.version OR p.oldest <= now() - $3::bigint * interval '1 microsecond')
 		ORDER BY coalesce(p.head_next, p.oldest) LIMIT $2`)
-	lateCandidatesSQL = statement(`SELECT aggregate_type, aggregate_id FROM {schema}.late_events
-		WHERE consumer_group = $1 AND apply_requested_at IS NOT NULL AND (next_attempt_at IS NULL OR next_attempt_at <= now())
-		GROUP BY aggregate_type, aggregate_id ORDER BY min(coalesce(next_attempt_at, apply_requested_at)) LIMIT $2`)
 )
 
 // SweeperConfig configures a Sweeper. Every field is required but OnSweep:
@@ -70,7 +68,7 @@ type SweepResult struct {
 	Busy int
 	// Released counts parked events applied.
 	Released int
-	// Late counts parked events moved to late_events because their
+	// Late counts parked events held as late because their
 	// aggregate had passed their version.
 	Late int
 	// GapsSkipped counts the gaps given up on after the park timeout;
@@ -163,11 +161,12 @@ func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 			return res, err
 		}
 	}
-	keys, err = w.keys(ctx, w.store.q(lateCandidatesSQL), w.cfg.Group, w.cfg.Batch)
+	aggs, err := w.store.held.LateAggregates(ctx, w.db, w.cfg.Group, w.cfg.Batch)
 	if err != nil {
-		return res, fmt.Errorf("eventline: find late events to apply: %w", err)
+		return res, fmt.Errorf("eventline: %w", err)
 	}
-	for _, k := range keys {
+	for _, a := range aggs {
+		k := Key{Group: w.cfg.Group, AggregateType: a.Type, AggregateID: a.ID}
 		r, err := w.sweepAggregate(ctx, k, func(ctx context.Context, tx pgx.Tx, k Key, _ int64, res *SweepResult) error {
 			return w.store.applyLate(ctx, tx, k, w.cfg.Release, res)
 		})
@@ -179,7 +178,7 @@ func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	if res.Parked, err = w.store.CountParked(ctx, w.db, w.cfg.Group); err != nil {
 		return res, err
 	}
-	res.HeldLate, err = w.store.CountLate(ctx, w.db, w.cfg.Group)
+	res.HeldLate, err = w.store.held.CountOpen(ctx, w.db, w.cfg.Group, held.KindLate)
 	return res, err
 }
 

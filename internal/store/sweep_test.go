@@ -10,7 +10,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
@@ -138,12 +141,14 @@ func TestParkedEventIsGivenUpAfterMaxReleaseAttempts(t *testing.T) {
 	require.Len(t, skipped, 1)
 	require.Equal(t, [2]int64{3, 3}, [2]int64{skipped[0].From, skipped[0].To})
 	require.Contains(t, skipped[0].Reason, "after 3 failed release attempts: handler bug")
-	late, err := s.ListLate(ctx, env.Pool, store.LateFilter{Group: "g"})
+	late, err := s.Held().List(ctx, env.Pool, held.Filter{Kind: held.KindLate, Group: "g"})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
-	require.Equal(t, store.LateReleaseFailed, late[0].Kind)
-	require.EqualValues(t, 3, late[0].Version)
-	rec, err := s.Processed(ctx, env.Pool, late[0].RecordKey())
+	require.Equal(t, held.CauseReleaseFailed, late[0].Cause)
+	require.EqualValues(t, 3, late[0].AggregateVersion)
+	require.Equal(t, 3, late[0].Attempts, "its release attempts")
+	require.Equal(t, "handler bug", late[0].LastError)
+	rec, err := s.Processed(ctx, env.Pool, store.RecordKey{Group: "g", EventID: late[0].EventID, AggregateType: late[0].AggregateType, AggregateID: late[0].AggregateID})
 	require.NoError(t, err)
 	require.Equal(t, dedup.OutcomeLate, rec.Outcome, "a redelivery is a duplicate while it is held")
 
@@ -161,7 +166,7 @@ func TestParkedEventIsGivenUpAfterMaxReleaseAttempts(t *testing.T) {
 	res, err := w2.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.DeadLettered)
-	late, err = s.ListLate(ctx, env.Pool, store.LateFilter{Group: "g", AggregateID: "b"})
+	late, err = s.Held().List(ctx, env.Pool, held.Filter{Kind: held.KindLate, Group: "g", AggregateID: "b"})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
 	require.Contains(t, late[0].Reason, "can never be applied: cannot decode")
@@ -202,15 +207,15 @@ func TestWedgedAggregatesCannotStarveTheSweeper(t *testing.T) {
 
 // The park timeout is the operator's window to replay a relay dead letter
 // in order. The relay dead-letters after MaxAttempts publishes with the
-// Backoff waits between them, 1s+5s+30s+2m = 156s by default; the
+// Backoff waits between them, 1s+5s+25s+125s = 156s by default; the
 // aggregate's later events only reach consumers after that (same shard),
 // so the window is the whole park timeout: an hour. Before: 15 minutes,
 // documented as outlasting a 13-minute relay schedule that does not exist.
 func TestDefaultParkTimeoutLeavesAnOperatorWindow(t *testing.T) {
 	t.Parallel()
 	var relay time.Duration
-	for i := 0; i < producer.DefaultMaxAttempts-1; i++ {
-		relay += producer.DefaultBackoff[min(i, len(producer.DefaultBackoff)-1)]
+	for n := 1; n < producer.DefaultMaxAttempts; n++ {
+		relay += backoff.Delay(eventline.Backoff{Initial: producer.DefaultBackoffInitial, Multiplier: producer.DefaultBackoffMultiplier, Max: producer.DefaultBackoffMax}, n)
 	}
 	require.Equal(t, 156*time.Second, relay, "the relay's time to dead-letter, as documented")
 	require.GreaterOrEqual(t, versioning.DefaultParkTimeout, time.Hour, "an operator paged by the dead letter has an hour")

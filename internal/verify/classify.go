@@ -21,13 +21,13 @@ import (
 // skipped range covers the event's version, and whether the group
 // dead-lettered it (when the consumer dead-letter table exists). Only those
 // rows reach Go.
-func (q consumerSQL) classifySQL(eventsSQL string, p int) string {
+func (q consumerSQL) classifySQL(eventsSQL string, p int, held bool) string {
 	g, t := "$"+strconv.Itoa(p), "$"+strconv.Itoa(p+1)
 	consumerDead := "false"
-	if q.deadLetters != nil {
-		consumerDead = `a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.deadLetters.table + ` c
-			WHERE c.consumer_group = a.grp AND c.event_id = a.event_id AND c.aggregate_type = a.aggregate_type
-				AND c.aggregate_id = a.aggregate_id AND c.replayed_at IS NULL)`
+	if held {
+		consumerDead = `a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.held + ` c
+			WHERE c.kind = 'dead_letter' AND c.consumer_group = a.grp AND c.event_id = a.event_id AND c.aggregate_type = a.aggregate_type
+				AND c.aggregate_id = a.aggregate_id AND c.status <> 'replayed')`
 	}
 	return `SELECT a.outcome IS NOT NULL, a.grp, a.outcome, a.n,
 		a.event_id, a.event_type, a.topic, a.aggregate_type, a.aggregate_id, a.version, a.created_at, a.relayed, a.dead,
@@ -147,7 +147,7 @@ func (r *runner) judge(gs *groupState, u unrecorded) {
 		g.DeadLettered++ // the relay's dead letter is a finding of its own
 		return
 	case u.consumerDead:
-		g.DeadLettered++ // a finding of its own, from the dead-letter table
+		g.DeadLettered++ // a finding of its own, from held_events
 		return
 	case u.skipped:
 		g.SkippedEvents++ // the skipped range is a finding of its own
@@ -195,16 +195,9 @@ func (r *runner) judge(gs *groupState, u unrecorded) {
 		return
 	}
 	if rec, committed, ok := r.kafka.consumedBy(u.group, l); ok {
-		if r.kafka.deadLettered(u.group, u.eventID) {
-			g.DeadLettered++ // a finding of its own, from the dead-letter topic
-			return
-		}
-		checked := "no dead-letter topic was read"
-		if t := r.kafka.deadTopics[u.group]; t != "" {
-			checked = "not in dead-letter topic " + t
-		}
-		if r.consumerDeadTable {
-			checked += ", nor in consumer_dead_letters"
+		checked := "nor a dead letter"
+		if !r.consumerHeld {
+			checked = "and its dead letters were not read"
 		}
 		lost(fmt.Sprintf("on Kafka at %s/%d offset %d; the group's committed offset there is %d, past it, but it has no dedup record of this event (%s)",
 			u.topic, rec.partition, rec.offset, committed, checked))

@@ -23,8 +23,8 @@ const (
 	// applied by a group before it counts as stuck (a problem) rather than
 	// pending (information). With its defaults the relay gives up on an
 	// event it cannot publish after about 2.6 minutes (5 attempts,
-	// waiting 1s, 5s, 30s and 2m: producer.DefaultMaxAttempts and
-	// producer.DefaultBackoff) and dead-letters it, so an event still
+	// waiting 1s, 5s, 25s and 125s: producer.DefaultMaxAttempts and
+	// producer.DefaultBackoff*) and dead-letters it, so an event still
 	// pending after 5 minutes is not a publish retry in progress: no relay
 	// runs or it cannot reach Kafka (it waits that out without
 	// dead-lettering), or the group's consumer is down or behind.
@@ -99,10 +99,6 @@ type Config struct {
 	// SaramaConfig is the Kafka client configuration. Defaults to one with
 	// eventline's protocol version and client id "eventline-verify".
 	SaramaConfig *sarama.Config
-	// DeadLetterTopics names each group's consumer dead-letter topic.
-	// Defaults to the group's name followed by ".dlq" (the consumer's
-	// default), when that topic exists.
-	DeadLetterTopics map[string]string
 	// MaxPendingAge: see DefaultMaxPendingAge.
 	MaxPendingAge time.Duration
 	// MaxParkedAge: see DefaultMaxParkedAge.
@@ -208,11 +204,6 @@ func (c Config) validate() error {
 	for g, q := range c.EffectsQueries {
 		if g == "" || strings.TrimSpace(trimQuery(q)) == "" {
 			return fmt.Errorf("verify.Config.EffectsQueries: group %q needs a name and a SELECT", g)
-		}
-	}
-	for g, t := range c.DeadLetterTopics {
-		if err := eventline.ValidateTopic(t); err != nil {
-			return fmt.Errorf("verify.Config.DeadLetterTopics[%q]: %w", g, err)
 		}
 	}
 	if len(c.Brokers) > 0 {

@@ -11,32 +11,23 @@ import (
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
-// ConsumerDeadLetterTable is the consumer-side dead-letter table verify
-// reads (migration 004_consumer_dead_letters). On a schema migrated before
-// it, its dead letters are reported as not present, and only dead-letter
-// topics are read.
-const ConsumerDeadLetterTable = "consumer_dead_letters"
-
-// consumerDeadLetterColumns are the columns verify needs from
-// ConsumerDeadLetterTable; a table without them is reported and not read.
-var consumerDeadLetterColumns = []string{"consumer_group", "event_id", "aggregate_type", "aggregate_id", "aggregate_version", "dead_at", "replayed_at"}
+// ConsumerDeadLetterTable is where verify reads the consumer groups' dead
+// letters: held_events, kind dead_letter (migration 003_held_events).
+const ConsumerDeadLetterTable = "held_events"
 
 // consumerSQL names the consumer tables in their schema.
 type consumerSQL struct {
-	schema                               string
-	processed, versions, parked, skipped string
-	deadLetters                          *deadLetterTable
+	schema                                     string
+	processed, versions, parked, skipped, held string
 }
 
-// deadLetterTable is ConsumerDeadLetterTable, as found.
-type deadLetterTable struct {
-	table string
-	// reason and eventType are the SQL expressions for the reason and the
-	// event type ('' when the table has no such column).
-	reason, eventType string
-	// open is the SQL condition of a dead letter still waiting for the
-	// operator (neither replayed nor discarded).
-	open string
+// deadRecord is one consumer dead letter.
+type deadRecord struct {
+	id                                             int64
+	eventID, eventType, aggregateType, aggregateID string
+	version                                        int64
+	group, reason                                  string
+	at                                             time.Time
 }
 
 func newConsumerSQL(schema string) consumerSQL {
@@ -46,6 +37,7 @@ func newConsumerSQL(schema string) consumerSQL {
 		versions:  sqlident.Qualify(schema, "aggregate_versions"),
 		parked:    sqlident.Qualify(schema, "parked_events"),
 		skipped:   sqlident.Qualify(schema, "skipped_versions"),
+		held:      sqlident.Qualify(schema, ConsumerDeadLetterTable),
 	}
 }
 
@@ -59,42 +51,14 @@ func (q consumerSQL) tablesPresent(ctx context.Context, tx pgx.Tx) (bool, error)
 	return ok, nil
 }
 
-// findDeadLetterTable looks for ConsumerDeadLetterTable. It returns a note
-// when the table is absent or lacks a column verify needs.
-func (q *consumerSQL) findDeadLetterTable(ctx context.Context, tx pgx.Tx) (string, error) {
-	rows, err := tx.Query(ctx, `SELECT column_name::text FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2`,
-		q.schema, ConsumerDeadLetterTable)
-	if err != nil {
-		return "", fmt.Errorf("look for %s: %w", ConsumerDeadLetterTable, err)
+// heldPresent reports whether held_events exists (a schema rolled back
+// past 003_held_events has none).
+func (q consumerSQL) heldPresent(ctx context.Context, tx pgx.Tx) (bool, error) {
+	var ok bool
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, q.held).Scan(&ok); err != nil {
+		return false, fmt.Errorf("look for %s: %w", ConsumerDeadLetterTable, err)
 	}
-	cols, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return "", fmt.Errorf("look for %s: %w", ConsumerDeadLetterTable, err)
-	}
-	if len(cols) == 0 {
-		return ConsumerDeadLetterTable + ": not present (the consumer keeps its dead letters on Kafka only)", nil
-	}
-	for _, c := range consumerDeadLetterColumns {
-		if !slices.Contains(cols, c) {
-			return fmt.Sprintf("%s: present but has no column %s, so verify does not read it (update internal/verify)", ConsumerDeadLetterTable, c), nil
-		}
-	}
-	t := &deadLetterTable{table: sqlident.Qualify(q.schema, ConsumerDeadLetterTable), reason: "''", eventType: "''"}
-	for _, c := range []string{"dead_reason", "reason", "last_error"} {
-		if slices.Contains(cols, c) {
-			t.reason = "COALESCE(" + sqlident.Quote(c) + "::text, '')"
-			break
-		}
-	}
-	if slices.Contains(cols, "event_type") {
-		t.eventType = "event_type"
-	}
-	t.open = "replayed_at IS NULL"
-	if slices.Contains(cols, "status") {
-		t.open = "status IN ('dead', 'replay_requested')"
-	}
-	q.deadLetters = t
-	return "", nil
+	return ok, nil
 }
 
 // discoverGroups lists the consumer groups that recorded anything, by a
@@ -204,20 +168,13 @@ func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string,
 }
 
 // readLate calls fn for each late event of the groups held in the window
-// (none before 003_consumer_gate, which creates late_events).
+// and still open. kind is its cause.
 func (q consumerSQL) readLate(ctx context.Context, tx pgx.Tx, groups []string, w window,
 	fn func(group, typ, id, eventID, eventType string, version int64, kind, reason string, heldAt time.Time, applyRequested bool)) error {
-	late := sqlident.Qualify(q.schema, "late_events")
-	var present bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, late).Scan(&present); err != nil {
-		return fmt.Errorf("look for late_events: %w", err)
-	}
-	if !present {
-		return nil
-	}
-	rows, err := tx.Query(ctx, `SELECT consumer_group, aggregate_type, aggregate_id, event_id, event_type, aggregate_version, kind, reason, held_at,
-			apply_requested_at IS NOT NULL
-		FROM `+late+` WHERE consumer_group = ANY($3) AND `+windowSQL("held_at", 1, 2)+` ORDER BY held_at`, w.since, w.until, groups)
+	rows, err := tx.Query(ctx, `SELECT consumer_group, aggregate_type, aggregate_id, event_id, event_type, aggregate_version, cause, reason, held_at,
+			status = 'replay_requested'
+		FROM `+q.held+` WHERE kind = 'late' AND status IN ('held', 'replay_requested') AND consumer_group = ANY($3) AND `+
+		windowSQL("held_at", 1, 2)+` ORDER BY held_at`, w.since, w.until, groups)
 	if err != nil {
 		return fmt.Errorf("read late events: %w", err)
 	}
@@ -309,36 +266,22 @@ func (q consumerSQL) discardedSQL() string {
 	GROUP BY s.consumer_group, s.aggregate_type, s.aggregate_id, s.aggregate_version, s.event_id, s.event_type, s.processed_at`
 }
 
-// readConsumerDeadLetters calls fn for each dead letter of the groups in
-// ConsumerDeadLetterTable neither replayed nor discarded, in the window.
+// readConsumerDeadLetters calls fn for each dead letter of the groups
+// neither replayed nor discarded, held in the window.
 func (q consumerSQL) readConsumerDeadLetters(ctx context.Context, tx pgx.Tx, groups []string, w window, fn func(deadRecord)) error {
-	t := q.deadLetters
-	rows, err := tx.Query(ctx, `SELECT consumer_group, event_id, `+t.eventType+`, aggregate_type, aggregate_id, aggregate_version, `+t.reason+`, dead_at
-		FROM `+t.table+` WHERE `+t.open+` AND consumer_group = ANY($3) AND `+windowSQL("dead_at", 1, 2), w.since, w.until, groups)
+	rows, err := tx.Query(ctx, `SELECT id, consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, reason, held_at
+		FROM `+q.held+` WHERE kind = 'dead_letter' AND status IN ('held', 'replay_requested') AND consumer_group = ANY($3) AND `+
+		windowSQL("held_at", 1, 2), w.since, w.until, groups)
 	if err != nil {
-		return fmt.Errorf("read %s: %w", ConsumerDeadLetterTable, err)
+		return fmt.Errorf("read the consumer dead letters: %w", err)
 	}
 	var d deadRecord
-	_, err = pgx.ForEachRow(rows, []any{&d.group, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version, &d.reason, &d.at}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&d.id, &d.group, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version, &d.reason, &d.at}, func() error {
 		fn(d)
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("read %s: %w", ConsumerDeadLetterTable, err)
+		return fmt.Errorf("read the consumer dead letters: %w", err)
 	}
 	return nil
-}
-
-// resolvedSQL tells, for dead-lettered events of group $1 (arrays $2..$5:
-// event id, aggregate type, aggregate id, version), whether the group has
-// a dedup record of each (it was replayed and handled) or gave its version
-// up (a skipped range covers it).
-func (q consumerSQL) resolvedSQL() string {
-	return `SELECT t.event_id,
-		EXISTS (SELECT 1 FROM ` + q.processed + ` p WHERE p.consumer_group = $1 AND p.event_id = t.event_id
-			AND p.aggregate_type = t.aggregate_type AND p.aggregate_id = t.aggregate_id)
-		OR (t.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = $1
-			AND sv.aggregate_type = t.aggregate_type AND sv.aggregate_id = t.aggregate_id
-			AND t.version BETWEEN sv.from_version AND sv.to_version))
-	FROM unnest($2::text[], $3::text[], $4::text[], $5::bigint[]) AS t(event_id, aggregate_type, aggregate_id, version)`
 }

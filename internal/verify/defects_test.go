@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/verify"
 )
@@ -35,7 +36,7 @@ type seeded struct {
 // and with Kafka:
 //
 //	unrecorded  on Kafka, below the group's committed offset, no record
-//	dlq         on Kafka, consumed, in the group's dead-letter topic
+//	dlq         on Kafka, consumed, held by the group as a dead letter
 //	missing     relayed, not on Kafka
 //	onkafka     on Kafka, above the group's committed offset
 func seedDefects(t *testing.T, f *fixture, withKafka bool) seeded {
@@ -43,7 +44,6 @@ func seedDefects(t *testing.T, f *fixture, withKafka bool) seeded {
 	s := seeded{group: "billing", events: map[string][]eventline.Event{}, topic: f.topic}
 	if withKafka {
 		s.group = kafkatest.Topic(t, "billing")
-		kafkatest.CreateTopic(t, f.brokers, s.group+".dlq", 1)
 	}
 	g := s.group
 	f.createEffects()
@@ -97,9 +97,12 @@ func seedDefects(t *testing.T, f *fixture, withKafka bool) seeded {
 		f.produce(f.topic, onKafka, nil)
 		f.commitAll(g, f.topic)
 		f.produce(f.topic, ev["onkafka"], nil)
-		f.produce(g+".dlq", ev["dlq"], map[string]string{
-			"eventline_dead_group": g, "reason_poisoned": "no handler for event type \"order.updated\"",
-		})
+		for _, e := range ev["dlq"] {
+			_, err := held.New(f.consumer.Schema).AddDeadLetter(f.ctx, f.consumer.Pool, held.Event{Group: g, MessageUUID: e.ID, EventID: e.ID,
+				EventType: e.Type, AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion,
+				Cause: "permanent", Reason: "no handler for event type \"order.updated\""})
+			require.NoError(t, err)
+		}
 	}
 	return s
 }
@@ -126,7 +129,7 @@ func checkSeeded(t *testing.T, rep *verify.Report, s seeded, withKafka bool) {
 			require.Empty(t, p.Group, "the relay's dead letter")
 			require.EqualValues(t, 2, p.AggregateVersion)
 			require.Contains(t, p.Detail, "gave up after 5 attempts")
-			require.Contains(t, p.Detail, "eventline dlq replay")
+			require.Contains(t, p.Detail, "eventline held replay")
 		case verify.Parked:
 			require.Equal(t, verify.Info, p.Severity)
 			require.EqualValues(t, 3, p.AggregateVersion)
@@ -166,7 +169,7 @@ func checkSeeded(t *testing.T, rep *verify.Report, s seeded, withKafka bool) {
 		wantProblems += 3 // unrecorded, missing, dlq
 		unrecorded := one(t, rep, "unrecorded", verify.Lost, verify.Problem, 1)
 		require.Contains(t, unrecorded.Detail, "committed offset there is")
-		require.Contains(t, unrecorded.Detail, "not in dead-letter topic "+s.group+".dlq")
+		require.Contains(t, unrecorded.Detail, "no dedup record of this event (nor a dead letter)")
 		missing := one(t, rep, "missing", verify.Lost, verify.Problem, 1)
 		require.Contains(t, missing.Detail, "not on Kafka topic")
 		dlq := one(t, rep, "dlq", verify.DeadLetter, verify.Problem, 1)
@@ -177,7 +180,7 @@ func checkSeeded(t *testing.T, rep *verify.Report, s seeded, withKafka bool) {
 		require.Equal(t, "kafka", g.TopicsFrom)
 		require.EqualValues(t, 3, g.Lost)
 		require.EqualValues(t, 1, g.ConsumerDeadLetters)
-		require.Contains(t, g.DeadLetterSources, "topic "+s.group+".dlq")
+		require.Equal(t, []string{"held_events"}, g.DeadLetterSources)
 	} else {
 		require.Equal(t, "records", g.TopicsFrom)
 		require.EqualValues(t, 1, g.Lost)

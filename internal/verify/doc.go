@@ -11,9 +11,9 @@
 //
 //   - recorded: the group has a processed_events row (applied, stale,
 //     parked…), counted per outcome;
-//   - dead-lettered: by the relay (dead_letters, not replayed) or by the
-//     group (its dead-letter topic, or consumer_dead_letters once that
-//     table exists); each dead letter is a problem of its own;
+//   - dead-lettered: by the relay or by the group (held_events of kind
+//     relay_dead_letter or dead_letter, not replayed); each dead letter
+//     is a problem of its own;
 //   - skipped: a skipped_versions range of the group covers its version
 //     (each range is a warning of its own);
 //   - pending: not relayed yet (or waiting for a relay retry), or relayed
@@ -50,8 +50,7 @@
 // has no record of. With a separate consumer database the outbox rows are
 // streamed and looked up there in chunks. Kafka records are indexed as 32
 // bytes each (a digest of the event id and the record's position), about
-// 32 MB per million records; nothing else grows with the data but the
-// records of consumer dead-letter topics.
+// 32 MB per million records; nothing else grows with the data.
 //
 // Reads run in REPEATABLE READ READ ONLY transactions, which take no
 // transaction id and so do not hold back the relays; a long run does hold
@@ -74,9 +73,7 @@
 //     be compared. An effects query with an ordering column is exact.
 //   - Kafka: absence proves nothing on a compacted topic; on a topic Kafka
 //     deleted records from, only for events committed after the oldest
-//     retained record. Topics read are the groups' topics and their
-//     dead-letter topics (the group's name followed by ".dlq" unless
-//     Config.DeadLetterTopics says otherwise).
+//     retained record. Topics read are the groups' topics.
 //   - Clocks: outbox created_at is read in this session's time zone (as
 //     `eventline cleanup` does); timestamps from different databases and
 //     from Kafka are compared with Config.ClockSkew of slack.

@@ -3,6 +3,7 @@ package verify_test
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"testing"
 	"time"
 
@@ -12,12 +13,14 @@ import (
 	"pgregory.net/rapid"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -35,9 +38,9 @@ func TestReplayedDeadLetterIsPendingAgain(t *testing.T) {
 	one(t, rep, "x", verify.DeadLetter, verify.Problem, 1)
 	require.EqualValues(t, 1, group(t, rep, "billing").DeadLettered)
 
-	n, err := producer.ReplayDeadLetters(f.ctx, f.env.Pool, f.env.Schema)
+	res, err := admin.ReplayHeld(f.ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 	require.NoError(t, err)
-	require.Equal(t, 1, n)
+	require.Len(t, res.Enqueued, 1)
 	rep = f.run(verify.Config{Groups: []string{"billing"}, GroupTopics: map[string][]string{"billing": {f.topic}}})
 	p := one(t, rep, "x", verify.Pending, verify.Info, 1)
 	require.Equal(t, "outbox", p.Stage, "the replayed row waits for the relay")
@@ -79,9 +82,9 @@ func TestWindowBoundsTheCheck(t *testing.T) {
 	require.Empty(t, findings(rep, "recent"))
 }
 
-// consumer_dead_letters (migration 006) is read when it exists: its
-// dead letters are reported, and the events in it are neither pending nor
-// lost. A table without the columns verify needs is named in a note.
+// The groups' dead letters (held_events, kind dead_letter) are read: they
+// are reported, and the events in them are neither pending nor lost. A
+// schema without held_events is named in a note.
 func TestConsumerDeadLetterTable(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, 1)
@@ -91,17 +94,16 @@ func TestConsumerDeadLetterTable(t *testing.T) {
 	f.record("billing", evs[0], "applied", time.Minute)
 	f.park("billing", evs[2], time.Minute)
 
-	st, err := store.New(f.env.Schema)
-	require.NoError(t, err)
+	hs := held.New(f.env.Schema)
 	dead := func(e eventline.Event, reason string) int64 {
-		id, err := st.AddDeadLetter(f.ctx, f.env.Pool, store.DeadLetter{Group: "billing", MessageUUID: e.ID, EventID: e.ID, EventType: e.Type,
-			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Kind: dedup.KindPermanent, Reason: reason})
+		id, err := hs.AddDeadLetter(f.ctx, f.env.Pool, held.Event{Group: "billing", MessageUUID: e.ID, EventID: e.ID, EventType: e.Type,
+			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Cause: dedup.KindPermanent, Reason: reason})
 		require.NoError(t, err)
 		return id
 	}
-	dead(evs[1], "handler: boom")
+	boom := dead(evs[1], "handler: boom")
 	old := dead(evs[0], "handler: old news")
-	_, err = st.DiscardDeadLetters(f.ctx, f.env.Pool, store.DeadLetterFilter{IDs: []int64{old}}, "resolved by hand")
+	_, err := hs.Discard(f.ctx, f.env.Pool, held.Filter{IDs: []int64{old}}, "resolved by hand")
 	require.NoError(t, err)
 
 	rep := f.run(verify.Config{})
@@ -111,19 +113,25 @@ func TestConsumerDeadLetterTable(t *testing.T) {
 	require.EqualValues(t, 2, dl.AggregateVersion)
 	require.Equal(t, "billing", dl.Group)
 	require.Equal(t, evs[1].ID, dl.EventID)
-	require.Contains(t, dl.Detail, "dead-lettered by the group (consumer_dead_letters): handler: boom")
+	require.Contains(t, dl.Detail, "dead-lettered by the group (held event "+strconv.FormatInt(boom, 10)+"; eventline held replay): handler: boom")
 	ofKind(t, rep, "x", verify.Parked)
 	g := group(t, rep, "billing")
-	require.Equal(t, []string{"consumer_dead_letters"}, g.DeadLetterSources)
+	require.Equal(t, []string{"held_events"}, g.DeadLetterSources)
 	require.EqualValues(t, 1, g.ConsumerDeadLetters)
 	require.EqualValues(t, 1, g.DeadLettered)
 	require.Zero(t, g.Pending)
 
-	// A schema migrated before the table existed: reported, not read.
-	_, err = f.env.Pool.Exec(f.ctx, `DROP TABLE `+sqlident.Qualify(f.env.Schema, verify.ConsumerDeadLetterTable))
+	// A consumer schema rolled back past held_events: reported, not read.
+	f = newFixture(t, 1)
+	f.separateConsumer()
+	f.createEffects()
+	evs = f.publish("x", 2)
+	f.markRelayed()
+	f.record("billing", evs[0], "applied", time.Minute)
+	_, err = f.consumer.Pool.Exec(f.ctx, `DROP TABLE `+sqlident.Qualify(f.consumer.Schema, verify.ConsumerDeadLetterTable))
 	require.NoError(t, err)
 	rep = f.run(verify.Config{})
-	require.Contains(t, rep.Notes, "consumer_dead_letters: not present (the consumer keeps its dead letters on Kafka only)")
+	require.Contains(t, rep.Notes, "held_events: not found in schema "+f.consumer.Schema+" (migration 003_held_events is not applied there), so no dead letter or late event was read")
 	p := ofKind(t, rep, "x", verify.Pending)
 	require.Equal(t, "relayed", p.Stage)
 	require.EqualValues(t, 2, p.AggregateVersion)
@@ -231,7 +239,7 @@ func versionsUpTo(n int) []int64 {
 	return out
 }
 
-// A group whose topic and dead-letter topic do not exist on Kafka, or
+// A group whose topic does not exist on Kafka, or
 // whose topic is compacted, is checked without them: its relayed events
 // stay pending, nothing is lost, and the report says why.
 func TestMissingOrCompactedKafkaTopics(t *testing.T) {
@@ -269,7 +277,7 @@ func TestMissingOrCompactedKafkaTopics(t *testing.T) {
 	}
 	require.Contains(t, rep.Notes, "Kafka topic gone does not exist: its events are not traced on Kafka")
 	require.Contains(t, rep.Notes, "Kafka topic "+compacted+" is compacted: an event missing from it proves nothing")
-	require.Equal(t, []string{"consumer_dead_letters"}, group(t, rep, "billing").DeadLetterSources, "no dead-letter topic: only the table")
+	require.Equal(t, []string{"held_events"}, group(t, rep, "billing").DeadLetterSources)
 }
 
 // Config.MaxDetails keeps the oldest findings of a kind and counts the
@@ -337,8 +345,8 @@ func TestEffectsQueryShapes(t *testing.T) {
 // their comments say.
 func TestDefaultAgesFollowTheComponentsDefaults(t *testing.T) {
 	var relayGivesUp time.Duration
-	for i := 0; i < producer.DefaultMaxAttempts-1; i++ {
-		relayGivesUp += producer.DefaultBackoff[min(i, len(producer.DefaultBackoff)-1)]
+	for n := 1; n < producer.DefaultMaxAttempts; n++ {
+		relayGivesUp += backoff.Delay(eventline.Backoff{Initial: producer.DefaultBackoffInitial, Multiplier: producer.DefaultBackoffMultiplier, Max: producer.DefaultBackoffMax}, n)
 	}
 	require.Equal(t, 156*time.Second, relayGivesUp, "the relay's dead-letter time quoted in DefaultMaxPendingAge's comment")
 	require.Greater(t, verify.DefaultMaxPendingAge, relayGivesUp)

@@ -25,7 +25,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m,
+	goleak.VerifyTestMain(kafkatest.SettleSarama(m),
 		// Sarama's metrics registry starts this once per process.
 		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
 	)
@@ -119,9 +119,11 @@ func (f *fixture) age(e eventline.Event, d time.Duration) {
 // deadLetter records that the relay dead-lettered an event's outbox row.
 func (f *fixture) deadLetter(e eventline.Event) {
 	f.t.Helper()
-	_, err := f.env.Pool.Exec(f.ctx, `INSERT INTO `+sqlident.Qualify(f.env.Schema, "dead_letters")+`
-		(shard, outbox_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, destination_topic, attempts, last_error, dead_reason, payload, metadata)
-		SELECT $1, uuid, $2, $3, $4, $5, $6, $7, 5, 'kafka: message too large', 'gave up after 5 attempts', payload, metadata
+	_, err := f.env.Pool.Exec(f.ctx, `INSERT INTO `+sqlident.Qualify(f.env.Schema, "held_events")+`
+		(kind, shard, message_uuid, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, topic, attempts, last_error, cause, reason,
+		 payload, header_keys, header_values)
+		SELECT 'relay_dead_letter', $1, convert_to(uuid::text, 'UTF8'), $2, $3, $4, $5, $6, $7, 5, 'kafka: message too large', 'retries_exhausted',
+			'gave up after 5 attempts', convert_to(payload::text, 'UTF8'), '{}', '{}'
 		FROM `+f.shardTable(e)+` WHERE payload->>'uuid' = $2`,
 		outbox.ShardFor(e.AggregateType, e.AggregateID, f.env.Shards), e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, f.topic)
 	require.NoError(f.t, err)

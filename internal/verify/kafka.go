@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -19,13 +18,7 @@ import (
 	"github.com/eventline/eventline"
 )
 
-// Consumer dead-letter metadata the consumer package writes (see
-// middleware.DeadLetterGroupKey and friends); repeated here so verify does
-// not depend on the consumer runner.
 const (
-	dlqGroupKey  = "eventline_dead_group"
-	dlqReasonKey = "reason_poisoned" // watermill's middleware.ReasonForPoisonedKey
-	dlqAtKey     = "eventline_dead_at"
 	// maxReasonLength bounds a dead-letter reason kept in memory.
 	maxReasonLength = 300
 	// kafkaReaders bounds the partitions read at once.
@@ -51,14 +44,6 @@ type kafkaRecord struct {
 	offset    int64
 }
 
-// deadRecord is one record of a consumer dead-letter topic.
-type deadRecord struct {
-	eventID, eventType, aggregateType, aggregateID string
-	version                                        int64
-	group, reason                                  string
-	at                                             time.Time
-}
-
 type topicPartition struct {
 	topic     string
 	partition int32
@@ -71,8 +56,7 @@ type topicState struct {
 	unknown   bool      // missing, or compacted: absence proves nothing
 }
 
-// kafkaIndex is the event records of the topics read, sorted by event key,
-// and the consumer dead letters.
+// kafkaIndex is the event records of the topics read, sorted by event key.
 type kafkaIndex struct {
 	topics   []string
 	topicIdx map[string]uint16
@@ -82,23 +66,10 @@ type kafkaIndex struct {
 	// will read) per topic and partition, fetched before the database
 	// snapshot.
 	committed map[string]map[topicPartition]int64
-	// dead holds each group's dead-letter records, and deadIDs their
-	// event ids.
-	dead    map[string][]deadRecord
-	deadIDs map[string]map[string]bool
-	// deadTopics names the dead-letter topic read for each group, and
-	// deadState describes each such topic.
-	deadTopics map[string]string
-	deadState  map[string]*topicState
 }
 
 func newKafkaIndex() *kafkaIndex {
-	return &kafkaIndex{
-		topicIdx: map[string]uint16{}, state: map[string]*topicState{},
-		committed: map[string]map[topicPartition]int64{},
-		dead:      map[string][]deadRecord{}, deadIDs: map[string]map[string]bool{},
-		deadTopics: map[string]string{}, deadState: map[string]*topicState{},
-	}
+	return &kafkaIndex{topicIdx: map[string]uint16{}, state: map[string]*topicState{}, committed: map[string]map[topicPartition]int64{}}
 }
 
 // kafkaReader reads topics through one Sarama client.
@@ -265,9 +236,9 @@ func (k *kafkaReader) readPartition(ctx context.Context, consumer sarama.Consume
 	}
 }
 
-// read reads every partition of the given event topics and dead-letter
-// topics up to the high watermark taken now, and builds the index.
-func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []string, deadTopics map[string]string) error {
+// read reads every partition of the given event topics up to the high
+// watermark taken now, and builds the index.
+func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []string) error {
 	consumer, err := sarama.NewConsumerFromClient(k.client)
 	if err != nil {
 		return fmt.Errorf("open a Kafka consumer: %w", err)
@@ -277,8 +248,6 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 	type job struct {
 		topic string
 		ti    uint16
-		dead  bool
-		group string
 		b     partitionBounds
 		st    *topicState
 	}
@@ -313,29 +282,6 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 			jobs = append(jobs, job{topic: t, ti: ti, b: b, st: st})
 		}
 	}
-	groups := make([]string, 0, len(deadTopics))
-	for g := range deadTopics {
-		groups = append(groups, g)
-	}
-	slices.Sort(groups)
-	for _, g := range groups {
-		t := deadTopics[g]
-		st := idx.deadState[t]
-		if st == nil {
-			st = &topicState{summary: TopicSummary{Topic: t, DeadLetters: true}}
-			idx.deadState[t] = st
-			parts, err := k.bounds(t)
-			if err != nil {
-				return err
-			}
-			st.summary.Partitions = len(parts)
-			for _, b := range parts {
-				jobs = append(jobs, job{topic: t, dead: true, group: g, b: b, st: st})
-			}
-		}
-		idx.deadTopics[g] = t
-	}
-
 	var (
 		mu   sync.Mutex
 		wg   sync.WaitGroup
@@ -348,21 +294,9 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 		go func() {
 			defer func() { <-sem; wg.Done() }()
 			var recs []kafkaRecord
-			var dead []deadRecord
-			reasons := map[string]string{} // interned
 			var n int64
 			first, last, err := k.readPartition(ctx, consumer, j.topic, j.b, func(m *sarama.ConsumerMessage) {
 				n++
-				if j.dead {
-					d := deadRecordOf(m)
-					if r, ok := reasons[d.reason]; ok {
-						d.reason = r
-					} else {
-						reasons[d.reason] = d.reason
-					}
-					dead = append(dead, d)
-					return
-				}
 				if id := RecordEventID(m); id != "" {
 					recs = append(recs, kafkaRecord{key: keyOf(id), topic: j.ti, partition: m.Partition, offset: m.Offset})
 				}
@@ -383,13 +317,6 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 				j.st.unknown = true
 			}
 			idx.records = append(idx.records, recs...)
-			for _, d := range dead {
-				g := j.group
-				if d.group != "" {
-					g = d.group
-				}
-				idx.dead[g] = append(idx.dead[g], d)
-			}
 		}()
 	}
 	wg.Wait()
@@ -413,13 +340,6 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 			st.summary.RetentionHorizon = &r
 		}
 	}
-	for g, recs := range idx.dead {
-		ids := map[string]bool{}
-		for _, d := range recs {
-			ids[d.eventID] = true
-		}
-		idx.deadIDs[g] = ids
-	}
 	return nil
 }
 
@@ -436,40 +356,6 @@ func RecordEventID(m *sarama.ConsumerMessage) string {
 		}
 	}
 	return uuid
-}
-
-// deadRecordOf reads a consumer dead letter's envelope fields from its
-// headers.
-func deadRecordOf(m *sarama.ConsumerMessage) deadRecord {
-	d := deadRecord{at: m.Timestamp}
-	for _, h := range m.Headers {
-		v := string(h.Value)
-		switch string(h.Key) {
-		case eventline.MetaEventID:
-			d.eventID = v
-		case kafka.UUIDHeaderKey:
-			if d.eventID == "" {
-				d.eventID = v
-			}
-		case eventline.MetaEventType:
-			d.eventType = v
-		case eventline.MetaAggregateType:
-			d.aggregateType = v
-		case eventline.MetaAggregateID:
-			d.aggregateID = v
-		case eventline.MetaAggregateVersion:
-			d.version, _ = strconv.ParseInt(v, 10, 64)
-		case dlqGroupKey:
-			d.group = v
-		case dlqReasonKey:
-			d.reason = truncate(v, maxReasonLength)
-		case dlqAtKey:
-			if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
-				d.at = t
-			}
-		}
-	}
-	return d
 }
 
 // truncate shortens s to at most n bytes on a rune boundary.
@@ -533,10 +419,4 @@ func (idx *kafkaIndex) consumedBy(group string, l kafkaLookup) (kafkaRecord, int
 		}
 	}
 	return kafkaRecord{}, 0, false
-}
-
-// deadLettered reports whether the group dead-lettered the event to its
-// dead-letter topic.
-func (idx *kafkaIndex) deadLettered(group, eventID string) bool {
-	return idx.deadIDs[group][eventID]
 }

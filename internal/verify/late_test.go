@@ -27,9 +27,10 @@ func TestLateEventsAndSparsePredecessors(t *testing.T) {
 	f.skip(g, "l", 2, 2)
 	f.record(g, ev[2], "applied", time.Minute)
 	f.record(g, ev[1], "late", 0)
-	_, err := f.consumer.Pool.Exec(f.ctx, `INSERT INTO `+sqlident.Qualify(f.consumer.Schema, "late_events")+`
-		(consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version, event_type, payload, metadata, kind, reason, current_version)
-		VALUES ($1, $2, 'order', 'l', 2, 1, $3, '\x7b7d', '{}', 'arrived_late', 'park timeout: test', 3)`, g, ev[1].ID, ev[1].Type)
+	_, err := f.consumer.Pool.Exec(f.ctx, `INSERT INTO `+sqlident.Qualify(f.consumer.Schema, "held_events")+`
+		(kind, consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version, event_type, message_uuid, payload,
+		 header_keys, header_values, cause, reason, current_version)
+		VALUES ('late', $1, $2, 'order', 'l', 2, 1, $3, '\x00', '\x7b7d', '{}', '{}', 'arrived_late', 'park timeout: test', 3)`, g, ev[1].ID, ev[1].Type)
 	require.NoError(t, err)
 
 	sparse := eventline.Event{ID: eventline.NewEventID(), Type: "order.updated", AggregateType: "order", AggregateID: "s", AggregateVersion: 5, Payload: []byte(`{}`)}

@@ -49,7 +49,10 @@ const eventColumns = `event_id, event_type, topic, aggregate_type, aggregate_id,
 func eventsSQL(schema string, shard int) string {
 	messages := sqlident.Qualify(schema, outbox.Table(shard))
 	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
-	deadLetters := sqlident.Qualify(schema, "dead_letters")
+	// The relay's dead letters, by outbox uuid; dead unless replayed (a
+	// discarded one is not delivered either).
+	deadLetters := `(SELECT convert_from(message_uuid, 'UTF8') AS outbox_uuid, status <> 'replayed' AS dead FROM ` +
+		sqlident.Qualify(schema, "held_events") + ` WHERE kind = 'relay_dead_letter' AND shard = ` + strconv.Itoa(shard) + `)`
 	failures := sqlident.Qualify(schema, "relay_failures")
 	s := strconv.Itoa(shard)
 	return `SELECT e.event_id, e.event_type, e.topic, e.aggregate_type, e.aggregate_id, e.version, e.created_at, e.relayed, e.dead,
@@ -69,14 +72,13 @@ func eventsSQL(schema string, shard int) string {
 			FROM ` + messages + ` m
 			-- NOT IN over a NOT NULL column: one hashed subplan, however
 			-- few dead letters the planner expects.
-			WHERE m.uuid::text NOT IN (SELECT outbox_uuid FROM ` + deadLetters + ` WHERE shard = ` + s + `)
+			WHERE m.uuid::text NOT IN (SELECT outbox_uuid FROM ` + deadLetters + ` d)
 			UNION ALL
 			SELECT uuid, payload, created_at, transaction_id, "offset", dead FROM (
 				SELECT m.uuid, m.payload, m.created_at, m.transaction_id, m."offset", d.dead,
 					row_number() OVER (PARTITION BY m.uuid ORDER BY m.transaction_id DESC, m."offset" DESC) AS rn
 				FROM ` + messages + ` m
-				JOIN (SELECT outbox_uuid, bool_or(replayed_at IS NULL) AS dead FROM ` + deadLetters + `
-					WHERE shard = ` + s + ` GROUP BY outbox_uuid) d ON d.outbox_uuid = m.uuid
+				JOIN (SELECT outbox_uuid, bool_or(dead) AS dead FROM ` + deadLetters + ` d GROUP BY outbox_uuid) d ON d.outbox_uuid = m.uuid
 			) x WHERE rn = 1
 		) r
 		-- One parse of the envelope, one of its metadata: json_to_record
@@ -112,7 +114,7 @@ func readOutboxSummary(ctx context.Context, tx pgx.Tx, schema string, shard int,
 	return oldest, nil
 }
 
-// relayDeadLetter is a row of dead_letters.
+// relayDeadLetter is a relay dead letter in held_events.
 type relayDeadLetter struct {
 	id                                             int64
 	shard                                          int
@@ -123,13 +125,13 @@ type relayDeadLetter struct {
 	deadAt                                         time.Time
 }
 
-// readRelayDeadLetters calls fn for each dead letter of the window not
-// replayed, oldest first.
+// readRelayDeadLetters calls fn for each relay dead letter of the window
+// not replayed (held, or discarded), oldest first.
 func readRelayDeadLetters(ctx context.Context, tx pgx.Tx, schema string, w window, fn func(relayDeadLetter)) error {
 	rows, err := tx.Query(ctx, `SELECT id, shard, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
-			destination_topic, dead_reason, last_error, attempts, dead_at
-		FROM `+sqlident.Qualify(schema, "dead_letters")+`
-		WHERE replayed_at IS NULL AND `+windowSQL("dead_at", 1, 2)+` ORDER BY id`, w.since, w.until)
+			topic, reason, coalesce(last_error, ''), attempts, held_at
+		FROM `+sqlident.Qualify(schema, "held_events")+`
+		WHERE kind = 'relay_dead_letter' AND status <> 'replayed' AND `+windowSQL("held_at", 1, 2)+` ORDER BY id`, w.since, w.until)
 	if err != nil {
 		return fmt.Errorf("read the relay's dead letters: %w", err)
 	}

@@ -55,9 +55,10 @@ const (
 	// DeadLetter: an event the relay (Group empty) or a consumer group
 	// dead-lettered and nobody replayed.
 	DeadLetter Kind = "dead_letter"
-	// Late: an event held in late_events for the operator: it arrived
-	// after its version was given up on, was passed while parked, or could
-	// not be released (eventline parked late, apply-late, discard-late).
+	// Late: an event held as late for the operator: it arrived after its
+	// version was given up on, was passed while parked, could not be
+	// released, or is a replayed dead letter whose version was taken
+	// (eventline held list -kind late, held replay, held discard).
 	Late Kind = "late"
 )
 
@@ -153,11 +154,9 @@ type KafkaSummary struct {
 
 // TopicSummary describes one topic as read.
 type TopicSummary struct {
-	Topic string `json:"topic"`
-	// DeadLetters is true for a consumer group's dead-letter topic.
-	DeadLetters bool  `json:"dead_letters,omitempty"`
-	Partitions  int   `json:"partitions"`
-	Records     int64 `json:"records"`
+	Topic      string `json:"topic"`
+	Partitions int    `json:"partitions"`
+	Records    int64  `json:"records"`
 	// Duplicates counts records of an event id already seen on the topic
 	// (a relay crash between Kafka's ack and the outbox position write
 	// publishes again; consumers deduplicate).

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -64,19 +65,21 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	if err != nil {
 		return err
 	}
-	err = r.consumer.readLate(ctx, ctx1, groups, r.w, func(group, typ, id, eventID, eventType string, version int64, kind, reason string, heldAt time.Time, requested bool) {
+	late := func(group, typ, id, eventID, eventType string, version int64, kind, reason string, heldAt time.Time, requested bool) {
 		gs := r.groups[group]
 		gs.rep.LateHeld++
-		detail := fmt.Sprintf("late (%s), held for the operator: %s; eventline parked late, then apply-late or discard-late", kind, truncate(reason, maxReasonLength))
+		detail := fmt.Sprintf("late (%s), held for the operator: %s; eventline held list -kind late, then held replay or held discard", kind, truncate(reason, maxReasonLength))
 		if requested {
-			detail = fmt.Sprintf("late (%s), its apply was requested; the consumer's sweeper applies it (is it running?): %s", kind, truncate(reason, maxReasonLength))
+			detail = fmt.Sprintf("late (%s), its replay was requested; the consumer's sweeper applies it (is it running?): %s", kind, truncate(reason, maxReasonLength))
 		}
 		at := heldAt
 		r.details.add(Finding{Severity: Warning, Kind: Late, Group: group, EventID: eventID, EventType: eventType,
 			AggregateType: typ, AggregateID: id, AggregateVersion: version, At: &at, AgeSeconds: max(r.consumerNow.Sub(heldAt), 0).Seconds(), Detail: detail})
-	})
-	if err != nil {
-		return err
+	}
+	if r.consumerHeld {
+		if err := r.consumer.readLate(ctx, ctx1, groups, r.w, late); err != nil {
+			return err
+		}
 	}
 	// An effects query with an ordering column orders exactly; the
 	// others' order is read from processed_events.
@@ -119,86 +122,30 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	return nil
 }
 
-// checkConsumerDeadLetters reports the groups' dead letters not replayed:
-// rows of ConsumerDeadLetterTable, and records of their dead-letter topics
-// whose event the group has neither handled since nor given up on.
+// checkConsumerDeadLetters reports the groups' dead letters neither
+// replayed nor discarded (held_events of kind dead_letter).
 func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
-	report := func(d deadRecord, source string) {
+	if !r.consumerHeld {
+		return nil
+	}
+	for _, gs := range r.groups {
+		gs.rep.DeadLetterSources = append(gs.rep.DeadLetterSources, ConsumerDeadLetterTable)
+	}
+	return r.consumer.readConsumerDeadLetters(ctx, ctx1, groups, r.w, func(d deadRecord) {
 		gs := r.groups[d.group]
 		if gs == nil {
 			return
 		}
 		gs.rep.ConsumerDeadLetters++
 		at := d.at
-		detail := "dead-lettered by the group (" + source + ")"
+		detail := "dead-lettered by the group (held event " + strconv.FormatInt(d.id, 10) + "; eventline held replay)"
 		if d.reason != "" {
-			detail += ": " + d.reason
+			detail += ": " + truncate(d.reason, maxReasonLength)
 		}
 		r.details.add(Finding{Severity: Problem, Kind: DeadLetter, Group: d.group, EventID: d.eventID, EventType: d.eventType,
 			AggregateType: d.aggregateType, AggregateID: d.aggregateID, AggregateVersion: d.version,
 			At: &at, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(), Detail: detail})
-	}
-	if r.consumerDeadTable {
-		for _, gs := range r.groups {
-			gs.rep.DeadLetterSources = append(gs.rep.DeadLetterSources, ConsumerDeadLetterTable)
-		}
-		err := r.consumer.readConsumerDeadLetters(ctx, ctx1, groups, r.w, func(d deadRecord) {
-			d.reason = truncate(d.reason, maxReasonLength)
-			report(d, ConsumerDeadLetterTable)
-		})
-		if err != nil {
-			return err
-		}
-	}
-	if r.kafka == nil {
-		return nil
-	}
-	for _, g := range groups {
-		t := r.kafka.deadTopics[g]
-		if t == "" {
-			continue
-		}
-		gs := r.groups[g]
-		gs.rep.DeadLetterSources = append(gs.rep.DeadLetterSources, "topic "+t)
-		// One entry per event, in the window; the newest dead letter wins.
-		latest := map[string]deadRecord{}
-		for _, d := range r.kafka.dead[g] {
-			d.group = g
-			if (r.w.since != nil && d.at.Before(*r.w.since)) || (r.w.until != nil && !d.at.Before(*r.w.until)) {
-				continue
-			}
-			if prev, ok := latest[d.eventID]; !ok || d.at.After(prev.at) {
-				latest[d.eventID] = d
-			}
-		}
-		pending := slices.Collect(maps.Values(latest))
-		for len(pending) > 0 {
-			chunk := pending[:min(len(pending), r.cfg.ChunkSize)]
-			pending = pending[len(chunk):]
-			ids, types, aggIDs, versions := make([]string, len(chunk)), make([]string, len(chunk)), make([]string, len(chunk)), make([]int64, len(chunk))
-			byID := map[string]deadRecord{}
-			for i, d := range chunk {
-				ids[i], types[i], aggIDs[i], versions[i] = d.eventID, d.aggregateType, d.aggregateID, d.version
-				byID[d.eventID] = d
-			}
-			rows, err := ctx1.Query(ctx, r.consumer.resolvedSQL(), g, ids, types, aggIDs, versions)
-			if err != nil {
-				return fmt.Errorf("look up the dead letters of group %q: %w", g, err)
-			}
-			var id string
-			var resolved bool
-			_, err = pgx.ForEachRow(rows, []any{&id, &resolved}, func() error {
-				if !resolved {
-					report(byID[id], "topic "+t)
-				}
-				return nil
-			})
-			if err != nil {
-				return fmt.Errorf("look up the dead letters of group %q: %w", g, err)
-			}
-		}
-	}
-	return nil
+	})
 }
 
 // checkDiscarded reports events a group discarded as stale because another

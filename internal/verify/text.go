@@ -44,8 +44,6 @@ func (r *Report) WriteText(w io.Writer) error {
 			switch {
 			case t.Missing:
 				parts = append(parts, t.Topic+" (missing)")
-			case t.DeadLetters:
-				parts = append(parts, fmt.Sprintf("%s (dead letters, %s)", t.Topic, count(t.Records, "record")))
 			default:
 				s := fmt.Sprintf("%s (%s, %s, %s)", t.Topic, count(int64(t.Partitions), "partition"), count(t.Records, "record"), count(t.Duplicates, "duplicate"))
 				parts = append(parts, s)

@@ -10,7 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/internal/outbox"
 )
 
 // DB is a database verify reads from; *pgxpool.Pool and *pgx.Conn satisfy
@@ -40,8 +40,8 @@ type runner struct {
 	consumer consumerSQL
 	groups   map[string]*groupState
 	// kafka is nil when Kafka is not read.
-	kafka             *kafkaIndex
-	consumerDeadTable bool
+	kafka        *kafkaIndex
+	consumerHeld bool
 	// outboxNow and consumerNow are the databases' clocks when the
 	// snapshots were taken; ages are measured against them.
 	outboxNow, consumerNow time.Time
@@ -166,7 +166,7 @@ func (r *runner) listGroups(ctx context.Context, db DB) ([]string, bool, error) 
 // run does the checks inside the snapshots.
 func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, groups []string, present bool) error {
 	cfg := r.cfg
-	shards, err := producer.ReadShardCount(ctx, otx, cfg.Schema)
+	shards, err := outbox.ShardCount(ctx, otx, cfg.Schema)
 	if err != nil {
 		return err
 	}
@@ -175,13 +175,11 @@ func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, gro
 		r.note("consumer tables: not found in schema %s (migration 002_consumer is not applied there), so no consumer group was checked", cfg.ConsumerSchema)
 		groups = nil
 	} else {
-		note, err := r.consumer.findDeadLetterTable(ctx, ctx1)
-		if err != nil {
+		if r.consumerHeld, err = r.consumer.heldPresent(ctx, ctx1); err != nil {
 			return err
 		}
-		r.consumerDeadTable = r.consumer.deadLetters != nil
-		if note != "" {
-			r.note("%s", note)
+		if !r.consumerHeld {
+			r.note("%s: not found in schema %s (migration 003_held_events is not applied there), so no dead letter or late event was read", ConsumerDeadLetterTable, cfg.ConsumerSchema)
 		}
 	}
 	r.note("dedup records are assumed kept for %s (the retention `eventline cleanup` runs with): an event committed before %s without one is counted as unverifiable, not lost",
@@ -308,7 +306,7 @@ func (r *runner) inferTopics(ctx context.Context, otx, ctx1 pgx.Tx, shard int, g
 	})
 }
 
-// readKafka reads the groups' topics and dead-letter topics.
+// readKafka reads the groups' topics.
 func (r *runner) readKafka(ctx context.Context, kr *kafkaReader) error {
 	topics := map[string]bool{}
 	for _, gs := range r.groups {
@@ -316,25 +314,7 @@ func (r *runner) readKafka(ctx context.Context, kr *kafkaReader) error {
 			topics[t] = true
 		}
 	}
-	dead := map[string]string{}
-	for _, g := range slices.Sorted(maps.Keys(r.groups)) {
-		t, explicit := r.cfg.DeadLetterTopics[g]
-		if !explicit {
-			t = g + ".dlq"
-		}
-		ok, err := kr.topicExists(t)
-		if err != nil {
-			return err
-		}
-		if !ok {
-			if explicit {
-				r.note("group %s: dead-letter topic %s does not exist", g, t)
-			}
-			continue
-		}
-		dead[g] = t
-	}
-	return kr.read(ctx, r.kafka, slices.Sorted(maps.Keys(topics)), dead)
+	return kr.read(ctx, r.kafka, slices.Sorted(maps.Keys(topics)))
 }
 
 // checkOutbox summarizes the outbox and reports the relay's dead letters.
@@ -360,7 +340,7 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 	return readRelayDeadLetters(ctx, otx, r.cfg.Schema, r.w, func(d relayDeadLetter) {
 		sum.DeadLetters++
 		at := d.deadAt
-		detail := fmt.Sprintf("dead-lettered by the relay (dead letter %d, shard %d) after %d attempt(s): %s", d.id, d.shard, d.attempts, truncate(d.reason, maxReasonLength))
+		detail := fmt.Sprintf("dead-lettered by the relay (held event %d, shard %d) after %d attempt(s): %s", d.id, d.shard, d.attempts, truncate(d.reason, maxReasonLength))
 		if d.lastError != "" && d.lastError != d.reason {
 			detail += "; last error: " + truncate(d.lastError, maxReasonLength)
 		}
@@ -368,7 +348,7 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 			Severity: Problem, Kind: DeadLetter, EventID: d.eventID, EventType: d.eventType, Topic: d.topic,
 			AggregateType: d.aggregateType, AggregateID: d.aggregateID, AggregateVersion: d.version,
 			At: &at, AgeSeconds: max(r.outboxNow.Sub(d.deadAt), 0).Seconds(),
-			Detail: detail + " — replay it with `eventline dlq replay " + fmt.Sprint(d.id) + "`",
+			Detail: detail + " — replay it with `eventline held replay " + fmt.Sprint(d.id) + "`",
 		})
 	})
 }
@@ -387,13 +367,13 @@ func (r *runner) reconcile(ctx context.Context, otx, ctx1 pgx.Tx, shards int) er
 	}
 	for shard := 0; shard < shards; shard++ {
 		if !r.separate {
-			if err := r.classify(ctx, ctx1, r.consumer.classifySQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, gs, ts); err != nil {
+			if err := r.classify(ctx, ctx1, r.consumer.classifySQL(eventsSQL(r.cfg.Schema, shard), 3, r.consumerHeld), r.w.since, r.w.until, gs, ts); err != nil {
 				return err
 			}
 			continue
 		}
 		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), gs, ts)...)
+			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams, r.consumerHeld), append(chunkArgs(chunk), gs, ts)...)
 		})
 		if err != nil {
 			return err
@@ -411,9 +391,6 @@ func (r *runner) finish() {
 		r.rep.Kafka.Checked = true
 		for _, t := range r.kafka.topics {
 			r.rep.Kafka.Topics = append(r.rep.Kafka.Topics, r.kafka.state[t].summary)
-		}
-		for _, t := range slices.Sorted(maps.Keys(r.kafka.deadState)) {
-			r.rep.Kafka.Topics = append(r.rep.Kafka.Topics, r.kafka.deadState[t].summary)
 		}
 		for _, ts := range r.rep.Kafka.Topics {
 			switch {

@@ -1,6 +1,8 @@
--- Producer side: outbox configuration, per-aggregate sequences, relay
--- failure bookkeeping and dead letters. The outbox shard tables themselves
--- are created by migrations.Up from watermill-sql's schema adapter.
+-- Producer side: outbox configuration, per-aggregate sequences, the relay's
+-- failure bookkeeping, its wake-up hint and its leases. The outbox shard
+-- tables themselves are created by migrations.Up from watermill-sql's
+-- schema adapter. The relay's dead letters are held in held_events
+-- (003_held_events).
 -- Runs with search_path set to the eventline schema.
 
 CREATE TABLE outbox_config (
@@ -10,11 +12,14 @@ CREATE TABLE outbox_config (
 );
 
 -- The last aggregate version handed out by the producer. Writers of one
--- aggregate serialize on its row.
+-- aggregate serialize on its row. topic is the Kafka topic of the
+-- aggregate's first event: the producer refuses events of the aggregate for
+-- any other topic, so a consumer group reading the topic sees every version.
 CREATE TABLE aggregate_sequences (
     aggregate_type text   NOT NULL,
     aggregate_id   text   NOT NULL,
     version        bigint NOT NULL CHECK (version > 0),
+    topic          text,
     PRIMARY KEY (aggregate_type, aggregate_id)
 )
 -- Updated on every publish: leave room for in-place (HOT) updates.
@@ -31,30 +36,6 @@ CREATE TABLE relay_failures (
     next_attempt_at timestamptz NOT NULL,
     PRIMARY KEY (shard, outbox_uuid)
 );
-
--- Messages the relay gave up on. payload and metadata are the outbox row as
--- stored, so a replay re-enqueues exactly the same envelope (same event id,
--- same aggregate version).
-CREATE TABLE dead_letters (
-    id                bigserial   PRIMARY KEY,
-    shard             integer     NOT NULL,
-    outbox_uuid       text        NOT NULL,
-    event_id          text        NOT NULL DEFAULT '',
-    event_type        text        NOT NULL DEFAULT '',
-    aggregate_type    text        NOT NULL DEFAULT '',
-    aggregate_id      text        NOT NULL DEFAULT '',
-    aggregate_version bigint      NOT NULL DEFAULT 0,
-    destination_topic text        NOT NULL DEFAULT '',
-    payload           json,
-    metadata          json,
-    attempts          integer     NOT NULL,
-    last_error        text        NOT NULL,
-    dead_reason       text        NOT NULL,
-    dead_at           timestamptz NOT NULL DEFAULT now(),
-    replayed_at       timestamptz
-);
-
-CREATE INDEX dead_letters_pending_idx ON dead_letters (dead_at) WHERE replayed_at IS NULL;
 
 -- Shards whose relay is idle and waiting for a notification, until
 -- expires_at: an idle relay keeps pushing it forward, so the request of a
@@ -87,3 +68,35 @@ BEGIN
     $fn$, current_schema());
 END
 $create$;
+
+-- Relay ownership as leases (not session advisory locks, which live as
+-- long as PostgreSQL believes the session does: hours after a host
+-- vanishes). Every time here is PostgreSQL's clock (clock_timestamp()), so
+-- relays on different hosts never compare their own clocks.
+
+-- One row per relay instance (one Relay.Run), renewed every
+-- RebalanceInterval together with its leases. Unexpired rows are the live
+-- relays a fair share is computed from.
+CREATE TABLE relay_members (
+    instance    text        PRIMARY KEY,
+    relay_id    text        NOT NULL,  -- RelayConfig.ID, for people
+    backend_pid integer     NOT NULL,  -- pg_backend_pid() of its ownership connection
+    started_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    expires_at  timestamptz NOT NULL
+);
+
+-- The relay instance that may relay a shard, until expires_at. The owner
+-- stops relaying before its lease expires; another relay takes the shard
+-- only once expires_at has passed, bumping epoch. A released lease is
+-- deleted.
+CREATE TABLE relay_leases (
+    shard       integer     PRIMARY KEY,
+    owner       text        NOT NULL,  -- relay_members.instance
+    epoch       bigint      NOT NULL DEFAULT 1,
+    acquired_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    expires_at  timestamptz NOT NULL
+)
+-- Renewed in place every RebalanceInterval: leave room for HOT updates.
+WITH (fillfactor = 50);
+
+CREATE INDEX relay_leases_owner_idx ON relay_leases (owner);

@@ -181,7 +181,7 @@ func (e *env) eventlinePipeline(ctx context.Context, k *kafkaEnv) (*pipeline, er
 	w := &orderWriter{pool: prodPool, insert: fmt.Sprintf(insertOrderSQL, orders)}
 	publishTx := func(ctx context.Context, tx pgx.Tx, ev eventline.Event) error { return prod.PublishTx(ctx, tx, ev) }
 	p.publish = func(ctx context.Context, db txBeginner) (string, error) {
-		ev, err := w.tx(ctx, db, publishTx)
+		ev, err := w.tx(ctx, db, writeMode{publish: publishTx})
 		if err != nil {
 			return "", err
 		}

@@ -101,12 +101,12 @@ func runIdleQueries(ctx context.Context, e *env) (Result, error) {
 	time.Sleep(idleSettle)
 	counters := []*queryCounter{relayQ, consQ, plainQ, tunedQ}
 	type snap struct {
-		q, p int64
-		kind map[string]int64
+		q, rt, p int64
+		kind     map[string]int64
 	}
 	before := make([]snap, len(counters))
 	for i, c := range counters {
-		before[i].q, before[i].p, before[i].kind = c.snapshot()
+		before[i].q, before[i].rt, before[i].p, before[i].kind = c.snapshot()
 	}
 	t0 := time.Now()
 	stopProfile := e.profile("idle_queries")
@@ -119,17 +119,19 @@ func runIdleQueries(ctx context.Context, e *env) (Result, error) {
 	stopProfile()
 	window := time.Since(t0).Seconds()
 	rates := make([]float64, len(counters))
+	trips := make([]float64, len(counters))
 	pings := make([]float64, len(counters))
 	kinds := make([]string, len(counters))
 	for i, c := range counters {
-		q, p, kind := c.snapshot()
+		q, rt, p, kind := c.snapshot()
 		rates[i] = float64(q-before[i].q) / window
+		trips[i] = float64(rt-before[i].rt) / window
 		pings[i] = float64(p-before[i].p) / window
 		kinds[i] = kindBreakdown(kind, before[i].kind, window)
 	}
 	names := []string{"eventline relay (8 shards)", "eventline consumer", "plain forwarder (poll 1s)", "plain forwarder (poll 10ms)"}
 	for i, n := range names {
-		e.progressf("   %-28s %6.2f queries/s + %.2f pings/s  [%s]", n, rates[i], pings[i], kinds[i])
+		e.progressf("   %-28s %6.2f statements/s in %.2f round trips/s + %.2f pings/s  [%s]", n, rates[i], trips[i], pings[i], kinds[i])
 	}
 
 	base := "idle plain watermill-sql forwarder, default poll (1s)"
@@ -141,9 +143,9 @@ func runIdleQueries(ctx context.Context, e *env) (Result, error) {
 			{Metric: "idle relay queries/s, 8 shards", Ours: rates[0], Base: rates[3], Baseline: tunedBase},
 		},
 		Notes: []string{
-			fmt.Sprintf("statements counted client-side by a pgx QueryTracer on each component's own pool over %s after %s of settling (BEGIN and COMMIT count: each is a round trip); pgxpool's liveness pings are not statements and are listed apart", e.sizes.IdleWindow, idleSettle),
-			fmt.Sprintf("eventline relay: %.2f/s [%s] + %.2f pings/s; eventline consumer: %.2f/s [%s] + %.2f pings/s; plain forwarder 1s: %.2f/s [%s]; 10ms: %.1f/s",
-				rates[0], kinds[0], pings[0], rates[1], kinds[1], pings[1], rates[2], kinds[2], rates[3]),
+			fmt.Sprintf("statements counted client-side by a pgx QueryTracer on each component's own pool over %s after %s of settling (BEGIN and COMMIT count; each statement of a pgx batch counts, the batch being one round trip); pgxpool's liveness pings are not statements and are listed apart", e.sizes.IdleWindow, idleSettle),
+			fmt.Sprintf("eventline relay: %.2f/s in %.2f round trips/s [%s] + %.2f pings/s; eventline consumer: %.2f/s in %.2f round trips/s [%s] + %.2f pings/s; plain forwarder 1s: %.2f/s [%s]; 10ms: %.1f/s",
+				rates[0], trips[0], kinds[0], pings[0], rates[1], trips[1], kinds[1], pings[1], rates[2], kinds[2], rates[3]),
 			"a bare watermill-kafka consumer sends no statements when idle; the eventline consumer's come from its parked-event sweeper (every 5s)",
 		},
 	}

@@ -50,6 +50,14 @@ func orderCreated(aggregateID string, seq int) eventline.Event {
 // publishFunc writes one event in the business transaction.
 type publishFunc func(ctx context.Context, tx pgx.Tx, ev eventline.Event) error
 
+// writeMode is how a business transaction writes its event: publish in
+// the transaction (nil: no event), or, with commit set, through
+// commit.PublishAndCommit, which sends the outbox statement with COMMIT.
+type writeMode struct {
+	publish publishFunc
+	commit  *producer.Producer
+}
+
 // runProducerOverhead compares a business transaction (insert one order,
 // commit) with the same transaction plus PublishTx of one event, under
 // Sizes.Producers concurrent producers. Two more variants put the figure in
@@ -83,8 +91,19 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
+	// The same producer, told that order versions are the caller's: each
+	// transaction creates its order, so the order is at version 1 and no
+	// other transaction can write it before this one commits.
+	callers, err := producer.New(ctx, pool, producer.Config{Schema: schema, DefaultTopic: "orders.events", Logger: quiet, CallerVersionedTypes: []string{"order"}})
+	if err != nil {
+		return Result{}, err
+	}
 	w := &orderWriter{pool: pool, insert: fmt.Sprintf(insertOrderSQL, orders)}
 	publishTx := func(ctx context.Context, tx pgx.Tx, ev eventline.Event) error { return prod.PublishTx(ctx, tx, ev) }
+	publishCallers := func(ctx context.Context, tx pgx.Tx, ev eventline.Event) error {
+		ev.AggregateVersion = 1
+		return callers.PublishTx(ctx, tx, ev)
+	}
 	publishPlain := func(_ context.Context, tx pgx.Tx, ev eventline.Event) error {
 		ev.AggregateVersion = 1
 		msg, err := eventline.Encode(ev)
@@ -96,7 +115,7 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 
 	variants := []*struct {
 		name, profile string
-		publish       publishFunc
+		publish       writeMode
 		notify        bool
 		lat           latencies
 		n             int64
@@ -104,9 +123,11 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 		cost          Cost
 	}{
 		{name: "business tx alone", profile: "producer_overhead.bare", notify: true},
-		{name: "+ PublishTx", profile: "producer_overhead.publishtx", publish: publishTx, notify: true},
-		{name: "+ plain Watermill outbox", profile: "producer_overhead.plain", publish: publishPlain, notify: true},
-		{name: "+ PublishTx, no NOTIFY", profile: "producer_overhead.publishtx_nonotify", publish: publishTx},
+		{name: "+ PublishTx", profile: "producer_overhead.publishtx", publish: writeMode{publish: publishTx}, notify: true},
+		{name: "+ plain Watermill outbox", profile: "producer_overhead.plain", publish: writeMode{publish: publishPlain}, notify: true},
+		{name: "+ PublishTx, no NOTIFY", profile: "producer_overhead.publishtx_nonotify", publish: writeMode{publish: publishTx}},
+		{name: "PublishAndCommit", profile: "producer_overhead.publishandcommit", publish: writeMode{commit: prod}, notify: true},
+		{name: "+ PublishTx, caller's versions", profile: "producer_overhead.publishtx_callers", publish: writeMode{publish: publishCallers}, notify: true},
 	}
 	notifying := true
 	setNotify := func(on bool) error {
@@ -130,22 +151,25 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 	// Cold start: the first transaction on each of Producers new
 	// connections at once (connect, prepare, first plans), the business
 	// transaction alone and with PublishTx, each on a pool of its own.
-	coldBare, err := e.coldProducers(ctx, w.insert, nil)
+	coldBare, err := e.coldProducers(ctx, w.insert, writeMode{})
 	if err != nil {
 		return Result{}, fmt.Errorf("cold start: %w", err)
 	}
-	coldOurs, err := e.coldProducers(ctx, w.insert, publishTx)
+	coldOurs, err := e.coldProducers(ctx, w.insert, writeMode{publish: publishTx})
 	if err != nil {
 		return Result{}, fmt.Errorf("cold start: %w", err)
 	}
 	e.progressf("   cold start, first tx per new connection: business tx alone %s; + PublishTx %s", coldBare, coldOurs)
 
 	// Warm-up: every connection of the pool runs every variant's
-	// transaction warmRuns times (connections open, statements prepared,
-	// past PostgreSQL's first custom plans).
-	e.progressf("   warm-up: %d connections × %d variants × %d", pool.Config().MaxConns, len(variants), warmRuns)
+	// transaction warmRuns times per outbox shard, twice over
+	// (connections open, statements prepared, past PostgreSQL's first
+	// custom plans: eventline's statements are one per shard, and each
+	// transaction's order lands in a shard by its id).
+	runs := 2 * warmRuns * migrations.DefaultShards
+	e.progressf("   warm-up: %d connections × %d variants × %d", pool.Config().MaxConns, len(variants), runs)
 	if err := onEveryConn(ctx, pool, func(ctx context.Context, c *pgxpool.Conn) error {
-		for range warmRuns {
+		for range runs {
 			for _, v := range variants {
 				if _, err := w.tx(ctx, c, v.publish); err != nil {
 					return err
@@ -194,7 +218,7 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 		v.cost.Rate = float64(v.n) / v.t.Seconds()
 	}
 	tps := func(i int) float64 { return float64(variants[i].n) / variants[i].t.Seconds() }
-	bare, ours, pl, quietNotify := sum[0], sum[1], sum[2], sum[3]
+	bare, ours, pl, quietNotify, pac, callersSum := sum[0], sum[1], sum[2], sum[3], sum[4], sum[5]
 	base := "business tx alone (insert 1 order, commit)"
 	plainBase := "same tx writing the event to plain Watermill's outbox"
 	res := Result{
@@ -205,6 +229,9 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 			{Metric: "tx latency mean, ms", Ours: millis(ours.mean), Base: millis(pl.mean), Baseline: plainBase, Target: "≤ 1.10 " + issue10},
 			{Metric: "tx latency mean, ms, NOTIFY trigger off (diagnostic)", Ours: millis(quietNotify.mean), Base: millis(bare.mean), Baseline: base},
 			{Metric: "round trips per tx", Ours: variants[1].cost.RoundTripsPerEvent(), Base: variants[2].cost.RoundTripsPerEvent(), Baseline: plainBase},
+			{Metric: "tx latency mean, ms, PublishAndCommit (outbox statement sent with COMMIT)", Ours: millis(pac.mean), Base: millis(pl.mean), Baseline: plainBase, Target: "≤ 1.10 (issue 20)"},
+			{Metric: "round trips per tx, PublishAndCommit", Ours: variants[4].cost.RoundTripsPerEvent(), Base: variants[2].cost.RoundTripsPerEvent(), Baseline: plainBase},
+			{Metric: "tx latency mean, ms, PublishTx with the caller's versions (no sequence row)", Ours: millis(callersSum.mean), Base: millis(pl.mean), Baseline: plainBase},
 			{Metric: fmt.Sprintf("cold start: first tx on each of %d new connections, mean ms", sz.Producers), Ours: millis(coldOurs.mean), Base: millis(coldBare.mean), Baseline: base},
 		},
 		Notes: []string{
@@ -213,6 +240,8 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 			"plain Watermill row: the same event written with watermill-sql's publisher wrapped in forwarder.NewPublisher (one INSERT, no version, no NOTIFY)",
 			fmt.Sprintf("measured on a warm pool: before the rounds every one of its %d connections ran every variant's transaction %d times; the cold start row is the first transaction on each of %d new connections at once, on a pool of its own per variant", sz.Producers+2, warmRuns, sz.Producers),
 			"costs (cost table) are per transaction over the measured phases, on the producers' pool; rows and WAL of the eventline and plain Watermill schemas",
+			"PublishAndCommit row: the same transaction through producer.PublishAndCommit, which sends the outbox statement with COMMIT in one round trip",
+			"caller's versions row: PublishTx of a producer with Config.CallerVersionedTypes = order, the event at version 1 (the transaction creates the order): the outbox row alone, no aggregate_sequences row",
 			"diagnostic row: PublishTx with the outbox tables' trigger disabled (ALTER TABLE … DISABLE TRIGGER USER), i.e. the cost of its outbox_waiting check; the trigger NOTIFYs only idle relays because PostgreSQL serializes the commits of transactions that sent a NOTIFY (a database-wide lock held through the commit's WAL flush), which defeats group commit",
 		},
 	}
@@ -222,6 +251,9 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 		{Name: "producer_overhead_latency_vs_plain_watermill", Value: res.Rows[3].Ratio()},
 		{Name: "producer_overhead_latency_without_notify", Value: res.Rows[4].Ratio()},
 		{Name: "producer_overhead_round_trips_per_event_vs_plain_watermill", Value: res.Rows[5].Ratio()},
+		{Name: "producer_overhead_latency_publishandcommit_vs_plain_watermill", Value: res.Rows[6].Ratio()},
+		{Name: "producer_overhead_round_trips_per_event_publishandcommit_vs_plain_watermill", Value: res.Rows[7].Ratio()},
+		{Name: "producer_overhead_latency_callers_versions_vs_plain_watermill", Value: res.Rows[8].Ratio()},
 	}
 	for _, v := range variants {
 		res.Costs = append(res.Costs, v.cost)
@@ -237,7 +269,7 @@ const warmRuns = 6
 // coldProducers opens a pool of Producers+2 connections and runs the
 // first transaction on Producers of them at once, and returns their
 // latencies.
-func (e *env) coldProducers(ctx context.Context, insert string, publish publishFunc) (summary, error) {
+func (e *env) coldProducers(ctx context.Context, insert string, publish writeMode) (summary, error) {
 	pool, err := e.openPool(ctx, int32(e.sizes.Producers)+2, nil)
 	if err != nil {
 		return summary{}, err
@@ -275,10 +307,27 @@ type orderWriter struct {
 }
 
 // tx inserts one order through db (the writer's pool or one of its
-// connections) and, when publish is set, writes an order.created event for
-// it in the same transaction. It returns the event (zero when publish is
-// nil).
-func (w *orderWriter) tx(ctx context.Context, db txBeginner, publish publishFunc) (eventline.Event, error) {
+// connections) and, as mode says, writes an order.created event for it in
+// the same transaction. It returns the event (zero when mode writes none).
+func (w *orderWriter) tx(ctx context.Context, db txBeginner, mode writeMode) (eventline.Event, error) {
+	if mode.commit != nil {
+		var ev eventline.Event
+		written, err := mode.commit.PublishAndCommit(ctx, db, func(tx pgx.Tx) ([]eventline.Event, error) {
+			seq := int(w.seq.Add(1))
+			var id int64
+			if err := tx.QueryRow(ctx, w.insert, "customer-"+strconv.Itoa(seq%997), 1000+seq%5000).Scan(&id); err != nil {
+				return nil, fmt.Errorf("insert order: %w", err)
+			}
+			ev = orderCreated(strconv.FormatInt(id, 10), seq)
+			ev.ID = eventline.NewEventID()
+			return []eventline.Event{ev}, nil
+		})
+		if err != nil {
+			return eventline.Event{}, fmt.Errorf("publish and commit: %w", err)
+		}
+		return written[0], nil
+	}
+	publish := mode.publish
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return eventline.Event{}, err
@@ -306,7 +355,7 @@ func (w *orderWriter) tx(ctx context.Context, db txBeginner, publish publishFunc
 // phase runs n producers in closed loops for d and records each
 // transaction's latency in lat (when not nil). It returns the count. The
 // loops stop between transactions, so no connection is cut mid-query.
-func (w *orderWriter) phase(ctx context.Context, n int, d time.Duration, publish publishFunc, lat *latencies) (int64, error) {
+func (w *orderWriter) phase(ctx context.Context, n int, d time.Duration, publish writeMode, lat *latencies) (int64, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	deadline := time.Now().Add(d)

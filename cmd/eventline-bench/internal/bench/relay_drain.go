@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -377,7 +378,7 @@ func (e *env) drainEventline(ctx context.Context, k *kafkaEnv, events []eventlin
 		return d, err
 	}
 	e.logCost(d.cost)
-	st, err := producer.ReadStatus(ctx, e.admin, schema)
+	st, err := admin.ReadOutboxStatus(ctx, e.admin, schema)
 	if err != nil {
 		return d, err
 	}

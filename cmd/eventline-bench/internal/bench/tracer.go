@@ -106,12 +106,14 @@ func (q *queryCounter) shouldPing(_ context.Context, p pgxpool.ShouldPingParams)
 	return false
 }
 
-// snapshot returns the Query/QueryRow/Exec count, the pings and the
-// statements by first word so far (idle_queries' figures).
-func (q *queryCounter) snapshot() (queries, pings int64, byKind map[string]int64) {
+// snapshot returns the statements (Query/QueryRow/Exec, each statement of
+// a Batch, CopyFrom), the round trips without the pings, the pings and
+// the statements by first word so far (idle_queries' figures).
+func (q *queryCounter) snapshot() (statements, roundTrips, pings int64, byKind map[string]int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return q.queries.Load(), q.pings.Load(), maps.Clone(q.byKind)
+	c := q.count()
+	return c.statements(), c.roundTrips() - c.pings, c.pings, maps.Clone(q.byKind)
 }
 
 // clientCount is a reading of one or more queryCounters.

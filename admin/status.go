@@ -1,0 +1,411 @@
+package admin
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
+)
+
+// Status is what `eventline status` shows: the outbox, the relays owning
+// its shards, and every consumer group whose tables are in the schema.
+type Status struct {
+	Outbox OutboxStatus
+	// Owners maps each shard with an unexpired lease to the relay holding
+	// it (see ShardOwners); shards no relay owns are absent.
+	Owners map[int]ShardOwner
+	// RelayTables is false when the schema lacks the tables relays write
+	// besides the outbox (relay_leases, held_events: a schema rolled back
+	// past 003_held_events): relays cannot run, Owners is empty.
+	RelayTables bool
+	// Groups are the consumer groups that recorded anything, by name.
+	Groups []GroupStatus
+	// ConsumerTables is false when the schema has no consumer tables
+	// (migration 002_consumer; consumers may keep theirs in another
+	// database): Groups is empty.
+	ConsumerTables bool
+}
+
+// GroupStatus is one consumer group: its gap and stall picture (parked
+// events, open gaps, late events and dead letters held), its dedup records
+// and every gap it skipped.
+type GroupStatus struct {
+	Group string
+	// Parked counts parked events; OldestParked is the age of the oldest
+	// (0 when none).
+	Parked       int64
+	OldestParked time.Duration
+	// OpenGapCount counts aggregates whose lowest parked event waits for
+	// missing versions; OpenGaps lists the oldest of them (see ReadStatus)
+	// and OldestGap is the age of the oldest.
+	OpenGapCount int64
+	OpenGaps     []OpenGap
+	OldestGap    time.Duration
+	// SkippedGapsRecent counts the gaps recorded in skipped_versions in
+	// the last 24 hours, by the sweeper, the Apply policy, a give-up or an
+	// operator.
+	SkippedGapsRecent int64
+	// LateHeld counts the group's late events held for the operator, and
+	// DeadLetters its dead letters, not yet replayed or discarded (held
+	// events of kind late and dead_letter, status held or
+	// replay_requested; 0 on a schema rolled back past 003_held_events).
+	LateHeld    int64
+	DeadLetters int64 // see LateHeld
+	// Processed counts the group's dedup records (processed_events rows).
+	Processed int64
+	// SkippedGaps and SkippedVersions count the gaps the group gave up on
+	// (skipped_versions), ever, and the versions in them.
+	SkippedGaps, SkippedVersions int64
+}
+
+// OpenGap is an aggregate whose lowest parked event waits for versions
+// that have not arrived: its consumer group is stuck on it.
+type OpenGap struct {
+	AggregateType string
+	AggregateID   string
+	// Current is the aggregate's last applied version; the missing
+	// versions are Current+1 up to Follows.
+	Current int64
+	// Follows is the predecessor the lowest parked event (Version) waits
+	// for.
+	Follows int64
+	Version int64 // see Follows
+	// Parked counts the aggregate's parked events.
+	Parked int64
+	// Age is how long the gap has been known: since the aggregate's
+	// oldest parked event parked.
+	Age time.Duration
+}
+
+// ReadStatus reads the outbox's status (ReadOutboxStatus), its shard
+// owners and every consumer group's status from schema. It changes
+// nothing; run it in a read-only repeatable-read transaction for one
+// snapshot (as `eventline status` does). Tables a schema lacks are
+// reported (RelayTables, ConsumerTables), never a failed statement that
+// would abort that transaction.
+//
+// Open gaps are listed up to openGaps per group (the oldest first; all
+// are counted); 0 lists 20, negative none.
+func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Status, error) {
+	if err := checkArgs("ReadStatus", db, schema); err != nil {
+		return Status{}, err
+	}
+	var st Status
+	var err error
+	if st.Outbox, err = readOutboxStatus(ctx, db, schema); err != nil {
+		return st, err
+	}
+	if err := outbox.CheckRelayTables(ctx, db, schema); err == nil {
+		st.RelayTables = true
+		if st.Owners, err = shardOwners(ctx, db, schema); err != nil {
+			return st, err
+		}
+	} else if !isNotMigrated(err) {
+		return st, err
+	}
+	err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "processed_events")).Scan(&st.ConsumerTables)
+	if err != nil {
+		return st, fmt.Errorf("look for the consumer tables: %w", err)
+	}
+	if !st.ConsumerTables {
+		return st, nil
+	}
+	st.Groups, err = readGroups(ctx, db, schema, openGaps)
+	return st, err
+}
+
+// groupsSQL lists the groups with dedup records, skipping along the
+// primary key from one group to the next, so the cost grows with the
+// groups, not the rows; the consumer's store lists those of its own
+// tables.
+const groupsSQL = `WITH RECURSIVE g(name) AS (
+		(SELECT consumer_group FROM {schema}.processed_events ORDER BY consumer_group LIMIT 1)
+		UNION ALL
+		SELECT (SELECT consumer_group FROM {schema}.processed_events WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
+		FROM g WHERE g.name IS NOT NULL
+	) SELECT name FROM g WHERE name IS NOT NULL`
+
+// skippedSQL counts the gaps group $1 skipped and the versions in them.
+const skippedSQL = `SELECT count(*), COALESCE(sum(to_version - from_version + 1), 0)::bigint
+	FROM {schema}.skipped_versions WHERE consumer_group = $1`
+
+// readGroups reads every consumer group's status, by name.
+func readGroups(ctx context.Context, db DBTX, schema string, openGaps int) ([]GroupStatus, error) {
+	st, err := store.New(schema)
+	if err != nil {
+		return nil, err
+	}
+	statuses, err := st.ReadGroupStatuses(ctx, db, store.ReadGroupStatusOptions{OpenGapsLimit: openGaps})
+	if err != nil {
+		return nil, err
+	}
+	rows, err := db.Query(ctx, sqlident.SQL(schema, groupsSQL))
+	if err != nil {
+		return nil, fmt.Errorf("list the consumer groups with dedup records: %w", err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("list the consumer groups with dedup records: %w", err)
+	}
+	byGroup := map[string]store.GroupStatus{}
+	for _, gs := range statuses {
+		byGroup[gs.Group] = gs
+		names = append(names, gs.Group)
+	}
+	slices.Sort(names)
+	names = slices.Compact(names)
+	skipped := sqlident.SQL(schema, skippedSQL)
+	out := make([]GroupStatus, 0, len(names))
+	for _, name := range names {
+		g := groupStatus(name, byGroup[name])
+		if g.Processed, err = st.CountProcessed(ctx, db, name); err != nil {
+			return nil, err
+		}
+		if err := db.QueryRow(ctx, skipped, name).Scan(&g.SkippedGaps, &g.SkippedVersions); err != nil {
+			return nil, fmt.Errorf("read the skipped gaps of group %q: %w", name, err)
+		}
+		out = append(out, g)
+	}
+	return out, nil
+}
+
+// groupStatus is the store's status of group as admin reports it.
+func groupStatus(group string, s store.GroupStatus) GroupStatus {
+	g := GroupStatus{Group: group, Parked: s.Parked, OldestParked: s.OldestParked, OpenGapCount: s.OpenGapCount,
+		OpenGaps: make([]OpenGap, 0, len(s.OpenGaps)), OldestGap: s.OldestGap, SkippedGapsRecent: s.SkippedGapsRecent,
+		LateHeld: s.LateHeld, DeadLetters: s.DeadLetters}
+	for _, o := range s.OpenGaps {
+		g.OpenGaps = append(g.OpenGaps, OpenGap(o))
+	}
+	return g
+}
+
+// OutboxStatus is a snapshot of the outbox read from the database.
+type OutboxStatus struct {
+	Shards []ShardStatus
+	// DeadLetters counts the relay's dead letters waiting for an operator
+	// (held events of kind relay_dead_letter, status held).
+	DeadLetters int64
+	// Retrying counts rows that failed to publish and wait for a retry.
+	Retrying int64
+	// HorizonHolder is the oldest open transaction holding a transaction
+	// id, which keeps committed rows from the relays, when some shard has
+	// rows held back (HeldBack); nil otherwise.
+	HorizonHolder *HorizonHolder
+}
+
+// Backlog sums the shards' backlogs.
+func (s OutboxStatus) Backlog() int64 {
+	var n int64
+	for _, sh := range s.Shards {
+		n += sh.Backlog
+	}
+	return n
+}
+
+// OldestPending is the oldest pending age over all shards.
+func (s OutboxStatus) OldestPending() time.Duration {
+	var d time.Duration
+	for _, sh := range s.Shards {
+		d = max(d, sh.OldestPending)
+	}
+	return d
+}
+
+// ShardStatus describes one outbox shard.
+type ShardStatus struct {
+	Shard int
+	// Backlog is the number of committed rows the relays have not
+	// forwarded yet.
+	Backlog int64
+	// OldestPending is the age of the oldest of them; zero when none.
+	OldestPending time.Duration
+	// Stored is the number of rows in the table, forwarded or not.
+	Stored int64
+	// PositionAhead is set when the shard's position or rows carry
+	// transaction ids this cluster has not handed out: the outbox was moved
+	// from another cluster and nothing is relayed until RebasePositions
+	// (`eventline relay rebase-positions`) runs.
+	PositionAhead bool
+	// HeldBack counts committed rows of the backlog that relays cannot read
+	// yet because an older transaction is still open (the xmin horizon):
+	// see OutboxStatus.HorizonHolder.
+	HeldBack int64
+}
+
+// HorizonHolder describes the transaction holding PostgreSQL's xmin
+// horizon: the relays read only rows of transactions older than every open
+// one, so while it stays open, newer committed events wait. End it (commit,
+// roll back, or pg_terminate_backend(PID)) and they flow again.
+type HorizonHolder struct {
+	// PID is its backend's process id (0 for a prepared transaction).
+	PID int32
+	// Xid is its transaction id; BackendXmin its snapshot's xmin, if any.
+	Xid, BackendXmin string
+	// XactAge is how long the transaction has been open.
+	XactAge time.Duration
+	// QueryStart is when its current or last statement started.
+	QueryStart *time.Time
+	// State is pg_stat_activity.state (e.g. "idle in transaction").
+	State string
+	// ApplicationName and Database say whose it is; Query is its current
+	// or last statement, when the role reading it may see it.
+	ApplicationName, Database, Query string
+	// PreparedGID is set for a prepared (two-phase) transaction.
+	PreparedGID string
+}
+
+// ReadHorizonHolder returns the oldest transaction holding a transaction
+// id in the cluster, or nil when there is none.
+func ReadHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
+	if err := checkDB("ReadHorizonHolder", "db", db); err != nil {
+		return nil, err
+	}
+	return readHorizonHolder(ctx, db)
+}
+
+func readHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
+	h, err := outbox.ReadHorizonHolder(ctx, db)
+	if h == nil || err != nil {
+		return nil, err
+	}
+	holder := HorizonHolder(*h)
+	return &holder, nil
+}
+
+// shardStatusSQL reads one shard's backlog ($1 the relays' consumer
+// group), the oldest pending row's age, the rows stored and the backlog's
+// rows held back by the xmin horizon.
+const shardStatusSQL = `SELECT
+		count(*) FILTER (WHERE o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)),
+		COALESCE(EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at) FILTER (
+			WHERE o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))), 0),
+		count(*),
+		count(*) FILTER (WHERE (o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))
+			AND m.transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))
+	FROM {messages} m LEFT JOIN {offsets} o ON o.consumer_group = $1`
+
+// relayBacklogSQL counts the rows waiting for a retry and the relay's
+// dead letters waiting for an operator.
+const relayBacklogSQL = `SELECT (SELECT count(*) FROM {schema}.relay_failures),
+		(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = '' AND kind = 'relay_dead_letter' AND status = 'held')`
+
+// ReadOutboxStatus reads the outbox's backlog per shard, the oldest
+// pending age, and the dead letters and retries waiting. A schema without
+// an outbox is an error wrapping producer.ErrNotMigrated.
+func ReadOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus, error) {
+	if err := checkArgs("ReadOutboxStatus", db, schema); err != nil {
+		return OutboxStatus{}, err
+	}
+	return readOutboxStatus(ctx, db, schema)
+}
+
+func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus, error) {
+	shards, err := outbox.ShardCount(ctx, db, schema)
+	if err != nil {
+		return OutboxStatus{}, err
+	}
+	var st OutboxStatus
+	for shard := 0; shard < shards; shard++ {
+		ss := ShardStatus{Shard: shard}
+		var oldest float64
+		err := db.QueryRow(ctx, outbox.SQL(schema, shard, shardStatusSQL), outbox.RelayConsumerGroup).
+			Scan(&ss.Backlog, &oldest, &ss.Stored, &ss.HeldBack)
+		if err != nil {
+			return st, fmt.Errorf("read shard %d status: %w", shard, err)
+		}
+		ss.OldestPending = time.Duration(max(oldest, 0) * float64(time.Second))
+		c, err := outbox.CheckPosition(ctx, db, schema, shard)
+		if err != nil {
+			return st, err
+		}
+		ss.PositionAhead = c.Ahead()
+		if ss.PositionAhead {
+			ss.HeldBack = 0 // not the horizon: see PositionAhead
+		}
+		st.Shards = append(st.Shards, ss)
+		if ss.HeldBack > 0 && st.HorizonHolder == nil {
+			if st.HorizonHolder, err = readHorizonHolder(ctx, db); err != nil {
+				return st, err
+			}
+		}
+	}
+	// A schema rolled back past 003_held_events has none (asked first: a
+	// failed statement would abort the caller's transaction).
+	var hasHeld bool
+	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "held_events")).Scan(&hasHeld); err != nil {
+		return st, fmt.Errorf("look for held_events: %w", err)
+	}
+	if !hasHeld {
+		err = db.QueryRow(ctx, sqlident.SQL(schema, `SELECT count(*) FROM {schema}.relay_failures`)).Scan(&st.Retrying)
+	} else {
+		err = db.QueryRow(ctx, sqlident.SQL(schema, relayBacklogSQL)).Scan(&st.Retrying, &st.DeadLetters)
+	}
+	if err != nil {
+		return st, fmt.Errorf("read dead letters: %w", err)
+	}
+	return st, nil
+}
+
+// ShardOwner is the relay holding a shard's lease.
+type ShardOwner struct {
+	// Relay is the owner's RelayConfig.ID.
+	Relay string
+	// Instance names the owner's Run: Relay plus a random suffix.
+	Instance string
+	// BackendPID is the PostgreSQL backend pid of the owner's ownership
+	// connection (see pg_stat_activity for the client behind it).
+	BackendPID int32
+	// Epoch counts the shard's takeovers.
+	Epoch int64
+	// ExpiresIn is how long the lease lasts unless renewed.
+	ExpiresIn time.Duration
+}
+
+// ShardOwners returns the shards with an unexpired lease and their
+// owners. A schema without the relay's tables (see Status.RelayTables)
+// is an error wrapping producer.ErrNotMigrated; no statement has failed
+// then, so a transaction db stays usable.
+func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
+	if err := checkArgs("ShardOwners", db, schema); err != nil {
+		return nil, err
+	}
+	// Checked first: a failing query would abort the caller's transaction.
+	if err := outbox.CheckRelayTables(ctx, db, schema); err != nil {
+		return nil, err
+	}
+	return shardOwners(ctx, db, schema)
+}
+
+// shardOwnersSQL lists the unexpired leases with their owners.
+const shardOwnersSQL = `SELECT l.shard, COALESCE(m.relay_id, ''), l.owner, COALESCE(m.backend_pid, 0), l.epoch,
+		EXTRACT(EPOCH FROM l.expires_at - clock_timestamp())::float8
+	FROM {schema}.relay_leases l
+	LEFT JOIN {schema}.relay_members m ON m.instance = l.owner
+	WHERE l.expires_at > clock_timestamp()`
+
+func shardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
+	rows, err := db.Query(ctx, sqlident.SQL(schema, shardOwnersSQL))
+	if err != nil {
+		return nil, fmt.Errorf("read shard owners: %w", err)
+	}
+	defer rows.Close()
+	out := map[int]ShardOwner{}
+	for rows.Next() {
+		var shard int
+		var o ShardOwner
+		var secs float64
+		if err := rows.Scan(&shard, &o.Relay, &o.Instance, &o.BackendPID, &o.Epoch, &secs); err != nil {
+			return nil, err
+		}
+		o.ExpiresIn = time.Duration(secs * float64(time.Second))
+		out[shard] = o
+	}
+	return out, rows.Err()
+}

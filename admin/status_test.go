@@ -1,0 +1,275 @@
+package admin_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/stretchr/testify/require"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
+	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
+	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/producer"
+)
+
+// bundle is what the status tests share: a migrated schema and its stores.
+type bundle struct {
+	ctx context.Context
+	env pgtest.Env
+	vs  *store.Store
+}
+
+func setup(t *testing.T, shards int) bundle {
+	t.Helper()
+	env := pgtest.New(t, pgtest.Options{Shards: shards})
+	vs, err := store.New(env.Schema)
+	require.NoError(t, err)
+	return bundle{ctx: context.Background(), env: env, vs: vs}
+}
+
+// readStatus runs admin.ReadStatus as `eventline status` does: in one
+// read-only repeatable-read transaction.
+func (b bundle) readStatus(t *testing.T, schema string) admin.Status {
+	t.Helper()
+	var st admin.Status
+	err := pgx.BeginTxFunc(b.ctx, b.env.Pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		var err error
+		st, err = admin.ReadStatus(b.ctx, tx, schema, 0)
+		return err
+	})
+	require.NoError(t, err)
+	return st
+}
+
+// park admits versions 1..applied of thing/aggID for group, then parks
+// the versions in park, as the consumer's gate would.
+func (b bundle) park(t *testing.T, group, aggID string, applied int64, park ...int64) {
+	t.Helper()
+	admit := func(e eventline.Event, parkIt bool) {
+		require.NoError(t, pgx.BeginFunc(b.ctx, b.env.Pool, func(tx pgx.Tx) error {
+			if _, err := b.vs.Admit(b.ctx, tx, group, e, false); err != nil || !parkIt {
+				return err
+			}
+			_, err := b.vs.Park(b.ctx, tx, store.ParkRequest{Group: group, Event: e, Handler: "things", Topic: "things"})
+			return err
+		}))
+	}
+	for v := int64(1); v <= applied; v++ {
+		admit(consumertest.Event(aggID, v), false)
+	}
+	for _, v := range park {
+		admit(consumertest.Event(aggID, v), true)
+	}
+}
+
+func TestReadStatus(t *testing.T) {
+	t.Parallel()
+
+	t.Run("the outbox, its dead letters and every consumer group", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, 3)
+		events := relaytest.PublishOrders(t, b.env, "orders", 5, 10, 5)
+		perShard := make([]int64, 3)
+		for _, e := range events {
+			perShard[outbox.ShardFor(e.AggregateType, e.AggregateID, 3)]++
+		}
+		b.relayDeadLetter(t, 0, "u-1", eventline.Event{})
+		b.park(t, "billing", "a", 2, 4)
+		b.park(t, "shipping", "x", 0, 3)
+		_, err := b.vs.ReleaseGap(b.ctx, b.env.Pool, "shipping", "thing", "x", "test")
+		require.NoError(t, err)
+		// A group that only ever recorded events without versions.
+		_, err = b.vs.RecordProcessed(b.ctx, b.env.Pool, "audit", eventline.Event{ID: eventline.NewEventID(), Type: "ping"}, dedup.OutcomeApplied)
+		require.NoError(t, err)
+
+		st := b.readStatus(t, b.env.Schema)
+		require.EqualValues(t, 10, st.Outbox.Backlog())
+		require.Len(t, st.Outbox.Shards, 3)
+		for i, s := range st.Outbox.Shards {
+			require.Equal(t, perShard[i], s.Backlog, "shard %d", i)
+			require.Equal(t, perShard[i], s.Stored, "shard %d", i)
+		}
+		require.EqualValues(t, 1, st.Outbox.DeadLetters)
+		require.True(t, st.RelayTables)
+		require.Empty(t, st.Owners, "no relay runs")
+		require.True(t, st.ConsumerTables)
+		require.Len(t, st.Groups, 3)
+		audit, billing, shipping := st.Groups[0], st.Groups[1], st.Groups[2]
+		require.Equal(t, "audit", audit.Group)
+		require.EqualValues(t, 1, audit.Processed)
+		require.Zero(t, audit.Parked)
+		require.Equal(t, "billing", billing.Group)
+		require.EqualValues(t, 3, billing.Processed, "v1, v2 applied and v4 parked are recorded")
+		require.EqualValues(t, 1, billing.Parked)
+		require.EqualValues(t, 1, billing.OpenGapCount)
+		require.Len(t, billing.OpenGaps, 1)
+		require.Zero(t, billing.SkippedGaps)
+		require.Equal(t, "shipping", shipping.Group)
+		require.EqualValues(t, 1, shipping.Processed)
+		require.EqualValues(t, 1, shipping.Parked)
+		require.EqualValues(t, 1, shipping.SkippedGaps)
+		require.EqualValues(t, 2, shipping.SkippedVersions)
+		require.EqualValues(t, 1, shipping.SkippedGapsRecent)
+	})
+
+	t.Run("a schema missing later migrations is reported, not an aborted transaction", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, 1)
+		schema := pgtest.NewSchemaName(t)
+		t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+		cfg := migrations.Config{Schema: schema, Shards: 1}
+		require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
+		all, err := migrations.All()
+		require.NoError(t, err)
+		require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1)) // the outbox only
+
+		st := b.readStatus(t, schema)
+		require.Len(t, st.Outbox.Shards, 1)
+		require.False(t, st.RelayTables)
+		require.Empty(t, st.Owners)
+		require.False(t, st.ConsumerTables)
+		require.Empty(t, st.Groups)
+
+		_, err = admin.ShardOwners(b.ctx, b.env.Pool, schema)
+		require.ErrorIs(t, err, producer.ErrNotMigrated)
+		_, err = admin.ReadStatus(b.ctx, b.env.Pool, pgtest.NewSchemaName(t), 0)
+		require.ErrorIs(t, err, producer.ErrNotMigrated, "no outbox at all")
+	})
+
+	t.Run("the relays owning the shards", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, 2)
+		relaytest.Start(t, b.env, producer.RelayConfig{Brokers: kafkatest.Brokers(t), ID: "relay-a"})
+		var owners map[int]admin.ShardOwner
+		require.Eventually(t, func() bool {
+			var err error
+			owners, err = admin.ShardOwners(b.ctx, b.env.Pool, b.env.Schema)
+			require.NoError(t, err)
+			return len(owners) == 2
+		}, 30*time.Second, 20*time.Millisecond)
+		for shard, o := range owners {
+			require.Equal(t, "relay-a", o.Relay, "shard %d", shard)
+			require.Positive(t, o.BackendPID)
+			require.Positive(t, o.ExpiresIn)
+		}
+		require.Len(t, b.readStatus(t, b.env.Schema).Owners, 2)
+	})
+}
+
+// TestCheckPositions: a shard whose position and rows carry transaction
+// ids this cluster has not handed out is ahead, in CheckPositions and
+// ReadOutboxStatus alike.
+func TestCheckPositions(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 2)
+	relaytest.PublishOrders(t, b.env, "orders", 4, 4, 4)
+	checks, err := admin.CheckPositions(b.ctx, b.env.Pool, b.env.Schema)
+	require.NoError(t, err)
+	require.Len(t, checks, 2)
+	for _, c := range checks {
+		require.False(t, c.Ahead(), "shard %d: %+v", c.Shard, c)
+	}
+
+	relaytest.MoveToAHigherCounterCluster(t, b.env, 1)
+	checks, err = admin.CheckPositions(b.ctx, b.env.Pool, b.env.Schema)
+	require.NoError(t, err)
+	require.False(t, checks[0].Ahead())
+	require.True(t, checks[1].Ahead())
+	require.GreaterOrEqual(t, checks[1].NewestRow, checks[1].Counter)
+	st, err := admin.ReadOutboxStatus(b.ctx, b.env.Pool, b.env.Schema)
+	require.NoError(t, err)
+	require.False(t, st.Shards[0].PositionAhead)
+	require.True(t, st.Shards[1].PositionAhead)
+}
+
+// TestReadHorizonHolder: an open transaction holding a transaction id is
+// found (the oldest in the cluster: another test's may be older).
+// Not parallel: it holds back every test's events.
+func TestReadHorizonHolder(t *testing.T) {
+	b := setup(t, 1)
+	holder, err := b.env.Pool.Acquire(b.ctx)
+	require.NoError(t, err)
+	defer holder.Release()
+	_, err = holder.Exec(b.ctx, `SET application_name = 'admin-horizon-test'`)
+	require.NoError(t, err)
+	tx, err := holder.Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	var pid int32
+	var xid string
+	require.NoError(t, tx.QueryRow(b.ctx, `SELECT pg_backend_pid(), pg_current_xact_id()::text`).Scan(&pid, &xid))
+
+	h, err := admin.ReadHorizonHolder(b.ctx, b.env.Pool)
+	require.NoError(t, err)
+	require.NotNil(t, h)
+	require.NotEmpty(t, h.Xid)
+	if h.PID == pid {
+		require.Equal(t, xid, h.Xid)
+		require.Equal(t, "admin-horizon-test", h.ApplicationName)
+		require.Equal(t, "idle in transaction", h.State)
+	}
+
+	relaytest.PublishOrders(t, b.env, "orders", 1, 1, 1)
+	st, err := admin.ReadOutboxStatus(b.ctx, b.env.Pool, b.env.Schema)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, st.Shards[0].HeldBack)
+	require.NotNil(t, st.HorizonHolder)
+}
+
+// TestNewStatusCollector's groups: the consumer groups' gauges on a schema
+// with the consumer tables; none at all on a schema without them (a
+// producer-only database), rather than eventline_group_status_up 0.
+func TestNewStatusCollectorGroups(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 1)
+	b.park(t, "billing", "a", 0, 2)
+	gather := func(schema string) *prometheus.Registry {
+		t.Helper()
+		c, err := admin.NewStatusCollector(b.env.Pool, schema)
+		require.NoError(t, err)
+		reg := prometheus.NewRegistry()
+		require.NoError(t, reg.Register(c))
+		return reg
+	}
+	reg := gather(b.env.Schema)
+	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_status_up"))
+	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_parked_events"))
+
+	schema := pgtest.NewSchemaName(t)
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+	cfg := migrations.Config{Schema: schema, Shards: 1}
+	require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
+	all, err := migrations.All()
+	require.NoError(t, err)
+	require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1))
+	families, err := gather(schema).Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		require.NotContains(t, f.GetName(), "eventline_group_", "no eventline_group_* series on a schema without consumer tables")
+	}
+	require.NotEmpty(t, families, "the outbox's series are there")
+
+	// A consumer-only schema (no outbox): the groups' series, no
+	// eventline_outbox_* series at all (not eventline_outbox_up 0).
+	_, err = b.env.Pool.Exec(b.ctx, `DROP TABLE `+sqlident.Qualify(b.env.Schema, "outbox_config"))
+	require.NoError(t, err)
+	reg = gather(b.env.Schema)
+	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_parked_events"))
+	families, err = reg.Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		require.NotContains(t, f.GetName(), "eventline_outbox_", "no eventline_outbox_* series on a schema without an outbox")
+	}
+}

@@ -1,0 +1,391 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/eventline/eventline/admin"
+)
+
+func init() {
+	register(command{name: "held", summary: "List, replay and discard events held for the operator: dead letters and late events (list|replay|discard)", run: runHeld})
+}
+
+func runHeld(ctx context.Context, args []string) error {
+	return dispatch(ctx, "held", `Held events wait for you, kept whole whatever their size, in one table
+(held_events) with one life: held, replay_requested, then replayed; or
+discarded, with a reason. Three kinds:
+
+  relay_dead_letter  the relay gave up publishing an outbox row (Kafka refused
+                     it for good, or every attempt failed). Replay re-enqueues
+                     it into its outbox shard at once, same event id and
+                     version; a running relay publishes it.
+  dead_letter        a consumer group gave up on an event (it can never succeed
+                     as it is, or its handler kept failing). Replay has a
+                     running consumer of the group run it through its handler,
+                     per aggregate in version order.
+  late               a consumer group received an event its aggregate had
+                     already passed. Replay has the group's running consumer
+                     apply it late (the handler is told, middleware.IsLate).
+
+Fix the cause first (deploy the handler, fix the data it needs), then replay;
+or discard. A database outage never holds anything. Run held against the
+database that holds the events: the producer's for relay dead letters, the
+consumer's for the others.`, args, []subcommand{
+		{"list", "List held events, oldest first", heldList},
+		{"replay", "Replay held events (re-enqueue, or ask the group's running consumer)", heldReplay},
+		{"discard", "Give up on held events, with a reason", heldDiscard},
+	})
+}
+
+// heldFlags are the filters every held subcommand takes.
+type heldFlags struct {
+	kind, group, aggregate *string
+}
+
+func addHeldFlags(fs *flagSet) heldFlags {
+	return heldFlags{
+		kind:      fs.String("kind", "", "only this kind: relay_dead_letter, dead_letter or late (default all)"),
+		group:     fs.String("group", "", "only this consumer group (default all)"),
+		aggregate: fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)"),
+	}
+}
+
+// filter returns the filter the flags and the ids pos say.
+func (hf heldFlags) filter(fs *flagSet, pos []string) (admin.HeldFilter, error) {
+	f := admin.HeldFilter{Kind: admin.HeldKind(*hf.kind), Group: *hf.group}
+	switch f.Kind {
+	case "", admin.HeldRelayDeadLetter, admin.HeldDeadLetter, admin.HeldLate:
+	default:
+		return f, fs.usageErrorf("-kind %q: want relay_dead_letter, dead_letter or late", f.Kind)
+	}
+	if agg := *hf.aggregate; agg != "" {
+		var ok bool
+		if f.AggregateType, f.AggregateID, ok = parseAggregate(agg); !ok {
+			return f, fs.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", agg)
+		}
+	}
+	for _, p := range pos {
+		id, err := strconv.ParseInt(p, 10, 64)
+		if err != nil || id < 1 {
+			return f, fs.usageErrorf("%q is not a held event id (a positive number from eventline held list)", p)
+		}
+		f.IDs = append(f.IDs, id)
+	}
+	slices.Sort(f.IDs)
+	f.IDs = slices.Compact(f.IDs)
+	return f, nil
+}
+
+// selection parses the arguments of replay and discard: ids, or -all
+// within the filters (at least one, so -all never means everything by
+// accident).
+func (hf heldFlags) selection(fs *flagSet, args []string, all *bool) (admin.HeldFilter, error) {
+	pos, err := fs.parse(args)
+	if err != nil {
+		return admin.HeldFilter{}, err
+	}
+	f, err := hf.filter(fs, pos)
+	switch {
+	case err != nil:
+		return f, err
+	case *all && len(pos) > 0:
+		return f, fs.usageErrorf("give held event ids or -all, not both")
+	case !*all && len(pos) == 0:
+		return f, fs.usageErrorf("give the ids of the held events (see eventline held list), or -all with -kind, -group or -aggregate")
+	case *all && f.Kind == "" && f.Group == "" && f.AggregateType == "":
+		return f, fs.usageErrorf("-all needs -kind, -group or -aggregate: say which held events")
+	}
+	return f, nil
+}
+
+// heldJSON is one held event in `held list -json`.
+type heldJSON struct {
+	ID                int64      `json:"id"`
+	Kind              string     `json:"kind"`
+	Cause             string     `json:"cause"`
+	Reason            string     `json:"reason"`
+	Group             string     `json:"group,omitempty"`
+	EventID           string     `json:"event_id"`
+	EventType         string     `json:"event_type"`
+	AggregateType     string     `json:"aggregate_type"`
+	AggregateID       string     `json:"aggregate_id"`
+	AggregateVersion  int64      `json:"aggregate_version"`
+	PreviousVersion   int64      `json:"previous_version,omitempty"`
+	CurrentVersion    int64      `json:"current_version_when_held,omitempty"`
+	Topic             string     `json:"topic"`
+	Handler           string     `json:"handler,omitempty"`
+	MessageUUID       string     `json:"message_uuid"`
+	Shard             *int       `json:"shard,omitempty"`
+	Partition         *int32     `json:"partition,omitempty"`
+	Offset            *int64     `json:"offset,omitempty"`
+	HeldAt            time.Time  `json:"held_at"`
+	Times             int        `json:"times_held"`
+	Status            string     `json:"status"`
+	ReplayRequestedAt *time.Time `json:"replay_requested_at,omitempty"`
+	ReplayedAt        *time.Time `json:"replayed_at,omitempty"`
+	Attempts          int        `json:"attempts"`
+	LastError         string     `json:"last_error,omitempty"`
+	NextAttemptAt     *time.Time `json:"next_attempt_at,omitempty"`
+	DiscardedAt       *time.Time `json:"discarded_at,omitempty"`
+	DiscardReason     string     `json:"discard_reason,omitempty"`
+	// Metadata holds the headers that are text; BinaryMetadata the others,
+	// base64-encoded, so nothing is altered.
+	Metadata       map[string]string `json:"metadata"`
+	BinaryMetadata []binaryHeader    `json:"binary_metadata,omitempty"`
+	// Payload is the body when it is JSON; PayloadBase64 otherwise.
+	Payload       json.RawMessage `json:"payload,omitempty"`
+	PayloadBase64 []byte          `json:"payload_base64,omitempty"`
+}
+
+type binaryHeader struct {
+	Key   []byte `json:"key_base64"`
+	Value []byte `json:"value_base64"`
+}
+
+func isText(s string) bool { return utf8.ValidString(s) && !strings.ContainsRune(s, 0) }
+
+func heldToJSON(e admin.HeldEvent) heldJSON {
+	j := heldJSON{
+		ID: e.ID, Kind: string(e.Kind), Cause: e.Cause, Reason: e.Reason, Group: e.Group, EventID: e.EventID, EventType: e.EventType,
+		AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion,
+		PreviousVersion: e.PreviousVersion, CurrentVersion: e.CurrentVersion, Topic: e.Topic, Handler: e.Handler,
+		MessageUUID: e.MessageUUID, HeldAt: e.HeldAt.UTC(), Times: e.Times, Status: string(e.Status),
+		ReplayRequestedAt: e.ReplayRequestedAt, ReplayedAt: e.ReplayedAt, Attempts: e.Attempts, LastError: e.LastError,
+		NextAttemptAt: e.NextAttemptAt, DiscardedAt: e.DiscardedAt, DiscardReason: e.DiscardReason, Metadata: map[string]string{},
+	}
+	if e.Kind == admin.HeldRelayDeadLetter {
+		shard := e.Shard
+		j.Shard = &shard
+	}
+	if e.FromKafka {
+		p, o := e.Partition, e.Offset
+		j.Partition, j.Offset = &p, &o
+	}
+	keys := make([]string, 0, len(e.Metadata))
+	for k := range e.Metadata {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	for _, k := range keys {
+		if v := e.Metadata[k]; isText(k) && isText(v) {
+			j.Metadata[k] = v
+		} else {
+			j.BinaryMetadata = append(j.BinaryMetadata, binaryHeader{Key: []byte(k), Value: []byte(v)})
+		}
+	}
+	j.Payload, j.PayloadBase64 = payloadJSON(e.Payload)
+	return j
+}
+
+// heldStatuses are the -status values of `held list`.
+var heldStatuses = map[string][]admin.HeldStatus{
+	"open":             {admin.StatusHeld, admin.StatusReplayRequested},
+	"held":             {admin.StatusHeld},
+	"replay_requested": {admin.StatusReplayRequested},
+	"replayed":         {admin.StatusReplayed},
+	"discarded":        {admin.StatusDiscarded},
+	"all":              {admin.StatusHeld, admin.StatusReplayRequested, admin.StatusReplayed, admin.StatusDiscarded},
+}
+
+// defaultHeldLimit is the row limit of `held list`.
+const defaultHeldLimit = 100
+
+func heldList(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "held list", "[-kind K] [-group G] [-aggregate TYPE/ID] [-status S] [-limit N] [-json] [<id>...]", `
+Lists held events, oldest first: by default those waiting for you or for their
+replay (-status open). CAUSE says why each is held: for dead letters permanent,
+retries_exhausted, failed, id_conflict, gap_too_large (the relay's: rejected,
+retries_exhausted, malformed); for late events arrived_late (its version had
+been given up on, see eventline parked skipped), passed (it was parked and the
+aggregate moved past it), release_failed (it was parked and kept failing) or
+version_conflict (a replayed dead letter whose version another event took
+meanwhile). The table shortens the reason; -json shows everything, payload and
+headers included (headers that are not text are base64-encoded, never
+altered).`)
+	hf := addHeldFlags(fs)
+	status := fs.String("status", "open", "open, held, replay_requested, replayed, discarded or all")
+	limit := fs.Int("limit", defaultHeldLimit, "most held events to list")
+	asJSON := fs.Bool("json", false, "print JSON (with payload and headers) instead of a table")
+	pos, err := fs.parse(args)
+	if err != nil {
+		return err
+	}
+	f, err := hf.filter(fs, pos)
+	if err != nil {
+		return err
+	}
+	var ok bool
+	if f.Statuses, ok = heldStatuses[*status]; !ok {
+		return fs.usageErrorf("-status %q: want open, held, replay_requested, replayed, discarded or all", *status)
+	}
+	if *limit < 1 {
+		return fs.usageErrorf("-limit must be at least 1, got %d", *limit)
+	}
+	f.Limit = *limit
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	list, err := admin.ListHeld(ctx, pool, globalsOf(ctx).schema, f)
+	if err != nil {
+		return err
+	}
+	out := stdout(ctx)
+	if *asJSON {
+		js := make([]heldJSON, 0, len(list))
+		for _, e := range list {
+			js = append(js, heldToJSON(e))
+		}
+		return writeJSON(out, js)
+	}
+	if len(list) == 0 {
+		fmt.Fprintf(out, "no held events (%s)\n", *status)
+		return nil
+	}
+	tw := newTable(out)
+	row(tw, "ID", "KIND", "GROUP", "EVENT ID", "TYPE", "AGGREGATE", "VERSION", "CAUSE", "STATUS", "HELD AT", "ATTEMPTS", "REASON")
+	for _, e := range list {
+		version := "-"
+		if e.AggregateVersion > 0 {
+			version = strconv.FormatInt(e.AggregateVersion, 10)
+		}
+		reason := e.Reason
+		if e.LastError != "" && e.Status == admin.StatusHeld && e.Kind != admin.HeldRelayDeadLetter && e.Cause != "release_failed" {
+			reason = "replay failed: " + e.LastError
+		}
+		row(tw, e.ID, e.Kind, orDash(e.Group), orDash(truncate(e.EventID, 40)), orDash(truncate(e.EventType, 30)),
+			truncate(aggregate(e.AggregateType, e.AggregateID), 40), version, e.Cause, e.Status, timestamp(e.HeldAt), e.Attempts, truncate(reason, 60))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(list) == *limit {
+		fmt.Fprintf(out, "(first %d shown; raise -limit for more)\n", *limit)
+	}
+	return nil
+}
+
+// aggregate formats an aggregate as type/id.
+func aggregate(typ, id string) string {
+	if typ == "" && id == "" {
+		return "-"
+	}
+	return typ + "/" + id
+}
+
+func heldReplay(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "held replay", "[-kind K] [-group G] [-aggregate TYPE/ID] (<id>... | -all)", `
+Replays held events waiting for you (status held), per aggregate in version
+order, in one transaction:
+
+  relay_dead_letter  re-enqueued into its outbox shard now and marked
+                     replayed; a running relay publishes it like a new event.
+                     Consumers that parked later versions apply it in order if
+                     it reaches them within their park timeout; a group that
+                     already gave up on the version (eventline parked skipped)
+                     holds it as late instead: replay warns about it.
+  dead_letter, late  marked replay_requested; a running consumer of the group
+                     replays them on its next sweep (every few seconds) and
+                     marks them replayed. A dead letter goes through its
+                     handler once; if it fails it is held again with the error
+                     (held list shows it) and the later dead letters of its
+                     aggregate wait with it; one whose version another event
+                     took while it was held is held again as late
+                     (version_conflict), never dropped. A late event is applied
+                     late, the handler told; after the consumer's
+                     release-attempt limit it is held again with its error.
+
+A dead letter is not replayed while an earlier one of its aggregate is still
+held: replay (or discard) them together.`)
+	hf := addHeldFlags(fs)
+	all := fs.Bool("all", false, "every held event the filters select, instead of ids")
+	f, err := hf.selection(fs, args, all)
+	if err != nil {
+		return err
+	}
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	res, err := admin.ReplayHeld(ctx, pool, globalsOf(ctx).schema, f)
+	switch {
+	case errors.Is(err, admin.ErrNoHeld) && *all:
+		fmt.Fprintln(stdout(ctx), "no held events waiting for replay match")
+		return nil
+	case errors.Is(err, admin.ErrNoHeld):
+		return errors.New("none of the ids given is a held event waiting for you (status held): unknown, or already replayed or discarded; see eventline held list -status all")
+	}
+	if err != nil {
+		return err
+	}
+	out, warn := stdout(ctx), stderr(ctx)
+	for _, a := range res.ArrivesLate {
+		fmt.Fprintf(warn, "warning: held event %d (event %s, %s/%s v%d): consumer group(s) %s already gave up on that version (eventline parked skipped); "+
+			"the replayed event arrives late there and is held for you, not applied in order: eventline held list -kind late -group %s\n",
+			a.ID, a.EventID, a.AggregateType, a.AggregateID, a.AggregateVersion, strings.Join(a.Groups, ", "), a.Groups[0])
+	}
+	if n := len(res.Enqueued); n > 0 {
+		fmt.Fprintf(out, "re-enqueued %s: %s; a running relay publishes them again with the same event ids and aggregate versions\n",
+			plural(int64(n), "relay dead letter"), joinIDs(res.Enqueued))
+	}
+	if n := len(res.Requested); n > 0 {
+		fmt.Fprintf(out, "replay requested for %s: %s; a running consumer of each group replays them on its next sweep (follow them with eventline held list -status all)\n",
+			plural(int64(n), "held event"), joinIDs(res.Requested))
+	}
+	if n, done := len(f.IDs), len(res.Enqueued)+len(res.Requested); n > done {
+		fmt.Fprintf(out, "%d of the %d ids given were not waiting (unknown, or already replayed or discarded)\n", n-done, n)
+	}
+	return nil
+}
+
+func heldDiscard(ctx context.Context, args []string) error {
+	fs := newFlagSet(ctx, "held discard", "-reason TEXT [-kind K] [-group G] [-aggregate TYPE/ID] (<id>... | -all)", `
+Gives up on held events waiting for you or for their replay: they stay listed,
+marked discarded with the reason, and are never replayed. A discarded late
+event's dedup record says late_discarded, so a redelivery is still a
+duplicate. The versions of discarded dead letters stay missing: a consumer that
+parked later versions of the aggregate applies them after its park timeout (or
+at once with eventline parked release).`)
+	reason := fs.String("reason", "", "why they are given up (required; kept for the audit)")
+	hf := addHeldFlags(fs)
+	all := fs.Bool("all", false, "every held event the filters select, instead of ids")
+	f, err := hf.selection(fs, args, all)
+	if err != nil {
+		return err
+	}
+	if strings.TrimSpace(*reason) == "" {
+		return fs.usageErrorf("-reason is required: say why these events are given up (it is kept with them)")
+	}
+	pool, err := openPool(ctx, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ids, err := admin.DiscardHeld(ctx, pool, globalsOf(ctx).schema, f, *reason)
+	if errors.Is(err, admin.ErrNoHeld) {
+		return errors.New("no open held event matched; see eventline held list -status all")
+	}
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout(ctx), "discarded %s: %s\n", plural(int64(len(ids)), "held event"), joinIDs(ids))
+	return nil
+}
+
+func joinIDs(ids []int64) string {
+	s := make([]string, len(ids))
+	for i, id := range ids {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	return strings.Join(s, " ")
+}

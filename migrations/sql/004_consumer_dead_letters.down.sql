@@ -1,1 +1,0 @@
-DROP TABLE IF EXISTS consumer_dead_letters;

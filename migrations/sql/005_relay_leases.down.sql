@@ -1,2 +1,0 @@
-DROP TABLE IF EXISTS relay_leases;
-DROP TABLE IF EXISTS relay_members;

@@ -1,1 +1,0 @@
-ALTER TABLE aggregate_sequences DROP COLUMN IF EXISTS topic;
