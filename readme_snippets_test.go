@@ -16,6 +16,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
@@ -132,8 +133,8 @@ func readmeRelayRestart(ctx context.Context, pool *pgxpool.Pool, cfg producer.Re
 
 func readmeConsume(ctx context.Context, pool *pgxpool.Pool) error {
 	c, err := consumer.New(pool, consumer.Config{
+		Config:  middleware.Config{Group: "billing"}, // eventline's settings, shared with the middleware: group, retries, policies…
 		Brokers: []string{"kafka:9092"},
-		Group:   "billing",
 		Topics:  []string{"orders"},
 	})
 	if err != nil {
@@ -177,11 +178,8 @@ func readmeOwnRouter(ctx context.Context, pool *pgxpool.Pool, brokers []string) 
 		return err
 	}
 
-	el, err := middleware.New(middleware.Config{DB: pool, Group: "billing"}) // eventline's group: dedup records, versions, parked events
+	el, err := middleware.New(pool, middleware.Config{Group: "billing"}) // eventline's group: dedup records, versions, parked events
 	if err != nil {
-		return err
-	}
-	if err := middleware.CheckMigrated(ctx, pool, ""); err != nil { // the consumer tables are there ("" = schema "eventline")
 		return err
 	}
 	_, err = el.AddHandler(router, "billing", "orders", kafkaSubscriber, func(msg *message.Message) error {
@@ -208,12 +206,14 @@ func readmeOwnRouter(ctx context.Context, pool *pgxpool.Pool, brokers []string) 
 	if err != nil {
 		return err
 	}
-	go el.RunSweeper(ctx) // applies parked events, and replays dead letters on request
-	return router.Run(ctx)
+	g, ctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return el.Run(ctx) }) // checks the schema (middleware.ErrNotMigrated), then applies parked events and replays dead letters on request
+	g.Go(func() error { return router.Run(ctx) })
+	return g.Wait()
 }
 
 func readmeSeveralHandlers(router *message.Router, el *middleware.Eventline, ordersSub, refundsSub message.Subscriber,
-	onOrder, onRefund message.NoPublishHandlerFunc, onShipment message.HandlerFunc,
+	onOrder, onRefund message.NoPublishHandlerFunc,
 ) error {
 	// The safe chain, one call per handler; each is registered under its name.
 	if _, err := el.AddHandler(router, "billing.orders", "orders", ordersSub, onOrder); err != nil {
@@ -222,15 +222,6 @@ func readmeSeveralHandlers(router *message.Router, el *middleware.Eventline, ord
 	if _, err := el.AddHandler(router, "billing.refunds", "refunds", refundsSub, onRefund); err != nil {
 		return err
 	}
-
-	// Composed by hand (Chain is the same safe chain): register the handler
-	// under the router's handler name before the router starts.
-	el.Register("billing.shipments", onShipment)
-	chain := el.Chain(onShipment)
-	router.AddConsumerHandler("billing.shipments", "shipments", ordersSub, func(msg *message.Message) error {
-		_, err := chain(msg)
-		return err
-	})
 	return nil
 }
 
@@ -244,11 +235,11 @@ func readmeUpcasters(pool *pgxpool.Pool, router *message.Router, sub message.Sub
 	}
 
 	// The ready runner: every handler gets version 3.
-	c, err := consumer.New(pool, consumer.Config{Group: "billing", Topics: []string{"orders"}, Upcasters: up})
+	c, err := consumer.New(pool, consumer.Config{Config: middleware.Config{Group: "billing", Upcasters: up}, Topics: []string{"orders"}})
 
 	// Your own Router: the middleware upcasts inside the safe chain, so
 	// parked events and replayed dead letters are upcast too.
-	el, err := middleware.New(middleware.Config{DB: pool, Group: "billing", Upcasters: up})
+	el, err := middleware.New(pool, middleware.Config{Group: "billing", Upcasters: up})
 	if err != nil {
 		return err
 	}

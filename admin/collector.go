@@ -9,35 +9,79 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // collectTimeout bounds the database reads of one scrape.
 const collectTimeout = 5 * time.Second
 
-// statusCollector reports ReadOutboxStatus at scrape time.
-type statusCollector struct {
+// outboxCollector reports ReadOutboxStatus at scrape time.
+type outboxCollector struct {
 	db     DBTX
 	schema string
 
 	backlog, oldest, stored, dead, retrying, up, ahead, heldBack, holderAge, holderPID *prometheus.Desc
 }
 
-// NewStatusCollector returns a Prometheus collector that reads the outbox
-// status from the database on every scrape: eventline_outbox_backlog,
+// NewStatusCollector returns a Prometheus collector that reads the
+// status of the outbox and of every consumer group from schema on every
+// scrape, each part bounded by a 5-second timeout. `eventline relay
+// -metrics-addr` serves it.
+//
+// The outbox: eventline_outbox_backlog,
 // eventline_outbox_oldest_pending_seconds, stored rows and
 // eventline_outbox_position_ahead (1 when the shard needs
 // RebasePositions) and eventline_outbox_held_back per shard; while rows
 // are held back, eventline_outbox_horizon_holder_age_seconds and _pid (the
 // oldest open transaction); dead letters waiting, rows waiting for a
-// retry, and eventline_outbox_up (0 when the status could not be read).
-// Each scrape is bounded by a 5-second timeout.
+// retry, and eventline_outbox_up (0 when the status could not be read). A
+// schema without an outbox (a consumer-only database) reports no
+// eventline_outbox_* series at all.
+//
+// The consumer groups, with only the "group" label, whose values are the
+// groups recorded in the database (set by configuration, not by events on
+// the wire): eventline_group_parked_events,
+// eventline_group_oldest_parked_seconds, eventline_group_open_gaps,
+// eventline_group_oldest_open_gap_seconds,
+// eventline_group_skipped_gaps_24h, eventline_group_late_events,
+// eventline_group_dead_letters, and eventline_group_status_up (0 when
+// their status could not be read). Unlike a consumer's own gauges they are
+// right even when no consumer of the group runs; each scrape costs one
+// query per group. A schema without consumer tables (a producer-only
+// database whose consumers keep their tables elsewhere) reports no
+// eventline_group_* series at all, not eventline_group_status_up 0, which
+// would page for nothing; when the look-up for them fails (the database
+// is unavailable), eventline_group_status_up is 0. A scrape never fails
+// on it.
 func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
 	if err := checkArgs("NewStatusCollector", db, schema); err != nil {
 		return nil, err
 	}
+	st, err := store.New(schema)
+	if err != nil {
+		return nil, fmt.Errorf("admin.NewStatusCollector: %w", err)
+	}
+	return statusCollector{newOutboxCollector(db, schema), &groupStatusCollector{Collector: st.NewStatusCollector(db), db: db, schema: schema}}, nil
+}
+
+// statusCollector is the outbox's collector and the groups'.
+type statusCollector []prometheus.Collector
+
+func (c statusCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, x := range c {
+		x.Describe(ch)
+	}
+}
+
+func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, x := range c {
+		x.Collect(ch)
+	}
+}
+
+func newOutboxCollector(db DBTX, schema string) *outboxCollector {
 	shard := []string{"shard"}
-	return &statusCollector{
+	return &outboxCollector{
 		db: db, schema: schema,
 		backlog:  prometheus.NewDesc("eventline_outbox_backlog", "Committed outbox rows not yet forwarded to Kafka.", shard, nil),
 		oldest:   prometheus.NewDesc("eventline_outbox_oldest_pending_seconds", "Age of the oldest row not yet forwarded.", shard, nil),
@@ -53,19 +97,22 @@ func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
 			"While rows are held back: how long the oldest open transaction (the one holding the xmin horizon) has been open.", nil, nil),
 		holderPID: prometheus.NewDesc("eventline_outbox_horizon_holder_pid",
 			"While rows are held back: the backend pid of the oldest open transaction (0 for a prepared one); see pg_stat_activity or eventline status.", nil, nil),
-	}, nil
+	}
 }
 
-func (c *statusCollector) Describe(ch chan<- *prometheus.Desc) {
+func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.stored, c.dead, c.retrying, c.up, c.ahead, c.heldBack, c.holderAge, c.holderPID} {
 		ch <- d
 	}
 }
 
-func (c *statusCollector) Collect(ch chan<- prometheus.Metric) {
+func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), collectTimeout)
 	defer cancel()
 	st, err := readOutboxStatus(ctx, c.db, c.schema)
+	if isNotMigrated(err) {
+		return // a consumer-only database: no outbox to report on
+	}
 	if err != nil {
 		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 0)
 		return
@@ -91,26 +138,8 @@ func (c *statusCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.retrying, prometheus.GaugeValue, float64(st.Retrying))
 }
 
-// NewGroupStatusCollector returns versioning.NewStatusCollector (the
-// eventline_group_* gauges) for a schema that may have no consumer tables:
-// a producer-only database whose consumers keep their tables elsewhere.
-// At each scrape it looks for them first; when they are not there it
-// reports no eventline_group_* series at all (not
-// eventline_group_status_up 0, which would page for nothing). When the
-// look-up itself fails (the database is unavailable) the status collector
-// runs and reports eventline_group_status_up 0. A scrape never fails on
-// it.
-func NewGroupStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
-	if err := checkArgs("NewGroupStatusCollector", db, schema); err != nil {
-		return nil, err
-	}
-	groups, err := versioning.NewStatusCollector(db, schema)
-	if err != nil {
-		return nil, fmt.Errorf("admin.NewGroupStatusCollector: %w", err)
-	}
-	return &groupStatusCollector{Collector: groups, db: db, schema: schema}, nil
-}
-
+// groupStatusCollector is the consumer groups' collector on a schema that
+// may have no consumer tables: at each scrape it looks for them first.
 type groupStatusCollector struct {
 	prometheus.Collector
 	db     DBTX
@@ -120,7 +149,7 @@ type groupStatusCollector struct {
 func (c *groupStatusCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), collectTimeout)
 	defer cancel()
-	// 002_consumer creates both; versioning.ReadGroupStatuses works from it on.
+	// 002_consumer creates both; the store's ReadGroupStatuses works from it on.
 	var absent bool
 	err := c.db.QueryRow(ctx, `SELECT to_regclass($1) IS NULL AND to_regclass($2) IS NULL`,
 		sqlident.Qualify(c.schema, "aggregate_versions"), sqlident.Qualify(c.schema, "parked_events")).Scan(&absent)

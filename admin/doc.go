@@ -10,7 +10,7 @@
 //     when run in a repeatable-read transaction; [ReadOutboxStatus] for the
 //     outbox alone, [ShardOwners], [ReadHorizonHolder] for the transaction
 //     holding committed events back.
-//   - [NewStatusCollector] and [NewGroupStatusCollector]: the same at every
+//   - [NewStatusCollector]: the same (outbox and groups) at every
 //     Prometheus scrape.
 //
 // Act:

@@ -12,7 +12,7 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // envelope is a forwarder envelope as the producer writes it into the
@@ -189,7 +189,7 @@ func TestReplayHeld(t *testing.T) {
 		v2 := b.relayDeadLetter(t, 0, "u-2", order("o-1", 2))
 		other := b.relayDeadLetter(t, 0, "u-9", order("o-2", 1))
 		for _, g := range []string{"shipping", "billing"} {
-			require.NoError(t, b.vs.RecordSkipped(b.ctx, b.env.Pool, versioning.Key{Group: g, AggregateType: "order", AggregateID: "o-1"}, 2, 2, "park timeout"))
+			require.NoError(t, b.vs.RecordSkipped(b.ctx, b.env.Pool, store.Key{Group: g, AggregateType: "order", AggregateID: "o-1"}, 2, 2, "park timeout"))
 		}
 		res, err := admin.ReplayHeld(b.ctx, b.env.Pool, b.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 		require.NoError(t, err)

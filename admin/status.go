@@ -8,10 +8,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // Status is what `eventline status` shows: the outbox, the relays owning
@@ -34,15 +33,54 @@ type Status struct {
 }
 
 // GroupStatus is one consumer group: its gap and stall picture (parked
-// events, open gaps, late events and dead letters held, see
-// versioning.GroupStatus), its dedup records and every gap it skipped.
+// events, open gaps, late events and dead letters held), its dedup records
+// and every gap it skipped.
 type GroupStatus struct {
-	versioning.GroupStatus
+	Group string
+	// Parked counts parked events; OldestParked is the age of the oldest
+	// (0 when none).
+	Parked       int64
+	OldestParked time.Duration
+	// OpenGapCount counts aggregates whose lowest parked event waits for
+	// missing versions; OpenGaps lists the oldest of them (see ReadStatus)
+	// and OldestGap is the age of the oldest.
+	OpenGapCount int64
+	OpenGaps     []OpenGap
+	OldestGap    time.Duration
+	// SkippedGapsRecent counts the gaps recorded in skipped_versions in
+	// the last 24 hours, by the sweeper, the Apply policy, a give-up or an
+	// operator.
+	SkippedGapsRecent int64
+	// LateHeld counts the group's late events held for the operator, and
+	// DeadLetters its dead letters, not yet replayed or discarded (held
+	// events of kind late and dead_letter, status held or
+	// replay_requested; 0 on a schema rolled back past 003_held_events).
+	LateHeld    int64
+	DeadLetters int64 // see LateHeld
 	// Processed counts the group's dedup records (processed_events rows).
 	Processed int64
 	// SkippedGaps and SkippedVersions count the gaps the group gave up on
 	// (skipped_versions), ever, and the versions in them.
 	SkippedGaps, SkippedVersions int64
+}
+
+// OpenGap is an aggregate whose lowest parked event waits for versions
+// that have not arrived: its consumer group is stuck on it.
+type OpenGap struct {
+	AggregateType string
+	AggregateID   string
+	// Current is the aggregate's last applied version; the missing
+	// versions are Current+1 up to Follows.
+	Current int64
+	// Follows is the predecessor the lowest parked event (Version) waits
+	// for.
+	Follows int64
+	Version int64 // see Follows
+	// Parked counts the aggregate's parked events.
+	Parked int64
+	// Age is how long the gap has been known: since the aggregate's
+	// oldest parked event parked.
+	Age time.Duration
 }
 
 // ReadStatus reads the outbox's status (ReadOutboxStatus), its shard
@@ -53,7 +91,7 @@ type GroupStatus struct {
 // would abort that transaction.
 //
 // Open gaps are listed up to openGaps per group (the oldest first; all
-// are counted); 0 lists versioning.DefaultOpenGapsListed, negative none.
+// are counted); 0 lists 20, negative none.
 func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Status, error) {
 	if err := checkArgs("ReadStatus", db, schema); err != nil {
 		return Status{}, err
@@ -71,7 +109,7 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	} else if !isNotMigrated(err) {
 		return st, err
 	}
-	err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, dedup.Table)).Scan(&st.ConsumerTables)
+	err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "processed_events")).Scan(&st.ConsumerTables)
 	if err != nil {
 		return st, fmt.Errorf("look for the consumer tables: %w", err)
 	}
@@ -84,7 +122,8 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 
 // groupsSQL lists the groups with dedup records, skipping along the
 // primary key from one group to the next, so the cost grows with the
-// groups, not the rows; versioning lists those of its own tables.
+// groups, not the rows; the consumer's store lists those of its own
+// tables.
 const groupsSQL = `WITH RECURSIVE g(name) AS (
 		(SELECT consumer_group FROM {schema}.processed_events ORDER BY consumer_group LIMIT 1)
 		UNION ALL
@@ -98,15 +137,11 @@ const skippedSQL = `SELECT count(*), COALESCE(sum(to_version - from_version + 1)
 
 // readGroups reads every consumer group's status, by name.
 func readGroups(ctx context.Context, db DBTX, schema string, openGaps int) ([]GroupStatus, error) {
-	ds, err := dedup.NewStore(schema)
+	st, err := store.New(schema)
 	if err != nil {
 		return nil, err
 	}
-	vs, err := versioning.NewStore(schema)
-	if err != nil {
-		return nil, err
-	}
-	statuses, err := vs.ReadGroupStatuses(ctx, db, versioning.ReadGroupStatusOptions{OpenGapsLimit: openGaps})
+	statuses, err := st.ReadGroupStatuses(ctx, db, store.ReadGroupStatusOptions{OpenGapsLimit: openGaps})
 	if err != nil {
 		return nil, err
 	}
@@ -118,7 +153,7 @@ func readGroups(ctx context.Context, db DBTX, schema string, openGaps int) ([]Gr
 	if err != nil {
 		return nil, fmt.Errorf("list the consumer groups with dedup records: %w", err)
 	}
-	byGroup := map[string]versioning.GroupStatus{}
+	byGroup := map[string]store.GroupStatus{}
 	for _, gs := range statuses {
 		byGroup[gs.Group] = gs
 		names = append(names, gs.Group)
@@ -128,12 +163,8 @@ func readGroups(ctx context.Context, db DBTX, schema string, openGaps int) ([]Gr
 	skipped := sqlident.SQL(schema, skippedSQL)
 	out := make([]GroupStatus, 0, len(names))
 	for _, name := range names {
-		g := GroupStatus{GroupStatus: byGroup[name]}
-		g.Group = name
-		if g.OpenGaps == nil {
-			g.OpenGaps = []versioning.OpenGap{}
-		}
-		if g.Processed, err = ds.Count(ctx, db, name); err != nil {
+		g := groupStatus(name, byGroup[name])
+		if g.Processed, err = st.CountProcessed(ctx, db, name); err != nil {
 			return nil, err
 		}
 		if err := db.QueryRow(ctx, skipped, name).Scan(&g.SkippedGaps, &g.SkippedVersions); err != nil {
@@ -142,6 +173,17 @@ func readGroups(ctx context.Context, db DBTX, schema string, openGaps int) ([]Gr
 		out = append(out, g)
 	}
 	return out, nil
+}
+
+// groupStatus is the store's status of group as admin reports it.
+func groupStatus(group string, s store.GroupStatus) GroupStatus {
+	g := GroupStatus{Group: group, Parked: s.Parked, OldestParked: s.OldestParked, OpenGapCount: s.OpenGapCount,
+		OpenGaps: make([]OpenGap, 0, len(s.OpenGaps)), OldestGap: s.OldestGap, SkippedGapsRecent: s.SkippedGapsRecent,
+		LateHeld: s.LateHeld, DeadLetters: s.DeadLetters}
+	for _, o := range s.OpenGaps {
+		g.OpenGaps = append(g.OpenGaps, OpenGap(o))
+	}
+	return g
 }
 
 // OutboxStatus is a snapshot of the outbox read from the database.

@@ -18,6 +18,8 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
+	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -27,13 +29,13 @@ import (
 type bundle struct {
 	ctx context.Context
 	env pgtest.Env
-	vs  *versioning.Store
+	vs  *store.Store
 }
 
 func setup(t *testing.T, shards int) bundle {
 	t.Helper()
 	env := pgtest.New(t, pgtest.Options{Shards: shards})
-	vs, err := versioning.NewStore(env.Schema)
+	vs, err := store.New(env.Schema)
 	require.NoError(t, err)
 	return bundle{ctx: context.Background(), env: env, vs: vs}
 }
@@ -58,10 +60,10 @@ func (b bundle) park(t *testing.T, group, aggID string, applied int64, park ...i
 	t.Helper()
 	admit := func(e eventline.Event, parkIt bool) {
 		require.NoError(t, pgx.BeginFunc(b.ctx, b.env.Pool, func(tx pgx.Tx) error {
-			if _, err := b.vs.Admit(b.ctx, tx, group, e, false, true); err != nil || !parkIt {
+			if _, err := b.vs.Admit(b.ctx, tx, group, e, false); err != nil || !parkIt {
 				return err
 			}
-			_, err := b.vs.Park(b.ctx, tx, versioning.ParkRequest{Group: group, Event: e, Handler: "things", Topic: "things"})
+			_, err := b.vs.Park(b.ctx, tx, store.ParkRequest{Group: group, Event: e, Handler: "things", Topic: "things", MaxGap: versioning.DefaultMaxGap})
 			return err
 		}))
 	}
@@ -89,10 +91,8 @@ func TestReadStatus(t *testing.T) {
 		b.park(t, "shipping", "x", 0, 3)
 		_, err := b.vs.ReleaseGap(b.ctx, b.env.Pool, "shipping", "thing", "x", "test")
 		require.NoError(t, err)
-		ds, err := dedup.NewStore(b.env.Schema)
-		require.NoError(t, err)
 		// A group that only ever recorded events without versions.
-		_, err = ds.Insert(b.ctx, b.env.Pool, "audit", eventline.Event{ID: eventline.NewEventID(), Type: "ping"}, dedup.OutcomeApplied)
+		_, err = b.vs.RecordProcessed(b.ctx, b.env.Pool, "audit", eventline.Event{ID: eventline.NewEventID(), Type: "ping"}, dedup.OutcomeApplied)
 		require.NoError(t, err)
 
 		st := b.readStatus(t, b.env.Schema)
@@ -229,16 +229,16 @@ func TestReadHorizonHolder(t *testing.T) {
 	require.NotNil(t, st.HorizonHolder)
 }
 
-// TestNewGroupStatusCollector: the consumer groups' gauges on a schema
+// TestNewStatusCollector's groups: the consumer groups' gauges on a schema
 // with the consumer tables; none at all on a schema without them (a
 // producer-only database), rather than eventline_group_status_up 0.
-func TestNewGroupStatusCollector(t *testing.T) {
+func TestNewStatusCollectorGroups(t *testing.T) {
 	t.Parallel()
 	b := setup(t, 1)
 	b.park(t, "billing", "a", 0, 2)
 	gather := func(schema string) *prometheus.Registry {
 		t.Helper()
-		c, err := admin.NewGroupStatusCollector(b.env.Pool, schema)
+		c, err := admin.NewStatusCollector(b.env.Pool, schema)
 		require.NoError(t, err)
 		reg := prometheus.NewRegistry()
 		require.NoError(t, reg.Register(c))
@@ -257,5 +257,20 @@ func TestNewGroupStatusCollector(t *testing.T) {
 	require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1))
 	families, err := gather(schema).Gather()
 	require.NoError(t, err)
-	require.Empty(t, families, "no eventline_group_* series on a schema without consumer tables")
+	for _, f := range families {
+		require.NotContains(t, f.GetName(), "eventline_group_", "no eventline_group_* series on a schema without consumer tables")
+	}
+	require.NotEmpty(t, families, "the outbox's series are there")
+
+	// A consumer-only schema (no outbox): the groups' series, no
+	// eventline_outbox_* series at all (not eventline_outbox_up 0).
+	_, err = b.env.Pool.Exec(b.ctx, `DROP TABLE `+sqlident.Qualify(b.env.Schema, "outbox_config"))
+	require.NoError(t, err)
+	reg = gather(b.env.Schema)
+	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_parked_events"))
+	families, err = reg.Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		require.NotContains(t, f.GetName(), "eventline_outbox_", "no eventline_outbox_* series on a schema without an outbox")
+	}
 }

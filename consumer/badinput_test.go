@@ -16,24 +16,25 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/middleware"
 )
 
 func badInputConfig(schema string) consumer.Config {
-	return consumer.Config{Brokers: []string{"127.0.0.1:9"}, Group: "g", Topics: []string{"things"}, Schema: schema, Logger: quietLogger()}
+	return consumer.Config{Config: middleware.Config{Group: "g", Schema: schema, Logger: quietLogger()}, Brokers: []string{"127.0.0.1:9"}, Topics: []string{"things"}}
 }
 
-// TestNewRefusesRetrySettingsRunWouldRefuse: a NaN or infinite
-// RetryMultiplier and a NaN RetryJitter passed New's checks (NaN compares
-// false), and then middleware.Retry refused every message with a
-// *CompositionError: each was left unacknowledged and redelivered forever.
-// New refuses them, naming the field.
+// TestNewRefusesRetrySettingsRunWouldRefuse: a NaN or infinite retry
+// Multiplier and a NaN Jitter passed New's checks (NaN compares false),
+// and then the retries refused every message: each was left
+// unacknowledged and redelivered forever. New refuses them, naming the
+// field.
 func TestNewRefusesRetrySettingsRunWouldRefuse(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
 	for field, mutate := range map[string]func(*consumer.Config){
-		"consumer.Config.RetryMultiplier is NaN":  func(c *consumer.Config) { c.RetryMultiplier = math.NaN() },
-		"consumer.Config.RetryMultiplier is +Inf": func(c *consumer.Config) { c.RetryMultiplier = math.Inf(1) },
-		"consumer.Config.RetryJitter is NaN":      func(c *consumer.Config) { c.RetryJitter = math.NaN() },
+		"consumer.Config.Retry.Multiplier is NaN":  func(c *consumer.Config) { c.Retry.Multiplier = math.NaN() },
+		"consumer.Config.Retry.Multiplier is +Inf": func(c *consumer.Config) { c.Retry.Multiplier = math.Inf(1) },
+		"consumer.Config.Retry.Jitter is NaN":      func(c *consumer.Config) { c.Retry.Jitter = math.NaN() },
 	} {
 		cfg := badInputConfig(env.Schema)
 		mutate(&cfg)
@@ -42,22 +43,22 @@ func TestNewRefusesRetrySettingsRunWouldRefuse(t *testing.T) {
 	}
 }
 
-// TestRetryInitialIntervalAloneIsEnough: a RetryInitialInterval above
-// the default cap (10s) with RetryMaxInterval left 0 used to fail with
+// TestRetryInitialIntervalAloneIsEnough: a first retry wait (Retry.Initial)
+// above the default cap (10s) with Retry.Max left 0 used to fail with
 // "RetryMaxInterval (10s) is below RetryInitialInterval", about a field the
-// caller never set; the cap now defaults to at least the first wait, as
-// InfraRetryMaxInterval and middleware.Retry do.
+// caller never set; the cap defaults to at least the first wait, as
+// eventline.Backoff.Or does for every schedule.
 func TestRetryInitialIntervalAloneIsEnough(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
 	cfg := badInputConfig(env.Schema)
-	cfg.RetryInitialInterval = 20 * time.Second
+	cfg.Retry.Initial = 20 * time.Second
 	_, err := consumer.New(env.Pool, cfg)
 	require.NoError(t, err)
 
-	cfg.RetryMaxInterval = 15 * time.Second // set, and below: still refused
+	cfg.Retry.Max = 15 * time.Second // set, and below: still refused
 	_, err = consumer.New(env.Pool, cfg)
-	require.ErrorContains(t, err, "consumer.Config.RetryMaxInterval (15s) is below RetryInitialInterval (20s)")
+	require.ErrorContains(t, err, "consumer.Config.Retry.Max (15s) is below Initial (20s)")
 }
 
 // TestNewRefusesAGroupPostgreSQLCannotStore: the group is written with
@@ -136,18 +137,18 @@ func TestNewConfigProperty(t *testing.T) {
 			}
 		}
 		perturb := []func(){
-			drawDur("RetryInitialInterval", &cfg.RetryInitialInterval),
-			drawDur("RetryMaxInterval", &cfg.RetryMaxInterval),
-			drawDur("InfraRetryInitialInterval", &cfg.InfraRetryInitialInterval),
-			drawDur("InfraRetryMaxInterval", &cfg.InfraRetryMaxInterval),
+			drawDur("Retry.Initial", &cfg.Retry.Initial),
+			drawDur("Retry.Max", &cfg.Retry.Max),
+			drawDur("InfraBackoff.Initial", &cfg.InfraBackoff.Initial),
+			drawDur("InfraBackoff.Max", &cfg.InfraBackoff.Max),
 			drawDur("TxTimeout", &cfg.TxTimeout),
 			drawDur("ShutdownTimeout", &cfg.ShutdownTimeout),
 			drawDur("BatchLinger", &cfg.BatchLinger),
 			drawDur("ParkTimeout", &cfg.ParkTimeout),
 			drawDur("SweepInterval", &cfg.SweepInterval),
-			drawFloat("RetryMultiplier", &cfg.RetryMultiplier),
-			drawFloat("RetryJitter", &cfg.RetryJitter),
-			drawInt("MaxRetries", &cfg.MaxRetries, []int{0, consumer.NoRetries, -2, 3, math.MaxInt, math.MinInt}),
+			drawFloat("Retry.Multiplier", &cfg.Retry.Multiplier),
+			drawFloat("Retry.Jitter", &cfg.Retry.Jitter),
+			drawInt("MaxRetries", &cfg.MaxRetries, []int{0, middleware.NoRetries, -2, 3, math.MaxInt, math.MinInt}),
 			drawInt("Lanes", &cfg.Lanes, []int{0, -1, 1, consumer.MaxLanes, consumer.MaxLanes + 1, math.MaxInt}),
 			drawInt("BatchSize", &cfg.BatchSize, []int{0, -1, 1, consumer.MaxBatchSize, consumer.MaxBatchSize + 1, math.MaxInt}),
 			drawInt("MaxReleaseAttempts", &cfg.MaxReleaseAttempts, []int{0, -1, 1, math.MaxInt}),
@@ -179,8 +180,8 @@ func TestNewConfigProperty(t *testing.T) {
 		}
 
 		// Values no run can use: New must refuse them.
-		unusable := math.IsNaN(cfg.RetryMultiplier) || math.IsInf(cfg.RetryMultiplier, 0) || cfg.RetryMultiplier < 0 ||
-			math.IsNaN(cfg.RetryJitter) || math.IsInf(cfg.RetryJitter, 0) || cfg.RetryJitter > 1 ||
+		unusable := math.IsNaN(cfg.Retry.Multiplier) || math.IsInf(cfg.Retry.Multiplier, 0) || cfg.Retry.Multiplier < 0 ||
+			math.IsNaN(cfg.Retry.Jitter) || math.IsInf(cfg.Retry.Jitter, 0) || cfg.Retry.Jitter > 1 ||
 			fields["Group"] && cfg.Group != strings.Repeat("g", 10_000) && cfg.Group != "g'; drop table x; --" ||
 			fields["Topics"] || // nil, empty, listed twice, a space, longer than Kafka allows
 			fields["Schema"] || fields["Brokers"]

@@ -4,147 +4,59 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
-	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill/message"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/kafkaconf"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/versioning"
 )
 
-// Defaults for [Config].
+// Defaults and bounds of the runner's own fields of [Config].
 const (
-	// DefaultMaxRetries is how many times a failing event is retried
-	// before it is dead-lettered.
-	DefaultMaxRetries = middleware.DefaultMaxRetries
-	// DefaultRetryInitialInterval is the wait before the first retry.
-	DefaultRetryInitialInterval = middleware.DefaultRetryInitialInterval
-	// DefaultRetryMaxInterval caps the wait between retries.
-	DefaultRetryMaxInterval = middleware.DefaultRetryMaxInterval
-	// DefaultRetryMultiplier scales the wait after each retry.
-	DefaultRetryMultiplier = middleware.DefaultRetryMultiplier
-	// DefaultRetryJitter spreads each retry's wait by up to ±20%.
-	DefaultRetryJitter = 0.2
-	// DefaultInfraRetryInitialInterval is the first wait while the
-	// database is unavailable.
-	DefaultInfraRetryInitialInterval = middleware.DefaultInfraInitialInterval
-	// DefaultInfraRetryMaxInterval caps the waits while the database is
-	// unavailable.
-	DefaultInfraRetryMaxInterval = middleware.DefaultInfraMaxInterval
-	// DefaultTxTimeout bounds one event's transaction.
-	DefaultTxTimeout = middleware.DefaultTxTimeout
+	// DefaultLanes is how many lanes each partition is split into.
+	DefaultLanes = 8
+	// DefaultBatchSize is the most events of one lane applied in one
+	// transaction.
+	DefaultBatchSize = 16
+	// DefaultBatchLinger is how long a lane waits for a batch to fill: 0,
+	// a batch takes what is already waiting when the lane is free.
+	DefaultBatchLinger = time.Duration(0)
 	// DefaultShutdownTimeout bounds how long Run waits for in-flight
 	// events when its context ends.
 	DefaultShutdownTimeout = 30 * time.Second
-	// NoRetries, as Config.MaxRetries, dead-letters a failing event after
-	// its first attempt.
-	NoRetries = -1
-	// NoJitter, as Config.RetryJitter, waits exactly the schedule's
-	// intervals.
-	NoJitter = -1.0
-	// NoTxTimeout, as Config.TxTimeout, leaves event transactions
-	// unbounded.
-	NoTxTimeout = middleware.NoTxTimeout
+	// MaxLanes bounds Lanes.
+	MaxLanes = 256
+	// MaxBatchSize bounds BatchSize.
+	MaxBatchSize = 1000
+	// MaxBatchLinger bounds BatchLinger.
+	MaxBatchLinger = time.Second
 )
 
 // Config configures a Consumer. Only Group and Topics are required.
+//
+// It embeds the middleware's Config, which holds every setting the
+// consumer shares with the middleware on your own Router (the group, the
+// schema, the gate's policies, retries, waits for the database, the
+// transaction's bound, upcasting, your own middleware, logging, metrics,
+// tracing; see middleware.Config), and adds the runner's own: where to
+// read (Brokers, Topics, SaramaConfig) and how (Lanes, BatchSize,
+// BatchLinger, ShutdownTimeout).
+//
+//	cfg := consumer.Config{Topics: []string{"orders"}, Lanes: 4}
+//	cfg.Group, cfg.MaxRetries = "billing", 3
+//
+// In the consumer, Group is also the Kafka consumer group. Its errors name
+// the field as consumer.Config.<Field>, the embedded ones too.
 type Config struct {
+	middleware.Config
 	// Brokers are the Kafka brokers, host:port. Defaults to the
 	// comma-separated list in the KAFKA_BROKERS environment variable.
 	Brokers []string
-	// Group is the Kafka consumer group, and the group eventline keeps
-	// dedup records, versions and parked events under. Consumers sharing a
-	// group share the work (and the exactly-once bookkeeping). Required;
-	// it is stored with every record, so it must be valid UTF-8 without
-	// NUL bytes.
-	Group string
 	// Topics are the Kafka topics to consume; each gets one Watermill
 	// handler named "eventline/<group>/<topic>". Required.
 	Topics []string
-	// Schema is the PostgreSQL schema holding eventline's tables. Defaults
-	// to "eventline".
-	Schema string
-	// GapPolicy is what happens to an event that arrives ahead of a missing
-	// version of its aggregate. Defaults to versioning.Park.
-	GapPolicy versioning.GapPolicy
-	// PolicyByType overrides GapPolicy per event type.
-	PolicyByType map[string]versioning.GapPolicy
-	// LatePolicy is what happens to a late event, one whose version was
-	// given up on (the park timeout passed) before it arrived: held for
-	// the operator (`eventline held list -kind late`), or applied at once with
-	// middleware.IsLate. Defaults to versioning.HoldLate.
-	LatePolicy versioning.LatePolicy
-	// LatePolicyByType overrides LatePolicy per event type.
-	LatePolicyByType map[string]versioning.LatePolicy
-	// MaxGap bounds the versions one event may leave missing in front of
-	// it; an event beyond it (an inflated version) is dead-lettered. An
-	// event that declares its predecessor (aggregate_previous_version,
-	// written by the producer for sparse versions) is not bounded: it
-	// waits for that one event. Defaults to versioning.DefaultMaxGap
-	// (1000).
-	MaxGap int64
-	// MaxReleaseAttempts is how many failed attempts to apply a parked
-	// event are allowed before it is given up (held as late in held_events, its
-	// version recorded as skipped). Defaults to
-	// versioning.DefaultMaxReleaseAttempts (10).
-	MaxReleaseAttempts int
-	// Unversioned is what happens to an event without an aggregate
-	// version. Defaults to versioning.PassUnversioned.
-	Unversioned versioning.UnversionedPolicy
-	// ParkTimeout is how long an aggregate's parked events wait for the
-	// missing versions before the sweeper skips the gap. Defaults to
-	// versioning.DefaultParkTimeout (1 hour).
-	ParkTimeout time.Duration
-	// SweepInterval is the pause between sweeper passes. Defaults to
-	// versioning.DefaultSweepInterval (5s).
-	SweepInterval time.Duration
-	// MaxRetries is how many times a failing event is retried (each
-	// attempt in a new transaction) before it is dead-lettered. Permanent
-	// errors are not retried; database outages and transaction conflicts
-	// are retried without spending it (see middleware.Retry). Defaults to
-	// DefaultMaxRetries (5); NoRetries disables retries.
-	MaxRetries int
-	// RetryInitialInterval is the wait before the first retry; retry n
-	// waits min(RetryInitialInterval × RetryMultiplier^(n−1),
-	// RetryMaxInterval), so the defaults wait 100ms, 200ms, 400ms, 800ms,
-	// 1.6s. Defaults to DefaultRetryInitialInterval (100ms).
-	RetryInitialInterval time.Duration
-	// RetryMaxInterval caps the wait between retries. Defaults to
-	// DefaultRetryMaxInterval (10s), or RetryInitialInterval when that is
-	// longer.
-	RetryMaxInterval time.Duration
-	// RetryMultiplier scales the wait after each retry. Defaults to
-	// DefaultRetryMultiplier (2).
-	RetryMultiplier float64
-	// RetryJitter spreads each wait at random by up to this fraction of
-	// it, between 0 and 1. Defaults to DefaultRetryJitter (0.2); NoJitter
-	// waits exactly the schedule's intervals.
-	RetryJitter float64
-	// InfraRetryInitialInterval is the first wait while the database is
-	// unavailable (refused, reset, restarting, not answering within
-	// TxTimeout); waits double up to InfraRetryMaxInterval and go on for
-	// as long as the outage lasts. Defaults to
-	// DefaultInfraRetryInitialInterval (250ms).
-	InfraRetryInitialInterval time.Duration
-	// InfraRetryMaxInterval caps those waits: once the database answers
-	// again, the consumer resumes within it. Defaults to
-	// DefaultInfraRetryMaxInterval (5s).
-	InfraRetryMaxInterval time.Duration
-	// TxTimeout bounds one event's transaction (BEGIN, the handler,
-	// COMMIT); it is how a database connection that stops answering
-	// without closing is noticed (see middleware.Config.TxTimeout).
-	// Defaults to DefaultTxTimeout (1m); NoTxTimeout disables it.
-	TxTimeout time.Duration
 	// SaramaConfig is the Kafka consumer's Sarama configuration. Defaults
 	// to a configuration that starts a new group at the oldest offset
 	// (Consumer.Offsets.Initial = sarama.OffsetOldest) and auto-commits
@@ -164,10 +76,8 @@ type Config struct {
 	// transaction (dedup records and version checks for the whole batch in
 	// one round trip with BEGIN, the handlers one after the other, one
 	// COMMIT, then the offsets). Per-event guarantees are unchanged; an
-	// event that fails costs only itself (see middleware.Batch). 1
-	// disables batching. Lanes and BatchSize both 1 use watermill-kafka's
-	// subscriber, as eventline did before batches. Defaults to
-	// DefaultBatchSize (16); at most MaxBatchSize.
+	// event that fails costs only itself. 1 applies each event in its own
+	// transaction. Defaults to DefaultBatchSize (16); at most MaxBatchSize.
 	BatchSize int
 	// BatchLinger is how long a free lane waits for more events before it
 	// applies a batch that is not full. Defaults to DefaultBatchLinger (0:
@@ -179,78 +89,16 @@ type Config struct {
 	// back (and redelivered later). Defaults to DefaultShutdownTimeout
 	// (30s).
 	ShutdownTimeout time.Duration
-	// Upcasters, when set, rewrites each event's payload to the current
-	// schema version of its type just before its handler runs (also for
-	// events released from parking), so handlers registered with Handle
-	// and HandleJSON only ever see the current version. An event it cannot
-	// upcast is dead-lettered as permanent. Defaults to none: handlers get
-	// payloads as written.
-	Upcasters *eventline.Upcasters
-	// Middleware runs around every event, outside the eventline
-	// transaction and inside retries and dead-lettering (tracing,
-	// logging…). The first is outermost. The events of one batch pass it
-	// concurrently, each returning once the batch has committed.
-	Middleware []message.HandlerMiddleware
-	// Logger receives what the consumer, Watermill and the sweeper report
-	// (Watermill's info lines at debug level). Defaults to slog.Default().
-	Logger *slog.Logger
-	// Metrics, when set, counts what happens to events (see
-	// middleware.NewMetrics).
-	Metrics *middleware.Metrics
-	// TracerProvider, when set, traces every event: a "process <topic>"
-	// span (kind consumer) per delivery continuing the trace the relay
-	// wrote into the record's headers, with eventline.outcome; "release
-	// <topic>" spans for parked events applied later, linked to their
-	// original trace; "dead_letter <topic>" spans. Handlers find the span
-	// in their context, so their own spans nest under it. Defaults to nil:
-	// no spans, and no cost beyond a nil check per event.
-	TracerProvider trace.TracerProvider
-	// Propagator reads the trace context from record headers. Defaults to
-	// OpenTelemetry's global propagator if the application set one
-	// (otel.SetTextMapPropagator), else W3C trace context and baggage.
-	Propagator propagation.TextMapPropagator
-	// MeterProvider, when set, receives the stage latencies (also in
-	// eventline_consumer_stage_seconds) as the OTel histogram
-	// eventline.stage.duration. Defaults to nil.
-	MeterProvider metric.MeterProvider
 }
 
-func (c Config) withDefaults() Config {
+// runnerDefaults fills the runner's own fields; the middleware fills the
+// embedded ones (the runner logs through the same default logger).
+func (c Config) runnerDefaults() Config {
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
 	if len(c.Brokers) == 0 {
 		c.Brokers = kafkaconf.BrokersFromEnv()
-	}
-	if c.Schema == "" {
-		c.Schema = migrations.DefaultSchema
-	}
-	switch c.MaxRetries {
-	case 0:
-		c.MaxRetries = DefaultMaxRetries
-	case NoRetries:
-		c.MaxRetries = 0
-	}
-	if c.RetryInitialInterval == 0 {
-		c.RetryInitialInterval = DefaultRetryInitialInterval
-	}
-	if c.RetryMaxInterval == 0 {
-		c.RetryMaxInterval = max(DefaultRetryMaxInterval, c.RetryInitialInterval)
-	}
-	if c.RetryMultiplier == 0 {
-		c.RetryMultiplier = DefaultRetryMultiplier
-	}
-	switch c.RetryJitter {
-	case 0:
-		c.RetryJitter = DefaultRetryJitter
-	case NoJitter:
-		c.RetryJitter = 0
-	}
-	if c.InfraRetryInitialInterval == 0 {
-		c.InfraRetryInitialInterval = DefaultInfraRetryInitialInterval
-	}
-	if c.InfraRetryMaxInterval == 0 {
-		c.InfraRetryMaxInterval = max(DefaultInfraRetryMaxInterval, c.InfraRetryInitialInterval)
-	}
-	if c.TxTimeout == 0 {
-		c.TxTimeout = DefaultTxTimeout
 	}
 	if c.SaramaConfig == nil {
 		c.SaramaConfig = kafkaconf.Consumer("eventline-" + c.Group)
@@ -264,20 +112,13 @@ func (c Config) withDefaults() Config {
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultBatchSize
 	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
 	return c
 }
 
-func (c Config) validate() error {
+// validateRunner checks the runner's own fields (the middleware checks the
+// embedded ones).
+func (c Config) validateRunner() error {
 	if err := kafkaconf.ValidateBrokers("consumer.Config.Brokers", c.Brokers); err != nil {
-		return err
-	}
-	if strings.TrimSpace(c.Group) == "" {
-		return errors.New("consumer.Config.Group is empty: name the Kafka consumer group")
-	}
-	if err := sqlident.Text("consumer.Config.Group", c.Group); err != nil {
 		return err
 	}
 	if len(c.Topics) == 0 {
@@ -293,40 +134,19 @@ func (c Config) validate() error {
 		}
 		seen[t] = true
 	}
-	if err := sqlident.Validate("consumer.Config.Schema", c.Schema); err != nil {
-		return err
-	}
 	switch {
-	case c.MaxRetries < 0:
-		return fmt.Errorf("consumer.Config.MaxRetries is %d; use a positive count, 0 for %d, or NoRetries", c.MaxRetries, DefaultMaxRetries)
-	case c.RetryInitialInterval < 0:
-		return fmt.Errorf("consumer.Config.RetryInitialInterval is %s; it must be positive", c.RetryInitialInterval)
-	case c.RetryMaxInterval < c.RetryInitialInterval:
-		return fmt.Errorf("consumer.Config.RetryMaxInterval (%s) is below RetryInitialInterval (%s)", c.RetryMaxInterval, c.RetryInitialInterval)
-	case c.RetryMultiplier < 1 || math.IsNaN(c.RetryMultiplier) || math.IsInf(c.RetryMultiplier, 0):
-		return fmt.Errorf("consumer.Config.RetryMultiplier is %g; it must be at least 1", c.RetryMultiplier)
-	case c.RetryJitter < 0 || c.RetryJitter > 1 || math.IsNaN(c.RetryJitter):
-		return fmt.Errorf("consumer.Config.RetryJitter is %g; it must be between 0 and 1 (or NoJitter)", c.RetryJitter)
-	case c.InfraRetryInitialInterval < 0:
-		return fmt.Errorf("consumer.Config.InfraRetryInitialInterval is %s; it must be positive", c.InfraRetryInitialInterval)
-	case c.InfraRetryMaxInterval < c.InfraRetryInitialInterval:
-		return fmt.Errorf("consumer.Config.InfraRetryMaxInterval (%s) is below InfraRetryInitialInterval (%s)", c.InfraRetryMaxInterval, c.InfraRetryInitialInterval)
-	case c.TxTimeout < 0 && c.TxTimeout != NoTxTimeout:
-		return fmt.Errorf("consumer.Config.TxTimeout is %s; it must be positive (or NoTxTimeout)", c.TxTimeout)
+	case c.Lanes < 0 || c.Lanes > MaxLanes:
+		return fmt.Errorf("consumer.Config.Lanes is %d; use 1 to %d (0 means %d)", c.Lanes, MaxLanes, DefaultLanes)
+	case c.BatchSize < 0 || c.BatchSize > MaxBatchSize:
+		return fmt.Errorf("consumer.Config.BatchSize is %d; use 1 (no batching) to %d (0 means %d)", c.BatchSize, MaxBatchSize, DefaultBatchSize)
+	case c.BatchLinger < 0 || c.BatchLinger > MaxBatchLinger:
+		return fmt.Errorf("consumer.Config.BatchLinger is %s; use 0 to %s: a longer wait holds every batch back", c.BatchLinger, MaxBatchLinger)
 	case c.ShutdownTimeout < 0:
 		return fmt.Errorf("consumer.Config.ShutdownTimeout is %s; it must be positive", c.ShutdownTimeout)
-	}
-	if err := validateLanes("consumer.Config", c.Lanes, c.BatchSize, c.BatchLinger, c.ShutdownTimeout, "ShutdownTimeout"); err != nil {
-		return err
 	}
 	if err := c.SaramaConfig.Validate(); err != nil {
 		// Run's Kafka subscriber would refuse it.
 		return fmt.Errorf("consumer.Config.SaramaConfig: %w", err)
-	}
-	for i, m := range c.Middleware {
-		if m == nil {
-			return fmt.Errorf("consumer.Config.Middleware[%d] is nil", i)
-		}
 	}
 	return nil
 }

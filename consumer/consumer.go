@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/configerr"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/middleware"
 )
@@ -28,17 +29,19 @@ import (
 // tx.
 type HandlerFunc func(ctx context.Context, tx pgx.Tx, e eventline.Event) error
 
-// ErrRunning is returned by Handle and Ignore after Run started, and by a
-// second Run, whether the first is still running or has returned: a
-// Consumer runs once; create a new one to run again.
-var ErrRunning = errors.New("eventline: consumer was already started; register handlers before Run, and run a Consumer once (create a new one to run again)")
-
-// ErrNoHandlers is returned by Run when no handler is registered and no
-// event type ignored: every event would be dead-lettered as unknown.
-var ErrNoHandlers = errors.New("eventline: consumer has no handlers: register them with Handle or HandleJSON (and list the types to skip with Ignore) before Run")
-
-// ErrUnknownEventType is matched by *UnknownEventTypeError.
-var ErrUnknownEventType = errors.New("eventline: no handler for the event type")
+// Errors of the consumer's life: registering handlers and running.
+var (
+	// ErrRunning is returned by Handle and Ignore after Run started, and
+	// by a second Run, whether the first is still running or has returned:
+	// a Consumer runs once; create a new one to run again.
+	ErrRunning = errors.New("eventline: consumer was already started; register handlers before Run, and run a Consumer once (create a new one to run again)")
+	// ErrNoHandlers is returned by Run when no handler is registered and
+	// no event type ignored: every event would be dead-lettered as
+	// unknown.
+	ErrNoHandlers = errors.New("eventline: consumer has no handlers: register them with Handle or HandleJSON (and list the types to skip with Ignore) before Run")
+	// ErrUnknownEventType is matched by *UnknownEventTypeError.
+	ErrUnknownEventType = errors.New("eventline: no handler for the event type")
+)
 
 // UnknownEventTypeError dead-letters an event whose type has no handler. It
 // is permanent.
@@ -78,6 +81,9 @@ type Consumer struct {
 	hard context.Context
 	// sleep, when set, replaces the retry and wait timers (tests).
 	sleep func(ctx context.Context, d time.Duration) error
+	// infra is the database-wait schedule, also the consumer's wait for
+	// Kafka when it starts.
+	infra eventline.Backoff
 }
 
 // New returns a consumer that writes through db (a *pgxpool.Pool; keep it
@@ -87,8 +93,8 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 	if nilcheck.IsNil(db) {
 		return nil, errors.New("consumer.New: db is nil: pass the consumer's *pgxpool.Pool")
 	}
-	cfg = cfg.withDefaults()
-	if err := cfg.validate(); err != nil {
+	cfg = cfg.runnerDefaults()
+	if err := cfg.validateRunner(); err != nil {
 		return nil, err
 	}
 	c := &Consumer{
@@ -96,18 +102,16 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 		handlers:   map[string]HandlerFunc{},
 		validators: map[string][]func(eventline.Event) error{},
 		ignored:    map[string]bool{},
+		infra:      cfg.InfraBackoff.Or(middleware.DefaultInfraBackoff),
 	}
-	el, err := middleware.New(middleware.Config{
-		DB: db, Group: cfg.Group, Schema: cfg.Schema,
-		GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType, Unversioned: cfg.Unversioned,
-		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap,
-		MaxReleaseAttempts: cfg.MaxReleaseAttempts, Validate: c.validate,
-		ParkTimeout: cfg.ParkTimeout, SweepInterval: cfg.SweepInterval, TxTimeout: cfg.TxTimeout,
-		Logger: cfg.Logger, Metrics: cfg.Metrics,
-		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator, MeterProvider: cfg.MeterProvider,
-	})
+	mcfg := cfg.Config
+	mcfg.Validate = c.validate
+	// Outermost first, inside the retries: a context that outlives the
+	// subscriber's (detach), the event-type check, the user's own.
+	mcfg.Middleware = append([]message.HandlerMiddleware{c.detach, c.knownType}, cfg.Middleware...)
+	el, err := middleware.New(db, mcfg)
 	if err != nil {
-		return nil, fmt.Errorf("consumer.Config: %w", err)
+		return nil, configerr.Rename(err, "consumer.Config")
 	}
 	c.el = el
 	return c, nil
@@ -190,7 +194,7 @@ func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Contex
 // validate is the gate's ValidateFunc: the event's type has a handler (or
 // is ignored), its payload can be upcast to the version the handler reads,
 // and it passes the handler's checks.
-func (c *Consumer) validate(_ context.Context, e eventline.Event) error {
+func (c *Consumer) validate(ctx context.Context, e eventline.Event) error {
 	if c.handlers[e.Type] == nil {
 		if c.ignored[e.Type] {
 			return nil
@@ -212,6 +216,9 @@ func (c *Consumer) validate(_ context.Context, e eventline.Event) error {
 		if err := v(u); err != nil {
 			return err
 		}
+	}
+	if c.cfg.Validate != nil {
+		return c.cfg.Validate(ctx, e)
 	}
 	return nil
 }
@@ -243,41 +250,31 @@ func (c *Consumer) Ignore(eventTypes ...string) error {
 	return nil
 }
 
-// Middleware returns the composed eventline middleware the consumer runs
-// (for its Store: ListParked, ListSkipped, ReleaseGap; or one Sweep).
-func (c *Consumer) Middleware() *middleware.Eventline { return c.el }
-
-// HandlerName is the Watermill handler name the consumer gives a topic's
-// handler; parked events record it.
-func HandlerName(group, topic string) string { return "eventline/" + group + "/" + topic }
+// handlerName is the Watermill handler name the consumer gives a topic's
+// handler; parked events and dead letters record it.
+func handlerName(group, topic string) string { return "eventline/" + group + "/" + topic }
 
 // dispatch is the Watermill handler inside the eventline middleware: it
-// calls the handler registered for the event's type.
-func (c *Consumer) dispatch(msg *message.Message) ([]*message.Message, error) {
+// calls the handler registered for the event's type, with the event at
+// the current payload schema version (the middleware upcast it).
+func (c *Consumer) dispatch(msg *message.Message) error {
 	ctx := msg.Context()
 	tx, ok := middleware.TxFromContext(ctx)
 	if !ok {
-		return nil, middleware.ErrNoTx
+		return middleware.ErrNoTx
 	}
 	e, ok := middleware.EventFromContext(ctx)
 	if !ok {
-		return nil, errors.New("eventline: no decoded event in the message context")
+		return errors.New("eventline: no decoded event in the message context")
 	}
 	fn := c.handlers[e.Type]
 	if fn == nil {
 		if c.ignored[e.Type] {
-			return nil, nil
+			return nil
 		}
-		return nil, middleware.Permanent(&UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group})
+		return middleware.Permanent(&UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group})
 	}
-	u, err := c.cfg.Upcasters.Upcast(e)
-	if err != nil {
-		return nil, middleware.Permanent(err)
-	}
-	if u.SchemaVersion != e.SchemaVersion {
-		ctx = middleware.ContextWithEvent(ctx, u)
-	}
-	return nil, fn(ctx, tx, u)
+	return fn(ctx, tx, e)
 }
 
 // knownType rejects, before any database work, a message whose event type

@@ -16,6 +16,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -120,7 +121,7 @@ func TestBadInputIsDeadLetteredAndThePartitionMoves(t *testing.T) {
 
 	reasons := map[string]string{}
 	for _, d := range dead {
-		require.Equal(t, consumer.DeadLetterPermanent, d.Cause, "bad input is not retried")
+		require.Equal(t, dedup.KindPermanent, d.Cause, "bad input is not retried")
 		require.Equal(t, group, d.Group)
 		require.Equal(t, k.topic, d.Topic)
 		require.False(t, d.HeldAt.IsZero())
@@ -183,7 +184,7 @@ func TestExhaustedRetriesAreDeadLetteredWithNothingRecorded(t *testing.T) {
 	dead := deadLetters(t, k, group, 1)
 	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "the next message is applied")
 	require.NoError(t, r.stop())
-	require.Equal(t, consumer.DeadLetterRetriesExhausted, dead[0].Cause)
+	require.Equal(t, dedup.KindRetriesExhausted, dead[0].Cause)
 	require.Contains(t, dead[0].Reason, "smtp down")
 	require.EqualValues(t, 3, attempts.Load(), "1 attempt + MaxRetries (2)")
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{after})
@@ -230,7 +231,7 @@ func TestShutdownFinishesInFlightEvent(t *testing.T) {
 func TestConfigErrorsNameTheField(t *testing.T) {
 	t.Parallel()
 	env := pgtest.Pool(t, 1)
-	base := consumer.Config{Brokers: []string{"127.0.0.1:9092"}, Group: "g", Topics: []string{"t"}}
+	base := consumer.Config{Config: middleware.Config{Group: "g"}, Brokers: []string{"127.0.0.1:9092"}, Topics: []string{"t"}}
 	for _, tc := range []struct {
 		mut  func(*consumer.Config)
 		want string
@@ -241,7 +242,7 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{func(c *consumer.Config) { c.Brokers = []string{"nohost"} }, "consumer.Config.Brokers"},
 		{func(c *consumer.Config) { c.Schema = "x;drop" }, "consumer.Config.Schema"},
 		{func(c *consumer.Config) { c.GapPolicy = "maybe" }, "GapPolicy"},
-		{func(c *consumer.Config) { c.RetryMultiplier = 0.5 }, "consumer.Config.RetryMultiplier"},
+		{func(c *consumer.Config) { c.Retry.Multiplier = 0.5 }, "consumer.Config.Retry.Multiplier"},
 		{func(c *consumer.Config) { c.ParkTimeout = -time.Second }, "ParkTimeout"},
 		{func(c *consumer.Config) { c.Lanes = -1 }, "consumer.Config.Lanes"},
 		{func(c *consumer.Config) { c.Lanes = consumer.MaxLanes + 1 }, "consumer.Config.Lanes"},
@@ -302,6 +303,6 @@ func TestRunRefusesAConsumerWithoutHandlers(t *testing.T) {
 // untyped nil; before, New accepted it and Run panicked.
 func TestNewRefusesANilPoolPointer(t *testing.T) {
 	var pool *pgxpool.Pool
-	_, err := consumer.New(pool, consumer.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}})
+	_, err := consumer.New(pool, consumer.Config{Config: middleware.Config{Group: "g"}, Brokers: []string{"127.0.0.1:1"}, Topics: []string{"t"}})
 	require.ErrorContains(t, err, "db is nil")
 }

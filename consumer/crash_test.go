@@ -43,7 +43,7 @@ const (
 // SIGKILL right after an event's transaction committed, before Kafka heard
 // about it (the child auto-commits offsets only once an hour), restarts the
 // consumer and checks that the redelivered events change nothing: once
-// with one event per transaction (watermill-kafka's subscriber), once with
+// with one event per transaction (one lane, batches of one), once with
 // lanes and batches, where the kill lands after a whole batch committed.
 func TestCrashAfterCommitBeforeOffsetCommit(t *testing.T) {
 	t.Parallel()
@@ -187,13 +187,15 @@ func TestCrashChild(t *testing.T) {
 		}
 	}
 	cfg := consumer.Config{
+		Config: middleware.Config{
+			Group:      crashGroup,
+			Schema:     env.Schema,
+			Middleware: []message.HandlerMiddleware{crash},
+			Logger:     quietLogger(),
+		},
 		Brokers:      kafkaconf.ParseBrokers(os.Getenv(crashBrokersEnv)),
-		Group:        crashGroup,
 		Topics:       []string{os.Getenv(crashTopicEnv)},
-		Schema:       env.Schema,
 		SaramaConfig: sc,
-		Middleware:   []message.HandlerMiddleware{crash},
-		Logger:       quietLogger(),
 		Lanes:        1,
 		BatchSize:    1,
 	}

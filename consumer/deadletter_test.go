@@ -122,7 +122,7 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 		require.True(t, bytes.Equal(want.Payload, d.Payload), "payload kept byte for byte")
 		require.Equal(t, map[string]string(want.Metadata), d.Metadata, "headers kept byte for byte")
 		require.Equal(t, topic, d.Topic)
-		require.Equal(t, consumer.HandlerName(group, topic), d.Handler)
+		require.Equal(t, "eventline/"+group+"/"+topic, d.Handler, "the consumer names a topic's handler eventline/<group>/<topic>")
 		require.True(t, d.FromKafka)
 		require.EqualValues(t, i+1, d.Offset, "the record's offset")
 	}
@@ -224,10 +224,10 @@ func TestConsumerRetriesOnTheDocumentedSchedule(t *testing.T) {
 	const group = "schedule"
 	cfg := k.config(group)
 	cfg.MaxRetries = 4
-	cfg.RetryInitialInterval = 100 * time.Millisecond
-	cfg.RetryMultiplier = 3
-	cfg.RetryMaxInterval = time.Second
-	cfg.RetryJitter = consumer.NoJitter
+	cfg.Retry.Initial = 100 * time.Millisecond
+	cfg.Retry.Multiplier = 3
+	cfg.Retry.Max = time.Second
+	cfg.Retry.Jitter = middleware.NoJitter
 	c, err := consumer.New(k.Pool, cfg)
 	require.NoError(t, err)
 	var waits []time.Duration

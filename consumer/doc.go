@@ -3,7 +3,7 @@
 // order, in a PostgreSQL transaction, with handlers registered per event
 // type.
 //
-//	c, err := consumer.New(pool, consumer.Config{Group: "billing", Topics: []string{"orders"}})
+//	c, err := consumer.New(pool, consumer.Config{Config: middleware.Config{Group: "billing"}, Topics: []string{"orders"}})
 //	consumer.HandleJSON(c, "order.created", func(ctx context.Context, tx pgx.Tx, e eventline.Event, o Order) error {
 //		_, err := tx.Exec(ctx, `INSERT INTO invoices (order_id, total) VALUES ($1, $2)`, o.ID, o.Total)
 //		return err
@@ -28,8 +28,9 @@
 //     See package versioning and Config.GapPolicy.
 //   - Failures are contained, and told apart (see middleware.IsInfrastructure):
 //     a handler error or panic rolls everything back; the event is retried
-//     on a documented schedule (Config.MaxRetries, RetryInitialInterval:
-//     100ms, 200ms, 400ms, 800ms, 1.6s by default) and then dead-lettered.
+//     on a documented schedule (Config.MaxRetries and Config.Retry: 100ms,
+//     200ms, 400ms, 800ms, 1.6s by default, each ±20%) and then
+//     dead-lettered.
 //     Messages that can never succeed (no event id, a malformed version, an
 //     unknown event type, a payload that does not decode, content the
 //     handler's columns cannot hold, errors wrapped with
@@ -38,7 +39,7 @@
 //   - A database outage never dead-letters anything: while PostgreSQL is
 //     unreachable, restarting, out of resources or not answering within
 //     Config.TxTimeout, or when the outcome of a commit is unknown, events
-//     wait (backing off up to Config.InfraRetryMaxInterval), spend none of
+//     wait (backing off up to Config.InfraBackoff.Max), spend none of
 //     their retry budget, and the consumer resumes by itself when the
 //     database answers again. One warning marks the start of an outage and
 //     one line its end; eventline_consumer_waiting_on_database is above 0
@@ -109,12 +110,13 @@
 // dead-lettered and, since their version is then never applied, later
 // events of their aggregate wait behind the gap.
 //
-// Consumer is the middleware package's composed middleware on a Watermill
-// Router with this package's [Subscriber]. Teams with their own Router use
-// the middleware package directly; to get lanes and batches there too, use
-// [NewSubscriber] as the Router's subscriber (Watermill has no batch API:
-// the Subscriber hands a lane's events out together and the composed
-// middleware applies them in one transaction; see the example).
+// Consumer is the middleware package's chain (middleware.Eventline's
+// AddHandler) on a Watermill Router, fed by a Kafka subscriber of its own
+// that hands a lane's events out together (Watermill has no batch API), so
+// the middleware applies them in one transaction. Its Config embeds the
+// middleware's: every shared setting is defined, defaulted and validated
+// once. Teams with their own Router use the middleware package directly,
+// one event per partition at a time.
 //
 // With Config.TracerProvider set, each delivery is traced as a "process
 // <topic>" span continuing the trace in the record's headers, with the

@@ -10,13 +10,13 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -200,7 +200,7 @@ func TestBatchAppliesInOneTransaction(t *testing.T) {
 // TestFailureInBatchCostsOnlyItself puts a failing and a panicking event
 // in the middle of batches: the events before each commit together, the
 // failing one follows its own retries (exactly 1 + MaxRetries attempts)
-// to the dead-letter topic, the panicking one is applied on its retry,
+// to its dead letter, the panicking one is applied on its retry,
 // and the events after each commit together in a later batch: [0 1 2]
 // together, 3 dead-lettered, [4] (before the panic), 5 on its retry, [6 7].
 func TestFailureInBatchCostsOnlyItself(t *testing.T) {
@@ -234,7 +234,7 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 	require.NoError(t, r.stop())
 
 	require.Equal(t, poison.ID, dead[0].MessageUUID)
-	require.Equal(t, consumer.DeadLetterRetriesExhausted, dead[0].Cause)
+	require.Equal(t, dedup.KindRetriesExhausted, dead[0].Cause)
 	require.Contains(t, dead[0].Reason, "smtp down")
 	require.EqualValues(t, 3, poisonAttempts.Load(), "the attempt in the batch counts: 1 attempt + MaxRetries (2)")
 	require.EqualValues(t, 2, flakyAttempts.Load(), "the panic in the batch, then one retry")
@@ -333,30 +333,28 @@ func TestRebalanceMidBatchAbandonsIt(t *testing.T) {
 	}
 }
 
-func TestSubscriberConfigErrorsNameTheField(t *testing.T) {
+func TestRunnerConfigErrorsNameTheField(t *testing.T) {
 	t.Parallel()
-	base := consumer.SubscriberConfig{Brokers: []string{"127.0.0.1:9092"}, Group: "g"}
+	pool := pgtest.Pool(t, 1)
+	base := consumer.Config{Config: middleware.Config{Group: "g"}, Brokers: []string{"127.0.0.1:9092"}, Topics: []string{"t"}}
 	for _, tc := range []struct {
-		mut  func(*consumer.SubscriberConfig)
+		mut  func(*consumer.Config)
 		want string
 	}{
-		{func(c *consumer.SubscriberConfig) { c.Group = "" }, "consumer.SubscriberConfig.Group"},
-		{func(c *consumer.SubscriberConfig) { c.Brokers = []string{"nohost"} }, "consumer.SubscriberConfig.Brokers"},
-		{func(c *consumer.SubscriberConfig) { c.Lanes = -2 }, "consumer.SubscriberConfig.Lanes"},
-		{func(c *consumer.SubscriberConfig) { c.BatchSize = consumer.MaxBatchSize + 1 }, "consumer.SubscriberConfig.BatchSize"},
-		{func(c *consumer.SubscriberConfig) { c.BatchLinger = -time.Second }, "consumer.SubscriberConfig.BatchLinger"},
-		{func(c *consumer.SubscriberConfig) { c.CloseTimeout = -time.Second }, "consumer.SubscriberConfig.CloseTimeout"},
+		{func(c *consumer.Config) { c.Group = "" }, "consumer.Config.Group"},
+		{func(c *consumer.Config) { c.Brokers = []string{"nohost"} }, "consumer.Config.Brokers"},
+		{func(c *consumer.Config) { c.Lanes = -2 }, "consumer.Config.Lanes"},
+		{func(c *consumer.Config) { c.BatchSize = consumer.MaxBatchSize + 1 }, "consumer.Config.BatchSize"},
+		{func(c *consumer.Config) { c.BatchLinger = -time.Second }, "consumer.Config.BatchLinger"},
+		{func(c *consumer.Config) { c.ShutdownTimeout = -time.Second }, "consumer.Config.ShutdownTimeout"},
 	} {
 		cfg := base
 		tc.mut(&cfg)
-		_, err := consumer.NewSubscriber(cfg)
+		_, err := consumer.New(pool, cfg)
 		require.ErrorContains(t, err, tc.want)
 	}
-	s, err := consumer.NewSubscriber(base)
+	_, err := consumer.New(pool, base)
 	require.NoError(t, err)
-	require.NoError(t, s.Close())
-	_, err = s.Subscribe(context.Background(), "t")
-	require.ErrorContains(t, err, "closed")
 }
 
 // TestRebalanceMidBatchFinishesIt holds a batch in the middle of its
@@ -442,50 +440,4 @@ func groupState(t *testing.T, k kenv, group string) string {
 		return ""
 	}
 	return gs[0].State
-}
-
-// TestSubscriberWithoutEventlineMiddlewareDeliversOneAtATime: on a Router
-// whose chain lacks the eventline middleware (nothing could apply a batch),
-// a lane's messages still go out one at a time, in order.
-func TestSubscriberWithoutEventlineMiddlewareDeliversOneAtATime(t *testing.T) {
-	t.Parallel()
-	k := newKenv(t, 1)
-	sub, err := consumer.NewSubscriber(consumer.SubscriberConfig{
-		Brokers: k.brokers, Group: "plain", SaramaConfig: fastGroupConfig("plain"),
-		Lanes: 1, BatchSize: 8, BatchLinger: 100 * time.Millisecond, Logger: quietLogger(),
-	})
-	require.NoError(t, err)
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	require.NoError(t, err)
-	var inFlight, most atomic.Int32
-	var mu sync.Mutex
-	var seen []int64
-	router.AddConsumerHandler("plain", k.topic, sub, func(msg *message.Message) error {
-		n := inFlight.Add(1)
-		defer inFlight.Add(-1)
-		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
-		}
-		time.Sleep(10 * time.Millisecond) // a slow handler, so overlapping deliveries would show in inFlight
-		e, err := eventline.Decode(msg)
-		if err != nil {
-			return err
-		}
-		mu.Lock()
-		seen = append(seen, e.AggregateVersion)
-		mu.Unlock()
-		return nil
-	})
-	var evs []eventline.Event
-	for v := int64(1); v <= 10; v++ {
-		evs = append(evs, consumertest.Event("a", v))
-	}
-	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
-	done := make(chan error, 1)
-	go func() { done <- router.Run(context.Background()) }()
-	<-router.Running()
-	eventually(t, 30*time.Second, func() bool { mu.Lock(); defer mu.Unlock(); return len(seen) == 10 }, "all handled")
-	require.NoError(t, router.Close())
-	require.NoError(t, <-done)
-	require.EqualValues(t, 1, most.Load(), "one message at a time")
-	require.Equal(t, []int64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, seen)
 }

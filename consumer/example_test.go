@@ -41,11 +41,13 @@ func Example() {
 	}
 
 	c, err := consumer.New(pool, consumer.Config{
-		Brokers: brokers, // defaults to $KAFKA_BROKERS
-		Group:   "billing",
+		Config: middleware.Config{
+			Group:  "billing",
+			Schema: schema,
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		},
+		Brokers: brokers,
 		Topics:  []string{"orders"},
-		Schema:  schema,
-		Logger:  slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
 	if err != nil {
 		panic(err)
@@ -144,11 +146,10 @@ func publishEvents(brokers []string, topic string, events ...eventline.Event) {
 	}
 }
 
-// Lanes and batches on your own Watermill Router: NewSubscriber is the
-// router's subscriber and the composed middleware applies each batch it
-// hands out in one transaction. Put Retry and a poison queue outside the
-// middleware as usual (see package middleware).
-func ExampleNewSubscriber() {
+// Lanes and batches: a lane's waiting events (here up to 16, waiting up
+// to 200ms for the batch to fill) are applied in one PostgreSQL
+// transaction, in offset order, each once.
+func Example_batches() {
 	ctx := context.Background()
 	pool, schema, cleanup := exampleEnv(ctx)
 	defer cleanup()
@@ -159,32 +160,24 @@ func ExampleNewSubscriber() {
 		panic(err)
 	}
 
-	sub, err := consumer.NewSubscriber(consumer.SubscriberConfig{
+	c, err := consumer.New(pool, consumer.Config{
+		Config:      middleware.Config{Group: "ledger", Schema: schema, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))},
 		Brokers:     brokers,
-		Group:       "ledger",
+		Topics:      []string{"payments"},
 		Lanes:       4,
 		BatchSize:   16,
 		BatchLinger: 200 * time.Millisecond, // here: wait for the batch to fill
-		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
 	if err != nil {
 		panic(err)
 	}
-	el, err := middleware.New(middleware.Config{DB: pool, Group: "ledger", Schema: schema,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	if err != nil {
-		panic(err)
-	}
-	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		panic(err)
-	}
-	router.AddConsumerHandler("ledger", "payments", sub, func(msg *message.Message) error {
-		tx, _ := middleware.TxFromContext(msg.Context())
-		e, _ := middleware.EventFromContext(msg.Context())
-		_, err := tx.Exec(msg.Context(), `INSERT INTO `+ledger+` (line) VALUES ($1)`, fmt.Sprintf("%s v%d", e.AggregateID, e.AggregateVersion))
+	err = c.Handle("payment.received", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+ledger+` (line) VALUES ($1)`, fmt.Sprintf("%s v%d", e.AggregateID, e.AggregateVersion))
 		return err
-	}).AddMiddleware(el.Middleware)
+	})
+	if err != nil {
+		panic(err)
+	}
 
 	var events []eventline.Event
 	for v := int64(1); v <= 3; v++ {
@@ -194,9 +187,9 @@ func ExampleNewSubscriber() {
 	}
 	publishEvents(brokers, "payments", events...)
 
+	runCtx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	<-router.Running()
+	go func() { done <- c.Run(runCtx) }()
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		var n int
 		_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+ledger).Scan(&n)
@@ -204,9 +197,7 @@ func ExampleNewSubscriber() {
 			break
 		}
 	}
-	if err := router.Close(); err != nil {
-		panic(err)
-	}
+	stop()
 	if err := <-done; err != nil {
 		panic(err)
 	}

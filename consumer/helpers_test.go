@@ -25,6 +25,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/middleware"
 )
 
 func TestMain(m *testing.M) {
@@ -60,17 +61,18 @@ func newKenv(t *testing.T, partitions int32) kenv {
 // retries and a quiet logger.
 func (k kenv) config(group string) consumer.Config {
 	return consumer.Config{
-		Brokers:              k.brokers,
-		Group:                group,
-		Topics:               []string{k.topic},
-		Schema:               k.Schema,
-		MaxRetries:           2,
-		RetryInitialInterval: 5 * time.Millisecond,
-		RetryMaxInterval:     20 * time.Millisecond,
-		SweepInterval:        50 * time.Millisecond,
-		ShutdownTimeout:      20 * time.Second,
-		SaramaConfig:         fastGroupConfig(group),
-		Logger:               quietLogger(),
+		Config: middleware.Config{
+			Group:         group,
+			Schema:        k.Schema,
+			MaxRetries:    2,
+			SweepInterval: 50 * time.Millisecond,
+			Logger:        quietLogger(),
+			Retry:         eventline.Backoff{Initial: 5 * time.Millisecond, Max: 20 * time.Millisecond},
+		},
+		Brokers:         k.brokers,
+		Topics:          []string{k.topic},
+		ShutdownTimeout: 20 * time.Second,
+		SaramaConfig:    fastGroupConfig(group),
 	}
 }
 

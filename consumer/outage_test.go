@@ -22,6 +22,7 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -30,9 +31,9 @@ import (
 // 200 ms.
 func outageBudget(cfg *consumer.Config) {
 	cfg.MaxRetries = 3
-	cfg.RetryInitialInterval = 50 * time.Millisecond
-	cfg.RetryMaxInterval = 200 * time.Millisecond
-	cfg.InfraRetryMaxInterval = time.Second
+	cfg.Retry.Initial = 50 * time.Millisecond
+	cfg.Retry.Max = 200 * time.Millisecond
+	cfg.InfraBackoff.Max = time.Second
 }
 
 // consumerPool is the consumer's pool as the docs recommend it: bounded
@@ -226,8 +227,15 @@ func TestRunStartedWhileKafkaIsUnreachableNamesTheBrokersAndWaits(t *testing.T) 
 	t.Parallel()
 	pool := pgtest.Pool(t, 1)
 	log, warnings := watchLog("eventline: cannot reach the Kafka brokers")
-	c, err := consumer.New(pool, consumer.Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Logger: log,
-		InfraRetryInitialInterval: 10 * time.Millisecond, InfraRetryMaxInterval: 50 * time.Millisecond})
+	c, err := consumer.New(pool, consumer.Config{
+		Config: middleware.Config{
+			Group:        "g",
+			Logger:       log,
+			InfraBackoff: eventline.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+		},
+		Brokers: []string{"127.0.0.1:1"},
+		Topics:  []string{"t"},
+	})
 	require.NoError(t, err)
 	require.NoError(t, c.Ignore("t.happened"))
 	warned := warnings.Next()
@@ -338,7 +346,11 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 	require.ErrorContains(t, err, cfg.Schema)
 	require.ErrorContains(t, err, "eventline migrate up")
 
-	require.NoError(t, middleware.CheckMigrated(context.Background(), k.Pool, k.Schema), "a migrated schema passes")
+	st, err := store.New(k.Schema)
+	require.NoError(t, err)
+	problem, err := st.Unmigrated(context.Background(), k.Pool)
+	require.NoError(t, err)
+	require.Empty(t, problem, "a migrated schema passes")
 }
 
 // Kafka goes away after a starting consumer found the brokers and before
@@ -347,9 +359,9 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 // and consume when Kafka is back. Before, joining the group (or connecting
 // the dead-letter publisher) failed on the first refused connection and
 // Run returned: the consumer stopped for good (the e2e Kafka outage test
-// hit this when its outage began while the consumer started). Every
-// subscriber kind: the laned one and watermill-kafka's (Lanes and
-// BatchSize 1). A stop meanwhile is clean.
+// hit this when its outage began while the consumer started). Laned, and
+// with one lane of batches of one (Lanes and BatchSize 1, which once used
+// watermill-kafka's subscriber). A stop meanwhile is clean.
 func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
@@ -358,9 +370,9 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 		stop         bool // stopped during the outage instead
 	}{
 		{"laned", 0, 0, false},
-		{"watermill-kafka", 1, 1, false},
+		{"one lane, one event at a time", 1, 1, false},
 		{"laned stopped", 0, 0, true},
-		{"watermill-kafka stopped", 1, 1, true},
+		{"one lane, one event at a time stopped", 1, 1, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -10,7 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/eventline/eventline/middleware"
+	"github.com/eventline/eventline/internal/delivery"
 )
 
 // minWindow is the least number of messages a partition keeps in flight
@@ -18,12 +18,12 @@ import (
 // × batch size need it.
 const minWindow = 256
 
-// haltKey carries, in the contexts of messages the Subscriber delivers,
+// haltKey carries, in the contexts of messages the subscriber delivers,
 // the context that ends when the partition abandons its in-flight
 // messages.
 type haltKey struct{}
 
-// abandonedBy returns the context that ends when the Subscriber abandons
+// abandonedBy returns the context that ends when the subscriber abandons
 // the message of ctx, or one that never ends for other messages.
 func abandonedBy(ctx context.Context) context.Context {
 	if h, ok := ctx.Value(haltKey{}).(context.Context); ok {
@@ -32,8 +32,8 @@ func abandonedBy(ctx context.Context) context.Context {
 	return context.Background()
 }
 
-// delivery is one Kafka record on its way through a lane.
-type delivery struct {
+// record is one Kafka record on its way through a lane.
+type record struct {
 	offset int64
 	key    []byte    // the Kafka key
 	at     time.Time // the record's timestamp
@@ -56,7 +56,7 @@ const (
 // records one at a time or in batches and settles their offsets.
 type partitionRun struct {
 	sub       *subscription
-	cfg       SubscriberConfig
+	cfg       subscriberConfig
 	sess      sarama.ConsumerGroupSession
 	topic     string
 	partition int32
@@ -124,7 +124,7 @@ func (p *partitionRun) dispatch(claim sarama.ConsumerGroupClaim) {
 				"group", p.cfg.Group, "topic", p.topic, "partition", p.partition, "offset", km.Offset, "error", err)
 			return
 		}
-		d := &delivery{offset: km.Offset, key: km.Key, at: km.Timestamp, lane: laneKey(km, msg), msg: msg}
+		d := &record{offset: km.Offset, key: km.Key, at: km.Timestamp, lane: laneKey(km, msg), msg: msg}
 		p.mu.Lock()
 		p.tracker.add(km.Offset)
 		l := p.lanes[p.assigner.assign(d.lane)]
@@ -175,11 +175,11 @@ func (p *partitionRun) stopping() bool {
 
 // messageContext is the context a delivered message starts with: it ends
 // only when the partition abandons its in-flight messages, and says where
-// the record came from (middleware.SourceFromContext: dead letters record
+// the record came from (delivery.SourceOf: dead letters record
 // it).
-func (p *partitionRun) messageContext(d *delivery) context.Context {
+func (p *partitionRun) messageContext(d *record) context.Context {
 	ctx := context.WithValue(p.halt, haltKey{}, p.halt)
-	return middleware.ContextWithSource(ctx, middleware.Source{Topic: p.topic, FromKafka: true, Partition: p.partition, Offset: d.offset, Key: d.key, Timestamp: d.at})
+	return delivery.WithSource(ctx, delivery.Source{Topic: p.topic, FromKafka: true, Partition: p.partition, Offset: d.offset, Key: d.key, Timestamp: d.at})
 }
 
 // send delivers msg to the router; false when the partition abandoned its
@@ -205,9 +205,9 @@ func (p *partitionRun) await(msg *message.Message) ack {
 	}
 }
 
-// finish settles an acknowledged delivery: its offset counts as done, and
+// finish settles an acknowledged record: its offset counts as done, and
 // the partition's committed offset moves to the lowest unfinished one.
-func (p *partitionRun) finish(d *delivery) {
+func (p *partitionRun) finish(d *record) {
 	p.mu.Lock()
 	commit, moved := p.tracker.finish(d.offset)
 	p.assigner.finish(d.lane)
@@ -226,11 +226,11 @@ func (p *partitionRun) finish(d *delivery) {
 type lane struct {
 	p      *partitionRun
 	mu     sync.Mutex
-	queue  []*delivery
+	queue  []*record
 	signal chan struct{} // cap 1: queue grew
 }
 
-func (l *lane) push(d *delivery) {
+func (l *lane) push(d *record) {
 	l.mu.Lock()
 	l.queue = append(l.queue, d)
 	l.mu.Unlock()
@@ -240,32 +240,22 @@ func (l *lane) push(d *delivery) {
 	}
 }
 
-// pushFront puts deliveries back at the head of the queue, in order.
-func (l *lane) pushFront(ds []*delivery) {
-	if len(ds) == 0 {
-		return
-	}
-	l.mu.Lock()
-	l.queue = append(append([]*delivery(nil), ds...), l.queue...)
-	l.mu.Unlock()
-}
-
 // take removes up to n deliveries from the head of the queue.
-func (l *lane) take(n int) []*delivery {
+func (l *lane) take(n int) []*record {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	n = min(n, len(l.queue))
 	if n == 0 {
 		return nil
 	}
-	out := append([]*delivery(nil), l.queue[:n]...)
+	out := append([]*record(nil), l.queue[:n]...)
 	clear(l.queue[:n])
 	l.queue = l.queue[n:]
 	return out
 }
 
-// next waits for the next delivery; nil when the partition stops.
-func (l *lane) next() *delivery {
+// next waits for the next record; nil when the partition stops.
+func (l *lane) next() *record {
 	for {
 		if l.p.stopping() {
 			return nil
@@ -298,7 +288,7 @@ func (l *lane) run() {
 
 // deliverOne delivers d alone, again after each nack, until it is
 // acknowledged, the partition stops or abandons it.
-func (l *lane) deliverOne(d *delivery) {
+func (l *lane) deliverOne(d *record) {
 	p := l.p
 	for {
 		msg := d.msg
@@ -341,13 +331,10 @@ type memberResult struct {
 	ack   ack
 }
 
-// deliverBatch delivers first and what is queued behind it as one
-// middleware.Batch. first goes alone; the others follow once it has reached
-// the eventline middleware (Batch.Joined). If it leaves without reaching
-// it, the chain has no such middleware: first counts as a batch of one and
-// the others go back to the queue. (The ready runner, whose chain has it,
-// sends them all at once.)
-func (l *lane) deliverBatch(first *delivery) {
+// deliverBatch delivers first and what is queued behind it as one batch
+// (internal/delivery.Batch), which the eventline middleware in the chain
+// applies in one transaction.
+func (l *lane) deliverBatch(first *record) {
 	p := l.p
 	cfg := p.cfg
 	more := l.take(cfg.BatchSize - 1)
@@ -355,10 +342,10 @@ func (l *lane) deliverBatch(first *delivery) {
 		l.deliverOne(first)
 		return
 	}
-	b := middleware.NewBatch()
+	b := delivery.NewBatch()
 	results := make(chan memberResult, cfg.BatchSize)
-	var members []*delivery
-	add := func(d *delivery) {
+	var members []*record
+	add := func(d *record) {
 		i := len(members)
 		members = append(members, d)
 		d.sent = true
@@ -378,35 +365,18 @@ func (l *lane) deliverBatch(first *delivery) {
 		}()
 	}
 	add(first)
-	var early []memberResult
-	grow := func() {
-		for _, d := range more {
-			add(d)
-		}
-		l.fill(add, len(members))
+	for _, d := range more {
+		add(d)
 	}
-	if cfg.chainBatches {
-		grow() // the chain is known to contain the eventline middleware
-	} else {
-		select {
-		case <-b.Joined():
-			grow()
-		case r := <-results:
-			early = append(early, r)
-			l.pushFront(more)
-		}
-	}
+	l.fill(add, len(members))
 	b.Seal()
 	b.Run(p.halt)
 	got := make([]ack, len(members))
-	for _, r := range early {
-		got[r.index] = r.ack
-	}
-	for range len(members) - len(early) {
+	for range members {
 		r := <-results
 		got[r.index] = r.ack
 	}
-	var again []*delivery
+	var again []*record
 	for i, d := range members {
 		if got[i] == nacked {
 			again = append(again, d)
@@ -423,7 +393,7 @@ func (l *lane) deliverBatch(first *delivery) {
 // fill adds to the batch what the lane received meanwhile: without a
 // linger, what is queued now; with one, what arrives until it expires,
 // until the batch is full.
-func (l *lane) fill(add func(*delivery), n int) {
+func (l *lane) fill(add func(*record), n int) {
 	cfg := l.p.cfg
 	for _, d := range l.take(cfg.BatchSize - n) {
 		add(d)

@@ -13,34 +13,26 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-)
-
-// Causes of dead letters (the cause of a held event of kind dead_letter).
-const (
-	DeadLetterPermanent        = dedup.KindPermanent
-	DeadLetterRetriesExhausted = dedup.KindRetriesExhausted
 )
 
 // Run consumes until ctx ends, then shuts down gracefully and returns nil.
 //
-// It subscribes to Config.Topics in Config.Group with a [Subscriber]: each
-// partition is split into Config.Lanes lanes by aggregate (one aggregate's
-// events stay in one lane, in offset order), and each lane's waiting events,
-// up to Config.BatchSize, are applied in one transaction (see
-// middleware.Batch); with Lanes and BatchSize both 1 it uses
-// watermill-kafka's subscriber, one message per partition at a time. It
-// runs every message through, outermost first: dead-lettering ▸
-// retry (middleware.Retry: permanent errors skip it, database outages wait
-// without spending it) ▸ a detached context ▸ the event-type check ▸
-// Config.Middleware ▸ the eventline middleware (recover ▸ tx ▸ decode ▸
-// dedup ▸ version gate) ▸ the handler registered for the event's type. The
-// sweeper for parked events runs next to it, and replays the dead letters
-// an operator asked to replay (`eventline held replay`).
+// It subscribes to Config.Topics in Config.Group: each partition is split
+// into Config.Lanes lanes by aggregate (one aggregate's events stay in one
+// lane, in offset order), and each lane's waiting events, up to
+// Config.BatchSize, are applied in one transaction (Lanes and BatchSize
+// both 1: one event per partition at a time). It runs every message
+// through the middleware's chain (middleware.Eventline.AddHandler),
+// outermost first: dead-lettering ▸ retries (permanent errors skip them,
+// database outages wait without spending them) ▸ a detached context ▸ the
+// event-type check ▸ Config.Middleware ▸ the eventline transaction (dedup ▸
+// version gate) ▸ the handler registered for the event's type. The sweeper
+// for parked events runs next to it (middleware.Eventline.Run), and replays
+// the dead letters an operator asked to replay (`eventline held replay`).
 //
 // Dead letters are held in the held_events table in the consumer's
 // database, whole and whatever their size. While the database is
@@ -87,21 +79,12 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if ctx.Err() != nil {
 		return nil // cancelled before it started: a clean stop
 	}
-	sub, err := c.subscriber(wlog) // engine_run.go
-	if err != nil {
-		return err
-	}
+	sub := newSubscriber(subscriberConfig{
+		Brokers: cfg.Brokers, Group: cfg.Group, SaramaConfig: cfg.SaramaConfig,
+		Lanes: cfg.Lanes, BatchSize: cfg.BatchSize, BatchLinger: cfg.BatchLinger,
+		CloseTimeout: cfg.ShutdownTimeout, Logger: cfg.Logger,
+	})
 	defer sub.Close()
-	dlc := middleware.DeadLetterConfig{
-		DB: c.db, Group: cfg.Group, Schema: cfg.Schema,
-		InfraInitialInterval: cfg.InfraRetryInitialInterval, InfraMaxInterval: cfg.InfraRetryMaxInterval,
-		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: c.sleep,
-		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator,
-	}
-	dl, err := middleware.NewDeadLetter(dlc)
-	if err != nil {
-		return fmt.Errorf("eventline consumer: %w", err)
-	}
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
 	if err != nil {
@@ -113,14 +96,13 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	defer stopping()
 	c.hard, c.soft = hard, soft
 
-	chain := c.chain(dl)
+	// The router's own middleware runs outside each handler's chain.
+	router.AddMiddleware(c.stop)
 	for _, topic := range cfg.Topics {
-		name := HandlerName(cfg.Group, topic)
-		router.AddConsumerHandler(name, topic, waitingSubscriber{Subscriber: sub, wait: c.kafkaWait(ctx)}, func(msg *message.Message) error {
-			_, err := chain(msg)
-			return err
-		})
-		c.el.Register(name, c.handler)
+		waiting := waitingSubscriber{Subscriber: sub, ctx: ctx, wait: c.waitKafka}
+		if _, err := c.el.AddHandler(router, handlerName(cfg.Group, topic), topic, waiting, c.dispatch); err != nil {
+			return fmt.Errorf("eventline consumer: %w", err)
+		}
 	}
 
 	runErr := make(chan error, 1)
@@ -132,7 +114,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	sweeper.Add(1)
 	go func() {
 		defer sweeper.Done()
-		_ = c.el.RunSweeper(sweepCtx)
+		_ = c.el.Run(sweepCtx)
 	}()
 	defer func() {
 		stopSweeper()
@@ -162,38 +144,9 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	return nil
 }
 
-// chain is the per-event middleware chain, outermost first: stopping ▸
-// tracing ▸ dead letter ▸ retry ▸ detach ▸ event-type check ▸ Config.Middleware ▸
-// eventline ▸ the handler of the event's type. Its error leaves the
-// message unacknowledged; nil acknowledges it (applied, skipped, parked or
-// dead-lettered).
-func (c *Consumer) chain(dl *middleware.DeadLetter) message.HandlerFunc {
-	cfg := c.cfg
-	retry := middleware.Retry{
-		MaxRetries: cfg.MaxRetries, InitialInterval: cfg.RetryInitialInterval, Multiplier: cfg.RetryMultiplier,
-		MaxInterval: cfg.RetryMaxInterval, Jitter: cfg.RetryJitter,
-		InfraInitialInterval: cfg.InfraRetryInitialInterval, InfraMaxInterval: cfg.InfraRetryMaxInterval,
-		Group: cfg.Group, Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: c.sleep,
-	}
-	if cfg.MaxRetries == 0 {
-		retry.MaxRetries = middleware.NoRetries // Config.withDefaults turned NoRetries into 0
-	}
-	h := c.el.Middleware(c.handler)
-	for i := len(cfg.Middleware) - 1; i >= 0; i-- {
-		h = cfg.Middleware[i](h)
-	}
-	return c.stop(c.el.Traced(dl.Middleware(retry.Middleware(c.detach(c.knownType(h))))))
-}
-
-// handler is the innermost handler: the one registered for the event's
-// type.
-func (c *Consumer) handler(msg *message.Message) ([]*message.Message, error) {
-	return middleware.Innermost(c.dispatch)(msg)
-}
-
-// stop gives the rest of the chain a context that ends when the shutdown
-// begins, so retries and waits for the database stop (and the message is
-// left unacknowledged) instead of holding the shutdown up.
+// stop gives the chain a context that ends when the shutdown begins, so
+// retries and waits for the database stop (and the message is left
+// unacknowledged) instead of holding the shutdown up.
 func (c *Consumer) stop(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
@@ -202,6 +155,9 @@ func (c *Consumer) stop(h message.HandlerFunc) message.HandlerFunc {
 			soft = context.Background()
 		}
 		ctx, cancel := context.WithCancel(orig)
+		if c.sleep != nil {
+			ctx = backoff.WithSleep(ctx, c.sleep)
+		}
 		stop := context.AfterFunc(soft, cancel)
 		defer func() {
 			stop()
@@ -228,16 +184,34 @@ func stoppedOnItsOwn(ctx context.Context, err error) error {
 	return fmt.Errorf("eventline consumer: %w", err)
 }
 
-// checkSchema checks that the consumer tables exist
-// (middleware.CheckMigrated). While the database is unavailable it waits
-// for it, backing off like a running consumer in an outage, instead of
-// failing: a consumer started during a database restart or failover starts
-// consuming when the database answers. It returns nil if ctx ends first.
+// checkSchema checks that the consumer tables exist, failing with an
+// error matching middleware.ErrNotMigrated. While the database is
+// unavailable it waits for it, backing off like a running consumer in an
+// outage, instead of failing: a consumer started during a database restart
+// or failover starts consuming when the database answers. It returns nil
+// if ctx ends first.
 func (c *Consumer) checkSchema(ctx context.Context) error {
-	return backoff.Retry(ctx, c.infraBackoff(), middleware.IsInfrastructure, func(wait time.Duration, err error) {
-		c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
-			"group", c.cfg.Group, "wait", wait, "error", err)
-	}, func() error { return middleware.CheckMigrated(ctx, c.db, c.cfg.Schema) })
+	st, err := store.New(c.cfg.Schema)
+	if err != nil {
+		return err
+	}
+	var problem string
+	err = backoff.Retry(ctx, c.infra, middleware.IsInfrastructure,
+		func(wait time.Duration, err error) {
+			c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
+				"group", c.cfg.Group, "wait", wait, "error", err)
+		},
+		func() (err error) {
+			problem, err = st.Unmigrated(ctx, c.db)
+			return err
+		})
+	switch {
+	case err != nil:
+		return err
+	case problem != "":
+		return fmt.Errorf("%w: %s", middleware.ErrNotMigrated, problem)
+	}
+	return nil
 }
 
 // waitForKafka connects to the brokers. While none answers it waits,
@@ -250,7 +224,7 @@ func (c *Consumer) checkSchema(ctx context.Context) error {
 func (c *Consumer) waitForKafka(ctx context.Context) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
 	var client sarama.Client
-	err := c.kafkaWait(ctx)(func() (err error) {
+	err := c.waitKafka(ctx, func() (err error) {
 		client, err = sarama.NewClient(c.cfg.Brokers, kafkaconf.Consumer("eventline-check-"+c.cfg.Group))
 		return err
 	})
@@ -278,26 +252,21 @@ func (c *Consumer) waitForKafka(ctx context.Context) error {
 	return nil
 }
 
-// kafkaWait is how a starting consumer waits for Kafka: every error but a
-// Sarama configuration error means the brokers are unavailable; each wait
-// is logged with the brokers' names.
-func (c *Consumer) kafkaWait(ctx context.Context) func(try func() error) error {
+// waitKafka runs try until it succeeds, fails for another reason than
+// Kafka being unavailable (a Sarama configuration error), or ctx ends
+// (then it returns nil), waiting on the database-wait schedule and
+// logging each wait with the brokers' names.
+func (c *Consumer) waitKafka(ctx context.Context, try func() error) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
 	unavailable := func(err error) bool {
 		var mistake sarama.ConfigurationError
 		return !errors.As(err, &mistake) && !errors.Is(err, errSubscriberClosed)
 	}
-	waiting := func(wait time.Duration, err error) {
+	return backoff.Retry(ctx, c.infra, unavailable, func(wait time.Duration, err error) {
 		c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
 			"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
 			"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
-	}
-	return func(try func() error) error { return backoff.Retry(ctx, c.infraBackoff(), unavailable, waiting, try) }
-}
-
-// infraBackoff is how a starting consumer waits for its database or Kafka.
-func (c *Consumer) infraBackoff() eventline.Backoff {
-	return eventline.Backoff{Initial: c.cfg.InfraRetryInitialInterval, Max: c.cfg.InfraRetryMaxInterval, Multiplier: 2}
+	}, try)
 }
 
 // waitingSubscriber subscribes with the subscriber it wraps, waiting (the
@@ -308,12 +277,13 @@ func (c *Consumer) infraBackoff() eventline.Backoff {
 // a closed channel.
 type waitingSubscriber struct {
 	message.Subscriber
-	wait func(try func() error) error
+	ctx  context.Context
+	wait func(ctx context.Context, try func() error) error
 }
 
 func (s waitingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	var out <-chan *message.Message
-	err := s.wait(func() (err error) {
+	err := s.wait(s.ctx, func() (err error) {
 		out, err = s.Subscriber.Subscribe(ctx, topic)
 		return err
 	})

@@ -10,30 +10,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill/message"
-
-	"github.com/eventline/eventline/internal/kafkaconf"
-)
-
-// Defaults and bounds for [SubscriberConfig] (and the matching fields of
-// [Config]).
-const (
-	// DefaultLanes is how many lanes each partition is split into.
-	DefaultLanes = 8
-	// DefaultBatchSize is the most events of one lane applied in one
-	// transaction.
-	DefaultBatchSize = 16
-	// DefaultBatchLinger is how long a lane waits for a batch to fill: 0,
-	// a batch takes what is already waiting when the lane is free.
-	DefaultBatchLinger = time.Duration(0)
-	// MaxLanes bounds Lanes.
-	MaxLanes = 256
-	// MaxBatchSize bounds BatchSize.
-	MaxBatchSize = 1000
-	// MaxBatchLinger bounds BatchLinger.
-	MaxBatchLinger = time.Second
-	// DefaultCloseTimeout bounds how long Close waits for in-flight
-	// messages.
-	DefaultCloseTimeout = 30 * time.Second
 )
 
 // nackResendPause is the wait before a nacked message is delivered again
@@ -44,112 +20,38 @@ const nackResendPause = 100 * time.Millisecond
 // error.
 const reconnectPause = time.Second
 
-// SubscriberConfig configures a [Subscriber].
-type SubscriberConfig struct {
-	// Brokers are the Kafka brokers, host:port. Defaults to KAFKA_BROKERS.
-	Brokers []string
-	// Group is the Kafka consumer group. Required.
-	Group string
-	// SaramaConfig is the consumer's Sarama configuration. Defaults to one
-	// that starts a new group at the oldest offset and auto-commits marked
-	// offsets every second (see Config.SaramaConfig).
+// subscriberConfig configures a subscriber: the consumer's Config, with
+// its defaults filled in and validated.
+type subscriberConfig struct {
+	Brokers      []string
+	Group        string
 	SaramaConfig *sarama.Config
-	// Lanes is how many lanes each partition is split into. Events are
-	// spread over lanes by aggregate: one aggregate's events stay in one
-	// lane, in offset order, while lanes run concurrently. 1 handles a
-	// partition one event (or batch) at a time. Defaults to DefaultLanes
-	// (8); at most MaxLanes.
-	Lanes int
-	// BatchSize is the most events of one lane delivered together as a
-	// middleware.Batch, which the composed eventline middleware applies in
-	// one transaction. 1 disables batching. Defaults to DefaultBatchSize
-	// (16); at most MaxBatchSize.
-	BatchSize int
-	// BatchLinger is how long a free lane waits for more events before it
-	// closes a batch that is not full. 0 (the default, DefaultBatchLinger)
-	// waits for nothing: a batch is what accumulated while the lane was
-	// busy, so an idle consumer handles each event at once and a busy one
-	// batches by itself. At most MaxBatchLinger.
-	BatchLinger time.Duration
+	Lanes        int
+	BatchSize    int
+	BatchLinger  time.Duration
 	// CloseTimeout bounds how long Close (or the end of the Subscribe
 	// context) waits for delivered messages to be acknowledged; messages
 	// still in flight then are abandoned (their contexts are canceled and
 	// their offsets not committed). When a partition is revoked in a
 	// rebalance, the wait is the shorter of CloseTimeout and half the
-	// group's rebalance timeout. Defaults to DefaultCloseTimeout (30s).
+	// group's rebalance timeout. It is Config.ShutdownTimeout.
 	CloseTimeout time.Duration
-	// Logger receives group errors and rebalances. Defaults to
-	// slog.Default().
-	Logger *slog.Logger
-
-	// chainBatches is set by the ready runner, whose chain always contains
-	// the eventline middleware: a batch's members go out together, without
-	// first sending one alone to see whether it reaches the middleware.
-	chainBatches bool
+	Logger       *slog.Logger
 }
 
-func (c SubscriberConfig) withDefaults() SubscriberConfig {
-	if len(c.Brokers) == 0 {
-		c.Brokers = kafkaconf.BrokersFromEnv()
-	}
-	if c.SaramaConfig == nil {
-		c.SaramaConfig = kafkaconf.Consumer("eventline-" + c.Group)
-	}
-	if c.Lanes == 0 {
-		c.Lanes = DefaultLanes
-	}
-	if c.BatchSize == 0 {
-		c.BatchSize = DefaultBatchSize
-	}
-	if c.CloseTimeout == 0 {
-		c.CloseTimeout = DefaultCloseTimeout
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
-	return c
-}
-
-func (c SubscriberConfig) validate(field string) error {
-	if err := kafkaconf.ValidateBrokers(field+".Brokers", c.Brokers); err != nil {
-		return err
-	}
-	if c.Group == "" {
-		return errors.New(field + ".Group is empty: name the Kafka consumer group")
-	}
-	return validateLanes(field, c.Lanes, c.BatchSize, c.BatchLinger, c.CloseTimeout, "CloseTimeout")
-}
-
-// validateLanes checks the lane and batch settings shared by Config and
-// SubscriberConfig.
-func validateLanes(field string, lanes, batchSize int, linger, closeTimeout time.Duration, closeField string) error {
-	switch {
-	case lanes < 0 || lanes > MaxLanes:
-		return fmt.Errorf("%s.Lanes is %d; use 1 to %d (0 means %d)", field, lanes, MaxLanes, DefaultLanes)
-	case batchSize < 0 || batchSize > MaxBatchSize:
-		return fmt.Errorf("%s.BatchSize is %d; use 1 (no batching) to %d (0 means %d)", field, batchSize, MaxBatchSize, DefaultBatchSize)
-	case linger < 0 || linger > MaxBatchLinger:
-		return fmt.Errorf("%s.BatchLinger is %s; use 0 to %s: a longer wait holds every batch back", field, linger, MaxBatchLinger)
-	case closeTimeout < 0:
-		return fmt.Errorf("%s.%s is %s; it must be positive", field, closeField, closeTimeout)
-	}
-	return nil
-}
-
-// Subscriber is a Watermill subscriber for Kafka consumer groups that hands
-// out several events of a partition at once: each partition is split into
-// lanes by aggregate, and each lane delivers its events in batches (see
-// SubscriberConfig). Put it under a Router whose chain contains the
-// composed eventline middleware (middleware.New): each batch is then
-// applied in one PostgreSQL transaction, one aggregate's events in offset
-// order, different aggregates' lanes concurrently. The ready runner
-// ([Consumer.Run]) uses it unless Config.Lanes and Config.BatchSize are
-// both 1.
+// subscriber is the consumer's Watermill subscriber for Kafka consumer
+// groups: it hands out several events of a partition at once. Each
+// partition is split into lanes by aggregate, and each lane delivers its
+// events in batches; the chain the Router runs them through contains the
+// eventline middleware, which applies each batch in one PostgreSQL
+// transaction, one aggregate's events in offset order, different
+// aggregates' lanes concurrently. With Lanes and BatchSize both 1 it
+// delivers a partition's events one at a time.
 //
 // Messages are decoded with watermill-kafka's DefaultMarshaler, so UUID,
 // payload and metadata are what watermill-kafka's subscriber produces. The
 // record's topic, partition, offset and key are in the message context as a
-// middleware.Source (middleware.SourceFromContext; dead letters record
+// delivery.Source (dead letters record
 // them); watermill-kafka's own context accessors find nothing.
 //
 // Delivery and offsets:
@@ -161,17 +63,14 @@ func validateLanes(field string, lanes, batchSize int, linger, closeTimeout time
 //     make that a no-op).
 //   - A nacked message is delivered again, after a short pause, before
 //     anything else of its lane.
-//   - A lane whose first message does not reach the eventline middleware
-//     (the chain has none) gets no batches: its messages go one at a time,
-//     as with watermill-kafka's subscriber.
 //   - When a partition is revoked or the subscriber closes, no new message
 //     is delivered; messages in flight get CloseTimeout (on revocation, at
 //     most half the rebalance timeout) to be acknowledged, and their
 //     offsets are committed; then the rest are abandoned: their contexts
 //     are canceled (a batch transaction rolls back) and they will be
 //     redelivered.
-type Subscriber struct {
-	cfg SubscriberConfig
+type subscriber struct {
+	cfg subscriberConfig
 
 	mu      sync.Mutex
 	closed  bool
@@ -179,25 +78,17 @@ type Subscriber struct {
 	subs    []*subscription
 }
 
-// NewSubscriber returns a Subscriber. It fails, naming the field, when the
-// configuration is invalid. It does not connect to Kafka until Subscribe.
-func NewSubscriber(cfg SubscriberConfig) (*Subscriber, error) {
-	cfg = cfg.withDefaults()
-	if err := cfg.validate("consumer.SubscriberConfig"); err != nil {
-		return nil, err
-	}
-	if err := cfg.SaramaConfig.Validate(); err != nil {
-		return nil, fmt.Errorf("consumer.SubscriberConfig.SaramaConfig: %w", err)
-	}
-	return &Subscriber{cfg: cfg, closing: make(chan struct{})}, nil
+// newSubscriber returns a subscriber; it connects to Kafka at Subscribe.
+func newSubscriber(cfg subscriberConfig) *subscriber {
+	return &subscriber{cfg: cfg, closing: make(chan struct{})}
 }
 
 // errSubscriberClosed is Subscribe's error once the Subscriber is closed.
-var errSubscriberClosed = errors.New("eventline: consumer.Subscriber is closed")
+var errSubscriberClosed = errors.New("eventline: the consumer's subscriber is closed")
 
 // subscription is one topic's consumer group membership.
 type subscription struct {
-	s      *Subscriber
+	s      *subscriber
 	topic  string
 	group  sarama.ConsumerGroup
 	out    chan *message.Message
@@ -209,8 +100,8 @@ type subscription struct {
 // Subscribe joins the consumer group for topic and returns the channel the
 // topic's messages arrive on. The channel is closed when ctx ends or the
 // subscriber closes, once in-flight messages are settled (see
-// SubscriberConfig.CloseTimeout).
-func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+// subscriberConfig.CloseTimeout).
+func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -238,7 +129,7 @@ func (s *Subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 // messages get CloseTimeout to be acknowledged (their offsets are then
 // committed), the rest are abandoned. It returns when every goroutine of
 // the subscriber has ended. It is idempotent.
-func (s *Subscriber) Close() error {
+func (s *subscriber) Close() error {
 	s.mu.Lock()
 	if !s.closed {
 		s.closed = true
@@ -255,7 +146,7 @@ func (s *Subscriber) Close() error {
 	return nil
 }
 
-func (s *Subscriber) isClosing() bool {
+func (s *subscriber) isClosing() bool {
 	select {
 	case <-s.closing:
 		return true

@@ -15,6 +15,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/eventlinetest/kafkatest"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/metrictest"
@@ -141,7 +142,7 @@ func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
 		dead[0].Metadata[eventline.MetaEventVersion], dead[0].Cause, reason)
 	require.Equal(t, "o-9", dead[0].AggregateID)
 	require.Equal(t, "4", dead[0].Metadata[eventline.MetaEventVersion], "the dead letter keeps the record as written")
-	require.Equal(t, consumer.DeadLetterPermanent, dead[0].Cause, "an unknown version is not retried")
+	require.Equal(t, dedup.KindPermanent, dead[0].Cause, "an unknown version is not retried")
 	require.Contains(t, reason, "has payload schema version 4, newer than this consumer's current version 3")
 	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+seen+` WHERE order_id = 'o-9'`))
 }
@@ -160,12 +161,20 @@ func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
 	const group = "billing"
 	var applied []int64
 	newConsumer := func(up *eventline.Upcasters) message.HandlerFunc {
-		c, err := consumer.New(env.Pool, consumer.Config{Brokers: []string{"127.0.0.1:9"}, Group: group, Topics: []string{"orders"},
-			Schema: env.Schema, Upcasters: up, Logger: quietLogger()})
+		c, err := consumer.New(env.Pool, consumer.Config{
+			Config: middleware.Config{
+				Group:     group,
+				Schema:    env.Schema,
+				Upcasters: up,
+				Logger:    quietLogger(),
+			},
+			Brokers: []string{"127.0.0.1:9"},
+			Topics:  []string{"orders"},
+		})
 		require.NoError(t, err)
 		require.NoError(t, consumer.HandleJSON(c, "order.created", func(context.Context, pgx.Tx, eventline.Event, orderV3) error { return nil }))
 		require.NoError(t, c.Handle("order.noted", func(context.Context, pgx.Tx, eventline.Event) error { return nil }))
-		return c.Middleware().Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		return consumer.Eventline(c).MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 			e, _ := middleware.EventFromContext(msg.Context())
 			applied = append(applied, e.AggregateVersion)
 			return nil, nil

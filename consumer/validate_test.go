@@ -25,8 +25,15 @@ import (
 func TestEventsAreValidatedBeforeTheyPark(t *testing.T) {
 	t.Parallel()
 	env := consumertest.New(t, pgtest.Options{MaxConns: 4})
-	c, err := consumer.New(env.Pool, consumer.Config{Brokers: []string{"127.0.0.1:9"}, Group: "g", Topics: []string{"things"},
-		Schema: env.Schema, Logger: quietLogger()})
+	c, err := consumer.New(env.Pool, consumer.Config{
+		Config: middleware.Config{
+			Group:  "g",
+			Schema: env.Schema,
+			Logger: quietLogger(),
+		},
+		Brokers: []string{"127.0.0.1:9"},
+		Topics:  []string{"things"},
+	})
 	require.NoError(t, err)
 	type thing struct{ V int64 }
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(context.Context, pgx.Tx, eventline.Event, thing) error { return nil }))
@@ -38,7 +45,7 @@ func TestEventsAreValidatedBeforeTheyPark(t *testing.T) {
 			return nil
 		})))
 	require.NoError(t, c.Ignore("thing.noted"))
-	h := c.Middleware().Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	h := consumer.Eventline(c).MiddlewareFor("test")(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 	deliver := func(typ string, v int64, payload string) error {
 		e := consumertest.Event("a", v)
 		e.Type, e.Payload = typ, []byte(payload)

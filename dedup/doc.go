@@ -20,9 +20,8 @@
 // Every row also records its outcome (see [Outcome]): applied, stale (the
 // version gate discarded it), parked (it waits in parked_events for a
 // missing version; it becomes applied when it is released), late (it is
-// held as late in held_events for an operator), late_applied or late_discarded.
-// Operators can look a row up with [Store.Get], or every row of an id with
-// [Store.Find].
+// held as late in held_events for an operator), late_applied or
+// late_discarded. A [Record] is what a row says.
 //
 // # Scope: the id within its aggregate
 //
@@ -34,31 +33,30 @@
 // is recorded first. Within one aggregate the row also records the event's
 // identity (type, version): a hit whose identity differs is not a
 // duplicate but an id conflict, two events of the aggregate share one id,
-// and Insert returns a permanent *IDConflictError instead of skipping the
-// second one. The insert returns the recorded identity in the same
+// and the event is refused with a permanent *IDConflictError instead of
+// being skipped. The insert returns the recorded identity in the same
 // statement, so the check costs no extra round trip. Events without an
 // aggregate version still name an aggregate (the envelope requires one)
 // and are scoped by it the same way.
 //
-// The middleware package runs this for you (middleware.Dedup, or the
-// composed middleware.New, which folds the insert into the version gate's
-// statement so it costs no extra round trip).
+// The middleware runs this for you, folding the insert into the version
+// gate's statement so it costs no extra round trip.
 //
 // # Dead letters
 //
 // The messages a consumer group gives up on are held in held_events (kind
 // dead_letter), in the same database: whole (payload and headers as
-// bytea), whatever their size, with their cause (KindPermanent…) and
-// reason, listed, replayed in order by a running consumer, and discarded
-// with a reason (admin.ListHeld, ReplayHeld, DiscardHeld; `eventline
-// held`). The middleware package's DeadLetter writes them.
+// bytea), whatever their size, with their cause ([KindPermanent],
+// [KindRetriesExhausted]…) and reason, listed, replayed in order by a
+// running consumer, and discarded with a reason (admin.ListHeld,
+// ReplayHeld, DiscardHeld; `eventline held`). The middleware writes them.
 //
 // # Retention
 //
-// processed_events grows by one row per event. [Store.Cleanup] deletes rows
-// older than a retention window in bounded batches with a pause between
-// them, so it never deletes faster than BatchSize rows per Pause and never
-// holds long locks. Rows whose outcome is parked or late are kept: their
+// processed_events grows by one row per event. `eventline cleanup`
+// deletes rows older than a retention window ([DefaultRetention], at least
+// [MinRetention]) in bounded batches with a pause between them, so it never
+// deletes fast enough to hold long locks. Rows whose outcome is parked or late are kept: their
 // event is still waiting.
 //
 // Retention must exceed the longest time after which the broker can

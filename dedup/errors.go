@@ -49,22 +49,3 @@ func describe(r Record) string {
 // DeadLetterKind files the refused event's dead letter under
 // KindIDConflict.
 func (e *IDConflictError) DeadLetterKind() string { return KindIDConflict }
-
-// Causes of consumer dead letters (the cause of a held event of kind
-// dead_letter, and the reason label of
-// eventline_consumer_events_dead_lettered_total). Components that
-// dead-letter for their own reasons add their own, through an error with
-// a DeadLetterKind() string method.
-const (
-	// KindPermanent: the event can never succeed (it does not decode, no
-	// handler knows its type, the handler marked its error permanent…).
-	KindPermanent = "permanent"
-	// KindRetriesExhausted: the handler kept failing until the retry
-	// budget was spent.
-	KindRetriesExhausted = "retries_exhausted"
-	// KindFailed: the handler failed and no retry middleware ran.
-	KindFailed = "failed"
-	// KindIDConflict: the event reused the id of a different event the
-	// group already recorded (see IDConflictError).
-	KindIDConflict = "id_conflict"
-)

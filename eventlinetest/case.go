@@ -138,7 +138,7 @@ type Case struct {
 	// Events of other types without a handler are an error.
 	Ignore []string
 	// Upcasters brings payloads to the current schema version before the
-	// handlers run, as consumer.Config.Upcasters and middleware.Upcast do.
+	// handlers run, as middleware.Config.Upcasters (so consumer.Config.Upcasters) does.
 	Upcasters *eventline.Upcasters
 
 	// Events are the events, in the order they were published. Each

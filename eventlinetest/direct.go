@@ -15,8 +15,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 // maxAttempts bounds how often one delivery is tried when the handler
@@ -60,9 +61,13 @@ func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, err
 	if err := env.reset(ctx); err != nil {
 		return nil, err
 	}
-	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s)}
+	st, err := store.New(env.name)
+	if err != nil {
+		return nil, err
+	}
+	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s), store: st}
 	r := &result{}
-	err := sim.run(ctx)
+	err = sim.run(ctx)
 	r.trace = sim.trace
 	if err != nil {
 		r.err = err
@@ -84,6 +89,7 @@ type sim struct {
 	s      schedule
 	rng    *rand.Rand
 	inject *injector
+	store  *store.Store // to read what is still parked
 
 	mu        sync.Mutex
 	trace     []string
@@ -107,18 +113,22 @@ func (s *sim) newInstance() (*instance, error) {
 	if err != nil {
 		return nil, err
 	}
-	el, err := middleware.New(middleware.Config{
-		DB: s.env.pool, Group: s.Group, Schema: s.env.name,
+	el, err := middleware.New(s.env.pool, middleware.Config{
+		Group: s.Group, Schema: s.env.name,
 		ParkTimeout: parkTimeout, Logger: s.Logger, Metrics: m,
 		// A failed release is retried by the next sweep, not after a
 		// backoff: the schedules' sweeps stand for the passage of time.
-		ReleaseBackoff: time.Microsecond, MaxReleaseBackoff: time.Microsecond,
+		ReleaseBackoff: eventline.Backoff{Initial: time.Microsecond, Max: time.Microsecond},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("eventlinetest: %w", err)
 	}
-	return &instance{id: s.instances, el: el, h: el.Middleware(s.inject.wrap(s.inner)), reg: reg}, nil
+	return &instance{id: s.instances, el: el, h: el.MiddlewareFor(handlerName)(s.inject.wrap(s.inner)), reg: reg}, nil
 }
+
+// handlerName is the handler the instances wrap; deliveries name none, so
+// the sweeper finds it as the only handler each middleware wraps.
+const handlerName = "eventlinetest"
 
 // runsKey carries a delivery's list of handler runs through the context.
 type runsKey struct{}
@@ -346,7 +356,7 @@ func (s *sim) run(ctx context.Context) error {
 	}
 	last := owner[0]
 	for range finalSweeps {
-		n, err := last.el.Store().CountParked(ctx, s.env.pool, s.Group)
+		n, err := s.store.CountParked(ctx, s.env.pool, s.Group)
 		if err != nil {
 			return fmt.Errorf("eventlinetest: count parked events: %w", err)
 		}
@@ -357,7 +367,7 @@ func (s *sim) run(ctx context.Context) error {
 			return err
 		}
 	}
-	parked, err := last.el.Store().ListParked(ctx, s.env.pool, versioning.ParkedFilter{Group: s.Group})
+	parked, err := s.store.ListParked(ctx, s.env.pool, store.ParkedFilter{Group: s.Group})
 	if err != nil {
 		return fmt.Errorf("eventlinetest: list parked events: %w", err)
 	}
@@ -373,7 +383,7 @@ func (s *sim) run(ctx context.Context) error {
 
 // deliver hands event i to inst as a broker would, retrying (as the
 // runner's retry middleware does) after a failure, and says what happened
-// through note. In a batch (ctx carries a middleware.Batch member) its
+// through note. In a batch (ctx carries a batch member) its
 // first attempt runs with the batch, its retries on their own.
 func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string, note func(string, ...any)) error {
 	_, batched := ctx.Value(batchMemberKey{}).(bool)
@@ -410,13 +420,13 @@ func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string, n
 type batchMemberKey struct{}
 
 // deliverBatch hands the records recs of partition p to inst as the
-// members of one middleware.Batch, as the ready runner's lanes do: each
+// members of one batch, as the ready runner's lanes do: each
 // member runs the chain on its own goroutine (retried on its own after a
 // failure, as by the runner's retry middleware), the batch applies those
 // that reach the middleware together. What each member did is noted in
 // member order, after a line for the batch.
 func (s *sim) deliverBatch(ctx context.Context, inst *instance, recs []int, first, p int) error {
-	b := middleware.NewBatch()
+	b := delivery.NewBatch()
 	notes := make([][]string, len(recs))
 	errs := make([]error, len(recs))
 	before := counters(inst.reg)
@@ -445,16 +455,19 @@ func (s *sim) deliverBatch(ctx context.Context, inst *instance, recs []int, firs
 // sweep runs one sweeper pass on inst.
 func (s *sim) sweep(ctx context.Context, inst *instance) error {
 	runs := &runList{}
-	res, err := inst.el.Sweep(context.WithValue(ctx, runsKey{}, runs))
-	if err != nil {
+	before := counters(inst.reg)
+	if err := inst.el.Sweep(context.WithValue(ctx, runsKey{}, runs)); err != nil {
 		return fmt.Errorf("eventlinetest: sweeper pass: %w", err)
 	}
-	if res.Released > 0 || res.Failed > 0 || len(runs.runs) > 0 {
+	after := counters(inst.reg)
+	released := int(after["parked_released_total"] - before["parked_released_total"])
+	failed := int(after["parked_release_failures_total"] - before["parked_release_failures_total"])
+	if released > 0 || failed > 0 || len(runs.runs) > 0 {
 		panics := ""
 		if len(runs.panics) > 0 {
 			panics = "; the AfterCommit hook of " + strings.Join(runs.panics, ", ") + " panicked (recovered)"
 		}
-		s.note("-- sweeper pass on instance %d: released %d, failed %d; handler ran for %s%s", inst.id, res.Released, res.Failed, strings.Join(runs.runs, ", "), panics)
+		s.note("-- sweeper pass on instance %d: released %d, failed %d; handler ran for %s%s", inst.id, released, failed, strings.Join(runs.runs, ", "), panics)
 	}
 	return nil
 }

@@ -82,7 +82,7 @@
 // the kit wraps it in the eventline middleware as your Router does, and it
 // finds the transaction and the event with middleware.TxFromContext and
 // middleware.EventFromContext. Case.Upcasters applies payload upcasting
-// as consumer.Config.Upcasters and middleware.Upcast do.
+// as middleware.Config.Upcasters (so consumer.Config.Upcasters) does.
 //
 // # What State should read
 //

@@ -210,10 +210,12 @@ func (r *kafkaRun) start() error {
 	cfg.Consumer.Group.Heartbeat.Interval = 500 * time.Millisecond
 	cfg.Consumer.Offsets.AutoCommit.Interval = 100 * time.Millisecond
 	ccfg := consumer.Config{
-		Brokers: r.brokers, Group: r.group, Topics: []string{r.topic}, Schema: r.env.name,
-		MaxRetries: maxAttempts - 1, RetryInitialInterval: 5 * time.Millisecond, RetryMaxInterval: 50 * time.Millisecond,
-		ParkTimeout: parkTimeout, SweepInterval: 100 * time.Millisecond, ShutdownTimeout: 20 * time.Second,
-		SaramaConfig: cfg, Logger: r.Logger, Metrics: r.metrics,
+		Config: middleware.Config{
+			Group: r.group, Schema: r.env.name,
+			MaxRetries: maxAttempts - 1, Retry: eventline.Backoff{Initial: 5 * time.Millisecond, Max: 50 * time.Millisecond},
+			ParkTimeout: parkTimeout, SweepInterval: 100 * time.Millisecond, Logger: r.Logger, Metrics: r.metrics,
+		},
+		Brokers: r.brokers, Topics: []string{r.topic}, ShutdownTimeout: 20 * time.Second, SaramaConfig: cfg,
 		// Lanes and BatchSize stay the runner's defaults (8, 16): batches
 		// are what it does unless told otherwise.
 		BatchLinger: r.batchLinger,

@@ -16,6 +16,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -144,10 +145,20 @@ func prepare(c Case, testName string) (*kit, error) {
 // the ready runner does.
 func (k *kit) handler() message.HandlerFunc {
 	if k.Handler != nil {
-		if k.Upcasters != nil {
-			return middleware.Upcast(k.Upcasters)(k.Handler)
+		if k.Upcasters == nil {
+			return k.Handler
 		}
-		return k.Handler
+		return func(msg *message.Message) ([]*message.Message, error) {
+			e, ok := middleware.EventFromContext(msg.Context())
+			if !ok {
+				return nil, errors.New("eventlinetest: no event in the message context")
+			}
+			m, err := delivery.Upcast(k.Upcasters, msg, e)
+			if err != nil {
+				return nil, middleware.Permanent(err)
+			}
+			return k.Handler(m)
+		}
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
@@ -171,7 +182,7 @@ func (k *kit) handler() message.HandlerFunc {
 			return nil, middleware.Permanent(err)
 		}
 		if u.SchemaVersion != e.SchemaVersion {
-			ctx = middleware.ContextWithEvent(ctx, u)
+			ctx = delivery.WithEvent(ctx, u)
 		}
 		return nil, fn(ctx, tx, u)
 	}
@@ -226,14 +237,14 @@ func (k *kit) applyDirectly(ctx context.Context, env *schemaEnv, i int) error {
 		return err
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-	hctx := middleware.ContextWithEvent(middleware.ContextWithTx(ctx, tx), k.Events[i])
+	hctx := delivery.WithEvent(delivery.WithTx(ctx, tx), k.Events[i])
 	if _, err := k.inner(k.message(hctx, i)); err != nil {
 		return err
 	}
 	if err := tx.Commit(ctx); err != nil {
 		return err
 	}
-	middleware.RunAfterCommit(hctx)
+	delivery.RunAfterCommit(hctx)
 	return nil
 }
 

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -16,63 +16,60 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
 
-// TestConstructorsRefuseWhatFailsLater: values the constructors accepted
+// TestConstructorsRefuseWhatFailsLater: values the constructor accepted
 // and that then failed on every event are refused, naming the field. A nil
-// *pgxpool.Pool passed DeadLetterConfig.DB's == nil check and panicked on
-// the first dead letter (and NewSweeper's, on the first sweep); a
-// Group with a NUL byte or invalid UTF-8 failed in PostgreSQL on every
-// event, and a blank one passed as a name.
+// *pgxpool.Pool passed the dead letters' == nil check and panicked on the
+// first dead letter (and the sweeper's, on the first sweep); a Group with
+// a NUL byte or invalid UTF-8 failed in PostgreSQL on every event, and a
+// blank one passed as a name.
 func TestConstructorsRefuseWhatFailsLater(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
 	var nilPool *pgxpool.Pool
 
-	_, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: nilPool, Group: "g", Schema: env.Schema})
-	require.ErrorContains(t, err, "middleware.DeadLetterConfig.DB is nil")
-	_, err = middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: env.Pool, Group: "g", Schema: env.Schema})
+	_, err := middleware.New(nilPool, middleware.Config{Group: "g", Schema: env.Schema})
+	require.ErrorContains(t, err, "middleware.New: db is nil")
+	_, err = middleware.New(env.Pool, middleware.Config{Group: "g", Schema: env.Schema})
 	require.NoError(t, err)
 
 	for _, group := range []string{"g\x00", "g-\xff", " "} {
-		_, err = middleware.New(middleware.Config{DB: env.Pool, Group: group, Schema: env.Schema})
+		_, err = middleware.New(env.Pool, middleware.Config{Group: group, Schema: env.Schema})
 		require.ErrorContains(t, err, "middleware.Config.Group", "%q", group)
-		_, err = middleware.NewGate(middleware.GateConfig{Group: group, Schema: env.Schema})
-		require.ErrorContains(t, err, "middleware.GateConfig.Group", "%q", group)
 	}
-
-	store, err := versioning.NewStore(env.Schema)
-	require.NoError(t, err)
-	_, err = store.NewSweeper(nilPool, versioning.SweeperConfig{Group: "g", Apply: func(context.Context, pgx.Tx, versioning.Parked) error { return nil }})
-	require.ErrorContains(t, err, "versioning.NewSweeper: db is nil")
 }
 
-// TestRegisterIgnoresANilHandler: Register(name, nil) on a middleware
-// with Upcasters registered the upcasting wrapper around nil, so the
-// sweeper's release of an event parked under that name panicked (in the
-// sweeper's goroutine, with nothing to recover it). A nil handler is
-// ignored: the release fails with ErrNoHandler, saying what to register.
-func TestRegisterIgnoresANilHandler(t *testing.T) {
+// TestReleaseUnderAnUnknownHandlerFailsWithErrNoHandler: a parked event
+// whose handler name no handler was added under is not released through
+// nil (Register(name, nil) on a middleware with Upcasters registered the
+// upcasting wrapper around nil, so the sweeper's release panicked in its
+// goroutine, with nothing to recover it): the release fails with
+// ErrNoHandler, saying what to add.
+func TestReleaseUnderAnUnknownHandlerFailsWithErrNoHandler(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
 	ctx := context.Background()
 	up, err := eventline.NewUpcasters(map[string]int{"thing.changed": 1})
 	require.NoError(t, err)
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Group: "g", Schema: env.Schema, Upcasters: up, Logger: quiet()})
+	el, err := middleware.New(env.Pool, middleware.Config{Group: "g", Schema: env.Schema, Upcasters: up, Logger: quiet()})
 	require.NoError(t, err)
-	el.Register("things-handler", nil)
+	_ = el.MiddlewareFor("other-handler")(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	_ = el.MiddlewareFor("another-handler")(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 
 	msg, err := eventline.Encode(eventline.Event{Type: "thing.changed", AggregateType: "thing", AggregateID: "1", AggregateVersion: 2, Payload: []byte(`{}`)})
 	require.NoError(t, err)
-	p := versioning.Parked{Group: "g", AggregateType: "thing", AggregateID: "1", Version: 2, EventID: msg.UUID, EventType: "thing.changed",
+	p := store.Parked{Group: "g", AggregateType: "thing", AggregateID: "1", Version: 2, EventID: msg.UUID, EventType: "thing.changed",
 		Handler: "things-handler", Topic: "things", Payload: msg.Payload, Metadata: msg.Metadata}
 	tx, err := env.Pool.Begin(ctx)
 	require.NoError(t, err)
 	defer tx.Rollback(ctx)
-	require.NotPanics(t, func() { err = el.Gate().ApplyParked(ctx, tx, p) })
+	require.NotPanics(t, func() { err = el.ApplyParked(ctx, tx, p) })
 	require.ErrorIs(t, err, versioning.ErrNoHandler)
+	require.ErrorContains(t, err, "AddHandler")
 }
 
 // TestNewConfigProperty draws middleware configurations with zero,
@@ -87,27 +84,27 @@ func TestNewConfigProperty(t *testing.T) {
 	durations := []time.Duration{0, -1, middleware.NoTxTimeout, -time.Hour, math.MinInt64, 1, time.Second, time.Hour, math.MaxInt64}
 	floats := []float64{0, -1, 0.5, 1, 2, 1e300, math.Inf(1), math.Inf(-1), math.NaN()}
 	rapid.Check(t, func(rt *rapid.T) {
-		cfg := middleware.Config{DB: env.Pool, Group: "g", Schema: env.Schema, Logger: quiet()}
+		cfg := middleware.Config{Group: "g", Schema: env.Schema, Logger: quiet()}
 		set := map[string]bool{}
 		unusable := false
 		dur := func(name string, d *time.Duration) func() {
 			return func() { *d = rapid.SampledFrom(durations).Draw(rt, name); set[name] = *d != 0 }
 		}
-		flt := func(name string, f *float64) func() {
+		flt := func(name string, f *float64, none float64) func() {
 			return func() {
 				*f = rapid.SampledFrom(floats).Draw(rt, name)
 				set[name] = *f != 0
-				unusable = unusable || math.IsNaN(*f) || math.IsInf(*f, 0) || *f < 0
+				unusable = unusable || math.IsNaN(*f) || math.IsInf(*f, 0) || (*f < 0 && *f != none)
 			}
+		}
+		backoff := func(name string, b *eventline.Backoff, noJitter float64) []func() {
+			return []func(){dur(name+".Initial", &b.Initial), dur(name+".Max", &b.Max),
+				flt(name+".Multiplier", &b.Multiplier, 0), flt(name+".Jitter", &b.Jitter, noJitter)}
 		}
 		perturb := []func(){
 			dur("ParkTimeout", &cfg.ParkTimeout), dur("SweepInterval", &cfg.SweepInterval), dur("TxTimeout", &cfg.TxTimeout),
-			dur("ReleaseBackoff", &cfg.ReleaseBackoff), dur("MaxReleaseBackoff", &cfg.MaxReleaseBackoff),
-			dur("InitialInterval", &cfg.Retry.InitialInterval), dur("MaxInterval", &cfg.Retry.MaxInterval),
-			dur("InfraInitialInterval", &cfg.Retry.InfraInitialInterval), dur("InfraMaxInterval", &cfg.Retry.InfraMaxInterval),
-			flt("Multiplier", &cfg.Retry.Multiplier), flt("Jitter", &cfg.Retry.Jitter),
 			func() {
-				cfg.Retry.MaxRetries = rapid.SampledFrom([]int{middleware.NoRetries, -2, 1, math.MaxInt, math.MinInt}).Draw(rt, "MaxRetries")
+				cfg.MaxRetries = rapid.SampledFrom([]int{middleware.NoRetries, -2, 1, math.MaxInt, math.MinInt}).Draw(rt, "MaxRetries")
 				set["MaxRetries"] = true
 			},
 			func() {
@@ -125,7 +122,7 @@ func TestNewConfigProperty(t *testing.T) {
 			func() {
 				cfg.GapPolicy = versioning.GapPolicy(rapid.SampledFrom([]string{"park", "apply", "Park", " ", "x"}).Draw(rt, "GapPolicy"))
 				set["GapPolicy"] = true
-				unusable = unusable || !cfg.GapPolicy.Valid()
+				unusable = unusable || (cfg.GapPolicy != versioning.Park && cfg.GapPolicy != versioning.Apply)
 			},
 			func() {
 				cfg.PolicyByType = map[string]versioning.GapPolicy{rapid.SampledFrom([]string{"", "t"}).Draw(rt, "policyType"): "nope"}
@@ -135,7 +132,7 @@ func TestNewConfigProperty(t *testing.T) {
 			func() {
 				cfg.Unversioned = versioning.UnversionedPolicy(rapid.SampledFrom([]string{"pass", "reject", "x"}).Draw(rt, "Unversioned"))
 				set["Unversioned"] = true
-				unusable = unusable || !cfg.Unversioned.Valid()
+				unusable = unusable || (cfg.Unversioned != versioning.PassUnversioned && cfg.Unversioned != versioning.RejectUnversioned)
 			},
 			func() {
 				cfg.Group = rapid.SampledFrom([]string{"", " ", "g\x00", "\xff", "g'; drop table x; --"}).Draw(rt, "Group")
@@ -148,10 +145,13 @@ func TestNewConfigProperty(t *testing.T) {
 				unusable = true
 			},
 		}
+		perturb = append(perturb, backoff("Retry", &cfg.Retry, middleware.NoJitter)...)
+		perturb = append(perturb, backoff("InfraBackoff", &cfg.InfraBackoff, 0)...)
+		perturb = append(perturb, backoff("ReleaseBackoff", &cfg.ReleaseBackoff, 0)...)
 		for _, i := range rapid.SliceOfNDistinct(rapid.IntRange(0, len(perturb)-1), 1, 3, rapid.ID[int]).Draw(rt, "fields") {
 			perturb[i]()
 		}
-		el, err := middleware.New(cfg)
+		el, err := middleware.New(env.Pool, cfg)
 		if err == nil {
 			require.False(rt, unusable, "New accepted a configuration no run can use")
 			require.NotNil(rt, el)

@@ -15,6 +15,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -22,14 +23,14 @@ import (
 )
 
 // deliverBatch runs msgs through h concurrently as the members of one
-// middleware.Batch, as the consumer's Subscriber does, and returns each
-// member's error.
+// batch (internal/delivery), as the consumer's subscriber does, and
+// returns each member's error.
 func deliverBatch(h message.HandlerFunc, msgs ...*message.Message) []error {
-	return deliverBatchTo(middleware.NewBatch(), h, msgs...)
+	return deliverBatchTo(delivery.NewBatch(), h, msgs...)
 }
 
 // deliverBatchTo is deliverBatch with the batch given.
-func deliverBatchTo(b *middleware.Batch, h message.HandlerFunc, msgs ...*message.Message) []error {
+func deliverBatchTo(b *delivery.Batch, h message.HandlerFunc, msgs ...*message.Message) []error {
 	errs := make([]error, len(msgs))
 	var wg sync.WaitGroup
 	for i, m := range msgs {
@@ -96,7 +97,7 @@ func TestBatchCommitFailureFallsBackToOneByOne(t *testing.T) {
 	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+uniq+` (k text, CONSTRAINT uniq_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)`)
 	require.NoError(t, err)
 	business := f.business(group)
-	h := f.el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := f.el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())
 		if e.AggregateID == "a" || e.AggregateID == "c" {
 			tx, _ := middleware.TxFromContext(msg.Context())
@@ -128,12 +129,12 @@ func TestBatchMembersThatNeverArriveDoNotHoldItUp(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{})
 	reject := errors.New("rejected in front of eventline")
-	batch := middleware.NewBatch()
+	batch := delivery.NewBatch()
 	h := func(msg *message.Message) ([]*message.Message, error) {
 		if msg.Metadata.Get(eventline.MetaAggregateID) == "rejected" {
 			// Leave only once the others wait at the middleware: the batch
 			// must notice the member that will never arrive.
-			assert.Eventually(t, func() bool { return middleware.BatchArrivals(batch) == 2 }, 30*time.Second, time.Millisecond,
+			assert.Eventually(t, func() bool { return batch.Members() == 2 }, 30*time.Second, time.Millisecond,
 				"a and b reach the middleware")
 			return nil, reject
 		}
@@ -154,7 +155,7 @@ func TestBatchMembersThatNeverArriveDoNotHoldItUp(t *testing.T) {
 func TestAbandonedBatchLetsItsMembersGoAlone(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{})
-	b := middleware.NewBatch()
+	b := delivery.NewBatch()
 	a := consumertest.Redeliver(consumertest.Message(t, consumertest.Event("a", 1)))
 	a.SetContext(b.Add(context.Background()))
 	_ = b.Add(context.Background()) // a member that never comes
@@ -163,7 +164,7 @@ func TestAbandonedBatchLetsItsMembersGoAlone(t *testing.T) {
 		_, err := f.handler(a)
 		done <- err
 	}()
-	<-b.Joined()
+	require.Eventually(t, func() bool { return b.Members() == 1 }, 10*time.Second, time.Millisecond, "a reaches the middleware")
 	b.Seal()
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
@@ -189,13 +190,13 @@ func TestBatchDuringDatabaseOutage(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	el, err := middleware.New(middleware.Config{DB: pool, Schema: f.env.Schema, Group: group, Logger: quiet()})
+	el, err := middleware.New(pool, middleware.Config{Schema: f.env.Schema, Group: group, Logger: quiet()})
 	require.NoError(t, err)
 	var cut sync.Once
 	business := f.business(group)
 	var mu sync.Mutex
 	var order []string
-	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())
 		if e.AggregateID == "b" {
 			cut.Do(func() {

@@ -14,7 +14,8 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // outcome is how one attempt at a batch transaction ended.
@@ -48,49 +49,40 @@ type attempt struct {
 // anything after it is answered, so a lane's events are applied in order
 // even then. It returns false when ctx ended: every arrival not answered
 // yet has been told to run on its own.
-func (el *Eventline) runBatch(ctx context.Context, b *Batch, items []*arrival) bool {
+func (el *Eventline) runBatch(ctx context.Context, b *delivery.Batch, items []*delivery.Arrival) bool {
 	for len(items) > 0 {
 		r := el.tryBatch(ctx, items)
 		switch r.outcome {
 		case committed:
 			for i, it := range items {
-				it.answer(batchReply{out: r.outs[i]})
+				it.Answer(delivery.Reply{Out: r.outs[i]})
 			}
 			return true
 		case cut:
 			if !el.runBatch(ctx, b, items[:r.at]) {
-				return abandon(items[r.at:])
+				return delivery.Abandon(items[r.at:])
 			}
 			items = items[r.at:]
 		case failed:
 			if !el.runBatch(ctx, b, items[:r.at]) {
-				return abandon(items[r.at:])
+				return delivery.Abandon(items[r.at:])
 			}
 			it := items[r.at]
-			it.answer(batchReply{err: r.err})
+			it.Answer(delivery.Reply{Err: r.err})
 			items = items[r.at+1:]
-			if !it.waitLeft(ctx) {
-				return abandon(items)
+			if !it.WaitLeft(ctx) {
+				return delivery.Abandon(items)
 			}
 		case unavailable:
 			el.cfg.Logger.DebugContext(ctx, "eventline: batch transaction failed; applying its events one by one", "group", el.gate.cfg.Group, "events", len(items), "error", r.err)
-			return b.oneByOne(ctx, items)
+			return b.OneByOne(ctx, items)
 		}
 	}
 	return true
 }
 
-// abandon tells every arrival not answered yet to run on its own; it
-// returns false for runBatch.
-func abandon(items []*arrival) bool {
-	for _, it := range items {
-		it.answer(batchReply{alone: true})
-	}
-	return false
-}
-
 // tryBatch runs items in one transaction. It never answers an arrival.
-func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
+func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) attempt {
 	g := el.gate
 	// The transaction's own statements stop when the batch is abandoned or
 	// any member's context ends.
@@ -101,23 +93,23 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
 	}
 	defer cancel()
 	for _, it := range items {
-		stop := context.AfterFunc(it.msg.Context(), cancel)
+		stop := context.AfterFunc(it.Msg.Context(), cancel)
 		defer stop()
 	}
 
 	events := make([]eventline.Event, len(items))
 	for i, it := range items {
-		events[i] = it.e
+		events[i] = it.Event
 	}
 
 	// BEGIN and every admission in one round trip, in lock order.
 	pb := &pgx.Batch{}
 	pb.BeginTx(el.cfg.TxOptions)
-	results := make([]func(context.Context, versioning.DBTX) (versioning.Admission, error), len(items))
+	results := make([]func(context.Context, store.DBTX) (store.Admission, error), len(items))
 	for _, i := range admissionOrder(events) {
-		results[i] = g.queueAdmission(pb, items[i].e)
+		results[i] = g.queueAdmission(pb, items[i].Event)
 	}
-	br := el.cfg.DB.SendBatch(bctx, pb)
+	br := el.db.SendBatch(bctx, pb)
 	tx := br.Tx()
 	err := br.Close()
 	if tx == nil {
@@ -127,13 +119,13 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
 		rollback(ctx, tx)
 		return attempt{outcome: unavailable, err: fmt.Errorf("eventline: begin batch transaction: %w", err)}
 	}
-	admissions := make([]versioning.Admission, len(items))
+	admissions := make([]store.Admission, len(items))
 	for i, res := range results {
 		if admissions[i], err = res(bctx, tx); err != nil {
 			rollback(ctx, tx)
 			if errors.Is(err, dedup.ErrIDConflict) {
 				// The member's own fault: refused, like on its own.
-				return attempt{outcome: failed, at: i, err: g.admissionError(items[i].msg.Context(), items[i].e, err)}
+				return attempt{outcome: failed, at: i, err: g.admissionError(items[i].Msg.Context(), items[i].Event, err)}
 			}
 			return attempt{outcome: unavailable, err: err}
 		}
@@ -157,7 +149,7 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
 			// running is not to blame either: alone, each finds out.
 			lost := tx.Conn() != nil && tx.Conn().IsClosed() // before the rollback hands it back
 			rollback(ctx, tx)
-			err = el.classify(it.msg.Context(), ictx, stageHandler, lost, err)
+			err = el.classify(it.Msg.Context(), ictx, stageHandler, lost, err)
 			if bctx.Err() != nil || IsInfrastructure(err) || IsConflict(err) {
 				return attempt{outcome: unavailable, err: err}
 			}
@@ -170,7 +162,7 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
 		return attempt{outcome: unavailable, err: fmt.Errorf("eventline: commit batch transaction: %w", err)}
 	}
 	for _, ictx := range ctxs {
-		RunAfterCommit(ictx)
+		delivery.RunAfterCommit(ictx)
 	}
 	return attempt{outcome: committed, outs: outs}
 }
@@ -178,28 +170,28 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*arrival) attempt {
 // proceedInBatch runs the gate's decision and the handler for one member
 // in the batch's transaction, with the member's own context (its
 // after-commit hooks are its own; it ends when the batch's does),
-// recovering a panic as the Recover middleware would. It returns the
+// recovering a panic as recoverPanics would. It returns the
 // context the hooks were registered on (canceled by then: only its values
 // are used afterwards).
-func (el *Eventline) proceedInBatch(bctx context.Context, it *arrival, tx pgx.Tx, a versioning.Admission) (out []*message.Message, ictx context.Context, err error) {
-	orig := it.msg.Context()
+func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, tx pgx.Tx, a store.Admission) (out []*message.Message, ictx context.Context, err error) {
+	orig := it.Msg.Context()
 	// The member's context, ended with the batch's (its deadline too).
 	mctx, cancel := context.WithCancel(orig)
 	if d, ok := bctx.Deadline(); ok {
 		mctx, cancel = context.WithDeadline(orig, d)
 	}
 	stop := context.AfterFunc(bctx, cancel)
-	ictx = ContextWithTx(mctx, tx)
-	it.msg.SetContext(ictx)
+	ictx = delivery.WithTx(mctx, tx)
+	it.Msg.SetContext(ictx)
 	defer func() {
 		stop()
 		cancel()
-		it.msg.SetContext(orig)
+		it.Msg.SetContext(orig)
 		if r := recover(); r != nil {
-			out, err = nil, &PanicError{Value: r, Stack: debug.Stack()}
+			out, err = nil, &panicError{value: r, stack: debug.Stack()}
 		}
 	}()
-	out, err = el.gate.proceed(it.msg, tx, it.e, it.h, a)
+	out, err = el.gate.proceed(it.Msg, tx, it.Event, it.Handler, a)
 	return out, ictx, err
 }
 
@@ -231,20 +223,20 @@ func admissionOrder(events []eventline.Event) []int {
 // earlier member of the same aggregate was not "quiet" (it will park, or
 // drain parked successors, or anything else than applying with nothing
 // parked or being a duplicate). 0 means no cut.
-func cutAt(items []*arrival, admissions []versioning.Admission) int {
+func cutAt(items []*delivery.Arrival, admissions []store.Admission) int {
 	type key struct{ typ, id string }
 	quiet := map[key]bool{}
 	for i, it := range items {
-		if it.e.AggregateVersion <= 0 {
+		if it.Event.AggregateVersion <= 0 {
 			continue // unversioned: no aggregate row involved
 		}
-		k := key{it.e.AggregateType, it.e.AggregateID}
+		k := key{it.Event.AggregateType, it.Event.AggregateID}
 		q, seen := quiet[k]
 		if seen && !q {
 			return i
 		}
 		a := admissions[i]
-		quiet[k] = (!seen || q) && (a.Verdict == versioning.Duplicate || (a.Verdict == versioning.Next && a.Parked == 0))
+		quiet[k] = (!seen || q) && (a.Verdict == store.Duplicate || (a.Verdict == store.Next && a.Parked == 0))
 	}
 	return 0
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -30,7 +31,7 @@ import (
 //	go test -run '^$' -bench 'BenchmarkBareHandler|BenchmarkMiddleware' -benchtime 5s ./middleware/
 //
 // BenchmarkBareBatch and BenchmarkBatchMiddleware do the same with 16 events
-// per transaction (middleware.Batch). Every benchmark also reports CPU per
+// per transaction (one batch). Every benchmark also reports CPU per
 // event, of this process (go-µs/ev) and of its PostgreSQL backends
 // (pg-µs/ev): on a shared machine those vary much less than events/s.
 //
@@ -134,9 +135,9 @@ func BenchmarkBareHandler(b *testing.B) {
 
 func BenchmarkMiddleware(b *testing.B) {
 	be := newBenchEnv(b)
-	el, err := middleware.New(middleware.Config{DB: be.pool, Schema: be.env.Schema, Group: "bench", Logger: quiet()})
+	el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet()})
 	require.NoError(b, err)
-	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
 		e, _ := middleware.EventFromContext(ctx)
@@ -221,13 +222,13 @@ func BenchmarkBareBatch(b *testing.B) {
 }
 
 // BenchmarkBatchMiddleware applies benchBatch events per transaction
-// through the composed middleware (middleware.Batch), each member on its
+// through the composed middleware (one batch), each member on its
 // own goroutine as a Router runs them.
 func BenchmarkBatchMiddleware(b *testing.B) {
 	be := newBenchEnv(b)
-	el, err := middleware.New(middleware.Config{DB: be.pool, Schema: be.env.Schema, Group: "bench", Logger: quiet()})
+	el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet()})
 	require.NoError(b, err)
-	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
 		e, _ := middleware.EventFromContext(ctx)
@@ -241,7 +242,7 @@ func BenchmarkBatchMiddleware(b *testing.B) {
 	b.RunParallel(func(pb *testing.PB) {
 		next := benchEvents(workers.Add(1))
 		for more := true; more; {
-			batch := middleware.NewBatch()
+			batch := delivery.NewBatch()
 			var msgs []*message.Message
 			for len(msgs) < benchBatch {
 				if more = pb.Next(); !more {

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/held"
@@ -93,7 +94,7 @@ func TestPoisonQueueInsideEventlineIsRefusedNotCommitted(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	metrics, err := middleware.NewMetrics(reg)
 	require.NoError(t, err)
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet(), Metrics: metrics})
+	el, err := middleware.New(env.Pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet(), Metrics: metrics})
 	require.NoError(t, err)
 	k := newKafkaRouter(t, group)
 
@@ -104,10 +105,10 @@ func TestPoisonQueueInsideEventlineIsRefusedNotCommitted(t *testing.T) {
 			return err
 		}
 		return errors.New("smtp down")
-	}).AddMiddleware(el.Middleware)
+	}).AddMiddleware(el.MiddlewareFor("billing"))
 	poison, err := wmiddleware.PoisonQueue(k.pub, k.poison)
 	require.NoError(t, err)
-	k.router.AddMiddleware(poison, wmiddleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, ResetContextOnRetry: true, ShouldRetry: middleware.ShouldRetry}.Middleware)
+	k.router.AddMiddleware(poison, wmiddleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, ResetContextOnRetry: true, ShouldRetry: func(p wmiddleware.RetryParams) bool { return !middleware.IsPermanent(p.Err) }}.Middleware)
 	k.run(t)
 
 	e := consumertest.Event("o-1", 1)
@@ -125,44 +126,13 @@ func TestPoisonQueueInsideEventlineIsRefusedNotCommitted(t *testing.T) {
 	require.Empty(t, env.Effects(t, group))
 }
 
-// A retry inside the eventline transaction would commit the handler's
-// writes of every attempt; the handler's second entry is refused.
-func TestRetryInsideEventlineIsRefused(t *testing.T) {
-	t.Parallel()
-	env := consumertest.New(t, pgtest.Options{MaxConns: 2})
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()})
-	require.NoError(t, err)
-	var calls atomic.Int32
-	handler := middleware.Innermost(func(msg *message.Message) ([]*message.Message, error) {
-		tx, _ := middleware.TxFromContext(msg.Context())
-		e, _ := middleware.EventFromContext(msg.Context())
-		if err := env.Apply(msg.Context(), tx, group, e); err != nil {
-			return nil, err
-		}
-		if calls.Add(1) == 1 {
-			return nil, errors.New("flaky")
-		}
-		return nil, nil
-	})
-	for _, inside := range []message.HandlerMiddleware{
-		wmiddleware.Retry{MaxRetries: 3, ResetContextOnRetry: true}.Middleware,
-		middleware.Retry{Sleep: (&clock{}).sleep, Logger: quiet()}.Middleware,
-	} {
-		calls.Store(0)
-		_, err = el.Middleware(inside(handler))(consumertest.Message(t, consumertest.Event("a", 1)))
-		require.ErrorIs(t, err, middleware.ErrUnsafeComposition)
-		require.Empty(t, env.Effects(t, group), "no attempt's writes may commit")
-		require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "processed_events")))
-	}
-}
-
 // Eventline.AddHandler is the one call that composes dead letters, retries
 // and eventline safely, whatever the router adds around it.
 func TestAddHandlerComposesTheSafeChainInOneCall(t *testing.T) {
 	t.Parallel()
 	env := consumertest.New(t, pgtest.Options{MaxConns: 4})
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet(),
-		Retry: middleware.Retry{InitialInterval: time.Millisecond}})
+	el, err := middleware.New(env.Pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet(),
+		Retry: eventline.Backoff{Initial: time.Millisecond}})
 	require.NoError(t, err)
 	k := newKafkaRouter(t, group)
 	var flaky atomic.Int32
@@ -225,11 +195,11 @@ func TestAddHandlerComposesTheSafeChainInOneCall(t *testing.T) {
 func TestUnsafeRefusalHoldsTheMessage(t *testing.T) {
 	holds := middleware.CountUnsafeHolds(t)
 	env := consumertest.New(t, pgtest.Options{MaxConns: 2})
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()})
+	el, err := middleware.New(env.Pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
 	require.NoError(t, err)
 	// What Watermill's PoisonQueue does inside the chain: publish the failed
 	// message, mark it poisoned, return nil.
-	poisonedInside := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	poisonedInside := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		msg.Metadata.Set(wmiddleware.ReasonForPoisonedKey, "smtp down")
 		return nil, nil
 	})
@@ -241,7 +211,7 @@ func TestUnsafeRefusalHoldsTheMessage(t *testing.T) {
 	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "processed_events")))
 
 	// A handler's ordinary failure is answered at once.
-	failing := el.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, errors.New("smtp down") })
+	failing := el.MiddlewareFor("test")(func(*message.Message) ([]*message.Message, error) { return nil, errors.New("smtp down") })
 	_, err = failing(consumertest.Message(t, consumertest.Event("o-2", 1)))
 	require.Error(t, err)
 	require.EqualValues(t, 2, holds.Load())

@@ -2,85 +2,26 @@ package middleware
 
 import (
 	"context"
-	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/txhooks"
 )
 
-type ctxKey int
+// TxFromContext returns the consumer transaction the middleware opened for
+// the message, or for a parked or late event being applied (then it is a
+// savepoint of the applying transaction). Write the handler's effects
+// through it: they commit together with the dedup record and the version
+// advance, before the message is acknowledged, and roll back with them on
+// any error. Do not commit or roll it back yourself.
+func TxFromContext(ctx context.Context) (pgx.Tx, bool) { return delivery.Tx(ctx) }
 
-const (
-	txKey ctxKey = iota
-	eventKey
-	lateKey
-	sourceKey
-)
-
-// txState is what the Tx middleware puts in the message context: the
-// transaction (or savepoint) the handler writes through. The hooks to run
-// after commit live next to it in an internal/txhooks set.
-type txState struct {
-	tx pgx.Tx
-	// entries counts how often a handler wrapped with Innermost was
-	// entered in this transaction: more than once means a retry runs
-	// inside it.
-	entries atomic.Int32
-}
-
-// txStateOf returns the consumer transaction's state in ctx, or nil.
-func txStateOf(ctx context.Context) *txState {
-	st, _ := ctx.Value(txKey).(*txState)
-	return st
-}
-
-// TxFromContext returns the consumer transaction the Tx middleware (or the
-// composed middleware) opened for the message, or for a parked or late
-// event being applied (then it is a savepoint of the applying
-// transaction). Write the handler's effects through it: they commit
-// together with the dedup record and the version advance, before the
-// message is acknowledged, and roll back with them on any error. Do not
-// commit or roll it back yourself.
-func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
-	st, ok := ctx.Value(txKey).(*txState)
-	if !ok || st == nil || st.tx == nil {
-		return nil, false
-	}
-	return st.tx, true
-}
-
-// ContextWithTx returns ctx carrying tx as the consumer transaction, for
-// calling a handler directly (in tests, or from your own middleware). Hooks
-// registered on the returned context run when tx's owner calls
-// [RunAfterCommit]; the Tx middleware does that after its commit.
-func ContextWithTx(ctx context.Context, tx pgx.Tx) context.Context {
-	ctx = context.WithValue(ctx, txKey, &txState{tx: tx})
-	ctx, _ = txhooks.New(ctx)
-	return ctx
-}
-
-// contextWithSavepoint returns ctx carrying sp, a savepoint of the
-// transaction in ctx, with its own hook set: Promote it when the savepoint
-// is released (its hooks then run when the transaction commits), Drop it
-// when the savepoint is rolled back.
-func contextWithSavepoint(ctx context.Context, sp pgx.Tx) (context.Context, *txhooks.Set) {
-	ctx = context.WithValue(ctx, txKey, &txState{tx: sp})
-	return txhooks.Child(ctx)
-}
-
-// EventFromContext returns the event decoded from the message by the
-// Decode step. Handlers behind the composed middleware always find it.
-func EventFromContext(ctx context.Context) (eventline.Event, bool) {
-	e, ok := ctx.Value(eventKey).(eventline.Event)
-	return e, ok
-}
-
-// ContextWithEvent returns ctx carrying e, as the Decode step does.
-func ContextWithEvent(ctx context.Context, e eventline.Event) context.Context {
-	return context.WithValue(ctx, eventKey, e)
-}
+// EventFromContext returns the event decoded from the message, at the
+// current payload schema version of its type when Config.Upcasters is
+// set. Handlers behind the middleware always find it.
+func EventFromContext(ctx context.Context) (eventline.Event, bool) { return delivery.Event(ctx) }
 
 // IsLate reports whether the handler is applying a late event: one whose
 // version was given up on (recorded in skipped_versions) or passed, so
@@ -89,15 +30,7 @@ func ContextWithEvent(ctx context.Context, e eventline.Event) context.Context {
 // late event (`eventline held replay`). Handlers that set state from
 // the event ("status = shipped") should not let a late event overwrite
 // newer state; additive effects can apply as usual.
-func IsLate(ctx context.Context) bool {
-	late, _ := ctx.Value(lateKey).(bool)
-	return late
-}
-
-// contextWithLate marks ctx as applying a late event (see IsLate).
-func contextWithLate(ctx context.Context) context.Context {
-	return context.WithValue(ctx, lateKey, true)
-}
+func IsLate(ctx context.Context) bool { return delivery.Late(ctx) }
 
 // AfterCommit registers fn to run after the context's consumer transaction
 // commits; it never runs when the transaction rolls back. Hooks registered
@@ -105,6 +38,11 @@ func contextWithLate(ctx context.Context) context.Context {
 // that follows its missing version or by the sweeper) run after the
 // transaction that applied it commits, and are dropped with its savepoint
 // when it fails. With no transaction in ctx, fn runs at once.
+//
+// A hook that panics does not stop the others, nor reach the caller: the
+// transaction has committed, so the panic is recovered, logged with the
+// event and counted in eventline_consumer_after_commit_panics_total, and
+// the remaining hooks run.
 //
 // AfterCommit is at most once: a process that crashes between the commit
 // and the hook loses the hook, and the redelivered event is a duplicate,
@@ -119,20 +57,6 @@ func AfterCommit(ctx context.Context, fn func()) {
 	if !txhooks.Add(ctx, fn) {
 		fn()
 	}
-}
-
-// RunAfterCommit runs, once, the hooks registered with AfterCommit on a
-// context made by ContextWithTx. Call it after committing the transaction
-// yourself; the Tx middleware calls it for you.
-//
-// A hook that panics does not stop the others, nor reach the caller: the
-// transaction has committed, so the panic is recovered and reported (by
-// the composed middleware: logged with the event and counted in
-// eventline_consumer_after_commit_panics_total; otherwise logged through
-// slog's default logger), and the remaining hooks run. The sweeper's
-// release of parked events runs its hooks the same way.
-func RunAfterCommit(ctx context.Context) {
-	txhooks.From(ctx).Run()
 }
 
 // withHookReports returns ctx reporting the panics of AfterCommit hooks

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -11,13 +12,13 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/versioning"
 )
 
 func failWith(err error) message.HandlerFunc {
@@ -30,7 +31,7 @@ func failWith(err error) message.HandlerFunc {
 func TestDeadLetterKeepsAnyMessageByteForByte(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 2})
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: env.Pool, Group: group, Schema: env.Schema, Logger: quiet()})
+	dl, err := middleware.New(env.Pool, middleware.Config{Group: group, Schema: env.Schema, Logger: quiet()})
 	require.NoError(t, err)
 
 	payload := bytes.Repeat([]byte{0, 0xff, 'x'}, 5<<20/3)
@@ -45,7 +46,7 @@ func TestDeadLetterKeepsAnyMessageByteForByte(t *testing.T) {
 	want := map[string]string(msg.Metadata)
 	want = cloneMap(want)
 
-	out, err := dl.Middleware(failWith(middleware.Permanent(errors.New("no handler for \x00 type"))))(msg)
+	out, err := dl.DeadLetters(failWith(middleware.Permanent(errors.New("no handler for \x00 type"))))(msg)
 	require.NoError(t, err, "the message is acknowledged once its dead letter is written")
 	require.Empty(t, out)
 
@@ -90,90 +91,47 @@ func TestDeadLetterIsNeverAcknowledgedWithoutItsRow(t *testing.T) {
 			require.NoError(t, migrations.Up(context.Background(), pool, migrations.Config{Schema: schema, Shards: 1}))
 		}
 	}
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: pool, Group: group, Schema: schema, Logger: quiet(), Sleep: c.sleep})
+	dl, err := middleware.New(pool, middleware.Config{Group: group, Schema: schema, Logger: quiet()})
 	require.NoError(t, err)
 	msg := consumertest.Message(t, consumertest.Event("a", 1))
-	_, err = dl.Middleware(failWith(errors.New("handler bug")))(msg)
+	msg.SetContext(backoff.WithSleep(context.Background(), c.sleep))
+	_, err = dl.DeadLetters(failWith(errors.New("handler bug")))(msg)
 	require.NoError(t, err)
 	require.Equal(t, ms(250, 500, 1000), c.recorded())
 	require.Equal(t, 1, pgtest.Count(t, pool, `SELECT count(*) FROM `+sqlident.Qualify(schema, "held_events")+` WHERE kind = 'dead_letter' AND cause = 'failed'`))
 
 	// Shutdown while the write keeps failing: not acknowledged.
 	ctx, cancel := context.WithCancel(context.Background())
-	dl2, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: pool, Group: group, Schema: "no_such_schema_" + randomHex(), Logger: quiet(),
-		Sleep: (&clock{onWait: func(n int) {
-			if n == 2 {
-				cancel()
-			}
-		}}).sleep})
+	dl2, err := middleware.New(pool, middleware.Config{Group: group, Schema: "no_such_schema_" + randomHex(), Logger: quiet()})
 	require.NoError(t, err)
-	msg.SetContext(ctx)
-	_, err = dl2.Middleware(failWith(errors.New("handler bug")))(msg)
+	msg.SetContext(backoff.WithSleep(ctx, (&clock{onWait: func(n int) {
+		if n == 2 {
+			cancel()
+		}
+	}}).sleep))
+	_, err = dl2.DeadLetters(failWith(errors.New("handler bug")))(msg)
 	require.ErrorContains(t, err, "stays unacknowledged")
 }
 
 func TestDeadLetterLeavesOutagesShutdownsAndBadChainsUnacknowledged(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 2})
-	dl, err := middleware.NewDeadLetter(middleware.DeadLetterConfig{DB: env.Pool, Group: group, Schema: env.Schema, Logger: quiet()})
+	dl, err := middleware.New(env.Pool, middleware.Config{Group: group, Schema: env.Schema, Logger: quiet()})
 	require.NoError(t, err)
 	for _, e := range []error{
-		&middleware.InfraError{Op: "begin", Err: errors.New("connection refused")},
+		fmt.Errorf("begin: %w: connection refused", middleware.ErrInfrastructure),
 		errDBDown,
 		&middleware.CompositionError{Problem: "p", Fix: "f"},
 	} {
-		_, err := dl.Middleware(failWith(e))(message.NewMessage("m", nil))
+		_, err := dl.DeadLetters(failWith(e))(message.NewMessage("m", nil))
 		require.ErrorIs(t, err, e)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	msg := message.NewMessage("m", nil)
 	msg.SetContext(ctx)
-	_, err = dl.Middleware(failWith(errors.New("retry cut short")))(msg)
+	_, err = dl.DeadLetters(failWith(errors.New("retry cut short")))(msg)
 	require.Error(t, err, "a message whose context ended (shutdown) is not dead-lettered")
 	require.Equal(t, 0, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "held_events")))
 
-	// Inside a consumer transaction it refuses to run.
-	tx, err := env.Pool.Begin(context.Background())
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(context.Background()) }()
-	msg = message.NewMessage("m", nil)
-	msg.SetContext(middleware.ContextWithTx(context.Background(), tx))
-	_, err = dl.Middleware(failWith(errors.New("x")))(msg)
-	require.ErrorIs(t, err, middleware.ErrUnsafeComposition)
-}
-
-// DeadLetterParked is the hook a sweeper uses to dead-letter a parked
-// event in its own transaction.
-func TestDeadLetterParkedWritesInTheCallersTransaction(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 2})
-	store := held.New(env.Schema)
-	hook := middleware.DeadLetterParked(env.Schema, "release_attempts")
-	e := consumertest.Event("a", 3)
-	msg := consumertest.Message(t, e)
-	p := versioning.Parked{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID, Version: 3, EventID: e.ID,
-		EventType: e.Type, Handler: "billing", Topic: "orders", Payload: msg.Payload, Metadata: msg.Metadata}
-
-	tx, err := env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	require.NoError(t, hook(ctx, tx, p, "gave up after 10 release attempts"))
-	require.NoError(t, tx.Rollback(ctx))
-	n, err := store.CountOpen(ctx, env.Pool, group, held.KindDeadLetter)
-	require.NoError(t, err)
-	require.Zero(t, n, "rolled back with the caller's transaction")
-
-	tx, err = env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	require.NoError(t, hook(ctx, tx, p, "gave up after 10 release attempts"))
-	require.NoError(t, tx.Commit(ctx))
-	dls, err := store.List(ctx, env.Pool, held.Filter{Group: group})
-	require.NoError(t, err)
-	require.Len(t, dls, 1)
-	require.Equal(t, "release_attempts", dls[0].Cause)
-	require.Equal(t, e.ID, dls[0].EventID)
-	require.EqualValues(t, 3, dls[0].AggregateVersion)
-	require.Equal(t, map[string]string(msg.Metadata), dls[0].Metadata)
-	require.False(t, dls[0].FromKafka)
 }

@@ -65,15 +65,17 @@ func TestCheckMigratedWantsDedupRecordsKeyedByAggregate(t *testing.T) {
 	env := pgtest.New(t, pgtest.Options{MaxConns: 2})
 	ctx := context.Background()
 	cfg := migrations.Config{Schema: env.Schema}
-	require.NoError(t, middleware.CheckMigrated(ctx, env.Pool, env.Schema))
+	el, err := middleware.New(env.Pool, middleware.Config{Group: "g", Schema: env.Schema, Logger: quiet()})
+	require.NoError(t, err)
+	require.NoError(t, el.CheckMigrated(ctx))
 	rekey := func(key string) {
 		_, err := env.Pool.Exec(ctx, `ALTER TABLE `+sqlident.Qualify(cfg.Schema, "processed_events")+` DROP CONSTRAINT processed_events_pkey, ADD PRIMARY KEY (`+key+`)`)
 		require.NoError(t, err)
 	}
 	rekey("consumer_group, event_id")
-	err := middleware.CheckMigrated(ctx, env.Pool, env.Schema)
+	err = el.CheckMigrated(ctx)
 	require.ErrorIs(t, err, middleware.ErrNotMigrated)
 	require.ErrorContains(t, err, "007_dedup_scope")
 	rekey("consumer_group, event_id, aggregate_type, aggregate_id")
-	require.NoError(t, middleware.CheckMigrated(ctx, env.Pool, env.Schema))
+	require.NoError(t, el.CheckMigrated(ctx))
 }

@@ -4,34 +4,43 @@ import (
 	"errors"
 	"fmt"
 
-	wmiddleware "github.com/ThreeDotsLabs/watermill/message/router/middleware"
-
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/versioning"
 )
 
-// PermanentError marks an error that retrying cannot fix: the message is
-// malformed, its payload does not decode, no handler knows its type. Retry
-// middleware configured with [ShouldRetry] gives up on it at once, so it is
-// dead-lettered on its first failure.
-type PermanentError struct {
-	// Err is the underlying error.
-	Err error
-}
+// Errors a handler's code and a consumer's operator meet.
+var (
+	// ErrNoTx is what a handler returns when its message context holds no
+	// consumer transaction: it runs without the eventline middleware in
+	// front of it (AddHandler and the consumer always put it there).
+	ErrNoTx = errors.New("eventline: no consumer transaction in the message context; add the handler with Eventline.AddHandler (or behind MiddlewareFor)")
+	// ErrInfrastructure is matched by the errors IsInfrastructure reports
+	// for a database that was unavailable during the attempt.
+	ErrInfrastructure = errors.New("eventline: the database is unavailable")
+	// ErrNotMigrated is returned by Run (and consumer.Run) when the
+	// consumer's schema lacks eventline's consumer tables: run `eventline
+	// migrate up` or migrations.Up first.
+	ErrNotMigrated = errors.New("eventline: consumer schema is not migrated")
+	// ErrUnsafeComposition is matched by *CompositionError.
+	ErrUnsafeComposition = errors.New("eventline: unsafe middleware composition")
+)
 
-// Error implements error.
-func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+// permanentError marks an error that retrying cannot fix (see Permanent).
+type permanentError struct{ err error }
 
-// Unwrap returns the wrapped error.
-func (e *PermanentError) Unwrap() error { return e.Err }
+func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
+func (e *permanentError) Unwrap() error { return e.err }
 
-// Permanent marks err as permanent (see PermanentError). It returns nil for
-// nil and err itself when it is already permanent.
+// Permanent marks err as permanent: retrying cannot fix it (the message is
+// malformed, its payload does not decode, no handler knows its type), so
+// the event is dead-lettered at its first failure, without retries. It
+// returns nil for nil and err itself when it is already permanent.
 func Permanent(err error) error {
 	if err == nil || IsPermanent(err) {
 		return err
 	}
-	return &PermanentError{Err: err}
+	return &permanentError{err: err}
 }
 
 // IsPermanent reports whether err is permanent: marked with Permanent, or
@@ -45,45 +54,29 @@ func Permanent(err error) error {
 // caught before PostgreSQL sees it), which the same data raises every
 // time.
 func IsPermanent(err error) bool {
-	var p *PermanentError
+	var p *permanentError
 	return errors.As(err, &p) ||
 		errors.Is(err, eventline.ErrInvalidEvent) ||
 		errors.Is(err, versioning.ErrUnversioned) ||
-		errors.Is(err, versioning.ErrParkConflict) ||
+		errors.Is(err, store.ErrParkConflict) ||
 		permanentState(err) ||
 		encodeFailure(err)
 }
 
-// ShouldRetry is a ShouldRetry function for Watermill's Retry middleware
-// that skips retries of permanent errors:
-//
-//	wmiddleware.Retry{MaxRetries: 5, ResetContextOnRetry: true, ShouldRetry: middleware.ShouldRetry}
-//
-// Prefer eventline's own [Retry]: Watermill's spends its budget on a
-// database outage (then the event is dead-lettered although nothing is
-// wrong with it) and waits about four times the configured intervals.
-func ShouldRetry(p wmiddleware.RetryParams) bool { return !IsPermanent(p.Err) }
-
-// PanicError is the error a recovered handler panic becomes. It is not
+// panicError is the error a recovered handler panic becomes. It is not
 // permanent: the transaction is rolled back and the message retried.
-type PanicError struct {
-	// Value is what the handler panicked with.
-	Value any
-	// Stack is the panicking goroutine's stack.
-	Stack []byte
+type panicError struct {
+	value any
+	stack []byte
 }
 
-// Error implements error; the message includes the stack.
-func (e *PanicError) Error() string {
-	return fmt.Sprintf("eventline: handler panicked: %v\n%s", e.Value, e.Stack)
+// Error includes the stack.
+func (e *panicError) Error() string {
+	return fmt.Sprintf("eventline: handler panicked: %v\n%s", e.value, e.stack)
 }
 
 // Unwrap returns the panic value when it is an error.
-func (e *PanicError) Unwrap() error {
-	err, _ := e.Value.(error)
+func (e *panicError) Unwrap() error {
+	err, _ := e.value.(error)
 	return err
 }
-
-// ErrNoTx is returned by Dedup and Gate when the message context holds no
-// consumer transaction.
-var ErrNoTx = errors.New("eventline: no consumer transaction in the message context; put middleware.Tx outside Dedup and Gate, or use middleware.New")

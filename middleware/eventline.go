@@ -4,309 +4,189 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/nilcheck"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/txhooks"
-	"github.com/eventline/eventline/versioning"
 )
 
-// Pool is the database handle the composed middleware needs: batches that
-// begin transactions for events, and queries and transactions for the
-// sweeper. *pgxpool.Pool satisfies it.
+// Pool is the database handle the middleware needs: batches that begin
+// transactions for events, and queries and transactions for the sweeper
+// and dead letters. *pgxpool.Pool satisfies it.
 type Pool interface {
-	TxBeginner
-	versioning.Pool
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
-// Config configures the composed middleware returned by [New].
-type Config struct {
-	// DB is the consumer's database pool; every event runs in a
-	// transaction on it. Required.
-	DB Pool
-	// Group is the consumer group: dedup records, versions and parked
-	// events are kept per group. Required.
-	Group string
-	// Schema is the PostgreSQL schema holding eventline's tables (see
-	// package migrations). Defaults to "eventline".
-	Schema string
-	// GapPolicy is what happens to an event that arrives ahead of a
-	// missing version. Defaults to versioning.Park.
-	GapPolicy versioning.GapPolicy
-	// PolicyByType overrides GapPolicy per event type.
-	PolicyByType map[string]versioning.GapPolicy
-	// LatePolicy is what happens to a late event, one whose version was
-	// given up on before it arrived: held for the operator, or applied at
-	// once with IsLate. Defaults to versioning.HoldLate.
-	LatePolicy versioning.LatePolicy
-	// LatePolicyByType overrides LatePolicy per event type.
-	LatePolicyByType map[string]versioning.LatePolicy
-	// MaxGap bounds the versions one event may leave missing in front of
-	// it; an event beyond it is refused as permanent. An event that
-	// declares its predecessor (versioning.DeclaresPredecessor) is not
-	// bounded: it waits for that one event. Defaults to
-	// versioning.DefaultMaxGap (1000).
-	MaxGap int64
-	// Validate, when set, is called before an event is parked or held as
-	// late; an error refuses it as permanent (see ValidateFunc).
-	Validate ValidateFunc
-	// Upcasters, when set, brings each event's payload to the current
-	// schema version of its type before a handler wrapped by Middleware,
-	// MiddlewareFor, Chain or AddHandler (or registered with Register)
-	// runs: inside the transaction, after the gate, so parked events,
-	// late events and replayed dead letters are upcast when they run. An
-	// event at a version the upcasters cannot reach is a permanent error,
-	// dead-lettered whole by the safe chain. It is the same as wrapping
-	// each handler in [Upcast] yourself, plus one check: before an event
-	// parks or is held as late, the gate refuses it (dead-lettered, as in
-	// order) when the upcasters cannot bring it to the current version,
-	// so its successors wait behind it instead of being applied first.
-	Upcasters *eventline.Upcasters
-	// Unversioned is what happens to an event without an aggregate
-	// version. Defaults to versioning.PassUnversioned.
-	Unversioned versioning.UnversionedPolicy
-	// ParkTimeout is how long an aggregate's parked events wait for the
-	// missing versions before the sweeper skips the gap. Defaults to
-	// versioning.DefaultParkTimeout (1 hour).
-	ParkTimeout time.Duration
-	// MaxReleaseAttempts is how many failed attempts to apply a parked
-	// event are allowed before it is given up: dead-lettered through
-	// DeadLetter, its version recorded as skipped. Defaults to
-	// versioning.DefaultMaxReleaseAttempts (10).
-	MaxReleaseAttempts int
-	// ReleaseBackoff is the wait after a first failed release attempt; it
-	// doubles per failure up to MaxReleaseBackoff. Defaults to
-	// versioning.DefaultReleaseBackoff (5s) and
-	// versioning.DefaultMaxReleaseBackoff (5m).
-	ReleaseBackoff    time.Duration
-	MaxReleaseBackoff time.Duration // see ReleaseBackoff
-	// DeadLetter stores a parked event that was given up (see
-	// versioning.DeadLetterFunc). Defaults to holding it as late (held_events),
-	// where `eventline held list -kind late` lists it.
-	DeadLetter versioning.DeadLetterFunc
-	// SweepInterval is the pause between sweeper passes in RunSweeper.
-	// Defaults to versioning.DefaultSweepInterval (5s).
-	SweepInterval time.Duration
-	// SweepBatch is the most aggregates one sweeper pass visits. Defaults
-	// to versioning.DefaultSweepBatch (500).
-	SweepBatch int
-	// TxOptions are the consumer transactions' options. Defaults to read
-	// committed, read-write.
-	TxOptions pgx.TxOptions
-	// TxTimeout bounds one event's transaction: BEGIN, the handler and
-	// COMMIT. It is how a connection that stops answering without closing
-	// (a vanished or frozen database host) is noticed. When it passes, the
-	// transaction is abandoned and the database is probed: if it does not
-	// answer, the attempt failed for the infrastructure (the event waits,
-	// see IsInfrastructure); if it does, the handler was too slow, which
-	// counts against the retry budget. Defaults to DefaultTxTimeout (1m);
-	// NoTxTimeout disables it.
-	TxTimeout time.Duration
-	// Retry is the retry schedule of Chain and AddHandler. Zero fields
-	// take the Retry defaults; Group, Logger and Metrics default to this
-	// Config's.
-	Retry Retry
-	// Logger receives what the middleware and sweeper report. Defaults to
-	// slog.Default().
-	Logger *slog.Logger
-	// Metrics, when set, counts what happens to events.
-	Metrics *Metrics
-	// TracerProvider, when set, traces each event (see Eventline.Traced):
-	// a "process <topic>" span per delivery continuing the trace in the
-	// record's headers, "release <topic>" spans for parked events applied
-	// later and "dead_letter <topic>" spans. Defaults to nil: no spans, and
-	// no cost beyond a nil check per event.
-	TracerProvider trace.TracerProvider
-	// Propagator reads the trace context from message metadata. Defaults
-	// to OpenTelemetry's global propagator if the application set one
-	// (otel.SetTextMapPropagator), else W3C trace context and baggage.
-	Propagator propagation.TextMapPropagator
-	// MeterProvider, when set, also receives the stage latencies of
-	// eventline_consumer_stage_seconds as the OTel histogram
-	// eventline.stage.duration. Defaults to nil.
-	MeterProvider metric.MeterProvider
-}
-
-// sweepTxTimeout is the sweeper's bound per aggregate for the
-// middleware's TxTimeout: the same, or the sweeper's default when
-// transactions are unbounded.
-func sweepTxTimeout(d time.Duration) time.Duration {
-	if d <= 0 {
-		return versioning.DefaultSweepTxTimeout
-	}
-	return d
-}
-
-// DefaultTxTimeout is the default Config.TxTimeout.
-const DefaultTxTimeout = time.Minute
-
-// NoTxTimeout, as Config.TxTimeout, leaves transactions unbounded: a
-// frozen connection then blocks its partition until TCP gives up on it.
-const NoTxTimeout = time.Duration(-1)
-
-func (c Config) validate() error {
-	switch {
-	case nilcheck.IsNil(c.DB):
-		return errors.New("middleware.Config.DB is nil: give it the consumer's *pgxpool.Pool")
-	case c.ParkTimeout < 0:
-		return fmt.Errorf("middleware.Config.ParkTimeout is %s; it must be positive (0 means %s)", c.ParkTimeout, versioning.DefaultParkTimeout)
-	case c.SweepInterval < 0:
-		return fmt.Errorf("middleware.Config.SweepInterval is %s; it must be positive (0 means %s)", c.SweepInterval, versioning.DefaultSweepInterval)
-	case c.SweepBatch < 0:
-		return fmt.Errorf("middleware.Config.SweepBatch is %d; it must be positive (0 means %d)", c.SweepBatch, versioning.DefaultSweepBatch)
-	case c.TxTimeout < 0 && c.TxTimeout != NoTxTimeout:
-		return fmt.Errorf("middleware.Config.TxTimeout is %s; it must be positive (0 means %s, NoTxTimeout none)", c.TxTimeout, DefaultTxTimeout)
-	}
-	if _, err := c.Retry.withDefaults(); err != nil {
-		return fmt.Errorf("middleware.Config.Retry: %w", err)
-	}
-	return nil
-}
-
-// Eventline is the composed consumer middleware: recover ▸ tx ▸ decode ▸
-// dedup ▸ version gate ▸ handler, plus the sweeper for parked events.
+// Eventline applies each event once, in per-aggregate order, in a
+// PostgreSQL transaction, around a Watermill handler; [Eventline.Run]
+// applies parked events later and replays dead letters.
 //
-// For each message it begins a transaction on Config.DB, decodes the event
-// (a message that does not decode fails with a permanent error and never
-// reaches the handler), records the event id and locks, checks and advances
-// the aggregate's version in one statement, runs the handler with the
-// transaction and the event in the message context, drains parked
-// successors, and commits before returning, so before the router
-// acknowledges. Any error or panic rolls everything back, the dedup record
-// included, and is returned for retry. Duplicates and stale events are
-// acknowledged without running the handler; parked events are acknowledged
-// and applied later, in order; late events are held for the operator (or
-// applied at once, marked late, under ApplyLate). Events that can never be
-// applied are refused with a permanent error, counted in
+// For each message it decodes the event (a message that does not decode
+// fails with a permanent error and never reaches the handler), begins a
+// transaction on the pool and, in the same round trip, records the event
+// id and locks, checks and advances the aggregate's version in one
+// statement, runs the handler with the transaction and the event in the
+// message context, drains parked successors, and commits before
+// returning, so before the router acknowledges. Any error or panic rolls
+// everything back, the dedup record included. Duplicates and stale events
+// are acknowledged without running the handler; parked events are
+// acknowledged and applied later, in order; late events are held for the
+// operator (or applied at once, marked late, under ApplyLate). Events that
+// can never be applied are refused with a permanent error, counted in
 // eventline_consumer_events_refused_total and dead-lettered: an event id
 // recorded for a different event (id conflict), a version that would leave
-// more than MaxGap versions missing, an event that fails Validate or
-// whose content cannot be stored when it must be parked or held.
+// more than MaxGap versions missing, an event that fails Validate or whose
+// content cannot be stored when it must be parked or held.
 //
 // Failures carry their kind (see [IsInfrastructure]): a database that is
 // unreachable, did not answer within Config.TxTimeout, or lost the
 // connection during COMMIT (the outcome is unknown; the dedup record
-// decides on the next attempt) fails the attempt with an *InfraError, so
-// [Retry] waits for the database instead of spending its budget.
+// decides on the next attempt) is waited for, never dead-lettered.
 //
-// Use [Eventline.AddHandler] (or [Eventline.Chain]) to put [DeadLetter] and
-// [Retry] around it in the only safe order. A poison queue or a retry
-// placed inside it is detected and the event refused with a
-// *CompositionError, never committed.
+// [Eventline.AddHandler] puts dead letters and retries around it in the
+// only safe order; [Eventline.MiddlewareFor] is the middleware alone.
 type Eventline struct {
-	cfg     Config
-	gate    *Gate
-	sweeper *versioning.Sweeper
-	dl      *DeadLetter
+	db      Pool
+	cfg     Config // defaults filled in, validated
+	gate    *gate
+	sweeper *store.Sweeper
+	dl      *deadLetter
 	// hookPanic is reportHookPanic, bound once.
 	hookPanic txhooks.PanicHandler
 }
 
-// New returns the composed middleware. It fails, naming the field, when the
-// configuration is invalid.
-func New(cfg Config) (*Eventline, error) {
-	if err := cfg.validate(); err != nil {
-		return nil, err
+// New returns the middleware for the consumer group cfg.Group, writing
+// through db (the consumer's *pgxpool.Pool; keep it open for the
+// middleware's lifetime). It fails, naming the field, when the
+// configuration is invalid. It connects to nothing.
+func New(db Pool, cfg Config) (*Eventline, error) {
+	if nilcheck.IsNil(db) {
+		return nil, errors.New("middleware.New: db is nil: pass the consumer's *pgxpool.Pool")
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
-	if cfg.TxTimeout == 0 {
-		cfg.TxTimeout = DefaultTxTimeout
-	}
-	if cfg.Retry.Group == "" {
-		cfg.Retry.Group = cfg.Group
-	}
-	if cfg.Retry.Logger == nil {
-		cfg.Retry.Logger = cfg.Logger
-	}
-	if cfg.Retry.Metrics == nil {
-		cfg.Retry.Metrics = cfg.Metrics
-	}
-	gate, err := newGate(GateConfig{
-		Group: cfg.Group, Schema: cfg.Schema, GapPolicy: cfg.GapPolicy, PolicyByType: cfg.PolicyByType,
-		LatePolicy: cfg.LatePolicy, LatePolicyByType: cfg.LatePolicyByType, MaxGap: cfg.MaxGap, Validate: upcastable(cfg.Upcasters, cfg.Validate),
-		Unversioned: cfg.Unversioned, MaxReleaseAttempts: cfg.MaxReleaseAttempts, ReleaseBackoff: cfg.ReleaseBackoff,
-		MaxReleaseBackoff: cfg.MaxReleaseBackoff, DeadLetter: cfg.DeadLetter, Logger: cfg.Logger, Metrics: cfg.Metrics,
-		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator, MeterProvider: cfg.MeterProvider,
-	}, "middleware.Config")
+	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	sweeper, err := gate.NewSweeper(cfg.DB, versioning.SweeperConfig{
-		ParkTimeout: cfg.ParkTimeout, Interval: cfg.SweepInterval, Batch: cfg.SweepBatch, Logger: gate.cfg.Logger,
-		TxTimeout: sweepTxTimeout(cfg.TxTimeout),
-	})
+	st, err := store.New(cfg.Schema)
 	if err != nil {
 		return nil, err
 	}
-	dl, err := NewDeadLetter(DeadLetterConfig{
-		DB: cfg.DB, Group: cfg.Group, Schema: cfg.Schema,
-		InfraInitialInterval: cfg.Retry.InfraInitialInterval, InfraMaxInterval: cfg.Retry.InfraMaxInterval,
-		Logger: cfg.Logger, Metrics: cfg.Metrics, Sleep: cfg.Retry.Sleep,
-		TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator,
-	})
+	obs, err := newObserver(cfg.TracerProvider, cfg.Propagator, cfg.MeterProvider)
 	if err != nil {
-		return nil, fmt.Errorf("middleware.Config: %w", err)
+		return nil, fmt.Errorf("middleware.Config.MeterProvider: %w", err)
 	}
-	el := &Eventline{cfg: cfg, gate: gate, sweeper: sweeper, dl: dl}
+	el := &Eventline{db: db, cfg: cfg}
 	el.hookPanic = el.reportHookPanic
+	el.gate = &gate{cfg: &el.cfg, check: upcastable(cfg.Upcasters, cfg.Validate), store: st, reg: newRegistry(), obs: obs}
+	el.sweeper = el.gate.newSweeper(db)
+	el.dl = &deadLetter{db: db, cfg: &el.cfg, store: st.Held(), tr: obs.tr}
 	return el, nil
 }
 
-// Middleware returns the composed middleware; add it to a Router
-// (router.AddMiddleware) or to one handler.
+// MiddlewareFor returns the middleware alone, for one handler of your
+// Router (router.AddConsumerHandler(name, …).AddMiddleware(…)): it
+// registers the handler it wraps under handlerName, the Router's name for
+// it, so that the sweeper and dead-letter replays apply events through
+// the handler they arrived on. Errors come back to the Router as they
+// are: prefer [Eventline.AddHandler], which puts eventline's retries and
+// dead letters around it.
 //
 // Per event on the hot path it costs three round trips, as a bare handler
 // in its own transaction does: BEGIN travels in one batch with the
 // statement that records the event id and locks, checks and advances the
-// aggregate's version; then the handler's statements; then COMMIT. The
-// message is decoded before the transaction begins (the statement needs
-// the event), so a malformed message costs no database work.
-func (el *Eventline) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	inner := el.guard(el.upcasting(h))
-	el.gate.reg.wrap(inner)
-	return el.handler(inner)
+// aggregate's version; then the handler's statements; then COMMIT.
+func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		inner := el.upcasting(h)
+		el.gate.reg.wrap(inner)
+		el.gate.reg.register(handlerName, inner)
+		return el.handler(el.guard(inner))
+	}
 }
 
-// handler is the eventline middleware around inner, without registering
-// inner anywhere.
+// Sweep makes one sweeper pass now, as Run does every SweepInterval: it
+// applies the parked events whose turn came, gives up on gaps older than
+// ParkTimeout, and applies the late events an operator asked for (in
+// tests, it stands for the passage of time).
+func (el *Eventline) Sweep(ctx context.Context) error {
+	_, err := el.sweep(ctx)
+	return err
+}
+
+// sweep makes one sweeper pass and counts it.
+func (el *Eventline) sweep(ctx context.Context) (store.SweepResult, error) {
+	res, err := el.sweeper.Sweep(el.withHookReports(ctx))
+	el.gate.observeSweep(res, err)
+	return res, err
+}
+
+// Run checks that the consumer's schema is migrated, then sweeps every
+// SweepInterval until ctx ends, and returns nil: it applies parked events
+// once their missing versions arrived or were given up on, and late events
+// an operator asked to apply. Each pass also replays the group's dead
+// letters whose replay was requested (`eventline held replay`).
+// Run it next to the router (the consumer package does).
+//
+// A schema without eventline's consumer tables (or before their newest
+// shape) fails at once with an error matching ErrNotMigrated that names
+// the schema and what to run. While the database is unavailable, Run waits
+// for it (on Config.InfraBackoff's schedule) before it checks.
+func (el *Eventline) Run(ctx context.Context) error {
+	if err := el.checkMigrated(ctx); err != nil {
+		return err
+	}
+	ctx = el.withHookReports(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		el.runReplays(ctx)
+	}()
+	err := el.sweeper.Run(ctx)
+	<-done
+	return err
+}
+
+// handler is the eventline middleware around inner: recover ▸ trace ▸
+// decode ▸ begin and admit ▸ gate ▸ inner ▸ commit.
 func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 	g := el.gate
-	return g.obs.traced(el.cfg.Group, Recover(func(msg *message.Message) (out []*message.Message, err error) {
+	return g.obs.traced(el.cfg.Group, recoverPanics(func(msg *message.Message) (out []*message.Message, err error) {
 		parent := msg.Context()
 		if _, nested := TxFromContext(parent); nested {
 			return nil, &CompositionError{Problem: "the eventline middleware runs inside another consumer transaction",
-				Fix: "add it once per handler, outside your handler and inside Retry and DeadLetter"}
+				Fix: "add it once per handler: AddHandler, or MiddlewareFor alone"}
 		}
 		e, err := decode(msg)
 		if err != nil {
 			return nil, err
 		}
 		if e.Topic == "" {
-			e.Topic = SourceFromContext(parent).Topic
+			e.Topic = delivery.SourceOf(parent).Topic
 		}
 		if err := g.precheck(e); err != nil {
 			return nil, err
 		}
 		// AfterCommit hooks registered from here on report their panics
-		// to el (RunAfterCommit recovers them).
+		// to el (the hooks are recovered where they run).
 		hctx := el.withHookReports(parent)
-		if s := slotFromContext(parent); s != nil {
-			// A member of a Batch: applied with the others (batch.go), or
-			// told to run on its own below.
-			msg.SetContext(hctx)
-			if out, err, alone := s.arrive(el, msg, e, inner); !alone {
+		if s := delivery.SlotOf(parent); s != nil {
+			// A member of a batch: applied with the others (batch_tx.go),
+			// or told to run on its own below.
+			msg.SetContext(delivery.WithEvent(hctx, e))
+			if out, err, alone := s.Arrive(el, el.runBatch, msg, e, inner); !alone {
 				return out, err
 			}
 		}
@@ -322,7 +202,7 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 		if err != nil {
 			return nil, el.classify(parent, ctx, stageBegin, false, err)
 		}
-		msg.SetContext(ContextWithEvent(ctx, e))
+		msg.SetContext(delivery.WithEvent(ctx, e))
 		lost := false // the transaction's connection died under the handler
 		out, err = runInTx(msg, tx, func(msg *message.Message) ([]*message.Message, error) {
 			out, err := g.proceed(msg, tx, e, inner, a)
@@ -349,24 +229,24 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 
 // begin opens the event's transaction and admits the event in the same
 // round trip.
-func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, versioning.Admission, error) {
+func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, store.Admission, error) {
 	b := &pgx.Batch{}
 	b.BeginTx(el.cfg.TxOptions)
 	admission := el.gate.queueAdmission(b, e)
-	br := el.cfg.DB.SendBatch(ctx, b)
+	br := el.db.SendBatch(ctx, b)
 	tx := br.Tx()
 	err := br.Close()
 	if tx == nil {
-		return nil, versioning.Admission{}, errNoBatchTx
+		return nil, store.Admission{}, errNoBatchTx
 	}
 	if err != nil {
 		rollback(ctx, tx)
-		return nil, versioning.Admission{}, fmt.Errorf("eventline: begin consumer transaction: %w", err)
+		return nil, store.Admission{}, fmt.Errorf("eventline: begin consumer transaction: %w", err)
 	}
 	a, err := admission(ctx, tx)
 	if err != nil {
 		rollback(ctx, tx)
-		return nil, versioning.Admission{}, el.gate.admissionError(ctx, e, err)
+		return nil, store.Admission{}, el.gate.admissionError(ctx, e, err)
 	}
 	return tx, a, nil
 }
@@ -374,58 +254,38 @@ func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, vers
 // admissionError turns an admission's error into what the event's chain
 // gets: an id conflict is refused (permanent, counted, dead-lettered),
 // anything else is returned as is.
-func (g *Gate) admissionError(ctx context.Context, e eventline.Event, err error) error {
+func (g *gate) admissionError(ctx context.Context, e eventline.Event, err error) error {
 	if errors.Is(err, dedup.ErrIDConflict) {
-		return g.refuse(ctx, e, RefusedIDConflict, err)
+		return g.refuse(ctx, e, refusedIDConflict, err)
 	}
 	return err
 }
 
-var errNoBatchTx = errors.New("eventline: middleware.Config.DB.SendBatch did not begin a transaction (pgx.Batch.BeginTx needs pgx v5.12 or later)")
+var errNoBatchTx = errors.New("eventline: the consumer pool's SendBatch did not begin a transaction (pgx.Batch.BeginTx needs pgx v5.12 or later)")
 
 // queueAdmission queues on b the statement that admits e: it records the
 // event id in processed_events and, for a versioned event, locks, checks
 // and advances its aggregate's version. The returned function reads the
 // admission, through the batch's transaction, once the batch results are
 // closed; a duplicate of an unversioned event reads as
-// versioning.Duplicate, an applicable unversioned event as the zero
+// store.Duplicate, an applicable unversioned event as the zero
 // Admission. Both the one-event path and batches admit through it.
-func (g *Gate) queueAdmission(b *pgx.Batch, e eventline.Event) func(ctx context.Context, tx versioning.DBTX) (versioning.Admission, error) {
+func (g *gate) queueAdmission(b *pgx.Batch, e eventline.Event) func(ctx context.Context, tx store.DBTX) (store.Admission, error) {
 	if e.AggregateVersion > 0 {
-		p := g.store.QueueAdmit(b, g.cfg.Group, e, g.jumps(e), true)
+		p := g.store.QueueAdmit(b, g.cfg.Group, e, g.jumps(e))
 		return p.Result
 	}
-	p := g.store.Dedup().QueueInsert(b, g.cfg.Group, e, dedup.OutcomeApplied)
-	return func(ctx context.Context, tx versioning.DBTX) (versioning.Admission, error) {
+	p := g.store.QueueRecordProcessed(b, g.cfg.Group, e, dedup.OutcomeApplied)
+	return func(ctx context.Context, tx store.DBTX) (store.Admission, error) {
 		fresh, err := p.Result(ctx, tx)
 		if err != nil {
-			return versioning.Admission{}, err
+			return store.Admission{}, err
 		}
 		if !fresh {
-			return versioning.Admission{Verdict: versioning.Duplicate}, nil
+			return store.Admission{Verdict: store.Duplicate}, nil
 		}
-		return versioning.Admission{}, nil
+		return store.Admission{}, nil
 	}
-}
-
-// MiddlewareFor is Middleware for one handler, registering it under
-// handlerName for the sweeper (see [Gate.Register]).
-func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware {
-	return func(h message.HandlerFunc) message.HandlerFunc {
-		wrapped := el.Middleware(h)
-		el.gate.Register(handlerName, el.upcasting(h))
-		return wrapped
-	}
-}
-
-// Register tells the sweeper which handler releases events parked under
-// the Watermill handler name handlerName; see [Gate.Register]. A nil h is
-// ignored.
-func (el *Eventline) Register(handlerName string, h message.HandlerFunc) {
-	if h == nil {
-		return
-	}
-	el.gate.Register(handlerName, el.upcasting(h))
 }
 
 // upcastable is validate preceded by the check that up can bring the
@@ -434,7 +294,7 @@ func (el *Eventline) Register(handlerName string, h message.HandlerFunc) {
 // it in order, so it is dead-lettered and its successors wait behind it
 // instead of being applied first. validate still sees the event as
 // received. Without upcasters it is validate.
-func upcastable(up *eventline.Upcasters, validate ValidateFunc) ValidateFunc {
+func upcastable(up *eventline.Upcasters, validate func(context.Context, eventline.Event) error) func(context.Context, eventline.Event) error {
 	if up == nil {
 		return validate
 	}
@@ -449,44 +309,47 @@ func upcastable(up *eventline.Upcasters, validate ValidateFunc) ValidateFunc {
 	}
 }
 
-// upcasting is h behind Config.Upcasters, or h itself without them.
+// upcasting is h behind Config.Upcasters, or h itself without them: the
+// handler gets every event at the current payload schema version of its
+// type. An event the upcasters cannot bring there fails permanently and
+// never reaches the handler.
 func (el *Eventline) upcasting(h message.HandlerFunc) message.HandlerFunc {
-	if el.cfg.Upcasters == nil {
+	up := el.cfg.Upcasters
+	if up == nil {
 		return h
 	}
-	return Upcast(el.cfg.Upcasters)(h)
+	return func(msg *message.Message) ([]*message.Message, error) {
+		e, err := eventOf(msg)
+		if err != nil {
+			return nil, err
+		}
+		m, err := delivery.Upcast(up, msg, e)
+		if err != nil {
+			return nil, Permanent(err)
+		}
+		return h(m)
+	}
 }
 
-// Gate returns the version gate inside the middleware.
-func (el *Eventline) Gate() *Gate { return el.gate }
-
-// Store returns the versioning store (ListParked, ListSkipped, ReleaseGap).
-func (el *Eventline) Store() *versioning.Store { return el.gate.store }
-
-// Sweep makes one sweeper pass over the group's parked events (see
-// versioning.Sweeper.Sweep).
-func (el *Eventline) Sweep(ctx context.Context) (versioning.SweepResult, error) {
-	res, err := el.sweeper.Sweep(el.withHookReports(ctx))
-	el.gate.observeSweep(res, err)
-	return res, err
+// checkMigrated returns an error matching ErrNotMigrated when the schema
+// lacks the consumer tables, waiting while the database is unavailable;
+// nil when they are there or ctx ended first.
+func (el *Eventline) checkMigrated(ctx context.Context) error {
+	var problem string
+	err := backoff.Retry(ctx, el.cfg.InfraBackoff, IsInfrastructure,
+		func(wait time.Duration, err error) {
+			el.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
+				"group", el.cfg.Group, "wait", wait, "error", err)
+		},
+		func() (err error) {
+			problem, err = el.gate.store.Unmigrated(ctx, el.db)
+			return err
+		})
+	switch {
+	case err != nil:
+		return err
+	case problem != "":
+		return fmt.Errorf("%w: %s", ErrNotMigrated, problem)
+	}
+	return nil
 }
-
-// RunSweeper sweeps every SweepInterval until ctx ends, then returns nil.
-// Each pass also replays the group's dead letters whose replay was
-// requested (see [Eventline.ReplayDeadLetters]). Run it next to the router
-// (the consumer package does).
-func (el *Eventline) RunSweeper(ctx context.Context) error {
-	ctx = el.withHookReports(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		el.runReplays(ctx)
-	}()
-	err := el.sweeper.Run(ctx)
-	<-done
-	return err
-}
-
-// DeadLetters returns the dead-letter middleware Chain and AddHandler use
-// (its Store lists, replays and discards dead letters).
-func (el *Eventline) DeadLetters() *DeadLetter { return el.dl }

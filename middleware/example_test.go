@@ -17,7 +17,6 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 // The composed middleware on your own Watermill Router, consuming Kafka
@@ -73,7 +72,7 @@ func Example_router() {
 	if err != nil {
 		panic(err)
 	}
-	el, err := middleware.New(middleware.Config{DB: pool, Schema: schema, Group: "billing", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	el, err := middleware.New(pool, middleware.Config{Schema: schema, Group: "billing", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		panic(err)
 	}
@@ -120,8 +119,8 @@ func Example_router() {
 	// o-1 v2 total=30
 }
 
-// The composed middleware around a handler, called directly with messages
-// (as a Router would): a duplicate is skipped, a version that arrives early
+// The middleware alone around a handler (MiddlewareFor), called directly
+// with messages (as a Router would): a duplicate is skipped, a version that arrives early
 // is parked and applied as soon as the missing one arrives, and a stale
 // version is discarded.
 func ExampleNew() {
@@ -129,11 +128,11 @@ func ExampleNew() {
 	pool, schema, dropSchema := exampleDatabase()
 	defer dropSchema()
 
-	el, err := middleware.New(middleware.Config{DB: pool, Schema: schema, Group: "shipping", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	el, err := middleware.New(pool, middleware.Config{Schema: schema, Group: "shipping", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		panic(err)
 	}
-	handle := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	handle := el.MiddlewareFor("shipping")(func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())
 		fmt.Printf("applied %s v%d\n", e.Type, e.AggregateVersion)
 		return nil, nil // write through middleware.TxFromContext(msg.Context())
@@ -161,7 +160,9 @@ func ExampleNew() {
 	if _, err := handle(stale); err != nil { // an older version under a new id: stale
 		panic(err)
 	}
-	v, _ := el.Store().Current(ctx, pool, versioning.Key{Group: "shipping", AggregateType: "order", AggregateID: "o-7"})
+	var v int64
+	_ = pool.QueryRow(ctx, `SELECT version FROM `+sqlident.Qualify(schema, "aggregate_versions")+
+		` WHERE consumer_group = 'shipping' AND aggregate_type = 'order' AND aggregate_id = 'o-7'`).Scan(&v)
 	fmt.Println("version", v)
 	// Output:
 	// applied order.created v1

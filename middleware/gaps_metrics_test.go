@@ -33,13 +33,13 @@ func TestGapDurationIsObservedByOutcome(t *testing.T) {
 	deliver("c", 3) // c2 never comes: released by an operator
 	_, err := f.el.Store().ReleaseGap(context.Background(), f.env.Pool, group, "thing", "c", "c2 was lost")
 	require.NoError(t, err)
-	res, err := f.el.Sweep(context.Background())
+	res, err := f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Released)
 	require.Len(t, res.GapsClosed, 2)
 	require.Equal(t, map[string]uint64{"filled": 1, "skipped": 1, "released": 1}, f.gapDurations(t))
 
-	res, err = f.el.Sweep(context.Background())
+	res, err = f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Empty(t, res.GapsClosed)
 	require.Equal(t, map[string]uint64{"filled": 1, "skipped": 1, "released": 1}, f.gapDurations(t), "each gap is observed once")

@@ -9,6 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/versioning"
 )
@@ -17,24 +19,24 @@ import (
 // event, park a gap, or run the handler (auditing a jump) and drain parked
 // successors. a's zero value means "apply, no version involved" (an
 // unversioned event).
-func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
+func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a store.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
-	name := HandlerName(ctx)
+	name := delivery.HandlerName(ctx)
 	g.reg.learn(name, h)
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
-	k := versioning.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
+	k := store.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
 	switch a.Verdict {
-	case versioning.Duplicate:
+	case store.Duplicate:
 		g.duplicate(ctx, e)
 		g.obs.outcome(ctx, tracing.OutcomeDuplicate)
 		return nil, nil
-	case versioning.Stale:
+	case store.Stale:
 		return g.stale(msg, tx, e, h, a)
-	case versioning.Gap:
+	case store.Gap:
 		if err := g.validate(ctx, e, "parked"); err != nil {
 			return nil, err
 		}
-		req := versioning.ParkRequest{Group: group, Event: e, Handler: name, Topic: e.Topic, Message: msg, Current: a.Previous, MaxGap: g.cfg.MaxGap}
+		req := store.ParkRequest{Group: group, Event: e, Handler: name, Topic: e.Topic, Message: msg, Current: a.Previous, MaxGap: g.cfg.MaxGap}
 		if _, err := g.store.Park(ctx, tx, req); err != nil {
 			return nil, g.refusal(ctx, e, err)
 		}
@@ -43,9 +45,9 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 		AfterCommit(ctx, func() { m.incParked(group, e.Type) })
 		g.obs.outcome(ctx, tracing.OutcomeParked)
 		return nil, nil
-	case versioning.Jump:
+	case store.Jump:
 		if !a.Declared && a.Missing() > g.cfg.MaxGap {
-			return nil, g.refuse(ctx, e, RefusedGapTooLarge, &versioning.GapTooLargeError{AggregateType: e.AggregateType, AggregateID: e.AggregateID,
+			return nil, g.refuse(ctx, e, refusedGapTooLarge, &versioning.GapTooLargeError{AggregateType: e.AggregateType, AggregateID: e.AggregateID,
 				EventID: e.ID, Version: e.AggregateVersion, Previous: a.Follows, Known: a.Previous, MaxGap: g.cfg.MaxGap})
 		}
 		reason := fmt.Sprintf("gap policy apply: event %s (v%d) applied over the missing versions", e.ID, e.AggregateVersion)
@@ -64,14 +66,14 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 	if a.Parked == 0 {
 		return out, nil
 	}
-	apply := func(ctx context.Context, sp pgx.Tx, p versioning.Parked) error {
+	apply := func(ctx context.Context, sp pgx.Tx, p store.Parked) error {
 		ph := h
 		if p.Handler != name {
 			if ph = g.reg.lookup(p.Handler); ph == nil {
 				return fmt.Errorf("%w: %q", versioning.ErrNoHandler, p.Handler)
 			}
 		}
-		produced, err := g.applyParked(ctx, sp, p, ph)
+		produced, err := g.release(ctx, sp, p, ph)
 		if err == nil {
 			out = append(out, produced...)
 		}
@@ -110,12 +112,12 @@ func (g *Gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 // version was given up on (held, or applied now under ApplyLate); a
 // version conflict, held for the operator, when it is a replayed dead
 // letter (see conflict); else discarded as stale.
-func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a versioning.Admission) ([]*message.Message, error) {
+func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a store.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
-	hold := g.late.For(e.Type) == versioning.HoldLate
-	late, reason, err := g.store.HoldLate(ctx, tx, versioning.LateRequest{Group: group, Event: e, Message: msg,
-		Handler: HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
+	hold := g.cfg.latePolicy(e.Type) == versioning.HoldLate
+	late, reason, err := g.store.HoldLate(ctx, tx, store.LateRequest{Group: group, Event: e, Message: msg,
+		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
 	if err != nil {
 		return nil, g.refusal(ctx, e, err)
 	}
@@ -141,7 +143,7 @@ func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 		return nil, nil
 	}
 	log.WarnContext(ctx, "eventline: late event applied after later versions (late policy apply)", append(attrs, "skip_reason", reason)...)
-	msg.SetContext(contextWithLate(ctx))
+	msg.SetContext(delivery.WithLate(ctx))
 	out, err := g.run(msg, e, h)
 	if err != nil {
 		return nil, err
@@ -162,13 +164,13 @@ func (g *Gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 // processed_events is keyed by event id and the lookup reads the group's
 // records. An arrival from Kafka that is merely stale is discarded as
 // before (a redelivery whose dedup record expired is one).
-func (g *Gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a versioning.Admission, attrs []any) error {
+func (g *gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a store.Admission, attrs []any) error {
 	ctx := msg.Context()
 	if err := g.validate(ctx, e, "held as a version conflict"); err != nil {
 		return err
 	}
-	reason, err := g.store.HoldConflict(ctx, tx, versioning.LateRequest{Group: g.cfg.Group, Event: e, Message: msg,
-		Handler: HandlerName(ctx), Topic: e.Topic, Current: a.Previous})
+	reason, err := g.store.HoldConflict(ctx, tx, store.LateRequest{Group: g.cfg.Group, Event: e, Message: msg,
+		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous})
 	if err != nil {
 		return g.refusal(ctx, e, err)
 	}
@@ -181,7 +183,7 @@ func (g *Gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a ve
 }
 
 // run calls the handler for an event applied on arrival.
-func (g *Gate) run(msg *message.Message, e eventline.Event, h message.HandlerFunc) ([]*message.Message, error) {
+func (g *gate) run(msg *message.Message, e eventline.Event, h message.HandlerFunc) ([]*message.Message, error) {
 	start := time.Now()
 	out, err := h(msg)
 	g.cfg.Metrics.observeHandler(g.cfg.Group, e.Type, time.Since(start))
@@ -198,7 +200,7 @@ func (g *Gate) run(msg *message.Message, e eventline.Event, h message.HandlerFun
 	return out, nil
 }
 
-func (g *Gate) duplicate(ctx context.Context, e eventline.Event) {
+func (g *gate) duplicate(ctx context.Context, e eventline.Event) {
 	g.cfg.Logger.DebugContext(ctx, "eventline: duplicate event skipped", "group", g.cfg.Group, "event_id", e.ID, "event_type", e.Type)
 	group, m := g.cfg.Group, g.cfg.Metrics
 	AfterCommit(ctx, func() { m.incDuplicate(group, e.Type) })

@@ -14,6 +14,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -129,7 +130,7 @@ func TestPanickingAfterCommitHookIsRecoveredOnEveryPath(t *testing.T) {
 			require.NoError(t, r.f.deliver(t, consumertest.Message(t, e)), "parks: v1 is missing")
 		}
 		var err error
-		require.Nil(t, noPanic(func() { _, err = r.f.el.Sweep(context.Background()) }), "the panic must not escape the sweeper")
+		require.Nil(t, noPanic(func() { err = r.f.el.Sweep(context.Background()) }), "the panic must not escape the sweeper")
 		require.NoError(t, err)
 		require.ElementsMatch(t, []string{a2.ID, b2.ID}, r.hooksRan(), "both released events' hooks ran")
 		require.Equal(t, []int64{2}, r.f.versions(t, "a"))
@@ -152,22 +153,23 @@ func (r *hookRig) check(t *testing.T, applied int, e eventline.Event) {
 	require.Contains(t, logs, "aggregate_id="+e.AggregateID)
 }
 
-// A hook registered with a context of the user's own (ContextWithTx, then
-// RunAfterCommit after the user's commit) that panics does not stop the
-// hooks after it; the panic is logged (through slog's default logger:
-// there is no middleware to name a logger). Not parallel: it replaces the
-// default logger.
+// A hook registered on a transaction's context made without the
+// middleware (eventlinetest runs handlers directly so: delivery.WithTx,
+// then RunAfterCommit after its commit) that panics does not stop the hooks
+// after it; the panic is logged (through slog's default logger: there is
+// no middleware to name a logger). Not parallel: it replaces the default
+// logger.
 func TestRunAfterCommitRunsTheHooksAfterAPanickingOne(t *testing.T) {
 	logs := &syncBuffer{}
 	prev := slog.Default()
 	slog.SetDefault(slog.New(slog.NewTextHandler(logs, nil)))
 	t.Cleanup(func() { slog.SetDefault(prev) })
-	ctx := middleware.ContextWithTx(context.Background(), nil)
+	ctx := delivery.WithTx(context.Background(), nil)
 	var ran []int
 	middleware.AfterCommit(ctx, func() { ran = append(ran, 1) })
 	middleware.AfterCommit(ctx, func() { panic("boom") })
 	middleware.AfterCommit(ctx, func() { ran = append(ran, 3) })
-	require.Nil(t, noPanic(func() { middleware.RunAfterCommit(ctx) }))
+	require.Nil(t, noPanic(func() { delivery.RunAfterCommit(ctx) }))
 	require.Equal(t, []int{1, 3}, ran)
 	require.Contains(t, logs.String(), "AfterCommit hook panicked")
 }

@@ -28,7 +28,7 @@ import (
 // handler ran for v1, v2, v3, v4 and v6, hooks only for v1 and v2.
 func TestAfterCommitHooksRunForDrainedAndSweptEvents(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, middleware.Config{ParkTimeout: time.Nanosecond, ReleaseBackoff: time.Nanosecond})
+	f := newFixture(t, middleware.Config{ParkTimeout: time.Nanosecond, ReleaseBackoff: eventline.Backoff{Initial: time.Nanosecond}})
 	var mu sync.Mutex
 	var hooked []int64
 	failV4 := true
@@ -58,7 +58,7 @@ func TestAfterCommitHooksRunForDrainedAndSweptEvents(t *testing.T) {
 	require.Equal(t, []int64{1, 2, 3}, hooks(), "v3's hook ran after the drain committed; failed v4's was dropped")
 
 	failV4 = false
-	res, err := f.el.Sweep(context.Background())
+	res, err := f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Released, "v4, then v6 after skipping v5")
 	require.Equal(t, []int64{1, 2, 3, 4, 6}, hooks())
@@ -84,12 +84,12 @@ func Example_outboxFollowUp() {
 	if err != nil {
 		panic(err)
 	}
-	el, err := middleware.New(middleware.Config{DB: pool, Schema: schema, Group: "mailer", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	el, err := middleware.New(pool, middleware.Config{Schema: schema, Group: "mailer", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		panic(err)
 	}
 	failing := true
-	handle := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	handle := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
 		e, _ := middleware.EventFromContext(ctx)

@@ -21,6 +21,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
@@ -124,12 +125,12 @@ func hostileMessage(agg, id string) *rapid.Generator[*message.Message] {
 //     first.
 func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond}})
+	f := newFixture(t, middleware.Config{MaxRetries: 2, Retry: eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond}})
 	names := sqlident.Qualify(f.env.Schema, "names")
 	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+names+` (event_id text NOT NULL, name text NOT NULL, ref uuid, amount integer NOT NULL)`)
 	require.NoError(t, err)
 	var attempts atomic.Int64
-	chain := f.el.Chain(func(msg *message.Message) ([]*message.Message, error) {
+	chain := f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
 		attempts.Add(1)
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
@@ -146,7 +147,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 		}
 		return nil, f.env.Apply(ctx, tx, group, e)
 	})
-	store := held.New(f.env.Schema)
+	st := f.el.DeadLetterStore()
 	var run, offset atomic.Int64
 	rapid.Check(t, func(rt *rapid.T) {
 		r := run.Add(1)
@@ -181,7 +182,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 
 		for i, m := range msgs {
 			off := offset.Add(1)
-			m.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: off}))
+			m.SetContext(delivery.WithSource(context.Background(), delivery.Source{Topic: "events", FromKafka: true, Offset: off}))
 			before := attempts.Load()
 			_, err := chain(m)
 			require.NoError(rt, err, "message %d: the chain acknowledges it", i)
@@ -196,7 +197,7 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 			ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
 			require.NoError(rt, err)
 			if len(ids) > 0 {
-				dead, err := store.List(context.Background(), f.env.Pool, held.Filter{Group: group, IDs: ids})
+				dead, err := st.List(context.Background(), f.env.Pool, held.Filter{Group: group, IDs: ids})
 				require.NoError(rt, err)
 				require.Len(rt, dead, 1, "message %d: one dead letter", i)
 				d = &dead[0]
@@ -275,12 +276,12 @@ func nonNil(b []byte) []byte {
 // dead-lettered at its first attempt, not after the retry budget.
 func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, MaxInterval: time.Millisecond}})
+	f := newFixture(t, middleware.Config{MaxRetries: 3, Retry: eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond}})
 	amounts := sqlident.Qualify(f.env.Schema, "amounts")
 	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+amounts+` (event_id text NOT NULL, amount integer NOT NULL)`)
 	require.NoError(t, err)
 	var attempts atomic.Int64
-	chain := f.el.Chain(func(msg *message.Message) ([]*message.Message, error) {
+	chain := f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
 		attempts.Add(1)
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
@@ -298,7 +299,7 @@ func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 		e := consumertest.Event("a", []int64{1, 2, 2}[i]) // the refused v2, then a valid one
 		e.Payload = []byte(payload)
 		msg := consumertest.Message(t, e)
-		msg.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
+		msg.SetContext(delivery.WithSource(context.Background(), delivery.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
 		before := attempts.Load()
 		_, err := chain(msg)
 		require.NoError(t, err)
@@ -328,13 +329,13 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 	t.Parallel()
 	var logged byteCounter
 	f := newFixture(t, middleware.Config{Logger: slog.New(slog.NewTextHandler(&logged, nil))})
-	chain := f.el.Chain(f.business(group))
+	chain := f.el.Chain("billing", f.business(group))
 	mib := strings.Repeat("x", 1<<20)
 	for i, field := range []string{eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateID} {
 		msg := consumertest.Message(t, consumertest.Event(fmt.Sprintf("a%d", i), 1))
 		msg.UUID = mib
 		msg.Metadata.Set(field, mib)
-		msg.SetContext(middleware.ContextWithSource(context.Background(), middleware.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
+		msg.SetContext(delivery.WithSource(context.Background(), delivery.Source{Topic: "events", FromKafka: true, Offset: int64(i)}))
 		before := logged.n.Load()
 		_, err := chain(msg)
 		require.NoError(t, err)
@@ -355,8 +356,8 @@ func TestDeadLetterWarningOfAHugeRecordIsBounded(t *testing.T) {
 // as it was.
 func TestSpansOfAHostileRecordCarryBoundedValidText(t *testing.T) {
 	t.Parallel()
-	f, rec := tracedFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: middleware.NoRetries}})
-	f.handler = f.el.Chain(f.business(group))
+	f, rec := tracedFixture(t, middleware.Config{MaxRetries: middleware.NoRetries})
+	f.handler = f.el.Chain("billing", f.business(group))
 	hostile := strings.Repeat("\xff", 1<<20)
 	msg := consumertest.Message(t, consumertest.Event("a", 1))
 	for _, k := range []string{eventline.MetaEventID, eventline.MetaEventType, eventline.MetaAggregateType, eventline.MetaAggregateID} {

@@ -25,36 +25,29 @@ import (
 //     database and tries again, for as long as it takes
 //     ([IsInfrastructure]);
 //   - the handler's fault, maybe transient: retried with backoff against
-//     the retry budget, then dead-lettered ([Retry]). Transaction conflicts
+//     the retry budget, then dead-lettered (Config.MaxRetries). Transaction conflicts
 //     (serialization failures, deadlocks, lock timeouts) are retried like
 //     these but never spend the budget ([IsConflict]): they say nothing
 //     about the event.
 
-// ErrInfrastructure is matched by *InfraError.
-var ErrInfrastructure = errors.New("eventline: the database is unavailable")
-
-// InfraError marks a failure of the infrastructure rather than of the event
-// or the handler: the consumer waits and retries it without limit and never
-// dead-letters the event. The eventline middleware returns it when a
+// infraError marks a failure of the infrastructure rather than of the
+// event or the handler: the consumer waits and retries it without limit and
+// never dead-letters the event. The eventline middleware returns it when a
 // database call failed because the database is unreachable or did not
 // answer, and when the outcome of a commit is unknown (the dedup record
-// decides on the next attempt).
-type InfraError struct {
-	// Op says what eventline was doing: "begin", "handler", "commit"…
-	Op string
-	// Err is the underlying error.
-	Err error
+// decides on the next attempt). It matches ErrInfrastructure.
+type infraError struct {
+	op  string // what eventline was doing: "begin", "handler", "commit"…
+	err error
 }
 
-// Error implements error.
-func (e *InfraError) Error() string {
-	return fmt.Sprintf("eventline: database unavailable during %s (the event is kept and retried when it answers again): %v", e.Op, e.Err)
+func (e *infraError) Error() string {
+	return fmt.Sprintf("eventline: database unavailable during %s (the event is kept and retried when it answers again): %v", e.op, e.err)
 }
 
-// Unwrap returns the underlying error and ErrInfrastructure.
-func (e *InfraError) Unwrap() []error { return []error{e.Err, ErrInfrastructure} }
+func (e *infraError) Unwrap() []error { return []error{e.err, ErrInfrastructure} }
 
-func (e *InfraError) infrastructure() bool { return true }
+func (e *infraError) infrastructure() bool { return true }
 
 // handlerFault is the eventline middleware's verdict that a failure that
 // looks like a connection problem (a timeout, a network error) was the
@@ -73,11 +66,13 @@ type verdict interface{ infrastructure() bool }
 // IsInfrastructure reports whether err says the infrastructure, not the
 // event or its handler, failed: the consumer must wait and retry, never
 // spend the retry budget on it and never dead-letter the event. It is the
-// one classification used by [Retry], [DeadLetter], the consumer runner and
-// the sweeper.
+// one classification used by the retries, the dead letters, the consumer
+// runner and the sweeper.
 //
 // It is true for:
-//   - an *InfraError (errors.Is(err, ErrInfrastructure));
+//   - an error matching ErrInfrastructure, as the middleware returns for a
+//     database that was unreachable, did not answer, or lost a commit (a
+//     handler may wrap it too, to wait for a dependency of its own);
 //   - PostgreSQL errors of SQLSTATE class 08 (connection exception), 53
 //     (insufficient resources: disk full, out of memory, too many
 //     connections), 58 (system error, I/O error) and 57P01 admin shutdown,
@@ -107,13 +102,16 @@ func IsInfrastructure(err error) bool {
 	if errors.As(err, &v) {
 		return v.infrastructure()
 	}
+	if errors.Is(err, ErrInfrastructure) {
+		return true
+	}
 	return pgerr.Unavailable(err)
 }
 
 // IsConflict reports whether err is a transaction conflict: a
 // serialization failure (40001), a deadlock (40P01) or a lock that could
-// not be taken in time (55P03). Retrying resolves it; [Retry] retries it on
-// the normal schedule without spending the retry budget, since it says
+// not be taken in time (55P03). Retrying resolves it; it is retried on
+// Config.Retry's schedule without spending the retry budget, since it says
 // nothing about the event.
 func IsConflict(err error) bool {
 	var pg *pgconn.PgError
@@ -206,7 +204,7 @@ func (el *Eventline) classify(parent, ctx context.Context, stage string, lost bo
 		if isPg || (stage == stageCommit && errors.Is(err, pgx.ErrTxCommitRollback)) {
 			return err
 		}
-		return &InfraError{Op: stage, Err: err}
+		return &infraError{op: stage, err: err}
 	}
 	// The handler (or the gate's statements around it) failed.
 	if isPg && !lost {
@@ -225,7 +223,7 @@ func (el *Eventline) classify(parent, ctx context.Context, stage string, lost bo
 		// either, it is an outage; if it does, the handler was too slow
 		// (TxTimeout) or its own deadline ended its query.
 		if perr := el.probe(parent); perr != nil {
-			return &InfraError{Op: stage, Err: fmt.Errorf("%w (and the database did not answer a probe: %v)", err, perr)}
+			return &infraError{op: stage, err: fmt.Errorf("%w (and the database did not answer a probe: %v)", err, perr)}
 		}
 		if ours {
 			return &handlerFault{err: fmt.Errorf("eventline: the event's transaction took longer than middleware.Config.TxTimeout (%s) while the database kept answering; speed the handler up or raise TxTimeout: %w", el.cfg.TxTimeout, err)}
@@ -233,13 +231,13 @@ func (el *Eventline) classify(parent, ctx context.Context, stage string, lost bo
 		return &handlerFault{err: err}
 	}
 	// The connection died under the handler.
-	return &InfraError{Op: stage, Err: err}
+	return &infraError{op: stage, err: err}
 }
 
 // probe asks the database whether it answers, within probeTimeout.
 func (el *Eventline) probe(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), probeTimeout)
 	defer cancel()
-	_, err := el.cfg.DB.Exec(ctx, "SELECT 1")
+	_, err := el.db.Exec(ctx, "SELECT 1")
 	return err
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -50,7 +51,7 @@ func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
 	for _, v := range []int64{1, 3} {
 		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
 	}
-	res, err := f.el.Sweep(ctx)
+	res, err := f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.GapsSkipped, "v2 given up after the park timeout")
 	require.Equal(t, []int64{1, 3}, f.versions(t, "a"))
@@ -77,7 +78,7 @@ func TestLateEventIsHeldThenAppliedOnRequest(t *testing.T) {
 	replay, err := admin.ReplayHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{IDs: []int64{held[0].ID}})
 	require.NoError(t, err)
 	require.Equal(t, []int64{held[0].ID}, replay.Requested)
-	res, err = f.el.Sweep(ctx)
+	res, err = f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.LateApplied)
 	require.Equal(t, []bool{true}, log.of(late.UUID), "the handler ran once, told the event is late")
@@ -99,7 +100,7 @@ func TestLateEventCanBeDiscarded(t *testing.T) {
 	for _, v := range []int64{1, 3} {
 		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
 	}
-	_, err := f.el.Sweep(ctx)
+	_, err := f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	late := consumertest.Message(t, consumertest.Event("a", 2))
 	require.NoError(t, f.deliver(t, late))
@@ -109,7 +110,7 @@ func TestLateEventCanBeDiscarded(t *testing.T) {
 	require.Equal(t, dedup.OutcomeLateDiscarded, f.outcome(t, late.UUID))
 	require.NoError(t, f.deliver(t, late))
 	require.Equal(t, []int64{1, 3}, f.versions(t, "a"))
-	_, err = f.el.Sweep(ctx)
+	_, err = f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 0.0, f.metric(t, "eventline_consumer_late_events"), "the gauge counts held late events")
 }
@@ -166,7 +167,7 @@ func TestSparseVersionsFollowTheirPredecessor(t *testing.T) {
 	require.NoError(t, f.deliver(t, sparse(9, 5)), "follows v5: applies, and v20 drains after it")
 	require.Equal(t, []int64{1, 5, 9, 20}, f.versions(t, "a"))
 	require.Equal(t, 0, f.count(t, "parked_events"))
-	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, versioning.SkippedFilter{Group: group})
+	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, store.SkippedFilter{Group: group})
 	require.NoError(t, err)
 	require.Empty(t, skipped, "nothing was missing")
 }

@@ -42,30 +42,32 @@ type Metrics struct {
 	types typeLabels
 }
 
-// MetricsNamespace prefixes every metric name: eventline_consumer_….
-const MetricsNamespace = "eventline"
+// The event_type label's bound (see Metrics).
+const (
+	// MaxUnregisteredEventTypes is how many event types not registered
+	// with RegisterEventTypes get a label of their own; later ones are
+	// counted as OtherEventType, so hostile or buggy producers cannot
+	// create unbounded series.
+	MaxUnregisteredEventTypes = 50
+	// OtherEventType is the event_type label of event types beyond the
+	// bound.
+	OtherEventType = "other"
+)
 
-// OtherEventType is the event_type label of event types beyond the bound
-// (see Metrics).
-const OtherEventType = "other"
-
-// MaxUnregisteredEventTypes is how many event types not registered with
-// RegisterEventTypes get a label of their own; later ones are counted as
-// OtherEventType, so hostile or buggy producers cannot create unbounded
-// series.
-const MaxUnregisteredEventTypes = 50
+// metricsNamespace prefixes every metric name: eventline_consumer_….
+const metricsNamespace = "eventline"
 
 // The reasons of eventline_consumer_events_refused_total: events the gate
 // refuses as permanent errors (they are dead-lettered with the reason).
 const (
-	// RefusedIDConflict: the event id is recorded for a different event.
-	RefusedIDConflict = "id_conflict"
-	// RefusedGapTooLarge: the event, declaring no predecessor, would
+	// refusedIDConflict: the event id is recorded for a different event.
+	refusedIDConflict = "id_conflict"
+	// refusedGapTooLarge: the event, declaring no predecessor, would
 	// leave more than MaxGap versions missing (an inflated version).
-	RefusedGapTooLarge = "gap_too_large"
-	// RefusedInvalid: the event cannot be parked or held (Validate failed,
+	refusedGapTooLarge = "gap_too_large"
+	// refusedInvalid: the event cannot be parked or held (Validate failed,
 	// or its content cannot be stored).
-	RefusedInvalid = "invalid"
+	refusedInvalid = "invalid"
 )
 
 // NewMetrics creates the collectors and, when reg is not nil, registers
@@ -73,10 +75,10 @@ const (
 // be registered later.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	counter := func(name, help string, labels ...string) *prometheus.CounterVec {
-		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: name, Help: help}, labels)
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: name, Help: help}, labels)
 	}
 	gauge := func(name, help string) *prometheus.GaugeVec {
-		return prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: name, Help: help}, []string{"group"})
+		return prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: name, Help: help}, []string{"group"})
 	}
 	m := &Metrics{
 		applied:         counter("events_applied_total", "Events whose handler ran and committed on arrival.", "group", "event_type"),
@@ -94,7 +96,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		deadLettered: counter("events_dead_lettered_total", "Messages dead-lettered (held in held_events), by cause.", "group", "reason"),
 		parked:       gauge("parked_events", "Events currently parked, as counted by the last sweeper pass."),
 		lateHeld:     gauge("late_events", "Late events currently held for the operator (arrived late, passed while parked, or given up), as counted by the last sweeper pass."),
-		handlerSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: "handler_duration_seconds",
+		handlerSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: "handler_duration_seconds",
 			Help: "Time spent in the user's handler, per event.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}, []string{"group", "event_type"}),
 		types: typeLabels{registered: map[string]bool{}, seen: map[string]bool{}},
 	}
@@ -253,10 +255,9 @@ func (m *Metrics) observeHandler(group, typ string, d time.Duration) {
 	}
 }
 
-// DeadLettered counts a dead-lettered message; reason is its kind, such as
-// "permanent" or "retries_exhausted". [DeadLetter] calls it; call it from
-// your own dead-letter middleware.
-func (m *Metrics) DeadLettered(group, reason string) {
+// incDeadLettered counts a dead-lettered message; reason is its kind, such
+// as "permanent" or "retries_exhausted".
+func (m *Metrics) incDeadLettered(group, reason string) {
 	if m != nil {
 		m.deadLettered.WithLabelValues(group, reason).Inc()
 	}

@@ -19,7 +19,7 @@ func newFailpathMetrics(counter func(name, help string, labels ...string) *prome
 		retries: counter("retries_total", "Attempts retried after a failure: reason handler (spends the retry budget) or conflict (a serialization failure or deadlock; does not).", "group", "reason"),
 		infraWaits: counter("infra_waits_total",
 			"Waits because the database was unavailable (refused, reset, restarting, not answering, commit outcome unknown). They never spend the retry budget or dead-letter an event.", "group"),
-		waitingOnDatabase: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: "waiting_on_database",
+		waitingOnDatabase: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: "waiting_on_database",
 			Help: "Events currently waiting for the database to answer again; above 0 during an outage."}, []string{"group"}),
 		deadLetterWrites: counter("dead_letter_write_failures_total",
 			"Failed writes of a dead letter to held_events; the message stays unacknowledged and the write is retried.", "group"),

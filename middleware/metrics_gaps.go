@@ -3,13 +3,13 @@ package middleware
 import (
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
-// GapDurationBuckets are the buckets (seconds) of
+// gapDurationBuckets are the buckets (seconds) of
 // eventline_consumer_gap_duration_seconds: from a reordering that heals
 // within milliseconds to gaps an operator releases after a day.
-var GapDurationBuckets = []float64{.01, .05, .25, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 21600, 86400}
+var gapDurationBuckets = []float64{.01, .05, .25, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 21600, 86400}
 
 // gapMetrics are the collectors of closed version gaps.
 type gapMetrics struct {
@@ -18,9 +18,9 @@ type gapMetrics struct {
 
 func newGapMetrics() gapMetrics {
 	return gapMetrics{
-		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: "gap_duration_seconds",
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: "gap_duration_seconds",
 			Help:    "How long version gaps in front of parked events stayed open, by how they closed: filled (the missing version arrived), skipped (the sweeper gave up after the park timeout) or released (an operator gave up, eventline parked release).",
-			Buckets: GapDurationBuckets}, []string{"group", "outcome"}),
+			Buckets: gapDurationBuckets}, []string{"group", "outcome"}),
 	}
 }
 
@@ -30,7 +30,7 @@ func (g gapMetrics) collectors() []prometheus.Collector {
 
 // observeGapsClosed records closed gaps; call it after their transaction
 // committed.
-func (m *Metrics) observeGapsClosed(group string, gaps []versioning.ClosedGap) {
+func (m *Metrics) observeGapsClosed(group string, gaps []store.ClosedGap) {
 	if m == nil {
 		return
 	}

@@ -12,7 +12,7 @@ var stageBuckets = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 
 
 // newStageHistogram is eventline_consumer_stage_seconds{group,stage}.
 func newStageHistogram() *prometheus.HistogramVec {
-	return prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: MetricsNamespace, Subsystem: "consumer", Name: "stage_seconds",
+	return prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: "stage_seconds",
 		Help: "Latency of an event's stages: relayed_to_applied (Kafka record timestamp to the commit that applied it on arrival), " +
 			"occurred_to_applied (its occurred_at, the PublishTx time unless set by the publisher, to that commit), " +
 			"parked_to_released (parked to the commit that applied it).",

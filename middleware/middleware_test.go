@@ -21,8 +21,8 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
-	"github.com/eventline/eventline/versioning"
 )
 
 func TestMain(m *testing.M) {
@@ -66,7 +66,6 @@ func newFixture(t *testing.T, cfg middleware.Config) *fixture {
 	f.registry = prometheus.NewRegistry()
 	f.metrics, err = middleware.NewMetrics(f.registry)
 	require.NoError(t, err)
-	cfg.DB = f.env.Pool
 	cfg.Schema = f.env.Schema
 	if cfg.Group == "" {
 		cfg.Group = group
@@ -75,9 +74,9 @@ func newFixture(t *testing.T, cfg middleware.Config) *fixture {
 		cfg.Logger = quiet()
 	}
 	cfg.Metrics = f.metrics
-	f.el, err = middleware.New(cfg)
+	f.el, err = middleware.New(f.env.Pool, cfg)
 	require.NoError(t, err)
-	f.handler = f.el.Middleware(f.business(cfg.Group))
+	f.handler = f.el.MiddlewareFor("test")(f.business(cfg.Group))
 	return f
 }
 
@@ -131,7 +130,7 @@ func (f *fixture) versions(t *testing.T, aggregateID string) []int64 {
 
 func (f *fixture) outcome(t *testing.T, eventID string) dedup.Outcome {
 	t.Helper()
-	r, err := f.el.Store().Dedup().Find(context.Background(), f.env.Pool, group, eventID)
+	r, err := f.el.Store().FindProcessed(context.Background(), f.env.Pool, group, eventID)
 	require.NoError(t, err)
 	require.Len(t, r, 1, "one record of event %s", eventID)
 	return r[0].Outcome
@@ -180,8 +179,8 @@ func TestHandlerPanicIsRolledBack(t *testing.T) {
 	msg := consumertest.Message(t, consumertest.Event("a", 1))
 
 	err := f.deliver(t, msg)
-	var pe *middleware.PanicError
-	require.ErrorAs(t, err, &pe)
+	_, panicked := middleware.PanicValue(err)
+	require.True(t, panicked, "%v", err)
 	require.False(t, middleware.IsPermanent(err), "a panic is retried")
 	require.Empty(t, f.env.Effects(t, group), "the effect written before the panic must be rolled back")
 	require.Equal(t, 0, f.count(t, "processed_events"))
@@ -237,7 +236,7 @@ func TestGapIsParkedAndDrainedInOrder(t *testing.T) {
 func TestFailedDrainStopsAndTheSweeperRetries(t *testing.T) {
 	t.Parallel()
 	// No release backoff: the sweeper may retry on its next pass.
-	f := newFixture(t, middleware.Config{ParkTimeout: time.Hour, ReleaseBackoff: time.Nanosecond})
+	f := newFixture(t, middleware.Config{ParkTimeout: time.Hour, ReleaseBackoff: eventline.Backoff{Initial: time.Nanosecond}})
 	var failV3 atomic.Bool
 	failV3.Store(true)
 	f.fail = func(e eventline.Event) error {
@@ -256,7 +255,7 @@ func TestFailedDrainStopsAndTheSweeperRetries(t *testing.T) {
 	require.NoError(t, f.deliver(t, m[2]), "v2 itself commits even though draining v3 fails")
 	require.Equal(t, []int64{1, 2}, f.versions(t, "a"))
 
-	parked, err := f.el.Store().ListParked(context.Background(), f.env.Pool, versioning.ParkedFilter{Group: group})
+	parked, err := f.el.Store().ListParked(context.Background(), f.env.Pool, store.ParkedFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, parked, 2)
 	require.EqualValues(t, 3, parked[0].Version)
@@ -266,11 +265,11 @@ func TestFailedDrainStopsAndTheSweeperRetries(t *testing.T) {
 	require.Equal(t, 0, parked[1].ReleaseAttempts, "draining stopped at the failure")
 
 	// The sweeper retries the ready event (no timeout needed).
-	res, err := f.el.Sweep(context.Background())
+	res, err := f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Failed)
 	failV3.Store(false)
-	res, err = f.el.Sweep(context.Background())
+	res, err = f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Released)
 	require.Zero(t, res.GapsSkipped)
@@ -286,14 +285,14 @@ func TestSweeperSkipsGapsAfterParkTimeout(t *testing.T) {
 		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
 	}
 	require.Equal(t, []int64{1}, f.versions(t, "a"))
-	res, err := f.el.Sweep(context.Background())
+	res, err := f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 2, res.GapsSkipped)
 	require.EqualValues(t, 2, res.VersionsSkipped)
 	require.Equal(t, 3, res.Released)
 	require.Equal(t, []int64{1, 3, 5, 6}, f.versions(t, "a"))
 
-	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, versioning.SkippedFilter{Group: group})
+	skipped, err := f.el.Store().ListSkipped(context.Background(), f.env.Pool, store.SkippedFilter{Group: group})
 	require.NoError(t, err)
 	require.Len(t, skipped, 2)
 	require.Equal(t, [2]int64{2, 2}, [2]int64{skipped[0].From, skipped[0].To})
@@ -314,7 +313,7 @@ func TestSweeperWaitsForParkTimeout(t *testing.T) {
 	for _, v := range []int64{1, 3} {
 		require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("a", v))))
 	}
-	res, err := f.el.Sweep(context.Background())
+	res, err := f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Zero(t, res.GapsSkipped)
 	require.EqualValues(t, 1, res.Parked)
@@ -335,19 +334,19 @@ func TestReleaseGapThenSweeperApplies(t *testing.T) {
 	require.Equal(t, 2, rel.Ready)
 	require.Equal(t, []int64{1}, f.versions(t, "a"), "ReleaseGap runs no handler")
 
-	res, err := f.el.Sweep(ctx)
+	res, err := f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Released)
 	require.Zero(t, res.GapsSkipped, "the gap before v7 has not timed out")
 	require.Equal(t, []int64{1, 4, 5}, f.versions(t, "a"))
 
-	skipped, err := f.el.Store().ListSkipped(ctx, f.env.Pool, versioning.SkippedFilter{Group: group, AggregateID: "a"})
+	skipped, err := f.el.Store().ListSkipped(ctx, f.env.Pool, store.SkippedFilter{Group: group, AggregateID: "a"})
 	require.NoError(t, err)
 	require.Len(t, skipped, 1)
 	require.Contains(t, skipped[0].Reason, "released by operator: v2 and v3 were lost upstream")
 
 	_, err = f.el.Store().ReleaseGap(ctx, f.env.Pool, group, "thing", "nope", "x")
-	require.ErrorIs(t, err, versioning.ErrNothingParked)
+	require.ErrorIs(t, err, store.ErrNothingParked)
 	_, err = f.el.Store().ReleaseGap(ctx, f.env.Pool, group, "thing", "a", " ")
 	require.ErrorContains(t, err, "reason is empty")
 }

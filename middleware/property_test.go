@@ -18,7 +18,9 @@ import (
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -36,7 +38,7 @@ type op struct {
 // delayed and reordered events over several aggregates, through the
 // composed middleware on PostgreSQL, with one to three workers in flight
 // at a time, each delivering one event at a time or batches of up to six
-// (middleware.Batch: one transaction; failures, panics, duplicates and
+// (one batch, internal/delivery: one transaction; failures, panics, duplicates and
 // reordered versions of one aggregate inside a batch). Versions are sparse: each event declares the version it
 // follows (aggregate_previous_version), some aggregates skip more than
 // MaxGap versions at a step (never refused: the gate waits for the
@@ -92,8 +94,8 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	// Policies: all Park, all Apply, or mixed by event type; late events
 	// held, applied at once, or mixed.
 	mode := rapid.SampledFrom([]string{"park", "apply", "mixed"}).Draw(rt, "policy")
-	cfg := middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, ParkTimeout: time.Hour,
-		ReleaseBackoff: time.Nanosecond, MaxReleaseAttempts: rapid.IntRange(1, 3).Draw(rt, "maxReleaseAttempts"), Logger: quiet()}
+	cfg := middleware.Config{Schema: env.Schema, Group: group, ParkTimeout: time.Hour,
+		ReleaseBackoff: eventline.Backoff{Initial: time.Nanosecond}, MaxReleaseAttempts: rapid.IntRange(1, 3).Draw(rt, "maxReleaseAttempts"), Logger: quiet()}
 	switch mode {
 	case "apply":
 		cfg.GapPolicy = versioning.Apply
@@ -149,14 +151,14 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 		}
 		return nil, nil
 	}
-	el, err := middleware.New(cfg)
+	el, err := middleware.New(env.Pool, cfg)
 	require.NoError(rt, err)
-	h := el.Middleware(handler)
+	h := el.MiddlewareFor("test")(handler)
 	final := cfg
 	final.ParkTimeout = time.Nanosecond
-	finalEl, err := middleware.New(final)
+	finalEl, err := middleware.New(env.Pool, final)
 	require.NoError(rt, err)
-	finalEl.Middleware(handler) // registers the handler for the final sweep
+	finalEl.MiddlewareFor("test")(handler) // registers the handler for the final sweep
 
 	// Aggregates, sparse versions, which are delivered and how often.
 	nAgg := rapid.IntRange(1, 4).Draw(rt, "aggregates")
@@ -218,7 +220,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	}
 	workers := rapid.IntRange(1, 3).Draw(rt, "workers")
 	// Each worker takes up to batch consecutive deliveries at once and
-	// hands them over as one middleware.Batch (1: one at a time).
+	// hands them over as one batch (1: one at a time).
 	batch := rapid.IntRange(1, 6).Draw(rt, "batch")
 
 	// Execute: workers take ops in order; a failed delivery goes back into
@@ -240,7 +242,7 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 				if queue[0].sweep {
 					queue = queue[1:]
 					qmu.Unlock()
-					if _, err := el.Sweep(ctx); err != nil {
+					if err := el.Sweep(ctx); err != nil {
 						errs <- err
 						return
 					}
@@ -275,14 +277,14 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 	// Final sweeps give up on every remaining gap; parked events that keep
 	// failing are given up after the attempt limit.
 	for i := 0; i < 50; i++ {
-		res, err := finalEl.Sweep(ctx)
+		res, err := finalEl.SweepResult(ctx)
 		require.NoError(rt, err)
 		if res.Parked == 0 {
 			break
 		}
 	}
-	store := finalEl.Store()
-	held := checkHeld(rt, env, store, group, delivered, late)
+	st := finalEl.Store()
+	held := checkHeld(rt, env, st, group, delivered, late)
 
 	// The operator replays every held late event (again, while a handler
 	// keeps failing and it is held again after the attempt limit).
@@ -296,17 +298,17 @@ func checkOnceAndInOrder(rt *rapid.T, env consumertest.Env, group string) {
 		if !errors.Is(err, admin.ErrNoHeld) { // all of them may wait for a retry
 			require.NoError(rt, err)
 		}
-		_, err = finalEl.Sweep(ctx)
+		_, err = finalEl.SweepResult(ctx)
 		require.NoError(rt, err)
 	}
 	for id := range held {
 		require.Equal(rt, 1, late.get(id), "held late event %s applied once on the operator's request", id)
 	}
-	checkInvariants(rt, env, store, group, chain, delivered, hooks, late)
+	checkInvariants(rt, env, st, group, chain, delivered, hooks, late)
 }
 
 // deliver runs ops through h, alone when there is one, else concurrently
-// as the members of one middleware.Batch, the way the consumer's
+// as the members of one batch, the way the consumer's
 // Subscriber delivers a lane's events. It returns the ops whose delivery
 // failed (to be redelivered).
 func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op, err error) {
@@ -319,7 +321,7 @@ func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op,
 		}
 		return nil, nil
 	}
-	b := middleware.NewBatch()
+	b := delivery.NewBatch()
 	errs := make([]error, len(ops))
 	var wg sync.WaitGroup
 	for i, o := range ops {
@@ -350,7 +352,7 @@ func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op,
 // checkHeld checks the events held as late after the final sweep: each is
 // a delivered event whose version was skipped, with outcome late, not yet
 // applied. It returns their ids.
-func checkHeld(rt *rapid.T, env consumertest.Env, store *versioning.Store, group string, delivered map[string][]eventline.Event, late *counts) map[string]bool {
+func checkHeld(rt *rapid.T, env consumertest.Env, st *store.Store, group string, delivered map[string][]eventline.Event, late *counts) map[string]bool {
 	ctx := context.Background()
 	list, err := admin.ListHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group, Limit: 1000})
 	require.NoError(rt, err)
@@ -366,7 +368,7 @@ func checkHeld(rt *rapid.T, env consumertest.Env, store *versioning.Store, group
 		require.True(rt, ok, "late event %s was delivered", l.EventID)
 		require.Equal(rt, e.AggregateVersion, l.AggregateVersion)
 		require.Zero(rt, late.get(l.EventID), "a held late event has not been applied")
-		r, err := store.Dedup().Get(ctx, env.Pool, dedup.Key{Group: l.Group, EventID: l.EventID, AggregateType: l.AggregateType, AggregateID: l.AggregateID})
+		r, err := st.Processed(ctx, env.Pool, store.RecordKey{Group: l.Group, EventID: l.EventID, AggregateType: l.AggregateType, AggregateID: l.AggregateID})
 		require.NoError(rt, err)
 		require.Equal(rt, dedup.OutcomeLate, r.Outcome)
 		held[l.EventID] = true
@@ -374,7 +376,7 @@ func checkHeld(rt *rapid.T, env consumertest.Env, store *versioning.Store, group
 	return held
 }
 
-func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store, group string, chain map[string][]int64,
+func checkInvariants(rt *rapid.T, env consumertest.Env, st *store.Store, group string, chain map[string][]int64,
 	delivered map[string][]eventline.Event, hooks, late *counts) {
 	ctx := context.Background()
 	effects := env.Effects(rt, group)
@@ -390,7 +392,7 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 		}
 		applied[e.AggregateID] = append(vs, e.Version)
 	}
-	parked, err := store.ListParked(ctx, env.Pool, versioning.ParkedFilter{Group: group})
+	parked, err := st.ListParked(ctx, env.Pool, store.ParkedFilter{Group: group})
 	require.NoError(rt, err)
 	require.Empty(rt, parked, "nothing stays parked after the final sweep")
 	held, err := admin.ListHeld(ctx, env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldLate, Group: group})
@@ -398,8 +400,8 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 	require.Empty(rt, held, "the operator applied every late event")
 
 	for id, evs := range delivered {
-		k := versioning.Key{Group: group, AggregateType: "thing", AggregateID: id}
-		current, err := store.Current(ctx, env.Pool, k)
+		k := store.Key{Group: group, AggregateType: "thing", AggregateID: id}
+		current, err := st.Current(ctx, env.Pool, k)
 		require.NoError(rt, err)
 		maxDelivered := evs[len(evs)-1].AggregateVersion
 		require.Equal(rt, maxDelivered, current, "aggregate %s ends at its highest delivered version", id)
@@ -417,7 +419,7 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 
 		// Versions the producer used, up to current: each applied in order
 		// or skipped, exactly once; no applied version is skipped.
-		skipped, err := store.ListSkipped(ctx, env.Pool, versioning.SkippedFilter{Group: group, AggregateID: id, Limit: 1000})
+		skipped, err := st.ListSkipped(ctx, env.Pool, store.SkippedFilter{Group: group, AggregateID: id, Limit: 1000})
 		require.NoError(rt, err)
 		covered := map[int64]string{}
 		for _, v := range applied[id] {
@@ -438,7 +440,7 @@ func checkInvariants(rt *rapid.T, env consumertest.Env, store *versioning.Store,
 		// Every delivered event: applied in order once, or late (its
 		// version skipped) and applied late once.
 		for _, e := range evs {
-			r, err := store.Dedup().Get(ctx, env.Pool, dedup.KeyOf(group, e))
+			r, err := st.Processed(ctx, env.Pool, store.RecordKeyOf(group, e))
 			require.NoError(rt, err)
 			if times[e.ID] == 1 {
 				require.Equal(rt, dedup.OutcomeApplied, r.Outcome)

@@ -10,7 +10,7 @@ import (
 // the sweeper can release a parked event through the handler it arrived on.
 //
 // Entries come from three places, strongest first: explicit registration
-// (Register, MiddlewareFor), learning at message time (the name comes from
+// (AddHandler, MiddlewareFor), learning at message time (the name comes from
 // message.HandlerNameFromCtx, set by the Router), and, when a name is
 // unknown, the only handler ever wrapped, if exactly one was.
 type registry struct {

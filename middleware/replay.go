@@ -8,7 +8,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/held"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -19,8 +21,8 @@ const replayBatch = 100
 // transaction (the replays themselves are bounded by Config.TxTimeout).
 const replayStatementTimeout = 30 * time.Second
 
-// ReplayResult reports one replay pass.
-type ReplayResult struct {
+// replayResult reports one replay pass.
+type replayResult struct {
 	// Replayed counts dead letters that went through their handler and
 	// committed (applied, parked, recognised as a duplicate, or held in
 	// held_events for the operator: late, or a version conflict when the
@@ -32,7 +34,7 @@ type ReplayResult struct {
 	Failed int
 }
 
-// ReplayDeadLetters makes one pass over the group's dead letters whose
+// replayDeadLetters makes one pass over the group's dead letters whose
 // replay was requested (`eventline held replay`, admin.ReplayHeld). It
 // claims them (rows another
 // replayer holds are skipped) and runs each, in order (per aggregate by
@@ -52,8 +54,8 @@ type ReplayResult struct {
 // An infrastructure error ends the pass; what was not replayed stays
 // requested for the next one.
 //
-// [Eventline.RunSweeper] calls it every SweepInterval.
-func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error) {
+// [Eventline.Run] calls it every SweepInterval.
+func (el *Eventline) replayDeadLetters(ctx context.Context) (replayResult, error) {
 	res, err := el.replayPass(ctx)
 	if err != nil {
 		return res, fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
@@ -61,9 +63,9 @@ func (el *Eventline) ReplayDeadLetters(ctx context.Context) (ReplayResult, error
 	return res, nil
 }
 
-func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
-	var res ReplayResult
-	store := el.dl.store
+func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
+	var res replayResult
+	dls := el.dl.store
 	// Each statement of the claim transaction is bounded, so a database
 	// that stops answering ends the pass instead of hanging it.
 	bounded := func(f func(ctx context.Context) error) error {
@@ -72,13 +74,13 @@ func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
 		return f(sctx)
 	}
 	var tx pgx.Tx
-	if err := bounded(func(ctx context.Context) (err error) { tx, err = el.cfg.DB.Begin(ctx); return err }); err != nil {
+	if err := bounded(func(ctx context.Context) (err error) { tx, err = el.db.Begin(ctx); return err }); err != nil {
 		return res, err
 	}
 	defer rollback(ctx, tx)
-	var dls []held.Event
+	var claimed []held.Event
 	if err := bounded(func(ctx context.Context) (err error) {
-		dls, err = store.Claim(ctx, tx, el.cfg.Group, held.KindDeadLetter, replayBatch)
+		claimed, err = dls.Claim(ctx, tx, el.cfg.Group, held.KindDeadLetter, replayBatch)
 		return err
 	}); err != nil {
 		return res, err
@@ -86,12 +88,12 @@ func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
 	fail := func(id int64, why string) error {
 		res.Failed++
 		el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
-		return bounded(func(ctx context.Context) error { return store.MarkReplayFailed(ctx, tx, id, why, 0, true) })
+		return bounded(func(ctx context.Context) error { return dls.MarkReplayFailed(ctx, tx, id, why, 0, true) })
 	}
 	var stop error
-	failed := map[versioning.Key]int64{}
-	for _, d := range dls {
-		k := versioning.Key{Group: d.Group, AggregateType: d.AggregateType, AggregateID: d.AggregateID}
+	failed := map[store.Key]int64{}
+	for _, d := range claimed {
+		k := store.Key{Group: d.Group, AggregateType: d.AggregateType, AggregateID: d.AggregateID}
 		if k.AggregateID == "" {
 			k.AggregateID = fmt.Sprintf("dead letter %d", d.ID) // unrelated to any other
 		}
@@ -104,7 +106,7 @@ func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
 		var earlier, version int64
 		var found bool
 		if err := bounded(func(ctx context.Context) (err error) {
-			earlier, version, found, err = store.EarlierHeld(ctx, tx, d)
+			earlier, version, found, err = dls.EarlierHeld(ctx, tx, d)
 			return err
 		}); err != nil {
 			return res, err
@@ -119,7 +121,7 @@ func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
 		}
 		rerr := el.replay(ctx, d)
 		if rerr == nil {
-			if err := bounded(func(ctx context.Context) error { return store.MarkReplayed(ctx, tx, d.ID) }); err != nil {
+			if err := bounded(func(ctx context.Context) error { return dls.MarkReplayed(ctx, tx, d.ID) }); err != nil {
 				return res, err
 			}
 			res.Replayed++
@@ -148,11 +150,11 @@ func (el *Eventline) replayPass(ctx context.Context) (ReplayResult, error) {
 func (el *Eventline) replay(ctx context.Context, d held.Event) error {
 	h := el.gate.reg.lookup(d.Handler)
 	if h == nil {
-		return fmt.Errorf("%w: %q; register it with Register, MiddlewareFor or AddHandler", versioning.ErrNoHandler, d.Handler)
+		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, d.Handler)
 	}
 	msg := d.Message()
 	ctx = context.WithValue(ctx, replayKey{}, true)
-	msg.SetContext(ContextWithSource(ctx, Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
+	msg.SetContext(delivery.WithSource(ctx, delivery.Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
 	_, err := el.handler(el.guard(h))(msg)
 	return err
 }
@@ -178,7 +180,7 @@ func (el *Eventline) runReplays(ctx context.Context) {
 	defer t.Stop()
 	down := false // the database was unavailable on the last pass
 	for {
-		res, err := el.ReplayDeadLetters(ctx)
+		res, err := el.replayDeadLetters(ctx)
 		switch {
 		case ctx.Err() != nil:
 			return

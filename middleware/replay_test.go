@@ -21,10 +21,10 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := consumertest.New(t, pgtest.Options{MaxConns: 4})
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: group, Logger: quiet()})
+	el, err := middleware.New(env.Pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
 	require.NoError(t, err)
 	broken := true
-	el.Register("billing", func(msg *message.Message) ([]*message.Message, error) {
+	_ = el.MiddlewareFor("billing")(func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := middleware.TxFromContext(msg.Context())
 		e, _ := middleware.EventFromContext(msg.Context())
 		if broken && e.AggregateID == "x" {
@@ -32,10 +32,10 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 		}
 		return nil, env.Apply(msg.Context(), tx, group, e)
 	})
-	store := held.New(env.Schema)
+	hs := held.New(env.Schema)
 	add := func(e eventline.Event, offset int64) int64 {
 		msg := consumertest.Message(t, e)
-		id, err := store.AddDeadLetter(ctx, env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
+		id, err := hs.AddDeadLetter(ctx, env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
 			MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata, EventID: e.ID, EventType: e.Type,
 			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Cause: dedup.KindRetriesExhausted, Reason: "r"})
 		require.NoError(t, err)
@@ -43,7 +43,7 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	}
 	x1, x2, y1 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("y", 1)
 	idX2, idX1, idY1 := add(x2, 5), add(x1, 3), add(y1, 4) // x2 died first: the replay still goes by version
-	again, err := store.AddDeadLetter(ctx, env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: 5,
+	again, err := hs.AddDeadLetter(ctx, env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: 5,
 		MessageUUID: x2.ID, Cause: dedup.KindPermanent, Reason: "died again"})
 	require.NoError(t, err)
 	require.Equal(t, idX2, again, "the same record dead-lettered again re-opens its row")
@@ -54,7 +54,7 @@ func TestReplayStopsAnAggregateAtItsFirstFailure(t *testing.T) {
 	res, err := el.ReplayDeadLetters(ctx)
 	require.NoError(t, err)
 	require.Equal(t, middleware.ReplayResult{Replayed: 1, Failed: 2}, res)
-	dead, err := store.List(ctx, env.Pool, held.Filter{Group: group, IDs: []int64{idX1, idX2}})
+	dead, err := hs.List(ctx, env.Pool, held.Filter{Group: group, IDs: []int64{idX1, idX2}})
 	require.NoError(t, err)
 	require.Len(t, dead, 2)
 	require.Equal(t, idX2, dead[0].ID)
@@ -99,12 +99,12 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	f := newFixture(t, middleware.Config{})
 	log := &lateLog{calls: map[string][]bool{}}
 	f.observe = log.observe
-	store := held.New(f.env.Schema)
+	hs := held.New(f.env.Schema)
 	offset := int64(0)
 	dead := func(e eventline.Event) int64 {
 		msg := consumertest.Message(t, e)
 		offset++
-		id, err := store.AddDeadLetter(ctx, f.env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
+		id, err := hs.AddDeadLetter(ctx, f.env.Pool, held.Event{Group: group, Topic: "orders", Handler: "billing", FromKafka: true, Offset: offset,
 			MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: msg.Metadata, EventID: e.ID, EventType: e.Type,
 			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Cause: dedup.KindRetriesExhausted, Reason: "r"})
 		require.NoError(t, err)
@@ -154,7 +154,7 @@ func TestReplayedDeadLetterWhoseVersionWasTakenIsHeldAsAConflict(t *testing.T) {
 	// The operator applies one, marked late, and discards the other.
 	_, err = admin.ReplayHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{IDs: []int64{held[0].ID}})
 	require.NoError(t, err)
-	_, err = f.el.Sweep(ctx)
+	_, err = f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, []bool{true}, log.of(a2.ID))
 	ids, err := admin.DiscardHeld(ctx, f.env.Pool, f.env.Schema, admin.HeldFilter{IDs: []int64{held[1].ID}}, "not genuine")

@@ -13,6 +13,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/middleware"
 )
@@ -78,36 +80,54 @@ var (
 	errConflict = &pgconn.PgError{Code: "40001", Message: "could not serialize access"}
 )
 
+// retrying runs h behind the retries of a middleware configured with cfg
+// (the group "g", a quiet logger and no jitter unless cfg says otherwise),
+// its waits recorded by c instead of waited, on a message with ctx.
+func retrying(t *testing.T, ctx context.Context, cfg middleware.Config, c *clock, h message.HandlerFunc) error {
+	t.Helper()
+	if cfg.Group == "" {
+		cfg.Group = "g"
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = quiet()
+	}
+	if cfg.Retry.Jitter == 0 {
+		cfg.Retry.Jitter = middleware.NoJitter
+	}
+	retry, err := middleware.Retry(cfg)
+	require.NoError(t, err)
+	msg := message.NewMessage("m", nil)
+	msg.SetContext(backoff.WithSleep(ctx, c.sleep))
+	_, err = retry(h)(msg)
+	return err
+}
+
 // Watermill's Retry advanced its backoff twice per attempt (0.2/0.8/3.2 s
 // for a configured 100 ms doubling). eventline's waits exactly the
-// documented min(InitialInterval × Multiplier^(n−1), MaxInterval).
+// documented min(Initial × Multiplier^(n−1), Max).
 func TestRetryWaitsTheDocumentedSchedule(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
-		name  string
-		retry middleware.Retry
-		want  []time.Duration
+		name string
+		cfg  middleware.Config
+		want []time.Duration
 	}{
-		{"defaults", middleware.Retry{}, ms(100, 200, 400, 800, 1600)},
-		{"capped", middleware.Retry{MaxRetries: 4, InitialInterval: time.Second, Multiplier: 3, MaxInterval: 5 * time.Second},
+		{"defaults", middleware.Config{}, ms(100, 200, 400, 800, 1600)},
+		{"capped", middleware.Config{MaxRetries: 4, Retry: eventline.Backoff{Initial: time.Second, Multiplier: 3, Max: 5 * time.Second}},
 			ms(1000, 3000, 5000, 5000)},
-		{"constant", middleware.Retry{MaxRetries: 3, InitialInterval: 50 * time.Millisecond, Multiplier: 1}, ms(50, 50, 50)},
-		{"no retries", middleware.Retry{MaxRetries: middleware.NoRetries}, nil},
+		{"constant", middleware.Config{MaxRetries: 3, Retry: eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 1}}, ms(50, 50, 50)},
+		{"no retries", middleware.Config{MaxRetries: middleware.NoRetries}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := &clock{}
-			tc.retry.Sleep, tc.retry.Logger = c.sleep, quiet()
 			s := &script{errs: repeat(errHandler, 100)}
-			_, err := tc.retry.Middleware(s.handle)(message.NewMessage("m", nil))
-			var exhausted *middleware.RetriesExhaustedError
-			require.ErrorAs(t, err, &exhausted)
+			err := retrying(t, context.Background(), tc.cfg, c, s.handle)
+			attempts, exhausted := middleware.ExhaustedAttempts(err)
+			require.True(t, exhausted, "%v", err)
 			require.ErrorIs(t, err, errHandler)
 			require.Equal(t, len(tc.want)+1, s.attempts, "one attempt plus MaxRetries retries")
-			require.Equal(t, s.attempts, exhausted.Attempts)
+			require.Equal(t, s.attempts, attempts)
 			require.Equal(t, tc.want, c.recorded())
-			for i, w := range tc.want {
-				require.Equal(t, w, tc.retry.Interval(i+1), "Interval(%d) documents the wait", i+1)
-			}
 		})
 	}
 }
@@ -120,15 +140,14 @@ func TestRetryWaitsForTheDatabaseWithoutSpendingTheBudget(t *testing.T) {
 	c := &clock{}
 	var waiting []float64
 	c.onWait = func(int) { waiting = append(waiting, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database")) }
-	retry := middleware.Retry{MaxRetries: 2, Group: "g", Metrics: metrics, Sleep: c.sleep, Logger: quiet()}
 	// Seven failures because the database is down (far more than the
 	// budget of two), then two handler failures, then success.
 	s := &script{errs: append(repeat(errDBDown, 7), errHandler, errHandler)}
-	_, err = retry.Middleware(s.handle)(message.NewMessage("m", nil))
+	err = retrying(t, context.Background(), middleware.Config{MaxRetries: 2, Metrics: metrics}, c, s.handle)
 	require.NoError(t, err, "an outage longer than the retry budget must not exhaust it")
 	require.Equal(t, 10, s.attempts)
 	require.Equal(t, append(ms(250, 500, 1000, 2000, 4000, 5000, 5000), ms(100, 200)...), c.recorded(),
-		"outage waits double from InfraInitialInterval up to InfraMaxInterval; the handler's retries then start at InitialInterval")
+		"outage waits double from InfraBackoff.Initial up to its Max; the handler's retries then start at Retry.Initial")
 	require.Equal(t, 7.0, metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total"))
 	require.Equal(t, 2.0, metrictest.Sum(t, reg, "eventline_consumer_retries_total"))
 	require.Equal(t, []float64{1, 1, 1, 1, 1, 1, 1, 0, 0}, waiting, "waiting_on_database is 1 during the outage, 0 after")
@@ -136,10 +155,11 @@ func TestRetryWaitsForTheDatabaseWithoutSpendingTheBudget(t *testing.T) {
 
 	// The same outage with no retry budget at all.
 	c = &clock{}
-	s = &script{errs: repeat(&middleware.InfraError{Op: "begin", Err: errors.New("connection refused")}, 20)}
-	_, err = middleware.Retry{MaxRetries: middleware.NoRetries, Sleep: c.sleep, Logger: quiet()}.Middleware(s.handle)(message.NewMessage("m", nil))
+	s = &script{errs: repeat(fmt.Errorf("begin: %w: connection refused", middleware.ErrInfrastructure), 20)}
+	err = retrying(t, context.Background(), middleware.Config{MaxRetries: middleware.NoRetries}, c, s.handle)
 	require.NoError(t, err)
 	require.Equal(t, 21, s.attempts)
+	require.Equal(t, ms(250, 500, 1000), c.recorded()[:3], "the outage's schedule, whatever the budget")
 }
 
 func TestRetryDoesNotRetryPermanentErrorsAndRetriesConflictsForFree(t *testing.T) {
@@ -147,14 +167,14 @@ func TestRetryDoesNotRetryPermanentErrorsAndRetriesConflictsForFree(t *testing.T
 	c := &clock{}
 	perm := middleware.Permanent(errors.New("payload does not decode"))
 	s := &script{errs: []error{perm}}
-	_, err := middleware.Retry{Sleep: c.sleep, Logger: quiet()}.Middleware(s.handle)(message.NewMessage("m", nil))
+	err := retrying(t, context.Background(), middleware.Config{}, c, s.handle)
 	require.Same(t, perm, err, "a permanent error is returned as is")
 	require.Equal(t, 1, s.attempts)
 	require.Empty(t, c.recorded())
 
 	c = &clock{}
 	s = &script{errs: repeat(errConflict, 4)}
-	_, err = middleware.Retry{MaxRetries: middleware.NoRetries, Sleep: c.sleep, Logger: quiet()}.Middleware(s.handle)(message.NewMessage("m", nil))
+	err = retrying(t, context.Background(), middleware.Config{MaxRetries: middleware.NoRetries}, c, s.handle)
 	require.NoError(t, err, "serialization failures do not spend the budget")
 	require.Equal(t, ms(100, 200, 400, 800), c.recorded(), "they are retried on the normal schedule")
 }
@@ -168,9 +188,12 @@ func TestRetryStopsWaitingWhenTheMessageContextEnds(t *testing.T) {
 		}
 	}}
 	s := &script{errs: repeat(errDBDown, 100)}
+	retry, err := middleware.Retry(middleware.Config{Group: "g", Logger: quiet()})
+	require.NoError(t, err)
 	msg := message.NewMessage("m", nil)
+	ctx = backoff.WithSleep(ctx, c.sleep)
 	msg.SetContext(ctx)
-	_, err := middleware.Retry{Sleep: c.sleep, Logger: quiet()}.Middleware(s.handle)(msg)
+	_, err = retry(s.handle)(msg)
 	require.ErrorIs(t, err, errDBDown, "the last error is returned, so the message is left unacknowledged")
 	require.Equal(t, 3, s.attempts)
 	require.Same(t, ctx, msg.Context(), "the message context is restored")
@@ -180,8 +203,7 @@ func TestRetryJitterStaysWithinItsBounds(t *testing.T) {
 	t.Parallel()
 	c := &clock{}
 	s := &script{errs: repeat(errHandler, 100)}
-	_, _ = middleware.Retry{MaxRetries: 50, InitialInterval: time.Second, Multiplier: 1, Jitter: 0.25, Sleep: c.sleep, Logger: quiet()}.
-		Middleware(s.handle)(message.NewMessage("m", nil))
+	_ = retrying(t, context.Background(), middleware.Config{MaxRetries: 50, Retry: eventline.Backoff{Initial: time.Second, Multiplier: 1, Jitter: 0.25}}, c, s.handle)
 	waits := c.recorded()
 	require.Len(t, waits, 50)
 	distinct := map[time.Duration]bool{}
@@ -191,31 +213,36 @@ func TestRetryJitterStaysWithinItsBounds(t *testing.T) {
 		distinct[w] = true
 	}
 	require.Greater(t, len(distinct), 1, "jitter spreads the waits")
+
+	// The default jitter spreads the default schedule by ±20%.
+	c = &clock{}
+	s = &script{errs: repeat(errHandler, 100)}
+	retry, err := middleware.Retry(middleware.Config{Group: "g", MaxRetries: 1, Logger: quiet()})
+	require.NoError(t, err)
+	msg := message.NewMessage("m", nil)
+	msg.SetContext(backoff.WithSleep(context.Background(), c.sleep))
+	_, _ = retry(s.handle)(msg)
+	require.Len(t, c.recorded(), 1)
+	require.InDelta(t, float64(100*time.Millisecond), float64(c.recorded()[0]), float64(20*time.Millisecond))
 }
 
-func TestRetryRefusesInvalidSettingsAndTheWrongPlace(t *testing.T) {
+// Settings no schedule can follow are refused by New, naming the field,
+// before any event is handled.
+func TestRetryRefusesInvalidSettings(t *testing.T) {
 	t.Parallel()
-	for _, r := range []middleware.Retry{{Multiplier: 0.5}, {MaxRetries: -7}, {Jitter: 2}, {InitialInterval: time.Second, MaxInterval: time.Millisecond}} {
-		s := &script{}
-		_, err := r.Middleware(s.handle)(message.NewMessage("m", nil))
-		require.ErrorIs(t, err, middleware.ErrUnsafeComposition, "%+v", r)
-		require.ErrorContains(t, err, "middleware.Retry.")
-		require.Zero(t, s.attempts)
-		require.Error(t, r.Validate())
+	for _, tc := range []struct {
+		cfg  middleware.Config
+		want string
+	}{
+		{middleware.Config{Retry: eventline.Backoff{Multiplier: 0.5}}, "middleware.Config.Retry.Multiplier"},
+		{middleware.Config{MaxRetries: -7}, "middleware.Config.MaxRetries"},
+		{middleware.Config{Retry: eventline.Backoff{Jitter: 2}}, "middleware.Config.Retry.Jitter"},
+		{middleware.Config{Retry: eventline.Backoff{Initial: time.Second, Max: time.Millisecond}}, "middleware.Config.Retry.Max"},
+	} {
+		tc.cfg.Group = "g"
+		_, err := middleware.Retry(tc.cfg)
+		require.ErrorContains(t, err, tc.want, "%+v", tc.cfg)
 	}
-	require.NoError(t, middleware.Retry{}.Validate())
-}
-
-func ExampleRetry() {
-	retry := middleware.Retry{MaxRetries: 4} // the other fields take their defaults
-	for n := 1; n <= 4; n++ {
-		fmt.Println(retry.Interval(n))
-	}
-	fmt.Println("outage:", retry.InfraInterval(1), retry.InfraInterval(2), retry.InfraInterval(10))
-	// Output:
-	// 100ms
-	// 200ms
-	// 400ms
-	// 800ms
-	// outage: 250ms 500ms 5s
+	_, err := middleware.Retry(middleware.Config{Group: "g"})
+	require.NoError(t, err)
 }

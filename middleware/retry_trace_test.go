@@ -7,14 +7,13 @@ import (
 	"testing"
 	"unicode/utf8"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
 )
 
-// TestRetriesAreSpanEvents: every retry Retry schedules (a handler
+// TestRetriesAreSpanEvents: every retry the chain schedules (a handler
 // failure, a conflict, a wait for the database) is an "eventline.retry"
 // event on the span of the message's context, with the attempt that
 // failed, the kind, the wait and the error, cut to 1 KiB of valid UTF-8;
@@ -25,11 +24,8 @@ func TestRetriesAreSpanEvents(t *testing.T) {
 	c := &clock{}
 	hostile := errors.New(strings.Repeat("\xffé", 100_000))
 	s := &script{errs: []error{errHandler, errConflict, errDBDown, hostile, middleware.Permanent(errors.New("cannot apply"))}}
-	retry := middleware.Retry{Sleep: c.sleep, Logger: quiet()}
 	ctx, span := rec.Provider.Tracer("t").Start(context.Background(), "process orders")
-	msg := message.NewMessage("m", nil)
-	msg.SetContext(ctx)
-	_, err := retry.Middleware(s.handle)(msg)
+	err := retrying(t, ctx, middleware.Config{}, c, s.handle)
 	require.ErrorContains(t, err, "cannot apply")
 	span.End()
 

@@ -49,9 +49,9 @@ func TestHotPathRoundTrips(t *testing.T) {
 	t.Cleanup(pool.Close)
 	require.NoError(t, pool.Ping(context.Background()))
 
-	el, err := middleware.New(middleware.Config{DB: pool, Schema: env.Schema, Group: group, Logger: quiet()})
+	el, err := middleware.New(pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
 	require.NoError(t, err)
-	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := middleware.TxFromContext(msg.Context())
 		e, _ := middleware.EventFromContext(msg.Context())
 		return nil, env.Apply(msg.Context(), tx, group, e) // two statements

@@ -13,29 +13,30 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/tracing"
 )
 
 // The stages of eventline_consumer_stage_seconds and of the OTel
 // histogram eventline.stage.duration.
 const (
-	// StageRelayedToApplied runs from the Kafka record's timestamp (when
+	// stageRelayedToApplied runs from the Kafka record's timestamp (when
 	// the relay produced it) to the commit of the transaction that
 	// applied the event on arrival.
-	StageRelayedToApplied = "relayed_to_applied"
-	// StageOccurredToApplied runs from the event's occurred_at (the
+	stageRelayedToApplied = "relayed_to_applied"
+	// stageOccurredToApplied runs from the event's occurred_at (the
 	// PublishTx time, unless the publisher set OccurredAt) to the same
 	// commit. The outbox's commit time itself is not carried with the
 	// event; occurred_at is written in the publishing transaction.
-	StageOccurredToApplied = "occurred_to_applied"
-	// StageParkedToReleased runs from when an event was parked to the
+	stageOccurredToApplied = "occurred_to_applied"
+	// stageParkedToReleased runs from when an event was parked to the
 	// commit of the transaction that applied it.
-	StageParkedToReleased = "parked_to_released"
+	stageParkedToReleased = "parked_to_released"
 )
 
-// StageHistogramName is the OTel histogram of stage latencies, in
+// stageHistogramName is the OTel histogram of stage latencies, in
 // seconds, with attributes eventline.consumer.group and eventline.stage.
-const StageHistogramName = "eventline.stage.duration"
+const stageHistogramName = "eventline.stage.duration"
 
 // observer is the consumer side's OpenTelemetry: a nil tracer and a nil
 // histogram are off.
@@ -47,7 +48,7 @@ type observer struct {
 func newObserver(tp trace.TracerProvider, prop propagation.TextMapPropagator, mp metric.MeterProvider) (observer, error) {
 	o := observer{tr: tracing.New(tp, prop)}
 	if mp != nil {
-		h, err := mp.Meter(tracing.ScopeName).Float64Histogram(StageHistogramName, metric.WithUnit("s"),
+		h, err := mp.Meter(tracing.ScopeName).Float64Histogram(stageHistogramName, metric.WithUnit("s"),
 			metric.WithDescription("Latency of an event's stages through eventline (see the stage attribute)."),
 			metric.WithExplicitBucketBoundaries(stageBuckets...))
 		if err != nil {
@@ -65,7 +66,7 @@ type procSpanKey struct{}
 // trace its headers carry, and returns the context carrying it.
 func (o observer) startProcess(msg *message.Message, group string) (context.Context, trace.Span) {
 	parent := msg.Context()
-	src := SourceFromContext(parent)
+	src := delivery.SourceOf(parent)
 	ctx := o.tr.Extract(parent, msg.Metadata)
 	ctx, span := o.tr.StartProcess(ctx, tracing.Source{Topic: src.Topic, Group: group, FromKafka: src.FromKafka,
 		Partition: src.Partition, Offset: src.Offset}, eventFromMetadata(msg.Metadata))
@@ -121,22 +122,22 @@ func (o observer) traced(group string, h message.HandlerFunc) message.HandlerFun
 	}
 }
 
-// Traced wraps a whole chain (put it outermost, outside DeadLetter and
-// Retry) in one "process <topic>" span per delivery, kind consumer,
-// continuing the trace the record's headers carry (the relay's send
-// span). Its attributes follow OpenTelemetry's messaging conventions and
-// add eventline's: the event type, the aggregate's type, id and version,
-// and eventline.outcome (applied, duplicate, stale, parked, skipped,
-// dead_lettered). The handler's message context carries the span, so
-// spans the handler starts nest under it. Chain and AddHandler add it;
-// without a TracerProvider it returns h itself.
-func (el *Eventline) Traced(h message.HandlerFunc) message.HandlerFunc {
+// traced wraps a whole chain (the chain puts it outermost, outside the
+// dead letters and retries) in one "process <topic>" span per delivery,
+// kind consumer, continuing the trace the record's headers carry (the
+// relay's send span). Its attributes follow OpenTelemetry's messaging
+// conventions and add eventline's: the event type, the aggregate's type,
+// id and version, and eventline.outcome (applied, duplicate, stale,
+// parked, skipped, dead_lettered). The handler's message context carries
+// the span, so spans the handler starts nest under it. Without a
+// TracerProvider it returns h itself.
+func (el *Eventline) traced(h message.HandlerFunc) message.HandlerFunc {
 	return el.gate.obs.traced(el.cfg.Group, h)
 }
 
 // observeStage records one stage latency in the Prometheus histogram and,
 // when a MeterProvider is set, the OTel one.
-func (g *Gate) observeStage(stage string, d time.Duration) {
+func (g *gate) observeStage(stage string, d time.Duration) {
 	g.cfg.Metrics.observeStage(g.cfg.Group, stage, d)
 	if h := g.obs.stages; h != nil {
 		h.Record(context.Background(), d.Seconds(), metric.WithAttributes(
@@ -145,20 +146,20 @@ func (g *Gate) observeStage(stage string, d time.Duration) {
 }
 
 // stagesOn reports whether stage latencies are recorded anywhere.
-func (g *Gate) stagesOn() bool { return g.cfg.Metrics != nil || g.obs.stages != nil }
+func (g *gate) stagesOn() bool { return g.cfg.Metrics != nil || g.obs.stages != nil }
 
 // observeApplied records the stages of an event applied on arrival; it
 // runs after the commit.
-func (g *Gate) observeApplied(ctx context.Context, e eventline.Event) {
+func (g *gate) observeApplied(ctx context.Context, e eventline.Event) {
 	if !g.stagesOn() {
 		return
 	}
 	now := time.Now()
-	if ts := SourceFromContext(ctx).Timestamp; !ts.IsZero() {
-		g.observeStage(StageRelayedToApplied, now.Sub(ts))
+	if ts := delivery.SourceOf(ctx).Timestamp; !ts.IsZero() {
+		g.observeStage(stageRelayedToApplied, now.Sub(ts))
 	}
 	if !e.OccurredAt.IsZero() {
-		g.observeStage(StageOccurredToApplied, now.Sub(e.OccurredAt))
+		g.observeStage(stageOccurredToApplied, now.Sub(e.OccurredAt))
 	}
 }
 

@@ -41,10 +41,10 @@ func BenchmarkTracingMiddleware(b *testing.B) {
 	for _, mode := range []string{"off", "sdk"} {
 		b.Run(mode, func(b *testing.B) {
 			be := newBenchEnv(b)
-			el, err := middleware.New(middleware.Config{DB: be.pool, Schema: be.env.Schema, Group: "bench", Logger: quiet(),
+			el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet(),
 				TracerProvider: benchProviders(b)[mode]})
 			require.NoError(b, err)
-			h := el.Traced(el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			h := el.Traced(el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 				ctx := msg.Context()
 				tx, _ := middleware.TxFromContext(ctx)
 				e, _ := middleware.EventFromContext(ctx)
@@ -82,7 +82,7 @@ func BenchmarkTracingWrapper(b *testing.B) {
 	for _, mode := range []string{"off", "sdk"} {
 		b.Run(mode, func(b *testing.B) {
 			be := newBenchEnv(b)
-			el, err := middleware.New(middleware.Config{DB: be.pool, Schema: be.env.Schema, Group: "bench", Logger: quiet(),
+			el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet(),
 				TracerProvider: benchProviders(b)[mode]})
 			require.NoError(b, err)
 			h := el.Traced(func(*message.Message) ([]*message.Message, error) { return nil, nil })

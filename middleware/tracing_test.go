@@ -17,6 +17,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
@@ -54,8 +55,8 @@ func sent(t *testing.T, rec *tracingtest.Recorder, e eventline.Event) (*message.
 func deliverFrom(t *testing.T, f *fixture, msg *message.Message) error {
 	t.Helper()
 	m := consumertest.Redeliver(msg)
-	m.SetContext(middleware.ContextWithSource(context.Background(),
-		middleware.Source{Topic: tracedTopic, FromKafka: true, Partition: 2, Offset: 7, Timestamp: time.Now().Add(-time.Second)}))
+	m.SetContext(delivery.WithSource(context.Background(),
+		delivery.Source{Topic: tracedTopic, FromKafka: true, Partition: 2, Offset: 7, Timestamp: time.Now().Add(-time.Second)}))
 	_, err := f.handler(m)
 	return err
 }
@@ -155,9 +156,9 @@ func TestTraceOfAParkedThenReleasedEvent(t *testing.T) {
 // dead_letter span under the process span, whose outcome is dead_lettered.
 func TestTraceOfADeadLetter(t *testing.T) {
 	t.Parallel()
-	f, rec := tracedFixture(t, middleware.Config{Retry: middleware.Retry{MaxRetries: middleware.NoRetries}})
+	f, rec := tracedFixture(t, middleware.Config{MaxRetries: middleware.NoRetries})
 	f.fail = func(eventline.Event) error { return middleware.Permanent(errors.New("cannot apply")) }
-	f.handler = f.el.Chain(f.business(group))
+	f.handler = f.el.Chain("billing", f.business(group))
 	msg, send := sent(t, rec, consumertest.Event("a", 1))
 	require.NoError(t, deliverFrom(t, f, msg), "dead-lettered and acknowledged")
 
@@ -176,7 +177,7 @@ func TestNoTracerProviderNoSpans(t *testing.T) {
 	t.Parallel()
 	rec := tracingtest.New(t)
 	f := newFixture(t, middleware.Config{})
-	f.handler = f.el.Traced(f.el.Middleware(f.business(group)))
+	f.handler = f.el.Traced(f.el.MiddlewareFor("test")(f.business(group)))
 	msg, _ := sent(t, rec, consumertest.Event("a", 1))
 	require.NoError(t, deliverFrom(t, f, msg))
 	require.Len(t, rec.Spans(), 1, "only the test's send span")
@@ -200,7 +201,7 @@ func TestStageHistogramsInOTel(t *testing.T) {
 	counts := map[string]uint64{}
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
-			if m.Name != middleware.StageHistogramName {
+			if m.Name != "eventline.stage.duration" {
 				continue
 			}
 			for _, dp := range m.Data.(metricdata.Histogram[float64]).DataPoints {
@@ -248,7 +249,7 @@ func TestTraceOfAParkedEventReleasedBySweeper(t *testing.T) {
 	ctx := context.Background()
 	_, err := f.el.Store().ReleaseGap(ctx, f.env.Pool, group, "thing", "a", "v2 was lost upstream")
 	require.NoError(t, err)
-	res, err := f.el.Sweep(ctx)
+	res, err := f.el.SweepResult(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Released, "%+v", res)
 

@@ -10,8 +10,8 @@ import (
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/migrations"
-	"github.com/eventline/eventline/versioning"
 )
 
 // TestUnresolvedCountsWhatARollbackWouldDrop: parked events, late events,
@@ -45,11 +45,11 @@ func TestUnresolvedCountsWhatARollbackWouldDrop(t *testing.T) {
 
 	// Held events of every kind count for 003, until replayed or
 	// discarded: a late event (held by the gate), dead letters, the relay's.
-	vs, err := versioning.NewStore(env.Schema)
+	vs, err := store.New(env.Schema)
 	require.NoError(t, err)
-	k := versioning.Key{Group: "billing", AggregateType: "thing", AggregateID: "a"}
+	k := store.Key{Group: "billing", AggregateType: "thing", AggregateID: "a"}
 	require.NoError(t, vs.RecordSkipped(ctx, env.Pool, k, 2, 2, "park timeout"))
-	late, _, err := vs.HoldLate(ctx, env.Pool, versioning.LateRequest{Group: "billing", Event: consumertest.Event("a", 2), Current: 3, Hold: true})
+	late, _, err := vs.HoldLate(ctx, env.Pool, store.LateRequest{Group: "billing", Event: consumertest.Event("a", 2), Current: 3, Hold: true})
 	require.NoError(t, err)
 	require.True(t, late)
 	require.EqualValues(t, 1, count(3))

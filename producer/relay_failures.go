@@ -203,7 +203,7 @@ func (s *kafkaSink) topicLimit(topic string) int {
 // maxUnavailableWait caps the wait before retrying a message while Kafka is
 // unreachable, as it caps the waits between connection attempts: a shard
 // resumes within 5 s of Kafka's return, however long the outage, as a
-// consumer does (consumer.DefaultInfraRetryMaxInterval).
+// consumer does (middleware.DefaultInfraBackoff.Max).
 const maxUnavailableWait = 5 * time.Second
 
 // unavailableBackoff is the schedule of waits while Kafka is unreachable,

@@ -121,8 +121,10 @@ func TestRelayTransactionTakesTwoRoundTrips(t *testing.T) {
 		}
 	}
 	t.Logf("%d reads, %d position writes for %d events", reads, writes, len(ids))
+	// How many batches the ten events make depends on the machine's load
+	// (a slow broker gathers them into one); each batch's shape does not.
 	require.Positive(t, reads)
-	require.Greater(t, writes, 1)
+	require.Positive(t, writes)
 }
 
 // lockedBuffer is a log sink safe for concurrent writers.

@@ -1,54 +1,40 @@
 package versioning_test
 
 import (
-	"context"
+	"errors"
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/migrations"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
 
-// An operator gives up on versions that will never arrive
-// (`eventline parked release`); the running consumer's sweeper then applies
-// the parked events.
-func ExampleStore_ReleaseGap() {
-	ctx := context.Background()
-	pool, _ := pgxpool.New(ctx, pgtest.URL())
-	defer pool.Close()
-	schema := fmt.Sprintf("example_versioning_%d", time.Now().UnixNano())
-	if err := migrations.Up(ctx, pool, migrations.Config{Schema: schema, Shards: 1}); err != nil {
-		panic(err)
+// The gate's policies are set on the middleware's Config (the consumer's
+// Config embeds it): park early events, except for a type whose events
+// are "newer wins"; hold late events, except for additive ones.
+func Example() {
+	cfg := middleware.Config{
+		Group:            "billing",
+		GapPolicy:        versioning.Park,
+		PolicyByType:     map[string]versioning.GapPolicy{"account.limit_set": versioning.Apply},
+		LatePolicy:       versioning.HoldLate,
+		LatePolicyByType: map[string]versioning.LatePolicy{"account.credited": versioning.ApplyLate},
+		ParkTimeout:      30 * time.Minute, // give gaps up sooner than versioning.DefaultParkTimeout
 	}
-	defer func() { _, _ = pool.Exec(ctx, `DROP SCHEMA `+sqlident.Quote(schema)+` CASCADE`) }()
-	store, _ := versioning.NewStore(schema)
-
-	// Version 1 applied, version 4 arrived early and was parked.
-	_ = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		v1 := eventline.Event{ID: "e1", Type: "stock.moved", AggregateType: "sku", AggregateID: "A-1", AggregateVersion: 1, Payload: []byte(`{}`)}
-		v4 := v1
-		v4.ID, v4.AggregateVersion = "e4", 4
-		_, _ = store.Admit(ctx, tx, "warehouse", v1, false, true)
-		_, _ = store.Admit(ctx, tx, "warehouse", v4, false, true)
-		_, err := store.Park(ctx, tx, versioning.ParkRequest{Group: "warehouse", Event: v4})
-		return err
-	})
-
-	parked, _ := store.ListParked(ctx, pool, versioning.ParkedFilter{Group: "warehouse"})
-	fmt.Println("parked:", parked[0].AggregateID, "v", parked[0].Version)
-
-	rel, err := store.ReleaseGap(ctx, pool, "warehouse", "sku", "A-1", "v2-v3 lost in the 2026-11 outage")
-	if err != nil {
-		panic(err)
-	}
-	fmt.Printf("skipped v%d..v%d, %d ready\n", rel.From, rel.To, rel.Ready)
+	fmt.Println(cfg.GapPolicy, cfg.PolicyByType["account.limit_set"], versioning.DefaultParkTimeout)
 	// Output:
-	// parked: A-1 v 4
-	// skipped v2..v3, 1 ready
+	// park apply 1h0m0s
+}
+
+// An event whose version would leave more versions missing than MaxGap is
+// refused: its version is probably inflated. The dead letter's reason says
+// what to check.
+func ExampleGapTooLargeError() {
+	var err error = &versioning.GapTooLargeError{AggregateType: "order", AggregateID: "o-7", EventID: "evt-9",
+		Version: 1_000_001, Previous: 1_000_000, Known: 3, MaxGap: versioning.DefaultMaxGap}
+	fmt.Println(errors.Is(err, versioning.ErrGapTooLarge))
+	fmt.Println(err)
+	// Output:
+	// true
+	// eventline: aggregate order/o-7: event evt-9 (v1000001, follows v1000000) would leave versions 4..1000000 (999997) missing, more than MaxGap 1000: its version is probably inflated; fix the producer. If the gap is genuine, raise MaxGap and replay the dead letter
 }

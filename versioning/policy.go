@@ -1,8 +1,9 @@
 package versioning
 
 import (
-	"fmt"
 	"time"
+
+	"github.com/eventline/eventline"
 )
 
 // GapPolicy says what the gate does with an event whose predecessor has not
@@ -32,13 +33,6 @@ const (
 	Reject GapPolicy = "reject"
 )
 
-// DefaultGapPolicy is used when no policy is configured.
-const DefaultGapPolicy = Park
-
-// Valid reports whether p is a supported policy ("" and the removed Reject
-// are not).
-func (p GapPolicy) Valid() bool { return p == Park || p == Apply }
-
 // UnversionedPolicy says what the gate does with an event that carries no
 // aggregate version.
 type UnversionedPolicy string
@@ -52,12 +46,6 @@ const (
 	// error: it is dead-lettered without retries.
 	RejectUnversioned UnversionedPolicy = "reject"
 )
-
-// DefaultUnversionedPolicy is used when no policy is configured.
-const DefaultUnversionedPolicy = PassUnversioned
-
-// Valid reports whether p is a known policy ("" is not).
-func (p UnversionedPolicy) Valid() bool { return p == PassUnversioned || p == RejectUnversioned }
 
 // LatePolicy says what the gate does with a late event: one whose version
 // was given up on (recorded in skipped_versions, by the sweeper after the
@@ -80,14 +68,16 @@ const (
 	ApplyLate LatePolicy = "apply"
 )
 
-// DefaultLatePolicy is used when no late policy is configured.
-const DefaultLatePolicy = HoldLate
-
-// Valid reports whether p is a known policy ("" is not).
-func (p LatePolicy) Valid() bool { return p == HoldLate || p == ApplyLate }
-
-// Defaults for the gate and the sweeper.
+// Defaults for the gate and the sweeper (of middleware.Config, which the
+// consumer's Config embeds).
 const (
+	// DefaultGapPolicy is used when no gap policy is configured.
+	DefaultGapPolicy = Park
+	// DefaultLatePolicy is used when no late policy is configured.
+	DefaultLatePolicy = HoldLate
+	// DefaultUnversionedPolicy is used when no policy for events without
+	// a version is configured.
+	DefaultUnversionedPolicy = PassUnversioned
 	// DefaultParkTimeout is how long an aggregate's oldest parked event
 	// waits for the missing versions before the sweeper skips the gap.
 	//
@@ -106,12 +96,10 @@ const (
 	DefaultParkTimeout = time.Hour
 	// DefaultSweepInterval is the pause between two sweeper passes.
 	DefaultSweepInterval = 5 * time.Second
-	// DefaultSweepTxTimeout bounds each aggregate's transaction in a sweep.
-	DefaultSweepTxTimeout = time.Minute
 	// DefaultSweepBatch is the most aggregates one sweeper pass visits.
 	DefaultSweepBatch = 500
 	// DefaultMaxGap bounds the versions one event that follows v-1 (it
-	// declares no other predecessor, see DeclaresPredecessor) may leave
+	// declares no other predecessor in aggregate_previous_version) may leave
 	// missing in front of it: its previous version minus the highest
 	// version the aggregate has applied or parked. An event that declares
 	// its predecessor waits for that one event and is not bounded: the
@@ -127,96 +115,14 @@ const (
 	DefaultMaxGap int64 = 1000
 	// DefaultMaxReleaseAttempts is how many times a parked (or late) event
 	// whose turn has come is tried before the sweeper gives up on it: a
-	// parked event is then dead-lettered (see DeadLetterFunc) and its
-	// version audited as skipped; a late event stays held, its apply
-	// request cleared.
+	// parked event is then given up (held as late for the operator) and its
+	// version audited as skipped; a late event whose replay keeps failing
+	// is held again for the operator.
 	DefaultMaxReleaseAttempts = 10
-	// DefaultReleaseBackoff is the wait after the first failed release
-	// attempt; it doubles after each further failure up to
-	// DefaultMaxReleaseBackoff. With the defaults the 10 attempts span
-	// 5+10+20+40+80+160+300+300+300 s, about 20 minutes.
-	DefaultReleaseBackoff = 5 * time.Second
-	// DefaultMaxReleaseBackoff caps the wait between release attempts.
-	DefaultMaxReleaseBackoff = 5 * time.Minute
 )
 
-// Policies chooses a gap policy per event type.
-type Policies struct {
-	// Default applies to event types without an override. Defaults to
-	// DefaultGapPolicy (Park).
-	Default GapPolicy
-	// ByType overrides Default for individual event types.
-	ByType map[string]GapPolicy
-}
-
-// For returns the policy for an event type.
-func (p Policies) For(eventType string) GapPolicy {
-	if pol, ok := p.ByType[eventType]; ok && pol != "" {
-		return pol
-	}
-	if p.Default == "" {
-		return DefaultGapPolicy
-	}
-	return p.Default
-}
-
-// Validate returns an error naming the first unknown or removed policy;
-// field prefixes the names in the message (e.g. "consumer.Config").
-func (p Policies) Validate(field string) error {
-	if p.Default != "" && !p.Default.Valid() {
-		return gapPolicyError(field+".GapPolicy", p.Default)
-	}
-	for typ, pol := range p.ByType {
-		if typ == "" {
-			return fmt.Errorf("%s.PolicyByType has an empty event type", field)
-		}
-		if !pol.Valid() {
-			return gapPolicyError(fmt.Sprintf("%s.PolicyByType[%q]", field, typ), pol)
-		}
-	}
-	return nil
-}
-
-func gapPolicyError(name string, p GapPolicy) error {
-	if p == Reject {
-		return fmt.Errorf("%s %q is no longer supported: retrying an early event blocked its partition, so one out-of-order delivery lost the aggregate; use %q (set ParkTimeout to give gaps up sooner)", name, p, Park)
-	}
-	return fmt.Errorf("%s %q is unknown: use %q or %q", name, p, Park, Apply)
-}
-
-// LatePolicies chooses a late policy per event type.
-type LatePolicies struct {
-	// Default applies to event types without an override. Defaults to
-	// DefaultLatePolicy (HoldLate).
-	Default LatePolicy
-	// ByType overrides Default for individual event types.
-	ByType map[string]LatePolicy
-}
-
-// For returns the late policy for an event type.
-func (p LatePolicies) For(eventType string) LatePolicy {
-	if pol, ok := p.ByType[eventType]; ok && pol != "" {
-		return pol
-	}
-	if p.Default == "" {
-		return DefaultLatePolicy
-	}
-	return p.Default
-}
-
-// Validate returns an error naming the first unknown policy; field prefixes
-// the names in the message.
-func (p LatePolicies) Validate(field string) error {
-	if p.Default != "" && !p.Default.Valid() {
-		return fmt.Errorf("%s.LatePolicy %q is unknown: use %q or %q", field, p.Default, HoldLate, ApplyLate)
-	}
-	for typ, pol := range p.ByType {
-		if typ == "" {
-			return fmt.Errorf("%s.LatePolicyByType has an empty event type", field)
-		}
-		if !pol.Valid() {
-			return fmt.Errorf("%s.LatePolicyByType[%q] %q is unknown: use %q or %q", field, typ, pol, HoldLate, ApplyLate)
-		}
-	}
-	return nil
-}
+// DefaultReleaseBackoff is the wait between failed attempts to apply a
+// parked event: 5s after the first, doubling up to 5m. With
+// DefaultMaxReleaseAttempts the 10 attempts span 5+10+20+40+80+160+300+
+// 300+300 s, about 20 minutes.
+var DefaultReleaseBackoff = eventline.Backoff{Initial: 5 * time.Second, Max: 5 * time.Minute, Multiplier: 2}

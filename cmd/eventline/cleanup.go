@@ -14,6 +14,7 @@ import (
 
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -121,19 +122,19 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 		rep.Outbox = &outboxCleanup{RetentionSeconds: retention.Seconds(), Deleted: res.Deleted, PerShard: res.PerShard}
 	}
 	if doDedup {
-		store, err := dedup.NewStore(g.schema)
+		st, err := store.New(g.schema)
 		if err != nil {
 			return err
 		}
 		// dedup's Pause 0 means its default; the smallest wait stands for none.
-		cfg := dedup.CleanupConfig{Group: *group, Retention: *dedupRetention, BatchSize: *batch, Pause: max(*pause, time.Nanosecond)}
-		var res dedup.CleanupResult
+		cfg := store.CleanupConfig{Group: *group, Retention: *dedupRetention, BatchSize: *batch, Pause: max(*pause, time.Nanosecond)}
+		var res store.CleanupResult
 		err = maybeDry(ctx, pool, *dryRun, func(db admin.DBTX) error {
 			if *dryRun {
 				cfg.Pause = time.Nanosecond
 			}
 			var err error
-			res, err = store.Cleanup(ctx, db, cfg)
+			res, err = st.CleanupProcessed(ctx, db, cfg)
 			return err
 		})
 		if err != nil {

@@ -6,7 +6,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -29,7 +28,7 @@ func TestCleanupOutboxAndDedup(t *testing.T) {
 	// Every record is two days old.
 	parkGap(t, env, "billing", "a", 2, 4)
 	parkGap(t, env, "shipping", "z", 1)
-	processed := sqlident.Qualify(env.Schema, dedup.Table)
+	processed := sqlident.Qualify(env.Schema, "processed_events")
 	_, err := env.Pool.Exec(ctx, `UPDATE `+processed+` SET processed_at = now() - interval '2 days'`)
 	require.NoError(t, err)
 	stored := func() int {

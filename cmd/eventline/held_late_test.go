@@ -24,11 +24,11 @@ func TestHeldLateEventsReplayAndDiscard(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
 	ctx := context.Background()
-	el, err := middleware.New(middleware.Config{DB: env.Pool, Schema: env.Schema, Group: "billing", ParkTimeout: time.Nanosecond, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	el, err := middleware.New(env.Pool, middleware.Config{Schema: env.Schema, Group: "billing", ParkTimeout: time.Nanosecond, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	var mu sync.Mutex
 	lateCalls := map[string]bool{}
-	h := el.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+	h := el.MiddlewareFor("billing")(func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())
 		mu.Lock()
 		lateCalls[e.ID] = middleware.IsLate(msg.Context())
@@ -45,7 +45,7 @@ func TestHeldLateEventsReplayAndDiscard(t *testing.T) {
 		deliver(id, 1)
 		deliver(id, 3)
 	}
-	_, err = el.Sweep(ctx) // gives up on v2 of both
+	err = el.Sweep(ctx) // gives up on v2 of both
 	require.NoError(t, err)
 	lateA, lateB := deliver("a", 2), deliver("b", 2)
 
@@ -69,7 +69,7 @@ func TestHeldLateEventsReplayAndDiscard(t *testing.T) {
 	out = ok(t, env.Schema, "held", "replay", strconv.FormatInt(idA, 10), strconv.FormatInt(idA+1000, 10))
 	require.Contains(t, out, "replay requested for 1 held event: "+strconv.FormatInt(idA, 10)+"; a running consumer of each group replays them on its next sweep")
 	require.Contains(t, out, "1 of the 2 ids given were not waiting")
-	_, err = el.Sweep(ctx)
+	err = el.Sweep(ctx)
 	require.NoError(t, err)
 	mu.Lock()
 	require.True(t, lateCalls[lateA], "applied, marked late")

@@ -14,7 +14,7 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // heldJSONTest mirrors the documented JSON of `held list -json`.
@@ -185,10 +185,10 @@ func TestHeldReplayWarnsWhenAGroupSkippedTheVersion(t *testing.T) {
 			payload->>'destination_topic', convert_to(payload::text, 'UTF8'), '{}', '{}', 5, 'kafka said no'
 		FROM moved ORDER BY "offset"`)
 	require.NoError(t, err)
-	store, err := versioning.NewStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
 	for _, g := range []string{"billing", "shipping"} {
-		require.NoError(t, store.RecordSkipped(ctx, env.Pool, versioning.Key{Group: g, AggregateType: "order", AggregateID: "x"}, 1, 1, "park timeout"))
+		require.NoError(t, st.RecordSkipped(ctx, env.Pool, store.Key{Group: g, AggregateType: "order", AggregateID: "x"}, 1, 1, "park timeout"))
 	}
 	dls := okJSON[[]heldJSONTest](t, env.Schema, "held", "list", "-json")
 	require.Len(t, dls, 2)

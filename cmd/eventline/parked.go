@@ -12,7 +12,7 @@ import (
 
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 func init() {
@@ -88,32 +88,32 @@ Kafka too: its partition and offset, and the group's committed offset there.`)
 			return fs.usageErrorf("%v", err)
 		}
 	}
-	filter := versioning.ParkedFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit}
-	store, pool, err := openVersioning(ctx)
+	filter := store.ParkedFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit}
+	st, pool, err := openVersioning(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	parked, err := store.ListParked(ctx, pool, filter)
+	parked, err := st.ListParked(ctx, pool, filter)
 	if err != nil {
 		return err
 	}
-	current := map[versioning.Key]int64{}
-	var keys []versioning.Key // in list order, each once
+	current := map[store.Key]int64{}
+	var keys []store.Key // in list order, each once
 	for _, p := range parked {
 		if _, ok := current[p.Key()]; ok {
 			continue
 		}
-		v, err := store.Current(ctx, pool, p.Key())
+		v, err := st.Current(ctx, pool, p.Key())
 		if err != nil {
 			return err
 		}
 		current[p.Key()] = v
 		keys = append(keys, p.Key())
 	}
-	where := map[versioning.Key]versionWhere{}
+	where := map[store.Key]versionWhere{}
 	if *locate {
-		want := map[versioning.Key]int64{}
+		want := map[store.Key]int64{}
 		for _, k := range keys {
 			if follows := followsOf(parked, k); follows > current[k] {
 				want[k] = current[k] + 1
@@ -187,7 +187,7 @@ Kafka too: its partition and offset, and the group's committed offset there.`)
 
 // followsOf is the predecessor the lowest listed parked event of k waits
 // for (parked is in version order per aggregate).
-func followsOf(parked []versioning.Parked, k versioning.Key) int64 {
+func followsOf(parked []store.Parked, k store.Key) int64 {
 	for _, p := range parked {
 		if p.Key() == k {
 			return p.PreviousVersion
@@ -198,7 +198,7 @@ func followsOf(parked []versioning.Parked, k versioning.Key) int64 {
 
 // locateIn runs locateMissing against the consumer's pool and the outbox
 // at outboxURL (default: the same pool) in outboxSchema (default -schema).
-func locateIn(ctx context.Context, pool *pgxpool.Pool, outboxURL, outboxSchema string, want map[versioning.Key]int64) (map[versioning.Key]versionWhere, error) {
+func locateIn(ctx context.Context, pool *pgxpool.Pool, outboxURL, outboxSchema string, want map[store.Key]int64) (map[store.Key]versionWhere, error) {
 	schema := globalsOf(ctx).schema
 	ob := outboxTarget{db: pool, schema: schema}
 	if outboxSchema != "" {
@@ -227,9 +227,9 @@ func versionRange(from, to int64) string {
 	return fmt.Sprintf("versions %d..%d", from, to)
 }
 
-// openVersioning returns the version gate's store for -schema and a pool.
-func openVersioning(ctx context.Context) (*versioning.Store, *pgxpool.Pool, error) {
-	store, err := versioning.NewStore(globalsOf(ctx).schema)
+// openVersioning returns the version gate's st for -schema and a pool.
+func openVersioning(ctx context.Context) (*store.Store, *pgxpool.Pool, error) {
+	st, err := store.New(globalsOf(ctx).schema)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -237,7 +237,7 @@ func openVersioning(ctx context.Context) (*versioning.Store, *pgxpool.Pool, erro
 	if err != nil {
 		return nil, nil, err
 	}
-	return store, pool, nil
+	return st, pool, nil
 }
 
 func parkedRelease(ctx context.Context, args []string) error {
@@ -266,13 +266,13 @@ it arrives later it is late (see eventline held list -kind late).`)
 	if strings.TrimSpace(*reason) == "" {
 		return fs.usageErrorf("-reason is required: say why the missing versions will never arrive (it is kept in skipped_versions)")
 	}
-	store, pool, err := openVersioning(ctx)
+	st, pool, err := openVersioning(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	rel, err := store.ReleaseGap(ctx, pool, group, typ, id, *reason)
-	if errors.Is(err, versioning.ErrNothingParked) {
+	rel, err := st.ReleaseGap(ctx, pool, group, typ, id, *reason)
+	if errors.Is(err, store.ErrNothingParked) {
 		msg := fmt.Sprintf("group %s has no parked events for %s/%s; nothing to release (eventline parked list -group %s)", group, typ, id, group)
 		if rel.Late > 0 {
 			msg += fmt.Sprintf("; %s the aggregate had already passed held as late (eventline held list -kind late)", plural(int64(rel.Late), "parked event"))
@@ -326,13 +326,13 @@ Lists the versions given up on, by the sweeper after the park timeout or by
 	if err := lf.parse(fs, "parked skipped", args); err != nil {
 		return err
 	}
-	filter := versioning.SkippedFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit}
-	store, pool, err := openVersioning(ctx)
+	filter := store.SkippedFilter{Group: lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: lf.limit}
+	st, pool, err := openVersioning(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	skipped, err := store.ListSkipped(ctx, pool, filter)
+	skipped, err := st.ListSkipped(ctx, pool, filter)
 	if err != nil {
 		return err
 	}
@@ -371,7 +371,7 @@ func addListFlags(fs *flagSet, limitHelp, jsonHelp string) *listFlags {
 	return &listFlags{
 		groupFlag:     fs.String("group", "", "only this consumer group (default all groups)"),
 		aggregateFlag: fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)"),
-		limitFlag:     fs.Int("limit", versioning.DefaultListLimit, limitHelp),
+		limitFlag:     fs.Int("limit", store.DefaultListLimit, limitHelp),
 		jsonFlag:      fs.Bool("json", false, jsonHelp),
 	}
 }

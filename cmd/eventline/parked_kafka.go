@@ -10,8 +10,8 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/verify"
-	"github.com/eventline/eventline/versioning"
 )
 
 // whereKafka: the relayed version was found on Kafka (with -brokers).
@@ -41,8 +41,8 @@ const kafkaSkew = time.Minute
 // locateOnKafka looks up, for the versions the relay published, their
 // record on Kafka and the group's committed offset there, and rewrites
 // their entry in where.
-func locateOnKafka(ctx context.Context, brokers []string, where map[versioning.Key]versionWhere) error {
-	var keys []versioning.Key
+func locateOnKafka(ctx context.Context, brokers []string, where map[store.Key]versionWhere) error {
+	var keys []store.Key
 	for k, w := range where {
 		if w.Location == whereRelayed && w.eventID != "" && w.topic != "" {
 			keys = append(keys, k)

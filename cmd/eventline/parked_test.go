@@ -10,6 +10,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/versioning"
 )
 
@@ -19,12 +20,12 @@ import (
 func parkGap(t testing.TB, env pgtest.Env, group, aggID string, applied int64, park ...int64) []eventline.Event {
 	t.Helper()
 	ctx := context.Background()
-	store, err := versioning.NewStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
 	for v := int64(1); v <= applied; v++ {
 		require.NoError(t, pgx.BeginFunc(ctx, env.Pool, func(tx pgx.Tx) error {
-			a, err := store.Admit(ctx, tx, group, consumertest.Event(aggID, v), false, true)
-			require.Equal(t, versioning.Next, a.Verdict)
+			a, err := st.Admit(ctx, tx, group, consumertest.Event(aggID, v), false)
+			require.Equal(t, store.Next, a.Verdict)
 			return err
 		}))
 	}
@@ -32,12 +33,12 @@ func parkGap(t testing.TB, env pgtest.Env, group, aggID string, applied int64, p
 	for _, v := range park {
 		e := consumertest.Event(aggID, v)
 		require.NoError(t, pgx.BeginFunc(ctx, env.Pool, func(tx pgx.Tx) error {
-			a, err := store.Admit(ctx, tx, group, e, false, true)
+			a, err := st.Admit(ctx, tx, group, e, false)
 			if err != nil {
 				return err
 			}
-			require.Equal(t, versioning.Gap, a.Verdict)
-			_, err = store.Park(ctx, tx, versioning.ParkRequest{Group: group, Event: e, Handler: "things", Topic: "things"})
+			require.Equal(t, store.Gap, a.Verdict)
+			_, err = st.Park(ctx, tx, store.ParkRequest{Group: group, Event: e, Handler: "things", Topic: "things", MaxGap: versioning.DefaultMaxGap})
 			return err
 		}))
 		parked = append(parked, e)
@@ -95,9 +96,9 @@ func TestParkedListReleaseSkipped(t *testing.T) {
 	require.Contains(t, out, "billing thing/a1: gave up on version 2 (recorded in skipped_versions)")
 	require.Contains(t, out, "2 parked events now ready")
 
-	store, err := versioning.NewStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
-	cur, err := store.Current(context.Background(), env.Pool, versioning.Key{Group: "billing", AggregateType: "thing", AggregateID: "a1"})
+	cur, err := st.Current(context.Background(), env.Pool, store.Key{Group: "billing", AggregateType: "thing", AggregateID: "a1"})
 	require.NoError(t, err)
 	require.EqualValues(t, 2, cur, "the version moved to just below the lowest parked event")
 	list = okJSON[[]parked](t, env.Schema, "parked", "list", "-group", "billing", "-json")

@@ -10,8 +10,8 @@ import (
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 // Where a missing version is, as `parked list` reports it (the location
@@ -57,7 +57,7 @@ type aggVersion struct {
 
 // outboxTarget is where the outbox is searched.
 type outboxTarget struct {
-	db     versioning.DBTX
+	db     store.DBTX
 	schema string
 }
 
@@ -65,8 +65,8 @@ type outboxTarget struct {
 // the group's consumer dead letters (in consumerDB, consumerSchema), then
 // the outbox's relay dead letters and shard tables. The outbox is searched
 // with one query per shard that holds a wanted aggregate.
-func locateMissing(ctx context.Context, consumerDB versioning.DBTX, consumerSchema string, ob outboxTarget, want map[versioning.Key]int64) (map[versioning.Key]versionWhere, error) {
-	out := map[versioning.Key]versionWhere{}
+func locateMissing(ctx context.Context, consumerDB store.DBTX, consumerSchema string, ob outboxTarget, want map[store.Key]int64) (map[store.Key]versionWhere, error) {
+	out := map[store.Key]versionWhere{}
 	if len(want) == 0 {
 		return out, nil
 	}
@@ -84,7 +84,7 @@ func locateMissing(ctx context.Context, consumerDB versioning.DBTX, consumerSche
 			}
 		}
 	}
-	wanted := map[aggVersion][]versioning.Key{}
+	wanted := map[aggVersion][]store.Key{}
 	for k, v := range want {
 		if _, done := out[k]; !done {
 			av := aggVersion{k.AggregateType, k.AggregateID, v}
@@ -118,7 +118,7 @@ func locateMissing(ctx context.Context, consumerDB versioning.DBTX, consumerSche
 
 // searchOutbox looks the versions up in the relay's dead letters and the
 // outbox shards. An error means the outbox could not be searched.
-func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]versioning.Key) (map[aggVersion]versionWhere, error) {
+func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]store.Key) (map[aggVersion]versionWhere, error) {
 	shards, err := admin.ReadShardCount(ctx, ob.db, ob.schema)
 	if errors.Is(err, producer.ErrNotMigrated) {
 		return nil, fmt.Errorf("no outbox in schema %s: if it lives elsewhere, pass -outbox-database-url and -outbox-schema", ob.schema)
@@ -199,7 +199,7 @@ func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]
 
 // relayDeadLetters returns the relay's dead letters waiting for an
 // operator among the wanted versions, the newest of each.
-func relayDeadLetters(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]versioning.Key) (map[aggVersion]admin.HeldEvent, error) {
+func relayDeadLetters(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]store.Key) (map[aggVersion]admin.HeldEvent, error) {
 	type agg struct{ typ, id string }
 	seen := map[agg]bool{}
 	out := map[aggVersion]admin.HeldEvent{}

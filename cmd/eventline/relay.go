@@ -218,9 +218,9 @@ func openRelayPool(ctx context.Context) (*pgxpool.Pool, int, error) {
 	return pool, shards, nil
 }
 
-// serveMetrics serves the relay's metrics, the outbox status, the consumer
-// groups' status (when the schema has the consumer tables, see
-// admin.NewGroupStatusCollector) and the Go runtime's collectors at
+// serveMetrics serves the relay's metrics, the outbox status and the
+// consumer groups' status (when the schema has the consumer tables, see
+// admin.NewStatusCollector) and the Go runtime's collectors at
 // addr/metrics, setting cfg.Metrics. A server that fails while running
 // cancels ctx through cancel. stop shuts it down.
 func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr string, pool *pgxpool.Pool, cfg *producer.RelayConfig) (stop func(), err error) {
@@ -228,16 +228,12 @@ func serveMetrics(ctx context.Context, cancel context.CancelCauseFunc, addr stri
 	if cfg.Metrics, err = producer.NewRelayMetrics(reg); err != nil {
 		return nil, err
 	}
-	outboxStatus, err := admin.NewStatusCollector(pool, cfg.Schema)
-	if err != nil {
-		return nil, fmt.Errorf("register metrics: %w", err)
-	}
-	groups, err := admin.NewGroupStatusCollector(pool, cfg.Schema)
+	status, err := admin.NewStatusCollector(pool, cfg.Schema)
 	if err != nil {
 		return nil, fmt.Errorf("register metrics: %w", err)
 	}
 	for _, c := range []prometheus.Collector{
-		outboxStatus, groups,
+		status,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	} {

@@ -14,8 +14,8 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 // ownWarnings drops the warning about a transaction holding the xmin
@@ -88,9 +88,9 @@ func TestStatusReportsBacklogDeadLettersAndGroups(t *testing.T) {
 	// operator gave up on x v1..v2.
 	parkGap(t, env, "billing", "a", 2, 4)
 	parkGap(t, env, "shipping", "x", 0, 3)
-	store, err := versioning.NewStore(env.Schema)
+	gates, err := store.New(env.Schema)
 	require.NoError(t, err)
-	_, err = store.ReleaseGap(ctx, env.Pool, "shipping", "thing", "x", "test")
+	_, err = gates.ReleaseGap(ctx, env.Pool, "shipping", "thing", "x", "test")
 	require.NoError(t, err)
 
 	st := okJSON[statusJSON](t, env.Schema, "status", "-json")

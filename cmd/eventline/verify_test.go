@@ -16,6 +16,7 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -181,7 +182,7 @@ func TestVerifyCleanPipelineExits0(t *testing.T) {
 	})
 	require.NoError(t, err)
 	stopRelay := runInBackground(t, relay.Run)
-	c, err := consumer.New(env.Pool, consumer.Config{Brokers: brokers, Group: group, Topics: []string{topic}, Schema: env.Schema})
+	c, err := consumer.New(env.Pool, consumer.Config{Config: middleware.Config{Group: group, Schema: env.Schema}, Brokers: brokers, Topics: []string{topic}})
 	require.NoError(t, err)
 	for _, typ := range []string{"order.created", "order.paid"} {
 		require.NoError(t, c.Handle(typ, func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {

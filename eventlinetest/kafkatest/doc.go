@@ -4,7 +4,7 @@
 // test's topics created and everything cleaned up when the test ends.
 //
 //	k := kafkatest.Start(t, "orders")
-//	c, err := consumer.New(pool, consumer.Config{Brokers: k.Brokers, Group: "billing", Topics: []string{"orders"}})
+//	c, err := consumer.New(pool, consumer.Config{Config: middleware.Config{Group: "billing"}, Brokers: k.Brokers, Topics: []string{"orders"}})
 //
 // Like a production cluster, the in-process one creates no topic on first
 // use (Config.AutoCreateTopics changes that): create every topic your

@@ -18,6 +18,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/eventlinetest/kafkatest"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
 )
 
@@ -67,8 +68,13 @@ func TestBillingConsumer(t *testing.T) {
 	k := kafkatest.Start(t, topic)                                        // in-process Kafka, or the cluster in $KAFKA_BROKERS
 
 	c, err := consumer.New(pool, consumer.Config{
-		Brokers: k.Brokers, Group: group, Topics: []string{topic}, Schema: schema,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Config: middleware.Config{
+			Group:  group,
+			Schema: schema,
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+		},
+		Brokers: k.Brokers,
+		Topics:  []string{topic},
 	})
 	require.NoError(t, err)
 	require.NoError(t, consumer.HandleJSON(c, "order.created", invoice))

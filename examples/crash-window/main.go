@@ -301,7 +301,7 @@ func consume(ctx context.Context, cfg config, log *slog.Logger, brokers []string
 	if err != nil {
 		return 0, 0, err
 	}
-	el, err := middleware.New(middleware.Config{DB: db, Group: group, Schema: cfg.Schema, Logger: log, Metrics: metrics})
+	el, err := middleware.New(db, middleware.Config{Group: group, Schema: cfg.Schema, Logger: log, Metrics: metrics})
 	if err != nil {
 		return 0, 0, err
 	}

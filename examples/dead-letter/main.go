@@ -32,6 +32,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/eventline/eventline"
@@ -203,13 +204,15 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return err
 	}
 	c, err := consumer.New(consumerDB, consumer.Config{
-		Brokers:   k.Brokers,
-		Group:     group,
-		Topics:    []string{accountsTopic},
-		Schema:    cfg.Schema,
-		GapPolicy: versioning.Park,
-		Logger:    log,
-		Metrics:   metrics,
+		Config: middleware.Config{
+			Group:     group,
+			Schema:    cfg.Schema,
+			GapPolicy: versioning.Park,
+			Logger:    log,
+			Metrics:   metrics,
+		},
+		Brokers: k.Brokers,
+		Topics:  []string{accountsTopic},
 	})
 	if err != nil {
 		return err
@@ -250,30 +253,27 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 
 	// 5. The consumer applies acc-42 version 1, and parks versions 3 and 4:
 	// applying them now would skip version 2. acc-7 is not held up.
-	store := c.Middleware().Store()
-	var parked []versioning.Parked
+	// The consumer's tables say so: its parked events and the version it
+	// applied per aggregate.
+	var parked []string
 	var unaffected int64
 	err = setup.WaitFor(ctx, time.Minute, "versions 3 and 4 to be parked and acc-7 to be applied", func() (bool, error) {
 		var err error
-		if parked, err = store.ListParked(ctx, db, versioning.ParkedFilter{Group: group, AggregateType: "account", AggregateID: poisoned}); err != nil {
+		if parked, err = parkedVersions(ctx, db, cfg.Schema, group, poisoned); err != nil {
 			return false, err
 		}
-		unaffected, err = store.Current(ctx, db, versioning.Key{Group: group, AggregateType: "account", AggregateID: healthy})
+		unaffected, err = appliedVersion(ctx, db, cfg.Schema, group, healthy)
 		return len(parked) == 2 && unaffected == 2, err
 	})
 	if err != nil {
 		return err
 	}
-	current, err := store.Current(ctx, db, versioning.Key{Group: group, AggregateType: "account", AggregateID: poisoned})
+	current, err := appliedVersion(ctx, db, cfg.Schema, group, poisoned)
 	if err != nil {
 		return err
 	}
-	var parkedVersions []string
-	for _, pe := range parked {
-		parkedVersions = append(parkedVersions, fmt.Sprint(pe.Version))
-	}
 	fmt.Fprintf(stdout, "consumer account=%s applied_version=%d parked=%d parked_versions=%s unaffected_account=%s unaffected_version=%d\n",
-		poisoned, current, len(parked), strings.Join(parkedVersions, ","), healthy, unaffected)
+		poisoned, current, len(parked), strings.Join(parked, ","), healthy, unaffected)
 
 	// 6. The fix: raise the topic's max.message.bytes. Then replay the
 	// dead letter: it goes back into the outbox with the same event id and
@@ -309,8 +309,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 
 	// 8. Check the outcome in the database.
 	inOrder := slices.Equal(applied, []int64{1, 2, 3, 4})
-	parkedLeft, err := store.CountParked(ctx, db, group)
-	if err != nil {
+	var parkedLeft int64
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{cfg.Schema, "parked_events"}.Sanitize()+` WHERE consumer_group = $1`, group).
+		Scan(&parkedLeft); err != nil {
 		return err
 	}
 	st, err := admin.ReadOutboxStatus(ctx, db, cfg.Schema)
@@ -364,6 +365,26 @@ func limitChangeOfSize(size int) (LimitChange, error) {
 
 // registerHandlers registers one handler per event type, writing to the
 // schema's tables.
+// parkedVersions lists the versions of an account the group has parked,
+// from its parked_events table.
+func parkedVersions(ctx context.Context, db *pgxpool.Pool, schema, group, account string) ([]string, error) {
+	rows, err := db.Query(ctx, `SELECT aggregate_version::text FROM `+pgx.Identifier{schema, "parked_events"}.Sanitize()+`
+		WHERE consumer_group = $1 AND aggregate_type = 'account' AND aggregate_id = $2 ORDER BY aggregate_version`, group, account)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
+
+// appliedVersion is the last version of an account the group applied,
+// from its aggregate_versions table (0 before the first).
+func appliedVersion(ctx context.Context, db *pgxpool.Pool, schema, group, account string) (int64, error) {
+	var v int64
+	err := db.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+pgx.Identifier{schema, "aggregate_versions"}.Sanitize()+`
+		WHERE consumer_group = $1 AND aggregate_type = 'account' AND aggregate_id = $2`, group, account).Scan(&v)
+	return v, err
+}
+
 func registerHandlers(c *consumer.Consumer, schema string) error {
 	l := ledger{accounts: pgx.Identifier{schema, "accounts"}.Sanitize(), journal: pgx.Identifier{schema, "journal"}.Sanitize()}
 	return errors.Join(

@@ -258,13 +258,15 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 
 	for _, g := range groups {
 		c, err := consumer.New(consumerDB[g.name], consumer.Config{
-			Brokers:        k.Brokers,
-			Group:          groupID[g.name],
-			Topics:         []string{topic},
-			Schema:         cfg.Schema,
-			Logger:         log,
-			Metrics:        consumerMetrics,
-			TracerProvider: tp,
+			Config: middleware.Config{
+				Group:          groupID[g.name],
+				Schema:         cfg.Schema,
+				Logger:         log,
+				Metrics:        consumerMetrics,
+				TracerProvider: tp,
+			},
+			Brokers: k.Brokers,
+			Topics:  []string{topic},
 		})
 		if err != nil {
 			return err

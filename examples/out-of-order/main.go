@@ -185,13 +185,15 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return err
 	}
 	c, err := consumer.New(consumerDB, consumer.Config{
-		Brokers:   k.Brokers,
-		Group:     group,
-		Topics:    []string{topic},
-		Schema:    cfg.Schema,
-		GapPolicy: versioning.Park,
-		Logger:    log,
-		Metrics:   metrics,
+		Config: middleware.Config{
+			Group:     group,
+			Schema:    cfg.Schema,
+			GapPolicy: versioning.Park,
+			Logger:    log,
+			Metrics:   metrics,
+		},
+		Brokers: k.Brokers,
+		Topics:  []string{topic},
 	})
 	if err != nil {
 		return err
@@ -261,8 +263,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err != nil {
 		return err
 	}
-	parkedLeft, err := c.Middleware().Store().CountParked(ctx, db, group)
-	if err != nil {
+	var parkedLeft int64
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{cfg.Schema, "parked_events"}.Sanitize()+` WHERE consumer_group = $1`, group).
+		Scan(&parkedLeft); err != nil {
 		return err
 	}
 	var applied int

@@ -40,6 +40,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
 )
@@ -176,11 +177,13 @@ func run(ctx context.Context, cfg config, stdout io.Writer) error {
 	// The consumer: a handler per event type, each writing its effects
 	// through the consumer transaction tx.
 	c, err := consumer.New(pool, consumer.Config{
+		Config: middleware.Config{
+			Group:  "billing",
+			Schema: cfg.Schema,
+			Logger: cfg.Logger,
+		},
 		Brokers: cfg.Brokers,
-		Group:   "billing",
 		Topics:  []string{cfg.Topic},
-		Schema:  cfg.Schema,
-		Logger:  cfg.Logger,
 	})
 	if err != nil {
 		return err

@@ -35,8 +35,12 @@ func Jittered(b eventline.Backoff, n int) time.Duration {
 	return time.Duration(float64(d) * (1 + b.Jitter*(2*rand.Float64()-1)))
 }
 
-// Sleep waits d, or until ctx ends, returning ctx's error then.
+// Sleep waits d, or until ctx ends, returning ctx's error then. When ctx
+// comes from WithSleep, that function waits instead.
 func Sleep(ctx context.Context, d time.Duration) error {
+	if sleep, ok := ctx.Value(sleepKey{}).(func(context.Context, time.Duration) error); ok {
+		return sleep(ctx, d)
+	}
 	if d <= 0 {
 		return ctx.Err()
 	}
@@ -72,4 +76,12 @@ func Retry(ctx context.Context, b eventline.Backoff, retryable func(error) bool,
 			return nil
 		}
 	}
+}
+
+type sleepKey struct{}
+
+// WithSleep returns ctx whose waits (Sleep, and so Retry) call sleep
+// instead of a timer: tests record a schedule without waiting it out.
+func WithSleep(ctx context.Context, sleep func(ctx context.Context, d time.Duration) error) context.Context {
+	return context.WithValue(ctx, sleepKey{}, sleep)
 }

@@ -100,3 +100,22 @@ func TestRetryReturnsAMistakeAtOnce(t *testing.T) {
 	require.ErrorIs(t, err, wrong)
 	require.Zero(t, waits)
 }
+
+func TestWithSleepReplacesTheTimer(t *testing.T) {
+	var waits []time.Duration
+	ctx := WithSleep(context.Background(), func(_ context.Context, d time.Duration) error {
+		waits = append(waits, d)
+		return nil
+	})
+	tries := 0
+	err := Retry(ctx, eventline.Backoff{Initial: time.Hour, Max: 4 * time.Hour, Multiplier: 2},
+		func(error) bool { return true }, nil,
+		func() error {
+			if tries++; tries <= 3 {
+				return errors.New("unavailable")
+			}
+			return nil
+		})
+	require.NoError(t, err)
+	require.Equal(t, []time.Duration{time.Hour, 2 * time.Hour, 4 * time.Hour}, waits)
+}

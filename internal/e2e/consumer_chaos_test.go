@@ -25,6 +25,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -93,16 +94,18 @@ func runConsumerChild() int {
 		}
 	}
 	c, err := consumer.New(pool, consumer.Config{
-		Brokers:               kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
-		Group:                 os.Getenv(envGroup),
-		Topics:                []string{os.Getenv(envTopic)},
-		Schema:                os.Getenv(envSchema),
-		SweepInterval:         200 * time.Millisecond,
-		InfraRetryMaxInterval: 500 * time.Millisecond,
-		ShutdownTimeout:       10 * time.Second,
-		SaramaConfig:          sc,
-		Middleware:            []message.HandlerMiddleware{noteDelivery},
-		Logger:                logger,
+		Config: middleware.Config{
+			Group:         os.Getenv(envGroup),
+			Schema:        os.Getenv(envSchema),
+			SweepInterval: 200 * time.Millisecond,
+			Middleware:    []message.HandlerMiddleware{noteDelivery},
+			Logger:        logger,
+			InfraBackoff:  eventline.Backoff{Max: 500 * time.Millisecond},
+		},
+		Brokers:         kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
+		Topics:          []string{os.Getenv(envTopic)},
+		ShutdownTimeout: 10 * time.Second,
+		SaramaConfig:    sc,
 	})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

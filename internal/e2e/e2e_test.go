@@ -17,6 +17,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
 )
@@ -64,8 +65,14 @@ func (p *pipeline) runRelay(cfg producer.RelayConfig) (stop func()) {
 func (p *pipeline) runConsumer(policy versioning.GapPolicy) (stop func()) {
 	p.t.Helper()
 	c, err := consumer.New(p.env.Pool, consumer.Config{
-		Brokers: p.brokers, Group: p.group, Topics: []string{p.topic}, Schema: p.env.Schema,
-		GapPolicy: policy, SweepInterval: 100 * time.Millisecond,
+		Config: middleware.Config{
+			Group:         p.group,
+			Schema:        p.env.Schema,
+			GapPolicy:     policy,
+			SweepInterval: 100 * time.Millisecond,
+		},
+		Brokers: p.brokers,
+		Topics:  []string{p.topic},
 	})
 	require.NoError(p.t, err)
 	require.NoError(p.t, c.Handle("order.updated", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {

@@ -27,6 +27,7 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -45,7 +46,7 @@ type faultRig struct {
 	prod    *producer.Producer
 	proxy   *faultproxy.Proxy
 	applied string // qualified table: one row per handler run
-	store   *versioning.Store
+	store   *store.Store
 }
 
 func newFaultRig(t *testing.T) *faultRig {
@@ -72,9 +73,9 @@ func newFaultRigWith(t *testing.T, partitions int32, topicConfig map[string]stri
 	proxy, err := faultproxy.Start(pgtest.Addr())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = proxy.Close() })
-	store, err := versioning.NewStore(env.Schema)
+	st, err := store.New(env.Schema)
 	require.NoError(t, err)
-	return &faultRig{t: t, env: env, cluster: cluster, brokers: brokers, topic: topic, prod: prod, proxy: proxy, applied: applied, store: store}
+	return &faultRig{t: t, env: env, cluster: cluster, brokers: brokers, topic: topic, prod: prod, proxy: proxy, applied: applied, store: st}
 }
 
 // proxiedConnectTimeout bounds one connection attempt through the proxy.
@@ -121,21 +122,23 @@ func (r *faultRig) consumerConfig(group string, late versioning.LatePolicy, metr
 	sc.Consumer.Offsets.AutoCommit.Interval = 100 * time.Millisecond
 	sc.Consumer.Offsets.Initial = sarama.OffsetOldest
 	return consumer.Config{
-		Brokers: r.brokers, Group: group, Topics: []string{r.topic}, Schema: r.env.Schema,
-		LatePolicy:            late,
-		ParkTimeout:           time.Second,
-		SweepInterval:         100 * time.Millisecond,
-		MaxRetries:            3,
-		RetryInitialInterval:  50 * time.Millisecond,
-		RetryMultiplier:       2,
-		RetryMaxInterval:      200 * time.Millisecond,
-		RetryJitter:           0.2,
-		InfraRetryMaxInterval: 500 * time.Millisecond,
-		TxTimeout:             5 * time.Second,
-		ShutdownTimeout:       20 * time.Second,
-		SaramaConfig:          sc,
-		Metrics:               metrics,
-		Logger:                testLogger(),
+		Config: middleware.Config{
+			Group:         group,
+			Schema:        r.env.Schema,
+			LatePolicy:    late,
+			ParkTimeout:   time.Second,
+			SweepInterval: 100 * time.Millisecond,
+			MaxRetries:    3,
+			TxTimeout:     5 * time.Second,
+			Metrics:       metrics,
+			Logger:        testLogger(),
+			Retry:         eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond, Jitter: 0.2},
+			InfraBackoff:  eventline.Backoff{Max: 500 * time.Millisecond},
+		},
+		Brokers:         r.brokers,
+		Topics:          []string{r.topic},
+		ShutdownTimeout: 20 * time.Second,
+		SaramaConfig:    sc,
 	}
 }
 
@@ -168,12 +171,12 @@ func (r *faultRig) runConsumer(cfg consumer.Config) {
 // stretched by the jitter).
 func retryBudget(cfg consumer.Config, attempt time.Duration) time.Duration {
 	var waits time.Duration
-	w := float64(cfg.RetryInitialInterval)
+	w := float64(cfg.Retry.Initial)
 	for n := 0; n < cfg.MaxRetries; n++ {
-		waits += min(time.Duration(w), cfg.RetryMaxInterval)
-		w *= cfg.RetryMultiplier
+		waits += min(time.Duration(w), cfg.Retry.Max)
+		w *= cfg.Retry.Multiplier
 	}
-	return time.Duration(float64(waits)*(1+cfg.RetryJitter)) + time.Duration(1+cfg.MaxRetries)*attempt
+	return time.Duration(float64(waits)*(1+cfg.Retry.Jitter)) + time.Duration(1+cfg.MaxRetries)*attempt
 }
 
 func (r *faultRig) publish(aggregateID string, n int) []eventline.Event {
@@ -338,7 +341,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	require.Equal(t, len(aggs)*len(groups), r.count(`SELECT count(*) FROM `+r.applied), "nothing applied during the outage")
 	r.proxy.Set(faultproxy.Pass)
 	t.Logf("outage %s, %d reconnects refused; retry budget %s (%d retries, %s…%s, jitter %g, connect timeout %s)",
-		outage.Round(time.Millisecond), r.proxy.Refused(), budget, cfg.MaxRetries, cfg.RetryInitialInterval, cfg.RetryMaxInterval, cfg.RetryJitter, proxiedConnectTimeout)
+		outage.Round(time.Millisecond), r.proxy.Refused(), budget, cfg.MaxRetries, cfg.Retry.Initial, cfg.Retry.Max, cfg.Retry.Jitter, proxiedConnectTimeout)
 
 	for _, g := range groups {
 		r.waitRuns(g, len(aggs)*perAgg, "every event after the outage")
@@ -389,7 +392,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	for _, g := range groups {
 		require.Eventually(t, func() bool { return slices.Equal(versions(r.runs(g, "L")), []int64{1, 3, 4}) },
 			time.Minute, 20*time.Millisecond, "group %s skips v2 after the park timeout and applies v3, v4", g)
-		sk, err := r.store.ListSkipped(ctx, r.env.Pool, versioning.SkippedFilter{Group: g, AggregateType: "order", AggregateID: "L"})
+		sk, err := r.store.ListSkipped(ctx, r.env.Pool, store.SkippedFilter{Group: g, AggregateType: "order", AggregateID: "L"})
 		require.NoError(t, err)
 		require.Len(t, sk, 1)
 		require.Equal(t, [2]int64{2, 2}, [2]int64{sk[0].From, sk[0].To}, "group %s", g)

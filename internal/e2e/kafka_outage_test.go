@@ -29,7 +29,7 @@ const (
 )
 
 // TestKafkaOutageLosesNothing runs producer ▸ relay ▸ Kafka ▸ two
-// consumer groups (the laned subscriber, watermill-kafka's), all in this
+// consumer groups (lanes and batches; Lanes and BatchSize 1), all in this
 // process, while events are published continuously (PublishTx), and takes
 // the whole Kafka broker away twice mid-run: first it refuses and resets
 // every connection, then it stops answering without closing any. Neither

@@ -27,8 +27,9 @@ import (
 
 // kafkaLoad is the rig of the tests that take Kafka away under load
 // (TestKafkaOutageLosesNothing and the broker_*_test.go tests): producer
-// ▸ relay ▸ Kafka ▸ two consumer groups, one per subscriber kind (the laned,
-// batching one, the default, and watermill-kafka's: Lanes and BatchSize 1),
+// ▸ relay ▸ Kafka ▸ two consumer groups (lanes and batches, the default,
+// and one lane of batches of one: Lanes and BatchSize 1, the setting that
+// once used watermill-kafka's subscriber),
 // all in this process, while events are published continuously
 // (PublishTx). Neither the relay nor a consumer is restarted: each must
 // notice Kafka is back by itself. finish checks that every committed event

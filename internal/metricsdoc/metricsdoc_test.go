@@ -26,7 +26,6 @@ import (
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
-	"github.com/eventline/eventline/versioning"
 )
 
 // unusedPool never connects: describing a collector queries nothing, but
@@ -59,13 +58,6 @@ var constructors = map[string]func(reg prometheus.Registerer) error{
 	},
 	"admin.NewStatusCollector": func(reg prometheus.Registerer) error {
 		c, err := admin.NewStatusCollector(unusedPool, "eventline")
-		if err != nil {
-			return err
-		}
-		return reg.Register(c)
-	},
-	"versioning.NewStatusCollector": func(reg prometheus.Registerer) error {
-		c, err := versioning.NewStatusCollector(unusedPool, "eventline")
 		if err != nil {
 			return err
 		}
@@ -262,12 +254,6 @@ func constructWith(construct func(prometheus.Registerer) error, name string, env
 	switch name {
 	case "admin.NewStatusCollector":
 		c, err := admin.NewStatusCollector(env.Pool, env.Schema)
-		if err != nil {
-			return err
-		}
-		return reg.Register(c)
-	case "versioning.NewStatusCollector":
-		c, err := versioning.NewStatusCollector(env.Pool, env.Schema)
 		if err != nil {
 			return err
 		}

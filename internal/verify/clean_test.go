@@ -15,6 +15,7 @@ import (
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/verify"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -76,7 +77,13 @@ func TestCleanPipelineReportsNothing(t *testing.T) {
 	require.NoError(t, err)
 	stopRelay := runUntilStopped(t, relay.Run)
 	c, err := consumer.New(f.env.Pool, consumer.Config{
-		Brokers: f.brokers, Group: gname, Topics: []string{f.topic}, Schema: f.env.Schema, SweepInterval: 100 * time.Millisecond,
+		Config: middleware.Config{
+			Group:         gname,
+			Schema:        f.env.Schema,
+			SweepInterval: 100 * time.Millisecond,
+		},
+		Brokers: f.brokers,
+		Topics:  []string{f.topic},
 	})
 	require.NoError(t, err)
 	effects := sqlident.Qualify(f.env.Schema, "effects")

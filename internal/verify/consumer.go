@@ -8,7 +8,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -34,7 +33,7 @@ type deadRecord struct {
 func newConsumerSQL(schema string) consumerSQL {
 	return consumerSQL{
 		schema:    schema,
-		processed: sqlident.Qualify(schema, dedup.Table),
+		processed: sqlident.Qualify(schema, "processed_events"),
 		versions:  sqlident.Qualify(schema, "aggregate_versions"),
 		parked:    sqlident.Qualify(schema, "parked_events"),
 		skipped:   sqlident.Qualify(schema, "skipped_versions"),

@@ -94,16 +94,16 @@ func TestConsumerDeadLetterTable(t *testing.T) {
 	f.record("billing", evs[0], "applied", time.Minute)
 	f.park("billing", evs[2], time.Minute)
 
-	store := held.New(f.env.Schema)
+	hs := held.New(f.env.Schema)
 	dead := func(e eventline.Event, reason string) int64 {
-		id, err := store.AddDeadLetter(f.ctx, f.env.Pool, held.Event{Group: "billing", MessageUUID: e.ID, EventID: e.ID, EventType: e.Type,
+		id, err := hs.AddDeadLetter(f.ctx, f.env.Pool, held.Event{Group: "billing", MessageUUID: e.ID, EventID: e.ID, EventType: e.Type,
 			AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.AggregateVersion, Cause: dedup.KindPermanent, Reason: reason})
 		require.NoError(t, err)
 		return id
 	}
 	boom := dead(evs[1], "handler: boom")
 	old := dead(evs[0], "handler: old news")
-	_, err := store.Discard(f.ctx, f.env.Pool, held.Filter{IDs: []int64{old}}, "resolved by hand")
+	_, err := hs.Discard(f.ctx, f.env.Pool, held.Filter{IDs: []int64{old}}, "resolved by hand")
 	require.NoError(t, err)
 
 	rep := f.run(verify.Config{})

@@ -307,11 +307,11 @@ func (e *env) consumeMiddleware(ctx context.Context, k *kafkaEnv, topic string, 
 		group: group, schema: "consumer_el", eventline: true,
 		label: "eventline middleware", profile: "consumer_drain.middleware",
 		build: func(pool *pgxpool.Pool, schema string, biz business) (message.HandlerMiddleware, message.NoPublishHandlerFunc, error) {
-			el, err := middleware.New(middleware.Config{DB: pool, Group: group, Schema: schema, Logger: quiet})
+			el, err := middleware.New(pool, middleware.Config{Group: group, Schema: schema, Logger: quiet})
 			if err != nil {
 				return nil, nil, err
 			}
-			return el.Middleware, func(msg *message.Message) error {
+			return el.MiddlewareFor("bench"), func(msg *message.Message) error {
 				tx, _ := middleware.TxFromContext(msg.Context())
 				ev, _ := middleware.EventFromContext(msg.Context())
 				return biz.apply(msg.Context(), tx, ev)
@@ -409,9 +409,16 @@ func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n in
 	defer pool.Close()
 	var c progressCounter
 	cons, err := consumer.New(pool, consumer.Config{
-		Brokers: k.brokers, Group: v.group, Topics: []string{topic}, Schema: schema,
-		Lanes: v.lanes, BatchSize: v.batch,
-		Middleware: []message.HandlerMiddleware{c.middleware}, Logger: quiet,
+		Config: middleware.Config{
+			Group:      v.group,
+			Schema:     schema,
+			Middleware: []message.HandlerMiddleware{c.middleware},
+			Logger:     quiet,
+		},
+		Brokers:   k.brokers,
+		Topics:    []string{topic},
+		Lanes:     v.lanes,
+		BatchSize: v.batch,
 	})
 	if err != nil {
 		return drainResult{}, err

@@ -14,6 +14,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
@@ -47,7 +48,7 @@ func (t *tracker) commit(id string, at time.Time) {
 // apply records that the consumer committed the event; ctx is the
 // consumed message's context.
 func (t *tracker) apply(ctx context.Context, id string, at time.Time) {
-	ts := middleware.SourceFromContext(ctx).Timestamp
+	ts := delivery.SourceOf(ctx).Timestamp
 	t.mu.Lock()
 	if _, dup := t.applied[id]; !dup {
 		t.applied[id] = at
@@ -205,7 +206,7 @@ func (e *env) eventlinePipeline(ctx context.Context, k *kafkaEnv) (*pipeline, er
 		return fail(err)
 	}
 	closers = append(closers, func() error { consPool.Close(); return nil })
-	cons, err := consumer.New(consPool, consumer.Config{Brokers: k.brokers, Group: "bench-e2e-el", Topics: []string{topic}, Schema: schema, Logger: quiet})
+	cons, err := consumer.New(consPool, consumer.Config{Config: middleware.Config{Group: "bench-e2e-el", Schema: schema, Logger: quiet}, Brokers: k.brokers, Topics: []string{topic}})
 	if err != nil {
 		return fail(err)
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
+	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -64,7 +65,7 @@ func runIdleQueries(ctx context.Context, e *env) (Result, error) {
 		return Result{}, err
 	}
 	track(func() error { consPool.Close(); return nil })
-	cons, err := consumer.New(consPool, consumer.Config{Brokers: k.brokers, Group: "bench-idle", Topics: []string{topic}, Schema: schema, Logger: quiet})
+	cons, err := consumer.New(consPool, consumer.Config{Config: middleware.Config{Group: "bench-idle", Schema: schema, Logger: quiet}, Brokers: k.brokers, Topics: []string{topic}})
 	if err != nil {
 		return Result{}, err
 	}

@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -6,8 +6,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // SkippedWindow is the window GroupStatus.SkippedGapsRecent counts over.
@@ -76,11 +74,12 @@ type ReadGroupStatusOptions struct {
 // back past 003_held_events has not).
 type statusTables struct{ held bool }
 
+var statusTablesSQL = statement(`SELECT to_regclass('{schema}.held_events') IS NOT NULL`)
+
 func (s *Store) statusTables(ctx context.Context, db DBTX) (statusTables, error) {
 	var t statusTables
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(s.schema, "held_events")).Scan(&t.held)
-	if err != nil {
-		return t, fmt.Errorf("versioning: look for held_events: %w", err)
+	if err := db.QueryRow(ctx, s.q(statusTablesSQL)).Scan(&t.held); err != nil {
+		return t, fmt.Errorf("eventline: look for held_events: %w", err)
 	}
 	return t, nil
 }
@@ -119,59 +118,89 @@ func (s *Store) ReadGroupStatuses(ctx context.Context, db DBTX, opts ReadGroupSt
 	return out, nil
 }
 
-// distinctGroups returns the distinct consumer_group values of table's
-// rows that match the condition and (AND …, or ""), by skipping from one
-// group to the next along its index.
-func distinctGroups(table, and string) string {
-	return `WITH RECURSIVE g(name) AS (
-		(SELECT consumer_group FROM ` + table + ` WHERE true ` + and + ` ORDER BY consumer_group LIMIT 1)
-		UNION ALL
-		SELECT (SELECT consumer_group FROM ` + table + ` WHERE consumer_group > g.name ` + and + ` ORDER BY consumer_group LIMIT 1)
-		FROM g WHERE g.name IS NOT NULL
-	) SELECT name FROM g WHERE name IS NOT NULL`
+// The status statements, in a variant for a schema with held_events and
+// one for a schema rolled back past 003_held_events (indexed by
+// statusTables.held).
+var (
+	// statusGroupsSQL[held] lists the consumer groups of every table,
+	// skipping from one group to the next along each table's index.
+	statusGroupsSQL [2]stmt
+	// statusCountsSQL[held] counts a group's parked, skipped, late and
+	// dead ($1 group, $2 the skipped window in microseconds).
+	statusCountsSQL [2]stmt
+	// Per aggregate with parked events: the lowest one, the predecessor
+	// it waits for and the aggregate's version; a gap is open when that
+	// predecessor has not been applied ($1 group, $2 limit).
+	openGapsSQL = statement(`SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
+			SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
+				EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
+			FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
+					(array_agg(previous_version ORDER BY aggregate_version))[1] AS follows
+				FROM {schema}.parked_events WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
+			LEFT JOIN {schema}.aggregate_versions av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
+			WHERE p.follows > COALESCE(av.version, 0)
+		) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`)
+)
+
+func init() {
+	// distinctGroups returns the distinct consumer_group values of
+	// table's rows that match the condition and (AND …, or ""), by
+	// skipping from one group to the next along its index.
+	distinctGroups := func(table, and string) string {
+		return `(WITH RECURSIVE g(name) AS (
+			(SELECT consumer_group FROM {schema}.` + table + ` WHERE true ` + and + ` ORDER BY consumer_group LIMIT 1)
+			UNION ALL
+			SELECT (SELECT consumer_group FROM {schema}.` + table + ` WHERE consumer_group > g.name ` + and + ` ORDER BY consumer_group LIMIT 1)
+			FROM g WHERE g.name IS NOT NULL
+		) SELECT name FROM g WHERE name IS NOT NULL)`
+	}
+	for held := range 2 {
+		groups := distinctGroups("aggregate_versions", "") + " UNION " + distinctGroups("parked_events", "")
+		late, dead := "0::bigint", "0::bigint"
+		if held == 1 {
+			// The groups holding open events (the relay's have none),
+			// along the index of the open rows.
+			groups += " UNION " + distinctGroups("held_events", `AND status IN ('held', 'replay_requested') AND consumer_group <> ''`)
+			open := func(kind string) string {
+				return `(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
+			}
+			late, dead = open("late"), open("dead_letter")
+		}
+		statusGroupsSQL[held] = statement(`SELECT name FROM (` + groups + `) g ORDER BY name`)
+		statusCountsSQL[held] = statement(`SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
+				(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
+				` + late + `, ` + dead + `
+			FROM {schema}.parked_events WHERE consumer_group = $1`)
+	}
+}
+
+// b2i is 1 for true.
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func (s *Store) statusGroups(ctx context.Context, db DBTX, t statusTables) ([]string, error) {
-	q := "(" + distinctGroups(sqlident.Qualify(s.schema, "aggregate_versions"), "") + ") UNION (" +
-		distinctGroups(sqlident.Qualify(s.schema, "parked_events"), "") + ")"
-	if t.held {
-		// The groups holding open events (the relay's have none), along
-		// the index of the open rows.
-		q += " UNION (" + distinctGroups(sqlident.Qualify(s.schema, "held_events"),
-			`AND status IN ('held', 'replay_requested') AND consumer_group <> ''`) + ")"
-	}
-	rows, err := db.Query(ctx, `SELECT name FROM (`+q+`) g ORDER BY name`)
+	rows, err := db.Query(ctx, s.q(statusGroupsSQL[b2i(t.held)]))
 	if err != nil {
-		return nil, fmt.Errorf("versioning: list consumer groups: %w", err)
+		return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
 	}
 	groups, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("versioning: list consumer groups: %w", err)
+		return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
 	}
 	return groups, nil
 }
 
 func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions, t statusTables) (GroupStatus, error) {
 	st := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
-	pe := sqlident.Qualify(s.schema, "parked_events")
-	av := sqlident.Qualify(s.schema, "aggregate_versions")
-	sv := sqlident.Qualify(s.schema, "skipped_versions")
-	late, dead := "0::bigint", "0::bigint"
-	if t.held {
-		open := func(kind string) string {
-			return `(SELECT count(*) FROM ` + sqlident.Qualify(s.schema, "held_events") +
-				` WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
-		}
-		late, dead = open("late"), open("dead_letter")
-	}
 	var oldest float64
-	err := db.QueryRow(ctx, `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
-			(SELECT count(*) FROM `+sv+` WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
-			`+late+`, `+dead+`
-		FROM `+pe+` WHERE consumer_group = $1`, group, SkippedWindow.Microseconds()).
+	err := db.QueryRow(ctx, s.q(statusCountsSQL[b2i(t.held)]), group, SkippedWindow.Microseconds()).
 		Scan(&st.Parked, &oldest, &st.SkippedGapsRecent, &st.LateHeld, &st.DeadLetters)
 	if err != nil {
-		return st, fmt.Errorf("versioning: read the status of group %q: %w", group, err)
+		return st, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
 	}
 	st.OldestParked = seconds(oldest)
 	if st.Parked == 0 {
@@ -181,20 +210,9 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 	if limit == 0 {
 		limit = DefaultOpenGapsListed
 	}
-	// Per aggregate with parked events: the lowest one, the predecessor it
-	// waits for and the aggregate's version; a gap is open when that
-	// predecessor has not been applied.
-	rows, err := db.Query(ctx, `SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
-			SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
-				EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
-			FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
-					(array_agg(previous_version ORDER BY aggregate_version))[1] AS follows
-				FROM `+pe+` WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
-			LEFT JOIN `+av+` av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
-			WHERE p.follows > COALESCE(av.version, 0)
-		) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`, group, limit)
+	rows, err := db.Query(ctx, s.q(openGapsSQL), group, limit)
 	if err != nil {
-		return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+		return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 	}
 	defer rows.Close()
 	first := true
@@ -202,7 +220,7 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 		var g OpenGap
 		var age float64
 		if err := rows.Scan(&g.AggregateType, &g.AggregateID, &g.Current, &g.Follows, &g.Version, &g.Parked, &age, &st.OpenGapCount); err != nil {
-			return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+			return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 		}
 		g.Age = seconds(age)
 		if first {
@@ -213,7 +231,7 @@ func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return st, fmt.Errorf("versioning: read the open gaps of group %q: %w", group, err)
+		return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 	}
 	return st, nil
 }

@@ -1,4 +1,4 @@
-package versioning_test
+package store_test
 
 import (
 	"context"
@@ -15,22 +15,23 @@ import (
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
 )
 
 // deliver admits a versioned event of aggregate "acct"/id in its own
 // transaction and parks it when it is a gap; it returns the verdict.
-func deliver(t *testing.T, s *versioning.Store, env pgtest.Env, id string, v int64) versioning.Verdict {
+func deliver(t *testing.T, s *store.Store, env pgtest.Env, id string, v int64) store.Verdict {
 	t.Helper()
 	ctx := context.Background()
-	var verdict versioning.Verdict
+	var verdict store.Verdict
 	require.NoError(t, pgx.BeginFunc(ctx, env.Pool, func(tx pgx.Tx) error {
 		e := ev(id, v)
-		a := admit(t, s, tx, e, false, true)
+		a := admit(t, s, tx, e, false)
 		verdict = a.Verdict
-		if a.Verdict == versioning.Gap {
-			_, err := s.Park(ctx, tx, versioning.ParkRequest{Group: "g", Event: e, Handler: "h", Current: a.Previous})
+		if a.Verdict == store.Gap {
+			_, err := s.Park(ctx, tx, store.ParkRequest{Group: "g", Event: e, Handler: "h", Current: a.Previous, MaxGap: versioning.DefaultMaxGap})
 			return err
 		}
 		return nil
@@ -42,10 +43,10 @@ func deliver(t *testing.T, s *versioning.Store, env pgtest.Env, id string, v int
 type applied struct {
 	mu    sync.Mutex
 	calls []string
-	fail  func(p versioning.Parked) error
+	fail  func(p store.Parked) error
 }
 
-func (a *applied) apply(_ context.Context, _ pgx.Tx, p versioning.Parked) error {
+func (a *applied) apply(_ context.Context, _ pgx.Tx, p store.Parked) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, p.AggregateID)
@@ -74,23 +75,22 @@ func TestSweeperSkipRollsBackWhenTheEventFails(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
 	ctx := context.Background()
-	a := &applied{fail: func(versioning.Parked) error { return errors.New("payload does not decode") }}
-	w, err := s.NewSweeper(env.Pool, versioning.SweeperConfig{Group: "g", ParkTimeout: time.Nanosecond, Apply: a.apply})
-	require.NoError(t, err)
-	require.Equal(t, versioning.Next, deliver(t, s, env, "a", 1))
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "a", 3))
+	a := &applied{fail: func(store.Parked) error { return errors.New("payload does not decode") }}
+	w := s.NewSweeper(env.Pool, sweeper("g", time.Nanosecond, release(a.apply, 0)))
+	require.Equal(t, store.Next, deliver(t, s, env, "a", 1))
+	require.Equal(t, store.Gap, deliver(t, s, env, "a", 3))
 
 	res, err := w.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.Failed)
 	require.Zero(t, res.GapsSkipped)
-	cur, err := s.Current(ctx, env.Pool, versioning.Key{Group: "g", AggregateType: "acct", AggregateID: "a"})
+	cur, err := s.Current(ctx, env.Pool, store.Key{Group: "g", AggregateType: "acct", AggregateID: "a"})
 	require.NoError(t, err)
 	require.EqualValues(t, 1, cur, "the version did not move")
-	skipped, err := s.ListSkipped(ctx, env.Pool, versioning.SkippedFilter{Group: "g"})
+	skipped, err := s.ListSkipped(ctx, env.Pool, store.SkippedFilter{Group: "g"})
 	require.NoError(t, err)
 	require.Empty(t, skipped, "nothing audited as skipped")
-	parked, err := s.ListParked(ctx, env.Pool, versioning.ParkedFilter{Group: "g"})
+	parked, err := s.ListParked(ctx, env.Pool, store.ParkedFilter{Group: "g"})
 	require.NoError(t, err)
 	require.Len(t, parked, 1)
 	require.Equal(t, 1, parked[0].ReleaseAttempts)
@@ -107,20 +107,19 @@ func TestParkedEventIsGivenUpAfterMaxReleaseAttempts(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
 	ctx := context.Background()
-	a := &applied{fail: func(p versioning.Parked) error {
+	a := &applied{fail: func(p store.Parked) error {
 		if p.Version == 3 {
 			return errors.New("handler bug")
 		}
 		return nil
 	}}
-	var dead []string
-	w, err := s.NewSweeper(env.Pool, versioning.SweeperConfig{Group: "g", ParkTimeout: time.Hour, Apply: a.apply,
-		MaxReleaseAttempts: 3, ReleaseBackoff: time.Nanosecond})
-	require.NoError(t, err)
-	require.Equal(t, versioning.Next, deliver(t, s, env, "a", 1))
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "a", 3))
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "a", 4))
-	require.Equal(t, versioning.Next, deliver(t, s, env, "a", 2))
+	r := release(a.apply, time.Nanosecond)
+	r.MaxAttempts = 3
+	w := s.NewSweeper(env.Pool, sweeper("g", time.Hour, r))
+	require.Equal(t, store.Next, deliver(t, s, env, "a", 1))
+	require.Equal(t, store.Gap, deliver(t, s, env, "a", 3))
+	require.Equal(t, store.Gap, deliver(t, s, env, "a", 4))
+	require.Equal(t, store.Next, deliver(t, s, env, "a", 2))
 	// v3 is ready (its predecessor v2 is applied; no drain ran here): the
 	// sweeper tries it.
 	for i := 1; i <= 3; i++ {
@@ -134,48 +133,46 @@ func TestParkedEventIsGivenUpAfterMaxReleaseAttempts(t *testing.T) {
 		require.Equal(t, 1, res.Released, "v4 applied after it")
 		require.EqualValues(t, 1, res.VersionsSkipped)
 	}
-	cur, err := s.Current(ctx, env.Pool, versioning.Key{Group: "g", AggregateType: "acct", AggregateID: "a"})
+	cur, err := s.Current(ctx, env.Pool, store.Key{Group: "g", AggregateType: "acct", AggregateID: "a"})
 	require.NoError(t, err)
 	require.EqualValues(t, 4, cur)
-	skipped, err := s.ListSkipped(ctx, env.Pool, versioning.SkippedFilter{Group: "g"})
+	skipped, err := s.ListSkipped(ctx, env.Pool, store.SkippedFilter{Group: "g"})
 	require.NoError(t, err)
 	require.Len(t, skipped, 1)
 	require.Equal(t, [2]int64{3, 3}, [2]int64{skipped[0].From, skipped[0].To})
 	require.Contains(t, skipped[0].Reason, "after 3 failed release attempts: handler bug")
-	late, err := held.New(env.Schema).List(ctx, env.Pool, held.Filter{Kind: held.KindLate, Group: "g"})
+	late, err := s.Held().List(ctx, env.Pool, held.Filter{Kind: held.KindLate, Group: "g"})
 	require.NoError(t, err)
 	require.Len(t, late, 1)
 	require.Equal(t, held.CauseReleaseFailed, late[0].Cause)
 	require.EqualValues(t, 3, late[0].AggregateVersion)
 	require.Equal(t, 3, late[0].Attempts, "its release attempts")
 	require.Equal(t, "handler bug", late[0].LastError)
-	r, err := s.Dedup().Get(ctx, env.Pool, dedup.Key{Group: "g", EventID: late[0].EventID, AggregateType: late[0].AggregateType, AggregateID: late[0].AggregateID})
+	rec, err := s.Processed(ctx, env.Pool, store.RecordKey{Group: "g", EventID: late[0].EventID, AggregateType: late[0].AggregateType, AggregateID: late[0].AggregateID})
 	require.NoError(t, err)
-	require.Equal(t, dedup.OutcomeLate, r.Outcome, "a redelivery is a duplicate while it is held")
-	require.Empty(t, dead)
+	require.Equal(t, dedup.OutcomeLate, rec.Outcome, "a redelivery is a duplicate while it is held")
 
-	// A custom DeadLetterFunc receives it instead, in the same transaction.
-	w2, err := s.NewSweeper(env.Pool, versioning.SweeperConfig{Group: "g", ParkTimeout: time.Hour, Apply: a.apply,
-		MaxReleaseAttempts: 1, Permanent: func(error) bool { return true },
-		DeadLetter: func(_ context.Context, tx pgx.Tx, p versioning.Parked, reason string) error {
-			dead = append(dead, reason)
-			return nil
-		}})
-	require.NoError(t, err)
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "b", 2))
+	// A permanent failure is given up at once, in the same transaction.
+	r = release(a.apply, time.Nanosecond)
+	r.MaxAttempts, r.Permanent = 10, func(error) bool { return true }
+	w2 := s.NewSweeper(env.Pool, sweeper("g", time.Hour, r))
+	require.Equal(t, store.Gap, deliver(t, s, env, "b", 2))
 	_, err = s.ReleaseGap(ctx, env.Pool, "g", "acct", "b", "v1 lost")
 	require.NoError(t, err)
-	parked, err := s.ListParked(ctx, env.Pool, versioning.ParkedFilter{Group: "g", AggregateID: "b"})
+	parked, err := s.ListParked(ctx, env.Pool, store.ParkedFilter{Group: "g", AggregateID: "b"})
 	require.NoError(t, err)
 	require.Len(t, parked, 1)
-	a.fail = func(versioning.Parked) error { return errors.New("cannot decode") }
+	a.fail = func(store.Parked) error { return errors.New("cannot decode") }
 	res, err := w2.Sweep(ctx)
 	require.NoError(t, err)
 	require.Equal(t, 1, res.DeadLettered)
-	require.Len(t, dead, 1)
-	require.Contains(t, dead[0], "can never be applied: cannot decode")
-	_, err = s.Dedup().Get(ctx, env.Pool, parked[0].DedupKey())
-	require.ErrorIs(t, err, dedup.ErrNotFound, "its dedup record is gone, so a replay from the dead letters is not a duplicate")
+	late, err = s.Held().List(ctx, env.Pool, held.Filter{Kind: held.KindLate, Group: "g", AggregateID: "b"})
+	require.NoError(t, err)
+	require.Len(t, late, 1)
+	require.Contains(t, late[0].Reason, "can never be applied: cannot decode")
+	rec, err = s.Processed(ctx, env.Pool, parked[0].RecordKey())
+	require.NoError(t, err)
+	require.Equal(t, dedup.OutcomeLate, rec.Outcome, "held, so a redelivery is a duplicate")
 }
 
 // Aggregates whose parked events keep failing cannot starve the others:
@@ -186,17 +183,18 @@ func TestWedgedAggregatesCannotStarveTheSweeper(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
 	ctx := context.Background()
-	a := &applied{fail: func(p versioning.Parked) error {
+	a := &applied{fail: func(p store.Parked) error {
 		if p.AggregateID != "healthy" {
 			return errors.New("wedged")
 		}
 		return nil
 	}}
-	w, err := s.NewSweeper(env.Pool, versioning.SweeperConfig{Group: "g", ParkTimeout: time.Nanosecond, Batch: 2, Apply: a.apply})
-	require.NoError(t, err)
+	cfg := sweeper("g", time.Nanosecond, release(a.apply, 0))
+	cfg.Batch = 2
+	w := s.NewSweeper(env.Pool, cfg)
 	for _, id := range []string{"wedged-1", "wedged-2", "healthy"} { // oldest first
-		require.Equal(t, versioning.Next, deliver(t, s, env, id, 1))
-		require.Equal(t, versioning.Gap, deliver(t, s, env, id, 3))
+		require.Equal(t, store.Next, deliver(t, s, env, id, 1))
+		require.Equal(t, store.Gap, deliver(t, s, env, id, 3))
 	}
 	for pass := 0; pass < 3 && a.count("healthy") == 0; pass++ {
 		_, err := w.Sweep(ctx)

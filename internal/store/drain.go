@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -9,7 +9,21 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/versioning"
+)
+
+var (
+	deleteParkedSQL = statement(`DELETE FROM {schema}.parked_events WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4`)
+	// ($1 group, $2 event id, $3 type, $4 id)
+	forgetSQL = statement(`DELETE FROM {schema}.processed_events WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $3 AND aggregate_id = $4`)
+	// ($1 group, $2 type, $3 id, $4 version, $5 event id, $6 error,
+	// $7 backoff in microseconds, $8 attempts)
+	failParkedSQL = statement(`UPDATE {schema}.parked_events SET release_attempts = $8, last_error = $6, last_attempt_at = now(),
+			next_attempt_at = now() + $7::bigint * interval '1 microsecond'
+		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4 AND event_id = $5`)
 )
 
 // ApplyFunc applies one parked or late event whose turn has come. tx is a
@@ -20,80 +34,28 @@ import (
 // last_error, next_attempt_at). p.Late is true for a late event.
 type ApplyFunc func(ctx context.Context, tx pgx.Tx, p Parked) error
 
-// DeadLetterFunc stores a parked event the gate gave up on: its release
-// failed ReleaseOptions.MaxAttempts times, or with an error
-// ReleaseOptions.Permanent reports as permanent. It runs in a savepoint of
-// the transaction that holds the aggregate's lock, after the event's
-// parked row and its processed_events record were removed and its version
-// was recorded in skipped_versions with reason; the aggregate's version
-// moves past the event when the transaction commits. Store the event where
-// an operator can find and replay it. A replay arrives late (its version
-// was skipped) and follows the late policy. An error rolls the give-up
-// back: the event stays parked and is tried again after its backoff.
-//
-// The default, [Store.HoldFailed], holds the event as late (held_events,
-// cause release_failed) next to the events that arrived late.
-type DeadLetterFunc func(ctx context.Context, tx pgx.Tx, p Parked, reason string) error
-
 // ReleaseOptions say how parked events are applied, by [Store.Drain] and by
-// the [Sweeper].
+// the [Sweeper]. Every field is required but Permanent: the middleware
+// fills them from its Config.
 type ReleaseOptions struct {
-	// Apply applies an event. Required.
+	// Apply applies an event.
 	Apply ApplyFunc
 	// MaxAttempts is how many failed attempts to apply a parked event are
-	// allowed before it is given up (DeadLetter). Defaults to
-	// DefaultMaxReleaseAttempts (10).
+	// allowed before it is given up: its version recorded as skipped and
+	// the event held as late (held_events, HoldFailed).
 	MaxAttempts int
-	// Backoff is the wait after the first failed attempt before the
-	// sweeper tries again; it doubles per further failure, up to
-	// MaxBackoff. Defaults to DefaultReleaseBackoff (5s) and
-	// DefaultMaxReleaseBackoff (5m).
-	Backoff    time.Duration
-	MaxBackoff time.Duration // see Backoff
+	// Backoff is the wait between failed attempts before the sweeper
+	// tries again.
+	Backoff eventline.Backoff
 	// Permanent, when set, reports errors that retrying cannot fix (the
 	// event does not decode, its payload does not fit the handler): the
 	// event is given up at once.
 	Permanent func(error) bool
-	// DeadLetter stores a parked event that is given up. Defaults to the
-	// store's HoldFailed.
-	DeadLetter DeadLetterFunc
-}
-
-func (o ReleaseOptions) withDefaults(s *Store) ReleaseOptions {
-	if o.MaxAttempts == 0 {
-		o.MaxAttempts = DefaultMaxReleaseAttempts
-	}
-	if o.Backoff == 0 {
-		o.Backoff = DefaultReleaseBackoff
-	}
-	if o.MaxBackoff == 0 {
-		o.MaxBackoff = DefaultMaxReleaseBackoff
-	}
-	if o.DeadLetter == nil {
-		o.DeadLetter = s.HoldFailed
-	}
-	return o
-}
-
-func (o ReleaseOptions) validate(field string) error {
-	switch {
-	case o.Apply == nil:
-		return fmt.Errorf("%s.Apply is nil: the gate needs a function that applies a parked event", field)
-	case o.MaxAttempts < 0:
-		return fmt.Errorf("%s.MaxReleaseAttempts is %d; it must be positive (0 means %d)", field, o.MaxAttempts, DefaultMaxReleaseAttempts)
-	case o.Backoff < 0 || o.MaxBackoff < 0:
-		return fmt.Errorf("%s.ReleaseBackoff and MaxReleaseBackoff must not be negative (0 means %s and %s)", field, DefaultReleaseBackoff, DefaultMaxReleaseBackoff)
-	}
-	return nil
 }
 
 // backoff is the wait after the attempts-th failure.
 func (o ReleaseOptions) backoff(attempts int) time.Duration {
-	d := o.Backoff
-	for i := 1; i < attempts && d < o.MaxBackoff; i++ {
-		d *= 2
-	}
-	return min(d, o.MaxBackoff)
+	return backoff.Jittered(o.Backoff, attempts)
 }
 
 // drainLimit bounds the parked events one drain loads.
@@ -113,7 +75,7 @@ type DrainResult struct {
 	// of the events given up.
 	GapsSkipped     int
 	VersionsSkipped int64 // see GapsSkipped
-	// DeadLettered are the parked events given up (see DeadLetterFunc).
+	// DeadLettered are the parked events given up (see HoldFailed).
 	DeadLettered []Parked
 	// Failed is the parked event whose apply failed, if any; draining
 	// stopped there and it stays parked. FailErr is its error.
@@ -137,17 +99,13 @@ type DrainResult struct {
 // fails: that savepoint is rolled back, the failure is recorded on the
 // parked row, and the rest stays parked for the sweeper, unless the event
 // has now failed opts.MaxAttempts times (or permanently): then it is given
-// up (see DeadLetterFunc) and draining goes on past it. Each released event
+// up (held as late, see HoldFailed) and draining goes on past it. Each released event
 // leaves parked_events and its dedup outcome becomes applied; the
 // aggregate's version and parked count are updated.
 //
 // The error is non-nil only when tx itself failed; then the caller must
 // roll back.
 func (s *Store) Drain(ctx context.Context, tx pgx.Tx, k Key, current int64, opts ReleaseOptions) (DrainResult, error) {
-	opts = opts.withDefaults(s)
-	if err := opts.validate("versioning.ReleaseOptions"); err != nil {
-		return DrainResult{Version: current}, err
-	}
 	parked, err := s.parkedOf(ctx, tx, k, 0, drainLimit)
 	if err != nil {
 		return DrainResult{Version: current}, err
@@ -234,7 +192,7 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 		failed.LastError = herr.Error()
 		res.Failed, res.FailErr = &failed, herr
 		if failed.ReleaseAttempts < opts.MaxAttempts && (opts.Permanent == nil || !opts.Permanent(herr)) {
-			if err := s.recordFailure(ctx, tx, s.q.failParked, failed, opts.backoff(failed.ReleaseAttempts)); err != nil {
+			if err := s.recordFailure(ctx, tx, s.q(failParkedSQL), failed, opts.backoff(failed.ReleaseAttempts)); err != nil {
 				return res, nil, err
 			}
 			break
@@ -262,9 +220,9 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 	return res, rest, nil
 }
 
-// giveUp dead-letters a parked event that failed for good, in a savepoint:
-// its parked row and dedup record go, versions current+1..p.Version are
-// recorded as skipped, and opts.DeadLetter stores it. When DeadLetter
+// giveUp gives up a parked event that failed for good, in a savepoint: its
+// parked row and dedup record go, versions current+1..p.Version are
+// recorded as skipped, and HoldFailed holds it for the operator. When that
 // fails, the savepoint is rolled back, the failure is recorded with a
 // backoff as for any failed attempt, and gaveUp is false.
 func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p Parked, herr error, opts ReleaseOptions) (gaveUp bool, err error) {
@@ -274,31 +232,31 @@ func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p P
 	}
 	sp, err := tx.Begin(ctx)
 	if err != nil {
-		return false, fmt.Errorf("versioning: savepoint to give up parked event %s: %w", p.EventID, err)
+		return false, fmt.Errorf("eventline: savepoint to give up parked event %s: %w", p.EventID, err)
 	}
 	derr := func() error {
-		if _, err := sp.Exec(ctx, s.q.deleteParked, p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
+		if _, err := sp.Exec(ctx, s.q(deleteParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
 			return err
 		}
-		if _, err := sp.Exec(ctx, s.q.forget, p.Group, p.EventID, p.AggregateType, p.AggregateID); err != nil {
+		if _, err := sp.Exec(ctx, s.q(forgetSQL), p.Group, p.EventID, p.AggregateType, p.AggregateID); err != nil {
 			return err
 		}
 		if err := s.RecordSkipped(ctx, sp, k, current+1, p.Version, reason); err != nil {
 			return err
 		}
-		return callDeadLetter(ctx, sp, p, reason, opts.DeadLetter)
+		return s.HoldFailed(ctx, sp, p, reason)
 	}()
 	if derr == nil {
 		if err := sp.Commit(ctx); err != nil {
-			return false, fmt.Errorf("versioning: give up parked event %s: %w", p.EventID, err)
+			return false, fmt.Errorf("eventline: give up parked event %s: %w", p.EventID, err)
 		}
 		return true, nil
 	}
 	if err := sp.Rollback(ctx); err != nil {
-		return false, fmt.Errorf("versioning: roll back giving up parked event %s: %w", p.EventID, errors.Join(derr, err))
+		return false, fmt.Errorf("eventline: roll back giving up parked event %s: %w", p.EventID, errors.Join(derr, err))
 	}
 	p.LastError = fmt.Sprintf("%s; and it could not be dead-lettered: %v", p.LastError, derr)
-	return false, s.recordFailure(ctx, tx, s.q.failParked, p, opts.backoff(p.ReleaseAttempts))
+	return false, s.recordFailure(ctx, tx, s.q(failParkedSQL), p, opts.backoff(p.ReleaseAttempts))
 }
 
 // attempt runs pre (when set) and apply for p in a savepoint. herr is the
@@ -307,7 +265,7 @@ func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p P
 func (s *Store) attempt(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFunc, pre func(pgx.Tx) error) (herr, err error) {
 	sp, err := tx.Begin(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("versioning: savepoint for %s: %w", p.describe(), err)
+		return nil, fmt.Errorf("eventline: savepoint for %s: %w", p.describe(), err)
 	}
 	if pre != nil {
 		if err := pre(sp); err != nil {
@@ -318,12 +276,12 @@ func (s *Store) attempt(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFun
 	herr = callApply(ctx, sp, p, apply)
 	if herr == nil {
 		if err := sp.Commit(ctx); err != nil {
-			return nil, fmt.Errorf("versioning: release savepoint of %s: %w", p.describe(), err)
+			return nil, fmt.Errorf("eventline: release savepoint of %s: %w", p.describe(), err)
 		}
 		return nil, nil
 	}
 	if err := sp.Rollback(ctx); err != nil {
-		return nil, fmt.Errorf("versioning: roll back %s after its handler failed: %w", p.describe(), errors.Join(herr, err))
+		return nil, fmt.Errorf("eventline: roll back %s after its handler failed: %w", p.describe(), errors.Join(herr, err))
 	}
 	return herr, nil
 }
@@ -332,14 +290,14 @@ func (s *Store) attempt(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFun
 // with q (failParked or failLate).
 func (s *Store) recordFailure(ctx context.Context, tx DBTX, q string, p Parked, wait time.Duration) error {
 	if _, err := tx.Exec(ctx, q, p.Group, p.AggregateType, p.AggregateID, p.Version, p.EventID, p.LastError, wait.Microseconds(), p.ReleaseAttempts); err != nil {
-		return fmt.Errorf("versioning: record failed release of %s: %w", p.describe(), err)
+		return fmt.Errorf("eventline: record failed release of %s: %w", p.describe(), err)
 	}
 	return nil
 }
 
 func callApply(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFunc) (err error) {
 	if apply == nil {
-		return fmt.Errorf("%w: %s (handler %q)", ErrNoHandler, p.EventID, p.Handler)
+		return fmt.Errorf("%w: %s (handler %q)", versioning.ErrNoHandler, p.EventID, p.Handler)
 	}
 	defer func() {
 		if r := recover(); r != nil {
@@ -349,21 +307,12 @@ func callApply(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFunc) (err e
 	return apply(ctx, tx, p)
 }
 
-func callDeadLetter(ctx context.Context, tx pgx.Tx, p Parked, reason string, dl DeadLetterFunc) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("panic while dead-lettering %s: %v\n%s", p.describe(), r, debug.Stack())
-		}
-	}()
-	return dl(ctx, tx, p, reason)
-}
-
 // removeParked deletes a parked row and records the event's final outcome.
 func (s *Store) removeParked(ctx context.Context, tx pgx.Tx, p Parked, outcome dedup.Outcome) error {
-	if _, err := tx.Exec(ctx, s.q.deleteParked, p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
-		return fmt.Errorf("versioning: remove parked event %s: %w", p.EventID, err)
+	if _, err := tx.Exec(ctx, s.q(deleteParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
+		return fmt.Errorf("eventline: remove parked event %s: %w", p.EventID, err)
 	}
-	return s.dedup.SetOutcome(ctx, tx, p.DedupKey(), outcome)
+	return s.SetOutcome(ctx, tx, p.RecordKey(), outcome)
 }
 
 func anyExpired(ps []Parked) bool {

@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -11,6 +11,86 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/held"
+)
+
+// heldLateCols are the columns of held_events a late event fills: $1
+// group, $2 type, $3 id, $4 version, $5 previous version, $6 event id, $7
+// event type, $8 handler, $9 topic, $10 payload, $11 and $12 the header
+// keys and values (held.Headers), $13 the aggregate's version; the
+// message uuid is the event id, as for parked events.
+const heldLateCols = `kind, consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type,
+	handler, topic, message_uuid, payload, header_keys, header_values, current_version, cause, reason`
+
+// heldLateValues are heldLateCols' values but the cause and reason.
+const heldLateValues = `'late', $1, $2, $3, $4::bigint, $5::bigint, $6, $7, $8, $9, convert_to($6, 'UTF8'), $10, $11, $12, $13::bigint`
+
+var (
+	// A parked event whose version the aggregate ($6 = current
+	// version) has passed is held as late, with the reason of the
+	// skip that covers its version, or $5; its metadata becomes the
+	// header columns.
+	passParkedSQL = statement(`WITH sk AS (
+			SELECT reason FROM {schema}.skipped_versions WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+				AND $4::bigint BETWEEN from_version AND to_version ORDER BY id DESC LIMIT 1
+		), moved AS (
+			DELETE FROM {schema}.parked_events WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
+			RETURNING *
+		), held AS (
+			INSERT INTO {schema}.held_events (` + heldLateCols + `)
+			SELECT 'late', m.consumer_group, m.aggregate_type, m.aggregate_id, m.aggregate_version, m.previous_version, m.event_id, m.event_type,
+				m.handler, m.topic, convert_to(m.event_id, 'UTF8'), m.payload,
+				coalesce((SELECT array_agg(convert_to(k, 'UTF8') ORDER BY k COLLATE "C") FROM jsonb_object_keys(m.metadata) k), '{}'),
+				coalesce((SELECT array_agg(convert_to(m.metadata->>k, 'UTF8') ORDER BY k COLLATE "C") FROM jsonb_object_keys(m.metadata) k), '{}'),
+				$6::bigint, CASE WHEN EXISTS (SELECT 1 FROM sk) THEN 'arrived_late' ELSE 'passed' END, coalesce((SELECT reason FROM sk), $5)
+			FROM moved m ON CONFLICT DO NOTHING
+		)
+		UPDATE {schema}.processed_events SET outcome = 'late'
+		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND event_id IN (SELECT event_id FROM moved)`)
+	// A stale event ($4 version <= current) whose version is in
+	// skipped_versions is late: with $14 it is held (cause
+	// arrived_late, the skip's reason), in the statement that finds it
+	// late; its dedup outcome becomes $15 (late, or late_applied when
+	// the caller applies it now), else stale. Returns the skip's
+	// reason, NULL when the event is merely stale. ($1..$13 as
+	// heldLateCols says.)
+	holdLateSQL = statement(`WITH sk AS (
+			SELECT reason FROM {schema}.skipped_versions WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+				AND $4::bigint BETWEEN from_version AND to_version ORDER BY id DESC LIMIT 1
+		), held AS (
+			INSERT INTO {schema}.held_events (` + heldLateCols + `)
+			SELECT ` + heldLateValues + `, 'arrived_late', sk.reason
+			FROM sk WHERE $14::boolean ON CONFLICT DO NOTHING RETURNING 1
+		), outcome AS (
+			UPDATE {schema}.processed_events SET outcome = CASE WHEN EXISTS (SELECT 1 FROM sk) THEN $15::text ELSE 'stale' END
+			WHERE consumer_group = $1 AND event_id = $6 AND aggregate_type = $2 AND aggregate_id = $3
+		)
+		SELECT (SELECT reason FROM sk)`)
+	// A stale event that is not late, held as a version conflict
+	// ($1..$13 as for holdLate, $14 the reason); its dedup outcome
+	// becomes late.
+	holdConflictSQL = statement(`WITH held AS (
+			INSERT INTO {schema}.held_events (` + heldLateCols + `)
+			VALUES (` + heldLateValues + `, 'version_conflict', $14)
+			ON CONFLICT DO NOTHING
+		)
+		UPDATE {schema}.processed_events SET outcome = 'late' WHERE consumer_group = $1 AND event_id = $6 AND aggregate_type = $2 AND aggregate_id = $3`)
+	// ($1 group, $2 type, $3 id, $4 version, $5 event id to leave out)
+	appliedBySQL = statement(`SELECT event_id FROM {schema}.processed_events
+		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
+			AND event_id <> $5 AND outcome IN ('applied', 'late_applied')
+		ORDER BY processed_at LIMIT 1`)
+	// The default dead letter: the given-up parked event is held as
+	// late ($1..$13 as for holdLate, $14 the reason, $15 its release
+	// attempts, $16 the last error), and its dedup record says late
+	// again.
+	holdFailedSQL = statement(`WITH held AS (
+			INSERT INTO {schema}.held_events (` + heldLateCols + `, attempts, last_error, last_attempt_at)
+			VALUES (` + heldLateValues + `, 'release_failed', $14, $15, $16, now())
+			ON CONFLICT DO NOTHING
+		)
+		INSERT INTO {schema}.processed_events (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
+		VALUES ($1, $6, $7, $2, $3, $4::bigint, 'late')
+		ON CONFLICT (consumer_group, event_id, aggregate_type, aggregate_id) DO UPDATE SET outcome = 'late'`)
 )
 
 // LateRequest describes a stale event to check against skipped_versions.
@@ -61,10 +141,10 @@ func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool
 	}
 	var why *string
 	hk, hv := held.Headers(md)
-	err = tx.QueryRow(ctx, s.q.holdLate, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
+	err = tx.QueryRow(ctx, s.q(holdLateSQL), r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
 		r.Handler, r.Topic, payload, hk, hv, r.Current, r.Hold, string(outcome)).Scan(&why)
 	if err != nil {
-		return false, "", contentError(fmt.Errorf("versioning: settle stale event %s: %w", e.ID, err))
+		return false, "", contentError(fmt.Errorf("eventline: settle stale event %s: %w", e.ID, err))
 	}
 	if why == nil {
 		return false, "", nil
@@ -107,10 +187,10 @@ func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reaso
 			e.AggregateVersion, r.Current)
 	}
 	hk, hv := held.Headers(md)
-	_, err = tx.Exec(ctx, s.q.holdConflict, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
+	_, err = tx.Exec(ctx, s.q(holdConflictSQL), r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
 		r.Handler, r.Topic, payload, hk, hv, r.Current, reason)
 	if err != nil {
-		return "", contentError(fmt.Errorf("versioning: hold conflicting event %s: %w", e.ID, err))
+		return "", contentError(fmt.Errorf("eventline: hold conflicting event %s: %w", e.ID, err))
 	}
 	return reason, nil
 }
@@ -123,18 +203,17 @@ func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reaso
 // an index that leads with the aggregate makes it a range scan over that
 // aggregate's records, without one it reads the group's.
 func (s *Store) AppliedBy(ctx context.Context, db DBTX, k Key, version int64, exceptID string) (eventID string, found bool, err error) {
-	err = db.QueryRow(ctx, s.q.appliedBy, k.Group, k.AggregateType, k.AggregateID, version, exceptID).Scan(&eventID)
+	err = db.QueryRow(ctx, s.q(appliedBySQL), k.Group, k.AggregateType, k.AggregateID, version, exceptID).Scan(&eventID)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return "", false, nil
 	}
 	if err != nil {
-		return "", false, fmt.Errorf("versioning: find the event that applied %s v%d: %w", k, version, err)
+		return "", false, fmt.Errorf("eventline: find the event that applied %s v%d: %w", k, version, err)
 	}
 	return eventID, true, nil
 }
 
-// HoldFailed is the default DeadLetterFunc: it holds a parked event the
-// gate gave up on for the operator (held_events: kind late, cause
+// HoldFailed holds a parked event the gate gave up on for the operator (held_events: kind late, cause
 // release_failed) with reason, and records its dedup outcome as late, so
 // redeliveries are duplicates while an operator decides (`eventline held
 // list`, `replay`, `discard`).
@@ -148,10 +227,10 @@ func (s *Store) HoldFailed(ctx context.Context, tx pgx.Tx, p Parked, reason stri
 		payload = []byte{}
 	}
 	hk, hv := held.Headers(p.Metadata)
-	_, err = tx.Exec(ctx, s.q.holdFailed, p.Group, p.AggregateType, p.AggregateID, p.Version, p.PreviousVersion, p.EventID,
+	_, err = tx.Exec(ctx, s.q(holdFailedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version, p.PreviousVersion, p.EventID,
 		p.EventType, p.Handler, p.Topic, payload, hk, hv, current, reason, p.ReleaseAttempts, p.LastError)
 	if err != nil {
-		return fmt.Errorf("versioning: hold given-up event %s: %w", p.EventID, err)
+		return fmt.Errorf("eventline: hold given-up event %s: %w", p.EventID, err)
 	}
 	return nil
 }
@@ -160,8 +239,8 @@ func (s *Store) HoldFailed(ctx context.Context, tx pgx.Tx, p Parked, reason stri
 // (current) as late.
 func (s *Store) passParked(ctx context.Context, tx pgx.Tx, p Parked, current int64) error {
 	reason := fmt.Sprintf("the aggregate reached v%d without applying %s: another event claimed its version, or a successor declared an earlier predecessor", current, p.describe())
-	if _, err := tx.Exec(ctx, s.q.passParked, p.Group, p.AggregateType, p.AggregateID, p.Version, reason, current); err != nil {
-		return fmt.Errorf("versioning: hold passed parked event %s as late: %w", p.EventID, err)
+	if _, err := tx.Exec(ctx, s.q(passParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version, reason, current); err != nil {
+		return fmt.Errorf("eventline: hold passed parked event %s as late: %w", p.EventID, err)
 	}
 	return nil
 }
@@ -175,7 +254,7 @@ func (s *Store) passParked(ctx context.Context, tx pgx.Tx, p Parked, current int
 func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOptions, res *SweepResult) error {
 	late, err := s.held.LockLate(ctx, tx, k.Group, held.Aggregate{Type: k.AggregateType, ID: k.AggregateID}, drainLimit)
 	if err != nil {
-		return fmt.Errorf("versioning: %w", err)
+		return fmt.Errorf("eventline: %w", err)
 	}
 	for _, l := range late {
 		p := lateParked(l)
@@ -185,7 +264,7 @@ func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOpt
 		}
 		if herr == nil {
 			if err := s.held.MarkLateApplied(ctx, tx, l.ID); err != nil {
-				return fmt.Errorf("versioning: %w", err)
+				return fmt.Errorf("eventline: %w", err)
 			}
 			res.LateApplied++
 			continue
@@ -194,7 +273,7 @@ func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOpt
 		attempts := l.Attempts + 1
 		giveUp := attempts >= opts.MaxAttempts || (opts.Permanent != nil && opts.Permanent(herr))
 		if err := s.held.MarkReplayFailed(ctx, tx, l.ID, herr.Error(), opts.backoff(attempts), giveUp); err != nil {
-			return fmt.Errorf("versioning: %w", err)
+			return fmt.Errorf("eventline: %w", err)
 		}
 	}
 	return nil

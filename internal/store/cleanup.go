@@ -1,25 +1,19 @@
-package dedup
+package store
 
 import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/eventline/eventline/dedup"
 )
 
-// Defaults for [CleanupConfig].
+// Defaults for [CleanupConfig] (the retention's are dedup's).
 const (
-	// DefaultRetention keeps dedup rows for a week: longer than Kafka's
-	// default topic retention (7 days) would be safer still; see the
-	// package documentation.
-	DefaultRetention = 7 * 24 * time.Hour
 	// DefaultCleanupBatchSize bounds the rows one DELETE removes.
 	DefaultCleanupBatchSize = 1000
 	// DefaultCleanupPause is the wait between two batches.
 	DefaultCleanupPause = 100 * time.Millisecond
-	// MinRetention is the shortest retention Cleanup accepts; anything
-	// shorter is almost certainly a unit mistake and would make recent
-	// redeliveries look new.
-	MinRetention = time.Minute
 )
 
 // CleanupConfig bounds one retention run.
@@ -29,8 +23,8 @@ type CleanupConfig struct {
 	Group string
 	// Retention is how long rows are kept after they were processed. It
 	// must exceed the broker's redelivery horizon (see the package
-	// documentation). Defaults to DefaultRetention (7 days); values below
-	// MinRetention are rejected.
+	// documentation). Defaults to dedup.DefaultRetention (7 days); values
+	// below dedup.MinRetention are rejected.
 	Retention time.Duration
 	// BatchSize is the most rows one DELETE statement removes. Defaults to
 	// DefaultCleanupBatchSize (1000).
@@ -46,7 +40,7 @@ type CleanupConfig struct {
 
 func (c CleanupConfig) withDefaults() CleanupConfig {
 	if c.Retention == 0 {
-		c.Retention = DefaultRetention
+		c.Retention = dedup.DefaultRetention
 	}
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultCleanupBatchSize
@@ -59,14 +53,14 @@ func (c CleanupConfig) withDefaults() CleanupConfig {
 
 func (c CleanupConfig) validate() error {
 	switch {
-	case c.Retention < MinRetention:
-		return fmt.Errorf("dedup.CleanupConfig.Retention is %s; it must be at least %s and longer than the broker's redelivery horizon", c.Retention, MinRetention)
+	case c.Retention < dedup.MinRetention:
+		return fmt.Errorf("CleanupConfig.Retention is %s; it must be at least %s and longer than the broker's redelivery horizon", c.Retention, dedup.MinRetention)
 	case c.BatchSize < 0:
-		return fmt.Errorf("dedup.CleanupConfig.BatchSize is %d; it must be positive (0 means %d)", c.BatchSize, DefaultCleanupBatchSize)
+		return fmt.Errorf("CleanupConfig.BatchSize is %d; it must be positive (0 means %d)", c.BatchSize, DefaultCleanupBatchSize)
 	case c.Pause < 0:
-		return fmt.Errorf("dedup.CleanupConfig.Pause is %s; it must be positive (0 means %s)", c.Pause, DefaultCleanupPause)
+		return fmt.Errorf("CleanupConfig.Pause is %s; it must be positive (0 means %s)", c.Pause, DefaultCleanupPause)
 	case c.MaxBatches < 0:
-		return fmt.Errorf("dedup.CleanupConfig.MaxBatches is %d; it must not be negative (0 means no limit)", c.MaxBatches)
+		return fmt.Errorf("CleanupConfig.MaxBatches is %d; it must not be negative (0 means no limit)", c.MaxBatches)
 	}
 	return nil
 }
@@ -82,7 +76,20 @@ type CleanupResult struct {
 	Cutoff time.Time
 }
 
-// Cleanup deletes processed_events rows older than cfg.Retention, in
+var (
+	// Parked and late rows are never deleted: their event is still
+	// waiting, and its redelivery must stay a duplicate.
+	cleanupAllSQL = statement(`DELETE FROM {schema}.processed_events
+		WHERE (consumer_group, event_id, aggregate_type, aggregate_id) IN (
+			SELECT consumer_group, event_id, aggregate_type, aggregate_id FROM {schema}.processed_events
+			WHERE processed_at < $1 AND outcome NOT IN ('parked', 'late') LIMIT $2)`)
+	cleanupGroupSQL = statement(`DELETE FROM {schema}.processed_events
+		WHERE (consumer_group, event_id, aggregate_type, aggregate_id) IN (
+			SELECT consumer_group, event_id, aggregate_type, aggregate_id FROM {schema}.processed_events
+			WHERE consumer_group = $3 AND processed_at < $1 AND outcome NOT IN ('parked', 'late') LIMIT $2)`)
+)
+
+// CleanupProcessed deletes processed_events rows older than cfg.Retention, in
 // batches of at most cfg.BatchSize rows, pausing cfg.Pause after every
 // batch, until no eligible row is left, cfg.MaxBatches is reached or ctx
 // ends. Rows of parked events are never deleted.
@@ -91,7 +98,7 @@ type CleanupResult struct {
 // batch's locks are released when it commits, and an interrupted run keeps
 // what it deleted. The cutoff is fixed when the run starts, so a run always
 // ends even while new rows keep arriving.
-func (s *Store) Cleanup(ctx context.Context, db DBTX, cfg CleanupConfig) (CleanupResult, error) {
+func (s *Store) CleanupProcessed(ctx context.Context, db DBTX, cfg CleanupConfig) (CleanupResult, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
 		return CleanupResult{}, err
@@ -108,15 +115,15 @@ func (s *Store) Cleanup(ctx context.Context, db DBTX, cfg CleanupConfig) (Cleanu
 			}
 		}
 		var args []any
-		q := s.cleanupAllSQL
+		q := s.q(cleanupAllSQL)
 		args = append(args, res.Cutoff, cfg.BatchSize)
 		if cfg.Group != "" {
-			q = s.cleanupSQL
+			q = s.q(cleanupGroupSQL)
 			args = append(args, cfg.Group)
 		}
 		tag, err := db.Exec(ctx, q, args...)
 		if err != nil {
-			return res, fmt.Errorf("dedup: cleanup batch %d: %w", res.Batches+1, err)
+			return res, fmt.Errorf("eventline: cleanup batch %d: %w", res.Batches+1, err)
 		}
 		res.Batches++
 		res.Deleted += tag.RowsAffected()

@@ -1,4 +1,4 @@
-package versioning_test
+package store_test
 
 import (
 	"context"
@@ -11,13 +11,14 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/versioning"
 )
 
 // A consumer group's gaps and stalls, as `eventline status` shows them and
-// versioning.NewStatusCollector exposes them to Prometheus
-// (reg.MustRegister(c) next to the consumer's own metrics).
+// Store.NewStatusCollector exposes them to Prometheus (`eventline relay`
+// registers it next to its own metrics).
 func ExampleStore_ReadGroupStatus() {
 	ctx := context.Background()
 	pool, _ := pgxpool.New(ctx, pgtest.URL())
@@ -27,20 +28,20 @@ func ExampleStore_ReadGroupStatus() {
 		panic(err)
 	}
 	defer func() { _, _ = pool.Exec(ctx, `DROP SCHEMA `+sqlident.Quote(schema)+` CASCADE`) }()
-	store, _ := versioning.NewStore(schema)
+	s, _ := store.New(schema)
 	// Version 1 of order 42 was applied; version 3 arrived and parked.
 	for _, v := range []int64{1, 3} {
 		e := consumertest.Event("42", v)
 		_ = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			a, err := store.Admit(ctx, tx, "billing", e, false, true)
-			if err != nil || a.Verdict != versioning.Gap {
+			a, err := s.Admit(ctx, tx, "billing", e, false)
+			if err != nil || a.Verdict != store.Gap {
 				return err
 			}
-			_, err = store.Park(ctx, tx, versioning.ParkRequest{Group: "billing", Event: e, Current: a.Previous})
+			_, err = s.Park(ctx, tx, store.ParkRequest{Group: "billing", Event: e, Current: a.Previous, MaxGap: versioning.DefaultMaxGap})
 			return err
 		})
 	}
-	st, err := store.ReadGroupStatus(ctx, pool, "billing", versioning.ReadGroupStatusOptions{})
+	st, err := s.ReadGroupStatus(ctx, pool, "billing", store.ReadGroupStatusOptions{})
 	if err != nil {
 		panic(err)
 	}
@@ -48,7 +49,7 @@ func ExampleStore_ReadGroupStatus() {
 	for _, g := range st.OpenGaps {
 		fmt.Printf("%s/%s at v%d waits for v%d..v%d\n", g.AggregateType, g.AggregateID, g.Current, g.Current+1, g.Follows)
 	}
-	_, _ = versioning.NewStatusCollector(pool, schema) // register it with a prometheus.Registerer
+	_ = s.NewStatusCollector(pool) // register it with a prometheus.Registerer
 	// Output:
 	// billing: 1 parked, 1 open gap
 	// thing/42 at v1 waits for v2..v2

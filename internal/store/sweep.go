@@ -1,8 +1,7 @@
-package versioning
+package store
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"sync/atomic"
@@ -11,108 +10,53 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/internal/held"
-	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/txhooks"
 )
 
-// Pool is what the sweeper and ReleaseGap need: queries and transactions.
-// *pgxpool.Pool satisfies it.
-type Pool interface {
-	DBTX
-	Beginner
-}
+var (
+	// The sweeper's candidates: aggregates whose lowest parked event
+	// is due (no release backoff pending) and either ready (its
+	// predecessor applied, or its version passed) or behind a gap
+	// older than the park timeout ($3, microseconds). Ordered by when
+	// they became due, so aggregates whose events keep failing (each
+	// failure pushes its next attempt back) cannot starve the others.
+	candidatesSQL = statement(`SELECT p.aggregate_type, p.aggregate_id FROM (
+			SELECT aggregate_type, aggregate_id, min(parked_at) AS oldest,
+				(array_agg(previous_version ORDER BY aggregate_version))[1] AS head_previous,
+				(array_agg(next_attempt_at ORDER BY aggregate_version))[1] AS head_next
+			FROM {schema}.parked_events WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id
+		) p JOIN {schema}.aggregate_versions av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
+		WHERE (p.head_next IS NULL OR p.head_next <= now())
+			AND (p.head_previous <= av.version OR p.oldest <= now() - $3::bigint * interval '1 microsecond')
+		ORDER BY coalesce(p.head_next, p.oldest) LIMIT $2`)
+)
 
-// SweeperConfig configures a Sweeper.
+// SweeperConfig configures a Sweeper. Every field is required but OnSweep:
+// the middleware fills them from its Config.
 type SweeperConfig struct {
-	// Group is the consumer group whose parked events are swept. Required.
+	// Group is the consumer group whose parked events are swept.
 	Group string
 	// ParkTimeout is how long an aggregate's oldest parked event waits for
 	// the missing versions before the sweeper gives up on them: it records
 	// the gap in skipped_versions, moves the version to the lowest parked
-	// event's predecessor, and applies what is parked in order. Defaults
-	// to DefaultParkTimeout (1 hour; see there for the arithmetic).
+	// event's predecessor, and applies what is parked in order.
 	ParkTimeout time.Duration
-	// Interval is the pause between two passes of Run. Defaults to
-	// DefaultSweepInterval (5s).
+	// Interval is the pause between two passes of Run.
 	Interval time.Duration
 	// TxTimeout bounds each aggregate's transaction in a pass, so a
 	// connection that stops answering fails the pass instead of hanging
-	// it. Defaults to DefaultSweepTxTimeout (1 minute).
+	// it.
 	TxTimeout time.Duration
 	// Batch is the most aggregates one pass visits, those due longest
-	// first. Defaults to DefaultSweepBatch (500).
+	// first.
 	Batch int
-	// Apply applies a parked or late event (see ApplyFunc). Required.
-	Apply ApplyFunc
-	// MaxReleaseAttempts is how many failed attempts to apply a parked
-	// event are allowed before it is given up: dead-lettered through
-	// DeadLetter and its version audited as skipped. Defaults to
-	// DefaultMaxReleaseAttempts (10).
-	MaxReleaseAttempts int
-	// ReleaseBackoff is the wait after a first failed attempt; it doubles
-	// per failure up to MaxReleaseBackoff. Defaults to
-	// DefaultReleaseBackoff (5s) and DefaultMaxReleaseBackoff (5m).
-	ReleaseBackoff    time.Duration
-	MaxReleaseBackoff time.Duration // see ReleaseBackoff
-	// Permanent, when set, reports apply errors that retrying cannot fix:
-	// the event is given up at once.
-	Permanent func(error) bool
-	// DeadLetter stores a parked event that is given up (see
-	// DeadLetterFunc). Defaults to Store.HoldFailed: it is held as late
-	// (held_events) with the events that arrived late.
-	DeadLetter DeadLetterFunc
+	// Release says how parked and late events are applied.
+	Release ReleaseOptions
 	// OnSweep, when set, is called after every pass of Run with its
 	// result and error (metrics hook).
 	OnSweep func(SweepResult, error)
-	// Logger receives a line per skipped gap and failed release. Defaults
-	// to slog.Default().
+	// Logger receives a line per skipped gap and failed release.
 	Logger *slog.Logger
-}
-
-func (c SweeperConfig) withDefaults() SweeperConfig {
-	if c.ParkTimeout == 0 {
-		c.ParkTimeout = DefaultParkTimeout
-	}
-	if c.Interval == 0 {
-		c.Interval = DefaultSweepInterval
-	}
-	if c.TxTimeout == 0 {
-		c.TxTimeout = DefaultSweepTxTimeout
-	}
-	if c.Batch == 0 {
-		c.Batch = DefaultSweepBatch
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
-	return c
-}
-
-func (c SweeperConfig) validate() error {
-	switch {
-	case c.TxTimeout < 0:
-		return fmt.Errorf("versioning.SweeperConfig.TxTimeout is %s; it must be positive", c.TxTimeout)
-	case c.Group == "":
-		return errors.New("versioning.SweeperConfig.Group is empty: name the consumer group whose parked events to sweep")
-	case c.ParkTimeout < 0:
-		return fmt.Errorf("versioning.SweeperConfig.ParkTimeout is %s; it must be positive", c.ParkTimeout)
-	case c.Interval < 0:
-		return fmt.Errorf("versioning.SweeperConfig.Interval is %s; it must be positive", c.Interval)
-	case c.Batch < 0:
-		return fmt.Errorf("versioning.SweeperConfig.Batch is %d; it must be positive", c.Batch)
-	}
-	return c.release(nil).validate("versioning.SweeperConfig")
-}
-
-// release returns the release options of the configuration; s supplies
-// the default dead letter (nil: left unset).
-func (c SweeperConfig) release(s *Store) ReleaseOptions {
-	o := ReleaseOptions{Apply: c.Apply, MaxAttempts: c.MaxReleaseAttempts, Backoff: c.ReleaseBackoff,
-		MaxBackoff: c.MaxReleaseBackoff, Permanent: c.Permanent, DeadLetter: c.DeadLetter}
-	if s != nil {
-		o = o.withDefaults(s)
-	}
-	return o
 }
 
 // SweepResult reports one sweeper pass.
@@ -135,7 +79,7 @@ type SweepResult struct {
 	// Failed counts failed attempts to apply parked events; they stay
 	// parked and are retried after a backoff.
 	Failed int
-	// DeadLettered counts parked events given up (see DeadLetterFunc).
+	// DeadLettered counts parked events given up (see HoldFailed).
 	DeadLettered int
 	// LateApplied and LateFailed count operator-requested applies of late
 	// events that succeeded and failed.
@@ -177,7 +121,6 @@ type Sweeper struct {
 	db    Pool
 	store *Store
 	cfg   SweeperConfig
-	opts  ReleaseOptions
 	// healthySince is when Run started or its last failed pass ended
 	// (UnixNano; 0 when Run never ran): the park timeout counts from
 	// there, so an outage does not use up the wait of events parked
@@ -187,15 +130,8 @@ type Sweeper struct {
 
 // NewSweeper returns a sweeper for cfg.Group's parked events in the store's
 // schema, working through db.
-func (s *Store) NewSweeper(db Pool, cfg SweeperConfig) (*Sweeper, error) {
-	cfg = cfg.withDefaults()
-	if err := cfg.validate(); err != nil {
-		return nil, err
-	}
-	if nilcheck.IsNil(db) {
-		return nil, errors.New("versioning.NewSweeper: db is nil: pass the consumer's *pgxpool.Pool")
-	}
-	return &Sweeper{db: db, store: s, cfg: cfg, opts: cfg.release(s)}, nil
+func (s *Store) NewSweeper(db Pool, cfg SweeperConfig) *Sweeper {
+	return &Sweeper{db: db, store: s, cfg: cfg}
 }
 
 // Sweep makes one pass: over the group's aggregates whose lowest parked
@@ -212,9 +148,9 @@ func (s *Store) NewSweeper(db Pool, cfg SweeperConfig) (*Sweeper, error) {
 func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	var res SweepResult
 	timeout := w.parkTimeout()
-	keys, err := w.keys(ctx, w.store.q.candidates, w.cfg.Group, w.cfg.Batch, timeout.Microseconds())
+	keys, err := w.keys(ctx, w.store.q(candidatesSQL), w.cfg.Group, w.cfg.Batch, timeout.Microseconds())
 	if err != nil {
-		return res, fmt.Errorf("versioning: find parked aggregates: %w", err)
+		return res, fmt.Errorf("eventline: find parked aggregates: %w", err)
 	}
 	for _, k := range keys {
 		r, err := w.sweepAggregate(ctx, k, func(ctx context.Context, tx pgx.Tx, k Key, current int64, res *SweepResult) error {
@@ -227,12 +163,12 @@ func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	}
 	aggs, err := w.store.held.LateAggregates(ctx, w.db, w.cfg.Group, w.cfg.Batch)
 	if err != nil {
-		return res, fmt.Errorf("versioning: %w", err)
+		return res, fmt.Errorf("eventline: %w", err)
 	}
 	for _, a := range aggs {
 		k := Key{Group: w.cfg.Group, AggregateType: a.Type, AggregateID: a.ID}
 		r, err := w.sweepAggregate(ctx, k, func(ctx context.Context, tx pgx.Tx, k Key, _ int64, res *SweepResult) error {
-			return w.store.applyLate(ctx, tx, k, w.opts, res)
+			return w.store.applyLate(ctx, tx, k, w.cfg.Release, res)
 		})
 		res.add(r)
 		if err != nil {
@@ -297,7 +233,7 @@ func (w *Sweeper) sweepAggregate(ctx context.Context, k Key, work func(context.C
 	})
 	if err != nil {
 		hooks.Drop()
-		return SweepResult{}, fmt.Errorf("versioning: sweep %s: %w", k, err)
+		return SweepResult{}, fmt.Errorf("eventline: sweep %s: %w", k, err)
 	}
 	hooks.Run()
 	return res, nil
@@ -309,7 +245,7 @@ func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, t
 	if err != nil {
 		return err
 	}
-	d, _, err := w.store.drainList(ctx, tx, k, current, parked, w.opts, timeout)
+	d, _, err := w.store.drainList(ctx, tx, k, current, parked, w.cfg.Release, timeout)
 	if err != nil {
 		return err
 	}
@@ -335,7 +271,7 @@ func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, t
 		log.WarnContext(ctx, "eventline: parked event failed to apply; it stays parked and is retried after a backoff",
 			"group", k.Group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID,
 			"version", d.Failed.Version, "event_id", d.Failed.EventID, "attempts", d.Failed.ReleaseAttempts,
-			"max_attempts", w.opts.MaxAttempts, "error", d.FailErr)
+			"max_attempts", w.cfg.Release.MaxAttempts, "error", d.FailErr)
 	}
 	return nil
 }

@@ -1,4 +1,4 @@
-package versioning_test
+package store_test
 
 import (
 	"context"
@@ -12,7 +12,7 @@ import (
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // An outage of the consumer's database longer than the park timeout must
@@ -24,8 +24,8 @@ func TestOutageLongerThanTheParkTimeoutSkipsNothing(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
 	ctx := context.Background()
-	require.Equal(t, versioning.Next, deliver(t, s, env, "a", 1))
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "a", 3))
+	require.Equal(t, store.Next, deliver(t, s, env, "a", 1))
+	require.Equal(t, store.Gap, deliver(t, s, env, "a", 3))
 
 	proxy, err := faultproxy.Start(pgtest.Addr())
 	require.NoError(t, err)
@@ -41,15 +41,14 @@ func TestOutageLongerThanTheParkTimeoutSkipsNothing(t *testing.T) {
 	var mu sync.Mutex
 	var passes []error
 	a := &applied{}
-	w, err := s.NewSweeper(pool, versioning.SweeperConfig{
-		Group: "g", ParkTimeout: parkTimeout, Interval: 50 * time.Millisecond, TxTimeout: time.Second, Apply: a.apply,
-		OnSweep: func(_ versioning.SweepResult, err error) {
-			mu.Lock()
-			passes = append(passes, err)
-			mu.Unlock()
-		},
-	})
-	require.NoError(t, err)
+	scfg := sweeper("g", parkTimeout, release(a.apply, 0))
+	scfg.Interval, scfg.TxTimeout = 50*time.Millisecond, time.Second
+	scfg.OnSweep = func(_ store.SweepResult, err error) {
+		mu.Lock()
+		passes = append(passes, err)
+		mu.Unlock()
+	}
+	w := s.NewSweeper(pool, scfg)
 	skipped := func() int {
 		return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "skipped_versions"))
 	}

@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -8,7 +8,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/dedup"
 )
 
 // Verdict is the gate's decision about one versioned event.
@@ -30,7 +29,7 @@ const (
 	// when its version was given up on (see [Store.HoldLate]).
 	Stale
 	// Duplicate: the consumer group has already recorded the event id
-	// for this very event (only when Admit deduplicates). Nothing has
+	// for this very event. Nothing has
 	// changed.
 	Duplicate
 )
@@ -91,38 +90,69 @@ func (a Admission) Missing() int64 {
 //
 // The rule: with v the event's AggregateVersion, p the version it follows
 // (its PreviousVersion, or v-1 when that is 0, as eventline.Encode writes
-// it; see [Follows]) and c the
-// aggregate's current version, the event is Stale when v ≤ c, Next when
-// p ≤ c < v, and a gap when c < p (Jump when jump is true, the Apply
-// policy; Gap otherwise). p < c < v applies: everything the event follows
-// has been applied. No version arithmetic is done, so versions up to
-// MaxInt64 are safe.
+// it; see [Follows]) and c the aggregate's current version, the event is
+// Stale when v ≤ c, Next when p ≤ c < v, and a gap when c < p (Jump when
+// jump is true, the Apply policy; Gap otherwise). p < c < v applies:
+// everything the event follows has been applied. No version arithmetic is
+// done, so versions up to MaxInt64 are safe.
 //
+//   - the event is recorded in processed_events (outcome applied) first;
+//     an event already recorded yields Duplicate without touching the
+//     version, or a *dedup.IDConflictError when the recorded row is a
+//     different event of the aggregate with the same id;
 //   - the aggregate's aggregate_versions row is created (version 0) or
 //     locked until tx ends, so every transaction touching the aggregate,
-//     including the sweeper's, serializes on it;
-//   - when withDedup is true, the event is recorded in processed_events
-//     (outcome applied) first, and an event already recorded yields
-//     Duplicate without touching the version, or a *dedup.IDConflictError
-//     when the recorded row is a different event with the same id.
+//     including the sweeper's, serializes on it.
 //
 // Nothing else is written: for Stale and Gap the caller records the outcome
 // (see [Store.HoldLate], [Store.Park]); for Jump it records the skipped
 // range ([Store.RecordSkipped]). Everything rolls back with tx.
-func (s *Store) Admit(ctx context.Context, tx DBTX, group string, e eventline.Event, jump, withDedup bool) (Admission, error) {
+func (s *Store) Admit(ctx context.Context, tx DBTX, group string, e eventline.Event, jump bool) (Admission, error) {
 	e, err := withFollows(e)
 	if err != nil {
 		return Admission{}, err
 	}
-	q, args, err := s.admitQuery(group, e, jump, withDedup)
-	if err != nil {
-		return Admission{}, err
-	}
 	var a admitRow
-	if err := tx.QueryRow(ctx, q, args...).Scan(a.dest(withDedup)...); err != nil {
+	if err := tx.QueryRow(ctx, s.q(admitSQL), admitArgs(group, e, jump)...).Scan(a.dest()...); err != nil {
 		return Admission{}, admitError(e, err)
 	}
 	return s.decide(ctx, tx, group, e, a)
+}
+
+// admitSQL records the event in processed_events and, unless it was
+// recorded before (a duplicate), creates or locks its aggregate's row and
+// decides, in the SET clause, whether the event advances it ($1 group, $2
+// event id, $3 event type, $4 aggregate type, $5 aggregate id, $6 version,
+// $7 previous version, $8 jump): when the version is newer and its
+// predecessor has been applied, or, with $8 (the Apply policy), whenever
+// it is newer. ON CONFLICT DO UPDATE waits for, then re-reads, a row
+// another transaction holds. It returns the version before and after; on
+// a duplicate the upsert gets no input row and touches nothing, and the
+// statement returns the identity of the recorded row instead, so a
+// duplicate is told from an id conflict without another round trip. No
+// arithmetic: versions up to MaxInt64 are safe.
+var admitSQL = statement(`WITH dedup AS (
+		INSERT INTO {schema}.processed_events (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome)
+		VALUES ($1, $2, $3, $4, $5, $6::bigint, 'applied')
+		ON CONFLICT DO NOTHING
+		RETURNING 1
+	), adm AS (
+		INSERT INTO {schema}.aggregate_versions AS av (consumer_group, aggregate_type, aggregate_id, version)
+		SELECT $1, $4, $5, CASE WHEN $7::bigint = 0 OR $8::boolean THEN $6::bigint ELSE 0 END FROM dedup
+		ON CONFLICT (consumer_group, aggregate_type, aggregate_id) DO UPDATE
+		SET previous_version = av.version,
+		    version = CASE WHEN $6::bigint > av.version AND ($7::bigint <= av.version OR $8::boolean) THEN $6::bigint ELSE av.version END,
+		    updated_at = now()
+		RETURNING previous_version, version, parked_count
+	)
+	SELECT a.previous_version, a.version, a.parked_count, r.event_type, r.aggregate_type, r.aggregate_id, r.aggregate_version
+	FROM (SELECT) AS one LEFT JOIN adm a ON true
+	LEFT JOIN (SELECT * FROM {schema}.processed_events
+		WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $4 AND aggregate_id = $5
+			AND NOT EXISTS (SELECT 1 FROM dedup)) r ON true`)
+
+func admitArgs(group string, e eventline.Event, jump bool) []any {
+	return []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}
 }
 
 // PendingAdmission is an Admit queued on a pgx.Batch by [Store.QueueAdmit].
@@ -144,30 +174,25 @@ func (p *PendingAdmission) Result(ctx context.Context, tx DBTX) (Admission, erro
 	case p.err != nil:
 		return Admission{}, p.err
 	case !p.set:
-		return Admission{}, errors.New("versioning: admission read before the batch results were closed")
+		return Admission{}, errors.New("eventline: admission read before the batch results were closed")
 	}
 	return p.s.decide(ctx, tx, p.group, p.e, p.row)
 }
 
 // QueueAdmit queues [Store.Admit] on b. Queued after b.BeginTx, the
 // transaction's BEGIN and the admission travel to the server in one round
-// trip (this is what the composed middleware does). The admission is
-// available from the returned PendingAdmission once the batch results are
-// closed; everything else is as for Admit.
-func (s *Store) QueueAdmit(b *pgx.Batch, group string, e eventline.Event, jump, withDedup bool) *PendingAdmission {
+// trip (this is what the middleware does). The admission is available from
+// the returned PendingAdmission once the batch results are closed;
+// everything else is as for Admit.
+func (s *Store) QueueAdmit(b *pgx.Batch, group string, e eventline.Event, jump bool) *PendingAdmission {
 	e, err := withFollows(e)
 	p := &PendingAdmission{s: s, group: group, e: e}
 	if err != nil {
 		p.err = err
 		return p
 	}
-	q, args, err := s.admitQuery(group, e, jump, withDedup)
-	if err != nil {
-		p.err = err
-		return p
-	}
-	b.Queue(q, args...).QueryRow(func(row pgx.Row) error {
-		if err := row.Scan(p.row.dest(withDedup)...); err != nil {
+	b.Queue(s.q(admitSQL), admitArgs(group, e, jump)...).QueryRow(func(row pgx.Row) error {
+		if err := row.Scan(p.row.dest()...); err != nil {
 			p.err = admitError(e, err)
 			return p.err
 		}
@@ -178,23 +203,19 @@ func (s *Store) QueueAdmit(b *pgx.Batch, group string, e eventline.Event, jump, 
 }
 
 // admitRow is what the admission statement returns: the version row, or
-// (with dedup, on a duplicate) NULLs and the recorded event's identity.
+// (on a duplicate) NULLs and the recorded event's identity.
 type admitRow struct {
 	previous, current *int64
 	parked            *int
-	recorded          dedup.Recorded
+	recorded          recorded
 }
 
-func (a *admitRow) dest(withDedup bool) []any {
-	d := []any{&a.previous, &a.current, &a.parked}
-	if withDedup {
-		d = append(d, a.recorded.Dest()...)
-	}
-	return d
+func (a *admitRow) dest() []any {
+	return append([]any{&a.previous, &a.current, &a.parked}, a.recorded.dest()...)
 }
 
 func admitError(e eventline.Event, err error) error {
-	return fmt.Errorf("versioning: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
+	return fmt.Errorf("eventline: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
 }
 
 // Follows returns the aggregate version e follows: e.PreviousVersion; 0
@@ -239,18 +260,11 @@ func withFollows(e eventline.Event) (eventline.Event, error) {
 	return e, err
 }
 
-func (s *Store) admitQuery(group string, e eventline.Event, jump, withDedup bool) (string, []any, error) {
-	if withDedup {
-		return s.q.admitDedup, []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}, nil
-	}
-	return s.q.admit, []any{group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}, nil
-}
-
 // decide turns the statement's result into a verdict.
 func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.Event, r admitRow) (Admission, error) {
 	if r.current == nil {
 		// No version row came back: the dedup insert conflicted.
-		if err := s.dedup.CheckDuplicate(ctx, tx, group, e, r.recorded); err != nil {
+		if err := s.checkDuplicate(ctx, tx, group, e, r.recorded); err != nil {
 			return Admission{}, err
 		}
 		return Admission{Verdict: Duplicate}, nil
@@ -269,42 +283,4 @@ func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.E
 		a.Verdict = Gap
 	}
 	return a, nil
-}
-
-// RecordSkipped writes versions from..to of an aggregate to
-// skipped_versions with a reason, in tx. It is a no-op when from > to.
-func (s *Store) RecordSkipped(ctx context.Context, tx DBTX, k Key, from, to int64, reason string) error {
-	if from > to {
-		return nil
-	}
-	if _, err := tx.Exec(ctx, s.q.skip, k.Group, k.AggregateType, k.AggregateID, from, to, reason); err != nil {
-		return fmt.Errorf("versioning: record skipped versions %d..%d of %s: %w", from, to, k, err)
-	}
-	return nil
-}
-
-// lock locks an aggregate's row and returns its version and parked count.
-// ok is false when the row does not exist or, with skipLocked, when another
-// transaction holds it.
-func (s *Store) lock(ctx context.Context, tx pgx.Tx, k Key, skipLocked bool) (version int64, parked int, ok bool, err error) {
-	q := s.q.lock
-	if skipLocked {
-		q = s.q.lockSkip
-	}
-	err = tx.QueryRow(ctx, q, k.Group, k.AggregateType, k.AggregateID).Scan(&version, &parked)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, 0, false, nil
-	}
-	if err != nil {
-		return 0, 0, false, fmt.Errorf("versioning: lock %s: %w", k, err)
-	}
-	return version, parked, true, nil
-}
-
-// setVersion sets a locked aggregate's version and adjusts its parked count.
-func (s *Store) setVersion(ctx context.Context, tx DBTX, k Key, version int64, parkedDelta int) error {
-	if _, err := tx.Exec(ctx, s.q.setVersion, k.Group, k.AggregateType, k.AggregateID, version, parkedDelta); err != nil {
-		return fmt.Errorf("versioning: set version of %s to %d: %w", k, version, err)
-	}
-	return nil
 }

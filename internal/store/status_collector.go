@@ -1,13 +1,10 @@
-package versioning
+package store
 
 import (
 	"context"
-	"errors"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/eventline/eventline/internal/nilcheck"
 )
 
 // statusCollector reports ReadGroupStatuses at scrape time.
@@ -21,7 +18,8 @@ type statusCollector struct {
 
 // NewStatusCollector returns a Prometheus collector that reads every
 // consumer group's gap and stall status (ReadGroupStatuses) from the
-// tables in schema on each scrape. Its series carry only the "group"
+// store's tables on each scrape (`eventline relay` serves it; the admin
+// package is to export it). Its series carry only the "group"
 // label, whose values are the consumer groups recorded in the database
 // (set by configuration, not by events on the wire):
 //
@@ -35,15 +33,7 @@ type statusCollector struct {
 // Unlike the consumer's own gauges they are right even when no consumer
 // of the group runs. Each scrape costs one query per group, plus one for
 // the groups, bounded by a 5-second timeout.
-func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
-	if nilcheck.IsNil(db) {
-		// It would panic at the first scrape.
-		return nil, errors.New("versioning.NewStatusCollector: db is nil: pass a *pgxpool.Pool")
-	}
-	s, err := NewStore(schema)
-	if err != nil {
-		return nil, err
-	}
+func (s *Store) NewStatusCollector(db DBTX) prometheus.Collector {
 	group := []string{"group"}
 	desc := func(name, help string) *prometheus.Desc {
 		return prometheus.NewDesc("eventline_group_"+name, help, group, nil)
@@ -58,7 +48,7 @@ func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
 		skipped:      desc("skipped_gaps_24h", "Gaps recorded in skipped_versions in the last 24 hours (park timeout, gap policy, give-ups, operator releases)."),
 		late:         desc("late_events", "Late events held for the operator, not yet replayed or discarded (eventline held list -kind late)."),
 		dead:         desc("dead_letters", "Consumer dead letters not yet replayed or discarded (eventline held list -kind dead_letter)."),
-	}, nil
+	}
 }
 
 func (c *statusCollector) Describe(ch chan<- *prometheus.Desc) {

@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // GapOutcome says how a version gap in front of a parked event closed.
@@ -62,19 +60,21 @@ func openFor(since, until time.Time) time.Duration {
 	return max(until.Sub(since), 0)
 }
 
+var releasedAtSQL = statement(`SELECT skipped_at FROM {schema}.skipped_versions
+	WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND to_version = $4 AND starts_with(reason, $5)
+	ORDER BY id DESC LIMIT 1`)
+
 // releasedAt returns when an operator's ReleaseGap moved the aggregate to
 // version prev (recording the skip up to it), if one did: then the gap in
 // front of the parked event that follows prev was released.
 func (s *Store) releasedAt(ctx context.Context, tx pgx.Tx, k Key, prev int64) (time.Time, bool, error) {
 	var at time.Time
-	err := tx.QueryRow(ctx, `SELECT skipped_at FROM `+sqlident.Qualify(s.schema, "skipped_versions")+`
-		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND to_version = $4 AND starts_with(reason, $5)
-		ORDER BY id DESC LIMIT 1`, k.Group, k.AggregateType, k.AggregateID, prev, releaseMarker).Scan(&at)
+	err := tx.QueryRow(ctx, s.q(releasedAtSQL), k.Group, k.AggregateType, k.AggregateID, prev, releaseMarker).Scan(&at)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return time.Time{}, false, nil
 	}
 	if err != nil {
-		return time.Time{}, false, fmt.Errorf("versioning: look for a released gap of %s: %w", k, err)
+		return time.Time{}, false, fmt.Errorf("eventline: look for a released gap of %s: %w", k, err)
 	}
 	return at, true, nil
 }

@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -14,7 +14,52 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/versioning"
+)
+
+// parkedCols are the columns collectParked scans, followed by the expired
+// and due flags.
+const parkedCols = `consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, handler, topic,
+	payload, metadata, parked_at, release_attempts, coalesce(last_error, ''), last_attempt_at, next_attempt_at`
+
+var (
+	// Park in one statement ($1 group, $2 type, $3 id, $4 version, $5
+	// previous version, $6 event id, $7 event type, $8 handler, $9
+	// topic, $10 payload, $11 metadata, $12 current version, $13 max
+	// gap): known is the highest version applied or parked below the
+	// event's predecessor; the event is parked only when it leaves at
+	// most $13 versions missing. The count and the dedup outcome
+	// follow the insert. The last column names the event already
+	// parked under the version, if any (read from the statement's
+	// snapshot, which the aggregate's lock keeps current).
+	parkSQL = statement(`WITH known AS (
+			SELECT greatest($12::bigint, coalesce(max(aggregate_version), 0)) AS v FROM {schema}.parked_events
+			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version <= $5::bigint
+		), ins AS (
+			INSERT INTO {schema}.parked_events (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version,
+				event_id, event_type, handler, topic, payload, metadata)
+			SELECT $1, $2, $3, $4::bigint, $5::bigint, $6, $7, $8, $9, $10, $11 FROM known WHERE $5::bigint - known.v <= $13::bigint
+			ON CONFLICT DO NOTHING RETURNING 1
+		), counted AS (
+			UPDATE {schema}.aggregate_versions SET parked_count = parked_count + 1
+			WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND EXISTS (SELECT 1 FROM ins)
+		), outcome AS (
+			UPDATE {schema}.processed_events SET outcome = 'parked'
+			WHERE consumer_group = $1 AND event_id = $6 AND aggregate_type = $2 AND aggregate_id = $3 AND EXISTS (SELECT 1 FROM ins)
+		)
+		SELECT EXISTS (SELECT 1 FROM ins), (SELECT v FROM known),
+			(SELECT event_id FROM {schema}.parked_events WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint)`)
+	parkedOfSQL = statement(`SELECT ` + parkedCols + `, (parked_at <= now() - $4::bigint * interval '1 microsecond'),
+			(next_attempt_at IS NULL OR next_attempt_at <= now())
+		FROM {schema}.parked_events WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3
+		ORDER BY aggregate_version LIMIT $5`)
+	listParkedSQL = statement(`SELECT ` + parkedCols + `, false, false FROM {schema}.parked_events
+		WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
+		ORDER BY consumer_group, aggregate_type, aggregate_id, aggregate_version LIMIT $4`)
+	countParkedSQL = statement(`SELECT count(*) FROM {schema}.parked_events WHERE consumer_group = $1`)
+	listSkippedSQL = statement(`SELECT id, consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at FROM {schema}.skipped_versions
+		WHERE ($1 = '' OR consumer_group = $1) AND ($2 = '' OR aggregate_type = $2) AND ($3 = '' OR aggregate_id = $3)
+		ORDER BY id LIMIT $4`)
 )
 
 // Parked is one event waiting in parked_events for a missing earlier
@@ -66,9 +111,9 @@ func (p Parked) Key() Key {
 	return Key{Group: p.Group, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
 }
 
-// DedupKey returns the key of the event's processed_events record.
-func (p Parked) DedupKey() dedup.Key {
-	return dedup.Key{Group: p.Group, EventID: p.EventID, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
+// RecordKey returns the key of the event's processed_events record.
+func (p Parked) RecordKey() RecordKey {
+	return RecordKey{Group: p.Group, EventID: p.EventID, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
 }
 
 // Message rebuilds the Watermill message the event arrived as.
@@ -112,8 +157,8 @@ type ParkRequest struct {
 	// Current is the aggregate's current version (Admission.Previous).
 	Current int64
 	// MaxGap bounds the versions the event may leave missing in front of
-	// it (see DefaultMaxGap), unless it declares its predecessor (see
-	// DeclaresPredecessor). Defaults to DefaultMaxGap.
+	// it (see versioning.DefaultMaxGap), unless it declares its
+	// predecessor (see DeclaresPredecessor).
 	MaxGap int64
 }
 
@@ -123,7 +168,7 @@ type ParkRequest struct {
 // sets its dedup outcome to parked.
 //
 // It refuses, writing nothing:
-//   - with a *GapTooLargeError, an event that does not declare its
+//   - with a *versioning.GapTooLargeError, an event that does not declare its
 //     predecessor (see DeclaresPredecessor) and would leave more than
 //     MaxGap versions missing: its previous version minus the highest
 //     version the aggregate has applied or parked below it;
@@ -151,30 +196,56 @@ func (s *Store) Park(ctx context.Context, tx DBTX, r ParkRequest) (already bool,
 		// It declares its predecessor: one known event is missing, however
 		// far back its number (see DeclaresPredecessor).
 		maxGap = math.MaxInt64
-	case maxGap <= 0:
-		maxGap = DefaultMaxGap
 	}
 	var inserted bool
 	var known int64
 	var other *string
-	err = tx.QueryRow(ctx, s.q.park, r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
+	err = tx.QueryRow(ctx, s.q(parkSQL), r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
 		r.Handler, r.Topic, payload, md, r.Current, maxGap).Scan(&inserted, &known, &other)
 	if err != nil {
-		return false, contentError(fmt.Errorf("versioning: park event %s: %w", e.ID, err))
+		return false, contentError(fmt.Errorf("eventline: park event %s: %w", e.ID, err))
 	}
 	switch {
 	case inserted:
 		return false, nil
 	case e.PreviousVersion-known > maxGap:
-		return false, &GapTooLargeError{AggregateType: e.AggregateType, AggregateID: e.AggregateID, EventID: e.ID,
+		return false, &versioning.GapTooLargeError{AggregateType: e.AggregateType, AggregateID: e.AggregateID, EventID: e.ID,
 			Version: e.AggregateVersion, Previous: e.PreviousVersion, Known: known, MaxGap: maxGap}
 	case other != nil && *other == e.ID:
 		return true, nil
 	case other != nil:
 		return false, &ParkConflictError{AggregateType: e.AggregateType, AggregateID: e.AggregateID, Version: e.AggregateVersion, EventID: e.ID, ParkedEventID: *other}
 	}
-	return false, fmt.Errorf("versioning: park event %s: nothing was parked and nothing conflicts", e.ID)
+	return false, fmt.Errorf("eventline: park event %s: nothing was parked and nothing conflicts", e.ID)
 }
+
+// ErrParkConflict is matched by *ParkConflictError.
+var ErrParkConflict = errors.New("eventline: two events claim the same aggregate version")
+
+// ParkConflictError reports an event that would be parked under a version
+// another, different event is already parked with. The producer assigned
+// one version twice; retrying cannot help (the middleware treats it as
+// permanent).
+type ParkConflictError struct {
+	// AggregateType and AggregateID name the aggregate.
+	AggregateType string
+	AggregateID   string // see AggregateType
+	// Version is the version both events claim.
+	Version int64
+	// EventID is the event being parked; ParkedEventID the one already
+	// parked.
+	EventID       string
+	ParkedEventID string // see EventID
+}
+
+// Error implements error; the message names both events.
+func (e *ParkConflictError) Error() string {
+	return fmt.Sprintf("eventline: aggregate %s/%s version %d: event %s cannot be parked, event %s is already parked with that version; the producer assigned one version twice",
+		e.AggregateType, e.AggregateID, e.Version, e.EventID, e.ParkedEventID)
+}
+
+// Unwrap lets errors.Is(err, ErrParkConflict) match.
+func (e *ParkConflictError) Unwrap() error { return ErrParkConflict }
 
 // storedMessage returns the payload and metadata to store for e: the
 // message's, byte-exact, or e re-encoded. Metadata must be valid UTF-8
@@ -237,9 +308,9 @@ func (s *Store) ListParked(ctx context.Context, db DBTX, f ParkedFilter) ([]Park
 	if f.Limit <= 0 {
 		f.Limit = DefaultListLimit
 	}
-	rows, err := db.Query(ctx, s.q.listParked, f.Group, f.AggregateType, f.AggregateID, f.Limit)
+	rows, err := db.Query(ctx, s.q(listParkedSQL), f.Group, f.AggregateType, f.AggregateID, f.Limit)
 	if err != nil {
-		return nil, fmt.Errorf("versioning: list parked events: %w", err)
+		return nil, fmt.Errorf("eventline: list parked events: %w", err)
 	}
 	return collectParked(rows)
 }
@@ -247,9 +318,9 @@ func (s *Store) ListParked(ctx context.Context, db DBTX, f ParkedFilter) ([]Park
 // parkedOf loads an aggregate's parked events in version order, marking
 // those parked longer than timeout ago.
 func (s *Store) parkedOf(ctx context.Context, tx DBTX, k Key, timeout time.Duration, limit int) ([]Parked, error) {
-	rows, err := tx.Query(ctx, s.q.parkedOf, k.Group, k.AggregateType, k.AggregateID, timeout.Microseconds(), limit)
+	rows, err := tx.Query(ctx, s.q(parkedOfSQL), k.Group, k.AggregateType, k.AggregateID, timeout.Microseconds(), limit)
 	if err != nil {
-		return nil, fmt.Errorf("versioning: load parked events of %s: %w", k, err)
+		return nil, fmt.Errorf("eventline: load parked events of %s: %w", k, err)
 	}
 	return collectParked(rows)
 }
@@ -269,7 +340,7 @@ func collectParked(rows pgx.Rows) ([]Parked, error) {
 		return p, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("versioning: read parked events: %w", err)
+		return nil, fmt.Errorf("eventline: read parked events: %w", err)
 	}
 	return out, nil
 }
@@ -309,9 +380,9 @@ func (s *Store) ListSkipped(ctx context.Context, db DBTX, f SkippedFilter) ([]Sk
 	if f.Limit <= 0 {
 		f.Limit = DefaultListLimit
 	}
-	rows, err := db.Query(ctx, s.q.listSkipped, f.Group, f.AggregateType, f.AggregateID, f.Limit)
+	rows, err := db.Query(ctx, s.q(listSkippedSQL), f.Group, f.AggregateType, f.AggregateID, f.Limit)
 	if err != nil {
-		return nil, fmt.Errorf("versioning: list skipped versions: %w", err)
+		return nil, fmt.Errorf("eventline: list skipped versions: %w", err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Skipped, error) {
 		var x Skipped
@@ -319,7 +390,7 @@ func (s *Store) ListSkipped(ctx context.Context, db DBTX, f SkippedFilter) ([]Sk
 		return x, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("versioning: read skipped versions: %w", err)
+		return nil, fmt.Errorf("eventline: read skipped versions: %w", err)
 	}
 	return out, nil
 }
@@ -327,8 +398,8 @@ func (s *Store) ListSkipped(ctx context.Context, db DBTX, f SkippedFilter) ([]Sk
 // CountParked returns how many events the group has parked.
 func (s *Store) CountParked(ctx context.Context, db DBTX, group string) (int64, error) {
 	var n int64
-	if err := db.QueryRow(ctx, s.q.countParked, group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("versioning: count parked events of %q: %w", group, err)
+	if err := db.QueryRow(ctx, s.q(countParkedSQL), group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("eventline: count parked events of %q: %w", group, err)
 	}
 	return n, nil
 }

@@ -1,4 +1,4 @@
-package dedup_test
+package store_test
 
 import (
 	"context"
@@ -6,23 +6,13 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 )
-
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-func newStore(t *testing.T) (*dedup.Store, pgtest.Env) {
-	t.Helper()
-	env := pgtest.New(t, pgtest.Options{MaxConns: 4})
-	s, err := dedup.NewStore(env.Schema)
-	require.NoError(t, err)
-	return s, env
-}
 
 func event() eventline.Event {
 	return eventline.Event{ID: eventline.NewEventID(), Type: "t", AggregateType: "a", AggregateID: "1", AggregateVersion: 1}
@@ -36,29 +26,29 @@ func TestInsertRecognisesDuplicatesAndRollsBackWithTheTransaction(t *testing.T) 
 
 	tx, err := env.Pool.Begin(ctx)
 	require.NoError(t, err)
-	fresh, err := s.Insert(ctx, tx, "g", e, dedup.OutcomeApplied)
+	fresh, err := s.RecordProcessed(ctx, tx, "g", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	require.True(t, fresh)
 	require.NoError(t, tx.Rollback(ctx))
-	_, err = s.Get(ctx, env.Pool, dedup.KeyOf("g", e))
-	require.ErrorIs(t, err, dedup.ErrNotFound, "a rolled-back handler leaves no record")
+	_, err = s.Processed(ctx, env.Pool, store.RecordKeyOf("g", e))
+	require.ErrorIs(t, err, store.ErrNotFound, "a rolled-back handler leaves no record")
 
-	fresh, err = s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+	fresh, err = s.RecordProcessed(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	require.True(t, fresh)
-	fresh, err = s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+	fresh, err = s.RecordProcessed(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	require.False(t, fresh, "second insert is a duplicate")
-	fresh, err = s.Insert(ctx, env.Pool, "other", e, dedup.OutcomeApplied)
+	fresh, err = s.RecordProcessed(ctx, env.Pool, "other", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	require.True(t, fresh, "groups are independent")
 
-	require.NoError(t, s.SetOutcome(ctx, env.Pool, dedup.KeyOf("g", e), dedup.OutcomeStale))
-	r, err := s.Get(ctx, env.Pool, dedup.KeyOf("g", e))
+	require.NoError(t, s.SetOutcome(ctx, env.Pool, store.RecordKeyOf("g", e), dedup.OutcomeStale))
+	r, err := s.Processed(ctx, env.Pool, store.RecordKeyOf("g", e))
 	require.NoError(t, err)
 	require.Equal(t, dedup.OutcomeStale, r.Outcome)
 	require.Equal(t, e.AggregateID, r.AggregateID)
-	n, err := s.Count(ctx, env.Pool, "g")
+	n, err := s.CountProcessed(ctx, env.Pool, "g")
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 }
@@ -72,13 +62,13 @@ func TestConcurrentInsertOfOneEventSerializes(t *testing.T) {
 	e := event()
 	tx1, err := env.Pool.Begin(ctx)
 	require.NoError(t, err)
-	fresh, err := s.Insert(ctx, tx1, "g", e, dedup.OutcomeApplied)
+	fresh, err := s.RecordProcessed(ctx, tx1, "g", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	require.True(t, fresh)
 
 	second := make(chan bool, 1)
 	go func() {
-		fresh, err := s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+		fresh, err := s.RecordProcessed(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
 		if err != nil {
 			t.Error(err)
 		}
@@ -101,7 +91,7 @@ func TestCleanupDeletesOldRowsInBoundedBatches(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
 	ctx := context.Background()
-	table := sqlident.Qualify(env.Schema, dedup.Table)
+	table := sqlident.Qualify(env.Schema, "processed_events")
 	// 25 old applied rows in g, 2 old parked and 1 old late row in g (their
 	// events are still waiting), 5 old rows in h,
 	// 4 recent rows in g.
@@ -113,19 +103,19 @@ func TestCleanupDeletesOldRowsInBoundedBatches(t *testing.T) {
 		UNION ALL SELECT 'g', 'new-' || i, 'applied', now() FROM generate_series(1, 4) i`)
 	require.NoError(t, err)
 
-	res, err := s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Group: "g", Retention: 24 * time.Hour, BatchSize: 10, Pause: time.Millisecond, MaxBatches: 2})
+	res, err := s.CleanupProcessed(ctx, env.Pool, store.CleanupConfig{Group: "g", Retention: 24 * time.Hour, BatchSize: 10, Pause: time.Millisecond, MaxBatches: 2})
 	require.NoError(t, err)
 	require.EqualValues(t, 20, res.Deleted, "MaxBatches × BatchSize at most")
 	require.Equal(t, 2, res.Batches)
 
-	res, err = s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Group: "g", Retention: 24 * time.Hour, BatchSize: 10, Pause: time.Millisecond})
+	res, err = s.CleanupProcessed(ctx, env.Pool, store.CleanupConfig{Group: "g", Retention: 24 * time.Hour, BatchSize: 10, Pause: time.Millisecond})
 	require.NoError(t, err)
 	require.EqualValues(t, 5, res.Deleted)
 	require.Equal(t, 1, res.Batches, "a short batch ends the run")
 	require.Equal(t, 7, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table+` WHERE consumer_group = 'g'`), "parked, late and recent rows stay")
 	require.Equal(t, 5, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+table+` WHERE consumer_group = 'h'`), "other groups stay")
 
-	res, err = s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Retention: 24 * time.Hour})
+	res, err = s.CleanupProcessed(ctx, env.Pool, store.CleanupConfig{Retention: 24 * time.Hour})
 	require.NoError(t, err)
 	require.EqualValues(t, 5, res.Deleted, "no group: every group")
 }
@@ -134,35 +124,35 @@ func TestCleanupDeletesOldRowsInBoundedBatches(t *testing.T) {
 func TestCleanupHonoursPauseAndContext(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
-	table := sqlident.Qualify(env.Schema, dedup.Table)
+	table := sqlident.Qualify(env.Schema, "processed_events")
 	_, err := env.Pool.Exec(context.Background(), `INSERT INTO `+table+` (consumer_group, event_id, outcome, processed_at)
 		SELECT 'g', 'old-' || i, 'applied', now() - interval '10 days' FROM generate_series(1, 30) i`)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	res, err := s.Cleanup(ctx, env.Pool, dedup.CleanupConfig{Group: "g", BatchSize: 10, Pause: time.Hour})
+	res, err := s.CleanupProcessed(ctx, env.Pool, store.CleanupConfig{Group: "g", BatchSize: 10, Pause: time.Hour})
 	require.ErrorIs(t, err, context.Canceled)
 	require.LessOrEqual(t, res.Batches, 1, "nothing runs after ctx ended, and never a batch without the pause before it")
 }
 
 func TestCleanupConfigErrorsNameTheField(t *testing.T) {
 	t.Parallel()
-	s, err := dedup.NewStore("")
+	s, err := store.New("")
 	require.NoError(t, err)
 	require.Equal(t, "eventline", s.Schema())
 	for _, tc := range []struct {
-		cfg  dedup.CleanupConfig
+		cfg  store.CleanupConfig
 		want string
 	}{
-		{dedup.CleanupConfig{Retention: time.Second}, "dedup.CleanupConfig.Retention"},
-		{dedup.CleanupConfig{BatchSize: -1}, "dedup.CleanupConfig.BatchSize"},
-		{dedup.CleanupConfig{Pause: -1}, "dedup.CleanupConfig.Pause"},
-		{dedup.CleanupConfig{MaxBatches: -1}, "dedup.CleanupConfig.MaxBatches"},
+		{store.CleanupConfig{Retention: time.Second}, "CleanupConfig.Retention"},
+		{store.CleanupConfig{BatchSize: -1}, "CleanupConfig.BatchSize"},
+		{store.CleanupConfig{Pause: -1}, "CleanupConfig.Pause"},
+		{store.CleanupConfig{MaxBatches: -1}, "CleanupConfig.MaxBatches"},
 	} {
-		_, err := s.Cleanup(context.Background(), nil, tc.cfg)
+		_, err := s.CleanupProcessed(context.Background(), nil, tc.cfg)
 		require.ErrorContains(t, err, tc.want)
 	}
-	_, err = dedup.NewStore("bad schema")
+	_, err = store.New("bad schema")
 	require.Error(t, err)
 }
 
@@ -181,16 +171,16 @@ func TestAnIDReusedByAnotherAggregateIsAnotherEvent(t *testing.T) {
 	otherType := genuine
 	otherType.AggregateType, otherType.Type = "b", "other"
 	for _, e := range []eventline.Event{reused, otherType, genuine} {
-		fresh, err := s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+		fresh, err := s.RecordProcessed(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
 		require.NoError(t, err, "%s/%s", e.AggregateType, e.AggregateID)
 		require.True(t, fresh, "%s/%s is recorded on its own", e.AggregateType, e.AggregateID)
 	}
 	for _, e := range []eventline.Event{reused, otherType, genuine} {
-		fresh, err := s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+		fresh, err := s.RecordProcessed(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
 		require.NoError(t, err)
 		require.False(t, fresh, "%s/%s: a duplicate of itself", e.AggregateType, e.AggregateID)
 	}
-	n, err := s.Count(ctx, env.Pool, "g")
+	n, err := s.CountProcessed(ctx, env.Pool, "g")
 	require.NoError(t, err)
 	require.EqualValues(t, 3, n, "a record of every event the group saw")
 }
@@ -204,10 +194,10 @@ func TestInsertTellsAnIDConflictFromADuplicate(t *testing.T) {
 	s, env := newStore(t)
 	ctx := context.Background()
 	e := event()
-	fresh, err := s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+	fresh, err := s.RecordProcessed(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	require.True(t, fresh)
-	fresh, err = s.Insert(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
+	fresh, err = s.RecordProcessed(ctx, env.Pool, "g", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	require.False(t, fresh, "the same event: a duplicate")
 	for _, change := range []func(*eventline.Event){
@@ -216,7 +206,7 @@ func TestInsertTellsAnIDConflictFromADuplicate(t *testing.T) {
 	} {
 		other := e
 		change(&other)
-		_, err := s.Insert(ctx, env.Pool, "g", other, dedup.OutcomeApplied)
+		_, err := s.RecordProcessed(ctx, env.Pool, "g", other, dedup.OutcomeApplied)
 		var c *dedup.IDConflictError
 		require.ErrorAs(t, err, &c)
 		require.ErrorIs(t, err, dedup.ErrIDConflict)
@@ -236,13 +226,13 @@ func TestConcurrentIDConflictIsDetected(t *testing.T) {
 	e := event()
 	tx1, err := env.Pool.Begin(ctx)
 	require.NoError(t, err)
-	_, err = s.Insert(ctx, tx1, "g", e, dedup.OutcomeApplied)
+	_, err = s.RecordProcessed(ctx, tx1, "g", e, dedup.OutcomeApplied)
 	require.NoError(t, err)
 	other := e
 	other.AggregateVersion = 2
 	second := make(chan error, 1)
 	go func() {
-		_, err := s.Insert(ctx, env.Pool, "g", other, dedup.OutcomeApplied)
+		_, err := s.RecordProcessed(ctx, env.Pool, "g", other, dedup.OutcomeApplied)
 		second <- err
 	}()
 	require.Eventually(t, func() bool {

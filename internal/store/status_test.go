@@ -1,4 +1,4 @@
-package versioning_test
+package store_test
 
 import (
 	"context"
@@ -11,7 +11,7 @@ import (
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/versioning"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // TestReadGroupStatusAndCollector: parked events, open gaps (and a parked
@@ -24,12 +24,12 @@ func TestReadGroupStatusAndCollector(t *testing.T) {
 	ctx := context.Background()
 	// Group g: acct/a at v1 with v3, v4 parked (gap v2); acct/b with v5
 	// parked (gap v1..v4); acct/c at v1 with v3 parked, then released.
-	require.Equal(t, versioning.Next, deliver(t, s, env, "a", 1))
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "a", 3))
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "a", 4))
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "b", 5))
-	require.Equal(t, versioning.Next, deliver(t, s, env, "c", 1))
-	require.Equal(t, versioning.Gap, deliver(t, s, env, "c", 3))
+	require.Equal(t, store.Next, deliver(t, s, env, "a", 1))
+	require.Equal(t, store.Gap, deliver(t, s, env, "a", 3))
+	require.Equal(t, store.Gap, deliver(t, s, env, "a", 4))
+	require.Equal(t, store.Gap, deliver(t, s, env, "b", 5))
+	require.Equal(t, store.Next, deliver(t, s, env, "c", 1))
+	require.Equal(t, store.Gap, deliver(t, s, env, "c", 3))
 	_, err := s.ReleaseGap(ctx, env.Pool, "g", "acct", "c", "lost")
 	require.NoError(t, err)
 	// An old skip outside the 24-hour window, two late events and two dead
@@ -53,32 +53,31 @@ func TestReadGroupStatusAndCollector(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, held.New(env.Schema).AddRelay(ctx, env.Pool, held.Event{Cause: held.CauseRejected, Reason: "r", MessageUUID: "u"}))
 
-	st, err := s.ReadGroupStatus(ctx, env.Pool, "g", versioning.ReadGroupStatusOptions{})
+	st, err := s.ReadGroupStatus(ctx, env.Pool, "g", store.ReadGroupStatusOptions{})
 	require.NoError(t, err)
 	require.EqualValues(t, 4, st.Parked)
 	require.Positive(t, st.OldestParked)
 	require.EqualValues(t, 2, st.OpenGapCount)
 	require.Len(t, st.OpenGaps, 2)
-	require.Equal(t, versioning.OpenGap{AggregateType: "acct", AggregateID: "a", Current: 1, Follows: 2, Version: 3, Parked: 2, Age: st.OpenGaps[0].Age}, st.OpenGaps[0])
-	require.Equal(t, versioning.OpenGap{AggregateType: "acct", AggregateID: "b", Current: 0, Follows: 4, Version: 5, Parked: 1, Age: st.OpenGaps[1].Age}, st.OpenGaps[1])
+	require.Equal(t, store.OpenGap{AggregateType: "acct", AggregateID: "a", Current: 1, Follows: 2, Version: 3, Parked: 2, Age: st.OpenGaps[0].Age}, st.OpenGaps[0])
+	require.Equal(t, store.OpenGap{AggregateType: "acct", AggregateID: "b", Current: 0, Follows: 4, Version: 5, Parked: 1, Age: st.OpenGaps[1].Age}, st.OpenGaps[1])
 	require.Equal(t, st.OpenGaps[0].Age, st.OldestGap)
 	require.EqualValues(t, 1, st.SkippedGapsRecent, "the release of acct/c; not the 25-hour-old skip")
 	require.EqualValues(t, 1, st.LateHeld)
 	require.EqualValues(t, 1, st.DeadLetters)
 
-	st, err = s.ReadGroupStatus(ctx, env.Pool, "g", versioning.ReadGroupStatusOptions{OpenGapsLimit: 1})
+	st, err = s.ReadGroupStatus(ctx, env.Pool, "g", store.ReadGroupStatusOptions{OpenGapsLimit: 1})
 	require.NoError(t, err)
 	require.EqualValues(t, 2, st.OpenGapCount)
 	require.Len(t, st.OpenGaps, 1)
 
-	all, err := s.ReadGroupStatuses(ctx, env.Pool, versioning.ReadGroupStatusOptions{})
+	all, err := s.ReadGroupStatuses(ctx, env.Pool, store.ReadGroupStatusOptions{})
 	require.NoError(t, err)
 	require.Len(t, all, 2)
 	require.Equal(t, "g", all[0].Group)
-	require.Equal(t, versioning.GroupStatus{Group: "other", OpenGaps: []versioning.OpenGap{}, DeadLetters: 1}, all[1])
+	require.Equal(t, store.GroupStatus{Group: "other", OpenGaps: []store.OpenGap{}, DeadLetters: 1}, all[1])
 
-	c, err := versioning.NewStatusCollector(env.Pool, env.Schema)
-	require.NoError(t, err)
+	c := s.NewStatusCollector(env.Pool)
 	got := gather(t, c)
 	require.Equal(t, 1.0, got["eventline_group_status_up"][""])
 	require.Equal(t, 4.0, got["eventline_group_parked_events"]["g"])
@@ -92,11 +91,11 @@ func TestReadGroupStatusAndCollector(t *testing.T) {
 	require.Equal(t, 0.0, got["eventline_group_parked_events"]["other"])
 
 	// A schema that is not there: up is 0, nothing else is reported.
-	c, err = versioning.NewStatusCollector(env.Pool, pgtest.NewSchemaName(t))
+	missing, err := store.New(pgtest.NewSchemaName(t))
 	require.NoError(t, err)
-	got = gather(t, c)
+	got = gather(t, missing.NewStatusCollector(env.Pool))
 	require.Equal(t, map[string]map[string]float64{"eventline_group_status_up": {"": 0}}, got)
-	_, err = versioning.NewStatusCollector(env.Pool, "bad schema")
+	_, err = store.New("bad schema")
 	require.Error(t, err)
 }
 

@@ -1,4 +1,4 @@
-package middleware
+package delivery
 
 import (
 	"context"
@@ -14,9 +14,8 @@ import (
 // to run a message through the handler it arrived on.
 //
 // A Watermill Router and watermill-kafka's subscriber put these values in
-// the message context themselves; code that runs the middleware without
-// them (a replay, a custom consumer loop) sets them with
-// [ContextWithSource].
+// the message context themselves; the consumer's subscriber and replays
+// set them with [WithSource].
 type Source struct {
 	// Handler is the Watermill handler name.
 	Handler string
@@ -35,17 +34,19 @@ type Source struct {
 	Timestamp time.Time
 }
 
-// ContextWithSource returns ctx carrying s. Its non-empty fields take
-// precedence over what a Router or the Kafka subscriber set.
-func ContextWithSource(ctx context.Context, s Source) context.Context {
-	return context.WithValue(ctx, sourceKey, s)
+type sourceKey struct{}
+
+// WithSource returns ctx carrying s. Its non-empty fields take precedence
+// over what a Router or watermill-kafka's subscriber set.
+func WithSource(ctx context.Context, s Source) context.Context {
+	return context.WithValue(ctx, sourceKey{}, s)
 }
 
-// SourceFromContext returns where the message of ctx came from, from
-// [ContextWithSource], the Watermill Router (handler name, topic) and
-// watermill-kafka's subscriber (partition, offset, key), in that order.
-func SourceFromContext(ctx context.Context) Source {
-	s, _ := ctx.Value(sourceKey).(Source)
+// SourceOf returns where the message of ctx came from, from [WithSource],
+// the Watermill Router (handler name, topic) and watermill-kafka's
+// subscriber (partition, offset, key), in that order.
+func SourceOf(ctx context.Context) Source {
+	s, _ := ctx.Value(sourceKey{}).(Source)
 	if s.Handler == "" {
 		s.Handler = message.HandlerNameFromCtx(ctx)
 	}
@@ -67,9 +68,9 @@ func SourceFromContext(ctx context.Context) Source {
 }
 
 // HandlerName returns the Watermill handler name the message of ctx is
-// delivered to: set by [ContextWithSource], or by the Router.
+// delivered to: set by [WithSource], or by the Router.
 func HandlerName(ctx context.Context) string {
-	if s, ok := ctx.Value(sourceKey).(Source); ok && s.Handler != "" {
+	if s, ok := ctx.Value(sourceKey{}).(Source); ok && s.Handler != "" {
 		return s.Handler
 	}
 	return message.HandlerNameFromCtx(ctx)

@@ -1,4 +1,4 @@
-package versioning
+package store
 
 import (
 	"context"
@@ -8,6 +8,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 )
+
+// ErrNothingParked is returned by ReleaseGap when the aggregate has no
+// parked events, so there is no gap to release.
+var ErrNothingParked = errors.New("eventline: the aggregate has no parked events")
 
 // Release reports what ReleaseGap did.
 type Release struct {
@@ -40,9 +44,9 @@ func (s *Store) ReleaseGap(ctx context.Context, db Beginner, group, aggregateTyp
 	rel := Release{Key: k}
 	switch {
 	case group == "" || aggregateType == "" || aggregateID == "":
-		return rel, errors.New("versioning.ReleaseGap: group, aggregate type and aggregate id are all required")
+		return rel, errors.New("eventline: ReleaseGap: group, aggregate type and aggregate id are all required")
 	case strings.TrimSpace(reason) == "":
-		return rel, errors.New("versioning.ReleaseGap: reason is empty: say why the missing versions are given up, it is kept in skipped_versions")
+		return rel, errors.New("eventline: ReleaseGap: reason is empty: say why the missing versions are given up, it is kept in skipped_versions")
 	}
 	nothing := false
 	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
@@ -94,7 +98,7 @@ func (s *Store) ReleaseGap(ctx context.Context, db Beginner, group, aggregateTyp
 		return nil
 	})
 	if err != nil {
-		return Release{Key: k}, fmt.Errorf("versioning: release gap of %s: %w", k, err)
+		return Release{Key: k}, fmt.Errorf("eventline: release gap of %s: %w", k, err)
 	}
 	if nothing {
 		return rel, fmt.Errorf("%w: %s", ErrNothingParked, k)
