@@ -393,7 +393,7 @@ func (s *Store) MarkRequested(ctx context.Context, db DBTX, ids ...int64) error 
 // it goes back to held (the operator decides again), else the consumer
 // tries again after wait.
 func (s *Store) MarkReplayFailed(ctx context.Context, db DBTX, id int64, replayErr string, wait time.Duration, giveUp bool) error {
-	if _, err := db.Exec(ctx, s.replayFailed, id, CleanText(truncate(replayErr, maxReasonBytes)), wait.Microseconds(), giveUp); err != nil {
+	if _, err := db.Exec(ctx, s.replayFailed, id, CleanText(Truncate(replayErr, maxReasonBytes)), wait.Microseconds(), giveUp); err != nil {
 		return fmt.Errorf("record the failed replay of held event %d: %w", id, err)
 	}
 	return nil
@@ -403,7 +403,7 @@ func (s *Store) MarkReplayFailed(ctx context.Context, db DBTX, id int64, replayE
 // and returns their ids, or ErrNone.
 func (s *Store) Discard(ctx context.Context, db DBTX, f Filter, reason string) ([]int64, error) {
 	f.Statuses = Open
-	rows, err := db.Query(ctx, s.discard, append(f.args(), CleanText(truncate(reason, maxReasonBytes)))...)
+	rows, err := db.Query(ctx, s.discard, append(f.args(), CleanText(Truncate(reason, maxReasonBytes)))...)
 	if err != nil {
 		return nil, fmt.Errorf("discard held events: %w", err)
 	}
@@ -506,9 +506,9 @@ func (s *Store) CountOpen(ctx context.Context, db DBTX, group string, kind Kind)
 // Attempts and LastError its publishes.
 func (s *Store) AddRelay(ctx context.Context, tx DBTX, e Event) error {
 	hk, hv := Headers(e.Metadata)
-	_, err := tx.Exec(ctx, s.addRelay, e.Cause, CleanText(truncate(e.Reason, maxReasonBytes)), e.Shard, []byte(e.MessageUUID),
+	_, err := tx.Exec(ctx, s.addRelay, e.Cause, CleanText(Truncate(e.Reason, maxReasonBytes)), e.Shard, []byte(e.MessageUUID),
 		CleanText(e.EventID), CleanText(e.EventType), CleanText(e.AggregateType), CleanText(e.AggregateID), e.AggregateVersion,
-		CleanText(e.Topic), payload(e.Payload), hk, hv, e.Attempts, CleanText(truncate(e.LastError, maxReasonBytes)))
+		CleanText(e.Topic), payload(e.Payload), hk, hv, e.Attempts, CleanText(Truncate(e.LastError, maxReasonBytes)))
 	if err != nil {
 		return fmt.Errorf("write dead letter: %w", err)
 	}
@@ -539,7 +539,7 @@ func (s *Store) AddDeadLetter(ctx context.Context, db DBTX, e Event) (int64, err
 	var id int64
 	err := db.QueryRow(ctx, s.addDeadLetter, CleanText(e.Group), CleanText(e.Topic), CleanText(e.Handler), partition, offset, e.Key,
 		[]byte(e.MessageUUID), payload(e.Payload), hk, hv, CleanText(e.EventID), CleanText(e.EventType), CleanText(e.AggregateType),
-		CleanText(e.AggregateID), e.AggregateVersion, e.PreviousVersion, cause, CleanText(truncate(e.Reason, maxReasonBytes))).Scan(&id)
+		CleanText(e.AggregateID), e.AggregateVersion, e.PreviousVersion, cause, CleanText(Truncate(e.Reason, maxReasonBytes))).Scan(&id)
 	if err != nil {
 		return 0, fmt.Errorf("write dead letter of group %s: %w", e.Group, err)
 	}
@@ -611,9 +611,9 @@ func CleanText(s string) string {
 	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
 }
 
-// truncate cuts s to at most n bytes, on a rune boundary, marking the cut
+// Truncate cuts s to at most n bytes, on a rune boundary, marking the cut
 // with "…".
-func truncate(s string, n int) string {
+func Truncate(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
