@@ -22,6 +22,7 @@ import (
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
 )
 
 // bundle is what the status tests share: a migrated schema and its stores.
@@ -62,7 +63,7 @@ func (b bundle) park(t *testing.T, group, aggID string, applied int64, park ...i
 			if _, err := b.vs.Admit(b.ctx, tx, group, e, false); err != nil || !parkIt {
 				return err
 			}
-			_, err := b.vs.Park(b.ctx, tx, store.ParkRequest{Group: group, Event: e, Handler: "things", Topic: "things"})
+			_, err := b.vs.Park(b.ctx, tx, store.ParkRequest{Group: group, Event: e, Handler: "things", Topic: "things", MaxGap: versioning.DefaultMaxGap})
 			return err
 		}))
 	}
