@@ -242,24 +242,9 @@ type ShardStatus struct {
 // HorizonHolder describes the transaction holding PostgreSQL's xmin
 // horizon: the relays read only rows of transactions older than every open
 // one, so while it stays open, newer committed events wait. End it (commit,
-// roll back, or pg_terminate_backend(PID)) and they flow again.
-type HorizonHolder struct {
-	// PID is its backend's process id (0 for a prepared transaction).
-	PID int32
-	// Xid is its transaction id; BackendXmin its snapshot's xmin, if any.
-	Xid, BackendXmin string
-	// XactAge is how long the transaction has been open.
-	XactAge time.Duration
-	// QueryStart is when its current or last statement started.
-	QueryStart *time.Time
-	// State is pg_stat_activity.state (e.g. "idle in transaction").
-	State string
-	// ApplicationName and Database say whose it is; Query is its current
-	// or last statement, when the role reading it may see it.
-	ApplicationName, Database, Query string
-	// PreparedGID is set for a prepared (two-phase) transaction.
-	PreparedGID string
-}
+// roll back, or pg_terminate_backend(PID)) and they flow again. Its fields
+// are documented on the type it names.
+type HorizonHolder = outbox.HorizonHolder
 
 // ReadHorizonHolder returns the oldest transaction holding a transaction
 // id in the cluster, or nil when there is none.
@@ -267,16 +252,7 @@ func ReadHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
 	if err := checkDB("ReadHorizonHolder", "db", db); err != nil {
 		return nil, err
 	}
-	return readHorizonHolder(ctx, db)
-}
-
-func readHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
-	h, err := outbox.ReadHorizonHolder(ctx, db)
-	if h == nil || err != nil {
-		return nil, err
-	}
-	holder := HorizonHolder(*h)
-	return &holder, nil
+	return outbox.ReadHorizonHolder(ctx, db)
 }
 
 // shardStatusSQL reads one shard's backlog ($1 the relays' consumer
@@ -331,7 +307,7 @@ func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 		}
 		st.Shards = append(st.Shards, ss)
 		if ss.HeldBack > 0 && st.HorizonHolder == nil {
-			if st.HorizonHolder, err = readHorizonHolder(ctx, db); err != nil {
+			if st.HorizonHolder, err = outbox.ReadHorizonHolder(ctx, db); err != nil {
 				return st, err
 			}
 		}
