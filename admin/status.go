@@ -3,7 +3,9 @@ package admin
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -384,4 +386,89 @@ func shardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwne
 		out[shard] = o
 	}
 	return out, rows.Err()
+}
+
+// AggregateVersion names one version of one aggregate.
+type AggregateVersion struct {
+	AggregateType string
+	AggregateID   string // see AggregateType
+	Version       int64
+}
+
+// OutboxVersion is the newest outbox row of one aggregate version
+// (FindOutboxVersions).
+type OutboxVersion struct {
+	AggregateVersion
+	// Shard is the outbox shard holding the row; MessageUUID is the row's
+	// uuid (a relay dead letter's HeldEvent.MessageUUID).
+	Shard       int
+	MessageUUID string
+	// EventID and Topic come from the row's forwarder envelope (empty
+	// when it does not decode); Committed is when the row was written.
+	EventID   string
+	Topic     string // see EventID
+	Committed time.Time
+	// Relayed is true when the relays' position is at or past the row:
+	// it was published to Kafka (or dead-lettered by the relay).
+	Relayed bool
+}
+
+// outboxVersionsSQL reads the newest outbox row of each aggregate version
+// ($1 types, $2 ids, $3 versions as text) of one shard, and whether the
+// relays' position ($4 their consumer group) is at or past it.
+const outboxVersionsSQL = `SELECT DISTINCT ON (md.aggregate_type, md.aggregate_id, md.aggregate_version)
+		md.aggregate_type, md.aggregate_id, md.aggregate_version, COALESCE(env.uuid, ''), COALESCE(env.destination_topic, ''), m.created_at::timestamptz,
+		(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)),
+		m.uuid::text
+	FROM {messages} m
+	CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(m.payload) = 'object' THEN m.payload ELSE '{}' END)
+		AS env(uuid text, destination_topic text, metadata json)
+	CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(env.metadata) = 'object' THEN env.metadata ELSE '{}' END)
+		AS md(aggregate_type text, aggregate_id text, aggregate_version text)
+	LEFT JOIN {offsets} o ON o.consumer_group = $4
+	WHERE (md.aggregate_type, md.aggregate_id, md.aggregate_version) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))
+	ORDER BY md.aggregate_type, md.aggregate_id, md.aggregate_version, m.transaction_id DESC, m."offset" DESC`
+
+// FindOutboxVersions returns the newest outbox row of each of versions
+// that the outbox in schema holds (`eventline parked list` looks for the
+// versions parked events wait for), searching each shard the aggregates
+// hash to with one query. Versions without a row are absent. A schema
+// without an outbox is an error wrapping producer.ErrNotMigrated.
+func FindOutboxVersions(ctx context.Context, db DBTX, schema string, versions []AggregateVersion) ([]OutboxVersion, error) {
+	if err := checkArgs("FindOutboxVersions", db, schema); err != nil {
+		return nil, err
+	}
+	shards, err := outbox.ShardCount(ctx, db, schema)
+	if err != nil {
+		return nil, err
+	}
+	byShard := map[int][]AggregateVersion{}
+	for _, v := range versions {
+		s := outbox.ShardFor(v.AggregateType, v.AggregateID, shards)
+		byShard[s] = append(byShard[s], v)
+	}
+	var out []OutboxVersion
+	for _, shard := range slices.Sorted(maps.Keys(byShard)) {
+		vs := byShard[shard]
+		types, ids, nums := make([]string, len(vs)), make([]string, len(vs)), make([]string, len(vs))
+		for i, v := range vs {
+			types[i], ids[i], nums[i] = v.AggregateType, v.AggregateID, strconv.FormatInt(v.Version, 10)
+		}
+		rows, err := db.Query(ctx, outbox.SQL(schema, shard, outboxVersionsSQL), types, ids, nums, outbox.RelayConsumerGroup)
+		if err != nil {
+			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
+		}
+		found, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (OutboxVersion, error) {
+			ov := OutboxVersion{Shard: shard}
+			var version string
+			err := row.Scan(&ov.AggregateType, &ov.AggregateID, &version, &ov.EventID, &ov.Topic, &ov.Committed, &ov.Relayed, &ov.MessageUUID)
+			ov.Version, _ = strconv.ParseInt(version, 10, 64)
+			return ov, err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
+		}
+		out = append(out, found...)
+	}
+	return out, nil
 }

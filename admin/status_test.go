@@ -1,7 +1,9 @@
 package admin_test
 
 import (
+	"cmp"
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -273,4 +275,38 @@ func TestNewStatusCollectorGroups(t *testing.T) {
 	for _, f := range families {
 		require.NotContains(t, f.GetName(), "eventline_outbox_", "no eventline_outbox_* series on a schema without an outbox")
 	}
+}
+
+// TestFindOutboxVersions: the newest outbox row of each wanted version,
+// with its shard, envelope and whether the relay passed it; versions
+// without a row are absent, and a schema without an outbox is
+// ErrNotMigrated.
+func TestFindOutboxVersions(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 2)
+	events := relaytest.PublishOrders(t, b.env, "orders", 1, 2, 2)
+	want := []admin.AggregateVersion{
+		{AggregateType: "order", AggregateID: "agg-0", Version: 1},
+		{AggregateType: "order", AggregateID: "agg-0", Version: 2},
+		{AggregateType: "order", AggregateID: "agg-0", Version: 9},
+		{AggregateType: "order", AggregateID: "agg-1", Version: 1},
+	}
+	found, err := admin.FindOutboxVersions(b.ctx, b.env.Pool, b.env.Schema, want)
+	require.NoError(t, err)
+	require.Len(t, found, 2)
+	slices.SortFunc(found, func(x, y admin.OutboxVersion) int { return cmp.Compare(x.Version, y.Version) })
+	for i, f := range found {
+		require.Equal(t, want[i], f.AggregateVersion)
+		require.Equal(t, outbox.ShardFor("order", "agg-0", 2), f.Shard)
+		require.Equal(t, events[i].ID, f.EventID)
+		require.Equal(t, "orders", f.Topic)
+		require.NotEmpty(t, f.MessageUUID)
+		require.WithinDuration(t, time.Now(), f.Committed, time.Minute)
+		require.False(t, f.Relayed, "no relay ran")
+	}
+
+	_, err = b.env.Pool.Exec(b.ctx, `DROP TABLE `+sqlident.Qualify(b.env.Schema, "outbox_config"))
+	require.NoError(t, err)
+	_, err = admin.FindOutboxVersions(b.ctx, b.env.Pool, b.env.Schema, want)
+	require.ErrorIs(t, err, producer.ErrNotMigrated)
 }
