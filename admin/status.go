@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -118,75 +119,110 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	if !st.ConsumerTables {
 		return st, nil
 	}
-	st.Groups, err = readGroups(ctx, db, schema, openGaps)
+	gs, err := store.New(schema)
+	if err != nil {
+		return st, err
+	}
+	st.Groups, err = readGroups(ctx, db, gs, openGaps, true)
 	return st, err
 }
 
-// groupsSQL lists the groups with dedup records, skipping along the
-// primary key from one group to the next, so the cost grows with the
-// groups, not the rows; the consumer's store lists those of its own
-// tables.
-const groupsSQL = `WITH RECURSIVE g(name) AS (
-		(SELECT consumer_group FROM {schema}.processed_events ORDER BY consumer_group LIMIT 1)
-		UNION ALL
-		SELECT (SELECT consumer_group FROM {schema}.processed_events WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
-		FROM g WHERE g.name IS NOT NULL
-	) SELECT name FROM g WHERE name IS NOT NULL`
+// defaultOpenGaps is how many open gaps ReadStatus lists per group when
+// asked for 0.
+const defaultOpenGaps = 20
 
-// skippedSQL counts the gaps group $1 skipped and the versions in them.
-const skippedSQL = `SELECT count(*), COALESCE(sum(to_version - from_version + 1), 0)::bigint
-	FROM {schema}.skipped_versions WHERE consumer_group = $1`
-
-// readGroups reads every consumer group's status, by name.
-func readGroups(ctx context.Context, db DBTX, schema string, openGaps int) ([]GroupStatus, error) {
-	st, err := store.New(schema)
+// readGroups reads the status of every consumer group that recorded a
+// version or a parked event or holds an open late event or dead letter,
+// by name, listing up to openGaps open gaps each (as ReadStatus takes
+// it). With totals it adds the groups with only dedup records and reads
+// every group's dedup records and skipped gaps (ReadStatus; the collector
+// reads without).
+func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, totals bool) ([]GroupStatus, error) {
+	withHeld, err := st.HasHeldEvents(ctx, db)
 	if err != nil {
 		return nil, err
 	}
-	statuses, err := st.ReadGroupStatuses(ctx, db, store.ReadGroupStatusOptions{OpenGapsLimit: openGaps})
+	names, err := st.StatusGroups(ctx, db, withHeld)
 	if err != nil {
 		return nil, err
 	}
-	rows, err := db.Query(ctx, sqlident.SQL(schema, groupsSQL))
-	if err != nil {
-		return nil, fmt.Errorf("list the consumer groups with dedup records: %w", err)
-	}
-	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return nil, fmt.Errorf("list the consumer groups with dedup records: %w", err)
-	}
-	byGroup := map[string]store.GroupStatus{}
-	for _, gs := range statuses {
-		byGroup[gs.Group] = gs
-		names = append(names, gs.Group)
-	}
-	slices.Sort(names)
-	names = slices.Compact(names)
-	skipped := sqlident.SQL(schema, skippedSQL)
 	out := make([]GroupStatus, 0, len(names))
 	for _, name := range names {
-		g := groupStatus(name, byGroup[name])
-		if g.Processed, err = st.CountProcessed(ctx, db, name); err != nil {
+		g, err := readGroup(ctx, db, st, name, openGaps, withHeld)
+		if err != nil {
 			return nil, err
 		}
-		if err := db.QueryRow(ctx, skipped, name).Scan(&g.SkippedGaps, &g.SkippedVersions); err != nil {
-			return nil, fmt.Errorf("read the skipped gaps of group %q: %w", name, err)
-		}
 		out = append(out, g)
+	}
+	if !totals {
+		return out, nil
+	}
+	processed, err := st.ProcessedGroups(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	for _, name := range processed {
+		if !slices.Contains(names, name) {
+			out = append(out, GroupStatus{Group: name, OpenGaps: []OpenGap{}})
+		}
+	}
+	slices.SortFunc(out, func(a, b GroupStatus) int { return strings.Compare(a.Group, b.Group) })
+	for i := range out {
+		g := &out[i]
+		if g.Processed, err = st.CountProcessed(ctx, db, g.Group); err != nil {
+			return nil, err
+		}
+		if g.SkippedGaps, g.SkippedVersions, err = st.SkippedTotals(ctx, db, g.Group); err != nil {
+			return nil, err
+		}
 	}
 	return out, nil
 }
 
-// groupStatus is the store's status of group as admin reports it.
-func groupStatus(group string, s store.GroupStatus) GroupStatus {
-	g := GroupStatus{Group: group, Parked: s.Parked, OldestParked: s.OldestParked, OpenGapCount: s.OpenGapCount,
-		OpenGaps: make([]OpenGap, 0, len(s.OpenGaps)), OldestGap: s.OldestGap, SkippedGapsRecent: s.SkippedGapsRecent,
-		LateHeld: s.LateHeld, DeadLetters: s.DeadLetters}
-	for _, o := range s.OpenGaps {
-		g.OpenGaps = append(g.OpenGaps, OpenGap(o))
+// readGroup reads the group's parked events, open gaps, recently skipped
+// gaps, held late events and unresolved dead letters.
+func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, openGaps int, withHeld bool) (GroupStatus, error) {
+	g := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
+	var oldest float64
+	err := st.GroupCounts(ctx, db, group, withHeld).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
+	if err != nil {
+		return g, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
 	}
-	return g
+	g.OldestParked = seconds(oldest)
+	if g.Parked == 0 {
+		return g, nil
+	}
+	if openGaps == 0 {
+		openGaps = defaultOpenGaps
+	}
+	rows, err := st.OpenGaps(ctx, db, group, openGaps)
+	if err != nil {
+		return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
+	}
+	defer rows.Close()
+	first := true
+	for rows.Next() {
+		var o OpenGap
+		var age float64
+		if err := rows.Scan(&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount); err != nil {
+			return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
+		}
+		o.Age = seconds(age)
+		if first {
+			g.OldestGap, first = o.Age, false
+		}
+		if openGaps > 0 {
+			g.OpenGaps = append(g.OpenGaps, o)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
+	}
+	return g, nil
 }
+
+// seconds is a non-negative number of seconds as a duration.
+func seconds(s float64) time.Duration { return time.Duration(max(s, 0) * float64(time.Second)) }
 
 // OutboxStatus is a snapshot of the outbox read from the database.
 type OutboxStatus struct {
@@ -298,7 +334,7 @@ func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 		if err != nil {
 			return st, fmt.Errorf("read shard %d status: %w", shard, err)
 		}
-		ss.OldestPending = time.Duration(max(oldest, 0) * float64(time.Second))
+		ss.OldestPending = seconds(oldest)
 		c, err := outbox.CheckPosition(ctx, db, schema, shard)
 		if err != nil {
 			return st, err
