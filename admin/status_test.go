@@ -57,6 +57,20 @@ func (b bundle) readStatus(t *testing.T, schema string) admin.Status {
 	return st
 }
 
+// outboxOnly returns a new schema migrated up to the outbox only (every
+// later migration rolled back), dropped when the test ends.
+func (b bundle) outboxOnly(t *testing.T) string {
+	t.Helper()
+	schema := pgtest.NewSchemaName(t)
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+	cfg := migrations.Config{Schema: schema, Shards: 1}
+	require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
+	all, err := migrations.All()
+	require.NoError(t, err)
+	require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1))
+	return schema
+}
+
 // park admits versions 1..applied of thing/aggID for group, then parks
 // the versions in park, as the consumer's gate would.
 func (b bundle) park(t *testing.T, group, aggID string, applied int64, park ...int64) {
@@ -131,13 +145,7 @@ func TestReadStatus(t *testing.T) {
 	t.Run("a schema missing later migrations is reported, not an aborted transaction", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, 1)
-		schema := pgtest.NewSchemaName(t)
-		t.Cleanup(func() { pgtest.DropSchema(t, schema) })
-		cfg := migrations.Config{Schema: schema, Shards: 1}
-		require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
-		all, err := migrations.All()
-		require.NoError(t, err)
-		require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1)) // the outbox only
+		schema := b.outboxOnly(t)
 
 		st := b.readStatus(t, schema)
 		require.Len(t, st.Outbox.Shards, 1)
@@ -146,7 +154,7 @@ func TestReadStatus(t *testing.T) {
 		require.False(t, st.ConsumerTables)
 		require.Empty(t, st.Groups)
 
-		_, err = admin.ShardOwners(b.ctx, b.env.Pool, schema)
+		_, err := admin.ShardOwners(b.ctx, b.env.Pool, schema)
 		require.ErrorIs(t, err, producer.ErrNotMigrated)
 		_, err = admin.ReadStatus(b.ctx, b.env.Pool, pgtest.NewSchemaName(t), 0)
 		require.ErrorIs(t, err, producer.ErrNotMigrated, "no outbox at all")
@@ -251,13 +259,7 @@ func TestNewStatusCollectorGroups(t *testing.T) {
 	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_status_up"))
 	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_parked_events"))
 
-	schema := pgtest.NewSchemaName(t)
-	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
-	cfg := migrations.Config{Schema: schema, Shards: 1}
-	require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
-	all, err := migrations.All()
-	require.NoError(t, err)
-	require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1))
+	schema := b.outboxOnly(t)
 	families, err := gather(schema).Gather()
 	require.NoError(t, err)
 	for _, f := range families {
