@@ -61,7 +61,7 @@ func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
 	if err != nil {
 		return nil, fmt.Errorf("admin.NewStatusCollector: %w", err)
 	}
-	return statusCollector{newOutboxCollector(db, schema), &groupStatusCollector{Collector: st.NewStatusCollector(db), db: db, schema: schema}}, nil
+	return statusCollector{newOutboxCollector(db, schema), newGroupCollector(db, schema, st)}, nil
 }
 
 // statusCollector is the outbox's collector and the groups'.
@@ -138,23 +138,67 @@ func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.retrying, prometheus.GaugeValue, float64(st.Retrying))
 }
 
-// groupStatusCollector is the consumer groups' collector on a schema that
-// may have no consumer tables: at each scrape it looks for them first.
-type groupStatusCollector struct {
-	prometheus.Collector
+// groupCollector reports the consumer groups' status (readGroups) at
+// scrape time, on a schema that may have no consumer tables: it looks for
+// them first.
+type groupCollector struct {
 	db     DBTX
 	schema string
+	store  *store.Store
+
+	up, parked, oldestParked, openGaps, oldestGap, skipped, late, dead *prometheus.Desc
 }
 
-func (c *groupStatusCollector) Collect(ch chan<- prometheus.Metric) {
+func newGroupCollector(db DBTX, schema string, st *store.Store) *groupCollector {
+	group := []string{"group"}
+	desc := func(name, help string) *prometheus.Desc {
+		return prometheus.NewDesc("eventline_group_"+name, help, group, nil)
+	}
+	return &groupCollector{
+		db: db, schema: schema, store: st,
+		up:           prometheus.NewDesc("eventline_group_status_up", "1 if the consumer groups' status could be read from the database.", nil, nil),
+		parked:       desc("parked_events", "Events parked waiting for a missing earlier version of their aggregate."),
+		oldestParked: desc("oldest_parked_seconds", "Age of the group's oldest parked event; 0 when none."),
+		openGaps:     desc("open_gaps", "Aggregates whose lowest parked event waits for versions that have not arrived."),
+		oldestGap:    desc("oldest_open_gap_seconds", "Age of the oldest open gap (since the aggregate's oldest parked event parked); 0 when none."),
+		skipped:      desc("skipped_gaps_24h", "Gaps recorded in skipped_versions in the last 24 hours (park timeout, gap policy, give-ups, operator releases)."),
+		late:         desc("late_events", "Late events held for the operator, not yet replayed or discarded (eventline held list -kind late)."),
+		dead:         desc("dead_letters", "Consumer dead letters not yet replayed or discarded (eventline held list -kind dead_letter)."),
+	}
+}
+
+func (c *groupCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.up, c.parked, c.oldestParked, c.openGaps, c.oldestGap, c.skipped, c.late, c.dead} {
+		ch <- d
+	}
+}
+
+func (c *groupCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), collectTimeout)
 	defer cancel()
-	// 002_consumer creates both; the store's ReadGroupStatuses works from it on.
+	// 002_consumer creates both; readGroups works from it on.
 	var absent bool
 	err := c.db.QueryRow(ctx, `SELECT to_regclass($1) IS NULL AND to_regclass($2) IS NULL`,
 		sqlident.Qualify(c.schema, "aggregate_versions"), sqlident.Qualify(c.schema, "parked_events")).Scan(&absent)
 	if err == nil && absent {
 		return
 	}
-	c.Collector.Collect(ch)
+	groups, err := readGroups(ctx, c.db, c.store, -1, false)
+	if err != nil {
+		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 0)
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 1)
+	gauge := func(d *prometheus.Desc, v float64, group string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, group)
+	}
+	for _, g := range groups {
+		gauge(c.parked, float64(g.Parked), g.Group)
+		gauge(c.oldestParked, g.OldestParked.Seconds(), g.Group)
+		gauge(c.openGaps, float64(g.OpenGapCount), g.Group)
+		gauge(c.oldestGap, g.OldestGap.Seconds(), g.Group)
+		gauge(c.skipped, float64(g.SkippedGapsRecent), g.Group)
+		gauge(c.late, float64(g.LateHeld), g.Group)
+		gauge(c.dead, float64(g.DeadLetters), g.Group)
+	}
 }

@@ -11,10 +11,13 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
+	"github.com/eventline/eventline/versioning"
 )
 
 // What an operator looks at first: the backlog and who relays it, each
@@ -75,4 +78,40 @@ func exampleDatabase() (pool *pgxpool.Pool, schema string, drop func()) {
 		_, _ = pool.Exec(ctx, `DROP SCHEMA `+sqlident.Quote(schema)+` CASCADE`)
 		pool.Close()
 	}
+}
+
+// A consumer group's gaps and stalls, as `eventline status` shows them and
+// NewStatusCollector exposes them to Prometheus (`eventline relay`
+// registers it next to its own metrics).
+func ExampleReadStatus_groups() {
+	ctx := context.Background()
+	pool, schema, drop := exampleDatabase()
+	defer drop()
+	s, _ := store.New(schema)
+	// Version 1 of order 42 was applied; version 3 arrived and parked.
+	for _, v := range []int64{1, 3} {
+		e := consumertest.Event("42", v)
+		_ = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			a, err := s.Admit(ctx, tx, "billing", e, false)
+			if err != nil || a.Verdict != store.Gap {
+				return err
+			}
+			_, err = s.Park(ctx, tx, store.ParkRequest{Group: "billing", Event: e, Current: a.Previous, MaxGap: versioning.DefaultMaxGap})
+			return err
+		})
+	}
+	st, err := admin.ReadStatus(ctx, pool, schema, 0)
+	if err != nil {
+		panic(err)
+	}
+	for _, g := range st.Groups {
+		fmt.Printf("%s: %d parked, %d open gap\n", g.Group, g.Parked, g.OpenGapCount)
+		for _, o := range g.OpenGaps {
+			fmt.Printf("%s/%s at v%d waits for v%d..v%d\n", o.AggregateType, o.AggregateID, o.Current, o.Current+1, o.Follows)
+		}
+	}
+	_, _ = admin.NewStatusCollector(pool, schema) // register it with a prometheus.Registerer
+	// Output:
+	// billing: 1 parked, 1 open gap
+	// thing/42 at v1 waits for v2..v2
 }

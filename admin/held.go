@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"time"
 
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
@@ -18,7 +17,7 @@ import (
 
 // HeldKind is the kind of a held event: what held it, and what its replay
 // does.
-type HeldKind string
+type HeldKind = held.Kind
 
 // The kinds of held events.
 const (
@@ -26,129 +25,48 @@ const (
 	// (Kafka rejected it for good, or every attempt failed). It is held in
 	// the producer's database; a replay re-enqueues it into its outbox
 	// shard at once, with the same envelope.
-	HeldRelayDeadLetter HeldKind = "relay_dead_letter"
+	HeldRelayDeadLetter = held.KindRelayDeadLetter
 	// HeldDeadLetter: a message a consumer group gave up on (it can never
 	// succeed as it is, or its handler kept failing). It is held in the
 	// consumer's database; a running consumer of the group replays it
 	// through the version gate and the handler it arrived on.
-	HeldDeadLetter HeldKind = "dead_letter"
+	HeldDeadLetter = held.KindDeadLetter
 	// HeldLate: an event a consumer group received but can no longer
 	// apply in order, because its aggregate passed its version. A running
 	// consumer of the group applies it late on request, the handler told
 	// (middleware.IsLate).
-	HeldLate HeldKind = "late"
+	HeldLate = held.KindLate
 )
 
 // HeldStatus is where a held event is in its life: held, then
 // replay_requested (consumer kinds), then replayed; or discarded.
-type HeldStatus string
+type HeldStatus = held.Status
 
 // The statuses of a held event.
 const (
 	// StatusHeld: waiting for an operator (a failed replay comes back
 	// here, with its error).
-	StatusHeld HeldStatus = "held"
+	StatusHeld = held.StatusHeld
 	// StatusReplayRequested: a running consumer of the group replays it on
 	// its next sweep.
-	StatusReplayRequested HeldStatus = "replay_requested"
+	StatusReplayRequested = held.StatusReplayRequested
 	// StatusReplayed: re-enqueued into the outbox (the relay's), or run
 	// through its handler and committed.
-	StatusReplayed HeldStatus = "replayed"
+	StatusReplayed = held.StatusReplayed
 	// StatusDiscarded: given up, with the operator's reason.
-	StatusDiscarded HeldStatus = "discarded"
+	StatusDiscarded = held.StatusDiscarded
 )
 
-// HeldEvent is an event held for the operator. The message is kept
-// whole, every byte of its payload and headers as received (or, for the
-// relay's, as its outbox row held it), with no size limit.
-type HeldEvent struct {
-	// ID orders held events as they were held; ReplayHeld and DiscardHeld
-	// take it.
-	ID int64
-	// Kind says what held it. Cause says why: for dead letters
-	// permanent, retries_exhausted, failed, id_conflict, gap_too_large or
-	// a component's own, for the relay's rejected, retries_exhausted or
-	// malformed; for late events arrived_late (its version had been given
-	// up on), passed (parked, and its aggregate passed it), release_failed
-	// (parked, and kept failing) or version_conflict (a replayed dead
-	// letter whose version another event took while it was held). Reason
-	// is the error or explanation, in full (up to 8 KiB).
-	Kind   HeldKind
-	Cause  string // see Kind
-	Reason string // see Kind
-	// Group is the consumer group holding it; empty for the relay's.
-	Group string
-	// EventID, EventType, AggregateType, AggregateID, AggregateVersion and
-	// PreviousVersion come from the envelope when it decodes (a dead
-	// letter's may not: then they are empty, 0).
-	EventID          string
-	EventType        string // see EventID
-	AggregateType    string // see EventID
-	AggregateID      string // see EventID
-	AggregateVersion int64  // see EventID
-	PreviousVersion  int64  // see EventID
-	// CurrentVersion was the aggregate's version when a late event was
-	// held.
-	CurrentVersion int64
-	// Topic is the topic it came from (consumer kinds) or was bound for
-	// (the relay's); Handler the Watermill handler it was delivered to, and
-	// a replay runs it through.
-	Topic   string
-	Handler string // see Topic
-	// MessageUUID, Payload and Metadata are the message (the relay's: the
-	// outbox row's uuid, the forwarder envelope and the row's metadata).
-	MessageUUID string
-	Payload     []byte
-	Metadata    map[string]string // see MessageUUID
-	// FromKafka is true when Partition, Offset and Key locate the record
-	// on Kafka.
-	FromKafka bool
-	Partition int32  // see FromKafka
-	Offset    int64  // see FromKafka
-	Key       []byte // see FromKafka
-	// Shard is the outbox shard of a relay dead letter.
-	Shard int
-	// HeldAt is when it was held (last, when a redelivered record was
-	// dead-lettered again); Times counts how often.
-	HeldAt time.Time
-	Times  int // see HeldAt
-	// Status, and the fields after it, record its life.
-	Status            HeldStatus
-	ReplayRequestedAt *time.Time // see Status
-	ReplayedAt        *time.Time // see Status
-	// Attempts counts failed attempts to deliver it: the relay's publishes
-	// and a parked event's releases before it was held, and replays since
-	// the last request. LastError is the last one's error; NextAttemptAt
-	// when the consumer tries a requested replay again.
-	Attempts      int
-	LastError     string     // see Attempts
-	LastAttemptAt *time.Time // see Attempts
-	NextAttemptAt *time.Time // see Attempts
-	DiscardedAt   *time.Time // see Status
-	DiscardReason string     // see Status
-}
+// HeldEvent is an event held for the operator: the message kept whole,
+// every byte of its payload and headers as received (or, for the relay's,
+// as its outbox row held it), with no size limit. Its fields are
+// documented on the type it names.
+type HeldEvent = held.Event
 
-// HeldFilter selects held events. Empty fields match everything. Text is
-// compared as stored: NUL bytes and invalid UTF-8 become U+FFFD on both
-// sides, so a hostile record is found by the group and aggregate it
-// claimed.
-type HeldFilter struct {
-	// Kind selects one kind.
-	Kind HeldKind
-	// Group selects one consumer group (the relay's have none).
-	Group string
-	// AggregateType and AggregateID select one aggregate.
-	AggregateType string
-	AggregateID   string // see AggregateType
-	// IDs selects these held events (HeldEvent.ID) only.
-	IDs []int64
-	// Statuses selects these statuses (ListHeld only; it defaults to the
-	// open ones: held and replay_requested). ReplayHeld takes held ones,
-	// DiscardHeld open ones.
-	Statuses []HeldStatus
-	// Limit caps ListHeld. Defaults to 100.
-	Limit int
-}
+// HeldFilter selects held events (ListHeld, ReplayHeld, DiscardHeld).
+// Empty fields match everything; its fields are documented on the type
+// it names.
+type HeldFilter = held.Filter
 
 // ErrNoHeld is returned by ReplayHeld and DiscardHeld when no held event
 // the filter selects can be replayed or discarded.
@@ -157,19 +75,10 @@ var ErrNoHeld = held.ErrNone
 // ListHeld returns the held events f selects, oldest first: by default
 // those waiting for an operator or for their replay.
 func ListHeld(ctx context.Context, db DBTX, schema string, f HeldFilter) ([]HeldEvent, error) {
-	hf, err := f.check("ListHeld", db, schema)
-	if err != nil {
+	if err := checkFilter("ListHeld", db, schema, f); err != nil {
 		return nil, err
 	}
-	list, err := held.New(schema).List(ctx, db, hf)
-	if err != nil {
-		return nil, err
-	}
-	out := make([]HeldEvent, len(list))
-	for i, e := range list {
-		out[i] = heldEvent(e)
-	}
-	return out, nil
+	return held.New(schema).List(ctx, db, f)
 }
 
 // HeldReplay reports what ReplayHeld did.
@@ -239,15 +148,14 @@ const groupsSkippedSQL = `SELECT h.id, array_agg(DISTINCT s.consumer_group ORDER
 // group, from the database the consumer uses: run ReplayHeld there.
 func ReplayHeld(ctx context.Context, db Beginner, schema string, f HeldFilter) (HeldReplay, error) {
 	var res HeldReplay
-	hf, err := f.check("ReplayHeld", db, schema)
-	if err != nil {
+	if err := checkFilter("ReplayHeld", db, schema, f); err != nil {
 		return res, err
 	}
-	hf.Statuses = []held.Status{held.StatusHeld}
+	f.Statuses = []held.Status{held.StatusHeld}
 	store := held.New(schema)
-	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		res = HeldReplay{}
-		events, err := store.Lock(ctx, tx, hf)
+		events, err := store.Lock(ctx, tx, f)
 		if err != nil {
 			return err
 		}
@@ -345,43 +253,27 @@ func arrivesLate(ctx context.Context, tx pgx.Tx, schema string, events []held.Ev
 // later versions of the aggregate applies them after its park timeout (or
 // at once after `eventline parked release`).
 func DiscardHeld(ctx context.Context, db DBTX, schema string, f HeldFilter, reason string) ([]int64, error) {
-	hf, err := f.check("DiscardHeld", db, schema)
-	if err != nil {
+	if err := checkFilter("DiscardHeld", db, schema, f); err != nil {
 		return nil, err
 	}
 	if strings.TrimSpace(reason) == "" {
 		return nil, errors.New("admin.DiscardHeld: reason is empty: say why these events are given up (it is kept with them)")
 	}
-	return held.New(schema).Discard(ctx, db, hf, reason)
+	return held.New(schema).Discard(ctx, db, f, reason)
 }
 
-// check validates fn's arguments and returns f as the store's filter.
-func (f HeldFilter) check(fn string, db any, schema string) (held.Filter, error) {
+// checkFilter validates fn's arguments.
+func checkFilter(fn string, db any, schema string, f HeldFilter) error {
 	if err := checkArgs(fn, db, schema); err != nil {
-		return held.Filter{}, err
+		return err
 	}
-	if f.Kind != "" && !held.Kind(f.Kind).Valid() {
-		return held.Filter{}, fmt.Errorf("admin.%s: HeldFilter.Kind %q is unknown: use %s, %s or %s", fn, f.Kind, HeldRelayDeadLetter, HeldDeadLetter, HeldLate)
+	if f.Kind != "" && !f.Kind.Valid() {
+		return fmt.Errorf("admin.%s: HeldFilter.Kind %q is unknown: use %s, %s or %s", fn, f.Kind, HeldRelayDeadLetter, HeldDeadLetter, HeldLate)
 	}
-	hf := held.Filter{Kind: held.Kind(f.Kind), Group: f.Group, AggregateType: f.AggregateType, AggregateID: f.AggregateID, IDs: f.IDs, Limit: f.Limit}
 	for _, s := range f.Statuses {
-		if !held.Status(s).Valid() {
-			return held.Filter{}, fmt.Errorf("admin.%s: HeldFilter.Statuses: %q is unknown: use %s, %s, %s or %s", fn, s, StatusHeld, StatusReplayRequested, StatusReplayed, StatusDiscarded)
+		if !s.Valid() {
+			return fmt.Errorf("admin.%s: HeldFilter.Statuses: %q is unknown: use %s, %s, %s or %s", fn, s, StatusHeld, StatusReplayRequested, StatusReplayed, StatusDiscarded)
 		}
-		hf.Statuses = append(hf.Statuses, held.Status(s))
 	}
-	return hf, nil
-}
-
-func heldEvent(e held.Event) HeldEvent {
-	return HeldEvent{
-		ID: e.ID, Kind: HeldKind(e.Kind), Cause: e.Cause, Reason: e.Reason, Group: e.Group,
-		EventID: e.EventID, EventType: e.EventType, AggregateType: e.AggregateType, AggregateID: e.AggregateID,
-		AggregateVersion: e.AggregateVersion, PreviousVersion: e.PreviousVersion, CurrentVersion: e.CurrentVersion,
-		Topic: e.Topic, Handler: e.Handler, MessageUUID: e.MessageUUID, Payload: e.Payload, Metadata: e.Metadata,
-		FromKafka: e.FromKafka, Partition: e.Partition, Offset: e.Offset, Key: e.Key, Shard: e.Shard,
-		HeldAt: e.HeldAt, Times: e.Times, Status: HeldStatus(e.Status), ReplayRequestedAt: e.ReplayRequestedAt, ReplayedAt: e.ReplayedAt,
-		Attempts: e.Attempts, LastError: e.LastError, LastAttemptAt: e.LastAttemptAt, NextAttemptAt: e.NextAttemptAt,
-		DiscardedAt: e.DiscardedAt, DiscardReason: e.DiscardReason,
-	}
+	return nil
 }

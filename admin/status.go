@@ -3,7 +3,10 @@ package admin
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -116,75 +119,110 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	if !st.ConsumerTables {
 		return st, nil
 	}
-	st.Groups, err = readGroups(ctx, db, schema, openGaps)
+	gs, err := store.New(schema)
+	if err != nil {
+		return st, err
+	}
+	st.Groups, err = readGroups(ctx, db, gs, openGaps, true)
 	return st, err
 }
 
-// groupsSQL lists the groups with dedup records, skipping along the
-// primary key from one group to the next, so the cost grows with the
-// groups, not the rows; the consumer's store lists those of its own
-// tables.
-const groupsSQL = `WITH RECURSIVE g(name) AS (
-		(SELECT consumer_group FROM {schema}.processed_events ORDER BY consumer_group LIMIT 1)
-		UNION ALL
-		SELECT (SELECT consumer_group FROM {schema}.processed_events WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
-		FROM g WHERE g.name IS NOT NULL
-	) SELECT name FROM g WHERE name IS NOT NULL`
+// defaultOpenGaps is how many open gaps ReadStatus lists per group when
+// asked for 0.
+const defaultOpenGaps = 20
 
-// skippedSQL counts the gaps group $1 skipped and the versions in them.
-const skippedSQL = `SELECT count(*), COALESCE(sum(to_version - from_version + 1), 0)::bigint
-	FROM {schema}.skipped_versions WHERE consumer_group = $1`
-
-// readGroups reads every consumer group's status, by name.
-func readGroups(ctx context.Context, db DBTX, schema string, openGaps int) ([]GroupStatus, error) {
-	st, err := store.New(schema)
+// readGroups reads the status of every consumer group that recorded a
+// version or a parked event or holds an open late event or dead letter,
+// by name, listing up to openGaps open gaps each (as ReadStatus takes
+// it). With totals it adds the groups with only dedup records and reads
+// every group's dedup records and skipped gaps (ReadStatus; the collector
+// reads without).
+func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, totals bool) ([]GroupStatus, error) {
+	withHeld, err := st.HasHeldEvents(ctx, db)
 	if err != nil {
 		return nil, err
 	}
-	statuses, err := st.ReadGroupStatuses(ctx, db, store.ReadGroupStatusOptions{OpenGapsLimit: openGaps})
+	names, err := st.StatusGroups(ctx, db, withHeld)
 	if err != nil {
 		return nil, err
 	}
-	rows, err := db.Query(ctx, sqlident.SQL(schema, groupsSQL))
-	if err != nil {
-		return nil, fmt.Errorf("list the consumer groups with dedup records: %w", err)
-	}
-	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return nil, fmt.Errorf("list the consumer groups with dedup records: %w", err)
-	}
-	byGroup := map[string]store.GroupStatus{}
-	for _, gs := range statuses {
-		byGroup[gs.Group] = gs
-		names = append(names, gs.Group)
-	}
-	slices.Sort(names)
-	names = slices.Compact(names)
-	skipped := sqlident.SQL(schema, skippedSQL)
 	out := make([]GroupStatus, 0, len(names))
 	for _, name := range names {
-		g := groupStatus(name, byGroup[name])
-		if g.Processed, err = st.CountProcessed(ctx, db, name); err != nil {
+		g, err := readGroup(ctx, db, st, name, openGaps, withHeld)
+		if err != nil {
 			return nil, err
 		}
-		if err := db.QueryRow(ctx, skipped, name).Scan(&g.SkippedGaps, &g.SkippedVersions); err != nil {
-			return nil, fmt.Errorf("read the skipped gaps of group %q: %w", name, err)
-		}
 		out = append(out, g)
+	}
+	if !totals {
+		return out, nil
+	}
+	processed, err := st.ProcessedGroups(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	for _, name := range processed {
+		if !slices.Contains(names, name) {
+			out = append(out, GroupStatus{Group: name, OpenGaps: []OpenGap{}})
+		}
+	}
+	slices.SortFunc(out, func(a, b GroupStatus) int { return strings.Compare(a.Group, b.Group) })
+	for i := range out {
+		g := &out[i]
+		if g.Processed, err = st.CountProcessed(ctx, db, g.Group); err != nil {
+			return nil, err
+		}
+		if g.SkippedGaps, g.SkippedVersions, err = st.SkippedTotals(ctx, db, g.Group); err != nil {
+			return nil, err
+		}
 	}
 	return out, nil
 }
 
-// groupStatus is the store's status of group as admin reports it.
-func groupStatus(group string, s store.GroupStatus) GroupStatus {
-	g := GroupStatus{Group: group, Parked: s.Parked, OldestParked: s.OldestParked, OpenGapCount: s.OpenGapCount,
-		OpenGaps: make([]OpenGap, 0, len(s.OpenGaps)), OldestGap: s.OldestGap, SkippedGapsRecent: s.SkippedGapsRecent,
-		LateHeld: s.LateHeld, DeadLetters: s.DeadLetters}
-	for _, o := range s.OpenGaps {
-		g.OpenGaps = append(g.OpenGaps, OpenGap(o))
+// readGroup reads the group's parked events, open gaps, recently skipped
+// gaps, held late events and unresolved dead letters.
+func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, openGaps int, withHeld bool) (GroupStatus, error) {
+	g := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
+	var oldest float64
+	err := st.GroupCounts(ctx, db, group, withHeld).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
+	if err != nil {
+		return g, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
 	}
-	return g
+	g.OldestParked = seconds(oldest)
+	if g.Parked == 0 {
+		return g, nil
+	}
+	if openGaps == 0 {
+		openGaps = defaultOpenGaps
+	}
+	rows, err := st.OpenGaps(ctx, db, group, openGaps)
+	if err != nil {
+		return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
+	}
+	defer rows.Close()
+	first := true
+	for rows.Next() {
+		var o OpenGap
+		var age float64
+		if err := rows.Scan(&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount); err != nil {
+			return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
+		}
+		o.Age = seconds(age)
+		if first {
+			g.OldestGap, first = o.Age, false
+		}
+		if openGaps > 0 {
+			g.OpenGaps = append(g.OpenGaps, o)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
+	}
+	return g, nil
 }
+
+// seconds is a non-negative number of seconds as a duration.
+func seconds(s float64) time.Duration { return time.Duration(max(s, 0) * float64(time.Second)) }
 
 // OutboxStatus is a snapshot of the outbox read from the database.
 type OutboxStatus struct {
@@ -242,24 +280,9 @@ type ShardStatus struct {
 // HorizonHolder describes the transaction holding PostgreSQL's xmin
 // horizon: the relays read only rows of transactions older than every open
 // one, so while it stays open, newer committed events wait. End it (commit,
-// roll back, or pg_terminate_backend(PID)) and they flow again.
-type HorizonHolder struct {
-	// PID is its backend's process id (0 for a prepared transaction).
-	PID int32
-	// Xid is its transaction id; BackendXmin its snapshot's xmin, if any.
-	Xid, BackendXmin string
-	// XactAge is how long the transaction has been open.
-	XactAge time.Duration
-	// QueryStart is when its current or last statement started.
-	QueryStart *time.Time
-	// State is pg_stat_activity.state (e.g. "idle in transaction").
-	State string
-	// ApplicationName and Database say whose it is; Query is its current
-	// or last statement, when the role reading it may see it.
-	ApplicationName, Database, Query string
-	// PreparedGID is set for a prepared (two-phase) transaction.
-	PreparedGID string
-}
+// roll back, or pg_terminate_backend(PID)) and they flow again. Its fields
+// are documented on the type it names.
+type HorizonHolder = outbox.HorizonHolder
 
 // ReadHorizonHolder returns the oldest transaction holding a transaction
 // id in the cluster, or nil when there is none.
@@ -267,16 +290,7 @@ func ReadHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
 	if err := checkDB("ReadHorizonHolder", "db", db); err != nil {
 		return nil, err
 	}
-	return readHorizonHolder(ctx, db)
-}
-
-func readHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
-	h, err := outbox.ReadHorizonHolder(ctx, db)
-	if h == nil || err != nil {
-		return nil, err
-	}
-	holder := HorizonHolder(*h)
-	return &holder, nil
+	return outbox.ReadHorizonHolder(ctx, db)
 }
 
 // shardStatusSQL reads one shard's backlog ($1 the relays' consumer
@@ -320,7 +334,7 @@ func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 		if err != nil {
 			return st, fmt.Errorf("read shard %d status: %w", shard, err)
 		}
-		ss.OldestPending = time.Duration(max(oldest, 0) * float64(time.Second))
+		ss.OldestPending = seconds(oldest)
 		c, err := outbox.CheckPosition(ctx, db, schema, shard)
 		if err != nil {
 			return st, err
@@ -331,7 +345,7 @@ func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 		}
 		st.Shards = append(st.Shards, ss)
 		if ss.HeldBack > 0 && st.HorizonHolder == nil {
-			if st.HorizonHolder, err = readHorizonHolder(ctx, db); err != nil {
+			if st.HorizonHolder, err = outbox.ReadHorizonHolder(ctx, db); err != nil {
 				return st, err
 			}
 		}
@@ -408,4 +422,89 @@ func shardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwne
 		out[shard] = o
 	}
 	return out, rows.Err()
+}
+
+// AggregateVersion names one version of one aggregate.
+type AggregateVersion struct {
+	AggregateType string
+	AggregateID   string // see AggregateType
+	Version       int64
+}
+
+// OutboxVersion is the newest outbox row of one aggregate version
+// (FindOutboxVersions).
+type OutboxVersion struct {
+	AggregateVersion
+	// Shard is the outbox shard holding the row; MessageUUID is the row's
+	// uuid (a relay dead letter's HeldEvent.MessageUUID).
+	Shard       int
+	MessageUUID string
+	// EventID and Topic come from the row's forwarder envelope (empty
+	// when it does not decode); Committed is when the row was written.
+	EventID   string
+	Topic     string // see EventID
+	Committed time.Time
+	// Relayed is true when the relays' position is at or past the row:
+	// it was published to Kafka (or dead-lettered by the relay).
+	Relayed bool
+}
+
+// outboxVersionsSQL reads the newest outbox row of each aggregate version
+// ($1 types, $2 ids, $3 versions as text) of one shard, and whether the
+// relays' position ($4 their consumer group) is at or past it.
+const outboxVersionsSQL = `SELECT DISTINCT ON (md.aggregate_type, md.aggregate_id, md.aggregate_version)
+		md.aggregate_type, md.aggregate_id, md.aggregate_version, COALESCE(env.uuid, ''), COALESCE(env.destination_topic, ''), m.created_at::timestamptz,
+		(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)),
+		m.uuid::text
+	FROM {messages} m
+	CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(m.payload) = 'object' THEN m.payload ELSE '{}' END)
+		AS env(uuid text, destination_topic text, metadata json)
+	CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(env.metadata) = 'object' THEN env.metadata ELSE '{}' END)
+		AS md(aggregate_type text, aggregate_id text, aggregate_version text)
+	LEFT JOIN {offsets} o ON o.consumer_group = $4
+	WHERE (md.aggregate_type, md.aggregate_id, md.aggregate_version) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))
+	ORDER BY md.aggregate_type, md.aggregate_id, md.aggregate_version, m.transaction_id DESC, m."offset" DESC`
+
+// FindOutboxVersions returns the newest outbox row of each of versions
+// that the outbox in schema holds (`eventline parked list` looks for the
+// versions parked events wait for), searching each shard the aggregates
+// hash to with one query. Versions without a row are absent. A schema
+// without an outbox is an error wrapping producer.ErrNotMigrated.
+func FindOutboxVersions(ctx context.Context, db DBTX, schema string, versions []AggregateVersion) ([]OutboxVersion, error) {
+	if err := checkArgs("FindOutboxVersions", db, schema); err != nil {
+		return nil, err
+	}
+	shards, err := outbox.ShardCount(ctx, db, schema)
+	if err != nil {
+		return nil, err
+	}
+	byShard := map[int][]AggregateVersion{}
+	for _, v := range versions {
+		s := outbox.ShardFor(v.AggregateType, v.AggregateID, shards)
+		byShard[s] = append(byShard[s], v)
+	}
+	var out []OutboxVersion
+	for _, shard := range slices.Sorted(maps.Keys(byShard)) {
+		vs := byShard[shard]
+		types, ids, nums := make([]string, len(vs)), make([]string, len(vs)), make([]string, len(vs))
+		for i, v := range vs {
+			types[i], ids[i], nums[i] = v.AggregateType, v.AggregateID, strconv.FormatInt(v.Version, 10)
+		}
+		rows, err := db.Query(ctx, outbox.SQL(schema, shard, outboxVersionsSQL), types, ids, nums, outbox.RelayConsumerGroup)
+		if err != nil {
+			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
+		}
+		found, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (OutboxVersion, error) {
+			ov := OutboxVersion{Shard: shard}
+			var version string
+			err := row.Scan(&ov.AggregateType, &ov.AggregateID, &version, &ov.EventID, &ov.Topic, &ov.Committed, &ov.Relayed, &ov.MessageUUID)
+			ov.Version, _ = strconv.ParseInt(version, 10, 64)
+			return ov, err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
+		}
+		out = append(out, found...)
+	}
+	return out, nil
 }

@@ -1,7 +1,9 @@
 package admin_test
 
 import (
+	"cmp"
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
@@ -52,6 +55,20 @@ func (b bundle) readStatus(t *testing.T, schema string) admin.Status {
 	})
 	require.NoError(t, err)
 	return st
+}
+
+// outboxOnly returns a new schema migrated up to the outbox only (every
+// later migration rolled back), dropped when the test ends.
+func (b bundle) outboxOnly(t *testing.T) string {
+	t.Helper()
+	schema := pgtest.NewSchemaName(t)
+	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+	cfg := migrations.Config{Schema: schema, Shards: 1}
+	require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
+	all, err := migrations.All()
+	require.NoError(t, err)
+	require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1))
+	return schema
 }
 
 // park admits versions 1..applied of thing/aggID for group, then parks
@@ -128,13 +145,7 @@ func TestReadStatus(t *testing.T) {
 	t.Run("a schema missing later migrations is reported, not an aborted transaction", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, 1)
-		schema := pgtest.NewSchemaName(t)
-		t.Cleanup(func() { pgtest.DropSchema(t, schema) })
-		cfg := migrations.Config{Schema: schema, Shards: 1}
-		require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
-		all, err := migrations.All()
-		require.NoError(t, err)
-		require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1)) // the outbox only
+		schema := b.outboxOnly(t)
 
 		st := b.readStatus(t, schema)
 		require.Len(t, st.Outbox.Shards, 1)
@@ -143,7 +154,7 @@ func TestReadStatus(t *testing.T) {
 		require.False(t, st.ConsumerTables)
 		require.Empty(t, st.Groups)
 
-		_, err = admin.ShardOwners(b.ctx, b.env.Pool, schema)
+		_, err := admin.ShardOwners(b.ctx, b.env.Pool, schema)
 		require.ErrorIs(t, err, producer.ErrNotMigrated)
 		_, err = admin.ReadStatus(b.ctx, b.env.Pool, pgtest.NewSchemaName(t), 0)
 		require.ErrorIs(t, err, producer.ErrNotMigrated, "no outbox at all")
@@ -248,13 +259,7 @@ func TestNewStatusCollectorGroups(t *testing.T) {
 	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_status_up"))
 	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_parked_events"))
 
-	schema := pgtest.NewSchemaName(t)
-	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
-	cfg := migrations.Config{Schema: schema, Shards: 1}
-	require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
-	all, err := migrations.All()
-	require.NoError(t, err)
-	require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1))
+	schema := b.outboxOnly(t)
 	families, err := gather(schema).Gather()
 	require.NoError(t, err)
 	for _, f := range families {
@@ -273,4 +278,172 @@ func TestNewStatusCollectorGroups(t *testing.T) {
 	for _, f := range families {
 		require.NotContains(t, f.GetName(), "eventline_outbox_", "no eventline_outbox_* series on a schema without an outbox")
 	}
+}
+
+// TestFindOutboxVersions: the newest outbox row of each wanted version,
+// with its shard, envelope and whether the relay passed it; versions
+// without a row are absent, and a schema without an outbox is
+// ErrNotMigrated.
+func TestFindOutboxVersions(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 2)
+	events := relaytest.PublishOrders(t, b.env, "orders", 1, 2, 2)
+	want := []admin.AggregateVersion{
+		{AggregateType: "order", AggregateID: "agg-0", Version: 1},
+		{AggregateType: "order", AggregateID: "agg-0", Version: 2},
+		{AggregateType: "order", AggregateID: "agg-0", Version: 9},
+		{AggregateType: "order", AggregateID: "agg-1", Version: 1},
+	}
+	found, err := admin.FindOutboxVersions(b.ctx, b.env.Pool, b.env.Schema, want)
+	require.NoError(t, err)
+	require.Len(t, found, 2)
+	slices.SortFunc(found, func(x, y admin.OutboxVersion) int { return cmp.Compare(x.Version, y.Version) })
+	for i, f := range found {
+		require.Equal(t, want[i], f.AggregateVersion)
+		require.Equal(t, outbox.ShardFor("order", "agg-0", 2), f.Shard)
+		require.Equal(t, events[i].ID, f.EventID)
+		require.Equal(t, "orders", f.Topic)
+		require.NotEmpty(t, f.MessageUUID)
+		require.WithinDuration(t, time.Now(), f.Committed, time.Minute)
+		require.False(t, f.Relayed, "no relay ran")
+	}
+
+	_, err = b.env.Pool.Exec(b.ctx, `DROP TABLE `+sqlident.Qualify(b.env.Schema, "outbox_config"))
+	require.NoError(t, err)
+	_, err = admin.FindOutboxVersions(b.ctx, b.env.Pool, b.env.Schema, want)
+	require.ErrorIs(t, err, producer.ErrNotMigrated)
+}
+
+// deliver runs version v of acct/id through group g's gate, parking it on
+// a gap as the consumer would, and returns the gate's verdict.
+func (b bundle) deliver(t *testing.T, id string, v int64) store.Verdict {
+	t.Helper()
+	e := eventline.Event{ID: eventline.NewEventID(), Type: "t", AggregateType: "acct", AggregateID: id, AggregateVersion: v, Payload: []byte(`{}`)}
+	var verdict store.Verdict
+	require.NoError(t, pgx.BeginFunc(b.ctx, b.env.Pool, func(tx pgx.Tx) error {
+		a, err := b.vs.Admit(b.ctx, tx, "g", e, false)
+		if err != nil {
+			return err
+		}
+		verdict = a.Verdict
+		if a.Verdict == store.Gap {
+			_, err = b.vs.Park(b.ctx, tx, store.ParkRequest{Group: "g", Event: e, Handler: "h", Current: a.Previous, MaxGap: versioning.DefaultMaxGap})
+		}
+		return err
+	}))
+	return verdict
+}
+
+// TestReadStatusGroupsAndCollector: parked events, open gaps (and a parked
+// aggregate that is ready, which is no gap), recent skipped gaps, held late
+// events and unresolved dead letters are read per group, and the
+// collector exposes them as eventline_group_* gauges labelled by group.
+func TestReadStatusGroupsAndCollector(t *testing.T) {
+	t.Parallel()
+	b := setup(t, 1)
+	ctx, env := b.ctx, b.env
+	// Group g: acct/a at v1 with v3, v4 parked (gap v2); acct/b with v5
+	// parked (gap v1..v4); acct/c at v1 with v3 parked, then released.
+	require.Equal(t, store.Next, b.deliver(t, "a", 1))
+	require.Equal(t, store.Gap, b.deliver(t, "a", 3))
+	require.Equal(t, store.Gap, b.deliver(t, "a", 4))
+	require.Equal(t, store.Gap, b.deliver(t, "b", 5))
+	require.Equal(t, store.Next, b.deliver(t, "c", 1))
+	require.Equal(t, store.Gap, b.deliver(t, "c", 3))
+	_, err := b.vs.ReleaseGap(ctx, env.Pool, "g", "acct", "c", "lost")
+	require.NoError(t, err)
+	// An old skip outside the 24-hour window, two late events and two dead
+	// letters of which one of each is resolved, a group with only a dead
+	// letter, and the relay's dead letter (no group's).
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "skipped_versions")+
+		` (consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at)
+		VALUES ('g', 'acct', 'z', 1, 1, 'old', now() - interval '25 hours')`)
+	require.NoError(t, err)
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+
+		` (kind, consumer_group, event_id, aggregate_type, aggregate_id, aggregate_version, previous_version, event_type, message_uuid, payload,
+			header_keys, header_values, cause, reason, current_version, status)
+		VALUES ('late', 'g', 'late-1', 'acct', 'z', 1, 0, 't', '\x00', '\x7b7d', '{}', '{}', 'arrived_late', 'old', 2, 'held'),
+			('late', 'g', 'late-2', 'acct', 'z', 2, 1, 't', '\x00', '\x7b7d', '{}', '{}', 'arrived_late', 'old', 2, 'replayed')`)
+	require.NoError(t, err)
+	_, err = env.Pool.Exec(ctx, `INSERT INTO `+sqlident.Qualify(env.Schema, "held_events")+
+		` (kind, consumer_group, message_uuid, payload, header_keys, header_values, cause, reason, status)
+		VALUES ('dead_letter', 'g', '\x01', '\x00', '{}', '{}', 'permanent', 'r', 'held'),
+			('dead_letter', 'g', '\x02', '\x00', '{}', '{}', 'permanent', 'r', 'replayed'),
+			('dead_letter', 'other', '\x03', '\x00', '{}', '{}', 'permanent', 'r', 'replay_requested')`)
+	require.NoError(t, err)
+	require.NoError(t, held.New(env.Schema).AddRelay(ctx, env.Pool, held.Event{Cause: held.CauseRejected, Reason: "r", MessageUUID: "u"}))
+
+	readGroups := func(openGaps int) []admin.GroupStatus {
+		t.Helper()
+		st, err := admin.ReadStatus(ctx, env.Pool, env.Schema, openGaps)
+		require.NoError(t, err)
+		return st.Groups
+	}
+	all := readGroups(0)
+	require.Len(t, all, 2)
+	require.Equal(t, "g", all[0].Group)
+	st := all[0]
+	require.EqualValues(t, 4, st.Parked)
+	require.Positive(t, st.OldestParked)
+	require.EqualValues(t, 2, st.OpenGapCount)
+	require.Len(t, st.OpenGaps, 2)
+	require.Equal(t, admin.OpenGap{AggregateType: "acct", AggregateID: "a", Current: 1, Follows: 2, Version: 3, Parked: 2, Age: st.OpenGaps[0].Age}, st.OpenGaps[0])
+	require.Equal(t, admin.OpenGap{AggregateType: "acct", AggregateID: "b", Current: 0, Follows: 4, Version: 5, Parked: 1, Age: st.OpenGaps[1].Age}, st.OpenGaps[1])
+	require.Equal(t, st.OpenGaps[0].Age, st.OldestGap)
+	require.EqualValues(t, 1, st.SkippedGapsRecent, "the release of acct/c; not the 25-hour-old skip")
+	require.EqualValues(t, 1, st.LateHeld)
+	require.EqualValues(t, 1, st.DeadLetters)
+	require.Equal(t, admin.GroupStatus{Group: "other", OpenGaps: []admin.OpenGap{}, DeadLetters: 1}, all[1])
+
+	st = readGroups(1)[0]
+	require.EqualValues(t, 2, st.OpenGapCount)
+	require.Len(t, st.OpenGaps, 1)
+
+	c, err := admin.NewStatusCollector(env.Pool, env.Schema)
+	require.NoError(t, err)
+	got := gatherGroups(t, c)
+	require.Equal(t, 1.0, got["eventline_group_status_up"][""])
+	require.Equal(t, 4.0, got["eventline_group_parked_events"]["g"])
+	require.Equal(t, 2.0, got["eventline_group_open_gaps"]["g"])
+	require.Positive(t, got["eventline_group_oldest_open_gap_seconds"]["g"])
+	require.Positive(t, got["eventline_group_oldest_parked_seconds"]["g"])
+	require.Equal(t, 1.0, got["eventline_group_skipped_gaps_24h"]["g"])
+	require.Equal(t, 1.0, got["eventline_group_late_events"]["g"])
+	require.Equal(t, 1.0, got["eventline_group_dead_letters"]["g"])
+	require.Equal(t, 1.0, got["eventline_group_dead_letters"]["other"])
+	require.Equal(t, 0.0, got["eventline_group_parked_events"]["other"])
+
+	// A schema whose consumer tables cannot be read (one of them is
+	// there, the rest not): up is 0, nothing else is reported.
+	broken := pgtest.NewSchemaName(t)
+	t.Cleanup(func() { pgtest.DropSchema(t, broken) })
+	_, err = env.Pool.Exec(ctx, `CREATE SCHEMA `+sqlident.Quote(broken)+`; CREATE TABLE `+sqlident.Qualify(broken, "aggregate_versions")+` (consumer_group text)`)
+	require.NoError(t, err)
+	c, err = admin.NewStatusCollector(env.Pool, broken)
+	require.NoError(t, err)
+	got = gatherGroups(t, c)
+	require.Equal(t, map[string]map[string]float64{"eventline_group_status_up": {"": 0}}, got)
+}
+
+// gatherGroups collects c into metric name -> group label -> value.
+func gatherGroups(t *testing.T, c prometheus.Collector) map[string]map[string]float64 {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(c))
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	out := map[string]map[string]float64{}
+	for _, f := range families {
+		out[f.GetName()] = map[string]float64{}
+		for _, m := range f.GetMetric() {
+			group := ""
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "group" {
+					group = l.GetValue()
+				}
+			}
+			out[f.GetName()][group] = m.GetGauge().GetValue()
+		}
+	}
+	return out
 }

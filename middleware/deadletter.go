@@ -7,7 +7,6 @@ import (
 	"maps"
 	"strconv"
 	"time"
-	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
@@ -131,21 +130,8 @@ const maxLoggedError = 8 << 10
 // event id, event type) in the dead-letter warning.
 const maxLoggedField = 256
 
-// truncate cuts s to at most n bytes, on a rune boundary, marking the cut
-// with "…".
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	s = s[:n]
-	for len(s) > 0 && !utf8.RuneStart(s[len(s)-1]) {
-		s = s[:len(s)-1]
-	}
-	if len(s) > 0 {
-		s = s[:len(s)-1]
-	}
-	return s + "…"
-}
+// truncate is held.Truncate: s cut to at most n bytes, on a rune boundary.
+var truncate = held.Truncate
 
 // record builds the dead letter of msg.
 func (d *deadLetter) record(ctx context.Context, msg *message.Message, err error) held.Event {

@@ -4,12 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
 )
@@ -119,7 +116,13 @@ func locateMissing(ctx context.Context, consumerDB store.DBTX, consumerSchema st
 // searchOutbox looks the versions up in the relay's dead letters and the
 // outbox shards. An error means the outbox could not be searched.
 func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]store.Key) (map[aggVersion]versionWhere, error) {
-	shards, err := admin.ReadShardCount(ctx, ob.db, ob.schema)
+	versions := make([]admin.AggregateVersion, 0, len(wanted))
+	for av := range wanted {
+		versions = append(versions, admin.AggregateVersion{AggregateType: av.typ, AggregateID: av.id, Version: av.version})
+	}
+	// The newest outbox row of each version: relayed when the relay's
+	// position is at or past it, dead when the relay holds it.
+	rows, err := admin.FindOutboxVersions(ctx, ob.db, ob.schema, versions)
 	if errors.Is(err, producer.ErrNotMigrated) {
 		return nil, fmt.Errorf("no outbox in schema %s: if it lives elsewhere, pass -outbox-database-url and -outbox-schema", ob.schema)
 	}
@@ -131,61 +134,20 @@ func searchOutbox(ctx context.Context, ob outboxTarget, wanted map[aggVersion][]
 		return nil, err
 	}
 	found := map[aggVersion]versionWhere{}
-	byShard := map[int][]aggVersion{}
-	for av := range wanted {
-		s := outbox.ShardFor(av.typ, av.id, shards)
-		byShard[s] = append(byShard[s], av)
-	}
-	for shard, avs := range byShard {
-		types, ids, versions := make([]string, len(avs)), make([]string, len(avs)), make([]string, len(avs))
-		for i, av := range avs {
-			types[i], ids[i], versions[i] = av.typ, av.id, strconv.FormatInt(av.version, 10)
+	for _, r := range rows {
+		av := aggVersion{r.AggregateType, r.AggregateID, r.Version}
+		w := versionWhere{Version: av.version, eventID: r.EventID, topic: r.Topic, committed: r.Committed}
+		since := age(time.Since(r.Committed))
+		d, isDead := dead[av]
+		switch {
+		case isDead && d.Shard == r.Shard && d.MessageUUID == r.MessageUUID:
+			w.Location, w.Detail = whereRelayDeadLetter, fmt.Sprintf("the relay dead-lettered it (held event %d): eventline held list -kind relay_dead_letter", d.ID)
+		case r.Relayed:
+			w.Location, w.Detail = whereRelayed, fmt.Sprintf("relayed to Kafka topic %q (committed %s ago, shard %d); the group has not applied it: is it consuming that topic? (eventline verify reads it)", r.Topic, since, r.Shard)
+		default:
+			w.Location, w.Detail = whereOutboxPending, fmt.Sprintf("in the outbox, not relayed yet (committed %s ago, shard %d): see eventline status", since, r.Shard)
 		}
-		// The newest outbox row of each version: relayed when the relay's
-		// position is at or past it, dead when the relay holds it.
-		rows, err := ob.db.Query(ctx, `SELECT DISTINCT ON (md.aggregate_type, md.aggregate_id, md.aggregate_version)
-				md.aggregate_type, md.aggregate_id, md.aggregate_version, COALESCE(env.uuid, ''), COALESCE(env.destination_topic, ''), m.created_at::timestamptz,
-				(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)),
-				m.uuid::text
-			FROM `+sqlident.Qualify(ob.schema, outbox.Table(shard))+` m
-			CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(m.payload) = 'object' THEN m.payload ELSE '{}' END)
-				AS env(uuid text, destination_topic text, metadata json)
-			CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(env.metadata) = 'object' THEN env.metadata ELSE '{}' END)
-				AS md(aggregate_type text, aggregate_id text, aggregate_version text)
-			LEFT JOIN `+sqlident.Qualify(ob.schema, outbox.OffsetsTable(shard))+` o ON o.consumer_group = $4
-			WHERE (md.aggregate_type, md.aggregate_id, md.aggregate_version) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))
-			ORDER BY md.aggregate_type, md.aggregate_id, md.aggregate_version, m.transaction_id DESC, m."offset" DESC`,
-			types, ids, versions, outbox.RelayConsumerGroup)
-		if err != nil {
-			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
-		}
-		for rows.Next() {
-			var av aggVersion
-			var version, eventID, topic, uuid string
-			var created time.Time
-			var relayed bool
-			if err := rows.Scan(&av.typ, &av.id, &version, &eventID, &topic, &created, &relayed, &uuid); err != nil {
-				rows.Close()
-				return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
-			}
-			av.version, _ = strconv.ParseInt(version, 10, 64)
-			w := versionWhere{Version: av.version, eventID: eventID, topic: topic, committed: created}
-			since := age(time.Since(created))
-			d, isDead := dead[av]
-			switch {
-			case isDead && d.Shard == shard && d.MessageUUID == uuid:
-				w.Location, w.Detail = whereRelayDeadLetter, fmt.Sprintf("the relay dead-lettered it (held event %d): eventline held list -kind relay_dead_letter", d.ID)
-			case relayed:
-				w.Location, w.Detail = whereRelayed, fmt.Sprintf("relayed to Kafka topic %q (committed %s ago, shard %d); the group has not applied it: is it consuming that topic? (eventline verify reads it)", topic, since, shard)
-			default:
-				w.Location, w.Detail = whereOutboxPending, fmt.Sprintf("in the outbox, not relayed yet (committed %s ago, shard %d): see eventline status", since, shard)
-			}
-			found[av] = w
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
-			return nil, fmt.Errorf("search outbox shard %d: %w", shard, err)
-		}
+		found[av] = w
 	}
 	// Dead letters whose outbox row is gone (cleaned up).
 	for av, d := range dead {

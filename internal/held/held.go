@@ -109,20 +109,30 @@ const (
 	CauseVersionConflict = "version_conflict"
 )
 
-// Event is one row of held_events.
+// Event is one row of held_events: an event held for the operator
+// (admin.HeldEvent). The message is kept whole, every byte of its payload
+// and headers as received (or, for the relay's, as its outbox row held
+// it), with no size limit.
 type Event struct {
-	// ID orders held events as they were held.
+	// ID orders held events as they were held; admin.ReplayHeld and
+	// admin.DiscardHeld take it.
 	ID int64
-	// Kind says what holds it; Cause why (CausePermanent…); Reason the
-	// error or explanation, in full (up to 8 KiB).
+	// Kind says what held it. Cause says why: for dead letters
+	// permanent, retries_exhausted, failed, id_conflict, gap_too_large or
+	// a component's own, for the relay's rejected, retries_exhausted or
+	// malformed; for late events arrived_late (its version had been given
+	// up on), passed (parked, and its aggregate passed it), release_failed
+	// (parked, and kept failing) or version_conflict (a replayed dead
+	// letter whose version another event took while it was held). Reason
+	// is the error or explanation, in full (up to 8 KiB).
 	Kind   Kind
 	Cause  string // see Kind
 	Reason string // see Kind
 	// Group is the consumer group holding it; empty for the relay's.
 	Group string
 	// EventID, EventType, AggregateType, AggregateID, AggregateVersion and
-	// PreviousVersion come from the envelope when it decodes; empty (0)
-	// otherwise.
+	// PreviousVersion come from the envelope when it decodes (a dead
+	// letter's may not: then they are empty, 0).
 	EventID          string
 	EventType        string // see EventID
 	AggregateType    string // see EventID
@@ -132,34 +142,36 @@ type Event struct {
 	// CurrentVersion was the aggregate's version when a late event was
 	// held.
 	CurrentVersion int64
-	// Topic is the topic the event came from (consumer kinds) or was bound
-	// for (the relay's); Handler the Watermill handler it was delivered to.
+	// Topic is the topic it came from (consumer kinds) or was bound for
+	// (the relay's); Handler the Watermill handler it was delivered to, and
+	// a replay runs it through.
 	Topic   string
 	Handler string // see Topic
-	// MessageUUID, Payload and Metadata are the message, byte for byte
-	// (the relay's: the outbox row, its payload the forwarder envelope).
+	// MessageUUID, Payload and Metadata are the message (the relay's: the
+	// outbox row's uuid, the forwarder envelope and the row's metadata).
 	MessageUUID string
 	Payload     []byte
 	Metadata    map[string]string // see MessageUUID
-	// FromKafka is true when Partition, Offset and Key locate the record.
+	// FromKafka is true when Partition, Offset and Key locate the record
+	// on Kafka.
 	FromKafka bool
 	Partition int32  // see FromKafka
 	Offset    int64  // see FromKafka
 	Key       []byte // see FromKafka
-	// Shard is the relay's outbox shard the row was in.
+	// Shard is the outbox shard of a relay dead letter.
 	Shard int
-	// HeldAt is when it was held (last, when held more than once); Times
-	// counts how often.
+	// HeldAt is when it was held (last, when a redelivered record was
+	// dead-lettered again); Times counts how often.
 	HeldAt time.Time
 	Times  int // see HeldAt
-	// Status and the fields after it record its life.
+	// Status, and the fields after it, record its life.
 	Status            Status
 	ReplayRequestedAt *time.Time // see Status
 	ReplayedAt        *time.Time // see Status
-	// Attempts counts failed attempts to deliver it (before it was held,
-	// where they were counted, and replays since the last request);
-	// LastError is the last one's error; NextAttemptAt is when the
-	// consumer may try a requested replay again.
+	// Attempts counts failed attempts to deliver it: the relay's publishes
+	// and a parked event's releases before it was held, and replays since
+	// the last request. LastError is the last one's error; NextAttemptAt
+	// when the consumer tries a requested replay again.
 	Attempts      int
 	LastError     string     // see Attempts
 	LastAttemptAt *time.Time // see Attempts
@@ -178,19 +190,23 @@ func (e Event) Message() *message.Message {
 	return msg
 }
 
-// Filter selects held events. Empty fields match everything. Group,
-// AggregateType and AggregateID are compared as stored: NUL bytes and
-// invalid UTF-8 become U+FFFD on both sides.
+// Filter selects held events (admin.HeldFilter). Empty fields match
+// everything. Text is compared as stored: NUL bytes and invalid UTF-8
+// become U+FFFD on both sides, so a hostile record is found by the group
+// and aggregate it claimed.
 type Filter struct {
 	// Kind selects one kind.
 	Kind Kind
-	// Group, AggregateType and AggregateID select exact values.
-	Group         string
-	AggregateType string // see Group
-	AggregateID   string // see Group
-	// IDs selects these held events only.
+	// Group selects one consumer group (the relay's have none).
+	Group string
+	// AggregateType and AggregateID select one aggregate.
+	AggregateType string
+	AggregateID   string // see AggregateType
+	// IDs selects these held events (Event.ID) only.
 	IDs []int64
-	// Statuses selects these statuses only; List defaults to Open.
+	// Statuses selects these statuses (List only; it defaults to Open:
+	// held and replay_requested). admin.ReplayHeld takes held ones,
+	// Discard open ones.
 	Statuses []Status
 	// Limit caps List. Defaults to 100.
 	Limit int
@@ -393,7 +409,7 @@ func (s *Store) MarkRequested(ctx context.Context, db DBTX, ids ...int64) error 
 // it goes back to held (the operator decides again), else the consumer
 // tries again after wait.
 func (s *Store) MarkReplayFailed(ctx context.Context, db DBTX, id int64, replayErr string, wait time.Duration, giveUp bool) error {
-	if _, err := db.Exec(ctx, s.replayFailed, id, CleanText(truncate(replayErr, maxReasonBytes)), wait.Microseconds(), giveUp); err != nil {
+	if _, err := db.Exec(ctx, s.replayFailed, id, CleanText(Truncate(replayErr, maxReasonBytes)), wait.Microseconds(), giveUp); err != nil {
 		return fmt.Errorf("record the failed replay of held event %d: %w", id, err)
 	}
 	return nil
@@ -403,7 +419,7 @@ func (s *Store) MarkReplayFailed(ctx context.Context, db DBTX, id int64, replayE
 // and returns their ids, or ErrNone.
 func (s *Store) Discard(ctx context.Context, db DBTX, f Filter, reason string) ([]int64, error) {
 	f.Statuses = Open
-	rows, err := db.Query(ctx, s.discard, append(f.args(), CleanText(truncate(reason, maxReasonBytes)))...)
+	rows, err := db.Query(ctx, s.discard, append(f.args(), CleanText(Truncate(reason, maxReasonBytes)))...)
 	if err != nil {
 		return nil, fmt.Errorf("discard held events: %w", err)
 	}
@@ -506,9 +522,9 @@ func (s *Store) CountOpen(ctx context.Context, db DBTX, group string, kind Kind)
 // Attempts and LastError its publishes.
 func (s *Store) AddRelay(ctx context.Context, tx DBTX, e Event) error {
 	hk, hv := Headers(e.Metadata)
-	_, err := tx.Exec(ctx, s.addRelay, e.Cause, CleanText(truncate(e.Reason, maxReasonBytes)), e.Shard, []byte(e.MessageUUID),
+	_, err := tx.Exec(ctx, s.addRelay, e.Cause, CleanText(Truncate(e.Reason, maxReasonBytes)), e.Shard, []byte(e.MessageUUID),
 		CleanText(e.EventID), CleanText(e.EventType), CleanText(e.AggregateType), CleanText(e.AggregateID), e.AggregateVersion,
-		CleanText(e.Topic), payload(e.Payload), hk, hv, e.Attempts, CleanText(truncate(e.LastError, maxReasonBytes)))
+		CleanText(e.Topic), payload(e.Payload), hk, hv, e.Attempts, CleanText(Truncate(e.LastError, maxReasonBytes)))
 	if err != nil {
 		return fmt.Errorf("write dead letter: %w", err)
 	}
@@ -539,7 +555,7 @@ func (s *Store) AddDeadLetter(ctx context.Context, db DBTX, e Event) (int64, err
 	var id int64
 	err := db.QueryRow(ctx, s.addDeadLetter, CleanText(e.Group), CleanText(e.Topic), CleanText(e.Handler), partition, offset, e.Key,
 		[]byte(e.MessageUUID), payload(e.Payload), hk, hv, CleanText(e.EventID), CleanText(e.EventType), CleanText(e.AggregateType),
-		CleanText(e.AggregateID), e.AggregateVersion, e.PreviousVersion, cause, CleanText(truncate(e.Reason, maxReasonBytes))).Scan(&id)
+		CleanText(e.AggregateID), e.AggregateVersion, e.PreviousVersion, cause, CleanText(Truncate(e.Reason, maxReasonBytes))).Scan(&id)
 	if err != nil {
 		return 0, fmt.Errorf("write dead letter of group %s: %w", e.Group, err)
 	}
@@ -611,9 +627,9 @@ func CleanText(s string) string {
 	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
 }
 
-// truncate cuts s to at most n bytes, on a rune boundary, marking the cut
+// Truncate cuts s to at most n bytes, on a rune boundary, marking the cut
 // with "…".
-func truncate(s string, n int) string {
+func Truncate(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}

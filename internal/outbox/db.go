@@ -150,16 +150,24 @@ func CheckPosition(ctx context.Context, db RowQuerier, schema string, shard int)
 	return p, nil
 }
 
-// HorizonHolder is the oldest transaction holding a transaction id
-// (admin.HorizonHolder documents it).
+// HorizonHolder is the oldest transaction holding a transaction id, the
+// one holding PostgreSQL's xmin horizon (admin.HorizonHolder).
 type HorizonHolder struct {
-	PID                              int32
-	Xid, BackendXmin                 string
-	XactAge                          time.Duration
-	QueryStart                       *time.Time
-	State                            string
+	// PID is its backend's process id (0 for a prepared transaction).
+	PID int32
+	// Xid is its transaction id; BackendXmin its snapshot's xmin, if any.
+	Xid, BackendXmin string
+	// XactAge is how long the transaction has been open.
+	XactAge time.Duration
+	// QueryStart is when its current or last statement started.
+	QueryStart *time.Time
+	// State is pg_stat_activity.state (e.g. "idle in transaction").
+	State string
+	// ApplicationName and Database say whose it is; Query is its current
+	// or last statement, when the role reading it may see it.
 	ApplicationName, Database, Query string
-	PreparedGID                      string
+	// PreparedGID is set for a prepared (two-phase) transaction.
+	PreparedGID string
 }
 
 // horizonHolderSQL finds the oldest transaction holding a transaction id,

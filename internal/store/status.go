@@ -8,119 +8,30 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// SkippedWindow is the window GroupStatus.SkippedGapsRecent counts over.
+// SkippedWindow is the window admin.GroupStatus.SkippedGapsRecent counts
+// over.
 const SkippedWindow = 24 * time.Hour
 
-// DefaultOpenGapsListed is how many open gaps ReadGroupStatus lists (the
-// oldest first) when ReadGroupStatusOptions.OpenGapsLimit is 0; all of
-// them are counted.
-const DefaultOpenGapsListed = 20
+// The status of the consumer groups is read by package admin, which owns
+// its types (admin.GroupStatus) and scans the rows these methods return:
+// the statements stay here.
 
-// OpenGap is an aggregate whose lowest parked event waits for versions
-// that have not arrived: the consumer group is stuck on it.
-type OpenGap struct {
-	AggregateType string
-	AggregateID   string
-	// Current is the aggregate's last applied version; the missing
-	// versions are Current+1 up to Follows.
-	Current int64
-	// Follows is the predecessor the lowest parked event (Version) waits
-	// for.
-	Follows int64
-	Version int64 // see Follows
-	// Parked counts the aggregate's parked events.
-	Parked int64
-	// Age is how long the gap has been known: since the aggregate's
-	// oldest parked event parked.
-	Age time.Duration
+// HasHeldEvents reports whether the schema has held_events (a schema
+// rolled back past 003_held_events has not); the status statements take
+// it.
+func (s *Store) HasHeldEvents(ctx context.Context, db DBTX) (bool, error) {
+	var held bool
+	if err := db.QueryRow(ctx, s.q(statusTablesSQL)).Scan(&held); err != nil {
+		return false, fmt.Errorf("eventline: look for held_events: %w", err)
+	}
+	return held, nil
 }
-
-// GroupStatus is the gap and stall picture of one consumer group, read
-// from the database by ReadGroupStatus. On a schema rolled back past
-// 003_held_events, LateHeld and DeadLetters are 0.
-type GroupStatus struct {
-	Group string
-	// Parked counts parked events; OldestParked is the age of the oldest
-	// (0 when none).
-	Parked       int64
-	OldestParked time.Duration
-	// OpenGapCount counts aggregates whose lowest parked event waits for
-	// missing versions; OpenGaps lists the oldest of them (see
-	// ReadGroupStatusOptions.OpenGapsLimit) and OldestGap is the age of
-	// the oldest.
-	OpenGapCount int64
-	OpenGaps     []OpenGap
-	OldestGap    time.Duration
-	// SkippedGapsRecent counts the gaps recorded in skipped_versions in the
-	// last SkippedWindow (24 hours), by the sweeper, the Apply policy, a
-	// give-up or an operator.
-	SkippedGapsRecent int64
-	// LateHeld counts the group's late events held for the operator, and
-	// DeadLetters its dead letters, not yet replayed or discarded (held
-	// events of kind late and dead_letter, status held or
-	// replay_requested).
-	LateHeld    int64
-	DeadLetters int64 // see LateHeld
-}
-
-// ReadGroupStatusOptions tune ReadGroupStatus.
-type ReadGroupStatusOptions struct {
-	// OpenGapsLimit is how many open gaps to list. Defaults to
-	// DefaultOpenGapsListed (20); negative lists none.
-	OpenGapsLimit int
-}
-
-// statusTables says whether the schema has held_events (a schema rolled
-// back past 003_held_events has not).
-type statusTables struct{ held bool }
 
 var statusTablesSQL = statement(`SELECT to_regclass('{schema}.held_events') IS NOT NULL`)
 
-func (s *Store) statusTables(ctx context.Context, db DBTX) (statusTables, error) {
-	var t statusTables
-	if err := db.QueryRow(ctx, s.q(statusTablesSQL)).Scan(&t.held); err != nil {
-		return t, fmt.Errorf("eventline: look for held_events: %w", err)
-	}
-	return t, nil
-}
-
-// ReadGroupStatus reads the group's parked events, open gaps, recently
-// skipped gaps, held late events and unresolved dead letters. It changes
-// nothing; run it in a repeatable-read transaction for one snapshot.
-func (s *Store) ReadGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions) (GroupStatus, error) {
-	t, err := s.statusTables(ctx, db)
-	if err != nil {
-		return GroupStatus{}, err
-	}
-	return s.readGroupStatus(ctx, db, group, opts, t)
-}
-
-// ReadGroupStatuses is ReadGroupStatus for every group that recorded a
-// version or a parked event, or holds an open late event or dead letter,
-// by group name.
-func (s *Store) ReadGroupStatuses(ctx context.Context, db DBTX, opts ReadGroupStatusOptions) ([]GroupStatus, error) {
-	t, err := s.statusTables(ctx, db)
-	if err != nil {
-		return nil, err
-	}
-	groups, err := s.statusGroups(ctx, db, t)
-	if err != nil {
-		return nil, err
-	}
-	out := make([]GroupStatus, 0, len(groups))
-	for _, g := range groups {
-		st, err := s.readGroupStatus(ctx, db, g, opts, t)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, st)
-	}
-	return out, nil
-}
-
 // The status statements, in a variant for a schema with held_events and
 // one for a schema rolled back past 003_held_events (indexed by
-// statusTables.held).
+// b2i(HasHeldEvents)).
 var (
 	// statusGroupsSQL[held] lists the consumer groups of every table,
 	// skipping from one group to the next along each table's index.
@@ -131,6 +42,12 @@ var (
 	// Per aggregate with parked events: the lowest one, the predecessor
 	// it waits for and the aggregate's version; a gap is open when that
 	// predecessor has not been applied ($1 group, $2 limit).
+	// processedGroupsSQL lists the groups with dedup records.
+	processedGroupsSQL stmt
+	// skippedTotalsSQL counts the gaps group $1 skipped and the versions
+	// in them.
+	skippedTotalsSQL = statement(`SELECT count(*), COALESCE(sum(to_version - from_version + 1), 0)::bigint
+		FROM {schema}.skipped_versions WHERE consumer_group = $1`)
 	openGapsSQL = statement(`SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
 			SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
 				EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
@@ -154,6 +71,7 @@ func init() {
 			FROM g WHERE g.name IS NOT NULL
 		) SELECT name FROM g WHERE name IS NOT NULL)`
 	}
+	processedGroupsSQL = statement(`SELECT name FROM ` + distinctGroups("processed_events", "") + ` g`)
 	for held := range 2 {
 		groups := distinctGroups("aggregate_versions", "") + " UNION " + distinctGroups("parked_events", "")
 		late, dead := "0::bigint", "0::bigint"
@@ -182,58 +100,54 @@ func b2i(b bool) int {
 	return 0
 }
 
-func (s *Store) statusGroups(ctx context.Context, db DBTX, t statusTables) ([]string, error) {
-	rows, err := db.Query(ctx, s.q(statusGroupsSQL[b2i(t.held)]))
+// StatusGroups lists, by name, the consumer groups that recorded a
+// version or a parked event, or (withHeld: the schema has held_events)
+// hold an open late event or dead letter.
+func (s *Store) StatusGroups(ctx context.Context, db DBTX, withHeld bool) ([]string, error) {
+	return s.groups(ctx, db, statusGroupsSQL[b2i(withHeld)], "eventline: list consumer groups")
+}
+
+// ProcessedGroups lists, by name, the consumer groups with dedup records,
+// skipping along the primary key from one group to the next, so the cost
+// grows with the groups, not the rows.
+func (s *Store) ProcessedGroups(ctx context.Context, db DBTX) ([]string, error) {
+	return s.groups(ctx, db, processedGroupsSQL, "list the consumer groups with dedup records")
+}
+
+func (s *Store) groups(ctx context.Context, db DBTX, st stmt, what string) ([]string, error) {
+	rows, err := db.Query(ctx, s.q(st))
 	if err != nil {
-		return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
+		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	groups, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
+		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	return groups, nil
 }
 
-func (s *Store) readGroupStatus(ctx context.Context, db DBTX, group string, opts ReadGroupStatusOptions, t statusTables) (GroupStatus, error) {
-	st := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
-	var oldest float64
-	err := db.QueryRow(ctx, s.q(statusCountsSQL[b2i(t.held)]), group, SkippedWindow.Microseconds()).
-		Scan(&st.Parked, &oldest, &st.SkippedGapsRecent, &st.LateHeld, &st.DeadLetters)
-	if err != nil {
-		return st, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
-	}
-	st.OldestParked = seconds(oldest)
-	if st.Parked == 0 {
-		return st, nil
-	}
-	limit := opts.OpenGapsLimit
-	if limit == 0 {
-		limit = DefaultOpenGapsListed
-	}
-	rows, err := db.Query(ctx, s.q(openGapsSQL), group, limit)
-	if err != nil {
-		return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
-	}
-	defer rows.Close()
-	first := true
-	for rows.Next() {
-		var g OpenGap
-		var age float64
-		if err := rows.Scan(&g.AggregateType, &g.AggregateID, &g.Current, &g.Follows, &g.Version, &g.Parked, &age, &st.OpenGapCount); err != nil {
-			return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
-		}
-		g.Age = seconds(age)
-		if first {
-			st.OldestGap, first = g.Age, false
-		}
-		if limit > 0 {
-			st.OpenGaps = append(st.OpenGaps, g)
-		}
-	}
-	if err := rows.Err(); err != nil {
-		return st, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
-	}
-	return st, nil
+// GroupCounts returns the row of the group's parked events, the oldest
+// one's age in seconds (float8), the gaps it skipped in the last
+// SkippedWindow, and its open late events and dead letters (0 unless
+// withHeld).
+func (s *Store) GroupCounts(ctx context.Context, db DBTX, group string, withHeld bool) pgx.Row {
+	return db.QueryRow(ctx, s.q(statusCountsSQL[b2i(withHeld)]), group, SkippedWindow.Microseconds())
 }
 
-func seconds(s float64) time.Duration { return time.Duration(max(s, 0) * float64(time.Second)) }
+// OpenGaps returns the rows of up to limit (at least one) of the group's
+// open gaps, the oldest first: aggregate type and id, its version, the
+// version its lowest parked event follows, that event's version, the
+// aggregate's parked events, the gap's age in seconds (float8) and the
+// number of open gaps of the group.
+func (s *Store) OpenGaps(ctx context.Context, db DBTX, group string, limit int) (pgx.Rows, error) {
+	return db.Query(ctx, s.q(openGapsSQL), group, limit)
+}
+
+// SkippedTotals returns how many gaps the group skipped, ever, and the
+// versions in them.
+func (s *Store) SkippedTotals(ctx context.Context, db DBTX, group string) (gaps, versions int64, err error) {
+	if err := db.QueryRow(ctx, s.q(skippedTotalsSQL), group).Scan(&gaps, &versions); err != nil {
+		return 0, 0, fmt.Errorf("read the skipped gaps of group %q: %w", group, err)
+	}
+	return gaps, versions, nil
+}

@@ -19,21 +19,16 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
 
-// DBTX is the smallest database handle most calls need; *pgxpool.Pool,
-// *pgx.Conn and pgx.Tx satisfy it. Calls that must hold the aggregate lock
-// take a pgx.Tx instead.
-type DBTX interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+// DBTX is the smallest database handle most calls need (held_events' and
+// the store's are one); *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
+// Calls that must hold the aggregate lock take a pgx.Tx instead.
+type DBTX = held.DBTX
 
 // Beginner starts transactions; *pgxpool.Pool and *pgx.Conn satisfy it.
 type Beginner interface {
