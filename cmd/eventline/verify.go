@@ -71,7 +71,7 @@ Events without a dedup record committed before now minus -dedup-retention are
 unverifiable (retention may have deleted the record), never lost. It only
 reads, in read-only transactions that do not hold back the relays.
 
--effects-query GROUP=SQL runs SQL, a SELECT returning one row per effect the
+-effects-query GROUP=SQL runs your query, which returns one row per effect the
 group applied: the event id, and optionally a column that grows with the time
 of the effect (a bigserial, a timestamp) to check the order exactly.
 
@@ -86,7 +86,7 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 	groupTopics := mapFlag{name: "group-topics"}
 	fs.Var(&groupTopics, "group-topics", "`G=T1,T2`: the Kafka topics group G consumes (repeatable; default: its Kafka consumer group's\ncommitted offsets, else the topics of the events it has records of)")
 	effects := mapFlag{name: "effects-query"}
-	fs.Var(&effects, "effects-query", "`G=SQL`: a SELECT over group G's own effects returning event_id[, ordering column] (repeatable)")
+	fs.Var(&effects, "effects-query", "`G=SQL`: a query over group G's own effects returning event_id[, ordering column] (repeatable)")
 	consumerURL := invocationOf(ctx).getenv(envConsumerDatabaseURL)
 	fs.Var(&secretURL{&consumerURL}, "consumer-database-url", "`URL` of the database holding the consumer tables, when not -database-url (env "+envConsumerDatabaseURL+")")
 	consumerSchema := fs.String("consumer-schema", "", "schema of the consumer tables (default -schema)")
