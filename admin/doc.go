@@ -9,7 +9,8 @@
 //     events, dead letters, dedup records and skipped gaps, in one snapshot
 //     when run in a repeatable-read transaction; [ReadOutboxStatus] for the
 //     outbox alone, [ShardOwners], [ReadHorizonHolder] for the transaction
-//     holding committed events back.
+//     holding committed events back; [FindOutboxVersions] for where the
+//     outbox holds given aggregate versions (`eventline parked where`).
 //   - [NewStatusCollector]: the same (outbox and groups) at every
 //     Prometheus scrape.
 //
