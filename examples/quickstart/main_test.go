@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"testing"
 	"time"
@@ -41,14 +40,7 @@ func TestQuickstart(t *testing.T) {
 		_, err = pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{cfg.Schema}.Sanitize()+` CASCADE`)
 		require.NoError(t, err)
 	})
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	err := run(ctx, cfg, &out)
-	t.Logf("output:\n%s", out.String())
-	require.NoError(t, err)
-
-	sum := extest.Find(t, extest.Parse(t, out.String()), "orders", "published", "applied", "in_order")
+	sum := extest.Find(t, extest.Parse(t, extest.Run(t, 2*time.Minute, run, cfg)), "orders", "published", "applied", "in_order")
 	require.Equal(t, 120, extest.Int(t, sum, "published"))
 	require.Equal(t, 120, extest.Int(t, sum, "applied"))
 	require.Equal(t, "true", sum["in_order"])
