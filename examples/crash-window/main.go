@@ -50,10 +50,7 @@ type config struct {
 
 func main() {
 	var cfg config
-	setup.Main("crash-window", "example_crash_window", func(ctx context.Context, c setup.Common) error {
-		cfg.Common = c
-		return run(ctx, cfg, os.Stdout)
-	})
+	setup.Main("crash-window", "example_crash_window", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The business tables: orders on the producer side, shipments written by

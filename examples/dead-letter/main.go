@@ -49,10 +49,7 @@ type config struct {
 
 func main() {
 	var cfg config
-	setup.Main("dead-letter", "example_dead_letter", func(ctx context.Context, c setup.Common) error {
-		cfg.Common = c
-		return run(ctx, cfg, os.Stdout)
-	})
+	setup.Main("dead-letter", "example_dead_letter", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The consumer's tables: each account's state, and a journal of every event

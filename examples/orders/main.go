@@ -73,10 +73,7 @@ func main() {
 	flag.IntVar(&cfg.Writers, "writers", 4, "concurrent order-creating transactions")
 	flag.DurationVar(&cfg.Progress, "progress", time.Second, "interval between progress lines (0: none)")
 	flag.BoolVar(&cfg.Trace, "trace", false, "trace every event with OpenTelemetry and print one order's spans at the end")
-	setup.Main("orders", "example_orders", func(ctx context.Context, c setup.Common) error {
-		cfg.Common = c
-		return run(ctx, cfg, os.Stdout)
-	})
+	setup.Main("orders", "example_orders", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The business tables. invoices and shipments deliberately have no unique

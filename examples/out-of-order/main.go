@@ -59,10 +59,7 @@ func main() {
 	flag.IntVar(&cfg.DuplicateEvery, "duplicate-every", 3, "deliver every n-th event twice (0: none)")
 	flag.IntVar(&cfg.StaleReplays, "stale-replays", 10, "old versions sent again at the end under new event ids")
 	flag.Uint64Var(&cfg.Seed, "seed", 0, "random seed for amounts and shuffling (0: random)")
-	setup.Main("out-of-order", "example_out_of_order", func(ctx context.Context, c setup.Common) error {
-		cfg.Common = c
-		return run(ctx, cfg, os.Stdout)
-	})
+	setup.Main("out-of-order", "example_out_of_order", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The consumer's tables: the balance of each account, and a journal of

@@ -268,12 +268,12 @@ type Common struct {
 }
 
 // Main registers the shared flags (-schema, -keep, -log-level), parses the
-// command line (register the example's own flags first), takes the database
-// and brokers from the environment, and runs fn until it returns or
-// SIGINT/SIGTERM cancels its context. It exits 2 on a usage error and 1 when
-// fn fails, prefixing the message with name.
-func Main(name, defaultSchema string, fn func(ctx context.Context, c Common) error) {
-	c := Common{DatabaseURL: DatabaseURL(), Brokers: BrokersFromEnv()}
+// command line (register the example's own flags first), fills c from them
+// and from the environment (the database and the brokers), and runs fn until
+// it returns or SIGINT/SIGTERM cancels its context. It exits 2 on a usage
+// error and 1 when fn fails, prefixing the message with name.
+func Main(name, defaultSchema string, c *Common, fn func(ctx context.Context) error) {
+	*c = Common{DatabaseURL: DatabaseURL(), Brokers: BrokersFromEnv()}
 	flag.StringVar(&c.Schema, "schema", defaultSchema, "PostgreSQL schema the example (re)creates")
 	flag.BoolVar(&c.Keep, "keep", false, "keep the schema after the run, to look at the tables")
 	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
@@ -287,7 +287,7 @@ func Main(name, defaultSchema string, fn func(ctx context.Context, c Common) err
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := fn(ctx, c); err != nil {
+	if err := fn(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, name+":", err)
 		stop()
 		os.Exit(1)
