@@ -59,23 +59,39 @@ func newFaultRig(t *testing.T) *faultRig {
 func newFaultRigWith(t *testing.T, partitions int32, topicConfig map[string]string) *faultRig {
 	t.Helper()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 8})
-	cluster := kafkatest.Start(t, kafkatest.Config{})
-	brokers := cluster.Brokers
-	topic := kafkatest.Topic(t, "orders")
-	require.NoError(t, cluster.CreateTopicsWithConfig(context.Background(), partitions, topicConfig, topic))
-	prod, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
-	require.NoError(t, err)
-	applied := sqlident.Qualify(env.Schema, "applied")
-	_, err = env.Pool.Exec(context.Background(), `CREATE TABLE `+applied+` (
+	r := newRig(t, env, env.Pool, kafkatest.Start(t, kafkatest.Config{}), "orders", partitions, topicConfig)
+	r.applied = sqlident.Qualify(env.Schema, "applied")
+	_, err := env.Pool.Exec(context.Background(), `CREATE TABLE `+r.applied+` (
 		seq bigserial PRIMARY KEY, grp text NOT NULL, event_id text NOT NULL, aggregate_id text NOT NULL,
 		version bigint NOT NULL, late boolean NOT NULL)`)
 	require.NoError(t, err)
-	proxy, err := faultproxy.Start(pgtest.Addr())
+	r.startProxy()
+	r.store, err = store.New(env.Schema)
 	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
-	st, err := store.New(env.Schema)
+	return r
+}
+
+// newRig returns a rig on env and cluster, without proxy: a topic named
+// after name (kafkatest.Topic: unique, the broker may be shared), created
+// with partitions and topicConfig, and a producer of it on pool.
+func newRig(t *testing.T, env pgtest.Env, pool *pgxpool.Pool, cluster *kafkatest.Cluster, name string, partitions int32, topicConfig map[string]string) *faultRig {
+	t.Helper()
+	r := &faultRig{t: t, env: env, cluster: cluster, brokers: cluster.Brokers, topic: kafkatest.Topic(t, name)}
+	require.NoError(t, cluster.CreateTopicsWithConfig(context.Background(), partitions, topicConfig, r.topic))
+	var err error
+	r.prod, err = producer.New(context.Background(), pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
 	require.NoError(t, err)
-	return &faultRig{t: t, env: env, cluster: cluster, brokers: brokers, topic: topic, prod: prod, proxy: proxy, applied: applied, store: st}
+	return r
+}
+
+// startProxy starts the rig's fault proxy in front of the test database
+// (proxiedPool), closed when the test ends.
+func (r *faultRig) startProxy() {
+	r.t.Helper()
+	var err error
+	r.proxy, err = faultproxy.Start(pgtest.Addr())
+	require.NoError(r.t, err)
+	r.t.Cleanup(func() { _ = r.proxy.Close() })
 }
 
 // proxiedConnectTimeout bounds one connection attempt through the proxy.

@@ -61,25 +61,13 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	checks := newPool(4)
 	require.NoError(t, migrations.Up(ctx, checks, migrations.Config{Schema: schema, Shards: shards}))
 	env := pgtest.Env{Pool: checks, Schema: schema, Shards: shards}
-	r := &faultRig{t: t, env: env}
-	r.cluster = kafkatest.Start(t, kafkatest.Config{})
-	r.brokers = r.cluster.Brokers
-	r.topic = kafkatest.Topic(t, "pgcrash")
-	kafkatest.CreateTopic(t, r.brokers, r.topic, 3)
 	prodPool := newPool(4)
-	var err error
-	r.prod, err = producer.New(ctx, prodPool, producer.Config{Schema: schema, DefaultTopic: r.topic})
-	require.NoError(t, err)
+	r := newRig(t, env, prodPool, kafkatest.Start(t, kafkatest.Config{}), "pgcrash", 3, nil)
 	effects := r.table("pgcrash_effects")
-	_, err = checks.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
+	_, err := checks.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
 	require.NoError(t, err)
 
-	rel, err := producer.NewRelay(ctx, newPool(8), producer.RelayConfig{
-		Schema: schema, Brokers: r.brokers,
-		PollInterval: 100 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
-		Backoff: eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
-		Logger:  testLogger(),
-	})
+	rel, err := producer.NewRelay(ctx, newPool(8), chaosRelayConfig(schema, r.brokers))
 	require.NoError(t, err)
 	stopRelay := runUntilStopped(t, rel.Run)
 
