@@ -1,12 +1,9 @@
 package main
 
 import (
-	"context"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/eventlinetest/kafkatest"
@@ -33,13 +30,7 @@ func TestQuickstart(t *testing.T) {
 		Items:       9,
 		Logger:      extest.Logger(t),
 	}
-	t.Cleanup(func() {
-		pool, err := pgxpool.New(context.Background(), cfg.DatabaseURL)
-		require.NoError(t, err)
-		defer pool.Close()
-		_, err = pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{cfg.Schema}.Sanitize()+` CASCADE`)
-		require.NoError(t, err)
-	})
+	extest.DropSchemaAtEnd(t, cfg.Schema)
 	sum := extest.Find(t, extest.Parse(t, extest.Run(t, 2*time.Minute, run, cfg)), "orders", "published", "applied", "in_order")
 	require.Equal(t, 120, extest.Int(t, sum, "published"))
 	require.Equal(t, 120, extest.Int(t, sum, "applied"))

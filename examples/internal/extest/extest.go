@@ -206,6 +206,18 @@ func Int(t testing.TB, fields map[string]string, key string) int {
 	return n
 }
 
+// DropSchemaAtEnd drops schema when the test ends, for an example that
+// leaves its schema behind.
+func DropSchemaAtEnd(t testing.TB, schema string) {
+	t.Cleanup(func() {
+		ctx := context.Background()
+		pool, err := setup.Pool(ctx, setup.DatabaseURL(), "eventline-example-test", 1)
+		require.NoError(t, err)
+		defer pool.Close()
+		require.NoError(t, setup.DropSchema(ctx, pool, schema))
+	})
+}
+
 // NoConnections fails the test if PostgreSQL still has sessions with the
 // given application_name after a short grace period (a closed pool's
 // backends take a moment to exit).
