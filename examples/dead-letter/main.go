@@ -105,6 +105,7 @@ const (
 )
 
 func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
+	// Kafka, and a fresh schema with eventline's tables and the consumer's.
 	const shards = 1
 	env, err := setup.Start(ctx, cfg.Common, 3, shards, ddl...)
 	if err != nil {

@@ -100,6 +100,8 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0))
 
+	// Kafka, and a fresh schema with eventline's tables (one outbox shard:
+	// nothing is published through it here) and the consumer's.
 	env, err := setup.Start(ctx, cfg.Common, 4, 1, ddl...)
 	if err != nil {
 		return err
