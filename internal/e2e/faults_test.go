@@ -242,6 +242,21 @@ func (r *faultRig) count(query string, args ...any) int {
 
 func (r *faultRig) table(name string) string { return sqlident.Qualify(r.env.Schema, name) }
 
+// backlog is how many events the rig's outbox holds, not yet forwarded.
+func (r *faultRig) backlog() int64 {
+	st, err := admin.ReadOutboxStatus(context.Background(), r.env.Pool, r.env.Schema)
+	require.NoError(r.t, err)
+	return st.Backlog()
+}
+
+// relayDeadLetters lists the events the relay gave up on (held_events,
+// kind relay_dead_letter).
+func (r *faultRig) relayDeadLetters() []admin.HeldEvent {
+	dls, err := admin.ListHeld(context.Background(), r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
+	require.NoError(r.t, err)
+	return dls
+}
+
 func (r *faultRig) waitRuns(group string, n int, what string) {
 	r.t.Helper()
 	deadline := time.Now().Add(time.Minute)
@@ -333,11 +348,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	for _, a := range aggs {
 		r.publish(a, perAgg-1)
 	}
-	require.Eventually(t, func() bool {
-		st, err := admin.ReadOutboxStatus(ctx, r.env.Pool, r.env.Schema)
-		require.NoError(t, err)
-		return st.Backlog() == 0
-	}, time.Minute, 20*time.Millisecond, "the relay forwards the events published during the outage")
+	require.Eventually(t, func() bool { return r.backlog() == 0 }, time.Minute, 20*time.Millisecond, "the relay forwards the events published during the outage")
 	budget := retryBudget(cfg, proxiedConnectTimeout)
 	// The outage lasts until the consumers have tried to reconnect more
 	// often than two events' whole budgets allow and for twice the budget's
@@ -395,9 +406,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	v2 := r.publish("L", 1)[0]
 	var dls []admin.HeldEvent
 	require.Eventually(t, func() bool {
-		var err error
-		dls, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
-		require.NoError(t, err)
+		dls = r.relayDeadLetters()
 		return len(dls) == 1
 	}, time.Minute, 20*time.Millisecond, "the relay dead-letters L v2")
 	require.Equal(t, v2.ID, dls[0].EventID)
