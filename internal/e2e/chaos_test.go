@@ -119,6 +119,18 @@ func startRelayChild(t *testing.T, schema string, brokers []string, id string) *
 	return &relayChild{id: id, Proc: childproc.Start(t, envChild+"=relay", envSchema+"="+schema, envBrokers+"="+strings.Join(brokers, ","), envRelayID+"="+id)}
 }
 
+// longChaosTest starts a chaos test that runs for a while (why says how
+// long): skipped with -short, else run in parallel with the others, with
+// its seed (chaosSeed).
+func longChaosTest(t *testing.T, why string) (uint64, *rand.Rand) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip(why)
+	}
+	t.Parallel()
+	return chaosSeed(t)
+}
+
 func chaosSeed(t *testing.T) (uint64, *rand.Rand) {
 	t.Helper()
 	seed := uint64(time.Now().UnixNano())
@@ -141,11 +153,7 @@ func chaosSeed(t *testing.T) (uint64, *rand.Rand) {
 // no problem, no warning (nothing lost, dead-lettered, skipped or applied
 // twice). Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 func TestChaosLosesNothing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("chaos runs for about half a minute")
-	}
-	t.Parallel()
-	seed, rng := chaosSeed(t)
+	seed, rng := longChaosTest(t, "chaos runs for about half a minute")
 	ctx := context.Background()
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 8})

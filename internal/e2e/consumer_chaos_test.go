@@ -208,11 +208,7 @@ func (c *consumerChildren) waitStable(live []*consumerChild, why string) time.Du
 // stable group for good, holding its partitions. Observed: killing a
 // replacement 0.3–0.7 s after its start left it a member a minute later.
 func TestConsumerChaosLosesNothing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("chaos runs for about half a minute")
-	}
-	t.Parallel()
-	seed, rng := chaosSeed(t)
+	seed, rng := longChaosTest(t, "chaos runs for about half a minute")
 	ctx := context.Background()
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 10})

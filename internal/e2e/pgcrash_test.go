@@ -37,11 +37,7 @@ import (
 // dead-lettered, parked or skipped, and internal/verify reports nothing.
 // Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 func TestPostgresCrashRestartLosesNothing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("creates a PostgreSQL cluster and crashes it: about half a minute")
-	}
-	t.Parallel()
-	seed, rng := chaosSeed(t)
+	seed, rng := longChaosTest(t, "creates a PostgreSQL cluster and crashes it: about half a minute")
 	ctx := context.Background()
 
 	pg := newPGCluster(t)
