@@ -50,10 +50,7 @@ type config struct {
 
 func main() {
 	var cfg config
-	setup.Main("crash-window", "example_crash_window", func(ctx context.Context, c setup.Common) error {
-		cfg.Common = c
-		return run(ctx, cfg, os.Stdout)
-	})
+	setup.Main("crash-window", "example_crash_window", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The business tables: orders on the producer side, shipments written by
@@ -80,31 +77,16 @@ type OrderCreated struct {
 }
 
 func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
-	log := cfg.Logger
-	if log == nil {
-		log = setup.Logger(nil, slog.LevelError)
-	}
-	k, err := setup.StartKafka(cfg.Brokers)
+	// One outbox shard keeps the story simple; any number works the same.
+	env, err := setup.Start(ctx, cfg.Common, 4, 1, ddl...)
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, k.Close()) }()
+	defer func() { err = errors.Join(err, env.Close(ctx)) }()
+	k, db, log := env.Kafka, env.DB, env.Log
 	topic := k.Topic("orders")
 	if err := k.CreateTopics(ctx, 1, topic); err != nil {
 		return err
-	}
-
-	db, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 4)
-	if err != nil {
-		return err
-	}
-	defer db.Close()
-	// One outbox shard keeps the story simple; any number works the same.
-	if err := setup.ResetSchema(ctx, db, cfg.Schema, 1, ddl...); err != nil {
-		return err
-	}
-	if !cfg.Keep {
-		defer func() { err = errors.Join(err, setup.DropSchema(context.WithoutCancel(ctx), db, cfg.Schema)) }()
 	}
 
 	// 1. The business transaction: the order row and its event commit
@@ -375,14 +357,7 @@ func ship(shipments string) message.NoPublishHandlerFunc {
 // relayPool opens the pool a relay needs: one connection per shard plus
 // three.
 func relayPool(ctx context.Context, cfg config, prepare func(context.Context, *pgx.Conn) (bool, error)) (*pgxpool.Pool, error) {
-	pcfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
-	if err != nil {
-		return nil, err
-	}
-	pcfg.MaxConns = 4
-	pcfg.ConnConfig.RuntimeParams["application_name"] = setup.AppName(cfg.Schema)
-	pcfg.PrepareConn = prepare
-	return pgxpool.NewWithConfig(ctx, pcfg)
+	return setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 4, func(c *pgxpool.Config) { c.PrepareConn = prepare })
 }
 
 func outboxPending(ctx context.Context, db admin.DBTX, schema string) (int64, error) {

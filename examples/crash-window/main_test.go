@@ -1,8 +1,6 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -22,14 +20,7 @@ func TestCrashWindow(t *testing.T) {
 	cfg := config{
 		Common: extest.Common(t, "example_crash_window"),
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	err := run(ctx, cfg, &out)
-	t.Logf("output:\n%s", out.String())
-	require.NoError(t, err)
-
-	lines := extest.Parse(t, out.String())
+	lines := extest.Parse(t, extest.Run(t, 3*time.Minute, run, cfg))
 	require.NotEmpty(t, extest.Find(t, lines, "message_id")["message_id"])
 	first := extest.Find(t, lines, "simulated_crash")
 	require.Equal(t, "true", first["simulated_crash"])
@@ -54,14 +45,10 @@ func TestCrashWindow(t *testing.T) {
 func TestHandlerUnderFaults(t *testing.T) {
 	var events []eventline.Event
 	for i := int64(1); i <= 5; i++ {
-		e, err := eventline.NewJSONEvent("order.created", "order", fmt.Sprint(i), OrderCreated{OrderID: i, OrderNo: fmt.Sprint(i), AmountCents: 500})
-		require.NoError(t, err)
-		events = append(events, e)
+		events = append(events, extest.Event(t, "order.created", "order", fmt.Sprint(i), OrderCreated{OrderID: i, OrderNo: fmt.Sprint(i), AmountCents: 500}))
 	}
 	handler := ship("shipments")
-	eventlinetest.Run(t, eventlinetest.Case{
-		DatabaseURL: setup.DatabaseURL(),
-		Setup:       eventlinetest.SQL(ddl...),
+	extest.UnderFaults(t, ddl, eventlinetest.Case{
 		Handler: func(msg *message.Message) ([]*message.Message, error) {
 			return nil, handler(msg)
 		},

@@ -24,7 +24,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"slices"
 	"strings"
@@ -50,10 +49,7 @@ type config struct {
 
 func main() {
 	var cfg config
-	setup.Main("dead-letter", "example_dead_letter", func(ctx context.Context, c setup.Common) error {
-		cfg.Common = c
-		return run(ctx, cfg, os.Stdout)
-	})
+	setup.Main("dead-letter", "example_dead_letter", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The consumer's tables: each account's state, and a journal of every event
@@ -109,15 +105,14 @@ const (
 )
 
 func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
-	log := cfg.Logger
-	if log == nil {
-		log = setup.Logger(nil, slog.LevelError)
-	}
-	k, err := setup.StartKafka(cfg.Brokers)
+	// Kafka, and a fresh schema with eventline's tables and the consumer's.
+	const shards = 1
+	env, err := setup.Start(ctx, cfg.Common, 3, shards, ddl...)
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, k.Close()) }()
+	defer func() { err = errors.Join(err, env.Close(ctx)) }()
+	k, db, log := env.Kafka, env.DB, env.Log
 	// Names unique to the run (accounts-3fa2c1), so runs against a shared
 	// cluster never mix. The accounts topic admits records up to 256 KiB.
 	group := k.Group("ledger")
@@ -126,28 +121,14 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return err
 	}
 
-	db, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 3)
+	relayDB, err := env.Pool(ctx, shards+3)
 	if err != nil {
 		return err
 	}
-	defer db.Close()
-	const shards = 1
-	if err := setup.ResetSchema(ctx, db, cfg.Schema, shards, ddl...); err != nil {
-		return err
-	}
-	if !cfg.Keep {
-		defer func() { err = errors.Join(err, setup.DropSchema(context.WithoutCancel(ctx), db, cfg.Schema)) }()
-	}
-	relayDB, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), shards+3)
+	consumerDB, err := env.Pool(ctx, 3)
 	if err != nil {
 		return err
 	}
-	defer relayDB.Close()
-	consumerDB, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 3)
-	if err != nil {
-		return err
-	}
-	defer consumerDB.Close()
 
 	// 1. Four events for acc-42 and two for acc-7. The producer numbers
 	// each account's versions: 1, 2, 3, 4.

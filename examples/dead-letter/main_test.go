@@ -1,8 +1,6 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"testing"
 	"time"
 
@@ -21,14 +19,7 @@ func TestDeadLetter(t *testing.T) {
 	cfg := config{
 		Common: extest.Common(t, "example_dead_letter"),
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	err := run(ctx, cfg, &out)
-	t.Logf("output:\n%s", out.String())
-	require.NoError(t, err)
-
-	lines := extest.Parse(t, out.String())
+	lines := extest.Parse(t, extest.Run(t, 3*time.Minute, run, cfg))
 	dead := extest.Find(t, lines, "attempts", "reason")
 	require.Equal(t, "account.limit_changed", dead["event_type"])
 	require.Equal(t, 2, extest.Int(t, dead, "aggregate_version"))
@@ -54,9 +45,7 @@ func TestDeadLetter(t *testing.T) {
 // event once, in order.
 func TestHandlersUnderFaults(t *testing.T) {
 	ev := func(typ, account string, payload any) eventline.Event {
-		e, err := eventline.NewJSONEvent(typ, "account", account, payload)
-		require.NoError(t, err)
-		return e
+		return extest.Event(t, typ, "account", account, payload)
 	}
 	var events []eventline.Event
 	for _, a := range []string{poisoned, healthy} {
@@ -68,9 +57,7 @@ func TestHandlersUnderFaults(t *testing.T) {
 		)
 	}
 	l := ledger{accounts: "accounts", journal: "journal"}
-	eventlinetest.Run(t, eventlinetest.Case{
-		DatabaseURL: setup.DatabaseURL(),
-		Setup:       eventlinetest.SQL(ddl...),
+	extest.UnderFaults(t, ddl, eventlinetest.Case{
 		Handlers: map[string]consumer.HandlerFunc{
 			Opened:       eventlinetest.JSON(l.opened),
 			LimitChanged: eventlinetest.JSON(l.limitChanged),

@@ -30,7 +30,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"strings"
 	"sync"
@@ -74,10 +73,7 @@ func main() {
 	flag.IntVar(&cfg.Writers, "writers", 4, "concurrent order-creating transactions")
 	flag.DurationVar(&cfg.Progress, "progress", time.Second, "interval between progress lines (0: none)")
 	flag.BoolVar(&cfg.Trace, "trace", false, "trace every event with OpenTelemetry and print one order's spans at the end")
-	setup.Main("orders", "example_orders", func(ctx context.Context, c setup.Common) error {
-		cfg.Common = c
-		return run(ctx, cfg, os.Stdout)
-	})
+	setup.Main("orders", "example_orders", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The business tables. invoices and shipments deliberately have no unique
@@ -151,20 +147,21 @@ var groups = []struct {
 
 func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	start := time.Now()
-	log := cfg.Logger
-	if log == nil {
-		log = setup.Logger(nil, slog.LevelError)
-	}
 	if cfg.Orders <= 0 || cfg.Writers <= 0 || cfg.RedeliverEvery < 0 {
 		return errors.New("-orders and -writers must be positive, -redeliver-every not negative")
 	}
 
-	// Kafka: the events topic (eventline does not create topics).
-	k, err := setup.StartKafka(cfg.Brokers)
+	// Kafka, and PostgreSQL: one schema holds eventline's tables and the
+	// business tables. Every component has its own small pool.
+	const shards = 2
+	env, err := setup.Start(ctx, cfg.Common, int32(cfg.Writers)+1, shards, ddl...)
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, k.Close()) }()
+	defer func() { err = errors.Join(err, env.Close(ctx)) }()
+	k, db, log := env.Kafka, env.DB, env.Log
+
+	// The events topic (eventline does not create topics).
 	topic := k.Topic("orders")
 	if err := k.CreateTopics(ctx, 4, topic); err != nil {
 		return err
@@ -175,34 +172,15 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	for _, g := range groups {
 		groupID[g.name] = k.Group(g.name)
 	}
-
-	// PostgreSQL: one schema holds eventline's tables and the business
-	// tables. Every component has its own small pool.
-	const shards = 2
-	db, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), int32(cfg.Writers)+1)
+	relayDB, err := env.Pool(ctx, shards+3) // one per shard, plus three
 	if err != nil {
 		return err
 	}
-	defer db.Close()
-	if err := setup.ResetSchema(ctx, db, cfg.Schema, shards, ddl...); err != nil {
-		return err
-	}
-	if !cfg.Keep {
-		defer func() { err = errors.Join(err, setup.DropSchema(context.WithoutCancel(ctx), db, cfg.Schema)) }()
-	}
-	relayDB, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), shards+3) // one per shard, plus three
-	if err != nil {
-		return err
-	}
-	defer relayDB.Close()
 	consumerDB := map[string]*pgxpool.Pool{}
 	for _, g := range groups {
-		pool, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 4)
-		if err != nil {
+		if consumerDB[g.name], err = env.Pool(ctx, 4); err != nil {
 			return err
 		}
-		defer pool.Close()
-		consumerDB[g.name] = pool
 	}
 	fmt.Fprintf(stdout, "schema=%s topic=%s shards=%d kafka=%s\n", cfg.Schema, topic, shards, kafkaName(k))
 

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -27,14 +25,7 @@ func TestOrders(t *testing.T) {
 		Writers:        3,
 		Progress:       500 * time.Millisecond,
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	err := run(ctx, cfg, &out)
-	t.Logf("output:\n%s", out.String())
-	require.NoError(t, err)
-
-	lines := extest.Parse(t, out.String())
+	lines := extest.Parse(t, extest.Run(t, 3*time.Minute, run, cfg))
 	require.Equal(t, "progress", lines[1].Tag)
 	sum := extest.Find(t, lines, "orders", "forwarded", "billing_applied", "shipping_applied", "duplicates_skipped")
 	require.Equal(t, 120, extest.Int(t, sum, "orders"))
@@ -55,18 +46,14 @@ func TestOrders(t *testing.T) {
 func TestHandlersUnderFaults(t *testing.T) {
 	var events []eventline.Event
 	for i := int64(1); i <= 6; i++ {
-		e, err := eventline.NewJSONEvent("order.created", "order", fmt.Sprint(i), OrderCreated{OrderID: i, OrderNo: fmt.Sprintf("A-%06d", i), AmountCents: 1000 + i})
-		require.NoError(t, err)
-		events = append(events, e)
+		events = append(events, extest.Event(t, "order.created", "order", fmt.Sprint(i), OrderCreated{OrderID: i, OrderNo: fmt.Sprintf("A-%06d", i), AmountCents: 1000 + i}))
 	}
 	for _, g := range groups {
 		t.Run(g.name, func(t *testing.T) {
-			eventlinetest.Run(t, eventlinetest.Case{
-				DatabaseURL: setup.DatabaseURL(),
-				Setup:       eventlinetest.SQL(ddl...),
-				Handlers:    map[string]consumer.HandlerFunc{"order.created": eventlinetest.JSON(g.handler(g.table))},
-				Events:      events,
-				State:       eventlinetest.Rows(`SELECT order_id, event_id FROM ` + g.table + ` ORDER BY order_id, event_id`),
+			extest.UnderFaults(t, ddl, eventlinetest.Case{
+				Handlers: map[string]consumer.HandlerFunc{"order.created": eventlinetest.JSON(g.handler(g.table))},
+				Events:   events,
+				State:    eventlinetest.Rows(`SELECT order_id, event_id FROM ` + g.table + ` ORDER BY order_id, event_id`),
 			})
 		})
 	}
@@ -84,14 +71,7 @@ func TestOrdersTrace(t *testing.T) {
 		Writers:        2,
 		Trace:          true,
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	err := run(ctx, cfg, &out)
-	t.Logf("output:\n%s", out.String())
-	require.NoError(t, err)
-
-	summary, tree, ok := strings.Cut(out.String(), "trace order=")
+	summary, tree, ok := strings.Cut(extest.Run(t, 3*time.Minute, run, cfg), "trace order=")
 	require.True(t, ok, "a trace is printed")
 	extest.Find(t, extest.Parse(t, summary), "orders", "duplicates_skipped")
 	lines := strings.Split(strings.TrimSpace(tree), "\n")

@@ -22,7 +22,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"log/slog"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -60,10 +59,7 @@ func main() {
 	flag.IntVar(&cfg.DuplicateEvery, "duplicate-every", 3, "deliver every n-th event twice (0: none)")
 	flag.IntVar(&cfg.StaleReplays, "stale-replays", 10, "old versions sent again at the end under new event ids")
 	flag.Uint64Var(&cfg.Seed, "seed", 0, "random seed for amounts and shuffling (0: random)")
-	setup.Main("out-of-order", "example_out_of_order", func(ctx context.Context, c setup.Common) error {
-		cfg.Common = c
-		return run(ctx, cfg, os.Stdout)
-	})
+	setup.Main("out-of-order", "example_out_of_order", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The consumer's tables: the balance of each account, and a journal of
@@ -96,10 +92,6 @@ func (c AccountChanged) Apply(balance int64) int64 {
 const eventType = "account.changed"
 
 func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
-	log := cfg.Logger
-	if log == nil {
-		log = setup.Logger(nil, slog.LevelError)
-	}
 	if cfg.Accounts <= 0 || cfg.Versions <= 0 || cfg.DuplicateEvery < 0 || cfg.StaleReplays < 0 {
 		return errors.New("-accounts and -versions must be positive, -duplicate-every and -stale-replays not negative")
 	}
@@ -108,28 +100,19 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0))
 
-	k, err := setup.StartKafka(cfg.Brokers)
+	// Kafka, and a fresh schema with eventline's tables (one outbox shard:
+	// nothing is published through it here) and the consumer's.
+	env, err := setup.Start(ctx, cfg.Common, 4, 1, ddl...)
 	if err != nil {
 		return err
 	}
-	defer func() { err = errors.Join(err, k.Close()) }()
+	defer func() { err = errors.Join(err, env.Close(ctx)) }()
+	k, db, log := env.Kafka, env.DB, env.Log
 	// Names unique to the run (ledger-3fa2c1), so runs against a shared
 	// cluster never mix.
 	group, topic := k.Group("ledger"), k.Topic("accounts")
 	if err := k.CreateTopics(ctx, 4, topic); err != nil {
 		return err
-	}
-
-	db, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 4)
-	if err != nil {
-		return err
-	}
-	defer db.Close()
-	if err := setup.ResetSchema(ctx, db, cfg.Schema, 1, ddl...); err != nil {
-		return err
-	}
-	if !cfg.Keep {
-		defer func() { err = errors.Join(err, setup.DropSchema(context.WithoutCancel(ctx), db, cfg.Schema)) }()
 	}
 
 	// 1. Every account's history, versions 1..n, in order.
@@ -174,11 +157,10 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 
 	// 3. The consumer: the Park policy holds early versions back until
 	// their predecessors are applied.
-	consumerDB, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 4)
+	consumerDB, err := env.Pool(ctx, 4)
 	if err != nil {
 		return err
 	}
-	defer consumerDB.Close()
 	reg := prometheus.NewRegistry()
 	metrics, err := middleware.NewMetrics(reg)
 	if err != nil {

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -26,14 +24,7 @@ func TestOutOfOrder(t *testing.T) {
 		DuplicateEvery: 2,
 		StaleReplays:   4,
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	err := run(ctx, cfg, &out)
-	t.Logf("output:\n%s", out.String())
-	require.NoError(t, err)
-
-	lines := extest.Parse(t, out.String())
+	lines := extest.Parse(t, extest.Run(t, 3*time.Minute, run, cfg))
 	res := extest.Find(t, lines, "final_state_matches")
 	require.Equal(t, "true", res["final_state_matches"])
 	require.Equal(t, 30+15+4, extest.Int(t, res, "delivered"), "30 events, 15 second copies, 4 late copies")
@@ -57,16 +48,12 @@ func TestHandlerUnderFaults(t *testing.T) {
 			if v%2 == 0 {
 				change = AccountChanged{InterestPct: a + v}
 			}
-			e, err := eventline.NewJSONEvent(eventType, "account", fmt.Sprintf("acc-%d", a), change)
-			require.NoError(t, err)
-			events = append(events, e)
+			events = append(events, extest.Event(t, eventType, "account", fmt.Sprintf("acc-%d", a), change))
 		}
 	}
-	eventlinetest.Run(t, eventlinetest.Case{
-		DatabaseURL: setup.DatabaseURL(),
-		Setup:       eventlinetest.SQL(ddl...),
-		Handlers:    map[string]consumer.HandlerFunc{eventType: eventlinetest.JSON(applyChange("accounts", "journal"))},
-		Events:      events,
+	extest.UnderFaults(t, ddl, eventlinetest.Case{
+		Handlers: map[string]consumer.HandlerFunc{eventType: eventlinetest.JSON(applyChange("accounts", "journal"))},
+		Events:   events,
 		State: eventlinetest.Rows(`SELECT 'balance', id, balance::text FROM accounts
 			UNION ALL SELECT 'applied', account_id, string_agg(version::text, ',' ORDER BY seq) FROM journal GROUP BY account_id
 			ORDER BY 1, 2`),

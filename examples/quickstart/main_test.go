@@ -1,13 +1,9 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/eventlinetest/kafkatest"
@@ -34,21 +30,8 @@ func TestQuickstart(t *testing.T) {
 		Items:       9,
 		Logger:      extest.Logger(t),
 	}
-	t.Cleanup(func() {
-		pool, err := pgxpool.New(context.Background(), cfg.DatabaseURL)
-		require.NoError(t, err)
-		defer pool.Close()
-		_, err = pool.Exec(context.Background(), `DROP SCHEMA IF EXISTS `+pgx.Identifier{cfg.Schema}.Sanitize()+` CASCADE`)
-		require.NoError(t, err)
-	})
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	var out bytes.Buffer
-	err := run(ctx, cfg, &out)
-	t.Logf("output:\n%s", out.String())
-	require.NoError(t, err)
-
-	sum := extest.Find(t, extest.Parse(t, out.String()), "orders", "published", "applied", "in_order")
+	extest.DropSchemaAtEnd(t, cfg.Schema)
+	sum := extest.Find(t, extest.Parse(t, extest.Run(t, 2*time.Minute, run, cfg)), "orders", "published", "applied", "in_order")
 	require.Equal(t, 120, extest.Int(t, sum, "published"))
 	require.Equal(t, 120, extest.Int(t, sum, "applied"))
 	require.Equal(t, "true", sum["in_order"])

@@ -33,15 +33,9 @@ func TestConsumerKilledInItsFirstJoinGroupIsExpired(t *testing.T) {
 	seed, _ := chaosSeed(t)
 	ctx := context.Background()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 8})
-	r := &faultRig{t: t, env: env, cluster: kafkatest.Start(t, kafkatest.Config{})}
-	r.brokers = r.cluster.Brokers
-	r.topic = kafkatest.Topic(t, "firstjoin")
-	require.NoError(t, r.cluster.CreateTopics(ctx, 4, r.topic))
-	var err error
-	r.prod, err = producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
-	require.NoError(t, err)
+	r := newRig(t, env, env.Pool, kafkatest.Start(t, kafkatest.Config{}), "firstjoin", 4, nil)
 	effects, deliveries := r.table("firstjoin_effects"), r.table("firstjoin_deliveries")
-	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, consumer text NOT NULL);
+	_, err := env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, consumer text NOT NULL);
 		CREATE TABLE `+deliveries+` (event_id text NOT NULL, consumer text NOT NULL)`)
 	require.NoError(t, err)
 	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{

@@ -66,14 +66,8 @@ func TestTopicLimitBelowTheRelaysDeadLettersOnlyTheTooLargeEvent(t *testing.T) {
 	cfg.ParkTimeout = 0 // nothing may be skipped
 	r.runConsumer(cfg)
 
-	var dls []admin.HeldEvent
-	require.Eventually(t, func() bool {
-		st, err := admin.ReadOutboxStatus(ctx, r.env.Pool, r.env.Schema)
-		require.NoError(t, err)
-		return st.Backlog() == 0
-	}, 2*time.Minute, 50*time.Millisecond, "the relay gets through the backlog")
-	dls, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
-	require.NoError(t, err)
+	require.Eventually(t, func() bool { return r.backlog() == 0 }, 2*time.Minute, 50*time.Millisecond, "the relay gets through the backlog")
+	dls := r.relayDeadLetters()
 	var deadIDs []string
 	for _, d := range dls {
 		deadIDs = append(deadIDs, d.EventID+" ("+d.AggregateID+" v"+strconv.FormatInt(d.AggregateVersion, 10)+"): "+d.Reason)
@@ -232,23 +226,14 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 	for _, a := range aggs {
 		r.publish(a, 2) // v4, v5: the topic is missing
 	}
-	require.Eventually(t, func() bool {
-		dls, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
-		require.NoError(t, err)
-		return len(dls) > 0
-	}, time.Minute, 20*time.Millisecond, "the relay gives up on an event for the missing topic")
+	require.Eventually(t, func() bool { return len(r.relayDeadLetters()) > 0 }, time.Minute, 20*time.Millisecond, "the relay gives up on an event for the missing topic")
 	require.NoError(t, r.cluster.CreateTopics(ctx, 3, r.topic))
 	recreated := time.Since(deleted)
 	for _, a := range aggs {
 		r.publish(a, 4) // v6…v9: more records than the deleted topic held, so a stale offset would skip some
 	}
-	require.Eventually(t, func() bool {
-		st, err := admin.ReadOutboxStatus(ctx, r.env.Pool, r.env.Schema)
-		require.NoError(t, err)
-		return st.Backlog() == 0
-	}, 2*time.Minute, 50*time.Millisecond, "the relay gets through the outbox once the topic exists again")
-	dls, err := admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
-	require.NoError(t, err)
+	require.Eventually(t, func() bool { return r.backlog() == 0 }, 2*time.Minute, 50*time.Millisecond, "the relay gets through the outbox once the topic exists again")
+	dls := r.relayDeadLetters()
 	for _, d := range dls {
 		require.Contains(t, d.Reason, "does not exist", "dead letter %s v%d", d.AggregateID, d.AggregateVersion)
 		require.Contains(t, []int64{4, 5}, d.AggregateVersion, "only events published while the topic was missing")

@@ -55,9 +55,11 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// runRelayChild runs a relay until SIGTERM, with short retry waits and
-// rebalance interval so the chaos test's faults are outlived quickly.
-func runRelayChild() int {
+// runChild is a child process's main: with a context that SIGTERM ends and
+// a pool of maxConns connections to the test database, it builds the
+// child's relay or consumer and runs it until SIGTERM. It returns the exit
+// status: 2 if the pool or build fails, 1 if Run does, 0 after a clean stop.
+func runChild(maxConns int32, build func(ctx context.Context, pool *pgxpool.Pool) (interface{ Run(context.Context) error }, error)) int {
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer cancel()
 	pcfg, err := pgxpool.ParseConfig(pgtest.URL())
@@ -65,31 +67,45 @@ func runRelayChild() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	pcfg.MaxConns = 8
+	pcfg.MaxConns = maxConns
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
 	defer pool.Close()
-	relay, err := producer.NewRelay(ctx, pool, producer.RelayConfig{
-		Schema:            os.Getenv(envSchema),
-		Brokers:           kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
-		ID:                os.Getenv(envRelayID),
-		PollInterval:      100 * time.Millisecond,
-		RebalanceInterval: 250 * time.Millisecond,
-		Backoff:           eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
-		Logger:            testLogger(),
-	})
+	child, err := build(ctx, pool)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	if err := relay.Run(ctx); err != nil {
+	if err := child.Run(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
 	return 0
+}
+
+// chaosRelayConfig is the configuration of the chaos tests' relays: short
+// retry waits and rebalance interval, so the faults are outlived quickly.
+func chaosRelayConfig(schema string, brokers []string) producer.RelayConfig {
+	return producer.RelayConfig{
+		Schema:            schema,
+		Brokers:           brokers,
+		PollInterval:      100 * time.Millisecond,
+		RebalanceInterval: 250 * time.Millisecond,
+		Backoff:           eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
+		Logger:            testLogger(),
+	}
+}
+
+// runRelayChild runs a relay (chaosRelayConfig) until SIGTERM.
+func runRelayChild() int {
+	return runChild(8, func(ctx context.Context, pool *pgxpool.Pool) (interface{ Run(context.Context) error }, error) {
+		cfg := chaosRelayConfig(os.Getenv(envSchema), kafkaconf.ParseBrokers(os.Getenv(envBrokers)))
+		cfg.ID = os.Getenv(envRelayID)
+		return producer.NewRelay(ctx, pool, cfg)
+	})
 }
 
 // relayChild is a relay running in a child process.
@@ -101,6 +117,18 @@ type relayChild struct {
 func startRelayChild(t *testing.T, schema string, brokers []string, id string) *relayChild {
 	t.Helper()
 	return &relayChild{id: id, Proc: childproc.Start(t, envChild+"=relay", envSchema+"="+schema, envBrokers+"="+strings.Join(brokers, ","), envRelayID+"="+id)}
+}
+
+// longChaosTest starts a chaos test that runs for a while (why says how
+// long): skipped with -short, else run in parallel with the others, with
+// its seed (chaosSeed).
+func longChaosTest(t *testing.T, why string) (uint64, *rand.Rand) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip(why)
+	}
+	t.Parallel()
+	return chaosSeed(t)
 }
 
 func chaosSeed(t *testing.T) (uint64, *rand.Rand) {
@@ -125,27 +153,14 @@ func chaosSeed(t *testing.T) (uint64, *rand.Rand) {
 // no problem, no warning (nothing lost, dead-lettered, skipped or applied
 // twice). Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 func TestChaosLosesNothing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("chaos runs for about half a minute")
-	}
-	t.Parallel()
-	seed, rng := chaosSeed(t)
+	seed, rng := longChaosTest(t, "chaos runs for about half a minute")
 	ctx := context.Background()
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 8})
-	r := &faultRig{t: t, env: env}
-	r.cluster = kafkatest.WithFaults(t)
-	r.brokers = r.cluster.Brokers
-	r.topic = kafkatest.Topic(t, "chaos")
-	require.NoError(t, r.cluster.CreateTopics(ctx, 3, r.topic))
-	var err error
-	r.prod, err = producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
-	require.NoError(t, err)
-	r.proxy, err = faultproxy.Start(pgtest.Addr())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.proxy.Close() })
+	r := newRig(t, env, env.Pool, kafkatest.WithFaults(t), "chaos", 3, nil)
+	r.startProxy()
 	effects := r.table("chaos_effects")
-	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
+	_, err := env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
 	require.NoError(t, err)
 
 	// The consumer: default park timeout (an hour: nothing may be skipped

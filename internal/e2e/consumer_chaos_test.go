@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"os/signal"
 	"slices"
 	"strings"
 	"syscall"
@@ -56,75 +55,54 @@ const (
 // until SIGTERM, its handler recording every applied event in the effects
 // table with the child's client id.
 func runConsumerChild() int {
-	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
-	defer cancel()
-	pcfg, err := pgxpool.ParseConfig(pgtest.URL())
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	pcfg.MaxConns = 6
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	defer pool.Close()
-	id := os.Getenv(envClientID)
-	sc := kafkaconf.Consumer(id)
-	sc.Consumer.Group.Session.Timeout = childSessionTimeout
-	sc.Consumer.Group.Heartbeat.Interval = childHeartbeat
-	sc.Consumer.Group.Rebalance.Timeout = childRebalanceTimeout
-	logger := testLogger()
-	if os.Getenv("EVENTLINE_TEST_LOG") == "" {
-		// Warnings go to the child's output, which the test logs if it fails.
-		logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("child", id)
-	}
-	deliveries := os.Getenv(envDeliveries)
-	// Outside the eventline middleware: h returns once the event is
-	// finished. Best effort (an observation, not part of the check).
-	noteDelivery := func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			out, err := h(msg)
-			if err == nil {
-				_, _ = pool.Exec(context.WithoutCancel(msg.Context()), `INSERT INTO `+deliveries+` (event_id, consumer) VALUES ($1, $2)`,
-					msg.Metadata.Get(eventline.MetaEventID), id)
-			}
-			return out, err
+	return runChild(6, func(ctx context.Context, pool *pgxpool.Pool) (interface{ Run(context.Context) error }, error) {
+		id := os.Getenv(envClientID)
+		sc := kafkaconf.Consumer(id)
+		sc.Consumer.Group.Session.Timeout = childSessionTimeout
+		sc.Consumer.Group.Heartbeat.Interval = childHeartbeat
+		sc.Consumer.Group.Rebalance.Timeout = childRebalanceTimeout
+		logger := testLogger()
+		if os.Getenv("EVENTLINE_TEST_LOG") == "" {
+			// Warnings go to the child's output, which the test logs if it fails.
+			logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})).With("child", id)
 		}
-	}
-	c, err := consumer.New(pool, consumer.Config{
-		Config: middleware.Config{
-			Group:         os.Getenv(envGroup),
-			Schema:        os.Getenv(envSchema),
-			SweepInterval: 200 * time.Millisecond,
-			Middleware:    []message.HandlerMiddleware{noteDelivery},
-			Logger:        logger,
-			InfraBackoff:  eventline.Backoff{Max: 500 * time.Millisecond},
-		},
-		Brokers:         kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
-		Topics:          []string{os.Getenv(envTopic)},
-		ShutdownTimeout: 10 * time.Second,
-		SaramaConfig:    sc,
+		deliveries := os.Getenv(envDeliveries)
+		// Outside the eventline middleware: h returns once the event is
+		// finished. Best effort (an observation, not part of the check).
+		noteDelivery := func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				out, err := h(msg)
+				if err == nil {
+					_, _ = pool.Exec(context.WithoutCancel(msg.Context()), `INSERT INTO `+deliveries+` (event_id, consumer) VALUES ($1, $2)`,
+						msg.Metadata.Get(eventline.MetaEventID), id)
+				}
+				return out, err
+			}
+		}
+		c, err := consumer.New(pool, consumer.Config{
+			Config: middleware.Config{
+				Group:         os.Getenv(envGroup),
+				Schema:        os.Getenv(envSchema),
+				SweepInterval: 200 * time.Millisecond,
+				Middleware:    []message.HandlerMiddleware{noteDelivery},
+				Logger:        logger,
+				InfraBackoff:  eventline.Backoff{Max: 500 * time.Millisecond},
+			},
+			Brokers:         kafkaconf.ParseBrokers(os.Getenv(envBrokers)),
+			Topics:          []string{os.Getenv(envTopic)},
+			ShutdownTimeout: 10 * time.Second,
+			SaramaConfig:    sc,
+		})
+		if err != nil {
+			return nil, err
+		}
+		effects := os.Getenv(envEffects)
+		return c, c.Handle("order.updated", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+			_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version, consumer) VALUES ($1, $2, $3, $4)`,
+				e.ID, e.AggregateID, e.AggregateVersion, id)
+			return err
+		})
 	})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	effects := os.Getenv(envEffects)
-	if err := c.Handle("order.updated", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
-		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version, consumer) VALUES ($1, $2, $3, $4)`,
-			e.ID, e.AggregateID, e.AggregateVersion, id)
-		return err
-	}); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	if err := c.Run(ctx); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	return 0
 }
 
 // consumerChild is a consumer running in a child process.
@@ -230,37 +208,22 @@ func (c *consumerChildren) waitStable(live []*consumerChild, why string) time.Du
 // stable group for good, holding its partitions. Observed: killing a
 // replacement 0.3–0.7 s after its start left it a member a minute later.
 func TestConsumerChaosLosesNothing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("chaos runs for about half a minute")
-	}
-	t.Parallel()
-	seed, rng := chaosSeed(t)
+	seed, rng := longChaosTest(t, "chaos runs for about half a minute")
 	ctx := context.Background()
 
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 10})
-	r := &faultRig{t: t, env: env}
 	// The children's session timeout is below the brokers' usual minimum
 	// (6 s): kfake's is lowered here, the Apache Kafka brokers started by
 	// internal/kafkabroker allow 500 ms.
-	r.cluster = kafkatest.Start(t, kafkatest.Config{FakeOptions: []kfake.Opt{kfake.GroupMinSessionTimeout(500 * time.Millisecond)}})
-	r.brokers = r.cluster.Brokers
-	r.topic = kafkatest.Topic(t, "cchaos")
-	kafkatest.CreateTopic(t, r.brokers, r.topic, 4)
-	var err error
-	r.prod, err = producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
-	require.NoError(t, err)
+	cluster := kafkatest.Start(t, kafkatest.Config{FakeOptions: []kfake.Opt{kfake.GroupMinSessionTimeout(500 * time.Millisecond)}})
+	r := newRig(t, env, env.Pool, cluster, "cchaos", 4, nil)
 	effects := r.table("cchaos_effects")
-	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, consumer text NOT NULL)`)
+	_, err := env.Pool.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, consumer text NOT NULL)`)
 	require.NoError(t, err)
 	deliveries := r.table("cchaos_deliveries")
 	_, err = env.Pool.Exec(ctx, `CREATE TABLE `+deliveries+` (event_id text NOT NULL, consumer text NOT NULL)`)
 	require.NoError(t, err)
-	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: r.brokers,
-		PollInterval: 100 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
-		Backoff: eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
-		Logger:  testLogger(),
-	})
+	rel, err := producer.NewRelay(ctx, env.Pool, chaosRelayConfig(env.Schema, r.brokers))
 	require.NoError(t, err)
 	stopRelay := runUntilStopped(t, rel.Run)
 

@@ -59,23 +59,39 @@ func newFaultRig(t *testing.T) *faultRig {
 func newFaultRigWith(t *testing.T, partitions int32, topicConfig map[string]string) *faultRig {
 	t.Helper()
 	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 8})
-	cluster := kafkatest.Start(t, kafkatest.Config{})
-	brokers := cluster.Brokers
-	topic := kafkatest.Topic(t, "orders")
-	require.NoError(t, cluster.CreateTopicsWithConfig(context.Background(), partitions, topicConfig, topic))
-	prod, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
-	require.NoError(t, err)
-	applied := sqlident.Qualify(env.Schema, "applied")
-	_, err = env.Pool.Exec(context.Background(), `CREATE TABLE `+applied+` (
+	r := newRig(t, env, env.Pool, kafkatest.Start(t, kafkatest.Config{}), "orders", partitions, topicConfig)
+	r.applied = sqlident.Qualify(env.Schema, "applied")
+	_, err := env.Pool.Exec(context.Background(), `CREATE TABLE `+r.applied+` (
 		seq bigserial PRIMARY KEY, grp text NOT NULL, event_id text NOT NULL, aggregate_id text NOT NULL,
 		version bigint NOT NULL, late boolean NOT NULL)`)
 	require.NoError(t, err)
-	proxy, err := faultproxy.Start(pgtest.Addr())
+	r.startProxy()
+	r.store, err = store.New(env.Schema)
 	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
-	st, err := store.New(env.Schema)
+	return r
+}
+
+// newRig returns a rig on env and cluster, without proxy: a topic named
+// after name (kafkatest.Topic: unique, the broker may be shared), created
+// with partitions and topicConfig, and a producer of it on pool.
+func newRig(t *testing.T, env pgtest.Env, pool *pgxpool.Pool, cluster *kafkatest.Cluster, name string, partitions int32, topicConfig map[string]string) *faultRig {
+	t.Helper()
+	r := &faultRig{t: t, env: env, cluster: cluster, brokers: cluster.Brokers, topic: kafkatest.Topic(t, name)}
+	require.NoError(t, cluster.CreateTopicsWithConfig(context.Background(), partitions, topicConfig, r.topic))
+	var err error
+	r.prod, err = producer.New(context.Background(), pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
 	require.NoError(t, err)
-	return &faultRig{t: t, env: env, cluster: cluster, brokers: brokers, topic: topic, prod: prod, proxy: proxy, applied: applied, store: st}
+	return r
+}
+
+// startProxy starts the rig's fault proxy in front of the test database
+// (proxiedPool), closed when the test ends.
+func (r *faultRig) startProxy() {
+	r.t.Helper()
+	var err error
+	r.proxy, err = faultproxy.Start(pgtest.Addr())
+	require.NoError(r.t, err)
+	r.t.Cleanup(func() { _ = r.proxy.Close() })
 }
 
 // proxiedConnectTimeout bounds one connection attempt through the proxy.
@@ -226,6 +242,21 @@ func (r *faultRig) count(query string, args ...any) int {
 
 func (r *faultRig) table(name string) string { return sqlident.Qualify(r.env.Schema, name) }
 
+// backlog is how many events the rig's outbox holds, not yet forwarded.
+func (r *faultRig) backlog() int64 {
+	st, err := admin.ReadOutboxStatus(context.Background(), r.env.Pool, r.env.Schema)
+	require.NoError(r.t, err)
+	return st.Backlog()
+}
+
+// relayDeadLetters lists the events the relay gave up on (held_events,
+// kind relay_dead_letter).
+func (r *faultRig) relayDeadLetters() []admin.HeldEvent {
+	dls, err := admin.ListHeld(context.Background(), r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
+	require.NoError(r.t, err)
+	return dls
+}
+
 func (r *faultRig) waitRuns(group string, n int, what string) {
 	r.t.Helper()
 	deadline := time.Now().Add(time.Minute)
@@ -317,11 +348,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	for _, a := range aggs {
 		r.publish(a, perAgg-1)
 	}
-	require.Eventually(t, func() bool {
-		st, err := admin.ReadOutboxStatus(ctx, r.env.Pool, r.env.Schema)
-		require.NoError(t, err)
-		return st.Backlog() == 0
-	}, time.Minute, 20*time.Millisecond, "the relay forwards the events published during the outage")
+	require.Eventually(t, func() bool { return r.backlog() == 0 }, time.Minute, 20*time.Millisecond, "the relay forwards the events published during the outage")
 	budget := retryBudget(cfg, proxiedConnectTimeout)
 	// The outage lasts until the consumers have tried to reconnect more
 	// often than two events' whole budgets allow and for twice the budget's
@@ -379,9 +406,7 @@ func TestDatabaseOutageAndLateReplayLoseNothing(t *testing.T) {
 	v2 := r.publish("L", 1)[0]
 	var dls []admin.HeldEvent
 	require.Eventually(t, func() bool {
-		var err error
-		dls, err = admin.ListHeld(ctx, r.env.Pool, r.env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
-		require.NoError(t, err)
+		dls = r.relayDeadLetters()
 		return len(dls) == 1
 	}, time.Minute, 20*time.Millisecond, "the relay dead-letters L v2")
 	require.Equal(t, v2.ID, dls[0].EventID)

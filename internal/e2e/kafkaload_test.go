@@ -15,7 +15,6 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
@@ -74,16 +73,9 @@ func startKafkaLoad(t *testing.T, cluster *kafkatest.Cluster, name string, timeo
 	seed, _ := chaosSeed(t)
 	ctx := context.Background()
 	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 8})
-	l := &kafkaLoad{faultRig: &faultRig{t: t, env: env, cluster: cluster, brokers: cluster.Brokers}, seed: seed}
-	r := l.faultRig
-	r.topic = kafkatest.Topic(t, name)
-	require.NoError(t, cluster.CreateTopics(ctx, 3, r.topic))
-	var err error
-	r.prod, err = producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: r.topic})
-	require.NoError(t, err)
-	r.proxy, err = faultproxy.Start(pgtest.Addr()) // stays in Pass: only Kafka fails here
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = r.proxy.Close() })
+	r := newRig(t, env, env.Pool, cluster, name, 3, nil)
+	r.startProxy() // stays in Pass: only Kafka fails here
+	l := &kafkaLoad{faultRig: r, seed: seed}
 
 	// The relay: three attempts per event, so an outage counted as
 	// attempts would dead-letter at once.

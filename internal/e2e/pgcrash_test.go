@@ -37,11 +37,7 @@ import (
 // dead-lettered, parked or skipped, and internal/verify reports nothing.
 // Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 func TestPostgresCrashRestartLosesNothing(t *testing.T) {
-	if testing.Short() {
-		t.Skip("creates a PostgreSQL cluster and crashes it: about half a minute")
-	}
-	t.Parallel()
-	seed, rng := chaosSeed(t)
+	seed, rng := longChaosTest(t, "creates a PostgreSQL cluster and crashes it: about half a minute")
 	ctx := context.Background()
 
 	pg := newPGCluster(t)
@@ -61,25 +57,13 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	checks := newPool(4)
 	require.NoError(t, migrations.Up(ctx, checks, migrations.Config{Schema: schema, Shards: shards}))
 	env := pgtest.Env{Pool: checks, Schema: schema, Shards: shards}
-	r := &faultRig{t: t, env: env}
-	r.cluster = kafkatest.Start(t, kafkatest.Config{})
-	r.brokers = r.cluster.Brokers
-	r.topic = kafkatest.Topic(t, "pgcrash")
-	kafkatest.CreateTopic(t, r.brokers, r.topic, 3)
 	prodPool := newPool(4)
-	var err error
-	r.prod, err = producer.New(ctx, prodPool, producer.Config{Schema: schema, DefaultTopic: r.topic})
-	require.NoError(t, err)
+	r := newRig(t, env, prodPool, kafkatest.Start(t, kafkatest.Config{}), "pgcrash", 3, nil)
 	effects := r.table("pgcrash_effects")
-	_, err = checks.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
+	_, err := checks.Exec(ctx, `CREATE TABLE `+effects+` (seq bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL)`)
 	require.NoError(t, err)
 
-	rel, err := producer.NewRelay(ctx, newPool(8), producer.RelayConfig{
-		Schema: schema, Brokers: r.brokers,
-		PollInterval: 100 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond,
-		Backoff: eventline.Backoff{Initial: 50 * time.Millisecond, Multiplier: 2, Max: 200 * time.Millisecond},
-		Logger:  testLogger(),
-	})
+	rel, err := producer.NewRelay(ctx, newPool(8), chaosRelayConfig(schema, r.brokers))
 	require.NoError(t, err)
 	stopRelay := runUntilStopped(t, rel.Run)
 

@@ -1,7 +1,8 @@
-// Package extest holds what the examples' tests share: reading the
-// key=value output, a schema name per test, a logger that shows only when a
-// test fails, and the checks that an example left no goroutine and no
-// database connection behind.
+// Package extest holds what the examples' tests share: running an
+// example's run function, reading the key=value output, a schema name per
+// test, a logger that shows only when a test fails, the checks that an
+// example left no goroutine and no database connection behind, and the
+// test kit's fault schedules set up on an example's tables.
 package extest
 
 import (
@@ -9,6 +10,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"io"
 	"log/slog"
 	"strconv"
 	"strings"
@@ -19,6 +21,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/eventlinetest"
 	"github.com/eventline/eventline/examples/internal/setup"
 )
 
@@ -46,6 +50,39 @@ func Common(t testing.TB, prefix string) setup.Common {
 		Schema:      Schema(prefix),
 		Logger:      Logger(t),
 	}
+}
+
+// Run runs an example's run function with cfg and a deadline of timeout,
+// logs what it printed, fails the test if it returned an error, and
+// returns its output.
+func Run[C any](t testing.TB, timeout time.Duration, run func(ctx context.Context, cfg C, stdout io.Writer) error, cfg C) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	var out bytes.Buffer
+	err := run(ctx, cfg, &out)
+	t.Logf("output:\n%s", out.String())
+	require.NoError(t, err)
+	return out.String()
+}
+
+// UnderFaults runs c with eventline's test kit on the test database, with
+// the example's tables (ddl) created for every run: the handlers in c must
+// leave the same State whatever the deliveries.
+func UnderFaults(t testing.TB, ddl []string, c eventlinetest.Case) {
+	t.Helper()
+	c.DatabaseURL = setup.DatabaseURL()
+	c.Setup = eventlinetest.SQL(ddl...)
+	eventlinetest.Run(t, c)
+}
+
+// Event returns a new JSON event of type typ for the aggregate
+// aggregateType/id, failing the test if payload does not encode.
+func Event(t testing.TB, typ, aggregateType, id string, payload any) eventline.Event {
+	t.Helper()
+	e, err := eventline.NewJSONEvent(typ, aggregateType, id, payload)
+	require.NoError(t, err)
+	return e
 }
 
 // Logger returns a debug logger whose output is printed only if the test
@@ -167,6 +204,18 @@ func Int(t testing.TB, fields map[string]string, key string) int {
 	n, err := strconv.Atoi(v)
 	require.NoError(t, err, "%s=%s", key, v)
 	return n
+}
+
+// DropSchemaAtEnd drops schema when the test ends, for an example that
+// leaves its schema behind.
+func DropSchemaAtEnd(t testing.TB, schema string) {
+	t.Cleanup(func() {
+		ctx := context.Background()
+		pool, err := setup.Pool(ctx, setup.DatabaseURL(), "eventline-example-test", 1)
+		require.NoError(t, err)
+		defer pool.Close()
+		require.NoError(t, setup.DropSchema(ctx, pool, schema))
+	})
 }
 
 // NoConnections fails the test if PostgreSQL still has sessions with the

@@ -1,12 +1,14 @@
 // Package setup is the plumbing the examples share and that is not what they
-// are about: connecting to PostgreSQL, starting the in-process Kafka (or
-// using the cluster in KAFKA_BROKERS), creating and deleting topics, and
-// reading Prometheus counters back. Everything eventline-specific stays in
+// are about: connecting to PostgreSQL and (re)creating the example's schema,
+// starting the in-process Kafka (or using the cluster in KAFKA_BROKERS),
+// both at once with Start, creating and deleting topics, and reading
+// Prometheus counters back. Everything eventline-specific stays in
 // the examples' main.go, where a reader can copy it from.
 package setup
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -41,14 +43,18 @@ func DatabaseURL() string {
 func AppName(schema string) string { return "eventline:" + schema }
 
 // Pool opens a connection pool of at most maxConns connections, named
-// appName in pg_stat_activity.
-func Pool(ctx context.Context, url, appName string, maxConns int32) (*pgxpool.Pool, error) {
+// appName in pg_stat_activity; configure, if any, may change the pool's
+// configuration further before it opens.
+func Pool(ctx context.Context, url, appName string, maxConns int32, configure ...func(*pgxpool.Config)) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("parse database URL: %w", err)
 	}
 	cfg.MaxConns = maxConns
 	cfg.ConnConfig.RuntimeParams["application_name"] = appName
+	for _, f := range configure {
+		f(cfg)
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
@@ -97,6 +103,67 @@ func ResetSchema(ctx context.Context, pool *pgxpool.Pool, schema string, shards 
 func DropSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 	_, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+sqlident.Quote(schema)+` CASCADE`)
 	return err
+}
+
+// Env is what a story runs on: its Kafka cluster, and its schema, created
+// afresh in PostgreSQL with eventline's tables and the story's own, with a
+// pool on it. Close undoes all of it.
+type Env struct {
+	// Kafka is the cluster, from StartKafka.
+	Kafka *Kafka
+	// DB is the pool the schema was created with.
+	DB *pgxpool.Pool
+	// Log is the configuration's Logger, or one that discards everything.
+	Log *slog.Logger
+
+	c     Common
+	pools []*pgxpool.Pool
+}
+
+// Start starts the Kafka cluster of c (StartKafka), opens a pool of
+// maxConns connections named after c.Schema (AppName), and resets the
+// schema with the given outbox shards and business tables (ResetSchema).
+func Start(ctx context.Context, c Common, maxConns int32, shards int, ddl ...string) (_ *Env, err error) {
+	e := &Env{Log: c.Logger, c: c}
+	if e.Log == nil {
+		e.Log = Logger(nil, slog.LevelError)
+	}
+	if e.Kafka, err = StartKafka(c.Brokers); err != nil {
+		return nil, err
+	}
+	if e.DB, err = Pool(ctx, c.DatabaseURL, AppName(c.Schema), maxConns); err != nil {
+		return nil, errors.Join(err, e.Kafka.Close())
+	}
+	if err := ResetSchema(ctx, e.DB, c.Schema, shards, ddl...); err != nil {
+		e.DB.Close()
+		return nil, errors.Join(err, e.Kafka.Close())
+	}
+	return e, nil
+}
+
+// Pool opens another pool of maxConns connections named after the schema;
+// Close closes it.
+func (e *Env) Pool(ctx context.Context, maxConns int32) (*pgxpool.Pool, error) {
+	pool, err := Pool(ctx, e.c.DatabaseURL, AppName(e.c.Schema), maxConns)
+	if err != nil {
+		return nil, err
+	}
+	e.pools = append(e.pools, pool)
+	return pool, nil
+}
+
+// Close closes the pools opened with Pool, drops the schema unless Keep is
+// set, closes DB and stops Kafka. It runs even when ctx has ended.
+func (e *Env) Close(ctx context.Context) error {
+	for i := len(e.pools) - 1; i >= 0; i-- {
+		e.pools[i].Close()
+	}
+	var err error
+	if !e.c.Keep {
+		err = DropSchema(context.WithoutCancel(ctx), e.DB, e.c.Schema)
+	}
+	e.DB.Close()
+	return errors.Join(err, e.Kafka.Close())
 }
 
 // Logger returns a text logger writing to w at level and above; nil w
@@ -201,12 +268,12 @@ type Common struct {
 }
 
 // Main registers the shared flags (-schema, -keep, -log-level), parses the
-// command line (register the example's own flags first), takes the database
-// and brokers from the environment, and runs fn until it returns or
-// SIGINT/SIGTERM cancels its context. It exits 2 on a usage error and 1 when
-// fn fails, prefixing the message with name.
-func Main(name, defaultSchema string, fn func(ctx context.Context, c Common) error) {
-	c := Common{DatabaseURL: DatabaseURL(), Brokers: BrokersFromEnv()}
+// command line (register the example's own flags first), fills c from them
+// and from the environment (the database and the brokers), and runs fn until
+// it returns or SIGINT/SIGTERM cancels its context. It exits 2 on a usage
+// error and 1 when fn fails, prefixing the message with name.
+func Main(name, defaultSchema string, c *Common, fn func(ctx context.Context) error) {
+	*c = Common{DatabaseURL: DatabaseURL(), Brokers: BrokersFromEnv()}
 	flag.StringVar(&c.Schema, "schema", defaultSchema, "PostgreSQL schema the example (re)creates")
 	flag.BoolVar(&c.Keep, "keep", false, "keep the schema after the run, to look at the tables")
 	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
@@ -220,7 +287,7 @@ func Main(name, defaultSchema string, fn func(ctx context.Context, c Common) err
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := fn(ctx, c); err != nil {
+	if err := fn(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, name+":", err)
 		stop()
 		os.Exit(1)
