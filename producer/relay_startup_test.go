@@ -59,10 +59,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 	for name, mode := range map[string]faultproxy.Mode{"refused": faultproxy.Refuse, "not answering": faultproxy.Freeze} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			env := pgtest.New(t, pgtest.Options{Shards: 2})
-			brokers := kafkatest.Brokers(t)
-			topic := kafkatest.Topic(t, "orders")
-			kafkatest.CreateTopic(t, brokers, topic, 3)
+			env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 3)
 			events := relaytest.PublishOrders(t, env, topic, 4, 20, 5)
 
 			proxy, err := faultproxy.Start(pgtest.Addr())

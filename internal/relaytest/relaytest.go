@@ -36,6 +36,18 @@ func (w tWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
+// Setup returns a migrated schema made with opts, the Kafka brokers and a
+// new "orders" topic with partitions partitions: what most relay tests
+// start from.
+func Setup(t *testing.T, opts pgtest.Options, partitions int32) (pgtest.Env, []string, string) {
+	t.Helper()
+	env := pgtest.New(t, opts)
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, partitions)
+	return env, brokers, topic
+}
+
 // Start runs a relay on env until the test ends or stop is called, with
 // short intervals (PollInterval 200ms, RebalanceInterval 250ms) and Logger
 // unless cfg sets them.
