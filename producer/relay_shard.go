@@ -358,23 +358,17 @@ func (s *shardRunner) checkPosition(ctx context.Context) {
 // (before PostgreSQL's lease expires); when another relay holds the lease,
 // at once.
 func (s *shardRunner) halt(reason stopReason) {
-	if s.why.CompareAndSwap(int32(stopNone), int32(reason)) {
+	first := s.why.CompareAndSwap(int32(stopNone), int32(reason))
+	if first {
 		s.cancelSoft()
-		switch reason {
-		case stopLost:
-			s.cancelHard()
-		case stopExpired:
-			time.AfterFunc(s.relay.cfg.RebalanceInterval, s.cancelHard)
-		default:
-			time.AfterFunc(stopGrace, s.cancelHard)
-		}
-		return
 	}
-	switch reason {
-	case stopLost:
+	switch {
+	case reason == stopLost:
 		s.cancelHard()
-	case stopExpired:
+	case reason == stopExpired:
 		time.AfterFunc(s.relay.cfg.RebalanceInterval, s.cancelHard)
+	case first:
+		time.AfterFunc(stopGrace, s.cancelHard)
 	}
 }
 
