@@ -234,9 +234,7 @@ func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
 	t.Parallel()
 	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 6, MaxConns: 12}, 6)
-	proxy, err := faultproxy.Start(pgtest.Addr())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
+	proxy := startProxy(t)
 	const interval = 200 * time.Millisecond
 	bound := producer.TakeoverBound(interval)
 	child := func(id string, extra ...string) *childproc.Proc {

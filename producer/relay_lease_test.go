@@ -415,6 +415,15 @@ func waitOwnedBy(t *testing.T, env pgtest.Env, relayID string, timeout time.Dura
 	return time.Since(began)
 }
 
+// startProxy starts a fault proxy to PostgreSQL, closed when the test ends.
+func startProxy(t *testing.T) *faultproxy.Proxy {
+	t.Helper()
+	proxy, err := faultproxy.Start(pgtest.Addr())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	return proxy
+}
+
 // proxiedPool opens a pool whose connections go through a fault proxy.
 func proxiedPool(t *testing.T, p *faultproxy.Proxy, maxConns int32) *pgxpool.Pool {
 	t.Helper()
@@ -439,9 +448,7 @@ func proxiedPool(t *testing.T, p *faultproxy.Proxy, maxConns int32) *pgxpool.Poo
 func TestFrozenRelayIsTakenOverWithinTheBound(t *testing.T) {
 	t.Parallel()
 	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 4, MaxConns: 12}, 3)
-	proxy, err := faultproxy.Start(pgtest.Addr())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
+	proxy := startProxy(t)
 
 	const interval = 200 * time.Millisecond
 	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Logger: relaytest.Logger(t), PollInterval: time.Second, RebalanceInterval: interval, BatchSize: 20}
