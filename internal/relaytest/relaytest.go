@@ -4,6 +4,7 @@
 package relaytest
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"strconv"
@@ -54,12 +55,8 @@ func Setup(t *testing.T, opts pgtest.Options, partitions int32) (pgtest.Env, []s
 func Start(t *testing.T, env pgtest.Env, cfg producer.RelayConfig) (*producer.Relay, func()) {
 	t.Helper()
 	cfg.Schema = env.Schema
-	if cfg.PollInterval == 0 {
-		cfg.PollInterval = 200 * time.Millisecond
-	}
-	if cfg.RebalanceInterval == 0 {
-		cfg.RebalanceInterval = 250 * time.Millisecond
-	}
+	cfg.PollInterval = cmp.Or(cfg.PollInterval, 200*time.Millisecond)
+	cfg.RebalanceInterval = cmp.Or(cfg.RebalanceInterval, 250*time.Millisecond)
 	if cfg.Logger == nil {
 		cfg.Logger = Logger(t)
 	}
