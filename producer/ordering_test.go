@@ -12,7 +12,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
@@ -25,12 +24,8 @@ import (
 // (nothing skipped because it committed late), and nothing rolled back.
 func TestRelayForwardsCommittedEventsOnceUnderOverlappingTransactions(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 4, MaxConns: 20})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 6)
-	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
-	require.NoError(t, err)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 4, MaxConns: 20}, 6)
+	p := newProducerWith(t, env, producer.Config{DefaultTopic: topic})
 	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 16})
 
 	var mu sync.Mutex
@@ -116,12 +111,8 @@ func (e errorString) Error() string { return string(e) }
 // which the end-to-end tests check.
 func TestXidOrderCanInvertVersions(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
-	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
-	require.NoError(t, err)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
+	p := newProducerWith(t, env, producer.Config{DefaultTopic: topic})
 	ctx := context.Background()
 
 	txA, err := env.Pool.Begin(ctx)

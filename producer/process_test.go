@@ -20,7 +20,6 @@ import (
 	"github.com/eventline/eventline/internal/childproc"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
@@ -142,10 +141,7 @@ func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]admin.ShardOwn
 
 func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 8, MaxConns: 8})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 6)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 8, MaxConns: 8}, 6)
 
 	relays := []*childproc.Proc{
 		startRelayProcess(t, env, brokers),
@@ -200,10 +196,7 @@ func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
 
 func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 3)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 3)
 	events := relaytest.PublishOrders(t, env, topic, 1, 1, 1)
 
 	// The child publishes, Kafka acknowledges, and the child dies by
@@ -240,13 +233,8 @@ func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 // shard's position ever moves backwards.
 func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 6, MaxConns: 12})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 6)
-	proxy, err := faultproxy.Start(pgtest.Addr())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 6, MaxConns: 12}, 6)
+	proxy := startProxy(t)
 	const interval = 200 * time.Millisecond
 	bound := producer.TakeoverBound(interval)
 	child := func(id string, extra ...string) *childproc.Proc {

@@ -1,6 +1,7 @@
 package producer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -92,15 +93,9 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.Schema == "" {
-		c.Schema = migrations.DefaultSchema
-	}
-	if c.MaxMessageBytes == 0 {
-		c.MaxMessageBytes = DefaultMaxMessageBytes
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
+	c.Schema = cmp.Or(c.Schema, migrations.DefaultSchema)
+	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
+	c.Logger = cmp.Or(c.Logger, slog.Default())
 	// A copy: the caller may go on changing its map.
 	c.SchemaVersions = maps.Clone(c.SchemaVersions)
 	c.CallerVersionedTypes = slices.Clone(c.CallerVersionedTypes)

@@ -141,15 +141,7 @@ func (p *Producer) writeAndCommit(ctx context.Context, conn *pgx.Conn, tx pgx.Tx
 		})
 	} else {
 		n := len(pl.aggs)
-		types, ids, topics, counts := make([]string, n), make([]string, n), make([]string, n), make([]int64, n)
-		for i, a := range pl.aggs {
-			types[i], ids[i], topics[i], counts[i] = a.typ, a.id, a.topic, a.n
-		}
-		heads := make([]string, len(pl.events))
-		for i := range heads {
-			heads[i] = pl.evHead[i] + pl.evMid[i]
-		}
-		b.Queue(p.stmts.autoCommit(pl.shards), types, ids, counts, topics, pl.evAgg, pl.evRel, pl.evShard, heads, pl.evTail).QueryRow(func(row pgx.Row) error {
+		b.Queue(p.stmts.autoCommit(pl.shards), pl.autoArgs()...).QueryRow(func(row pgx.Row) error {
 			var versions []int64
 			var one int64
 			if err := row.Scan(&versions, &one); err != nil {

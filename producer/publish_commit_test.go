@@ -3,15 +3,12 @@ package producer_test
 import (
 	"context"
 	"errors"
-	"net"
 	"slices"
 	"strconv"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -51,17 +48,7 @@ func TestPublishAndCommitSendsTheOutboxStatementWithTheCommit(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1}) // one statement per shard (set), prepared by round 0
 	table := ordersTable(t, env)
-	var writes atomic.Int64
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	require.NoError(t, err)
-	cfg.MaxConns = 1
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-		return countingConn{Conn: conn, writes: &writes}, err
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool, cfg, writes := countingPool(t)
 	ctx := context.Background()
 	p, err := producer.New(ctx, pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
 	require.NoError(t, err)

@@ -28,6 +28,24 @@ func (c countingConn) Write(b []byte) (int, error) {
 	return c.Conn.Write(b)
 }
 
+// countingPool is a one-connection pool whose writes are counted, and its
+// config.
+func countingPool(t *testing.T) (*pgxpool.Pool, *pgxpool.Config, *atomic.Int64) {
+	t.Helper()
+	writes := &atomic.Int64{}
+	cfg, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		return countingConn{Conn: conn, writes: writes}, err
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool, cfg, writes
+}
+
 // TestPublishTxIsOneRoundTrip: however many events a call writes, of
 // however many aggregates, with or without supplied versions, PublishTx
 // sends one message to PostgreSQL and waits once (once pgx has prepared
@@ -37,17 +55,7 @@ func (c countingConn) Write(b []byte) (int, error) {
 func TestPublishTxIsOneRoundTrip(t *testing.T) {
 	t.Parallel()
 	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	var writes atomic.Int64
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	require.NoError(t, err)
-	cfg.MaxConns = 1
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		conn, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-		return countingConn{Conn: conn, writes: &writes}, err
-	}
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool, _, writes := countingPool(t)
 	ctx := context.Background()
 
 	trusting, err := producer.New(ctx, pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders", CallerVersionedTypes: []string{"invoice"}})

@@ -261,19 +261,10 @@ func newStatements(schema string) *statements {
 // one returns publishOneSQL for shard, or publishOneCommitSQL when
 // commit is set.
 func (s *statements) one(shard int, commit bool) string {
-	key, stmt := "one:", publishOneSQL
 	if commit {
-		key, stmt = "one-commit:", publishOneCommitSQL
+		return s.single("one-commit:", shard, publishOneCommitSQL)
 	}
-	key += strconv.Itoa(shard)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if q, ok := s.byKey[key]; ok {
-		return q
-	}
-	q := outbox.SQL(s.schema, shard, stmt)
-	s.byKey[key] = q
-	return q
+	return s.single("one:", shard, publishOneSQL)
 }
 
 // publish returns the statement writing to shards (ascending): publishSQL,
@@ -287,13 +278,18 @@ func (s *statements) publish(shards []int, auto bool) string {
 
 // row returns publishRowSQL for shard.
 func (s *statements) row(shard int) string {
-	key := "row:" + strconv.Itoa(shard)
+	return s.single("row:", shard, publishRowSQL)
+}
+
+// single returns stmt for shard, cached under prefix and the shard.
+func (s *statements) single(prefix string, shard int, stmt string) string {
+	key := prefix + strconv.Itoa(shard)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if q, ok := s.byKey[key]; ok {
 		return q
 	}
-	q := outbox.SQL(s.schema, shard, publishRowSQL)
+	q := outbox.SQL(s.schema, shard, stmt)
 	s.byKey[key] = q
 	return q
 }

@@ -119,19 +119,10 @@ func (p *Producer) callerVersionedStatement(pl *plan) (string, []any) {
 // another topic or none: publishSQL then handles the call.
 func (p *Producer) writeAuto(ctx context.Context, tx pgx.Tx, pl *plan) (done bool, err error) {
 	n := len(pl.aggs)
-	types, ids, topics, counts := make([]string, n), make([]string, n), make([]string, n), make([]int64, n)
-	for i, a := range pl.aggs {
-		types[i], ids[i], topics[i], counts[i] = a.typ, a.id, a.topic, a.n
-	}
-	heads := make([]string, len(pl.events))
-	for i := range heads {
-		heads[i] = pl.evHead[i] + pl.evMid[i]
-	}
 	var advTypes, advIDs []string
 	var advVersions []int64
 	var written bool
-	err = tx.QueryRow(ctx, p.stmts.publish(pl.shards, true), types, ids, counts, topics,
-		pl.evAgg, pl.evRel, pl.evShard, heads, pl.evTail).Scan(&advTypes, &advIDs, &advVersions, &written)
+	err = tx.QueryRow(ctx, p.stmts.publish(pl.shards, true), pl.autoArgs()...).Scan(&advTypes, &advIDs, &advVersions, &written)
 	if err != nil {
 		return false, fmt.Errorf("write events to the outbox: %w", err)
 	}
@@ -279,6 +270,20 @@ func (pl *plan) args(allowGaps bool) []any {
 	}
 	return []any{types, ids, counts, leads, firsts, lasts, topics, allowGaps,
 		pl.evAgg, pl.evRel, pl.evVer, pl.evPrev, pl.evShard, pl.evHead, pl.evMid, pl.evTail}
+}
+
+// autoArgs are the parameters of publishAutoSQL and publishAutoCommitSQL.
+func (pl *plan) autoArgs() []any {
+	n := len(pl.aggs)
+	types, ids, topics, counts := make([]string, n), make([]string, n), make([]string, n), make([]int64, n)
+	for i, a := range pl.aggs {
+		types[i], ids[i], topics[i], counts[i] = a.typ, a.id, a.topic, a.n
+	}
+	heads := make([]string, len(pl.events))
+	for i := range heads {
+		heads[i] = pl.evHead[i] + pl.evMid[i]
+	}
+	return []any{types, ids, counts, topics, pl.evAgg, pl.evRel, pl.evShard, heads, pl.evTail}
 }
 
 // base is the version an aggregate's events in this call start after.

@@ -1,6 +1,7 @@
 package producer
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -212,9 +213,7 @@ type RelayConfig struct {
 }
 
 func (c RelayConfig) withDefaults() RelayConfig {
-	if c.Schema == "" {
-		c.Schema = migrations.DefaultSchema
-	}
+	c.Schema = cmp.Or(c.Schema, migrations.DefaultSchema)
 	if len(c.Brokers) == 0 {
 		c.Brokers = kafkaconf.BrokersFromEnv()
 	}
@@ -222,37 +221,17 @@ func (c RelayConfig) withDefaults() RelayConfig {
 		host, _ := os.Hostname()
 		c.ID = host + "-" + strconv.Itoa(os.Getpid())
 	}
-	if c.BatchSize == 0 {
-		c.BatchSize = DefaultBatchSize
-	}
-	if c.PollInterval == 0 {
-		c.PollInterval = DefaultPollInterval
-	}
-	if c.RebalanceInterval == 0 {
-		c.RebalanceInterval = DefaultRebalanceInterval
-	}
-	if c.Partitioner == "" {
-		c.Partitioner = DefaultPartitioner
-	}
-	if c.MaxMessageBytes == 0 {
-		c.MaxMessageBytes = DefaultMaxMessageBytes
-	}
+	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
+	c.PollInterval = cmp.Or(c.PollInterval, DefaultPollInterval)
+	c.RebalanceInterval = cmp.Or(c.RebalanceInterval, DefaultRebalanceInterval)
+	c.Partitioner = cmp.Or(c.Partitioner, DefaultPartitioner)
+	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.Backoff = c.Backoff.Or(eventline.Backoff{Initial: DefaultBackoffInitial, Multiplier: DefaultBackoffMultiplier, Max: DefaultBackoffMax})
-	if c.MaxAttempts == 0 {
-		c.MaxAttempts = DefaultMaxAttempts
-	}
-	if c.RetentionWindow == 0 {
-		c.RetentionWindow = DefaultRetentionWindow
-	}
-	if c.CleanupInterval == 0 {
-		c.CleanupInterval = DefaultCleanupInterval
-	}
-	if c.CleanupBatchSize == 0 {
-		c.CleanupBatchSize = DefaultCleanupBatchSize
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
+	c.MaxAttempts = cmp.Or(c.MaxAttempts, DefaultMaxAttempts)
+	c.RetentionWindow = cmp.Or(c.RetentionWindow, DefaultRetentionWindow)
+	c.CleanupInterval = cmp.Or(c.CleanupInterval, DefaultCleanupInterval)
+	c.CleanupBatchSize = cmp.Or(c.CleanupBatchSize, DefaultCleanupBatchSize)
+	c.Logger = cmp.Or(c.Logger, slog.Default())
 	return c
 }
 

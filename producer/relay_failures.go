@@ -344,9 +344,11 @@ func (s *shardRunner) finish(t *relayTx) {
 		delete(s.failures, id)
 	}
 	s.mu.Unlock()
-	s.relay.metrics.addForwarded(s.shard, len(p.delivered))
+	if n := len(p.delivered); n > 0 {
+		s.relay.metrics.add(forwardedCounter, s.shard, float64(n))
+	}
 	for _, it := range p.dead {
-		s.relay.metrics.addDeadLetter(s.shard)
+		s.relay.metrics.add(deadLettersCounter, s.shard, 1)
 		s.log.Warn("event dead-lettered", "event_id", it.event.ID, "outbox_uuid", it.outboxUUID, "reason", it.deadReason)
 	}
 	if p.first != nil && p.first.state == itemFailed && !errors.Is(p.first.err, errShardStopped) && !errors.Is(p.first.err, errNotSent) {
@@ -440,7 +442,7 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 	s.backoffUntil = rec.nextAttempt
 	s.mu.Unlock()
 
-	s.relay.metrics.addRetry(s.shard)
+	s.relay.metrics.add(retriesCounter, s.shard, 1)
 	s.log.Warn("publish failed; the shard waits and retries", "event_id", it.event.ID, "topic", it.topic,
 		"attempts", rec.attempts, "failures", rec.failures, "retry_in", wait, "err", it.err)
 	_, err := s.relay.pool.Exec(ctx, s.sql.recordFailure,

@@ -174,7 +174,7 @@ func (s *shardRunner) stall() time.Duration {
 	now := time.Now()
 	if s.stallSince.IsZero() {
 		s.stallSince = now
-		s.relay.metrics.setStalled(s.shard, true)
+		s.relay.metrics.set(stalledFlag, s.shard, true)
 	}
 	stalled := now.Sub(s.stallSince)
 	if stalled > stallWarnAfter && !s.stallWarned {
@@ -215,8 +215,8 @@ func (s *shardRunner) unstall() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.stallSince.IsZero() {
-		s.relay.metrics.addStalled(s.shard, time.Since(s.stallSince))
-		s.relay.metrics.setStalled(s.shard, false)
+		s.relay.metrics.add(stalledSecondsCounter, s.shard, time.Since(s.stallSince).Seconds())
+		s.relay.metrics.set(stalledFlag, s.shard, false)
 	}
 	s.stallSince, s.stallWarned = time.Time{}, false
 }

@@ -19,7 +19,6 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/faultproxy"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
@@ -88,8 +87,7 @@ type publisher struct {
 
 func startPublisher(t *testing.T, env pgtest.Env, topic string, aggs int) *publisher {
 	t.Helper()
-	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
-	require.NoError(t, err)
+	p := newProducerWith(t, env, producer.Config{DefaultTopic: topic})
 	pub := &publisher{stop: make(chan struct{}), done: make(chan struct{})}
 	go func() {
 		defer close(pub.done)
@@ -147,10 +145,7 @@ func (p *publisher) committed() []string {
 // context and failed ("conn closed") in about half of the stops.
 func TestGracefulStopRecordsProgressWithoutErrors(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 12})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 3)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2, MaxConns: 12}, 3)
 	pub := startPublisher(t, env, topic, 50)
 
 	logs := newLogRecorder(t, slog.LevelWarn)
@@ -221,10 +216,7 @@ func oldLockNamespace(schema string) int64 {
 // owned and unrelayed; stopping the relay then took 2m30s.
 func TestTakeoverWhileTheOwnerStillRuns(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 4, MaxConns: 20})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 3)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 4, MaxConns: 20}, 3)
 	pub := startPublisher(t, env, topic, 100)
 
 	cfg := producer.RelayConfig{
@@ -301,10 +293,7 @@ func withID(cfg producer.RelayConfig, id string) producer.RelayConfig {
 // the cause is gone.
 func TestShardSetUpFailureIsRetried(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
 	ctx := context.Background()
 	failures := sqlident.Qualify(env.Schema, "relay_failures")
 	_, err := env.Pool.Exec(ctx, `ALTER TABLE `+failures+` RENAME TO relay_failures_away`)
@@ -426,6 +415,15 @@ func waitOwnedBy(t *testing.T, env pgtest.Env, relayID string, timeout time.Dura
 	return time.Since(began)
 }
 
+// startProxy starts a fault proxy to PostgreSQL, closed when the test ends.
+func startProxy(t *testing.T) *faultproxy.Proxy {
+	t.Helper()
+	proxy, err := faultproxy.Start(pgtest.Addr())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	return proxy
+}
+
 // proxiedPool opens a pool whose connections go through a fault proxy.
 func proxiedPool(t *testing.T, p *faultproxy.Proxy, maxConns int32) *pgxpool.Pool {
 	t.Helper()
@@ -449,13 +447,8 @@ func proxiedPool(t *testing.T, p *faultproxy.Proxy, maxConns int32) *pgxpool.Poo
 // position ever moves backwards.
 func TestFrozenRelayIsTakenOverWithinTheBound(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 4, MaxConns: 12})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 3)
-	proxy, err := faultproxy.Start(pgtest.Addr())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 4, MaxConns: 12}, 3)
+	proxy := startProxy(t)
 
 	const interval = 200 * time.Millisecond
 	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, Logger: relaytest.Logger(t), PollInterval: time.Second, RebalanceInterval: interval, BatchSize: 20}
@@ -521,10 +514,7 @@ func TestFrozenRelayIsTakenOverWithinTheBound(t *testing.T) {
 // every event out: the old one not yet relayed first, then the new ones.
 func TestRelayDetectsAPositionAheadAndRebaseRepairsIt(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
 	ctx := context.Background()
 	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, PollInterval: 200 * time.Millisecond, RebalanceInterval: 250 * time.Millisecond}
 

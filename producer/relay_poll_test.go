@@ -13,7 +13,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
@@ -82,8 +81,7 @@ func tracedRelayPool(t *testing.T, env pgtest.Env, tr *pollTracer) *pgxpool.Pool
 // publishSteadily publishes one event every few milliseconds, the
 // aggregates taken in turn from aggs, until the returned stop is called.
 func publishSteadily(t *testing.T, env pgtest.Env, topic string, aggs []string) (stop func()) {
-	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
-	require.NoError(t, err)
+	p := newProducerWith(t, env, producer.Config{DefaultTopic: topic})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -139,10 +137,7 @@ func positions(t *testing.T, env pgtest.Env) map[int]uint64 {
 // that instant, which changed from poll to poll.
 func TestRelayPollsBusyShardsWithOneStatement(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 4})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 4)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 4}, 4)
 	tr := &pollTracer{texts: map[string]int{}}
 	pool := tracedRelayPool(t, env, tr)
 	_, stopRelay := relaytest.Start(t, pgtest.Env{Pool: pool, Schema: env.Schema, Shards: env.Shards}, producer.RelayConfig{Brokers: brokers})
@@ -203,10 +198,7 @@ func aggsCover(aggs []string, shard int) bool {
 // relay rows; idle shards wait for notifications and cost the poll nothing.
 func TestRelayPollsOnlyBusyShards(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 4})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 4)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 4}, 4)
 	tr := &pollTracer{texts: map[string]int{}}
 	relaytest.Start(t, pgtest.Env{Pool: tracedRelayPool(t, env, tr), Schema: env.Schema, Shards: env.Shards}, producer.RelayConfig{Brokers: brokers})
 	// Every shard goes idle first: it asks producers to notify it.

@@ -14,7 +14,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
@@ -73,10 +72,7 @@ func startsWith(sql, prefix string) bool {
 // position write and COMMIT were four round trips and six statements.
 func TestRelayTransactionTakesTwoRoundTrips(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 2)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 2)
 	tr := &exchangeTracer{open: map[*pgx.Conn]int{}}
 	cfg := env.Pool.Config().Copy()
 	cfg.ConnConfig.Tracer = tr
@@ -153,10 +149,7 @@ func (l *lockedBuffer) String() string {
 // writer moves the position past B while the relay's batch holds A.
 func TestRelayNeverOverwritesAPositionMovedDuringItsBatch(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
 	ctx := context.Background()
 	evs := relaytest.PublishOrders(t, env, topic, 1, 2, 1) // A, then B, in transactions of their own
 	a, b := evs[0], evs[1]

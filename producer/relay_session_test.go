@@ -69,10 +69,7 @@ func TestRelaySessionsKeepThePoolsApplicationName(t *testing.T) {
 // monotonic clock, and the next owner sends it.
 func TestRelaySendsNothingAfterItsLeaseRanOut(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
 	ctx := context.Background()
 	reg := prometheus.NewRegistry()
 	metrics, err := producer.NewRelayMetrics(reg)

@@ -209,7 +209,7 @@ func (s *shardRunner) supervise() {
 		}
 		restarts++
 		delay := backoff.Jittered(restartBackoff, restarts)
-		s.relay.metrics.addShardRestart(s.shard)
+		s.relay.metrics.add(restartsCounter, s.shard, 1)
 		if err == nil {
 			err = errors.New("the forwarder stopped by itself")
 		}
@@ -330,7 +330,7 @@ func (s *shardRunner) clearFence(ctx context.Context) {
 				"pid", pid, "wait_at_most", txTimeout, "err", err)
 			continue
 		}
-		s.relay.metrics.addFenceCleared(s.shard)
+		s.relay.metrics.add(fencesClearedCounter, s.shard, 1)
 		s.log.Warn("ended a previous owner's stale transaction on the shard (its relay vanished mid-batch)", "pid", pid)
 	}
 }
@@ -345,7 +345,7 @@ func (s *shardRunner) checkPosition(ctx context.Context) {
 	if err != nil {
 		return
 	}
-	s.relay.metrics.setPositionAhead(s.shard, c.Ahead())
+	s.relay.metrics.set(positionAheadFlag, s.shard, c.Ahead())
 	if c.Ahead() {
 		s.log.Error("nothing on this shard can be relayed: "+outbox.ErrPositionAhead.Error()+"; stop the relays and run `eventline relay rebase-positions` (see the README, \"Moving the database\")",
 			"position_xid", c.Position, "newest_row_xid", c.NewestRow, "cluster_next_xid", c.Counter)
@@ -358,23 +358,17 @@ func (s *shardRunner) checkPosition(ctx context.Context) {
 // (before PostgreSQL's lease expires); when another relay holds the lease,
 // at once.
 func (s *shardRunner) halt(reason stopReason) {
-	if s.why.CompareAndSwap(int32(stopNone), int32(reason)) {
+	first := s.why.CompareAndSwap(int32(stopNone), int32(reason))
+	if first {
 		s.cancelSoft()
-		switch reason {
-		case stopLost:
-			s.cancelHard()
-		case stopExpired:
-			time.AfterFunc(s.relay.cfg.RebalanceInterval, s.cancelHard)
-		default:
-			time.AfterFunc(stopGrace, s.cancelHard)
-		}
-		return
 	}
-	switch reason {
-	case stopLost:
+	switch {
+	case reason == stopLost:
 		s.cancelHard()
-	case stopExpired:
+	case reason == stopExpired:
 		time.AfterFunc(s.relay.cfg.RebalanceInterval, s.cancelHard)
+	case first:
+		time.AfterFunc(stopGrace, s.cancelHard)
 	}
 }
 
@@ -411,7 +405,7 @@ func (s *shardRunner) leaseExpired() {
 	s.expiredOnce.Do(func() {
 		if !s.ended() {
 			s.log.Warn("shard lease could not be renewed in time; stopping the shard before another relay may take it")
-			s.relay.metrics.addLeaseExpired(s.shard)
+			s.relay.metrics.add(leaseExpiredCounter, s.shard, 1)
 		}
 	})
 	s.halt(stopExpired)

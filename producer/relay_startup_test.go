@@ -59,15 +59,10 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 	for name, mode := range map[string]faultproxy.Mode{"refused": faultproxy.Refuse, "not answering": faultproxy.Freeze} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			env := pgtest.New(t, pgtest.Options{Shards: 2})
-			brokers := kafkatest.Brokers(t)
-			topic := kafkatest.Topic(t, "orders")
-			kafkatest.CreateTopic(t, brokers, topic, 3)
+			env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 3)
 			events := relaytest.PublishOrders(t, env, topic, 4, 20, 5)
 
-			proxy, err := faultproxy.Start(pgtest.Addr())
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = proxy.Close() })
+			proxy := startProxy(t)
 			proxy.Set(mode)
 			pool := proxiedPool(t, proxy, producer.PoolSizeFor(env.Shards))
 			logs := newLogRecorder(t, slog.LevelInfo)
@@ -110,9 +105,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 // fails with ErrNotMigrated: that is a configuration error, not an outage.
 func TestRelayStartedDuringADatabaseOutageStillRefusesAnUnmigratedSchema(t *testing.T) {
 	t.Parallel()
-	proxy, err := faultproxy.Start(pgtest.Addr())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
+	proxy := startProxy(t)
 	proxy.Set(faultproxy.Refuse)
 	pool := proxiedPool(t, proxy, producer.PoolSizeFor(4))
 	newRelay := func(schema string) *producer.Relay {
@@ -150,7 +143,7 @@ func TestRelayStartedDuringADatabaseOutageStillRefusesAnUnmigratedSchema(t *test
 	require.ErrorIs(t, runErr, producer.ErrNotMigrated)
 
 	// With the database up, NewRelay reports it at once, as before.
-	_, err = producer.NewRelay(context.Background(), pool, producer.RelayConfig{Schema: "missing_schema", Brokers: []string{"127.0.0.1:1"}})
+	_, err := producer.NewRelay(context.Background(), pool, producer.RelayConfig{Schema: "missing_schema", Brokers: []string{"127.0.0.1:1"}})
 	require.ErrorIs(t, err, producer.ErrNotMigrated)
 }
 

@@ -19,10 +19,7 @@ import (
 
 func TestRelayForwardsEveryEventKeyedByAggregate(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 4, MaxConns: 10})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 6)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 4, MaxConns: 10}, 6)
 
 	events := relaytest.PublishOrders(t, env, topic, 20, 500, 10)
 	_, stop := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 64})

@@ -46,10 +46,7 @@ type tracingtestSpan = tracetest.SpanStub
 // on in-process Kafka and an in-memory span recorder.
 func traceSetup(t *testing.T) (pgtest.Env, []string, string, *tracingtest.Recorder) {
 	t.Helper()
-	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 6})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1, MaxConns: 6}, 1)
 	return env, brokers, topic, tracingtest.New(t)
 }
 

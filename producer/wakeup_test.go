@@ -8,7 +8,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -25,10 +24,7 @@ func waitingShards(t *testing.T, env pgtest.Env) int {
 
 func TestIdleRelayIsWokenByInsert(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 2)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 2)
 	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, PollInterval: sleepy})
 
 	// Idle shards ask producers to notify them...
@@ -50,12 +46,8 @@ func TestIdleRelayIsWokenByInsert(t *testing.T) {
 // its request.
 func TestRelayDoesNotSleepThroughAnInsertThatMissedItsRequest(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
-	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic})
-	require.NoError(t, err)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
+	p := newProducerWith(t, env, producer.Config{DefaultTopic: topic})
 	ctx := context.Background()
 
 	tx, err := env.Pool.Begin(ctx)
@@ -132,10 +124,7 @@ func TestBusyRelayIsNotNotified(t *testing.T) {
 // machine than about the relay.
 func TestRelayReadsRowsAsSoonAsTheHorizonPasses(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1, MaxConns: 10})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1, MaxConns: 10}, 1)
 	rel, _ := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, PollInterval: time.Second})
 	require.Eventually(t, func() bool { return waitingShards(t, env) == 1 }, 15*time.Second, 10*time.Millisecond)
 	ctx := context.Background()

@@ -4,6 +4,7 @@
 package relaytest
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"strconv"
@@ -36,18 +37,26 @@ func (w tWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
+// Setup returns a migrated schema made with opts, the Kafka brokers and a
+// new "orders" topic with partitions partitions: what most relay tests
+// start from.
+func Setup(t *testing.T, opts pgtest.Options, partitions int32) (pgtest.Env, []string, string) {
+	t.Helper()
+	env := pgtest.New(t, opts)
+	brokers := kafkatest.Brokers(t)
+	topic := kafkatest.Topic(t, "orders")
+	kafkatest.CreateTopic(t, brokers, topic, partitions)
+	return env, brokers, topic
+}
+
 // Start runs a relay on env until the test ends or stop is called, with
 // short intervals (PollInterval 200ms, RebalanceInterval 250ms) and Logger
 // unless cfg sets them.
 func Start(t *testing.T, env pgtest.Env, cfg producer.RelayConfig) (*producer.Relay, func()) {
 	t.Helper()
 	cfg.Schema = env.Schema
-	if cfg.PollInterval == 0 {
-		cfg.PollInterval = 200 * time.Millisecond
-	}
-	if cfg.RebalanceInterval == 0 {
-		cfg.RebalanceInterval = 250 * time.Millisecond
-	}
+	cfg.PollInterval = cmp.Or(cfg.PollInterval, 200*time.Millisecond)
+	cfg.RebalanceInterval = cmp.Or(cfg.RebalanceInterval, 250*time.Millisecond)
 	if cfg.Logger == nil {
 		cfg.Logger = Logger(t)
 	}

@@ -1,6 +1,7 @@
 package verify
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -123,36 +124,16 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.Schema == "" {
-		c.Schema = migrations.DefaultSchema
-	}
-	if c.ConsumerSchema == "" {
-		c.ConsumerSchema = c.Schema
-	}
-	if c.MaxPendingAge == 0 {
-		c.MaxPendingAge = DefaultMaxPendingAge
-	}
-	if c.MaxParkedAge == 0 {
-		c.MaxParkedAge = DefaultMaxParkedAge
-	}
-	if c.DedupRetention == 0 {
-		c.DedupRetention = DefaultDedupRetention
-	}
-	if c.ClockSkew == 0 {
-		c.ClockSkew = DefaultClockSkew
-	}
-	if c.MaxDetails == 0 {
-		c.MaxDetails = DefaultMaxDetails
-	}
-	if c.ChunkSize == 0 {
-		c.ChunkSize = DefaultChunkSize
-	}
-	if c.KafkaIdleTimeout == 0 {
-		c.KafkaIdleTimeout = DefaultKafkaIdleTimeout
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
+	c.Schema = cmp.Or(c.Schema, migrations.DefaultSchema)
+	c.ConsumerSchema = cmp.Or(c.ConsumerSchema, c.Schema)
+	c.MaxPendingAge = cmp.Or(c.MaxPendingAge, DefaultMaxPendingAge)
+	c.MaxParkedAge = cmp.Or(c.MaxParkedAge, DefaultMaxParkedAge)
+	c.DedupRetention = cmp.Or(c.DedupRetention, DefaultDedupRetention)
+	c.ClockSkew = cmp.Or(c.ClockSkew, DefaultClockSkew)
+	c.MaxDetails = cmp.Or(c.MaxDetails, DefaultMaxDetails)
+	c.ChunkSize = cmp.Or(c.ChunkSize, DefaultChunkSize)
+	c.KafkaIdleTimeout = cmp.Or(c.KafkaIdleTimeout, DefaultKafkaIdleTimeout)
+	c.Logger = cmp.Or(c.Logger, slog.Default())
 	if len(c.Brokers) > 0 && c.SaramaConfig == nil {
 		sc := sarama.NewConfig()
 		sc.ClientID = "eventline-verify"

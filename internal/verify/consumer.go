@@ -110,6 +110,19 @@ func (q consumerSQL) parkedTopics(ctx context.Context, tx pgx.Tx, groups []strin
 	return err
 }
 
+// queryEach runs query and calls fn for each row, scanned into scans. Its
+// errors say what was read.
+func queryEach(ctx context.Context, tx pgx.Tx, what string, scans []any, fn func(), query string, args ...any) error {
+	rows, err := tx.Query(ctx, query, args...)
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, scans, func() error { fn(); return nil })
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	return nil
+}
+
 func addTopic(m map[string]map[string]bool, group, topic string) {
 	if m[group] == nil {
 		m[group] = map[string]bool{}
@@ -142,14 +155,6 @@ func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string,
 	if hasPrevious {
 		follows = "pe.previous_version"
 	}
-	rows, err := tx.Query(ctx, `SELECT pe.consumer_group, pe.aggregate_type, pe.aggregate_id, pe.event_id, pe.event_type,
-			pe.aggregate_version, `+follows+`, pe.parked_at, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
-		FROM `+q.parked+` pe LEFT JOIN `+q.versions+` av
-			ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
-		WHERE pe.consumer_group = ANY($3) AND `+windowSQL("pe.parked_at", 1, 2), w.since, w.until, groups)
-	if err != nil {
-		return fmt.Errorf("read parked events: %w", err)
-	}
 	var (
 		group, typ, id, eventID, eventType, lastErr string
 		version, prev                               int64
@@ -157,64 +162,42 @@ func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string,
 		attempts                                    int
 		current                                     *int64
 	)
-	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &eventID, &eventType, &version, &prev, &parkedAt, &attempts, &lastErr, &current}, func() error {
-		fn(group, typ, id, eventID, eventType, version, prev, parkedAt, attempts, lastErr, current)
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("read parked events: %w", err)
-	}
-	return nil
+	return queryEach(ctx, tx, "read parked events", []any{&group, &typ, &id, &eventID, &eventType, &version, &prev, &parkedAt, &attempts, &lastErr, &current}, func() { fn(group, typ, id, eventID, eventType, version, prev, parkedAt, attempts, lastErr, current) },
+		`SELECT pe.consumer_group, pe.aggregate_type, pe.aggregate_id, pe.event_id, pe.event_type,
+			pe.aggregate_version, `+follows+`, pe.parked_at, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
+		FROM `+q.parked+` pe LEFT JOIN `+q.versions+` av
+			ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
+		WHERE pe.consumer_group = ANY($3) AND `+windowSQL("pe.parked_at", 1, 2), w.since, w.until, groups)
 }
 
 // readLate calls fn for each late event of the groups held in the window
 // and still open. kind is its cause.
 func (q consumerSQL) readLate(ctx context.Context, tx pgx.Tx, groups []string, w window,
 	fn func(group, typ, id, eventID, eventType string, version int64, kind, reason string, heldAt time.Time, applyRequested bool)) error {
-	rows, err := tx.Query(ctx, `SELECT consumer_group, aggregate_type, aggregate_id, event_id, event_type, aggregate_version, cause, reason, held_at,
-			status = 'replay_requested'
-		FROM `+q.held+` WHERE kind = 'late' AND status IN ('held', 'replay_requested') AND consumer_group = ANY($3) AND `+
-		windowSQL("held_at", 1, 2)+` ORDER BY held_at`, w.since, w.until, groups)
-	if err != nil {
-		return fmt.Errorf("read late events: %w", err)
-	}
 	var (
 		group, typ, id, eventID, eventType, kind, reason string
 		version                                          int64
 		heldAt                                           time.Time
 		requested                                        bool
 	)
-	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &eventID, &eventType, &version, &kind, &reason, &heldAt, &requested}, func() error {
-		fn(group, typ, id, eventID, eventType, version, kind, reason, heldAt, requested)
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("read late events: %w", err)
-	}
-	return nil
+	return queryEach(ctx, tx, "read late events", []any{&group, &typ, &id, &eventID, &eventType, &version, &kind, &reason, &heldAt, &requested}, func() { fn(group, typ, id, eventID, eventType, version, kind, reason, heldAt, requested) },
+		`SELECT consumer_group, aggregate_type, aggregate_id, event_id, event_type, aggregate_version, cause, reason, held_at,
+			status = 'replay_requested'
+		FROM `+q.held+` WHERE kind = 'late' AND status IN ('held', 'replay_requested') AND consumer_group = ANY($3) AND `+
+			windowSQL("held_at", 1, 2)+` ORDER BY held_at`, w.since, w.until, groups)
 }
 
 // readSkipped calls fn for each skipped range of the groups in the window.
 func (q consumerSQL) readSkipped(ctx context.Context, tx pgx.Tx, groups []string, w window,
 	fn func(group, typ, id string, from, to int64, reason string, at time.Time)) error {
-	rows, err := tx.Query(ctx, `SELECT consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at
-		FROM `+q.skipped+` WHERE consumer_group = ANY($3) AND `+windowSQL("skipped_at", 1, 2)+` ORDER BY id`, w.since, w.until, groups)
-	if err != nil {
-		return fmt.Errorf("read skipped versions: %w", err)
-	}
 	var (
 		group, typ, id, reason string
 		from, to               int64
 		at                     time.Time
 	)
-	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &from, &to, &reason, &at}, func() error {
-		fn(group, typ, id, from, to, reason, at)
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("read skipped versions: %w", err)
-	}
-	return nil
+	return queryEach(ctx, tx, "read skipped versions", []any{&group, &typ, &id, &from, &to, &reason, &at}, func() { fn(group, typ, id, from, to, reason, at) },
+		`SELECT consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at
+		FROM `+q.skipped+` WHERE consumer_group = ANY($3) AND `+windowSQL("skipped_at", 1, 2)+` ORDER BY id`, w.since, w.until, groups)
 }
 
 // aggregateWindow partitions processed_events rows by group and aggregate.
@@ -269,19 +252,9 @@ func (q consumerSQL) discardedSQL() string {
 // readConsumerDeadLetters calls fn for each dead letter of the groups
 // neither replayed nor discarded, held in the window.
 func (q consumerSQL) readConsumerDeadLetters(ctx context.Context, tx pgx.Tx, groups []string, w window, fn func(deadRecord)) error {
-	rows, err := tx.Query(ctx, `SELECT id, consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, reason, held_at
-		FROM `+q.held+` WHERE kind = 'dead_letter' AND status IN ('held', 'replay_requested') AND consumer_group = ANY($3) AND `+
-		windowSQL("held_at", 1, 2), w.since, w.until, groups)
-	if err != nil {
-		return fmt.Errorf("read the consumer dead letters: %w", err)
-	}
 	var d deadRecord
-	_, err = pgx.ForEachRow(rows, []any{&d.id, &d.group, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version, &d.reason, &d.at}, func() error {
-		fn(d)
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("read the consumer dead letters: %w", err)
-	}
-	return nil
+	return queryEach(ctx, tx, "read the consumer dead letters", []any{&d.id, &d.group, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version, &d.reason, &d.at}, func() { fn(d) },
+		`SELECT id, consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, reason, held_at
+		FROM `+q.held+` WHERE kind = 'dead_letter' AND status IN ('held', 'replay_requested') AND consumer_group = ANY($3) AND `+
+			windowSQL("held_at", 1, 2), w.since, w.until, groups)
 }

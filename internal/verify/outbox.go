@@ -128,23 +128,13 @@ type relayDeadLetter struct {
 // readRelayDeadLetters calls fn for each relay dead letter of the window
 // not replayed (held, or discarded), oldest first.
 func readRelayDeadLetters(ctx context.Context, tx pgx.Tx, schema string, w window, fn func(relayDeadLetter)) error {
-	rows, err := tx.Query(ctx, `SELECT id, shard, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
+	var d relayDeadLetter
+	return queryEach(ctx, tx, "read the relay's dead letters", []any{&d.id, &d.shard, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version,
+		&d.topic, &d.reason, &d.lastError, &d.attempts, &d.deadAt}, func() { fn(d) },
+		`SELECT id, shard, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
 			topic, reason, coalesce(last_error, ''), attempts, held_at
 		FROM `+sqlident.Qualify(schema, "held_events")+`
 		WHERE kind = 'relay_dead_letter' AND status <> 'replayed' AND `+windowSQL("held_at", 1, 2)+` ORDER BY id`, w.since, w.until)
-	if err != nil {
-		return fmt.Errorf("read the relay's dead letters: %w", err)
-	}
-	var d relayDeadLetter
-	_, err = pgx.ForEachRow(rows, []any{&d.id, &d.shard, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version,
-		&d.topic, &d.reason, &d.lastError, &d.attempts, &d.deadAt}, func() error {
-		fn(d)
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("read the relay's dead letters: %w", err)
-	}
-	return nil
 }
 
 // countRetrying counts outbox rows waiting for a publish retry.

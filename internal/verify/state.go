@@ -103,23 +103,14 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	if len(byRecords) == 0 {
 		return nil
 	}
-	rows, err := ctx1.Query(ctx, r.consumer.outOfOrderSQL(), r.w.since, r.w.until, byRecords)
-	if err != nil {
-		return fmt.Errorf("check the order events were applied in: %w", err)
-	}
 	var (
 		group, typ, id, eventID, eventType string
 		version, before                    int64
 		at                                 time.Time
 	)
-	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &version, &eventID, &eventType, &at, &before}, func() error {
+	return queryEach(ctx, ctx1, "check the order events were applied in", []any{&group, &typ, &id, &version, &eventID, &eventType, &at, &before}, func() {
 		r.outOfOrder(r.groups[group], typ, id, version, eventID, eventType, at, before, "processed_at and by the transaction that applied it")
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("check the order events were applied in: %w", err)
-	}
-	return nil
+	}, r.consumer.outOfOrderSQL(), r.w.since, r.w.until, byRecords)
 }
 
 // checkConsumerDeadLetters reports the groups' dead letters neither
@@ -153,16 +144,12 @@ func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, grou
 // not trusted: an event is stale legitimately only when it is the one that
 // holds its version (a redelivery whose dedup record expired).
 func (r *runner) checkDiscarded(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
-	rows, err := ctx1.Query(ctx, r.consumer.discardedSQL(), r.w.since, r.w.until, groups)
-	if err != nil {
-		return fmt.Errorf("check stale events against the versions applied: %w", err)
-	}
 	var (
 		group, typ, id, eventID, eventType, other string
 		version                                   int64
 		at                                        time.Time
 	)
-	_, err = pgx.ForEachRow(rows, []any{&group, &typ, &id, &version, &eventID, &eventType, &at, &other}, func() error {
+	return queryEach(ctx, ctx1, "check stale events against the versions applied", []any{&group, &typ, &id, &version, &eventID, &eventType, &at, &other}, func() {
 		gs := r.groups[group]
 		gs.rep.Discarded++
 		t := at
@@ -171,10 +158,5 @@ func (r *runner) checkDiscarded(ctx context.Context, ctx1 pgx.Tx, groups []strin
 			Detail: fmt.Sprintf("discarded as stale: the group had applied v%d of %s/%s from another event, %s, so this event's effect was never applied. "+
 				"Two events claim one version: a producer's sequence fell behind what consumers had seen (after a failover that lost commits, run `eventline relay advance-sequences` before producers start); "+
 				"re-publish this event if its effect is needed", version, typ, id, other)})
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("check stale events against the versions applied: %w", err)
-	}
-	return nil
+	}, r.consumer.discardedSQL(), r.w.since, r.w.until, groups)
 }
