@@ -271,16 +271,22 @@ func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.E
 	}
 	a := Admission{Previous: *r.previous, Current: *r.current, Parked: *r.parked, Follows: e.PreviousVersion,
 		Declared: e.PreviousVersion < e.AggregateVersion-1}
+	a.Verdict = verdict(e, a)
+	return a, nil
+}
+
+// verdict decides e's verdict from its aggregate's version before and
+// after its admission (a.Previous, a.Current); e.PreviousVersion is
+// Follows(e).
+func verdict(e eventline.Event, a Admission) Verdict {
 	v, p := e.AggregateVersion, e.PreviousVersion
 	switch {
 	case a.Previous >= v:
-		a.Verdict = Stale
+		return Stale
 	case a.Current == v && p <= a.Previous:
-		a.Verdict = Next
+		return Next
 	case a.Current == v:
-		a.Verdict = Jump
-	default:
-		a.Verdict = Gap
+		return Jump
 	}
-	return a, nil
+	return Gap
 }
