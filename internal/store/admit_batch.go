@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/eventline/eventline"
 )
@@ -23,8 +24,9 @@ import (
 // [Store.QueueAdmitBatch]), so admitting them one after the other ends on
 // the last one's version exactly when the chain's first version applies:
 // the rule of admitSQL with the chain as one event. The first column is how
-// many members were recorded now; when it is short of the batch, no
-// aggregate row was touched and no other row comes back.
+// many members were recorded now, then, per aggregate, its ordinal in $7
+// and its row; when the count is short of the batch, no aggregate row was
+// touched and the one row has no other column.
 var admitBatchSQL = statement(`WITH u AS (
 		SELECT * FROM unnest($7::text[], $8::text[], $9::bigint[], $10::bigint[], $11::boolean[]) WITH ORDINALITY AS u(t, i, p, v, j, n)
 	), dedup AS (
@@ -45,8 +47,8 @@ var admitBatchSQL = statement(`WITH u AS (
 		    updated_at = now()
 		RETURNING av.aggregate_type, av.aggregate_id, av.previous_version, av.version, av.parked_count
 	)
-	SELECT (SELECT count(*) FROM dedup), a.aggregate_type, a.aggregate_id, a.previous_version, a.version, a.parked_count
-	FROM (SELECT) AS one LEFT JOIN adm a ON true`)
+	SELECT (SELECT count(*) FROM dedup), u.n, a.previous_version, a.version, a.parked_count
+	FROM (SELECT) AS one LEFT JOIN (adm a JOIN u ON u.t = a.aggregate_type AND u.i = a.aggregate_id) ON true`)
 
 // PendingBatch is a batch admission queued by [Store.QueueAdmitBatch].
 type PendingBatch struct {
@@ -54,7 +56,7 @@ type PendingBatch struct {
 	jumps  []bool
 	chains []chain
 	fresh  int64
-	rows   map[aggKey]chainRow
+	rows   []chainRow // per chain
 	err    error
 	set    bool
 }
@@ -70,6 +72,7 @@ type chain struct {
 type chainRow struct {
 	previous, current int64
 	parked            int
+	set               bool
 }
 
 // QueueAdmitBatch queues on b, in one statement, what [Store.QueueAdmit]
@@ -125,18 +128,19 @@ func (s *Store) QueueAdmitBatch(b *pgx.Batch, group string, events []eventline.E
 		cfirst, clast = append(cfirst, e.PreviousVersion), append(clast, e.AggregateVersion)
 		cjump = append(cjump, jumps[i])
 	}
-	p.rows = make(map[aggKey]chainRow, len(p.chains))
+	p.rows = make([]chainRow, len(p.chains))
 	b.Queue(s.q(admitBatchSQL), group, ids, types, atypes, aids, versions, ctypes, cids, cfirst, clast, cjump).Query(func(rows pgx.Rows) error {
 		for rows.Next() {
-			var typ, id *string
-			var prev, cur *int64
-			var parked *int
-			if err := rows.Scan(&p.fresh, &typ, &id, &prev, &cur, &parked); err != nil {
+			// Not pointers: NULL (a member recorded before) scans into
+			// Valid false without an allocation per column.
+			var n, prev, cur pgtype.Int8
+			var parked pgtype.Int4
+			if err := rows.Scan(&p.fresh, &n, &prev, &cur, &parked); err != nil {
 				p.err = err
 				return err
 			}
-			if typ != nil {
-				p.rows[aggKey{*typ, *id}] = chainRow{previous: *prev, current: *cur, parked: *parked}
+			if c := n.Int64 - 1; n.Valid && c >= 0 && c < int64(len(p.rows)) {
+				p.rows[c] = chainRow{previous: prev.Int64, current: cur.Int64, parked: int(parked.Int32), set: true}
 			}
 		}
 		if err := rows.Err(); err != nil {
@@ -166,9 +170,9 @@ func (p *PendingBatch) Result(ctx context.Context) ([]Admission, error) {
 		return nil, ErrBatchRecorded
 	}
 	out := make([]Admission, len(p.events))
-	for _, c := range p.chains {
-		r, ok := p.rows[c.key]
-		if !ok {
+	for k, c := range p.chains {
+		r := p.rows[k]
+		if !r.set {
 			return nil, fmt.Errorf("eventline: batch admission returned no version for %s/%s", c.key.typ, c.key.id)
 		}
 		// What the members' own admissions would have read, one after the
