@@ -83,7 +83,6 @@ func (el *Eventline) runBatch(ctx context.Context, b *delivery.Batch, items []*d
 
 // tryBatch runs items in one transaction. It never answers an arrival.
 func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) attempt {
-	g := el.gate
 	// The transaction's own statements stop when the batch is abandoned or
 	// any member's context ends.
 	// With a TxTimeout, the batch's transaction gets one per member.
@@ -97,38 +96,9 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) at
 		defer stop()
 	}
 
-	events := make([]eventline.Event, len(items))
-	for i, it := range items {
-		events[i] = it.Event
-	}
-
-	// BEGIN and every admission in one round trip, in lock order.
-	pb := &pgx.Batch{}
-	pb.BeginTx(el.cfg.TxOptions)
-	results := make([]func(context.Context, store.DBTX) (store.Admission, error), len(items))
-	for _, i := range admissionOrder(events) {
-		results[i] = g.queueAdmission(pb, items[i].Event)
-	}
-	br := el.db.SendBatch(bctx, pb)
-	tx := br.Tx()
-	err := br.Close()
-	if tx == nil {
-		return attempt{outcome: unavailable, err: errNoBatchTx}
-	}
-	if err != nil {
-		rollback(ctx, tx)
-		return attempt{outcome: unavailable, err: fmt.Errorf("eventline: begin batch transaction: %w", err)}
-	}
-	admissions := make([]store.Admission, len(items))
-	for i, res := range results {
-		if admissions[i], err = res(bctx, tx); err != nil {
-			rollback(ctx, tx)
-			if errors.Is(err, dedup.ErrIDConflict) {
-				// The member's own fault: refused, like on its own.
-				return attempt{outcome: failed, at: i, err: g.admissionError(items[i].Msg.Context(), items[i].Event, err)}
-			}
-			return attempt{outcome: unavailable, err: err}
-		}
+	tx, admissions, failure := el.admitBatch(ctx, bctx, items)
+	if failure != nil {
+		return *failure
 	}
 	if at := cutAt(items, admissions); at > 0 {
 		rollback(ctx, tx)
@@ -165,6 +135,73 @@ func (el *Eventline) tryBatch(ctx context.Context, items []*delivery.Arrival) at
 		delivery.RunAfterCommit(ictx)
 	}
 	return attempt{outcome: committed, outs: outs}
+}
+
+// admitBatch begins the batch's transaction and admits its members, in
+// one round trip: in one statement when the batch has the shape for it
+// (see store.QueueAdmitBatch) and none of its members was recorded before,
+// else one statement per member, in lock order (again, after a rollback,
+// when a member turned out to be recorded: those statements tell a
+// duplicate from an id conflict). On failure it returns the attempt, the
+// transaction rolled back.
+func (el *Eventline) admitBatch(ctx, bctx context.Context, items []*delivery.Arrival) (pgx.Tx, []store.Admission, *attempt) {
+	g := el.gate
+	events := make([]eventline.Event, len(items))
+	jumps := make([]bool, len(items))
+	for i, it := range items {
+		events[i], jumps[i] = it.Event, g.jumps(it.Event)
+	}
+	whole := len(items) > 1
+	for {
+		pb := &pgx.Batch{}
+		pb.BeginTx(el.cfg.TxOptions)
+		var batch *store.PendingBatch
+		if whole {
+			batch = g.store.QueueAdmitBatch(pb, g.cfg.Group, events, jumps)
+		}
+		var results []func(context.Context, store.DBTX) (store.Admission, error)
+		if batch == nil {
+			results = make([]func(context.Context, store.DBTX) (store.Admission, error), len(items))
+			for _, i := range admissionOrder(events) {
+				results[i] = g.queueAdmission(pb, events[i])
+			}
+		}
+		br := el.db.SendBatch(bctx, pb)
+		tx := br.Tx()
+		err := br.Close()
+		if tx == nil {
+			return nil, nil, &attempt{outcome: unavailable, err: errNoBatchTx}
+		}
+		if err != nil {
+			rollback(ctx, tx)
+			return nil, nil, &attempt{outcome: unavailable, err: fmt.Errorf("eventline: begin batch transaction: %w", err)}
+		}
+		if batch != nil {
+			admissions, err := batch.Result(bctx)
+			switch {
+			case errors.Is(err, store.ErrBatchRecorded):
+				rollback(ctx, tx)
+				whole = false
+				continue
+			case err != nil:
+				rollback(ctx, tx)
+				return nil, nil, &attempt{outcome: unavailable, err: err}
+			}
+			return tx, admissions, nil
+		}
+		admissions := make([]store.Admission, len(items))
+		for i, res := range results {
+			if admissions[i], err = res(bctx, tx); err != nil {
+				rollback(ctx, tx)
+				if errors.Is(err, dedup.ErrIDConflict) {
+					// The member's own fault: refused, like on its own.
+					return nil, nil, &attempt{outcome: failed, at: i, err: g.admissionError(items[i].Msg.Context(), items[i].Event, err)}
+				}
+				return nil, nil, &attempt{outcome: unavailable, err: err}
+			}
+		}
+		return tx, admissions, nil
+	}
 }
 
 // proceedInBatch runs the gate's decision and the handler for one member

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/eventline/eventline"
 )
@@ -205,8 +206,8 @@ func (s *Store) QueueAdmit(b *pgx.Batch, group string, e eventline.Event, jump b
 // admitRow is what the admission statement returns: the version row, or
 // (on a duplicate) NULLs and the recorded event's identity.
 type admitRow struct {
-	previous, current *int64
-	parked            *int
+	previous, current pgtype.Int8 // values, not pointers: no allocation per column
+	parked            pgtype.Int4
 	recorded          recorded
 }
 
@@ -262,25 +263,31 @@ func withFollows(e eventline.Event) (eventline.Event, error) {
 
 // decide turns the statement's result into a verdict.
 func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.Event, r admitRow) (Admission, error) {
-	if r.current == nil {
+	if !r.current.Valid {
 		// No version row came back: the dedup insert conflicted.
 		if err := s.checkDuplicate(ctx, tx, group, e, r.recorded); err != nil {
 			return Admission{}, err
 		}
 		return Admission{Verdict: Duplicate}, nil
 	}
-	a := Admission{Previous: *r.previous, Current: *r.current, Parked: *r.parked, Follows: e.PreviousVersion,
+	a := Admission{Previous: r.previous.Int64, Current: r.current.Int64, Parked: int(r.parked.Int32), Follows: e.PreviousVersion,
 		Declared: e.PreviousVersion < e.AggregateVersion-1}
+	a.Verdict = verdict(e, a)
+	return a, nil
+}
+
+// verdict decides e's verdict from its aggregate's version before and
+// after its admission (a.Previous, a.Current); e.PreviousVersion is
+// Follows(e).
+func verdict(e eventline.Event, a Admission) Verdict {
 	v, p := e.AggregateVersion, e.PreviousVersion
 	switch {
 	case a.Previous >= v:
-		a.Verdict = Stale
+		return Stale
 	case a.Current == v && p <= a.Previous:
-		a.Verdict = Next
+		return Next
 	case a.Current == v:
-		a.Verdict = Jump
-	default:
-		a.Verdict = Gap
+		return Jump
 	}
-	return a, nil
+	return Gap
 }

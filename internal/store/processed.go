@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
@@ -134,11 +135,11 @@ func processedArgs(group string, e eventline.Event, outcome dedup.Outcome) []any
 }
 
 // recorded is the identity of a processed_events row as returned next to
-// an insert that conflicted with it; its fields are NULL (nil) when the
+// an insert that conflicted with it; its fields are NULL (not Valid) when the
 // row was not visible to the statement (recorded concurrently).
 type recorded struct {
-	eventType, aggregateType, aggregateID *string
-	aggregateVersion                      *int64
+	eventType, aggregateType, aggregateID pgtype.Text
+	aggregateVersion                      pgtype.Int8
 }
 
 func (r *recorded) dest() []any {
@@ -153,15 +154,15 @@ func (r *recorded) dest() []any {
 // through db.
 func (s *Store) checkDuplicate(ctx context.Context, db DBTX, group string, e eventline.Event, rec recorded) error {
 	var r dedup.Record
-	if rec.eventType == nil {
+	if !rec.eventType.Valid {
 		got, err := s.Processed(ctx, db, RecordKeyOf(group, e))
 		if err != nil {
 			return fmt.Errorf("eventline: read the record of duplicate event %s: %w", e.ID, err)
 		}
 		r = got
 	} else {
-		r = dedup.Record{EventType: *rec.eventType, AggregateType: *rec.aggregateType,
-			AggregateID: *rec.aggregateID, AggregateVersion: *rec.aggregateVersion}
+		r = dedup.Record{EventType: rec.eventType.String, AggregateType: rec.aggregateType.String,
+			AggregateID: rec.aggregateID.String, AggregateVersion: rec.aggregateVersion.Int64}
 	}
 	if r.EventType == e.Type && r.AggregateType == e.AggregateType && r.AggregateID == e.AggregateID && r.AggregateVersion == e.AggregateVersion {
 		return nil
