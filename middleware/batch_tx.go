@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
-	"slices"
-	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -162,7 +160,7 @@ func (el *Eventline) admitBatch(ctx, bctx context.Context, items []*delivery.Arr
 		var results []func(context.Context, store.DBTX) (store.Admission, error)
 		if batch == nil {
 			results = make([]func(context.Context, store.DBTX) (store.Admission, error), len(items))
-			for _, i := range admissionOrder(events) {
+			for _, i := range store.AdmissionOrder(events) {
 				results[i] = g.queueAdmission(pb, events[i])
 			}
 		}
@@ -230,29 +228,6 @@ func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, 
 	}()
 	out, err = el.gate.proceed(it.Msg, tx, it.Event, it.Handler, a)
 	return out, ictx, err
-}
-
-// admissionOrder returns the order in which a batch's admissions are
-// queued: by aggregate, so two batches touching the same aggregates lock
-// their rows in the same order; stable, so one aggregate's events keep
-// their arrival order. Members of different aggregates may be admitted in
-// another order than they arrived, which decides nothing: their dedup
-// records never collide (an event id is recorded per aggregate), so of two
-// members with one id in one aggregate the first to arrive is recorded,
-// as one at a time.
-func admissionOrder(events []eventline.Event) []int {
-	order := make([]int, len(events))
-	for i := range order {
-		order[i] = i
-	}
-	slices.SortStableFunc(order, func(x, y int) int {
-		ex, ey := events[x], events[y]
-		if c := strings.Compare(ex.AggregateType, ey.AggregateType); c != 0 {
-			return c
-		}
-		return strings.Compare(ex.AggregateID, ey.AggregateID)
-	})
-	return order
 }
 
 // cutAt returns the first member whose admission, made before the members

@@ -24,9 +24,9 @@ func CountUnsafeHolds(t interface{ Cleanup(func()) }) *atomic.Int32 {
 	return &n
 }
 
-// AdmissionOrder is admissionOrder: the order a batch's admissions are
+// AdmissionOrder is store.AdmissionOrder: the order a batch's admissions are
 // queued in.
-var AdmissionOrder = admissionOrder
+var AdmissionOrder = store.AdmissionOrder
 
 // SweepResult makes one sweeper pass, as Sweep, and returns what it did.
 func (el *Eventline) SweepResult(ctx context.Context) (store.SweepResult, error) {

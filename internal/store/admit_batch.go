@@ -90,17 +90,7 @@ type chainRow struct {
 // the transaction back and admits them one by one, which tells which.
 func (s *Store) QueueAdmitBatch(b *pgx.Batch, group string, events []eventline.Event, jumps []bool) *PendingBatch {
 	n := len(events)
-	order := make([]int, n)
-	for i := range order {
-		order[i] = i
-	}
-	slices.SortStableFunc(order, func(x, y int) int {
-		ex, ey := events[x], events[y]
-		if c := strings.Compare(ex.AggregateType, ey.AggregateType); c != 0 {
-			return c
-		}
-		return strings.Compare(ex.AggregateID, ey.AggregateID)
-	})
+	order := AdmissionOrder(events)
 	p := &PendingBatch{events: make([]eventline.Event, n), jumps: jumps}
 	ids, types, atypes, aids := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	versions := make([]int64, n)
@@ -194,4 +184,27 @@ func (p *PendingBatch) Result(ctx context.Context) ([]Admission, error) {
 		}
 	}
 	return out, nil
+}
+
+// AdmissionOrder returns the order in which a batch's admissions are
+// queued: by aggregate, so two batches touching the same aggregates lock
+// their rows in the same order; stable, so one aggregate's events keep
+// their arrival order. Members of different aggregates may be admitted in
+// another order than they arrived, which decides nothing: their dedup
+// records never collide (an event id is recorded per aggregate), so of two
+// members with one id in one aggregate the first to arrive is recorded,
+// as one at a time.
+func AdmissionOrder(events []eventline.Event) []int {
+	order := make([]int, len(events))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(x, y int) int {
+		ex, ey := events[x], events[y]
+		if c := strings.Compare(ex.AggregateType, ey.AggregateType); c != 0 {
+			return c
+		}
+		return strings.Compare(ex.AggregateID, ey.AggregateID)
+	})
+	return order
 }
