@@ -23,16 +23,8 @@ type Status struct {
 	// Owners maps each shard with an unexpired lease to the relay holding
 	// it (see ShardOwners); shards no relay owns are absent.
 	Owners map[int]ShardOwner
-	// RelayTables is false when the schema lacks the tables relays write
-	// besides the outbox (relay_leases, held_events: a schema rolled back
-	// past 003_held_events): relays cannot run, Owners is empty.
-	RelayTables bool
 	// Groups are the consumer groups that recorded anything, by name.
 	Groups []GroupStatus
-	// ConsumerTables is false when the schema has no consumer tables
-	// (migration 002_consumer; consumers may keep theirs in another
-	// database): Groups is empty.
-	ConsumerTables bool
 }
 
 // GroupStatus is one consumer group: its gap and stall picture (parked
@@ -57,7 +49,7 @@ type GroupStatus struct {
 	// LateHeld counts the group's late events held for the operator, and
 	// DeadLetters its dead letters, not yet replayed or discarded (held
 	// events of kind late and dead_letter, status held or
-	// replay_requested; 0 on a schema rolled back past 003_held_events).
+	// replay_requested).
 	LateHeld    int64
 	DeadLetters int64 // see LateHeld
 	// Processed counts the group's dedup records (processed_events rows).
@@ -89,9 +81,8 @@ type OpenGap struct {
 // ReadStatus reads the outbox's status (ReadOutboxStatus), its shard
 // owners and every consumer group's status from schema. It changes
 // nothing; run it in a read-only repeatable-read transaction for one
-// snapshot (as `eventline status` does). Tables a schema lacks are
-// reported (RelayTables, ConsumerTables), never a failed statement that
-// would abort that transaction.
+// snapshot (as `eventline status` does). A schema without an outbox is
+// an error wrapping producer.ErrNotMigrated.
 //
 // Open gaps are listed up to openGaps per group (the oldest first; all
 // are counted); 0 lists 20, negative none.
@@ -104,20 +95,8 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	if st.Outbox, err = readOutboxStatus(ctx, db, schema); err != nil {
 		return st, err
 	}
-	if err := outbox.CheckRelayTables(ctx, db, schema); err == nil {
-		st.RelayTables = true
-		if st.Owners, err = shardOwners(ctx, db, schema); err != nil {
-			return st, err
-		}
-	} else if !isNotMigrated(err) {
+	if st.Owners, err = shardOwners(ctx, db, schema); err != nil {
 		return st, err
-	}
-	err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "processed_events")).Scan(&st.ConsumerTables)
-	if err != nil {
-		return st, fmt.Errorf("look for the consumer tables: %w", err)
-	}
-	if !st.ConsumerTables {
-		return st, nil
 	}
 	gs, err := store.New(schema)
 	if err != nil {
@@ -138,17 +117,13 @@ const defaultOpenGaps = 20
 // every group's dedup records and skipped gaps (ReadStatus; the collector
 // reads without).
 func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, totals bool) ([]GroupStatus, error) {
-	withHeld, err := st.HasHeldEvents(ctx, db)
-	if err != nil {
-		return nil, err
-	}
-	names, err := st.StatusGroups(ctx, db, withHeld)
+	names, err := st.StatusGroups(ctx, db)
 	if err != nil {
 		return nil, err
 	}
 	out := make([]GroupStatus, 0, len(names))
 	for _, name := range names {
-		g, err := readGroup(ctx, db, st, name, openGaps, withHeld)
+		g, err := readGroup(ctx, db, st, name, openGaps)
 		if err != nil {
 			return nil, err
 		}
@@ -181,10 +156,10 @@ func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, tot
 
 // readGroup reads the group's parked events, open gaps, recently skipped
 // gaps, held late events and unresolved dead letters.
-func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, openGaps int, withHeld bool) (GroupStatus, error) {
+func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, openGaps int) (GroupStatus, error) {
 	g := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
 	var oldest float64
-	err := st.GroupCounts(ctx, db, group, withHeld).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
+	err := st.GroupCounts(ctx, db, group).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
 	if err != nil {
 		return g, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
 	}
@@ -350,18 +325,7 @@ func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 			}
 		}
 	}
-	// A schema rolled back past 003_held_events has none (asked first: a
-	// failed statement would abort the caller's transaction).
-	var hasHeld bool
-	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "held_events")).Scan(&hasHeld); err != nil {
-		return st, fmt.Errorf("look for held_events: %w", err)
-	}
-	if !hasHeld {
-		err = db.QueryRow(ctx, sqlident.SQL(schema, `SELECT count(*) FROM {schema}.relay_failures`)).Scan(&st.Retrying)
-	} else {
-		err = db.QueryRow(ctx, sqlident.SQL(schema, relayBacklogSQL)).Scan(&st.Retrying, &st.DeadLetters)
-	}
-	if err != nil {
+	if err := db.QueryRow(ctx, sqlident.SQL(schema, relayBacklogSQL)).Scan(&st.Retrying, &st.DeadLetters); err != nil {
 		return st, fmt.Errorf("read dead letters: %w", err)
 	}
 	return st, nil
