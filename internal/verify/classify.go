@@ -19,23 +19,18 @@ import (
 // outcome (counted, first column true); the events it has no record of
 // stay one row each, with the group's version of the aggregate, whether a
 // skipped range covers the event's version, and whether the group
-// dead-lettered it (when the consumer dead-letter table exists). Only those
-// rows reach Go.
-func (q consumerSQL) classifySQL(eventsSQL string, p int, held bool) string {
+// dead-lettered it. Only those rows reach Go.
+func (q consumerSQL) classifySQL(eventsSQL string, p int) string {
 	g, t := "$"+strconv.Itoa(p), "$"+strconv.Itoa(p+1)
-	consumerDead := "false"
-	if held {
-		consumerDead = `a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.held + ` c
-			WHERE c.kind = 'dead_letter' AND c.consumer_group = a.grp AND c.event_id = a.event_id AND c.aggregate_type = a.aggregate_type
-				AND c.aggregate_id = a.aggregate_id AND c.status <> 'replayed')`
-	}
 	return `SELECT a.outcome IS NOT NULL, a.grp, a.outcome, a.n,
 		a.event_id, a.event_type, a.topic, a.aggregate_type, a.aggregate_id, a.version, a.created_at, a.relayed, a.dead,
 		a.retry_attempts, a.retry_error, av.version,
 		a.event_id IS NOT NULL AND a.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = a.grp
 			AND sv.aggregate_type = a.aggregate_type AND sv.aggregate_id = a.aggregate_id
 			AND a.version BETWEEN sv.from_version AND sv.to_version),
-		` + consumerDead + `
+		a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.held + ` c
+			WHERE c.kind = 'dead_letter' AND c.consumer_group = a.grp AND c.event_id = a.event_id AND c.aggregate_type = a.aggregate_type
+				AND c.aggregate_id = a.aggregate_id AND c.status <> 'replayed')
 	FROM (
 		SELECT gt.grp, p.outcome, count(*)::bigint AS n, u.*
 		FROM (` + eventsSQL + `) ev
@@ -195,12 +190,8 @@ func (r *runner) judge(gs *groupState, u unrecorded) {
 		return
 	}
 	if rec, committed, ok := r.kafka.consumedBy(u.group, l); ok {
-		checked := "nor a dead letter"
-		if !r.consumerHeld {
-			checked = "and its dead letters were not read"
-		}
-		lost(fmt.Sprintf("on Kafka at %s/%d offset %d; the group's committed offset there is %d, past it, but it has no dedup record of this event (%s)",
-			u.topic, rec.partition, rec.offset, committed, checked))
+		lost(fmt.Sprintf("on Kafka at %s/%d offset %d; the group's committed offset there is %d, past it, but it has no dedup record of this event (nor a dead letter)",
+			u.topic, rec.partition, rec.offset, committed))
 		return
 	}
 	rec := l.copies[0]

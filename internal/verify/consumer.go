@@ -51,16 +51,6 @@ func (q consumerSQL) tablesPresent(ctx context.Context, tx pgx.Tx) (bool, error)
 	return ok, nil
 }
 
-// heldPresent reports whether held_events exists (a schema rolled back
-// past 003_held_events has none).
-func (q consumerSQL) heldPresent(ctx context.Context, tx pgx.Tx) (bool, error) {
-	var ok bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, q.held).Scan(&ok); err != nil {
-		return false, fmt.Errorf("look for %s: %w", ConsumerDeadLetterTable, err)
-	}
-	return ok, nil
-}
-
 // discoverGroups lists the consumer groups that recorded anything, by a
 // loose index scan of the two tables whose primary key starts with the
 // group: cheap however many rows there are.
@@ -142,19 +132,6 @@ func (q consumerSQL) inferTopicsSQL(eventsSQL string, p int) string {
 // with the aggregate's current version.
 func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string, w window,
 	fn func(group, typ, id, eventID, eventType string, version, follows int64, parkedAt time.Time, attempts int, lastErr string, current *int64)) error {
-	// The predecessor the event waits for: previous_version (from
-	// 003_consumer_gate on; sparse versions follow an earlier one), else
-	// the version before.
-	var hasPrevious bool
-	err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM information_schema.columns
-		WHERE table_schema = $1 AND table_name = 'parked_events' AND column_name = 'previous_version')`, q.schema).Scan(&hasPrevious)
-	if err != nil {
-		return fmt.Errorf("read parked events: %w", err)
-	}
-	follows := "pe.aggregate_version - 1"
-	if hasPrevious {
-		follows = "pe.previous_version"
-	}
 	var (
 		group, typ, id, eventID, eventType, lastErr string
 		version, prev                               int64
@@ -164,7 +141,7 @@ func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string,
 	)
 	return queryEach(ctx, tx, "read parked events", []any{&group, &typ, &id, &eventID, &eventType, &version, &prev, &parkedAt, &attempts, &lastErr, &current}, func() { fn(group, typ, id, eventID, eventType, version, prev, parkedAt, attempts, lastErr, current) },
 		`SELECT pe.consumer_group, pe.aggregate_type, pe.aggregate_id, pe.event_id, pe.event_type,
-			pe.aggregate_version, `+follows+`, pe.parked_at, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
+			pe.aggregate_version, pe.previous_version, pe.parked_at, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
 		FROM `+q.parked+` pe LEFT JOIN `+q.versions+` av
 			ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
 		WHERE pe.consumer_group = ANY($3) AND `+windowSQL("pe.parked_at", 1, 2), w.since, w.until, groups)

@@ -83,8 +83,7 @@ func TestWindowBoundsTheCheck(t *testing.T) {
 }
 
 // The groups' dead letters (held_events, kind dead_letter) are read: they
-// are reported, and the events in them are neither pending nor lost. A
-// schema without held_events is named in a note.
+// are reported, and the events in them are neither pending nor lost.
 func TestConsumerDeadLetterTable(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, 1)
@@ -120,21 +119,6 @@ func TestConsumerDeadLetterTable(t *testing.T) {
 	require.EqualValues(t, 1, g.ConsumerDeadLetters)
 	require.EqualValues(t, 1, g.DeadLettered)
 	require.Zero(t, g.Pending)
-
-	// A consumer schema rolled back past held_events: reported, not read.
-	f = newFixture(t, 1)
-	f.separateConsumer()
-	f.createEffects()
-	evs = f.publish("x", 2)
-	f.markRelayed()
-	f.record("billing", evs[0], "applied", time.Minute)
-	_, err = f.consumer.Pool.Exec(f.ctx, `DROP TABLE `+sqlident.Qualify(f.consumer.Schema, verify.ConsumerDeadLetterTable))
-	require.NoError(t, err)
-	rep = f.run(verify.Config{})
-	require.Contains(t, rep.Notes, "held_events: not found in schema "+f.consumer.Schema+" (migration 003_held_events is not applied there), so no dead letter or late event was read")
-	p := ofKind(t, rep, "x", verify.Pending)
-	require.Equal(t, "relayed", p.Stage)
-	require.EqualValues(t, 2, p.AggregateVersion)
 }
 
 // A group that runs the version gate without dedup records proves nothing

@@ -76,10 +76,8 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 		r.details.add(Finding{Severity: Warning, Kind: Late, Group: group, EventID: eventID, EventType: eventType,
 			AggregateType: typ, AggregateID: id, AggregateVersion: version, At: &at, AgeSeconds: max(r.consumerNow.Sub(heldAt), 0).Seconds(), Detail: detail})
 	}
-	if r.consumerHeld {
-		if err := r.consumer.readLate(ctx, ctx1, groups, r.w, late); err != nil {
-			return err
-		}
+	if err := r.consumer.readLate(ctx, ctx1, groups, r.w, late); err != nil {
+		return err
 	}
 	// An effects query with an ordering column orders exactly; the
 	// others' order is read from processed_events.
@@ -116,9 +114,6 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 // checkConsumerDeadLetters reports the groups' dead letters neither
 // replayed nor discarded (held_events of kind dead_letter).
 func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
-	if !r.consumerHeld {
-		return nil
-	}
 	for _, gs := range r.groups {
 		gs.rep.DeadLetterSources = append(gs.rep.DeadLetterSources, ConsumerDeadLetterTable)
 	}

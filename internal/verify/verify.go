@@ -40,8 +40,7 @@ type runner struct {
 	consumer consumerSQL
 	groups   map[string]*groupState
 	// kafka is nil when Kafka is not read.
-	kafka        *kafkaIndex
-	consumerHeld bool
+	kafka *kafkaIndex
 	// outboxNow and consumerNow are the databases' clocks when the
 	// snapshots were taken; ages are measured against them.
 	outboxNow, consumerNow time.Time
@@ -174,13 +173,6 @@ func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, gro
 	if !present {
 		r.note("consumer tables: not found in schema %s (migration 002_consumer is not applied there), so no consumer group was checked", cfg.ConsumerSchema)
 		groups = nil
-	} else {
-		if r.consumerHeld, err = r.consumer.heldPresent(ctx, ctx1); err != nil {
-			return err
-		}
-		if !r.consumerHeld {
-			r.note("%s: not found in schema %s (migration 003_held_events is not applied there), so no dead letter or late event was read", ConsumerDeadLetterTable, cfg.ConsumerSchema)
-		}
 	}
 	r.note("dedup records are assumed kept for %s (the retention `eventline cleanup` runs with): an event committed before %s without one is counted as unverifiable, not lost",
 		human(cfg.DedupRetention), r.rep.DedupHorizon.UTC().Format(time.RFC3339))
@@ -367,13 +359,13 @@ func (r *runner) reconcile(ctx context.Context, otx, ctx1 pgx.Tx, shards int) er
 	}
 	for shard := 0; shard < shards; shard++ {
 		if !r.separate {
-			if err := r.classify(ctx, ctx1, r.consumer.classifySQL(eventsSQL(r.cfg.Schema, shard), 3, r.consumerHeld), r.w.since, r.w.until, gs, ts); err != nil {
+			if err := r.classify(ctx, ctx1, r.consumer.classifySQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, gs, ts); err != nil {
 				return err
 			}
 			continue
 		}
 		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams, r.consumerHeld), append(chunkArgs(chunk), gs, ts)...)
+			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), gs, ts)...)
 		})
 		if err != nil {
 			return err
