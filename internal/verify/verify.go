@@ -276,25 +276,14 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 // inferTopics adds, per group, the topics of one shard's events it has
 // dedup records of.
 func (r *runner) inferTopics(ctx context.Context, otx, ctx1 pgx.Tx, shard int, groups []string, into map[string]map[string]bool) error {
-	collect := func(rows pgx.Rows, err error) error {
-		if err != nil {
-			return fmt.Errorf("find the topics of groups %v: %w", groups, err)
-		}
-		var g, t string
-		_, err = pgx.ForEachRow(rows, []any{&g, &t}, func() error {
-			addTopic(into, g, t)
-			return nil
-		})
-		if err != nil {
-			return fmt.Errorf("find the topics of groups %v: %w", groups, err)
-		}
-		return nil
+	collect := func(query string, args ...any) error {
+		return each(ctx, ctx1, fmt.Sprintf("find the topics of groups %v", groups), func(t groupTopic) { t.addTo(into) }, query, args...)
 	}
 	if !r.separate {
-		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups))
+		return collect(r.consumer.inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups)
 	}
 	return scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...))
+		return collect(r.consumer.inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...)
 	})
 }
 
@@ -329,20 +318,16 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 	if sum.Retrying, err = countRetrying(ctx, otx, r.cfg.Schema); err != nil {
 		return err
 	}
-	return readRelayDeadLetters(ctx, otx, r.cfg.Schema, r.w, func(d relayDeadLetter) {
+	return each(ctx, otx, "read the relay's dead letters", func(d relayDeadRow) {
 		sum.DeadLetters++
-		at := d.deadAt
-		detail := fmt.Sprintf("dead-lettered by the relay (held event %d, shard %d) after %d attempt(s): %s", d.id, d.shard, d.attempts, truncate(d.reason, maxReasonLength))
-		if d.lastError != "" && d.lastError != d.reason {
-			detail += "; last error: " + truncate(d.lastError, maxReasonLength)
+		detail := fmt.Sprintf("dead-lettered by the relay (held event %d, shard %d) after %d attempt(s): %s", d.ID, d.Shard, d.Attempts, truncate(d.Reason, maxReasonLength))
+		if d.LastError != "" && d.LastError != d.Reason {
+			detail += "; last error: " + truncate(d.LastError, maxReasonLength)
 		}
-		r.details.add(Finding{
-			Severity: Problem, Kind: DeadLetter, EventID: d.eventID, EventType: d.eventType, Topic: d.topic,
-			AggregateType: d.aggregateType, AggregateID: d.aggregateID, AggregateVersion: d.version,
-			At: &at, AgeSeconds: max(r.outboxNow.Sub(d.deadAt), 0).Seconds(),
-			Detail: detail + " — replay it with `eventline held replay " + fmt.Sprint(d.id) + "`",
-		})
-	})
+		f := d.finding(Problem, DeadLetter, r.outboxNow, detail+" — replay it with `eventline held replay "+fmt.Sprint(d.ID)+"`")
+		f.Topic = d.Topic
+		r.details.add(f)
+	}, relayDeadSQL(r.cfg.Schema), r.w.since, r.w.until)
 }
 
 // reconcile matches every outbox event of the window with the records of
