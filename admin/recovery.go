@@ -239,22 +239,18 @@ func AdvanceSequences(ctx context.Context, producerDB Beginner, schema string, c
 	if err := sqlident.Validate("admin.AdvanceSequences: consumerSchema", consumerSchema); err != nil {
 		return res, err
 	}
-	rows, err := consumerDB.Query(ctx, sqlident.SQL(consumerSchema, heldVersionsSQL))
-	if err != nil {
-		return res, fmt.Errorf("read the versions consumers have seen: %w", err)
-	}
 	var types, ids []string
 	var versions []int64
-	for rows.Next() {
-		var typ, id string
-		var v int64
-		if err := rows.Scan(&typ, &id, &v); err != nil {
-			rows.Close()
-			return res, err
-		}
-		types, ids, versions = append(types, typ), append(ids, id), append(versions, v)
+	var typ, id string
+	var v int64
+	rows, err := consumerDB.Query(ctx, sqlident.SQL(consumerSchema, heldVersionsSQL))
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, []any{&typ, &id, &v}, func() error {
+			types, ids, versions = append(types, typ), append(ids, id), append(versions, v)
+			return nil
+		})
 	}
-	if err := rows.Err(); err != nil {
+	if err != nil {
 		return res, fmt.Errorf("read the versions consumers have seen: %w", err)
 	}
 	res.Aggregates = int64(len(types))

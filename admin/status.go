@@ -170,27 +170,23 @@ func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, open
 	if openGaps == 0 {
 		openGaps = defaultOpenGaps
 	}
+	var o OpenGap
+	var age float64
+	first := true // the oldest comes first
 	rows, err := st.OpenGaps(ctx, db, group, openGaps)
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, []any{&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount}, func() error {
+			o.Age = seconds(age)
+			if first {
+				g.OldestGap, first = o.Age, false
+			}
+			if openGaps > 0 {
+				g.OpenGaps = append(g.OpenGaps, o)
+			}
+			return nil
+		})
+	}
 	if err != nil {
-		return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
-	}
-	defer rows.Close()
-	first := true
-	for rows.Next() {
-		var o OpenGap
-		var age float64
-		if err := rows.Scan(&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount); err != nil {
-			return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
-		}
-		o.Age = seconds(age)
-		if first {
-			g.OldestGap, first = o.Age, false
-		}
-		if openGaps > 0 {
-			g.OpenGaps = append(g.OpenGaps, o)
-		}
-	}
-	if err := rows.Err(); err != nil {
 		return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 	}
 	return g, nil
@@ -369,23 +365,22 @@ const shardOwnersSQL = `SELECT l.shard, COALESCE(m.relay_id, ''), l.owner, COALE
 	WHERE l.expires_at > clock_timestamp()`
 
 func shardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
+	var shard int
+	var o ShardOwner
+	var secs float64
+	out := map[int]ShardOwner{}
 	rows, err := db.Query(ctx, sqlident.SQL(schema, shardOwnersSQL))
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, []any{&shard, &o.Relay, &o.Instance, &o.BackendPID, &o.Epoch, &secs}, func() error {
+			o.ExpiresIn = seconds(secs)
+			out[shard] = o
+			return nil
+		})
+	}
 	if err != nil {
 		return nil, fmt.Errorf("read shard owners: %w", err)
 	}
-	defer rows.Close()
-	out := map[int]ShardOwner{}
-	for rows.Next() {
-		var shard int
-		var o ShardOwner
-		var secs float64
-		if err := rows.Scan(&shard, &o.Relay, &o.Instance, &o.BackendPID, &o.Epoch, &secs); err != nil {
-			return nil, err
-		}
-		o.ExpiresIn = time.Duration(secs * float64(time.Second))
-		out[shard] = o
-	}
-	return out, rows.Err()
+	return out, nil
 }
 
 // AggregateVersion names one version of one aggregate.

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/internal/nilcheck"
@@ -344,8 +345,8 @@ func ensureShards(ctx context.Context, tx pgx.Tx, cfg Config) error {
 func ShardTableSQL(schema string, shard int) []string {
 	topic := outbox.Topic(shard)
 	var out []string
-	sq, _ := outbox.SchemaAdapter(schema, 0).SchemaInitializingQueries(wsqlSchemaParams(topic))
-	oq, _ := outbox.OffsetsAdapter(schema).SchemaInitializingQueries(wsqlOffsetsParams(topic))
+	sq, _ := outbox.SchemaAdapter(schema, 0).SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams{Topic: topic})
+	oq, _ := outbox.OffsetsAdapter(schema).SchemaInitializingQueries(wsql.OffsetsSchemaInitializingQueriesParams{Topic: topic})
 	for _, q := range append(sq, oq...) {
 		out = append(out, q.Query)
 	}
