@@ -42,6 +42,9 @@ var (
 		` UNION ` + distinctGroups("held_events", `AND status IN ('held', 'replay_requested') AND consumer_group <> ''`) + `) g ORDER BY name`)
 	// processedGroupsSQL lists the groups with dedup records.
 	processedGroupsSQL = statement(`SELECT name FROM ` + distinctGroups("processed_events", "") + ` g`)
+	// recordingGroupsSQL lists the groups with dedup records or versions.
+	recordingGroupsSQL = statement(`SELECT name FROM (` + distinctGroups("processed_events", "") + ` UNION ` +
+		distinctGroups("aggregate_versions", "") + `) g ORDER BY name`)
 	// statusCountsSQL counts a group's parked, skipped, late and dead ($1
 	// group, $2 the skipped window in microseconds).
 	statusCountsSQL = statement(`SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
@@ -77,6 +80,12 @@ func (s *Store) StatusGroups(ctx context.Context, db DBTX) ([]string, error) {
 // grows with the groups, not the rows.
 func (s *Store) ProcessedGroups(ctx context.Context, db DBTX) ([]string, error) {
 	return s.groups(ctx, db, processedGroupsSQL, "list the consumer groups with dedup records")
+}
+
+// RecordingGroups lists, by name, the consumer groups with dedup records
+// or aggregate versions: every group that handled an event.
+func (s *Store) RecordingGroups(ctx context.Context, db DBTX) ([]string, error) {
+	return s.groups(ctx, db, recordingGroupsSQL, "list the consumer groups")
 }
 
 func (s *Store) groups(ctx context.Context, db DBTX, st stmt, what string) ([]string, error) {

@@ -3,7 +3,6 @@ package verify
 import (
 	"context"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -38,41 +37,6 @@ func (q consumerSQL) tablesPresent(ctx context.Context, tx pgx.Tx) (bool, error)
 	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`, q.processed, q.skipped).Scan(&ok)
 	if err != nil {
 		return false, fmt.Errorf("look for the consumer tables in schema %s: %w", q.schema, err)
-	}
-	return ok, nil
-}
-
-// discoverGroups lists the consumer groups that recorded anything, by a
-// loose index scan of the two tables whose primary key starts with the
-// group: cheap however many rows there are.
-func (q consumerSQL) discoverGroups(ctx context.Context, tx pgx.Tx) ([]string, error) {
-	var out []string
-	for _, table := range []string{q.processed, q.versions} {
-		rows, err := tx.Query(ctx, `WITH RECURSIVE g(name) AS (
-			(SELECT consumer_group FROM `+table+` ORDER BY consumer_group LIMIT 1)
-			UNION ALL
-			SELECT (SELECT consumer_group FROM `+table+` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
-			FROM g WHERE g.name IS NOT NULL
-		) SELECT name FROM g WHERE name IS NOT NULL`)
-		if err != nil {
-			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
-		}
-		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
-		}
-		out = append(out, names...)
-	}
-	slices.Sort(out)
-	return slices.Compact(out), nil
-}
-
-// hasRecords reports whether the group has any dedup record.
-func (q consumerSQL) hasRecords(ctx context.Context, tx pgx.Tx, group string) (bool, error) {
-	var ok bool
-	err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+q.processed+` WHERE consumer_group = $1)`, group).Scan(&ok)
-	if err != nil {
-		return false, fmt.Errorf("read dedup records of group %q: %w", group, err)
 	}
 	return ok, nil
 }

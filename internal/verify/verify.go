@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // DB is a database verify reads from; *pgxpool.Pool and *pgx.Conn satisfy
@@ -152,7 +153,10 @@ func (r *runner) listGroups(ctx context.Context, db DB) ([]string, bool, error) 
 			groups = slices.Clone(r.cfg.Groups)
 			return nil
 		}
-		groups, err = r.consumer.discoverGroups(ctx, tx)
+		st, err := store.New(r.cfg.ConsumerSchema)
+		if err == nil {
+			groups, err = st.RecordingGroups(ctx, tx)
+		}
 		return err
 	})
 	if err != nil {
@@ -210,23 +214,18 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 	for _, g := range groups {
 		gs := &groupState{rep: &GroupReport{Group: g, Outcomes: map[string]int64{}, DeadLetterSources: []string{}}, topics: map[string]bool{}}
 		r.groups[g] = gs
-		has, err := r.consumer.hasRecords(ctx, ctx1, g)
+		var records, versions bool
+		err := ctx1.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.consumer.processed+` WHERE consumer_group = $1),
+			EXISTS (SELECT 1 FROM `+r.consumer.versions+` WHERE consumer_group = $1)`, g).Scan(&records, &versions)
 		if err != nil {
-			return err
+			return fmt.Errorf("read the records of group %q: %w", g, err)
 		}
-		gs.dedup = has
-		if !has {
-			var versions bool
-			if err := ctx1.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.consumer.versions+` WHERE consumer_group = $1)`, g).Scan(&versions); err != nil {
-				return fmt.Errorf("read versions of group %q: %w", g, err)
-			}
-			// A group that has versions but no dedup records runs the
-			// version gate without dedup; one with neither has not
-			// handled anything yet, and all its events are pending.
-			gs.dedup = !versions
-			if versions {
-				r.note("group %s: keeps versions but no dedup records, so its applied events cannot be told from lost ones; only its order, parked, skipped and dead-lettered events are checked", g)
-			}
+		// A group that has versions but no dedup records runs the version
+		// gate without dedup; one with neither has not handled anything
+		// yet, and all its events are pending.
+		gs.dedup = records || !versions
+		if !gs.dedup {
+			r.note("group %s: keeps versions but no dedup records, so its applied events cannot be told from lost ones; only its order, parked, skipped and dead-lettered events are checked", g)
 		}
 		gs.rep.Deduplicates = gs.dedup
 		switch {
