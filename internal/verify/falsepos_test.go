@@ -87,9 +87,7 @@ func TestWindowBoundsTheCheck(t *testing.T) {
 func TestConsumerDeadLetterTable(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, 1)
-	f.createEffects()
-	evs := f.publish("x", 3)
-	f.markRelayed()
+	evs := f.relayedWithEffects("x", 3)
 	f.record("billing", evs[0], "applied", time.Minute)
 	f.park("billing", evs[2], time.Minute)
 
@@ -296,9 +294,7 @@ func TestDetailsAreBoundedOldestFirst(t *testing.T) {
 func TestEffectsQueryShapes(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, 1)
-	f.createEffects()
-	evs := f.publish("x", 3)
-	f.markRelayed()
+	evs := f.relayedWithEffects("x", 3)
 	f.record("billing", evs[0], "applied", 3*time.Minute)
 	f.record("billing", evs[2], "applied", 2*time.Minute)
 	f.record("billing", evs[1], "applied", time.Minute)
@@ -382,9 +378,7 @@ func TestParkedWithinTheParkTimeoutIsNotAProblem(t *testing.T) {
 func TestAnIDReusedOnAnotherAggregateIsNoFinding(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, 1)
-	f.createEffects()
-	evs := f.publish("x", 2)
-	f.markRelayed()
+	evs := f.relayedWithEffects("x", 2)
 	reused := evs[0]
 	reused.AggregateID, reused.AggregateVersion = "y", 5
 	f.record("billing", reused, "applied", 4*time.Minute)

@@ -20,9 +20,7 @@ func TestLateEventsAndSparsePredecessors(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, 1)
 	const g = "billing"
-	f.createEffects()
-	ev := f.publish("l", 3)
-	f.markRelayed()
+	ev := f.relayedWithEffects("l", 3)
 	f.record(g, ev[0], "applied", time.Minute)
 	f.skip(g, "l", 2, 2)
 	f.record(g, ev[2], "applied", time.Minute)
