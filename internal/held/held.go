@@ -20,8 +20,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
@@ -215,12 +215,9 @@ type Filter struct {
 // ErrNone is returned when no held event matched.
 var ErrNone = errors.New("eventline: no held event matched")
 
-// DBTX is the smallest database handle the store needs.
-type DBTX interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+// DBTX is the smallest database handle the store needs (the outbox's, as
+// the relay writes its dead letters in its own transaction).
+type DBTX = outbox.DBTX
 
 // maxReasonBytes bounds a stored reason or error (a panic's stack can be
 // long).
