@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -67,25 +66,4 @@ func TestStatusShowsGapsAndStalls(t *testing.T) {
 	require.Regexp(t, `thing/a1 at version 1, waiting for versions 2\.\.3 for \S+ \(2 parked events\)`, out)
 	require.Regexp(t, `shipping: 0 open gaps, 1 gap skipped in the last 24h`, out)
 	require.Contains(t, out, "eventline parked list")
-}
-
-// TestStatusGapsOnASchemaWithoutHeldEvents: on a schema at 002_consumer
-// (rolled back past 003_held_events), status still reads the gaps.
-func TestStatusGapsOnASchemaWithoutHeldEvents(t *testing.T) {
-	t.Parallel()
-	schema := pgtest.NewSchemaName(t)
-	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
-	ok(t, schema, "migrate", "up", "-shards", "1")
-	ok(t, schema, "migrate", "down", "-steps", strconv.Itoa(stepsFrom(t, 3)))
-	pool := pgtest.Pool(t, 2)
-	_, err := pool.Exec(context.Background(), `
-		INSERT INTO `+sqlident.Qualify(schema, "aggregate_versions")+` (consumer_group, aggregate_type, aggregate_id, version) VALUES ('g', 'thing', 'a', 1);
-		INSERT INTO `+sqlident.Qualify(schema, "parked_events")+` (consumer_group, aggregate_type, aggregate_id, aggregate_version, previous_version, event_id, event_type, payload, metadata)
-			VALUES ('g', 'thing', 'a', 3, 2, 'e3', 't', '\x00', '{}')`)
-	require.NoError(t, err)
-	st := okJSON[statusGapsJSON](t, schema, "status", "-json")
-	require.Len(t, st.Groups, 1)
-	require.EqualValues(t, 1, st.Groups[0].OpenGaps)
-	require.EqualValues(t, 2, st.Groups[0].OpenGapList[0].MissingTo)
-	require.Contains(t, ok(t, schema, "status"), "thing/a at version 1, waiting for version 2")
 }

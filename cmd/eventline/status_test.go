@@ -147,17 +147,6 @@ func TestStatusOnAnIncompleteSchema(t *testing.T) {
 	require.Equal(t, exitFailure, r.code)
 	require.Contains(t, r.stderr, "eventline status: ")
 	require.Contains(t, r.stderr, "run `eventline migrate up`")
-
-	ok(t, schema, "migrate", "up", "-shards", "1")
-	ok(t, schema, "migrate", "down", "-steps", strconv.Itoa(stepsFrom(t, 2)))
-	st := okJSON[statusJSON](t, schema, "status", "-json")
-	require.Len(t, st.Outbox.Shards, 1)
-	require.Empty(t, st.Groups)
-	require.Len(t, ownWarnings(st), 2)
-	require.Contains(t, ownWarnings(st)[0], "the relay's tables are missing")
-	require.Contains(t, ownWarnings(st)[1], "consumer tables are missing")
-	out := ok(t, schema, "status")
-	require.Contains(t, out, "warning: the consumer tables are missing")
 }
 
 // TestStatusWarnsWhenPositionsAreAheadAndRebaseFixesThem: an outbox moved
