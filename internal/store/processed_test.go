@@ -65,11 +65,10 @@ func TestRecordProcessed(t *testing.T) {
 		t.Parallel()
 		b := setupProcessed(t)
 		e := event()
-		tx, err := b.env.Pool.Begin(b.ctx)
-		require.NoError(t, err)
+		tx := begin(t, b.env)
 		require.True(t, b.record(t, tx, "g", e))
 		require.NoError(t, tx.Rollback(b.ctx))
-		_, err = b.s.Processed(b.ctx, b.env.Pool, store.RecordKeyOf("g", e))
+		_, err := b.s.Processed(b.ctx, b.env.Pool, store.RecordKeyOf("g", e))
 		require.ErrorIs(t, err, store.ErrNotFound, "a rolled-back handler leaves no record")
 
 		require.True(t, b.record(t, b.env.Pool, "g", e))
@@ -90,8 +89,7 @@ func TestRecordProcessed(t *testing.T) {
 		t.Parallel()
 		b := setupProcessed(t)
 		e := event()
-		tx1, err := b.env.Pool.Begin(b.ctx)
-		require.NoError(t, err)
+		tx1 := begin(t, b.env)
 		require.True(t, b.record(t, tx1, "g", e))
 
 		second := make(chan bool, 1)
@@ -168,8 +166,7 @@ func TestRecordProcessed(t *testing.T) {
 		t.Parallel()
 		b := setupProcessed(t)
 		e := event()
-		tx1, err := b.env.Pool.Begin(b.ctx)
-		require.NoError(t, err)
+		tx1 := begin(t, b.env)
 		b.record(t, tx1, "g", e)
 		other := e
 		other.AggregateVersion = 2
