@@ -65,52 +65,41 @@ type unrecorded struct {
 	consumerDead bool
 }
 
+// classified is a row of classifySQL: a count of the group's events of
+// one outcome (Counted), or an event it has no record of (the other
+// columns set).
+type classified struct {
+	Counted                                               bool
+	Group                                                 string
+	Outcome                                               *string
+	N                                                     int64
+	EventID, EventType, Topic, AggregateType, AggregateID *string
+	Version                                               *int64
+	CreatedAt                                             *time.Time
+	Relayed, Dead                                         *bool
+	RetryAttempts                                         *int32
+	RetryError                                            *string
+	GroupVersion                                          *int64
+	Skipped, ConsumerDead                                 *bool
+}
+
 // classify runs a classification query and feeds its rows to the runner.
 func (r *runner) classify(ctx context.Context, tx pgx.Tx, query string, args ...any) error {
-	rows, err := tx.Query(ctx, query, args...)
-	if err != nil {
-		return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var (
-			counted             bool
-			group               string
-			outcome             *string
-			n                   int64
-			u                   unrecorded
-			id, et, top, at, ai *string
-			ver                 *int64
-			created             *time.Time
-			relayed, dead       *bool
-			attempts            *int32
-			lastErr             *string
-			skipped, cdead      *bool
-		)
-		if err := rows.Scan(&counted, &group, &outcome, &n, &id, &et, &top, &at, &ai, &ver, &created, &relayed, &dead,
-			&attempts, &lastErr, &u.groupVersion, &skipped, &cdead); err != nil {
-			return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
-		}
-		gs := r.groups[group]
+	return each(ctx, tx, "match outbox events with the consumer groups' records", func(c classified) {
+		gs := r.groups[c.Group]
 		if gs == nil {
-			continue
+			return
 		}
-		gs.rep.Events += n
-		if counted {
-			gs.rep.Outcomes[*outcome] += n
-			continue
+		gs.rep.Events += c.N
+		if c.Counted {
+			gs.rep.Outcomes[*c.Outcome] += c.N
+			return
 		}
-		u.group = group
-		u.eventID, u.eventType, u.topic, u.aggregateType, u.aggregateID = *id, *et, *top, *at, *ai
-		u.version, u.createdAt, u.relayed, u.dead = *ver, *created, *relayed, *dead
-		u.retryAttempts, u.retryError = int(*attempts), *lastErr
-		u.skipped, u.consumerDead = *skipped, *cdead
-		r.judge(gs, u)
-	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
-	}
-	return nil
+		r.judge(gs, unrecorded{group: c.Group, groupVersion: c.GroupVersion, skipped: *c.Skipped, consumerDead: *c.ConsumerDead,
+			outboxEvent: outboxEvent{eventID: *c.EventID, eventType: *c.EventType, topic: *c.Topic, aggregateType: *c.AggregateType,
+				aggregateID: *c.AggregateID, version: *c.Version, createdAt: *c.CreatedAt, relayed: *c.Relayed, dead: *c.Dead,
+				retryAttempts: int(*c.RetryAttempts), retryError: *c.RetryError}})
+	}, query, args...)
 }
 
 // judge decides what an event a group has no dedup record of is: pending,
