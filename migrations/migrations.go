@@ -1,6 +1,7 @@
 package migrations
 
 import (
+	"cmp"
 	"context"
 	"embed"
 	"errors"
@@ -51,9 +52,7 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.Schema == "" {
-		c.Schema = DefaultSchema
-	}
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	return c
 }
 
@@ -316,10 +315,7 @@ func ensureShards(ctx context.Context, tx pgx.Tx, cfg Config) error {
 	err := tx.QueryRow(ctx, `SELECT shards FROM outbox_config`).Scan(&stored)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		stored = cfg.Shards
-		if stored == 0 {
-			stored = DefaultShards
-		}
+		stored = cmp.Or(cfg.Shards, DefaultShards)
 		if _, err := tx.Exec(ctx, `INSERT INTO outbox_config (shards) VALUES ($1)`, stored); err != nil {
 			return err
 		}
