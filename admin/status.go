@@ -321,7 +321,20 @@ func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 			}
 		}
 	}
-	if err := db.QueryRow(ctx, sqlident.SQL(schema, relayBacklogSQL)).Scan(&st.Retrying, &st.DeadLetters); err != nil {
+	// `eventline migrate down` reads the outbox before rolling back
+	// 001_outbox, after 003_held_events is rolled back: then there are no
+	// dead letters (asked first: a failed statement would abort the
+	// caller's transaction).
+	var hasHeld bool
+	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "held_events")).Scan(&hasHeld); err != nil {
+		return st, fmt.Errorf("look for held_events: %w", err)
+	}
+	if !hasHeld {
+		err = db.QueryRow(ctx, sqlident.SQL(schema, `SELECT count(*) FROM {schema}.relay_failures`)).Scan(&st.Retrying)
+	} else {
+		err = db.QueryRow(ctx, sqlident.SQL(schema, relayBacklogSQL)).Scan(&st.Retrying, &st.DeadLetters)
+	}
+	if err != nil {
 		return st, fmt.Errorf("read dead letters: %w", err)
 	}
 	return st, nil
