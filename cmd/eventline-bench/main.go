@@ -24,7 +24,6 @@ import (
 	"syscall"
 
 	"github.com/eventline/eventline/cmd/eventline-bench/internal/bench"
-	"github.com/eventline/eventline/internal/kafkaconf"
 )
 
 const (
@@ -81,7 +80,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		dbURL = bench.DefaultDatabaseURL
 	}
 	databaseURL := fs.String("database-url", dbURL, "PostgreSQL connection `URL` (env TEST_DATABASE_URL, then DATABASE_URL)")
-	brokerList := fs.String("brokers", getenv(kafkaconf.BrokersEnv), "comma-separated Kafka `brokers`, host:port (env "+kafkaconf.BrokersEnv+"); empty starts kfake in-process")
+	brokerList := fs.String("brokers", getenv(bench.BrokersEnv), "comma-separated Kafka `brokers`, host:port (env "+bench.BrokersEnv+"); empty starts kfake in-process")
 	quick := fs.Bool("quick", false, "run the smaller suite (smaller backlogs, shorter phases)")
 	scenarios := fs.String("scenarios", "", "comma-separated `names` of the scenarios to run (default all)")
 	profileDir := fs.String("profile", "", "write a CPU profile per measured phase, and block and mutex profiles, to `DIR`")
@@ -108,9 +107,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		}
 		names = append(names, name)
 	}
-	brokers := kafkaconf.ParseBrokers(*brokerList)
+	brokers := bench.ParseBrokers(*brokerList)
 	if len(brokers) > 0 {
-		if err := kafkaconf.ValidateBrokers("-brokers", brokers); err != nil {
+		if err := bench.ValidateBrokers("-brokers", brokers); err != nil {
 			return usage("%v", err)
 		}
 	}
