@@ -4,8 +4,10 @@
 // PostgreSQL and Kafka (an in-process kfake cluster unless -brokers or
 // KAFKA_BROKERS names one). See docs/BENCHMARKS.md.
 //
-// It is a tool of the repository, not of the library: the eventline
-// binary does not link it, and no library package imports it.
+// It is a tool of the repository, not of the library: a module of its own
+// (run it from this directory, `go run .`, or with `make bench`) that uses
+// only eventline's public API. The library module, its import graph and
+// the eventline binary do not hold it.
 //
 // Exit codes: 0 success, 1 failure, 2 usage error.
 package main
