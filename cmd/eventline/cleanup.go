@@ -18,10 +18,6 @@ import (
 	"github.com/eventline/eventline/producer"
 )
 
-func init() {
-	register(command{name: "cleanup", summary: "Delete relayed outbox rows and old dedup records past retention", run: runCleanup})
-}
-
 // defaultCleanupPause is the CLI's wait between delete batches, for both
 // tables.
 const defaultCleanupPause = 100 * time.Millisecond
@@ -50,8 +46,7 @@ type dedupCleanup struct {
 	Batches          int       `json:"batches"`
 }
 
-func runCleanup(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "cleanup", "[-only outbox|dedup] [-retention D] [-dedup-retention D] [-group G] [-batch N] [-dry-run]", `
+const cleanupHelp = `
 Applies retention to the two tables that grow forever:
 
   outbox  deletes rows written more than -retention ago that every consumer
@@ -66,7 +61,10 @@ Deletes run in batches of -batch rows, each its own short transaction, with
 back, and reports what would be deleted (it locks those rows meanwhile).
 
 Outbox created_at is in the producers' session time zone: run cleanup with the
-same TimeZone (a timezone=... parameter in -database-url).`)
+same TimeZone (a timezone=... parameter in -database-url).`
+
+func runCleanup(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	only := fs.String("only", "", "clean only `TABLE`: outbox or dedup (default both)")
 	retention := fs.Duration("retention", producer.DefaultRetentionWindow, "keep outbox rows this long after they were written")
 	dedupRetention := fs.Duration("dedup-retention", dedup.DefaultRetention, fmt.Sprintf("keep dedup records this long after they were processed (at least %s)", dedup.MinRetention))
@@ -75,34 +73,29 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 	pause := fs.Duration("pause", defaultCleanupPause, "wait between two batches")
 	dryRun := fs.Bool("dry-run", false, "report what would be deleted and delete nothing")
 	asJSON := fs.Bool("json", false, "print JSON instead of text")
-	pos, err := fs.parse(args)
-	if err != nil {
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("cleanup takes no arguments, got %q", pos)
 	}
 	doOutbox, doDedup := *only == "" || *only == "outbox", *only == "" || *only == "dedup"
 	switch {
 	case !doOutbox && !doDedup:
-		return fs.usageErrorf("-only %q: want outbox or dedup (or leave it out for both)", *only)
+		return inv.usageErrorf("-only %q: want outbox or dedup (or leave it out for both)", *only)
 	case *retention <= 0:
-		return fs.usageErrorf("-retention must be positive, got %s", *retention)
+		return inv.usageErrorf("-retention must be positive, got %s", *retention)
 	case *dedupRetention < dedup.MinRetention:
-		return fs.usageErrorf("-dedup-retention must be at least %s (it must outlast Kafka's redelivery horizon), got %s", dedup.MinRetention, *dedupRetention)
+		return inv.usageErrorf("-dedup-retention must be at least %s (it must outlast Kafka's redelivery horizon), got %s", dedup.MinRetention, *dedupRetention)
 	case *batch < 1:
-		return fs.usageErrorf("-batch must be at least 1, got %d", *batch)
+		return inv.usageErrorf("-batch must be at least 1, got %d", *batch)
 	case *pause < 0:
-		return fs.usageErrorf("-pause must not be negative, got %s", *pause)
+		return inv.usageErrorf("-pause must not be negative, got %s", *pause)
 	case *group != "" && !doDedup:
-		return fs.usageErrorf("-group applies to dedup records; it cannot be combined with -only outbox")
+		return inv.usageErrorf("-group applies to dedup records; it cannot be combined with -only outbox")
 	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
+	g := inv.globals
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
 
 	rep := cleanupReport{DryRun: *dryRun}
 	if doOutbox {
@@ -143,9 +136,9 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 		rep.Dedup = &dedupCleanup{Group: *group, RetentionSeconds: dedupRetention.Seconds(), Cutoff: res.Cutoff.UTC(), Deleted: res.Deleted, Batches: res.Batches}
 	}
 	if *asJSON {
-		return writeJSON(stdout(ctx), rep)
+		return writeJSON(inv.stdout, rep)
 	}
-	printCleanup(stdout(ctx), rep)
+	printCleanup(inv.stdout, rep)
 	return nil
 }
 

@@ -18,7 +18,10 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 func main() {
@@ -49,9 +52,44 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 // runWithEnv is run with the environment lookup injected.
 func runWithEnv(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
-	inv := newInvocation(stdout, stderr, getenv)
-	err := inv.main(withInvocation(ctx, inv), args)
-	return inv.exitCode(err)
+	inv := &invocation{stdout: stdout, stderr: stderr, getenv: getenv, globals: globalsFromEnv(getenv)}
+	return inv.exitCode(inv.main(ctx, args))
+}
+
+// invocation is one run of the CLI: where output goes, the environment, the
+// global flags, and the command being run with its flags and arguments.
+type invocation struct {
+	stdout, stderr io.Writer
+	getenv         func(string) string
+	globals        *globals
+
+	// path is the command being run ("held list"), for messages.
+	path string
+	cmd  *command
+	fs   *flagSet
+	args []string
+	// pools are the connection pools the command opened, closed when it
+	// returns.
+	pools []*pgxpool.Pool
+
+	logOnce sync.Once
+	log     *slog.Logger
+}
+
+// errHelp is returned after help was printed on request; the exit code is 0.
+var errHelp = errors.New("help requested")
+
+// usageError is a mistake in the command line: the exit code is 2.
+type usageError struct {
+	path string // command path, e.g. "held replay"; empty for the top level
+	msg  string
+}
+
+func (e *usageError) Error() string { return e.msg }
+
+// usageErrorf returns a usage error for the command being run.
+func (inv *invocation) usageErrorf(format string, args ...any) error {
+	return &usageError{path: inv.path, msg: fmt.Sprintf(format, args...)}
 }
 
 // main parses the global flags, then runs the named command.
@@ -64,36 +102,25 @@ func (inv *invocation) main(ctx context.Context, args []string) error {
 		inv.printMainUsage(inv.stdout)
 		return errHelp
 	case err != nil:
-		return usageErrorf("", "%v", err)
+		return inv.usageErrorf("%v", err)
 	}
 	args = fs.Args()
 	if len(args) == 0 {
-		return usageErrorf("", "no command given; the commands are: %s", strings.Join(commandNames(), ", "))
+		return inv.usageErrorf("no command given; the commands are: %s", strings.Join(names(commands), ", "))
 	}
 	name, rest := args[0], args[1:]
-	if name == "help" {
-		return inv.help(ctx, rest)
+	if name == "help" { // eventline help [command [subcommand]]
+		if len(rest) == 0 {
+			inv.printMainUsage(inv.stdout)
+			return errHelp
+		}
+		name, rest = rest[0], append(rest[1:len(rest):len(rest)], "-h")
 	}
-	cmd, ok := lookup(name)
-	if !ok {
-		return usageErrorf("", "unknown command %q; the commands are: %s", name, strings.Join(commandNames(), ", "))
+	cmd := find(commands, name)
+	if cmd == nil {
+		return inv.usageErrorf("unknown command %q; the commands are: %s", name, strings.Join(names(commands), ", "))
 	}
-	inv.path = cmd.name
-	return cmd.run(ctx, rest)
-}
-
-// help implements `eventline help [command]`.
-func (inv *invocation) help(ctx context.Context, args []string) error {
-	if len(args) == 0 {
-		inv.printMainUsage(inv.stdout)
-		return errHelp
-	}
-	cmd, ok := lookup(args[0])
-	if !ok {
-		return usageErrorf("", "unknown command %q; the commands are: %s", args[0], strings.Join(commandNames(), ", "))
-	}
-	inv.path = cmd.name
-	return cmd.run(ctx, append(args[1:len(args):len(args)], "-h"))
+	return inv.runCommand(ctx, cmd, cmd.name, rest)
 }
 
 // printMainUsage lists the commands and the global flags.
@@ -103,7 +130,7 @@ func (inv *invocation) printMainUsage(w io.Writer) {
 	fmt.Fprintln(w, "eventline operates an eventline pipeline: PostgreSQL outbox -> relay -> Kafka -> consumers.")
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "Commands:")
-	for _, c := range commands() {
+	for _, c := range commands {
 		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
 	}
 	fmt.Fprintln(w)
@@ -161,4 +188,17 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 	default:
 		return nil, fmt.Errorf("-log-format %q: want text or json", format)
 	}
+}
+
+// logger returns the logger configured by -log-level and -log-format,
+// writing to stderr. The flags were validated when they were parsed.
+func (inv *invocation) logger() *slog.Logger {
+	inv.logOnce.Do(func() {
+		l, err := newLogger(inv.stderr, inv.globals.logLevel, inv.globals.logFormat)
+		if err != nil {
+			l = slog.New(slog.NewTextHandler(inv.stderr, nil))
+		}
+		inv.log = l
+	})
+	return inv.log
 }

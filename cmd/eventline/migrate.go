@@ -13,40 +13,25 @@ import (
 	"github.com/eventline/eventline/migrations"
 )
 
-func init() {
-	register(command{name: "migrate", summary: "Apply, roll back or list the schema migrations (up|down|status)", run: runMigrate})
-}
-
-func runMigrate(ctx context.Context, args []string) error {
-	return dispatch(ctx, "migrate", "Manages eventline's tables in the -schema schema.", args, []subcommand{
-		{"up", "Apply every pending migration and create the outbox shard tables", migrateUp},
-		{"down", "Roll back the newest migrations (refuses to drop unsent events)", migrateDown},
-		{"status", "List the migrations and when each was applied", migrateStatus},
-	})
-}
-
-func migrateUp(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "migrate up", "[-shards N]", `
+const migrateUpHelp = `
 Applies every pending migration in one transaction under an advisory lock
 (safe to run from several processes at once) and creates the outbox shard
-tables. Run it before starting producers, relays or consumers.`)
+tables. Run it before starting producers, relays or consumers.`
+
+func migrateUp(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	shards := fs.Int("shards", 0, fmt.Sprintf("number of outbox shards, fixed on the first run (0 means %d on the first run\nand the existing count afterwards; another value must equal the existing count)", migrations.DefaultShards))
-	pos, err := fs.parse(args)
-	if err != nil {
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("migrate up takes no arguments, got %q", pos)
 	}
 	if *shards < 0 || *shards > outbox.MaxShards {
-		return fs.usageErrorf("-shards must be between 1 and %d (or 0 for the default), got %d", outbox.MaxShards, *shards)
+		return inv.usageErrorf("-shards must be between 1 and %d (or 0 for the default), got %d", outbox.MaxShards, *shards)
 	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
+	g := inv.globals
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
 	cfg := migrations.Config{Schema: g.schema, Shards: *shards}
 	before, err := migrations.Status(ctx, pool, cfg)
 	if err != nil {
@@ -58,7 +43,7 @@ tables. Run it before starting producers, relays or consumers.`)
 		}
 		return err
 	}
-	out := stdout(ctx)
+	out := inv.stdout
 	applied := 0
 	for _, m := range before {
 		if !m.Applied() {
@@ -78,8 +63,7 @@ tables. Run it before starting producers, relays or consumers.`)
 	return nil
 }
 
-func migrateDown(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "migrate down", "[-steps N | -all] [-force]", `
+const migrateDownHelp = `
 Rolls back the newest applied migrations, one transaction for all of them.
 
 Rolling back 003_held_events drops the events held for the operator (dead
@@ -87,29 +71,27 @@ letters, late events); 002_consumer the consumer tables (dedup records,
 aggregate versions, parked events, the skipped-gap audit); 001_outbox the outbox
 shard tables with every event in them. Unless -force is given, it refuses while
 held events are neither replayed nor discarded, while parked events wait, or
-while the outbox holds events not yet relayed.`)
+while the outbox holds events not yet relayed.`
+
+func migrateDown(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	steps := fs.Int("steps", 1, "number of migrations to roll back, newest first (at least 1)")
 	all := fs.Bool("all", false, "roll back every migration (drops all of eventline's tables)")
 	force := fs.Bool("force", false, "roll back even if it drops events that were never relayed or applied")
-	pos, err := fs.parse(args)
-	if err != nil {
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("migrate down takes no arguments, got %q", pos)
 	}
 	switch {
 	case *all && fs.isSet("steps"):
-		return fs.usageErrorf("give -steps or -all, not both")
+		return inv.usageErrorf("give -steps or -all, not both")
 	case *steps < 1:
-		return fs.usageErrorf("-steps must be at least 1, got %d (use -all to roll back everything)", *steps)
+		return inv.usageErrorf("-steps must be at least 1, got %d (use -all to roll back everything)", *steps)
 	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
+	g := inv.globals
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
 	cfg := migrations.Config{Schema: g.schema}
 	st, err := migrations.Status(ctx, pool, cfg)
 	if err != nil {
@@ -121,7 +103,7 @@ while the outbox holds events not yet relayed.`)
 			targets = append(targets, st[i])
 		}
 	}
-	out := stdout(ctx)
+	out := inv.stdout
 	if len(targets) == 0 {
 		fmt.Fprintf(out, "schema %s has no applied migrations; nothing to roll back\n", g.schema)
 		return nil
@@ -189,25 +171,22 @@ type migrationJSON struct {
 	AppliedAt *time.Time `json:"applied_at"`
 }
 
-func migrateStatus(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "migrate status", "[-json] [-check]", `
+const migrateStatusHelp = `
 Lists every migration this build knows and when it was applied. Reading the
-status creates the schema and its schema_migrations table if they are missing.`)
+status creates the schema and its schema_migrations table if they are missing.`
+
+func migrateStatus(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	asJSON := fs.Bool("json", false, "print JSON instead of a table")
 	check := fs.Bool("check", false, "exit with status 1 when a migration is pending (for readiness checks)")
-	pos, err := fs.parse(args)
+	if _, err := inv.parse(); err != nil {
+		return err
+	}
+	g := inv.globals
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("migrate status takes no arguments, got %q", pos)
-	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
 	st, err := migrations.Status(ctx, pool, migrations.Config{Schema: g.schema})
 	if err != nil {
 		return fmt.Errorf("read migration status: %w", err)
@@ -218,7 +197,7 @@ status creates the schema and its schema_migrations table if they are missing.`)
 			pending++
 		}
 	}
-	out := stdout(ctx)
+	out := inv.stdout
 	if *asJSON {
 		list := make([]migrationJSON, 0, len(st))
 		for _, m := range st {

@@ -90,3 +90,13 @@ func plural(n int64, word string) string {
 	}
 	return fmt.Sprintf("%d %ss", n, word)
 }
+
+// mapList returns f of each element of list, never nil: a JSON list is
+// [] when empty.
+func mapList[T, U any](list []T, f func(T) U) []U {
+	out := make([]U, 0, len(list))
+	for _, e := range list {
+		out = append(out, f(e))
+	}
+	return out
+}

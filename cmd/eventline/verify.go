@@ -8,16 +8,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/verify"
 )
-
-func init() {
-	register(command{name: "verify", summary: "Check the pipeline's guarantees against its data (exit 3 when broken)", run: runVerify})
-}
 
 // exitProblems is verify's exit code when it found a problem: distinct from
 // exitFailure (it could not check), so a canary can tell the two apart.
@@ -44,8 +38,7 @@ func (e *problemsFound) Error() string {
 // ExitCode is exitProblems.
 func (e *problemsFound) ExitCode() int { return exitProblems }
 
-func runVerify(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "verify", "[-since T] [-until T] [-group G]... [-group-topics G=T,T]... [-effects-query G=SQL]... [-json] [-strict]", `
+const verifyHelp = `
 Checks, against the data, that the pipeline kept its promises: for every event
 committed in the window (default: everything retained) and every consumer
 group that consumes its topic, it reconciles the outbox and the relay's dead
@@ -76,7 +69,10 @@ group applied: the event id, and optionally a column that grows with the time
 of the effect (a bigserial, a timestamp) to check the order exactly.
 
 Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
-1 the check could not run, 2 usage error. Run it in CI or cron as a canary.`)
+1 the check could not run, 2 usage error. Run it in CI or cron as a canary.`
+
+func runVerify(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	since := &timeFlag{}
 	until := &timeFlag{}
 	fs.Var(since, "since", "check what happened from `T` on: a duration ago (24h) or an RFC 3339 time (default: all retained data)")
@@ -87,7 +83,7 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 	fs.Var(&groupTopics, "group-topics", "`G=T1,T2`: the Kafka topics group G consumes (repeatable; default: its Kafka consumer group's\ncommitted offsets, else the topics of the events it has records of)")
 	effects := mapFlag{name: "effects-query"}
 	fs.Var(&effects, "effects-query", "`G=SQL`: a query over group G's own effects returning event_id[, ordering column] (repeatable)")
-	consumerURL := invocationOf(ctx).getenv(envConsumerDatabaseURL)
+	consumerURL := inv.getenv(envConsumerDatabaseURL)
 	fs.Var(&secretURL{&consumerURL}, "consumer-database-url", "`URL` of the database holding the consumer tables, when not -database-url (env "+envConsumerDatabaseURL+")")
 	consumerSchema := fs.String("consumer-schema", "", "schema of the consumer tables (default -schema)")
 	maxPending := fs.Duration("max-pending", verify.DefaultMaxPendingAge, "an event not applied for longer is stuck (a problem)")
@@ -97,31 +93,27 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 	noKafka := fs.Bool("no-kafka", false, "do not read Kafka even when -brokers or KAFKA_BROKERS is set")
 	strict := fs.Bool("strict", false, "fail (exit 3) on warnings too")
 	asJSON := fs.Bool("json", false, "print JSON (stable field names, for scripts) instead of text")
-	pos, err := fs.parse(args)
-	if err != nil {
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("verify takes no arguments, got %q", pos)
 	}
 	switch {
 	case *maxPending <= 0 || *maxParked <= 0 || *dedupRetention <= 0:
-		return fs.usageErrorf("-max-pending, -max-parked and -dedup-retention must be positive")
+		return inv.usageErrorf("-max-pending, -max-parked and -dedup-retention must be positive")
 	case *maxDetails < 0:
-		return fs.usageErrorf("-max-details must not be negative")
+		return inv.usageErrorf("-max-details must not be negative")
 	case !since.t.IsZero() && !until.t.IsZero() && !since.t.Before(until.t):
-		return fs.usageErrorf("-since (%s) must be before -until (%s)", since.t.Format(time.RFC3339), until.t.Format(time.RFC3339))
+		return inv.usageErrorf("-since (%s) must be before -until (%s)", since.t.Format(time.RFC3339), until.t.Format(time.RFC3339))
 	}
 	if *consumerSchema != "" {
 		if err := sqlident.Validate("-consumer-schema", *consumerSchema); err != nil {
-			return fs.usageErrorf("%v", err)
+			return inv.usageErrorf("%v", err)
 		}
 	}
-	g := globalsOf(ctx)
+	g := inv.globals
 	cfg := verify.Config{
 		Schema: g.schema, ConsumerSchema: *consumerSchema, Since: since.t, Until: until.t, Groups: groups,
 		EffectsQueries: effects.m, MaxPendingAge: *maxPending, MaxParkedAge: *maxParked, DedupRetention: *dedupRetention,
-		MaxDetails: *maxDetails, Logger: logger(ctx),
+		MaxDetails: *maxDetails, Logger: inv.logger(),
 	}
 	if *maxDetails == 0 {
 		cfg.MaxDetails = verify.NoDetails
@@ -133,40 +125,22 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 		}
 	}
 	if !*noKafka && g.brokers != "" {
+		var err error
 		if cfg.Brokers, err = g.brokerList(); err != nil {
-			return fs.usageErrorf("%v", err)
+			return inv.usageErrorf("%v", err)
 		}
 	}
 
-	pool, err := openPool(ctx, 2)
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
 	var consumerDB verify.DB
 	if consumerURL != "" {
-		pcfg, err := pgxpool.ParseConfig(consumerURL)
-		if err != nil {
-			return fs.usageErrorf("-consumer-database-url (or %s) is not a valid PostgreSQL URL: %v", envConsumerDatabaseURL, err)
+		db := database{url: consumerURL, what: "the consumer database", flag: "-consumer-database-url (or " + envConsumerDatabaseURL + ")"}
+		if consumerDB, err = inv.openPool(ctx, db, 2); err != nil {
+			return err
 		}
-		if _, ok := pcfg.ConnConfig.RuntimeParams["application_name"]; !ok {
-			pcfg.ConnConfig.RuntimeParams["application_name"] = "eventline verify"
-		}
-		cpool, err := pgxpool.NewWithConfig(ctx, pcfg)
-		if err == nil {
-			pctx, cancel := context.WithTimeout(ctx, connectTimeout)
-			err = cpool.Ping(pctx)
-			cancel()
-			if err != nil {
-				cpool.Close()
-			}
-		}
-		if err != nil {
-			return fmt.Errorf("cannot connect to the consumer database at %s: %w; check -consumer-database-url (or %s)",
-				redactURL(consumerURL), err, envConsumerDatabaseURL)
-		}
-		defer cpool.Close()
-		consumerDB = cpool
 	}
 
 	rep, err := verify.Run(ctx, pool, consumerDB, cfg)
@@ -174,9 +148,9 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 		return err
 	}
 	if *asJSON {
-		err = writeJSON(stdout(ctx), rep)
+		err = writeJSON(inv.stdout, rep)
 	} else {
-		err = rep.WriteText(stdout(ctx))
+		err = rep.WriteText(inv.stdout)
 	}
 	if err != nil {
 		return err
