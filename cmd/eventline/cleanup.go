@@ -72,7 +72,7 @@ func runCleanup(ctx context.Context, inv *invocation) error {
 	batch := fs.Int("batch", producer.DefaultCleanupBatchSize, "most rows one delete statement removes")
 	pause := fs.Duration("pause", defaultCleanupPause, "wait between two batches")
 	dryRun := fs.Bool("dry-run", false, "report what would be deleted and delete nothing")
-	asJSON := fs.Bool("json", false, "print JSON instead of text")
+	inv.jsonFlag("print JSON instead of text")
 	if _, err := inv.parse(); err != nil {
 		return err
 	}
@@ -97,22 +97,20 @@ func runCleanup(ctx context.Context, inv *invocation) error {
 		return err
 	}
 
+	if *dryRun {
+		*pause = 0 // nothing is deleted: no need to spare the database
+	}
 	rep := cleanupReport{DryRun: *dryRun}
 	if doOutbox {
 		cfg := admin.CleanupConfig{Schema: g.schema, Retention: *retention, BatchSize: *batch, Pause: *pause}
-		var res admin.CleanupResult
 		err := maybeDry(ctx, pool, *dryRun, func(db admin.DBTX) error {
-			if *dryRun {
-				cfg.Pause = 0
-			}
-			var err error
-			res, err = admin.Cleanup(ctx, db, cfg)
+			res, err := admin.Cleanup(ctx, db, cfg)
+			rep.Outbox = &outboxCleanup{RetentionSeconds: retention.Seconds(), Deleted: res.Deleted, PerShard: res.PerShard}
 			return err
 		})
 		if err != nil {
 			return fmt.Errorf("outbox cleanup: %w", err)
 		}
-		rep.Outbox = &outboxCleanup{RetentionSeconds: retention.Seconds(), Deleted: res.Deleted, PerShard: res.PerShard}
 	}
 	if doDedup {
 		st, err := store.New(g.schema)
@@ -121,25 +119,16 @@ func runCleanup(ctx context.Context, inv *invocation) error {
 		}
 		// dedup's Pause 0 means its default; the smallest wait stands for none.
 		cfg := store.CleanupConfig{Group: *group, Retention: *dedupRetention, BatchSize: *batch, Pause: max(*pause, time.Nanosecond)}
-		var res store.CleanupResult
 		err = maybeDry(ctx, pool, *dryRun, func(db admin.DBTX) error {
-			if *dryRun {
-				cfg.Pause = time.Nanosecond
-			}
-			var err error
-			res, err = st.CleanupProcessed(ctx, db, cfg)
+			res, err := st.CleanupProcessed(ctx, db, cfg)
+			rep.Dedup = &dedupCleanup{Group: *group, RetentionSeconds: dedupRetention.Seconds(), Cutoff: res.Cutoff.UTC(), Deleted: res.Deleted, Batches: res.Batches}
 			return err
 		})
 		if err != nil {
 			return fmt.Errorf("dedup cleanup: %w", err)
 		}
-		rep.Dedup = &dedupCleanup{Group: *group, RetentionSeconds: dedupRetention.Seconds(), Cutoff: res.Cutoff.UTC(), Deleted: res.Deleted, Batches: res.Batches}
 	}
-	if *asJSON {
-		return writeJSON(inv.stdout, rep)
-	}
-	printCleanup(inv.stdout, rep)
-	return nil
+	return inv.output(rep, func(w io.Writer) error { printCleanup(w, rep); return nil })
 }
 
 // maybeDry runs fn on the pool, or, for a dry run, in a transaction it

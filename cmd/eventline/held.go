@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"strconv"
 	"strings"
@@ -206,7 +207,7 @@ func heldList(ctx context.Context, inv *invocation) error {
 	hf := addHeldFlags(inv, false)
 	status := inv.fs.String("status", "open", "open, held, replay_requested, replayed, discarded or all")
 	limit := inv.fs.Int("limit", defaultHeldLimit, "most held events to list")
-	asJSON := inv.fs.Bool("json", false, "print JSON (with payload and headers) instead of a table")
+	inv.jsonFlag("print JSON (with payload and headers) instead of a table")
 	f, err := hf.parse()
 	if err != nil {
 		return err
@@ -227,35 +228,27 @@ func heldList(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
-	out := inv.stdout
-	if *asJSON {
-		return writeJSON(out, mapList(list, heldToJSON))
-	}
-	if len(list) == 0 {
-		fmt.Fprintf(out, "no held events (%s)\n", *status)
-		return nil
-	}
-	tw := newTable(out)
-	row(tw, "ID", "KIND", "GROUP", "EVENT ID", "TYPE", "AGGREGATE", "VERSION", "CAUSE", "STATUS", "HELD AT", "ATTEMPTS", "REASON")
-	for _, e := range list {
-		version := "-"
-		if e.AggregateVersion > 0 {
-			version = strconv.FormatInt(e.AggregateVersion, 10)
+	return inv.output(mapList(list, heldToJSON), func(w io.Writer) error {
+		if len(list) == 0 {
+			_, err := fmt.Fprintf(w, "no held events (%s)\n", *status)
+			return err
 		}
-		reason := e.Reason
-		if e.LastError != "" && e.Status == admin.StatusHeld && e.Kind != admin.HeldRelayDeadLetter && e.Cause != "release_failed" {
-			reason = "replay failed: " + e.LastError
+		tw := newTable(w)
+		row(tw, "ID", "KIND", "GROUP", "EVENT ID", "TYPE", "AGGREGATE", "VERSION", "CAUSE", "STATUS", "HELD AT", "ATTEMPTS", "REASON")
+		for _, e := range list {
+			version := "-"
+			if e.AggregateVersion > 0 {
+				version = strconv.FormatInt(e.AggregateVersion, 10)
+			}
+			reason := e.Reason
+			if e.LastError != "" && e.Status == admin.StatusHeld && e.Kind != admin.HeldRelayDeadLetter && e.Cause != "release_failed" {
+				reason = "replay failed: " + e.LastError
+			}
+			row(tw, e.ID, e.Kind, orDash(e.Group), orDash(truncate(e.EventID, 40)), orDash(truncate(e.EventType, 30)),
+				truncate(aggregate(e.AggregateType, e.AggregateID), 40), version, e.Cause, e.Status, timestamp(e.HeldAt), e.Attempts, truncate(reason, 60))
 		}
-		row(tw, e.ID, e.Kind, orDash(e.Group), orDash(truncate(e.EventID, 40)), orDash(truncate(e.EventType, 30)),
-			truncate(aggregate(e.AggregateType, e.AggregateID), 40), version, e.Cause, e.Status, timestamp(e.HeldAt), e.Attempts, truncate(reason, 60))
-	}
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	if len(list) == *limit {
-		fmt.Fprintf(out, "(first %d shown; raise -limit for more)\n", *limit)
-	}
-	return nil
+		return flushLimited(w, tw, len(list), *limit)
+	})
 }
 
 // aggregate formats an aggregate as type/id.

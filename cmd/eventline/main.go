@@ -68,6 +68,8 @@ type invocation struct {
 	cmd  *command
 	fs   *flagSet
 	args []string
+	// asJSON is the -json flag of a command that has one (jsonFlag).
+	asJSON *bool
 	// pools are the connection pools the command opened, closed when it
 	// returns.
 	pools []*pgxpool.Pool

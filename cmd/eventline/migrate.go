@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -19,48 +20,52 @@ Applies every pending migration in one transaction under an advisory lock
 tables. Run it before starting producers, relays or consumers.`
 
 func migrateUp(ctx context.Context, inv *invocation) error {
-	fs := inv.fs
-	shards := fs.Int("shards", 0, fmt.Sprintf("number of outbox shards, fixed on the first run (0 means %d on the first run\nand the existing count afterwards; another value must equal the existing count)", migrations.DefaultShards))
+	shards := inv.fs.Int("shards", 0, fmt.Sprintf("number of outbox shards, fixed on the first run (0 means %d on the first run\nand the existing count afterwards; another value must equal the existing count)", migrations.DefaultShards))
 	if _, err := inv.parse(); err != nil {
 		return err
 	}
 	if *shards < 0 || *shards > outbox.MaxShards {
 		return inv.usageErrorf("-shards must be between 1 and %d (or 0 for the default), got %d", outbox.MaxShards, *shards)
 	}
-	g := inv.globals
-	pool, err := inv.pool(ctx)
+	pool, cfg, before, err := inv.migrationStatus(ctx)
 	if err != nil {
 		return err
 	}
-	cfg := migrations.Config{Schema: g.schema, Shards: *shards}
-	before, err := migrations.Status(ctx, pool, cfg)
-	if err != nil {
-		return fmt.Errorf("read migration status: %w", err)
-	}
+	cfg.Shards = *shards
 	if err := migrations.Up(ctx, pool, cfg); err != nil {
 		if errors.Is(err, migrations.ErrShardCountMismatch) {
 			return fmt.Errorf("%w (omit -shards to keep the existing count)", err)
 		}
 		return err
 	}
-	out := inv.stdout
-	applied := 0
+	state := "was already"
 	for _, m := range before {
 		if !m.Applied() {
-			fmt.Fprintf(out, "applied %03d_%s\n", m.Version, m.Name)
-			applied++
+			fmt.Fprintf(inv.stdout, "applied %03d_%s\n", m.Version, m.Name)
+			state = "is"
 		}
 	}
-	n, err := admin.ReadShardCount(ctx, pool, g.schema)
+	n, err := admin.ReadShardCount(ctx, pool, cfg.Schema)
 	if err != nil {
 		return err
 	}
-	if applied == 0 {
-		fmt.Fprintf(out, "schema %s was already up to date (%s, %s)\n", g.schema, plural(int64(len(before)), "migration"), plural(int64(n), "outbox shard"))
-	} else {
-		fmt.Fprintf(out, "schema %s is up to date (%s, %s)\n", g.schema, plural(int64(len(before)), "migration"), plural(int64(n), "outbox shard"))
-	}
+	fmt.Fprintf(inv.stdout, "schema %s %s up to date (%s, %s)\n", cfg.Schema, state, plural(int64(len(before)), "migration"), plural(int64(n), "outbox shard"))
 	return nil
+}
+
+// migrationStatus connects and reads the status of every migration in
+// -schema.
+func (inv *invocation) migrationStatus(ctx context.Context) (*pgxpool.Pool, migrations.Config, []migrations.MigrationStatus, error) {
+	cfg := migrations.Config{Schema: inv.globals.schema}
+	pool, err := inv.pool(ctx)
+	if err != nil {
+		return nil, cfg, nil, err
+	}
+	st, err := migrations.Status(ctx, pool, cfg)
+	if err != nil {
+		return nil, cfg, nil, fmt.Errorf("read migration status: %w", err)
+	}
+	return pool, cfg, st, nil
 }
 
 const migrateDownHelp = `
@@ -87,15 +92,9 @@ func migrateDown(ctx context.Context, inv *invocation) error {
 	case *steps < 1:
 		return inv.usageErrorf("-steps must be at least 1, got %d (use -all to roll back everything)", *steps)
 	}
-	g := inv.globals
-	pool, err := inv.pool(ctx)
+	pool, cfg, st, err := inv.migrationStatus(ctx)
 	if err != nil {
 		return err
-	}
-	cfg := migrations.Config{Schema: g.schema}
-	st, err := migrations.Status(ctx, pool, cfg)
-	if err != nil {
-		return fmt.Errorf("read migration status: %w", err)
 	}
 	var targets []migrations.MigrationStatus
 	for i := len(st) - 1; i >= 0 && (*all || len(targets) < *steps); i-- {
@@ -103,13 +102,12 @@ func migrateDown(ctx context.Context, inv *invocation) error {
 			targets = append(targets, st[i])
 		}
 	}
-	out := inv.stdout
 	if len(targets) == 0 {
-		fmt.Fprintf(out, "schema %s has no applied migrations; nothing to roll back\n", g.schema)
+		fmt.Fprintf(inv.stdout, "schema %s has no applied migrations; nothing to roll back\n", cfg.Schema)
 		return nil
 	}
 	if !*force {
-		if err := checkSafeToDrop(ctx, pool, g.schema, targets); err != nil {
+		if err := checkSafeToDrop(ctx, pool, cfg.Schema, targets); err != nil {
 			return err
 		}
 	}
@@ -121,7 +119,7 @@ func migrateDown(ctx context.Context, inv *invocation) error {
 		return err
 	}
 	for _, m := range targets {
-		fmt.Fprintf(out, "rolled back %03d_%s\n", m.Version, m.Name)
+		fmt.Fprintf(inv.stdout, "rolled back %03d_%s\n", m.Version, m.Name)
 	}
 	return nil
 }
@@ -176,65 +174,51 @@ Lists every migration this build knows and when it was applied. Reading the
 status creates the schema and its schema_migrations table if they are missing.`
 
 func migrateStatus(ctx context.Context, inv *invocation) error {
-	fs := inv.fs
-	asJSON := fs.Bool("json", false, "print JSON instead of a table")
-	check := fs.Bool("check", false, "exit with status 1 when a migration is pending (for readiness checks)")
+	inv.jsonFlag("print JSON instead of a table")
+	check := inv.fs.Bool("check", false, "exit with status 1 when a migration is pending (for readiness checks)")
 	if _, err := inv.parse(); err != nil {
 		return err
 	}
-	g := inv.globals
-	pool, err := inv.pool(ctx)
+	_, cfg, st, err := inv.migrationStatus(ctx)
 	if err != nil {
 		return err
 	}
-	st, err := migrations.Status(ctx, pool, migrations.Config{Schema: g.schema})
-	if err != nil {
-		return fmt.Errorf("read migration status: %w", err)
-	}
-	pending := 0
+	pending := int64(0)
 	for _, m := range st {
 		if !m.Applied() {
 			pending++
 		}
 	}
-	out := inv.stdout
-	if *asJSON {
-		list := make([]migrationJSON, 0, len(st))
-		for _, m := range st {
-			j := migrationJSON{Version: m.Version, Name: m.Name, Applied: m.Applied()}
-			if m.Applied() {
-				at := m.AppliedAt.UTC()
-				j.AppliedAt = &at
-			}
-			list = append(list, j)
+	report := struct {
+		Schema     string          `json:"schema"`
+		Migrations []migrationJSON `json:"migrations"`
+		Pending    int64           `json:"pending"`
+	}{cfg.Schema, mapList(st, func(m migrations.MigrationStatus) migrationJSON {
+		j := migrationJSON{Version: m.Version, Name: m.Name, Applied: m.Applied()}
+		if m.Applied() {
+			at := m.AppliedAt.UTC()
+			j.AppliedAt = &at
 		}
-		report := struct {
-			Schema     string          `json:"schema"`
-			Migrations []migrationJSON `json:"migrations"`
-			Pending    int             `json:"pending"`
-		}{g.schema, list, pending}
-		if err := writeJSON(out, report); err != nil {
-			return err
-		}
-	} else {
-		tw := newTable(out)
+		return j
+	}), pending}
+	err = inv.output(report, func(w io.Writer) error {
+		tw := newTable(w)
 		row(tw, "VERSION", "NAME", "APPLIED AT")
-		for _, m := range st {
+		for _, m := range report.Migrations {
 			at := "pending"
-			if m.Applied() {
-				at = timestamp(m.AppliedAt)
+			if m.Applied {
+				at = timestamp(*m.AppliedAt)
 			}
 			row(tw, fmt.Sprintf("%03d", m.Version), m.Name, at)
 		}
-		if err := tw.Flush(); err != nil {
+		if err := tw.Flush(); err != nil || pending == 0 {
 			return err
 		}
-		if pending > 0 {
-			fmt.Fprintf(out, "%s pending in schema %s: run `eventline migrate up`\n", plural(int64(pending), "migration"), g.schema)
-		}
+		_, err := fmt.Fprintf(w, "%s pending in schema %s: run `eventline migrate up`\n", plural(pending, "migration"), cfg.Schema)
+		return err
+	})
+	if err == nil && *check && pending > 0 {
+		err = fmt.Errorf("%s pending in schema %s", plural(pending, "migration"), cfg.Schema)
 	}
-	if *check && pending > 0 {
-		return fmt.Errorf("%s pending in schema %s", plural(int64(pending), "migration"), g.schema)
-	}
-	return nil
+	return err
 }

@@ -14,6 +14,16 @@ func newTable(w io.Writer) *tabwriter.Writer {
 	return tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 }
 
+// flushLimited flushes a table of n rows listed with -limit limit, and says
+// when the limit may have cut it short.
+func flushLimited(w io.Writer, tw *tabwriter.Writer, n, limit int) error {
+	if err := tw.Flush(); err != nil || n < limit {
+		return err
+	}
+	_, err := fmt.Fprintf(w, "(first %d shown; raise -limit for more)\n", limit)
+	return err
+}
+
 // row writes one tab-separated table row.
 func row(w io.Writer, cols ...any) {
 	for i, c := range cols {
@@ -23,6 +33,19 @@ func row(w io.Writer, cols ...any) {
 		fmt.Fprint(w, c)
 	}
 	fmt.Fprintln(w)
+}
+
+// jsonFlag defines the command's -json flag, which makes output print JSON.
+func (inv *invocation) jsonFlag(usage string) {
+	inv.asJSON = inv.fs.Bool("json", false, usage)
+}
+
+// output prints the command's result: v as JSON with -json, else text.
+func (inv *invocation) output(v any, text func(w io.Writer) error) error {
+	if inv.asJSON != nil && *inv.asJSON {
+		return writeJSON(inv.stdout, v)
+	}
+	return text(inv.stdout)
 }
 
 // writeJSON writes v as indented JSON followed by a newline.

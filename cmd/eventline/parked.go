@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"time"
 
@@ -115,61 +116,54 @@ func parkedList(ctx context.Context, inv *invocation) error {
 			}
 		}
 	}
-	out := inv.stdout
-	if *lf.asJSON {
-		list := make([]parkedJSON, 0, len(parked))
+	toJSON := func(p store.Parked) parkedJSON {
+		j := parkedJSON{
+			Group: p.Group, AggregateType: p.AggregateType, AggregateID: p.AggregateID, Version: p.Version,
+			PreviousVersion: p.PreviousVersion, CurrentVersion: current[p.Key()], EventID: p.EventID, EventType: p.EventType, Handler: p.Handler,
+			Topic: p.Topic, ParkedAt: p.ParkedAt.UTC(), ReleaseAttempts: p.ReleaseAttempts, LastError: p.LastError,
+			Metadata: p.Metadata,
+		}
+		if !p.LastAttemptAt.IsZero() {
+			at := p.LastAttemptAt.UTC()
+			j.LastAttemptAt = &at
+		}
+		j.Payload, j.PayloadBase64 = payloadJSON(p.Payload)
+		if w, ok := where[p.Key()]; ok {
+			j.WaitingFor = &w
+		}
+		return j
+	}
+	return inv.output(mapList(parked, toJSON), func(out io.Writer) error {
+		if len(parked) == 0 {
+			_, err := fmt.Fprintln(out, "no parked events")
+			return err
+		}
+		tw := newTable(out)
+		row(tw, "GROUP", "AGGREGATE", "VERSION", "CURRENT", "EVENT ID", "TYPE", "PARKED FOR", "ATTEMPTS", "LAST ERROR")
+		now := time.Now()
 		for _, p := range parked {
-			j := parkedJSON{
-				Group: p.Group, AggregateType: p.AggregateType, AggregateID: p.AggregateID, Version: p.Version,
-				PreviousVersion: p.PreviousVersion, CurrentVersion: current[p.Key()], EventID: p.EventID, EventType: p.EventType, Handler: p.Handler,
-				Topic: p.Topic, ParkedAt: p.ParkedAt.UTC(), ReleaseAttempts: p.ReleaseAttempts, LastError: p.LastError,
-				Metadata: p.Metadata,
-			}
-			if !p.LastAttemptAt.IsZero() {
-				at := p.LastAttemptAt.UTC()
-				j.LastAttemptAt = &at
-			}
-			j.Payload, j.PayloadBase64 = payloadJSON(p.Payload)
-			if w, ok := where[p.Key()]; ok {
-				j.WaitingFor = &w
-			}
-			list = append(list, j)
+			row(tw, p.Group, aggregate(p.AggregateType, p.AggregateID), p.Version, current[p.Key()], p.EventID, p.EventType,
+				age(now.Sub(p.ParkedAt)), p.ReleaseAttempts, orDash(truncate(p.LastError, 50)))
 		}
-		return writeJSON(out, list)
-	}
-	if len(parked) == 0 {
-		fmt.Fprintln(out, "no parked events")
+		if err := flushLimited(out, tw, len(parked), *lf.limit); err != nil {
+			return err
+		}
+		fmt.Fprintln(out)
+		for _, k := range keys {
+			follows, cur := followsOf(parked, k), current[k]
+			name := aggregate(k.AggregateType, k.AggregateID)
+			if follows <= cur {
+				fmt.Fprintf(out, "%s %s: at version %d, nothing missing; the consumer's sweeper applies the parked events\n", k.Group, name, cur)
+				continue
+			}
+			fmt.Fprintf(out, "%s %s: at version %d, waiting for %s; to give up on them: eventline parked release -reason '...' %s %s\n",
+				k.Group, name, cur, versionRange(cur+1, follows), k.Group, name)
+			if w, ok := where[k]; ok {
+				fmt.Fprintf(out, "  version %d: %s: %s\n", w.Version, w.Location, w.Detail)
+			}
+		}
 		return nil
-	}
-	tw := newTable(out)
-	row(tw, "GROUP", "AGGREGATE", "VERSION", "CURRENT", "EVENT ID", "TYPE", "PARKED FOR", "ATTEMPTS", "LAST ERROR")
-	now := time.Now()
-	for _, p := range parked {
-		row(tw, p.Group, aggregate(p.AggregateType, p.AggregateID), p.Version, current[p.Key()], p.EventID, p.EventType,
-			age(now.Sub(p.ParkedAt)), p.ReleaseAttempts, orDash(truncate(p.LastError, 50)))
-	}
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	if len(parked) == *lf.limit {
-		fmt.Fprintf(out, "(first %d shown; raise -limit for more)\n", *lf.limit)
-	}
-	fmt.Fprintln(out)
-	for _, k := range keys {
-		follows := followsOf(parked, k)
-		cur := current[k]
-		name := aggregate(k.AggregateType, k.AggregateID)
-		if follows <= cur {
-			fmt.Fprintf(out, "%s %s: at version %d, nothing missing; the consumer's sweeper applies the parked events\n", k.Group, name, cur)
-			continue
-		}
-		fmt.Fprintf(out, "%s %s: at version %d, waiting for %s; to give up on them: eventline parked release -reason '...' %s %s\n",
-			k.Group, name, cur, versionRange(cur+1, follows), k.Group, name)
-		if w, ok := where[k]; ok {
-			fmt.Fprintf(out, "  version %d: %s: %s\n", w.Version, w.Location, w.Detail)
-		}
-	}
-	return nil
+	})
 }
 
 // followsOf is the predecessor the lowest listed parked event of k waits
@@ -229,7 +223,7 @@ it arrives later it is late (see eventline held list -kind late).`
 func parkedRelease(ctx context.Context, inv *invocation) error {
 	fs := inv.fs
 	reason := fs.String("reason", "", "why the missing versions are given up (required; kept in the audit)")
-	asJSON := fs.Bool("json", false, "print the outcome as JSON")
+	inv.jsonFlag("print the outcome as JSON")
 	pos, err := inv.parse()
 	if err != nil {
 		return err
@@ -260,28 +254,27 @@ func parkedRelease(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
-	out := inv.stdout
-	if *asJSON {
-		return writeJSON(out, struct {
-			Group         string `json:"group"`
-			AggregateType string `json:"aggregate_type"`
-			AggregateID   string `json:"aggregate_id"`
-			SkippedFrom   int64  `json:"skipped_from"`
-			SkippedTo     int64  `json:"skipped_to"`
-			Ready         int    `json:"ready"`
-			Late          int    `json:"late"`
-		}{group, typ, id, rel.From, rel.To, rel.Ready, rel.Late})
-	}
-	if rel.From == 0 && rel.To == 0 {
-		fmt.Fprintf(out, "%s %s/%s: no versions were missing in front of the lowest parked event\n", group, typ, id)
-	} else {
-		fmt.Fprintf(out, "%s %s/%s: gave up on %s (recorded in skipped_versions)\n", group, typ, id, versionRange(rel.From, rel.To))
-	}
-	if rel.Late > 0 {
-		fmt.Fprintf(out, "moved %s the aggregate had already passed as late (eventline held list -kind late)\n", plural(int64(rel.Late), "parked event"))
-	}
-	fmt.Fprintf(out, "%s now ready: the sweeper of a running %s consumer applies them on its next pass\n", plural(int64(rel.Ready), "parked event"), group)
-	return nil
+	outcome := struct {
+		Group         string `json:"group"`
+		AggregateType string `json:"aggregate_type"`
+		AggregateID   string `json:"aggregate_id"`
+		SkippedFrom   int64  `json:"skipped_from"`
+		SkippedTo     int64  `json:"skipped_to"`
+		Ready         int    `json:"ready"`
+		Late          int    `json:"late"`
+	}{group, typ, id, rel.From, rel.To, rel.Ready, rel.Late}
+	return inv.output(outcome, func(out io.Writer) error {
+		if rel.From == 0 && rel.To == 0 {
+			fmt.Fprintf(out, "%s %s/%s: no versions were missing in front of the lowest parked event\n", group, typ, id)
+		} else {
+			fmt.Fprintf(out, "%s %s/%s: gave up on %s (recorded in skipped_versions)\n", group, typ, id, versionRange(rel.From, rel.To))
+		}
+		if rel.Late > 0 {
+			fmt.Fprintf(out, "moved %s the aggregate had already passed as late (eventline held list -kind late)\n", plural(int64(rel.Late), "parked event"))
+		}
+		_, err := fmt.Fprintf(out, "%s now ready: the sweeper of a running %s consumer applies them on its next pass\n", plural(int64(rel.Ready), "parked event"), group)
+		return err
+	})
 }
 
 // skippedJSON is one audited gap in `parked skipped -json`.
@@ -314,24 +307,21 @@ func parkedSkipped(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
-	out := inv.stdout
-	if *lf.asJSON {
-		list := make([]skippedJSON, 0, len(skipped))
-		for _, s := range skipped {
-			list = append(list, skippedJSON{s.ID, s.Group, s.AggregateType, s.AggregateID, s.From, s.To, s.Reason, s.SkippedAt.UTC()})
+	toJSON := func(s store.Skipped) skippedJSON {
+		return skippedJSON{s.ID, s.Group, s.AggregateType, s.AggregateID, s.From, s.To, s.Reason, s.SkippedAt.UTC()}
+	}
+	return inv.output(mapList(skipped, toJSON), func(w io.Writer) error {
+		if len(skipped) == 0 {
+			_, err := fmt.Fprintln(w, "no skipped versions")
+			return err
 		}
-		return writeJSON(out, list)
-	}
-	if len(skipped) == 0 {
-		fmt.Fprintln(out, "no skipped versions")
-		return nil
-	}
-	tw := newTable(out)
-	row(tw, "ID", "GROUP", "AGGREGATE", "SKIPPED", "AT", "REASON")
-	for _, s := range skipped {
-		row(tw, s.ID, s.Group, aggregate(s.AggregateType, s.AggregateID), versionRange(s.From, s.To), timestamp(s.SkippedAt), truncate(s.Reason, 70))
-	}
-	return tw.Flush()
+		tw := newTable(w)
+		row(tw, "ID", "GROUP", "AGGREGATE", "SKIPPED", "AT", "REASON")
+		for _, s := range skipped {
+			row(tw, s.ID, s.Group, aggregate(s.AggregateType, s.AggregateID), versionRange(s.From, s.To), timestamp(s.SkippedAt), truncate(s.Reason, 70))
+		}
+		return tw.Flush()
+	})
 }
 
 // listFlags are the filters `parked list` and `parked skipped` share.
@@ -339,19 +329,18 @@ type listFlags struct {
 	inv              *invocation
 	group, aggregate *string
 	limit            *int
-	asJSON           *bool
 	// aggregateType and aggregateID are -aggregate, parsed.
 	aggregateType, aggregateID string
 }
 
 func addListFlags(inv *invocation, limitHelp, jsonHelp string) *listFlags {
 	fs := inv.fs
+	inv.jsonFlag(jsonHelp)
 	return &listFlags{
 		inv:       inv,
 		group:     fs.String("group", "", "only this consumer group (default all groups)"),
 		aggregate: fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)"),
 		limit:     fs.Int("limit", store.DefaultListLimit, limitHelp),
-		asJSON:    fs.Bool("json", false, jsonHelp),
 	}
 }
 

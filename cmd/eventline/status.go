@@ -115,30 +115,23 @@ not resolved; per shard the transaction holding its events back (pid, age,
 query start). It reads a consistent snapshot and changes nothing.`
 
 func runStatus(ctx context.Context, inv *invocation) error {
-	fs := inv.fs
-	asJSON := fs.Bool("json", false, "print JSON (stable field names, for scripts) instead of tables")
+	inv.jsonFlag("print JSON (stable field names, for scripts) instead of tables")
 	if _, err := inv.parse(); err != nil {
 		return err
 	}
-	g := inv.globals
 	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-
 	var rep statusReport
 	err = pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
-		var err error
-		rep, err = readStatus(ctx, tx, g.schema)
+		rep, err = readStatus(ctx, tx, inv.globals.schema)
 		return err
 	})
 	if err != nil {
 		return err
 	}
-	if *asJSON {
-		return writeJSON(inv.stdout, rep)
-	}
-	return printStatus(inv.stdout, rep)
+	return inv.output(rep, func(w io.Writer) error { return printStatus(w, rep) })
 }
 
 // readStatus gathers the report from admin.ReadStatus, in tx's snapshot.

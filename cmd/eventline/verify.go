@@ -92,7 +92,7 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	maxDetails := fs.Int("max-details", verify.DefaultMaxDetails, "findings listed per kind and group (the oldest); the rest are counted")
 	noKafka := fs.Bool("no-kafka", false, "do not read Kafka even when -brokers or KAFKA_BROKERS is set")
 	strict := fs.Bool("strict", false, "fail (exit 3) on warnings too")
-	asJSON := fs.Bool("json", false, "print JSON (stable field names, for scripts) instead of text")
+	inv.jsonFlag("print JSON (stable field names, for scripts) instead of text")
 	if _, err := inv.parse(); err != nil {
 		return err
 	}
@@ -147,12 +147,7 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
-	if *asJSON {
-		err = writeJSON(inv.stdout, rep)
-	} else {
-		err = rep.WriteText(inv.stdout)
-	}
-	if err != nil {
+	if err := inv.output(rep, rep.WriteText); err != nil {
 		return err
 	}
 	if !rep.OK || (*strict && rep.Warnings > 0) {
