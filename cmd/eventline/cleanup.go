@@ -79,17 +79,17 @@ func runCleanup(ctx context.Context, inv *invocation) error {
 	doOutbox, doDedup := *only == "" || *only == "outbox", *only == "" || *only == "dedup"
 	switch {
 	case !doOutbox && !doDedup:
-		return inv.usageErrorf("-only %q: want outbox or dedup (or leave it out for both)", *only)
+		return usageErrorf("-only %q: want outbox or dedup (or leave it out for both)", *only)
 	case *retention <= 0:
-		return inv.usageErrorf("-retention must be positive, got %s", *retention)
+		return usageErrorf("-retention must be positive, got %s", *retention)
 	case *dedupRetention < dedup.MinRetention:
-		return inv.usageErrorf("-dedup-retention must be at least %s (it must outlast Kafka's redelivery horizon), got %s", dedup.MinRetention, *dedupRetention)
+		return usageErrorf("-dedup-retention must be at least %s (it must outlast Kafka's redelivery horizon), got %s", dedup.MinRetention, *dedupRetention)
 	case *batch < 1:
-		return inv.usageErrorf("-batch must be at least 1, got %d", *batch)
+		return usageErrorf("-batch must be at least 1, got %d", *batch)
 	case *pause < 0:
-		return inv.usageErrorf("-pause must not be negative, got %s", *pause)
+		return usageErrorf("-pause must not be negative, got %s", *pause)
 	case *group != "" && !doDedup:
-		return inv.usageErrorf("-group applies to dedup records; it cannot be combined with -only outbox")
+		return usageErrorf("-group applies to dedup records; it cannot be combined with -only outbox")
 	}
 	g := inv.globals
 	pool, err := inv.pool(ctx)

@@ -121,7 +121,7 @@ func (inv *invocation) runCommand(ctx context.Context, cmd *command, path string
 func (inv *invocation) group(cmd *command, args []string) error {
 	subs := names(cmd.subs)
 	if len(args) == 0 {
-		return inv.usageErrorf("missing subcommand: one of %s", strings.Join(subs, ", "))
+		return usageErrorf("missing subcommand: one of %s", strings.Join(subs, ", "))
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
@@ -134,7 +134,7 @@ func (inv *invocation) group(cmd *command, args []string) error {
 		return errHelp
 	}
 	if strings.HasPrefix(args[0], "-") {
-		return inv.usageErrorf("flags go after the subcommand (eventline %s <%s> %s ...)", inv.path, strings.Join(subs, "|"), args[0])
+		return usageErrorf("flags go after the subcommand (eventline %s <%s> %s ...)", inv.path, strings.Join(subs, "|"), args[0])
 	}
-	return inv.usageErrorf("unknown subcommand %q: want one of %s", args[0], strings.Join(subs, ", "))
+	return usageErrorf("unknown subcommand %q: want one of %s", args[0], strings.Join(subs, ", "))
 }

@@ -36,7 +36,7 @@ func (inv *invocation) mainDB() database {
 func (inv *invocation) poolConfig(db database) (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(db.url)
 	if err != nil {
-		return nil, inv.usageErrorf("%s is not a valid PostgreSQL URL: %v", db.flag, err)
+		return nil, usageErrorf("%s is not a valid PostgreSQL URL: %v", db.flag, err)
 	}
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "eventline " + inv.path

@@ -146,7 +146,7 @@ func (inv *invocation) parse() ([]string, error) {
 			return nil, errHelp
 		}
 		if err != nil {
-			return nil, inv.usageErrorf("%v", err)
+			return nil, usageErrorf("%v", err)
 		}
 		rest := f.Args()
 		consumed := len(args) - len(rest)
@@ -161,10 +161,10 @@ func (inv *invocation) parse() ([]string, error) {
 		args = rest[1:]
 	}
 	if err := inv.globals.validate(); err != nil {
-		return nil, inv.usageErrorf("%v", err)
+		return nil, usageErrorf("%v", err)
 	}
 	if len(positional) > 0 && !inv.cmd.positional {
-		return nil, inv.usageErrorf("%s takes no arguments, got %q", inv.path, positional)
+		return nil, usageErrorf("%s takes no arguments, got %q", inv.path, positional)
 	}
 	return positional, nil
 }
@@ -197,13 +197,13 @@ func (f *flagSet) usage(w io.Writer) {
 
 // aggregateFlag parses an -aggregate flag, TYPE/ID; empty means every
 // aggregate.
-func (inv *invocation) aggregateFlag(s string) (typ, id string, err error) {
+func aggregateFlag(s string) (typ, id string, err error) {
 	if s == "" {
 		return "", "", nil
 	}
 	typ, id, ok := parseAggregate(s)
 	if !ok {
-		return "", "", inv.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", s)
+		return "", "", usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", s)
 	}
 	return typ, id, nil
 }

@@ -73,15 +73,15 @@ func (hf *heldFlags) parse() (admin.HeldFilter, error) {
 	switch f.Kind {
 	case "", admin.HeldRelayDeadLetter, admin.HeldDeadLetter, admin.HeldLate:
 	default:
-		return f, inv.usageErrorf("-kind %q: want relay_dead_letter, dead_letter or late", f.Kind)
+		return f, usageErrorf("-kind %q: want relay_dead_letter, dead_letter or late", f.Kind)
 	}
-	if f.AggregateType, f.AggregateID, err = inv.aggregateFlag(*hf.aggregate); err != nil {
+	if f.AggregateType, f.AggregateID, err = aggregateFlag(*hf.aggregate); err != nil {
 		return f, err
 	}
 	for _, p := range pos {
 		id, err := strconv.ParseInt(p, 10, 64)
 		if err != nil || id < 1 {
-			return f, inv.usageErrorf("%q is not a held event id (a positive number from eventline held list)", p)
+			return f, usageErrorf("%q is not a held event id (a positive number from eventline held list)", p)
 		}
 		f.IDs = append(f.IDs, id)
 	}
@@ -90,11 +90,11 @@ func (hf *heldFlags) parse() (admin.HeldFilter, error) {
 	switch all := hf.all != nil && *hf.all; {
 	case hf.all == nil:
 	case all && len(pos) > 0:
-		return f, inv.usageErrorf("give held event ids or -all, not both")
+		return f, usageErrorf("give held event ids or -all, not both")
 	case !all && len(pos) == 0:
-		return f, inv.usageErrorf("give the ids of the held events (see eventline held list), or -all with -kind, -group or -aggregate")
+		return f, usageErrorf("give the ids of the held events (see eventline held list), or -all with -kind, -group or -aggregate")
 	case all && f.Kind == "" && f.Group == "" && f.AggregateType == "":
-		return f, inv.usageErrorf("-all needs -kind, -group or -aggregate: say which held events")
+		return f, usageErrorf("-all needs -kind, -group or -aggregate: say which held events")
 	}
 	return f, nil
 }
@@ -214,10 +214,10 @@ func heldList(ctx context.Context, inv *invocation) error {
 	}
 	var ok bool
 	if f.Statuses, ok = heldStatuses[*status]; !ok {
-		return inv.usageErrorf("-status %q: want open, held, replay_requested, replayed, discarded or all", *status)
+		return usageErrorf("-status %q: want open, held, replay_requested, replayed, discarded or all", *status)
 	}
 	if *limit < 1 {
-		return inv.usageErrorf("-limit must be at least 1, got %d", *limit)
+		return usageErrorf("-limit must be at least 1, got %d", *limit)
 	}
 	f.Limit = *limit
 	pool, err := inv.pool(ctx)
@@ -340,7 +340,7 @@ func heldDiscard(ctx context.Context, inv *invocation) error {
 		return err
 	}
 	if strings.TrimSpace(*reason) == "" {
-		return inv.usageErrorf("-reason is required: say why these events are given up (it is kept with them)")
+		return usageErrorf("-reason is required: say why these events are given up (it is kept with them)")
 	}
 	pool, err := inv.pool(ctx)
 	if err != nil {

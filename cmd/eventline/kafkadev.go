@@ -34,15 +34,15 @@ func runKafkaDev(ctx context.Context, inv *invocation) error {
 		return err
 	}
 	if *port < 0 || *port > 65535 {
-		return inv.usageErrorf("-port must be between 0 and 65535, got %d", *port)
+		return usageErrorf("-port must be between 0 and 65535, got %d", *port)
 	}
 	if *partitions < 1 || *partitions > 10000 {
-		return inv.usageErrorf("-partitions must be between 1 and 10000, got %d", *partitions)
+		return usageErrorf("-partitions must be between 1 and 10000, got %d", *partitions)
 	}
 	seed := kafkaconf.ParseBrokers(*topics) // same comma-separated shape
 	for _, t := range seed {
 		if err := eventline.ValidateTopic(t); err != nil {
-			return inv.usageErrorf("-topics: %v", err)
+			return usageErrorf("-topics: %v", err)
 		}
 	}
 	opts := []kfake.Opt{kfake.DefaultNumPartitions(*partitions)}

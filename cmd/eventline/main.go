@@ -32,7 +32,7 @@ func main() {
 		<-ctx.Done()
 		stop()
 	}()
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	code := runWithEnv(ctx, os.Args[1:], os.Stdout, os.Stderr, os.Getenv)
 	stop()
 	os.Exit(code)
 }
@@ -44,13 +44,8 @@ const (
 	exitUsage   = 2
 )
 
-// run executes one eventline invocation with the process environment and
-// returns its exit code. Tests call it in-process.
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	return runWithEnv(ctx, args, stdout, stderr, os.Getenv)
-}
-
-// runWithEnv is run with the environment lookup injected.
+// runWithEnv executes one eventline invocation, with getenv for the
+// environment, and returns its exit code. Tests call it in-process.
 func runWithEnv(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
 	inv := &invocation{stdout: stdout, stderr: stderr, getenv: getenv, globals: globalsFromEnv(getenv)}
 	return inv.exitCode(inv.main(ctx, args))
@@ -82,16 +77,13 @@ type invocation struct {
 var errHelp = errors.New("help requested")
 
 // usageError is a mistake in the command line: the exit code is 2.
-type usageError struct {
-	path string // command path, e.g. "held replay"; empty for the top level
-	msg  string
-}
+type usageError struct{ msg string }
 
 func (e *usageError) Error() string { return e.msg }
 
-// usageErrorf returns a usage error for the command being run.
-func (inv *invocation) usageErrorf(format string, args ...any) error {
-	return &usageError{path: inv.path, msg: fmt.Sprintf(format, args...)}
+// usageErrorf returns a usage error; main names the command it is about.
+func usageErrorf(format string, args ...any) error {
+	return &usageError{msg: fmt.Sprintf(format, args...)}
 }
 
 // main parses the global flags, then runs the named command.
@@ -104,11 +96,11 @@ func (inv *invocation) main(ctx context.Context, args []string) error {
 		inv.printMainUsage(inv.stdout)
 		return errHelp
 	case err != nil:
-		return inv.usageErrorf("%v", err)
+		return usageErrorf("%v", err)
 	}
 	args = fs.Args()
 	if len(args) == 0 {
-		return inv.usageErrorf("no command given; the commands are: %s", strings.Join(names(commands), ", "))
+		return usageErrorf("no command given; the commands are: %s", strings.Join(names(commands), ", "))
 	}
 	name, rest := args[0], args[1:]
 	if name == "help" { // eventline help [command [subcommand]]
@@ -120,7 +112,7 @@ func (inv *invocation) main(ctx context.Context, args []string) error {
 	}
 	cmd := find(commands, name)
 	if cmd == nil {
-		return inv.usageErrorf("unknown command %q; the commands are: %s", name, strings.Join(names(commands), ", "))
+		return usageErrorf("unknown command %q; the commands are: %s", name, strings.Join(names(commands), ", "))
 	}
 	return inv.runCommand(ctx, cmd, cmd.name, rest)
 }
@@ -148,30 +140,21 @@ func (inv *invocation) printMainUsage(w io.Writer) {
 // exitCode reports err on stderr and maps it to an exit code: a command's
 // own when the error has an ExitCode method, else 1 (2 for usage errors).
 func (inv *invocation) exitCode(err error) int {
+	if err == nil || errors.Is(err, errHelp) {
+		return exitOK
+	}
+	path := strings.TrimSpace("eventline " + inv.path)
+	fmt.Fprintf(inv.stderr, "%s: %v\n", path, err)
 	var ue *usageError
 	var coded interface{ ExitCode() int }
 	switch {
-	case err == nil, errors.Is(err, errHelp):
-		return exitOK
 	case errors.As(err, &ue):
-		path := "eventline"
-		if ue.path != "" {
-			path += " " + ue.path
-		}
-		fmt.Fprintf(inv.stderr, "%s: %s\n", path, ue.msg)
 		fmt.Fprintf(inv.stderr, "Run '%s -h' for usage.\n", path)
 		return exitUsage
-	default:
-		path := "eventline"
-		if inv.path != "" {
-			path += " " + inv.path
-		}
-		fmt.Fprintf(inv.stderr, "%s: %v\n", path, err)
-		if errors.As(err, &coded) {
-			return coded.ExitCode()
-		}
-		return exitFailure
+	case errors.As(err, &coded):
+		return coded.ExitCode()
 	}
+	return exitFailure
 }
 
 // newLogger builds the logger the global -log-level and -log-format flags

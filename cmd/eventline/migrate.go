@@ -25,7 +25,7 @@ func migrateUp(ctx context.Context, inv *invocation) error {
 		return err
 	}
 	if *shards < 0 || *shards > outbox.MaxShards {
-		return inv.usageErrorf("-shards must be between 1 and %d (or 0 for the default), got %d", outbox.MaxShards, *shards)
+		return usageErrorf("-shards must be between 1 and %d (or 0 for the default), got %d", outbox.MaxShards, *shards)
 	}
 	pool, cfg, before, err := inv.migrationStatus(ctx)
 	if err != nil {
@@ -88,9 +88,9 @@ func migrateDown(ctx context.Context, inv *invocation) error {
 	}
 	switch {
 	case *all && fs.isSet("steps"):
-		return inv.usageErrorf("give -steps or -all, not both")
+		return usageErrorf("give -steps or -all, not both")
 	case *steps < 1:
-		return inv.usageErrorf("-steps must be at least 1, got %d (use -all to roll back everything)", *steps)
+		return usageErrorf("-steps must be at least 1, got %d (use -all to roll back everything)", *steps)
 	}
 	pool, cfg, st, err := inv.migrationStatus(ctx)
 	if err != nil {

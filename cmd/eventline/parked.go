@@ -74,7 +74,7 @@ func parkedList(ctx context.Context, inv *invocation) error {
 	}
 	if *outboxSchema != "" {
 		if err := sqlident.Validate("-outbox-schema", *outboxSchema); err != nil {
-			return inv.usageErrorf("%v", err)
+			return usageErrorf("%v", err)
 		}
 	}
 	filter := store.ParkedFilter{Group: *lf.group, AggregateType: lf.aggregateType, AggregateID: lf.aggregateID, Limit: *lf.limit}
@@ -229,15 +229,15 @@ func parkedRelease(ctx context.Context, inv *invocation) error {
 		return err
 	}
 	if len(pos) != 2 {
-		return inv.usageErrorf("want exactly two arguments, <group> <aggregate_type>/<aggregate_id>, got %d", len(pos))
+		return usageErrorf("want exactly two arguments, <group> <aggregate_type>/<aggregate_id>, got %d", len(pos))
 	}
 	group := pos[0]
 	typ, id, ok := parseAggregate(pos[1])
 	if !ok {
-		return inv.usageErrorf("%q is not <aggregate_type>/<aggregate_id>, e.g. order/42", pos[1])
+		return usageErrorf("%q is not <aggregate_type>/<aggregate_id>, e.g. order/42", pos[1])
 	}
 	if strings.TrimSpace(*reason) == "" {
-		return inv.usageErrorf("-reason is required: say why the missing versions will never arrive (it is kept in skipped_versions)")
+		return usageErrorf("-reason is required: say why the missing versions will never arrive (it is kept in skipped_versions)")
 	}
 	st, pool, err := inv.versioning(ctx)
 	if err != nil {
@@ -352,11 +352,11 @@ func (lf *listFlags) parse() error {
 		return err
 	}
 	if len(pos) > 0 {
-		return inv.usageErrorf("%s takes no arguments, got %q (filter with -group and -aggregate)", inv.path, pos)
+		return usageErrorf("%s takes no arguments, got %q (filter with -group and -aggregate)", inv.path, pos)
 	}
 	if *lf.limit < 1 {
-		return inv.usageErrorf("-limit must be at least 1, got %d", *lf.limit)
+		return usageErrorf("-limit must be at least 1, got %d", *lf.limit)
 	}
-	lf.aggregateType, lf.aggregateID, err = inv.aggregateFlag(*lf.aggregate)
+	lf.aggregateType, lf.aggregateID, err = aggregateFlag(*lf.aggregate)
 	return err
 }

@@ -80,35 +80,35 @@ func runRelay(ctx context.Context, inv *invocation) error {
 	}
 	switch {
 	case cfg.BatchSize < 1:
-		return inv.usageErrorf("-batch-size must be at least 1, got %d", cfg.BatchSize)
+		return usageErrorf("-batch-size must be at least 1, got %d", cfg.BatchSize)
 	case cfg.PollInterval <= 0:
-		return inv.usageErrorf("-poll-interval must be positive, got %s", cfg.PollInterval)
+		return usageErrorf("-poll-interval must be positive, got %s", cfg.PollInterval)
 	case cfg.MaxPublishRate < 0:
-		return inv.usageErrorf("-max-publish-rate must not be negative (0 means no cap), got %g", cfg.MaxPublishRate)
+		return usageErrorf("-max-publish-rate must not be negative (0 means no cap), got %g", cfg.MaxPublishRate)
 	case cfg.RebalanceInterval <= 0:
-		return inv.usageErrorf("-rebalance-interval must be positive, got %s", cfg.RebalanceInterval)
+		return usageErrorf("-rebalance-interval must be positive, got %s", cfg.RebalanceInterval)
 	case cfg.Backoff.Initial <= 0:
-		return inv.usageErrorf("-backoff-initial must be positive, got %s", cfg.Backoff.Initial)
+		return usageErrorf("-backoff-initial must be positive, got %s", cfg.Backoff.Initial)
 	case !(cfg.Backoff.Multiplier >= 1):
-		return inv.usageErrorf("-backoff-multiplier must be at least 1, got %g", cfg.Backoff.Multiplier)
+		return usageErrorf("-backoff-multiplier must be at least 1, got %g", cfg.Backoff.Multiplier)
 	case cfg.Backoff.Max < cfg.Backoff.Initial:
-		return inv.usageErrorf("-backoff-max (%s) must not be below -backoff-initial (%s)", cfg.Backoff.Max, cfg.Backoff.Initial)
+		return usageErrorf("-backoff-max (%s) must not be below -backoff-initial (%s)", cfg.Backoff.Max, cfg.Backoff.Initial)
 	case cfg.MaxAttempts < 1:
-		return inv.usageErrorf("-max-attempts must be at least 1, got %d", cfg.MaxAttempts)
+		return usageErrorf("-max-attempts must be at least 1, got %d", cfg.MaxAttempts)
 	case cfg.RetentionWindow <= 0:
-		return inv.usageErrorf("-retention must be positive, got %s", cfg.RetentionWindow)
+		return usageErrorf("-retention must be positive, got %s", cfg.RetentionWindow)
 	case cfg.CleanupInterval < 0:
-		return inv.usageErrorf("-cleanup-interval must not be negative (0 disables cleanup), got %s", cfg.CleanupInterval)
+		return usageErrorf("-cleanup-interval must not be negative (0 disables cleanup), got %s", cfg.CleanupInterval)
 	case cfg.CleanupBatchSize < 1:
-		return inv.usageErrorf("-cleanup-batch must be at least 1, got %d", cfg.CleanupBatchSize)
+		return usageErrorf("-cleanup-batch must be at least 1, got %d", cfg.CleanupBatchSize)
 	}
 	switch cfg.Partitioner = producer.Partitioner(*partitioner); cfg.Partitioner {
 	case producer.PartitionerMurmur2, producer.PartitionerFNV1a:
 	default:
-		return inv.usageErrorf("-partitioner must be murmur2 or fnv1a, got %q", *partitioner)
+		return usageErrorf("-partitioner must be murmur2 or fnv1a, got %q", *partitioner)
 	}
 	if cfg.MaxMessageBytes < 1 {
-		return inv.usageErrorf("-max-message-bytes must be positive, got %d", cfg.MaxMessageBytes)
+		return usageErrorf("-max-message-bytes must be positive, got %d", cfg.MaxMessageBytes)
 	}
 	if cfg.CleanupInterval == 0 {
 		cfg.CleanupInterval = -1 // RelayConfig: negative disables
@@ -116,7 +116,7 @@ func runRelay(ctx context.Context, inv *invocation) error {
 	g := inv.globals
 	var err error
 	if cfg.Brokers, err = g.brokerList(); err != nil {
-		return inv.usageErrorf("%v", err)
+		return usageErrorf("%v", err)
 	}
 	cfg.Schema = g.schema
 	log := inv.logger()

@@ -81,7 +81,7 @@ func relayAdvanceSequences(ctx context.Context, inv *invocation) error {
 		*consumerSchema = g.schema
 	}
 	if err := sqlident.Validate("-consumer-schema", *consumerSchema); err != nil {
-		return inv.usageErrorf("%v", err)
+		return usageErrorf("%v", err)
 	}
 	pool, err := inv.pool(ctx)
 	if err != nil {

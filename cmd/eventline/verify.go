@@ -98,15 +98,15 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	}
 	switch {
 	case *maxPending <= 0 || *maxParked <= 0 || *dedupRetention <= 0:
-		return inv.usageErrorf("-max-pending, -max-parked and -dedup-retention must be positive")
+		return usageErrorf("-max-pending, -max-parked and -dedup-retention must be positive")
 	case *maxDetails < 0:
-		return inv.usageErrorf("-max-details must not be negative")
+		return usageErrorf("-max-details must not be negative")
 	case !since.t.IsZero() && !until.t.IsZero() && !since.t.Before(until.t):
-		return inv.usageErrorf("-since (%s) must be before -until (%s)", since.t.Format(time.RFC3339), until.t.Format(time.RFC3339))
+		return usageErrorf("-since (%s) must be before -until (%s)", since.t.Format(time.RFC3339), until.t.Format(time.RFC3339))
 	}
 	if *consumerSchema != "" {
 		if err := sqlident.Validate("-consumer-schema", *consumerSchema); err != nil {
-			return inv.usageErrorf("%v", err)
+			return usageErrorf("%v", err)
 		}
 	}
 	g := inv.globals
@@ -127,7 +127,7 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	if !*noKafka && g.brokers != "" {
 		var err error
 		if cfg.Brokers, err = g.brokerList(); err != nil {
-			return inv.usageErrorf("%v", err)
+			return usageErrorf("%v", err)
 		}
 	}
 
