@@ -49,9 +49,9 @@ type heldJSONTest struct {
 func TestHeld(t *testing.T) {
 	t.Parallel()
 
-	// A relay dead-letters an event whose topic does not exist; it is
-	// listed, the topic is created, and the replayed event arrives with its
-	// original id.
+	// A relay dead-letters an event whose topic does not exist; it is listed,
+	// the topic is created, and the replayed event arrives with its original
+	// id.
 	t.Run("relay dead letter through the relay", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, 2, 2)
@@ -166,8 +166,8 @@ func TestHeld(t *testing.T) {
 		require.Equal(t, "superseded", discarded[0].DiscardReason)
 	})
 
-	// `held replay` warns, naming the groups, when it re-enqueues a relay
-	// dead letter whose version a consumer group already gave up on: there the
+	// `held replay` warns, naming the groups, when it re-enqueues a relay dead
+	// letter whose version a consumer group already gave up on: there the
 	// replay arrives late and is held, not applied in order.
 	t.Run("replay warns when a group skipped the version", func(t *testing.T) {
 		t.Parallel()
@@ -191,9 +191,9 @@ func TestHeld(t *testing.T) {
 		require.Contains(t, r.stdout, "re-enqueued 2 relay dead letters", "a warning, not a refusal")
 	})
 
-	// Consumer dead letters through `held`: listed (binary payload and
-	// headers exactly), replayed per group (asked of the running consumer),
-	// discarded with a reason.
+	// Consumer dead letters through `held`: listed (binary payload and headers
+	// exactly), replayed per group (asked of the running consumer), discarded
+	// with a reason.
 	t.Run("consumer dead letters: list, replay, discard", func(t *testing.T) {
 		t.Parallel()
 		env, ctx := setup(t, 1, 0).env, context.Background()

@@ -114,9 +114,9 @@ func TestParked(t *testing.T) {
 		require.NotContains(t, out, "thing/b")
 	})
 
-	// For each parked aggregate, `parked list` says where the version it
-	// waits for is: pending in the outbox, dead-lettered by the relay or by
-	// the group, relayed to Kafka (in an outbox in another schema,
+	// For each parked aggregate, `parked list` says where the version it waits
+	// for is: pending in the outbox, dead-lettered by the relay or by the
+	// group, relayed to Kafka (in an outbox in another schema,
 	// -outbox-schema), or nowhere. Before: only the missing version numbers.
 	t.Run("list says where the missing version is", func(t *testing.T) {
 		t.Parallel()
@@ -173,9 +173,9 @@ func TestParked(t *testing.T) {
 		require.NotContains(t, ok(t, env.Schema, "parked", "list", "-locate=false"), "nowhere")
 	})
 
-	// With -brokers, a missing version the relay published is found on
-	// Kafka (partition, offset) with the group's committed offset there: not
-	// reached yet, then past it. Before: only "relayed", nothing about Kafka.
+	// With -brokers, a missing version the relay published is found on Kafka
+	// (partition, offset) with the group's committed offset there: not reached
+	// yet, then past it. Before: only "relayed", nothing about Kafka.
 	t.Run("list finds the missing version on Kafka", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, 1, 2)

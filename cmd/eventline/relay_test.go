@@ -64,10 +64,10 @@ func TestRelay(t *testing.T) {
 		require.Error(t, err, "the metrics server is shut down")
 	})
 
-	// On a producer-only schema (its consumers keep their tables in
-	// another database) the relay's metrics serve no eventline_group_*
-	// series, not a failing scrape nor a eventline_group_status_up 0 that
-	// would page for nothing.
+	// On a producer-only schema (its consumers keep their tables in another
+	// database) the relay's metrics serve no eventline_group_* series, not a
+	// failing scrape nor a eventline_group_status_up 0 that would page for
+	// nothing.
 	t.Run("metrics without consumer tables", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, 1, 0)
@@ -96,8 +96,8 @@ func TestRelay(t *testing.T) {
 	})
 
 	// Started while PostgreSQL refuses connections, it waits for it, saying
-	// so, and relays once it answers; it stops cleanly. Before, it exited 1
-	// at once: "cannot connect to PostgreSQL".
+	// so, and relays once it answers; it stops cleanly. Before, it exited 1 at
+	// once: "cannot connect to PostgreSQL".
 	t.Run("started during a database outage waits for it", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, 2, 3)
@@ -133,10 +133,10 @@ func TestRelay(t *testing.T) {
 	})
 
 	// The real main, with its signal handling, exits 0 on SIGTERM after
-	// releasing its shards, as its help says. (The cause
-	// signal.NotifyContext gives its context, "terminated signal received",
-	// is context.Canceled for errors.Is; the relay's clean-stop checks rely
-	// on that or on comparing it with the caller's cause.)
+	// releasing its shards, as its help says. (The cause signal.NotifyContext
+	// gives its context, "terminated signal received", is context.Canceled for
+	// errors.Is; the relay's clean-stop checks rely on that or on comparing it
+	// with the caller's cause.)
 	t.Run("exits zero on SIGTERM", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, 2, 3)
