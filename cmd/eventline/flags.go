@@ -1,13 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net/url"
 	"strings"
-	"time"
 
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -36,20 +36,13 @@ type globals struct {
 }
 
 func globalsFromEnv(getenv func(string) string) *globals {
-	g := &globals{
-		databaseURL: getenv(envDatabaseURL),
-		schema:      getenv(envSchema),
+	return &globals{
+		databaseURL: cmp.Or(getenv(envDatabaseURL), defaultDatabaseURL),
+		schema:      cmp.Or(getenv(envSchema), migrations.DefaultSchema),
 		brokers:     getenv(envBrokers),
 		logLevel:    "info",
 		logFormat:   "text",
 	}
-	if g.databaseURL == "" {
-		g.databaseURL = defaultDatabaseURL
-	}
-	if g.schema == "" {
-		g.schema = migrations.DefaultSchema
-	}
-	return g
 }
 
 // globalNames are the flags register defines.
@@ -166,6 +159,9 @@ func (inv *invocation) parse() ([]string, error) {
 	if len(positional) > 0 && !inv.cmd.positional {
 		return nil, usageErrorf("%s takes no arguments, got %q", inv.path, positional)
 	}
+	if inv.limit != nil && *inv.limit < 1 {
+		return nil, usageErrorf("-limit must be at least 1, got %d", *inv.limit)
+	}
 	return positional, nil
 }
 
@@ -236,16 +232,4 @@ func printFlags(w io.Writer, fs *flag.FlagSet, filter func(string) bool) {
 		}
 		fmt.Fprintf(w, "%s\n    \t%s\n", line, usage)
 	})
-}
-
-// shortDuration formats d without trailing zero units: 2m, not 2m0s.
-func shortDuration(d time.Duration) string {
-	s := d.String()
-	if strings.HasSuffix(s, "m0s") {
-		s = strings.TrimSuffix(s, "0s")
-	}
-	if strings.HasSuffix(s, "h0m") {
-		s = strings.TrimSuffix(s, "0m")
-	}
-	return s
 }

@@ -206,7 +206,7 @@ altered).`
 func heldList(ctx context.Context, inv *invocation) error {
 	hf := addHeldFlags(inv, false)
 	status := inv.fs.String("status", "open", "open, held, replay_requested, replayed, discarded or all")
-	limit := inv.fs.Int("limit", defaultHeldLimit, "most held events to list")
+	limit := inv.limitFlag(defaultHeldLimit, "most held events to list")
 	inv.jsonFlag("print JSON (with payload and headers) instead of a table")
 	f, err := hf.parse()
 	if err != nil {
@@ -215,9 +215,6 @@ func heldList(ctx context.Context, inv *invocation) error {
 	var ok bool
 	if f.Statuses, ok = heldStatuses[*status]; !ok {
 		return usageErrorf("-status %q: want open, held, replay_requested, replayed, discarded or all", *status)
-	}
-	if *limit < 1 {
-		return usageErrorf("-limit must be at least 1, got %d", *limit)
 	}
 	f.Limit = *limit
 	pool, err := inv.pool(ctx)
@@ -247,7 +244,7 @@ func heldList(ctx context.Context, inv *invocation) error {
 			row(tw, e.ID, e.Kind, orDash(e.Group), orDash(truncate(e.EventID, 40)), orDash(truncate(e.EventType, 30)),
 				truncate(aggregate(e.AggregateType, e.AggregateID), 40), version, e.Cause, e.Status, timestamp(e.HeldAt), e.Attempts, truncate(reason, 60))
 		}
-		return flushLimited(w, tw, len(list), *limit)
+		return inv.flushLimited(w, tw, len(list))
 	})
 }
 

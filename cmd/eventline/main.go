@@ -63,8 +63,10 @@ type invocation struct {
 	cmd  *command
 	fs   *flagSet
 	args []string
-	// asJSON is the -json flag of a command that has one (jsonFlag).
+	// asJSON and limit are the -json and -limit flags of a command that
+	// has them (jsonFlag, limitFlag).
 	asJSON *bool
+	limit  *int
 	// pools are the connection pools the command opened, closed when it
 	// returns.
 	pools []*pgxpool.Pool

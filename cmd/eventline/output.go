@@ -14,13 +14,20 @@ func newTable(w io.Writer) *tabwriter.Writer {
 	return tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 }
 
-// flushLimited flushes a table of n rows listed with -limit limit, and says
-// when the limit may have cut it short.
-func flushLimited(w io.Writer, tw *tabwriter.Writer, n, limit int) error {
-	if err := tw.Flush(); err != nil || n < limit {
+// limitFlag defines the command's -limit flag, the most rows it lists;
+// parse checks it is at least 1.
+func (inv *invocation) limitFlag(def int, usage string) *int {
+	inv.limit = inv.fs.Int("limit", def, usage)
+	return inv.limit
+}
+
+// flushLimited flushes a table of n rows listed with -limit, and says when
+// the limit may have cut it short.
+func (inv *invocation) flushLimited(w io.Writer, tw *tabwriter.Writer, n int) error {
+	if err := tw.Flush(); err != nil || n < *inv.limit {
 		return err
 	}
-	_, err := fmt.Fprintf(w, "(first %d shown; raise -limit for more)\n", limit)
+	_, err := fmt.Fprintf(w, "(first %d shown; raise -limit for more)\n", *inv.limit)
 	return err
 }
 
@@ -53,6 +60,18 @@ func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+// shortDuration formats d without trailing zero units: 2m, not 2m0s.
+func shortDuration(d time.Duration) string {
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = strings.TrimSuffix(s, "0s")
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = strings.TrimSuffix(s, "0m")
+	}
+	return s
 }
 
 // age formats a duration for people: 0s, 42s, 3m12s, 5h4m, 2d3h.

@@ -145,7 +145,7 @@ func parkedList(ctx context.Context, inv *invocation) error {
 			row(tw, p.Group, aggregate(p.AggregateType, p.AggregateID), p.Version, current[p.Key()], p.EventID, p.EventType,
 				age(now.Sub(p.ParkedAt)), p.ReleaseAttempts, orDash(truncate(p.LastError, 50)))
 		}
-		if err := flushLimited(out, tw, len(parked), *lf.limit); err != nil {
+		if err := inv.flushLimited(out, tw, len(parked)); err != nil {
 			return err
 		}
 		fmt.Fprintln(out)
@@ -340,7 +340,7 @@ func addListFlags(inv *invocation, limitHelp, jsonHelp string) *listFlags {
 		inv:       inv,
 		group:     fs.String("group", "", "only this consumer group (default all groups)"),
 		aggregate: fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)"),
-		limit:     fs.Int("limit", store.DefaultListLimit, limitHelp),
+		limit:     inv.limitFlag(store.DefaultListLimit, limitHelp),
 	}
 }
 
@@ -353,9 +353,6 @@ func (lf *listFlags) parse() error {
 	}
 	if len(pos) > 0 {
 		return usageErrorf("%s takes no arguments, got %q (filter with -group and -aggregate)", inv.path, pos)
-	}
-	if *lf.limit < 1 {
-		return usageErrorf("-limit must be at least 1, got %d", *lf.limit)
 	}
 	lf.aggregateType, lf.aggregateID, err = aggregateFlag(*lf.aggregate)
 	return err
