@@ -2,9 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"maps"
-	"slices"
 	"strings"
 	"time"
 
@@ -73,16 +72,22 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 
 func runVerify(ctx context.Context, inv *invocation) error {
 	fs := inv.fs
-	since := &timeFlag{}
-	until := &timeFlag{}
-	fs.Var(since, "since", "check what happened from `T` on: a duration ago (24h) or an RFC 3339 time (default: all retained data)")
-	fs.Var(until, "until", "check what happened before `T`: a duration ago or an RFC 3339 time (default: now)")
-	var groups listFlag
-	fs.Var(&groups, "group", "check only consumer group `G` (repeatable; default every group found)")
-	groupTopics := mapFlag{name: "group-topics"}
-	fs.Var(&groupTopics, "group-topics", "`G=T1,T2`: the Kafka topics group G consumes (repeatable; default: its Kafka consumer group's\ncommitted offsets, else the topics of the events it has records of)")
-	effects := mapFlag{name: "effects-query"}
-	fs.Var(&effects, "effects-query", "`G=SQL`: a query over group G's own effects returning event_id[, ordering column] (repeatable)")
+	var since, until time.Time
+	fs.Func("since", "check what happened from `T` on: a duration ago (24h) or an RFC 3339 time (default: all retained data)", timeFlag(&since))
+	fs.Func("until", "check what happened before `T`: a duration ago or an RFC 3339 time (default: now)", timeFlag(&until))
+	var groups []string
+	fs.Func("group", "check only consumer group `G` (repeatable; default every group found)", func(s string) error {
+		if s == "" {
+			return errors.New("empty value")
+		}
+		groups = append(groups, s)
+		return nil
+	})
+	groupTopics, effects := map[string][]string{}, map[string]string{}
+	fs.Func("group-topics", "`G=T1,T2`: the Kafka topics group G consumes (repeatable; default: its Kafka consumer group's\ncommitted offsets, else the topics of the events it has records of)",
+		perGroupFlag(groupTopics, kafkaconf.ParseBrokers)) // a comma-separated list
+	fs.Func("effects-query", "`G=SQL`: a query over group G's own effects returning event_id[, ordering column] (repeatable)",
+		perGroupFlag(effects, func(sql string) string { return sql }))
 	consumerURL := inv.getenv(envConsumerDatabaseURL)
 	fs.Var(&secretURL{&consumerURL}, "consumer-database-url", "`URL` of the database holding the consumer tables, when not -database-url (env "+envConsumerDatabaseURL+")")
 	consumerSchema := fs.String("consumer-schema", "", "schema of the consumer tables (default -schema)")
@@ -101,8 +106,8 @@ func runVerify(ctx context.Context, inv *invocation) error {
 		return usageErrorf("-max-pending, -max-parked and -dedup-retention must be positive")
 	case *maxDetails < 0:
 		return usageErrorf("-max-details must not be negative")
-	case !since.t.IsZero() && !until.t.IsZero() && !since.t.Before(until.t):
-		return usageErrorf("-since (%s) must be before -until (%s)", since.t.Format(time.RFC3339), until.t.Format(time.RFC3339))
+	case !since.IsZero() && !until.IsZero() && !since.Before(until):
+		return usageErrorf("-since (%s) must be before -until (%s)", since.Format(time.RFC3339), until.Format(time.RFC3339))
 	}
 	if *consumerSchema != "" {
 		if err := sqlident.Validate("-consumer-schema", *consumerSchema); err != nil {
@@ -111,18 +116,12 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	}
 	g := inv.globals
 	cfg := verify.Config{
-		Schema: g.schema, ConsumerSchema: *consumerSchema, Since: since.t, Until: until.t, Groups: groups,
-		EffectsQueries: effects.m, MaxPendingAge: *maxPending, MaxParkedAge: *maxParked, DedupRetention: *dedupRetention,
+		Schema: g.schema, ConsumerSchema: *consumerSchema, Since: since, Until: until, Groups: groups,
+		GroupTopics: groupTopics, EffectsQueries: effects, MaxPendingAge: *maxPending, MaxParkedAge: *maxParked, DedupRetention: *dedupRetention,
 		MaxDetails: *maxDetails, Logger: inv.logger(),
 	}
 	if *maxDetails == 0 {
 		cfg.MaxDetails = verify.NoDetails
-	}
-	if len(groupTopics.m) > 0 {
-		cfg.GroupTopics = map[string][]string{}
-		for grp, v := range groupTopics.m {
-			cfg.GroupTopics[grp] = kafkaconf.ParseBrokers(v) // a comma-separated list
-		}
 	}
 	if !*noKafka && g.brokers != "" {
 		var err error
@@ -156,80 +155,40 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	return nil
 }
 
-// timeFlag is a point in time given as a duration ago or an RFC 3339 time.
-type timeFlag struct{ t time.Time }
-
-func (f *timeFlag) Set(s string) error {
-	if d, err := time.ParseDuration(s); err == nil {
-		if d < 0 {
-			return fmt.Errorf("%s is negative: give how long ago, like 24h", s)
-		}
-		f.t = time.Now().Add(-d)
-		return nil
-	}
-	for _, layout := range []string{time.RFC3339Nano, "2006-01-02T15:04:05", "2006-01-02"} {
-		if t, err := time.Parse(layout, s); err == nil {
-			f.t = t
+// timeFlag returns a flag.Func that reads a point in time into t: a
+// duration ago (24h) or an RFC 3339 time.
+func timeFlag(t *time.Time) func(string) error {
+	return func(s string) error {
+		if d, err := time.ParseDuration(s); err == nil {
+			if d < 0 {
+				return fmt.Errorf("%s is negative: give how long ago, like 24h", s)
+			}
+			*t = time.Now().Add(-d)
 			return nil
 		}
+		for _, layout := range []string{time.RFC3339Nano, "2006-01-02T15:04:05", "2006-01-02"} {
+			if pt, err := time.Parse(layout, s); err == nil {
+				*t = pt
+				return nil
+			}
+		}
+		return fmt.Errorf("%q is neither a duration ago (24h, 90m) nor an RFC 3339 time (2006-01-02T15:04:05Z)", s)
 	}
-	return fmt.Errorf("%q is neither a duration ago (24h, 90m) nor an RFC 3339 time (2006-01-02T15:04:05Z)", s)
 }
 
-func (f *timeFlag) String() string {
-	if f == nil || f.t.IsZero() {
-		return ""
+// perGroupFlag returns a flag.Func that reads a repeatable GROUP=VALUE flag
+// into m, each group once, the value through parse.
+func perGroupFlag[V any](m map[string]V, parse func(string) V) func(string) error {
+	return func(s string) error {
+		k, v, ok := strings.Cut(s, "=")
+		k, v = strings.TrimSpace(k), strings.TrimSpace(v)
+		if !ok || k == "" || v == "" {
+			return fmt.Errorf("want GROUP=VALUE, got %q", s)
+		}
+		if _, dup := m[k]; dup {
+			return fmt.Errorf("group %q given twice", k)
+		}
+		m[k] = parse(v)
+		return nil
 	}
-	return f.t.Format(time.RFC3339)
-}
-
-// listFlag is a repeatable string flag.
-type listFlag []string
-
-func (l *listFlag) Set(s string) error {
-	if s == "" {
-		return fmt.Errorf("empty value")
-	}
-	*l = append(*l, s)
-	return nil
-}
-
-func (l *listFlag) String() string {
-	if l == nil {
-		return ""
-	}
-	return strings.Join(*l, ",")
-}
-
-// mapFlag is a repeatable KEY=VALUE flag.
-type mapFlag struct {
-	name string
-	m    map[string]string
-}
-
-func (f *mapFlag) Set(s string) error {
-	k, v, ok := strings.Cut(s, "=")
-	k, v = strings.TrimSpace(k), strings.TrimSpace(v)
-	if !ok || k == "" || v == "" {
-		return fmt.Errorf("want GROUP=VALUE, got %q", s)
-	}
-	if f.m == nil {
-		f.m = map[string]string{}
-	}
-	if _, dup := f.m[k]; dup {
-		return fmt.Errorf("group %q given twice", k)
-	}
-	f.m[k] = v
-	return nil
-}
-
-func (f *mapFlag) String() string {
-	if f == nil || len(f.m) == 0 {
-		return ""
-	}
-	var parts []string
-	for _, k := range slices.Sorted(maps.Keys(f.m)) {
-		parts = append(parts, k+"=…")
-	}
-	return strings.Join(parts, " ")
 }
