@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 )
@@ -29,6 +27,14 @@ is held for you (unless its consumer applies late events at once), with the
 parked events that cannot be applied within the release-attempt limit. See
 eventline held list -kind late, then held replay (applied late, the handler
 told) or held discard.`
+
+// parkedAggregate is an aggregate with parked events: its current (last
+// applied) version, and the predecessor its lowest parked event waits for.
+// Versions current+1..follows are missing when follows > current.
+type parkedAggregate struct {
+	key              store.Key
+	current, follows int64
+}
 
 // parkedJSON is one parked event in `parked list -json`.
 type parkedJSON struct {
@@ -86,10 +92,12 @@ func parkedList(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
+	// Each listed aggregate once, in list order, with its current version.
+	// Its first parked event is its lowest: the one that waits.
+	var aggs []parkedAggregate
 	current := map[store.Key]int64{}
-	var keys []store.Key // in list order, each once
 	for _, p := range parked {
-		if _, ok := current[p.Key()]; ok {
+		if _, seen := current[p.Key()]; seen {
 			continue
 		}
 		v, err := st.Current(ctx, pool, p.Key())
@@ -97,23 +105,12 @@ func parkedList(ctx context.Context, inv *invocation) error {
 			return err
 		}
 		current[p.Key()] = v
-		keys = append(keys, p.Key())
+		aggs = append(aggs, parkedAggregate{key: p.Key(), current: v, follows: p.PreviousVersion})
 	}
-	where := map[store.Key]versionWhere{}
+	var where map[store.Key]versionWhere
 	if *locate {
-		want := map[store.Key]int64{}
-		for _, k := range keys {
-			if follows := followsOf(parked, k); follows > current[k] {
-				want[k] = current[k] + 1
-			}
-		}
-		if where, err = inv.locateIn(ctx, pool, *outboxURL, *outboxSchema, want); err != nil {
+		if where, err = inv.whereMissing(ctx, pool, aggs, *outboxURL, *outboxSchema); err != nil {
 			return err
-		}
-		if brokers := kafkaconf.ParseBrokers(inv.globals.brokers); len(brokers) > 0 {
-			if err := locateOnKafka(ctx, brokers, where); err != nil {
-				return err
-			}
 		}
 	}
 	toJSON := func(p store.Parked) parkedJSON {
@@ -149,8 +146,8 @@ func parkedList(ctx context.Context, inv *invocation) error {
 			return err
 		}
 		fmt.Fprintln(out)
-		for _, k := range keys {
-			follows, cur := followsOf(parked, k), current[k]
+		for _, a := range aggs {
+			k, cur, follows := a.key, a.current, a.follows
 			name := aggregate(k.AggregateType, k.AggregateID)
 			if follows <= cur {
 				fmt.Fprintf(out, "%s %s: at version %d, nothing missing; the consumer's sweeper applies the parked events\n", k.Group, name, cur)
@@ -164,33 +161,6 @@ func parkedList(ctx context.Context, inv *invocation) error {
 		}
 		return nil
 	})
-}
-
-// followsOf is the predecessor the lowest listed parked event of k waits
-// for (parked is in version order per aggregate).
-func followsOf(parked []store.Parked, k store.Key) int64 {
-	for _, p := range parked {
-		if p.Key() == k {
-			return p.PreviousVersion
-		}
-	}
-	return 0
-}
-
-// locateIn runs locateMissing against the consumer's pool and the outbox
-// at outboxURL (default: the same pool) in outboxSchema (default -schema).
-func (inv *invocation) locateIn(ctx context.Context, pool *pgxpool.Pool, outboxURL, outboxSchema string, want map[store.Key]int64) (map[store.Key]versionWhere, error) {
-	schema := inv.globals.schema
-	ob := outboxTarget{db: pool, schema: cmp.Or(outboxSchema, schema)}
-	if outboxURL != "" && len(want) > 0 {
-		db := database{url: outboxURL, what: "the outbox database", flag: "-outbox-database-url"}
-		opool, err := inv.openPool(ctx, db, 2)
-		if err != nil {
-			return nil, err
-		}
-		ob.db = opool
-	}
-	return locateMissing(ctx, pool, schema, ob, want)
 }
 
 // versionRange formats from..to, or a single version.

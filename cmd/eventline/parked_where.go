@@ -1,14 +1,17 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Where a missing version is, as `parked list` reports it (the location
@@ -56,6 +59,37 @@ type aggVersion struct {
 type outboxTarget struct {
 	db     store.DBTX
 	schema string
+}
+
+// whereMissing finds where the next missing version of each of aggs is:
+// in the consumer's database (pool, -schema), the outbox at outboxURL
+// (default: the same database) in outboxSchema (default -schema), and, with
+// -brokers, on Kafka.
+func (inv *invocation) whereMissing(ctx context.Context, pool *pgxpool.Pool, aggs []parkedAggregate, outboxURL, outboxSchema string) (map[store.Key]versionWhere, error) {
+	want := map[store.Key]int64{}
+	for _, a := range aggs {
+		if a.follows > a.current {
+			want[a.key] = a.current + 1
+		}
+	}
+	schema := inv.globals.schema
+	ob := outboxTarget{db: pool, schema: cmp.Or(outboxSchema, schema)}
+	if outboxURL != "" && len(want) > 0 {
+		db := database{url: outboxURL, what: "the outbox database", flag: "-outbox-database-url"}
+		opool, err := inv.openPool(ctx, db, 2)
+		if err != nil {
+			return nil, err
+		}
+		ob.db = opool
+	}
+	where, err := locateMissing(ctx, pool, schema, ob, want)
+	if err != nil {
+		return nil, err
+	}
+	if brokers := kafkaconf.ParseBrokers(inv.globals.brokers); len(brokers) > 0 {
+		err = locateOnKafka(ctx, brokers, where)
+	}
+	return where, err
 }
 
 // locateMissing finds, for each key's next missing version, where it is:
