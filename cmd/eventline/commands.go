@@ -7,11 +7,14 @@ import (
 )
 
 // commands is the CLI: every command and subcommand, in the order
-// `eventline -h` lists them. Each run function parses its flags with
-// inv.parse, writes results to inv.stdout and diagnostics to inv.stderr or
-// inv.logger, and returns a usage error (inv.usageErrorf, exit code 2) for
-// bad arguments or any other error for a failure (exit code 1); main
-// prints it.
+// `eventline -h` lists them; the help text of each (cleanupHelp, ...) is in
+// its file, next to its run function. A run function defines its flags on
+// inv.fs (inv.jsonFlag and inv.limitFlag for -json and -limit), parses them
+// with inv.parse, connects with inv.pool (closed when it returns), prints
+// its result with inv.output or to inv.stdout and diagnostics to
+// inv.stderr or inv.logger(), and returns usageErrorf(...) for bad
+// arguments (exit code 2) or any other error for a failure (exit code 1,
+// or the error's ExitCode()); main prints it.
 var commands = []*command{
 	{name: "cleanup", summary: "Delete relayed outbox rows and old dedup records past retention",
 		usage: "[-only outbox|dedup] [-retention D] [-dedup-retention D] [-group G] [-batch N] [-dry-run]", help: cleanupHelp, run: runCleanup},

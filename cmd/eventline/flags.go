@@ -174,7 +174,7 @@ func (f *flagSet) isSet(name string) bool {
 
 // usage prints the command's help and flags.
 func (f *flagSet) usage(w io.Writer) {
-	fmt.Fprintf(w, "Usage: eventline %s %s\n", f.inv.path, f.inv.cmd.usage)
+	fmt.Fprintln(w, strings.TrimSpace("Usage: eventline "+f.inv.path+" "+f.inv.cmd.usage))
 	if help := strings.TrimSpace(f.inv.cmd.help); help != "" {
 		fmt.Fprintln(w)
 		fmt.Fprintln(w, help)
