@@ -16,8 +16,8 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/childproc"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -114,15 +114,15 @@ type testBundle struct {
 }
 
 // setup returns a schema with shards outbox shards and, when partitions is
-// above 0, a topic of that many partitions.
+// above 0, an "orders" topic of that many partitions (relaytest.Setup).
 func setup(t *testing.T, shards int, partitions int32) testBundle {
 	t.Helper()
-	b := testBundle{env: pgtest.New(t, pgtest.Options{Shards: shards})}
-	if partitions > 0 {
-		b.brokers = kafkatest.Brokers(t)
-		b.topic = kafkatest.Topic(t, "orders")
-		kafkatest.CreateTopic(t, b.brokers, b.topic, partitions)
+	opts := pgtest.Options{Shards: shards}
+	if partitions == 0 {
+		return testBundle{env: pgtest.New(t, opts)}
 	}
+	var b testBundle
+	b.env, b.brokers, b.topic = relaytest.Setup(t, opts, partitions)
 	return b
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
@@ -144,11 +145,8 @@ func TestVerify(t *testing.T) {
 	t.Run("a clean pipeline exits 0", func(t *testing.T) {
 		t.Parallel()
 		ctx := context.Background()
-		env := pgtest.New(t, pgtest.Options{Shards: 2, MaxConns: 16})
-		brokers := kafkatest.Brokers(t)
-		topic := kafkatest.Topic(t, "orders")
+		env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2, MaxConns: 16}, 3)
 		group := kafkatest.Topic(t, "billing")
-		kafkatest.CreateTopic(t, brokers, topic, 3)
 		invoices := sqlident.Qualify(env.Schema, "invoices")
 		orders := sqlident.Qualify(env.Schema, "orders")
 		for _, ddl := range []string{
