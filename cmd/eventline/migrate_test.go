@@ -16,19 +16,30 @@ import (
 	"github.com/eventline/eventline/migrations"
 )
 
-// stepsFrom returns how many migrations `migrate down -steps` must roll
-// back to undo version and every later one.
-func stepsFrom(t testing.TB, version int) int {
+// laterMigrations returns the migrations numbered version or later,
+// newest first: what `migrate down` rolls back to undo version.
+func laterMigrations(t testing.TB, version int) []migrations.Migration {
 	t.Helper()
 	all, err := migrations.All()
 	require.NoError(t, err)
-	n := 0
-	for _, m := range all {
-		if m.Version >= version {
-			n++
-		}
+	var later []migrations.Migration
+	for i := len(all) - 1; i >= 0 && all[i].Version >= version; i-- {
+		later = append(later, all[i])
 	}
-	return n
+	return later
+}
+
+// stepsFrom returns how many migrations `migrate down -steps` must roll
+// back to undo version and every later one.
+func stepsFrom(t testing.TB, version int) int { return len(laterMigrations(t, version)) }
+
+// rolledBack is `migrate down`'s output for version and every later one.
+func rolledBack(t testing.TB, version int) string {
+	var b strings.Builder
+	for _, m := range laterMigrations(t, version) {
+		fmt.Fprintf(&b, "rolled back %03d_%s\n", m.Version, m.Name)
+	}
+	return b.String()
 }
 
 // versionOf returns the number of the migration called name.
@@ -43,20 +54,6 @@ func versionOf(t testing.TB, name string) int {
 	}
 	t.Fatalf("no migration named %q", name)
 	return 0
-}
-
-// rolledBack is `migrate down`'s output for version and every later one.
-func rolledBack(t testing.TB, version int) string {
-	t.Helper()
-	all, err := migrations.All()
-	require.NoError(t, err)
-	var b strings.Builder
-	for i := len(all) - 1; i >= 0; i-- {
-		if all[i].Version >= version {
-			fmt.Fprintf(&b, "rolled back %03d_%s\n", all[i].Version, all[i].Name)
-		}
-	}
-	return b.String()
 }
 
 func TestMigrate(t *testing.T) {
