@@ -2,18 +2,18 @@ package main
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
+	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -203,28 +203,13 @@ func TestParked(t *testing.T) {
 		parkGap(t, env, "billing", "k", 1, 3)
 		parkGap(t, env, "billing", "gone", 1, 3)
 
-		cfg := kafkaconf.Producer("parked-test")
-		cfg.Producer.Idempotent = false
-		cfg.Net.MaxOpenRequests = 5
-		sp, err := sarama.NewSyncProducer(brokers, cfg)
+		require.NoError(t, kafkatest.Publish(ctx, brokers, topic, events[:3]...))
+		records, err := kafkatest.ReadTopic(ctx, brokers, topic)
 		require.NoError(t, err)
-		m := kafka.NewWithPartitioningMarshaler(func(_ string, msg *message.Message) (string, error) {
-			return msg.Metadata.Get(eventline.MetaAggregateID), nil
-		})
-		var part int32
-		var offset int64
-		for _, e := range events[:3] {
-			msg, err := eventline.Encode(e)
-			require.NoError(t, err)
-			pm, err := m.Marshal(topic, msg)
-			require.NoError(t, err)
-			pt, off, err := sp.SendMessage(pm)
-			require.NoError(t, err)
-			if e.AggregateVersion == 2 {
-				part, offset = pt, off
-			}
-		}
-		require.NoError(t, sp.Close())
+		require.EqualValues(t, 2, events[1].AggregateVersion)
+		i := slices.IndexFunc(records, func(r kafkatest.Record) bool { return r.EventID == events[1].ID })
+		require.GreaterOrEqual(t, i, 0, "k v2 is on Kafka")
+		part, offset := records[i].Partition, records[i].Offset
 
 		type entry struct {
 			WaitingFor struct {
