@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -47,13 +48,9 @@ func versionOf(t testing.TB, name string) int {
 	t.Helper()
 	all, err := migrations.All()
 	require.NoError(t, err)
-	for _, m := range all {
-		if m.Name == name {
-			return m.Version
-		}
-	}
-	t.Fatalf("no migration named %q", name)
-	return 0
+	i := slices.IndexFunc(all, func(m migrations.Migration) bool { return m.Name == name })
+	require.GreaterOrEqual(t, i, 0, "no migration named %q", name)
+	return all[i].Version
 }
 
 func TestMigrate(t *testing.T) {
