@@ -66,8 +66,9 @@ Lists parked events by group, aggregate and version, with each aggregate's
 current (last applied) version, so the missing versions are current+1 up to
 the predecessor the lowest parked event follows. For each aggregate it says
 where the next missing version is: dead-lettered by the group or by the relay
-(eventline held), in the outbox not yet relayed, relayed, or nowhere. With -brokers, a relayed version is looked up on
-Kafka too: its partition and offset, and the group's committed offset there.`
+(eventline held), in the outbox not yet relayed, relayed, or nowhere. With
+-brokers, a relayed version is looked up on Kafka too: its partition and
+offset, and the group's committed offset there.`
 
 func parkedList(ctx context.Context, inv *invocation) error {
 	fs := inv.fs
