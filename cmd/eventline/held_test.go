@@ -261,23 +261,6 @@ func TestHeld(t *testing.T) {
 		require.Len(t, list, 2)
 		out = ok(t, env.Schema, "held", "list", "-group", "shipping")
 		require.Contains(t, out, "no held events (open)")
-
-		// Usage errors.
-		for _, tc := range []struct {
-			args []string
-			want string
-		}{
-			{[]string{"held", "replay"}, "give the ids"},
-			{[]string{"held", "replay", "-all"}, "-all needs -kind, -group or -aggregate"},
-			{[]string{"held", "replay", "-all", "-group", "g", "3"}, "not both"},
-			{[]string{"held", "replay", "x"}, `"x" is not a held event id`},
-			{[]string{"held", "list", "-status", "sleepy"}, `-status "sleepy"`},
-			{[]string{"held", "list", "-aggregate", "noslash"}, "want TYPE/ID"},
-		} {
-			r := cli(t, append(dbArgs(env.Schema), tc.args...)...)
-			require.Equal(t, exitUsage, r.code, "%v", tc.args)
-			require.Contains(t, r.stderr, tc.want)
-		}
 	})
 
 	// A late event (its version was skipped after the park timeout) is listed
