@@ -499,7 +499,7 @@ func traceParent(ctx context.Context) string {
 }
 
 func kafkaName(k *setup.Kafka) string {
-	if k.InProcess {
+	if k.InProcess() {
 		return "in-process"
 	}
 	return fmt.Sprint(k.Brokers)

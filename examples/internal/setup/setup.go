@@ -8,7 +8,6 @@ package setup
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -132,11 +131,13 @@ func Start(ctx context.Context, c Common, maxConns int32, shards int, ddl ...str
 		return nil, err
 	}
 	if e.DB, err = Pool(ctx, c.DatabaseURL, AppName(c.Schema), maxConns); err != nil {
-		return nil, errors.Join(err, e.Kafka.Close())
+		e.Kafka.Close()
+		return nil, err
 	}
 	if err := ResetSchema(ctx, e.DB, c.Schema, shards, ddl...); err != nil {
 		e.DB.Close()
-		return nil, errors.Join(err, e.Kafka.Close())
+		e.Kafka.Close()
+		return nil, err
 	}
 	return e, nil
 }
@@ -163,7 +164,8 @@ func (e *Env) Close(ctx context.Context) error {
 		err = DropSchema(context.WithoutCancel(ctx), e.DB, e.c.Schema)
 	}
 	e.DB.Close()
-	return errors.Join(err, e.Kafka.Close())
+	e.Kafka.Close()
+	return err
 }
 
 // Logger returns a text logger writing to w at level and above; nil w
