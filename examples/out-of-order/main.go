@@ -184,19 +184,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err := consumer.HandleJSON(c, eventType, applyChange(accounts, journal)); err != nil {
 		return err
 	}
-	consumerCtx, stopConsumer := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopConsumer()
-	done := make(chan error, 1)
-	go func() { done <- c.Run(consumerCtx) }()
-	stop := func() error {
-		stopConsumer()
-		return <-done
-	}
-	defer func() {
-		if consumerCtx.Err() == nil {
-			err = errors.Join(err, stop())
-		}
-	}()
+	bg := setup.NewBackground(ctx)
+	defer func() { err = errors.Join(err, bg.Stop()) }()
+	bg.Go(c.Run)
 
 	count := func(name string) int { return int(setup.Counter(reg, name, nil)) }
 	handled := func() int {
@@ -233,7 +223,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}); err != nil {
 		return err
 	}
-	if err := stop(); err != nil {
+	if err := bg.Stop(); err != nil {
 		return err
 	}
 
