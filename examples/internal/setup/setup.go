@@ -23,6 +23,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
@@ -191,34 +192,7 @@ func ParseLevel(s string) (slog.Level, error) {
 // Counter sums the samples of a counter or gauge read from g, over every
 // series whose labels include the given ones (a nil map matches all).
 func Counter(g prometheus.Gatherer, name string, labels map[string]string) float64 {
-	families, err := g.Gather()
-	if err != nil {
-		return 0
-	}
-	var sum float64
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-	series:
-		for _, m := range f.GetMetric() {
-			have := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				have[lp.GetName()] = lp.GetValue()
-			}
-			for k, v := range labels {
-				if have[k] != v {
-					continue series
-				}
-			}
-			switch {
-			case m.GetCounter() != nil:
-				sum += m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				sum += m.GetGauge().GetValue()
-			}
-		}
-	}
+	sum, _ := metrictest.Value(g, name, labels)
 	return sum
 }
 
