@@ -261,13 +261,7 @@ func (s *sim) run(ctx context.Context) error {
 	for p := range owner {
 		owner[p] = first
 	}
-	var stops []fault // crashes, rebalances and batches, by the delivery they come before
-	for _, f := range s.s.faults {
-		if f.kind == Crashes || f.kind == Rebalances || f.kind == Batches {
-			stops = append(stops, f)
-		}
-	}
-	slices.SortStableFunc(stops, func(a, b fault) int { return a.after - b.after })
+	stops := s.s.stops(Crashes | Rebalances | Batches)
 	remaining := func() []int {
 		var ps []int
 		for p := range logs {

@@ -115,13 +115,7 @@ func (k *kit) runKafka(ctx context.Context, cluster *kafkatest.Cluster, s schedu
 
 	records := k.publishOrder(s)
 	// Phases: the records up to each crash or rebalance, then the rest.
-	var stops []fault
-	for _, f := range s.faults {
-		if f.kind == Crashes || f.kind == Rebalances {
-			stops = append(stops, f)
-		}
-	}
-	slices.SortStableFunc(stops, func(a, b fault) int { return a.after - b.after })
+	stops := s.stops(Crashes | Rebalances)
 	if err := r.start(); err != nil {
 		return nil, err
 	}
