@@ -76,7 +76,7 @@ func ResetSchema(ctx context.Context, pool *pgxpool.Pool, schema string, shards 
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+sqlident.Quote(schema)+` CASCADE`); err != nil {
+	if err := DropSchema(ctx, pool, schema); err != nil {
 		return fmt.Errorf("drop schema %s: %w", schema, err)
 	}
 	if err := migrations.Up(ctx, pool, migrations.Config{Schema: schema, Shards: shards}); err != nil {
