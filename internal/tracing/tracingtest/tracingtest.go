@@ -33,7 +33,7 @@ func NewRecorder() *Recorder {
 func New(tb testing.TB) *Recorder {
 	tb.Helper()
 	r := NewRecorder()
-	tb.Cleanup(func() { _ = r.Provider.Shutdown(context.Background()) })
+	tb.Cleanup(r.Shutdown)
 	return r
 }
 
