@@ -287,16 +287,10 @@ func checkJournal(ctx context.Context, db *pgxpool.Pool, journal string, ids []s
 	if err != nil {
 		return err
 	}
-	got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (struct {
-		id       string
-		versions []int64
-	}, error) {
-		var v struct {
-			id       string
-			versions []int64
-		}
-		return v, r.Scan(&v.id, &v.versions)
-	})
+	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct {
+		ID       string
+		Versions []int64
+	}])
 	if err != nil {
 		return err
 	}
@@ -308,8 +302,8 @@ func checkJournal(ctx context.Context, db *pgxpool.Pool, journal string, ids []s
 		return fmt.Errorf("the journal has changes for %d accounts, want %d", len(got), len(ids))
 	}
 	for _, g := range got {
-		if !slices.Equal(g.versions, want) {
-			return fmt.Errorf("account %s: versions applied in order %v, want %v", g.id, g.versions, want)
+		if !slices.Equal(g.Versions, want) {
+			return fmt.Errorf("account %s: versions applied in order %v, want %v", g.ID, g.Versions, want)
 		}
 	}
 	return nil
