@@ -66,20 +66,19 @@ func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, err
 		return nil, err
 	}
 	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s), store: st}
-	r := &result{}
-	err = sim.run(ctx)
-	r.trace = sim.trace
-	if err != nil {
-		r.err = err
-		return r, nil
+	if err := sim.run(ctx); err != nil {
+		return &result{trace: sim.trace, err: err}, nil
 	}
-	got, err := env.read(ctx, k.State)
+	return k.compare(ctx, want, sim.trace), nil
+}
+
+// compare reads the state after a schedule and compares it with want.
+func (k *kit) compare(ctx context.Context, want any, trace []string) *result {
+	got, err := k.env.read(ctx, k.State)
 	if err != nil {
-		r.err = fmt.Errorf("Case.State failed after the schedule: %w", err)
-		return r, nil
+		return &result{trace: trace, err: fmt.Errorf("Case.State failed after the schedule: %w", err)}
 	}
-	r.got, r.mismatch = got, !reflect.DeepEqual(want, got)
-	return r, nil
+	return &result{trace: trace, got: got, mismatch: !reflect.DeepEqual(want, got)}
 }
 
 // sim is one trial in progress: consumer instances sharing one schema.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -163,11 +162,7 @@ func (k *kit) runKafka(ctx context.Context, cluster *kafkatest.Cluster, s schedu
 	if n := r.count("events_dead_lettered_total"); n > 0 {
 		return fail(fmt.Errorf("the consumer dead-lettered %d events (see Case.Logger for the reasons)", n))
 	}
-	got, err := k.env.read(ctx, k.State)
-	if err != nil {
-		return fail(fmt.Errorf("Case.State failed after the schedule: %w", err))
-	}
-	return &result{trace: r.trace, got: got, mismatch: !reflect.DeepEqual(want, got)}, nil
+	return k.compare(ctx, want, r.trace), nil
 }
 
 // publishOrder interleaves the schedule's partition logs into the order the
