@@ -180,15 +180,6 @@ func Logger(w io.Writer, level slog.Level) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level}))
 }
 
-// ParseLevel reads a log level name: debug, info, warn or error.
-func ParseLevel(s string) (slog.Level, error) {
-	var l slog.Level
-	if err := l.UnmarshalText([]byte(s)); err != nil {
-		return 0, fmt.Errorf("log level %q: use debug, info, warn or error", s)
-	}
-	return l, nil
-}
-
 // Counter sums the samples of a counter or gauge read from g, over every
 // series whose labels include the given ones (a nil map matches all).
 func Counter(g prometheus.Gatherer, name string, labels map[string]string) float64 {
@@ -256,9 +247,9 @@ func Main(name, defaultSchema string, c *Common, fn func(ctx context.Context) er
 	flag.BoolVar(&c.Keep, "keep", false, "keep the schema after the run, to look at the tables")
 	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
 	flag.Parse()
-	lvl, err := ParseLevel(*level)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, name+":", err)
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(*level)); err != nil {
+		fmt.Fprintf(os.Stderr, "%s: log level %q: use debug, info, warn or error\n", name, *level)
 		os.Exit(2)
 	}
 	c.Logger = Logger(os.Stderr, lvl)
