@@ -482,19 +482,30 @@ func counters(reg *prometheus.Registry) map[string]float64 {
 	return out
 }
 
+// outcomes are the consumer counters (without their eventline_consumer_
+// prefix) of which each delivery that ends moves exactly one, with what a
+// batch's summary and a single delivery's outcome call them.
+var outcomes = []struct{ counter, batch, single string }{
+	{"events_applied_total", "applied", "applied"},
+	{"events_duplicate_total", "duplicates", "duplicate, skipped"},
+	{"events_stale_total", "stale", "stale, discarded"},
+	{"events_parked_total", "parked", "parked"},
+}
+
 // batchSummary says what a batch's deliveries did altogether, from the
 // counters before and after it.
 func batchSummary(before, after map[string]float64) string {
 	var parts []string
-	for _, c := range []struct{ name, says string }{
-		{"events_applied_total", "applied"}, {"events_duplicate_total", "duplicates"}, {"events_stale_total", "stale"},
-		{"events_parked_total", "parked"}, {"parked_released_total", "released from parking"},
-		{"after_commit_panics_total", "AfterCommit hooks panicked (recovered)"},
-	} {
-		if n := int(after[c.name] - before[c.name]); n > 0 {
-			parts = append(parts, fmt.Sprintf("%s %d", c.says, n))
+	say := func(counter, words string) {
+		if n := int(after[counter] - before[counter]); n > 0 {
+			parts = append(parts, fmt.Sprintf("%s %d", words, n))
 		}
 	}
+	for _, o := range outcomes {
+		say(o.counter, o.batch)
+	}
+	say("parked_released_total", "released from parking")
+	say("after_commit_panics_total", "AfterCommit hooks panicked (recovered)")
 	if len(parts) == 0 {
 		return "nothing committed"
 	}
@@ -521,17 +532,15 @@ func describeOutcome(before, after map[string]float64, err error, runs, panics [
 		return strings.Join(parts, "; ")
 	}
 	d := func(name string) int { return int(after[name] - before[name]) }
-	switch {
-	case err != nil:
+	if err != nil {
 		parts = append(parts, "rolled back")
-	case d("events_applied_total") > 0:
-		parts = append(parts, "applied")
-	case d("events_duplicate_total") > 0:
-		parts = append(parts, "duplicate, skipped")
-	case d("events_stale_total") > 0:
-		parts = append(parts, "stale, discarded")
-	case d("events_parked_total") > 0:
-		parts = append(parts, "parked")
+	} else {
+		for _, o := range outcomes {
+			if d(o.counter) > 0 {
+				parts = append(parts, o.single)
+				break
+			}
+		}
 	}
 	if n := d("parked_released_total"); n > 0 && err == nil {
 		parts = append(parts, fmt.Sprintf("released %d parked", n))

@@ -316,7 +316,11 @@ func (r *kafkaRun) count(name string) int { return int(counters(r.reg)[name]) }
 // parked) or were dead-lettered.
 func (r *kafkaRun) handled() int {
 	c := counters(r.reg)
-	return int(c["events_applied_total"] + c["events_duplicate_total"] + c["events_stale_total"] + c["events_parked_total"] + c["events_dead_lettered_total"])
+	n := c["events_dead_lettered_total"]
+	for _, o := range outcomes {
+		n += c[o.counter]
+	}
+	return int(n)
 }
 
 func (r *kafkaRun) waitHandled(ctx context.Context, n int) error {
