@@ -201,6 +201,8 @@ func relayThenCrash(ctx context.Context, cfg setup.Common, log *slog.Logger, bro
 	relayCtx, kill := context.WithTimeout(ctx, time.Minute)
 	defer kill()
 	var published atomic.Int64
+	// The relay's AfterPublish hook: Kafka has the batch, the outbox does
+	// not know yet. The process dies here.
 	relay, err := newRelay(ctx, pool, cfg, log, brokers, "relay-1", func(_ int, eventIDs []string) error {
 		if dead.CompareAndSwap(false, true) {
 			published.Store(int64(len(eventIDs)))
