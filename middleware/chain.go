@@ -56,7 +56,7 @@ func (el *Eventline) guard(h message.HandlerFunc) message.HandlerFunc {
 			Problem: fmt.Sprintf("a poison queue inside the eventline middleware swallowed the handler's failure (%q), which would mark the event processed with no effects", reason),
 			Fix:     "use Eventline.AddHandler, which dead-letters in the consumer's database outside the transaction, and add no poison queue after MiddlewareFor",
 		}
-		el.cfg.Metrics.incUnsafeComposition(el.cfg.Group)
+		el.cfg.Metrics.add(unsafeCompositionsCounter, 1, el.cfg.Group)
 		el.cfg.Logger.ErrorContext(msg.Context(), "eventline: refusing to commit an event: the middleware chain is unsafe",
 			"group", el.cfg.Group, "message_uuid", msg.UUID, "error", cerr)
 		return nil, cerr

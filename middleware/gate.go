@@ -58,12 +58,12 @@ func (g *gate) releaseOptions(apply store.ApplyFunc) store.ReleaseOptions {
 
 func (g *gate) observeSweep(r store.SweepResult, err error) {
 	m := g.cfg.Metrics
-	m.addReleased(g.cfg.Group, r.Released)
-	m.addReleaseFailures(g.cfg.Group, r.Failed)
-	m.addGapsSkipped(g.cfg.Group, "park_timeout", r.GapsSkipped)
+	m.add(releasedCounter, r.Released, g.cfg.Group)
+	m.add(releaseFailuresCounter, r.Failed, g.cfg.Group)
+	m.add(gapsSkippedCounter, r.GapsSkipped, g.cfg.Group, "park_timeout")
 	m.observeGapsClosed(g.cfg.Group, r.GapsClosed)
 	m.addGivenUp(g.cfg.Group, r.DeadLettered)
-	m.addLateApplied(g.cfg.Group, r.LateApplied)
+	m.add(lateAppliedCounter, r.LateApplied, g.cfg.Group)
 	if err == nil {
 		m.setParked(g.cfg.Group, r.Parked, r.HeldLate)
 	}
@@ -151,7 +151,7 @@ func (g *gate) jumps(e eventline.Event) bool { return g.cfg.gapPolicy(e.Type) ==
 // refuse counts and logs an event the gate refuses for good, and returns
 // err marked permanent (it is dead-lettered with err as the reason).
 func (g *gate) refuse(ctx context.Context, e eventline.Event, reason string, err error) error {
-	g.cfg.Metrics.incRefused(g.cfg.Group, reason)
+	g.cfg.Metrics.add(refusedCounter, 1, g.cfg.Group, reason)
 	g.cfg.Logger.WarnContext(ctx, "eventline: event refused; it is dead-lettered", "group", g.cfg.Group, "event_id", e.ID,
 		"event_type", e.Type, "aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion,
 		"reason", reason, "error", err)

@@ -42,7 +42,7 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 		}
 		log.InfoContext(ctx, "eventline: event parked until the missing versions arrive", "group", group, "event_id", e.ID,
 			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion, "follows", a.Follows, "current", a.Previous)
-		AfterCommit(ctx, func() { m.incParked(group, e.Type) })
+		AfterCommit(ctx, func() { m.add(parkedCounter, 1, group, m.eventType(e.Type)) })
 		g.obs.outcome(ctx, tracing.OutcomeParked)
 		return nil, nil
 	case store.Jump:
@@ -56,7 +56,7 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 		}
 		log.WarnContext(ctx, "eventline: skipped missing aggregate versions (gap policy apply)", "group", group,
 			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "from", a.Previous+1, "to", a.Follows)
-		AfterCommit(ctx, func() { m.addGapsSkipped(group, "policy_apply", 1) })
+		AfterCommit(ctx, func() { m.add(gapsSkippedCounter, 1, group, "policy_apply") })
 	}
 
 	out, err := g.run(msg, e, h)
@@ -98,11 +98,11 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 			"group", group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID, "late", d.Late)
 	}
 	AfterCommit(ctx, func() {
-		m.addReleased(group, len(d.Released))
+		m.add(releasedCounter, len(d.Released), group)
 		m.observeGapsClosed(group, d.GapsClosed)
 		m.addGivenUp(group, len(d.DeadLettered))
 		if d.Failed != nil {
-			m.addReleaseFailures(group, 1)
+			m.add(releaseFailuresCounter, 1, group)
 		}
 	})
 	return out, nil
@@ -128,7 +128,7 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	}
 	if !late {
 		log.DebugContext(ctx, "eventline: stale event discarded", attrs...)
-		AfterCommit(ctx, func() { m.incStale(group, e.Type) })
+		AfterCommit(ctx, func() { m.add(staleCounter, 1, group, m.eventType(e.Type)) })
 		g.obs.outcome(ctx, tracing.OutcomeStale)
 		return nil, nil
 	}
@@ -138,7 +138,7 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 		}
 		log.WarnContext(ctx, "eventline: late event held for the operator: its version was given up on before it arrived; replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
 			append(attrs, "skip_reason", reason)...)
-		AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })
+		AfterCommit(ctx, func() { m.add(lateCounter, 1, group, m.eventType(e.Type), "held") })
 		g.obs.outcome(ctx, tracing.OutcomeSkipped) // its version was skipped; held for the operator
 		return nil, nil
 	}
@@ -148,7 +148,7 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	if err != nil {
 		return nil, err
 	}
-	AfterCommit(ctx, func() { m.incLate(group, e.Type, "applied") })
+	AfterCommit(ctx, func() { m.add(lateCounter, 1, group, m.eventType(e.Type), "applied") })
 	return out, nil
 }
 
@@ -177,7 +177,7 @@ func (g *gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a st
 	g.cfg.Logger.WarnContext(ctx, "eventline: replayed event held for the operator: the aggregate passed its version while it was dead (version conflict); replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
 		append(attrs, "reason", reason)...)
 	group, m := g.cfg.Group, g.cfg.Metrics
-	AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })
+	AfterCommit(ctx, func() { m.add(lateCounter, 1, group, m.eventType(e.Type), "held") })
 	g.obs.outcome(ctx, tracing.OutcomeSkipped)
 	return nil
 }
@@ -193,7 +193,7 @@ func (g *gate) run(msg *message.Message, e eventline.Event, h message.HandlerFun
 	group, m := g.cfg.Group, g.cfg.Metrics
 	ctx := msg.Context()
 	AfterCommit(ctx, func() {
-		m.incApplied(group, e.Type)
+		m.add(appliedCounter, 1, group, m.eventType(e.Type))
 		g.observeApplied(ctx, e)
 	})
 	g.obs.applied(ctx)
@@ -203,5 +203,5 @@ func (g *gate) run(msg *message.Message, e eventline.Event, h message.HandlerFun
 func (g *gate) duplicate(ctx context.Context, e eventline.Event) {
 	g.cfg.Logger.DebugContext(ctx, "eventline: duplicate event skipped", "group", g.cfg.Group, "event_id", e.ID, "event_type", e.Type)
 	group, m := g.cfg.Group, g.cfg.Metrics
-	AfterCommit(ctx, func() { m.incDuplicate(group, e.Type) })
+	AfterCommit(ctx, func() { m.add(duplicateCounter, 1, group, m.eventType(e.Type)) })
 }

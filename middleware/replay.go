@@ -87,7 +87,7 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 	}
 	fail := func(id int64, why string) error {
 		res.Failed++
-		el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
+		el.cfg.Metrics.add(replaysCounter, 1, el.cfg.Group, "failed")
 		return bounded(func(ctx context.Context) error { return dls.MarkReplayFailed(ctx, tx, id, why, 0, true) })
 	}
 	var stop error
@@ -125,7 +125,7 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 				return res, err
 			}
 			res.Replayed++
-			el.cfg.Metrics.incReplay(el.cfg.Group, "replayed")
+			el.cfg.Metrics.add(replaysCounter, 1, el.cfg.Group, "replayed")
 			continue
 		}
 		if ctx.Err() != nil || IsInfrastructure(rerr) {

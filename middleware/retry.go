@@ -90,14 +90,14 @@ func (el *Eventline) retry(h message.HandlerFunc) message.HandlerFunc {
 				}
 				d = backoff.Jittered(cfg.InfraBackoff, waits)
 				kind = tracing.RetryKindInfrastructure
-				cfg.Metrics.incInfraWait(cfg.Group)
+				cfg.Metrics.add(infraWaitsCounter, 1, cfg.Group)
 				cfg.Logger.DebugContext(orig, "eventline: waiting for the database; the event is not dead-lettered",
 					"group", cfg.Group, "message_uuid", msg.UUID, "wait", d, "error", err)
 			case IsConflict(err):
 				conflicts++
 				d = backoff.Jittered(cfg.Retry, conflicts)
 				kind = tracing.RetryKindConflict
-				cfg.Metrics.incRetry(cfg.Group, "conflict")
+				cfg.Metrics.add(retriesCounter, 1, cfg.Group, "conflict")
 				cfg.Logger.DebugContext(orig, "eventline: transaction conflict; retrying without spending the retry budget",
 					"group", cfg.Group, "message_uuid", msg.UUID, "conflicts", conflicts, "wait", d, "error", err)
 			default:
@@ -113,7 +113,7 @@ func (el *Eventline) retry(h message.HandlerFunc) message.HandlerFunc {
 				}
 				d = backoff.Jittered(cfg.Retry, retries)
 				kind = tracing.RetryKindHandler
-				cfg.Metrics.incRetry(cfg.Group, "handler")
+				cfg.Metrics.add(retriesCounter, 1, cfg.Group, "handler")
 				cfg.Logger.DebugContext(orig, "eventline: handler failed; retrying",
 					"group", cfg.Group, "message_uuid", msg.UUID, "retry", retries, "max_retries", cfg.MaxRetries, "wait", d, "error", err)
 			}
