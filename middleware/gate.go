@@ -146,7 +146,9 @@ func (g *gate) precheck(e eventline.Event) error {
 }
 
 // jumps reports whether a gap applies e anyway (the Apply policy).
-func (g *gate) jumps(e eventline.Event) bool { return g.cfg.gapPolicy(e.Type) == versioning.Apply }
+func (g *gate) jumps(e eventline.Event) bool {
+	return policyFor(g.cfg.PolicyByType, e.Type, g.cfg.GapPolicy) == versioning.Apply
+}
 
 // refuse counts and logs an event the gate refuses for good, and returns
 // err marked permanent (it is dead-lettered with err as the reason).

@@ -115,7 +115,7 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a store.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
-	hold := g.cfg.latePolicy(e.Type) == versioning.HoldLate
+	hold := policyFor(g.cfg.LatePolicyByType, e.Type, g.cfg.LatePolicy) == versioning.HoldLate
 	late, reason, err := g.store.HoldLate(ctx, tx, store.LateRequest{Group: group, Event: e, Message: msg,
 		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
 	if err != nil {
