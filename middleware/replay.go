@@ -55,16 +55,12 @@ type replayResult struct {
 // requested for the next one.
 //
 // [Eventline.Run] calls it every SweepInterval.
-func (el *Eventline) replayDeadLetters(ctx context.Context) (replayResult, error) {
-	res, err := el.replayPass(ctx)
-	if err != nil {
-		return res, fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
-	}
-	return res, nil
-}
-
-func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
-	var res replayResult
+func (el *Eventline) replayDeadLetters(ctx context.Context) (res replayResult, err error) {
+	defer func() {
+		if err != nil {
+			err = fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
+		}
+	}()
 	dls := el.dl.store
 	// Each statement of the claim transaction is bounded, so a database
 	// that stops answering ends the pass instead of hanging it.
@@ -172,11 +168,7 @@ func isReplay(ctx context.Context) bool {
 // runReplays replays requested dead letters every SweepInterval until ctx
 // ends.
 func (el *Eventline) runReplays(ctx context.Context) {
-	interval := el.cfg.SweepInterval
-	if interval <= 0 {
-		interval = versioning.DefaultSweepInterval
-	}
-	t := time.NewTicker(interval)
+	t := time.NewTicker(el.cfg.SweepInterval)
 	defer t.Stop()
 	down := false // the database was unavailable on the last pass
 	for {
