@@ -1,6 +1,7 @@
 package middleware_test
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
@@ -45,9 +47,10 @@ const (
 )
 
 type benchEnv struct {
-	env    consumertest.Env
-	pool   *pgxpool.Pool // the pool the benchmark works through
-	insert string
+	env         consumertest.Env
+	pool        *pgxpool.Pool // the pool the benchmark works through
+	insert      string
+	traceParent string // of every event, when set
 }
 
 func newBenchEnv(b testing.TB) benchEnv {
@@ -99,71 +102,91 @@ func benchEvents(worker int64) func() eventline.Event {
 	}
 }
 
-func BenchmarkBareHandler(b *testing.B) {
-	be := newBenchEnv(b)
-	ctx := context.Background()
-	var workers atomic.Int64
-	b.SetParallelism(benchParallelism)
-	b.ResetTimer()
-	meter := cpuMeter(b, be.pool)
-	b.RunParallel(func(pb *testing.PB) {
-		next := benchEvents(workers.Add(1))
-		for pb.Next() {
-			e := next()
-			msg, err := eventline.Encode(e)
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			err = pgx.BeginFunc(ctx, be.pool, func(tx pgx.Tx) error {
-				d, err := eventline.Decode(msg)
-				if err != nil {
-					return err
-				}
-				return be.business(ctx, tx, d)
-			})
-			if err != nil {
-				b.Error(err)
-				return
-			}
-		}
-	})
-	b.StopTimer()
-	meter(int64(b.N))
-	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
-}
-
-func BenchmarkMiddleware(b *testing.B) {
-	be := newBenchEnv(b)
-	el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet()})
+// eventline returns the middleware of the group "bench", traced through
+// tp (nil: off), around the business insert.
+func (be benchEnv) eventline(b testing.TB, tp trace.TracerProvider) (*middleware.Eventline, message.HandlerFunc) {
+	el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet(), TracerProvider: tp})
 	require.NoError(b, err)
-	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
+	return el, el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		tx, _ := middleware.TxFromContext(ctx)
 		e, _ := middleware.EventFromContext(ctx)
 		return nil, be.business(ctx, tx, e)
 	})
-	var workers atomic.Int64
+}
+
+// run applies b.N events with apply, n at a time (the last call of a
+// goroutine may get fewer), on benchParallelism × GOMAXPROCS goroutines,
+// each over its own aggregates, and reports events/s and CPU per event.
+// The events carry be.traceParent.
+func (be benchEnv) run(b *testing.B, n int, apply func(msgs []*message.Message) error) {
+	var workers, done atomic.Int64
 	b.SetParallelism(benchParallelism)
 	b.ResetTimer()
 	meter := cpuMeter(b, be.pool)
 	b.RunParallel(func(pb *testing.PB) {
 		next := benchEvents(workers.Add(1))
-		for pb.Next() {
-			msg, err := eventline.Encode(next())
-			if err != nil {
+		var msgs []*message.Message
+		for more := true; more; {
+			msgs = msgs[:0]
+			for len(msgs) < n {
+				if more = pb.Next(); !more {
+					break
+				}
+				e := next()
+				e.TraceParent = be.traceParent
+				msg, err := eventline.Encode(e)
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				msgs = append(msgs, msg)
+			}
+			if len(msgs) == 0 {
+				return
+			}
+			if err := apply(msgs); err != nil {
 				b.Error(err)
 				return
 			}
-			if _, err := h(msg); err != nil {
-				b.Error(err)
-				return
-			}
+			done.Add(int64(len(msgs)))
 		}
 	})
 	b.StopTimer()
-	meter(int64(b.N))
-	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
+	meter(done.Load())
+	b.ReportMetric(float64(done.Load())/b.Elapsed().Seconds(), "events/s")
+}
+
+// bare applies msgs in one transaction of their own, as a handler without
+// eventline would.
+func (be benchEnv) bare(msgs []*message.Message) error {
+	ctx := context.Background()
+	return pgx.BeginFunc(ctx, be.pool, func(tx pgx.Tx) error {
+		for _, msg := range msgs {
+			d, err := eventline.Decode(msg)
+			if err != nil {
+				return err
+			}
+			if err := be.business(ctx, tx, d); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+func BenchmarkBareHandler(b *testing.B) {
+	be := newBenchEnv(b)
+	be.run(b, 1, be.bare)
+}
+
+func BenchmarkMiddleware(b *testing.B) {
+	be := newBenchEnv(b)
+	_, h := be.eventline(b, nil)
+	be.run(b, 1, func(msgs []*message.Message) error {
+		_, err := h(msgs[0])
+		return err
+	})
 	require.Equal(b, 0, pgtest.Count(b, be.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(be.env.Schema, "parked_events")))
 }
 
@@ -174,51 +197,7 @@ const benchBatch = 16
 // transaction: the baseline for BenchmarkBatchMiddleware.
 func BenchmarkBareBatch(b *testing.B) {
 	be := newBenchEnv(b)
-	ctx := context.Background()
-	var workers, done atomic.Int64
-	b.SetParallelism(benchParallelism)
-	b.ResetTimer()
-	meter := cpuMeter(b, be.pool)
-	b.RunParallel(func(pb *testing.PB) {
-		next := benchEvents(workers.Add(1))
-		for more := true; more; {
-			var msgs []*message.Message
-			for len(msgs) < benchBatch {
-				if more = pb.Next(); !more {
-					break
-				}
-				msg, err := eventline.Encode(next())
-				if err != nil {
-					b.Error(err)
-					return
-				}
-				msgs = append(msgs, msg)
-			}
-			if len(msgs) == 0 {
-				return
-			}
-			err := pgx.BeginFunc(ctx, be.pool, func(tx pgx.Tx) error {
-				for _, msg := range msgs {
-					d, err := eventline.Decode(msg)
-					if err != nil {
-						return err
-					}
-					if err := be.business(ctx, tx, d); err != nil {
-						return err
-					}
-				}
-				return nil
-			})
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			done.Add(int64(len(msgs)))
-		}
-	})
-	b.StopTimer()
-	meter(done.Load())
-	b.ReportMetric(float64(done.Load())/b.Elapsed().Seconds(), "events/s")
+	be.run(b, benchBatch, be.bare)
 }
 
 // BenchmarkBatchMiddleware applies benchBatch events per transaction
@@ -226,60 +205,28 @@ func BenchmarkBareBatch(b *testing.B) {
 // own goroutine as a Router runs them.
 func BenchmarkBatchMiddleware(b *testing.B) {
 	be := newBenchEnv(b)
-	el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet()})
-	require.NoError(b, err)
-	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
-		ctx := msg.Context()
-		tx, _ := middleware.TxFromContext(ctx)
-		e, _ := middleware.EventFromContext(ctx)
-		return nil, be.business(ctx, tx, e)
-	})
+	_, h := be.eventline(b, nil)
 	ctx := context.Background()
-	var workers, done atomic.Int64
-	b.SetParallelism(benchParallelism)
-	b.ResetTimer()
-	meter := cpuMeter(b, be.pool)
-	b.RunParallel(func(pb *testing.PB) {
-		next := benchEvents(workers.Add(1))
-		for more := true; more; {
-			batch := delivery.NewBatch()
-			var msgs []*message.Message
-			for len(msgs) < benchBatch {
-				if more = pb.Next(); !more {
-					break
-				}
-				msg, err := eventline.Encode(next())
-				if err != nil {
-					b.Error(err)
-					return
-				}
-				msg.SetContext(batch.Add(ctx))
-				msgs = append(msgs, msg)
-			}
-			if len(msgs) == 0 {
-				return
-			}
-			errs := make(chan error, len(msgs))
-			for i, msg := range msgs {
-				go func() {
-					_, err := h(msg)
-					batch.Leave(i)
-					errs <- err
-				}()
-			}
-			batch.Seal()
-			batch.Run(ctx)
-			for range msgs {
-				if err := <-errs; err != nil {
-					b.Error(err)
-					return
-				}
-			}
-			done.Add(int64(len(msgs)))
+	be.run(b, benchBatch, func(msgs []*message.Message) error {
+		batch := delivery.NewBatch()
+		errs := make(chan error, len(msgs))
+		for _, msg := range msgs {
+			msg.SetContext(batch.Add(ctx))
 		}
+		for i, msg := range msgs {
+			go func() {
+				_, err := h(msg)
+				batch.Leave(i)
+				errs <- err
+			}()
+		}
+		batch.Seal()
+		batch.Run(ctx)
+		var err error
+		for range msgs {
+			err = cmp.Or(err, <-errs)
+		}
+		return err
 	})
-	b.StopTimer()
-	meter(done.Load())
-	b.ReportMetric(float64(done.Load())/b.Elapsed().Seconds(), "events/s")
 	require.Equal(b, 0, pgtest.Count(b, be.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(be.env.Schema, "parked_events")))
 }

@@ -2,7 +2,6 @@ package middleware_test
 
 import (
 	"context"
-	"sync/atomic"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -12,7 +11,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/middleware"
 )
 
 // The tracing benchmarks measure what tracing costs the consumer, off (no
@@ -41,39 +39,14 @@ func BenchmarkTracingMiddleware(b *testing.B) {
 	for _, mode := range []string{"off", "sdk"} {
 		b.Run(mode, func(b *testing.B) {
 			be := newBenchEnv(b)
-			el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet(),
-				TracerProvider: benchProviders(b)[mode]})
-			require.NoError(b, err)
-			h := el.Traced(el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
-				ctx := msg.Context()
-				tx, _ := middleware.TxFromContext(ctx)
-				e, _ := middleware.EventFromContext(ctx)
-				return nil, be.business(ctx, tx, e)
-			}))
-			var workers atomic.Int64
-			b.SetParallelism(benchParallelism)
+			be.traceParent = benchTraceparent
+			el, mw := be.eventline(b, benchProviders(b)[mode])
+			h := el.Traced(mw)
 			b.ReportAllocs()
-			b.ResetTimer()
-			meter := cpuMeter(b, be.pool)
-			b.RunParallel(func(pb *testing.PB) {
-				next := benchEvents(workers.Add(1))
-				for pb.Next() {
-					e := next()
-					e.TraceParent = benchTraceparent
-					msg, err := eventline.Encode(e)
-					if err != nil {
-						b.Error(err)
-						return
-					}
-					if _, err := h(msg); err != nil {
-						b.Error(err)
-						return
-					}
-				}
+			be.run(b, 1, func(msgs []*message.Message) error {
+				_, err := h(msgs[0])
+				return err
 			})
-			b.StopTimer()
-			meter(int64(b.N))
-			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "events/s")
 		})
 	}
 }
@@ -82,9 +55,7 @@ func BenchmarkTracingWrapper(b *testing.B) {
 	for _, mode := range []string{"off", "sdk"} {
 		b.Run(mode, func(b *testing.B) {
 			be := newBenchEnv(b)
-			el, err := middleware.New(be.pool, middleware.Config{Schema: be.env.Schema, Group: "bench", Logger: quiet(),
-				TracerProvider: benchProviders(b)[mode]})
-			require.NoError(b, err)
+			el, _ := be.eventline(b, benchProviders(b)[mode])
 			h := el.Traced(func(*message.Message) ([]*message.Message, error) { return nil, nil })
 			e := benchEvents(1)()
 			e.TraceParent = benchTraceparent
