@@ -27,8 +27,7 @@ func TestConsumerAppliesEachEventOnceInOrder(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 4)
 	const group = "orders"
-	c, err := consumer.New(k.Pool, k.config(group))
-	require.NoError(t, err)
+	c := k.newConsumer(t, k.config(group))
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
 
 	// 10 aggregates × 5 versions, published shuffled per aggregate and with
@@ -68,8 +67,7 @@ func TestBadInputIsDeadLetteredAndThePartitionMoves(t *testing.T) {
 	const group = "billing"
 	cfg := k.config(group)
 	cfg.Metrics, _ = middleware.NewMetrics(nil)
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	type payment struct {
 		Amount int `json:"amount"`
 	}
@@ -140,8 +138,7 @@ func TestPanickingHandlerIsRolledBackAndRetried(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "shipping"
-	c, err := consumer.New(k.Pool, k.config(group))
-	require.NoError(t, err)
+	c := k.newConsumer(t, k.config(group))
 	var attempts atomic.Int32
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		if err := k.Apply(ctx, tx, group, e); err != nil {
@@ -165,8 +162,7 @@ func TestExhaustedRetriesAreDeadLetteredWithNothingRecorded(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "mailer"
-	c, err := consumer.New(k.Pool, k.config(group))
-	require.NoError(t, err)
+	c := k.newConsumer(t, k.config(group))
 	var attempts atomic.Int32
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		if e.AggregateID == "poison" {
@@ -198,8 +194,7 @@ func TestShutdownFinishesInFlightEvent(t *testing.T) {
 	cfg := k.config(group)
 	logger, stopping := watchLog(partitionStopping)
 	cfg.Logger = logger
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	entered, release := make(chan struct{}), make(chan struct{})
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		close(entered)
@@ -276,8 +271,7 @@ func fold(versions ...int64) int64 {
 func TestRunWithCanceledContextReturnsCleanly(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
-	c, err := consumer.New(k.Pool, k.config("early"))
-	require.NoError(t, err)
+	c := k.newConsumer(t, k.config("early"))
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler("early")))
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -291,8 +285,7 @@ func TestRunWithCanceledContextReturnsCleanly(t *testing.T) {
 func TestRunRefusesAConsumerWithoutHandlers(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
-	c, err := consumer.New(k.Pool, k.config("nohandlers"))
-	require.NoError(t, err)
+	c := k.newConsumer(t, k.config("nohandlers"))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	require.ErrorIs(t, c.Run(ctx), consumer.ErrNoHandlers)

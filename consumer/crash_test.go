@@ -132,8 +132,7 @@ func testCrashAfterCommit(t *testing.T, tc crashCase) {
 	require.NoError(t, err)
 	cfg := k.config(crashGroup)
 	cfg.Metrics = metrics
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(crashGroup)))
 	r := start(t, c)
 	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, crashGroup)) >= total }, "restarted consumer applies the rest")

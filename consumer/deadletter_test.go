@@ -37,10 +37,7 @@ import (
 // createBigTopic creates a topic whose records may be up to 16 MiB.
 func createBigTopic(t *testing.T, brokers []string, topic string) {
 	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(brokers, cfg)
-	require.NoError(t, err)
+	admin := clusterAdmin(t, brokers)
 	defer admin.Close()
 	limit := strconv.Itoa(16 << 20)
 	require.NoError(t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
@@ -78,8 +75,7 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 	cfg := k.config(group)
 	cfg.Topics = []string{topic}
 	cfg.Metrics = metrics
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		if len(e.Payload) > 4<<20 {
 			return middleware.Permanent(errors.New("payload too large for this handler"))
@@ -106,6 +102,7 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 	// Lanes apply the records of other aggregates while the oversize ones
 	// are dead-lettered: wait for both.
 	eventually(t, 60*time.Second, func() bool {
+		var err error
 		dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group})
 		require.NoError(t, err)
 		return len(k.Effects(t, group)) == 3 && len(dls) == 3
@@ -151,8 +148,7 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	// Under Apply, a later version applied first would skip the earlier
 	// one for good: only an in-order replay applies both.
 	cfg.PolicyByType = map[string]versioning.GapPolicy{"thing.renamed": versioning.Apply}
-	first, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	first := k.newConsumer(t, cfg)
 	require.NoError(t, first.Handle("thing.changed", handler)) // thing.renamed is unknown to it
 
 	renamed := func(agg string, v int64) eventline.Event {
@@ -166,6 +162,7 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	r := start(t, first)
 	var dls []admin.HeldEvent
 	eventually(t, 60*time.Second, func() bool {
+		var err error
 		dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group})
 		require.NoError(t, err)
 		return len(dls) == 3 && len(k.Effects(t, group)) == 2
@@ -184,13 +181,12 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	// The fix is deployed: the tax service accepts x2, and a new version of
 	// the consumer handles thing.renamed.
 	broken.Store(false)
-	second, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	second := k.newConsumer(t, cfg)
 	require.NoError(t, second.Handle("thing.changed", handler))
 	require.NoError(t, second.Handle("thing.renamed", handler))
 	r = start(t, second)
 	// Asked to replay y3 alone, the consumer refuses: y2 is still held.
-	_, err = admin.ReplayHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
+	_, err := admin.ReplayHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool {
 		held, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
@@ -228,8 +224,7 @@ func TestConsumerRetriesOnTheDocumentedSchedule(t *testing.T) {
 	cfg.Retry.Multiplier = 3
 	cfg.Retry.Max = time.Second
 	cfg.Retry.Jitter = middleware.NoJitter
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	var waits []time.Duration
 	waited := make(chan struct{}, 100)
 	consumer.SetSleep(c, func(ctx context.Context, d time.Duration) error {

@@ -18,7 +18,6 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
-	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
@@ -34,8 +33,7 @@ func TestLanesRunAggregatesOfOnePartitionConcurrently(t *testing.T) {
 	const group = "lanes"
 	cfg := k.config(group)
 	cfg.Lanes, cfg.BatchSize = 2, 1
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	bApplied := make(chan struct{})
 	var once sync.Once
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
@@ -73,8 +71,7 @@ func TestCommittedOffsetIsLowestUnfinished(t *testing.T) {
 	const group = "offsets"
 	cfg := k.config(group)
 	cfg.Lanes = 2
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	release := make(chan struct{})
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		if e.AggregateID == "held" {
@@ -117,10 +114,7 @@ func TestCommittedOffsetIsLowestUnfinished(t *testing.T) {
 // -1.
 func committedOffset(t *testing.T, k kenv, group string) int64 {
 	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(k.brokers, cfg)
-	require.NoError(t, err)
+	admin := clusterAdmin(t, k.brokers)
 	defer admin.Close()
 	res, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{k.topic: {0}})
 	if errors.Is(err, sarama.ErrGroupIDNotFound) {
@@ -181,8 +175,7 @@ func TestBatchAppliesInOneTransaction(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "batch"
-	c, err := consumer.New(k.Pool, batchConfig(k, group, 8))
-	require.NoError(t, err)
+	c := k.newConsumer(t, batchConfig(k, group, 8))
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
 	evs := distinctEvents(8)
 	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
@@ -207,8 +200,7 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "batchfail"
-	c, err := consumer.New(k.Pool, batchConfig(k, group, 8))
-	require.NoError(t, err)
+	c := k.newConsumer(t, batchConfig(k, group, 8))
 	evs := distinctEvents(8)
 	poison, flaky := evs[3], evs[5]
 	var poisonAttempts, flakyAttempts atomic.Int32
@@ -266,8 +258,7 @@ func TestReorderedEventsInOneBatchApplyAtOnce(t *testing.T) {
 	const group = "reorder"
 	cfg := batchConfig(k, group, 8)
 	cfg.SweepInterval, cfg.ParkTimeout = time.Hour, time.Hour
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
 	x1, x2, x3, y1 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("x", 3), consumertest.Event("y", 1)
 	publish(t, k.brokers, k.topic, messagesOf(t, []eventline.Event{x2, x1, y1, x2, x3})...)
@@ -293,8 +284,7 @@ func TestRebalanceMidBatchAbandonsIt(t *testing.T) {
 	var stalled, abandoned atomic.Bool
 	entered := make(chan struct{})
 	newConsumer := func(stall bool) *consumer.Consumer {
-		c, err := consumer.New(k.Pool, batchConfig(k, group, 8))
-		require.NoError(t, err)
+		c := k.newConsumer(t, batchConfig(k, group, 8))
 		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 			if err := k.Apply(ctx, tx, group, e); err != nil {
 				return err
@@ -383,8 +373,7 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 		if stall {
 			cfg.Logger = aLogger
 		}
-		c, err := consumer.New(k.Pool, cfg)
-		require.NoError(t, err)
+		c := k.newConsumer(t, cfg)
 		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 			if err := k.Apply(ctx, tx, group, e); err != nil {
 				return err
@@ -430,10 +419,7 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 
 func groupState(t *testing.T, k kenv, group string) string {
 	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(k.brokers, cfg)
-	require.NoError(t, err)
+	admin := clusterAdmin(t, k.brokers)
 	defer admin.Close()
 	gs, err := admin.DescribeConsumerGroups([]string{group})
 	if err != nil || len(gs) != 1 {

@@ -22,6 +22,7 @@ import (
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -48,13 +49,34 @@ type kenv struct {
 
 func newKenv(t *testing.T, partitions int32) kenv {
 	t.Helper()
+	return newKenvOn(t, kafkatest.Brokers(t), partitions)
+}
+
+// newFaultyKenv is newKenv on a Kafka cluster of the test's own (kfake, or
+// an Apache Kafka broker) behind the fault proxy it returns.
+func newFaultyKenv(t *testing.T, partitions int32) (kenv, *faultproxy.Proxy) {
+	t.Helper()
+	kc := kafkatest.WithFaults(t)
+	return newKenvOn(t, kc.Brokers, partitions), kc.Proxy
+}
+
+func newKenvOn(t *testing.T, brokers []string, partitions int32) kenv {
+	t.Helper()
 	k := kenv{
 		Env:     consumertest.New(t, pgtest.Options{MaxConns: 6}),
-		brokers: kafkatest.Brokers(t),
+		brokers: brokers,
 		topic:   kafkatest.Topic(t, "events"),
 	}
 	kafkatest.CreateTopic(t, k.brokers, k.topic, partitions)
 	return k
+}
+
+// newConsumer returns a consumer of cfg on k's pool.
+func (k kenv) newConsumer(t testing.TB, cfg consumer.Config) *consumer.Consumer {
+	t.Helper()
+	c, err := consumer.New(k.Pool, cfg)
+	require.NoError(t, err)
+	return c
 }
 
 // config is a consumer configuration for the test's topics with fast
@@ -74,6 +96,16 @@ func (k kenv) config(group string) consumer.Config {
 		ShutdownTimeout: 20 * time.Second,
 		SaramaConfig:    fastGroupConfig(group),
 	}
+}
+
+// clusterAdmin is a Kafka admin client for brokers; close it.
+func clusterAdmin(t testing.TB, brokers []string) sarama.ClusterAdmin {
+	t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	admin, err := sarama.NewClusterAdmin(brokers, cfg)
+	require.NoError(t, err)
+	return admin
 }
 
 // fastGroupConfig is kafkaconf.Consumer with quicker group rebalances.

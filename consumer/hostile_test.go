@@ -218,8 +218,7 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 	require.NoError(t, err)
 	cfg.TracerProvider = tracingtest.New(t).Provider
 	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
 		return k.Apply(ctx, tx, group, e)
 	}))
@@ -404,8 +403,7 @@ func TestAnIDReusedInAnotherLaneCostsTheGenuineEventNothing(t *testing.T) {
 	const group = "reused"
 	cfg := k.config(group)
 	cfg.ParkTimeout = time.Hour
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
 		return k.Apply(ctx, tx, group, e)
 	}))
@@ -504,8 +502,7 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 	refs := sqlident.Qualify(k.Schema, "refs")
 	_, err := k.Pool.Exec(context.Background(), `CREATE TABLE `+refs+` (event_ref uuid NOT NULL, name text NOT NULL, ref uuid NOT NULL, doc jsonb NOT NULL, amount integer NOT NULL)`)
 	require.NoError(t, err)
-	c, err := consumer.New(k.Pool, k.config(group))
-	require.NoError(t, err)
+	c := k.newConsumer(t, k.config(group))
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, p refPayload) error {
 		if _, err := tx.Exec(ctx, `INSERT INTO `+refs+` (event_ref, name, ref, doc, amount) VALUES ($1, $2, $3, $4, $5)`, e.ID, p.Name, p.Ref, string(p.Doc), p.Amount); err != nil {
 			return err
@@ -605,8 +602,7 @@ func TestLiesInsideOneBatch(t *testing.T) {
 	const group = "liars"
 	cfg := batchConfig(k, group, 16)
 	cfg.SweepInterval, cfg.ParkTimeout = time.Hour, time.Hour
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
 		return k.Apply(ctx, tx, group, e)
 	}))

@@ -18,7 +18,6 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/faultproxy"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -336,12 +335,11 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 	k := newKenv(t, 1)
 	cfg := k.config("unmigrated")
 	cfg.Schema = k.Schema + "_nope"
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler("unmigrated")))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	err = c.Run(ctx) // without the check, it would run (failing every event) until ctx ends
+	err := c.Run(ctx) // without the check, it would run (failing every event) until ctx ends
 	require.ErrorIs(t, err, middleware.ErrNotMigrated)
 	require.ErrorContains(t, err, cfg.Schema)
 	require.ErrorContains(t, err, "eventline migrate up")
@@ -376,11 +374,7 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
-			faults := kc.Proxy
-			k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
-				topic: kafkatest.Topic(t, "events")}
-			kafkatest.CreateTopic(t, k.brokers, k.topic, 2)
+			k, faults := newFaultyKenv(t, 2)
 			const group = "kafka-gone"
 			proxy := startProxy(t)
 			proxy.Set(faultproxy.Refuse)
@@ -444,16 +438,11 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 // here).
 func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing.T) {
 	t.Parallel()
-	kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
-	faults := kc.Proxy
-	k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
-		topic: kafkatest.Topic(t, "events")}
-	kafkatest.CreateTopic(t, k.brokers, k.topic, 1)
+	k, faults := newFaultyKenv(t, 1)
 	const group = "kafka-outage-park"
 	cfg := k.config(group)
 	cfg.ParkTimeout = 2 * time.Second
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
 	v1, v2, v3 := consumertest.Event("a", 1), consumertest.Event("a", 2), consumertest.Event("a", 3)
 	publish(t, k.brokers, k.topic, messages(t, []eventline.Event{v1, v3})...)

@@ -41,8 +41,7 @@ func TestRebalanceWhenAConsumerLeavesMidStream(t *testing.T) {
 		if i == 0 {
 			cfg.Logger = aLogger
 		}
-		c, err := consumer.New(k.Pool, cfg)
-		require.NoError(t, err)
+		c := k.newConsumer(t, cfg)
 		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 			if i == 0 && stall.Load() {
 				stallOnce.Do(func() { close(stalled) })

@@ -14,7 +14,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
@@ -35,8 +34,7 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 	cfg.TracerProvider = rec.Provider
 	reg := prometheus.NewRegistry()
 	cfg.Metrics, _ = middleware.NewMetrics(reg)
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	apply := k.applyHandler(group)
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		_, span := rec.Provider.Tracer("user").Start(ctx, "handle")

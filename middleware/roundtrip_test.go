@@ -51,6 +51,16 @@ func tracedPool(t *testing.T) (*pgxpool.Pool, *roundTrips) {
 	return pool, rt
 }
 
+// applying is el's middleware around a handler that applies each event
+// with two statements.
+func applying(el *middleware.Eventline, env consumertest.Env) message.HandlerFunc {
+	return el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := middleware.TxFromContext(msg.Context())
+		e, _ := middleware.EventFromContext(msg.Context())
+		return nil, env.Apply(msg.Context(), tx, group, e)
+	})
+}
+
 // A batch whose aggregates' events follow one another is admitted in one
 // statement riding with BEGIN; when a member was recorded before, that
 // transaction is rolled back and the members are admitted one statement
@@ -61,11 +71,7 @@ func TestBatchAdmissionStatements(t *testing.T) {
 	pool, rt := tracedPool(t)
 	el, err := middleware.New(pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
 	require.NoError(t, err)
-	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
-		tx, _ := middleware.TxFromContext(msg.Context())
-		e, _ := middleware.EventFromContext(msg.Context())
-		return nil, env.Apply(msg.Context(), tx, group, e) // two statements
-	})
+	h := applying(el, env)
 	x1, x2, x3, y1 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("x", 3), consumertest.Event("y", 1)
 	deliver := func(events ...eventline.Event) (batches, queued int64) {
 		t.Helper()
@@ -104,23 +110,10 @@ func TestBatchAdmissionStatements(t *testing.T) {
 func TestHotPathRoundTrips(t *testing.T) {
 	t.Parallel()
 	env := consumertest.New(t, pgtest.Options{MaxConns: 2})
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	require.NoError(t, err)
-	rt := &roundTrips{}
-	cfg.ConnConfig.Tracer = rt
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	require.NoError(t, pool.Ping(context.Background()))
-
+	pool, rt := tracedPool(t)
 	el, err := middleware.New(pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
 	require.NoError(t, err)
-	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
-		tx, _ := middleware.TxFromContext(msg.Context())
-		e, _ := middleware.EventFromContext(msg.Context())
-		return nil, env.Apply(msg.Context(), tx, group, e) // two statements
-	})
+	h := applying(el, env)
 	cost := func(e *message.Message) (int64, error) {
 		before := rt.n.Load()
 		_, err := h(consumertest.Redeliver(e))
