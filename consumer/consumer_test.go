@@ -19,7 +19,6 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -58,7 +57,7 @@ func TestConsumerAppliesEachEventOnceInOrder(t *testing.T) {
 		require.EqualValues(t, 5, last)
 		require.Equal(t, fold(1, 2, 3, 4, 5), value, "final state equals in-order application")
 	}
-	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")))
+	require.Equal(t, 0, k.Count(t, "parked_events", ""))
 }
 
 func TestBadInputIsDeadLetteredAndThePartitionMoves(t *testing.T) {
@@ -131,7 +130,7 @@ func TestBadInputIsDeadLetteredAndThePartitionMoves(t *testing.T) {
 	require.Contains(t, reasons["unknown"], `no handler for event type "payment.refunded"`)
 	require.Contains(t, reasons["undecodable"], "payload")
 	// Nothing of the bad messages was recorded: their transactions rolled back.
-	require.Equal(t, 3, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")))
+	require.Equal(t, 3, k.Count(t, "processed_events", ""))
 }
 
 func TestPanickingHandlerIsRolledBackAndRetried(t *testing.T) {
@@ -184,7 +183,7 @@ func TestExhaustedRetriesAreDeadLetteredWithNothingRecorded(t *testing.T) {
 	require.Contains(t, dead[0].Reason, "smtp down")
 	require.EqualValues(t, 3, attempts.Load(), "1 attempt + MaxRetries (2)")
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{after})
-	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+` WHERE event_id = $1`, poison.ID))
+	require.Equal(t, 0, k.Count(t, "processed_events", `WHERE event_id = $1`, poison.ID))
 }
 
 func TestShutdownFinishesInFlightEvent(t *testing.T) {

@@ -28,8 +28,6 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
-	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -176,7 +174,7 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	})
 	require.Equal(t, []string{x2.ID, y2.ID, y3.ID}, []string{dls[0].EventID, dls[1].EventID, dls[2].EventID})
 	require.Equal(t, dedup.KindRetriesExhausted, dls[0].Cause)
-	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")), "x3 waits for x2")
+	require.Equal(t, 1, k.Count(t, "parked_events", ""), "x3 waits for x2")
 
 	// The fix is deployed: the tax service accepts x2, and a new version of
 	// the consumer handles thing.renamed.
@@ -206,8 +204,8 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group, Statuses: []admin.HeldStatus{admin.StatusReplayed}})
 	require.NoError(t, err)
 	require.Len(t, dls, 3)
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")))
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "skipped_versions")))
+	require.Zero(t, k.Count(t, "parked_events", ""))
+	require.Zero(t, k.Count(t, "skipped_versions", ""))
 }
 
 // Issue 8, item 13, through the runner: the consumer waits the documented

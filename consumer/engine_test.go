@@ -187,7 +187,7 @@ func TestBatchAppliesInOneTransaction(t *testing.T) {
 	for _, e := range evs {
 		require.Equal(t, txs[evs[0].ID], txs[e.ID], "one transaction for the batch")
 	}
-	require.Equal(t, 8, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")))
+	require.Equal(t, 8, k.Count(t, "processed_events", ""))
 }
 
 // TestFailureInBatchCostsOnlyItself puts a failing and a panicking event
@@ -237,7 +237,7 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 		}
 	}
 	appliedOnce(t, k.Effects(t, group), applied)
-	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+` WHERE event_id = $1`, poison.ID))
+	require.Equal(t, 0, k.Count(t, "processed_events", `WHERE event_id = $1`, poison.ID))
 
 	txs := transactions(t, k, group)
 	require.Equal(t, txs[evs[0].ID], txs[evs[1].ID], "the events before the failure committed together")
@@ -269,7 +269,7 @@ func TestReorderedEventsInOneBatchApplyAtOnce(t *testing.T) {
 	value, last := k.State(t, group, "thing", "x")
 	require.EqualValues(t, 3, last)
 	require.Equal(t, fold(1, 2, 3), value)
-	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")))
+	require.Equal(t, 0, k.Count(t, "parked_events", ""))
 }
 
 // TestRebalanceMidBatchAbandonsIt holds a batch in the middle of its

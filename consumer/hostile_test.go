@@ -28,7 +28,6 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
-	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/middleware"
@@ -379,13 +378,12 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 	checkDeadLetters(t, k, group, wantDead)
 	appliedOnce(t, k.Effects(t, group), append(wantApplied, six, ahead, reusedOnOther))
 	staleID := stale.message(t).Metadata.Get(eventline.MetaEventID)
-	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
-		` WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleID), "the stale liar is recorded as discarded")
+	require.Equal(t, 1, k.Count(t, "processed_events", `WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleID), "the stale liar is recorded as discarded")
 	for _, table := range []string{"parked_events", "skipped_versions"} {
-		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+		require.Zero(t, k.Count(t, table, `WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")+` WHERE consumer_group = $1 AND kind = 'late'`, group),
+	require.Zero(t, k.Count(t, "held_events", `WHERE consumer_group = $1 AND kind = 'late'`, group),
 		"no late event held")
 }
 
@@ -424,9 +422,8 @@ func TestAnIDReusedInAnotherLaneCostsTheGenuineEventNothing(t *testing.T) {
 	require.NoError(t, r.stop())
 	checkDeadLetters(t, k, group, nil)
 	appliedOnce(t, k.Effects(t, group), want)
-	require.Equal(t, len(want), pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
-		` WHERE consumer_group = $1 AND outcome = 'applied'`, group), "a dedup record of every event")
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")+` WHERE consumer_group = $1`, group))
+	require.Equal(t, len(want), k.Count(t, "processed_events", `WHERE consumer_group = $1 AND outcome = 'applied'`, group), "a dedup record of every event")
+	require.Zero(t, k.Count(t, "parked_events", `WHERE consumer_group = $1`, group))
 }
 
 // hostile is a hostile record and what must become of it.
@@ -582,9 +579,8 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 		` WHERE consumer_group = $1 AND event_id = $2 AND kind = 'late' AND cause = 'release_failed' AND attempts <= 1`, group, parkedBad.ID).Scan(&reason),
 		"the parked event is given up at its first failed release")
 	require.Contains(t, reason, "SQLSTATE 22021")
-	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "skipped_versions")+
-		` WHERE consumer_group = $1 AND aggregate_id = 'parked' AND from_version = 2 AND to_version = 2`, group))
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")+` WHERE consumer_group = $1`, group))
+	require.Equal(t, 1, k.Count(t, "skipped_versions", `WHERE consumer_group = $1 AND aggregate_id = 'parked' AND from_version = 2 AND to_version = 2`, group))
+	require.Zero(t, k.Count(t, "parked_events", `WHERE consumer_group = $1`, group))
 }
 
 // Ids and versions that lie, inside one batch transaction with the events
@@ -640,12 +636,11 @@ func TestLiesInsideOneBatch(t *testing.T) {
 		got[d.Offset] = d.Cause
 	}
 	require.Equal(t, map[int64]string{1: dedup.KindIDConflict, 2: dedup.KindPermanent, 7: dedup.KindPermanent, 9: dedup.KindPermanent}, got)
-	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
-		` WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleV2.ID), "the stale liar is recorded as discarded")
+	require.Equal(t, 1, k.Count(t, "processed_events", `WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleV2.ID), "the stale liar is recorded as discarded")
 	for _, table := range []string{"parked_events", "skipped_versions"} {
-		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+		require.Zero(t, k.Count(t, table, `WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")+` WHERE consumer_group = $1 AND kind = 'late'`, group),
+	require.Zero(t, k.Count(t, "held_events", `WHERE consumer_group = $1 AND kind = 'late'`, group),
 		"no late event held")
 }

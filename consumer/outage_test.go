@@ -20,7 +20,6 @@ import (
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
@@ -68,7 +67,7 @@ func startProxy(t *testing.T) *faultproxy.Proxy {
 func failureFree(t *testing.T, k kenv, group string) {
 	t.Helper()
 	for _, table := range []string{"held_events", "parked_events", "skipped_versions"} {
-		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+		require.Zero(t, k.Count(t, table, `WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
 }
@@ -134,7 +133,7 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 	eventually(t, 60*time.Second, func() bool {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(2*(1+cfg.MaxRetries)) && time.Since(outageStart) > 4*time.Second
 	}, "the outage outlasts the retry budget")
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")), "nothing dead-lettered during the outage")
+	require.Zero(t, k.Count(t, "held_events", ""), "nothing dead-lettered during the outage")
 	require.Len(t, k.Effects(t, group), len(aggs), "nothing applied during the outage")
 
 	proxy.Set(faultproxy.Pass)
@@ -202,7 +201,7 @@ func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(1+cfg.MaxRetries)
 	}, "the consumer notices the frozen connection and waits for longer than its retry budget")
 	require.Greater(t, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database"), 0.0)
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")))
+	require.Zero(t, k.Count(t, "held_events", ""))
 
 	// Connections work again (the frozen host stays frozen).
 	addr.Store(healthy.Addr())
@@ -448,7 +447,7 @@ func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing
 	publish(t, k.brokers, k.topic, messages(t, []eventline.Event{v1, v3})...)
 	r := start(t, c)
 	count := func(table string) int {
-		return pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group)
+		return k.Count(t, table, `WHERE consumer_group = $1`, group)
 	}
 	eventually(t, 60*time.Second, func() bool { return count("parked_events") == 1 }, "v3 parks behind v2")
 

@@ -20,7 +20,6 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -200,7 +199,7 @@ func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
 		require.True(t, middleware.IsPermanent(err), "dead-lettered at once")
 	}
 	parked := func() int {
-		return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "parked_events"))
+		return env.Count(t, "parked_events", "")
 	}
 	require.Zero(t, parked())
 	require.NoError(t, deliver(h, ev("order.created", 2, 3)))
@@ -215,5 +214,5 @@ func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
 	require.NoError(t, deliver(newConsumer(up4), tooNew))
 	require.Equal(t, []int64{1, 2, 3, 4}, applied, "applied in order")
 	require.Zero(t, parked())
-	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "held_events")+` WHERE kind = 'late'`))
+	require.Zero(t, env.Count(t, "held_events", `WHERE kind = 'late'`))
 }

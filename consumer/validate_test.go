@@ -12,7 +12,6 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -63,5 +62,5 @@ func TestEventsAreValidatedBeforeTheyPark(t *testing.T) {
 	}
 	require.NoError(t, deliver("thing.noted", 3, `{}`), "an ignored type parks")
 	require.NoError(t, deliver("thing.checked", 4, `{}`))
-	require.Equal(t, 2, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "parked_events")))
+	require.Equal(t, 2, env.Count(t, "parked_events", ""))
 }

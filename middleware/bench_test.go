@@ -187,7 +187,7 @@ func BenchmarkMiddleware(b *testing.B) {
 		_, err := h(msgs[0])
 		return err
 	})
-	require.Equal(b, 0, pgtest.Count(b, be.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(be.env.Schema, "parked_events")))
+	require.Equal(b, 0, be.env.Count(b, "parked_events", ""))
 }
 
 // benchBatch is the batch size of the batch benchmarks.
@@ -228,5 +228,5 @@ func BenchmarkBatchMiddleware(b *testing.B) {
 		}
 		return err
 	})
-	require.Equal(b, 0, pgtest.Count(b, be.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(be.env.Schema, "parked_events")))
+	require.Equal(b, 0, be.env.Count(b, "parked_events", ""))
 }

@@ -16,7 +16,6 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
@@ -178,7 +177,7 @@ func TestSweeperUsesTheHandlerTheEventArrivedOn(t *testing.T) {
 	send("refunds", consumertest.Event("b", 2)) // parked under "refunds"
 	send("orders", consumertest.Event("a", 2))  // drains a3 through "orders"
 	require.Eventually(t, func() bool {
-		return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "processed_events")) == 4
+		return env.Count(t, "processed_events", "") == 4
 	}, 10*time.Second, 20*time.Millisecond)
 	require.NoError(t, router.Close())
 	require.NoError(t, pubsub.Close())

@@ -20,7 +20,6 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
@@ -138,7 +137,7 @@ func (f *fixture) outcome(t *testing.T, eventID string) dedup.Outcome {
 
 func (f *fixture) count(t *testing.T, table string) int {
 	t.Helper()
-	return pgtest.Count(t, f.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(f.env.Schema, table))
+	return f.env.Count(t, table, "")
 }
 
 func TestRedeliveredEventIsAppliedOnce(t *testing.T) {

@@ -58,6 +58,14 @@ func New(t testing.TB, opts pgtest.Options) Env {
 	return e
 }
 
+// Count counts the rows of the schema's table that where (SQL after the
+// table name, such as "WHERE consumer_group = $1"; empty for all) selects,
+// with args.
+func (e Env) Count(t testing.TB, table, where string, args ...any) int {
+	t.Helper()
+	return pgtest.Count(t, e.Pool, `SELECT count(*) FROM `+sqlident.Qualify(e.Schema, table)+" "+where, args...)
+}
+
 // Fold is the state update Apply performs: value' = (value*31 + version) mod p.
 // It depends on the order versions are applied in.
 func Fold(value, version int64) int64 { return (value*31 + version) % 1_000_000_007 }
