@@ -95,20 +95,6 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 	require.Len(t, under(rel[0].SpanContext, "handle"), 1)
 
 	// The stage histograms: a1 and b1 applied on arrival, b2 released.
-	stages := map[string]uint64{}
-	families, err := reg.Gather()
-	require.NoError(t, err)
-	for _, fam := range families {
-		if fam.GetName() != "eventline_consumer_stage_seconds" {
-			continue
-		}
-		for _, m := range fam.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "stage" {
-					stages[l.GetValue()] = m.GetHistogram().GetSampleCount()
-				}
-			}
-		}
-	}
-	require.Equal(t, map[string]uint64{"relayed_to_applied": 2, "occurred_to_applied": 2, "parked_to_released": 1}, stages)
+	stages := consumertest.SumByLabel(t, reg, "eventline_consumer_stage_seconds", "stage")
+	require.Equal(t, map[string]float64{"relayed_to_applied": 2, "occurred_to_applied": 2, "parked_to_released": 1}, stages)
 }

@@ -28,21 +28,7 @@ func TestMetricLabelsAreBounded(t *testing.T) {
 	}
 	require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("z", 1))))
 
-	families, err := f.registry.Gather()
-	require.NoError(t, err)
-	labels := map[string]float64{}
-	for _, fam := range families {
-		if fam.GetName() != "eventline_consumer_events_applied_total" {
-			continue
-		}
-		for _, m := range fam.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "event_type" {
-					labels[l.GetValue()] += m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
+	labels := consumertest.SumByLabel(t, f.registry, "eventline_consumer_events_applied_total", "event_type")
 	require.Len(t, labels, middleware.MaxUnregisteredEventTypes+2, "the first unregistered types, thing.changed and other")
 	require.Equal(t, 1.0, labels["thing.changed"], "a registered type keeps its label")
 	require.Equal(t, float64(n-middleware.MaxUnregisteredEventTypes), labels[middleware.OtherEventType])
@@ -63,7 +49,7 @@ func TestGapDurationIsObservedByOutcome(t *testing.T) {
 	deliver("a", 1)
 	deliver("a", 3)
 	deliver("a", 2) // fills a's gap
-	require.Equal(t, map[string]uint64{"filled": 1}, f.gapDurations(t))
+	require.Equal(t, map[string]float64{"filled": 1}, consumertest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"))
 	require.Equal(t, []int64{1, 2, 3}, f.versions(t, "a"))
 
 	deliver("b", 2) // b1 never comes: skipped by the sweeper
@@ -75,31 +61,10 @@ func TestGapDurationIsObservedByOutcome(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Released)
 	require.Len(t, res.GapsClosed, 2)
-	require.Equal(t, map[string]uint64{"filled": 1, "skipped": 1, "released": 1}, f.gapDurations(t))
+	require.Equal(t, map[string]float64{"filled": 1, "skipped": 1, "released": 1}, consumertest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"))
 
 	res, err = f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Empty(t, res.GapsClosed)
-	require.Equal(t, map[string]uint64{"filled": 1, "skipped": 1, "released": 1}, f.gapDurations(t), "each gap is observed once")
-}
-
-// gapDurations returns the sample count of the gap histogram per outcome.
-func (f *fixture) gapDurations(t *testing.T) map[string]uint64 {
-	t.Helper()
-	families, err := f.registry.Gather()
-	require.NoError(t, err)
-	out := map[string]uint64{}
-	for _, fam := range families {
-		if fam.GetName() != "eventline_consumer_gap_duration_seconds" {
-			continue
-		}
-		for _, m := range fam.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "outcome" {
-					out[l.GetValue()] += m.GetHistogram().GetSampleCount()
-				}
-			}
-		}
-	}
-	return out
+	require.Equal(t, map[string]float64{"filled": 1, "skipped": 1, "released": 1}, consumertest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"), "each gap is observed once")
 }

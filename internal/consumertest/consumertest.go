@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -64,6 +65,29 @@ func New(t testing.TB, opts pgtest.Options) Env {
 func (e Env) Count(t testing.TB, table, where string, args ...any) int {
 	t.Helper()
 	return pgtest.Count(t, e.Pool, `SELECT count(*) FROM `+sqlident.Qualify(e.Schema, table)+" "+where, args...)
+}
+
+// SumByLabel gathers g and returns, per value of label, the sum over the
+// series of the metric family name of their values (counters, gauges) or
+// sample counts (histograms).
+func SumByLabel(t testing.TB, g prometheus.Gatherer, name, label string) map[string]float64 {
+	t.Helper()
+	families, err := g.Gather()
+	require.NoError(t, err)
+	out := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == label {
+					out[l.GetValue()] += m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount())
+				}
+			}
+		}
+	}
+	return out
 }
 
 // Fold is the state update Apply performs: value' = (value*31 + version) mod p.
