@@ -16,7 +16,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -127,11 +126,8 @@ func testCrashAfterCommit(t *testing.T, tc crashCase) {
 
 	// Restart in this process: the group's offsets were never committed, so
 	// Kafka redelivers from the start.
-	reg := prometheus.NewRegistry()
-	metrics, err := middleware.NewMetrics(reg)
-	require.NoError(t, err)
 	cfg := k.config(crashGroup)
-	cfg.Metrics = metrics
+	reg := withMetrics(t, &cfg)
 	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(crashGroup)))
 	r := start(t, c)

@@ -17,7 +17,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -67,12 +66,9 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 	topic := kafkatest.Topic(t, "big")
 	createBigTopic(t, k.brokers, topic)
 	const group = "oversize"
-	reg := prometheus.NewRegistry()
-	metrics, err := middleware.NewMetrics(reg)
-	require.NoError(t, err)
 	cfg := k.config(group)
 	cfg.Topics = []string{topic}
-	cfg.Metrics = metrics
+	reg := withMetrics(t, &cfg)
 	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		if len(e.Payload) > 4<<20 {

@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
@@ -77,6 +78,16 @@ func (k kenv) newConsumer(t testing.TB, cfg consumer.Config) *consumer.Consumer 
 	c, err := consumer.New(k.Pool, cfg)
 	require.NoError(t, err)
 	return c
+}
+
+// withMetrics gives cfg metrics of their own and returns their registry.
+func withMetrics(t testing.TB, cfg *consumer.Config) *prometheus.Registry {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	m, err := middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg.Metrics = m
+	return reg
 }
 
 // config is a consumer configuration for the test's topics with fast

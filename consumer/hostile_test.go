@@ -18,7 +18,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -30,7 +29,6 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
-	"github.com/eventline/eventline/middleware"
 )
 
 // thingPayload is what consumertest.Event puts in a payload.
@@ -208,13 +206,10 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 	k.topic = kafkatest.Topic(t, "hostile")
 	createBigTopic(t, k.brokers, k.topic)
 	const group = "hostile"
-	var err error
 	// Everything that reads the records' fields on: metrics (event_type
 	// labels), tracing (headers, attributes), debug logging.
 	cfg := k.config(group)
-	reg := prometheus.NewRegistry()
-	cfg.Metrics, err = middleware.NewMetrics(reg)
-	require.NoError(t, err)
+	withMetrics(t, &cfg)
 	cfg.TracerProvider = tracingtest.New(t).Provider
 	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	c := k.newConsumer(t, cfg)

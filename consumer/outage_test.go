@@ -10,7 +10,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -103,12 +102,9 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 	const group = "outage"
 	proxy := startProxy(t)
 	pool := consumerPool(t, proxy.Addr)
-	reg := prometheus.NewRegistry()
-	metrics, err := middleware.NewMetrics(reg)
-	require.NoError(t, err)
 	cfg := k.config(group)
 	outageBudget(&cfg)
-	cfg.Metrics = metrics
+	reg := withMetrics(t, &cfg)
 	c, err := consumer.New(pool, cfg)
 	require.NoError(t, err)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
@@ -167,12 +163,9 @@ func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
 	// the pool does not wait on frozen connections.
 	frozen, healthy := startProxy(t), startProxy(t)
 	addr.Store(frozen.Addr())
-	reg := prometheus.NewRegistry()
-	metrics, err := middleware.NewMetrics(reg)
-	require.NoError(t, err)
 	cfg := k.config(group)
 	outageBudget(&cfg)
-	cfg.Metrics = metrics
+	reg := withMetrics(t, &cfg)
 	cfg.TxTimeout = time.Second
 	c, err := consumer.New(pool, cfg)
 	require.NoError(t, err)

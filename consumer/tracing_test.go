@@ -7,7 +7,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -17,7 +16,6 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
-	"github.com/eventline/eventline/middleware"
 )
 
 // TestConsumerContinuesTheRecordsTrace: over Kafka, each delivery gets a
@@ -32,8 +30,7 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 	rec := tracingtest.New(t)
 	cfg := k.config(group)
 	cfg.TracerProvider = rec.Provider
-	reg := prometheus.NewRegistry()
-	cfg.Metrics, _ = middleware.NewMetrics(reg)
+	reg := withMetrics(t, &cfg)
 	c := k.newConsumer(t, cfg)
 	apply := k.applyHandler(group)
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {

@@ -10,7 +10,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -76,11 +75,9 @@ func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
 	_, err := env.Pool.Exec(ctx, `CREATE TABLE `+seen+` (order_id text, aggregate_version bigint, amount_cents bigint, currency text, PRIMARY KEY (order_id, aggregate_version))`)
 	require.NoError(t, err)
 
-	reg := prometheus.NewRegistry()
 	cfg := env.config(group)
 	cfg.Upcasters = orderUpcasters(t)
-	cfg.Metrics, err = middleware.NewMetrics(reg)
-	require.NoError(t, err)
+	reg := withMetrics(t, &cfg)
 	c, err := consumer.New(env.Pool, cfg)
 	require.NoError(t, err)
 	require.NoError(t, consumer.HandleJSON(c, "order.created", func(ctx context.Context, tx pgx.Tx, e eventline.Event, o orderV3) error {
