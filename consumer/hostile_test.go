@@ -491,9 +491,7 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "typed"
-	refs := sqlident.Qualify(k.Schema, "refs")
-	_, err := k.Pool.Exec(context.Background(), `CREATE TABLE `+refs+` (event_ref uuid NOT NULL, name text NOT NULL, ref uuid NOT NULL, doc jsonb NOT NULL, amount integer NOT NULL)`)
-	require.NoError(t, err)
+	refs := k.CreateTable(t, "refs", `event_ref uuid NOT NULL, name text NOT NULL, ref uuid NOT NULL, doc jsonb NOT NULL, amount integer NOT NULL`)
 	c := k.newConsumer(t, k.config(group))
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, p refPayload) error {
 		if _, err := tx.Exec(ctx, `INSERT INTO `+refs+` (event_ref, name, ref, doc, amount) VALUES ($1, $2, $3, $4, $5)`, e.ID, p.Name, p.Ref, string(p.Doc), p.Amount); err != nil {

@@ -93,9 +93,7 @@ func TestBatchOfOneAggregateWithDuplicatesIsOneTransaction(t *testing.T) {
 func TestBatchCommitFailureFallsBackToOneByOne(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{})
-	uniq := sqlident.Qualify(f.env.Schema, "uniq")
-	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+uniq+` (k text, CONSTRAINT uniq_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)`)
-	require.NoError(t, err)
+	uniq := f.env.CreateTable(t, "uniq", `k text, CONSTRAINT uniq_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED`)
 	business := f.business(group)
 	h := f.el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())

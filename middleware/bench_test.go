@@ -21,7 +21,6 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -56,10 +55,8 @@ type benchEnv struct {
 func newBenchEnv(b testing.TB) benchEnv {
 	b.Helper()
 	env := consumertest.New(b, pgtest.Options{MaxConns: 16})
-	table := sqlident.Qualify(env.Schema, "bench_effects")
-	_, err := env.Pool.Exec(context.Background(), `CREATE TABLE `+table+` (
-		id bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, payload jsonb NOT NULL)`)
-	require.NoError(b, err)
+	table := env.CreateTable(b, "bench_effects",
+		`id bigserial PRIMARY KEY, event_id text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, payload jsonb NOT NULL`)
 	return benchEnv{env: env, pool: benchPool(b, env), insert: `INSERT INTO ` + table + ` (event_id, aggregate_id, version, payload) VALUES ($1, $2, $3, $4)`}
 }
 

@@ -126,9 +126,7 @@ func hostileMessage(agg, id string) *rapid.Generator[*message.Message] {
 func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{MaxRetries: 2, Retry: eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond}})
-	names := sqlident.Qualify(f.env.Schema, "names")
-	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+names+` (event_id text NOT NULL, name text NOT NULL, ref uuid, amount integer NOT NULL)`)
-	require.NoError(t, err)
+	names := f.env.CreateTable(t, "names", `event_id text NOT NULL, name text NOT NULL, ref uuid, amount integer NOT NULL`)
 	var attempts atomic.Int64
 	chain := f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
 		attempts.Add(1)
@@ -277,9 +275,7 @@ func nonNil(b []byte) []byte {
 func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{MaxRetries: 3, Retry: eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond}})
-	amounts := sqlident.Qualify(f.env.Schema, "amounts")
-	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+amounts+` (event_id text NOT NULL, amount integer NOT NULL)`)
-	require.NoError(t, err)
+	amounts := f.env.CreateTable(t, "amounts", `event_id text NOT NULL, amount integer NOT NULL`)
 	var attempts atomic.Int64
 	chain := f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
 		attempts.Add(1)

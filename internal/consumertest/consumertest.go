@@ -67,6 +67,16 @@ func (e Env) Count(t testing.TB, table, where string, args ...any) int {
 	return pgtest.Count(t, e.Pool, `SELECT count(*) FROM `+sqlident.Qualify(e.Schema, table)+" "+where, args...)
 }
 
+// CreateTable creates the table name (columns is its definition inside
+// the parentheses) in the schema and returns its qualified name.
+func (e Env) CreateTable(t testing.TB, name, columns string) string {
+	t.Helper()
+	table := sqlident.Qualify(e.Schema, name)
+	_, err := e.Pool.Exec(context.Background(), `CREATE TABLE `+table+` (`+columns+`)`)
+	require.NoError(t, err)
+	return table
+}
+
 // SumByLabel gathers g and returns, per value of label, the sum over the
 // series of the metric family name of their values (counters, gauges) or
 // sample counts (histograms).
