@@ -377,13 +377,10 @@ func (l *lane) deliverBatch(first *record) {
 		r := <-results
 		got[r.index] = r.ack
 	}
-	var again []*record
 	for i, d := range members {
-		if got[i] == nacked {
-			again = append(again, d)
+		if got[i] != nacked {
+			continue
 		}
-	}
-	for _, d := range again {
 		if !l.pause() {
 			return
 		}

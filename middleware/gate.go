@@ -77,9 +77,9 @@ func (g *gate) observeSweep(r store.SweepResult, err error) {
 // sweeper and are dropped with a warning; handlers that emit events should
 // write them with the producer's PublishTx through tx.
 func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p store.Parked) error {
-	h := g.reg.lookup(p.Handler)
-	if h == nil {
-		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, p.Handler)
+	h, err := g.handler(p.Handler)
+	if err != nil {
+		return err
 	}
 	out, err := g.release(ctx, tx, p, h)
 	if err == nil && len(out) > 0 {
@@ -87,6 +87,15 @@ func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p store.Parked) error
 			"group", p.Group, "event_id", p.EventID, "dropped", len(out))
 	}
 	return err
+}
+
+// handler is the handler registered under name, or an error matching
+// versioning.ErrNoHandler that says what to add.
+func (g *gate) handler(name string) (message.HandlerFunc, error) {
+	if h := g.reg.lookup(name); h != nil {
+		return h, nil
+	}
+	return nil, fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, name)
 }
 
 // release runs h for a parked or late event in the savepoint tx. The

@@ -69,8 +69,9 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 	apply := func(ctx context.Context, sp pgx.Tx, p store.Parked) error {
 		ph := h
 		if p.Handler != name {
-			if ph = g.reg.lookup(p.Handler); ph == nil {
-				return fmt.Errorf("%w: %q", versioning.ErrNoHandler, p.Handler)
+			var err error
+			if ph, err = g.handler(p.Handler); err != nil {
+				return err
 			}
 		}
 		produced, err := g.release(ctx, sp, p, ph)

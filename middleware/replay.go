@@ -11,7 +11,6 @@ import (
 	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/store"
-	"github.com/eventline/eventline/versioning"
 )
 
 // replayBatch bounds the dead letters one replay pass claims.
@@ -144,14 +143,14 @@ func (el *Eventline) replayDeadLetters(ctx context.Context) (res replayResult, e
 // replay runs one dead letter through the eventline middleware and its
 // handler.
 func (el *Eventline) replay(ctx context.Context, d held.Event) error {
-	h := el.gate.reg.lookup(d.Handler)
-	if h == nil {
-		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, d.Handler)
+	h, err := el.gate.handler(d.Handler)
+	if err != nil {
+		return err
 	}
 	msg := d.Message()
 	ctx = context.WithValue(ctx, replayKey{}, true)
 	msg.SetContext(delivery.WithSource(ctx, delivery.Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
-	_, err := el.handler(el.guard(h))(msg)
+	_, err = el.handler(el.guard(h))(msg)
 	return err
 }
 
