@@ -30,14 +30,10 @@ import (
 //     the Retry schedule's n-th wait; after the last retry fails the error
 //     is returned as a *retriesExhaustedError.
 //
-// Each retry it schedules is visible in traces: when the message's context
-// carries a recording span (the process span, which the chain puts
-// outermost), it adds to it an "eventline.retry" event with the attributes
-// eventline.retry.attempt (the attempt that failed, from 1, every kind
-// counted), eventline.retry.kind (handler, conflict, infrastructure, or
-// unsafe_composition), eventline.retry.wait.seconds (the wait, after
-// jitter) and eventline.retry.error (the error, cut to 1 KiB and made
-// valid UTF-8). Without a recording span it adds nothing.
+// Each retry it schedules is an "eventline.retry" event on the process
+// span (see the package documentation's "Tracing"): the attempt that
+// failed (from 1, every kind counted), its kind, the wait after jitter and
+// the error.
 //
 // Every attempt starts from the context the message arrived with, so each
 // gets a fresh consumer transaction. When that context ends (shutdown) a
