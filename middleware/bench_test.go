@@ -3,11 +3,15 @@ package middleware_test
 import (
 	"cmp"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"fmt"
 	"net"
 	"os"
 	"strconv"
+	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -15,6 +19,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
@@ -226,4 +232,132 @@ func BenchmarkBatchMiddleware(b *testing.B) {
 		return err
 	})
 	require.Equal(b, 0, be.env.Count(b, "parked_events", ""))
+}
+
+// The tracing benchmarks measure what tracing costs the consumer, off (no
+// TracerProvider: the default) and on (the OTel SDK sampling every span,
+// batching them to an exporter that drops them):
+//
+//	go test -run '^$' -bench 'BenchmarkTracing' -benchmem -benchtime 3s ./middleware/
+//
+// BenchmarkTracingMiddleware is BenchmarkMiddleware (a transaction and a
+// business insert per event, on PostgreSQL) behind Traced, as Chain and
+// the consumer compose it; BenchmarkTracingWrapper is the tracing alone,
+// around a handler that does nothing, where its cost is not hidden by the
+// database's.
+
+// benchTraceparent is the context the relay's send span writes into each
+// record.
+const benchTraceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+func benchProviders(b *testing.B) map[string]trace.TracerProvider {
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(tracetest.NewNoopExporter()), sdktrace.WithSampler(sdktrace.AlwaysSample()))
+	b.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	return map[string]trace.TracerProvider{"off": nil, "sdk": tp}
+}
+
+func BenchmarkTracingMiddleware(b *testing.B) {
+	for _, mode := range []string{"off", "sdk"} {
+		b.Run(mode, func(b *testing.B) {
+			be := newBenchEnv(b)
+			be.traceParent = benchTraceparent
+			el, mw := be.eventline(b, benchProviders(b)[mode])
+			h := el.Traced(mw)
+			b.ReportAllocs()
+			be.run(b, 1, func(msgs []*message.Message) error {
+				_, err := h(msgs[0])
+				return err
+			})
+		})
+	}
+}
+
+func BenchmarkTracingWrapper(b *testing.B) {
+	for _, mode := range []string{"off", "sdk"} {
+		b.Run(mode, func(b *testing.B) {
+			be := newBenchEnv(b)
+			el, _ := be.eventline(b, benchProviders(b)[mode])
+			h := el.Traced(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+			e := benchEvents(1)()
+			e.TraceParent = benchTraceparent
+			msg, err := eventline.Encode(e)
+			require.NoError(b, err)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				if _, err := h(msg); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// benchAppName names the benchmark pools' connections, so cpuMeter finds
+// their server processes.
+var benchAppName = func() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return "eventline-bench-" + hex.EncodeToString(b[:])
+}()
+
+// cpuMeter reports CPU time per event of the benchmark process (go-µs/ev)
+// and of the PostgreSQL backends serving pool (pg-µs/ev, when PostgreSQL
+// runs on this host): on a shared machine, CPU per event varies much less
+// with the load than events per second.
+func cpuMeter(b *testing.B, pool *pgxpool.Pool) func(events int64) {
+	pg0, self0 := backendTicks(pool), selfCPU()
+	return func(events int64) {
+		if events == 0 {
+			return
+		}
+		var ticks int64
+		for pid, t := range backendTicks(pool) {
+			ticks += t - pg0[pid]
+		}
+		b.ReportMetric(float64(ticks)*1e6/clockTicks/float64(events), "pg-µs/ev")
+		b.ReportMetric(float64(selfCPU()-self0)/1e3/float64(events), "go-µs/ev")
+	}
+}
+
+// clockTicks is USER_HZ, the unit of /proc/<pid>/stat times (100 on Linux).
+const clockTicks = 100
+
+// backendTicks returns the CPU time, in clock ticks, of each server process
+// with the benchmark's application name.
+func backendTicks(pool *pgxpool.Pool) map[int]int64 {
+	rows, err := pool.Query(context.Background(), `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, benchAppName)
+	if err != nil {
+		return nil
+	}
+	defer rows.Close()
+	out := map[int]int64{}
+	for rows.Next() {
+		var pid int
+		if rows.Scan(&pid) == nil {
+			out[pid] = procTicks(pid)
+		}
+	}
+	return out
+}
+
+func procTicks(pid int) int64 {
+	st, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0
+	}
+	s := string(st)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	if len(f) < 13 {
+		return 0
+	}
+	u, _ := strconv.ParseInt(f[11], 10, 64)
+	k, _ := strconv.ParseInt(f[12], 10, 64)
+	return u + k
+}
+
+func selfCPU() int64 {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return ru.Utime.Nano() + ru.Stime.Nano()
 }
