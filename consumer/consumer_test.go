@@ -211,11 +211,7 @@ func TestShutdownFinishesInFlightEvent(t *testing.T) {
 	e := consumertest.Event("a", 1)
 	publish(t, k.brokers, k.topic, consumertest.Message(t, e))
 	r := start(t, c)
-	select {
-	case <-entered:
-	case <-time.After(60 * time.Second):
-		t.Fatal("handler never called")
-	}
+	waitFor(t, entered, 60*time.Second, "the handler to be called")
 	stoppingNow := stopping.Next()
 	stopped := make(chan error, 1)
 	go func() { stopped <- r.stop() }()

@@ -305,11 +305,7 @@ func TestRebalanceMidBatchAbandonsIt(t *testing.T) {
 	}
 	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
 	a := start(t, newConsumer(true))
-	select {
-	case <-entered:
-	case <-time.After(60 * time.Second):
-		t.Fatal("the batch never reached its handler")
-	}
+	waitFor(t, entered, 60*time.Second, "the batch to reach its handler")
 	b := start(t, newConsumer(false)) // joins: the partition is revoked mid-batch
 	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(evs) }, "every event applied after the rebalance")
 	require.True(t, abandoned.Load(), "the stalled batch was abandoned by the revocation")
@@ -389,11 +385,7 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 	first := distinctEvents(8)
 	publish(t, k.brokers, k.topic, messagesOf(t, first)...)
 	a := start(t, newConsumer(true))
-	select {
-	case <-entered:
-	case <-time.After(60 * time.Second):
-		t.Fatal("the batch never reached its handler")
-	}
+	waitFor(t, entered, 60*time.Second, "the batch to reach its handler")
 	revoked := aStopping.Next()
 	b := start(t, newConsumer(false)) // joins: the partition is revoked mid-batch
 	// The group starts rebalancing when b joins; a learns it on its next

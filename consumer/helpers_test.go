@@ -181,6 +181,17 @@ func start(t *testing.T, c *consumer.Consumer) *running {
 	return r
 }
 
+// mustRun fails the test when Run has returned (during, say, an outage).
+func (r *running) mustRun(t *testing.T, during string) {
+	t.Helper()
+	select {
+	case err := <-r.done:
+		r.done <- err // for r.stop
+		t.Fatalf("Run returned during %s: %v", during, err)
+	default:
+	}
+}
+
 // stop cancels the consumer and waits for Run to return.
 func (r *running) stop() error {
 	r.once.Do(func() {

@@ -303,12 +303,7 @@ func consumeAfterOutage(t *testing.T, k kenv, pool *pgxpool.Pool, cfg consumer.C
 
 	r := start(t, c)
 	eventually(t, 60*time.Second, func() bool {
-		select {
-		case err := <-r.done:
-			r.done <- err // for r.stop
-			t.Fatalf("Run returned during the outage: %v", err)
-		default:
-		}
+		r.mustRun(t, "the outage")
 		return proxy.Refused() >= refusals
 	}, "the consumer tries %s several times", what)
 	proxy.Set(faultproxy.Pass)
@@ -396,12 +391,7 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 			faults.Drop()
 			proxy.Set(faultproxy.Pass)
 			eventually(t, 60*time.Second, func() bool {
-				select {
-				case err := <-r.done:
-					r.done <- err // for r.stop
-					t.Fatalf("Run returned during the Kafka outage: %v", err)
-				default:
-				}
+				r.mustRun(t, "the Kafka outage")
 				// Sarama's client tries a broker 4 times (Metadata.Retry.Max
 				// 3) before it gives up: 12 refusals are three tries.
 				return faults.Refused() >= 12
