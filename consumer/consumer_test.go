@@ -141,57 +141,68 @@ func TestBadInputIsDeadLetteredAndThePartitionMoves(t *testing.T) {
 	require.Equal(t, 3, k.Count(t, "processed_events", ""))
 }
 
-func TestPanickingHandlerIsRolledBackAndRetried(t *testing.T) {
+// TestFailingHandler: a handler that fails after writing its effect
+// leaves nothing behind; it is retried, and dead-lettered once its retries
+// are spent.
+func TestFailingHandler(t *testing.T) {
 	t.Parallel()
-	k := newKenv(t, 1)
-	const group = "shipping"
-	c := k.newConsumer(t, k.config(group))
-	var attempts atomic.Int32
-	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
-		if err := k.Apply(ctx, tx, group, e); err != nil {
-			return err
-		}
-		if attempts.Add(1) <= 2 {
-			panic("flaky handler")
-		}
-		return nil
-	}))
-	e := consumertest.Event("a", 1)
-	publish(t, k.brokers, k.topic, consumertest.Message(t, e))
-	r := start(t, c)
-	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "applied after the panics")
-	require.NoError(t, r.stop())
-	require.EqualValues(t, 3, attempts.Load())
-	appliedOnce(t, k.Effects(t, group), []eventline.Event{e})
-}
-
-func TestExhaustedRetriesAreDeadLetteredWithNothingRecorded(t *testing.T) {
-	t.Parallel()
-	k := newKenv(t, 1)
-	const group = "mailer"
-	c := k.newConsumer(t, k.config(group))
-	var attempts atomic.Int32
-	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
-		if e.AggregateID == "poison" {
-			attempts.Add(1)
+	// setup returns a consumer of group whose handler writes each event's
+	// effect and then, for events of the aggregate failing, returns
+	// fail(attempt), attempt counting from 1; attempts counts them.
+	setup := func(t *testing.T, group, failing string, fail func(attempt int32) error) (k kenv, c *consumer.Consumer, attempts *atomic.Int32) {
+		k = newKenv(t, 1)
+		c = k.newConsumer(t, k.config(group))
+		attempts = &atomic.Int32{}
+		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+			var n int32
+			if e.AggregateID == failing {
+				n = attempts.Add(1)
+			}
 			if err := k.Apply(ctx, tx, group, e); err != nil {
 				return err
 			}
-			return errors.New("smtp down")
-		}
-		return k.Apply(ctx, tx, group, e)
-	}))
-	poison, after := consumertest.Event("poison", 1), consumertest.Event("fine", 1)
-	publish(t, k.brokers, k.topic, consumertest.Message(t, poison), consumertest.Message(t, after))
-	r := start(t, c)
-	dead := deadLetters(t, k, group, 1)
-	eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "the next message is applied")
-	require.NoError(t, r.stop())
-	require.Equal(t, dedup.KindRetriesExhausted, dead[0].Cause)
-	require.Contains(t, dead[0].Reason, "smtp down")
-	require.EqualValues(t, 3, attempts.Load(), "1 attempt + MaxRetries (2)")
-	appliedOnce(t, k.Effects(t, group), []eventline.Event{after})
-	require.Equal(t, 0, k.Count(t, "processed_events", `WHERE event_id = $1`, poison.ID))
+			if e.AggregateID == failing {
+				return fail(n)
+			}
+			return nil
+		}))
+		return k, c, attempts
+	}
+
+	t.Run("a panic is rolled back and retried", func(t *testing.T) {
+		t.Parallel()
+		const group = "shipping"
+		e := consumertest.Event("a", 1)
+		k, c, attempts := setup(t, group, "a", func(attempt int32) error {
+			if attempt <= 2 {
+				panic("flaky handler")
+			}
+			return nil
+		})
+		publish(t, k.brokers, k.topic, consumertest.Message(t, e))
+		r := start(t, c)
+		eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "applied after the panics")
+		require.NoError(t, r.stop())
+		require.EqualValues(t, 3, attempts.Load())
+		appliedOnce(t, k.Effects(t, group), []eventline.Event{e})
+	})
+
+	t.Run("exhausted retries are dead-lettered with nothing recorded", func(t *testing.T) {
+		t.Parallel()
+		const group = "mailer"
+		k, c, attempts := setup(t, group, "poison", func(int32) error { return errors.New("smtp down") })
+		poison, after := consumertest.Event("poison", 1), consumertest.Event("fine", 1)
+		publish(t, k.brokers, k.topic, consumertest.Message(t, poison), consumertest.Message(t, after))
+		r := start(t, c)
+		dead := deadLetters(t, k, group, 1)
+		eventually(t, 30*time.Second, func() bool { return len(k.Effects(t, group)) == 1 }, "the next message is applied")
+		require.NoError(t, r.stop())
+		require.Equal(t, dedup.KindRetriesExhausted, dead[0].Cause)
+		require.Contains(t, dead[0].Reason, "smtp down")
+		require.EqualValues(t, 3, attempts.Load(), "1 attempt + MaxRetries (2)")
+		appliedOnce(t, k.Effects(t, group), []eventline.Event{after})
+		require.Equal(t, 0, k.Count(t, "processed_events", `WHERE event_id = $1`, poison.ID))
+	})
 }
 
 func TestShutdownFinishesInFlightEvent(t *testing.T) {
