@@ -19,7 +19,6 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -137,22 +136,6 @@ func batchConfig(k kenv, group string, size int) consumer.Config {
 	return cfg
 }
 
-// transactions returns, per effect in apply order, the id of the
-// transaction that wrote it (PostgreSQL's xmin).
-func transactions(t *testing.T, k kenv, group string) map[string]string {
-	t.Helper()
-	rows, err := k.Pool.Query(context.Background(), `SELECT event_id, xmin::text FROM `+sqlident.Qualify(k.Schema, "effects")+` WHERE grp = $1`, group)
-	require.NoError(t, err)
-	out := map[string]string{}
-	for rows.Next() {
-		var id, xmin string
-		require.NoError(t, rows.Scan(&id, &xmin))
-		out[id] = xmin
-	}
-	require.NoError(t, rows.Err())
-	return out
-}
-
 func distinctEvents(n int) []eventline.Event {
 	var evs []eventline.Event
 	for i := 0; i < n; i++ {
@@ -183,7 +166,7 @@ func TestBatchAppliesInOneTransaction(t *testing.T) {
 	eventually(t, 40*time.Second, func() bool { return len(k.Effects(t, group)) == 8 }, "all applied")
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), evs)
-	txs := transactions(t, k, group)
+	txs := k.Transactions(t, group)
 	for _, e := range evs {
 		require.Equal(t, txs[evs[0].ID], txs[e.ID], "one transaction for the batch")
 	}
@@ -239,7 +222,7 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 	appliedOnce(t, k.Effects(t, group), applied)
 	require.Equal(t, 0, k.Count(t, "processed_events", `WHERE event_id = $1`, poison.ID))
 
-	txs := transactions(t, k, group)
+	txs := k.Transactions(t, group)
 	require.Equal(t, txs[evs[0].ID], txs[evs[1].ID], "the events before the failure committed together")
 	require.Equal(t, txs[evs[0].ID], txs[evs[2].ID], "the events before the failure committed together")
 	require.Equal(t, txs[evs[6].ID], txs[evs[7].ID], "the events after the panic committed together")

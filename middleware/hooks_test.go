@@ -217,7 +217,7 @@ func TestPanickingAfterCommitHookIsRecoveredOnEveryPath(t *testing.T) {
 		for i, err := range errs {
 			require.NoError(t, err, "member %d", i)
 		}
-		xm := r.f.xmins(t)
+		xm := r.f.env.Transactions(t, group)
 		require.Equal(t, xm[a.ID], xm[c.ID], "one transaction")
 		require.Equal(t, []string{a.ID, b.ID, c.ID}, r.hooksRan(), "every member's hooks ran, b's second one too")
 		r.check(t, 3, b)

@@ -146,6 +146,22 @@ func (e Env) Effects(t TB, group string) []Effect {
 	return out
 }
 
+// Transactions returns, per event id, the id of the transaction that
+// wrote the group's effect of it (PostgreSQL's xmin).
+func (e Env) Transactions(t TB, group string) map[string]string {
+	t.Helper()
+	rows, err := e.Pool.Query(context.Background(), `SELECT event_id, xmin::text FROM `+e.effects+` WHERE grp = $1`, group)
+	require.NoError(t, err)
+	out := map[string]string{}
+	for rows.Next() {
+		var id, xmin string
+		require.NoError(t, rows.Scan(&id, &xmin))
+		out[id] = xmin
+	}
+	require.NoError(t, rows.Err())
+	return out
+}
+
 // State returns the folded value and last version of an aggregate (0, 0
 // when nothing was applied).
 func (e Env) State(t TB, group, aggregateType, aggregateID string) (value, lastVersion int64) {
