@@ -70,9 +70,7 @@ func (el *Eventline) guard(h message.HandlerFunc) message.HandlerFunc {
 //
 // inner is registered for the sweeper and replays under name.
 func (el *Eventline) chain(name string, inner message.HandlerFunc) message.HandlerFunc {
-	el.gate.reg.wrap(inner)
-	el.gate.reg.register(name, inner)
-	h := el.handler(el.guard(inner))
+	h := el.wrap(name, inner)
 	for i := len(el.cfg.Middleware) - 1; i >= 0; i-- {
 		h = el.cfg.Middleware[i](h)
 	}

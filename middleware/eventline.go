@@ -109,12 +109,14 @@ func New(db Pool, cfg Config) (*Eventline, error) {
 // statement that records the event id and locks, checks and advances the
 // aggregate's version; then the handler's statements; then COMMIT.
 func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware {
-	return func(h message.HandlerFunc) message.HandlerFunc {
-		inner := el.upcasting(h)
-		el.gate.reg.wrap(inner)
-		el.gate.reg.register(handlerName, inner)
-		return el.handler(el.guard(inner))
-	}
+	return func(h message.HandlerFunc) message.HandlerFunc { return el.wrap(handlerName, el.upcasting(h)) }
+}
+
+// wrap registers inner (the handler behind the upcasters) under name, for
+// the sweeper and replays, and returns the eventline middleware around it.
+func (el *Eventline) wrap(name string, inner message.HandlerFunc) message.HandlerFunc {
+	el.gate.reg.register(name, inner)
+	return el.handler(el.guard(inner))
 }
 
 // Sweep makes one sweeper pass now, as Run does every SweepInterval: it

@@ -117,15 +117,15 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	ctx := msg.Context()
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	hold := policyFor(g.cfg.LatePolicyByType, e.Type, g.cfg.LatePolicy) == versioning.HoldLate
-	late, reason, err := g.store.HoldLate(ctx, tx, store.LateRequest{Group: group, Event: e, Message: msg,
-		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
+	req := store.LateRequest{Group: group, Event: e, Message: msg, Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold}
+	late, reason, err := g.store.HoldLate(ctx, tx, req)
 	if err != nil {
 		return nil, g.refusal(ctx, e, err)
 	}
 	attrs := []any{"group", group, "event_id", e.ID, "event_type", e.Type, "aggregate_type", e.AggregateType,
 		"aggregate_id", e.AggregateID, "version", e.AggregateVersion, "current", a.Previous}
 	if !late && isReplay(ctx) {
-		return nil, g.conflict(msg, tx, e, a, attrs)
+		return nil, g.conflict(ctx, tx, req, attrs)
 	}
 	if !late {
 		log.DebugContext(ctx, "eventline: stale event discarded", attrs...)
@@ -137,10 +137,8 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 		if err := g.validate(ctx, e, "held as late"); err != nil {
 			return nil, err
 		}
-		log.WarnContext(ctx, "eventline: late event held for the operator: its version was given up on before it arrived; replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
-			append(attrs, "skip_reason", reason)...)
-		AfterCommit(ctx, func() { m.add(lateCounter, 1, group, m.eventType(e.Type), "held") })
-		g.obs.outcome(ctx, tracing.OutcomeSkipped) // its version was skipped; held for the operator
+		g.held(ctx, e, "eventline: late event held for the operator: its version was given up on before it arrived; replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
+			append(attrs, "skip_reason", reason))
 		return nil, nil
 	}
 	log.WarnContext(ctx, "eventline: late event applied after later versions (late policy apply)", append(attrs, "skip_reason", reason)...)
@@ -165,22 +163,26 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 // processed_events is keyed by event id and the lookup reads the group's
 // records. An arrival from Kafka that is merely stale is discarded as
 // before (a redelivery whose dedup record expired is one).
-func (g *gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a store.Admission, attrs []any) error {
-	ctx := msg.Context()
-	if err := g.validate(ctx, e, "held as a version conflict"); err != nil {
+func (g *gate) conflict(ctx context.Context, tx pgx.Tx, req store.LateRequest, attrs []any) error {
+	if err := g.validate(ctx, req.Event, "held as a version conflict"); err != nil {
 		return err
 	}
-	reason, err := g.store.HoldConflict(ctx, tx, store.LateRequest{Group: g.cfg.Group, Event: e, Message: msg,
-		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous})
+	reason, err := g.store.HoldConflict(ctx, tx, req)
 	if err != nil {
-		return g.refusal(ctx, e, err)
+		return g.refusal(ctx, req.Event, err)
 	}
-	g.cfg.Logger.WarnContext(ctx, "eventline: replayed event held for the operator: the aggregate passed its version while it was dead (version conflict); replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
-		append(attrs, "reason", reason)...)
+	g.held(ctx, req.Event, "eventline: replayed event held for the operator: the aggregate passed its version while it was dead (version conflict); replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
+		append(attrs, "reason", reason))
+	return nil
+}
+
+// held logs (msg, attrs) and counts an event held for the operator, whose
+// version was skipped: a late event, or a replay's version conflict.
+func (g *gate) held(ctx context.Context, e eventline.Event, msg string, attrs []any) {
+	g.cfg.Logger.WarnContext(ctx, msg, attrs...)
 	group, m := g.cfg.Group, g.cfg.Metrics
 	AfterCommit(ctx, func() { m.add(lateCounter, 1, group, m.eventType(e.Type), "held") })
 	g.obs.outcome(ctx, tracing.OutcomeSkipped)
-	return nil
 }
 
 // run calls the handler for an event applied on arrival.
