@@ -106,25 +106,11 @@ func Decode(msg *message.Message) (Event, error) {
 	if e.ID == "" {
 		return Event{}, &InvalidEventError{Field: MetaEventID, Reason: "missing from the message metadata"}
 	}
-	for _, f := range [...]struct {
-		name, v  string
-		required bool
-	}{
-		{MetaEventID, e.ID, true},
-		{MetaEventType, e.Type, true},
-		{MetaAggregateType, e.AggregateType, true},
-		{MetaAggregateID, e.AggregateID, true},
-		{MetaCorrelationID, e.CorrelationID, false},
-		{MetaTraceParent, e.TraceParent, false},
-		{MetaContentType, e.ContentType, false},
-	} {
-		check := checkText
-		if f.required {
-			check = checkRequired
-		}
-		if err := check(f.name, f.v); err != nil {
-			return Event{}, err
-		}
+	if err := e.checkIdentity(true); err != nil {
+		return Event{}, err
+	}
+	if err := e.checkOptionalText(); err != nil {
+		return Event{}, err
 	}
 
 	e.SchemaVersion = 1

@@ -173,18 +173,7 @@ func (e Event) IsJSON() bool {
 // Validate checks the event without filling in defaults. It returns an
 // *InvalidEventError naming the first field that is wrong.
 func (e Event) Validate() error {
-	if e.ID != "" {
-		if err := checkText("event_id", e.ID); err != nil {
-			return err
-		}
-	}
-	if err := checkRequired("event_type", e.Type); err != nil {
-		return err
-	}
-	if err := checkRequired("aggregate_type", e.AggregateType); err != nil {
-		return err
-	}
-	if err := checkRequired("aggregate_id", e.AggregateID); err != nil {
+	if err := e.checkIdentity(false); err != nil {
 		return err
 	}
 	if e.SchemaVersion < 0 {
@@ -207,13 +196,7 @@ func (e Event) Validate() error {
 			return &InvalidEventError{Field: MetaOccurredAt, Value: e.OccurredAt.String(), Reason: "must be within years 0000 to 9999 (UTC), as RFC 3339 writes them"}
 		}
 	}
-	if err := checkText("correlation_id", e.CorrelationID); err != nil {
-		return err
-	}
-	if err := checkText("traceparent", e.TraceParent); err != nil {
-		return err
-	}
-	if err := checkText("content_type", e.ContentType); err != nil {
+	if err := e.checkOptionalText(); err != nil {
 		return err
 	}
 	if e.Topic != "" {
@@ -250,11 +233,41 @@ func ValidateTopic(topic string) error {
 	return nil
 }
 
-func checkRequired(field, v string) error {
-	if strings.TrimSpace(v) == "" {
-		return &InvalidEventError{Field: field, Value: v, Reason: "must not be empty"}
+// checkIdentity checks the event id (required when idRequired), the type
+// and the aggregate: present and storable (checkText).
+func (e Event) checkIdentity(idRequired bool) error {
+	return checkTexts([]textField{
+		{MetaEventID, e.ID, idRequired}, {MetaEventType, e.Type, true},
+		{MetaAggregateType, e.AggregateType, true}, {MetaAggregateID, e.AggregateID, true},
+	})
+}
+
+// checkOptionalText checks the correlation id, the traceparent and the
+// content type: storable (checkText) when set.
+func (e Event) checkOptionalText() error {
+	return checkTexts([]textField{
+		{MetaCorrelationID, e.CorrelationID, false}, {MetaTraceParent, e.TraceParent, false}, {MetaContentType, e.ContentType, false},
+	})
+}
+
+// textField is one text field of the envelope, named as on the wire.
+type textField struct {
+	name, v  string
+	required bool
+}
+
+// checkTexts checks fields in order: each storable (checkText), and a
+// required one not blank.
+func checkTexts(fields []textField) error {
+	for _, f := range fields {
+		if f.required && strings.TrimSpace(f.v) == "" {
+			return &InvalidEventError{Field: f.name, Value: f.v, Reason: "must not be empty"}
+		}
+		if err := checkText(f.name, f.v); err != nil {
+			return err
+		}
 	}
-	return checkText(field, v)
+	return nil
 }
 
 // checkMetadataEntry rejects a custom metadata pair that cannot travel as a

@@ -50,80 +50,82 @@ func orderEvent(version int, payload string) eventline.Event {
 	return eventline.Event{ID: "e1", Type: "order.created", SchemaVersion: version, AggregateType: "order", AggregateID: "o-1", Payload: []byte(payload)}
 }
 
-func TestUpcastChainsEveryOlderVersionToTheCurrentOne(t *testing.T) {
+// TestUpcast puts the order.created registry (versions 1 to 3) to events
+// of each version it accepts, of a type it does not know and of versions
+// it cannot reach, and to a step that fails.
+func TestUpcast(t *testing.T) {
 	up := orderUpcasters(t)
-	cur, ok := up.Current("order.created")
-	require.True(t, ok)
-	require.Equal(t, 3, cur)
+	t.Run("chains every older version to the current one", func(t *testing.T) {
+		cur, ok := up.Current("order.created")
+		require.True(t, ok)
+		require.Equal(t, 3, cur)
 
-	for _, tc := range []struct {
-		version int
-		payload string
-	}{
-		{0, `{"amount":1250}`}, // 0 means the default, 1
-		{1, `{"amount":1250}`},
-		{2, `{"amount_cents":1250}`},
-		{3, `{"amount_cents":1250,"currency":"EUR"}`},
-	} {
-		in := orderEvent(tc.version, tc.payload)
+		for _, tc := range []struct {
+			version int
+			payload string
+		}{
+			{0, `{"amount":1250}`}, // 0 means the default, 1
+			{1, `{"amount":1250}`},
+			{2, `{"amount_cents":1250}`},
+			{3, `{"amount_cents":1250,"currency":"EUR"}`},
+		} {
+			in := orderEvent(tc.version, tc.payload)
+			out, err := up.Upcast(in)
+			require.NoError(t, err, "version %d", tc.version)
+			require.Equal(t, 3, out.SchemaVersion)
+			require.JSONEq(t, `{"amount_cents":1250,"currency":"EUR"}`, string(out.Payload), "version %d", tc.version)
+			require.Equal(t, tc.payload, string(in.Payload), "the input event is not modified")
+		}
+	})
+
+	t.Run("leaves unknown types alone", func(t *testing.T) {
+		in := eventline.Event{ID: "e2", Type: "order.paid", SchemaVersion: 9, Payload: []byte(`{"x":1}`)}
 		out, err := up.Upcast(in)
-		require.NoError(t, err, "version %d", tc.version)
-		require.Equal(t, 3, out.SchemaVersion)
-		require.JSONEq(t, `{"amount_cents":1250,"currency":"EUR"}`, string(out.Payload), "version %d", tc.version)
-		require.Equal(t, tc.payload, string(in.Payload), "the input event is not modified")
-	}
-}
+		require.NoError(t, err)
+		require.Equal(t, in, out)
 
-func TestUpcastLeavesUnknownTypesAlone(t *testing.T) {
-	up := orderUpcasters(t)
-	in := eventline.Event{ID: "e2", Type: "order.paid", SchemaVersion: 9, Payload: []byte(`{"x":1}`)}
-	out, err := up.Upcast(in)
-	require.NoError(t, err)
-	require.Equal(t, in, out)
+		var none *eventline.Upcasters
+		out, err = none.Upcast(orderEvent(1, `{"amount":1}`))
+		require.NoError(t, err, "a nil registry is empty")
+		require.Equal(t, 1, out.SchemaVersion)
+	})
 
-	var none *eventline.Upcasters
-	out, err = none.Upcast(orderEvent(1, `{"amount":1}`))
-	require.NoError(t, err, "a nil registry is empty")
-	require.Equal(t, 1, out.SchemaVersion)
-}
+	t.Run("rejects versions it cannot reach", func(t *testing.T) {
+		_, err := up.Upcast(orderEvent(4, `{"amount_cents":1,"currency":"EUR","tax":0}`))
+		var uv *eventline.UnknownSchemaVersionError
+		require.ErrorAs(t, err, &uv)
+		require.Equal(t, 4, uv.Version)
+		require.Equal(t, 3, uv.Current)
+		require.ErrorIs(t, err, eventline.ErrUnknownSchemaVersion)
+		require.ErrorIs(t, err, eventline.ErrInvalidEvent, "an unknown version is permanent: consumers dead-letter it")
+		require.Contains(t, err.Error(), "newer than this consumer's current version 3")
 
-func TestUpcastRejectsVersionsItCannotReach(t *testing.T) {
-	up := orderUpcasters(t)
-	_, err := up.Upcast(orderEvent(4, `{"amount_cents":1,"currency":"EUR","tax":0}`))
-	var uv *eventline.UnknownSchemaVersionError
-	require.ErrorAs(t, err, &uv)
-	require.Equal(t, 4, uv.Version)
-	require.Equal(t, 3, uv.Current)
-	require.ErrorIs(t, err, eventline.ErrUnknownSchemaVersion)
-	require.ErrorIs(t, err, eventline.ErrInvalidEvent, "an unknown version is permanent: consumers dead-letter it")
-	require.Contains(t, err.Error(), "newer than this consumer's current version 3")
+		// Declared current version without steps: only that version passes.
+		only, err := eventline.NewUpcasters(map[string]int{"invoice.sent": 2})
+		require.NoError(t, err)
+		_, err = only.Upcast(eventline.Event{ID: "e3", Type: "invoice.sent", SchemaVersion: 1, Payload: []byte(`{}`)})
+		require.ErrorAs(t, err, &uv)
+		require.Contains(t, err.Error(), "older than the oldest version 2")
+		_, err = only.Upcast(eventline.Event{ID: "e4", Type: "invoice.sent", SchemaVersion: 3, Payload: []byte(`{}`)})
+		require.ErrorIs(t, err, eventline.ErrUnknownSchemaVersion)
+		_, err = only.Upcast(eventline.Event{ID: "e5", Type: "invoice.sent", SchemaVersion: 2, Payload: []byte(`{}`)})
+		require.NoError(t, err)
+	})
 
-	// Declared current version without steps: only that version passes.
-	only, err := eventline.NewUpcasters(map[string]int{"invoice.sent": 2})
-	require.NoError(t, err)
-	_, err = only.Upcast(eventline.Event{ID: "e3", Type: "invoice.sent", SchemaVersion: 1, Payload: []byte(`{}`)})
-	require.ErrorAs(t, err, &uv)
-	require.Contains(t, err.Error(), "older than the oldest version 2")
-	_, err = only.Upcast(eventline.Event{ID: "e4", Type: "invoice.sent", SchemaVersion: 3, Payload: []byte(`{}`)})
-	require.ErrorIs(t, err, eventline.ErrUnknownSchemaVersion)
-	_, err = only.Upcast(eventline.Event{ID: "e5", Type: "invoice.sent", SchemaVersion: 2, Payload: []byte(`{}`)})
-	require.NoError(t, err)
-}
+	t.Run("fails permanently when a step fails", func(t *testing.T) {
+		_, err := up.Upcast(orderEvent(1, `[1,2]`)) // not an object: renameAmount fails
+		var ue *eventline.UpcastError
+		require.ErrorAs(t, err, &ue)
+		require.Equal(t, 1, ue.From)
+		require.ErrorIs(t, err, eventline.ErrUpcast)
+		require.ErrorIs(t, err, eventline.ErrInvalidEvent)
 
-func TestUpcastStepFailureIsPermanent(t *testing.T) {
-	up := orderUpcasters(t)
-	_, err := up.Upcast(orderEvent(1, `[1,2]`)) // not an object: renameAmount fails
-	var ue *eventline.UpcastError
-	require.ErrorAs(t, err, &ue)
-	require.Equal(t, 1, ue.From)
-	require.ErrorIs(t, err, eventline.ErrUpcast)
-	require.ErrorIs(t, err, eventline.ErrInvalidEvent)
-
-	broken, err := eventline.NewUpcasters(nil, eventline.Upcaster{Type: "t", From: 1, Func: func([]byte) ([]byte, error) { return []byte("{"), nil }})
-	require.NoError(t, err)
-	_, err = broken.Upcast(eventline.Event{ID: "e6", Type: "t", SchemaVersion: 1, Payload: []byte(`{}`)})
-	require.ErrorAs(t, err, &ue)
-	require.Contains(t, err.Error(), "not valid JSON")
+		broken, err := eventline.NewUpcasters(nil, eventline.Upcaster{Type: "t", From: 1, Func: func([]byte) ([]byte, error) { return []byte("{"), nil }})
+		require.NoError(t, err)
+		_, err = broken.Upcast(eventline.Event{ID: "e6", Type: "t", SchemaVersion: 1, Payload: []byte(`{}`)})
+		require.ErrorAs(t, err, &ue)
+		require.Contains(t, err.Error(), "not valid JSON")
+	})
 }
 
 func TestNewUpcastersRejectsBrokenChains(t *testing.T) {

@@ -1,6 +1,7 @@
 package consumer
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -94,24 +95,16 @@ type Config struct {
 // runnerDefaults fills the runner's own fields; the middleware fills the
 // embedded ones (the runner logs through the same default logger).
 func (c Config) runnerDefaults() Config {
-	if c.Logger == nil {
-		c.Logger = slog.Default()
-	}
+	c.Logger = cmp.Or(c.Logger, slog.Default())
 	if len(c.Brokers) == 0 {
 		c.Brokers = kafkaconf.BrokersFromEnv()
 	}
 	if c.SaramaConfig == nil {
 		c.SaramaConfig = kafkaconf.Consumer("eventline-" + c.Group)
 	}
-	if c.ShutdownTimeout == 0 {
-		c.ShutdownTimeout = DefaultShutdownTimeout
-	}
-	if c.Lanes == 0 {
-		c.Lanes = DefaultLanes
-	}
-	if c.BatchSize == 0 {
-		c.BatchSize = DefaultBatchSize
-	}
+	c.ShutdownTimeout = cmp.Or(c.ShutdownTimeout, DefaultShutdownTimeout)
+	c.Lanes = cmp.Or(c.Lanes, DefaultLanes)
+	c.BatchSize = cmp.Or(c.BatchSize, DefaultBatchSize)
 	return c
 }
 

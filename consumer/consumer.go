@@ -196,10 +196,7 @@ func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Contex
 // and it passes the handler's checks.
 func (c *Consumer) validate(ctx context.Context, e eventline.Event) error {
 	if c.handlers[e.Type] == nil {
-		if c.ignored[e.Type] {
-			return nil
-		}
-		return &UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group}
+		return c.unknown(e.Type)
 	}
 	// Validate what the handler will see: the payload upcast to the
 	// current version. An event the upcasters cannot bring there (too new
@@ -269,20 +266,28 @@ func (c *Consumer) dispatch(msg *message.Message) error {
 	}
 	fn := c.handlers[e.Type]
 	if fn == nil {
-		if c.ignored[e.Type] {
-			return nil
-		}
-		return middleware.Permanent(&UnknownEventTypeError{Type: e.Type, Group: c.cfg.Group})
+		return middleware.Permanent(c.unknown(e.Type))
 	}
 	return fn(ctx, tx, e)
+}
+
+// unknown is the error of an event type without a handler: nil when the
+// type is ignored.
+func (c *Consumer) unknown(eventType string) error {
+	if c.ignored[eventType] {
+		return nil
+	}
+	return &UnknownEventTypeError{Type: eventType, Group: c.cfg.Group}
 }
 
 // knownType rejects, before any database work, a message whose event type
 // has no handler.
 func (c *Consumer) knownType(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
-		if t := msg.Metadata.Get(eventline.MetaEventType); t != "" && c.handlers[t] == nil && !c.ignored[t] {
-			return nil, middleware.Permanent(&UnknownEventTypeError{Type: t, Group: c.cfg.Group})
+		if t := msg.Metadata.Get(eventline.MetaEventType); t != "" && c.handlers[t] == nil {
+			if err := c.unknown(t); err != nil {
+				return nil, middleware.Permanent(err)
+			}
 		}
 		return h(msg)
 	}

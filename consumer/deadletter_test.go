@@ -17,7 +17,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -28,8 +27,6 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
-	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/versioning"
 )
@@ -37,10 +34,7 @@ import (
 // createBigTopic creates a topic whose records may be up to 16 MiB.
 func createBigTopic(t *testing.T, brokers []string, topic string) {
 	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(brokers, cfg)
-	require.NoError(t, err)
+	admin := clusterAdmin(t, brokers)
 	defer admin.Close()
 	limit := strconv.Itoa(16 << 20)
 	require.NoError(t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
@@ -72,14 +66,10 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 	topic := kafkatest.Topic(t, "big")
 	createBigTopic(t, k.brokers, topic)
 	const group = "oversize"
-	reg := prometheus.NewRegistry()
-	metrics, err := middleware.NewMetrics(reg)
-	require.NoError(t, err)
 	cfg := k.config(group)
 	cfg.Topics = []string{topic}
-	cfg.Metrics = metrics
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	reg := withMetrics(t, &cfg)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		if len(e.Payload) > 4<<20 {
 			return middleware.Permanent(errors.New("payload too large for this handler"))
@@ -106,6 +96,7 @@ func TestOversizeDeadLettersNeverStallThePartition(t *testing.T) {
 	// Lanes apply the records of other aggregates while the oversize ones
 	// are dead-lettered: wait for both.
 	eventually(t, 60*time.Second, func() bool {
+		var err error
 		dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group})
 		require.NoError(t, err)
 		return len(k.Effects(t, group)) == 3 && len(dls) == 3
@@ -151,8 +142,7 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	// Under Apply, a later version applied first would skip the earlier
 	// one for good: only an in-order replay applies both.
 	cfg.PolicyByType = map[string]versioning.GapPolicy{"thing.renamed": versioning.Apply}
-	first, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	first := k.newConsumer(t, cfg)
 	require.NoError(t, first.Handle("thing.changed", handler)) // thing.renamed is unknown to it
 
 	renamed := func(agg string, v int64) eventline.Event {
@@ -166,6 +156,7 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	r := start(t, first)
 	var dls []admin.HeldEvent
 	eventually(t, 60*time.Second, func() bool {
+		var err error
 		dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group})
 		require.NoError(t, err)
 		return len(dls) == 3 && len(k.Effects(t, group)) == 2
@@ -179,18 +170,17 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	})
 	require.Equal(t, []string{x2.ID, y2.ID, y3.ID}, []string{dls[0].EventID, dls[1].EventID, dls[2].EventID})
 	require.Equal(t, dedup.KindRetriesExhausted, dls[0].Cause)
-	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")), "x3 waits for x2")
+	require.Equal(t, 1, k.Count(t, "parked_events", ""), "x3 waits for x2")
 
 	// The fix is deployed: the tax service accepts x2, and a new version of
 	// the consumer handles thing.renamed.
 	broken.Store(false)
-	second, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	second := k.newConsumer(t, cfg)
 	require.NoError(t, second.Handle("thing.changed", handler))
 	require.NoError(t, second.Handle("thing.renamed", handler))
 	r = start(t, second)
 	// Asked to replay y3 alone, the consumer refuses: y2 is still held.
-	_, err = admin.ReplayHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
+	_, err := admin.ReplayHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
 	require.NoError(t, err)
 	eventually(t, 60*time.Second, func() bool {
 		held, err := admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{IDs: []int64{dls[2].ID}})
@@ -210,8 +200,8 @@ func TestDeadLettersAreReplayedInOrderByTheRunningConsumer(t *testing.T) {
 	dls, err = admin.ListHeld(context.Background(), k.Pool, k.Schema, admin.HeldFilter{Group: group, Statuses: []admin.HeldStatus{admin.StatusReplayed}})
 	require.NoError(t, err)
 	require.Len(t, dls, 3)
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")))
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "skipped_versions")))
+	require.Zero(t, k.Count(t, "parked_events", ""))
+	require.Zero(t, k.Count(t, "skipped_versions", ""))
 }
 
 // Issue 8, item 13, through the runner: the consumer waits the documented
@@ -228,8 +218,7 @@ func TestConsumerRetriesOnTheDocumentedSchedule(t *testing.T) {
 	cfg.Retry.Multiplier = 3
 	cfg.Retry.Max = time.Second
 	cfg.Retry.Jitter = middleware.NoJitter
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	var waits []time.Duration
 	waited := make(chan struct{}, 100)
 	consumer.SetSleep(c, func(ctx context.Context, d time.Duration) error {

@@ -18,9 +18,7 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/consumertest"
-	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -34,8 +32,7 @@ func TestLanesRunAggregatesOfOnePartitionConcurrently(t *testing.T) {
 	const group = "lanes"
 	cfg := k.config(group)
 	cfg.Lanes, cfg.BatchSize = 2, 1
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	bApplied := make(chan struct{})
 	var once sync.Once
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
@@ -73,8 +70,7 @@ func TestCommittedOffsetIsLowestUnfinished(t *testing.T) {
 	const group = "offsets"
 	cfg := k.config(group)
 	cfg.Lanes = 2
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	release := make(chan struct{})
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		if e.AggregateID == "held" {
@@ -117,10 +113,7 @@ func TestCommittedOffsetIsLowestUnfinished(t *testing.T) {
 // -1.
 func committedOffset(t *testing.T, k kenv, group string) int64 {
 	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(k.brokers, cfg)
-	require.NoError(t, err)
+	admin := clusterAdmin(t, k.brokers)
 	defer admin.Close()
 	res, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{k.topic: {0}})
 	if errors.Is(err, sarama.ErrGroupIDNotFound) {
@@ -141,22 +134,6 @@ func batchConfig(k kenv, group string, size int) consumer.Config {
 	cfg := k.config(group)
 	cfg.Lanes, cfg.BatchSize, cfg.BatchLinger = 1, size, 500*time.Millisecond
 	return cfg
-}
-
-// transactions returns, per effect in apply order, the id of the
-// transaction that wrote it (PostgreSQL's xmin).
-func transactions(t *testing.T, k kenv, group string) map[string]string {
-	t.Helper()
-	rows, err := k.Pool.Query(context.Background(), `SELECT event_id, xmin::text FROM `+sqlident.Qualify(k.Schema, "effects")+` WHERE grp = $1`, group)
-	require.NoError(t, err)
-	out := map[string]string{}
-	for rows.Next() {
-		var id, xmin string
-		require.NoError(t, rows.Scan(&id, &xmin))
-		out[id] = xmin
-	}
-	require.NoError(t, rows.Err())
-	return out
 }
 
 func distinctEvents(n int) []eventline.Event {
@@ -181,8 +158,7 @@ func TestBatchAppliesInOneTransaction(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "batch"
-	c, err := consumer.New(k.Pool, batchConfig(k, group, 8))
-	require.NoError(t, err)
+	c := k.newConsumer(t, batchConfig(k, group, 8))
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
 	evs := distinctEvents(8)
 	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
@@ -190,11 +166,11 @@ func TestBatchAppliesInOneTransaction(t *testing.T) {
 	eventually(t, 40*time.Second, func() bool { return len(k.Effects(t, group)) == 8 }, "all applied")
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), evs)
-	txs := transactions(t, k, group)
+	txs := k.Transactions(t, group)
 	for _, e := range evs {
 		require.Equal(t, txs[evs[0].ID], txs[e.ID], "one transaction for the batch")
 	}
-	require.Equal(t, 8, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")))
+	require.Equal(t, 8, k.Count(t, "processed_events", ""))
 }
 
 // TestFailureInBatchCostsOnlyItself puts a failing and a panicking event
@@ -207,8 +183,7 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "batchfail"
-	c, err := consumer.New(k.Pool, batchConfig(k, group, 8))
-	require.NoError(t, err)
+	c := k.newConsumer(t, batchConfig(k, group, 8))
 	evs := distinctEvents(8)
 	poison, flaky := evs[3], evs[5]
 	var poisonAttempts, flakyAttempts atomic.Int32
@@ -245,9 +220,9 @@ func TestFailureInBatchCostsOnlyItself(t *testing.T) {
 		}
 	}
 	appliedOnce(t, k.Effects(t, group), applied)
-	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+` WHERE event_id = $1`, poison.ID))
+	require.Equal(t, 0, k.Count(t, "processed_events", `WHERE event_id = $1`, poison.ID))
 
-	txs := transactions(t, k, group)
+	txs := k.Transactions(t, group)
 	require.Equal(t, txs[evs[0].ID], txs[evs[1].ID], "the events before the failure committed together")
 	require.Equal(t, txs[evs[0].ID], txs[evs[2].ID], "the events before the failure committed together")
 	require.Equal(t, txs[evs[6].ID], txs[evs[7].ID], "the events after the panic committed together")
@@ -266,8 +241,7 @@ func TestReorderedEventsInOneBatchApplyAtOnce(t *testing.T) {
 	const group = "reorder"
 	cfg := batchConfig(k, group, 8)
 	cfg.SweepInterval, cfg.ParkTimeout = time.Hour, time.Hour
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
 	x1, x2, x3, y1 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("x", 3), consumertest.Event("y", 1)
 	publish(t, k.brokers, k.topic, messagesOf(t, []eventline.Event{x2, x1, y1, x2, x3})...)
@@ -278,7 +252,7 @@ func TestReorderedEventsInOneBatchApplyAtOnce(t *testing.T) {
 	value, last := k.State(t, group, "thing", "x")
 	require.EqualValues(t, 3, last)
 	require.Equal(t, fold(1, 2, 3), value)
-	require.Equal(t, 0, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")))
+	require.Equal(t, 0, k.Count(t, "parked_events", ""))
 }
 
 // TestRebalanceMidBatchAbandonsIt holds a batch in the middle of its
@@ -293,8 +267,7 @@ func TestRebalanceMidBatchAbandonsIt(t *testing.T) {
 	var stalled, abandoned atomic.Bool
 	entered := make(chan struct{})
 	newConsumer := func(stall bool) *consumer.Consumer {
-		c, err := consumer.New(k.Pool, batchConfig(k, group, 8))
-		require.NoError(t, err)
+		c := k.newConsumer(t, batchConfig(k, group, 8))
 		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 			if err := k.Apply(ctx, tx, group, e); err != nil {
 				return err
@@ -315,11 +288,7 @@ func TestRebalanceMidBatchAbandonsIt(t *testing.T) {
 	}
 	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
 	a := start(t, newConsumer(true))
-	select {
-	case <-entered:
-	case <-time.After(60 * time.Second):
-		t.Fatal("the batch never reached its handler")
-	}
+	waitFor(t, entered, 60*time.Second, "the batch to reach its handler")
 	b := start(t, newConsumer(false)) // joins: the partition is revoked mid-batch
 	eventually(t, 60*time.Second, func() bool { return len(k.Effects(t, group)) == len(evs) }, "every event applied after the rebalance")
 	require.True(t, abandoned.Load(), "the stalled batch was abandoned by the revocation")
@@ -383,8 +352,7 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 		if stall {
 			cfg.Logger = aLogger
 		}
-		c, err := consumer.New(k.Pool, cfg)
-		require.NoError(t, err)
+		c := k.newConsumer(t, cfg)
 		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 			if err := k.Apply(ctx, tx, group, e); err != nil {
 				return err
@@ -400,11 +368,7 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 	first := distinctEvents(8)
 	publish(t, k.brokers, k.topic, messagesOf(t, first)...)
 	a := start(t, newConsumer(true))
-	select {
-	case <-entered:
-	case <-time.After(60 * time.Second):
-		t.Fatal("the batch never reached its handler")
-	}
+	waitFor(t, entered, 60*time.Second, "the batch to reach its handler")
 	revoked := aStopping.Next()
 	b := start(t, newConsumer(false)) // joins: the partition is revoked mid-batch
 	// The group starts rebalancing when b joins; a learns it on its next
@@ -430,14 +394,124 @@ func TestRebalanceMidBatchFinishesIt(t *testing.T) {
 
 func groupState(t *testing.T, k kenv, group string) string {
 	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(k.brokers, cfg)
-	require.NoError(t, err)
+	admin := clusterAdmin(t, k.brokers)
 	defer admin.Close()
 	gs, err := admin.DescribeConsumerGroups([]string{group})
 	if err != nil || len(gs) != 1 {
 		return ""
 	}
 	return gs[0].State
+}
+
+// TestRebalanceWhenAConsumerLeavesMidStream runs two consumers in one
+// group, stalls one mid-stream (its handlers block with events in flight),
+// makes it leave, and checks that every effect is applied once and in
+// order: the partitions it held move to the other consumer, which also gets
+// again the events whose offsets were not committed yet.
+func TestRebalanceWhenAConsumerLeavesMidStream(t *testing.T) {
+	t.Parallel()
+	k := newKenv(t, 4)
+	const group = "rebalance"
+	const aggregates, versions = 16, 25
+
+	var applied [2]atomic.Int64
+	var stall atomic.Bool
+	release, stalled := make(chan struct{}), make(chan struct{})
+	var stallOnce sync.Once
+	aLogger, aStopping := watchLog(partitionStopping)
+	var mu sync.Mutex
+	appliedBy := map[string]map[int]bool{} // aggregate -> consumers that applied some of it
+	newConsumer := func(i int) *consumer.Consumer {
+		cfg := k.config(group)
+		if i == 0 {
+			cfg.Logger = aLogger
+		}
+		c := k.newConsumer(t, cfg)
+		require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
+			if i == 0 && stall.Load() {
+				stallOnce.Do(func() { close(stalled) })
+				<-release // consumer a stalls with this event in flight
+			}
+			if err := k.Apply(ctx, tx, group, e); err != nil {
+				return err
+			}
+			middleware.AfterCommit(ctx, func() {
+				applied[i].Add(1)
+				mu.Lock()
+				if appliedBy[e.AggregateID] == nil {
+					appliedBy[e.AggregateID] = map[int]bool{}
+				}
+				appliedBy[e.AggregateID][i] = true
+				mu.Unlock()
+			})
+			return nil
+		}))
+		return c
+	}
+	a, b := start(t, newConsumer(0)), start(t, newConsumer(1))
+
+	events := make([][]eventline.Event, aggregates)
+	var want []eventline.Event
+	for i := range events {
+		for v := int64(1); v <= versions; v++ {
+			e := consumertest.Event(fmt.Sprintf("agg-%02d", i), v)
+			events[i] = append(events[i], e)
+			want = append(want, e)
+		}
+	}
+	round := func(v int) {
+		var msgs []*message.Message
+		for i := range events {
+			msgs = append(msgs, consumertest.Message(t, events[i][v]))
+		}
+		publish(t, k.brokers, k.topic, msgs...)
+	}
+	// Publish a version of every aggregate per round until both consumers
+	// have partitions (each has applied something).
+	next := 0
+	for ; next < versions && (applied[0].Load() == 0 || applied[1].Load() == 0); next++ {
+		round(next)
+		deadline := time.Now().Add(2 * time.Second)
+		for time.Now().Before(deadline) && (applied[0].Load() == 0 || applied[1].Load() == 0) {
+			time.Sleep(20 * time.Millisecond) // polling interval
+		}
+	}
+	require.True(t, applied[0].Load() > 0 && applied[1].Load() > 0, "both consumers got partitions")
+	// From now on a stalls: its partitions keep events pending.
+	stall.Store(true)
+	for ; next < versions; next++ {
+		round(next)
+	}
+
+	// Consumer a leaves mid-stream, with an event in its handler; its
+	// in-flight events are released once its partitions have begun to
+	// stop, commit, but are never acknowledged.
+	waitFor(t, stalled, 60*time.Second, "consumer a holds an event in flight")
+	aStoppingNow := aStopping.Next()
+	stopped := make(chan error, 1)
+	go func() { stopped <- a.stop() }()
+	waitFor(t, aStoppingNow, 60*time.Second, "consumer a's partitions stop")
+	require.Positive(t, aStopping.MaxInt("events"), "a partition of consumer a stopped with events in flight")
+	close(release)
+	require.NoError(t, <-stopped)
+
+	eventually(t, 90*time.Second, func() bool { return len(k.Effects(t, group)) >= len(want) }, "b applies the rest")
+	require.NoError(t, b.stop())
+	appliedOnce(t, k.Effects(t, group), want)
+	handedOver := 0
+	for _, by := range appliedBy {
+		if by[0] && by[1] {
+			handedOver++
+		}
+	}
+	require.Positive(t, handedOver, "b continued aggregates a had started")
+	var all []int64
+	for v := int64(1); v <= versions; v++ {
+		all = append(all, v)
+	}
+	for i := range events {
+		value, last := k.State(t, group, "thing", fmt.Sprintf("agg-%02d", i))
+		require.EqualValues(t, versions, last)
+		require.Equal(t, fold(all...), value)
+	}
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
@@ -22,6 +23,7 @@ import (
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -48,13 +50,44 @@ type kenv struct {
 
 func newKenv(t *testing.T, partitions int32) kenv {
 	t.Helper()
+	return newKenvOn(t, kafkatest.Brokers(t), partitions)
+}
+
+// newFaultyKenv is newKenv on a Kafka cluster of the test's own (kfake, or
+// an Apache Kafka broker) behind the fault proxy it returns.
+func newFaultyKenv(t *testing.T, partitions int32) (kenv, *faultproxy.Proxy) {
+	t.Helper()
+	kc := kafkatest.WithFaults(t)
+	return newKenvOn(t, kc.Brokers, partitions), kc.Proxy
+}
+
+func newKenvOn(t *testing.T, brokers []string, partitions int32) kenv {
+	t.Helper()
 	k := kenv{
 		Env:     consumertest.New(t, pgtest.Options{MaxConns: 6}),
-		brokers: kafkatest.Brokers(t),
+		brokers: brokers,
 		topic:   kafkatest.Topic(t, "events"),
 	}
 	kafkatest.CreateTopic(t, k.brokers, k.topic, partitions)
 	return k
+}
+
+// newConsumer returns a consumer of cfg on k's pool.
+func (k kenv) newConsumer(t testing.TB, cfg consumer.Config) *consumer.Consumer {
+	t.Helper()
+	c, err := consumer.New(k.Pool, cfg)
+	require.NoError(t, err)
+	return c
+}
+
+// withMetrics gives cfg metrics of their own and returns their registry.
+func withMetrics(t testing.TB, cfg *consumer.Config) *prometheus.Registry {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	m, err := middleware.NewMetrics(reg)
+	require.NoError(t, err)
+	cfg.Metrics = m
+	return reg
 }
 
 // config is a consumer configuration for the test's topics with fast
@@ -74,6 +107,16 @@ func (k kenv) config(group string) consumer.Config {
 		ShutdownTimeout: 20 * time.Second,
 		SaramaConfig:    fastGroupConfig(group),
 	}
+}
+
+// clusterAdmin is a Kafka admin client for brokers; close it.
+func clusterAdmin(t testing.TB, brokers []string) sarama.ClusterAdmin {
+	t.Helper()
+	cfg := sarama.NewConfig()
+	cfg.Version = kafkaconf.Version
+	admin, err := sarama.NewClusterAdmin(brokers, cfg)
+	require.NoError(t, err)
+	return admin
 }
 
 // fastGroupConfig is kafkaconf.Consumer with quicker group rebalances.
@@ -136,6 +179,17 @@ func start(t *testing.T, c *consumer.Consumer) *running {
 	go func() { r.done <- c.Run(ctx) }()
 	t.Cleanup(func() { _ = r.stop() })
 	return r
+}
+
+// mustRun fails the test when Run has returned (during, say, an outage).
+func (r *running) mustRun(t *testing.T, during string) {
+	t.Helper()
+	select {
+	case err := <-r.done:
+		r.done <- err // for r.stop
+		t.Fatalf("Run returned during %s: %v", during, err)
+	default:
+	}
 }
 
 // stop cancels the consumer and waits for Run to return.

@@ -18,7 +18,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -28,10 +27,8 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
-	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
-	"github.com/eventline/eventline/middleware"
 )
 
 // thingPayload is what consumertest.Event puts in a payload.
@@ -209,17 +206,13 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 	k.topic = kafkatest.Topic(t, "hostile")
 	createBigTopic(t, k.brokers, k.topic)
 	const group = "hostile"
-	var err error
 	// Everything that reads the records' fields on: metrics (event_type
 	// labels), tracing (headers, attributes), debug logging.
 	cfg := k.config(group)
-	reg := prometheus.NewRegistry()
-	cfg.Metrics, err = middleware.NewMetrics(reg)
-	require.NoError(t, err)
+	withMetrics(t, &cfg)
 	cfg.TracerProvider = tracingtest.New(t).Provider
 	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
 		return k.Apply(ctx, tx, group, e)
 	}))
@@ -380,13 +373,12 @@ func TestHostileRecordsCostOnlyThemselves(t *testing.T) {
 	checkDeadLetters(t, k, group, wantDead)
 	appliedOnce(t, k.Effects(t, group), append(wantApplied, six, ahead, reusedOnOther))
 	staleID := stale.message(t).Metadata.Get(eventline.MetaEventID)
-	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
-		` WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleID), "the stale liar is recorded as discarded")
+	require.Equal(t, 1, k.Count(t, "processed_events", `WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleID), "the stale liar is recorded as discarded")
 	for _, table := range []string{"parked_events", "skipped_versions"} {
-		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+		require.Zero(t, k.Count(t, table, `WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")+` WHERE consumer_group = $1 AND kind = 'late'`, group),
+	require.Zero(t, k.Count(t, "held_events", `WHERE consumer_group = $1 AND kind = 'late'`, group),
 		"no late event held")
 }
 
@@ -404,8 +396,7 @@ func TestAnIDReusedInAnotherLaneCostsTheGenuineEventNothing(t *testing.T) {
 	const group = "reused"
 	cfg := k.config(group)
 	cfg.ParkTimeout = time.Hour
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
 		return k.Apply(ctx, tx, group, e)
 	}))
@@ -426,9 +417,8 @@ func TestAnIDReusedInAnotherLaneCostsTheGenuineEventNothing(t *testing.T) {
 	require.NoError(t, r.stop())
 	checkDeadLetters(t, k, group, nil)
 	appliedOnce(t, k.Effects(t, group), want)
-	require.Equal(t, len(want), pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
-		` WHERE consumer_group = $1 AND outcome = 'applied'`, group), "a dedup record of every event")
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")+` WHERE consumer_group = $1`, group))
+	require.Equal(t, len(want), k.Count(t, "processed_events", `WHERE consumer_group = $1 AND outcome = 'applied'`, group), "a dedup record of every event")
+	require.Zero(t, k.Count(t, "parked_events", `WHERE consumer_group = $1`, group))
 }
 
 // hostile is a hostile record and what must become of it.
@@ -501,11 +491,8 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 	t.Parallel()
 	k := newKenv(t, 1)
 	const group = "typed"
-	refs := sqlident.Qualify(k.Schema, "refs")
-	_, err := k.Pool.Exec(context.Background(), `CREATE TABLE `+refs+` (event_ref uuid NOT NULL, name text NOT NULL, ref uuid NOT NULL, doc jsonb NOT NULL, amount integer NOT NULL)`)
-	require.NoError(t, err)
-	c, err := consumer.New(k.Pool, k.config(group))
-	require.NoError(t, err)
+	refs := k.CreateTable(t, "refs", `event_ref uuid NOT NULL, name text NOT NULL, ref uuid NOT NULL, doc jsonb NOT NULL, amount integer NOT NULL`)
+	c := k.newConsumer(t, k.config(group))
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, p refPayload) error {
 		if _, err := tx.Exec(ctx, `INSERT INTO `+refs+` (event_ref, name, ref, doc, amount) VALUES ($1, $2, $3, $4, $5)`, e.ID, p.Name, p.Ref, string(p.Doc), p.Amount); err != nil {
 			return err
@@ -585,9 +572,8 @@ func TestContentPostgreSQLRejectsIsTheEventsFault(t *testing.T) {
 		` WHERE consumer_group = $1 AND event_id = $2 AND kind = 'late' AND cause = 'release_failed' AND attempts <= 1`, group, parkedBad.ID).Scan(&reason),
 		"the parked event is given up at its first failed release")
 	require.Contains(t, reason, "SQLSTATE 22021")
-	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "skipped_versions")+
-		` WHERE consumer_group = $1 AND aggregate_id = 'parked' AND from_version = 2 AND to_version = 2`, group))
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "parked_events")+` WHERE consumer_group = $1`, group))
+	require.Equal(t, 1, k.Count(t, "skipped_versions", `WHERE consumer_group = $1 AND aggregate_id = 'parked' AND from_version = 2 AND to_version = 2`, group))
+	require.Zero(t, k.Count(t, "parked_events", `WHERE consumer_group = $1`, group))
 }
 
 // Ids and versions that lie, inside one batch transaction with the events
@@ -605,8 +591,7 @@ func TestLiesInsideOneBatch(t *testing.T) {
 	const group = "liars"
 	cfg := batchConfig(k, group, 16)
 	cfg.SweepInterval, cfg.ParkTimeout = time.Hour, time.Hour
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event, _ thingPayload) error {
 		return k.Apply(ctx, tx, group, e)
 	}))
@@ -644,12 +629,11 @@ func TestLiesInsideOneBatch(t *testing.T) {
 		got[d.Offset] = d.Cause
 	}
 	require.Equal(t, map[int64]string{1: dedup.KindIDConflict, 2: dedup.KindPermanent, 7: dedup.KindPermanent, 9: dedup.KindPermanent}, got)
-	require.Equal(t, 1, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "processed_events")+
-		` WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleV2.ID), "the stale liar is recorded as discarded")
+	require.Equal(t, 1, k.Count(t, "processed_events", `WHERE consumer_group = $1 AND event_id = $2 AND outcome = 'stale'`, group, staleV2.ID), "the stale liar is recorded as discarded")
 	for _, table := range []string{"parked_events", "skipped_versions"} {
-		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+		require.Zero(t, k.Count(t, table, `WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")+` WHERE consumer_group = $1 AND kind = 'late'`, group),
+	require.Zero(t, k.Count(t, "held_events", `WHERE consumer_group = $1 AND kind = 'late'`, group),
 		"no late event held")
 }

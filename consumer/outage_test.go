@@ -10,7 +10,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -18,10 +17,8 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/faultproxy"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
@@ -69,7 +66,7 @@ func startProxy(t *testing.T) *faultproxy.Proxy {
 func failureFree(t *testing.T, k kenv, group string) {
 	t.Helper()
 	for _, table := range []string{"held_events", "parked_events", "skipped_versions"} {
-		require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group),
+		require.Zero(t, k.Count(t, table, `WHERE consumer_group = $1`, group),
 			"%s must be empty", table)
 	}
 }
@@ -105,12 +102,9 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 	const group = "outage"
 	proxy := startProxy(t)
 	pool := consumerPool(t, proxy.Addr)
-	reg := prometheus.NewRegistry()
-	metrics, err := middleware.NewMetrics(reg)
-	require.NoError(t, err)
 	cfg := k.config(group)
 	outageBudget(&cfg)
-	cfg.Metrics = metrics
+	reg := withMetrics(t, &cfg)
 	c, err := consumer.New(pool, cfg)
 	require.NoError(t, err)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
@@ -135,7 +129,7 @@ func TestDatabaseOutageLongerThanTheRetryBudgetLosesNothing(t *testing.T) {
 	eventually(t, 60*time.Second, func() bool {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(2*(1+cfg.MaxRetries)) && time.Since(outageStart) > 4*time.Second
 	}, "the outage outlasts the retry budget")
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")), "nothing dead-lettered during the outage")
+	require.Zero(t, k.Count(t, "held_events", ""), "nothing dead-lettered during the outage")
 	require.Len(t, k.Effects(t, group), len(aggs), "nothing applied during the outage")
 
 	proxy.Set(faultproxy.Pass)
@@ -169,12 +163,9 @@ func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
 	// the pool does not wait on frozen connections.
 	frozen, healthy := startProxy(t), startProxy(t)
 	addr.Store(frozen.Addr())
-	reg := prometheus.NewRegistry()
-	metrics, err := middleware.NewMetrics(reg)
-	require.NoError(t, err)
 	cfg := k.config(group)
 	outageBudget(&cfg)
-	cfg.Metrics = metrics
+	reg := withMetrics(t, &cfg)
 	cfg.TxTimeout = time.Second
 	c, err := consumer.New(pool, cfg)
 	require.NoError(t, err)
@@ -203,7 +194,7 @@ func TestFrozenDatabaseConnectionIsNoticedAndOutlived(t *testing.T) {
 		return metrictest.Sum(t, reg, "eventline_consumer_infra_waits_total") > float64(1+cfg.MaxRetries)
 	}, "the consumer notices the frozen connection and waits for longer than its retry budget")
 	require.Greater(t, metrictest.Sum(t, reg, "eventline_consumer_waiting_on_database"), 0.0)
-	require.Zero(t, pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, "held_events")))
+	require.Zero(t, k.Count(t, "held_events", ""))
 
 	// Connections work again (the frozen host stays frozen).
 	addr.Store(healthy.Addr())
@@ -312,12 +303,7 @@ func consumeAfterOutage(t *testing.T, k kenv, pool *pgxpool.Pool, cfg consumer.C
 
 	r := start(t, c)
 	eventually(t, 60*time.Second, func() bool {
-		select {
-		case err := <-r.done:
-			r.done <- err // for r.stop
-			t.Fatalf("Run returned during the outage: %v", err)
-		default:
-		}
+		r.mustRun(t, "the outage")
 		return proxy.Refused() >= refusals
 	}, "the consumer tries %s several times", what)
 	proxy.Set(faultproxy.Pass)
@@ -336,12 +322,11 @@ func TestRunRefusesAnUnmigratedSchema(t *testing.T) {
 	k := newKenv(t, 1)
 	cfg := k.config("unmigrated")
 	cfg.Schema = k.Schema + "_nope"
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler("unmigrated")))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	err = c.Run(ctx) // without the check, it would run (failing every event) until ctx ends
+	err := c.Run(ctx) // without the check, it would run (failing every event) until ctx ends
 	require.ErrorIs(t, err, middleware.ErrNotMigrated)
 	require.ErrorContains(t, err, cfg.Schema)
 	require.ErrorContains(t, err, "eventline migrate up")
@@ -376,11 +361,7 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
-			faults := kc.Proxy
-			k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
-				topic: kafkatest.Topic(t, "events")}
-			kafkatest.CreateTopic(t, k.brokers, k.topic, 2)
+			k, faults := newFaultyKenv(t, 2)
 			const group = "kafka-gone"
 			proxy := startProxy(t)
 			proxy.Set(faultproxy.Refuse)
@@ -410,12 +391,7 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 			faults.Drop()
 			proxy.Set(faultproxy.Pass)
 			eventually(t, 60*time.Second, func() bool {
-				select {
-				case err := <-r.done:
-					r.done <- err // for r.stop
-					t.Fatalf("Run returned during the Kafka outage: %v", err)
-				default:
-				}
+				r.mustRun(t, "the Kafka outage")
 				// Sarama's client tries a broker 4 times (Metadata.Retry.Max
 				// 3) before it gives up: 12 refusals are three tries.
 				return faults.Refused() >= 12
@@ -444,22 +420,17 @@ func TestRunWaitsForKafkaGoneAfterTheBrokerCheck(t *testing.T) {
 // here).
 func TestKafkaOutageLongerThanTheParkTimeoutHoldsThePredecessorAsLate(t *testing.T) {
 	t.Parallel()
-	kc := kafkatest.WithFaults(t) // kfake, or an Apache Kafka broker of its own, behind a fault proxy
-	faults := kc.Proxy
-	k := kenv{Env: consumertest.New(t, pgtest.Options{MaxConns: 6}), brokers: kc.Brokers,
-		topic: kafkatest.Topic(t, "events")}
-	kafkatest.CreateTopic(t, k.brokers, k.topic, 1)
+	k, faults := newFaultyKenv(t, 1)
 	const group = "kafka-outage-park"
 	cfg := k.config(group)
 	cfg.ParkTimeout = 2 * time.Second
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	c := k.newConsumer(t, cfg)
 	require.NoError(t, c.Handle("thing.changed", k.applyHandler(group)))
 	v1, v2, v3 := consumertest.Event("a", 1), consumertest.Event("a", 2), consumertest.Event("a", 3)
 	publish(t, k.brokers, k.topic, messages(t, []eventline.Event{v1, v3})...)
 	r := start(t, c)
 	count := func(table string) int {
-		return pgtest.Count(t, k.Pool, `SELECT count(*) FROM `+sqlident.Qualify(k.Schema, table)+` WHERE consumer_group = $1`, group)
+		return k.Count(t, table, `WHERE consumer_group = $1`, group)
 	}
 	eventually(t, 60*time.Second, func() bool { return count("parked_events") == 1 }, "v3 parks behind v2")
 

@@ -164,9 +164,10 @@ func (p *partitionRun) settle() {
 	<-lanesDone
 }
 
-func (p *partitionRun) stopping() bool {
+// closed reports whether ch is closed (it is never sent on).
+func closed(ch <-chan struct{}) bool {
 	select {
-	case <-p.stop:
+	case <-ch:
 		return true
 	default:
 		return false
@@ -257,7 +258,7 @@ func (l *lane) take(n int) []*record {
 // next waits for the next record; nil when the partition stops.
 func (l *lane) next() *record {
 	for {
-		if l.p.stopping() {
+		if closed(l.p.stop) {
 			return nil
 		}
 		if ds := l.take(1); len(ds) == 1 {
@@ -376,13 +377,10 @@ func (l *lane) deliverBatch(first *record) {
 		r := <-results
 		got[r.index] = r.ack
 	}
-	var again []*record
 	for i, d := range members {
-		if got[i] == nacked {
-			again = append(again, d)
+		if got[i] != nacked {
+			continue
 		}
-	}
-	for _, d := range again {
 		if !l.pause() {
 			return
 		}

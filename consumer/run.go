@@ -150,15 +150,11 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 func (c *Consumer) stop(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
-		soft := c.soft
-		if soft == nil {
-			soft = context.Background()
-		}
 		ctx, cancel := context.WithCancel(orig)
 		if c.sleep != nil {
 			ctx = backoff.WithSleep(ctx, c.sleep)
 		}
-		stop := context.AfterFunc(soft, cancel)
+		stop := context.AfterFunc(c.soft, cancel) // set by Run, which adds stop to its router
 		defer func() {
 			stop()
 			cancel()

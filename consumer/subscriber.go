@@ -146,15 +146,6 @@ func (s *subscriber) Close() error {
 	return nil
 }
 
-func (s *subscriber) isClosing() bool {
-	select {
-	case <-s.closing:
-		return true
-	default:
-		return false
-	}
-}
-
 // run consumes until the subscription's context ends, rejoining the group
 // after every rebalance.
 func (sub *subscription) run() {
@@ -211,7 +202,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 // messages.
 func (sub *subscription) drainTimeout() time.Duration {
 	cfg := sub.s.cfg
-	if sub.s.isClosing() || sub.ctx.Err() != nil {
+	if closed(sub.s.closing) || sub.ctx.Err() != nil {
 		return cfg.CloseTimeout
 	}
 	return min(cfg.CloseTimeout, cfg.SaramaConfig.Consumer.Group.Rebalance.Timeout/2)

@@ -7,18 +7,15 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
-	"github.com/eventline/eventline/middleware"
 )
 
 // TestConsumerContinuesTheRecordsTrace: over Kafka, each delivery gets a
@@ -33,10 +30,8 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 	rec := tracingtest.New(t)
 	cfg := k.config(group)
 	cfg.TracerProvider = rec.Provider
-	reg := prometheus.NewRegistry()
-	cfg.Metrics, _ = middleware.NewMetrics(reg)
-	c, err := consumer.New(k.Pool, cfg)
-	require.NoError(t, err)
+	reg := withMetrics(t, &cfg)
+	c := k.newConsumer(t, cfg)
 	apply := k.applyHandler(group)
 	require.NoError(t, c.Handle("thing.changed", func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		_, span := rec.Provider.Tracer("user").Start(ctx, "handle")
@@ -97,20 +92,6 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 	require.Len(t, under(rel[0].SpanContext, "handle"), 1)
 
 	// The stage histograms: a1 and b1 applied on arrival, b2 released.
-	stages := map[string]uint64{}
-	families, err := reg.Gather()
-	require.NoError(t, err)
-	for _, fam := range families {
-		if fam.GetName() != "eventline_consumer_stage_seconds" {
-			continue
-		}
-		for _, m := range fam.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "stage" {
-					stages[l.GetValue()] = m.GetHistogram().GetSampleCount()
-				}
-			}
-		}
-	}
-	require.Equal(t, map[string]uint64{"relayed_to_applied": 2, "occurred_to_applied": 2, "parked_to_released": 1}, stages)
+	stages := consumertest.SumByLabel(t, reg, "eventline_consumer_stage_seconds", "stage")
+	require.Equal(t, map[string]float64{"relayed_to_applied": 2, "occurred_to_applied": 2, "parked_to_released": 1}, stages)
 }

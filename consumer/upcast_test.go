@@ -1,5 +1,9 @@
 package consumer_test
 
+// What an event must pass before it may park: its payload must upcast to
+// the version its handler reads, its type must have a handler, and the
+// handler's checks must pass.
+
 import (
 	"context"
 	"encoding/json"
@@ -10,7 +14,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -20,7 +23,6 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -73,15 +75,11 @@ func TestUpcastersLetAVersion3HandlerReadVersions1To3(t *testing.T) {
 	}
 	k.CreateTopic(t, env.topic, 2)
 	ctx := context.Background()
-	seen := pgx.Identifier{env.Schema, "orders_seen"}.Sanitize()
-	_, err := env.Pool.Exec(ctx, `CREATE TABLE `+seen+` (order_id text, aggregate_version bigint, amount_cents bigint, currency text, PRIMARY KEY (order_id, aggregate_version))`)
-	require.NoError(t, err)
+	seen := env.CreateTable(t, "orders_seen", `order_id text, aggregate_version bigint, amount_cents bigint, currency text, PRIMARY KEY (order_id, aggregate_version)`)
 
-	reg := prometheus.NewRegistry()
 	cfg := env.config(group)
 	cfg.Upcasters = orderUpcasters(t)
-	cfg.Metrics, err = middleware.NewMetrics(reg)
-	require.NoError(t, err)
+	reg := withMetrics(t, &cfg)
 	c, err := consumer.New(env.Pool, cfg)
 	require.NoError(t, err)
 	require.NoError(t, consumer.HandleJSON(c, "order.created", func(ctx context.Context, tx pgx.Tx, e eventline.Event, o orderV3) error {
@@ -200,7 +198,7 @@ func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
 		require.True(t, middleware.IsPermanent(err), "dead-lettered at once")
 	}
 	parked := func() int {
-		return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "parked_events"))
+		return env.Count(t, "parked_events", "")
 	}
 	require.Zero(t, parked())
 	require.NoError(t, deliver(h, ev("order.created", 2, 3)))
@@ -215,5 +213,55 @@ func TestEventTooNewForTheUpcastersIsRefusedBeforeItParks(t *testing.T) {
 	require.NoError(t, deliver(newConsumer(up4), tooNew))
 	require.Equal(t, []int64{1, 2, 3, 4}, applied, "applied in order")
 	require.Zero(t, parked())
-	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "held_events")+` WHERE kind = 'late'`))
+	require.Zero(t, env.Count(t, "held_events", `WHERE kind = 'late'`))
+}
+
+// An event that arrives out of order is checked before it may park: its
+// type must have a handler, its payload must decode for a HandleJSON
+// handler, and a WithValidate check must pass. Otherwise it is refused at
+// once (permanent: dead-lettered with the reason) instead of parking and
+// failing, or wedging its aggregate, when its turn comes. Before: it
+// parked, and after its predecessor arrived it failed on every release.
+func TestEventsAreValidatedBeforeTheyPark(t *testing.T) {
+	t.Parallel()
+	env := consumertest.New(t, pgtest.Options{MaxConns: 4})
+	c, err := consumer.New(env.Pool, consumer.Config{
+		Config: middleware.Config{
+			Group:  "g",
+			Schema: env.Schema,
+			Logger: quietLogger(),
+		},
+		Brokers: []string{"127.0.0.1:9"},
+		Topics:  []string{"things"},
+	})
+	require.NoError(t, err)
+	type thing struct{ V int64 }
+	require.NoError(t, consumer.HandleJSON(c, "thing.changed", func(context.Context, pgx.Tx, eventline.Event, thing) error { return nil }))
+	require.NoError(t, c.Handle("thing.checked", func(context.Context, pgx.Tx, eventline.Event) error { return nil },
+		consumer.WithValidate(func(e eventline.Event) error {
+			if len(e.Payload) > 10 {
+				return eventline.ErrInvalidEvent
+			}
+			return nil
+		})))
+	require.NoError(t, c.Ignore("thing.noted"))
+	h := consumer.Eventline(c).MiddlewareFor("test")(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	deliver := func(typ string, v int64, payload string) error {
+		e := consumertest.Event("a", v)
+		e.Type, e.Payload = typ, []byte(payload)
+		_, err := h(consumertest.Message(t, e))
+		return err
+	}
+	require.NoError(t, deliver("thing.changed", 1, `{"V":1}`))
+	for name, err := range map[string]error{
+		"payload does not decode": deliver("thing.changed", 3, `{"V":"three"}`),
+		"no handler":              deliver("thing.unknown", 3, `{}`),
+		"WithValidate fails":      deliver("thing.checked", 3, `{"long":"payload"}`),
+	} {
+		require.Error(t, err, name)
+		require.True(t, middleware.IsPermanent(err), name)
+	}
+	require.NoError(t, deliver("thing.noted", 3, `{}`), "an ignored type parks")
+	require.NoError(t, deliver("thing.checked", 4, `{}`))
+	require.Equal(t, 2, env.Count(t, "parked_events", ""))
 }

@@ -66,20 +66,19 @@ func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, err
 		return nil, err
 	}
 	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s), store: st}
-	r := &result{}
-	err = sim.run(ctx)
-	r.trace = sim.trace
-	if err != nil {
-		r.err = err
-		return r, nil
+	if err := sim.run(ctx); err != nil {
+		return &result{trace: sim.trace, err: err}, nil
 	}
-	got, err := env.read(ctx, k.State)
+	return k.compare(ctx, want, sim.trace), nil
+}
+
+// compare reads the state after a schedule and compares it with want.
+func (k *kit) compare(ctx context.Context, want any, trace []string) *result {
+	got, err := k.env.read(ctx, k.State)
 	if err != nil {
-		r.err = fmt.Errorf("Case.State failed after the schedule: %w", err)
-		return r, nil
+		return &result{trace: trace, err: fmt.Errorf("Case.State failed after the schedule: %w", err)}
 	}
-	r.got, r.mismatch = got, !reflect.DeepEqual(want, got)
-	return r, nil
+	return &result{trace: trace, got: got, mismatch: !reflect.DeepEqual(want, got)}
 }
 
 // sim is one trial in progress: consumer instances sharing one schema.
@@ -261,13 +260,7 @@ func (s *sim) run(ctx context.Context) error {
 	for p := range owner {
 		owner[p] = first
 	}
-	var stops []fault // crashes, rebalances and batches, by the delivery they come before
-	for _, f := range s.s.faults {
-		if f.kind == Crashes || f.kind == Rebalances || f.kind == Batches {
-			stops = append(stops, f)
-		}
-	}
-	slices.SortStableFunc(stops, func(a, b fault) int { return a.after - b.after })
+	stops := s.s.stops(Crashes | Rebalances | Batches)
 	remaining := func() []int {
 		var ps []int
 		for p := range logs {
@@ -489,19 +482,30 @@ func counters(reg *prometheus.Registry) map[string]float64 {
 	return out
 }
 
+// outcomes are the consumer counters (without their eventline_consumer_
+// prefix) of which each delivery that ends moves exactly one, with what a
+// batch's summary and a single delivery's outcome call them.
+var outcomes = []struct{ counter, batch, single string }{
+	{"events_applied_total", "applied", "applied"},
+	{"events_duplicate_total", "duplicates", "duplicate, skipped"},
+	{"events_stale_total", "stale", "stale, discarded"},
+	{"events_parked_total", "parked", "parked"},
+}
+
 // batchSummary says what a batch's deliveries did altogether, from the
 // counters before and after it.
 func batchSummary(before, after map[string]float64) string {
 	var parts []string
-	for _, c := range []struct{ name, says string }{
-		{"events_applied_total", "applied"}, {"events_duplicate_total", "duplicates"}, {"events_stale_total", "stale"},
-		{"events_parked_total", "parked"}, {"parked_released_total", "released from parking"},
-		{"after_commit_panics_total", "AfterCommit hooks panicked (recovered)"},
-	} {
-		if n := int(after[c.name] - before[c.name]); n > 0 {
-			parts = append(parts, fmt.Sprintf("%s %d", c.says, n))
+	say := func(counter, words string) {
+		if n := int(after[counter] - before[counter]); n > 0 {
+			parts = append(parts, fmt.Sprintf("%s %d", words, n))
 		}
 	}
+	for _, o := range outcomes {
+		say(o.counter, o.batch)
+	}
+	say("parked_released_total", "released from parking")
+	say("after_commit_panics_total", "AfterCommit hooks panicked (recovered)")
 	if len(parts) == 0 {
 		return "nothing committed"
 	}
@@ -528,17 +532,15 @@ func describeOutcome(before, after map[string]float64, err error, runs, panics [
 		return strings.Join(parts, "; ")
 	}
 	d := func(name string) int { return int(after[name] - before[name]) }
-	switch {
-	case err != nil:
+	if err != nil {
 		parts = append(parts, "rolled back")
-	case d("events_applied_total") > 0:
-		parts = append(parts, "applied")
-	case d("events_duplicate_total") > 0:
-		parts = append(parts, "duplicate, skipped")
-	case d("events_stale_total") > 0:
-		parts = append(parts, "stale, discarded")
-	case d("events_parked_total") > 0:
-		parts = append(parts, "parked")
+	} else {
+		for _, o := range outcomes {
+			if d(o.counter) > 0 {
+				parts = append(parts, o.single)
+				break
+			}
+		}
 	}
 	if n := d("parked_released_total"); n > 0 && err == nil {
 		parts = append(parts, fmt.Sprintf("released %d parked", n))

@@ -70,6 +70,26 @@ func recordOrder(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlace
 
 const countPlaced = `INSERT INTO stats VALUES ($1, 1) ON CONFLICT (customer) DO UPDATE SET placed = stats.placed + 1`
 
+// countInTx records the order and counts it through the consumer
+// transaction: idempotent under every fault.
+func countInTx(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
+	if err := recordOrder(ctx, tx, e, o); err != nil {
+		return err
+	}
+	_, err := tx.Exec(ctx, countPlaced, e.AggregateID)
+	return err
+}
+
+// countOutside records the order and counts it on a connection of its
+// own (the bug): a run that fails after counting and is retried counts
+// twice.
+func countOutside(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
+	if err := recordOrder(ctx, tx, e, o); err != nil {
+		return err
+	}
+	return outside(ctx, tx, countPlaced, e.AggregateID)
+}
+
 // secondPool returns a pool on the schema tx works in, other than the
 // consumer's: what a handler uses when it writes through a second pool.
 // (The kit gives every run its own schema; a real handler would hold its
@@ -134,13 +154,7 @@ func ordersCase(t testing.TB, h func(ctx context.Context, tx pgx.Tx, e eventline
 // own, so a run that fails after counting and is retried counts twice.
 // The failure names the fault that breaks it and replays from its seed.
 func TestCatchesACounterOutsideTheTransaction(t *testing.T) {
-
-	c := ordersCase(t, func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
-		if err := recordOrder(ctx, tx, e, o); err != nil {
-			return err
-		}
-		return outside(ctx, tx, countPlaced, e.AggregateID) // the bug
-	})
+	c := ordersCase(t, countOutside)
 	f, err := eventlinetest.Check(t.Context(), c)
 	require.NoError(t, err)
 	require.NotNil(t, f, "the kit must catch a counter written outside the transaction")
@@ -164,14 +178,7 @@ func TestCatchesACounterOutsideTheTransaction(t *testing.T) {
 // TestPassesTheIdempotentHandler is the same handler counting through the
 // consumer transaction: every fault class, every schedule, same effects.
 func TestPassesTheIdempotentHandler(t *testing.T) {
-
-	eventlinetest.Run(t, ordersCase(t, func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
-		if err := recordOrder(ctx, tx, e, o); err != nil {
-			return err
-		}
-		_, err := tx.Exec(ctx, countPlaced, e.AggregateID)
-		return err
-	}))
+	eventlinetest.Run(t, ordersCase(t, countInTx))
 }
 
 // balanceCase is an account whose handler reads the balance it updates.
@@ -215,7 +222,6 @@ func readOutside(ctx context.Context, tx pgx.Tx, sql string, args ...any) (int64
 // several events of its aggregate in one transaction (the ready runner's
 // default).
 func TestWithholdingCatchesAReadOutsideTheTransaction(t *testing.T) {
-
 	c := balanceCase(t, false)
 	c.Faults, c.Trials = eventlinetest.AllFaults&^(eventlinetest.Withholding|eventlinetest.Batches), 12
 	eventlinetest.Run(t, c) // no other fault shows it
@@ -243,7 +249,6 @@ func TestWithholdingCatchesAReadOutsideTheTransaction(t *testing.T) {
 // from a count of all invoices depend on the order of different
 // aggregates, which nothing guarantees.
 func TestReorderingCatchesACrossAggregateDependency(t *testing.T) {
-
 	c := eventlinetest.Case{
 		Setup: eventlinetest.SQL(`CREATE TABLE invoices (customer text, version bigint, no bigint)`),
 		Handlers: map[string]consumer.HandlerFunc{"order.placed": func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
@@ -266,22 +271,11 @@ func TestReorderingCatchesACrossAggregateDependency(t *testing.T) {
 // redeliveries, consumed by consumer.New instances that join and leave
 // the group, with handler failures retried by the runner.
 func TestKafkaModeRunsTheReadyRunner(t *testing.T) {
-	idempotent := ordersCase(t, func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
-		if err := recordOrder(ctx, tx, e, o); err != nil {
-			return err
-		}
-		_, err := tx.Exec(ctx, countPlaced, e.AggregateID)
-		return err
-	})
+	idempotent := ordersCase(t, countInTx)
 	idempotent.Kafka = true
 	eventlinetest.Run(t, idempotent)
 
-	counter := ordersCase(t, func(ctx context.Context, tx pgx.Tx, e eventline.Event, o OrderPlaced) error {
-		if err := recordOrder(ctx, tx, e, o); err != nil {
-			return err
-		}
-		return outside(ctx, tx, countPlaced, e.AggregateID)
-	})
+	counter := ordersCase(t, countOutside)
 	counter.Kafka, counter.Faults, counter.Trials = true, eventlinetest.HandlerErrors, 1
 	// A seed whose one trial fails three first attempts: with a random one,
 	// the "all at once" profile fails each event with probability 1/3, and

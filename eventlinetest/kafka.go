@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -115,13 +114,7 @@ func (k *kit) runKafka(ctx context.Context, cluster *kafkatest.Cluster, s schedu
 
 	records := k.publishOrder(s)
 	// Phases: the records up to each crash or rebalance, then the rest.
-	var stops []fault
-	for _, f := range s.faults {
-		if f.kind == Crashes || f.kind == Rebalances {
-			stops = append(stops, f)
-		}
-	}
-	slices.SortStableFunc(stops, func(a, b fault) int { return a.after - b.after })
+	stops := s.stops(Crashes | Rebalances)
 	if err := r.start(); err != nil {
 		return nil, err
 	}
@@ -169,11 +162,7 @@ func (k *kit) runKafka(ctx context.Context, cluster *kafkatest.Cluster, s schedu
 	if n := r.count("events_dead_lettered_total"); n > 0 {
 		return fail(fmt.Errorf("the consumer dead-lettered %d events (see Case.Logger for the reasons)", n))
 	}
-	got, err := k.env.read(ctx, k.State)
-	if err != nil {
-		return fail(fmt.Errorf("Case.State failed after the schedule: %w", err))
-	}
-	return &result{trace: r.trace, got: got, mismatch: !reflect.DeepEqual(want, got)}, nil
+	return k.compare(ctx, want, r.trace), nil
 }
 
 // publishOrder interleaves the schedule's partition logs into the order the
@@ -327,7 +316,11 @@ func (r *kafkaRun) count(name string) int { return int(counters(r.reg)[name]) }
 // parked) or were dead-lettered.
 func (r *kafkaRun) handled() int {
 	c := counters(r.reg)
-	return int(c["events_applied_total"] + c["events_duplicate_total"] + c["events_stale_total"] + c["events_parked_total"] + c["events_dead_lettered_total"])
+	n := c["events_dead_lettered_total"]
+	for _, o := range outcomes {
+		n += c[o.counter]
+	}
+	return int(n)
 }
 
 func (r *kafkaRun) waitHandled(ctx context.Context, n int) error {

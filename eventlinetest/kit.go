@@ -1,6 +1,7 @@
 package eventlinetest
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/binary"
@@ -60,15 +61,9 @@ func prepare(c Case, testName string) (*kit, error) {
 			return nil, fmt.Errorf("eventlinetest: Case.Handlers[%q] is nil", t)
 		}
 	}
-	if c.Faults == 0 {
-		c.Faults = AllFaults
-	}
-	if c.Group == "" {
-		c.Group = DefaultGroup
-	}
-	if c.TrialTimeout == 0 {
-		c.TrialTimeout = DefaultTrialTimeout
-	}
+	c.Faults = cmp.Or(c.Faults, AllFaults)
+	c.Group = cmp.Or(c.Group, DefaultGroup)
+	c.TrialTimeout = cmp.Or(c.TrialTimeout, DefaultTrialTimeout)
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}

@@ -110,28 +110,23 @@ func stateLines(v any) []string {
 // diffLines lists the lines only in want ("- ") and only in got ("+ "),
 // counting repeats.
 func diffLines(want, got []string) []string {
+	return append(linesNotIn(want, got, "- "), linesNotIn(got, want, "+ ")...)
+}
+
+// linesNotIn lists, each after prefix, the lines of a that b does not
+// hold as often.
+func linesNotIn(a, b []string, prefix string) []string {
 	count := map[string]int{}
-	for _, l := range got {
+	for _, l := range b {
 		count[l]++
 	}
 	var out []string
-	for _, l := range want {
+	for _, l := range a {
 		if count[l] > 0 {
 			count[l]--
 			continue
 		}
-		out = append(out, "- "+l)
-	}
-	seen := map[string]int{}
-	for _, l := range want {
-		seen[l]++
-	}
-	for _, l := range got {
-		if seen[l] > 0 {
-			seen[l]--
-			continue
-		}
-		out = append(out, "+ "+l)
+		out = append(out, prefix+l)
 	}
 	return out
 }

@@ -199,6 +199,19 @@ func countKind(fs []fault, kind Fault) int {
 	return n
 }
 
+// stops returns s's faults of the given kinds (Crashes, Rebalances,
+// Batches) in the order of the deliveries they come before.
+func (s schedule) stops(kinds Fault) []fault {
+	var out []fault
+	for _, f := range s.faults {
+		if f.kind&kinds != 0 {
+			out = append(out, f)
+		}
+	}
+	slices.SortStableFunc(out, func(a, b fault) int { return a.after - b.after })
+	return out
+}
+
 // without returns s without its faults i to j-1.
 func (s schedule) without(i, j int) schedule {
 	s.faults = slices.Delete(slices.Clone(s.faults), i, j)

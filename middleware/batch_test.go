@@ -18,7 +18,6 @@ import (
 	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -26,16 +25,17 @@ import (
 // batch (internal/delivery), as the consumer's subscriber does, and
 // returns each member's error.
 func deliverBatch(h message.HandlerFunc, msgs ...*message.Message) []error {
-	return deliverBatchTo(delivery.NewBatch(), h, msgs...)
+	return deliverBatchTo(context.Background(), delivery.NewBatch(), h, msgs...)
 }
 
-// deliverBatchTo is deliverBatch with the batch given.
-func deliverBatchTo(b *delivery.Batch, h message.HandlerFunc, msgs ...*message.Message) []error {
+// deliverBatchTo is deliverBatch with the batch, and the context its
+// members start from, given.
+func deliverBatchTo(ctx context.Context, b *delivery.Batch, h message.HandlerFunc, msgs ...*message.Message) []error {
 	errs := make([]error, len(msgs))
 	var wg sync.WaitGroup
 	for i, m := range msgs {
 		m = consumertest.Redeliver(m)
-		m.SetContext(b.Add(context.Background()))
+		m.SetContext(b.Add(ctx))
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -44,24 +44,9 @@ func deliverBatchTo(b *delivery.Batch, h message.HandlerFunc, msgs ...*message.M
 		}()
 	}
 	b.Seal()
-	b.Run(context.Background())
+	b.Run(ctx)
 	wg.Wait()
 	return errs
-}
-
-// xmins returns the transaction id that wrote each effect, by event id.
-func (f *fixture) xmins(t *testing.T) map[string]string {
-	t.Helper()
-	rows, err := f.env.Pool.Query(context.Background(), `SELECT event_id, xmin::text FROM `+sqlident.Qualify(f.env.Schema, "effects"))
-	require.NoError(t, err)
-	out := map[string]string{}
-	for rows.Next() {
-		var id, x string
-		require.NoError(t, rows.Scan(&id, &x))
-		out[id] = x
-	}
-	require.NoError(t, rows.Err())
-	return out
 }
 
 // TestBatchOfOneAggregateWithDuplicatesIsOneTransaction applies versions
@@ -78,7 +63,7 @@ func TestBatchOfOneAggregateWithDuplicatesIsOneTransaction(t *testing.T) {
 	}
 	require.Equal(t, []int64{1, 2, 3}, f.versions(t, "x"))
 	require.Equal(t, []int64{1}, f.versions(t, "y"))
-	xm := f.xmins(t)
+	xm := f.env.Transactions(t, group)
 	for _, e := range []eventline.Event{x2, x3, y1} {
 		require.Equal(t, xm[x1.ID], xm[e.ID], "one transaction")
 	}
@@ -93,9 +78,7 @@ func TestBatchOfOneAggregateWithDuplicatesIsOneTransaction(t *testing.T) {
 func TestBatchCommitFailureFallsBackToOneByOne(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{})
-	uniq := sqlident.Qualify(f.env.Schema, "uniq")
-	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+uniq+` (k text, CONSTRAINT uniq_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)`)
-	require.NoError(t, err)
+	uniq := f.env.CreateTable(t, "uniq", `k text, CONSTRAINT uniq_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED`)
 	business := f.business(group)
 	h := f.el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
 		e, _ := middleware.EventFromContext(msg.Context())
@@ -117,7 +100,7 @@ func TestBatchCommitFailureFallsBackToOneByOne(t *testing.T) {
 		require.Equal(t, []int64{1}, f.versions(t, id))
 	}
 	require.Empty(t, f.versions(t, "c"))
-	xm := f.xmins(t)
+	xm := f.env.Transactions(t, group)
 	require.NotEqual(t, xm[a.ID], xm[b.ID], "one transaction per event after the batch failed")
 	require.EqualValues(t, 3, f.metric(t, "eventline_consumer_events_applied_total"), "metrics count only committed events")
 }
@@ -141,11 +124,11 @@ func TestBatchMembersThatNeverArriveDoNotHoldItUp(t *testing.T) {
 		return f.handler(msg)
 	}
 	a, r, b := consumertest.Event("a", 1), consumertest.Event("rejected", 1), consumertest.Event("b", 1)
-	errs := deliverBatchTo(batch, h, consumertest.Message(t, a), consumertest.Message(t, r), consumertest.Message(t, b))
+	errs := deliverBatchTo(context.Background(), batch, h, consumertest.Message(t, a), consumertest.Message(t, r), consumertest.Message(t, b))
 	require.NoError(t, errs[0])
 	require.ErrorIs(t, errs[1], reject)
 	require.NoError(t, errs[2])
-	xm := f.xmins(t)
+	xm := f.env.Transactions(t, group)
 	require.Equal(t, xm[a.ID], xm[b.ID], "a and b in one transaction")
 }
 
@@ -231,7 +214,7 @@ func TestBatchDuringDatabaseOutage(t *testing.T) {
 	for _, id := range []string{"a", "b", "c"} {
 		require.Equal(t, []int64{1}, f.versions(t, id))
 	}
-	xm := f.xmins(t)
+	xm := f.env.Transactions(t, group)
 	require.Equal(t, xm[evs[0].ID], xm[evs[2].ID], "one transaction once the database is back")
 }
 

@@ -157,22 +157,16 @@ func (el *Eventline) admitBatch(ctx, bctx context.Context, items []*delivery.Arr
 		if whole {
 			batch = g.store.QueueAdmitBatch(pb, g.cfg.Group, events, jumps)
 		}
-		var results []func(context.Context, store.DBTX) (store.Admission, error)
+		var results []admissionResult
 		if batch == nil {
-			results = make([]func(context.Context, store.DBTX) (store.Admission, error), len(items))
+			results = make([]admissionResult, len(items))
 			for _, i := range store.AdmissionOrder(events) {
 				results[i] = g.queueAdmission(pb, events[i])
 			}
 		}
-		br := el.db.SendBatch(bctx, pb)
-		tx := br.Tx()
-		err := br.Close()
-		if tx == nil {
-			return nil, nil, &attempt{outcome: unavailable, err: errNoBatchTx}
-		}
+		tx, err := el.sendBegin(ctx, bctx, pb, "batch")
 		if err != nil {
-			rollback(ctx, tx)
-			return nil, nil, &attempt{outcome: unavailable, err: fmt.Errorf("eventline: begin batch transaction: %w", err)}
+			return nil, nil, &attempt{outcome: unavailable, err: err}
 		}
 		if batch != nil {
 			admissions, err := batch.Result(bctx)

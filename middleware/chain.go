@@ -56,7 +56,7 @@ func (el *Eventline) guard(h message.HandlerFunc) message.HandlerFunc {
 			Problem: fmt.Sprintf("a poison queue inside the eventline middleware swallowed the handler's failure (%q), which would mark the event processed with no effects", reason),
 			Fix:     "use Eventline.AddHandler, which dead-letters in the consumer's database outside the transaction, and add no poison queue after MiddlewareFor",
 		}
-		el.cfg.Metrics.incUnsafeComposition(el.cfg.Group)
+		el.cfg.Metrics.add(unsafeCompositionsCounter, 1, el.cfg.Group)
 		el.cfg.Logger.ErrorContext(msg.Context(), "eventline: refusing to commit an event: the middleware chain is unsafe",
 			"group", el.cfg.Group, "message_uuid", msg.UUID, "error", cerr)
 		return nil, cerr
@@ -70,13 +70,11 @@ func (el *Eventline) guard(h message.HandlerFunc) message.HandlerFunc {
 //
 // inner is registered for the sweeper and replays under name.
 func (el *Eventline) chain(name string, inner message.HandlerFunc) message.HandlerFunc {
-	el.gate.reg.wrap(inner)
-	el.gate.reg.register(name, inner)
-	h := el.handler(el.guard(inner))
+	h := el.wrap(name, inner)
 	for i := len(el.cfg.Middleware) - 1; i >= 0; i-- {
 		h = el.cfg.Middleware[i](h)
 	}
-	return el.traced(el.dl.middleware(el.retry(h)))
+	return el.gate.obs.traced(el.cfg.Group, el.dl.middleware(el.retry(h)))
 }
 
 // AddHandler adds fn to router as the consumer handler name for topic on

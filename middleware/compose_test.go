@@ -23,7 +23,6 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -120,9 +119,9 @@ func TestPoisonQueueInsideEventlineIsRefusedNotCommitted(t *testing.T) {
 	}
 	require.NoError(t, k.router.Close())
 
-	processed := pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "processed_events"))
+	processed := env.Count(t, "processed_events", "")
 	require.Zero(t, processed, "the event must not be marked processed: its handler failed")
-	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "aggregate_versions")))
+	require.Zero(t, env.Count(t, "aggregate_versions", ""))
 	require.Empty(t, env.Effects(t, group))
 }
 
@@ -208,7 +207,7 @@ func TestUnsafeRefusalHoldsTheMessage(t *testing.T) {
 		require.ErrorIs(t, err, middleware.ErrUnsafeComposition)
 		require.EqualValues(t, i, holds.Load(), "each refusal holds the message before answering")
 	}
-	require.Zero(t, pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(env.Schema, "processed_events")))
+	require.Zero(t, env.Count(t, "processed_events", ""))
 
 	// A handler's ordinary failure is answered at once.
 	failing := el.MiddlewareFor("test")(func(*message.Message) ([]*message.Message, error) { return nil, errors.New("smtp down") })

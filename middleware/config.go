@@ -1,8 +1,8 @@
 package middleware
 
 import (
+	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -195,24 +195,24 @@ func (c Config) withDefaults() (Config, error) {
 	if err := sqlident.Validate("Schema", c.Schema); err != nil {
 		return wrap(err)
 	}
-	if err := validateGapPolicies(c.GapPolicy, c.PolicyByType); err != nil {
+	if err := validatePolicies("GapPolicy", c.GapPolicy, "PolicyByType", c.PolicyByType, checkGapPolicy); err != nil {
 		return wrap(err)
 	}
-	if err := validateLatePolicies(c.LatePolicy, c.LatePolicyByType); err != nil {
+	if err := validatePolicies("LatePolicy", c.LatePolicy, "LatePolicyByType", c.LatePolicyByType, checkLatePolicy); err != nil {
 		return wrap(err)
 	}
-	c.GapPolicy = or(c.GapPolicy, versioning.DefaultGapPolicy)
-	c.LatePolicy = or(c.LatePolicy, versioning.DefaultLatePolicy)
-	c.Unversioned = or(c.Unversioned, versioning.DefaultUnversionedPolicy)
+	c.GapPolicy = cmp.Or(c.GapPolicy, versioning.DefaultGapPolicy)
+	c.LatePolicy = cmp.Or(c.LatePolicy, versioning.DefaultLatePolicy)
+	c.Unversioned = cmp.Or(c.Unversioned, versioning.DefaultUnversionedPolicy)
 	if c.Unversioned != versioning.PassUnversioned && c.Unversioned != versioning.RejectUnversioned {
 		return fail("Unversioned %q is unknown: use %q or %q", c.Unversioned, versioning.PassUnversioned, versioning.RejectUnversioned)
 	}
-	c.MaxGap = or(c.MaxGap, versioning.DefaultMaxGap)
-	c.ParkTimeout = or(c.ParkTimeout, versioning.DefaultParkTimeout)
-	c.SweepInterval = or(c.SweepInterval, versioning.DefaultSweepInterval)
-	c.SweepBatch = or(c.SweepBatch, versioning.DefaultSweepBatch)
-	c.MaxReleaseAttempts = or(c.MaxReleaseAttempts, versioning.DefaultMaxReleaseAttempts)
-	c.TxTimeout = or(c.TxTimeout, DefaultTxTimeout)
+	c.MaxGap = cmp.Or(c.MaxGap, versioning.DefaultMaxGap)
+	c.ParkTimeout = cmp.Or(c.ParkTimeout, versioning.DefaultParkTimeout)
+	c.SweepInterval = cmp.Or(c.SweepInterval, versioning.DefaultSweepInterval)
+	c.SweepBatch = cmp.Or(c.SweepBatch, versioning.DefaultSweepBatch)
+	c.MaxReleaseAttempts = cmp.Or(c.MaxReleaseAttempts, versioning.DefaultMaxReleaseAttempts)
+	c.TxTimeout = cmp.Or(c.TxTimeout, DefaultTxTimeout)
 	switch {
 	case c.MaxGap < 0:
 		return fail("MaxGap is %d; it must be positive (0 means %d; math.MaxInt64 disables the bound)", c.MaxGap, versioning.DefaultMaxGap)
@@ -235,12 +235,8 @@ func (c Config) withDefaults() (Config, error) {
 	case NoRetries:
 		c.MaxRetries = 0
 	}
-	noJitter := c.Retry.Jitter == NoJitter
-	if noJitter {
-		c.Retry.Jitter = 0
-	}
-	c.Retry = c.Retry.Or(DefaultRetry)
-	if noJitter {
+	c.Retry = c.Retry.Or(DefaultRetry) // keeps NoJitter, which is not zero
+	if c.Retry.Jitter == NoJitter {
 		c.Retry.Jitter = 0
 	}
 	c.InfraBackoff = c.InfraBackoff.Or(DefaultInfraBackoff)
@@ -264,77 +260,47 @@ func (c Config) withDefaults() (Config, error) {
 	return c, nil
 }
 
-// or returns v, or def when v is the zero value.
-func or[T comparable](v, def T) T {
-	var zero T
-	if v == zero {
-		return def
-	}
-	return v
-}
-
-func validateGapPolicies(def versioning.GapPolicy, byType map[string]versioning.GapPolicy) error {
-	check := func(name string, p versioning.GapPolicy) error {
-		switch p {
-		case versioning.Park, versioning.Apply:
-			return nil
-		case versioning.Reject:
-			return fmt.Errorf("%s %q is no longer supported: retrying an early event blocked its partition, so one out-of-order delivery lost the aggregate; use %q (set ParkTimeout to give gaps up sooner)", name, p, versioning.Park)
-		}
-		return fmt.Errorf("%s %q is unknown: use %q or %q", name, p, versioning.Park, versioning.Apply)
-	}
+// validatePolicies checks def, the policy of the field name, when set,
+// and every entry of byType, the field byTypeName, with check.
+func validatePolicies[P ~string](name string, def P, byTypeName string, byType map[string]P, check func(name string, p P) error) error {
 	if def != "" {
-		if err := check("GapPolicy", def); err != nil {
+		if err := check(name, def); err != nil {
 			return err
 		}
 	}
 	for typ, p := range byType {
 		if typ == "" {
-			return errors.New("PolicyByType has an empty event type")
+			return fmt.Errorf("%s has an empty event type", byTypeName)
 		}
-		if err := check(fmt.Sprintf("PolicyByType[%q]", typ), p); err != nil {
+		if err := check(fmt.Sprintf("%s[%q]", byTypeName, typ), p); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func validateLatePolicies(def versioning.LatePolicy, byType map[string]versioning.LatePolicy) error {
-	check := func(name string, p versioning.LatePolicy) error {
-		if p != versioning.HoldLate && p != versioning.ApplyLate {
-			return fmt.Errorf("%s %q is unknown: use %q or %q", name, p, versioning.HoldLate, versioning.ApplyLate)
-		}
+func checkGapPolicy(name string, p versioning.GapPolicy) error {
+	switch p {
+	case versioning.Park, versioning.Apply:
 		return nil
+	case versioning.Reject:
+		return fmt.Errorf("%s %q is no longer supported: retrying an early event blocked its partition, so one out-of-order delivery lost the aggregate; use %q (set ParkTimeout to give gaps up sooner)", name, p, versioning.Park)
 	}
-	if def != "" {
-		if err := check("LatePolicy", def); err != nil {
-			return err
-		}
-	}
-	for typ, p := range byType {
-		if typ == "" {
-			return errors.New("LatePolicyByType has an empty event type")
-		}
-		if err := check(fmt.Sprintf("LatePolicyByType[%q]", typ), p); err != nil {
-			return err
-		}
+	return fmt.Errorf("%s %q is unknown: use %q or %q", name, p, versioning.Park, versioning.Apply)
+}
+
+func checkLatePolicy(name string, p versioning.LatePolicy) error {
+	if p != versioning.HoldLate && p != versioning.ApplyLate {
+		return fmt.Errorf("%s %q is unknown: use %q or %q", name, p, versioning.HoldLate, versioning.ApplyLate)
 	}
 	return nil
 }
 
-// gapPolicy is the gap policy for an event type (the config has its
-// defaults filled in).
-func (c *Config) gapPolicy(eventType string) versioning.GapPolicy {
-	if p, ok := c.PolicyByType[eventType]; ok && p != "" {
+// policyFor is the policy of byType for an event type, else def (the
+// config's, its default filled in).
+func policyFor[P ~string](byType map[string]P, eventType string, def P) P {
+	if p, ok := byType[eventType]; ok && p != "" {
 		return p
 	}
-	return c.GapPolicy
-}
-
-// latePolicy is the late policy for an event type.
-func (c *Config) latePolicy(eventType string) versioning.LatePolicy {
-	if p, ok := c.LatePolicyByType[eventType]; ok && p != "" {
-		return p
-	}
-	return c.LatePolicy
+	return def
 }

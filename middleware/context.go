@@ -68,7 +68,7 @@ func (el *Eventline) withHookReports(ctx context.Context) context.Context {
 // reportHookPanic logs and counts an AfterCommit hook that panicked; ctx
 // is the context the hook was registered with.
 func (el *Eventline) reportHookPanic(ctx context.Context, v any, stack []byte) {
-	el.cfg.Metrics.incHookPanic(el.cfg.Group)
+	el.cfg.Metrics.add(hookPanicsCounter, 1, el.cfg.Group)
 	attrs := []any{"group", el.cfg.Group, "panic", v}
 	if e, ok := EventFromContext(ctx); ok {
 		attrs = append(attrs, "event_id", e.ID, "event_type", e.Type, "aggregate_type", e.AggregateType,

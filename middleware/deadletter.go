@@ -62,7 +62,7 @@ func (d *deadLetter) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if werr != nil {
 			return nil, errors.Join(err, werr)
 		}
-		d.cfg.Metrics.incDeadLettered(d.cfg.Group, rec.Cause)
+		d.cfg.Metrics.add(deadLetteredCounter, 1, d.cfg.Group, rec.Cause)
 		// The record's fields are hostile input: the dead letter keeps them
 		// whole, the warning only their start.
 		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline held`",
@@ -110,7 +110,7 @@ func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec held.E
 		if ctx.Err() != nil {
 			return 0, fmt.Errorf("eventline: dead letter not written before shutdown; the message stays unacknowledged: %w", err)
 		}
-		d.cfg.Metrics.incDeadLetterWriteFailure(d.cfg.Group)
+		d.cfg.Metrics.add(deadLetterWriteFailuresCounter, 1, d.cfg.Group)
 		log := d.cfg.Logger.DebugContext
 		if attempt == 1 {
 			log = d.cfg.Logger.ErrorContext

@@ -171,8 +171,8 @@
 // parked, parked now, released, release failures, given up, late, late held
 // now, late applied, gaps skipped, refused, handler latency, dead-lettered,
 // retries, waits for the database and events waiting on it now, failed
-// dead-letter writes and topic copies, replays, unsafe compositions); a nil
-// *Metrics records nothing. The event_type label is bounded: registered
+// dead-letter writes, replays, unsafe compositions, AfterCommit panics,
+// stage and gap latencies); a nil *Metrics records nothing. The event_type label is bounded: registered
 // types ([Metrics.RegisterEventTypes]) and the first
 // MaxUnregisteredEventTypes others keep their name, the rest count as
 // OtherEventType. Everything is logged through *slog.Logger.

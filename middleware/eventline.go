@@ -109,12 +109,14 @@ func New(db Pool, cfg Config) (*Eventline, error) {
 // statement that records the event id and locks, checks and advances the
 // aggregate's version; then the handler's statements; then COMMIT.
 func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware {
-	return func(h message.HandlerFunc) message.HandlerFunc {
-		inner := el.upcasting(h)
-		el.gate.reg.wrap(inner)
-		el.gate.reg.register(handlerName, inner)
-		return el.handler(el.guard(inner))
-	}
+	return func(h message.HandlerFunc) message.HandlerFunc { return el.wrap(handlerName, el.upcasting(h)) }
+}
+
+// wrap registers inner (the handler behind the upcasters) under name, for
+// the sweeper and replays, and returns the eventline middleware around it.
+func (el *Eventline) wrap(name string, inner message.HandlerFunc) message.HandlerFunc {
+	el.gate.reg.register(name, inner)
+	return el.handler(el.guard(inner))
 }
 
 // Sweep makes one sweeper pass now, as Run does every SweepInterval: it
@@ -233,15 +235,9 @@ func (el *Eventline) begin(ctx context.Context, e eventline.Event) (pgx.Tx, stor
 	b := &pgx.Batch{}
 	b.BeginTx(el.cfg.TxOptions)
 	admission := el.gate.queueAdmission(b, e)
-	br := el.db.SendBatch(ctx, b)
-	tx := br.Tx()
-	err := br.Close()
-	if tx == nil {
-		return nil, store.Admission{}, errNoBatchTx
-	}
+	tx, err := el.sendBegin(ctx, ctx, b, "consumer")
 	if err != nil {
-		rollback(ctx, tx)
-		return nil, store.Admission{}, fmt.Errorf("eventline: begin consumer transaction: %w", err)
+		return nil, store.Admission{}, err
 	}
 	a, err := admission(ctx, tx)
 	if err != nil {
@@ -261,7 +257,28 @@ func (g *gate) admissionError(ctx context.Context, e eventline.Event, err error)
 	return err
 }
 
+// sendBegin sends b, which begins a transaction (what names it in the
+// error) and queues its admissions, under bctx, and returns the
+// transaction; when b fails, the transaction is rolled back under ctx.
+func (el *Eventline) sendBegin(ctx, bctx context.Context, b *pgx.Batch, what string) (pgx.Tx, error) {
+	br := el.db.SendBatch(bctx, b)
+	tx := br.Tx()
+	err := br.Close()
+	if tx == nil {
+		return nil, errNoBatchTx
+	}
+	if err != nil {
+		rollback(ctx, tx)
+		return nil, fmt.Errorf("eventline: begin %s transaction: %w", what, err)
+	}
+	return tx, nil
+}
+
 var errNoBatchTx = errors.New("eventline: the consumer pool's SendBatch did not begin a transaction (pgx.Batch.BeginTx needs pgx v5.12 or later)")
+
+// admissionResult reads a queued admission through the batch's
+// transaction.
+type admissionResult = func(ctx context.Context, tx store.DBTX) (store.Admission, error)
 
 // queueAdmission queues on b the statement that admits e: it records the
 // event id in processed_events and, for a versioned event, locks, checks
@@ -270,7 +287,7 @@ var errNoBatchTx = errors.New("eventline: the consumer pool's SendBatch did not 
 // closed; a duplicate of an unversioned event reads as
 // store.Duplicate, an applicable unversioned event as the zero
 // Admission. Both the one-event path and batches admit through it.
-func (g *gate) queueAdmission(b *pgx.Batch, e eventline.Event) func(ctx context.Context, tx store.DBTX) (store.Admission, error) {
+func (g *gate) queueAdmission(b *pgx.Batch, e eventline.Event) admissionResult {
 	if e.AggregateVersion > 0 {
 		p := g.store.QueueAdmit(b, g.cfg.Group, e, g.jumps(e))
 		return p.Result

@@ -106,7 +106,9 @@ func ExhaustedAttempts(err error) (int, bool) {
 }
 
 // Traced wraps h in the process span, as the chain does outermost.
-func (el *Eventline) Traced(h message.HandlerFunc) message.HandlerFunc { return el.traced(h) }
+func (el *Eventline) Traced(h message.HandlerFunc) message.HandlerFunc {
+	return el.gate.obs.traced(el.cfg.Group, h)
+}
 
 // CheckMigrated is Run's check of the schema, alone.
 func (el *Eventline) CheckMigrated(ctx context.Context) error { return el.checkMigrated(ctx) }

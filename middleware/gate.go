@@ -58,12 +58,12 @@ func (g *gate) releaseOptions(apply store.ApplyFunc) store.ReleaseOptions {
 
 func (g *gate) observeSweep(r store.SweepResult, err error) {
 	m := g.cfg.Metrics
-	m.addReleased(g.cfg.Group, r.Released)
-	m.addReleaseFailures(g.cfg.Group, r.Failed)
-	m.addGapsSkipped(g.cfg.Group, "park_timeout", r.GapsSkipped)
+	m.add(releasedCounter, r.Released, g.cfg.Group)
+	m.add(releaseFailuresCounter, r.Failed, g.cfg.Group)
+	m.add(gapsSkippedCounter, r.GapsSkipped, g.cfg.Group, "park_timeout")
 	m.observeGapsClosed(g.cfg.Group, r.GapsClosed)
 	m.addGivenUp(g.cfg.Group, r.DeadLettered)
-	m.addLateApplied(g.cfg.Group, r.LateApplied)
+	m.add(lateAppliedCounter, r.LateApplied, g.cfg.Group)
 	if err == nil {
 		m.setParked(g.cfg.Group, r.Parked, r.HeldLate)
 	}
@@ -77,9 +77,9 @@ func (g *gate) observeSweep(r store.SweepResult, err error) {
 // sweeper and are dropped with a warning; handlers that emit events should
 // write them with the producer's PublishTx through tx.
 func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p store.Parked) error {
-	h := g.reg.lookup(p.Handler)
-	if h == nil {
-		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, p.Handler)
+	h, err := g.handler(p.Handler)
+	if err != nil {
+		return err
 	}
 	out, err := g.release(ctx, tx, p, h)
 	if err == nil && len(out) > 0 {
@@ -87,6 +87,15 @@ func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p store.Parked) error
 			"group", p.Group, "event_id", p.EventID, "dropped", len(out))
 	}
 	return err
+}
+
+// handler is the handler registered under name, or an error matching
+// versioning.ErrNoHandler that says what to add.
+func (g *gate) handler(name string) (message.HandlerFunc, error) {
+	if h := g.reg.lookup(name); h != nil {
+		return h, nil
+	}
+	return nil, fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, name)
 }
 
 // release runs h for a parked or late event in the savepoint tx. The
@@ -146,12 +155,14 @@ func (g *gate) precheck(e eventline.Event) error {
 }
 
 // jumps reports whether a gap applies e anyway (the Apply policy).
-func (g *gate) jumps(e eventline.Event) bool { return g.cfg.gapPolicy(e.Type) == versioning.Apply }
+func (g *gate) jumps(e eventline.Event) bool {
+	return policyFor(g.cfg.PolicyByType, e.Type, g.cfg.GapPolicy) == versioning.Apply
+}
 
 // refuse counts and logs an event the gate refuses for good, and returns
 // err marked permanent (it is dead-lettered with err as the reason).
 func (g *gate) refuse(ctx context.Context, e eventline.Event, reason string, err error) error {
-	g.cfg.Metrics.incRefused(g.cfg.Group, reason)
+	g.cfg.Metrics.add(refusedCounter, 1, g.cfg.Group, reason)
 	g.cfg.Logger.WarnContext(ctx, "eventline: event refused; it is dead-lettered", "group", g.cfg.Group, "event_id", e.ID,
 		"event_type", e.Type, "aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion,
 		"reason", reason, "error", err)

@@ -42,7 +42,7 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 		}
 		log.InfoContext(ctx, "eventline: event parked until the missing versions arrive", "group", group, "event_id", e.ID,
 			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "version", e.AggregateVersion, "follows", a.Follows, "current", a.Previous)
-		AfterCommit(ctx, func() { m.incParked(group, e.Type) })
+		AfterCommit(ctx, func() { m.add(parkedCounter, 1, group, m.eventType(e.Type)) })
 		g.obs.outcome(ctx, tracing.OutcomeParked)
 		return nil, nil
 	case store.Jump:
@@ -56,7 +56,7 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 		}
 		log.WarnContext(ctx, "eventline: skipped missing aggregate versions (gap policy apply)", "group", group,
 			"aggregate_type", e.AggregateType, "aggregate_id", e.AggregateID, "from", a.Previous+1, "to", a.Follows)
-		AfterCommit(ctx, func() { m.addGapsSkipped(group, "policy_apply", 1) })
+		AfterCommit(ctx, func() { m.add(gapsSkippedCounter, 1, group, "policy_apply") })
 	}
 
 	out, err := g.run(msg, e, h)
@@ -69,8 +69,9 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 	apply := func(ctx context.Context, sp pgx.Tx, p store.Parked) error {
 		ph := h
 		if p.Handler != name {
-			if ph = g.reg.lookup(p.Handler); ph == nil {
-				return fmt.Errorf("%w: %q", versioning.ErrNoHandler, p.Handler)
+			var err error
+			if ph, err = g.handler(p.Handler); err != nil {
+				return err
 			}
 		}
 		produced, err := g.release(ctx, sp, p, ph)
@@ -98,11 +99,11 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 			"group", group, "aggregate_type", k.AggregateType, "aggregate_id", k.AggregateID, "late", d.Late)
 	}
 	AfterCommit(ctx, func() {
-		m.addReleased(group, len(d.Released))
+		m.add(releasedCounter, len(d.Released), group)
 		m.observeGapsClosed(group, d.GapsClosed)
 		m.addGivenUp(group, len(d.DeadLettered))
 		if d.Failed != nil {
-			m.addReleaseFailures(group, 1)
+			m.add(releaseFailuresCounter, 1, group)
 		}
 	})
 	return out, nil
@@ -115,20 +116,20 @@ func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h mes
 func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a store.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
-	hold := g.cfg.latePolicy(e.Type) == versioning.HoldLate
-	late, reason, err := g.store.HoldLate(ctx, tx, store.LateRequest{Group: group, Event: e, Message: msg,
-		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold})
+	hold := policyFor(g.cfg.LatePolicyByType, e.Type, g.cfg.LatePolicy) == versioning.HoldLate
+	req := store.LateRequest{Group: group, Event: e, Message: msg, Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold}
+	late, reason, err := g.store.HoldLate(ctx, tx, req)
 	if err != nil {
 		return nil, g.refusal(ctx, e, err)
 	}
 	attrs := []any{"group", group, "event_id", e.ID, "event_type", e.Type, "aggregate_type", e.AggregateType,
 		"aggregate_id", e.AggregateID, "version", e.AggregateVersion, "current", a.Previous}
 	if !late && isReplay(ctx) {
-		return nil, g.conflict(msg, tx, e, a, attrs)
+		return nil, g.conflict(ctx, tx, req, attrs)
 	}
 	if !late {
 		log.DebugContext(ctx, "eventline: stale event discarded", attrs...)
-		AfterCommit(ctx, func() { m.incStale(group, e.Type) })
+		AfterCommit(ctx, func() { m.add(staleCounter, 1, group, m.eventType(e.Type)) })
 		g.obs.outcome(ctx, tracing.OutcomeStale)
 		return nil, nil
 	}
@@ -136,10 +137,8 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 		if err := g.validate(ctx, e, "held as late"); err != nil {
 			return nil, err
 		}
-		log.WarnContext(ctx, "eventline: late event held for the operator: its version was given up on before it arrived; replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
-			append(attrs, "skip_reason", reason)...)
-		AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })
-		g.obs.outcome(ctx, tracing.OutcomeSkipped) // its version was skipped; held for the operator
+		g.held(ctx, e, "eventline: late event held for the operator: its version was given up on before it arrived; replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
+			append(attrs, "skip_reason", reason))
 		return nil, nil
 	}
 	log.WarnContext(ctx, "eventline: late event applied after later versions (late policy apply)", append(attrs, "skip_reason", reason)...)
@@ -148,7 +147,7 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	if err != nil {
 		return nil, err
 	}
-	AfterCommit(ctx, func() { m.incLate(group, e.Type, "applied") })
+	AfterCommit(ctx, func() { m.add(lateCounter, 1, group, m.eventType(e.Type), "applied") })
 	return out, nil
 }
 
@@ -164,22 +163,26 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 // processed_events is keyed by event id and the lookup reads the group's
 // records. An arrival from Kafka that is merely stale is discarded as
 // before (a redelivery whose dedup record expired is one).
-func (g *gate) conflict(msg *message.Message, tx pgx.Tx, e eventline.Event, a store.Admission, attrs []any) error {
-	ctx := msg.Context()
-	if err := g.validate(ctx, e, "held as a version conflict"); err != nil {
+func (g *gate) conflict(ctx context.Context, tx pgx.Tx, req store.LateRequest, attrs []any) error {
+	if err := g.validate(ctx, req.Event, "held as a version conflict"); err != nil {
 		return err
 	}
-	reason, err := g.store.HoldConflict(ctx, tx, store.LateRequest{Group: g.cfg.Group, Event: e, Message: msg,
-		Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous})
+	reason, err := g.store.HoldConflict(ctx, tx, req)
 	if err != nil {
-		return g.refusal(ctx, e, err)
+		return g.refusal(ctx, req.Event, err)
 	}
-	g.cfg.Logger.WarnContext(ctx, "eventline: replayed event held for the operator: the aggregate passed its version while it was dead (version conflict); replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
-		append(attrs, "reason", reason)...)
-	group, m := g.cfg.Group, g.cfg.Metrics
-	AfterCommit(ctx, func() { m.incLate(group, e.Type, "held") })
-	g.obs.outcome(ctx, tracing.OutcomeSkipped)
+	g.held(ctx, req.Event, "eventline: replayed event held for the operator: the aggregate passed its version while it was dead (version conflict); replay it (applied late) with `eventline held replay` or discard it with `eventline held discard`",
+		append(attrs, "reason", reason))
 	return nil
+}
+
+// held logs (msg, attrs) and counts an event held for the operator, whose
+// version was skipped: a late event, or a replay's version conflict.
+func (g *gate) held(ctx context.Context, e eventline.Event, msg string, attrs []any) {
+	g.cfg.Logger.WarnContext(ctx, msg, attrs...)
+	group, m := g.cfg.Group, g.cfg.Metrics
+	AfterCommit(ctx, func() { m.add(lateCounter, 1, group, m.eventType(e.Type), "held") })
+	g.obs.outcome(ctx, tracing.OutcomeSkipped)
 }
 
 // run calls the handler for an event applied on arrival.
@@ -193,7 +196,7 @@ func (g *gate) run(msg *message.Message, e eventline.Event, h message.HandlerFun
 	group, m := g.cfg.Group, g.cfg.Metrics
 	ctx := msg.Context()
 	AfterCommit(ctx, func() {
-		m.incApplied(group, e.Type)
+		m.add(appliedCounter, 1, group, m.eventType(e.Type))
 		g.observeApplied(ctx, e)
 	})
 	g.obs.applied(ctx)
@@ -203,5 +206,5 @@ func (g *gate) run(msg *message.Message, e eventline.Event, h message.HandlerFun
 func (g *gate) duplicate(ctx context.Context, e eventline.Event) {
 	g.cfg.Logger.DebugContext(ctx, "eventline: duplicate event skipped", "group", g.cfg.Group, "event_id", e.ID, "event_type", e.Type)
 	group, m := g.cfg.Group, g.cfg.Metrics
-	AfterCommit(ctx, func() { m.incDuplicate(group, e.Type) })
+	AfterCommit(ctx, func() { m.add(duplicateCounter, 1, group, m.eventType(e.Type)) })
 }

@@ -100,6 +100,19 @@ func hostileMessage(agg, id string) *rapid.Generator[*message.Message] {
 	})
 }
 
+// countedChain is the chain AddHandler builds (f.el.Chain) around handle,
+// which gets the event and its transaction, with its calls counted.
+func (f *fixture) countedChain(handle func(ctx context.Context, tx pgx.Tx, e eventline.Event) error) (message.HandlerFunc, *atomic.Int64) {
+	var calls atomic.Int64
+	return f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		ctx := msg.Context()
+		tx, _ := middleware.TxFromContext(ctx)
+		e, _ := middleware.EventFromContext(ctx)
+		return nil, handle(ctx, tx, e)
+	}), &calls
+}
+
 // TestPropertyHostileMessagesCostOnlyThemselves sends random hostile
 // messages (see hostileMessage; some reuse a valid event's id on their own
 // aggregate, arriving before or after it), interleaved with an aggregate's
@@ -126,15 +139,8 @@ func hostileMessage(agg, id string) *rapid.Generator[*message.Message] {
 func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{MaxRetries: 2, Retry: eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond}})
-	names := sqlident.Qualify(f.env.Schema, "names")
-	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+names+` (event_id text NOT NULL, name text NOT NULL, ref uuid, amount integer NOT NULL)`)
-	require.NoError(t, err)
-	var attempts atomic.Int64
-	chain := f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
-		attempts.Add(1)
-		ctx := msg.Context()
-		tx, _ := middleware.TxFromContext(ctx)
-		e, _ := middleware.EventFromContext(ctx)
+	names := f.env.CreateTable(t, "names", `event_id text NOT NULL, name text NOT NULL, ref uuid, amount integer NOT NULL`)
+	chain, attempts := f.countedChain(func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		var p content
 		if json.Unmarshal(e.Payload, &p) == nil && (p.Name != "" || p.Ref != "" || p.Amount != 0) {
 			ref := &p.Ref
@@ -142,10 +148,10 @@ func TestPropertyHostileMessagesCostOnlyThemselves(t *testing.T) {
 				ref = nil
 			}
 			if _, err := tx.Exec(ctx, `INSERT INTO `+names+` (event_id, name, ref, amount) VALUES ($1, $2, $3, $4)`, e.ID, p.Name, ref, p.Amount); err != nil {
-				return nil, err
+				return err
 			}
 		}
-		return nil, f.env.Apply(ctx, tx, group, e)
+		return f.env.Apply(ctx, tx, group, e)
 	})
 	st := f.el.DeadLetterStore()
 	var run, offset atomic.Int64
@@ -277,23 +283,16 @@ func nonNil(b []byte) []byte {
 func TestValueTheDriverCannotEncodeIsTheEventsFault(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, middleware.Config{MaxRetries: 3, Retry: eventline.Backoff{Initial: time.Millisecond, Max: time.Millisecond}})
-	amounts := sqlident.Qualify(f.env.Schema, "amounts")
-	_, err := f.env.Pool.Exec(context.Background(), `CREATE TABLE `+amounts+` (event_id text NOT NULL, amount integer NOT NULL)`)
-	require.NoError(t, err)
-	var attempts atomic.Int64
-	chain := f.el.Chain("billing", func(msg *message.Message) ([]*message.Message, error) {
-		attempts.Add(1)
-		ctx := msg.Context()
-		tx, _ := middleware.TxFromContext(ctx)
-		e, _ := middleware.EventFromContext(ctx)
+	amounts := f.env.CreateTable(t, "amounts", `event_id text NOT NULL, amount integer NOT NULL`)
+	chain, attempts := f.countedChain(func(ctx context.Context, tx pgx.Tx, e eventline.Event) error {
 		var p struct{ Amount int64 }
 		if err := json.Unmarshal(e.Payload, &p); err != nil {
-			return nil, middleware.Permanent(err)
+			return middleware.Permanent(err)
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO `+amounts+` (event_id, amount) VALUES ($1, $2)`, e.ID, p.Amount); err != nil {
-			return nil, err
+			return err
 		}
-		return nil, f.env.Apply(ctx, tx, group, e)
+		return f.env.Apply(ctx, tx, group, e)
 	})
 	for i, payload := range []string{`{"amount":1}`, `{"amount":4294967296}`, `{"amount":2}`} {
 		e := consumertest.Event("a", []int64{1, 2, 2}[i]) // the refused v2, then a valid one

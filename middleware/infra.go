@@ -13,22 +13,9 @@ import (
 	"github.com/eventline/eventline/internal/pgerr"
 )
 
-// The three kinds of failure. Every error a consumer sees is one of:
-//
-//   - the event's fault: it can never succeed (it does not decode, no
-//     handler knows its type, its content breaks a database limit): it is
-//     dead-lettered at once ([IsPermanent]);
-//   - the infrastructure's fault: the database is unreachable, restarting,
-//     out of resources, or did not answer in time; the outcome of a commit
-//     is unknown: nothing is wrong with the event, so it is neither retried
-//     against a budget nor dead-lettered; the consumer waits for the
-//     database and tries again, for as long as it takes
-//     ([IsInfrastructure]);
-//   - the handler's fault, maybe transient: retried with backoff against
-//     the retry budget, then dead-lettered (Config.MaxRetries). Transaction conflicts
-//     (serialization failures, deadlocks, lock timeouts) are retried like
-//     these but never spend the budget ([IsConflict]): they say nothing
-//     about the event.
+// The three kinds of failure (see the package documentation): the
+// event's fault (IsPermanent), the infrastructure's (IsInfrastructure),
+// and the handler's, maybe transient (anything else; IsConflict among it).
 
 // infraError marks a failure of the infrastructure rather than of the
 // event or the handler: the consumer waits and retries it without limit and

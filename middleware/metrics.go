@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/eventline/eventline/internal/store"
 )
 
 // Metrics holds eventline's consumer-side Prometheus collectors. A nil
@@ -20,24 +22,13 @@ import (
 // name, as do the first MaxUnregisteredEventTypes other types seen;
 // every further type is counted under OtherEventType.
 type Metrics struct {
-	applied         *prometheus.CounterVec
-	duplicates      *prometheus.CounterVec
-	stale           *prometheus.CounterVec
-	parkedTotal     *prometheus.CounterVec
-	parked          *prometheus.GaugeVec
-	released        *prometheus.CounterVec
-	releaseFailures *prometheus.CounterVec
-	gapsSkipped     *prometheus.CounterVec
-	late            *prometheus.CounterVec
-	lateHeld        *prometheus.GaugeVec
-	lateApplied     *prometheus.CounterVec
-	givenUp         *prometheus.CounterVec
-	refused         *prometheus.CounterVec
-	handlerSeconds  *prometheus.HistogramVec
-	deadLettered    *prometheus.CounterVec
-	failpath        failpathMetrics
-	gaps            gapMetrics
-	stages          *prometheus.HistogramVec // metrics_stage.go
+	counters          [numCounters]*prometheus.CounterVec
+	parked            *prometheus.GaugeVec
+	lateHeld          *prometheus.GaugeVec
+	waitingOnDatabase *prometheus.GaugeVec
+	handlerSeconds    *prometheus.HistogramVec
+	gapSeconds        *prometheus.HistogramVec
+	stages            *prometheus.HistogramVec
 
 	types typeLabels
 }
@@ -54,9 +45,6 @@ const (
 	OtherEventType = "other"
 )
 
-// metricsNamespace prefixes every metric name: eventline_consumer_….
-const metricsNamespace = "eventline"
-
 // The reasons of eventline_consumer_events_refused_total: events the gate
 // refuses as permanent errors (they are dead-lettered with the reason).
 const (
@@ -70,39 +58,116 @@ const (
 	refusedInvalid = "invalid"
 )
 
+// counter names a counter of Metrics.
+type counter int
+
+const (
+	// Labels group, event_type (see Metrics.eventType).
+	appliedCounter counter = iota
+	duplicateCounter
+	staleCounter
+	parkedCounter
+	// Labels group, event_type, action.
+	lateCounter
+	// Label group.
+	releasedCounter
+	releaseFailuresCounter
+	lateAppliedCounter
+	givenUpCounter
+	infraWaitsCounter
+	deadLetterWriteFailuresCounter
+	unsafeCompositionsCounter
+	hookPanicsCounter
+	// Labels group and the reason (result for replays).
+	gapsSkippedCounter
+	refusedCounter
+	deadLetteredCounter
+	retriesCounter
+	replaysCounter
+	numCounters
+)
+
+// metricText is a metric's name (under eventline_consumer_), help and
+// labels.
+type metricText struct {
+	name, help string
+	labels     []string
+}
+
+var (
+	byGroup = []string{"group"}
+	byType  = []string{"group", "event_type"}
+)
+
+var counterTexts = [numCounters]metricText{
+	appliedCounter:   {"events_applied_total", "Events whose handler ran and committed on arrival.", byType},
+	duplicateCounter: {"events_duplicate_total", "Redelivered events recognised by the dedup record; the handler did not run.", byType},
+	staleCounter:     {"events_stale_total", "Events discarded because the aggregate was already at or past their version, which was not skipped.", byType},
+	parkedCounter:    {"events_parked_total", "Events parked to wait for a missing earlier version.", byType},
+	lateCounter: {"late_events_total", "Events that arrived after their version was given up on: held for the operator (action held) or applied at once with IsLate (action applied).",
+		[]string{"group", "event_type", "action"}},
+	releasedCounter:        {"parked_released_total", "Parked events applied after their missing versions arrived or were skipped.", byGroup},
+	releaseFailuresCounter: {"parked_release_failures_total", "Attempts to apply a parked event whose handler failed; the event stays parked and is retried after a backoff.", byGroup},
+	lateAppliedCounter:     {"late_applied_total", "Late events applied on an operator's request (eventline held replay).", byGroup},
+	givenUpCounter:         {"parked_given_up_total", "Parked events given up after the release-attempt limit or a permanent failure: dead-lettered, their version recorded as skipped.", byGroup},
+	infraWaitsCounter: {"infra_waits_total",
+		"Waits because the database was unavailable (refused, reset, restarting, not answering, commit outcome unknown). They never spend the retry budget or dead-letter an event.", byGroup},
+	deadLetterWriteFailuresCounter: {"dead_letter_write_failures_total",
+		"Failed writes of a dead letter to held_events; the message stays unacknowledged and the write is retried.", byGroup},
+	unsafeCompositionsCounter: {"unsafe_compositions_total",
+		"Events refused because the middleware chain was composed unsafely (a poison queue or retry inside the eventline transaction); nothing was committed.", byGroup},
+	hookPanicsCounter: {"after_commit_panics_total",
+		"AfterCommit hooks that panicked after their transaction committed: recovered and logged with the event; the other hooks ran, the event stays applied.", byGroup},
+	gapsSkippedCounter: {"gaps_skipped_total", "Version gaps given up on: by the Apply policy (policy_apply), by the sweeper after the park timeout (park_timeout), or with a parked event given up (given_up).",
+		[]string{"group", "reason"}},
+	refusedCounter:      {"events_refused_total", "Events the gate refused as permanent errors (dead-lettered): id_conflict, gap_too_large, invalid.", []string{"group", "reason"}},
+	deadLetteredCounter: {"events_dead_lettered_total", "Messages dead-lettered (held in held_events), by cause.", []string{"group", "reason"}},
+	retriesCounter: {"retries_total", "Attempts retried after a failure: reason handler (spends the retry budget) or conflict (a serialization failure or deadlock; does not).",
+		[]string{"group", "reason"}},
+	replaysCounter: {"dead_letters_replayed_total", "Dead letters replayed on request: result replayed or failed.", []string{"group", "result"}},
+}
+
+// gapDurationBuckets are the buckets (seconds) of
+// eventline_consumer_gap_duration_seconds: from a reordering that heals
+// within milliseconds to gaps an operator releases after a day.
+var gapDurationBuckets = []float64{.01, .05, .25, 1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 21600, 86400}
+
+// stageBuckets span a fast local hop (1ms) to a parked event released
+// after a long wait (hours).
+var stageBuckets = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600}
+
 // NewMetrics creates the collectors and, when reg is not nil, registers
 // them with it. *Metrics is itself a prometheus.Collector, so it can also
 // be registered later.
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
-	counter := func(name, help string, labels ...string) *prometheus.CounterVec {
-		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: name, Help: help}, labels)
+	opts := func(name, help string) prometheus.Opts {
+		return prometheus.Opts{Namespace: "eventline", Subsystem: "consumer", Name: name, Help: help}
 	}
 	gauge := func(name, help string) *prometheus.GaugeVec {
-		return prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: name, Help: help}, []string{"group"})
+		return prometheus.NewGaugeVec(prometheus.GaugeOpts(opts(name, help)), byGroup)
+	}
+	histogram := func(name, help string, buckets []float64, labels ...string) *prometheus.HistogramVec {
+		return prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "eventline", Subsystem: "consumer", Name: name, Help: help, Buckets: buckets}, labels)
 	}
 	m := &Metrics{
-		applied:         counter("events_applied_total", "Events whose handler ran and committed on arrival.", "group", "event_type"),
-		duplicates:      counter("events_duplicate_total", "Redelivered events recognised by the dedup record; the handler did not run.", "group", "event_type"),
-		stale:           counter("events_stale_total", "Events discarded because the aggregate was already at or past their version, which was not skipped.", "group", "event_type"),
-		parkedTotal:     counter("events_parked_total", "Events parked to wait for a missing earlier version.", "group", "event_type"),
-		released:        counter("parked_released_total", "Parked events applied after their missing versions arrived or were skipped.", "group"),
-		releaseFailures: counter("parked_release_failures_total", "Attempts to apply a parked event whose handler failed; the event stays parked and is retried after a backoff.", "group"),
-		gapsSkipped:     counter("gaps_skipped_total", "Version gaps given up on: by the Apply policy (policy_apply), by the sweeper after the park timeout (park_timeout), or with a parked event given up (given_up).", "group", "reason"),
-		late: counter("late_events_total", "Events that arrived after their version was given up on: held for the operator (action held) or applied at once with IsLate (action applied).",
-			"group", "event_type", "action"),
-		lateApplied:  counter("late_applied_total", "Late events applied on an operator's request (eventline held replay).", "group"),
-		givenUp:      counter("parked_given_up_total", "Parked events given up after the release-attempt limit or a permanent failure: dead-lettered, their version recorded as skipped.", "group"),
-		refused:      counter("events_refused_total", "Events the gate refused as permanent errors (dead-lettered): id_conflict, gap_too_large, invalid.", "group", "reason"),
-		deadLettered: counter("events_dead_lettered_total", "Messages dead-lettered (held in held_events), by cause.", "group", "reason"),
-		parked:       gauge("parked_events", "Events currently parked, as counted by the last sweeper pass."),
-		lateHeld:     gauge("late_events", "Late events currently held for the operator (arrived late, passed while parked, or given up), as counted by the last sweeper pass."),
-		handlerSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: metricsNamespace, Subsystem: "consumer", Name: "handler_duration_seconds",
-			Help: "Time spent in the user's handler, per event.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14)}, []string{"group", "event_type"}),
+		parked:            gauge("parked_events", "Events currently parked, as counted by the last sweeper pass."),
+		lateHeld:          gauge("late_events", "Late events currently held for the operator (arrived late, passed while parked, or given up), as counted by the last sweeper pass."),
+		waitingOnDatabase: gauge("waiting_on_database", "Events currently waiting for the database to answer again; above 0 during an outage."),
+		handlerSeconds: histogram("handler_duration_seconds", "Time spent in the user's handler, per event.",
+			prometheus.ExponentialBuckets(0.0005, 2, 14), byType...),
+		gapSeconds: histogram("gap_duration_seconds",
+			"How long version gaps in front of parked events stayed open, by how they closed: filled (the missing version arrived), skipped (the sweeper gave up after the park timeout) or released (an operator gave up, eventline parked release).",
+			gapDurationBuckets, "group", "outcome"),
+		stages: histogram("stage_seconds",
+			"Latency of an event's stages: relayed_to_applied (Kafka record timestamp to the commit that applied it on arrival), "+
+				"occurred_to_applied (its occurred_at, the PublishTx time unless set by the publisher, to that commit), "+
+				"parked_to_released (parked to the commit that applied it).",
+			stageBuckets, "group", "stage"),
 		types: typeLabels{registered: map[string]bool{}, seen: map[string]bool{}},
 	}
-	m.failpath = newFailpathMetrics(counter)
-	m.gaps = newGapMetrics()
-	m.stages = newStageHistogram()
+	for i, t := range counterTexts {
+		m.counters[i] = prometheus.NewCounterVec(prometheus.CounterOpts(opts(t.name, t.help)), t.labels)
+	}
 	if reg != nil {
 		if err := reg.Register(m); err != nil {
 			return nil, err
@@ -156,9 +221,11 @@ func (l *typeLabels) label(typ string) string {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return append([]prometheus.Collector{m.applied, m.duplicates, m.stale, m.parkedTotal, m.parked, m.released,
-		m.releaseFailures, m.gapsSkipped, m.late, m.lateHeld, m.lateApplied, m.givenUp, m.refused, m.handlerSeconds, m.deadLettered},
-		append(append(m.failpath.collectors(), m.gaps.collectors()...), m.stages)...)
+	cs := []prometheus.Collector{m.parked, m.lateHeld, m.waitingOnDatabase, m.handlerSeconds, m.gapSeconds, m.stages}
+	for _, c := range m.counters {
+		cs = append(cs, c)
+	}
+	return cs
 }
 
 // Describe implements prometheus.Collector.
@@ -175,71 +242,29 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-func (m *Metrics) incApplied(group, typ string) {
-	if m != nil {
-		m.applied.WithLabelValues(group, m.types.label(typ)).Inc()
+// eventType is the event_type label of typ (typ itself on a nil *Metrics,
+// which counts nothing).
+func (m *Metrics) eventType(typ string) string {
+	if m == nil {
+		return typ
 	}
+	return m.types.label(typ)
 }
 
-func (m *Metrics) incDuplicate(group, typ string) {
-	if m != nil {
-		m.duplicates.WithLabelValues(group, m.types.label(typ)).Inc()
-	}
-}
-
-func (m *Metrics) incStale(group, typ string) {
-	if m != nil {
-		m.stale.WithLabelValues(group, m.types.label(typ)).Inc()
-	}
-}
-
-func (m *Metrics) incParked(group, typ string) {
-	if m != nil {
-		m.parkedTotal.WithLabelValues(group, m.types.label(typ)).Inc()
-	}
-}
-
-func (m *Metrics) incLate(group, typ, action string) {
-	if m != nil {
-		m.late.WithLabelValues(group, m.types.label(typ), action).Inc()
-	}
-}
-
-func (m *Metrics) addLateApplied(group string, n int) {
+// add adds n, when positive, to the series of counter c with labels, in
+// the order of its counterTexts entry (the group first; an event_type
+// through eventType).
+func (m *Metrics) add(c counter, n int, labels ...string) {
 	if m != nil && n > 0 {
-		m.lateApplied.WithLabelValues(group).Add(float64(n))
+		m.counters[c].WithLabelValues(labels...).Add(float64(n))
 	}
 }
 
+// addGivenUp counts parked events given up, and their versions as skipped
+// gaps.
 func (m *Metrics) addGivenUp(group string, n int) {
-	if m != nil && n > 0 {
-		m.givenUp.WithLabelValues(group).Add(float64(n))
-		m.gapsSkipped.WithLabelValues(group, "given_up").Add(float64(n))
-	}
-}
-
-func (m *Metrics) incRefused(group, reason string) {
-	if m != nil {
-		m.refused.WithLabelValues(group, reason).Inc()
-	}
-}
-
-func (m *Metrics) addReleased(group string, n int) {
-	if m != nil && n > 0 {
-		m.released.WithLabelValues(group).Add(float64(n))
-	}
-}
-
-func (m *Metrics) addReleaseFailures(group string, n int) {
-	if m != nil && n > 0 {
-		m.releaseFailures.WithLabelValues(group).Add(float64(n))
-	}
-}
-
-func (m *Metrics) addGapsSkipped(group, reason string, n int) {
-	if m != nil && n > 0 {
-		m.gapsSkipped.WithLabelValues(group, reason).Add(float64(n))
-	}
+	m.add(givenUpCounter, n, group)
+	m.add(gapsSkippedCounter, n, group, "given_up")
 }
 
 func (m *Metrics) setParked(group string, parked, late int64) {
@@ -249,16 +274,31 @@ func (m *Metrics) setParked(group string, parked, late int64) {
 	}
 }
 
+func (m *Metrics) addWaitingOnDatabase(group string, d float64) {
+	if m != nil {
+		m.waitingOnDatabase.WithLabelValues(group).Add(d)
+	}
+}
+
 func (m *Metrics) observeHandler(group, typ string, d time.Duration) {
 	if m != nil {
 		m.handlerSeconds.WithLabelValues(group, m.types.label(typ)).Observe(d.Seconds())
 	}
 }
 
-// incDeadLettered counts a dead-lettered message; reason is its kind, such
-// as "permanent" or "retries_exhausted".
-func (m *Metrics) incDeadLettered(group, reason string) {
+// observeGapsClosed records closed gaps; call it after their transaction
+// committed.
+func (m *Metrics) observeGapsClosed(group string, gaps []store.ClosedGap) {
+	if m == nil {
+		return
+	}
+	for _, g := range gaps {
+		m.gapSeconds.WithLabelValues(group, string(g.Outcome)).Observe(g.Open.Seconds())
+	}
+}
+
+func (m *Metrics) observeStage(group, stage string, d time.Duration) {
 	if m != nil {
-		m.deadLettered.WithLabelValues(group, reason).Inc()
+		m.stages.WithLabelValues(group, stage).Observe(max(d, 0).Seconds())
 	}
 }

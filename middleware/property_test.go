@@ -321,23 +321,11 @@ func deliver(ctx context.Context, h message.HandlerFunc, ops []op) (failed []op,
 		}
 		return nil, nil
 	}
-	b := delivery.NewBatch()
-	errs := make([]error, len(ops))
-	var wg sync.WaitGroup
+	msgs := make([]*message.Message, len(ops))
 	for i, o := range ops {
-		msg := consumertest.Redeliver(o.msg)
-		msg.SetContext(b.Add(ctx))
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_, errs[i] = h(msg)
-			b.Leave(i)
-		}()
+		msgs[i] = o.msg
 	}
-	b.Seal()
-	b.Run(ctx)
-	wg.Wait()
-	for i, err := range errs {
+	for i, err := range deliverBatchTo(ctx, delivery.NewBatch(), h, msgs...) {
 		if err == nil {
 			continue
 		}

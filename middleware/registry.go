@@ -25,17 +25,12 @@ func newRegistry() *registry {
 	return &registry{explicit: map[string]message.HandlerFunc{}, learned: map[string]message.HandlerFunc{}}
 }
 
-// wrap records that h was wrapped by the gate.
-func (r *registry) wrap(h message.HandlerFunc) {
+// register records h, wrapped by the gate, under name, overriding
+// anything learned.
+func (r *registry) register(name string, h message.HandlerFunc) {
 	r.mu.Lock()
 	r.wrapped++
 	r.only = h
-	r.mu.Unlock()
-}
-
-// register records h under name, overriding anything learned.
-func (r *registry) register(name string, h message.HandlerFunc) {
-	r.mu.Lock()
 	r.explicit[name] = h
 	r.mu.Unlock()
 }

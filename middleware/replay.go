@@ -11,7 +11,6 @@ import (
 	"github.com/eventline/eventline/internal/delivery"
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/store"
-	"github.com/eventline/eventline/versioning"
 )
 
 // replayBatch bounds the dead letters one replay pass claims.
@@ -55,16 +54,12 @@ type replayResult struct {
 // requested for the next one.
 //
 // [Eventline.Run] calls it every SweepInterval.
-func (el *Eventline) replayDeadLetters(ctx context.Context) (replayResult, error) {
-	res, err := el.replayPass(ctx)
-	if err != nil {
-		return res, fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
-	}
-	return res, nil
-}
-
-func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
-	var res replayResult
+func (el *Eventline) replayDeadLetters(ctx context.Context) (res replayResult, err error) {
+	defer func() {
+		if err != nil {
+			err = fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
+		}
+	}()
 	dls := el.dl.store
 	// Each statement of the claim transaction is bounded, so a database
 	// that stops answering ends the pass instead of hanging it.
@@ -87,7 +82,7 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 	}
 	fail := func(id int64, why string) error {
 		res.Failed++
-		el.cfg.Metrics.incReplay(el.cfg.Group, "failed")
+		el.cfg.Metrics.add(replaysCounter, 1, el.cfg.Group, "failed")
 		return bounded(func(ctx context.Context) error { return dls.MarkReplayFailed(ctx, tx, id, why, 0, true) })
 	}
 	var stop error
@@ -125,7 +120,7 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 				return res, err
 			}
 			res.Replayed++
-			el.cfg.Metrics.incReplay(el.cfg.Group, "replayed")
+			el.cfg.Metrics.add(replaysCounter, 1, el.cfg.Group, "replayed")
 			continue
 		}
 		if ctx.Err() != nil || IsInfrastructure(rerr) {
@@ -148,14 +143,14 @@ func (el *Eventline) replayPass(ctx context.Context) (replayResult, error) {
 // replay runs one dead letter through the eventline middleware and its
 // handler.
 func (el *Eventline) replay(ctx context.Context, d held.Event) error {
-	h := el.gate.reg.lookup(d.Handler)
-	if h == nil {
-		return fmt.Errorf("%w: %q; add it with AddHandler (or MiddlewareFor) under that name", versioning.ErrNoHandler, d.Handler)
+	h, err := el.gate.handler(d.Handler)
+	if err != nil {
+		return err
 	}
 	msg := d.Message()
 	ctx = context.WithValue(ctx, replayKey{}, true)
 	msg.SetContext(delivery.WithSource(ctx, delivery.Source{Handler: d.Handler, Topic: d.Topic, FromKafka: d.FromKafka, Partition: d.Partition, Offset: d.Offset, Key: d.Key}))
-	_, err := el.handler(el.guard(h))(msg)
+	_, err = el.handler(el.guard(h))(msg)
 	return err
 }
 
@@ -172,11 +167,7 @@ func isReplay(ctx context.Context) bool {
 // runReplays replays requested dead letters every SweepInterval until ctx
 // ends.
 func (el *Eventline) runReplays(ctx context.Context) {
-	interval := el.cfg.SweepInterval
-	if interval <= 0 {
-		interval = versioning.DefaultSweepInterval
-	}
-	t := time.NewTicker(interval)
+	t := time.NewTicker(el.cfg.SweepInterval)
 	defer t.Stop()
 	down := false // the database was unavailable on the last pass
 	for {

@@ -30,14 +30,10 @@ import (
 //     the Retry schedule's n-th wait; after the last retry fails the error
 //     is returned as a *retriesExhaustedError.
 //
-// Each retry it schedules is visible in traces: when the message's context
-// carries a recording span (the process span, which the chain puts
-// outermost), it adds to it an "eventline.retry" event with the attributes
-// eventline.retry.attempt (the attempt that failed, from 1, every kind
-// counted), eventline.retry.kind (handler, conflict, infrastructure, or
-// unsafe_composition), eventline.retry.wait.seconds (the wait, after
-// jitter) and eventline.retry.error (the error, cut to 1 KiB and made
-// valid UTF-8). Without a recording span it adds nothing.
+// Each retry it schedules is an "eventline.retry" event on the process
+// span (see the package documentation's "Tracing"): the attempt that
+// failed (from 1, every kind counted), its kind, the wait after jitter and
+// the error.
 //
 // Every attempt starts from the context the message arrived with, so each
 // gets a fresh consumer transaction. When that context ends (shutdown) a
@@ -90,14 +86,14 @@ func (el *Eventline) retry(h message.HandlerFunc) message.HandlerFunc {
 				}
 				d = backoff.Jittered(cfg.InfraBackoff, waits)
 				kind = tracing.RetryKindInfrastructure
-				cfg.Metrics.incInfraWait(cfg.Group)
+				cfg.Metrics.add(infraWaitsCounter, 1, cfg.Group)
 				cfg.Logger.DebugContext(orig, "eventline: waiting for the database; the event is not dead-lettered",
 					"group", cfg.Group, "message_uuid", msg.UUID, "wait", d, "error", err)
 			case IsConflict(err):
 				conflicts++
 				d = backoff.Jittered(cfg.Retry, conflicts)
 				kind = tracing.RetryKindConflict
-				cfg.Metrics.incRetry(cfg.Group, "conflict")
+				cfg.Metrics.add(retriesCounter, 1, cfg.Group, "conflict")
 				cfg.Logger.DebugContext(orig, "eventline: transaction conflict; retrying without spending the retry budget",
 					"group", cfg.Group, "message_uuid", msg.UUID, "conflicts", conflicts, "wait", d, "error", err)
 			default:
@@ -113,7 +109,7 @@ func (el *Eventline) retry(h message.HandlerFunc) message.HandlerFunc {
 				}
 				d = backoff.Jittered(cfg.Retry, retries)
 				kind = tracing.RetryKindHandler
-				cfg.Metrics.incRetry(cfg.Group, "handler")
+				cfg.Metrics.add(retriesCounter, 1, cfg.Group, "handler")
 				cfg.Logger.DebugContext(orig, "eventline: handler failed; retrying",
 					"group", cfg.Group, "message_uuid", msg.UUID, "retry", retries, "max_retries", cfg.MaxRetries, "wait", d, "error", err)
 			}

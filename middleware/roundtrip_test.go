@@ -51,21 +51,29 @@ func tracedPool(t *testing.T) (*pgxpool.Pool, *roundTrips) {
 	return pool, rt
 }
 
+// tracedMiddleware is the middleware on a one-connection pool counting
+// what it sends, around a handler that applies each event with two
+// statements.
+func tracedMiddleware(t *testing.T) (message.HandlerFunc, *roundTrips) {
+	t.Helper()
+	env := consumertest.New(t, pgtest.Options{MaxConns: 2})
+	pool, rt := tracedPool(t)
+	el, err := middleware.New(pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
+	require.NoError(t, err)
+	return el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := middleware.TxFromContext(msg.Context())
+		e, _ := middleware.EventFromContext(msg.Context())
+		return nil, env.Apply(msg.Context(), tx, group, e)
+	}), rt
+}
+
 // A batch whose aggregates' events follow one another is admitted in one
 // statement riding with BEGIN; when a member was recorded before, that
 // transaction is rolled back and the members are admitted one statement
 // each (which tells a duplicate from an id conflict).
 func TestBatchAdmissionStatements(t *testing.T) {
 	t.Parallel()
-	env := consumertest.New(t, pgtest.Options{MaxConns: 2})
-	pool, rt := tracedPool(t)
-	el, err := middleware.New(pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
-	require.NoError(t, err)
-	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
-		tx, _ := middleware.TxFromContext(msg.Context())
-		e, _ := middleware.EventFromContext(msg.Context())
-		return nil, env.Apply(msg.Context(), tx, group, e) // two statements
-	})
+	h, rt := tracedMiddleware(t)
 	x1, x2, x3, y1 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("x", 3), consumertest.Event("y", 1)
 	deliver := func(events ...eventline.Event) (batches, queued int64) {
 		t.Helper()
@@ -103,24 +111,7 @@ func TestBatchAdmissionStatements(t *testing.T) {
 // the recorded event's identity.
 func TestHotPathRoundTrips(t *testing.T) {
 	t.Parallel()
-	env := consumertest.New(t, pgtest.Options{MaxConns: 2})
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	require.NoError(t, err)
-	rt := &roundTrips{}
-	cfg.ConnConfig.Tracer = rt
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	require.NoError(t, pool.Ping(context.Background()))
-
-	el, err := middleware.New(pool, middleware.Config{Schema: env.Schema, Group: group, Logger: quiet()})
-	require.NoError(t, err)
-	h := el.MiddlewareFor("test")(func(msg *message.Message) ([]*message.Message, error) {
-		tx, _ := middleware.TxFromContext(msg.Context())
-		e, _ := middleware.EventFromContext(msg.Context())
-		return nil, env.Apply(msg.Context(), tx, group, e) // two statements
-	})
+	h, rt := tracedMiddleware(t)
 	cost := func(e *message.Message) (int64, error) {
 		before := rt.n.Load()
 		_, err := h(consumertest.Redeliver(e))

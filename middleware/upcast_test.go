@@ -14,7 +14,6 @@ import (
 	"github.com/eventline/eventline/internal/consumertest"
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/pgtest"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
 )
@@ -149,7 +148,7 @@ func TestUpcast(t *testing.T) {
 		require.ErrorIs(t, err, eventline.ErrUnknownSchemaVersion)
 		require.True(t, middleware.IsPermanent(err), "dead-lettered at once")
 		parked := func() int {
-			return pgtest.Count(t, b.env.Pool, `SELECT count(*) FROM `+sqlident.Qualify(b.env.Schema, "parked_events"))
+			return b.env.Count(t, "parked_events", "")
 		}
 		require.Equal(t, 0, parked())
 		_, err = h(ev(t, 3, 1, `{"n":3}`))

@@ -4,8 +4,10 @@
 // PostgreSQL and Kafka (an in-process kfake cluster unless -brokers or
 // KAFKA_BROKERS names one). See docs/BENCHMARKS.md.
 //
-// It is a tool of the repository, not of the library: the eventline
-// binary does not link it, and no library package imports it.
+// It is a tool of the repository, not of the library: a module of its own
+// (run it from this directory, `go run .`, or with `make bench`) that uses
+// only eventline's public API. The library module, its import graph and
+// the eventline binary do not hold it.
 //
 // Exit codes: 0 success, 1 failure, 2 usage error.
 package main
@@ -24,7 +26,6 @@ import (
 	"syscall"
 
 	"github.com/eventline/eventline/cmd/eventline-bench/internal/bench"
-	"github.com/eventline/eventline/internal/kafkaconf"
 )
 
 const (
@@ -81,7 +82,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		dbURL = bench.DefaultDatabaseURL
 	}
 	databaseURL := fs.String("database-url", dbURL, "PostgreSQL connection `URL` (env TEST_DATABASE_URL, then DATABASE_URL)")
-	brokerList := fs.String("brokers", getenv(kafkaconf.BrokersEnv), "comma-separated Kafka `brokers`, host:port (env "+kafkaconf.BrokersEnv+"); empty starts kfake in-process")
+	brokerList := fs.String("brokers", getenv(bench.BrokersEnv), "comma-separated Kafka `brokers`, host:port (env "+bench.BrokersEnv+"); empty starts kfake in-process")
 	quick := fs.Bool("quick", false, "run the smaller suite (smaller backlogs, shorter phases)")
 	scenarios := fs.String("scenarios", "", "comma-separated `names` of the scenarios to run (default all)")
 	profileDir := fs.String("profile", "", "write a CPU profile per measured phase, and block and mutex profiles, to `DIR`")
@@ -108,9 +109,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, getenv fu
 		}
 		names = append(names, name)
 	}
-	brokers := kafkaconf.ParseBrokers(*brokerList)
+	brokers := bench.ParseBrokers(*brokerList)
 	if len(brokers) > 0 {
-		if err := kafkaconf.ValidateBrokers("-brokers", brokers); err != nil {
+		if err := bench.ValidateBrokers("-brokers", brokers); err != nil {
 			return usage("%v", err)
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"os/exec"
+	"path/filepath"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -41,22 +42,28 @@ func TestUsageErrorsExit2(t *testing.T) {
 	}
 }
 
-// TestTheEventlineBinaryDoesNotLinkTheHarness is the point of this
-// command: the harness and its in-process fakes stay out of the CLI users
-// install.
-func TestTheEventlineBinaryDoesNotLinkTheHarness(t *testing.T) {
+// TestTheLibraryModuleDoesNotHoldTheHarness is the point of this module:
+// the harness and its in-process fakes stay out of the library's packages
+// and of the CLI users install.
+func TestTheLibraryModuleDoesNotHoldTheHarness(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs go list")
 	}
-	deps := goList(t, "-deps", "github.com/eventline/eventline/cmd/eventline")
+	packages := goList(t, "./...")
+	require.Contains(t, packages, "github.com/eventline/eventline/cmd/eventline\n", "go list ./... runs in the library module")
+	require.NotContains(t, packages, "eventline-bench")
+	deps := goList(t, "-deps", "./cmd/eventline")
 	require.NotContains(t, deps, "eventline-bench")
 	require.NotContains(t, deps, "/bench")
 }
 
-// goList runs `go list args...` and returns its output.
+// goList runs `go list args...` in the library module, the repository's
+// root, and returns its output.
 func goList(t *testing.T, args ...string) string {
 	t.Helper()
-	out, err := exec.Command("go", append([]string{"list"}, args...)...).CombinedOutput()
+	cmd := exec.Command("go", append([]string{"list"}, args...)...)
+	cmd.Dir = filepath.Join("..", "..")
+	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "go list: %s", out)
 	return string(out)
 }

@@ -18,10 +18,6 @@ import (
 	"github.com/eventline/eventline/producer"
 )
 
-func init() {
-	register(command{name: "cleanup", summary: "Delete relayed outbox rows and old dedup records past retention", run: runCleanup})
-}
-
 // defaultCleanupPause is the CLI's wait between delete batches, for both
 // tables.
 const defaultCleanupPause = 100 * time.Millisecond
@@ -50,8 +46,7 @@ type dedupCleanup struct {
 	Batches          int       `json:"batches"`
 }
 
-func runCleanup(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "cleanup", "[-only outbox|dedup] [-retention D] [-dedup-retention D] [-group G] [-batch N] [-dry-run]", `
+const cleanupHelp = `
 Applies retention to the two tables that grow forever:
 
   outbox  deletes rows written more than -retention ago that every consumer
@@ -66,7 +61,10 @@ Deletes run in batches of -batch rows, each its own short transaction, with
 back, and reports what would be deleted (it locks those rows meanwhile).
 
 Outbox created_at is in the producers' session time zone: run cleanup with the
-same TimeZone (a timezone=... parameter in -database-url).`)
+same TimeZone (a timezone=... parameter in -database-url).`
+
+func runCleanup(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	only := fs.String("only", "", "clean only `TABLE`: outbox or dedup (default both)")
 	retention := fs.Duration("retention", producer.DefaultRetentionWindow, "keep outbox rows this long after they were written")
 	dedupRetention := fs.Duration("dedup-retention", dedup.DefaultRetention, fmt.Sprintf("keep dedup records this long after they were processed (at least %s)", dedup.MinRetention))
@@ -74,52 +72,45 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 	batch := fs.Int("batch", producer.DefaultCleanupBatchSize, "most rows one delete statement removes")
 	pause := fs.Duration("pause", defaultCleanupPause, "wait between two batches")
 	dryRun := fs.Bool("dry-run", false, "report what would be deleted and delete nothing")
-	asJSON := fs.Bool("json", false, "print JSON instead of text")
-	pos, err := fs.parse(args)
-	if err != nil {
+	inv.jsonFlag("print JSON instead of text")
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("cleanup takes no arguments, got %q", pos)
 	}
 	doOutbox, doDedup := *only == "" || *only == "outbox", *only == "" || *only == "dedup"
 	switch {
 	case !doOutbox && !doDedup:
-		return fs.usageErrorf("-only %q: want outbox or dedup (or leave it out for both)", *only)
+		return usageErrorf("-only %q: want outbox or dedup (or leave it out for both)", *only)
 	case *retention <= 0:
-		return fs.usageErrorf("-retention must be positive, got %s", *retention)
+		return usageErrorf("-retention must be positive, got %s", *retention)
 	case *dedupRetention < dedup.MinRetention:
-		return fs.usageErrorf("-dedup-retention must be at least %s (it must outlast Kafka's redelivery horizon), got %s", dedup.MinRetention, *dedupRetention)
+		return usageErrorf("-dedup-retention must be at least %s (it must outlast Kafka's redelivery horizon), got %s", dedup.MinRetention, *dedupRetention)
 	case *batch < 1:
-		return fs.usageErrorf("-batch must be at least 1, got %d", *batch)
+		return usageErrorf("-batch must be at least 1, got %d", *batch)
 	case *pause < 0:
-		return fs.usageErrorf("-pause must not be negative, got %s", *pause)
+		return usageErrorf("-pause must not be negative, got %s", *pause)
 	case *group != "" && !doDedup:
-		return fs.usageErrorf("-group applies to dedup records; it cannot be combined with -only outbox")
+		return usageErrorf("-group applies to dedup records; it cannot be combined with -only outbox")
 	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
+	g := inv.globals
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
 
+	if *dryRun {
+		*pause = 0 // nothing is deleted: no need to spare the database
+	}
 	rep := cleanupReport{DryRun: *dryRun}
 	if doOutbox {
 		cfg := admin.CleanupConfig{Schema: g.schema, Retention: *retention, BatchSize: *batch, Pause: *pause}
-		var res admin.CleanupResult
 		err := maybeDry(ctx, pool, *dryRun, func(db admin.DBTX) error {
-			if *dryRun {
-				cfg.Pause = 0
-			}
-			var err error
-			res, err = admin.Cleanup(ctx, db, cfg)
+			res, err := admin.Cleanup(ctx, db, cfg)
+			rep.Outbox = &outboxCleanup{RetentionSeconds: retention.Seconds(), Deleted: res.Deleted, PerShard: res.PerShard}
 			return err
 		})
 		if err != nil {
 			return fmt.Errorf("outbox cleanup: %w", err)
 		}
-		rep.Outbox = &outboxCleanup{RetentionSeconds: retention.Seconds(), Deleted: res.Deleted, PerShard: res.PerShard}
 	}
 	if doDedup {
 		st, err := store.New(g.schema)
@@ -128,25 +119,16 @@ same TimeZone (a timezone=... parameter in -database-url).`)
 		}
 		// dedup's Pause 0 means its default; the smallest wait stands for none.
 		cfg := store.CleanupConfig{Group: *group, Retention: *dedupRetention, BatchSize: *batch, Pause: max(*pause, time.Nanosecond)}
-		var res store.CleanupResult
 		err = maybeDry(ctx, pool, *dryRun, func(db admin.DBTX) error {
-			if *dryRun {
-				cfg.Pause = time.Nanosecond
-			}
-			var err error
-			res, err = st.CleanupProcessed(ctx, db, cfg)
+			res, err := st.CleanupProcessed(ctx, db, cfg)
+			rep.Dedup = &dedupCleanup{Group: *group, RetentionSeconds: dedupRetention.Seconds(), Cutoff: res.Cutoff.UTC(), Deleted: res.Deleted, Batches: res.Batches}
 			return err
 		})
 		if err != nil {
 			return fmt.Errorf("dedup cleanup: %w", err)
 		}
-		rep.Dedup = &dedupCleanup{Group: *group, RetentionSeconds: dedupRetention.Seconds(), Cutoff: res.Cutoff.UTC(), Deleted: res.Deleted, Batches: res.Batches}
 	}
-	if *asJSON {
-		return writeJSON(stdout(ctx), rep)
-	}
-	printCleanup(stdout(ctx), rep)
-	return nil
+	return inv.output(rep, func(w io.Writer) error { printCleanup(w, rep); return nil })
 }
 
 // maybeDry runs fn on the pool, or, for a dry run, in a transaction it

@@ -6,23 +6,19 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
 func TestCleanupOutboxAndDedup(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	ctx := context.Background()
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 2)
-	publish(t, env, topic, "a", "b", "c", "d", "e")
-	relay := start(t, relayArgs(env, brokers)...)
+	b := setup(t, 2, 2)
+	env, ctx := b.env, context.Background()
+	publish(t, env, b.topic, "a", "b", "c", "d", "e")
+	relay := start(t, b.relayArgs()...)
 	waitDrained(t, env)
 	require.Equal(t, exitOK, relay.stop(t))
-	unsent := publish(t, env, topic, "f") // never relayed: cleanup keeps it
+	unsent := publish(t, env, b.topic, "f") // never relayed: cleanup keeps it
 
 	// billing has applied a v1, v2 and parked v4; shipping applied z v1.
 	// Every record is two days old.

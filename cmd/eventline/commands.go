@@ -2,206 +2,142 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"io"
-	"log/slog"
-	"os"
-	"slices"
 	"strings"
-	"sync"
 )
 
-// command is one eventline subcommand. A file adds its commands from an
-// init function:
-//
-//	func init() {
-//		register(command{name: "version", summary: "Print the eventline version", run: runVersion})
-//	}
-//
-// run gets the arguments after the command name. The usual shape is:
-//
-//	func runVersion(ctx context.Context, args []string) error {
-//		fs := newFlagSet(ctx, "version", "[-json]", "Prints the version ...")
-//		asJSON := fs.Bool("json", false, "Print JSON.")
-//		if _, err := fs.parse(args); err != nil {
-//			return err // -h, or a usage error
-//		}
-//		g := globalsOf(ctx) // -database-url, -schema, -brokers, parsed
-//		fmt.Fprintln(stdout(ctx), "...")
-//		return nil
-//	}
-//
-// Output goes to stdout(ctx) (results) and stderr(ctx) or logger(ctx)
-// (diagnostics), so tests can run commands in-process. Return
-// usageErrorf(...) for bad arguments (exit code 2) and any other error for
-// a failure (exit code 1); run prints it.
+// commands is the CLI: every command and subcommand, in the order
+// `eventline -h` lists them; the help text of each (cleanupHelp, ...) is in
+// its file, next to its run function. A run function defines its flags on
+// inv.fs (inv.jsonFlag and inv.limitFlag for -json and -limit), parses them
+// with inv.parse, connects with inv.pool (closed when it returns), prints
+// its result with inv.output or to inv.stdout and diagnostics to
+// inv.stderr or inv.logger(), and returns usageErrorf(...) for bad
+// arguments (exit code 2) or any other error for a failure (exit code 1,
+// or the error's ExitCode()); main prints it.
+var commands = []*command{
+	{name: "cleanup", summary: "Delete relayed outbox rows and old dedup records past retention",
+		usage: "[-only outbox|dedup] [-retention D] [-dedup-retention D] [-group G] [-batch N] [-dry-run]", help: cleanupHelp, run: runCleanup},
+	{name: "held", summary: "List, replay and discard events held for the operator: dead letters and late events (list|replay|discard)",
+		help: heldHelp, subs: []*command{
+			{name: "list", summary: "List held events, oldest first", positional: true,
+				usage: "[-kind K] [-group G] [-aggregate TYPE/ID] [-status S] [-limit N] [-json] [<id>...]", help: heldListHelp, run: heldList},
+			{name: "replay", summary: "Replay held events (re-enqueue, or ask the group's running consumer)", positional: true,
+				usage: "[-kind K] [-group G] [-aggregate TYPE/ID] (<id>... | -all)", help: heldReplayHelp, run: heldReplay},
+			{name: "discard", summary: "Give up on held events, with a reason", positional: true,
+				usage: "-reason TEXT [-kind K] [-group G] [-aggregate TYPE/ID] (<id>... | -all)", help: heldDiscardHelp, run: heldDiscard},
+		}},
+	{name: "kafka-dev", summary: "Run an in-process Kafka (kfake) for local development",
+		usage: "[-port N] [-partitions N] [-topics a,b]", help: kafkaDevHelp, run: runKafkaDev},
+	{name: "migrate", summary: "Apply, roll back or list the schema migrations (up|down|status)",
+		help: "Manages eventline's tables in the -schema schema.", subs: []*command{
+			{name: "up", summary: "Apply every pending migration and create the outbox shard tables",
+				usage: "[-shards N]", help: migrateUpHelp, run: migrateUp},
+			{name: "down", summary: "Roll back the newest migrations (refuses to drop unsent events)",
+				usage: "[-steps N | -all] [-force]", help: migrateDownHelp, run: migrateDown},
+			{name: "status", summary: "List the migrations and when each was applied",
+				usage: "[-json] [-check]", help: migrateStatusHelp, run: migrateStatus},
+		}},
+	{name: "parked", summary: "Parked events of consumer groups and the gaps given up on (list|release|skipped)",
+		help: parkedHelp, subs: []*command{
+			{name: "list", summary: "List parked events with the versions they wait for", positional: true,
+				usage: "[-group G] [-aggregate TYPE/ID] [-limit N] [-json]", help: parkedListHelp, run: parkedList},
+			{name: "release", summary: "Give up on an aggregate's missing versions", positional: true,
+				usage: "-reason TEXT <group> <aggregate_type>/<aggregate_id>", help: parkedReleaseHelp, run: parkedRelease},
+			{name: "skipped", summary: "List the audit of versions given up on", positional: true,
+				usage: "[-group G] [-aggregate TYPE/ID] [-limit N] [-json]", help: parkedSkippedHelp, run: parkedSkipped},
+		}},
+	{name: "relay", summary: "Relay outbox events to Kafka until interrupted",
+		usage: "[flags] | rebase-positions | advance-sequences", help: relayHelp, run: runRelay, subs: []*command{
+			{name: "rebase-positions", summary: "Re-base relay positions after a restore or cutover to another cluster",
+				usage: "[-dry-run]", help: rebasePositionsHelp, run: relayRebasePositions},
+			{name: "advance-sequences", summary: "Move aggregate sequences past the versions consumers have seen",
+				usage: "[-consumer-database-url URL] [-consumer-schema S] [-dry-run]", help: advanceSequencesHelp, run: relayAdvanceSequences},
+		}},
+	{name: "status", summary: "Show backlog, shard owners, dead letters, parked events and dedup size",
+		usage: "[-json]", help: statusHelp, run: runStatus},
+	{name: "verify", summary: "Check the pipeline's guarantees against its data (exit 3 when broken)",
+		usage: "[-since T] [-until T] [-group G]... [-group-topics G=T,T]... [-effects-query G=SQL]... [-json] [-strict]", help: verifyHelp, run: runVerify},
+	{name: "version", summary: "Print the eventline version",
+		help: "Prints the CLI's version, the eventline module version and the Go version it was built with.", run: runVersion},
+}
+
+// command is one eventline command or subcommand.
 type command struct {
-	// name is the word after `eventline`.
+	// name is the word after `eventline` (or after its group's name).
 	name string
-	// summary is the one-line description in `eventline -h`.
+	// summary is its line in `eventline -h` (or in its group's -h).
 	summary string
-	// run executes the command.
-	run func(ctx context.Context, args []string) error
+	// usage follows "Usage: eventline <path>" in its -h; help is the text
+	// under that line.
+	usage, help string
+	// positional says that it takes arguments after its flags; run checks
+	// them. Without it, parse refuses any.
+	positional bool
+	// run executes it; nil for a group that only has subcommands.
+	run func(ctx context.Context, inv *invocation) error
+	// subs are a group's subcommands (held list, ...). A command with both
+	// run and subs (relay) runs a subcommand when the first argument names
+	// one, else itself.
+	subs []*command
 }
 
-var (
-	registryMu sync.Mutex
-	registry   = map[string]command{}
-)
-
-// register adds a command. It panics on a duplicate or incomplete command:
-// that is a programming error found at startup.
-func register(c command) {
-	registryMu.Lock()
-	defer registryMu.Unlock()
-	if c.name == "" || c.run == nil {
-		panic("eventline: register needs a command name and a run function")
+// find returns the command in list named name, or nil.
+func find(list []*command, name string) *command {
+	for _, c := range list {
+		if c.name == name {
+			return c
+		}
 	}
-	if _, dup := registry[c.name]; dup {
-		panic("eventline: command " + c.name + " registered twice")
-	}
-	registry[c.name] = c
+	return nil
 }
 
-// lookup returns the command with the given name.
-func lookup(name string) (command, bool) {
-	registryMu.Lock()
-	defer registryMu.Unlock()
-	c, ok := registry[name]
-	return c, ok
-}
-
-// commands returns every command, sorted by name.
-func commands() []command {
-	registryMu.Lock()
-	defer registryMu.Unlock()
-	out := make([]command, 0, len(registry))
-	for _, c := range registry {
-		out = append(out, c)
+// names returns the names of list, in order.
+func names(list []*command) []string {
+	var out []string
+	for _, c := range list {
+		out = append(out, c.name)
 	}
-	slices.SortFunc(out, func(a, b command) int { return strings.Compare(a.name, b.name) })
 	return out
 }
 
-// commandNames returns the sorted command names.
-func commandNames() []string {
-	var names []string
-	for _, c := range commands() {
-		names = append(names, c.name)
-	}
-	return names
-}
-
-// errHelp is returned after help was printed on request; the exit code is 0.
-var errHelp = errors.New("help requested")
-
-// usageError is a mistake in the command line: the exit code is 2.
-type usageError struct {
-	path string // command path, e.g. "held replay"; empty for the top level
-	msg  string
-}
-
-func (e *usageError) Error() string { return e.msg }
-
-// usageErrorf returns a usage error for the command at path.
-func usageErrorf(path, format string, args ...any) error {
-	return &usageError{path: path, msg: fmt.Sprintf(format, args...)}
-}
-
-// invocation is the state of one run of the CLI: where output goes, the
-// environment, and the global flags. Commands reach it through ctx.
-type invocation struct {
-	stdout, stderr io.Writer
-	getenv         func(string) string
-	globals        *globals
-	// path is the command being run, for error messages.
-	path string
-
-	logOnce sync.Once
-	log     *slog.Logger
-}
-
-func newInvocation(stdout, stderr io.Writer, getenv func(string) string) *invocation {
-	return &invocation{stdout: stdout, stderr: stderr, getenv: getenv, globals: globalsFromEnv(getenv)}
-}
-
-// logger returns the logger configured by -log-level and -log-format,
-// writing to stderr. The flags were validated when they were parsed.
-func (inv *invocation) logger() *slog.Logger {
-	inv.logOnce.Do(func() {
-		l, err := newLogger(inv.stderr, inv.globals.logLevel, inv.globals.logFormat)
-		if err != nil {
-			l = slog.New(slog.NewTextHandler(inv.stderr, nil))
+// runCommand runs cmd, at path ("held list"), with the arguments after its
+// name: a subcommand of a group, or cmd itself with its flags.
+func (inv *invocation) runCommand(ctx context.Context, cmd *command, path string, args []string) error {
+	inv.path = path
+	if len(args) > 0 {
+		if sub := find(cmd.subs, args[0]); sub != nil {
+			return inv.runCommand(ctx, sub, path+" "+sub.name, args[1:])
 		}
-		inv.log = l
-	})
-	return inv.log
-}
-
-type invocationKey struct{}
-
-func withInvocation(ctx context.Context, inv *invocation) context.Context {
-	return context.WithValue(ctx, invocationKey{}, inv)
-}
-
-// invocationOf returns the invocation in ctx, or one on the process's
-// standard streams and environment when ctx has none.
-func invocationOf(ctx context.Context) *invocation {
-	if inv, ok := ctx.Value(invocationKey{}).(*invocation); ok {
-		return inv
 	}
-	return newInvocation(os.Stdout, os.Stderr, os.Getenv)
-}
-
-// stdout is where a command writes its results.
-func stdout(ctx context.Context) io.Writer { return invocationOf(ctx).stdout }
-
-// stderr is where a command writes diagnostics.
-func stderr(ctx context.Context) io.Writer { return invocationOf(ctx).stderr }
-
-// logger is the command's structured logger (on stderr).
-func logger(ctx context.Context) *slog.Logger { return invocationOf(ctx).logger() }
-
-// globalsOf returns the global configuration after the flags were parsed.
-func globalsOf(ctx context.Context) *globals { return invocationOf(ctx).globals }
-
-// subcommand is one verb of a command group such as `held list`.
-type subcommand struct {
-	name    string
-	summary string
-	run     func(ctx context.Context, args []string) error
-}
-
-// dispatch runs the subcommand of group named by args[0].
-func dispatch(ctx context.Context, group, summary string, args []string, subs []subcommand) error {
-	inv := invocationOf(ctx)
-	inv.path = group
-	var names []string
-	for _, s := range subs {
-		names = append(names, s.name)
+	if cmd.run == nil {
+		return inv.group(cmd, args)
 	}
+	inv.cmd, inv.args = cmd, args
+	inv.fs = newFlagSet(inv)
+	defer inv.closePools()
+	return cmd.run(ctx, inv)
+}
+
+// group answers a group's arguments that name none of its subcommands:
+// help, or a usage error saying what it wants.
+func (inv *invocation) group(cmd *command, args []string) error {
+	subs := names(cmd.subs)
 	if len(args) == 0 {
-		return usageErrorf(group, "missing subcommand: one of %s", strings.Join(names, ", "))
+		return usageErrorf("missing subcommand: one of %s", strings.Join(subs, ", "))
 	}
 	switch args[0] {
 	case "-h", "-help", "--help", "help":
 		w := inv.stdout
-		fmt.Fprintf(w, "Usage: eventline %s <%s> [flags] [arguments]\n\n%s\n\nSubcommands:\n", group, strings.Join(names, "|"), summary)
-		for _, s := range subs {
+		fmt.Fprintf(w, "Usage: eventline %s <%s> [flags] [arguments]\n\n%s\n\nSubcommands:\n", inv.path, strings.Join(subs, "|"), strings.TrimSpace(cmd.help))
+		for _, s := range cmd.subs {
 			fmt.Fprintf(w, "  %-8s %s\n", s.name, s.summary)
 		}
-		fmt.Fprintf(w, "\nRun 'eventline %s <subcommand> -h' for its flags.\n", group)
+		fmt.Fprintf(w, "\nRun 'eventline %s <subcommand> -h' for its flags.\n", inv.path)
 		return errHelp
 	}
-	for _, s := range subs {
-		if s.name == args[0] {
-			inv.path = group + " " + s.name
-			return s.run(ctx, args[1:])
-		}
-	}
 	if strings.HasPrefix(args[0], "-") {
-		return usageErrorf(group, "flags go after the subcommand (eventline %s <%s> %s ...)", group, strings.Join(names, "|"), args[0])
+		return usageErrorf("flags go after the subcommand (eventline %s <%s> %s ...)", inv.path, strings.Join(subs, "|"), args[0])
 	}
-	return usageErrorf(group, "unknown subcommand %q: want one of %s", args[0], strings.Join(names, ", "))
+	return usageErrorf("unknown subcommand %q: want one of %s", args[0], strings.Join(subs, ", "))
 }

@@ -16,12 +16,27 @@ import (
 // connectTimeout bounds the first connection to PostgreSQL.
 const connectTimeout = 10 * time.Second
 
-// poolConfig parses the database URL; a malformed one is a usage error.
-func poolConfig(ctx context.Context) (*pgxpool.Config, error) {
-	inv := invocationOf(ctx)
-	cfg, err := pgxpool.ParseConfig(inv.globals.databaseURL)
+// database names a PostgreSQL database for connecting to it and for the
+// errors that say what to check.
+type database struct {
+	url string
+	// what names it in a connection error: "PostgreSQL", "the outbox
+	// database".
+	what string
+	// flag is where its URL came from: "-database-url (or DATABASE_URL)".
+	flag string
+}
+
+// mainDB is the database -database-url names.
+func (inv *invocation) mainDB() database {
+	return database{url: inv.globals.databaseURL, what: "PostgreSQL", flag: "-database-url (or " + envDatabaseURL + ")"}
+}
+
+// poolConfig parses db's URL; a malformed one is a usage error.
+func (inv *invocation) poolConfig(db database) (*pgxpool.Config, error) {
+	cfg, err := pgxpool.ParseConfig(db.url)
 	if err != nil {
-		return nil, usageErrorf(inv.path, "-database-url (or %s) is not a valid PostgreSQL URL: %v", envDatabaseURL, err)
+		return nil, usageErrorf("%s is not a valid PostgreSQL URL: %v", db.flag, err)
 	}
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "eventline " + inv.path
@@ -29,36 +44,47 @@ func poolConfig(ctx context.Context) (*pgxpool.Config, error) {
 	return cfg, nil
 }
 
-// openPool connects to PostgreSQL with at least minConns connections
-// allowed (more if the URL's pool_max_conns says so) and checks that the
-// server answers.
-func openPool(ctx context.Context, minConns int32) (*pgxpool.Pool, error) {
-	cfg, err := poolConfig(ctx)
+// pool connects to the -database-url database; see openPool.
+func (inv *invocation) pool(ctx context.Context) (*pgxpool.Pool, error) {
+	return inv.openPool(ctx, inv.mainDB(), 2)
+}
+
+// openPool connects to db with at least minConns connections allowed (more
+// if the URL's pool_max_conns says so) and checks that the server answers.
+// The pool is closed when the command returns.
+func (inv *invocation) openPool(ctx context.Context, db database, minConns int32) (*pgxpool.Pool, error) {
+	cfg, err := inv.poolConfig(db)
 	if err != nil {
 		return nil, err
 	}
 	cfg.MaxConns = max(cfg.MaxConns, minConns)
-	return connectPool(ctx, cfg)
-}
-
-// connectPool opens a pool and pings the server.
-func connectPool(ctx context.Context, cfg *pgxpool.Config) (*pgxpool.Pool, error) {
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, connectError(ctx, err)
+		return nil, connectError(db, err)
 	}
 	pctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
-		return nil, connectError(ctx, err)
+		return nil, connectError(db, err)
 	}
+	inv.pools = append(inv.pools, pool)
 	return pool, nil
 }
 
-// connectOnce opens a single connection, for commands that need only one.
-func connectOnce(ctx context.Context) (*pgx.Conn, error) {
-	cfg, err := poolConfig(ctx)
+// closePools closes the pools the command opened.
+func (inv *invocation) closePools() {
+	for _, p := range inv.pools {
+		p.Close()
+	}
+	inv.pools = nil
+}
+
+// connectOnce opens a single connection to -database-url, for a command
+// that needs only one; the caller closes it.
+func (inv *invocation) connectOnce(ctx context.Context) (*pgx.Conn, error) {
+	db := inv.mainDB()
+	cfg, err := inv.poolConfig(db)
 	if err != nil {
 		return nil, err
 	}
@@ -66,14 +92,14 @@ func connectOnce(ctx context.Context) (*pgx.Conn, error) {
 	defer cancel()
 	conn, err := pgx.ConnectConfig(cctx, cfg.ConnConfig)
 	if err != nil {
-		return nil, connectError(ctx, err)
+		return nil, connectError(db, err)
 	}
 	return conn, nil
 }
 
-func connectError(ctx context.Context, err error) error {
-	return fmt.Errorf("cannot connect to PostgreSQL at %s: %w; check -database-url (or %s) and that the server is running",
-		redactURL(globalsOf(ctx).databaseURL), err, envDatabaseURL)
+func connectError(db database, err error) error {
+	return fmt.Errorf("cannot connect to %s at %s: %w; check %s and that the server is running",
+		db.what, redactURL(db.url), err, db.flag)
 }
 
 // dbWait is waitForDatabase's schedule: 500ms, doubling, at most 30s.
@@ -87,9 +113,9 @@ var dbWait = eventline.Backoff{Initial: 500 * time.Millisecond, Multiplier: 2, M
 // Long-running commands use it so that one started during a database
 // restart or failover starts when the database answers, while a wrong URL,
 // password or schema still fails at once.
-func waitForDatabase(ctx context.Context, before string, try func() error) error {
+func (inv *invocation) waitForDatabase(ctx context.Context, before string, try func() error) error {
 	return backoff.Retry(ctx, dbWait, pgerr.Unavailable, func(wait time.Duration, err error) {
-		logger(ctx).Warn("PostgreSQL is unavailable; waiting for it before "+before,
-			"database", redactURL(globalsOf(ctx).databaseURL), "retry_in", wait, "err", err)
+		inv.logger().Warn("PostgreSQL is unavailable; waiting for it before "+before,
+			"database", redactURL(inv.globals.databaseURL), "retry_in", wait, "err", err)
 	}, try)
 }

@@ -1,14 +1,13 @@
 package main
 
 import (
-	"context"
+	"cmp"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net/url"
 	"strings"
-	"time"
 
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -37,20 +36,13 @@ type globals struct {
 }
 
 func globalsFromEnv(getenv func(string) string) *globals {
-	g := &globals{
-		databaseURL: getenv(envDatabaseURL),
-		schema:      getenv(envSchema),
+	return &globals{
+		databaseURL: cmp.Or(getenv(envDatabaseURL), defaultDatabaseURL),
+		schema:      cmp.Or(getenv(envSchema), migrations.DefaultSchema),
 		brokers:     getenv(envBrokers),
 		logLevel:    "info",
 		logFormat:   "text",
 	}
-	if g.databaseURL == "" {
-		g.databaseURL = defaultDatabaseURL
-	}
-	if g.schema == "" {
-		g.schema = migrations.DefaultSchema
-	}
-	return g
 }
 
 // globalNames are the flags register defines.
@@ -117,40 +109,37 @@ func redactURL(raw string) string {
 	return raw
 }
 
-// flagSet is a subcommand's flags plus the global ones. Flags may come
-// before and after positional arguments; "--" ends them.
+// flagSet is a command's flags plus the global ones. Flags may come before
+// and after positional arguments; "--" ends them.
 type flagSet struct {
 	*flag.FlagSet
-	inv      *invocation
-	path     string
-	synopsis string
-	help     string
+	inv *invocation
 }
 
-// newFlagSet returns the flags of the command at path ("held list").
-// synopsis is the usage line after the path; help is printed by -h.
-func newFlagSet(ctx context.Context, path, synopsis, help string) *flagSet {
-	inv := invocationOf(ctx)
-	inv.path = path
-	fs := flag.NewFlagSet("eventline "+path, flag.ContinueOnError)
+// newFlagSet returns the flags of the command inv runs, with the global
+// ones defined.
+func newFlagSet(inv *invocation) *flagSet {
+	fs := flag.NewFlagSet("eventline "+inv.path, flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	inv.globals.register(fs)
-	return &flagSet{FlagSet: fs, inv: inv, path: path, synopsis: synopsis, help: help}
+	return &flagSet{FlagSet: fs, inv: inv}
 }
 
-// parse parses args and returns the positional arguments. It returns
-// errHelp after printing the usage for -h, and a usage error for anything
-// malformed, including invalid global flags.
-func (f *flagSet) parse(args []string) ([]string, error) {
+// parse parses the command's arguments and returns the positional ones,
+// refusing any for a command that takes none. It returns errHelp after
+// printing the usage for -h, and a usage error for anything malformed,
+// including invalid global flags.
+func (inv *invocation) parse() ([]string, error) {
+	f, args := inv.fs, inv.args
 	var positional []string
 	for {
 		err := f.Parse(args)
 		if errors.Is(err, flag.ErrHelp) {
-			f.usage(f.inv.stdout)
+			f.usage(inv.stdout)
 			return nil, errHelp
 		}
 		if err != nil {
-			return nil, f.usageErrorf("%v", err)
+			return nil, usageErrorf("%v", err)
 		}
 		rest := f.Args()
 		consumed := len(args) - len(rest)
@@ -164,8 +153,14 @@ func (f *flagSet) parse(args []string) ([]string, error) {
 		positional = append(positional, rest[0])
 		args = rest[1:]
 	}
-	if err := f.inv.globals.validate(); err != nil {
-		return nil, f.usageErrorf("%v", err)
+	if err := inv.globals.validate(); err != nil {
+		return nil, usageErrorf("%v", err)
+	}
+	if len(positional) > 0 && !inv.cmd.positional {
+		return nil, usageErrorf("%s takes no arguments, got %q", inv.path, positional)
+	}
+	if inv.limit != nil && *inv.limit < 1 {
+		return nil, usageErrorf("-limit must be at least 1, got %d", *inv.limit)
 	}
 	return positional, nil
 }
@@ -177,17 +172,12 @@ func (f *flagSet) isSet(name string) bool {
 	return set
 }
 
-// usageErrorf returns a usage error for this command.
-func (f *flagSet) usageErrorf(format string, args ...any) error {
-	return usageErrorf(f.path, format, args...)
-}
-
 // usage prints the command's help and flags.
 func (f *flagSet) usage(w io.Writer) {
-	fmt.Fprintf(w, "Usage: eventline %s %s\n", f.path, f.synopsis)
-	if f.help != "" {
+	fmt.Fprintln(w, strings.TrimSpace("Usage: eventline "+f.inv.path+" "+f.inv.cmd.usage))
+	if help := strings.TrimSpace(f.inv.cmd.help); help != "" {
 		fmt.Fprintln(w)
-		fmt.Fprintln(w, strings.TrimSpace(f.help))
+		fmt.Fprintln(w, help)
 	}
 	own := false
 	f.VisitAll(func(fl *flag.Flag) { own = own || !globalNames[fl.Name] })
@@ -199,6 +189,25 @@ func (f *flagSet) usage(w io.Writer) {
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "Global flags:")
 	printFlags(w, f.FlagSet, func(name string) bool { return globalNames[name] })
+}
+
+// aggregateFlag parses an -aggregate flag, TYPE/ID; empty means every
+// aggregate.
+func aggregateFlag(s string) (typ, id string, err error) {
+	if s == "" {
+		return "", "", nil
+	}
+	typ, id, ok := parseAggregate(s)
+	if !ok {
+		return "", "", usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", s)
+	}
+	return typ, id, nil
+}
+
+// parseAggregate splits "type/id" at the first slash.
+func parseAggregate(s string) (typ, id string, ok bool) {
+	typ, id, ok = strings.Cut(s, "/")
+	return typ, id, ok && typ != "" && id != ""
 }
 
 // printFlags prints the flags filter accepts, like flag.PrintDefaults, but
@@ -223,16 +232,4 @@ func printFlags(w io.Writer, fs *flag.FlagSet, filter func(string) bool) {
 		}
 		fmt.Fprintf(w, "%s\n    \t%s\n", line, usage)
 	})
-}
-
-// shortDuration formats d without trailing zero units: 2m, not 2m0s.
-func shortDuration(d time.Duration) string {
-	s := d.String()
-	if strings.HasSuffix(s, "m0s") {
-		s = strings.TrimSuffix(s, "0s")
-	}
-	if strings.HasSuffix(s, "h0m") {
-		s = strings.TrimSuffix(s, "0m")
-	}
-	return s
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 	"strconv"
 	"strings"
@@ -14,12 +15,8 @@ import (
 	"github.com/eventline/eventline/admin"
 )
 
-func init() {
-	register(command{name: "held", summary: "List, replay and discard events held for the operator: dead letters and late events (list|replay|discard)", run: runHeld})
-}
-
-func runHeld(ctx context.Context, args []string) error {
-	return dispatch(ctx, "held", `Held events wait for you, kept whole whatever their size, in one table
+// heldHelp is `eventline held -h`.
+const heldHelp = `Held events wait for you, kept whole whatever their size, in one table
 (held_events) with one life: held, replay_requested, then replayed; or
 discarded, with a reason. Three kinds:
 
@@ -38,70 +35,66 @@ discarded, with a reason. Three kinds:
 Fix the cause first (deploy the handler, fix the data it needs), then replay;
 or discard. A database outage never holds anything. Run held against the
 database that holds the events: the producer's for relay dead letters, the
-consumer's for the others.`, args, []subcommand{
-		{"list", "List held events, oldest first", heldList},
-		{"replay", "Replay held events (re-enqueue, or ask the group's running consumer)", heldReplay},
-		{"discard", "Give up on held events, with a reason", heldDiscard},
-	})
-}
+consumer's for the others.`
 
-// heldFlags are the filters every held subcommand takes.
+// heldFlags are the filters every held subcommand takes: -kind, -group,
+// -aggregate and the held event ids; replay and discard add -all.
 type heldFlags struct {
+	inv                    *invocation
 	kind, group, aggregate *string
+	all                    *bool // nil for list
 }
 
-func addHeldFlags(fs *flagSet) heldFlags {
-	return heldFlags{
+func addHeldFlags(inv *invocation, withAll bool) *heldFlags {
+	fs := inv.fs
+	hf := &heldFlags{
+		inv:       inv,
 		kind:      fs.String("kind", "", "only this kind: relay_dead_letter, dead_letter or late (default all)"),
 		group:     fs.String("group", "", "only this consumer group (default all)"),
 		aggregate: fs.String("aggregate", "", "only this aggregate, as `TYPE/ID` (default all)"),
 	}
+	if withAll {
+		hf.all = fs.Bool("all", false, "every held event the filters select, instead of ids")
+	}
+	return hf
 }
 
-// filter returns the filter the flags and the ids pos say.
-func (hf heldFlags) filter(fs *flagSet, pos []string) (admin.HeldFilter, error) {
+// parse parses the arguments and returns the held events they select: the
+// ids given, within the filters. For replay and discard it wants ids, or
+// -all with at least one filter, so -all never means everything by
+// accident.
+func (hf *heldFlags) parse() (admin.HeldFilter, error) {
+	inv := hf.inv
+	pos, err := inv.parse()
+	if err != nil {
+		return admin.HeldFilter{}, err
+	}
 	f := admin.HeldFilter{Kind: admin.HeldKind(*hf.kind), Group: *hf.group}
 	switch f.Kind {
 	case "", admin.HeldRelayDeadLetter, admin.HeldDeadLetter, admin.HeldLate:
 	default:
-		return f, fs.usageErrorf("-kind %q: want relay_dead_letter, dead_letter or late", f.Kind)
+		return f, usageErrorf("-kind %q: want relay_dead_letter, dead_letter or late", f.Kind)
 	}
-	if agg := *hf.aggregate; agg != "" {
-		var ok bool
-		if f.AggregateType, f.AggregateID, ok = parseAggregate(agg); !ok {
-			return f, fs.usageErrorf("-aggregate %q: want TYPE/ID, e.g. order/42", agg)
-		}
+	if f.AggregateType, f.AggregateID, err = aggregateFlag(*hf.aggregate); err != nil {
+		return f, err
 	}
 	for _, p := range pos {
 		id, err := strconv.ParseInt(p, 10, 64)
 		if err != nil || id < 1 {
-			return f, fs.usageErrorf("%q is not a held event id (a positive number from eventline held list)", p)
+			return f, usageErrorf("%q is not a held event id (a positive number from eventline held list)", p)
 		}
 		f.IDs = append(f.IDs, id)
 	}
 	slices.Sort(f.IDs)
 	f.IDs = slices.Compact(f.IDs)
-	return f, nil
-}
-
-// selection parses the arguments of replay and discard: ids, or -all
-// within the filters (at least one, so -all never means everything by
-// accident).
-func (hf heldFlags) selection(fs *flagSet, args []string, all *bool) (admin.HeldFilter, error) {
-	pos, err := fs.parse(args)
-	if err != nil {
-		return admin.HeldFilter{}, err
-	}
-	f, err := hf.filter(fs, pos)
-	switch {
-	case err != nil:
-		return f, err
-	case *all && len(pos) > 0:
-		return f, fs.usageErrorf("give held event ids or -all, not both")
-	case !*all && len(pos) == 0:
-		return f, fs.usageErrorf("give the ids of the held events (see eventline held list), or -all with -kind, -group or -aggregate")
-	case *all && f.Kind == "" && f.Group == "" && f.AggregateType == "":
-		return f, fs.usageErrorf("-all needs -kind, -group or -aggregate: say which held events")
+	switch all := hf.all != nil && *hf.all; {
+	case hf.all == nil:
+	case all && len(pos) > 0:
+		return f, usageErrorf("give held event ids or -all, not both")
+	case !all && len(pos) == 0:
+		return f, usageErrorf("give the ids of the held events (see eventline held list), or -all with -kind, -group or -aggregate")
+	case all && f.Kind == "" && f.Group == "" && f.AggregateType == "":
+		return f, usageErrorf("-all needs -kind, -group or -aggregate: say which held events")
 	}
 	return f, nil
 }
@@ -198,8 +191,7 @@ var heldStatuses = map[string][]admin.HeldStatus{
 // defaultHeldLimit is the row limit of `held list`.
 const defaultHeldLimit = 100
 
-func heldList(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "held list", "[-kind K] [-group G] [-aggregate TYPE/ID] [-status S] [-limit N] [-json] [<id>...]", `
+const heldListHelp = `
 Lists held events, oldest first: by default those waiting for you or for their
 replay (-status open). CAUSE says why each is held: for dead letters permanent,
 retries_exhausted, failed, id_conflict, gap_too_large (the relay's: rejected,
@@ -209,69 +201,51 @@ aggregate moved past it), release_failed (it was parked and kept failing) or
 version_conflict (a replayed dead letter whose version another event took
 meanwhile). The table shortens the reason; -json shows everything, payload and
 headers included (headers that are not text are base64-encoded, never
-altered).`)
-	hf := addHeldFlags(fs)
-	status := fs.String("status", "open", "open, held, replay_requested, replayed, discarded or all")
-	limit := fs.Int("limit", defaultHeldLimit, "most held events to list")
-	asJSON := fs.Bool("json", false, "print JSON (with payload and headers) instead of a table")
-	pos, err := fs.parse(args)
-	if err != nil {
-		return err
-	}
-	f, err := hf.filter(fs, pos)
+altered).`
+
+func heldList(ctx context.Context, inv *invocation) error {
+	hf := addHeldFlags(inv, false)
+	status := inv.fs.String("status", "open", "open, held, replay_requested, replayed, discarded or all")
+	limit := inv.limitFlag(defaultHeldLimit, "most held events to list")
+	inv.jsonFlag("print JSON (with payload and headers) instead of a table")
+	f, err := hf.parse()
 	if err != nil {
 		return err
 	}
 	var ok bool
 	if f.Statuses, ok = heldStatuses[*status]; !ok {
-		return fs.usageErrorf("-status %q: want open, held, replay_requested, replayed, discarded or all", *status)
-	}
-	if *limit < 1 {
-		return fs.usageErrorf("-limit must be at least 1, got %d", *limit)
+		return usageErrorf("-status %q: want open, held, replay_requested, replayed, discarded or all", *status)
 	}
 	f.Limit = *limit
-	pool, err := openPool(ctx, 2)
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
-	list, err := admin.ListHeld(ctx, pool, globalsOf(ctx).schema, f)
+	list, err := admin.ListHeld(ctx, pool, inv.globals.schema, f)
 	if err != nil {
 		return err
 	}
-	out := stdout(ctx)
-	if *asJSON {
-		js := make([]heldJSON, 0, len(list))
+	return inv.output(mapList(list, heldToJSON), func(w io.Writer) error {
+		if len(list) == 0 {
+			_, err := fmt.Fprintf(w, "no held events (%s)\n", *status)
+			return err
+		}
+		tw := newTable(w)
+		row(tw, "ID", "KIND", "GROUP", "EVENT ID", "TYPE", "AGGREGATE", "VERSION", "CAUSE", "STATUS", "HELD AT", "ATTEMPTS", "REASON")
 		for _, e := range list {
-			js = append(js, heldToJSON(e))
+			version := "-"
+			if e.AggregateVersion > 0 {
+				version = strconv.FormatInt(e.AggregateVersion, 10)
+			}
+			reason := e.Reason
+			if e.LastError != "" && e.Status == admin.StatusHeld && e.Kind != admin.HeldRelayDeadLetter && e.Cause != "release_failed" {
+				reason = "replay failed: " + e.LastError
+			}
+			row(tw, e.ID, e.Kind, orDash(e.Group), orDash(truncate(e.EventID, 40)), orDash(truncate(e.EventType, 30)),
+				truncate(aggregate(e.AggregateType, e.AggregateID), 40), version, e.Cause, e.Status, timestamp(e.HeldAt), e.Attempts, truncate(reason, 60))
 		}
-		return writeJSON(out, js)
-	}
-	if len(list) == 0 {
-		fmt.Fprintf(out, "no held events (%s)\n", *status)
-		return nil
-	}
-	tw := newTable(out)
-	row(tw, "ID", "KIND", "GROUP", "EVENT ID", "TYPE", "AGGREGATE", "VERSION", "CAUSE", "STATUS", "HELD AT", "ATTEMPTS", "REASON")
-	for _, e := range list {
-		version := "-"
-		if e.AggregateVersion > 0 {
-			version = strconv.FormatInt(e.AggregateVersion, 10)
-		}
-		reason := e.Reason
-		if e.LastError != "" && e.Status == admin.StatusHeld && e.Kind != admin.HeldRelayDeadLetter && e.Cause != "release_failed" {
-			reason = "replay failed: " + e.LastError
-		}
-		row(tw, e.ID, e.Kind, orDash(e.Group), orDash(truncate(e.EventID, 40)), orDash(truncate(e.EventType, 30)),
-			truncate(aggregate(e.AggregateType, e.AggregateID), 40), version, e.Cause, e.Status, timestamp(e.HeldAt), e.Attempts, truncate(reason, 60))
-	}
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	if len(list) == *limit {
-		fmt.Fprintf(out, "(first %d shown; raise -limit for more)\n", *limit)
-	}
-	return nil
+		return inv.flushLimited(w, tw, len(list))
+	})
 }
 
 // aggregate formats an aggregate as type/id.
@@ -282,8 +256,7 @@ func aggregate(typ, id string) string {
 	return typ + "/" + id
 }
 
-func heldReplay(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "held replay", "[-kind K] [-group G] [-aggregate TYPE/ID] (<id>... | -all)", `
+const heldReplayHelp = `
 Replays held events waiting for you (status held), per aggregate in version
 order, in one transaction:
 
@@ -305,22 +278,22 @@ order, in one transaction:
                      release-attempt limit it is held again with its error.
 
 A dead letter is not replayed while an earlier one of its aggregate is still
-held: replay (or discard) them together.`)
-	hf := addHeldFlags(fs)
-	all := fs.Bool("all", false, "every held event the filters select, instead of ids")
-	f, err := hf.selection(fs, args, all)
+held: replay (or discard) them together.`
+
+func heldReplay(ctx context.Context, inv *invocation) error {
+	hf := addHeldFlags(inv, true)
+	f, err := hf.parse()
 	if err != nil {
 		return err
 	}
-	pool, err := openPool(ctx, 2)
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
-	res, err := admin.ReplayHeld(ctx, pool, globalsOf(ctx).schema, f)
+	res, err := admin.ReplayHeld(ctx, pool, inv.globals.schema, f)
 	switch {
-	case errors.Is(err, admin.ErrNoHeld) && *all:
-		fmt.Fprintln(stdout(ctx), "no held events waiting for replay match")
+	case errors.Is(err, admin.ErrNoHeld) && *hf.all:
+		fmt.Fprintln(inv.stdout, "no held events waiting for replay match")
 		return nil
 	case errors.Is(err, admin.ErrNoHeld):
 		return errors.New("none of the ids given is a held event waiting for you (status held): unknown, or already replayed or discarded; see eventline held list -status all")
@@ -328,7 +301,7 @@ held: replay (or discard) them together.`)
 	if err != nil {
 		return err
 	}
-	out, warn := stdout(ctx), stderr(ctx)
+	out, warn := inv.stdout, inv.stderr
 	for _, a := range res.ArrivesLate {
 		fmt.Fprintf(warn, "warning: held event %d (event %s, %s/%s v%d): consumer group(s) %s already gave up on that version (eventline parked skipped); "+
 			"the replayed event arrives late there and is held for you, not applied in order: eventline held list -kind late -group %s\n",
@@ -348,37 +321,36 @@ held: replay (or discard) them together.`)
 	return nil
 }
 
-func heldDiscard(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "held discard", "-reason TEXT [-kind K] [-group G] [-aggregate TYPE/ID] (<id>... | -all)", `
+const heldDiscardHelp = `
 Gives up on held events waiting for you or for their replay: they stay listed,
 marked discarded with the reason, and are never replayed. A discarded late
 event's dedup record says late_discarded, so a redelivery is still a
 duplicate. The versions of discarded dead letters stay missing: a consumer that
 parked later versions of the aggregate applies them after its park timeout (or
-at once with eventline parked release).`)
-	reason := fs.String("reason", "", "why they are given up (required; kept for the audit)")
-	hf := addHeldFlags(fs)
-	all := fs.Bool("all", false, "every held event the filters select, instead of ids")
-	f, err := hf.selection(fs, args, all)
+at once with eventline parked release).`
+
+func heldDiscard(ctx context.Context, inv *invocation) error {
+	reason := inv.fs.String("reason", "", "why they are given up (required; kept for the audit)")
+	hf := addHeldFlags(inv, true)
+	f, err := hf.parse()
 	if err != nil {
 		return err
 	}
 	if strings.TrimSpace(*reason) == "" {
-		return fs.usageErrorf("-reason is required: say why these events are given up (it is kept with them)")
+		return usageErrorf("-reason is required: say why these events are given up (it is kept with them)")
 	}
-	pool, err := openPool(ctx, 2)
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
-	ids, err := admin.DiscardHeld(ctx, pool, globalsOf(ctx).schema, f, *reason)
+	ids, err := admin.DiscardHeld(ctx, pool, inv.globals.schema, f, *reason)
 	if errors.Is(err, admin.ErrNoHeld) {
 		return errors.New("no open held event matched; see eventline held list -status all")
 	}
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout(ctx), "discarded %s: %s\n", plural(int64(len(ids)), "held event"), joinIDs(ids))
+	fmt.Fprintf(inv.stdout, "discarded %s: %s\n", plural(int64(len(ids)), "held event"), joinIDs(ids))
 	return nil
 }
 

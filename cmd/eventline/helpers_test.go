@@ -17,6 +17,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/childproc"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -102,6 +103,35 @@ func okJSON[T any](t testing.TB, schema string, args ...string) T {
 	out := ok(t, schema, args...)
 	require.NoError(t, json.Unmarshal([]byte(out), &v), "output is not JSON: %s", out)
 	return v
+}
+
+// testBundle is what a test of a command starts from: its own migrated
+// schema and, for the tests that relay, a fresh topic on the test brokers.
+type testBundle struct {
+	env     pgtest.Env
+	brokers []string
+	topic   string // empty without Kafka
+}
+
+// setup returns a schema with shards outbox shards and, when partitions is
+// above 0, an "orders" topic of that many partitions (relaytest.Setup).
+func setup(t *testing.T, shards int, partitions int32) testBundle {
+	t.Helper()
+	opts := pgtest.Options{Shards: shards}
+	if partitions == 0 {
+		return testBundle{env: pgtest.New(t, opts)}
+	}
+	var b testBundle
+	b.env, b.brokers, b.topic = relaytest.Setup(t, opts, partitions)
+	return b
+}
+
+// relayArgs are the flags of a quick test relay for the bundle's schema
+// and brokers.
+func (b testBundle) relayArgs(extra ...string) []string {
+	args := append(dbArgs(b.env.Schema), "relay", "-brokers", strings.Join(b.brokers, ","),
+		"-poll-interval", "100ms", "-rebalance-interval", "100ms", "-cleanup-interval", "0")
+	return append(args, extra...)
 }
 
 // background is a long-running command (relay, kafka-dev) started in

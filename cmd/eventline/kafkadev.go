@@ -12,15 +12,10 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 )
 
-func init() {
-	register(command{name: "kafka-dev", summary: "Run an in-process Kafka (kfake) for local development", run: runKafkaDev})
-}
-
 // defaultKafkaDevPort is Kafka's usual port.
 const defaultKafkaDevPort = 9092
 
-func runKafkaDev(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "kafka-dev", "[-port N] [-partitions N] [-topics a,b]", `
+const kafkaDevHelp = `
 Runs a one-broker, in-memory Kafka (franz-go's kfake) on 127.0.0.1 until
 interrupted. Its first line of output is the setting other processes need,
 e.g. KAFKA_BROKERS=127.0.0.1:9092: export it in their shell.
@@ -28,27 +23,26 @@ e.g. KAFKA_BROKERS=127.0.0.1:9092: export it in their shell.
 Topics are created with -partitions partitions on first use by a client that
 asks for auto-creation; the relay does not ask, so create the topics it
 publishes to up front with -topics. Everything is lost when it stops. For
-development and tests only.`)
+development and tests only.`
+
+func runKafkaDev(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	port := fs.Int("port", defaultKafkaDevPort, "TCP port on 127.0.0.1; 0 picks a free port")
 	partitions := fs.Int("partitions", devkafka.DefaultPartitions, "partitions of every topic it creates")
 	topics := fs.String("topics", "", "comma-separated topics to create at start")
-	pos, err := fs.parse(args)
-	if err != nil {
+	if _, err := inv.parse(); err != nil {
 		return err
 	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("kafka-dev takes no arguments, got %q", pos)
-	}
 	if *port < 0 || *port > 65535 {
-		return fs.usageErrorf("-port must be between 0 and 65535, got %d", *port)
+		return usageErrorf("-port must be between 0 and 65535, got %d", *port)
 	}
 	if *partitions < 1 || *partitions > 10000 {
-		return fs.usageErrorf("-partitions must be between 1 and 10000, got %d", *partitions)
+		return usageErrorf("-partitions must be between 1 and 10000, got %d", *partitions)
 	}
 	seed := kafkaconf.ParseBrokers(*topics) // same comma-separated shape
 	for _, t := range seed {
 		if err := eventline.ValidateTopic(t); err != nil {
-			return fs.usageErrorf("-topics: %v", err)
+			return usageErrorf("-topics: %v", err)
 		}
 	}
 	opts := []kfake.Opt{kfake.DefaultNumPartitions(*partitions)}
@@ -64,9 +58,9 @@ development and tests only.`)
 	}
 	defer cluster.Close()
 	addrs := cluster.ListenAddrs()
-	fmt.Fprintf(stdout(ctx), "%s=%s\n", envBrokers, strings.Join(addrs, ","))
-	logger(ctx).Info("in-process Kafka running; interrupt to stop", "brokers", addrs, "partitions", *partitions, "topics", seed)
+	fmt.Fprintf(inv.stdout, "%s=%s\n", envBrokers, strings.Join(addrs, ","))
+	inv.logger().Info("in-process Kafka running; interrupt to stop", "brokers", addrs, "partitions", *partitions, "topics", seed)
 	<-ctx.Done()
-	logger(ctx).Info("in-process Kafka stopped")
+	inv.logger().Info("in-process Kafka stopped")
 	return nil
 }

@@ -18,7 +18,10 @@ import (
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 func main() {
@@ -29,7 +32,7 @@ func main() {
 		<-ctx.Done()
 		stop()
 	}()
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	code := runWithEnv(ctx, os.Args[1:], os.Stdout, os.Stderr, os.Getenv)
 	stop()
 	os.Exit(code)
 }
@@ -41,17 +44,48 @@ const (
 	exitUsage   = 2
 )
 
-// run executes one eventline invocation with the process environment and
-// returns its exit code. Tests call it in-process.
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	return runWithEnv(ctx, args, stdout, stderr, os.Getenv)
+// runWithEnv executes one eventline invocation, with getenv for the
+// environment, and returns its exit code. Tests call it in-process.
+func runWithEnv(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
+	inv := &invocation{stdout: stdout, stderr: stderr, getenv: getenv, globals: globalsFromEnv(getenv)}
+	return inv.exitCode(inv.main(ctx, args))
 }
 
-// runWithEnv is run with the environment lookup injected.
-func runWithEnv(ctx context.Context, args []string, stdout, stderr io.Writer, getenv func(string) string) int {
-	inv := newInvocation(stdout, stderr, getenv)
-	err := inv.main(withInvocation(ctx, inv), args)
-	return inv.exitCode(err)
+// invocation is one run of the CLI: where output goes, the environment, the
+// global flags, and the command being run with its flags and arguments.
+type invocation struct {
+	stdout, stderr io.Writer
+	getenv         func(string) string
+	globals        *globals
+
+	// path is the command being run ("held list"), for messages.
+	path string
+	cmd  *command
+	fs   *flagSet
+	args []string
+	// asJSON and limit are the -json and -limit flags of a command that
+	// has them (jsonFlag, limitFlag).
+	asJSON *bool
+	limit  *int
+	// pools are the connection pools the command opened, closed when it
+	// returns.
+	pools []*pgxpool.Pool
+
+	logOnce sync.Once
+	log     *slog.Logger
+}
+
+// errHelp is returned after help was printed on request; the exit code is 0.
+var errHelp = errors.New("help requested")
+
+// usageError is a mistake in the command line: the exit code is 2.
+type usageError struct{ msg string }
+
+func (e *usageError) Error() string { return e.msg }
+
+// usageErrorf returns a usage error; main names the command it is about.
+func usageErrorf(format string, args ...any) error {
+	return &usageError{msg: fmt.Sprintf(format, args...)}
 }
 
 // main parses the global flags, then runs the named command.
@@ -64,36 +98,25 @@ func (inv *invocation) main(ctx context.Context, args []string) error {
 		inv.printMainUsage(inv.stdout)
 		return errHelp
 	case err != nil:
-		return usageErrorf("", "%v", err)
+		return usageErrorf("%v", err)
 	}
 	args = fs.Args()
 	if len(args) == 0 {
-		return usageErrorf("", "no command given; the commands are: %s", strings.Join(commandNames(), ", "))
+		return usageErrorf("no command given; the commands are: %s", strings.Join(names(commands), ", "))
 	}
 	name, rest := args[0], args[1:]
-	if name == "help" {
-		return inv.help(ctx, rest)
+	if name == "help" { // eventline help [command [subcommand]]
+		if len(rest) == 0 {
+			inv.printMainUsage(inv.stdout)
+			return errHelp
+		}
+		name, rest = rest[0], append(rest[1:len(rest):len(rest)], "-h")
 	}
-	cmd, ok := lookup(name)
-	if !ok {
-		return usageErrorf("", "unknown command %q; the commands are: %s", name, strings.Join(commandNames(), ", "))
+	cmd := find(commands, name)
+	if cmd == nil {
+		return usageErrorf("unknown command %q; the commands are: %s", name, strings.Join(names(commands), ", "))
 	}
-	inv.path = cmd.name
-	return cmd.run(ctx, rest)
-}
-
-// help implements `eventline help [command]`.
-func (inv *invocation) help(ctx context.Context, args []string) error {
-	if len(args) == 0 {
-		inv.printMainUsage(inv.stdout)
-		return errHelp
-	}
-	cmd, ok := lookup(args[0])
-	if !ok {
-		return usageErrorf("", "unknown command %q; the commands are: %s", args[0], strings.Join(commandNames(), ", "))
-	}
-	inv.path = cmd.name
-	return cmd.run(ctx, append(args[1:len(args):len(args)], "-h"))
+	return inv.runCommand(ctx, cmd, cmd.name, rest)
 }
 
 // printMainUsage lists the commands and the global flags.
@@ -103,7 +126,7 @@ func (inv *invocation) printMainUsage(w io.Writer) {
 	fmt.Fprintln(w, "eventline operates an eventline pipeline: PostgreSQL outbox -> relay -> Kafka -> consumers.")
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "Commands:")
-	for _, c := range commands() {
+	for _, c := range commands {
 		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
 	}
 	fmt.Fprintln(w)
@@ -119,30 +142,21 @@ func (inv *invocation) printMainUsage(w io.Writer) {
 // exitCode reports err on stderr and maps it to an exit code: a command's
 // own when the error has an ExitCode method, else 1 (2 for usage errors).
 func (inv *invocation) exitCode(err error) int {
+	if err == nil || errors.Is(err, errHelp) {
+		return exitOK
+	}
+	path := strings.TrimSpace("eventline " + inv.path)
+	fmt.Fprintf(inv.stderr, "%s: %v\n", path, err)
 	var ue *usageError
 	var coded interface{ ExitCode() int }
 	switch {
-	case err == nil, errors.Is(err, errHelp):
-		return exitOK
 	case errors.As(err, &ue):
-		path := "eventline"
-		if ue.path != "" {
-			path += " " + ue.path
-		}
-		fmt.Fprintf(inv.stderr, "%s: %s\n", path, ue.msg)
 		fmt.Fprintf(inv.stderr, "Run '%s -h' for usage.\n", path)
 		return exitUsage
-	default:
-		path := "eventline"
-		if inv.path != "" {
-			path += " " + inv.path
-		}
-		fmt.Fprintf(inv.stderr, "%s: %v\n", path, err)
-		if errors.As(err, &coded) {
-			return coded.ExitCode()
-		}
-		return exitFailure
+	case errors.As(err, &coded):
+		return coded.ExitCode()
 	}
+	return exitFailure
 }
 
 // newLogger builds the logger the global -log-level and -log-format flags
@@ -161,4 +175,17 @@ func newLogger(w io.Writer, level, format string) (*slog.Logger, error) {
 	default:
 		return nil, fmt.Errorf("-log-format %q: want text or json", format)
 	}
+}
+
+// logger returns the logger configured by -log-level and -log-format,
+// writing to stderr. The flags were validated when they were parsed.
+func (inv *invocation) logger() *slog.Logger {
+	inv.logOnce.Do(func() {
+		l, err := newLogger(inv.stderr, inv.globals.logLevel, inv.globals.logFormat)
+		if err != nil {
+			l = slog.New(slog.NewTextHandler(inv.stderr, nil))
+		}
+		inv.log = l
+	})
+	return inv.log
 }

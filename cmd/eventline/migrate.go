@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -13,73 +14,61 @@ import (
 	"github.com/eventline/eventline/migrations"
 )
 
-func init() {
-	register(command{name: "migrate", summary: "Apply, roll back or list the schema migrations (up|down|status)", run: runMigrate})
-}
-
-func runMigrate(ctx context.Context, args []string) error {
-	return dispatch(ctx, "migrate", "Manages eventline's tables in the -schema schema.", args, []subcommand{
-		{"up", "Apply every pending migration and create the outbox shard tables", migrateUp},
-		{"down", "Roll back the newest migrations (refuses to drop unsent events)", migrateDown},
-		{"status", "List the migrations and when each was applied", migrateStatus},
-	})
-}
-
-func migrateUp(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "migrate up", "[-shards N]", `
+const migrateUpHelp = `
 Applies every pending migration in one transaction under an advisory lock
 (safe to run from several processes at once) and creates the outbox shard
-tables. Run it before starting producers, relays or consumers.`)
-	shards := fs.Int("shards", 0, fmt.Sprintf("number of outbox shards, fixed on the first run (0 means %d on the first run\nand the existing count afterwards; another value must equal the existing count)", migrations.DefaultShards))
-	pos, err := fs.parse(args)
-	if err != nil {
+tables. Run it before starting producers, relays or consumers.`
+
+func migrateUp(ctx context.Context, inv *invocation) error {
+	shards := inv.fs.Int("shards", 0, fmt.Sprintf("number of outbox shards, fixed on the first run (0 means %d on the first run\nand the existing count afterwards; another value must equal the existing count)", migrations.DefaultShards))
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("migrate up takes no arguments, got %q", pos)
 	}
 	if *shards < 0 || *shards > outbox.MaxShards {
-		return fs.usageErrorf("-shards must be between 1 and %d (or 0 for the default), got %d", outbox.MaxShards, *shards)
+		return usageErrorf("-shards must be between 1 and %d (or 0 for the default), got %d", outbox.MaxShards, *shards)
 	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
+	pool, cfg, before, err := inv.migrationStatus(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
-	cfg := migrations.Config{Schema: g.schema, Shards: *shards}
-	before, err := migrations.Status(ctx, pool, cfg)
-	if err != nil {
-		return fmt.Errorf("read migration status: %w", err)
-	}
+	cfg.Shards = *shards
 	if err := migrations.Up(ctx, pool, cfg); err != nil {
 		if errors.Is(err, migrations.ErrShardCountMismatch) {
 			return fmt.Errorf("%w (omit -shards to keep the existing count)", err)
 		}
 		return err
 	}
-	out := stdout(ctx)
-	applied := 0
+	state := "was already"
 	for _, m := range before {
 		if !m.Applied() {
-			fmt.Fprintf(out, "applied %03d_%s\n", m.Version, m.Name)
-			applied++
+			fmt.Fprintf(inv.stdout, "applied %03d_%s\n", m.Version, m.Name)
+			state = "is"
 		}
 	}
-	n, err := admin.ReadShardCount(ctx, pool, g.schema)
+	n, err := admin.ReadShardCount(ctx, pool, cfg.Schema)
 	if err != nil {
 		return err
 	}
-	if applied == 0 {
-		fmt.Fprintf(out, "schema %s was already up to date (%s, %s)\n", g.schema, plural(int64(len(before)), "migration"), plural(int64(n), "outbox shard"))
-	} else {
-		fmt.Fprintf(out, "schema %s is up to date (%s, %s)\n", g.schema, plural(int64(len(before)), "migration"), plural(int64(n), "outbox shard"))
-	}
+	fmt.Fprintf(inv.stdout, "schema %s %s up to date (%s, %s)\n", cfg.Schema, state, plural(int64(len(before)), "migration"), plural(int64(n), "outbox shard"))
 	return nil
 }
 
-func migrateDown(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "migrate down", "[-steps N | -all] [-force]", `
+// migrationStatus connects and reads the status of every migration in
+// -schema.
+func (inv *invocation) migrationStatus(ctx context.Context) (*pgxpool.Pool, migrations.Config, []migrations.MigrationStatus, error) {
+	cfg := migrations.Config{Schema: inv.globals.schema}
+	pool, err := inv.pool(ctx)
+	if err != nil {
+		return nil, cfg, nil, err
+	}
+	st, err := migrations.Status(ctx, pool, cfg)
+	if err != nil {
+		return nil, cfg, nil, fmt.Errorf("read migration status: %w", err)
+	}
+	return pool, cfg, st, nil
+}
+
+const migrateDownHelp = `
 Rolls back the newest applied migrations, one transaction for all of them.
 
 Rolling back 003_held_events drops the events held for the operator (dead
@@ -87,33 +76,25 @@ letters, late events); 002_consumer the consumer tables (dedup records,
 aggregate versions, parked events, the skipped-gap audit); 001_outbox the outbox
 shard tables with every event in them. Unless -force is given, it refuses while
 held events are neither replayed nor discarded, while parked events wait, or
-while the outbox holds events not yet relayed.`)
+while the outbox holds events not yet relayed.`
+
+func migrateDown(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	steps := fs.Int("steps", 1, "number of migrations to roll back, newest first (at least 1)")
 	all := fs.Bool("all", false, "roll back every migration (drops all of eventline's tables)")
 	force := fs.Bool("force", false, "roll back even if it drops events that were never relayed or applied")
-	pos, err := fs.parse(args)
-	if err != nil {
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("migrate down takes no arguments, got %q", pos)
 	}
 	switch {
 	case *all && fs.isSet("steps"):
-		return fs.usageErrorf("give -steps or -all, not both")
+		return usageErrorf("give -steps or -all, not both")
 	case *steps < 1:
-		return fs.usageErrorf("-steps must be at least 1, got %d (use -all to roll back everything)", *steps)
+		return usageErrorf("-steps must be at least 1, got %d (use -all to roll back everything)", *steps)
 	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
+	pool, cfg, st, err := inv.migrationStatus(ctx)
 	if err != nil {
 		return err
-	}
-	defer pool.Close()
-	cfg := migrations.Config{Schema: g.schema}
-	st, err := migrations.Status(ctx, pool, cfg)
-	if err != nil {
-		return fmt.Errorf("read migration status: %w", err)
 	}
 	var targets []migrations.MigrationStatus
 	for i := len(st) - 1; i >= 0 && (*all || len(targets) < *steps); i-- {
@@ -121,13 +102,12 @@ while the outbox holds events not yet relayed.`)
 			targets = append(targets, st[i])
 		}
 	}
-	out := stdout(ctx)
 	if len(targets) == 0 {
-		fmt.Fprintf(out, "schema %s has no applied migrations; nothing to roll back\n", g.schema)
+		fmt.Fprintf(inv.stdout, "schema %s has no applied migrations; nothing to roll back\n", cfg.Schema)
 		return nil
 	}
 	if !*force {
-		if err := checkSafeToDrop(ctx, pool, g.schema, targets); err != nil {
+		if err := checkSafeToDrop(ctx, pool, cfg.Schema, targets); err != nil {
 			return err
 		}
 	}
@@ -139,7 +119,7 @@ while the outbox holds events not yet relayed.`)
 		return err
 	}
 	for _, m := range targets {
-		fmt.Fprintf(out, "rolled back %03d_%s\n", m.Version, m.Name)
+		fmt.Fprintf(inv.stdout, "rolled back %03d_%s\n", m.Version, m.Name)
 	}
 	return nil
 }
@@ -189,73 +169,56 @@ type migrationJSON struct {
 	AppliedAt *time.Time `json:"applied_at"`
 }
 
-func migrateStatus(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "migrate status", "[-json] [-check]", `
+const migrateStatusHelp = `
 Lists every migration this build knows and when it was applied. Reading the
-status creates the schema and its schema_migrations table if they are missing.`)
-	asJSON := fs.Bool("json", false, "print JSON instead of a table")
-	check := fs.Bool("check", false, "exit with status 1 when a migration is pending (for readiness checks)")
-	pos, err := fs.parse(args)
+status creates the schema and its schema_migrations table if they are missing.`
+
+func migrateStatus(ctx context.Context, inv *invocation) error {
+	inv.jsonFlag("print JSON instead of a table")
+	check := inv.fs.Bool("check", false, "exit with status 1 when a migration is pending (for readiness checks)")
+	if _, err := inv.parse(); err != nil {
+		return err
+	}
+	_, cfg, st, err := inv.migrationStatus(ctx)
 	if err != nil {
 		return err
 	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("migrate status takes no arguments, got %q", pos)
-	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	st, err := migrations.Status(ctx, pool, migrations.Config{Schema: g.schema})
-	if err != nil {
-		return fmt.Errorf("read migration status: %w", err)
-	}
-	pending := 0
+	pending := int64(0)
 	for _, m := range st {
 		if !m.Applied() {
 			pending++
 		}
 	}
-	out := stdout(ctx)
-	if *asJSON {
-		list := make([]migrationJSON, 0, len(st))
-		for _, m := range st {
-			j := migrationJSON{Version: m.Version, Name: m.Name, Applied: m.Applied()}
-			if m.Applied() {
-				at := m.AppliedAt.UTC()
-				j.AppliedAt = &at
-			}
-			list = append(list, j)
+	report := struct {
+		Schema     string          `json:"schema"`
+		Migrations []migrationJSON `json:"migrations"`
+		Pending    int64           `json:"pending"`
+	}{cfg.Schema, mapList(st, func(m migrations.MigrationStatus) migrationJSON {
+		j := migrationJSON{Version: m.Version, Name: m.Name, Applied: m.Applied()}
+		if m.Applied() {
+			at := m.AppliedAt.UTC()
+			j.AppliedAt = &at
 		}
-		report := struct {
-			Schema     string          `json:"schema"`
-			Migrations []migrationJSON `json:"migrations"`
-			Pending    int             `json:"pending"`
-		}{g.schema, list, pending}
-		if err := writeJSON(out, report); err != nil {
-			return err
-		}
-	} else {
-		tw := newTable(out)
+		return j
+	}), pending}
+	err = inv.output(report, func(w io.Writer) error {
+		tw := newTable(w)
 		row(tw, "VERSION", "NAME", "APPLIED AT")
-		for _, m := range st {
+		for _, m := range report.Migrations {
 			at := "pending"
-			if m.Applied() {
-				at = timestamp(m.AppliedAt)
+			if m.Applied {
+				at = timestamp(*m.AppliedAt)
 			}
 			row(tw, fmt.Sprintf("%03d", m.Version), m.Name, at)
 		}
-		if err := tw.Flush(); err != nil {
+		if err := tw.Flush(); err != nil || pending == 0 {
 			return err
 		}
-		if pending > 0 {
-			fmt.Fprintf(out, "%s pending in schema %s: run `eventline migrate up`\n", plural(int64(pending), "migration"), g.schema)
-		}
+		_, err := fmt.Fprintf(w, "%s pending in schema %s: run `eventline migrate up`\n", plural(pending, "migration"), cfg.Schema)
+		return err
+	})
+	if err == nil && *check && pending > 0 {
+		err = fmt.Errorf("%s pending in schema %s", plural(pending, "migration"), cfg.Schema)
 	}
-	if *check && pending > 0 {
-		return fmt.Errorf("%s pending in schema %s", plural(int64(pending), "migration"), g.schema)
-	}
-	return nil
+	return err
 }

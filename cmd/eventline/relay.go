@@ -17,24 +17,10 @@ import (
 	"github.com/eventline/eventline/producer"
 )
 
-func init() {
-	register(command{name: "relay", summary: "Relay outbox events to Kafka until interrupted", run: runRelay})
-}
-
 // relayShutdownTimeout bounds the metrics server's shutdown.
 const relayShutdownTimeout = 5 * time.Second
 
-func runRelay(ctx context.Context, args []string) error {
-	if len(args) > 0 {
-		for _, sub := range relayMaintenance {
-			if args[0] == sub.name {
-				inv := invocationOf(ctx)
-				inv.path = "relay " + sub.name
-				return sub.run(ctx, args[1:])
-			}
-		}
-	}
-	fs := newFlagSet(ctx, "relay", "[flags] | rebase-positions | advance-sequences", `
+const relayHelp = `
 Relays events from the PostgreSQL outbox (-schema) to Kafka (-brokers) until
 it gets SIGINT or SIGTERM, then finishes the batches in flight, releases its
 shards and exits 0. A second signal exits at once; nothing is lost either way
@@ -69,7 +55,10 @@ database"):
                                       transaction counter
   eventline relay advance-sequences   move aggregate sequences past the
                                       versions consumers have seen, after a
-                                      failover that lost commits`)
+                                      failover that lost commits`
+
+func runRelay(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	var cfg producer.RelayConfig
 	fs.IntVar(&cfg.BatchSize, "batch-size", producer.DefaultBatchSize, "outbox rows read and published per transaction")
 	fs.DurationVar(&cfg.PollInterval, "poll-interval", producer.DefaultPollInterval, "longest an idle shard waits before looking again (inserts wake it at once)")
@@ -86,57 +75,54 @@ database"):
 	partitioner := fs.String("partitioner", string(producer.DefaultPartitioner), "how aggregate ids map to Kafka partitions: murmur2 (Kafka's own, as the Java client and franz-go) or fnv1a (Sarama's, the relay's default before murmur2); every relay of one outbox must use the same, see the README before changing it")
 	fs.IntVar(&cfg.MaxMessageBytes, "max-message-bytes", producer.DefaultMaxMessageBytes, "largest Kafka record the relay sends; larger events are dead-lettered")
 	metricsAddr := fs.String("metrics-addr", "", "serve Prometheus metrics at http://`ADDR`/metrics, e.g. :9090 (default off)")
-	pos, err := fs.parse(args)
-	if err != nil {
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("relay takes no arguments, got %q", pos)
 	}
 	switch {
 	case cfg.BatchSize < 1:
-		return fs.usageErrorf("-batch-size must be at least 1, got %d", cfg.BatchSize)
+		return usageErrorf("-batch-size must be at least 1, got %d", cfg.BatchSize)
 	case cfg.PollInterval <= 0:
-		return fs.usageErrorf("-poll-interval must be positive, got %s", cfg.PollInterval)
+		return usageErrorf("-poll-interval must be positive, got %s", cfg.PollInterval)
 	case cfg.MaxPublishRate < 0:
-		return fs.usageErrorf("-max-publish-rate must not be negative (0 means no cap), got %g", cfg.MaxPublishRate)
+		return usageErrorf("-max-publish-rate must not be negative (0 means no cap), got %g", cfg.MaxPublishRate)
 	case cfg.RebalanceInterval <= 0:
-		return fs.usageErrorf("-rebalance-interval must be positive, got %s", cfg.RebalanceInterval)
+		return usageErrorf("-rebalance-interval must be positive, got %s", cfg.RebalanceInterval)
 	case cfg.Backoff.Initial <= 0:
-		return fs.usageErrorf("-backoff-initial must be positive, got %s", cfg.Backoff.Initial)
+		return usageErrorf("-backoff-initial must be positive, got %s", cfg.Backoff.Initial)
 	case !(cfg.Backoff.Multiplier >= 1):
-		return fs.usageErrorf("-backoff-multiplier must be at least 1, got %g", cfg.Backoff.Multiplier)
+		return usageErrorf("-backoff-multiplier must be at least 1, got %g", cfg.Backoff.Multiplier)
 	case cfg.Backoff.Max < cfg.Backoff.Initial:
-		return fs.usageErrorf("-backoff-max (%s) must not be below -backoff-initial (%s)", cfg.Backoff.Max, cfg.Backoff.Initial)
+		return usageErrorf("-backoff-max (%s) must not be below -backoff-initial (%s)", cfg.Backoff.Max, cfg.Backoff.Initial)
 	case cfg.MaxAttempts < 1:
-		return fs.usageErrorf("-max-attempts must be at least 1, got %d", cfg.MaxAttempts)
+		return usageErrorf("-max-attempts must be at least 1, got %d", cfg.MaxAttempts)
 	case cfg.RetentionWindow <= 0:
-		return fs.usageErrorf("-retention must be positive, got %s", cfg.RetentionWindow)
+		return usageErrorf("-retention must be positive, got %s", cfg.RetentionWindow)
 	case cfg.CleanupInterval < 0:
-		return fs.usageErrorf("-cleanup-interval must not be negative (0 disables cleanup), got %s", cfg.CleanupInterval)
+		return usageErrorf("-cleanup-interval must not be negative (0 disables cleanup), got %s", cfg.CleanupInterval)
 	case cfg.CleanupBatchSize < 1:
-		return fs.usageErrorf("-cleanup-batch must be at least 1, got %d", cfg.CleanupBatchSize)
+		return usageErrorf("-cleanup-batch must be at least 1, got %d", cfg.CleanupBatchSize)
 	}
 	switch cfg.Partitioner = producer.Partitioner(*partitioner); cfg.Partitioner {
 	case producer.PartitionerMurmur2, producer.PartitionerFNV1a:
 	default:
-		return fs.usageErrorf("-partitioner must be murmur2 or fnv1a, got %q", *partitioner)
+		return usageErrorf("-partitioner must be murmur2 or fnv1a, got %q", *partitioner)
 	}
 	if cfg.MaxMessageBytes < 1 {
-		return fs.usageErrorf("-max-message-bytes must be positive, got %d", cfg.MaxMessageBytes)
+		return usageErrorf("-max-message-bytes must be positive, got %d", cfg.MaxMessageBytes)
 	}
 	if cfg.CleanupInterval == 0 {
 		cfg.CleanupInterval = -1 // RelayConfig: negative disables
 	}
-	g := globalsOf(ctx)
+	g := inv.globals
+	var err error
 	if cfg.Brokers, err = g.brokerList(); err != nil {
-		return fs.usageErrorf("%v", err)
+		return usageErrorf("%v", err)
 	}
 	cfg.Schema = g.schema
-	log := logger(ctx)
+	log := inv.logger()
 	cfg.Logger = log
 
-	pool, shards, err := openRelayPool(ctx)
+	pool, shards, err := inv.openRelayPool(ctx)
 	if err != nil {
 		return err
 	}
@@ -144,7 +130,6 @@ database"):
 		log.Info("relay stopped before the database answered")
 		return nil
 	}
-	defer pool.Close()
 
 	runCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -190,22 +175,22 @@ const metricsScrapeConns = 2
 // relay's own use) and metricsScrapeConns for metrics scrapes, and returns
 // it with the shard count. While the database is unavailable it waits for
 // it (waitForDatabase); it returns a nil pool if ctx ends first.
-func openRelayPool(ctx context.Context) (*pgxpool.Pool, int, error) {
+func (inv *invocation) openRelayPool(ctx context.Context) (*pgxpool.Pool, int, error) {
 	var pool *pgxpool.Pool
 	var shards int
-	err := waitForDatabase(ctx, "relaying", func() error {
-		conn, err := connectOnce(ctx)
+	err := inv.waitForDatabase(ctx, "relaying", func() error {
+		conn, err := inv.connectOnce(ctx)
 		if err != nil {
 			return err
 		}
 		qctx, cancel := context.WithTimeout(ctx, connectTimeout) // a server that stops answering is unavailable too
-		shards, err = admin.ReadShardCount(qctx, conn, globalsOf(ctx).schema)
+		shards, err = admin.ReadShardCount(qctx, conn, inv.globals.schema)
 		cancel()
 		_ = conn.Close(context.WithoutCancel(ctx))
 		if err != nil {
 			return err
 		}
-		pool, err = openPool(ctx, producer.PoolSizeFor(shards)+metricsScrapeConns)
+		pool, err = inv.openPool(ctx, inv.mainDB(), producer.PoolSizeFor(shards)+metricsScrapeConns)
 		return err
 	})
 	if err != nil {

@@ -4,21 +4,11 @@ import (
 	"context"
 	"fmt"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
-// relayMaintenance are the `eventline relay` subcommands for moving the
-// database.
-var relayMaintenance = []subcommand{
-	{"rebase-positions", "Re-base relay positions after a restore or cutover to another cluster", relayRebasePositions},
-	{"advance-sequences", "Move aggregate sequences past the versions consumers have seen", relayAdvanceSequences},
-}
-
-func relayRebasePositions(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "relay rebase-positions", "[-dry-run]", `
+const rebasePositionsHelp = `
 Repairs the outbox after it was moved to a PostgreSQL cluster whose
 transaction counter is lower (pg_dump and restore, a logical-replication
 cutover): relay positions and rows then carry transaction ids this cluster has
@@ -31,25 +21,23 @@ Events relayed before the move may be sent again (consumers skip them);
 nothing is lost. Producers may keep writing: the rows to re-base are chosen
 by the statement that moves them, under its own snapshot, so an event
 committed meanwhile is never taken for one relayed before the move. Shards
-that are fine are left alone. Stop the relays first.`)
+that are fine are left alone. Stop the relays first.`
+
+func relayRebasePositions(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	dryRun := fs.Bool("dry-run", false, "report what would change, change nothing")
-	pos, err := fs.parse(args)
+	if _, err := inv.parse(); err != nil {
+		return err
+	}
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("rebase-positions takes no arguments, got %q", pos)
-	}
-	pool, err := openPool(ctx, 2)
+	res, err := admin.RebasePositions(ctx, pool, inv.globals.schema, *dryRun)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
-	res, err := admin.RebasePositions(ctx, pool, globalsOf(ctx).schema, *dryRun)
-	if err != nil {
-		return err
-	}
-	w := stdout(ctx)
+	w := inv.stdout
 	verb := "re-based"
 	if *dryRun {
 		verb = "would re-base"
@@ -69,8 +57,7 @@ that are fine are left alone. Stop the relays first.`)
 	return nil
 }
 
-func relayAdvanceSequences(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "relay advance-sequences", "[-consumer-database-url URL] [-consumer-schema S] [-dry-run]", `
+const advanceSequencesHelp = `
 Moves every aggregate's producer sequence (aggregate_sequences) up to the
 highest version any consumer group holds for it: applied, parked, held as
 late, or dead-lettered (whatever the dead letter's status). Run it after a
@@ -79,39 +66,33 @@ sequences rolled back but the consumers did not, and new events would reuse
 versions consumers have already seen, and be discarded as stale.
 Sequences only move up. When the consumers keep their tables in another
 database, give it with -consumer-database-url (and -consumer-schema), and run
-the command once per consumer database.`)
+the command once per consumer database.`
+
+func relayAdvanceSequences(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
 	consumerURL := fs.String("consumer-database-url", "", "the consumers' database, when it is not the producer's (default: the producer's)")
 	consumerSchema := fs.String("consumer-schema", "", "the consumers' schema (default: -schema)")
 	dryRun := fs.Bool("dry-run", false, "report what would change, change nothing")
-	pos, err := fs.parse(args)
-	if err != nil {
+	if _, err := inv.parse(); err != nil {
 		return err
 	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("advance-sequences takes no arguments, got %q", pos)
-	}
-	g := globalsOf(ctx)
+	g := inv.globals
 	if *consumerSchema == "" {
 		*consumerSchema = g.schema
 	}
 	if err := sqlident.Validate("-consumer-schema", *consumerSchema); err != nil {
-		return fs.usageErrorf("%v", err)
+		return usageErrorf("%v", err)
 	}
-	pool, err := openPool(ctx, 2)
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
 	consumers := pool
 	if *consumerURL != "" {
-		cfg, err := pgxpool.ParseConfig(*consumerURL)
-		if err != nil {
-			return fs.usageErrorf("-consumer-database-url is not a valid PostgreSQL URL: %v", err)
-		}
-		if consumers, err = connectPool(ctx, cfg); err != nil {
+		db := database{url: *consumerURL, what: "the consumers' database", flag: "-consumer-database-url"}
+		if consumers, err = inv.openPool(ctx, db, 2); err != nil {
 			return err
 		}
-		defer consumers.Close()
 	}
 	res, err := admin.AdvanceSequences(ctx, pool, g.schema, consumers, *consumerSchema, *dryRun)
 	if err != nil {
@@ -121,9 +102,9 @@ the command once per consumer database.`)
 	if *dryRun {
 		verb = "would advance"
 	}
-	fmt.Fprintf(stdout(ctx), "%s %d of %d aggregate sequences consumers have seen\n", verb, res.Advanced, res.Aggregates)
+	fmt.Fprintf(inv.stdout, "%s %d of %d aggregate sequences consumers have seen\n", verb, res.Advanced, res.Aggregates)
 	if res.KeysTooLong > 0 {
-		fmt.Fprintf(stdout(ctx), "left out %d aggregates whose type and id are too long for a sequence (dead-lettered records no producer could have published)\n", res.KeysTooLong)
+		fmt.Fprintf(inv.stdout, "left out %d aggregates whose type and id are too long for a sequence (dead-lettered records no producer could have published)\n", res.KeysTooLong)
 	}
 	return nil
 }

@@ -12,10 +12,6 @@ import (
 	"github.com/eventline/eventline/admin"
 )
 
-func init() {
-	register(command{name: "status", summary: "Show backlog, shard owners, dead letters, parked events and dedup size", run: runStatus})
-}
-
 // statusReport is the output of `eventline status`; its JSON form is for
 // scripts and keeps its field names stable.
 type statusReport struct {
@@ -107,8 +103,7 @@ type openGapReport struct {
 	AgeSeconds    float64 `json:"age_seconds"`
 }
 
-func runStatus(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "status", "[-json]", `
+const statusHelp = `
 Shows the pipeline's state as stored in PostgreSQL: per outbox shard the
 backlog (events not yet relayed), the oldest pending event's age and the relay
 that owns it; dead letters and retrying rows; and per consumer group the dedup
@@ -117,35 +112,26 @@ When something is stuck, a "Gaps and stalls" section follows: per group the
 open gaps (aggregates waiting for missing versions, oldest first, with their
 age), the gaps skipped in the last 24 hours, late events held and dead letters
 not resolved; per shard the transaction holding its events back (pid, age,
-query start). It reads a consistent snapshot and changes nothing.`)
-	asJSON := fs.Bool("json", false, "print JSON (stable field names, for scripts) instead of tables")
-	pos, err := fs.parse(args)
-	if err != nil {
-		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("status takes no arguments, got %q", pos)
-	}
-	g := globalsOf(ctx)
-	pool, err := openPool(ctx, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
+query start). It reads a consistent snapshot and changes nothing.`
 
+func runStatus(ctx context.Context, inv *invocation) error {
+	inv.jsonFlag("print JSON (stable field names, for scripts) instead of tables")
+	if _, err := inv.parse(); err != nil {
+		return err
+	}
+	pool, err := inv.pool(ctx)
+	if err != nil {
+		return err
+	}
 	var rep statusReport
 	err = pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
-		var err error
-		rep, err = readStatus(ctx, tx, g.schema)
+		rep, err = readStatus(ctx, tx, inv.globals.schema)
 		return err
 	})
 	if err != nil {
 		return err
 	}
-	if *asJSON {
-		return writeJSON(stdout(ctx), rep)
-	}
-	return printStatus(stdout(ctx), rep)
+	return inv.output(rep, func(w io.Writer) error { return printStatus(w, rep) })
 }
 
 // readStatus gathers the report from admin.ReadStatus, in tx's snapshot.

@@ -43,6 +43,10 @@ func TestUsageErrorsExit2WithAHint(t *testing.T) {
 		{[]string{"held", "replay"}, "give the ids of the held events"},
 		{[]string{"held", "replay", "-all", "3"}, "give held event ids or -all, not both"},
 		{[]string{"held", "replay", "three"}, `"three" is not a held event id`},
+		{[]string{"held", "replay", "x"}, `"x" is not a held event id`},
+		{[]string{"held", "replay", "-all", "-group", "g", "3"}, "not both"},
+		{[]string{"held", "list", "-status", "sleepy"}, `-status "sleepy"`},
+		{[]string{"held", "list", "-aggregate", "noslash"}, "want TYPE/ID"},
 		{[]string{"held", "replay", "-all"}, "-all needs -kind, -group or -aggregate"},
 		{[]string{"held", "discard", "-all", "-group", "g"}, "-reason is required"},
 		{[]string{"held", "discard", "-reason", "r", "-aggregate", "x", "1"}, `-aggregate "x": want TYPE/ID`},
@@ -135,20 +139,20 @@ func TestGlobalsComeFromTheEnvironment(t *testing.T) {
 	require.Equal(t, "url=postgres://x/y schema=before brokers=[] args=[a b]\n", out.String())
 }
 
-// env-echo is registered the way another file (status.go) adds a command.
+// env-echo is a command added to the table for the tests.
 func init() {
-	register(command{name: "env-echo", summary: "(test) print the global configuration", run: func(ctx context.Context, args []string) error {
-		fs := newFlagSet(ctx, "env-echo", "[args]", "")
-		pos, err := fs.parse(args)
-		if err != nil {
+	commands = append(commands, &command{name: "env-echo", summary: "(test) print the global configuration", usage: "[args]", positional: true,
+		run: func(_ context.Context, inv *invocation) error {
+			pos, err := inv.parse()
+			if err != nil {
+				return err
+			}
+			g := inv.globals
+			brokers, _ := g.brokerList()
+			if brokers == nil {
+				brokers = []string{}
+			}
+			_, err = fmt.Fprintf(inv.stdout, "url=%s schema=%s brokers=%v args=%v\n", g.databaseURL, g.schema, brokers, append([]string{}, pos...))
 			return err
-		}
-		g := globalsOf(ctx)
-		brokers, _ := g.brokerList()
-		if brokers == nil {
-			brokers = []string{}
-		}
-		_, err = fmt.Fprintf(stdout(ctx), "url=%s schema=%s brokers=%v args=%v\n", g.databaseURL, g.schema, brokers, append([]string{}, pos...))
-		return err
-	}})
+		}})
 }

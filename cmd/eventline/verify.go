@@ -2,22 +2,15 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"maps"
-	"slices"
 	"strings"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/verify"
 )
-
-func init() {
-	register(command{name: "verify", summary: "Check the pipeline's guarantees against its data (exit 3 when broken)", run: runVerify})
-}
 
 // exitProblems is verify's exit code when it found a problem: distinct from
 // exitFailure (it could not check), so a canary can tell the two apart.
@@ -44,8 +37,7 @@ func (e *problemsFound) Error() string {
 // ExitCode is exitProblems.
 func (e *problemsFound) ExitCode() int { return exitProblems }
 
-func runVerify(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "verify", "[-since T] [-until T] [-group G]... [-group-topics G=T,T]... [-effects-query G=SQL]... [-json] [-strict]", `
+const verifyHelp = `
 Checks, against the data, that the pipeline kept its promises: for every event
 committed in the window (default: everything retained) and every consumer
 group that consumes its topic, it reconciles the outbox and the relay's dead
@@ -76,18 +68,27 @@ group applied: the event id, and optionally a column that grows with the time
 of the effect (a bigserial, a timestamp) to check the order exactly.
 
 Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
-1 the check could not run, 2 usage error. Run it in CI or cron as a canary.`)
-	since := &timeFlag{}
-	until := &timeFlag{}
-	fs.Var(since, "since", "check what happened from `T` on: a duration ago (24h) or an RFC 3339 time (default: all retained data)")
-	fs.Var(until, "until", "check what happened before `T`: a duration ago or an RFC 3339 time (default: now)")
-	var groups listFlag
-	fs.Var(&groups, "group", "check only consumer group `G` (repeatable; default every group found)")
-	groupTopics := mapFlag{name: "group-topics"}
-	fs.Var(&groupTopics, "group-topics", "`G=T1,T2`: the Kafka topics group G consumes (repeatable; default: its Kafka consumer group's\ncommitted offsets, else the topics of the events it has records of)")
-	effects := mapFlag{name: "effects-query"}
-	fs.Var(&effects, "effects-query", "`G=SQL`: a query over group G's own effects returning event_id[, ordering column] (repeatable)")
-	consumerURL := invocationOf(ctx).getenv(envConsumerDatabaseURL)
+1 the check could not run, 2 usage error. Run it in CI or cron as a canary.`
+
+func runVerify(ctx context.Context, inv *invocation) error {
+	fs := inv.fs
+	var since, until time.Time
+	fs.Func("since", "check what happened from `T` on: a duration ago (24h) or an RFC 3339 time (default: all retained data)", timeFlag(&since))
+	fs.Func("until", "check what happened before `T`: a duration ago or an RFC 3339 time (default: now)", timeFlag(&until))
+	var groups []string
+	fs.Func("group", "check only consumer group `G` (repeatable; default every group found)", func(s string) error {
+		if s == "" {
+			return errors.New("empty value")
+		}
+		groups = append(groups, s)
+		return nil
+	})
+	groupTopics, effects := map[string][]string{}, map[string]string{}
+	fs.Func("group-topics", "`G=T1,T2`: the Kafka topics group G consumes (repeatable; default: its Kafka consumer group's\ncommitted offsets, else the topics of the events it has records of)",
+		perGroupFlag(groupTopics, kafkaconf.ParseBrokers)) // a comma-separated list
+	fs.Func("effects-query", "`G=SQL`: a query over group G's own effects returning event_id[, ordering column] (repeatable)",
+		perGroupFlag(effects, func(sql string) string { return sql }))
+	consumerURL := inv.getenv(envConsumerDatabaseURL)
 	fs.Var(&secretURL{&consumerURL}, "consumer-database-url", "`URL` of the database holding the consumer tables, when not -database-url (env "+envConsumerDatabaseURL+")")
 	consumerSchema := fs.String("consumer-schema", "", "schema of the consumer tables (default -schema)")
 	maxPending := fs.Duration("max-pending", verify.DefaultMaxPendingAge, "an event not applied for longer is stuck (a problem)")
@@ -96,89 +97,56 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 	maxDetails := fs.Int("max-details", verify.DefaultMaxDetails, "findings listed per kind and group (the oldest); the rest are counted")
 	noKafka := fs.Bool("no-kafka", false, "do not read Kafka even when -brokers or KAFKA_BROKERS is set")
 	strict := fs.Bool("strict", false, "fail (exit 3) on warnings too")
-	asJSON := fs.Bool("json", false, "print JSON (stable field names, for scripts) instead of text")
-	pos, err := fs.parse(args)
-	if err != nil {
+	inv.jsonFlag("print JSON (stable field names, for scripts) instead of text")
+	if _, err := inv.parse(); err != nil {
 		return err
-	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("verify takes no arguments, got %q", pos)
 	}
 	switch {
 	case *maxPending <= 0 || *maxParked <= 0 || *dedupRetention <= 0:
-		return fs.usageErrorf("-max-pending, -max-parked and -dedup-retention must be positive")
+		return usageErrorf("-max-pending, -max-parked and -dedup-retention must be positive")
 	case *maxDetails < 0:
-		return fs.usageErrorf("-max-details must not be negative")
-	case !since.t.IsZero() && !until.t.IsZero() && !since.t.Before(until.t):
-		return fs.usageErrorf("-since (%s) must be before -until (%s)", since.t.Format(time.RFC3339), until.t.Format(time.RFC3339))
+		return usageErrorf("-max-details must not be negative")
+	case !since.IsZero() && !until.IsZero() && !since.Before(until):
+		return usageErrorf("-since (%s) must be before -until (%s)", since.Format(time.RFC3339), until.Format(time.RFC3339))
 	}
 	if *consumerSchema != "" {
 		if err := sqlident.Validate("-consumer-schema", *consumerSchema); err != nil {
-			return fs.usageErrorf("%v", err)
+			return usageErrorf("%v", err)
 		}
 	}
-	g := globalsOf(ctx)
+	g := inv.globals
 	cfg := verify.Config{
-		Schema: g.schema, ConsumerSchema: *consumerSchema, Since: since.t, Until: until.t, Groups: groups,
-		EffectsQueries: effects.m, MaxPendingAge: *maxPending, MaxParkedAge: *maxParked, DedupRetention: *dedupRetention,
-		MaxDetails: *maxDetails, Logger: logger(ctx),
+		Schema: g.schema, ConsumerSchema: *consumerSchema, Since: since, Until: until, Groups: groups,
+		GroupTopics: groupTopics, EffectsQueries: effects, MaxPendingAge: *maxPending, MaxParkedAge: *maxParked, DedupRetention: *dedupRetention,
+		MaxDetails: *maxDetails, Logger: inv.logger(),
 	}
 	if *maxDetails == 0 {
 		cfg.MaxDetails = verify.NoDetails
 	}
-	if len(groupTopics.m) > 0 {
-		cfg.GroupTopics = map[string][]string{}
-		for grp, v := range groupTopics.m {
-			cfg.GroupTopics[grp] = kafkaconf.ParseBrokers(v) // a comma-separated list
-		}
-	}
 	if !*noKafka && g.brokers != "" {
+		var err error
 		if cfg.Brokers, err = g.brokerList(); err != nil {
-			return fs.usageErrorf("%v", err)
+			return usageErrorf("%v", err)
 		}
 	}
 
-	pool, err := openPool(ctx, 2)
+	pool, err := inv.pool(ctx)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
 	var consumerDB verify.DB
 	if consumerURL != "" {
-		pcfg, err := pgxpool.ParseConfig(consumerURL)
-		if err != nil {
-			return fs.usageErrorf("-consumer-database-url (or %s) is not a valid PostgreSQL URL: %v", envConsumerDatabaseURL, err)
+		db := database{url: consumerURL, what: "the consumer database", flag: "-consumer-database-url (or " + envConsumerDatabaseURL + ")"}
+		if consumerDB, err = inv.openPool(ctx, db, 2); err != nil {
+			return err
 		}
-		if _, ok := pcfg.ConnConfig.RuntimeParams["application_name"]; !ok {
-			pcfg.ConnConfig.RuntimeParams["application_name"] = "eventline verify"
-		}
-		cpool, err := pgxpool.NewWithConfig(ctx, pcfg)
-		if err == nil {
-			pctx, cancel := context.WithTimeout(ctx, connectTimeout)
-			err = cpool.Ping(pctx)
-			cancel()
-			if err != nil {
-				cpool.Close()
-			}
-		}
-		if err != nil {
-			return fmt.Errorf("cannot connect to the consumer database at %s: %w; check -consumer-database-url (or %s)",
-				redactURL(consumerURL), err, envConsumerDatabaseURL)
-		}
-		defer cpool.Close()
-		consumerDB = cpool
 	}
 
 	rep, err := verify.Run(ctx, pool, consumerDB, cfg)
 	if err != nil {
 		return err
 	}
-	if *asJSON {
-		err = writeJSON(stdout(ctx), rep)
-	} else {
-		err = rep.WriteText(stdout(ctx))
-	}
-	if err != nil {
+	if err := inv.output(rep, rep.WriteText); err != nil {
 		return err
 	}
 	if !rep.OK || (*strict && rep.Warnings > 0) {
@@ -187,80 +155,40 @@ Exit codes: 0 nothing wrong, 3 a problem found (or, with -strict, a warning),
 	return nil
 }
 
-// timeFlag is a point in time given as a duration ago or an RFC 3339 time.
-type timeFlag struct{ t time.Time }
-
-func (f *timeFlag) Set(s string) error {
-	if d, err := time.ParseDuration(s); err == nil {
-		if d < 0 {
-			return fmt.Errorf("%s is negative: give how long ago, like 24h", s)
-		}
-		f.t = time.Now().Add(-d)
-		return nil
-	}
-	for _, layout := range []string{time.RFC3339Nano, "2006-01-02T15:04:05", "2006-01-02"} {
-		if t, err := time.Parse(layout, s); err == nil {
-			f.t = t
+// timeFlag returns a flag.Func that reads a point in time into t: a
+// duration ago (24h) or an RFC 3339 time.
+func timeFlag(t *time.Time) func(string) error {
+	return func(s string) error {
+		if d, err := time.ParseDuration(s); err == nil {
+			if d < 0 {
+				return fmt.Errorf("%s is negative: give how long ago, like 24h", s)
+			}
+			*t = time.Now().Add(-d)
 			return nil
 		}
+		for _, layout := range []string{time.RFC3339Nano, "2006-01-02T15:04:05", "2006-01-02"} {
+			if pt, err := time.Parse(layout, s); err == nil {
+				*t = pt
+				return nil
+			}
+		}
+		return fmt.Errorf("%q is neither a duration ago (24h, 90m) nor an RFC 3339 time (2006-01-02T15:04:05Z)", s)
 	}
-	return fmt.Errorf("%q is neither a duration ago (24h, 90m) nor an RFC 3339 time (2006-01-02T15:04:05Z)", s)
 }
 
-func (f *timeFlag) String() string {
-	if f == nil || f.t.IsZero() {
-		return ""
+// perGroupFlag returns a flag.Func that reads a repeatable GROUP=VALUE flag
+// into m, each group once, the value through parse.
+func perGroupFlag[V any](m map[string]V, parse func(string) V) func(string) error {
+	return func(s string) error {
+		k, v, ok := strings.Cut(s, "=")
+		k, v = strings.TrimSpace(k), strings.TrimSpace(v)
+		if !ok || k == "" || v == "" {
+			return fmt.Errorf("want GROUP=VALUE, got %q", s)
+		}
+		if _, dup := m[k]; dup {
+			return fmt.Errorf("group %q given twice", k)
+		}
+		m[k] = parse(v)
+		return nil
 	}
-	return f.t.Format(time.RFC3339)
-}
-
-// listFlag is a repeatable string flag.
-type listFlag []string
-
-func (l *listFlag) Set(s string) error {
-	if s == "" {
-		return fmt.Errorf("empty value")
-	}
-	*l = append(*l, s)
-	return nil
-}
-
-func (l *listFlag) String() string {
-	if l == nil {
-		return ""
-	}
-	return strings.Join(*l, ",")
-}
-
-// mapFlag is a repeatable KEY=VALUE flag.
-type mapFlag struct {
-	name string
-	m    map[string]string
-}
-
-func (f *mapFlag) Set(s string) error {
-	k, v, ok := strings.Cut(s, "=")
-	k, v = strings.TrimSpace(k), strings.TrimSpace(v)
-	if !ok || k == "" || v == "" {
-		return fmt.Errorf("want GROUP=VALUE, got %q", s)
-	}
-	if f.m == nil {
-		f.m = map[string]string{}
-	}
-	if _, dup := f.m[k]; dup {
-		return fmt.Errorf("group %q given twice", k)
-	}
-	f.m[k] = v
-	return nil
-}
-
-func (f *mapFlag) String() string {
-	if f == nil || len(f.m) == 0 {
-		return ""
-	}
-	var parts []string
-	for _, k := range slices.Sorted(maps.Keys(f.m)) {
-		parts = append(parts, k+"=…")
-	}
-	return strings.Join(parts, " ")
 }

@@ -11,20 +11,11 @@ import (
 // -ldflags "-X main.version=v1.2.3".
 var version = "dev"
 
-func init() {
-	register(command{name: "version", summary: "Print the eventline version", run: runVersion})
-}
-
-func runVersion(ctx context.Context, args []string) error {
-	fs := newFlagSet(ctx, "version", "", "Prints the CLI's version, the eventline module version and the Go version it was built with.")
-	pos, err := fs.parse(args)
-	if err != nil {
+func runVersion(_ context.Context, inv *invocation) error {
+	if _, err := inv.parse(); err != nil {
 		return err
 	}
-	if len(pos) > 0 {
-		return fs.usageErrorf("version takes no arguments, got %q", pos)
-	}
-	fmt.Fprintln(stdout(ctx), versionString())
+	fmt.Fprintln(inv.stdout, versionString())
 	return nil
 }
 

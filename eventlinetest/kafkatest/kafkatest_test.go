@@ -6,12 +6,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/eventlinetest/kafkatest"
+	internalkafka "github.com/eventline/eventline/internal/kafkatest"
 )
 
 func TestMain(m *testing.M) {
@@ -19,39 +19,6 @@ func TestMain(m *testing.M) {
 		// Sarama's metrics registry starts a process-wide meter ticker.
 		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
 	)
-}
-
-// records reads every record of topic, from the oldest offset.
-func records(t *testing.T, brokers []string, topic string) []*sarama.ConsumerMessage {
-	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_8_0_0
-	client, err := sarama.NewClient(brokers, cfg)
-	require.NoError(t, err)
-	defer client.Close()
-	c, err := sarama.NewConsumerFromClient(client)
-	require.NoError(t, err)
-	defer c.Close()
-	parts, err := client.Partitions(topic)
-	require.NoError(t, err)
-	var out []*sarama.ConsumerMessage
-	for _, p := range parts {
-		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
-		require.NoError(t, err)
-		if end == 0 {
-			continue
-		}
-		pc, err := c.ConsumePartition(topic, p, sarama.OffsetOldest)
-		require.NoError(t, err)
-		for m := range pc.Messages() {
-			out = append(out, m)
-			if m.Offset+1 >= end {
-				break
-			}
-		}
-		require.NoError(t, pc.Close())
-	}
-	return out
 }
 
 func TestStartCreatesTopicsAndPublishKeysByAggregate(t *testing.T) {
@@ -71,21 +38,17 @@ func TestStartCreatesTopicsAndPublishKeysByAggregate(t *testing.T) {
 	}
 	require.NoError(t, kafkatest.Publish(context.Background(), k.Brokers, "orders", events...))
 
-	got := records(t, k.Brokers, "orders")
+	got, err := internalkafka.ReadTopic(context.Background(), k.Brokers, "orders")
+	require.NoError(t, err)
 	require.Len(t, got, len(events))
 	partition := map[string]int32{}
 	versions := map[string][]string{}
-	for _, m := range got {
-		key := string(m.Key)
-		if p, ok := partition[key]; ok {
-			require.Equal(t, p, m.Partition, "one aggregate, one partition")
+	for _, r := range got {
+		if p, ok := partition[r.Key]; ok {
+			require.Equal(t, p, r.Partition, "one aggregate, one partition")
 		}
-		partition[key] = m.Partition
-		for _, h := range m.Headers {
-			if string(h.Key) == eventline.MetaAggregateVersion {
-				versions[key] = append(versions[key], string(h.Value))
-			}
-		}
+		partition[r.Key] = r.Partition
+		versions[r.Key] = append(versions[r.Key], r.Version)
 	}
 	for _, id := range []string{"o-1", "o-2", "o-3"} {
 		require.Equal(t, []string{"1", "2", "3"}, versions[id], "an aggregate's records keep their order")
@@ -125,9 +88,7 @@ func TestStartUsesKafkaBrokersWhenSet(t *testing.T) {
 
 func topicsOf(t *testing.T, brokers []string) []string {
 	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_8_0_0
-	admin, err := sarama.NewClusterAdmin(brokers, cfg)
+	admin, err := internalkafka.Admin(brokers)
 	require.NoError(t, err)
 	defer admin.Close()
 	topics, err := admin.ListTopics()

@@ -44,13 +44,9 @@ import (
 	"github.com/eventline/eventline/producer"
 )
 
-type config struct {
-	setup.Common
-}
-
 func main() {
-	var cfg config
-	setup.Main("crash-window", "example_crash_window", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
+	var cfg setup.Common
+	setup.Main("crash-window", "example_crash_window", &cfg, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The business tables: orders on the producer side, shipments written by
@@ -76,9 +72,9 @@ type OrderCreated struct {
 	AmountCents int64  `json:"amount_cents"`
 }
 
-func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
+func run(ctx context.Context, cfg setup.Common, stdout io.Writer) (err error) {
 	// One outbox shard keeps the story simple; any number works the same.
-	env, err := setup.Start(ctx, cfg.Common, 4, 1, ddl...)
+	env, err := setup.Start(ctx, cfg, 4, 1, ddl...)
 	if err != nil {
 		return err
 	}
@@ -186,7 +182,7 @@ var errCrashed = errors.New("simulated crash: the relay process died after Kafka
 // relayThenCrash runs a relay until Kafka has acknowledged its first batch,
 // then kills it before it records that batch in the outbox. It returns how
 // many events that batch held.
-func relayThenCrash(ctx context.Context, cfg config, log *slog.Logger, brokers []string) (int, error) {
+func relayThenCrash(ctx context.Context, cfg setup.Common, log *slog.Logger, brokers []string) (int, error) {
 	// A dead process cannot reach the database either. The relay's pool
 	// refuses every new connection from the crash on, so the dying relay
 	// cannot read the outbox again (and re-publish) while it shuts down.
@@ -205,21 +201,14 @@ func relayThenCrash(ctx context.Context, cfg config, log *slog.Logger, brokers [
 	relayCtx, kill := context.WithTimeout(ctx, time.Minute)
 	defer kill()
 	var published atomic.Int64
-	relay, err := producer.NewRelay(ctx, pool, producer.RelayConfig{
-		Schema:  cfg.Schema,
-		ID:      "relay-1",
-		Brokers: brokers,
-		// AfterPublish runs after Kafka acknowledged a batch and before the
-		// outbox records it: the crash window.
-		AfterPublish: func(_ int, eventIDs []string) error {
-			if dead.CompareAndSwap(false, true) {
-				published.Store(int64(len(eventIDs)))
-				kill()
-			}
-			return errCrashed
-		},
-		CleanupInterval: -1,
-		Logger:          log,
+	// The relay's AfterPublish hook: Kafka has the batch, the outbox does
+	// not know yet. The process dies here.
+	relay, err := newRelay(ctx, pool, cfg, log, brokers, "relay-1", func(_ int, eventIDs []string) error {
+		if dead.CompareAndSwap(false, true) {
+			published.Store(int64(len(eventIDs)))
+			kill()
+		}
+		return errCrashed
 	})
 	if err != nil {
 		return 0, err
@@ -235,24 +224,16 @@ func relayThenCrash(ctx context.Context, cfg config, log *slog.Logger, brokers [
 
 // relayUntilDrained runs a healthy relay until the outbox has nothing left
 // to forward, and returns how many events it published.
-func relayUntilDrained(ctx context.Context, cfg config, log *slog.Logger, brokers []string) (int, error) {
+func relayUntilDrained(ctx context.Context, cfg setup.Common, log *slog.Logger, brokers []string) (int, error) {
 	pool, err := relayPool(ctx, cfg, nil)
 	if err != nil {
 		return 0, err
 	}
 	defer pool.Close()
 	var published atomic.Int64
-	relay, err := producer.NewRelay(ctx, pool, producer.RelayConfig{
-		Schema:  cfg.Schema,
-		ID:      "relay-2",
-		Brokers: brokers,
-		// Here the hook only counts.
-		AfterPublish: func(_ int, eventIDs []string) error {
-			published.Add(int64(len(eventIDs)))
-			return nil
-		},
-		CleanupInterval: -1,
-		Logger:          log,
+	relay, err := newRelay(ctx, pool, cfg, log, brokers, "relay-2", func(_ int, eventIDs []string) error {
+		published.Add(int64(len(eventIDs))) // here the hook only counts
+		return nil
 	})
 	if err != nil {
 		return 0, err
@@ -271,7 +252,7 @@ func relayUntilDrained(ctx context.Context, cfg config, log *slog.Logger, broker
 // consume runs a Watermill router with eventline's middleware until both
 // copies of the event went through it. It returns how many messages the
 // handler chain received and how many the middleware skipped as duplicates.
-func consume(ctx context.Context, cfg config, log *slog.Logger, brokers []string, topic, group string) (delivered, duplicates int, err error) {
+func consume(ctx context.Context, cfg setup.Common, log *slog.Logger, brokers []string, topic, group string) (delivered, duplicates int, err error) {
 	db, err := setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 3)
 	if err != nil {
 		return 0, 0, err
@@ -354,9 +335,23 @@ func ship(shipments string) message.NoPublishHandlerFunc {
 	}
 }
 
+// newRelay returns a relay whose afterPublish hook runs after Kafka
+// acknowledged a batch and before the outbox records it: the crash window.
+func newRelay(ctx context.Context, pool *pgxpool.Pool, cfg setup.Common, log *slog.Logger, brokers []string, id string,
+	afterPublish func(shard int, eventIDs []string) error) (*producer.Relay, error) {
+	return producer.NewRelay(ctx, pool, producer.RelayConfig{
+		Schema:          cfg.Schema,
+		ID:              id,
+		Brokers:         brokers,
+		AfterPublish:    afterPublish,
+		CleanupInterval: -1,
+		Logger:          log,
+	})
+}
+
 // relayPool opens the pool a relay needs: one connection per shard plus
 // three.
-func relayPool(ctx context.Context, cfg config, prepare func(context.Context, *pgx.Conn) (bool, error)) (*pgxpool.Pool, error) {
+func relayPool(ctx context.Context, cfg setup.Common, prepare func(context.Context, *pgx.Conn) (bool, error)) (*pgxpool.Pool, error) {
 	return setup.Pool(ctx, cfg.DatabaseURL, setup.AppName(cfg.Schema), 4, func(c *pgxpool.Config) { c.PrepareConn = prepare })
 }
 

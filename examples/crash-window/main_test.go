@@ -11,32 +11,19 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/eventlinetest"
 	"github.com/eventline/eventline/examples/internal/extest"
-	"github.com/eventline/eventline/examples/internal/setup"
 )
 
 func TestMain(m *testing.M) { extest.VerifyTestMain(m) }
 
 func TestCrashWindow(t *testing.T) {
-	cfg := config{
-		Common: extest.Common(t, "example_crash_window"),
-	}
+	cfg := extest.Common(t, "example_crash_window")
 	lines := extest.Parse(t, extest.Run(t, 3*time.Minute, run, cfg))
 	require.NotEmpty(t, extest.Find(t, lines, "message_id")["message_id"])
-	first := extest.Find(t, lines, "simulated_crash")
-	require.Equal(t, "true", first["simulated_crash"])
-	require.Equal(t, 1, extest.Int(t, first, "published"))
-	require.Equal(t, 0, extest.Int(t, first, "outbox_acked"))
-	crash := extest.Find(t, lines, "published_after_crash")
-	require.Equal(t, 1, extest.Int(t, crash, "published_after_crash"))
-	require.Equal(t, 1, extest.Int(t, crash, "outbox_pending"))
-	retry := extest.Find(t, lines, "published_after_retry")
-	require.Equal(t, 2, extest.Int(t, retry, "published_after_retry"))
-	require.Equal(t, 0, extest.Int(t, retry, "outbox_pending"))
-	consumed := extest.Find(t, lines, "applied")
-	require.Equal(t, 2, extest.Int(t, consumed, "delivered"))
-	require.Equal(t, 1, extest.Int(t, consumed, "applied"))
-	require.Equal(t, 1, extest.Int(t, consumed, "duplicates_skipped"))
-	extest.NoConnections(t, setup.AppName(cfg.Schema))
+	extest.Expect(t, lines, "published=1 outbox_acked=0 simulated_crash=true")
+	extest.Expect(t, lines, "published_after_crash=1 outbox_pending=1")
+	extest.Expect(t, lines, "published_after_retry=2 outbox_pending=0")
+	extest.Expect(t, lines, "delivered=2 applied=1 duplicates_skipped=1")
+	extest.NoConnections(t, cfg.Schema)
 }
 
 // TestHandlerUnderFaults checks the Watermill handler with eventline's

@@ -27,7 +27,6 @@ import (
 	"os"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -43,13 +42,9 @@ import (
 	"github.com/eventline/eventline/versioning"
 )
 
-type config struct {
-	setup.Common
-}
-
 func main() {
-	var cfg config
-	setup.Main("dead-letter", "example_dead_letter", &cfg.Common, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
+	var cfg setup.Common
+	setup.Main("dead-letter", "example_dead_letter", &cfg, func(ctx context.Context) error { return run(ctx, cfg, os.Stdout) })
 }
 
 // The consumer's tables: each account's state, and a journal of every event
@@ -104,10 +99,10 @@ const (
 	poisonBytes = producer.DefaultMaxMessageBytes - 100
 )
 
-func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
+func run(ctx context.Context, cfg setup.Common, stdout io.Writer) (err error) {
 	// Kafka, and a fresh schema with eventline's tables and the consumer's.
 	const shards = 1
-	env, err := setup.Start(ctx, cfg.Common, 3, shards, ddl...)
+	env, err := setup.Start(ctx, cfg, 3, shards, ddl...)
 	if err != nil {
 		return err
 	}
@@ -202,19 +197,10 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		return err
 	}
 
-	pipeline, stopPipeline := context.WithCancel(context.WithoutCancel(ctx))
-	relayDone, consumerDone := make(chan error, 1), make(chan error, 1)
-	go func() { relayDone <- relay.Run(pipeline) }()
-	go func() { consumerDone <- c.Run(pipeline) }()
-	stop := sync.OnceValue(func() error {
-		stopPipeline()
-		return errors.Join(<-relayDone, <-consumerDone)
-	})
-	defer func() {
-		if stopErr := stop(); stopErr != nil && !errors.Is(err, stopErr) {
-			err = errors.Join(err, stopErr)
-		}
-	}()
+	bg := setup.NewBackground(ctx)
+	defer func() { err = errors.Join(err, bg.Stop()) }()
+	bg.Go(relay.Run)
+	bg.Go(c.Run)
 
 	// 4. The relay gives up on the poison: it is held for the operator
 	// (held_events, kind relay_dead_letter) with the reason, and the shard
@@ -284,7 +270,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err != nil {
 		return err
 	}
-	if err := stop(); err != nil {
+	if err := bg.Stop(); err != nil {
 		return err
 	}
 

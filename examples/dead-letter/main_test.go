@@ -10,32 +10,19 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/eventlinetest"
 	"github.com/eventline/eventline/examples/internal/extest"
-	"github.com/eventline/eventline/examples/internal/setup"
 )
 
 func TestMain(m *testing.M) { extest.VerifyTestMain(m) }
 
 func TestDeadLetter(t *testing.T) {
-	cfg := config{
-		Common: extest.Common(t, "example_dead_letter"),
-	}
+	cfg := extest.Common(t, "example_dead_letter")
 	lines := extest.Parse(t, extest.Run(t, 3*time.Minute, run, cfg))
-	dead := extest.Find(t, lines, "attempts", "reason")
-	require.Equal(t, "account.limit_changed", dead["event_type"])
-	require.Equal(t, 2, extest.Int(t, dead, "aggregate_version"))
-	require.Equal(t, 1, extest.Int(t, dead, "attempts"), "Kafka refused it for good: no retries")
+	dead := extest.Expect(t, lines, "event_type=account.limit_changed aggregate_version=2 attempts=1", "Kafka refused it for good: no retries")
 	require.Contains(t, dead["reason"], "too large")
-	parked := extest.Find(t, lines, "parked_versions")
-	require.Equal(t, "3,4", parked["parked_versions"])
-	require.Equal(t, 1, extest.Int(t, parked, "applied_version"))
-	sum := extest.Find(t, lines, "dead_lettered", "applied_in_order")
-	require.Equal(t, 1, extest.Int(t, sum, "dead_lettered"))
-	require.Equal(t, 2, extest.Int(t, sum, "parked"))
-	require.Equal(t, 1, extest.Int(t, sum, "replayed"))
-	require.Equal(t, 2, extest.Int(t, sum, "released"))
-	require.Equal(t, "true", sum["applied_in_order"])
+	extest.Expect(t, lines, "parked_versions=3,4 applied_version=1")
+	sum := extest.Expect(t, lines, "dead_lettered=1 parked=2 replayed=1 released=2 applied_in_order=true")
 	require.Contains(t, sum["reason"], "too large")
-	extest.NoConnections(t, setup.AppName(cfg.Schema))
+	extest.NoConnections(t, cfg.Schema)
 }
 
 // TestHandlersUnderFaults checks the three account handlers with

@@ -32,7 +32,6 @@ import (
 	"io"
 	"os"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -40,6 +39,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
@@ -205,20 +205,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}
 
 	// The pipeline runs in the background: a relay and two consumers. If
-	// one of them fails, waiting stops.
-	waitCtx, failed := context.WithCancel(ctx)
-	defer failed()
-	pipeline, stopPipeline := context.WithCancel(context.WithoutCancel(ctx))
-	bg := &background{onError: failed}
-	stopAll := sync.OnceValue(func() error {
-		stopPipeline()
-		return bg.Wait()
-	})
-	defer func() {
-		if stopErr := stopAll(); stopErr != nil && !errors.Is(err, stopErr) {
-			err = errors.Join(err, stopErr)
-		}
-	}()
+	// one of them fails, waiting stops (bg.Ctx).
+	bg := setup.NewBackground(ctx)
+	defer func() { err = errors.Join(err, bg.Stop()) }()
 
 	relay, err := producer.NewRelay(ctx, relayDB, producer.RelayConfig{
 		Schema:  cfg.Schema,
@@ -232,7 +221,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err != nil {
 		return err
 	}
-	bg.Go(func() error { return relay.Run(pipeline) })
+	bg.Go(relay.Run)
 
 	for _, g := range groups {
 		c, err := consumer.New(consumerDB[g.name], consumer.Config{
@@ -252,7 +241,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 		if err := consumer.HandleJSON(c, "order.created", g.handler(pgx.Identifier{cfg.Schema, g.table}.Sanitize())); err != nil {
 			return err
 		}
-		bg.Go(func() error { return c.Run(pipeline) })
+		bg.Go(c.Run)
 	}
 
 	counter := func(name, group string) int {
@@ -301,7 +290,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	// 3. Wait until each group has handled every delivery: each event,
 	// and each second copy.
 	lastProgress := time.Now()
-	err = setup.WaitFor(waitCtx, 5*time.Minute, "the consumers to handle every delivery", func() (bool, error) {
+	err = setup.WaitFor(bg.Ctx, 5*time.Minute, "the consumers to handle every delivery", func() (bool, error) {
 		if cfg.Progress > 0 && time.Since(lastProgress) >= cfg.Progress {
 			progress("consuming")
 			lastProgress = time.Now()
@@ -317,7 +306,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err != nil {
 		return err
 	}
-	if err := stopAll(); err != nil {
+	if err := bg.Stop(); err != nil {
 		return err
 	}
 
@@ -381,11 +370,9 @@ func printTrace(w io.Writer, spans *tracingtest.Recorder, events []eventline.Eve
 // createOrders creates cfg.Orders orders in cfg.Writers concurrent
 // transactions and returns their events, in order.
 func createOrders(ctx context.Context, db *pgxpool.Pool, p *producer.Producer, cfg config, tp trace.TracerProvider) ([]eventline.Event, error) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	writers, ctx := errgroup.WithContext(ctx)
 	events := make([]eventline.Event, cfg.Orders)
 	next := make(chan int)
-	writers := &background{onError: cancel}
 	for range cfg.Writers {
 		writers.Go(func() error {
 			for i := range next {
@@ -463,34 +450,6 @@ func checkAppliedOnce(ctx context.Context, db *pgxpool.Pool, schema, table strin
 	return rows, nil
 }
 
-// background runs goroutines and collects their errors; the first error
-// also calls onError.
-type background struct {
-	onError func()
-	wg      sync.WaitGroup
-	mu      sync.Mutex
-	errs    []error
-}
-
-func (b *background) Go(fn func() error) {
-	b.wg.Go(func() {
-		if err := fn(); err != nil {
-			b.mu.Lock()
-			b.errs = append(b.errs, err)
-			b.mu.Unlock()
-			b.onError()
-		}
-	})
-}
-
-// Wait waits for every goroutine and returns their errors, joined.
-func (b *background) Wait() error {
-	b.wg.Wait()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return errors.Join(b.errs...)
-}
-
 // traceParent is the W3C traceparent of the span in ctx, or "".
 func traceParent(ctx context.Context) string {
 	c := propagation.MapCarrier{}
@@ -499,7 +458,7 @@ func traceParent(ctx context.Context) string {
 }
 
 func kafkaName(k *setup.Kafka) string {
-	if k.InProcess {
+	if k.InProcess() {
 		return "in-process"
 	}
 	return fmt.Sprint(k.Brokers)

@@ -184,19 +184,9 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	if err := consumer.HandleJSON(c, eventType, applyChange(accounts, journal)); err != nil {
 		return err
 	}
-	consumerCtx, stopConsumer := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopConsumer()
-	done := make(chan error, 1)
-	go func() { done <- c.Run(consumerCtx) }()
-	stop := func() error {
-		stopConsumer()
-		return <-done
-	}
-	defer func() {
-		if consumerCtx.Err() == nil {
-			err = errors.Join(err, stop())
-		}
-	}()
+	bg := setup.NewBackground(ctx)
+	defer func() { err = errors.Join(err, bg.Stop()) }()
+	bg.Go(c.Run)
 
 	count := func(name string) int { return int(setup.Counter(reg, name, nil)) }
 	handled := func() int {
@@ -233,7 +223,7 @@ func run(ctx context.Context, cfg config, stdout io.Writer) (err error) {
 	}); err != nil {
 		return err
 	}
-	if err := stop(); err != nil {
+	if err := bg.Stop(); err != nil {
 		return err
 	}
 
@@ -297,16 +287,10 @@ func checkJournal(ctx context.Context, db *pgxpool.Pool, journal string, ids []s
 	if err != nil {
 		return err
 	}
-	got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (struct {
-		id       string
-		versions []int64
-	}, error) {
-		var v struct {
-			id       string
-			versions []int64
-		}
-		return v, r.Scan(&v.id, &v.versions)
-	})
+	got, err := pgx.CollectRows(rows, pgx.RowToStructByPos[struct {
+		ID       string
+		Versions []int64
+	}])
 	if err != nil {
 		return err
 	}
@@ -318,8 +302,8 @@ func checkJournal(ctx context.Context, db *pgxpool.Pool, journal string, ids []s
 		return fmt.Errorf("the journal has changes for %d accounts, want %d", len(got), len(ids))
 	}
 	for _, g := range got {
-		if !slices.Equal(g.versions, want) {
-			return fmt.Errorf("account %s: versions applied in order %v, want %v", g.id, g.versions, want)
+		if !slices.Equal(g.Versions, want) {
+			return fmt.Errorf("account %s: versions applied in order %v, want %v", g.ID, g.Versions, want)
 		}
 	}
 	return nil

@@ -15,6 +15,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -56,6 +57,47 @@ func New(t testing.TB, opts pgtest.Options) Env {
 			PRIMARY KEY (grp, aggregate_type, aggregate_id));`)
 	require.NoError(t, err)
 	return e
+}
+
+// Count counts the rows of the schema's table that where (SQL after the
+// table name, such as "WHERE consumer_group = $1"; empty for all) selects,
+// with args.
+func (e Env) Count(t testing.TB, table, where string, args ...any) int {
+	t.Helper()
+	return pgtest.Count(t, e.Pool, `SELECT count(*) FROM `+sqlident.Qualify(e.Schema, table)+" "+where, args...)
+}
+
+// CreateTable creates the table name (columns is its definition inside
+// the parentheses) in the schema and returns its qualified name.
+func (e Env) CreateTable(t testing.TB, name, columns string) string {
+	t.Helper()
+	table := sqlident.Qualify(e.Schema, name)
+	_, err := e.Pool.Exec(context.Background(), `CREATE TABLE `+table+` (`+columns+`)`)
+	require.NoError(t, err)
+	return table
+}
+
+// SumByLabel gathers g and returns, per value of label, the sum over the
+// series of the metric family name of their values (counters, gauges) or
+// sample counts (histograms).
+func SumByLabel(t testing.TB, g prometheus.Gatherer, name, label string) map[string]float64 {
+	t.Helper()
+	families, err := g.Gather()
+	require.NoError(t, err)
+	out := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == label {
+					out[l.GetValue()] += m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount())
+				}
+			}
+		}
+	}
+	return out
 }
 
 // Fold is the state update Apply performs: value' = (value*31 + version) mod p.
@@ -101,6 +143,22 @@ func (e Env) Effects(t TB, group string) []Effect {
 		return x, r.Scan(&x.Seq, &x.EventID, &x.EventType, &x.AggregateType, &x.AggregateID, &x.Version)
 	})
 	require.NoError(t, err)
+	return out
+}
+
+// Transactions returns, per event id, the id of the transaction that
+// wrote the group's effect of it (PostgreSQL's xmin).
+func (e Env) Transactions(t TB, group string) map[string]string {
+	t.Helper()
+	rows, err := e.Pool.Query(context.Background(), `SELECT event_id, xmin::text FROM `+e.effects+` WHERE grp = $1`, group)
+	require.NoError(t, err)
+	out := map[string]string{}
+	for rows.Next() {
+		var id, xmin string
+		require.NoError(t, rows.Scan(&id, &xmin))
+		out[id] = xmin
+	}
+	require.NoError(t, rows.Err())
 	return out
 }
 

@@ -151,11 +151,11 @@ func (p *Proxy) accept() {
 		}
 		p.mu.Lock()
 		refuse := p.mode == Refuse || p.closed
+		if refuse {
+			p.refused++
+		}
 		p.mu.Unlock()
 		if refuse {
-			p.mu.Lock()
-			p.refused++
-			p.mu.Unlock()
 			_ = c.Close()
 			continue
 		}

@@ -17,6 +17,21 @@ import (
 // topicWait bounds the waits for topic changes to show in the metadata.
 const topicWait = 30 * time.Second
 
+// waitUntil calls done every 20 ms until it returns true, for at most
+// topicWait; otherwise it returns why it stopped waiting.
+func waitUntil(ctx context.Context, done func() bool) error {
+	ctx, cancel := context.WithTimeout(ctx, topicWait)
+	defer cancel()
+	for !done() {
+		select {
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-time.After(20 * time.Millisecond): // polling interval
+		}
+	}
+	return nil
+}
+
 // saramaConfig is the configuration of the helpers' own clients.
 func saramaConfig() *sarama.Config {
 	cfg := sarama.NewConfig()
@@ -110,7 +125,7 @@ func CreateTopics(ctx context.Context, brokers []string, partitions int32, confi
 // NOT_LEADER_OR_FOLLOWER (producer.TestRelayPartitionsLikeKafkasJavaClient,
 // once in a make test-kafka run).
 func waitServed(ctx context.Context, brokers []string, topics []string) error {
-	ctx, cancel := context.WithTimeout(ctx, topicWait)
+	ctx, cancel := context.WithTimeout(ctx, topicWait) // for all of them
 	defer cancel()
 	client, err := sarama.NewClient(brokers, saramaConfig())
 	if err != nil {
@@ -118,8 +133,9 @@ func waitServed(ctx context.Context, brokers []string, topics []string) error {
 	}
 	defer client.Close()
 	for _, topic := range topics {
-		for {
-			err := client.RefreshMetadata(topic)
+		var err error
+		served := func() bool {
+			err = client.RefreshMetadata(topic)
 			var parts []int32
 			if err == nil {
 				parts, err = client.Partitions(topic)
@@ -129,14 +145,10 @@ func waitServed(ctx context.Context, brokers []string, topics []string) error {
 					_, err = client.GetOffset(topic, p, sarama.OffsetNewest)
 				}
 			}
-			if err == nil {
-				break
-			}
-			select {
-			case <-ctx.Done():
-				return fmt.Errorf("kafkatest: topic %s not served by its leaders: %w (%w)", topic, err, context.Cause(ctx))
-			case <-time.After(20 * time.Millisecond): // polling interval
-			}
+			return err == nil
+		}
+		if cause := waitUntil(ctx, served); cause != nil {
+			return fmt.Errorf("kafkatest: topic %s not served by its leaders: %w (%w)", topic, err, cause)
 		}
 	}
 	return nil
@@ -144,23 +156,18 @@ func waitServed(ctx context.Context, brokers []string, topics []string) error {
 
 // waitTopics waits until ok holds for every topic's metadata.
 func waitTopics(ctx context.Context, admin sarama.ClusterAdmin, topics []string, ok func(*sarama.TopicMetadata) bool) error {
-	ctx, cancel := context.WithTimeout(ctx, topicWait)
-	defer cancel()
-	for {
+	err := waitUntil(ctx, func() bool {
 		md, err := admin.DescribeTopics(topics)
 		ready := err == nil && len(md) == len(topics)
 		for _, m := range md {
 			ready = ready && ok(m)
 		}
-		if ready {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("kafkatest: topics %s not ready in the cluster metadata: %w", strings.Join(topics, ", "), context.Cause(ctx))
-		case <-time.After(20 * time.Millisecond): // polling interval
-		}
+		return ready
+	})
+	if err != nil {
+		return fmt.Errorf("kafkatest: topics %s not ready in the cluster metadata: %w", strings.Join(topics, ", "), err)
 	}
+	return nil
 }
 
 // SetTopicConfig sets one configuration entry of a topic (the topic's other
@@ -194,27 +201,23 @@ func (c *Cluster) alterTopicConfig(topic, name string, value *string) error {
 	// metadata log, a moment after answering (kfake at once): a produce
 	// right after may still see the old value. Wait until the broker
 	// describes the new one.
-	ctx, cancel := context.WithTimeout(context.Background(), topicWait)
-	defer cancel()
-	for {
+	err = waitUntil(context.Background(), func() bool {
 		entries, err := admin.DescribeConfig(sarama.ConfigResource{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{name}})
-		if err == nil {
-			applied := value == nil // a removed override: the broker's default, whatever it is
-			for _, e := range entries {
-				if e.Name == name {
-					applied = value == nil && e.Source != sarama.SourceTopic || value != nil && e.Value == *value
-				}
-			}
-			if applied {
-				return nil
+		if err != nil {
+			return false
+		}
+		applied := value == nil // a removed override: the broker's default, whatever it is
+		for _, e := range entries {
+			if e.Name == name {
+				applied = value == nil && e.Source != sarama.SourceTopic || value != nil && e.Value == *value
 			}
 		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("kafkatest: %s of topic %s not applied by the broker: %w", name, topic, context.Cause(ctx))
-		case <-time.After(20 * time.Millisecond): // polling interval
-		}
+		return applied
+	})
+	if err != nil {
+		return fmt.Errorf("kafkatest: %s of topic %s not applied by the broker: %w", name, topic, err)
 	}
+	return nil
 }
 
 // AddPartitions raises topic's partition count to total and waits until
@@ -261,24 +264,19 @@ func (c *Cluster) DeleteTopics(ctx context.Context, topics ...string) error {
 	c.mu.Lock()
 	c.created = slices.DeleteFunc(c.created, func(t string) bool { return slices.Contains(topics, t) })
 	c.mu.Unlock()
-	ctx, cancel := context.WithTimeout(ctx, topicWait)
-	defer cancel()
-	for {
+	err = waitUntil(ctx, func() bool {
 		listed, err := admin.ListTopics()
 		gone := err == nil
 		for _, t := range topics {
 			_, ok := listed[t]
 			gone = gone && !ok
 		}
-		if gone {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("kafkatest: topics %s still listed after deletion: %w", strings.Join(topics, ", "), context.Cause(ctx))
-		case <-time.After(20 * time.Millisecond): // polling interval
-		}
+		return gone
+	})
+	if err != nil {
+		return fmt.Errorf("kafkatest: topics %s still listed after deletion: %w", strings.Join(topics, ", "), err)
 	}
+	return nil
 }
 
 // DeleteGroupsOnClose has Close delete these consumer groups on the shared

@@ -143,10 +143,6 @@ func New(ctx context.Context, cfg Config) (*Cluster, error) {
 // InProcess reports whether the cluster is kfake.
 func (c *Cluster) InProcess() bool { return c.Fake != nil }
 
-// Shared reports whether the cluster is the one KAFKA_BROKERS names, which
-// other tests use at the same time.
-func (c *Cluster) Shared() bool { return c.Fake == nil && c.Broker == nil }
-
 // Close stops what New started (kfake, a broker of its own, the proxy),
 // or on the shared cluster deletes the topics and groups created through
 // this Cluster. It is safe to call twice.

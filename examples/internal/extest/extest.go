@@ -12,6 +12,8 @@ import (
 	"encoding/hex"
 	"io"
 	"log/slog"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -128,53 +130,29 @@ func Parse(t testing.TB, out string) []Line {
 	var lines []Line
 	for _, raw := range strings.Split(strings.TrimSpace(out), "\n") {
 		l := Line{Fields: map[string]string{}}
-		rest := strings.TrimSpace(raw)
-		for rest != "" {
-			var tok string
-			tok, rest = nextToken(t, rest)
-			k, v, ok := strings.Cut(tok, "=")
+		for rest := strings.TrimSpace(raw); rest != ""; rest = strings.TrimLeft(rest, " ") {
+			word, after, _ := strings.Cut(rest, " ")
+			k, v, ok := strings.Cut(word, "=")
 			if !ok {
 				require.Empty(t, l.Tag, "line %q: only the first word may be bare", raw)
 				require.Empty(t, l.Fields, "line %q: a bare word must come first", raw)
-				l.Tag = tok
+				l.Tag, rest = word, after
 				continue
 			}
 			if strings.HasPrefix(v, `"`) {
-				u, err := strconv.Unquote(v)
+				// A quoted value, which may hold spaces: up to its closing quote.
+				q, err := strconv.QuotedPrefix(v + rest[len(word):])
 				require.NoError(t, err, "line %q: value of %s", raw, k)
-				v = u
+				v, _ = strconv.Unquote(q)
+				after = rest[len(k)+1+len(q):]
 			}
 			_, dup := l.Fields[k]
 			require.False(t, dup, "line %q: key %s twice", raw, k)
-			l.Fields[k] = v
+			l.Fields[k], rest = v, after
 		}
 		lines = append(lines, l)
 	}
 	return lines
-}
-
-// nextToken splits off the next space-separated token, keeping a quoted
-// value in one piece.
-func nextToken(t testing.TB, s string) (string, string) {
-	t.Helper()
-	i := strings.IndexAny(s, ` "`)
-	if i < 0 {
-		return s, ""
-	}
-	if s[i] == ' ' {
-		return s[:i], strings.TrimLeft(s[i:], " ")
-	}
-	// A quoted value: find its closing quote.
-	for j := i + 1; j < len(s); j++ {
-		switch s[j] {
-		case '\\':
-			j++
-		case '"':
-			return s[:j+1], strings.TrimLeft(s[j+1:], " ")
-		}
-	}
-	t.Fatalf("unterminated quote in %q", s)
-	return "", ""
 }
 
 // Find returns the last line that has every one of keys.
@@ -194,6 +172,21 @@ func Find(t testing.TB, lines []Line, keys ...string) map[string]string {
 	}
 	t.Fatalf("no output line has all of %v", keys)
 	return nil
+}
+
+// Expect checks the last line that has every key of want, key=value pairs
+// as the example prints them, against want's values, and returns that
+// line's fields.
+func Expect(t testing.TB, lines []Line, want string, msgAndArgs ...any) map[string]string {
+	t.Helper()
+	w := Parse(t, want)[0].Fields
+	got := Find(t, lines, slices.Collect(maps.Keys(w))...)
+	sub := map[string]string{}
+	for k := range w {
+		sub[k] = got[k]
+	}
+	require.Equal(t, w, sub, msgAndArgs...)
+	return got
 }
 
 // Int returns the integer value of key.
@@ -218,11 +211,12 @@ func DropSchemaAtEnd(t testing.TB, schema string) {
 	})
 }
 
-// NoConnections fails the test if PostgreSQL still has sessions with the
-// given application_name after a short grace period (a closed pool's
-// backends take a moment to exit).
-func NoConnections(t testing.TB, appName string) {
+// NoConnections fails the test if PostgreSQL still has sessions of the
+// example that ran on schema (setup.AppName) after a short grace period (a
+// closed pool's backends take a moment to exit).
+func NoConnections(t testing.TB, schema string) {
 	t.Helper()
+	appName := setup.AppName(schema)
 	ctx := context.Background()
 	pool, err := setup.Pool(ctx, setup.DatabaseURL(), "eventline-example-test", 1)
 	require.NoError(t, err)

@@ -10,21 +10,14 @@ import (
 
 // Kafka is the cluster an example runs against: the one named by
 // KAFKA_BROKERS, or else a kfake cluster started in this process and
-// reached over TCP like any broker. It is internal/kafkatest's cluster,
-// with names made unique to the run.
+// reached over TCP like any broker. It is internal/kafkatest's cluster
+// (Brokers, CreateTopics, SetTopicConfig, Close…), with names made unique
+// to the run. Close stops the in-process cluster, or on a shared cluster
+// deletes the topics and consumer groups of this run.
 type Kafka struct {
-	// Brokers are the bootstrap addresses to give eventline's configs.
-	Brokers []string
-	// InProcess is true when the cluster is kfake, started by StartKafka.
-	InProcess bool
-
-	c      *kafkatest.Cluster
+	*kafkatest.Cluster
 	suffix string
 }
-
-// Record is one Kafka record, with the eventline envelope read from its
-// headers.
-type Record = kafkatest.Record
 
 // StartKafka returns the cluster in brokers, or when brokers is empty, a new
 // in-process one.
@@ -33,7 +26,7 @@ func StartKafka(brokers []string) (*Kafka, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Kafka{Brokers: c.Brokers, InProcess: c.InProcess(), c: c, suffix: kafkatest.UniqueName("")[1:7]}, nil
+	return &Kafka{Cluster: c, suffix: kafkatest.UniqueName("")[1:7]}, nil
 }
 
 // BrokersFromEnv returns the brokers in KAFKA_BROKERS, or nil.
@@ -48,40 +41,13 @@ func (k *Kafka) Topic(name string) string { return name + "-" + k.suffix }
 // deletes the groups on a shared cluster.
 func (k *Kafka) Group(name string) string {
 	g := name + "-" + k.suffix
-	k.c.DeleteGroupsOnClose(g)
+	k.DeleteGroupsOnClose(g)
 	return g
-}
-
-// CreateTopics creates topics with the given partition count and waits
-// until every partition has a leader. Close deletes them again on a shared
-// cluster.
-func (k *Kafka) CreateTopics(ctx context.Context, partitions int32, topics ...string) error {
-	return k.c.CreateTopics(ctx, partitions, topics...)
-}
-
-// CreateTopicsWithConfig is CreateTopics with topic configuration overrides
-// (say, max.message.bytes).
-func (k *Kafka) CreateTopicsWithConfig(ctx context.Context, partitions int32, config map[string]string, topics ...string) error {
-	return k.c.CreateTopicsWithConfig(ctx, partitions, config, topics...)
-}
-
-// SetTopicConfig sets one configuration entry of a topic (an incremental
-// change: the topic's other overrides stay), and waits until the broker
-// applies it.
-func (k *Kafka) SetTopicConfig(topic, name, value string) error {
-	return k.c.SetTopicConfig(topic, name, value)
-}
-
-// Close stops the in-process cluster, or on a shared cluster deletes the
-// topics and consumer groups of this run.
-func (k *Kafka) Close() error {
-	k.c.Close()
-	return nil
 }
 
 // ReadTopic returns every record in topic, partition by partition, oldest
 // first: what a new consumer group would receive.
-func (k *Kafka) ReadTopic(ctx context.Context, topic string) ([]Record, error) {
+func (k *Kafka) ReadTopic(ctx context.Context, topic string) ([]kafkatest.Record, error) {
 	return kafkatest.ReadTopic(ctx, k.Brokers, topic)
 }
 

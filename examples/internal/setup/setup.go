@@ -8,7 +8,6 @@ package setup
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -22,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
@@ -74,7 +74,7 @@ func ResetSchema(ctx context.Context, pool *pgxpool.Pool, schema string, shards 
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return err
 	}
-	if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+sqlident.Quote(schema)+` CASCADE`); err != nil {
+	if err := DropSchema(ctx, pool, schema); err != nil {
 		return fmt.Errorf("drop schema %s: %w", schema, err)
 	}
 	if err := migrations.Up(ctx, pool, migrations.Config{Schema: schema, Shards: shards}); err != nil {
@@ -132,11 +132,13 @@ func Start(ctx context.Context, c Common, maxConns int32, shards int, ddl ...str
 		return nil, err
 	}
 	if e.DB, err = Pool(ctx, c.DatabaseURL, AppName(c.Schema), maxConns); err != nil {
-		return nil, errors.Join(err, e.Kafka.Close())
+		e.Kafka.Close()
+		return nil, err
 	}
 	if err := ResetSchema(ctx, e.DB, c.Schema, shards, ddl...); err != nil {
 		e.DB.Close()
-		return nil, errors.Join(err, e.Kafka.Close())
+		e.Kafka.Close()
+		return nil, err
 	}
 	return e, nil
 }
@@ -163,7 +165,8 @@ func (e *Env) Close(ctx context.Context) error {
 		err = DropSchema(context.WithoutCancel(ctx), e.DB, e.c.Schema)
 	}
 	e.DB.Close()
-	return errors.Join(err, e.Kafka.Close())
+	e.Kafka.Close()
+	return err
 }
 
 // Logger returns a text logger writing to w at level and above; nil w
@@ -175,46 +178,10 @@ func Logger(w io.Writer, level slog.Level) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level}))
 }
 
-// ParseLevel reads a log level name: debug, info, warn or error.
-func ParseLevel(s string) (slog.Level, error) {
-	var l slog.Level
-	if err := l.UnmarshalText([]byte(s)); err != nil {
-		return 0, fmt.Errorf("log level %q: use debug, info, warn or error", s)
-	}
-	return l, nil
-}
-
 // Counter sums the samples of a counter or gauge read from g, over every
 // series whose labels include the given ones (a nil map matches all).
 func Counter(g prometheus.Gatherer, name string, labels map[string]string) float64 {
-	families, err := g.Gather()
-	if err != nil {
-		return 0
-	}
-	var sum float64
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-	series:
-		for _, m := range f.GetMetric() {
-			have := map[string]string{}
-			for _, lp := range m.GetLabel() {
-				have[lp.GetName()] = lp.GetValue()
-			}
-			for k, v := range labels {
-				if have[k] != v {
-					continue series
-				}
-			}
-			switch {
-			case m.GetCounter() != nil:
-				sum += m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				sum += m.GetGauge().GetValue()
-			}
-		}
-	}
+	sum, _ := metrictest.Value(g, name, labels)
 	return sum
 }
 
@@ -278,9 +245,9 @@ func Main(name, defaultSchema string, c *Common, fn func(ctx context.Context) er
 	flag.BoolVar(&c.Keep, "keep", false, "keep the schema after the run, to look at the tables")
 	level := flag.String("log-level", "warn", "log level on stderr: debug, info, warn or error")
 	flag.Parse()
-	lvl, err := ParseLevel(*level)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, name+":", err)
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(*level)); err != nil {
+		fmt.Fprintf(os.Stderr, "%s: log level %q: use debug, info, warn or error\n", name, *level)
 		os.Exit(2)
 	}
 	c.Logger = Logger(os.Stderr, lvl)

@@ -33,7 +33,7 @@ func NewRecorder() *Recorder {
 func New(tb testing.TB) *Recorder {
 	tb.Helper()
 	r := NewRecorder()
-	tb.Cleanup(func() { _ = r.Provider.Shutdown(context.Background()) })
+	tb.Cleanup(r.Shutdown)
 	return r
 }
 
@@ -45,20 +45,18 @@ func (r *Recorder) Spans() tracetest.SpanStubs { return r.Exporter.GetSpans() }
 
 // Named returns the ended spans called name.
 func (r *Recorder) Named(name string) tracetest.SpanStubs {
-	var out tracetest.SpanStubs
-	for _, s := range r.Spans() {
-		if s.Name == name {
-			out = append(out, s)
-		}
-	}
-	return out
+	return r.where(func(s tracetest.SpanStub) bool { return s.Name == name })
 }
 
 // Trace returns the ended spans of trace id.
 func (r *Recorder) Trace(id trace.TraceID) tracetest.SpanStubs {
+	return r.where(func(s tracetest.SpanStub) bool { return s.SpanContext.TraceID() == id })
+}
+
+func (r *Recorder) where(keep func(tracetest.SpanStub) bool) tracetest.SpanStubs {
 	var out tracetest.SpanStubs
 	for _, s := range r.Spans() {
-		if s.SpanContext.TraceID() == id {
+		if keep(s) {
 			out = append(out, s)
 		}
 	}

@@ -31,8 +31,6 @@ import (
 	"slices"
 	"strings"
 	"time"
-
-	"github.com/eventline/eventline/internal/kafkaconf"
 )
 
 // DefaultDatabaseURL is used when neither TEST_DATABASE_URL nor
@@ -136,7 +134,7 @@ func (c Config) withDefaults() Config {
 		c.DatabaseURL = DatabaseURLFromEnv()
 	}
 	if len(c.Brokers) == 0 {
-		c.Brokers = kafkaconf.BrokersFromEnv()
+		c.Brokers = ParseBrokers(os.Getenv(BrokersEnv))
 	}
 	if len(c.Scenarios) == 0 {
 		c.Scenarios = Scenarios

@@ -15,8 +15,6 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/internal/kafkaconf"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -221,7 +219,7 @@ func (e *env) routerConsumer(ctx context.Context, k *kafkaEnv, topic, group stri
 	sub, err := kafka.NewSubscriber(kafka.SubscriberConfig{
 		Brokers:               k.brokers,
 		Unmarshaler:           kafka.DefaultMarshaler{},
-		OverwriteSaramaConfig: kafkaconf.Consumer("bench-" + group),
+		OverwriteSaramaConfig: consumerConfig("bench-" + group),
 		ConsumerGroup:         group,
 	}, watermill.NopLogger{})
 	if err != nil {
@@ -264,7 +262,7 @@ func (e *env) consumerSchema(ctx context.Context, prefix string, migrated bool) 
 	if err != nil {
 		return "", business{}, nil, err
 	}
-	effects := sqlident.Qualify(schema, "effects")
+	effects := qualify(schema, "effects")
 	if err := e.exec(ctx, fmt.Sprintf(effectsDDL, effects)); err != nil {
 		drop()
 		return "", business{}, nil, err
@@ -275,7 +273,7 @@ func (e *env) consumerSchema(ctx context.Context, prefix string, migrated bool) 
 // checkEffects verifies every event was applied exactly once.
 func (e *env) checkEffects(ctx context.Context, schema string, n int) error {
 	var got, distinct int
-	err := e.admin.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id) FROM `+sqlident.Qualify(schema, "effects")).Scan(&got, &distinct)
+	err := e.admin.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id) FROM `+qualify(schema, "effects")).Scan(&got, &distinct)
 	if err != nil {
 		return err
 	}
@@ -470,8 +468,8 @@ func (e *env) consumeRunner(ctx context.Context, k *kafkaEnv, topic string, n in
 // every event recorded once.
 func (e *env) checkGate(ctx context.Context, schema string, n int) error {
 	var parked, processed int
-	err := e.admin.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+sqlident.Qualify(schema, "parked_events")+`),
-		(SELECT count(*) FROM `+sqlident.Qualify(schema, "processed_events")+`)`).Scan(&parked, &processed)
+	err := e.admin.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+qualify(schema, "parked_events")+`),
+		(SELECT count(*) FROM `+qualify(schema, "processed_events")+`)`).Scan(&parked, &processed)
 	if err != nil {
 		return err
 	}

@@ -14,7 +14,6 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/internal/kafkaconf"
 )
 
 // consumeBareLaned is the consumer a team would write by hand with the
@@ -44,7 +43,7 @@ func (e *env) consumeBareLaned(ctx context.Context, k *kafkaEnv, topic string, n
 	group := fmt.Sprintf("bench-%s-%d", prefix, round)
 	var c progressCounter
 	h := &bareLanedHandler{pool: pool, biz: biz, lanes: consumer.DefaultLanes, batch: batch, done: &c.done}
-	cg, err := sarama.NewConsumerGroup(k.brokers, group, kafkaconf.Consumer("bench-"+group))
+	cg, err := sarama.NewConsumerGroup(k.brokers, group, consumerConfig("bench-"+group))
 	if err != nil {
 		return drainResult{}, err
 	}

@@ -9,8 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // Cost is what one stage of one variant asked of PostgreSQL over a
@@ -107,7 +105,7 @@ func detectServerStats(ctx context.Context, db *pgxpool.Pool) serverStats {
 		s.why = "pg_stat_statements is loaded but not created in this database (CREATE EXTENSION pg_stat_statements)"
 		return s
 	}
-	view := sqlident.Quote(*ns) + ".pg_stat_statements"
+	view := pgx.Identifier{*ns}.Sanitize() + ".pg_stat_statements"
 	var n int64
 	if err := db.QueryRow(ctx, `SELECT coalesce(sum(wal_bytes), 0)::bigint FROM `+view+` WHERE false`).Scan(&n); err != nil {
 		s.why = fmt.Sprintf("pg_stat_statements cannot be read (%v)", err)

@@ -8,14 +8,14 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/consumer"
-	"github.com/eventline/eventline/internal/delivery"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
@@ -45,16 +45,35 @@ func (t *tracker) commit(id string, at time.Time) {
 	t.mu.Unlock()
 }
 
-// apply records that the consumer committed the event; ctx is the
-// consumed message's context.
-func (t *tracker) apply(ctx context.Context, id string, at time.Time) {
-	ts := delivery.SourceOf(ctx).Timestamp
+// apply records that the consumer committed the event; inKafka is its
+// Kafka record's timestamp, or zero when OnConsume records it.
+func (t *tracker) apply(id string, at, inKafka time.Time) {
 	t.mu.Lock()
 	if _, dup := t.applied[id]; !dup {
 		t.applied[id] = at
-		t.inKafka[id] = ts
+		if !inKafka.IsZero() {
+			t.inKafka[id] = inKafka
+		}
 	}
 	t.mu.Unlock()
+}
+
+var _ sarama.ConsumerInterceptor = (*tracker)(nil)
+
+// OnConsume records an event's Kafka record timestamp when the eventline
+// consumer's Sarama client reads the record (the consumer's handlers are
+// not given Kafka metadata), the first time the event is read.
+func (t *tracker) OnConsume(m *sarama.ConsumerMessage) {
+	for _, h := range m.Headers {
+		if h != nil && string(h.Key) == eventline.MetaEventID {
+			t.mu.Lock()
+			if _, seen := t.inKafka[string(h.Value)]; !seen {
+				t.inKafka[string(h.Value)] = m.Timestamp
+			}
+			t.mu.Unlock()
+			return
+		}
+	}
 }
 
 // appliedOf counts the ids applied so far.
@@ -161,7 +180,7 @@ func (e *env) eventlinePipeline(ctx context.Context, k *kafkaEnv) (*pipeline, er
 	}
 	fail := func(err error) (*pipeline, error) { _ = p.close(); return nil, err }
 
-	orders, effects := sqlident.Qualify(schema, "orders"), sqlident.Qualify(schema, "effects")
+	orders, effects := qualify(schema, "orders"), qualify(schema, "effects")
 	if err := e.exec(ctx, fmt.Sprintf(ordersDDL, orders), fmt.Sprintf(effectsDDL, effects)); err != nil {
 		return fail(err)
 	}
@@ -206,7 +225,11 @@ func (e *env) eventlinePipeline(ctx context.Context, k *kafkaEnv) (*pipeline, er
 		return fail(err)
 	}
 	closers = append(closers, func() error { consPool.Close(); return nil })
-	cons, err := consumer.New(consPool, consumer.Config{Config: middleware.Config{Group: "bench-e2e-el", Schema: schema, Logger: quiet}, Brokers: k.brokers, Topics: []string{topic}})
+	// The consumer's default Sarama configuration, with the tracker reading
+	// each record's timestamp.
+	sc := consumerConfig("eventline-bench-e2e-el")
+	sc.Consumer.Interceptors = []sarama.ConsumerInterceptor{p.tr}
+	cons, err := consumer.New(consPool, consumer.Config{Config: middleware.Config{Group: "bench-e2e-el", Schema: schema, Logger: quiet}, Brokers: k.brokers, Topics: []string{topic}, SaramaConfig: sc})
 	if err != nil {
 		return fail(err)
 	}
@@ -215,7 +238,7 @@ func (e *env) eventlinePipeline(ctx context.Context, k *kafkaEnv) (*pipeline, er
 		if err := biz.apply(ctx, tx, ev); err != nil {
 			return err
 		}
-		middleware.AfterCommit(ctx, func() { p.tr.apply(ctx, ev.ID, time.Now()) })
+		middleware.AfterCommit(ctx, func() { p.tr.apply(ev.ID, time.Now(), time.Time{}) })
 		return nil
 	})
 	if err != nil {
@@ -247,7 +270,7 @@ func (e *env) plainPipeline(ctx context.Context, k *kafkaEnv, pollInterval time.
 	}
 	fail := func(err error) (*pipeline, error) { _ = p.close(); return nil, err }
 
-	orders, effects := sqlident.Qualify(o.schema, "orders"), sqlident.Qualify(o.schema, "effects")
+	orders, effects := qualify(o.schema, "orders"), qualify(o.schema, "effects")
 	if err := e.exec(ctx, fmt.Sprintf(ordersDDL, orders), fmt.Sprintf(effectsDDL, effects)); err != nil {
 		return fail(err)
 	}
@@ -315,7 +338,8 @@ func (e *env) plainPipeline(ctx context.Context, k *kafkaEnv, pollInterval time.
 		if err := pgx.BeginFunc(msg.Context(), consPool, func(tx pgx.Tx) error { return biz.apply(msg.Context(), tx, ev) }); err != nil {
 			return err
 		}
-		p.tr.apply(msg.Context(), ev.ID, time.Now())
+		ts, _ := kafka.MessageTimestampFromCtx(msg.Context())
+		p.tr.apply(ev.ID, time.Now(), ts)
 		return nil
 	})
 	if err != nil {

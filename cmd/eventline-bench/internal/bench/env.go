@@ -8,16 +8,17 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"runtime/pprof"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 )
 
@@ -160,22 +161,29 @@ func (e *env) openPool(ctx context.Context, maxConns int32, tracer *queryCounter
 	return pool, nil
 }
 
+// validSchema is what eventline accepts as a schema name (a PostgreSQL
+// identifier that needs no quoting, at most 63 bytes).
+var validSchema = regexp.MustCompile(`^[a-zA-Z_][a-zA-Z0-9_]{0,62}$`)
+
+// qualify returns the quoted, schema-qualified name of a table.
+func qualify(schema, table string) string { return pgx.Identifier{schema, table}.Sanitize() }
+
 // newSchema creates an empty schema for one variant and returns it with a
 // function that drops it.
 func (e *env) newSchema(ctx context.Context, prefix string) (string, func(), error) {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	schema := "bench_" + prefix + "_" + hex.EncodeToString(b[:])
-	if err := sqlident.Validate("bench schema", schema); err != nil {
-		return "", nil, err
+	if !validSchema.MatchString(schema) {
+		return "", nil, fmt.Errorf("bench schema %q is not a valid SQL identifier: use letters, digits and underscores, starting with a letter or underscore, at most 63 characters", schema)
 	}
-	if _, err := e.admin.Exec(ctx, `CREATE SCHEMA `+sqlident.Quote(schema)); err != nil {
+	if _, err := e.admin.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize()); err != nil {
 		return "", nil, fmt.Errorf("create schema %s: %w", schema, err)
 	}
 	drop := func() {
 		dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		if _, err := e.admin.Exec(dctx, `DROP SCHEMA IF EXISTS `+sqlident.Quote(schema)+` CASCADE`); err != nil {
+		if _, err := e.admin.Exec(dctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`); err != nil {
 			e.progressf("   warning: drop schema %s: %v", schema, err)
 		}
 	}

@@ -13,8 +13,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/kafkaconf"
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // The hand-written relay of the seed article (postgres-outbox-lab): an
@@ -59,7 +57,7 @@ func (e *env) newHandOutbox(ctx context.Context) (*handOutbox, func(), error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	t := sqlident.Qualify(schema, "outbox_messages")
+	t := qualify(schema, "outbox_messages")
 	if err := e.exec(ctx, fmt.Sprintf(handDDL, t)); err != nil {
 		drop()
 		return nil, nil, err
@@ -121,7 +119,7 @@ type handRelay struct {
 func (o *handOutbox) startRelay(ctx context.Context, pool *pgxpool.Pool, brokers []string) (*handRelay, error) {
 	cfg := sarama.NewConfig()
 	cfg.ClientID = "handwritten-relay"
-	cfg.Version = kafkaconf.Version
+	cfg.Version = kafkaVersion
 	cfg.Producer.Return.Successes = true
 	cfg.Producer.RequiredAcks = sarama.WaitForAll
 	p, err := sarama.NewSyncProducer(brokers, cfg)

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -14,12 +15,61 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/devkafka"
-	"github.com/eventline/eventline/internal/kafkaconf"
 )
 
 // Partitions is the partition count of every topic the benchmark creates.
 const Partitions = 12
+
+// BrokersEnv names the environment variable listing the Kafka brokers,
+// comma-separated host:port, as eventline's components read it.
+const BrokersEnv = "KAFKA_BROKERS"
+
+// kafkaVersion is the protocol version of the harness's Sarama clients,
+// eventline's own.
+var kafkaVersion = sarama.V2_8_0_0
+
+// ParseBrokers splits a comma-separated broker list, dropping blanks.
+func ParseBrokers(s string) []string {
+	var out []string
+	for b := range strings.SplitSeq(s, ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			out = append(out, b)
+		}
+	}
+	return out
+}
+
+// ValidateBrokers checks that each broker is host:port; field names the
+// flag in the error.
+func ValidateBrokers(field string, brokers []string) error {
+	if len(brokers) == 0 {
+		return errors.New(field + " is empty: give at least one Kafka broker as host:port (or set " + BrokersEnv + ")")
+	}
+	for _, b := range brokers {
+		i := strings.LastIndexByte(b, ':')
+		if i <= 0 || i == len(b)-1 {
+			return errors.New(field + ": broker \"" + b + "\" is not host:port")
+		}
+	}
+	return nil
+}
+
+// consumerConfig is the Sarama configuration eventline's consumer uses by
+// default: a new group starts at the oldest offset and marked offsets are
+// committed every second. The baselines consume with it too, so the
+// comparison is of what happens after a record arrives.
+func consumerConfig(clientID string) *sarama.Config {
+	c := sarama.NewConfig()
+	c.ClientID = clientID
+	c.Version = kafkaVersion
+	c.Consumer.Return.Errors = true
+	c.Consumer.Offsets.Initial = sarama.OffsetOldest
+	c.Consumer.Offsets.AutoCommit.Enable = true
+	c.Consumer.Offsets.AutoCommit.Interval = time.Second
+	c.Metadata.Retry.Backoff = 250 * time.Millisecond
+	c.Metadata.AllowAutoTopicCreation = false
+	return c
+}
 
 // kafkaEnv is one scenario's Kafka: the configured brokers, or a kfake
 // cluster started for the scenario and closed after it.
@@ -34,14 +84,14 @@ type kafkaEnv struct {
 func (e *env) kafka() (*kafkaEnv, error) {
 	k := &kafkaEnv{brokers: e.cfg.Brokers}
 	if len(k.brokers) == 0 {
-		c, err := devkafka.Start(0)
+		c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.AllowAutoTopicCreation(), kfake.DefaultNumPartitions(Partitions))
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("start in-process Kafka (kfake): %w", err)
 		}
 		k.cluster, k.brokers = c, c.ListenAddrs()
 	}
 	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
+	cfg.Version = kafkaVersion
 	client, err := sarama.NewClient(k.brokers, cfg)
 	if err != nil {
 		k.close()
@@ -123,7 +173,7 @@ func aggregateKey(_ string, msg *message.Message) (string, error) {
 // and waits for every acknowledgement.
 func (k *kafkaEnv) fill(ctx context.Context, topic string, msgs []*message.Message) error {
 	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
+	cfg.Version = kafkaVersion
 	cfg.Producer.Return.Successes = true
 	cfg.Producer.RequiredAcks = sarama.WaitForAll
 	cfg.Producer.Flush.Frequency = time.Millisecond

@@ -15,8 +15,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // plainForwarderTopic is the single watermill-sql topic (and table) the
@@ -42,10 +40,10 @@ func (e *env) newPlainOutbox(ctx context.Context, prefix string) (*plainOutbox, 
 	o := &plainOutbox{
 		schema: schema,
 		adapter: wsql.DefaultPostgreSQLSchema{GenerateMessagesTableName: func(topic string) string {
-			return sqlident.Qualify(schema, "watermill_"+topic)
+			return qualify(schema, "watermill_"+topic)
 		}},
 		offsets: wsql.DefaultPostgreSQLOffsetsAdapter{GenerateMessagesOffsetsTableName: func(topic string) string {
-			return sqlident.Qualify(schema, "watermill_offsets_"+topic)
+			return qualify(schema, "watermill_offsets_"+topic)
 		}},
 	}
 	// The tables come from watermill-sql's own initializing queries, run

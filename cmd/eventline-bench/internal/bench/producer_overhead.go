@@ -13,8 +13,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
 )
@@ -77,7 +75,7 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 		return Result{}, err
 	}
 	defer dropPlain()
-	orders := sqlident.Qualify(schema, "orders")
+	orders := qualify(schema, "orders")
 	if err := e.exec(ctx, fmt.Sprintf(ordersDDL, orders)); err != nil {
 		return Result{}, err
 	}
@@ -139,7 +137,9 @@ func runProducerOverhead(ctx context.Context, e *env) (Result, error) {
 			verb = "ENABLE"
 		}
 		for shard := range migrations.DefaultShards {
-			if err := e.exec(ctx, fmt.Sprintf(`ALTER TABLE %s %s TRIGGER USER`, sqlident.Qualify(schema, outbox.Table(shard)), verb)); err != nil {
+			// The migrations name each shard's messages table outbox_<shard>.
+			table := qualify(schema, "outbox_"+strconv.Itoa(shard))
+			if err := e.exec(ctx, fmt.Sprintf(`ALTER TABLE %s %s TRIGGER USER`, table, verb)); err != nil {
 				return err
 			}
 		}
