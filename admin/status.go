@@ -81,8 +81,9 @@ type OpenGap struct {
 // ReadStatus reads the outbox's status (ReadOutboxStatus), its shard
 // owners and every consumer group's status from schema. It changes
 // nothing; run it in a read-only repeatable-read transaction for one
-// snapshot (as `eventline status` does). A schema without an outbox is
-// an error wrapping producer.ErrNotMigrated.
+// snapshot (as `eventline status` does). A schema without an outbox, or
+// without the tables of later migrations, is an error wrapping
+// producer.ErrNotMigrated.
 //
 // Open gaps are listed up to openGaps per group (the oldest first; all
 // are counted); 0 lists 20, negative none.
@@ -93,6 +94,13 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	var st Status
 	var err error
 	if st.Outbox, err = readOutboxStatus(ctx, db, schema); err != nil {
+		return st, err
+	}
+	// A schema rolled back part of the way (`eventline migrate down
+	// -steps`) is refused as not migrated: held_events, the newest table,
+	// comes with every consumer table before it. Asked first: a failed
+	// statement would abort the caller's transaction.
+	if err := outbox.CheckRelayTables(ctx, db, schema); err != nil {
 		return st, err
 	}
 	if st.Owners, err = shardOwners(ctx, db, schema); err != nil {

@@ -24,6 +24,7 @@ import (
 	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
+	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
 )
@@ -146,6 +147,17 @@ func TestReadStatus(t *testing.T) {
 		require.ErrorIs(t, err, producer.ErrNotMigrated)
 		_, err = admin.ReadStatus(b.ctx, b.env.Pool, schema, 0)
 		require.ErrorIs(t, err, producer.ErrNotMigrated, "no outbox at all")
+
+		// Rolled back past 003_held_events (`eventline migrate down -steps 1`).
+		cfg := migrations.Config{Schema: schema, Shards: 1}
+		t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+		require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
+		require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, 1))
+		_, err = admin.ReadStatus(b.ctx, b.env.Pool, schema, 0)
+		require.ErrorIs(t, err, producer.ErrNotMigrated, "later migrations rolled back")
+		o, err := admin.ReadOutboxStatus(b.ctx, b.env.Pool, schema)
+		require.NoError(t, err, "the outbox alone is read, as `eventline migrate down` does before rolling back 001_outbox")
+		require.Len(t, o.Shards, 1)
 	})
 
 	t.Run("the relays owning the shards", func(t *testing.T) {
