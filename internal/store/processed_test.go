@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -42,6 +43,15 @@ func (b processedBundle) record(t *testing.T, db store.DBTX, group string, e eve
 	return fresh
 }
 
+// recordInTx records a new event for group g in a transaction it leaves
+// open (rolled back when the test ends unless committed).
+func (b processedBundle) recordInTx(t *testing.T) (eventline.Event, pgx.Tx) {
+	t.Helper()
+	e, tx := event(), begin(t, b.env)
+	require.True(t, b.record(t, tx, "g", e))
+	return e, tx
+}
+
 func (b processedBundle) count(t *testing.T, group string) int64 {
 	t.Helper()
 	n, err := b.s.CountProcessed(b.ctx, b.env.Pool, group)
@@ -64,9 +74,7 @@ func TestRecordProcessed(t *testing.T) {
 	t.Run("recognises duplicates and rolls back with the transaction", func(t *testing.T) {
 		t.Parallel()
 		b := setupProcessed(t)
-		e := event()
-		tx := begin(t, b.env)
-		require.True(t, b.record(t, tx, "g", e))
+		e, tx := b.recordInTx(t)
 		require.NoError(t, tx.Rollback(b.ctx))
 		_, err := b.s.Processed(b.ctx, b.env.Pool, store.RecordKeyOf("g", e))
 		require.ErrorIs(t, err, store.ErrNotFound, "a rolled-back handler leaves no record")
@@ -88,9 +96,7 @@ func TestRecordProcessed(t *testing.T) {
 	t.Run("a concurrent insert of one event serializes", func(t *testing.T) {
 		t.Parallel()
 		b := setupProcessed(t)
-		e := event()
-		tx1 := begin(t, b.env)
-		require.True(t, b.record(t, tx1, "g", e))
+		e, tx1 := b.recordInTx(t)
 
 		second := make(chan bool, 1)
 		go func() {
@@ -165,9 +171,7 @@ func TestRecordProcessed(t *testing.T) {
 	t.Run("a concurrent id conflict is detected", func(t *testing.T) {
 		t.Parallel()
 		b := setupProcessed(t)
-		e := event()
-		tx1 := begin(t, b.env)
-		b.record(t, tx1, "g", e)
+		e, tx1 := b.recordInTx(t)
 		other := e
 		other.AggregateVersion = 2
 		second := make(chan error, 1)
