@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"time"
@@ -47,15 +48,9 @@ func Cleanup(ctx context.Context, db DBTX, cfg CleanupConfig) (CleanupResult, er
 	if err := checkDB("Cleanup", "db", db); err != nil {
 		return CleanupResult{}, err
 	}
-	if cfg.Schema == "" {
-		cfg.Schema = migrations.DefaultSchema
-	}
-	if cfg.Retention == 0 {
-		cfg.Retention = producer.DefaultRetentionWindow
-	}
-	if cfg.BatchSize == 0 {
-		cfg.BatchSize = producer.DefaultCleanupBatchSize
-	}
+	cfg.Schema = cmp.Or(cfg.Schema, migrations.DefaultSchema)
+	cfg.Retention = cmp.Or(cfg.Retention, producer.DefaultRetentionWindow)
+	cfg.BatchSize = cmp.Or(cfg.BatchSize, producer.DefaultCleanupBatchSize)
 	if err := sqlident.Validate("admin.CleanupConfig.Schema", cfg.Schema); err != nil {
 		return CleanupResult{}, err
 	}

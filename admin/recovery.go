@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
@@ -221,7 +220,6 @@ type SequenceAdvance struct {
 // discarded event's version was still used by an event, and a replayed
 // one's is applied or held elsewhere, so counting it costs nothing). Dead
 // letters whose envelope did not decode carry no version and do not count.
-// A schema rolled back past 003_held_events holds none there.
 //
 // consumerDB and consumerSchema hold the consumer groups' tables: the
 // producer's own database and schema when producer and consumers share
@@ -241,26 +239,18 @@ func AdvanceSequences(ctx context.Context, producerDB Beginner, schema string, c
 	if err := sqlident.Validate("admin.AdvanceSequences: consumerSchema", consumerSchema); err != nil {
 		return res, err
 	}
-	seen, err := heldVersionsSQL(ctx, consumerDB, consumerSchema)
-	if err != nil {
-		return res, err
-	}
-	rows, err := consumerDB.Query(ctx, seen)
-	if err != nil {
-		return res, fmt.Errorf("read the versions consumers have seen: %w", err)
-	}
 	var types, ids []string
 	var versions []int64
-	for rows.Next() {
-		var typ, id string
-		var v int64
-		if err := rows.Scan(&typ, &id, &v); err != nil {
-			rows.Close()
-			return res, err
-		}
-		types, ids, versions = append(types, typ), append(ids, id), append(versions, v)
+	var typ, id string
+	var v int64
+	rows, err := consumerDB.Query(ctx, sqlident.SQL(consumerSchema, heldVersionsSQL))
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, []any{&typ, &id, &v}, func() error {
+			types, ids, versions = append(types, typ), append(ids, id), append(versions, v)
+			return nil
+		})
 	}
-	if err := rows.Err(); err != nil {
+	if err != nil {
 		return res, fmt.Errorf("read the versions consumers have seen: %w", err)
 	}
 	res.Aggregates = int64(len(types))
@@ -326,26 +316,15 @@ const advanceSQL = `WITH seen AS (
 // (SQLSTATE 54000, program_limit_exceeded).
 func isKeyTooLong(err error) bool { return pgerr.HasCode(err, pgerr.ProgramLimitExceeded) }
 
-// heldVersionsSQL returns the query for the highest version consumers hold
-// per aggregate (type, id, version), over the tables of consumerSchema
-// that can hold one (see AdvanceSequences).
-func heldVersionsSQL(ctx context.Context, db DBTX, schema string) (string, error) {
-	parts := []string{
-		`SELECT aggregate_type, aggregate_id, version FROM {schema}.aggregate_versions`,
-		`SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.parked_events`,
-	}
-	var hasHeld bool
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "held_events")).Scan(&hasHeld)
-	if err != nil {
-		return "", fmt.Errorf("look for the consumers' held events: %w", err)
-	}
-	if hasHeld {
-		// A dead letter whose envelope did not decode has version 0 and
-		// no aggregate; the relay's hold no version of a group.
-		parts = append(parts, `SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.held_events
-			WHERE kind IN ('dead_letter', 'late') AND aggregate_id <> ''`)
-	}
-	return sqlident.SQL(schema, `SELECT aggregate_type, aggregate_id, max(version) FROM (
-			`+strings.Join(parts, "\n\t\t\tUNION ALL\n\t\t\t")+`
-		) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`), nil
-}
+// heldVersionsSQL reads the highest version consumers hold per aggregate
+// (type, id, version), over the tables that can hold one (see
+// AdvanceSequences). A dead letter whose envelope did not decode has
+// version 0 and no aggregate; the relay's hold no version of a group.
+const heldVersionsSQL = `SELECT aggregate_type, aggregate_id, max(version) FROM (
+		SELECT aggregate_type, aggregate_id, version FROM {schema}.aggregate_versions
+		UNION ALL
+		SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.parked_events
+		UNION ALL
+		SELECT aggregate_type, aggregate_id, aggregate_version FROM {schema}.held_events
+		WHERE kind IN ('dead_letter', 'late') AND aggregate_id <> ''
+	) seen WHERE version > 0 GROUP BY aggregate_type, aggregate_id`

@@ -12,7 +12,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
@@ -33,10 +32,7 @@ import (
 // be relayed, with the old cluster's unsent one.
 func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 1})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, 1)
+	env, brokers, topic := withKafka(t, 1, 1)
 	ctx := context.Background()
 	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, PollInterval: 200 * time.Millisecond,
 		RebalanceInterval: 250 * time.Millisecond, Logger: relaytest.Logger(t)}

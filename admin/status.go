@@ -23,16 +23,8 @@ type Status struct {
 	// Owners maps each shard with an unexpired lease to the relay holding
 	// it (see ShardOwners); shards no relay owns are absent.
 	Owners map[int]ShardOwner
-	// RelayTables is false when the schema lacks the tables relays write
-	// besides the outbox (relay_leases, held_events: a schema rolled back
-	// past 003_held_events): relays cannot run, Owners is empty.
-	RelayTables bool
 	// Groups are the consumer groups that recorded anything, by name.
 	Groups []GroupStatus
-	// ConsumerTables is false when the schema has no consumer tables
-	// (migration 002_consumer; consumers may keep theirs in another
-	// database): Groups is empty.
-	ConsumerTables bool
 }
 
 // GroupStatus is one consumer group: its gap and stall picture (parked
@@ -57,7 +49,7 @@ type GroupStatus struct {
 	// LateHeld counts the group's late events held for the operator, and
 	// DeadLetters its dead letters, not yet replayed or discarded (held
 	// events of kind late and dead_letter, status held or
-	// replay_requested; 0 on a schema rolled back past 003_held_events).
+	// replay_requested).
 	LateHeld    int64
 	DeadLetters int64 // see LateHeld
 	// Processed counts the group's dedup records (processed_events rows).
@@ -89,9 +81,9 @@ type OpenGap struct {
 // ReadStatus reads the outbox's status (ReadOutboxStatus), its shard
 // owners and every consumer group's status from schema. It changes
 // nothing; run it in a read-only repeatable-read transaction for one
-// snapshot (as `eventline status` does). Tables a schema lacks are
-// reported (RelayTables, ConsumerTables), never a failed statement that
-// would abort that transaction.
+// snapshot (as `eventline status` does). A schema without an outbox, or
+// without the tables of later migrations, is an error wrapping
+// producer.ErrNotMigrated.
 //
 // Open gaps are listed up to openGaps per group (the oldest first; all
 // are counted); 0 lists 20, negative none.
@@ -104,20 +96,15 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	if st.Outbox, err = readOutboxStatus(ctx, db, schema); err != nil {
 		return st, err
 	}
-	if err := outbox.CheckRelayTables(ctx, db, schema); err == nil {
-		st.RelayTables = true
-		if st.Owners, err = shardOwners(ctx, db, schema); err != nil {
-			return st, err
-		}
-	} else if !isNotMigrated(err) {
+	// A schema rolled back part of the way (`eventline migrate down
+	// -steps`) is refused as not migrated: held_events, the newest table,
+	// comes with every consumer table before it. Asked first: a failed
+	// statement would abort the caller's transaction.
+	if err := outbox.CheckRelayTables(ctx, db, schema); err != nil {
 		return st, err
 	}
-	err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "processed_events")).Scan(&st.ConsumerTables)
-	if err != nil {
-		return st, fmt.Errorf("look for the consumer tables: %w", err)
-	}
-	if !st.ConsumerTables {
-		return st, nil
+	if st.Owners, err = shardOwners(ctx, db, schema); err != nil {
+		return st, err
 	}
 	gs, err := store.New(schema)
 	if err != nil {
@@ -138,17 +125,13 @@ const defaultOpenGaps = 20
 // every group's dedup records and skipped gaps (ReadStatus; the collector
 // reads without).
 func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, totals bool) ([]GroupStatus, error) {
-	withHeld, err := st.HasHeldEvents(ctx, db)
-	if err != nil {
-		return nil, err
-	}
-	names, err := st.StatusGroups(ctx, db, withHeld)
+	names, err := st.StatusGroups(ctx, db)
 	if err != nil {
 		return nil, err
 	}
 	out := make([]GroupStatus, 0, len(names))
 	for _, name := range names {
-		g, err := readGroup(ctx, db, st, name, openGaps, withHeld)
+		g, err := readGroup(ctx, db, st, name, openGaps)
 		if err != nil {
 			return nil, err
 		}
@@ -181,10 +164,10 @@ func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, tot
 
 // readGroup reads the group's parked events, open gaps, recently skipped
 // gaps, held late events and unresolved dead letters.
-func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, openGaps int, withHeld bool) (GroupStatus, error) {
+func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, openGaps int) (GroupStatus, error) {
 	g := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
 	var oldest float64
-	err := st.GroupCounts(ctx, db, group, withHeld).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
+	err := st.GroupCounts(ctx, db, group).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
 	if err != nil {
 		return g, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
 	}
@@ -195,27 +178,23 @@ func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, open
 	if openGaps == 0 {
 		openGaps = defaultOpenGaps
 	}
+	var o OpenGap
+	var age float64
+	first := true // the oldest comes first
 	rows, err := st.OpenGaps(ctx, db, group, openGaps)
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, []any{&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount}, func() error {
+			o.Age = seconds(age)
+			if first {
+				g.OldestGap, first = o.Age, false
+			}
+			if openGaps > 0 {
+				g.OpenGaps = append(g.OpenGaps, o)
+			}
+			return nil
+		})
+	}
 	if err != nil {
-		return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
-	}
-	defer rows.Close()
-	first := true
-	for rows.Next() {
-		var o OpenGap
-		var age float64
-		if err := rows.Scan(&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount); err != nil {
-			return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
-		}
-		o.Age = seconds(age)
-		if first {
-			g.OldestGap, first = o.Age, false
-		}
-		if openGaps > 0 {
-			g.OpenGaps = append(g.OpenGaps, o)
-		}
-	}
-	if err := rows.Err(); err != nil {
 		return g, fmt.Errorf("eventline: read the open gaps of group %q: %w", group, err)
 	}
 	return g, nil
@@ -350,8 +329,10 @@ func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 			}
 		}
 	}
-	// A schema rolled back past 003_held_events has none (asked first: a
-	// failed statement would abort the caller's transaction).
+	// `eventline migrate down` reads the outbox before rolling back
+	// 001_outbox, after 003_held_events is rolled back: then there are no
+	// dead letters (asked first: a failed statement would abort the
+	// caller's transaction).
 	var hasHeld bool
 	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(schema, "held_events")).Scan(&hasHeld); err != nil {
 		return st, fmt.Errorf("look for held_events: %w", err)
@@ -405,23 +386,22 @@ const shardOwnersSQL = `SELECT l.shard, COALESCE(m.relay_id, ''), l.owner, COALE
 	WHERE l.expires_at > clock_timestamp()`
 
 func shardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
+	var shard int
+	var o ShardOwner
+	var secs float64
+	out := map[int]ShardOwner{}
 	rows, err := db.Query(ctx, sqlident.SQL(schema, shardOwnersSQL))
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, []any{&shard, &o.Relay, &o.Instance, &o.BackendPID, &o.Epoch, &secs}, func() error {
+			o.ExpiresIn = seconds(secs)
+			out[shard] = o
+			return nil
+		})
+	}
 	if err != nil {
 		return nil, fmt.Errorf("read shard owners: %w", err)
 	}
-	defer rows.Close()
-	out := map[int]ShardOwner{}
-	for rows.Next() {
-		var shard int
-		var o ShardOwner
-		var secs float64
-		if err := rows.Scan(&shard, &o.Relay, &o.Instance, &o.BackendPID, &o.Epoch, &secs); err != nil {
-			return nil, err
-		}
-		o.ExpiresIn = time.Duration(secs * float64(time.Second))
-		out[shard] = o
-	}
-	return out, rows.Err()
+	return out, nil
 }
 
 // AggregateVersion names one version of one aggregate.

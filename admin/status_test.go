@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -57,18 +58,16 @@ func (b bundle) readStatus(t *testing.T, schema string) admin.Status {
 	return st
 }
 
-// outboxOnly returns a new schema migrated up to the outbox only (every
-// later migration rolled back), dropped when the test ends.
-func (b bundle) outboxOnly(t *testing.T) string {
+// dropConsumerTables leaves schema as a producer-only database whose
+// consumers keep their tables elsewhere.
+func (b bundle) dropConsumerTables(t *testing.T) {
 	t.Helper()
-	schema := pgtest.NewSchemaName(t)
-	t.Cleanup(func() { pgtest.DropSchema(t, schema) })
-	cfg := migrations.Config{Schema: schema, Shards: 1}
-	require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
-	all, err := migrations.All()
+	var tables []string
+	for _, name := range []string{"skipped_versions", "parked_events", "aggregate_versions", "processed_events"} {
+		tables = append(tables, sqlident.Qualify(b.env.Schema, name))
+	}
+	_, err := b.env.Pool.Exec(b.ctx, `DROP TABLE `+strings.Join(tables, ", "))
 	require.NoError(t, err)
-	require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, len(all)-1))
-	return schema
 }
 
 // park admits versions 1..applied of thing/aggID for group, then parks
@@ -120,9 +119,7 @@ func TestReadStatus(t *testing.T) {
 			require.Equal(t, perShard[i], s.Stored, "shard %d", i)
 		}
 		require.EqualValues(t, 1, st.Outbox.DeadLetters)
-		require.True(t, st.RelayTables)
 		require.Empty(t, st.Owners, "no relay runs")
-		require.True(t, st.ConsumerTables)
 		require.Len(t, st.Groups, 3)
 		audit, billing, shipping := st.Groups[0], st.Groups[1], st.Groups[2]
 		require.Equal(t, "audit", audit.Group)
@@ -142,22 +139,25 @@ func TestReadStatus(t *testing.T) {
 		require.EqualValues(t, 1, shipping.SkippedGapsRecent)
 	})
 
-	t.Run("a schema missing later migrations is reported, not an aborted transaction", func(t *testing.T) {
+	t.Run("a schema not migrated is ErrNotMigrated", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t, 1)
-		schema := b.outboxOnly(t)
-
-		st := b.readStatus(t, schema)
-		require.Len(t, st.Outbox.Shards, 1)
-		require.False(t, st.RelayTables)
-		require.Empty(t, st.Owners)
-		require.False(t, st.ConsumerTables)
-		require.Empty(t, st.Groups)
-
+		schema := pgtest.NewSchemaName(t)
 		_, err := admin.ShardOwners(b.ctx, b.env.Pool, schema)
 		require.ErrorIs(t, err, producer.ErrNotMigrated)
-		_, err = admin.ReadStatus(b.ctx, b.env.Pool, pgtest.NewSchemaName(t), 0)
+		_, err = admin.ReadStatus(b.ctx, b.env.Pool, schema, 0)
 		require.ErrorIs(t, err, producer.ErrNotMigrated, "no outbox at all")
+
+		// Rolled back past 003_held_events (`eventline migrate down -steps 1`).
+		cfg := migrations.Config{Schema: schema, Shards: 1}
+		t.Cleanup(func() { pgtest.DropSchema(t, schema) })
+		require.NoError(t, migrations.Up(b.ctx, b.env.Pool, cfg))
+		require.NoError(t, migrations.Down(b.ctx, b.env.Pool, cfg, 1))
+		_, err = admin.ReadStatus(b.ctx, b.env.Pool, schema, 0)
+		require.ErrorIs(t, err, producer.ErrNotMigrated, "later migrations rolled back")
+		o, err := admin.ReadOutboxStatus(b.ctx, b.env.Pool, schema)
+		require.NoError(t, err, "the outbox alone is read, as `eventline migrate down` does before rolling back 001_outbox")
+		require.Len(t, o.Shards, 1)
 	})
 
 	t.Run("the relays owning the shards", func(t *testing.T) {
@@ -259,25 +259,29 @@ func TestNewStatusCollectorGroups(t *testing.T) {
 	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_status_up"))
 	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_parked_events"))
 
-	schema := b.outboxOnly(t)
-	families, err := gather(schema).Gather()
+	// A consumer-only schema (no outbox): the groups' series, no
+	// eventline_outbox_* series at all (not eventline_outbox_up 0).
+	consumerOnly := setup(t, 1)
+	consumerOnly.park(t, "billing", "a", 0, 2)
+	_, err := b.env.Pool.Exec(b.ctx, `DROP TABLE `+sqlident.Qualify(consumerOnly.env.Schema, "outbox_config"))
+	require.NoError(t, err)
+	reg = gather(consumerOnly.env.Schema)
+	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_parked_events"))
+	families, err := reg.Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		require.NotContains(t, f.GetName(), "eventline_outbox_", "no eventline_outbox_* series on a schema without an outbox")
+	}
+
+	// A producer-only schema (its consumers keep their tables elsewhere):
+	// no eventline_group_* series, the outbox's are there.
+	b.dropConsumerTables(t)
+	families, err = gather(b.env.Schema).Gather()
 	require.NoError(t, err)
 	for _, f := range families {
 		require.NotContains(t, f.GetName(), "eventline_group_", "no eventline_group_* series on a schema without consumer tables")
 	}
 	require.NotEmpty(t, families, "the outbox's series are there")
-
-	// A consumer-only schema (no outbox): the groups' series, no
-	// eventline_outbox_* series at all (not eventline_outbox_up 0).
-	_, err = b.env.Pool.Exec(b.ctx, `DROP TABLE `+sqlident.Qualify(b.env.Schema, "outbox_config"))
-	require.NoError(t, err)
-	reg = gather(b.env.Schema)
-	require.EqualValues(t, 1, metrictest.Sum(t, reg, "eventline_group_parked_events"))
-	families, err = reg.Gather()
-	require.NoError(t, err)
-	for _, f := range families {
-		require.NotContains(t, f.GetName(), "eventline_outbox_", "no eventline_outbox_* series on a schema without an outbox")
-	}
 }
 
 // TestFindOutboxVersions: the newest outbox row of each wanted version,

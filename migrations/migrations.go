@@ -1,6 +1,7 @@
 package migrations
 
 import (
+	"cmp"
 	"context"
 	"embed"
 	"errors"
@@ -12,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/internal/nilcheck"
@@ -50,9 +52,7 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.Schema == "" {
-		c.Schema = DefaultSchema
-	}
+	c.Schema = cmp.Or(c.Schema, DefaultSchema)
 	return c
 }
 
@@ -315,10 +315,7 @@ func ensureShards(ctx context.Context, tx pgx.Tx, cfg Config) error {
 	err := tx.QueryRow(ctx, `SELECT shards FROM outbox_config`).Scan(&stored)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		stored = cfg.Shards
-		if stored == 0 {
-			stored = DefaultShards
-		}
+		stored = cmp.Or(cfg.Shards, DefaultShards)
 		if _, err := tx.Exec(ctx, `INSERT INTO outbox_config (shards) VALUES ($1)`, stored); err != nil {
 			return err
 		}
@@ -344,8 +341,8 @@ func ensureShards(ctx context.Context, tx pgx.Tx, cfg Config) error {
 func ShardTableSQL(schema string, shard int) []string {
 	topic := outbox.Topic(shard)
 	var out []string
-	sq, _ := outbox.SchemaAdapter(schema, 0).SchemaInitializingQueries(wsqlSchemaParams(topic))
-	oq, _ := outbox.OffsetsAdapter(schema).SchemaInitializingQueries(wsqlOffsetsParams(topic))
+	sq, _ := outbox.SchemaAdapter(schema, 0).SchemaInitializingQueries(wsql.SchemaInitializingQueriesParams{Topic: topic})
+	oq, _ := outbox.OffsetsAdapter(schema).SchemaInitializingQueries(wsql.OffsetsSchemaInitializingQueriesParams{Topic: topic})
 	for _, q := range append(sq, oq...) {
 		out = append(out, q.Query)
 	}

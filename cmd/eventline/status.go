@@ -141,9 +141,6 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 	if err != nil {
 		return rep, err
 	}
-	if !st.RelayTables {
-		rep.Warnings = append(rep.Warnings, "the relay's tables are missing (relay_leases, held_events: migration 003_held_events is not applied): relays cannot run; run `eventline migrate up`")
-	}
 	o := st.Outbox
 	rep.Outbox = outboxReport{
 		Shards:               make([]shardReport, 0, len(o.Shards)),
@@ -183,10 +180,6 @@ func readStatus(ctx context.Context, tx pgx.Tx, schema string) (statusReport, er
 		}
 		rep.Warnings = append(rep.Warnings, fmt.Sprintf("committed events wait behind an open transaction (%s, %s, open %s%s, application %q, database %q): the relays read only rows older than every open transaction; end it (or terminate it: pg_terminate_backend(%d)) and they flow again",
 			who, h.State, age(h.XactAge), queryStarted(hr.QueryStart), h.ApplicationName, h.Database, h.PID))
-	}
-	if !st.ConsumerTables {
-		rep.Warnings = append(rep.Warnings, "the consumer tables are missing (migration 002_consumer is not applied): run `eventline migrate up`")
-		return rep, nil
 	}
 	for _, g := range st.Groups {
 		gr := groupReport{Group: g.Group, Processed: g.Processed, Parked: g.Parked, OldestParkedSeconds: g.OldestParked.Seconds(),

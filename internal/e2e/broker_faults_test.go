@@ -40,16 +40,11 @@ func TestBrokerKilledUnderLoadLosesNothing(t *testing.T) {
 	k := kafkatest.RealBroker(t, kafkabroker.Config{})
 	l := startKafkaLoad(t, k, "killed", loadTimeouts{consumer: kafkaNetTimeout, relay: kafkaRelayNetTimeout})
 
-	retries := l.relayRetries()
-	before := l.committed.Load()
-	require.NoError(t, k.Broker.Kill())
-	time.Sleep(brokerDownFor) // the outage's duration; publishing goes on
-	require.NoError(t, k.Broker.Restart(context.Background()))
-	restart := k.Broker.StartupTime()
-	recovery := l.caughtUp("after the broker was killed and restarted")
+	published, retried, recovery := l.outage("after the broker was killed and restarted", brokerDownFor,
+		k.Broker.Kill, func() error { return k.Broker.Restart(context.Background()) })
 	t.Logf("broker killed with SIGKILL, down %s, answered %s after its restart; %d events published meanwhile, the relay retried %g times; caught up %s after the restart",
-		brokerDownFor, restart.Round(time.Millisecond), l.committed.Load()-before, l.relayRetries()-retries, recovery.Round(time.Millisecond))
-	require.Positive(t, l.relayRetries()-retries, "the relay's publishes failed while the broker was down")
+		brokerDownFor, k.Broker.StartupTime().Round(time.Millisecond), published, retried, recovery.Round(time.Millisecond))
+	require.Positive(t, retried, "the relay's publishes failed while the broker was down")
 	l.finish()
 }
 
@@ -67,13 +62,8 @@ func TestBrokerFrozenPastTheSessionTimeoutLosesNothing(t *testing.T) {
 	k := kafkatest.RealBroker(t, kafkabroker.Config{})
 	l := startKafkaLoad(t, k, "frozen", loadTimeouts{consumer: kafkaNetTimeout, relay: kafkaRelayNetTimeout})
 
-	retries := l.relayRetries()
-	before := l.committed.Load()
-	require.NoError(t, k.Broker.Pause())
-	time.Sleep(brokerFrozenFor) // the freeze's duration; publishing goes on
-	require.NoError(t, k.Broker.Resume())
-	recovery := l.caughtUp("after the broker resumed")
+	published, retried, recovery := l.outage("after the broker resumed", brokerFrozenFor, k.Broker.Pause, k.Broker.Resume)
 	t.Logf("broker frozen %s (consumer session timeout 6 s): %d events published meanwhile, the relay retried %g times; caught up %s after it resumed",
-		brokerFrozenFor, l.committed.Load()-before, l.relayRetries()-retries, recovery.Round(time.Millisecond))
+		brokerFrozenFor, published, retried, recovery.Round(time.Millisecond))
 	l.finish()
 }

@@ -47,29 +47,22 @@ func TestKafkaOutageLosesNothing(t *testing.T) {
 	faults := k.Proxy
 	l := startKafkaLoad(t, k, "outage", loadTimeouts{consumer: kafkaNetTimeout, relay: kafkaRelayNetTimeout})
 
+	set := func(m faultproxy.Mode) func() error { return func() error { faults.Set(m); return nil } }
+
 	// Outage 1: every connection refused, the open ones reset. The relay
 	// must feel it (its Sarama producer gives up, the relay retries).
-	retries := l.relayRetries()
-	faults.Set(faultproxy.Refuse)
-	faults.Drop()
-	time.Sleep(kafkaRefuseFor) // the outage's duration
-	refused := faults.Refused()
-	faults.Set(faultproxy.Pass)
-	refuseRecovery := l.caughtUp("after Kafka refused connections")
-	refuseRetries := l.relayRetries() - retries
+	var refused int64
+	_, refuseRetries, refuseRecovery := l.outage("after Kafka refused connections", kafkaRefuseFor,
+		func() error { faults.Set(faultproxy.Refuse); faults.Drop(); return nil },
+		func() error { refused = faults.Refused(); return set(faultproxy.Pass)() })
 	t.Logf("refuse %s: clients reconnected %d times, the relay retried %g times; %d events committed, caught up %s after Kafka came back",
 		kafkaRefuseFor, refused, refuseRetries, l.committed.Load(), refuseRecovery.Round(time.Millisecond))
 	require.Positive(t, refused, "the clients tried to reconnect during the outage")
 	require.Positive(t, refuseRetries, "the relay's publishes failed during the outage")
 
 	// Outage 2: the broker stops answering, connections stay open.
-	retries = l.relayRetries()
 	conns := faults.Conns()
-	faults.Set(faultproxy.Freeze)
-	time.Sleep(kafkaFreezeFor) // the outage's duration
-	faults.Set(faultproxy.Pass)
-	freezeRecovery := l.caughtUp("after Kafka stopped answering")
-	freezeRetries := l.relayRetries() - retries
+	_, freezeRetries, freezeRecovery := l.outage("after Kafka stopped answering", kafkaFreezeFor, set(faultproxy.Freeze), set(faultproxy.Pass))
 	t.Logf("freeze %s of %d open connections: the relay retried %g times; %d events committed, caught up %s after Kafka answered again",
 		kafkaFreezeFor, conns, freezeRetries, l.committed.Load(), freezeRecovery.Round(time.Millisecond))
 	require.Positive(t, conns, "clients were connected when Kafka froze")

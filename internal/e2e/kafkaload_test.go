@@ -170,6 +170,20 @@ func (l *kafkaLoad) caughtUp(what string) time.Duration {
 	return time.Since(start)
 }
 
+// outage is one fault while events keep being published: begin starts
+// it, it lasts d, end ends it; then every group catches up (what names the
+// wait). It returns the events committed meanwhile, the relay's failed
+// publishes meanwhile, and how long catching up took.
+func (l *kafkaLoad) outage(what string, d time.Duration, begin, end func() error) (published int64, retried float64, recovery time.Duration) {
+	l.t.Helper()
+	retries, before := l.relayRetries(), l.committed.Load()
+	require.NoError(l.t, begin())
+	time.Sleep(d)
+	require.NoError(l.t, end())
+	recovery = l.caughtUp(what)
+	return l.committed.Load() - before, l.relayRetries() - retries, recovery
+}
+
 // finish stops publishing, waits until both groups applied and committed
 // everything, stops the consumers and the relay, and checks the outcome.
 func (l *kafkaLoad) finish() {

@@ -20,28 +20,20 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // Kind is the kind of a held event.
 type Kind string
 
-// The kinds of held events.
+// The kinds of held events, documented where operators meet them:
+// admin.HeldRelayDeadLetter, admin.HeldDeadLetter, admin.HeldLate.
 const (
-	// KindRelayDeadLetter: an outbox row the relay gave up publishing. It
-	// lives in the producer's database; a replay re-enqueues it into its
-	// outbox shard at once.
 	KindRelayDeadLetter Kind = "relay_dead_letter"
-	// KindDeadLetter: a message a consumer group gave up on. A replay is
-	// requested; a running consumer of the group runs it through the
-	// version gate and its handler.
-	KindDeadLetter Kind = "dead_letter"
-	// KindLate: an event a consumer group received but can no longer
-	// apply in order (its aggregate passed its version). A replay is
-	// requested; the group's sweeper applies it late, the handler told.
-	KindLate Kind = "late"
+	KindDeadLetter      Kind = "dead_letter"
+	KindLate            Kind = "late"
 )
 
 // Valid reports whether k is a known kind.
@@ -50,18 +42,14 @@ func (k Kind) Valid() bool { return k == KindRelayDeadLetter || k == KindDeadLet
 // Status is where a held event is in its life.
 type Status string
 
-// The statuses of a held event.
+// The statuses of a held event, documented on admin.StatusHeld,
+// admin.StatusReplayRequested, admin.StatusReplayed and
+// admin.StatusDiscarded.
 const (
-	// StatusHeld: waiting for an operator.
-	StatusHeld Status = "held"
-	// StatusReplayRequested: an operator asked for a replay; a running
-	// consumer of the group picks it up.
+	StatusHeld            Status = "held"
 	StatusReplayRequested Status = "replay_requested"
-	// StatusReplayed: replayed (re-enqueued into the outbox, or run
-	// through the handler and committed).
-	StatusReplayed Status = "replayed"
-	// StatusDiscarded: an operator gave up on it, with a reason.
-	StatusDiscarded Status = "discarded"
+	StatusReplayed        Status = "replayed"
+	StatusDiscarded       Status = "discarded"
 )
 
 // Valid reports whether s is a known status.
@@ -215,12 +203,9 @@ type Filter struct {
 // ErrNone is returned when no held event matched.
 var ErrNone = errors.New("eventline: no held event matched")
 
-// DBTX is the smallest database handle the store needs.
-type DBTX interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+// DBTX is the smallest database handle the store needs (the outbox's, as
+// the relay writes its dead letters in its own transaction).
+type DBTX = outbox.DBTX
 
 // maxReasonBytes bounds a stored reason or error (a panic's stack can be
 // long).

@@ -1,6 +1,7 @@
 package store
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"time"
@@ -39,15 +40,9 @@ type CleanupConfig struct {
 }
 
 func (c CleanupConfig) withDefaults() CleanupConfig {
-	if c.Retention == 0 {
-		c.Retention = dedup.DefaultRetention
-	}
-	if c.BatchSize == 0 {
-		c.BatchSize = DefaultCleanupBatchSize
-	}
-	if c.Pause == 0 {
-		c.Pause = DefaultCleanupPause
-	}
+	c.Retention = cmp.Or(c.Retention, dedup.DefaultRetention)
+	c.BatchSize = cmp.Or(c.BatchSize, DefaultCleanupBatchSize)
+	c.Pause = cmp.Or(c.Pause, DefaultCleanupPause)
 	return c
 }
 

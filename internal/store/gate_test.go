@@ -25,13 +25,21 @@ func admit(t *testing.T, s *store.Store, db pgx.Tx, e eventline.Event, jump bool
 	return a
 }
 
+// begin begins a transaction on env, rolled back when the test ends
+// unless committed.
+func begin(t *testing.T, env pgtest.Env) pgx.Tx {
+	t.Helper()
+	tx, err := env.Pool.Begin(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	return tx
+}
+
 func TestAdmitVerdicts(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
 	ctx := context.Background()
-	tx, err := env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
+	tx := begin(t, env)
 
 	first := ev("1", 1)
 	require.Equal(t, store.Admission{Verdict: store.Next, Previous: 0, Current: 1}, admit(t, s, tx, first, false))
@@ -83,9 +91,7 @@ func TestFirstEventsOfANewAggregateSerialize(t *testing.T) {
 	t.Parallel()
 	s, env := newStore(t)
 	ctx := context.Background()
-	tx1, err := env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx1.Rollback(ctx)
+	tx1 := begin(t, env)
 	require.Equal(t, store.Next, admit(t, s, tx1, ev("new", 1), false).Verdict)
 
 	second := make(chan store.Admission, 1)

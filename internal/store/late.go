@@ -113,6 +113,24 @@ type LateRequest struct {
 	Hold bool
 }
 
+// heldArgs returns r's event, with PreviousVersion set to Follows, and
+// the values of heldLateCols but the cause and reason ($1..$13). An event
+// whose metadata cannot be stored byte-exact is refused with an
+// *eventline.InvalidEventError.
+func (r LateRequest) heldArgs() (eventline.Event, []any, error) {
+	e, err := withFollows(r.Event)
+	if err != nil {
+		return e, nil, err
+	}
+	payload, md, err := storedMessage(e, r.Message)
+	if err != nil {
+		return e, nil, err
+	}
+	hk, hv := held.Headers(md)
+	return e, []any{r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
+		r.Handler, r.Topic, payload, hk, hv, r.Current}, nil
+}
+
 // HoldLate settles a stale event (Admit returned Stale) in tx, which holds
 // the aggregate's lock, in one statement. When its version is recorded in
 // skipped_versions the event is late: with r.Hold it is held for the
@@ -127,11 +145,7 @@ type LateRequest struct {
 // An event whose metadata cannot be stored byte-exact is refused with an
 // *eventline.InvalidEventError, before anything is written.
 func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool, reason string, err error) {
-	e, err := withFollows(r.Event)
-	if err != nil {
-		return false, "", err
-	}
-	payload, md, err := storedMessage(e, r.Message)
+	e, args, err := r.heldArgs()
 	if err != nil {
 		return false, "", err
 	}
@@ -140,10 +154,7 @@ func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool
 		outcome = dedup.OutcomeLateApplied
 	}
 	var why *string
-	hk, hv := held.Headers(md)
-	err = tx.QueryRow(ctx, s.q(holdLateSQL), r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
-		r.Handler, r.Topic, payload, hk, hv, r.Current, r.Hold, string(outcome)).Scan(&why)
-	if err != nil {
+	if err := tx.QueryRow(ctx, s.q(holdLateSQL), append(args, r.Hold, string(outcome))...).Scan(&why); err != nil {
 		return false, "", contentError(fmt.Errorf("eventline: settle stale event %s: %w", e.ID, err))
 	}
 	if why == nil {
@@ -167,11 +178,7 @@ func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool
 // An event whose metadata cannot be stored byte-exact is refused with an
 // *eventline.InvalidEventError, before anything is written.
 func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reason string, err error) {
-	e, err := withFollows(r.Event)
-	if err != nil {
-		return "", err
-	}
-	payload, md, err := storedMessage(e, r.Message)
+	e, args, err := r.heldArgs()
 	if err != nil {
 		return "", err
 	}
@@ -186,10 +193,7 @@ func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reaso
 			"a later event declared an earlier predecessor, or the record of the event that applied it (this one, maybe) expired",
 			e.AggregateVersion, r.Current)
 	}
-	hk, hv := held.Headers(md)
-	_, err = tx.Exec(ctx, s.q(holdConflictSQL), r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, e.ID, e.Type,
-		r.Handler, r.Topic, payload, hk, hv, r.Current, reason)
-	if err != nil {
+	if _, err := tx.Exec(ctx, s.q(holdConflictSQL), append(args, reason)...); err != nil {
 		return "", contentError(fmt.Errorf("eventline: hold conflicting event %s: %w", e.ID, err))
 	}
 	return reason, nil

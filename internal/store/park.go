@@ -287,8 +287,8 @@ func contentError(err error) error {
 	return err
 }
 
-// ParkedFilter selects parked events for [Store.ListParked]. Empty fields
-// match everything.
+// ParkedFilter selects parked events for [Store.ListParked] (and skipped
+// ranges, as SkippedFilter). Empty fields match everything.
 type ParkedFilter struct {
 	// Group, AggregateType and AggregateID select exact values.
 	Group         string
@@ -364,16 +364,9 @@ type Skipped struct {
 	SkippedAt time.Time
 }
 
-// SkippedFilter selects rows for [Store.ListSkipped]. Empty fields match
-// everything.
-type SkippedFilter struct {
-	// Group, AggregateType and AggregateID select exact values.
-	Group         string
-	AggregateType string // see Group
-	AggregateID   string // see Group
-	// Limit caps the result. Defaults to 100.
-	Limit int
-}
+// SkippedFilter selects rows for [Store.ListSkipped] as ParkedFilter
+// selects parked events.
+type SkippedFilter = ParkedFilter
 
 // ListSkipped returns audited gaps in the order they were recorded.
 func (s *Store) ListSkipped(ctx context.Context, db DBTX, f SkippedFilter) ([]Skipped, error) {
@@ -397,9 +390,14 @@ func (s *Store) ListSkipped(ctx context.Context, db DBTX, f SkippedFilter) ([]Sk
 
 // CountParked returns how many events the group has parked.
 func (s *Store) CountParked(ctx context.Context, db DBTX, group string) (int64, error) {
+	return s.count(ctx, db, countParkedSQL, group, "parked events")
+}
+
+// count runs st, a count of group's rows of what.
+func (s *Store) count(ctx context.Context, db DBTX, st stmt, group, what string) (int64, error) {
 	var n int64
-	if err := db.QueryRow(ctx, s.q(countParkedSQL), group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("eventline: count parked events of %q: %w", group, err)
+	if err := db.QueryRow(ctx, s.q(st), group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("eventline: count the %s of group %q: %w", what, group, err)
 	}
 	return n, nil
 }

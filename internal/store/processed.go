@@ -220,9 +220,5 @@ func scanRecord(row pgx.Row) (dedup.Record, error) {
 // CountProcessed returns how many events the group has recorded (the
 // dedup table's size for that group).
 func (s *Store) CountProcessed(ctx context.Context, db DBTX, group string) (int64, error) {
-	var n int64
-	if err := db.QueryRow(ctx, s.q(countProcessedSQL), group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("eventline: count events of group %q: %w", group, err)
-	}
-	return n, nil
+	return s.count(ctx, db, countProcessedSQL, group, "dedup records")
 }

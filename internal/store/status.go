@@ -16,38 +16,48 @@ const SkippedWindow = 24 * time.Hour
 // its types (admin.GroupStatus) and scans the rows these methods return:
 // the statements stay here.
 
-// HasHeldEvents reports whether the schema has held_events (a schema
-// rolled back past 003_held_events has not); the status statements take
-// it.
-func (s *Store) HasHeldEvents(ctx context.Context, db DBTX) (bool, error) {
-	var held bool
-	if err := db.QueryRow(ctx, s.q(statusTablesSQL)).Scan(&held); err != nil {
-		return false, fmt.Errorf("eventline: look for held_events: %w", err)
-	}
-	return held, nil
+// distinctGroups returns the distinct consumer_group values of table's
+// rows that match the condition and (AND …, or ""), by skipping from one
+// group to the next along its index: the cost grows with the groups, not
+// the rows.
+func distinctGroups(table, and string) string {
+	return `(WITH RECURSIVE g(name) AS (
+		(SELECT consumer_group FROM {schema}.` + table + ` WHERE true ` + and + ` ORDER BY consumer_group LIMIT 1)
+		UNION ALL
+		SELECT (SELECT consumer_group FROM {schema}.` + table + ` WHERE consumer_group > g.name ` + and + ` ORDER BY consumer_group LIMIT 1)
+		FROM g WHERE g.name IS NOT NULL
+	) SELECT name FROM g WHERE name IS NOT NULL)`
 }
 
-var statusTablesSQL = statement(`SELECT to_regclass('{schema}.held_events') IS NOT NULL`)
+// openHeldSQL counts group $1's open held events of one kind.
+func openHeldSQL(kind string) string {
+	return `(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
+}
 
-// The status statements, in a variant for a schema with held_events and
-// one for a schema rolled back past 003_held_events (indexed by
-// b2i(HasHeldEvents)).
 var (
-	// statusGroupsSQL[held] lists the consumer groups of every table,
-	// skipping from one group to the next along each table's index.
-	statusGroupsSQL [2]stmt
-	// statusCountsSQL[held] counts a group's parked, skipped, late and
-	// dead ($1 group, $2 the skipped window in microseconds).
-	statusCountsSQL [2]stmt
-	// Per aggregate with parked events: the lowest one, the predecessor
-	// it waits for and the aggregate's version; a gap is open when that
-	// predecessor has not been applied ($1 group, $2 limit).
+	// statusGroupsSQL lists the consumer groups that recorded a version
+	// or a parked event, or hold an open event (the relay's have no
+	// group), each along its table's index.
+	statusGroupsSQL = statement(`SELECT name FROM (` + distinctGroups("aggregate_versions", "") + ` UNION ` + distinctGroups("parked_events", "") +
+		` UNION ` + distinctGroups("held_events", `AND status IN ('held', 'replay_requested') AND consumer_group <> ''`) + `) g ORDER BY name`)
 	// processedGroupsSQL lists the groups with dedup records.
-	processedGroupsSQL stmt
+	processedGroupsSQL = statement(`SELECT name FROM ` + distinctGroups("processed_events", "") + ` g`)
+	// recordingGroupsSQL lists the groups with dedup records or versions.
+	recordingGroupsSQL = statement(`SELECT name FROM (` + distinctGroups("processed_events", "") + ` UNION ` +
+		distinctGroups("aggregate_versions", "") + `) g ORDER BY name`)
+	// statusCountsSQL counts a group's parked, skipped, late and dead ($1
+	// group, $2 the skipped window in microseconds).
+	statusCountsSQL = statement(`SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
+			(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
+			` + openHeldSQL("late") + `, ` + openHeldSQL("dead_letter") + `
+		FROM {schema}.parked_events WHERE consumer_group = $1`)
 	// skippedTotalsSQL counts the gaps group $1 skipped and the versions
 	// in them.
 	skippedTotalsSQL = statement(`SELECT count(*), COALESCE(sum(to_version - from_version + 1), 0)::bigint
 		FROM {schema}.skipped_versions WHERE consumer_group = $1`)
+	// Per aggregate with parked events: the lowest one, the predecessor
+	// it waits for and the aggregate's version; a gap is open when that
+	// predecessor has not been applied ($1 group, $2 limit).
 	openGapsSQL = statement(`SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
 			SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
 				EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
@@ -59,52 +69,10 @@ var (
 		) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`)
 )
 
-func init() {
-	// distinctGroups returns the distinct consumer_group values of
-	// table's rows that match the condition and (AND …, or ""), by
-	// skipping from one group to the next along its index.
-	distinctGroups := func(table, and string) string {
-		return `(WITH RECURSIVE g(name) AS (
-			(SELECT consumer_group FROM {schema}.` + table + ` WHERE true ` + and + ` ORDER BY consumer_group LIMIT 1)
-			UNION ALL
-			SELECT (SELECT consumer_group FROM {schema}.` + table + ` WHERE consumer_group > g.name ` + and + ` ORDER BY consumer_group LIMIT 1)
-			FROM g WHERE g.name IS NOT NULL
-		) SELECT name FROM g WHERE name IS NOT NULL)`
-	}
-	processedGroupsSQL = statement(`SELECT name FROM ` + distinctGroups("processed_events", "") + ` g`)
-	for held := range 2 {
-		groups := distinctGroups("aggregate_versions", "") + " UNION " + distinctGroups("parked_events", "")
-		late, dead := "0::bigint", "0::bigint"
-		if held == 1 {
-			// The groups holding open events (the relay's have none),
-			// along the index of the open rows.
-			groups += " UNION " + distinctGroups("held_events", `AND status IN ('held', 'replay_requested') AND consumer_group <> ''`)
-			open := func(kind string) string {
-				return `(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
-			}
-			late, dead = open("late"), open("dead_letter")
-		}
-		statusGroupsSQL[held] = statement(`SELECT name FROM (` + groups + `) g ORDER BY name`)
-		statusCountsSQL[held] = statement(`SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
-				(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - $2::bigint * interval '1 microsecond'),
-				` + late + `, ` + dead + `
-			FROM {schema}.parked_events WHERE consumer_group = $1`)
-	}
-}
-
-// b2i is 1 for true.
-func b2i(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
-}
-
 // StatusGroups lists, by name, the consumer groups that recorded a
-// version or a parked event, or (withHeld: the schema has held_events)
-// hold an open late event or dead letter.
-func (s *Store) StatusGroups(ctx context.Context, db DBTX, withHeld bool) ([]string, error) {
-	return s.groups(ctx, db, statusGroupsSQL[b2i(withHeld)], "eventline: list consumer groups")
+// version or a parked event, or hold an open late event or dead letter.
+func (s *Store) StatusGroups(ctx context.Context, db DBTX) ([]string, error) {
+	return s.groups(ctx, db, statusGroupsSQL, "eventline: list consumer groups")
 }
 
 // ProcessedGroups lists, by name, the consumer groups with dedup records,
@@ -112,6 +80,12 @@ func (s *Store) StatusGroups(ctx context.Context, db DBTX, withHeld bool) ([]str
 // grows with the groups, not the rows.
 func (s *Store) ProcessedGroups(ctx context.Context, db DBTX) ([]string, error) {
 	return s.groups(ctx, db, processedGroupsSQL, "list the consumer groups with dedup records")
+}
+
+// RecordingGroups lists, by name, the consumer groups with dedup records
+// or aggregate versions: every group that handled an event.
+func (s *Store) RecordingGroups(ctx context.Context, db DBTX) ([]string, error) {
+	return s.groups(ctx, db, recordingGroupsSQL, "list the consumer groups")
 }
 
 func (s *Store) groups(ctx context.Context, db DBTX, st stmt, what string) ([]string, error) {
@@ -128,10 +102,9 @@ func (s *Store) groups(ctx context.Context, db DBTX, st stmt, what string) ([]st
 
 // GroupCounts returns the row of the group's parked events, the oldest
 // one's age in seconds (float8), the gaps it skipped in the last
-// SkippedWindow, and its open late events and dead letters (0 unless
-// withHeld).
-func (s *Store) GroupCounts(ctx context.Context, db DBTX, group string, withHeld bool) pgx.Row {
-	return db.QueryRow(ctx, s.q(statusCountsSQL[b2i(withHeld)]), group, SkippedWindow.Microseconds())
+// SkippedWindow, and its open late events and dead letters.
+func (s *Store) GroupCounts(ctx context.Context, db DBTX, group string) pgx.Row {
+	return db.QueryRow(ctx, s.q(statusCountsSQL), group, SkippedWindow.Microseconds())
 }
 
 // OpenGaps returns the rows of up to limit (at least one) of the group's

@@ -14,6 +14,7 @@
 package store
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -65,9 +66,7 @@ type Store struct {
 // New returns a Store for the tables in schema ("" means the default,
 // "eventline"). It fails when schema is not a plain SQL identifier.
 func New(schema string) (*Store, error) {
-	if schema == "" {
-		schema = migrations.DefaultSchema
-	}
+	schema = cmp.Or(schema, migrations.DefaultSchema)
 	if err := sqlident.Validate("schema", schema); err != nil {
 		return nil, err
 	}

@@ -19,23 +19,18 @@ import (
 // outcome (counted, first column true); the events it has no record of
 // stay one row each, with the group's version of the aggregate, whether a
 // skipped range covers the event's version, and whether the group
-// dead-lettered it (when the consumer dead-letter table exists). Only those
-// rows reach Go.
-func (q consumerSQL) classifySQL(eventsSQL string, p int, held bool) string {
+// dead-lettered it. Only those rows reach Go.
+func (q consumerSQL) classifySQL(eventsSQL string, p int) string {
 	g, t := "$"+strconv.Itoa(p), "$"+strconv.Itoa(p+1)
-	consumerDead := "false"
-	if held {
-		consumerDead = `a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.held + ` c
-			WHERE c.kind = 'dead_letter' AND c.consumer_group = a.grp AND c.event_id = a.event_id AND c.aggregate_type = a.aggregate_type
-				AND c.aggregate_id = a.aggregate_id AND c.status <> 'replayed')`
-	}
 	return `SELECT a.outcome IS NOT NULL, a.grp, a.outcome, a.n,
 		a.event_id, a.event_type, a.topic, a.aggregate_type, a.aggregate_id, a.version, a.created_at, a.relayed, a.dead,
 		a.retry_attempts, a.retry_error, av.version,
 		a.event_id IS NOT NULL AND a.version > 0 AND EXISTS (SELECT 1 FROM ` + q.skipped + ` sv WHERE sv.consumer_group = a.grp
 			AND sv.aggregate_type = a.aggregate_type AND sv.aggregate_id = a.aggregate_id
 			AND a.version BETWEEN sv.from_version AND sv.to_version),
-		` + consumerDead + `
+		a.event_id IS NOT NULL AND EXISTS (SELECT 1 FROM ` + q.held + ` c
+			WHERE c.kind = 'dead_letter' AND c.consumer_group = a.grp AND c.event_id = a.event_id AND c.aggregate_type = a.aggregate_type
+				AND c.aggregate_id = a.aggregate_id AND c.status <> 'replayed')
 	FROM (
 		SELECT gt.grp, p.outcome, count(*)::bigint AS n, u.*
 		FROM (` + eventsSQL + `) ev
@@ -70,52 +65,41 @@ type unrecorded struct {
 	consumerDead bool
 }
 
+// classified is a row of classifySQL: a count of the group's events of
+// one outcome (Counted), or an event it has no record of (the other
+// columns set).
+type classified struct {
+	Counted                                               bool
+	Group                                                 string
+	Outcome                                               *string
+	N                                                     int64
+	EventID, EventType, Topic, AggregateType, AggregateID *string
+	Version                                               *int64
+	CreatedAt                                             *time.Time
+	Relayed, Dead                                         *bool
+	RetryAttempts                                         *int32
+	RetryError                                            *string
+	GroupVersion                                          *int64
+	Skipped, ConsumerDead                                 *bool
+}
+
 // classify runs a classification query and feeds its rows to the runner.
 func (r *runner) classify(ctx context.Context, tx pgx.Tx, query string, args ...any) error {
-	rows, err := tx.Query(ctx, query, args...)
-	if err != nil {
-		return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var (
-			counted             bool
-			group               string
-			outcome             *string
-			n                   int64
-			u                   unrecorded
-			id, et, top, at, ai *string
-			ver                 *int64
-			created             *time.Time
-			relayed, dead       *bool
-			attempts            *int32
-			lastErr             *string
-			skipped, cdead      *bool
-		)
-		if err := rows.Scan(&counted, &group, &outcome, &n, &id, &et, &top, &at, &ai, &ver, &created, &relayed, &dead,
-			&attempts, &lastErr, &u.groupVersion, &skipped, &cdead); err != nil {
-			return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
-		}
-		gs := r.groups[group]
+	return each(ctx, tx, "match outbox events with the consumer groups' records", func(c classified) {
+		gs := r.groups[c.Group]
 		if gs == nil {
-			continue
+			return
 		}
-		gs.rep.Events += n
-		if counted {
-			gs.rep.Outcomes[*outcome] += n
-			continue
+		gs.rep.Events += c.N
+		if c.Counted {
+			gs.rep.Outcomes[*c.Outcome] += c.N
+			return
 		}
-		u.group = group
-		u.eventID, u.eventType, u.topic, u.aggregateType, u.aggregateID = *id, *et, *top, *at, *ai
-		u.version, u.createdAt, u.relayed, u.dead = *ver, *created, *relayed, *dead
-		u.retryAttempts, u.retryError = int(*attempts), *lastErr
-		u.skipped, u.consumerDead = *skipped, *cdead
-		r.judge(gs, u)
-	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("match outbox events with the consumer groups' records: %w", err)
-	}
-	return nil
+		r.judge(gs, unrecorded{group: c.Group, groupVersion: c.GroupVersion, skipped: *c.Skipped, consumerDead: *c.ConsumerDead,
+			outboxEvent: outboxEvent{eventID: *c.EventID, eventType: *c.EventType, topic: *c.Topic, aggregateType: *c.AggregateType,
+				aggregateID: *c.AggregateID, version: *c.Version, createdAt: *c.CreatedAt, relayed: *c.Relayed, dead: *c.Dead,
+				retryAttempts: int(*c.RetryAttempts), retryError: *c.RetryError}})
+	}, query, args...)
 }
 
 // judge decides what an event a group has no dedup record of is: pending,
@@ -195,12 +179,8 @@ func (r *runner) judge(gs *groupState, u unrecorded) {
 		return
 	}
 	if rec, committed, ok := r.kafka.consumedBy(u.group, l); ok {
-		checked := "nor a dead letter"
-		if !r.consumerHeld {
-			checked = "and its dead letters were not read"
-		}
-		lost(fmt.Sprintf("on Kafka at %s/%d offset %d; the group's committed offset there is %d, past it, but it has no dedup record of this event (%s)",
-			u.topic, rec.partition, rec.offset, committed, checked))
+		lost(fmt.Sprintf("on Kafka at %s/%d offset %d; the group's committed offset there is %d, past it, but it has no dedup record of this event (nor a dead letter)",
+			u.topic, rec.partition, rec.offset, committed))
 		return
 	}
 	rec := l.copies[0]

@@ -3,7 +3,6 @@ package verify
 import (
 	"context"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -19,15 +18,6 @@ const ConsumerDeadLetterTable = "held_events"
 type consumerSQL struct {
 	schema                                     string
 	processed, versions, parked, skipped, held string
-}
-
-// deadRecord is one consumer dead letter.
-type deadRecord struct {
-	id                                             int64
-	eventID, eventType, aggregateType, aggregateID string
-	version                                        int64
-	group, reason                                  string
-	at                                             time.Time
 }
 
 func newConsumerSQL(schema string) consumerSQL {
@@ -51,71 +41,29 @@ func (q consumerSQL) tablesPresent(ctx context.Context, tx pgx.Tx) (bool, error)
 	return ok, nil
 }
 
-// heldPresent reports whether held_events exists (a schema rolled back
-// past 003_held_events has none).
-func (q consumerSQL) heldPresent(ctx context.Context, tx pgx.Tx) (bool, error) {
-	var ok bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, q.held).Scan(&ok); err != nil {
-		return false, fmt.Errorf("look for %s: %w", ConsumerDeadLetterTable, err)
-	}
-	return ok, nil
-}
-
-// discoverGroups lists the consumer groups that recorded anything, by a
-// loose index scan of the two tables whose primary key starts with the
-// group: cheap however many rows there are.
-func (q consumerSQL) discoverGroups(ctx context.Context, tx pgx.Tx) ([]string, error) {
-	var out []string
-	for _, table := range []string{q.processed, q.versions} {
-		rows, err := tx.Query(ctx, `WITH RECURSIVE g(name) AS (
-			(SELECT consumer_group FROM `+table+` ORDER BY consumer_group LIMIT 1)
-			UNION ALL
-			SELECT (SELECT consumer_group FROM `+table+` WHERE consumer_group > g.name ORDER BY consumer_group LIMIT 1)
-			FROM g WHERE g.name IS NOT NULL
-		) SELECT name FROM g WHERE name IS NOT NULL`)
-		if err != nil {
-			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
-		}
-		names, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return nil, fmt.Errorf("list consumer groups in %s: %w", table, err)
-		}
-		out = append(out, names...)
-	}
-	slices.Sort(out)
-	return slices.Compact(out), nil
-}
-
-// hasRecords reports whether the group has any dedup record.
-func (q consumerSQL) hasRecords(ctx context.Context, tx pgx.Tx, group string) (bool, error) {
-	var ok bool
-	err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+q.processed+` WHERE consumer_group = $1)`, group).Scan(&ok)
-	if err != nil {
-		return false, fmt.Errorf("read dedup records of group %q: %w", group, err)
-	}
-	return ok, nil
-}
-
-// parkedTopics returns the topics each group has parked events of.
+// parkedTopics adds the topics each group has parked events of.
 func (q consumerSQL) parkedTopics(ctx context.Context, tx pgx.Tx, groups []string, into map[string]map[string]bool) error {
-	rows, err := tx.Query(ctx, `SELECT DISTINCT consumer_group, topic FROM `+q.parked+` WHERE consumer_group = ANY($1) AND topic <> ''`, groups)
-	if err != nil {
-		return fmt.Errorf("read parked events' topics: %w", err)
-	}
-	var g, t string
-	_, err = pgx.ForEachRow(rows, []any{&g, &t}, func() error {
-		addTopic(into, g, t)
-		return nil
-	})
-	return err
+	return each(ctx, tx, "read parked events' topics", func(t groupTopic) { t.addTo(into) },
+		`SELECT DISTINCT consumer_group, topic FROM `+q.parked+` WHERE consumer_group = ANY($1) AND topic <> ''`, groups)
 }
 
-// queryEach runs query and calls fn for each row, scanned into scans. Its
-// errors say what was read.
-func queryEach(ctx context.Context, tx pgx.Tx, what string, scans []any, fn func(), query string, args ...any) error {
+// each runs query and calls fn with each row, scanned by position into a
+// T: a struct whose exported fields (those of embedded structs included)
+// are the columns, in order. Its errors say what was read.
+func each[T any](ctx context.Context, tx pgx.Tx, what string, fn func(T), query string, args ...any) error {
 	rows, err := tx.Query(ctx, query, args...)
 	if err == nil {
-		_, err = pgx.ForEachRow(rows, scans, func() error { fn(); return nil })
+		defer rows.Close()
+		for rows.Next() {
+			var row T
+			if row, err = pgx.RowToStructByPos[T](rows); err != nil {
+				break
+			}
+			fn(row)
+		}
+		if err == nil {
+			err = rows.Err()
+		}
 	}
 	if err != nil {
 		return fmt.Errorf("%s: %w", what, err)
@@ -123,11 +71,39 @@ func queryEach(ctx context.Context, tx pgx.Tx, what string, scans []any, fn func
 	return nil
 }
 
-func addTopic(m map[string]map[string]bool, group, topic string) {
-	if m[group] == nil {
-		m[group] = map[string]bool{}
+// groupTopic is a topic a group consumes.
+type groupTopic struct{ Group, Topic string }
+
+func (t groupTopic) addTo(m map[string]map[string]bool) {
+	if m[t.Group] == nil {
+		m[t.Group] = map[string]bool{}
 	}
-	m[group][topic] = true
+	m[t.Group][t.Topic] = true
+}
+
+// eventRow names the event a row of a consumer table (or of held_events)
+// is about: the first columns of every query below that reads one, in
+// this order, At being when the row was written (parked, held, applied).
+type eventRow struct {
+	Group, AggregateType, AggregateID, EventID, EventType string
+	Version                                               int64
+	At                                                    time.Time
+}
+
+// finding is a finding about the row's event, its age measured against
+// now (the clock of the row's database).
+func (e eventRow) finding(sev Severity, kind Kind, now time.Time, detail string) Finding {
+	at := e.At
+	return Finding{Severity: sev, Kind: kind, Group: e.Group, EventID: e.EventID, EventType: e.EventType,
+		AggregateType: e.AggregateType, AggregateID: e.AggregateID, AggregateVersion: e.Version,
+		At: &at, AgeSeconds: max(now.Sub(at), 0).Seconds(), Detail: detail}
+}
+
+// eventColumnsOf lists eventRow's columns of a table with alias t, At
+// being the column at.
+func eventColumnsOf(t, at string) string {
+	return t + `.consumer_group, ` + t + `.aggregate_type, ` + t + `.aggregate_id, ` + t + `.event_id, ` + t + `.event_type, ` +
+		t + `.aggregate_version, ` + t + `.` + at
 }
 
 // inferTopicsSQL returns, per group, the topics of the events of the
@@ -138,66 +114,64 @@ func (q consumerSQL) inferTopicsSQL(eventsSQL string, p int) string {
 			AND pe.aggregate_type = ev.aggregate_type AND pe.aggregate_id = ev.aggregate_id`
 }
 
-// readParked calls fn for each parked event of the groups in the window,
-// with the aggregate's current version.
-func (q consumerSQL) readParked(ctx context.Context, tx pgx.Tx, groups []string, w window,
-	fn func(group, typ, id, eventID, eventType string, version, follows int64, parkedAt time.Time, attempts int, lastErr string, current *int64)) error {
-	// The predecessor the event waits for: previous_version (from
-	// 003_consumer_gate on; sparse versions follow an earlier one), else
-	// the version before.
-	var hasPrevious bool
-	err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM information_schema.columns
-		WHERE table_schema = $1 AND table_name = 'parked_events' AND column_name = 'previous_version')`, q.schema).Scan(&hasPrevious)
-	if err != nil {
-		return fmt.Errorf("read parked events: %w", err)
-	}
-	follows := "pe.aggregate_version - 1"
-	if hasPrevious {
-		follows = "pe.previous_version"
-	}
-	var (
-		group, typ, id, eventID, eventType, lastErr string
-		version, prev                               int64
-		parkedAt                                    time.Time
-		attempts                                    int
-		current                                     *int64
-	)
-	return queryEach(ctx, tx, "read parked events", []any{&group, &typ, &id, &eventID, &eventType, &version, &prev, &parkedAt, &attempts, &lastErr, &current}, func() { fn(group, typ, id, eventID, eventType, version, prev, parkedAt, attempts, lastErr, current) },
-		`SELECT pe.consumer_group, pe.aggregate_type, pe.aggregate_id, pe.event_id, pe.event_type,
-			pe.aggregate_version, `+follows+`, pe.parked_at, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
-		FROM `+q.parked+` pe LEFT JOIN `+q.versions+` av
+// parkedRow is a parked event and its aggregate's current version (nil:
+// none yet).
+type parkedRow struct {
+	eventRow
+	Follows   int64
+	Attempts  int
+	LastError string
+	Current   *int64
+}
+
+// parkedSQL reads the parked events of the groups ($3) parked in the
+// window ($1..$2), as parkedRow.
+func (q consumerSQL) parkedSQL() string {
+	return `SELECT ` + eventColumnsOf("pe", "parked_at") + `, pe.previous_version, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
+		FROM ` + q.parked + ` pe LEFT JOIN ` + q.versions + ` av
 			ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
-		WHERE pe.consumer_group = ANY($3) AND `+windowSQL("pe.parked_at", 1, 2), w.since, w.until, groups)
+		WHERE pe.consumer_group = ANY($3) AND ` + windowSQL("pe.parked_at", 1, 2)
 }
 
-// readLate calls fn for each late event of the groups held in the window
-// and still open. kind is its cause.
-func (q consumerSQL) readLate(ctx context.Context, tx pgx.Tx, groups []string, w window,
-	fn func(group, typ, id, eventID, eventType string, version int64, kind, reason string, heldAt time.Time, applyRequested bool)) error {
-	var (
-		group, typ, id, eventID, eventType, kind, reason string
-		version                                          int64
-		heldAt                                           time.Time
-		requested                                        bool
-	)
-	return queryEach(ctx, tx, "read late events", []any{&group, &typ, &id, &eventID, &eventType, &version, &kind, &reason, &heldAt, &requested}, func() { fn(group, typ, id, eventID, eventType, version, kind, reason, heldAt, requested) },
-		`SELECT consumer_group, aggregate_type, aggregate_id, event_id, event_type, aggregate_version, cause, reason, held_at,
-			status = 'replay_requested'
-		FROM `+q.held+` WHERE kind = 'late' AND status IN ('held', 'replay_requested') AND consumer_group = ANY($3) AND `+
-			windowSQL("held_at", 1, 2)+` ORDER BY held_at`, w.since, w.until, groups)
+// heldRow is a held event of a group: its id, why it was held (Cause:
+// its kind for a dead letter), and whether its replay was requested.
+type heldRow struct {
+	eventRow
+	ID        int64
+	Cause     string
+	Reason    string
+	Requested bool
 }
 
-// readSkipped calls fn for each skipped range of the groups in the window.
-func (q consumerSQL) readSkipped(ctx context.Context, tx pgx.Tx, groups []string, w window,
-	fn func(group, typ, id string, from, to int64, reason string, at time.Time)) error {
-	var (
-		group, typ, id, reason string
-		from, to               int64
-		at                     time.Time
-	)
-	return queryEach(ctx, tx, "read skipped versions", []any{&group, &typ, &id, &from, &to, &reason, &at}, func() { fn(group, typ, id, from, to, reason, at) },
-		`SELECT consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at
-		FROM `+q.skipped+` WHERE consumer_group = ANY($3) AND `+windowSQL("skipped_at", 1, 2)+` ORDER BY id`, w.since, w.until, groups)
+// heldSQL reads the groups' ($3) held events of kind still open (held or
+// replay requested), held in the window ($1..$2), as heldRow, oldest first.
+func (q consumerSQL) heldSQL(kind string) string {
+	return `SELECT ` + eventColumnsOf("h", "held_at") + `, h.id, h.cause, h.reason, h.status = 'replay_requested'
+		FROM ` + q.held + ` h WHERE h.kind = '` + kind + `' AND h.status IN ('held', 'replay_requested') AND h.consumer_group = ANY($3) AND ` +
+		windowSQL("h.held_at", 1, 2) + ` ORDER BY h.held_at`
+}
+
+// skippedRow is a range of versions a group skipped.
+type skippedRow struct {
+	Group, AggregateType, AggregateID string
+	From, To                          int64
+	Reason                            string
+	At                                time.Time
+}
+
+// skippedSQL reads the groups' ($3) skipped ranges recorded in the window
+// ($1..$2), as skippedRow.
+func (q consumerSQL) skippedSQL() string {
+	return `SELECT consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at
+		FROM ` + q.skipped + ` WHERE consumer_group = ANY($3) AND ` + windowSQL("skipped_at", 1, 2) + ` ORDER BY id`
+}
+
+// versionRow is an applied event and the other version it is checked
+// against: the higher one applied before it (out of order) or, for a
+// discarded event, the event that had applied its version.
+type versionRow[T any] struct {
+	eventRow
+	Other T
 }
 
 // aggregateWindow partitions processed_events rows by group and aggregate.
@@ -217,7 +191,7 @@ const aggregateWindow = `PARTITION BY p.consumer_group COLLATE "C", p.aggregate_
 // by version, so they never count; the running maxima keep the cost one
 // sort per clock, however many events an aggregate has.
 func (q consumerSQL) outOfOrderSQL() string {
-	return `SELECT consumer_group, aggregate_type, aggregate_id, aggregate_version, event_id, event_type, processed_at, before_t
+	return `SELECT ` + eventColumnsOf("s", "processed_at") + `, s.before_t
 	FROM (
 		SELECT p.consumer_group, p.aggregate_type, p.aggregate_id, p.aggregate_version, p.event_id, p.event_type, p.processed_at,
 			max(p.aggregate_version) OVER (` + aggregateWindow + ` ORDER BY p.processed_at, p.aggregate_version
@@ -227,7 +201,7 @@ func (q consumerSQL) outOfOrderSQL() string {
 		FROM ` + q.processed + ` p
 		WHERE p.consumer_group = ANY($3) AND p.outcome = 'applied' AND p.aggregate_version > 0 AND ` + windowSQL("p.processed_at", 1, 2) + `
 	) s
-	WHERE aggregate_version < before_t AND aggregate_version < before_x`
+	WHERE s.aggregate_version < s.before_t AND s.aggregate_version < s.before_x`
 }
 
 // discardedSQL finds events of the groups ($3) discarded as stale in the
@@ -240,21 +214,11 @@ func (q consumerSQL) outOfOrderSQL() string {
 // say. It returns one row per discarded event, with the smallest of the
 // other ids.
 func (q consumerSQL) discardedSQL() string {
-	return `SELECT s.consumer_group, s.aggregate_type, s.aggregate_id, s.aggregate_version, s.event_id, s.event_type, s.processed_at, min(a.event_id)
+	return `SELECT ` + eventColumnsOf("s", "processed_at") + `, min(a.event_id)
 	FROM ` + q.processed + ` s
 	JOIN ` + q.processed + ` a ON a.consumer_group = s.consumer_group AND a.aggregate_type = s.aggregate_type
 		AND a.aggregate_id = s.aggregate_id AND a.aggregate_version = s.aggregate_version
 		AND a.outcome IN ('applied', 'late_applied') AND a.event_id <> s.event_id
 	WHERE s.consumer_group = ANY($3) AND s.outcome = 'stale' AND s.aggregate_version > 0 AND ` + windowSQL("s.processed_at", 1, 2) + `
 	GROUP BY s.consumer_group, s.aggregate_type, s.aggregate_id, s.aggregate_version, s.event_id, s.event_type, s.processed_at`
-}
-
-// readConsumerDeadLetters calls fn for each dead letter of the groups
-// neither replayed nor discarded, held in the window.
-func (q consumerSQL) readConsumerDeadLetters(ctx context.Context, tx pgx.Tx, groups []string, w window, fn func(deadRecord)) error {
-	var d deadRecord
-	return queryEach(ctx, tx, "read the consumer dead letters", []any{&d.id, &d.group, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version, &d.reason, &d.at}, func() { fn(d) },
-		`SELECT id, consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, reason, held_at
-		FROM `+q.held+` WHERE kind = 'dead_letter' AND status IN ('held', 'replay_requested') AND consumer_group = ANY($3) AND `+
-			windowSQL("held_at", 1, 2), w.since, w.until, groups)
 }

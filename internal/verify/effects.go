@@ -93,9 +93,11 @@ func (r *runner) checkEffects(ctx context.Context, tx pgx.Tx, gs *groupState, qu
 	}
 	gs.orderFromEffects = true
 	return pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
-		rows, err := sp.Query(ctx, `SELECT aggregate_type, aggregate_id, aggregate_version, event_id, event_type, processed_at, before
+		err := each(ctx, sp, "read the order of the effects", func(o versionRow[int64]) {
+			r.outOfOrder(gs, o, "its effects, in the order of the effects query's second column")
+		}, `SELECT `+eventColumnsOf("s", "processed_at")+`, s.before
 			FROM (
-				SELECT p.aggregate_type, p.aggregate_id, p.aggregate_version, p.event_id, p.event_type, p.processed_at,
+				SELECT p.consumer_group, p.aggregate_type, p.aggregate_id, p.aggregate_version, p.event_id, p.event_type, p.processed_at,
 					max(p.aggregate_version) OVER (`+aggregateWindow+` ORDER BY e.seq, p.aggregate_version
 						ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before
 				FROM (`+q+`) AS `+alias+`
@@ -105,19 +107,7 @@ func (r *runner) checkEffects(ctx context.Context, tx pgx.Tx, gs *groupState, qu
 					-- not say which aggregate an effect was for: left out.
 					AND NOT EXISTS (SELECT 1 FROM `+r.consumer.processed+` o WHERE o.consumer_group = $1 AND o.event_id = p.event_id
 						AND (o.aggregate_type, o.aggregate_id) <> (p.aggregate_type, p.aggregate_id))
-			) s WHERE aggregate_version < before`, group)
-		if err != nil {
-			return fail(err)
-		}
-		var (
-			typ, aggID, id, eventType string
-			version, before           int64
-			at                        time.Time
-		)
-		_, err = pgx.ForEachRow(rows, []any{&typ, &aggID, &version, &id, &eventType, &at, &before}, func() error {
-			r.outOfOrder(gs, typ, aggID, version, id, eventType, at, before, "its effects, in the order of the effects query's second column")
-			return nil
-		})
+			) s WHERE s.aggregate_version < s.before`, group)
 		if err != nil {
 			return fail(err)
 		}
@@ -126,14 +116,8 @@ func (r *runner) checkEffects(ctx context.Context, tx pgx.Tx, gs *groupState, qu
 }
 
 // outOfOrder records an event applied after a higher version of its
-// aggregate.
-func (r *runner) outOfOrder(gs *groupState, typ, aggID string, version int64, eventID, eventType string, at time.Time, before int64, by string) {
+// aggregate (o.Other).
+func (r *runner) outOfOrder(gs *groupState, o versionRow[int64], by string) {
 	gs.rep.OutOfOrder++
-	t := at
-	r.details.add(Finding{
-		Severity: Problem, Kind: OutOfOrder, Group: gs.rep.Group, EventID: eventID, EventType: eventType,
-		AggregateType: typ, AggregateID: aggID, AggregateVersion: version, At: &t,
-		AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
-		Detail:     fmt.Sprintf("v%d was applied after v%d, by %s", version, before, by),
-	})
+	r.details.add(o.finding(Problem, OutOfOrder, r.consumerNow, fmt.Sprintf("v%d was applied after v%d, by %s", o.Version, o.Other, by)))
 }

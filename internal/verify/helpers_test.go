@@ -180,6 +180,16 @@ func (f *fixture) createEffects() {
 	require.NoError(f.t, err)
 }
 
+// relayedWithEffects creates the effects table, publishes n events of
+// aggregate id and marks every row relayed.
+func (f *fixture) relayedWithEffects(id string, n int) []eventline.Event {
+	f.t.Helper()
+	f.createEffects()
+	evs := f.publish(id, n)
+	f.markRelayed()
+	return evs
+}
+
 // effectsQuery is the effects query over createEffects' table.
 func (f *fixture) effectsQuery() string {
 	return `SELECT event_id, seq FROM ` + sqlident.Qualify(f.consumer.Schema, "effects")
@@ -234,17 +244,25 @@ func (f *fixture) produce(topic string, events []eventline.Event, extra map[stri
 	return offsets
 }
 
-// commitAll commits the group's Kafka offsets at the end of every
-// partition of topic: the group has consumed everything there.
-func (f *fixture) commitAll(group, topic string) {
+// kafka returns a Sarama client of the fixture's brokers, an admin client
+// over it, and what closes both.
+func (f *fixture) kafka() (sarama.Client, sarama.ClusterAdmin, func()) {
 	f.t.Helper()
 	cfg := sarama.NewConfig()
 	cfg.Version = kafkaconf.Version
 	client, err := sarama.NewClient(f.brokers, cfg)
 	require.NoError(f.t, err)
-	defer client.Close()
 	admin, err := sarama.NewClusterAdminFromClient(client)
 	require.NoError(f.t, err)
+	return client, admin, func() { _ = admin.Close() } // closes the client too
+}
+
+// commitAll commits the group's Kafka offsets at the end of every
+// partition of topic: the group has consumed everything there.
+func (f *fixture) commitAll(group, topic string) {
+	f.t.Helper()
+	client, admin, closeKafka := f.kafka()
+	defer closeKafka()
 	parts, err := client.Partitions(topic)
 	require.NoError(f.t, err)
 	// A bare OffsetCommit, as a group without members commits (Sarama's
@@ -285,14 +303,8 @@ func (f *fixture) commitAll(group, topic string) {
 // end of every partition of topic.
 func (f *fixture) committedToEnd(group, topic string) bool {
 	f.t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(f.brokers, cfg)
-	require.NoError(f.t, err)
-	defer admin.Close()
-	client, err := sarama.NewClient(f.brokers, cfg)
-	require.NoError(f.t, err)
-	defer client.Close()
+	client, admin, closeKafka := f.kafka()
+	defer closeKafka()
 	parts, err := client.Partitions(topic)
 	require.NoError(f.t, err)
 	resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: parts})

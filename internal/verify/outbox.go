@@ -114,27 +114,24 @@ func readOutboxSummary(ctx context.Context, tx pgx.Tx, schema string, shard int,
 	return oldest, nil
 }
 
-// relayDeadLetter is a relay dead letter in held_events.
-type relayDeadLetter struct {
-	id                                             int64
-	shard                                          int
-	eventID, eventType, aggregateType, aggregateID string
-	version                                        int64
-	topic, reason, lastError                       string
-	attempts                                       int
-	deadAt                                         time.Time
+// relayDeadRow is a relay dead letter in held_events (its group is
+// empty).
+type relayDeadRow struct {
+	eventRow
+	ID        int64
+	Shard     int
+	Topic     string
+	Reason    string
+	LastError string
+	Attempts  int
 }
 
-// readRelayDeadLetters calls fn for each relay dead letter of the window
-// not replayed (held, or discarded), oldest first.
-func readRelayDeadLetters(ctx context.Context, tx pgx.Tx, schema string, w window, fn func(relayDeadLetter)) error {
-	var d relayDeadLetter
-	return queryEach(ctx, tx, "read the relay's dead letters", []any{&d.id, &d.shard, &d.eventID, &d.eventType, &d.aggregateType, &d.aggregateID, &d.version,
-		&d.topic, &d.reason, &d.lastError, &d.attempts, &d.deadAt}, func() { fn(d) },
-		`SELECT id, shard, event_id, event_type, aggregate_type, aggregate_id, aggregate_version,
-			topic, reason, coalesce(last_error, ''), attempts, held_at
-		FROM `+sqlident.Qualify(schema, "held_events")+`
-		WHERE kind = 'relay_dead_letter' AND status <> 'replayed' AND `+windowSQL("held_at", 1, 2)+` ORDER BY id`, w.since, w.until)
+// relayDeadSQL reads the relay's dead letters of the window ($1..$2) not
+// replayed (held, or discarded), as relayDeadRow, oldest first.
+func relayDeadSQL(schema string) string {
+	return `SELECT ` + eventColumnsOf("h", "held_at") + `, h.id, h.shard, h.topic, h.reason, coalesce(h.last_error, ''), h.attempts
+		FROM ` + sqlident.Qualify(schema, "held_events") + ` h
+		WHERE h.kind = 'relay_dead_letter' AND h.status <> 'replayed' AND ` + windowSQL("h.held_at", 1, 2) + ` ORDER BY h.id`
 }
 
 // countRetrying counts outbox rows waiting for a publish retry.

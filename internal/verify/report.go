@@ -256,21 +256,16 @@ func (r *Report) finish() {
 		return cmp.Or(cmp.Compare(sev[a.Severity], sev[b.Severity]), cmp.Compare(kindOrder[a.Kind], kindOrder[b.Kind]), cmp.Compare(a.Group, b.Group))
 	})
 	r.OK = r.Problems == 0
-	if r.Findings == nil {
-		r.Findings = []Finding{}
+	// Empty lists are [] in the JSON, never null.
+	r.Findings, r.Omitted, r.Notes = nonNil(r.Findings), nonNil(r.Omitted), nonNil(r.Notes)
+	r.Groups, r.Kafka.Topics = nonNil(r.Groups), nonNil(r.Kafka.Topics)
+}
+
+func nonNil[T any](s []T) []T {
+	if s == nil {
+		return []T{}
 	}
-	if r.Omitted == nil {
-		r.Omitted = []Omitted{}
-	}
-	if r.Notes == nil {
-		r.Notes = []string{}
-	}
-	if r.Groups == nil {
-		r.Groups = []GroupReport{}
-	}
-	if r.Kafka.Topics == nil {
-		r.Kafka.Topics = []TopicSummary{}
-	}
+	return s
 }
 
 // details keeps the oldest findings of each (group, kind, severity) up to a

@@ -6,7 +6,6 @@ import (
 	"maps"
 	"slices"
 	"strconv"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -23,63 +22,56 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	if len(groups) == 0 {
 		return nil
 	}
-	err := r.consumer.readParked(ctx, ctx1, groups, r.w, func(group, typ, id, eventID, eventType string, version, follows int64, parkedAt time.Time, attempts int, lastErr string, current *int64) {
-		gs := r.groups[group]
-		age := max(r.consumerNow.Sub(parkedAt), 0)
+	err := each(ctx, ctx1, "read parked events", func(p parkedRow) {
+		gs := r.groups[p.Group]
+		age := max(r.consumerNow.Sub(p.At), 0)
 		gs.rep.Parked++
 		gs.rep.OldestParkedSeconds = max(gs.rep.OldestParkedSeconds, age.Seconds())
 		cur := int64(0)
-		if current != nil {
-			cur = *current
+		if p.Current != nil {
+			cur = *p.Current
 		}
 		detail := fmt.Sprintf("parked: the aggregate is at v%d and waits for v%d", cur, cur+1)
-		if follows > cur+1 {
-			detail = fmt.Sprintf("parked: the aggregate is at v%d and waits for v%d..v%d", cur, cur+1, follows)
-		} else if follows <= cur {
+		if p.Follows > cur+1 {
+			detail = fmt.Sprintf("parked: the aggregate is at v%d and waits for v%d..v%d", cur, cur+1, p.Follows)
+		} else if p.Follows <= cur {
 			detail = fmt.Sprintf("parked: the aggregate is at v%d, which it follows: the consumer's sweeper applies it on its next pass", cur)
 		}
-		if attempts > 0 {
-			detail += fmt.Sprintf("; releasing it failed %d time(s): %s", attempts, truncate(lastErr, maxReasonLength))
+		if p.Attempts > 0 {
+			detail += fmt.Sprintf("; releasing it failed %d time(s): %s", p.Attempts, truncate(p.LastError, maxReasonLength))
 		}
 		sev := Info
 		if age > r.cfg.MaxParkedAge {
 			sev = Problem
 			detail += fmt.Sprintf(" (parked for longer than %s: is the consumer's sweeper running?)", human(r.cfg.MaxParkedAge))
 		}
-		at := parkedAt
-		r.details.add(Finding{Severity: sev, Kind: Parked, Group: group, EventID: eventID, EventType: eventType,
-			AggregateType: typ, AggregateID: id, AggregateVersion: version, At: &at, AgeSeconds: age.Seconds(), Detail: detail})
-	})
+		r.details.add(p.finding(sev, Parked, r.consumerNow, detail))
+	}, r.consumer.parkedSQL(), r.w.since, r.w.until, groups)
 	if err != nil {
 		return err
 	}
-	err = r.consumer.readSkipped(ctx, ctx1, groups, r.w, func(group, typ, id string, from, to int64, reason string, at time.Time) {
-		gs := r.groups[group]
+	err = each(ctx, ctx1, "read skipped versions", func(sk skippedRow) {
+		gs := r.groups[sk.Group]
 		gs.rep.SkippedGaps++
-		gs.rep.SkippedVersions += to - from + 1
-		t := at
-		r.details.add(Finding{Severity: Warning, Kind: Skipped, Group: group, AggregateType: typ, AggregateID: id,
-			AggregateVersion: from, ToVersion: to, At: &t, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
-			Detail: "versions given up on: " + truncate(reason, maxReasonLength)})
-	})
+		gs.rep.SkippedVersions += sk.To - sk.From + 1
+		at := sk.At
+		r.details.add(Finding{Severity: Warning, Kind: Skipped, Group: sk.Group, AggregateType: sk.AggregateType, AggregateID: sk.AggregateID,
+			AggregateVersion: sk.From, ToVersion: sk.To, At: &at, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
+			Detail: "versions given up on: " + truncate(sk.Reason, maxReasonLength)})
+	}, r.consumer.skippedSQL(), r.w.since, r.w.until, groups)
 	if err != nil {
 		return err
 	}
-	late := func(group, typ, id, eventID, eventType string, version int64, kind, reason string, heldAt time.Time, requested bool) {
-		gs := r.groups[group]
-		gs.rep.LateHeld++
-		detail := fmt.Sprintf("late (%s), held for the operator: %s; eventline held list -kind late, then held replay or held discard", kind, truncate(reason, maxReasonLength))
-		if requested {
-			detail = fmt.Sprintf("late (%s), its replay was requested; the consumer's sweeper applies it (is it running?): %s", kind, truncate(reason, maxReasonLength))
+	err = each(ctx, ctx1, "read late events", func(l heldRow) {
+		r.groups[l.Group].rep.LateHeld++
+		detail := fmt.Sprintf("late (%s), held for the operator: %s; eventline held list -kind late, then held replay or held discard", l.Cause, truncate(l.Reason, maxReasonLength))
+		if l.Requested {
+			detail = fmt.Sprintf("late (%s), its replay was requested; the consumer's sweeper applies it (is it running?): %s", l.Cause, truncate(l.Reason, maxReasonLength))
 		}
-		at := heldAt
-		r.details.add(Finding{Severity: Warning, Kind: Late, Group: group, EventID: eventID, EventType: eventType,
-			AggregateType: typ, AggregateID: id, AggregateVersion: version, At: &at, AgeSeconds: max(r.consumerNow.Sub(heldAt), 0).Seconds(), Detail: detail})
-	}
-	if r.consumerHeld {
-		if err := r.consumer.readLate(ctx, ctx1, groups, r.w, late); err != nil {
-			return err
-		}
+		r.details.add(l.finding(Warning, Late, r.consumerNow, detail))
+	}, r.consumer.heldSQL("late"), r.w.since, r.w.until, groups)
+	if err != nil {
+		return err
 	}
 	// An effects query with an ordering column orders exactly; the
 	// others' order is read from processed_events.
@@ -103,40 +95,29 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	if len(byRecords) == 0 {
 		return nil
 	}
-	var (
-		group, typ, id, eventID, eventType string
-		version, before                    int64
-		at                                 time.Time
-	)
-	return queryEach(ctx, ctx1, "check the order events were applied in", []any{&group, &typ, &id, &version, &eventID, &eventType, &at, &before}, func() {
-		r.outOfOrder(r.groups[group], typ, id, version, eventID, eventType, at, before, "processed_at and by the transaction that applied it")
+	return each(ctx, ctx1, "check the order events were applied in", func(o versionRow[int64]) {
+		r.outOfOrder(r.groups[o.Group], o, "processed_at and by the transaction that applied it")
 	}, r.consumer.outOfOrderSQL(), r.w.since, r.w.until, byRecords)
 }
 
 // checkConsumerDeadLetters reports the groups' dead letters neither
 // replayed nor discarded (held_events of kind dead_letter).
 func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
-	if !r.consumerHeld {
-		return nil
-	}
 	for _, gs := range r.groups {
 		gs.rep.DeadLetterSources = append(gs.rep.DeadLetterSources, ConsumerDeadLetterTable)
 	}
-	return r.consumer.readConsumerDeadLetters(ctx, ctx1, groups, r.w, func(d deadRecord) {
-		gs := r.groups[d.group]
+	return each(ctx, ctx1, "read the consumer dead letters", func(d heldRow) {
+		gs := r.groups[d.Group]
 		if gs == nil {
 			return
 		}
 		gs.rep.ConsumerDeadLetters++
-		at := d.at
-		detail := "dead-lettered by the group (held event " + strconv.FormatInt(d.id, 10) + "; eventline held replay)"
-		if d.reason != "" {
-			detail += ": " + truncate(d.reason, maxReasonLength)
+		detail := "dead-lettered by the group (held event " + strconv.FormatInt(d.ID, 10) + "; eventline held replay)"
+		if d.Reason != "" {
+			detail += ": " + truncate(d.Reason, maxReasonLength)
 		}
-		r.details.add(Finding{Severity: Problem, Kind: DeadLetter, Group: d.group, EventID: d.eventID, EventType: d.eventType,
-			AggregateType: d.aggregateType, AggregateID: d.aggregateID, AggregateVersion: d.version,
-			At: &at, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(), Detail: detail})
-	})
+		r.details.add(d.finding(Problem, DeadLetter, r.consumerNow, detail))
+	}, r.consumer.heldSQL("dead_letter"), r.w.since, r.w.until, groups)
 }
 
 // checkDiscarded reports events a group discarded as stale because another
@@ -144,19 +125,10 @@ func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, grou
 // not trusted: an event is stale legitimately only when it is the one that
 // holds its version (a redelivery whose dedup record expired).
 func (r *runner) checkDiscarded(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
-	var (
-		group, typ, id, eventID, eventType, other string
-		version                                   int64
-		at                                        time.Time
-	)
-	return queryEach(ctx, ctx1, "check stale events against the versions applied", []any{&group, &typ, &id, &version, &eventID, &eventType, &at, &other}, func() {
-		gs := r.groups[group]
-		gs.rep.Discarded++
-		t := at
-		r.details.add(Finding{Severity: Problem, Kind: Discarded, Group: group, EventID: eventID, EventType: eventType,
-			AggregateType: typ, AggregateID: id, AggregateVersion: version, At: &t, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
-			Detail: fmt.Sprintf("discarded as stale: the group had applied v%d of %s/%s from another event, %s, so this event's effect was never applied. "+
-				"Two events claim one version: a producer's sequence fell behind what consumers had seen (after a failover that lost commits, run `eventline relay advance-sequences` before producers start); "+
-				"re-publish this event if its effect is needed", version, typ, id, other)})
+	return each(ctx, ctx1, "check stale events against the versions applied", func(d versionRow[string]) {
+		r.groups[d.Group].rep.Discarded++
+		r.details.add(d.finding(Problem, Discarded, r.consumerNow, fmt.Sprintf("discarded as stale: the group had applied v%d of %s/%s from another event, %s, so this event's effect was never applied. "+
+			"Two events claim one version: a producer's sequence fell behind what consumers had seen (after a failover that lost commits, run `eventline relay advance-sequences` before producers start); "+
+			"re-publish this event if its effect is needed", d.Version, d.AggregateType, d.AggregateID, d.Other)))
 	}, r.consumer.discardedSQL(), r.w.since, r.w.until, groups)
 }

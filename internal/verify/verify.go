@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // DB is a database verify reads from; *pgxpool.Pool and *pgx.Conn satisfy
@@ -40,8 +41,7 @@ type runner struct {
 	consumer consumerSQL
 	groups   map[string]*groupState
 	// kafka is nil when Kafka is not read.
-	kafka        *kafkaIndex
-	consumerHeld bool
+	kafka *kafkaIndex
 	// outboxNow and consumerNow are the databases' clocks when the
 	// snapshots were taken; ages are measured against them.
 	outboxNow, consumerNow time.Time
@@ -153,7 +153,10 @@ func (r *runner) listGroups(ctx context.Context, db DB) ([]string, bool, error) 
 			groups = slices.Clone(r.cfg.Groups)
 			return nil
 		}
-		groups, err = r.consumer.discoverGroups(ctx, tx)
+		st, err := store.New(r.cfg.ConsumerSchema)
+		if err == nil {
+			groups, err = st.RecordingGroups(ctx, tx)
+		}
 		return err
 	})
 	if err != nil {
@@ -174,13 +177,6 @@ func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, gro
 	if !present {
 		r.note("consumer tables: not found in schema %s (migration 002_consumer is not applied there), so no consumer group was checked", cfg.ConsumerSchema)
 		groups = nil
-	} else {
-		if r.consumerHeld, err = r.consumer.heldPresent(ctx, ctx1); err != nil {
-			return err
-		}
-		if !r.consumerHeld {
-			r.note("%s: not found in schema %s (migration 003_held_events is not applied there), so no dead letter or late event was read", ConsumerDeadLetterTable, cfg.ConsumerSchema)
-		}
 	}
 	r.note("dedup records are assumed kept for %s (the retention `eventline cleanup` runs with): an event committed before %s without one is counted as unverifiable, not lost",
 		human(cfg.DedupRetention), r.rep.DedupHorizon.UTC().Format(time.RFC3339))
@@ -218,23 +214,18 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 	for _, g := range groups {
 		gs := &groupState{rep: &GroupReport{Group: g, Outcomes: map[string]int64{}, DeadLetterSources: []string{}}, topics: map[string]bool{}}
 		r.groups[g] = gs
-		has, err := r.consumer.hasRecords(ctx, ctx1, g)
+		var records, versions bool
+		err := ctx1.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.consumer.processed+` WHERE consumer_group = $1),
+			EXISTS (SELECT 1 FROM `+r.consumer.versions+` WHERE consumer_group = $1)`, g).Scan(&records, &versions)
 		if err != nil {
-			return err
+			return fmt.Errorf("read the records of group %q: %w", g, err)
 		}
-		gs.dedup = has
-		if !has {
-			var versions bool
-			if err := ctx1.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.consumer.versions+` WHERE consumer_group = $1)`, g).Scan(&versions); err != nil {
-				return fmt.Errorf("read versions of group %q: %w", g, err)
-			}
-			// A group that has versions but no dedup records runs the
-			// version gate without dedup; one with neither has not
-			// handled anything yet, and all its events are pending.
-			gs.dedup = !versions
-			if versions {
-				r.note("group %s: keeps versions but no dedup records, so its applied events cannot be told from lost ones; only its order, parked, skipped and dead-lettered events are checked", g)
-			}
+		// A group that has versions but no dedup records runs the version
+		// gate without dedup; one with neither has not handled anything
+		// yet, and all its events are pending.
+		gs.dedup = records || !versions
+		if !gs.dedup {
+			r.note("group %s: keeps versions but no dedup records, so its applied events cannot be told from lost ones; only its order, parked, skipped and dead-lettered events are checked", g)
 		}
 		gs.rep.Deduplicates = gs.dedup
 		switch {
@@ -284,25 +275,14 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 // inferTopics adds, per group, the topics of one shard's events it has
 // dedup records of.
 func (r *runner) inferTopics(ctx context.Context, otx, ctx1 pgx.Tx, shard int, groups []string, into map[string]map[string]bool) error {
-	collect := func(rows pgx.Rows, err error) error {
-		if err != nil {
-			return fmt.Errorf("find the topics of groups %v: %w", groups, err)
-		}
-		var g, t string
-		_, err = pgx.ForEachRow(rows, []any{&g, &t}, func() error {
-			addTopic(into, g, t)
-			return nil
-		})
-		if err != nil {
-			return fmt.Errorf("find the topics of groups %v: %w", groups, err)
-		}
-		return nil
+	collect := func(query string, args ...any) error {
+		return each(ctx, ctx1, fmt.Sprintf("find the topics of groups %v", groups), func(t groupTopic) { t.addTo(into) }, query, args...)
 	}
 	if !r.separate {
-		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups))
+		return collect(r.consumer.inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups)
 	}
 	return scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-		return collect(ctx1.Query(ctx, r.consumer.inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...))
+		return collect(r.consumer.inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...)
 	})
 }
 
@@ -337,20 +317,16 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 	if sum.Retrying, err = countRetrying(ctx, otx, r.cfg.Schema); err != nil {
 		return err
 	}
-	return readRelayDeadLetters(ctx, otx, r.cfg.Schema, r.w, func(d relayDeadLetter) {
+	return each(ctx, otx, "read the relay's dead letters", func(d relayDeadRow) {
 		sum.DeadLetters++
-		at := d.deadAt
-		detail := fmt.Sprintf("dead-lettered by the relay (held event %d, shard %d) after %d attempt(s): %s", d.id, d.shard, d.attempts, truncate(d.reason, maxReasonLength))
-		if d.lastError != "" && d.lastError != d.reason {
-			detail += "; last error: " + truncate(d.lastError, maxReasonLength)
+		detail := fmt.Sprintf("dead-lettered by the relay (held event %d, shard %d) after %d attempt(s): %s", d.ID, d.Shard, d.Attempts, truncate(d.Reason, maxReasonLength))
+		if d.LastError != "" && d.LastError != d.Reason {
+			detail += "; last error: " + truncate(d.LastError, maxReasonLength)
 		}
-		r.details.add(Finding{
-			Severity: Problem, Kind: DeadLetter, EventID: d.eventID, EventType: d.eventType, Topic: d.topic,
-			AggregateType: d.aggregateType, AggregateID: d.aggregateID, AggregateVersion: d.version,
-			At: &at, AgeSeconds: max(r.outboxNow.Sub(d.deadAt), 0).Seconds(),
-			Detail: detail + " — replay it with `eventline held replay " + fmt.Sprint(d.id) + "`",
-		})
-	})
+		f := d.finding(Problem, DeadLetter, r.outboxNow, detail+" — replay it with `eventline held replay "+fmt.Sprint(d.ID)+"`")
+		f.Topic = d.Topic
+		r.details.add(f)
+	}, relayDeadSQL(r.cfg.Schema), r.w.since, r.w.until)
 }
 
 // reconcile matches every outbox event of the window with the records of
@@ -367,13 +343,13 @@ func (r *runner) reconcile(ctx context.Context, otx, ctx1 pgx.Tx, shards int) er
 	}
 	for shard := 0; shard < shards; shard++ {
 		if !r.separate {
-			if err := r.classify(ctx, ctx1, r.consumer.classifySQL(eventsSQL(r.cfg.Schema, shard), 3, r.consumerHeld), r.w.since, r.w.until, gs, ts); err != nil {
+			if err := r.classify(ctx, ctx1, r.consumer.classifySQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, gs, ts); err != nil {
 				return err
 			}
 			continue
 		}
 		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams, r.consumerHeld), append(chunkArgs(chunk), gs, ts)...)
+			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), gs, ts)...)
 		})
 		if err != nil {
 			return err
