@@ -1,0 +1,8 @@
+\set id random(1, 1000000000000)
+\set agg random(1, 400)
+\startpipeline
+BEGIN;
+INSERT INTO pgmin.processed_events (consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome) VALUES ('g', :id::text, 'OrderPlaced', 'order', :agg::text, 1, 'applied') ON CONFLICT DO NOTHING;
+\endpipeline
+INSERT INTO pgmin.handled (event_id, aggregate_id, amount) VALUES (:id::text, :agg::text, 1234);
+COMMIT;
