@@ -268,11 +268,8 @@ func (c RelayConfig) validate() error {
 	default:
 		errs = append(errs, fmt.Errorf(`RelayConfig.Partitioner must be "murmur2", "fnv1a" or "sarama-config", got %q`, c.Partitioner))
 	}
-	if c.MaxMessageBytes < minMaxMessageBytes || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
-		// Sarama ignores (with a log line) a limit at or above its request
-		// size, and producer.Config refuses the same range.
-		errs = append(errs, fmt.Errorf("RelayConfig.MaxMessageBytes must be between %d and %d bytes (0 means the default, %d), got %d",
-			minMaxMessageBytes, sarama.MaxRequestSize-1, DefaultMaxMessageBytes, c.MaxMessageBytes))
+	if err := validateMaxMessageBytes("RelayConfig.MaxMessageBytes", c.MaxMessageBytes); err != nil {
+		errs = append(errs, err)
 	}
 	if err := c.Backoff.Validate("producer.RelayConfig.Backoff"); err != nil {
 		errs = append(errs, err)
