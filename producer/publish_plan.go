@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -158,19 +159,24 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 		return order[i].id < order[j].id
 	})
 	pl.aggs = make([]aggPlan, len(order))
-	seen := map[int32]bool{}
 	for ai, a := range order {
 		pl.aggs[ai] = *a
 		for _, i := range a.events {
 			pl.evAgg[i] = int32(ai + 1)
-			if s := pl.evShard[i]; !seen[s] {
-				seen[s] = true
-				pl.shards = append(pl.shards, int(s))
-			}
 		}
 	}
-	sort.Ints(pl.shards)
+	pl.setShards()
 	return pl, nil
+}
+
+// setShards sets shards to the distinct shards of the events, ascending.
+func (pl *plan) setShards() {
+	pl.shards = make([]int, len(pl.evShard))
+	for i, s := range pl.evShard {
+		pl.shards[i] = int(s)
+	}
+	slices.Sort(pl.shards)
+	pl.shards = slices.Compact(pl.shards)
 }
 
 // callerAggs counts the call's aggregates whose versions are the
@@ -197,7 +203,6 @@ func (pl *plan) subset(caller bool) *plan {
 		}
 	}
 	eventIndex := map[int]int{} // pl's event → sub's
-	seen := map[int32]bool{}
 	for i := range pl.events {
 		ai, ok := aggIndex[int(pl.evAgg[i])-1]
 		if !ok {
@@ -214,12 +219,8 @@ func (pl *plan) subset(caller bool) *plan {
 		sub.evHead = append(sub.evHead, pl.evHead[i])
 		sub.evMid = append(sub.evMid, pl.evMid[i])
 		sub.evTail = append(sub.evTail, pl.evTail[i])
-		if s := pl.evShard[i]; !seen[s] {
-			seen[s] = true
-			sub.shards = append(sub.shards, int(s))
-		}
 	}
-	sort.Ints(sub.shards)
+	sub.setShards()
 	for k := range sub.aggs {
 		events := make([]int, len(sub.aggs[k].events))
 		for j, i := range sub.aggs[k].events {

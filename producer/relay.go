@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -198,13 +199,18 @@ func (r *Relay) shardCount() int {
 	return r.shards
 }
 
+// runners returns a copy of the shard runners, by shard.
+func (r *Relay) runners() map[int]*shardRunner {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.running)
+}
+
 // ownedShards returns the shards this relay is relaying now, in order (not
 // those it is releasing).
 func (r *Relay) ownedShards() []int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	out := make([]int, 0, len(r.running))
-	for s, runner := range r.running {
+	var out []int
+	for s, runner := range r.runners() {
 		if !runner.stopping() {
 			out = append(out, s)
 		}
@@ -336,9 +342,7 @@ func (r *Relay) wake(shard int) {
 }
 
 func (r *Relay) wakeAll() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, runner := range r.running {
+	for _, runner := range r.runners() {
 		runner.notify()
 	}
 }
