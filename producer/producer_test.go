@@ -90,52 +90,176 @@ func TestPublishTxCommitsAndRollsBackWithCallerTx(t *testing.T) {
 	require.Equal(t, "2", envelope.Metadata[eventline.MetaAggregateID])
 }
 
-func TestPublishTxRejectsBadInputBeforeSQL(t *testing.T) {
+// TestPublishTxRefusesBeforeSQL: what PublishTx cannot write is refused
+// before any SQL runs, with an error that names it, and the caller's
+// transaction stays usable.
+func TestPublishTxRefusesBeforeSQL(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	p := newProducer(t, env)
-	ctx := context.Background()
-
-	good := orderEvent(t, "1")
-	cases := map[string]struct {
-		mutate func(*eventline.Event)
-		field  string
-	}{
-		"empty aggregate id":     {func(e *eventline.Event) { e.AggregateID = "" }, "aggregate_id"},
-		"empty aggregate type":   {func(e *eventline.Event) { e.AggregateType = " " }, "aggregate_type"},
-		"empty type":             {func(e *eventline.Event) { e.Type = "" }, "event_type"},
-		"bad topic":              {func(e *eventline.Event) { e.Topic = "orders; DROP TABLE x" }, "topic"},
-		"invalid json":           {func(e *eventline.Event) { e.Payload = []byte(`{"a":`) }, "payload"},
-		"reserved metadata":      {func(e *eventline.Event) { e.Metadata = map[string]string{"event_id": "x"} }, "metadata"},
-		"negative version":       {func(e *eventline.Event) { e.AggregateVersion = -1 }, "aggregate_version"},
-		"occurred in year 99999": {func(e *eventline.Event) { e.OccurredAt = time.Date(99999, 1, 1, 0, 0, 0, 0, time.UTC) }, "occurred_at"},
+	// setup returns a schema of the subtest's own and a producer on it.
+	setup := func(t *testing.T, cfg producer.Config) (pgtest.Env, *producer.Producer) {
+		t.Parallel()
+		env := pgtest.New(t, pgtest.Options{})
+		return env, newProducerWith(t, env, cfg)
 	}
-	for name, c := range cases {
-		t.Run(name, func(t *testing.T) {
-			tx, err := env.Pool.Begin(ctx)
-			require.NoError(t, err)
-			defer tx.Rollback(ctx)
 
-			bad := good
-			c.mutate(&bad)
-			err = p.PublishTx(ctx, tx, good, bad)
-			require.ErrorIs(t, err, eventline.ErrInvalidEvent)
+	t.Run("bad input", func(t *testing.T) {
+		env, p := setup(t, producer.Config{})
+		ctx := context.Background()
+
+		good := orderEvent(t, "1")
+		cases := map[string]struct {
+			mutate func(*eventline.Event)
+			field  string
+		}{
+			"empty aggregate id":     {func(e *eventline.Event) { e.AggregateID = "" }, "aggregate_id"},
+			"empty aggregate type":   {func(e *eventline.Event) { e.AggregateType = " " }, "aggregate_type"},
+			"empty type":             {func(e *eventline.Event) { e.Type = "" }, "event_type"},
+			"bad topic":              {func(e *eventline.Event) { e.Topic = "orders; DROP TABLE x" }, "topic"},
+			"invalid json":           {func(e *eventline.Event) { e.Payload = []byte(`{"a":`) }, "payload"},
+			"reserved metadata":      {func(e *eventline.Event) { e.Metadata = map[string]string{"event_id": "x"} }, "metadata"},
+			"negative version":       {func(e *eventline.Event) { e.AggregateVersion = -1 }, "aggregate_version"},
+			"occurred in year 99999": {func(e *eventline.Event) { e.OccurredAt = time.Date(99999, 1, 1, 0, 0, 0, 0, time.UTC) }, "occurred_at"},
+		}
+		for name, c := range cases {
+			t.Run(name, func(t *testing.T) {
+				tx, err := env.Pool.Begin(ctx)
+				require.NoError(t, err)
+				defer tx.Rollback(ctx)
+
+				bad := good
+				c.mutate(&bad)
+				err = p.PublishTx(ctx, tx, good, bad)
+				require.ErrorIs(t, err, eventline.ErrInvalidEvent)
+				var ie *eventline.InvalidEventError
+				require.ErrorAs(t, err, &ie)
+				require.Equal(t, c.field, ie.Field)
+
+				// The transaction is still usable: nothing ran.
+				var one int
+				require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one))
+				require.NoError(t, p.PublishTx(ctx, tx, good))
+			})
+		}
+
+		// Non-JSON payloads are fine when declared as such.
+		raw := good
+		raw.ContentType = "application/octet-stream"
+		raw.Payload = []byte{0xff, 0x00, 0x01}
+		require.NoError(t, p.Publish(ctx, env.Pool, raw))
+	})
+
+	// Publish with a nil db (untyped, or a nil *pgxpool.Pool in the interface)
+	// and PublishTx with a nil *pgxpool.Tx return an error saying what to pass,
+	// instead of panicking.
+	t.Run("a nil handle", func(t *testing.T) {
+		env, p := setup(t, producer.Config{})
+		ctx := context.Background()
+
+		var nilPool *pgxpool.Pool
+		require.ErrorContains(t, p.Publish(ctx, nil, orderEvent(t, "a")), "producer.Publish: db is nil")
+		require.ErrorContains(t, p.Publish(ctx, nilPool, orderEvent(t, "a")), "producer.Publish: db is nil")
+
+		var nilTx *pgxpool.Tx
+		require.ErrorContains(t, p.PublishTx(ctx, nilTx, orderEvent(t, "a")), "needs a transaction")
+		var nilIface pgx.Tx
+		_, err := p.PublishTxReturning(ctx, nilIface, orderEvent(t, "a"))
+		require.ErrorContains(t, err, "needs a transaction")
+		require.Zero(t, outboxCount(t, env))
+	})
+
+	// Two events of one call with the same id were both written; every consumer
+	// then applied the first and dead-lettered the second as an id conflict.
+	// The call is refused before any SQL, naming the field and both events.
+	t.Run("an id twice in one call", func(t *testing.T) {
+		env, p := setup(t, producer.Config{})
+		ctx := context.Background()
+
+		a, b := orderEvent(t, "a"), orderEvent(t, "b")
+		a.ID = eventline.NewEventID()
+		b.ID = a.ID
+		err := p.Publish(ctx, env.Pool, a, orderEvent(t, "c"), b)
+		var ie *eventline.InvalidEventError
+		require.ErrorAs(t, err, &ie)
+		require.Equal(t, eventline.MetaEventID, ie.Field)
+		require.ErrorContains(t, err, "event 2: ")
+		require.ErrorContains(t, err, "event 0 of the same call has it too")
+		require.Zero(t, outboxCount(t, env))
+
+		b.ID = ""
+		require.NoError(t, p.Publish(ctx, env.Pool, a, b))
+		require.Equal(t, 2, outboxCount(t, env))
+	})
+
+	// An event left to follow a supplied version math.MaxInt64 in the same call
+	// overflowed to a negative version, and PostgreSQL refused the row with a
+	// check-constraint error that aborted the caller's transaction. The call is
+	// refused before any SQL, naming the field, and tx stays usable.
+	t.Run("a version past the largest", func(t *testing.T) {
+		env, p := setup(t, producer.Config{AllowVersionGaps: true})
+		ctx := context.Background()
+
+		tx, err := env.Pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx)
+		err = p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a"), orderEvent(t, "a"))
+		var ie *eventline.InvalidEventError
+		require.ErrorAs(t, err, &ie)
+		require.Equal(t, eventline.MetaAggregateVersion, ie.Field)
+		require.ErrorContains(t, err, "event 2: ")
+		require.NoError(t, p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a")), "tx is still usable")
+		require.NoError(t, tx.Commit(ctx))
+	})
+
+	// An event whose Kafka record would exceed MaxMessageBytes is refused
+	// before any SQL (here, in a transaction that has already ended, any
+	// statement would fail), with the size and the limit.
+	t.Run("an oversize event", func(t *testing.T) {
+		env, p := setup(t, producer.Config{})
+		ctx := context.Background()
+
+		big := orderEvent(t, "a")
+		big.Payload = []byte(`"` + strings.Repeat("x", 2<<20) + `"`) // 2 MiB of JSON
+		err := p.PublishTx(ctx, closedTx(t, env), orderEvent(t, "b"), big)
+		require.ErrorIs(t, err, producer.ErrEventTooLarge)
+		var tooLarge *producer.EventTooLargeError
+		require.ErrorAs(t, err, &tooLarge)
+		require.Equal(t, 1, tooLarge.Index)
+		require.Equal(t, producer.DefaultMaxMessageBytes, tooLarge.Limit)
+		require.Greater(t, tooLarge.Size, 2<<20)
+		require.ErrorContains(t, err, "MaxMessageBytes")
+
+		tx := mustTx(t, env)
+		require.ErrorIs(t, p.PublishTx(ctx, tx, orderEvent(t, "b"), big), producer.ErrEventTooLarge)
+		requireUsable(t, tx)
+		require.NoError(t, tx.Commit(ctx))
+		require.Zero(t, outboxCount(t, env))
+	})
+
+	// NUL bytes and invalid UTF-8 in metadata keys or values can neither be
+	// stored byte-exact by consumers nor travel as they are; they are refused
+	// before any SQL.
+	t.Run("unstorable metadata", func(t *testing.T) {
+		env, p := setup(t, producer.Config{})
+		for name, md := range map[string]map[string]string{
+			"NUL in value":        {"tenant": "a\x00b"},
+			"NUL in key":          {"ten\x00ant": "acme"},
+			"invalid UTF-8 value": {"tenant": "a\xffb"},
+			"invalid UTF-8 key":   {"ten\xc3ant": "acme"},
+			"reserved key":        {"traceparent": "00-x"},
+		} {
+			e := orderEvent(t, "a")
+			e.Metadata = md
+			err := p.PublishTx(context.Background(), closedTx(t, env), e)
+			require.ErrorIs(t, err, eventline.ErrInvalidEvent, name)
 			var ie *eventline.InvalidEventError
-			require.ErrorAs(t, err, &ie)
-			require.Equal(t, c.field, ie.Field)
-
-			// The transaction is still usable: nothing ran.
-			var one int
-			require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one))
-			require.NoError(t, p.PublishTx(ctx, tx, good))
-		})
-	}
-
-	// Non-JSON payloads are fine when declared as such.
-	raw := good
-	raw.ContentType = "application/octet-stream"
-	raw.Payload = []byte{0xff, 0x00, 0x01}
-	require.NoError(t, p.Publish(ctx, env.Pool, raw))
+			require.ErrorAs(t, err, &ie, name)
+			require.Equal(t, "metadata", ie.Field, name)
+		}
+		// NUL in the envelope's own text fields too.
+		e := orderEvent(t, "a")
+		e.CorrelationID = "x\x00"
+		require.ErrorIs(t, p.PublishTx(context.Background(), closedTx(t, env), e), eventline.ErrInvalidEvent)
+	})
 }
 
 func TestPublishTxAssignsAndChecksVersions(t *testing.T) {
@@ -226,15 +350,6 @@ func TestPublishTxConcurrentWritersGetDistinctVersions(t *testing.T) {
 	}
 }
 
-func TestNewRequiresMigratedSchema(t *testing.T) {
-	t.Parallel()
-	pool := pgtest.Pool(t, 2)
-	_, err := producer.New(context.Background(), pool, producer.Config{Schema: "no_such_schema_x"})
-	require.True(t, errors.Is(err, producer.ErrNotMigrated), "got %v", err)
-	_, err = producer.New(context.Background(), pool, producer.Config{Schema: "bad-schema"})
-	require.ErrorContains(t, err, "producer.Config.Schema")
-}
-
 // versionsOf returns the aggregate versions of an order's events in outbox
 // order.
 func versionsOf(t *testing.T, env pgtest.Env, id string) []int64 {
@@ -255,16 +370,6 @@ func mustTx(t *testing.T, env pgtest.Env) pgx.Tx {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
 	return tx
-}
-
-// A nil pool, untyped or a nil *pgxpool.Pool, is refused by New; before,
-// New panicked on it.
-func TestNewRefusesANilPool(t *testing.T) {
-	var pool *pgxpool.Pool
-	for _, db := range []admin.DBTX{nil, pool} {
-		_, err := producer.New(context.Background(), db, producer.Config{})
-		require.ErrorContains(t, err, "db is nil")
-	}
 }
 
 // closedTx returns a transaction that has already ended: any statement run
@@ -331,52 +436,6 @@ func versioned(t *testing.T, id string, version int64) eventline.Event {
 	e := orderEvent(t, id)
 	e.AggregateVersion = version
 	return e
-}
-
-// TestPublishRefusesANilHandle: Publish with a nil db (untyped, or a nil
-// *pgxpool.Pool in the interface) and PublishTx with a nil *pgxpool.Tx
-// return an error saying what to pass, instead of panicking.
-func TestPublishRefusesANilHandle(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	p := newProducer(t, env)
-	ctx := context.Background()
-
-	var nilPool *pgxpool.Pool
-	require.ErrorContains(t, p.Publish(ctx, nil, orderEvent(t, "a")), "producer.Publish: db is nil")
-	require.ErrorContains(t, p.Publish(ctx, nilPool, orderEvent(t, "a")), "producer.Publish: db is nil")
-
-	var nilTx *pgxpool.Tx
-	require.ErrorContains(t, p.PublishTx(ctx, nilTx, orderEvent(t, "a")), "needs a transaction")
-	var nilIface pgx.Tx
-	_, err := p.PublishTxReturning(ctx, nilIface, orderEvent(t, "a"))
-	require.ErrorContains(t, err, "needs a transaction")
-	require.Zero(t, outboxCount(t, env))
-}
-
-// TestNewRelayRefusesValuesThatBreakAtRunTime: settings NewRelay used to
-// accept and Run then could not use are refused, naming the field. A
-// RebalanceInterval of a week gave PostgreSQL a tcp_user_timeout beyond
-// its int range, so Run never configured its sessions and relayed nothing
-// (logging at debug level only); an ID with a NUL byte could never own a
-// lease; a NaN MaxPublishRate silently meant "no cap"; a PollInterval near
-// the Duration limit overflowed the wait mark's TTL.
-func TestNewRelayRefusesValuesThatBreakAtRunTime(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	for field, cfg := range map[string]producer.RelayConfig{
-		"RelayConfig.RebalanceInterval": {RebalanceInterval: 7 * 24 * time.Hour},
-		"RelayConfig.PollInterval":      {PollInterval: math.MaxInt64},
-		"RelayConfig.MaxPublishRate":    {MaxPublishRate: math.NaN()},
-		"RelayConfig.ID":                {ID: "relay\x00one"},
-		"RelayConfig.ID ":               {ID: "relay-\xff"},
-		"RelayConfig.MaxMessageBytes":   {MaxMessageBytes: int(sarama.MaxRequestSize)}, // Sarama ignored it
-		"RelayConfig.MaxMessageBytes ":  {MaxMessageBytes: 10},
-	} {
-		cfg.Schema, cfg.Brokers, cfg.Logger = env.Schema, []string{"localhost:9092"}, relaytest.Logger(t)
-		_, err := producer.NewRelay(context.Background(), env.Pool, cfg)
-		require.ErrorContains(t, err, strings.TrimSpace(field))
-	}
 }
 
 // TestRelayRunsAtTheLongestRebalanceInterval: the bound is on the right
@@ -471,78 +530,6 @@ func TestNewRelayConfigProperty(t *testing.T) {
 	})
 }
 
-// TestPublishTxRefusesAnIDTwiceInOneCall: two events of one call with the
-// same id were both written; every consumer then applied the first and
-// dead-lettered the second as an id conflict. The call is refused before
-// any SQL, naming the field and both events.
-func TestPublishTxRefusesAnIDTwiceInOneCall(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	p := newProducer(t, env)
-	ctx := context.Background()
-
-	a, b := orderEvent(t, "a"), orderEvent(t, "b")
-	a.ID = eventline.NewEventID()
-	b.ID = a.ID
-	err := p.Publish(ctx, env.Pool, a, orderEvent(t, "c"), b)
-	var ie *eventline.InvalidEventError
-	require.ErrorAs(t, err, &ie)
-	require.Equal(t, eventline.MetaEventID, ie.Field)
-	require.ErrorContains(t, err, "event 2: ")
-	require.ErrorContains(t, err, "event 0 of the same call has it too")
-	require.Zero(t, outboxCount(t, env))
-
-	b.ID = ""
-	require.NoError(t, p.Publish(ctx, env.Pool, a, b))
-	require.Equal(t, 2, outboxCount(t, env))
-}
-
-// TestPublishTxRefusesAVersionPastTheLargest: an event left to follow a
-// supplied version math.MaxInt64 in the same call overflowed to a negative
-// version, and PostgreSQL refused the row with a check-constraint error
-// that aborted the caller's transaction. The call is refused before any
-// SQL, naming the field, and tx stays usable.
-func TestPublishTxRefusesAVersionPastTheLargest(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	p := newProducerWith(t, env, producer.Config{AllowVersionGaps: true})
-	ctx := context.Background()
-
-	tx, err := env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
-	err = p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a"), orderEvent(t, "a"))
-	var ie *eventline.InvalidEventError
-	require.ErrorAs(t, err, &ie)
-	require.Equal(t, eventline.MetaAggregateVersion, ie.Field)
-	require.ErrorContains(t, err, "event 2: ")
-	require.NoError(t, p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a")), "tx is still usable")
-	require.NoError(t, tx.Commit(ctx))
-}
-
-// TestNewRelayValidatesTheSaramaConfig: a SaramaConfig Sarama refuses
-// (after the relay enforced its own settings on it) passed NewRelay, and
-// Run then logged "Kafka unreachable; retrying" for ever. NewRelay refuses
-// it, naming the field and Sarama's reason.
-func TestNewRelayValidatesTheSaramaConfig(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	sc := sarama.NewConfig()
-	sc.Net.DialTimeout = 0
-	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: relaytest.Logger(t)})
-	require.ErrorContains(t, err, "RelayConfig.SaramaConfig: kafka: invalid configuration (Net.DialTimeout must be > 0)")
-
-	// What the relay enforces (idempotence, acks, one request in flight)
-	// is not held against the caller's config.
-	sc = sarama.NewConfig()
-	sc.Producer.RequiredAcks = sarama.NoResponse
-	sc.Net.MaxOpenRequests = 5
-	_, err = producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: relaytest.Logger(t)})
-	require.NoError(t, err)
-}
-
 // TestTheProducerDoesNotLinkTheConsumer keeps the writing half free of the
 // reading half: a service that only publishes links none of the consumer's
 // packages. (watermill-sql's own import of Watermill's router middleware
@@ -558,4 +545,114 @@ func TestTheProducerDoesNotLinkTheConsumer(t *testing.T) {
 			require.NotEqual(t, "github.com/eventline/eventline/"+consumerSide, dep)
 		}
 	}
+}
+
+// TestNewRelayRefusesBadConfig: NewRelay refuses what Run could not use,
+// naming the field, before anything starts.
+func TestNewRelayRefusesBadConfig(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{})
+
+	t.Run("names every invalid field", func(t *testing.T) {
+		_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
+			Schema: env.Schema, Brokers: []string{"nohostport"}, BatchSize: -1, Backoff: eventline.Backoff{Initial: -time.Second},
+		})
+		require.Error(t, err)
+		for _, field := range []string{"RelayConfig.Brokers", "RelayConfig.BatchSize", "RelayConfig.Backoff"} {
+			require.ErrorContains(t, err, field)
+		}
+		_, err = producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{Schema: "missing_schema", Brokers: []string{"localhost:9092"}})
+		require.ErrorIs(t, err, producer.ErrNotMigrated)
+	})
+
+	// Settings NewRelay used to accept and Run then could not use. A
+	// RebalanceInterval of a week gave PostgreSQL a tcp_user_timeout beyond its
+	// int range, so Run never configured its sessions and relayed nothing
+	// (logging at debug level only); an ID with a NUL byte could never own a
+	// lease; a NaN MaxPublishRate silently meant "no cap"; a PollInterval near
+	// the Duration limit overflowed the wait mark's TTL.
+	t.Run("values that break at run time", func(t *testing.T) {
+		for field, cfg := range map[string]producer.RelayConfig{
+			"RelayConfig.RebalanceInterval": {RebalanceInterval: 7 * 24 * time.Hour},
+			"RelayConfig.PollInterval":      {PollInterval: math.MaxInt64},
+			"RelayConfig.MaxPublishRate":    {MaxPublishRate: math.NaN()},
+			"RelayConfig.ID":                {ID: "relay\x00one"},
+			"RelayConfig.ID ":               {ID: "relay-\xff"},
+			"RelayConfig.MaxMessageBytes":   {MaxMessageBytes: int(sarama.MaxRequestSize)}, // Sarama ignored it
+			"RelayConfig.MaxMessageBytes ":  {MaxMessageBytes: 10},
+		} {
+			cfg.Schema, cfg.Brokers, cfg.Logger = env.Schema, []string{"localhost:9092"}, relaytest.Logger(t)
+			_, err := producer.NewRelay(context.Background(), env.Pool, cfg)
+			require.ErrorContains(t, err, strings.TrimSpace(field))
+		}
+	})
+
+	// A SaramaConfig Sarama refuses (after the relay enforced its own settings
+	// on it) passed NewRelay, and Run then logged "Kafka unreachable; retrying"
+	// for ever. The error names Sarama's reason.
+	t.Run("a SaramaConfig Sarama refuses", func(t *testing.T) {
+		sc := sarama.NewConfig()
+		sc.Net.DialTimeout = 0
+		_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
+			Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: relaytest.Logger(t)})
+		require.ErrorContains(t, err, "RelayConfig.SaramaConfig: kafka: invalid configuration (Net.DialTimeout must be > 0)")
+
+		// What the relay enforces (idempotence, acks, one request in flight)
+		// is not held against the caller's config.
+		sc = sarama.NewConfig()
+		sc.Producer.RequiredAcks = sarama.NoResponse
+		sc.Net.MaxOpenRequests = 5
+		_, err = producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
+			Schema: env.Schema, Brokers: []string{"localhost:9092"}, SaramaConfig: sc, Logger: relaytest.Logger(t)})
+		require.NoError(t, err)
+	})
+
+	// A relay needs one connection per shard plus three; a smaller pool would
+	// silently serialize shard reads.
+	t.Run("a small pool", func(t *testing.T) {
+		env := pgtest.New(t, pgtest.Options{Shards: 8, MaxConns: 4})
+		_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{Schema: env.Schema, Brokers: []string{"localhost:9092"}})
+		require.Error(t, err)
+		require.True(t, errors.Is(err, producer.ErrPoolTooSmall), "got %v", err)
+		require.ErrorContains(t, err, "needs 11")
+		require.EqualValues(t, 11, producer.PoolSizeFor(8))
+
+		big := pgtest.Pool(t, producer.PoolSizeFor(8))
+		_, err = producer.NewRelay(context.Background(), big, producer.RelayConfig{Schema: env.Schema, Brokers: []string{"localhost:9092"}})
+		require.NoError(t, err)
+	})
+}
+
+// TestNewRefusesBadArguments: New refuses a nil pool (before, it panicked
+// on one), a schema that is not migrated or not an identifier, and limits
+// or schema versions it cannot use, naming the field.
+func TestNewRefusesBadArguments(t *testing.T) {
+	t.Parallel()
+	t.Run("a nil pool", func(t *testing.T) {
+		var pool *pgxpool.Pool
+		for _, db := range []admin.DBTX{nil, pool} {
+			_, err := producer.New(context.Background(), db, producer.Config{})
+			require.ErrorContains(t, err, "db is nil")
+		}
+	})
+	t.Run("an unmigrated or invalid schema", func(t *testing.T) {
+		pool := pgtest.Pool(t, 2)
+		_, err := producer.New(context.Background(), pool, producer.Config{Schema: "no_such_schema_x"})
+		require.True(t, errors.Is(err, producer.ErrNotMigrated), "got %v", err)
+		_, err = producer.New(context.Background(), pool, producer.Config{Schema: "bad-schema"})
+		require.ErrorContains(t, err, "producer.Config.Schema")
+	})
+	t.Run("limits and schema versions", func(t *testing.T) {
+		env := pgtest.New(t, pgtest.Options{})
+		for field, cfg := range map[string]producer.Config{
+			"producer.Config.MaxMessageBytes": {MaxMessageBytes: -1},
+			"producer.Config.SchemaVersions":  {SchemaVersions: map[string]int{"order.created": 0}},
+		} {
+			cfg.Schema = env.Schema
+			_, err := producer.New(context.Background(), env.Pool, cfg)
+			require.ErrorContains(t, err, field)
+		}
+		_, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, MaxMessageBytes: 200 << 20})
+		require.ErrorContains(t, err, "producer.Config.MaxMessageBytes")
+	})
 }

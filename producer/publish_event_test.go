@@ -205,34 +205,6 @@ func TestEncodedRecordSizeIsSaramasByteSize(t *testing.T) {
 	require.Zero(t, producer.EncodedRecordSize(nil))
 }
 
-// TestPublishTxRefusesOversizeEventBeforeSQL: an event whose Kafka record
-// would exceed MaxMessageBytes is refused before any SQL (here, in a
-// transaction that has already ended, any statement would fail), with the
-// size and the limit.
-func TestPublishTxRefusesOversizeEventBeforeSQL(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	p := newProducer(t, env)
-	ctx := context.Background()
-
-	big := orderEvent(t, "a")
-	big.Payload = []byte(`"` + strings.Repeat("x", 2<<20) + `"`) // 2 MiB of JSON
-	err := p.PublishTx(ctx, closedTx(t, env), orderEvent(t, "b"), big)
-	require.ErrorIs(t, err, producer.ErrEventTooLarge)
-	var tooLarge *producer.EventTooLargeError
-	require.ErrorAs(t, err, &tooLarge)
-	require.Equal(t, 1, tooLarge.Index)
-	require.Equal(t, producer.DefaultMaxMessageBytes, tooLarge.Limit)
-	require.Greater(t, tooLarge.Size, 2<<20)
-	require.ErrorContains(t, err, "MaxMessageBytes")
-
-	tx := mustTx(t, env)
-	require.ErrorIs(t, p.PublishTx(ctx, tx, orderEvent(t, "b"), big), producer.ErrEventTooLarge)
-	requireUsable(t, tx)
-	require.NoError(t, tx.Commit(ctx))
-	require.Zero(t, outboxCount(t, env))
-}
-
 // TestMaxMessageBytesMatchesWhatSaramaSends: the producer accepts an event
 // exactly when a Sarama producer with the same MaxMessageBytes sends its
 // record (for a supplied version, whose size is known exactly; an assigned
@@ -295,49 +267,6 @@ func TestMaxMessageBytesMatchesWhatSaramaSends(t *testing.T) {
 	auto = sized("auto", limit-18)
 	auto.AggregateVersion = 0
 	require.NoError(t, p.PublishTx(ctx, mustTx(t, env), auto))
-}
-
-// TestPublishTxRefusesUnstorableMetadataBeforeSQL: NUL bytes and invalid
-// UTF-8 in metadata keys or values can neither be stored byte-exact by
-// consumers nor travel as they are; they are refused before any SQL.
-func TestPublishTxRefusesUnstorableMetadataBeforeSQL(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	p := newProducer(t, env)
-	for name, md := range map[string]map[string]string{
-		"NUL in value":        {"tenant": "a\x00b"},
-		"NUL in key":          {"ten\x00ant": "acme"},
-		"invalid UTF-8 value": {"tenant": "a\xffb"},
-		"invalid UTF-8 key":   {"ten\xc3ant": "acme"},
-		"reserved key":        {"traceparent": "00-x"},
-	} {
-		e := orderEvent(t, "a")
-		e.Metadata = md
-		err := p.PublishTx(context.Background(), closedTx(t, env), e)
-		require.ErrorIs(t, err, eventline.ErrInvalidEvent, name)
-		var ie *eventline.InvalidEventError
-		require.ErrorAs(t, err, &ie, name)
-		require.Equal(t, "metadata", ie.Field, name)
-	}
-	// NUL in the envelope's own text fields too.
-	e := orderEvent(t, "a")
-	e.CorrelationID = "x\x00"
-	require.ErrorIs(t, p.PublishTx(context.Background(), closedTx(t, env), e), eventline.ErrInvalidEvent)
-}
-
-func TestNewValidatesLimitsAndSchemaVersions(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	for field, cfg := range map[string]producer.Config{
-		"producer.Config.MaxMessageBytes": {MaxMessageBytes: -1},
-		"producer.Config.SchemaVersions":  {SchemaVersions: map[string]int{"order.created": 0}},
-	} {
-		cfg.Schema = env.Schema
-		_, err := producer.New(context.Background(), env.Pool, cfg)
-		require.ErrorContains(t, err, field)
-	}
-	_, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, MaxMessageBytes: 200 << 20})
-	require.ErrorContains(t, err, "producer.Config.MaxMessageBytes")
 }
 
 // writeThroughWatermill writes events the way PublishTx did before it

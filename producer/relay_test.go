@@ -92,20 +92,6 @@ func TestRelayPartitionsLikeKafkasJavaClient(t *testing.T) {
 	require.Zero(t, moved, "%d of %d keys in a different partition than Kafka's default partitioner picks", moved, len(events))
 }
 
-func TestNewRelayValidatesConfig(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{})
-	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{
-		Schema: env.Schema, Brokers: []string{"nohostport"}, BatchSize: -1, Backoff: eventline.Backoff{Initial: -time.Second},
-	})
-	require.Error(t, err)
-	for _, field := range []string{"RelayConfig.Brokers", "RelayConfig.BatchSize", "RelayConfig.Backoff"} {
-		require.ErrorContains(t, err, field)
-	}
-	_, err = producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{Schema: "missing_schema", Brokers: []string{"localhost:9092"}})
-	require.ErrorIs(t, err, producer.ErrNotMigrated)
-}
-
 func ExampleRelay() {
 	// A relay process: run until SIGTERM, sharing the outbox's shards with
 	// any other relay processes pointed at the same database.
