@@ -211,24 +211,6 @@ func TestRelayTransactionTakesTwoRoundTrips(t *testing.T) {
 	require.Positive(t, writes)
 }
 
-// lockedBuffer is a log sink safe for concurrent writers.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // TestRelayNeverOverwritesAPositionMovedDuringItsBatch: a relay
 // transaction reads under REPEATABLE READ, so its position write fails
 // when another writer moved the position after it read (two relays that
@@ -249,9 +231,8 @@ func TestRelayNeverOverwritesAPositionMovedDuringItsBatch(t *testing.T) {
 
 	var once sync.Once
 	moved := make(chan struct{})
-	logs := &lockedBuffer{}
-	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 1,
-		Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
+	logs := newLogRecorder(t, slog.LevelWarn)
+	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 1, Logger: slog.New(logs),
 		AfterPublish: func(_ int, ids []string) error {
 			once.Do(func() {
 				require.Equal(t, []string{a.ID}, ids)
@@ -264,7 +245,7 @@ func TestRelayNeverOverwritesAPositionMovedDuringItsBatch(t *testing.T) {
 		}})
 	relaytest.RequireAllDelivered(t, brokers, topic, []string{a.ID}, 30*time.Second)
 	<-moved
-	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "record relay progress") }, 10*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return strings.Contains(strings.Join(logs.at(slog.LevelWarn), "\n"), "record relay progress") }, 10*time.Second, 10*time.Millisecond,
 		"the relay's write of A's position must fail")
 	time.Sleep(1500 * time.Millisecond) // the shard reads again after queryRetryInterval (1s)
 	tx, off, err := positionOf(ctx, env.Pool, env.Schema, 0)
