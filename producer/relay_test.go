@@ -245,7 +245,9 @@ func TestRelayNeverOverwritesAPositionMovedDuringItsBatch(t *testing.T) {
 		}})
 	relaytest.RequireAllDelivered(t, brokers, topic, []string{a.ID}, 30*time.Second)
 	<-moved
-	require.Eventually(t, func() bool { return strings.Contains(strings.Join(logs.at(slog.LevelWarn), "\n"), "record relay progress") }, 10*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool {
+		return strings.Contains(strings.Join(logs.at(slog.LevelWarn), "\n"), "record relay progress")
+	}, 10*time.Second, 10*time.Millisecond,
 		"the relay's write of A's position must fail")
 	time.Sleep(1500 * time.Millisecond) // the shard reads again after queryRetryInterval (1s)
 	tx, off, err := positionOf(ctx, env.Pool, env.Schema, 0)
