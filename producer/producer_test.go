@@ -122,13 +122,11 @@ func TestPublishTxRefusesBeforeSQL(t *testing.T) {
 		}
 		for name, c := range cases {
 			t.Run(name, func(t *testing.T) {
-				tx, err := env.Pool.Begin(ctx)
-				require.NoError(t, err)
-				defer tx.Rollback(ctx)
+				tx := mustTx(t, env)
 
 				bad := good
 				c.mutate(&bad)
-				err = p.PublishTx(ctx, tx, good, bad)
+				err := p.PublishTx(ctx, tx, good, bad)
 				require.ErrorIs(t, err, eventline.ErrInvalidEvent)
 				var ie *eventline.InvalidEventError
 				require.ErrorAs(t, err, &ie)
@@ -198,10 +196,8 @@ func TestPublishTxRefusesBeforeSQL(t *testing.T) {
 		env, p := setup(t, producer.Config{AllowVersionGaps: true})
 		ctx := context.Background()
 
-		tx, err := env.Pool.Begin(ctx)
-		require.NoError(t, err)
-		defer tx.Rollback(ctx)
-		err = p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a"), orderEvent(t, "a"))
+		tx := mustTx(t, env)
+		err := p.PublishTx(ctx, tx, versioned(t, "a", math.MaxInt64-1), orderEvent(t, "a"), orderEvent(t, "a"))
 		var ie *eventline.InvalidEventError
 		require.ErrorAs(t, err, &ie)
 		require.Equal(t, eventline.MetaAggregateVersion, ie.Field)
@@ -295,9 +291,7 @@ func TestPublishTxAssignsAndChecksVersions(t *testing.T) {
 
 	// A supplied version that is not greater fails with the numbers, and
 	// leaves the transaction usable with nothing written.
-	tx, err := env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
+	tx := mustTx(t, env)
 	stale := orderEvent(t, "a")
 	stale.AggregateVersion = 6
 	err = p.PublishTx(ctx, tx, orderEvent(t, "b"), stale)

@@ -256,13 +256,10 @@ func TestIdleRelayIsWokenByInsert(t *testing.T) {
 // its request.
 func TestRelayDoesNotSleepThroughAnInsertThatMissedItsRequest(t *testing.T) {
 	t.Parallel()
-	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
-	p := newProducerWith(t, env, producer.Config{DefaultTopic: topic})
+	env, brokers, topic, p := setupWithProducer(t, pgtest.Options{Shards: 1}, 1)
 	ctx := context.Background()
 
-	tx, err := env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx)
+	tx := mustTx(t, env)
 	e := relaytest.Event(t, "late", topic, 1)
 	require.NoError(t, p.PublishTx(ctx, tx, e)) // no relay is waiting: no NOTIFY
 

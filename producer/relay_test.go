@@ -265,8 +265,7 @@ func TestRelayNeverOverwritesAPositionMovedDuringItsBatch(t *testing.T) {
 // (nothing skipped because it committed late), and nothing rolled back.
 func TestRelayForwardsCommittedEventsOnceUnderOverlappingTransactions(t *testing.T) {
 	t.Parallel()
-	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 4, MaxConns: 20}, 6)
-	p := newProducerWith(t, env, producer.Config{DefaultTopic: topic})
+	env, brokers, topic, p := setupWithProducer(t, pgtest.Options{Shards: 4, MaxConns: 20}, 6)
 	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 16})
 
 	var mu sync.Mutex
@@ -352,14 +351,11 @@ func (e errorString) Error() string { return string(e) }
 // which the end-to-end tests check.
 func TestXidOrderCanInvertVersions(t *testing.T) {
 	t.Parallel()
-	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
-	p := newProducerWith(t, env, producer.Config{DefaultTopic: topic})
+	env, brokers, topic, p := setupWithProducer(t, pgtest.Options{Shards: 1}, 1)
 	ctx := context.Background()
 
-	txA, err := env.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer txA.Rollback(ctx)
-	_, err = txA.Exec(ctx, `SELECT pg_current_xact_id()`) // A's xid is older
+	txA := mustTx(t, env)
+	_, err := txA.Exec(ctx, `SELECT pg_current_xact_id()`) // A's xid is older
 	require.NoError(t, err)
 
 	b := relaytest.Event(t, "X", topic, "b")
@@ -484,4 +480,12 @@ func TestRelayWithoutTracerProviderLeavesTheTraceparent(t *testing.T) {
 	})
 	require.Contains(t, tp, parent.SpanID().String())
 	require.Len(t, rec.Spans(), 1, "only the test's own span: the relay made none")
+}
+
+// setupWithProducer is relaytest.Setup with a producer whose default topic
+// is the new topic.
+func setupWithProducer(t *testing.T, opts pgtest.Options, partitions int32) (pgtest.Env, []string, string, *producer.Producer) {
+	t.Helper()
+	env, brokers, topic := relaytest.Setup(t, opts, partitions)
+	return env, brokers, topic, newProducerWith(t, env, producer.Config{DefaultTopic: topic})
 }
