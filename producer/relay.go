@@ -252,11 +252,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		return nil // cancelled while waiting for Kafka
 	}
 	r.sink = sink
-	defer func() {
-		if err := sink.close(); err != nil {
-			r.log.Warn("close Kafka producer", "err", err)
-		}
-	}()
+	defer sink.close()
 
 	// The listener checks first that notifications reach it: behind a
 	// transaction-mode pooler they do not, and the relay refuses to run.
@@ -333,10 +329,7 @@ func (r *Relay) connectKafka(ctx context.Context) *kafkaSink {
 }
 
 func (r *Relay) wake(shard int) {
-	r.mu.Lock()
-	runner := r.running[shard]
-	r.mu.Unlock()
-	if runner != nil {
+	if runner := r.runner(shard); runner != nil {
 		runner.notify()
 	}
 }

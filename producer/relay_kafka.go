@@ -184,16 +184,13 @@ func (s *kafkaSink) results() {
 }
 
 // close flushes queued records, reports their outcomes and stops.
-func (s *kafkaSink) close() error {
+func (s *kafkaSink) close() {
 	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		<-s.done
-		return nil
-	}
+	first := !s.closed
 	s.closed = true
 	s.mu.Unlock()
-	s.producer.AsyncClose()
+	if first {
+		s.producer.AsyncClose()
+	}
 	<-s.done
-	return nil
 }
