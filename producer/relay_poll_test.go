@@ -68,7 +68,7 @@ func (tr *pollTracer) topShare() float64 {
 
 // tracedRelayPool is a pool for a relay of env's shards whose statements
 // tr sees.
-func tracedRelayPool(t *testing.T, env pgtest.Env, tr *pollTracer) *pgxpool.Pool {
+func tracedRelayPool(t *testing.T, env pgtest.Env, tr pgx.QueryTracer) *pgxpool.Pool {
 	cfg := env.Pool.Config().Copy()
 	cfg.ConnConfig.Tracer = tr
 	cfg.MaxConns = producer.PoolSizeFor(env.Shards)

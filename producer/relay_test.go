@@ -13,7 +13,6 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/codes"
@@ -162,12 +161,7 @@ func TestRelayTransactionTakesTwoRoundTrips(t *testing.T) {
 	t.Parallel()
 	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 2)
 	tr := &exchangeTracer{open: map[*pgx.Conn]int{}}
-	cfg := env.Pool.Config().Copy()
-	cfg.ConnConfig.Tracer = tr
-	cfg.MaxConns = producer.PoolSizeFor(env.Shards)
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := tracedRelayPool(t, env, tr)
 	relaytest.Start(t, pgtest.Env{Pool: pool, Schema: env.Schema, Shards: env.Shards}, producer.RelayConfig{Brokers: brokers})
 
 	// Events one at a time, once the shards have started, so that most
