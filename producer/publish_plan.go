@@ -2,13 +2,13 @@ package producer
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"maps"
 	"math"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -158,12 +158,7 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 		pl.events[i] = e
 	}
 
-	sort.Slice(order, func(i, j int) bool {
-		if order[i].typ != order[j].typ {
-			return order[i].typ < order[j].typ
-		}
-		return order[i].id < order[j].id
-	})
+	slices.SortFunc(order, func(a, b *aggPlan) int { return cmp.Or(strings.Compare(a.typ, b.typ), strings.Compare(a.id, b.id)) })
 	pl.aggs = make([]aggPlan, len(order))
 	for ai, a := range order {
 		pl.aggs[ai] = *a

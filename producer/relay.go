@@ -260,13 +260,11 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer cancel(nil)
 	listening := make(chan error, 1)
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		if err := r.listen(runCtx, listening); err != nil {
 			cancel(err)
 		}
-	}()
+	})
 	select {
 	case err := <-listening:
 		if err != nil {
@@ -274,16 +272,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 	case <-runCtx.Done():
 	}
-	wg.Add(1)
-	go func() { defer wg.Done(); r.poller.run(runCtx) }()
+	wg.Go(func() { r.poller.run(runCtx) })
 	if runCtx.Err() == nil && r.cfg.CleanupInterval > 0 {
-		wg.Add(1)
-		go func() { defer wg.Done(); r.cleanupLoop(runCtx) }()
+		wg.Go(func() { r.cleanupLoop(runCtx) })
 	}
-	var ownErr error
 	if runCtx.Err() == nil {
-		if ownErr = r.own(runCtx); ownErr != nil {
-			cancel(ownErr)
+		if err := r.own(runCtx); err != nil {
+			cancel(err)
 		}
 	}
 	cancel(nil)

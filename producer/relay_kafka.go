@@ -159,18 +159,15 @@ func (s *kafkaSink) send(ctx context.Context, topic string, msg *message.Message
 
 func (s *kafkaSink) results() {
 	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		for pm := range s.producer.Successes() {
 			it := pm.Metadata.(*item)
 			_ = s.explainMissing(pm.Topic, nil)
 			it.endSpan(pm.Partition, pm.Offset, nil)
 			it.complete(nil)
 		}
-	}()
-	go func() {
-		defer wg.Done()
+	})
+	wg.Go(func() {
 		for pe := range s.producer.Errors() {
 			it := pe.Msg.Metadata.(*item)
 			err := s.explainMissing(pe.Msg.Topic, pe.Err)
@@ -178,7 +175,7 @@ func (s *kafkaSink) results() {
 			it.endSpan(0, 0, err)
 			it.complete(err)
 		}
-	}()
+	})
 	wg.Wait()
 	close(s.done)
 }
