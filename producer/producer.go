@@ -111,9 +111,8 @@ func (c Config) validate() error {
 			return fmt.Errorf("producer.Config.DefaultTopic: %w", err)
 		}
 	}
-	if c.MaxMessageBytes < minMaxMessageBytes || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
-		return fmt.Errorf("producer.Config.MaxMessageBytes must be between %d and %d bytes (0 means the default, %d), got %d",
-			minMaxMessageBytes, sarama.MaxRequestSize-1, DefaultMaxMessageBytes, c.MaxMessageBytes)
+	if err := validateMaxMessageBytes("producer.Config.MaxMessageBytes", c.MaxMessageBytes); err != nil {
+		return err
 	}
 	for typ, v := range c.SchemaVersions {
 		if v < 1 {
@@ -131,6 +130,16 @@ func (c Config) validate() error {
 // minMaxMessageBytes is the smallest MaxMessageBytes accepted: room for the
 // envelope's headers of a small event.
 const minMaxMessageBytes = 1024
+
+// validateMaxMessageBytes checks Config's or RelayConfig's MaxMessageBytes:
+// Sarama ignores (with a log line) a limit at or above its request size.
+func validateMaxMessageBytes(field string, n int) error {
+	if n < minMaxMessageBytes || n >= int(sarama.MaxRequestSize) {
+		return fmt.Errorf("%s must be between %d and %d bytes (0 means the default, %d), got %d",
+			field, minMaxMessageBytes, sarama.MaxRequestSize-1, DefaultMaxMessageBytes, n)
+	}
+	return nil
+}
 
 // Producer writes events into the transactional outbox. It is safe for
 // concurrent use and holds no connections of its own.

@@ -131,7 +131,7 @@ func (p *Producer) writeAndCommit(ctx context.Context, conn *pgx.Conn, tx pgx.Tx
 		b.Queue(query, args...).Exec(func(pgconn.CommandTag) error { res = []aggResult{}; return nil })
 	} else if len(pl.events) == 1 {
 		a := &pl.aggs[0]
-		b.Queue(p.stmts.one(pl.shards[0], true), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).QueryRow(func(row pgx.Row) error {
+		b.Queue(p.stmts.get(stmtOneCommit, pl.shards), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).QueryRow(func(row pgx.Row) error {
 			var version int64
 			if err := row.Scan(&version); err != nil {
 				return err
@@ -141,7 +141,7 @@ func (p *Producer) writeAndCommit(ctx context.Context, conn *pgx.Conn, tx pgx.Tx
 		})
 	} else {
 		n := len(pl.aggs)
-		b.Queue(p.stmts.autoCommit(pl.shards), pl.autoArgs()...).QueryRow(func(row pgx.Row) error {
+		b.Queue(p.stmts.get(stmtAutoCommit, pl.shards), pl.autoArgs()...).QueryRow(func(row pgx.Row) error {
 			var versions []int64
 			var one int64
 			if err := row.Scan(&versions, &one); err != nil {

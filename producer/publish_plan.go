@@ -2,15 +2,22 @@ package producer
 
 import (
 	"bytes"
+	"cmp"
+	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"math"
-	"sort"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/baggage"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 )
@@ -151,26 +158,26 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 		pl.events[i] = e
 	}
 
-	sort.Slice(order, func(i, j int) bool {
-		if order[i].typ != order[j].typ {
-			return order[i].typ < order[j].typ
-		}
-		return order[i].id < order[j].id
-	})
+	slices.SortFunc(order, func(a, b *aggPlan) int { return cmp.Or(strings.Compare(a.typ, b.typ), strings.Compare(a.id, b.id)) })
 	pl.aggs = make([]aggPlan, len(order))
-	seen := map[int32]bool{}
 	for ai, a := range order {
 		pl.aggs[ai] = *a
 		for _, i := range a.events {
 			pl.evAgg[i] = int32(ai + 1)
-			if s := pl.evShard[i]; !seen[s] {
-				seen[s] = true
-				pl.shards = append(pl.shards, int(s))
-			}
 		}
 	}
-	sort.Ints(pl.shards)
+	pl.setShards()
 	return pl, nil
+}
+
+// setShards sets shards to the distinct shards of the events, ascending.
+func (pl *plan) setShards() {
+	pl.shards = make([]int, len(pl.evShard))
+	for i, s := range pl.evShard {
+		pl.shards[i] = int(s)
+	}
+	slices.Sort(pl.shards)
+	pl.shards = slices.Compact(pl.shards)
 }
 
 // callerAggs counts the call's aggregates whose versions are the
@@ -197,7 +204,6 @@ func (pl *plan) subset(caller bool) *plan {
 		}
 	}
 	eventIndex := map[int]int{} // pl's event → sub's
-	seen := map[int32]bool{}
 	for i := range pl.events {
 		ai, ok := aggIndex[int(pl.evAgg[i])-1]
 		if !ok {
@@ -214,12 +220,8 @@ func (pl *plan) subset(caller bool) *plan {
 		sub.evHead = append(sub.evHead, pl.evHead[i])
 		sub.evMid = append(sub.evMid, pl.evMid[i])
 		sub.evTail = append(sub.evTail, pl.evTail[i])
-		if s := pl.evShard[i]; !seen[s] {
-			seen[s] = true
-			sub.shards = append(sub.shards, int(s))
-		}
 	}
-	sort.Ints(sub.shards)
+	sub.setShards()
 	for k := range sub.aggs {
 		events := make([]int, len(sub.aggs[k].events))
 		for j, i := range sub.aggs[k].events {
@@ -385,4 +387,49 @@ func (p *Producer) checkSize(i int, e eventline.Event, msg *message.Message) err
 		return &EventTooLargeError{Index: i, EventID: e.ID, AggregateType: e.AggregateType, AggregateID: e.AggregateID, Size: size, Limit: p.cfg.MaxMessageBytes}
 	}
 	return nil
+}
+
+// traceHeaders returns the caller's trace context as the propagator writes
+// it (for the W3C propagators: traceparent, tracestate and baggage), or nil
+// when ctx carries neither a valid span context nor baggage, in which case
+// the propagator is not called at all.
+func (p *Producer) traceHeaders(ctx context.Context) map[string]string {
+	if !trace.SpanContextFromContext(ctx).IsValid() && baggage.FromContext(ctx).Len() == 0 {
+		return nil
+	}
+	prop := p.cfg.Propagator
+	if prop == nil {
+		prop = otel.GetTextMapPropagator()
+	}
+	carrier := propagation.MapCarrier{}
+	prop.Inject(ctx, carrier)
+	if len(carrier) == 0 {
+		return nil
+	}
+	return carrier
+}
+
+// withTrace returns e carrying the trace headers: traceparent in
+// TraceParent, every other header in Metadata unless the caller set that
+// key already. The caller's Metadata map is copied, never modified.
+func withTrace(e eventline.Event, headers map[string]string) eventline.Event {
+	md := e.Metadata
+	copied := false
+	for k, v := range headers {
+		if k == eventline.MetaTraceParent {
+			e.TraceParent = v
+			continue
+		}
+		if _, set := md[k]; set {
+			continue
+		}
+		if !copied {
+			md = make(map[string]string, len(e.Metadata)+len(headers))
+			maps.Copy(md, e.Metadata)
+			copied = true
+		}
+		md[k] = v
+	}
+	e.Metadata = md
+	return e
 }

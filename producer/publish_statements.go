@@ -245,7 +245,22 @@ const (
 	statusTopic
 )
 
-// statements builds and caches the publish statements for each set of
+// statement is a publish statement: its text and, for one that writes to
+// several shards, the insert rendered into {shard_inserts} for each of them
+// (empty for one whose {messages} is the one shard's table).
+type statement struct{ name, sql, perShard string }
+
+var (
+	stmtPublish    = statement{"publish", publishSQL, publishShardSQL}
+	stmtAuto       = statement{"auto", publishAutoSQL, publishAutoShardSQL}
+	stmtAutoCommit = statement{"auto-commit", publishAutoCommitSQL, publishAutoShardSQL}
+	stmtRows       = statement{"rows", publishRowsSQL, publishRowsShardSQL}
+	stmtOne        = statement{"one", publishOneSQL, ""}
+	stmtOneCommit  = statement{"one-commit", publishOneCommitSQL, ""}
+	stmtRow        = statement{"row", publishRowSQL, ""}
+)
+
+// statements renders and caches the publish statements for each set of
 // shards a call writes to.
 type statements struct {
 	schema string
@@ -258,71 +273,30 @@ func newStatements(schema string) *statements {
 	return &statements{schema: schema, undo: sqlident.SQL(schema, undoSQL), byKey: map[string]string{}}
 }
 
-// one returns publishOneSQL for shard, or publishOneCommitSQL when
-// commit is set.
-func (s *statements) one(shard int, commit bool) string {
-	if commit {
-		return s.single("one-commit:", shard, publishOneCommitSQL)
-	}
-	return s.single("one:", shard, publishOneSQL)
-}
-
-// publish returns the statement writing to shards (ascending): publishSQL,
-// or publishAutoSQL when auto is set.
-func (s *statements) publish(shards []int, auto bool) string {
-	if auto {
-		return s.build("auto:", shards, publishAutoSQL, publishAutoShardSQL)
-	}
-	return s.build("", shards, publishSQL, publishShardSQL)
-}
-
-// row returns publishRowSQL for shard.
-func (s *statements) row(shard int) string {
-	return s.single("row:", shard, publishRowSQL)
-}
-
-// single returns stmt for shard, cached under prefix and the shard.
-func (s *statements) single(prefix string, shard int, stmt string) string {
-	key := prefix + strconv.Itoa(shard)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if q, ok := s.byKey[key]; ok {
-		return q
-	}
-	q := outbox.SQL(s.schema, shard, stmt)
-	s.byKey[key] = q
-	return q
-}
-
-// rows returns publishRowsSQL writing to shards (ascending).
-func (s *statements) rows(shards []int) string {
-	return s.build("rows:", shards, publishRowsSQL, publishRowsShardSQL)
-}
-
-// autoCommit returns publishAutoCommitSQL writing to shards (ascending).
-func (s *statements) autoCommit(shards []int) string {
-	return s.build("auto-commit:", shards, publishAutoCommitSQL, publishAutoShardSQL)
-}
-
-// build returns stmt with shardStmt rendered for each of shards, cached
-// under prefix and the shards.
-func (s *statements) build(prefix string, shards []int, stmt, shardStmt string) string {
+// get returns st rendered for shards (ascending; for a single-shard
+// statement, the first).
+func (s *statements) get(st statement, shards []int) string {
 	var key strings.Builder
-	key.WriteString(prefix)
+	key.WriteString(st.name)
 	for _, sh := range shards {
+		key.WriteByte(':')
 		key.WriteString(strconv.Itoa(sh))
-		key.WriteByte(',')
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if q, ok := s.byKey[key.String()]; ok {
 		return q
 	}
+	if st.perShard == "" {
+		q := outbox.SQL(s.schema, shards[0], st.sql)
+		s.byKey[key.String()] = q
+		return q
+	}
 	var inserts strings.Builder
 	for _, sh := range shards {
-		inserts.WriteString(outbox.SQL(s.schema, sh, shardStmt))
+		inserts.WriteString(outbox.SQL(s.schema, sh, st.perShard))
 	}
-	q := strings.Replace(sqlident.SQL(s.schema, stmt), "{shard_inserts}", inserts.String(), 1)
+	q := strings.Replace(sqlident.SQL(s.schema, st.sql), "{shard_inserts}", inserts.String(), 1)
 	if len(s.byKey) < 4096 { // calls spanning many shards in many combinations are built anew
 		s.byKey[key.String()] = q
 	}

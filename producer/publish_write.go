@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
@@ -45,7 +46,7 @@ func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
 	if len(pl.events) == 1 && pl.aggs[0].firstSupplied == 0 {
 		var version int64
 		a := &pl.aggs[0]
-		err := tx.QueryRow(ctx, p.stmts.one(pl.shards[0], false), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).Scan(&version)
+		err := tx.QueryRow(ctx, p.stmts.get(stmtOne, pl.shards), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).Scan(&version)
 		switch {
 		case err == nil:
 			pl.fill([]aggResult{{version: version}})
@@ -61,7 +62,7 @@ func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
 		}
 	}
 	args := pl.args(p.cfg.AllowVersionGaps)
-	query := p.stmts.publish(pl.shards, false)
+	query := p.stmts.get(stmtPublish, pl.shards)
 	for attempt := 1; ; attempt++ {
 		res, err := pl.run(ctx, tx, query, args)
 		if err != nil {
@@ -70,13 +71,7 @@ func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
 		if err := pl.conflict(res); err != nil {
 			return err
 		}
-		stale := false
-		for _, r := range res {
-			if r.version == 0 {
-				stale = true
-			}
-		}
-		if !stale {
+		if !slices.ContainsFunc(res, func(r aggResult) bool { return r.version == 0 }) { // not stale
 			pl.fill(res)
 			return nil
 		}
@@ -105,64 +100,34 @@ func (p *Producer) writeCallerVersioned(ctx context.Context, tx pgx.Tx, pl *plan
 // versions are all known, and its arguments: the payloads are complete.
 func (p *Producer) callerVersionedStatement(pl *plan) (string, []any) {
 	if len(pl.events) == 1 {
-		return p.stmts.row(pl.shards[0]), []any{pl.body(0)}
+		return p.stmts.get(stmtRow, pl.shards), []any{pl.body(0)}
 	}
 	bodies := make([]string, len(pl.events))
 	for i := range bodies {
 		bodies[i] = pl.body(i)
 	}
-	return p.stmts.rows(pl.shards), []any{pl.evShard, bodies}
+	return p.stmts.get(stmtRows, pl.shards), []any{pl.evShard, bodies}
 }
 
 // writeAuto runs publishAutoSQL for a call without supplied versions. It
 // reports done=false, with nothing written, when an aggregate's row records
 // another topic or none: publishSQL then handles the call.
 func (p *Producer) writeAuto(ctx context.Context, tx pgx.Tx, pl *plan) (done bool, err error) {
-	n := len(pl.aggs)
-	var advTypes, advIDs []string
+	var advTypes, advIDs []*string
 	var advVersions []int64
 	var written bool
-	err = tx.QueryRow(ctx, p.stmts.publish(pl.shards, true), pl.autoArgs()...).Scan(&advTypes, &advIDs, &advVersions, &written)
+	err = tx.QueryRow(ctx, p.stmts.get(stmtAuto, pl.shards), pl.autoArgs()...).Scan(&advTypes, &advIDs, &advVersions, &written)
 	if err != nil {
 		return false, fmt.Errorf("write events to the outbox: %w", err)
 	}
-	res := make([]aggResult, n)
-	if len(advVersions) == 1 && n == 1 {
-		res[0].version = advVersions[0]
-	} else {
-		index := make(map[aggregateKey]int, n)
-		for k, a := range pl.aggs {
-			index[aggregateKey{a.typ, a.id}] = k
-		}
-		for j, v := range advVersions {
-			if k, ok := index[aggregateKey{advTypes[j], advIDs[j]}]; ok {
-				res[k].version = v
-			}
-		}
-	}
+	res := make([]aggResult, len(pl.aggs))
+	pl.advanced(res, advTypes, advIDs, advVersions)
 	if written {
 		pl.fill(res)
 		return true, nil
 	}
-	// Nothing written. Undo: an advanced aggregate's version was its event
-	// count higher;
-	// one created here (its version is its event count) is deleted.
-	var undoTypes, undoIDs []string
-	var undoVersions []int64
-	var undoTopics []*string
-	for k, r := range res {
-		if r.version == 0 {
-			continue
-		}
-		a := &pl.aggs[k]
-		undoTypes, undoIDs, undoVersions, undoTopics = append(undoTypes, a.typ), append(undoIDs, a.id), append(undoVersions, r.version-a.n), append(undoTopics, &a.topic)
-	}
-	if len(undoTypes) > 0 {
-		if _, err := tx.Exec(ctx, p.stmts.undo, undoTypes, undoIDs, undoVersions, undoTopics); err != nil {
-			return false, fmt.Errorf("undo a partial outbox write; roll back the transaction: %w", err)
-		}
-	}
-	return false, nil
+	// Nothing written: undo the aggregates the statement advanced.
+	return false, p.undo(ctx, tx, pl, res)
 }
 
 // run executes the publish statement and reads its one row.
@@ -189,30 +154,38 @@ func (pl *plan) run(ctx context.Context, tx pgx.Tx, query string, args []any) ([
 			r.curTopic = *topics[k]
 		}
 	}
-	if len(advVersions) == len(pl.aggs) && len(pl.aggs) == 1 {
-		res[0].version = advVersions[0]
-		return res, nil
+	pl.advanced(res, advTypes, advIDs, advVersions)
+	return res, nil
+}
+
+// advanced sets the new version of each aggregate a publish statement
+// advanced, given as its (type, id, version) arrays; the others keep 0.
+func (pl *plan) advanced(res []aggResult, types, ids []*string, versions []int64) {
+	if len(versions) == 1 && len(pl.aggs) == 1 {
+		res[0].version = versions[0]
+		return
 	}
 	index := make(map[aggregateKey]int, len(pl.aggs))
 	for k, a := range pl.aggs {
 		index[aggregateKey{a.typ, a.id}] = k
 	}
-	for j, v := range advVersions {
-		if advTypes[j] == nil || advIDs[j] == nil {
+	for j, v := range versions {
+		if types[j] == nil || ids[j] == nil {
 			continue
 		}
-		if k, ok := index[aggregateKey{*advTypes[j], *advIDs[j]}]; ok {
+		if k, ok := index[aggregateKey{*types[j], *ids[j]}]; ok {
 			res[k].version = v
 		}
 	}
-	return res, nil
 }
 
-// undo reverts a stale statement's sequence changes (see undoSQL): an
-// aggregate it created is deleted, one it advanced gets back the version
-// it had and the topic chk read. (When chk read no topic, one may have been
-// recorded by another transaction meanwhile; it is cleared again and
-// recorded anew by the next publish.)
+// undo reverts the sequence changes of a statement that wrote no events
+// (see undoSQL): publishSQL's when the call was stale, publishAutoSQL's
+// when an aggregate's row records another topic or none. An aggregate it
+// created is deleted, one it advanced gets back the version it had and the
+// topic chk read. (When chk read no topic, one may have been recorded by
+// another transaction meanwhile; it is cleared again and recorded anew by
+// the next publish.)
 func (p *Producer) undo(ctx context.Context, tx pgx.Tx, pl *plan, res []aggResult) error {
 	var types, ids []string
 	var versions []int64
@@ -240,8 +213,11 @@ func (p *Producer) undo(ctx context.Context, tx pgx.Tx, pl *plan, res []aggResul
 		}
 		types, ids, versions, topics = append(types, a.typ), append(ids, a.id), append(versions, v), append(topics, topic)
 	}
+	if len(types) == 0 {
+		return nil
+	}
 	if _, err := tx.Exec(ctx, p.stmts.undo, types, ids, versions, topics); err != nil {
-		return fmt.Errorf("undo a raced outbox write; roll back the transaction: %w", err)
+		return fmt.Errorf("undo a partial outbox write; roll back the transaction: %w", err)
 	}
 	return nil
 }

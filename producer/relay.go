@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -198,13 +199,18 @@ func (r *Relay) shardCount() int {
 	return r.shards
 }
 
+// runners returns a copy of the shard runners, by shard.
+func (r *Relay) runners() map[int]*shardRunner {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.running)
+}
+
 // ownedShards returns the shards this relay is relaying now, in order (not
 // those it is releasing).
 func (r *Relay) ownedShards() []int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	out := make([]int, 0, len(r.running))
-	for s, runner := range r.running {
+	var out []int
+	for s, runner := range r.runners() {
 		if !runner.stopping() {
 			out = append(out, s)
 		}
@@ -246,11 +252,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		return nil // cancelled while waiting for Kafka
 	}
 	r.sink = sink
-	defer func() {
-		if err := sink.close(); err != nil {
-			r.log.Warn("close Kafka producer", "err", err)
-		}
-	}()
+	defer sink.close()
 
 	// The listener checks first that notifications reach it: behind a
 	// transaction-mode pooler they do not, and the relay refuses to run.
@@ -258,13 +260,11 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer cancel(nil)
 	listening := make(chan error, 1)
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		if err := r.listen(runCtx, listening); err != nil {
 			cancel(err)
 		}
-	}()
+	})
 	select {
 	case err := <-listening:
 		if err != nil {
@@ -272,16 +272,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 	case <-runCtx.Done():
 	}
-	wg.Add(1)
-	go func() { defer wg.Done(); r.poller.run(runCtx) }()
+	wg.Go(func() { r.poller.run(runCtx) })
 	if runCtx.Err() == nil && r.cfg.CleanupInterval > 0 {
-		wg.Add(1)
-		go func() { defer wg.Done(); r.cleanupLoop(runCtx) }()
+		wg.Go(func() { r.cleanupLoop(runCtx) })
 	}
-	var ownErr error
 	if runCtx.Err() == nil {
-		if ownErr = r.own(runCtx); ownErr != nil {
-			cancel(ownErr)
+		if err := r.own(runCtx); err != nil {
+			cancel(err)
 		}
 	}
 	cancel(nil)
@@ -327,18 +324,13 @@ func (r *Relay) connectKafka(ctx context.Context) *kafkaSink {
 }
 
 func (r *Relay) wake(shard int) {
-	r.mu.Lock()
-	runner := r.running[shard]
-	r.mu.Unlock()
-	if runner != nil {
+	if runner := r.runner(shard); runner != nil {
 		runner.notify()
 	}
 }
 
 func (r *Relay) wakeAll() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, runner := range r.running {
+	for _, runner := range r.runners() {
 		runner.notify()
 	}
 }

@@ -20,31 +20,21 @@ import (
 	"github.com/eventline/eventline/migrations"
 )
 
-// Defaults for Config and RelayConfig.
+// Defaults for Config and RelayConfig: each is the default of the fields it
+// is named after, documented there.
 const (
-	// DefaultMaxMessageBytes is the largest Kafka record, as Sarama sizes it,
-	// that the producer accepts into the outbox and the relay sends: 1 MiB,
-	// Sarama's own default for Producer.MaxMessageBytes and the Kafka Java
-	// producer's max.request.size. The producer (Config.MaxMessageBytes) and the
-	// relay (RelayConfig.MaxMessageBytes) must use the same value, so that
-	// nothing enters the outbox that the relay can never send; the brokers'
-	// message.max.bytes (or the topic's max.message.bytes) must admit it too
-	// (Kafka's default, 1,048,588 bytes, does).
+	// DefaultMaxMessageBytes, 1 MiB, is Sarama's own default for
+	// Producer.MaxMessageBytes and the Kafka Java producer's
+	// max.request.size. The producer and the relay must use the same value,
+	// so that nothing enters the outbox that the relay can never send; the
+	// brokers' message.max.bytes (or the topic's max.message.bytes) must
+	// admit it too (Kafka's default, 1,048,588 bytes, does).
 	DefaultMaxMessageBytes = 1024 * 1024
-	// DefaultBatchSize is how many outbox rows one relay transaction reads
-	// and publishes before recording its progress.
-	DefaultBatchSize = 500
-	// DefaultPollInterval is the longest an idle shard waits before looking
-	// at its table again. New rows wake it at once through LISTEN/NOTIFY;
-	// the poll is the safety net.
-	DefaultPollInterval = 5 * time.Second
-	// DefaultRebalanceInterval is how often a relay renews its leases and
-	// checks its shard share. A vanished relay's shards are taken over
-	// within TakeoverBound(DefaultRebalanceInterval), 10s.
+	DefaultBatchSize       = 500
+	DefaultPollInterval    = 5 * time.Second
+	// DefaultRebalanceInterval makes TakeoverBound 10s.
 	DefaultRebalanceInterval = 2 * time.Second
-	// DefaultMaxAttempts is how many times a message is published before it
-	// is dead-lettered, when the failure is specific to the message.
-	DefaultMaxAttempts = 5
+	DefaultMaxAttempts       = 5
 	// DefaultBackoffInitial, DefaultBackoffMultiplier and DefaultBackoffMax
 	// make the default wait before each retry of a message that failed to
 	// publish: 1s, 5s, 25s, about 2m, then 10m for every later attempt. With
@@ -53,13 +43,9 @@ const (
 	DefaultBackoffInitial    = time.Second
 	DefaultBackoffMultiplier = 5
 	DefaultBackoffMax        = 10 * time.Minute
-	// DefaultRetentionWindow is how long forwarded rows are kept.
-	DefaultRetentionWindow = 24 * time.Hour
-	// DefaultCleanupInterval is how often a relay deletes forwarded rows
-	// older than the retention window from the shards it owns.
-	DefaultCleanupInterval = 5 * time.Minute
-	// DefaultCleanupBatchSize bounds the rows one cleanup statement deletes.
-	DefaultCleanupBatchSize = 1000
+	DefaultRetentionWindow   = 24 * time.Hour
+	DefaultCleanupInterval   = 5 * time.Minute
+	DefaultCleanupBatchSize  = 1000
 	// DefaultPartitioner is Kafka's own partitioner for keyed records.
 	DefaultPartitioner = PartitionerMurmur2
 )
@@ -268,11 +254,8 @@ func (c RelayConfig) validate() error {
 	default:
 		errs = append(errs, fmt.Errorf(`RelayConfig.Partitioner must be "murmur2", "fnv1a" or "sarama-config", got %q`, c.Partitioner))
 	}
-	if c.MaxMessageBytes < minMaxMessageBytes || c.MaxMessageBytes >= int(sarama.MaxRequestSize) {
-		// Sarama ignores (with a log line) a limit at or above its request
-		// size, and producer.Config refuses the same range.
-		errs = append(errs, fmt.Errorf("RelayConfig.MaxMessageBytes must be between %d and %d bytes (0 means the default, %d), got %d",
-			minMaxMessageBytes, sarama.MaxRequestSize-1, DefaultMaxMessageBytes, c.MaxMessageBytes))
+	if err := validateMaxMessageBytes("RelayConfig.MaxMessageBytes", c.MaxMessageBytes); err != nil {
+		errs = append(errs, err)
 	}
 	if err := c.Backoff.Validate("producer.RelayConfig.Backoff"); err != nil {
 		errs = append(errs, err)

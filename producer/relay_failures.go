@@ -114,13 +114,17 @@ func isPermanent(err error) bool { return classify(err) == failPermanent }
 // if nothing was batched with it.
 func classifyItem(it *item) failureKind {
 	kind := classify(it.err)
-	if kind == failPermanent && !it.alone && errors.Is(it.err, sarama.ErrMessageSizeTooLarge) {
-		var cfgErr sarama.ConfigurationError // Sarama's own size check, before any batch
-		if !errors.As(it.err, &cfgErr) {
-			return failBatchTooLarge
-		}
+	if kind == failPermanent && !it.alone && refusedTooLarge(it.err) {
+		return failBatchTooLarge
 	}
 	return kind
+}
+
+// refusedTooLarge reports whether Kafka refused a record (or its batch) as
+// too large, as opposed to Sarama's own size check before any batch.
+func refusedTooLarge(err error) bool {
+	var cfgErr sarama.ConfigurationError
+	return errors.Is(err, sarama.ErrMessageSizeTooLarge) && !errors.As(err, &cfgErr)
 }
 
 // sendAlone reports whether a row is to be published alone in its
@@ -167,8 +171,7 @@ func (e *recordTooLargeError) Unwrap() error { return e.err }
 // explainTooLarge returns err, as a *recordTooLargeError naming both limits
 // when Kafka refused msg as too large.
 func (s *kafkaSink) explainTooLarge(msg *sarama.ProducerMessage, err error) error {
-	var cfgErr sarama.ConfigurationError
-	if !errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.As(err, &cfgErr) {
+	if !refusedTooLarge(err) {
 		return err
 	}
 	return &recordTooLargeError{topic: msg.Topic, recordBytes: msg.ByteSize(2), topicLimit: s.topicLimit(msg.Topic),
@@ -463,11 +466,8 @@ func (s *shardRunner) setBackoff(d time.Duration) {
 // peekEnvelope reads what it can from a forwarder envelope that failed to
 // unwrap or decode, for the dead letter's columns.
 func peekEnvelope(payload []byte) (eventline.Event, string) {
-	var env struct {
-		DestinationTopic string            `json:"destination_topic"`
-		Metadata         map[string]string `json:"metadata"`
-	}
-	_ = json.Unmarshal(payload, &env)
+	var env forwarderEnvelope
+	_ = json.Unmarshal(payload, &env) // fills what it can
 	e := eventline.Event{
 		ID:            env.Metadata[eventline.MetaEventID],
 		Type:          env.Metadata[eventline.MetaEventType],

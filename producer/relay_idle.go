@@ -83,7 +83,7 @@ func (s *shardRunner) idle() {
 		s.waiting = true
 		return // read once more: see announce
 	}
-	ctx, cancel := context.WithTimeout(s.soft, 5*time.Second)
+	ctx, cancel := context.WithTimeout(s.soft, statementTimeout)
 	var pending bool
 	err := s.relay.pool.QueryRow(ctx, s.sql.backlogExists, outbox.RelayConsumerGroup, s.shard, s.waitTTL().Seconds(), s.waiting).Scan(&pending)
 	cancel()
@@ -95,7 +95,7 @@ func (s *shardRunner) idle() {
 	}
 	s.unstall()
 	if time.Since(s.lastPositionCheck) > positionCheckInterval {
-		pctx, cancel := context.WithTimeout(s.soft, 5*time.Second)
+		pctx, cancel := context.WithTimeout(s.soft, statementTimeout)
 		s.checkPosition(pctx)
 		cancel()
 	}
@@ -122,7 +122,7 @@ func (s *shardRunner) linger() {
 // every transaction older than the mark has ended (or PollInterval passed,
 // when an old transaction stays open: then PollInterval bounds the delay).
 func (s *shardRunner) announce() error {
-	ctx, cancel := context.WithTimeout(s.soft, s.relay.cfg.PollInterval+5*time.Second)
+	ctx, cancel := context.WithTimeout(s.soft, s.relay.cfg.PollInterval+statementTimeout)
 	defer cancel()
 	if _, err := s.relay.pool.Exec(ctx, s.sql.wait, s.shard, s.waitTTL().Seconds()); err != nil {
 		return err
@@ -157,7 +157,7 @@ func (s *shardRunner) unwait() {
 		return
 	}
 	s.waiting = false
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), statementTimeout)
 	defer cancel()
 	if _, err := s.relay.pool.Exec(ctx, s.sql.unwait, s.shard); err != nil {
 		s.log.Debug("clear idle mark", "err", err)
@@ -199,7 +199,7 @@ func (s *shardRunner) warnStalled() {
 	s.mu.Lock()
 	stalled := time.Since(s.stallSince).Round(time.Second)
 	s.mu.Unlock()
-	ctx, cancel := context.WithTimeout(s.soft, 5*time.Second)
+	ctx, cancel := context.WithTimeout(s.soft, statementTimeout)
 	defer cancel()
 	h, err := outbox.ReadHorizonHolder(ctx, s.relay.pool)
 	if err != nil || h == nil {

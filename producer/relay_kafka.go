@@ -159,18 +159,15 @@ func (s *kafkaSink) send(ctx context.Context, topic string, msg *message.Message
 
 func (s *kafkaSink) results() {
 	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		for pm := range s.producer.Successes() {
 			it := pm.Metadata.(*item)
 			_ = s.explainMissing(pm.Topic, nil)
 			it.endSpan(pm.Partition, pm.Offset, nil)
 			it.complete(nil)
 		}
-	}()
-	go func() {
-		defer wg.Done()
+	})
+	wg.Go(func() {
 		for pe := range s.producer.Errors() {
 			it := pe.Msg.Metadata.(*item)
 			err := s.explainMissing(pe.Msg.Topic, pe.Err)
@@ -178,22 +175,19 @@ func (s *kafkaSink) results() {
 			it.endSpan(0, 0, err)
 			it.complete(err)
 		}
-	}()
+	})
 	wg.Wait()
 	close(s.done)
 }
 
 // close flushes queued records, reports their outcomes and stops.
-func (s *kafkaSink) close() error {
+func (s *kafkaSink) close() {
 	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		<-s.done
-		return nil
-	}
+	first := !s.closed
 	s.closed = true
 	s.mu.Unlock()
-	s.producer.AsyncClose()
+	if first {
+		s.producer.AsyncClose()
+	}
 	<-s.done
-	return nil
 }

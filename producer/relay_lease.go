@@ -231,13 +231,7 @@ func (o *ownership) renew(ctx context.Context) (held map[int]bool, deadline time
 		held[int(s)] = true
 	}
 	deadline = sent.Add(r.leaseValid())
-	r.mu.Lock()
-	runners := make(map[int]*shardRunner, len(r.running))
-	for s, runner := range r.running {
-		runners[s] = runner
-	}
-	r.mu.Unlock()
-	for shard, runner := range runners {
+	for shard, runner := range r.runners() {
 		if held[shard] {
 			runner.extend(deadline)
 			continue
@@ -290,11 +284,9 @@ func (o *ownership) reap(ctx context.Context) map[int]bool {
 // settle, then deletes this relay's leases and member row.
 func (o *ownership) shutdown() {
 	r := o.r
-	r.mu.Lock()
-	for _, runner := range r.running {
+	for _, runner := range r.runners() {
 		runner.halt(stopShutdown)
 	}
-	r.mu.Unlock()
 	ctx := context.Background()
 	ticker := time.NewTicker(r.cfg.RebalanceInterval)
 	defer ticker.Stop()

@@ -316,22 +316,6 @@ func TestShardSetUpFailureIsRetried(t *testing.T) {
 	require.GreaterOrEqual(t, counterValue(t, reg, "eventline_relay_shard_restarts_total"), 2.0)
 }
 
-// TestNewRelayRefusesASmallPool: a relay needs one connection per shard
-// plus three; a smaller pool would silently serialize shard reads.
-func TestNewRelayRefusesASmallPool(t *testing.T) {
-	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 8, MaxConns: 4})
-	_, err := producer.NewRelay(context.Background(), env.Pool, producer.RelayConfig{Schema: env.Schema, Brokers: []string{"localhost:9092"}})
-	require.Error(t, err)
-	require.True(t, errors.Is(err, producer.ErrPoolTooSmall), "got %v", err)
-	require.ErrorContains(t, err, "needs 11")
-	require.EqualValues(t, 11, producer.PoolSizeFor(8))
-
-	big := pgtest.Pool(t, producer.PoolSizeFor(8))
-	_, err = producer.NewRelay(context.Background(), big, producer.RelayConfig{Schema: env.Schema, Brokers: []string{"localhost:9092"}})
-	require.NoError(t, err)
-}
-
 // positionOf reads a shard's relay position.
 func positionOf(ctx context.Context, pool *pgxpool.Pool, schema string, shard int) (txid uint64, offset int64, err error) {
 	var tx string

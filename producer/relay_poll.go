@@ -122,10 +122,7 @@ func (p *poller) watch(s *shardRunner) {
 	p.mu.Lock()
 	p.set[s.shard] = s
 	p.mu.Unlock()
-	select {
-	case p.kick <- struct{}{}:
-	default:
-	}
+	signal(p.kick)
 }
 
 // unwatch removes s from the polled shards.
@@ -269,7 +266,7 @@ func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult,
 		}
 		p.sql[key] = q
 	}
-	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	qctx, cancel := context.WithTimeout(ctx, statementTimeout)
 	defer cancel()
 	var res []*bool
 	if err := p.r.pool.QueryRow(qctx, q, outbox.RelayConsumerGroup).Scan(&res); err != nil {

@@ -125,22 +125,12 @@ func (r *Relay) listen(ctx context.Context, ready chan<- error) error {
 		}
 		r.wakeAll()
 		for err == nil {
-			wctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
 			var n *pgconn.Notification
-			n, err = conn.Conn().WaitForNotification(wctx)
-			cancel()
-			switch {
-			case err == nil:
-				if strings.HasPrefix(n.Payload, prefix) {
-					if shard, convErr := strconv.Atoi(n.Payload[len(prefix):]); convErr == nil {
-						r.wake(shard)
-					}
+			n, err = r.awaitNotification(ctx, conn.Conn(), r.cfg.RebalanceInterval)
+			if n != nil && strings.HasPrefix(n.Payload, prefix) {
+				if shard, convErr := strconv.Atoi(n.Payload[len(prefix):]); convErr == nil {
+					r.wake(shard)
 				}
-			case ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded):
-				// Quiet: make sure the connection still answers.
-				pctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
-				err = conn.Conn().Ping(pctx)
-				cancel()
 			}
 		}
 		if ctx.Err() == nil {
@@ -188,21 +178,17 @@ func (r *Relay) startListening(ctx context.Context, conn *pgx.Conn, probe bool) 
 	if _, err := r.pool.Exec(sctx, `SELECT pg_notify($1, $2)`, outbox.NotifyChannel, payload); err != nil {
 		return err
 	}
-	wctx, wcancel := context.WithTimeout(sctx, probeTimeout)
-	defer wcancel()
+	deadline := time.Now().Add(probeTimeout)
+	if d, _ := sctx.Deadline(); d.Before(deadline) {
+		deadline = d
+	}
 	for {
-		n, err := conn.WaitForNotification(wctx)
+		n, err := r.awaitNotification(ctx, conn, time.Until(deadline))
 		if err != nil {
-			if ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
-				return err
-			}
-			// Silence: pooling if the connection itself still answers.
-			pctx, pcancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
-			perr := conn.Ping(pctx)
-			pcancel()
-			if perr != nil {
-				return perr
-			}
+			return err
+		}
+		if n == nil {
+			// Silence, though the connection answers: pooling.
 			return fmt.Errorf("%w (a notification the relay sent itself never reached its LISTEN connection)", ErrSessionPooling)
 		}
 		if n.Payload == payload {
@@ -213,4 +199,19 @@ func (r *Relay) startListening(ctx context.Context, conn *pgx.Conn, probe bool) 
 		r.log.Info("the relay's connections go through a connection pooler; relays need it in session mode", "client_side_pid", conn.PgConn().PID(), "server_pid", serverPID)
 	}
 	return nil
+}
+
+// awaitNotification waits at most d for a notification on conn. When none
+// comes, it checks that the connection still answers, and returns neither
+// a notification nor an error if it does.
+func (r *Relay) awaitNotification(ctx context.Context, conn *pgx.Conn, d time.Duration) (*pgconn.Notification, error) {
+	wctx, cancel := context.WithTimeout(ctx, d)
+	n, err := conn.WaitForNotification(wctx)
+	cancel()
+	if err == nil || ctx.Err() != nil || !errors.Is(err, context.DeadlineExceeded) {
+		return n, err
+	}
+	pctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
+	defer cancel()
+	return nil, conn.Ping(pctx)
 }

@@ -37,6 +37,9 @@ const (
 	shutdownTimeout = stopGrace + 10*time.Second
 	// setupTimeout bounds a shard's set-up statements.
 	setupTimeout = 10 * time.Second
+	// statementTimeout bounds the relay's short statements outside relay
+	// transactions: polls, idle marks and checks.
+	statementTimeout = 5 * time.Second
 	// queryRetryInterval is the pause after a failed outbox query.
 	queryRetryInterval = time.Second
 )
@@ -192,10 +195,7 @@ func (s *shardRunner) supervise() {
 		s.cancelSoft()
 		s.cancelHard()
 		close(s.done)
-		select {
-		case s.relay.exited <- struct{}{}:
-		default:
-		}
+		signal(s.relay.exited)
 	}()
 	restarts := 0
 	for {
@@ -446,9 +446,13 @@ func (s *shardRunner) ended() bool {
 	}
 }
 
-func (s *shardRunner) notify() {
+func (s *shardRunner) notify() { signal(s.wake) }
+
+// signal sends on ch, a channel of capacity one, unless a signal is
+// already pending there.
+func signal(ch chan<- struct{}) {
 	select {
-	case s.wake <- struct{}{}:
+	case ch <- struct{}{}:
 	default:
 	}
 }
