@@ -364,8 +364,8 @@ type ShardOwner struct {
 }
 
 // ShardOwners returns the shards with an unexpired lease and their
-// owners. A schema without the relay's tables (see Status.RelayTables)
-// is an error wrapping producer.ErrNotMigrated; no statement has failed
+// owners. A schema without the relay's tables is an error wrapping
+// ErrNotMigrated; no statement has failed
 // then, so a transaction db stays usable.
 func ShardOwners(ctx context.Context, db DBTX, schema string) (map[int]ShardOwner, error) {
 	if err := checkArgs("ShardOwners", db, schema); err != nil {
