@@ -21,7 +21,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
 	order=("${designs[@]}")
 	((r % 2 == 0)) && order=($(printf '%s\n' "${designs[@]}" | tac))
 	for d in "${order[@]}"; do
-		psql -q -X "$URL" -f setup.sql >/dev/null 2>&1
+		psql -q -X -v ON_ERROR_STOP=1 "$URL" -f setup.sql >/dev/null
 		tps=$("$PGBENCH" -n -M prepared --random-seed=rand -c "$CLIENTS" -j 2 -T "$SECONDS_EACH" -f "$d.sql" "$URL" 2>&1 |
 			awk '/^tps/ {print $3}')
 		echo "round $r $d ${tps:-failed} tx/s" >&2
