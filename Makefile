@@ -33,10 +33,10 @@ kafka: ## Run Apache Kafka 4.4 in the foreground on 127.0.0.1:9092 (KAFKA_PORT=n
 demo: postgres ## Run the end-to-end orders demo (in-process Kafka unless KAFKA_BROKERS is set).
 	$(GO) run ./examples/orders
 
-bench: postgres ## Run the full benchmark suite (several minutes).
+bench: postgres ## Run the full benchmark suite (about 11 minutes on 2 cores).
 	cd $(BENCH_DIR) && $(GO) run .
 
-bench-quick: postgres ## Run a smaller benchmark suite (about 4 minutes).
+bench-quick: postgres ## Run a smaller benchmark suite (about 3 minutes).
 	cd $(BENCH_DIR) && $(GO) run . -quick
 
 lint: ## gofmt, go vet, and golangci-lint when installed.
