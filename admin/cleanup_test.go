@@ -9,7 +9,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
@@ -17,17 +16,6 @@ import (
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/producer"
 )
-
-// withKafka returns a migrated schema with the given shards, the test
-// brokers and a new topic of the given partitions on them.
-func withKafka(t *testing.T, shards int, partitions int32) (env pgtest.Env, brokers []string, topic string) {
-	t.Helper()
-	env = pgtest.New(t, pgtest.Options{Shards: shards})
-	brokers = kafkatest.Brokers(t)
-	topic = kafkatest.Topic(t, "orders")
-	kafkatest.CreateTopic(t, brokers, topic, partitions)
-	return env, brokers, topic
-}
 
 func waitDrained(t *testing.T, env pgtest.Env) {
 	t.Helper()
@@ -40,7 +28,7 @@ func waitDrained(t *testing.T, env pgtest.Env) {
 
 func TestCleanupDeletesOnlyExpiredRowsEveryGroupAcked(t *testing.T) {
 	t.Parallel()
-	env, brokers, topic := withKafka(t, 1, 1)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
 	ctx := context.Background()
 	cleanup := func(retention time.Duration) admin.CleanupResult {
 		res, err := admin.Cleanup(ctx, env.Pool, admin.CleanupConfig{Schema: env.Schema, Retention: retention, BatchSize: 3})
@@ -80,7 +68,7 @@ func TestCleanupDeletesOnlyExpiredRowsEveryGroupAcked(t *testing.T) {
 
 func TestRelayMetricsAndStatusCollector(t *testing.T) {
 	t.Parallel()
-	env, brokers, topic := withKafka(t, 2, 2)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 2)
 	reg := prometheus.NewRegistry()
 	metrics, err := producer.NewRelayMetrics(reg)
 	require.NoError(t, err)

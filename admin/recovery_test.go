@@ -32,7 +32,7 @@ import (
 // be relayed, with the old cluster's unsent one.
 func TestRebasePositionsNeverMarksAConcurrentCommitRelayed(t *testing.T) {
 	t.Parallel()
-	env, brokers, topic := withKafka(t, 1, 1)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 1}, 1)
 	ctx := context.Background()
 	cfg := producer.RelayConfig{Schema: env.Schema, Brokers: brokers, PollInterval: 200 * time.Millisecond,
 		RebalanceInterval: 250 * time.Millisecond, Logger: relaytest.Logger(t)}
