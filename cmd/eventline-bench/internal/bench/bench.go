@@ -113,8 +113,9 @@ type Config struct {
 	// DatabaseURL is the PostgreSQL to run against. Defaults to
 	// TEST_DATABASE_URL, then DATABASE_URL, then DefaultDatabaseURL.
 	DatabaseURL string
-	// Brokers are the Kafka brokers. Defaults to KAFKA_BROKERS; when that
-	// is empty too, each scenario starts an in-process kfake cluster.
+	// Brokers are the Kafka brokers; empty, each scenario starts an
+	// in-process kfake cluster. (The command reads KAFKA_BROKERS into its
+	// -brokers flag, so an explicit -brokers "" still means kfake.)
 	Brokers []string
 	// BrokerPID is the process id of the (real) broker on this machine,
 	// when known: end_to_end_latency then reports its CPU share beside the
@@ -132,9 +133,6 @@ type Config struct {
 func (c Config) withDefaults() Config {
 	if c.DatabaseURL == "" {
 		c.DatabaseURL = DatabaseURLFromEnv()
-	}
-	if len(c.Brokers) == 0 {
-		c.Brokers = ParseBrokers(os.Getenv(BrokersEnv))
 	}
 	if len(c.Scenarios) == 0 {
 		c.Scenarios = Scenarios
