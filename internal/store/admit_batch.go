@@ -76,8 +76,10 @@ type chainRow struct {
 }
 
 // QueueAdmitBatch queues on b, in one statement, what [Store.QueueAdmit]
-// queued for each event one after the other, in events' order (jumps[i]
-// is Admit's jump for events[i]). It returns nil, queueing nothing, when
+// queued for each event one after the other, in order, which is
+// [AdmissionOrder](events) (jumps[i] is Admit's jump for events[i]; the
+// caller keeps order to admit the events one by one when one statement
+// cannot). It returns nil, queueing nothing, when
 // the batch does not have the shape one statement can admit: every event
 // versioned (Follows accepts it), and the events of each aggregate a
 // chain, each following the version of the one before it (Follows equal
@@ -88,9 +90,8 @@ type chainRow struct {
 // would have read, when no event was recorded before; when one was
 // (a duplicate, or an id conflict), Result reports it and the caller rolls
 // the transaction back and admits them one by one, which tells which.
-func (s *Store) QueueAdmitBatch(b *pgx.Batch, group string, events []eventline.Event, jumps []bool) *PendingBatch {
+func (s *Store) QueueAdmitBatch(b *pgx.Batch, group string, events []eventline.Event, jumps []bool, order []int) *PendingBatch {
 	n := len(events)
-	order := AdmissionOrder(events)
 	p := &PendingBatch{events: make([]eventline.Event, n), jumps: jumps}
 	ids, types, atypes, aids := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	versions := make([]int64, n)
