@@ -54,19 +54,11 @@ var admitBatchSQL = statement(`WITH u AS (
 type PendingBatch struct {
 	events []eventline.Event // the members, arrival order, PreviousVersion set to Follows
 	jumps  []bool
-	chains []chain
+	chains [][]int // per aggregate, its members in arrival order: a run of the admission order
 	fresh  int64
 	rows   []chainRow // per chain
 	err    error
 	set    bool
-}
-
-type aggKey struct{ typ, id string }
-
-// chain is the members of one aggregate, in arrival order.
-type chain struct {
-	key     aggKey
-	members []int
 }
 
 type chainRow struct {
@@ -105,17 +97,16 @@ func (s *Store) QueueAdmitBatch(b *pgx.Batch, group string, events []eventline.E
 		}
 		p.events[i] = e
 		ids[k], types[k], atypes[k], aids[k], versions[k] = e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion
-		key := aggKey{e.AggregateType, e.AggregateID}
-		if c := len(p.chains) - 1; c >= 0 && p.chains[c].key == key {
+		if c := len(p.chains) - 1; c >= 0 && ctypes[c] == e.AggregateType && cids[c] == e.AggregateID {
 			if clast[c] != e.PreviousVersion || cjump[c] != jumps[i] {
 				return nil // not a chain: admitted one by one
 			}
 			clast[c] = e.AggregateVersion
-			p.chains[c].members = append(p.chains[c].members, i)
+			p.chains[c] = order[k-len(p.chains[c]) : k+1]
 			continue
 		}
-		p.chains = append(p.chains, chain{key: key, members: []int{i}})
-		ctypes, cids = append(ctypes, key.typ), append(cids, key.id)
+		p.chains = append(p.chains, order[k:k+1])
+		ctypes, cids = append(ctypes, e.AggregateType), append(cids, e.AggregateID)
 		cfirst, clast = append(cfirst, e.PreviousVersion), append(clast, e.AggregateVersion)
 		cjump = append(cjump, jumps[i])
 	}
@@ -161,15 +152,16 @@ func (p *PendingBatch) Result(ctx context.Context) ([]Admission, error) {
 		return nil, ErrBatchRecorded
 	}
 	out := make([]Admission, len(p.events))
-	for k, c := range p.chains {
+	for k, members := range p.chains {
 		r := p.rows[k]
 		if !r.set {
-			return nil, fmt.Errorf("eventline: batch admission returned no version for %s/%s", c.key.typ, c.key.id)
+			e := p.events[members[0]]
+			return nil, fmt.Errorf("eventline: batch admission returned no version for %s/%s", e.AggregateType, e.AggregateID)
 		}
 		// What the members' own admissions would have read, one after the
 		// other (admitSQL's rule, then decide's).
 		cur := r.previous
-		for _, i := range c.members {
+		for _, i := range members {
 			e := p.events[i]
 			prev := cur
 			if e.AggregateVersion > cur && (e.PreviousVersion <= cur || p.jumps[i]) {
@@ -181,7 +173,8 @@ func (p *PendingBatch) Result(ctx context.Context) ([]Admission, error) {
 			out[i] = a
 		}
 		if cur != r.current {
-			return nil, fmt.Errorf("eventline: batch admission of %s/%s ended on version %d, its events on %d", c.key.typ, c.key.id, r.current, cur)
+			e := p.events[members[0]]
+			return nil, fmt.Errorf("eventline: batch admission of %s/%s ended on version %d, its events on %d", e.AggregateType, e.AggregateID, r.current, cur)
 		}
 	}
 	return out, nil
