@@ -170,7 +170,7 @@ func (el *Eventline) admitBatch(ctx, bctx context.Context, items []*delivery.Arr
 			return nil, nil, &attempt{outcome: unavailable, err: err}
 		}
 		if batch != nil {
-			admissions, err := batch.Result(bctx)
+			admissions, err := batch.Result()
 			switch {
 			case errors.Is(err, store.ErrBatchRecorded):
 				rollback(ctx, tx)

@@ -1,7 +1,6 @@
 package store
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -142,7 +141,7 @@ var ErrBatchRecorded = errors.New("eventline: a member of the batch was recorded
 
 // Result returns, once the batch's results have been closed, each event's
 // admission (in the order given to QueueAdmitBatch), or ErrBatchRecorded.
-func (p *PendingBatch) Result(ctx context.Context) ([]Admission, error) {
+func (p *PendingBatch) Result() ([]Admission, error) {
 	switch {
 	case p.err != nil:
 		return nil, p.err

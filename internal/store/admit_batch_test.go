@@ -28,7 +28,7 @@ func queueBatch(ctx context.Context, s *store.Store, tx pgx.Tx, events []eventli
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, true, err
 	}
-	a, err := p.Result(ctx)
+	a, err := p.Result()
 	return a, true, err
 }
 
