@@ -112,9 +112,7 @@ func (k kenv) config(group string) consumer.Config {
 // clusterAdmin is a Kafka admin client for brokers; close it.
 func clusterAdmin(t testing.TB, brokers []string) sarama.ClusterAdmin {
 	t.Helper()
-	cfg := sarama.NewConfig()
-	cfg.Version = kafkaconf.Version
-	admin, err := sarama.NewClusterAdmin(brokers, cfg)
+	admin, err := kafkatest.Admin(brokers)
 	require.NoError(t, err)
 	return admin
 }

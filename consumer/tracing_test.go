@@ -14,6 +14,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/tracing"
 	"github.com/eventline/eventline/internal/tracing/tracingtest"
 )
@@ -92,6 +93,6 @@ func TestConsumerContinuesTheRecordsTrace(t *testing.T) {
 	require.Len(t, under(rel[0].SpanContext, "handle"), 1)
 
 	// The stage histograms: a1 and b1 applied on arrival, b2 released.
-	stages := consumertest.SumByLabel(t, reg, "eventline_consumer_stage_seconds", "stage")
+	stages := metrictest.SumByLabel(t, reg, "eventline_consumer_stage_seconds", "stage")
 	require.Equal(t, map[string]float64{"relayed_to_applied": 2, "occurred_to_applied": 2, "parked_to_released": 1}, stages)
 }

@@ -149,18 +149,19 @@ func (el *Eventline) admitBatch(ctx, bctx context.Context, items []*delivery.Arr
 	for i, it := range items {
 		events[i], jumps[i] = it.Event, g.jumps(it.Event)
 	}
+	order := store.AdmissionOrder(events)
 	whole := len(items) > 1
 	for {
 		pb := &pgx.Batch{}
 		pb.BeginTx(el.cfg.TxOptions)
 		var batch *store.PendingBatch
 		if whole {
-			batch = g.store.QueueAdmitBatch(pb, g.cfg.Group, events, jumps)
+			batch = g.store.QueueAdmitBatch(pb, g.cfg.Group, events, jumps, order)
 		}
 		var results []admissionResult
 		if batch == nil {
 			results = make([]admissionResult, len(items))
-			for _, i := range store.AdmissionOrder(events) {
+			for _, i := range order {
 				results[i] = g.queueAdmission(pb, events[i])
 			}
 		}
@@ -169,7 +170,7 @@ func (el *Eventline) admitBatch(ctx, bctx context.Context, items []*delivery.Arr
 			return nil, nil, &attempt{outcome: unavailable, err: err}
 		}
 		if batch != nil {
-			admissions, err := batch.Result(bctx)
+			admissions, err := batch.Result()
 			switch {
 			case errors.Is(err, store.ErrBatchRecorded):
 				rollback(ctx, tx)

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline/internal/consumertest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -28,7 +29,7 @@ func TestMetricLabelsAreBounded(t *testing.T) {
 	}
 	require.NoError(t, f.deliver(t, consumertest.Message(t, consumertest.Event("z", 1))))
 
-	labels := consumertest.SumByLabel(t, f.registry, "eventline_consumer_events_applied_total", "event_type")
+	labels := metrictest.SumByLabel(t, f.registry, "eventline_consumer_events_applied_total", "event_type")
 	require.Len(t, labels, middleware.MaxUnregisteredEventTypes+2, "the first unregistered types, thing.changed and other")
 	require.Equal(t, 1.0, labels["thing.changed"], "a registered type keeps its label")
 	require.Equal(t, float64(n-middleware.MaxUnregisteredEventTypes), labels[middleware.OtherEventType])
@@ -49,7 +50,7 @@ func TestGapDurationIsObservedByOutcome(t *testing.T) {
 	deliver("a", 1)
 	deliver("a", 3)
 	deliver("a", 2) // fills a's gap
-	require.Equal(t, map[string]float64{"filled": 1}, consumertest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"))
+	require.Equal(t, map[string]float64{"filled": 1}, metrictest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"))
 	require.Equal(t, []int64{1, 2, 3}, f.versions(t, "a"))
 
 	deliver("b", 2) // b1 never comes: skipped by the sweeper
@@ -61,10 +62,10 @@ func TestGapDurationIsObservedByOutcome(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 2, res.Released)
 	require.Len(t, res.GapsClosed, 2)
-	require.Equal(t, map[string]float64{"filled": 1, "skipped": 1, "released": 1}, consumertest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"))
+	require.Equal(t, map[string]float64{"filled": 1, "skipped": 1, "released": 1}, metrictest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"))
 
 	res, err = f.el.SweepResult(context.Background())
 	require.NoError(t, err)
 	require.Empty(t, res.GapsClosed)
-	require.Equal(t, map[string]float64{"filled": 1, "skipped": 1, "released": 1}, consumertest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"), "each gap is observed once")
+	require.Equal(t, map[string]float64{"filled": 1, "skipped": 1, "released": 1}, metrictest.SumByLabel(t, f.registry, "eventline_consumer_gap_duration_seconds", "outcome"), "each gap is observed once")
 }

@@ -15,7 +15,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -75,29 +74,6 @@ func (e Env) CreateTable(t testing.TB, name, columns string) string {
 	_, err := e.Pool.Exec(context.Background(), `CREATE TABLE `+table+` (`+columns+`)`)
 	require.NoError(t, err)
 	return table
-}
-
-// SumByLabel gathers g and returns, per value of label, the sum over the
-// series of the metric family name of their values (counters, gauges) or
-// sample counts (histograms).
-func SumByLabel(t testing.TB, g prometheus.Gatherer, name, label string) map[string]float64 {
-	t.Helper()
-	families, err := g.Gather()
-	require.NoError(t, err)
-	out := map[string]float64{}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == label {
-					out[l.GetValue()] += m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount())
-				}
-			}
-		}
-	}
-	return out
 }
 
 // Fold is the state update Apply performs: value' = (value*31 + version) mod p.

@@ -46,3 +46,28 @@ func Value(g prometheus.Gatherer, name string, labels map[string]string) (float6
 	}
 	return sum, nil
 }
+
+// SumByLabel gathers g and returns, per value of label, the sum over the
+// series of the metric family name of their values (counters, gauges) or
+// sample counts (histograms).
+func SumByLabel(t testing.TB, g prometheus.Gatherer, name, label string) map[string]float64 {
+	t.Helper()
+	families, err := g.Gather()
+	if err != nil {
+		t.Fatalf("gather metrics: %v", err)
+	}
+	out := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == label {
+					out[l.GetValue()] += m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount())
+				}
+			}
+		}
+	}
+	return out
+}

@@ -1,7 +1,6 @@
 package store
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -54,19 +53,11 @@ var admitBatchSQL = statement(`WITH u AS (
 type PendingBatch struct {
 	events []eventline.Event // the members, arrival order, PreviousVersion set to Follows
 	jumps  []bool
-	chains []chain
+	chains [][]int // per aggregate, its members in arrival order: a run of the admission order
 	fresh  int64
 	rows   []chainRow // per chain
 	err    error
 	set    bool
-}
-
-type aggKey struct{ typ, id string }
-
-// chain is the members of one aggregate, in arrival order.
-type chain struct {
-	key     aggKey
-	members []int
 }
 
 type chainRow struct {
@@ -76,8 +67,10 @@ type chainRow struct {
 }
 
 // QueueAdmitBatch queues on b, in one statement, what [Store.QueueAdmit]
-// queued for each event one after the other, in events' order (jumps[i]
-// is Admit's jump for events[i]). It returns nil, queueing nothing, when
+// queued for each event one after the other, in order, which is
+// [AdmissionOrder](events) (jumps[i] is Admit's jump for events[i]; the
+// caller keeps order to admit the events one by one when one statement
+// cannot). It returns nil, queueing nothing, when
 // the batch does not have the shape one statement can admit: every event
 // versioned (Follows accepts it), and the events of each aggregate a
 // chain, each following the version of the one before it (Follows equal
@@ -88,9 +81,8 @@ type chainRow struct {
 // would have read, when no event was recorded before; when one was
 // (a duplicate, or an id conflict), Result reports it and the caller rolls
 // the transaction back and admits them one by one, which tells which.
-func (s *Store) QueueAdmitBatch(b *pgx.Batch, group string, events []eventline.Event, jumps []bool) *PendingBatch {
+func (s *Store) QueueAdmitBatch(b *pgx.Batch, group string, events []eventline.Event, jumps []bool, order []int) *PendingBatch {
 	n := len(events)
-	order := AdmissionOrder(events)
 	p := &PendingBatch{events: make([]eventline.Event, n), jumps: jumps}
 	ids, types, atypes, aids := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	versions := make([]int64, n)
@@ -104,17 +96,16 @@ func (s *Store) QueueAdmitBatch(b *pgx.Batch, group string, events []eventline.E
 		}
 		p.events[i] = e
 		ids[k], types[k], atypes[k], aids[k], versions[k] = e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion
-		key := aggKey{e.AggregateType, e.AggregateID}
-		if c := len(p.chains) - 1; c >= 0 && p.chains[c].key == key {
+		if c := len(p.chains) - 1; c >= 0 && ctypes[c] == e.AggregateType && cids[c] == e.AggregateID {
 			if clast[c] != e.PreviousVersion || cjump[c] != jumps[i] {
 				return nil // not a chain: admitted one by one
 			}
 			clast[c] = e.AggregateVersion
-			p.chains[c].members = append(p.chains[c].members, i)
+			p.chains[c] = order[k-len(p.chains[c]) : k+1]
 			continue
 		}
-		p.chains = append(p.chains, chain{key: key, members: []int{i}})
-		ctypes, cids = append(ctypes, key.typ), append(cids, key.id)
+		p.chains = append(p.chains, order[k:k+1])
+		ctypes, cids = append(ctypes, e.AggregateType), append(cids, e.AggregateID)
 		cfirst, clast = append(cfirst, e.PreviousVersion), append(clast, e.AggregateVersion)
 		cjump = append(cjump, jumps[i])
 	}
@@ -150,7 +141,7 @@ var ErrBatchRecorded = errors.New("eventline: a member of the batch was recorded
 
 // Result returns, once the batch's results have been closed, each event's
 // admission (in the order given to QueueAdmitBatch), or ErrBatchRecorded.
-func (p *PendingBatch) Result(ctx context.Context) ([]Admission, error) {
+func (p *PendingBatch) Result() ([]Admission, error) {
 	switch {
 	case p.err != nil:
 		return nil, p.err
@@ -160,15 +151,16 @@ func (p *PendingBatch) Result(ctx context.Context) ([]Admission, error) {
 		return nil, ErrBatchRecorded
 	}
 	out := make([]Admission, len(p.events))
-	for k, c := range p.chains {
+	for k, members := range p.chains {
 		r := p.rows[k]
 		if !r.set {
-			return nil, fmt.Errorf("eventline: batch admission returned no version for %s/%s", c.key.typ, c.key.id)
+			e := p.events[members[0]]
+			return nil, fmt.Errorf("eventline: batch admission returned no version for %s/%s", e.AggregateType, e.AggregateID)
 		}
 		// What the members' own admissions would have read, one after the
 		// other (admitSQL's rule, then decide's).
 		cur := r.previous
-		for _, i := range c.members {
+		for _, i := range members {
 			e := p.events[i]
 			prev := cur
 			if e.AggregateVersion > cur && (e.PreviousVersion <= cur || p.jumps[i]) {
@@ -180,7 +172,8 @@ func (p *PendingBatch) Result(ctx context.Context) ([]Admission, error) {
 			out[i] = a
 		}
 		if cur != r.current {
-			return nil, fmt.Errorf("eventline: batch admission of %s/%s ended on version %d, its events on %d", c.key.typ, c.key.id, r.current, cur)
+			e := p.events[members[0]]
+			return nil, fmt.Errorf("eventline: batch admission of %s/%s ended on version %d, its events on %d", e.AggregateType, e.AggregateID, r.current, cur)
 		}
 	}
 	return out, nil

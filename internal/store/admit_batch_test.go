@@ -21,14 +21,14 @@ import (
 // does not have the shape for it.
 func queueBatch(ctx context.Context, s *store.Store, tx pgx.Tx, events []eventline.Event, jumps []bool) ([]store.Admission, bool, error) {
 	b := &pgx.Batch{}
-	p := s.QueueAdmitBatch(b, "g", events, jumps)
+	p := s.QueueAdmitBatch(b, "g", events, jumps, store.AdmissionOrder(events))
 	if p == nil {
 		return nil, false, nil
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, true, err
 	}
-	a, err := p.Result(ctx)
+	a, err := p.Result()
 	return a, true, err
 }
 
@@ -155,7 +155,7 @@ func TestAdmitBatchShape(t *testing.T) {
 	t.Parallel()
 	s, _ := newStore(t)
 	queued := func(events []eventline.Event, jumps []bool) bool {
-		return s.QueueAdmitBatch(&pgx.Batch{}, "g", events, jumps) != nil
+		return s.QueueAdmitBatch(&pgx.Batch{}, "g", events, jumps, store.AdmissionOrder(events)) != nil
 	}
 	a1, b1, a2, a3 := ev("a", 1), ev("b", 1), ev("a", 2), ev("a", 3)
 	require.True(t, queued([]eventline.Event{a1, b1, a2, a3}, []bool{false, true, false, false}))
