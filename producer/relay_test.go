@@ -378,13 +378,11 @@ func publishTraced(t *testing.T, env pgtest.Env, rec *tracingtest.Recorder, topi
 }
 
 // waitSpans waits until rec has ended n spans called name.
-func waitSpans(t *testing.T, rec *tracingtest.Recorder, name string, n int) []tracingtestSpan {
+func waitSpans(t *testing.T, rec *tracingtest.Recorder, name string, n int) tracetest.SpanStubs {
 	t.Helper()
 	require.Eventually(t, func() bool { return len(rec.Named(name)) >= n }, 30*time.Second, 10*time.Millisecond, "no %q span ended", name)
 	return rec.Named(name)
 }
-
-type tracingtestSpan = tracetest.SpanStub
 
 // traceSetup gives a relay test a one-shard outbox, a one-partition topic
 // on in-process Kafka and an in-memory span recorder.
