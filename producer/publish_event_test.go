@@ -309,10 +309,8 @@ func rowsOf(t *testing.T, env pgtest.Env, eventID string) []outboxRow {
 // Kafka record.
 func TestPublishTxWritesWatermillsOutboxFormat(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	brokers := kafkatest.Brokers(t)
-	topic, other := kafkatest.Topic(t, "orders"), kafkatest.Topic(t, "payments")
-	kafkatest.CreateTopic(t, brokers, topic, 2)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 2)
+	other := kafkatest.Topic(t, "payments")
 	kafkatest.CreateTopic(t, brokers, other, 1)
 	ctx := context.Background()
 	p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic, AllowVersionGaps: true})

@@ -72,11 +72,8 @@ func TestRelayForwardsEveryEventKeyedByAggregate(t *testing.T) {
 // elsewhere.
 func TestRelayPartitionsLikeKafkasJavaClient(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
 	const partitions = 6
-	kafkatest.CreateTopic(t, brokers, topic, partitions)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, partitions)
 	events := relaytest.PublishOrders(t, env, topic, 50, 50, 10) // 50 aggregates, one event each
 	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers})
 
