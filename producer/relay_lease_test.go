@@ -361,7 +361,7 @@ func watchPositions(t *testing.T, env pgtest.Env) (stop func()) {
 	return func() { once.Do(func() { close(done); <-stopped }) }
 }
 
-// ownedBy waits until every shard's lease belongs to the relay with the
+// waitOwnedBy waits until every shard's lease belongs to the relay with the
 // given ID and returns how long that took.
 func waitOwnedBy(t *testing.T, env pgtest.Env, relayID string, timeout time.Duration) time.Duration {
 	t.Helper()
