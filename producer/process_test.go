@@ -108,13 +108,6 @@ func startRelayProcess(t *testing.T, env pgtest.Env, brokers []string, extraEnv 
 	return childproc.Start(t, append([]string{envChild + "=relay", envSchema + "=" + env.Schema, envBrokers + "=" + strings.Join(brokers, ",")}, extraEnv...)...)
 }
 
-// waitSoleOwner waits until one relay, named id, holds every shard, and
-// returns how long that took.
-func waitSoleOwner(t *testing.T, env pgtest.Env, id string, timeout time.Duration) time.Duration {
-	t.Helper()
-	return waitOwnedBy(t, env, id, timeout)
-}
-
 // waitOwners waits until every shard is owned, by exactly owners distinct
 // relays, none holding more than its fair share.
 func waitOwners(t *testing.T, env pgtest.Env, owners int) map[int]admin.ShardOwner {
@@ -246,14 +239,14 @@ func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
 	pub := startPublisher(t, env, topic, 64)
 
 	a := child("a", envDatabaseURL+"="+pgtest.URLVia(proxy.Addr()))
-	waitSoleOwner(t, env, "a", 30*time.Second)
+	waitOwnedBy(t, env, "a", 30*time.Second)
 	b := child("b")
 	waitOwners(t, env, 2) // taken over from a running relay
 	waitRelayedPastNow(t, env, 90*time.Second, "relayed after the rebalance")
 
 	frozenAt := time.Now()
 	proxy.Set(faultproxy.Freeze)
-	frozen := waitSoleOwner(t, env, "b", time.Minute)
+	frozen := waitOwnedBy(t, env, "b", time.Minute)
 	waitRelayedPastNow(t, env, 90*time.Second, "relayed after a's connections froze")
 	frozenRelayed := time.Since(frozenAt)
 
@@ -262,7 +255,7 @@ func TestRelayProcessesTakeOverFromLiveFrozenAndStoppedRelays(t *testing.T) {
 	waitRelayedPastNow(t, env, 90*time.Second, "relayed after the second rebalance")
 	stoppedAt := time.Now()
 	require.NoError(t, b.Signal(syscall.SIGSTOP))
-	stopped := waitSoleOwner(t, env, "c", time.Minute)
+	stopped := waitOwnedBy(t, env, "c", time.Minute)
 	waitRelayedPastNow(t, env, 90*time.Second, "relayed after b was stopped")
 	stoppedRelayed := time.Since(stoppedAt)
 	t.Logf("takeover with RebalanceInterval %s (bound %s): frozen connections: owned after %s, relaying after %s; SIGSTOP: owned after %s, relaying after %s",

@@ -1,6 +1,7 @@
 package producer_test
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -32,9 +33,7 @@ import (
 
 func newProducer(t *testing.T, env pgtest.Env) *producer.Producer {
 	t.Helper()
-	p, err := producer.New(context.Background(), env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: "orders"})
-	require.NoError(t, err)
-	return p
+	return newProducerWith(t, env, producer.Config{})
 }
 
 // outboxCount counts rows across every shard table.
@@ -413,12 +412,12 @@ func sequence(t require.TestingT, env pgtest.Env, typ, id string) (version int64
 	return version, topic, true
 }
 
+// newProducerWith is producer.New with cfg on env's schema, DefaultTopic
+// "orders" unless cfg sets one.
 func newProducerWith(t *testing.T, env pgtest.Env, cfg producer.Config) *producer.Producer {
 	t.Helper()
 	cfg.Schema = env.Schema
-	if cfg.DefaultTopic == "" {
-		cfg.DefaultTopic = "orders"
-	}
+	cfg.DefaultTopic = cmp.Or(cfg.DefaultTopic, "orders")
 	p, err := producer.New(context.Background(), env.Pool, cfg)
 	require.NoError(t, err)
 	return p

@@ -17,8 +17,6 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/baggage"
 	"go.opentelemetry.io/otel/propagation"
-	sdktrace "go.opentelemetry.io/otel/sdk/trace"
-	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
@@ -27,6 +25,7 @@ import (
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/tracing/tracingtest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -64,14 +63,6 @@ func TestPublishTxStampsDeclaredSchemaVersion(t *testing.T) {
 	require.Equal(t, producer.SchemaVersionError{Index: 1, EventType: "order.created", Version: 4, Declared: 3}, *sv)
 }
 
-// inMemoryTracer returns a tracer recording into an in-memory exporter.
-func inMemoryTracer(t *testing.T) trace.Tracer {
-	t.Helper()
-	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(tracetest.NewInMemoryExporter()))
-	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
-	return tp.Tracer("eventline-test")
-}
-
 var w3c = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
 
 // TestPublishTxCapturesTheCallersTraceContext: the span and baggage in
@@ -93,7 +84,7 @@ func TestPublishTxCapturesTheCallersTraceContext(t *testing.T) {
 	bag, err := baggage.New(member)
 	require.NoError(t, err)
 	ctx = baggage.ContextWithBaggage(ctx, bag)
-	ctx, span := inMemoryTracer(t).Start(ctx, "place order")
+	ctx, span := tracingtest.New(t).Provider.Tracer("eventline-test").Start(ctx, "place order")
 	defer span.End()
 	sc := span.SpanContext()
 	wantParent := "00-" + sc.TraceID().String() + "-" + sc.SpanID().String() + "-01"
@@ -157,7 +148,7 @@ func (panickingPropagator) Inject(context.Context, propagation.TextMapCarrier) {
 func TestPublishTxUsesTheGlobalPropagatorByDefault(t *testing.T) {
 	env := pgtest.New(t, pgtest.Options{})
 	p := newProducer(t, env)
-	ctx, span := inMemoryTracer(t).Start(context.Background(), "work")
+	ctx, span := tracingtest.New(t).Provider.Tracer("eventline-test").Start(context.Background(), "work")
 	defer span.End()
 
 	// OpenTelemetry's own default propagates nothing. Once a process set a
@@ -318,10 +309,8 @@ func rowsOf(t *testing.T, env pgtest.Env, eventID string) []outboxRow {
 // Kafka record.
 func TestPublishTxWritesWatermillsOutboxFormat(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	brokers := kafkatest.Brokers(t)
-	topic, other := kafkatest.Topic(t, "orders"), kafkatest.Topic(t, "payments")
-	kafkatest.CreateTopic(t, brokers, topic, 2)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, 2)
+	other := kafkatest.Topic(t, "payments")
 	kafkatest.CreateTopic(t, brokers, other, 1)
 	ctx := context.Background()
 	p, err := producer.New(ctx, env.Pool, producer.Config{Schema: env.Schema, DefaultTopic: topic, AllowVersionGaps: true})

@@ -19,6 +19,7 @@ import (
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/faultproxy"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
@@ -313,7 +314,7 @@ func TestShardSetUpFailureIsRetried(t *testing.T) {
 	require.NoError(t, err)
 	relaytest.RequireAllDelivered(t, brokers, topic, relaytest.IDs(events), 30*time.Second)
 	require.Less(t, stop(), 10*time.Second)
-	require.GreaterOrEqual(t, counterValue(t, reg, "eventline_relay_shard_restarts_total"), 2.0)
+	require.GreaterOrEqual(t, metrictest.Sum(t, reg, "eventline_relay_shard_restarts_total"), 2.0)
 }
 
 // positionOf reads a shard's relay position.
@@ -360,26 +361,7 @@ func watchPositions(t *testing.T, env pgtest.Env) (stop func()) {
 	return func() { once.Do(func() { close(done); <-stopped }) }
 }
 
-func counterValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	total := 0.0
-	found := false
-	mfs, err := reg.Gather()
-	require.NoError(t, err)
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		found = true
-		for _, metric := range mf.GetMetric() {
-			total += metric.GetCounter().GetValue()
-		}
-	}
-	require.True(t, found, "metric %s not found", name)
-	return total
-}
-
-// ownedBy waits until every shard's lease belongs to the relay with the
+// waitOwnedBy waits until every shard's lease belongs to the relay with the
 // given ID and returns how long that took.
 func waitOwnedBy(t *testing.T, env pgtest.Env, relayID string, timeout time.Duration) time.Duration {
 	t.Helper()
@@ -520,7 +502,7 @@ func TestRelayDetectsAPositionAheadAndRebaseRepairsIt(t *testing.T) {
 	_, stop = relaytest.Run(t, env.Pool, withLogger(withMetrics(cfg, metrics), slog.New(logs)))
 	require.Eventually(t, func() bool { return len(logs.at(slog.LevelError)) > 0 }, 10*time.Second, 10*time.Millisecond)
 	require.Contains(t, logs.at(slog.LevelError)[0], "eventline relay rebase-positions")
-	require.Equal(t, 1.0, gaugeValue(t, reg, "eventline_relay_position_ahead"))
+	require.Equal(t, 1.0, metrictest.Sum(t, reg, "eventline_relay_position_ahead"))
 	stop()
 
 	dry, err := admin.RebasePositions(ctx, env.Pool, env.Schema, true)
@@ -564,21 +546,4 @@ func withLogger(cfg producer.RelayConfig, l *slog.Logger) producer.RelayConfig {
 func withMetrics(cfg producer.RelayConfig, m *producer.RelayMetrics) producer.RelayConfig {
 	cfg.Metrics = m
 	return cfg
-}
-
-func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	require.NoError(t, err)
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			v := 0.0
-			for _, m := range mf.GetMetric() {
-				v += m.GetGauge().GetValue()
-			}
-			return v
-		}
-	}
-	t.Fatalf("metric %s not found", name)
-	return 0
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/internal/faultproxy"
 	"github.com/eventline/eventline/internal/kafkatest"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -118,7 +119,7 @@ func TestRelaySendsNothingAfterItsLeaseRanOut(t *testing.T) {
 	require.Eventually(t, func() bool {
 		_, offset, err := positionOf(ctx, env.Pool, env.Schema, 0)
 		require.NoError(t, err)
-		return offset > 0 || counted(reg, "eventline_relay_lease_expired_total")
+		return offset > 0 || metrictest.Sum(t, reg, "eventline_relay_lease_expired_total") > 0
 	}, time.Minute, 10*time.Millisecond)
 	stop() // Run returns once its Kafka producer has flushed what it was given
 	sent, err := kafkatest.ReadTopic(ctx, brokers, topic)
@@ -139,21 +140,6 @@ func waitFor(t *testing.T, ch <-chan struct{}, msg string) {
 	case <-time.After(time.Minute):
 		t.Fatal(msg)
 	}
-}
-
-// counted reports whether the counter name has counted anything yet.
-func counted(reg *prometheus.Registry, name string) bool {
-	mfs, _ := reg.Gather()
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			for _, m := range mf.GetMetric() {
-				if m.GetCounter().GetValue() > 0 {
-					return true
-				}
-			}
-		}
-	}
-	return false
 }
 
 // runInBackground runs r until the returned stop is called, and returns

@@ -72,11 +72,8 @@ func TestRelayForwardsEveryEventKeyedByAggregate(t *testing.T) {
 // elsewhere.
 func TestRelayPartitionsLikeKafkasJavaClient(t *testing.T) {
 	t.Parallel()
-	env := pgtest.New(t, pgtest.Options{Shards: 2})
-	brokers := kafkatest.Brokers(t)
-	topic := kafkatest.Topic(t, "orders")
 	const partitions = 6
-	kafkatest.CreateTopic(t, brokers, topic, partitions)
+	env, brokers, topic := relaytest.Setup(t, pgtest.Options{Shards: 2}, partitions)
 	events := relaytest.PublishOrders(t, env, topic, 50, 50, 10) // 50 aggregates, one event each
 	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers})
 
@@ -378,13 +375,11 @@ func publishTraced(t *testing.T, env pgtest.Env, rec *tracingtest.Recorder, topi
 }
 
 // waitSpans waits until rec has ended n spans called name.
-func waitSpans(t *testing.T, rec *tracingtest.Recorder, name string, n int) []tracingtestSpan {
+func waitSpans(t *testing.T, rec *tracingtest.Recorder, name string, n int) tracetest.SpanStubs {
 	t.Helper()
 	require.Eventually(t, func() bool { return len(rec.Named(name)) >= n }, 30*time.Second, 10*time.Millisecond, "no %q span ended", name)
 	return rec.Named(name)
 }
-
-type tracingtestSpan = tracetest.SpanStub
 
 // traceSetup gives a relay test a one-shard outbox, a one-partition topic
 // on in-process Kafka and an in-memory span recorder.
