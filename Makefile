@@ -3,6 +3,10 @@ GO         ?= go
 TIMEOUT    ?= 30m
 KAFKA_PORT ?= 9092
 
+# Each of the repository's Go modules builds with its own go.mod, even when
+# a developer's go.work joins them.
+export GOWORK := off
+
 .DEFAULT_GOAL := help
 .PHONY: help test test-kafka kafka demo bench bench-quick lint postgres
 
@@ -12,12 +16,15 @@ help: ## Show the targets.
 postgres: ## Start (and on a fresh Debian machine, install) the local PostgreSQL.
 	@./.ci/ensure-postgres
 
-# The benchmark harness is a module of its own (cmd/eventline-bench), so
-# ./... from the root leaves it out: its smoke tests run in its directory.
+# The command (cmd/eventline) and the benchmark harness (cmd/eventline-bench)
+# are modules of their own, so ./... from the root leaves them out: their
+# tests run in their directories.
+CLI_DIR   = cmd/eventline
 BENCH_DIR = cmd/eventline-bench
 
 test: postgres ## Run every test with -race against PostgreSQL and in-process Kafka (kfake).
 	$(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
+	cd $(CLI_DIR) && $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
 	cd $(BENCH_DIR) && $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
 
 # The broker runner (internal/kafkabroker), built into the git-ignored cache
@@ -42,5 +49,6 @@ bench-quick: postgres ## Run a smaller benchmark suite (about 3 minutes).
 lint: ## gofmt, go vet, and golangci-lint when installed.
 	@test -z "$$(gofmt -l .)" || (gofmt -l . && exit 1)
 	$(GO) vet ./...
+	cd $(CLI_DIR) && $(GO) vet ./...
 	cd $(BENCH_DIR) && $(GO) vet ./...
-	@if command -v golangci-lint >/dev/null 2>&1; then golangci-lint run ./... && cd $(BENCH_DIR) && golangci-lint run --config ../../.golangci.yml ./...; else echo "golangci-lint not installed; skipped"; fi
+	@if command -v golangci-lint >/dev/null 2>&1; then golangci-lint run ./... && (cd $(CLI_DIR) && golangci-lint run --config ../../.golangci.yml ./...) && cd $(BENCH_DIR) && golangci-lint run --config ../../.golangci.yml ./...; else echo "golangci-lint not installed; skipped"; fi

@@ -240,7 +240,7 @@ func TestClassify(t *testing.T) {
 // While Kafka is unreachable a shard's wait doubles from Backoff.Initial
 // up to 5 s, so it resumes within 5 s of Kafka's return. Before,
 // the cap was 30 s: after a 20 s outage the relay caught up 7–13 s late
-// (internal/e2e.TestKafkaOutageLosesNothing).
+// (cmd/eventline/internal/e2e.TestKafkaOutageLosesNothing).
 func TestUnavailableWaitDoublesUpToFiveSeconds(t *testing.T) {
 	for _, c := range []struct {
 		first time.Duration
@@ -265,7 +265,7 @@ func TestUnavailableWaitDoublesUpToFiveSeconds(t *testing.T) {
 // only if it was sent alone: Sarama batches records up to
 // RelayConfig.MaxMessageBytes, and a topic whose max.message.bytes is
 // smaller refuses a batch of records that each fit
-// (internal/e2e.TestTopicLimitBelowTheRelaysDeadLettersOnlyTheTooLargeEvent
+// (cmd/eventline/internal/e2e.TestTopicLimitBelowTheRelaysDeadLettersOnlyTheTooLargeEvent
 // dead-lettered 100 such records before). Sarama's own size check is about
 // the record alone.
 func TestClassifyItemTooLarge(t *testing.T) {

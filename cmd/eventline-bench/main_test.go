@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"testing"
@@ -49,20 +50,25 @@ func TestTheLibraryModuleDoesNotHoldTheHarness(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs go list")
 	}
-	packages := goList(t, "./...")
-	require.Contains(t, packages, "github.com/eventline/eventline/cmd/eventline\n", "go list ./... runs in the library module")
+	packages := goList(t, filepath.Join("..", ".."), "./...")
+	require.Contains(t, packages, "github.com/eventline/eventline/producer\n", "go list ./... runs in the library module")
 	require.NotContains(t, packages, "eventline-bench")
-	deps := goList(t, "-deps", "./cmd/eventline")
+	// The CLI is a module of its own (cmd/eventline): its dependencies,
+	// listed there, hold no harness either.
+	deps := goList(t, filepath.Join("..", "eventline"), "-deps", ".")
+	require.Contains(t, deps, "github.com/eventline/eventline/cmd/eventline\n", "go list -deps . runs in the CLI's module")
 	require.NotContains(t, deps, "eventline-bench")
 	require.NotContains(t, deps, "/bench")
 }
 
-// goList runs `go list args...` in the library module, the repository's
-// root, and returns its output.
-func goList(t *testing.T, args ...string) string {
+// goList runs `go list args...` in dir (the library module, the
+// repository's root, or the CLI's) with its own go.mod, and returns its
+// output.
+func goList(t *testing.T, dir string, args ...string) string {
 	t.Helper()
 	cmd := exec.Command("go", append([]string{"list"}, args...)...)
-	cmd.Dir = filepath.Join("..", "..")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "GOWORK=off")
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "go list: %s", out)
 	return string(out)

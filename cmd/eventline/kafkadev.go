@@ -8,7 +8,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/internal/devkafka"
+	"github.com/eventline/eventline/cmd/eventline/internal/devkafka"
 	"github.com/eventline/eventline/internal/kafkaconf"
 )
 

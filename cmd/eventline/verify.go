@@ -7,9 +7,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/eventline/eventline/cmd/eventline/internal/verify"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/verify"
 )
 
 // exitProblems is verify's exit code when it found a problem: distinct from

@@ -9,7 +9,7 @@
 // the topic created. For development, eventline's CLI runs an in-process
 // one:
 //
-//	go run ./cmd/eventline kafka-dev -topics orders     # prints KAFKA_BROKERS=127.0.0.1:9092; leave it running
+//	go run -C cmd/eventline . kafka-dev -topics orders  # prints KAFKA_BROKERS=127.0.0.1:9092; leave it running
 //	KAFKA_BROKERS=127.0.0.1:9092 go run ./examples/quickstart
 //
 // It (re)creates its own schema (-schema, default "quickstart") holding both
@@ -80,7 +80,7 @@ func main() {
 	if env := os.Getenv("KAFKA_BROKERS"); env != "" {
 		cfg.Brokers = strings.Split(env, ",")
 	} else {
-		fmt.Fprintln(os.Stderr, "quickstart: set KAFKA_BROKERS (for development: go run ./cmd/eventline kafka-dev -topics orders)")
+		fmt.Fprintln(os.Stderr, "quickstart: set KAFKA_BROKERS (for development: go run -C cmd/eventline . kafka-dev -topics orders)")
 		os.Exit(2)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)

@@ -10,11 +10,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/cmd/eventline/internal/verify"
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )

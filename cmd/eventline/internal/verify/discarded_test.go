@@ -6,8 +6,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/eventline/eventline/cmd/eventline/internal/verify"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/verify"
 )
 
 // TestStaleEventWhoseVersionAnotherEventTookIsReported: the version gate

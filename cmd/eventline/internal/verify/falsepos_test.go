@@ -14,6 +14,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/cmd/eventline/internal/verify"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/held"
@@ -21,7 +22,6 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
 )

@@ -7,9 +7,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/cmd/eventline/internal/verify"
 	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/kafkatest"
-	"github.com/eventline/eventline/internal/verify"
 )
 
 // seeded is a database (and, with Kafka, a topic) with one aggregate per

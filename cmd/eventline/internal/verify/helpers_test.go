@@ -15,12 +15,12 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/cmd/eventline/internal/verify"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/verify"
 	"github.com/eventline/eventline/producer"
 )
 

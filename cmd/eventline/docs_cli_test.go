@@ -1,4 +1,4 @@
-package eventline_test
+package main
 
 import (
 	"os"
@@ -12,8 +12,13 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// cliDocs are the pages whose `eventline …` commands and flags must exist.
-var cliDocs = []string{"README.md", "docs/OPERATIONS.md", "docs/DESIGN.md"}
+// cliDocs are the pages whose `eventline …` commands and flags must exist,
+// relative to the repository's root (this module's directory is
+// cmd/eventline).
+var cliDocs = []string{"README.md", "docs/OPERATIONS.md", "docs/DESIGN.md", "examples/README.md"}
+
+// repoRoot is the repository's root, from this module's directory.
+const repoRoot = "../.."
 
 // TestDocumentedCommandsAndFlagsExist builds the eventline command and checks
 // the docs against it: every `eventline <command> [<subcommand>] -flag` in a
@@ -38,6 +43,7 @@ func TestDocumentedCommandsAndFlagsExist(t *testing.T) {
 			"eventline migrate up\\|sideways",
 			"go run ./cmd/eventline kafka-dev -topic orders",
 			"eventline relay rebase-positions -force",
+			"go run -C cmd/eventline . kafka-dev -topic orders",
 		} {
 			problems, _ := cli.checkInvocation(t, commands, span)
 			require.NotEmpty(t, problems, "%q was accepted", span)
@@ -48,6 +54,7 @@ func TestDocumentedCommandsAndFlagsExist(t *testing.T) {
 			"go run github.com/eventline/eventline/cmd/eventline kafka-dev -topics orders",
 			"eventline relay rebase-positions [-dry-run]",
 			"eventline consumer: cannot reach the Kafka brokers", // an error message, not an invocation
+			"go run -C cmd/eventline . kafka-dev -topics orders",
 		} {
 			problems, _ := cli.checkInvocation(t, commands, span)
 			require.Empty(t, problems, "%q was refused", span)
@@ -57,7 +64,7 @@ func TestDocumentedCommandsAndFlagsExist(t *testing.T) {
 	var problems []string
 	checked := 0
 	for _, doc := range cliDocs {
-		text, err := os.ReadFile(doc)
+		text, err := os.ReadFile(filepath.Join(repoRoot, doc))
 		require.NoError(t, err)
 		for _, span := range codeSpans(string(text)) {
 			p, n := cli.checkInvocation(t, commands, span)
@@ -69,7 +76,7 @@ func TestDocumentedCommandsAndFlagsExist(t *testing.T) {
 	t.Logf("%d documented eventline invocations checked", checked)
 	require.Greater(t, checked, 30, "the check found too few documented invocations; is the parsing broken?")
 
-	readme, err := os.ReadFile("README.md")
+	readme, err := os.ReadFile(filepath.Join(repoRoot, "README.md"))
 	require.NoError(t, err)
 	m := regexp.MustCompile("(?s)`eventline help` lists its commands:(.*?)\\.\n").FindStringSubmatch(string(readme))
 	require.NotNil(t, m, "README.md: the sentence listing the commands after \"`eventline help` lists its commands:\"")
@@ -80,7 +87,7 @@ func TestDocumentedCommandsAndFlagsExist(t *testing.T) {
 	slices.Sort(listed)
 	require.Equal(t, commands, listed, "README.md lists the commands of `eventline help`")
 
-	ops, err := os.ReadFile("docs/OPERATIONS.md")
+	ops, err := os.ReadFile(filepath.Join(repoRoot, "docs", "OPERATIONS.md"))
 	require.NoError(t, err)
 	for _, c := range commands {
 		require.Regexp(t, regexp.MustCompile("(?m)^\\| `eventline "+regexp.QuoteMeta(c)+"[ `\\\\]"), string(ops),
@@ -96,8 +103,8 @@ type cliBinary struct {
 func buildCLI(t *testing.T) *cliBinary {
 	t.Helper()
 	bin := filepath.Join(t.TempDir(), "eventline")
-	out, err := exec.Command("go", "build", "-o", bin, "./cmd/eventline").CombinedOutput()
-	require.NoError(t, err, "go build ./cmd/eventline: %s", out)
+	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
+	require.NoError(t, err, "go build (in cmd/eventline): %s", out)
 	return &cliBinary{path: bin, help: map[string]string{}}
 }
 
@@ -166,6 +173,12 @@ func (c *cliBinary) checkInvocation(t *testing.T, commands []string, span string
 	for i, tok := range tokens {
 		if tok == "eventline" || strings.HasSuffix(tok, "/cmd/eventline") {
 			start = i + 1
+			break
+		}
+		// `go run -C cmd/eventline . …`: the command's own module, run
+		// from the repository's root.
+		if tok == "-C" && i+2 < len(tokens) && strings.HasSuffix(tokens[i+1], "cmd/eventline") && tokens[i+2] == "." {
+			start = i + 3
 			break
 		}
 		// Only a command line runs it: `go run …`, `$ …`, `VAR=x …`; in

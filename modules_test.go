@@ -1,0 +1,39 @@
+package eventline_test
+
+import (
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestTheLibraryModuleDoesNotHoldTheCLI: the eventline command, its
+// verifier and its end-to-end tests are a module of their own
+// (cmd/eventline, as the benchmark harness is cmd/eventline-bench), so a
+// service that requires the library gets none of them, and the library's
+// packages are what `go list ./...` lists in the root.
+func TestTheLibraryModuleDoesNotHoldTheCLI(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs go list")
+	}
+	goList := func(dir string, args ...string) string {
+		t.Helper()
+		cmd := exec.Command("go", append([]string{"list"}, args...)...)
+		cmd.Dir = dir
+		cmd.Env = append(os.Environ(), "GOWORK=off") // each module with its own go.mod
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, "go list: %s", out)
+		return string(out)
+	}
+	packages := goList(".", "./...")
+	require.Contains(t, packages, "github.com/eventline/eventline/producer\n", "go list ./... runs in the library module")
+	for _, p := range strings.Fields(packages) {
+		require.False(t, strings.HasPrefix(p, "github.com/eventline/eventline/cmd/"), "the library module holds %s", p)
+		require.NotContains(t, p, "/internal/verify")
+		require.NotContains(t, p, "/internal/e2e")
+	}
+	require.Equal(t, "github.com/eventline/eventline/cmd/eventline\n", goList("cmd/eventline", "-m"), "cmd/eventline is a module of its own")
+	require.NotContains(t, goList(".", "-deps", "./..."), "/cmd/eventline", "no library package imports the command's")
+}
