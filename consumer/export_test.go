@@ -14,3 +14,8 @@ func SetSleep(c *Consumer, sleep func(ctx context.Context, d time.Duration) erro
 // Eventline is the middleware the consumer runs, to call its handler
 // chain without Kafka.
 func Eventline(c *Consumer) *middleware.Eventline { return c.el }
+
+// SetCoalesce replaces the number of slots of the consumer's coalescer
+// (single events delivered at once before they are batched together);
+// below 0 turns coalescing off.
+func SetCoalesce(c *Consumer, slots int) { c.coalesce = slots }
