@@ -46,6 +46,10 @@ type coalescer struct {
 	waiting []*handoff
 
 	wg sync.WaitGroup // goroutines delivering coalesced events
+
+	// hook, when set, is told of each submitted event: alone (a slot was
+	// free) or the number of events waiting with it (tests).
+	hook func(alone bool, waiting int)
 }
 
 // handoff is a lane's event waiting for a slot.
@@ -67,10 +71,16 @@ func (c *coalescer) submit(p *partitionRun, d *record) *handoff {
 	defer c.mu.Unlock()
 	if c.busy < c.slots {
 		c.busy++
+		if c.hook != nil {
+			c.hook(true, len(c.waiting))
+		}
 		return nil
 	}
 	h := &handoff{p: p, d: d, res: make(chan ack, 1)}
 	c.waiting = append(c.waiting, h)
+	if c.hook != nil {
+		c.hook(false, len(c.waiting))
+	}
 	return h
 }
 

@@ -84,6 +84,8 @@ type Consumer struct {
 	// coalesce, when not 0, replaces the number of coalescer slots (tests;
 	// below 0: no coalescing).
 	coalesce int
+	// coalesceHook is told of each event handed to the coalescer (tests).
+	coalesceHook func(alone bool, waiting int)
 	// infra is the database-wait schedule, also the consumer's wait for
 	// Kafka when it starts.
 	infra eventline.Backoff

@@ -42,6 +42,8 @@ type subscriberConfig struct {
 	// (see coalescer); 0 is max(Lanes, 2 × GOMAXPROCS), below 0 turns
 	// coalescing off. Without batches (BatchSize 1) nothing is coalesced.
 	Slots int
+	// coalesceHook is the coalescer's hook (tests).
+	coalesceHook func(alone bool, waiting int)
 }
 
 // subscriber is the consumer's Watermill subscriber for Kafka consumer
@@ -125,6 +127,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 			slots = coalesceSlots(nil, s.cfg.Lanes)
 		}
 		sub.coalesce = newCoalescer(slots, s.cfg.BatchSize)
+		sub.coalesce.hook = s.cfg.coalesceHook
 	}
 	sub.ctx, sub.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	s.subs = append(s.subs, sub)
