@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"pgregory.net/rapid"
 )
 
 // TestCoalescerTakesWaitingEventsOfLivePartitionsOnly checks the slots'
@@ -50,4 +51,154 @@ func TestCoalescerTakesWaitingEventsOfLivePartitionsOnly(t *testing.T) {
 	close(live.stop)
 	require.Equal(t, abandoned, c.wait(h))
 	require.Empty(t, c.waiting)
+}
+
+// TestCoalescerProperty drives a coalescer with random lanes of random
+// partitions (each lane with at most one event handed over at a time, as
+// a lane waits for its event's outcome), slots that free in any order and
+// partitions that stop, and checks after every step: no more slots busy
+// than there are; no event of a live partition waits while a slot is free
+// (an event finds a free slot at once); a slot that frees takes the
+// earliest waiting events of live partitions, at most the batch size;
+// every event handed over is delivered, withdrawn or dropped exactly once,
+// and a stopped partition's waiting events are never delivered.
+func TestCoalescerProperty(t *testing.T) {
+	rapid.Check(t, func(rt *rapid.T) {
+		slots := rapid.IntRange(1, 4).Draw(rt, "slots")
+		size := rapid.IntRange(1, 5).Draw(rt, "size")
+		c := newCoalescer(slots, size)
+		type laneID struct{ p, l int }
+		parts := make([]*partitionRun, rapid.IntRange(1, 3).Draw(rt, "partitions"))
+		for i := range parts {
+			parts[i] = &partitionRun{topic: "t", stop: make(chan struct{})}
+		}
+		const lanes = 4
+		lane := map[*record]laneID{}
+		busyLane := map[laneID]bool{} // the lane's event is handed over
+		var waiting []*handoff        // the model's queue, in order
+		var running [][]*record       // what each busy slot delivers
+		var off int64
+		settled := map[*record]string{}
+		settle := func(d *record, how string) {
+			if prev, ok := settled[d]; ok {
+				rt.Fatalf("event %d %s, already %s", d.offset, how, prev)
+			}
+			settled[d] = how
+			delete(busyLane, lane[d])
+		}
+		// free finishes slot i and lets it take what waits, as done and
+		// run do.
+		free := func(i int) {
+			for _, d := range running[i] {
+				settle(d, "delivered")
+			}
+			running = append(running[:i], running[i+1:]...)
+			var want []*handoff
+			var rest []*handoff
+			for _, h := range waiting {
+				switch {
+				case closed(h.p.stop):
+					if len(h.res) != 0 {
+						rt.Fatalf("the waiting event %d was answered before a slot freed", h.d.offset)
+					}
+				case len(want) < size:
+					want = append(want, h)
+				default:
+					rest = append(rest, h)
+				}
+			}
+			got := c.next()
+			for _, h := range waiting {
+				if closed(h.p.stop) {
+					select {
+					case a := <-h.res:
+						if a != abandoned {
+							rt.Fatalf("dropped event %d answered %v", h.d.offset, a)
+						}
+					default:
+						rt.Fatalf("the waiting event %d of a stopped partition got no answer", h.d.offset)
+					}
+					settle(h.d, "dropped")
+				}
+			}
+			if len(got) != len(want) {
+				rt.Fatalf("took %d events, want %d", len(got), len(want))
+			}
+			var batch []*record
+			for j := range got {
+				if got[j] != want[j] {
+					rt.Fatalf("took event %d at %d, want %d", got[j].d.offset, j, want[j].d.offset)
+				}
+				batch = append(batch, got[j].d)
+			}
+			waiting = rest
+			if len(got) > 0 {
+				running = append(running, batch)
+			}
+		}
+		for range rapid.IntRange(1, 100).Draw(rt, "steps") {
+			switch rapid.IntRange(0, 5).Draw(rt, "op") {
+			case 0, 1, 2: // a lane with a single event hands it over
+				id := laneID{rapid.IntRange(0, len(parts)-1).Draw(rt, "partition"), rapid.IntRange(0, lanes-1).Draw(rt, "lane")}
+				p := parts[id.p]
+				if busyLane[id] || closed(p.stop) {
+					continue
+				}
+				off++
+				d := &record{offset: off}
+				lane[d], busyLane[id] = id, true
+				if h := c.submit(p, d); h == nil {
+					running = append(running, []*record{d})
+				} else {
+					waiting = append(waiting, h)
+				}
+			case 3, 4: // a slot frees
+				if len(running) > 0 {
+					free(rapid.IntRange(0, len(running)-1).Draw(rt, "slot"))
+				}
+			case 5: // a partition stops; some of its lanes withdraw their events at once
+				p := parts[rapid.IntRange(0, len(parts)-1).Draw(rt, "stop")]
+				if closed(p.stop) {
+					continue
+				}
+				close(p.stop)
+				var rest []*handoff
+				for _, h := range waiting {
+					if h.p == p && rapid.Bool().Draw(rt, "withdraw") {
+						if c.wait(h) != abandoned {
+							rt.Fatalf("withdrawn event %d not abandoned", h.d.offset)
+						}
+						settle(h.d, "withdrawn")
+						continue
+					}
+					rest = append(rest, h)
+				}
+				waiting = rest
+			}
+			if c.busy != len(running) || c.busy > slots {
+				rt.Fatalf("%d slots busy, %d running, %d slots", c.busy, len(running), slots)
+			}
+			if len(c.waiting) != len(waiting) {
+				rt.Fatalf("%d events waiting, want %d", len(c.waiting), len(waiting))
+			}
+			if c.busy < slots {
+				for _, h := range c.waiting {
+					if !closed(h.p.stop) {
+						rt.Fatalf("event %d waits while a slot is free", h.d.offset)
+					}
+				}
+			}
+		}
+		for len(running) > 0 {
+			free(0)
+		}
+		if c.busy != 0 || len(c.waiting) != 0 {
+			rt.Fatalf("at the end: %d slots busy, %d waiting", c.busy, len(c.waiting))
+		}
+		for d := range lane {
+			if _, ok := settled[d]; !ok {
+				rt.Fatalf("event %d never settled", d.offset)
+			}
+		}
+	})
 }
