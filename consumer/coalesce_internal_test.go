@@ -1,8 +1,12 @@
 package consumer
 
 import (
+	"context"
+	"fmt"
+	"runtime"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"pgregory.net/rapid"
 )
@@ -201,4 +205,24 @@ func TestCoalescerProperty(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestCoalesceSlots checks the slot rule: min(the pool's MaxConns,
+// max(lanes, 2 × GOMAXPROCS)), without the pool bound when the pool has no
+// size to tell.
+func TestCoalesceSlots(t *testing.T) {
+	procs := runtime.GOMAXPROCS(0)
+	pool := func(maxConns int) *pgxpool.Pool {
+		cfg, err := pgxpool.ParseConfig(fmt.Sprintf("postgres://postgres@127.0.0.1:1/none?pool_max_conns=%d", maxConns))
+		require.NoError(t, err)
+		p, err := pgxpool.NewWithConfig(context.Background(), cfg) // connects lazily: never here
+		require.NoError(t, err)
+		t.Cleanup(p.Close)
+		return p
+	}
+	require.Equal(t, max(8, 2*procs), coalesceSlots(nil, 8))
+	require.Equal(t, max(64, 2*procs), coalesceSlots(nil, 64))
+	require.Equal(t, max(1, 2*procs), coalesceSlots(nil, 1))
+	require.Equal(t, 3, coalesceSlots(pool(3), 8), "the pool bounds the slots")
+	require.Equal(t, max(8, 2*procs), coalesceSlots(pool(1000), 8))
 }
