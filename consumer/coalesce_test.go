@@ -126,7 +126,7 @@ func TestSingleEventsOfBusyLanesShareATransaction(t *testing.T) {
 	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
 	// Without a coalescer (the old runner) nobody waits: the events are
 	// applied at once, one transaction each, and the checks below fail.
-	if !w.waitWaiting(len(evs), 5*time.Second) {
+	if !w.waitWaiting(len(evs), 30*time.Second) {
 		t.Log("the events did not wait for the slot")
 	}
 	require.Len(t, k.Effects(t, group), 0, "nothing applied while the slot is busy")
@@ -167,7 +167,7 @@ func TestShutdownWithdrawsEventsWaitingForASlot(t *testing.T) {
 		evs = append(evs, consumertest.Event(id, 1))
 	}
 	publish(t, k.brokers, k.topic, messagesOf(t, evs)...)
-	if !w.waitWaiting(len(evs), 5*time.Second) {
+	if !w.waitWaiting(len(evs), 30*time.Second) {
 		t.Log("the events did not wait for the slot")
 	}
 
