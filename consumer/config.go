@@ -72,13 +72,23 @@ type Config struct {
 	// partitions. Give the pool at least partitions × Lanes connections
 	// for the lanes to run in parallel. 1 handles a partition's events one
 	// at a time. Defaults to DefaultLanes (8); at most MaxLanes.
+	//
+	// A lane with a single event and nothing queued behind it hands the
+	// event to its topic's coalescer, which delivers at most
+	// min(the pool's MaxConns, max(Lanes, 2 × GOMAXPROCS)) such events at
+	// once, each alone and at once; beyond that, single events of the
+	// topic's lanes wait for a free delivery and share its transaction (up
+	// to BatchSize). See the package documentation, "Lanes and batches".
 	Lanes int
 	// BatchSize is the most events of one lane applied in one PostgreSQL
 	// transaction (dedup records and version checks for the whole batch in
 	// one round trip with BEGIN, the handlers one after the other, one
 	// COMMIT, then the offsets). Per-event guarantees are unchanged; an
-	// event that fails costs only itself. 1 applies each event in its own
-	// transaction. Defaults to DefaultBatchSize (16); at most MaxBatchSize.
+	// event that fails costs only itself. It also bounds how many single
+	// events of different lanes of a topic share one transaction when
+	// every delivery slot is busy (see Lanes). 1 applies each event in its
+	// own transaction (and coalesces nothing). Defaults to
+	// DefaultBatchSize (16); at most MaxBatchSize.
 	BatchSize int
 	// BatchLinger is how long a free lane waits for more events before it
 	// applies a batch that is not full. Defaults to DefaultBatchLinger (0:

@@ -81,6 +81,11 @@ type Consumer struct {
 	hard context.Context
 	// sleep, when set, replaces the retry and wait timers (tests).
 	sleep func(ctx context.Context, d time.Duration) error
+	// coalesce, when not 0, replaces the number of coalescer slots (tests;
+	// below 0: no coalescing).
+	coalesce int
+	// coalesceHook is told of each event handed to the coalescer (tests).
+	coalesceHook func(alone bool, waiting int)
 	// infra is the database-wait schedule, also the consumer's wait for
 	// Kafka when it starts.
 	infra eventline.Backoff
@@ -291,4 +296,13 @@ func (c *Consumer) knownType(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return h(msg)
 	}
+}
+
+// slots is the number of coalescer slots of each subscription (see
+// coalesceSlots).
+func (c *Consumer) slots() int {
+	if c.coalesce != 0 {
+		return c.coalesce
+	}
+	return coalesceSlots(c.db, c.cfg.Lanes)
 }

@@ -75,6 +75,24 @@
 // Config.BatchLinger makes a lane wait for fuller batches. Lanes and
 // BatchSize both 1 restore one event per partition at a time.
 //
+// A lane that holds a single event with nothing behind it (the usual case
+// at moderate rates, when every lane receives one event at a time) does
+// not apply it in a transaction of its own when the consumer is busy: it
+// hands the event to its topic's coalescer. The coalescer delivers up to
+// min(the pool's MaxConns, max(Config.Lanes, 2 × GOMAXPROCS)) such events
+// at once; while one of those slots is free, an event is applied alone and
+// at once, so an idle consumer adds no latency. When every slot is busy,
+// single events wait in arrival order, and the next slot that frees takes
+// up to Config.BatchSize of them, of any lanes and partitions of the
+// topic, and applies them in one transaction, as a lane's batch (the same
+// guarantees: per-event failures, lock order, one aggregate's events in
+// order). A lane waits for its event's outcome as if it had applied it, so
+// one aggregate never has two events in flight and offsets are committed
+// as above; a nacked event is retried by its lane. Events still waiting
+// for a slot when their partition is revoked or the consumer stops are
+// withdrawn unapplied (their offsets are not committed) and redelivered.
+// BatchSize 1 turns this off.
+//
 // Config.Middleware sees the events of a batch concurrently, each returning
 // once the batch has committed; handlers see them one at a time, in order.
 //

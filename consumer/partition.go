@@ -290,27 +290,49 @@ func (l *lane) run() {
 // deliverOne delivers d alone, again after each nack, until it is
 // acknowledged, the partition stops or abandons it.
 func (l *lane) deliverOne(d *record) {
-	p := l.p
 	for {
-		msg := d.msg
-		if d.sent {
-			msg = d.msg.Copy()
-		}
-		d.sent = true
-		msg.SetContext(p.messageContext(d))
-		if !p.send(msg) {
+		if l.p.attempt(d) != nacked || !l.pause() {
 			return
 		}
-		switch p.await(msg) {
-		case acked:
-			p.finish(d)
-			return
-		case abandoned:
-			return
-		}
-		if !l.pause() {
-			return
-		}
+	}
+}
+
+// attempt delivers d alone once and waits for its answer; an acknowledged
+// record is settled (finish).
+func (p *partitionRun) attempt(d *record) ack {
+	msg := d.msg
+	if d.sent {
+		msg = d.msg.Copy()
+	}
+	d.sent = true
+	msg.SetContext(p.messageContext(d))
+	if !p.send(msg) {
+		return abandoned
+	}
+	a := p.await(msg)
+	if a == acked {
+		p.finish(d)
+	}
+	return a
+}
+
+// handOff delivers d, the lane's only ready event, through the
+// subscription's coalescer: alone at once while one of its slots is free,
+// else in a batch with other lanes' single events once a slot frees. The
+// lane waits for d's outcome as if it had delivered d itself; a nacked d
+// is delivered again by the lane, alone, after a pause.
+func (l *lane) handOff(d *record) {
+	p := l.p
+	c := p.sub.coalesce
+	var a ack
+	if h := c.submit(p, d); h == nil {
+		a = p.attempt(d)
+		c.done()
+	} else {
+		a = c.wait(h)
+	}
+	if a == nacked && l.pause() {
+		l.deliverOne(d)
 	}
 }
 
@@ -340,7 +362,11 @@ func (l *lane) deliverBatch(first *record) {
 	cfg := p.cfg
 	more := l.take(cfg.BatchSize - 1)
 	if len(more) == 0 && cfg.BatchLinger == 0 {
-		l.deliverOne(first)
+		if p.sub.coalesce != nil {
+			l.handOff(first)
+		} else {
+			l.deliverOne(first)
+		}
 		return
 	}
 	b := delivery.NewBatch()

@@ -83,6 +83,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 		Brokers: cfg.Brokers, Group: cfg.Group, SaramaConfig: cfg.SaramaConfig,
 		Lanes: cfg.Lanes, BatchSize: cfg.BatchSize, BatchLinger: cfg.BatchLinger,
 		CloseTimeout: cfg.ShutdownTimeout, Logger: cfg.Logger,
+		Slots: c.slots(), coalesceHook: c.coalesceHook,
 	})
 	defer sub.Close()
 

@@ -37,6 +37,13 @@ type subscriberConfig struct {
 	// group's rebalance timeout. It is Config.ShutdownTimeout.
 	CloseTimeout time.Duration
 	Logger       *slog.Logger
+	// Slots is how many single events (a lane's only ready event) a
+	// subscription delivers at once before it coalesces them into batches
+	// (see coalescer); 0 is max(Lanes, 2 × GOMAXPROCS), below 0 turns
+	// coalescing off. Without batches (BatchSize 1) nothing is coalesced.
+	Slots int
+	// coalesceHook is the coalescer's hook (tests).
+	coalesceHook func(alone bool, waiting int)
 }
 
 // subscriber is the consumer's Watermill subscriber for Kafka consumer
@@ -95,6 +102,9 @@ type subscription struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	done   chan struct{}
+	// coalesce delivers the single events of the subscription's lanes;
+	// nil when they deliver them themselves.
+	coalesce *coalescer
 }
 
 // Subscribe joins the consumer group for topic and returns the channel the
@@ -112,6 +122,13 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, fmt.Errorf("eventline: join Kafka consumer group %q at %v: %w", s.cfg.Group, s.cfg.Brokers, err)
 	}
 	sub := &subscription{s: s, topic: topic, group: group, out: make(chan *message.Message), done: make(chan struct{})}
+	if slots := s.cfg.Slots; slots >= 0 && s.cfg.BatchSize > 1 {
+		if slots == 0 {
+			slots = coalesceSlots(nil, s.cfg.Lanes)
+		}
+		sub.coalesce = newCoalescer(slots, s.cfg.BatchSize)
+		sub.coalesce.hook = s.cfg.coalesceHook
+	}
 	sub.ctx, sub.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	s.subs = append(s.subs, sub)
 	go sub.run()
@@ -162,6 +179,11 @@ func (sub *subscription) run() {
 			log.Warn("eventline: leaving the Kafka consumer group failed", "error", err)
 		}
 		<-errsDone
+		if sub.coalesce != nil {
+			// Every partition has stopped: what the coalescer still
+			// delivers was abandoned and returns at once.
+			sub.coalesce.wg.Wait()
+		}
 		close(sub.out)
 		close(sub.done)
 	}()
