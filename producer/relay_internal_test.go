@@ -10,6 +10,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 	"unicode/utf8"
@@ -18,12 +19,16 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/eapache/go-resiliency/breaker"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"pgregory.net/rapid"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
+	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -360,4 +365,109 @@ func TestPartitionerIsValidated(t *testing.T) {
 	// A SaramaConfig with Sarama's default partitioner still gets murmur2.
 	cfg = RelayConfig{Brokers: []string{"localhost:9092"}, SaramaConfig: sarama.NewConfig()}.withDefaults()
 	require.EqualValues(t, 16, partitionOf(t, cfg, "foo", 100))
+}
+
+// beforeTerminating is a query tracer that runs its hook once, as the
+// first statement that terminates backends (pg_terminate_backend) starts.
+type beforeTerminating struct {
+	once sync.Once
+	hook func()
+}
+
+func (b *beforeTerminating) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "pg_terminate_backend") {
+		b.once.Do(b.hook)
+	}
+	return ctx
+}
+
+func (*beforeTerminating) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestClearingAFenceSparesASessionThatReleasedIt: a new owner's clearFence
+// terminates a backend that holds the shard's read fence, and only while
+// it holds it. The old owner may still run (a takeover under its feet):
+// it commits, releasing the fence, just before the new owner's terminating
+// statement starts, and its connection goes on to other work on the same
+// backend (here another transaction). That session must live. Before the
+// fix clearFence looked the holders up and terminated them in two round
+// trips, and killed the session in between (SQLSTATE 57P01, seen in
+// TestTakeoverWhileTheOwnerStillRuns). A session that keeps the fence is
+// still ended, and counted in eventline_relay_stale_transactions_ended_total.
+func TestClearingAFenceSparesASessionThatReleasedIt(t *testing.T) {
+	t.Parallel()
+	env := pgtest.New(t, pgtest.Options{Shards: 1})
+	ctx := context.Background()
+	const shard = 0
+
+	// holder opens a session that takes the shard's read fence in a
+	// transaction, as a relay's read does.
+	holder := func() (*pgx.Conn, pgx.Tx) {
+		conn, err := pgx.ConnectConfig(ctx, env.Pool.Config().ConnConfig.Copy())
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = conn.Close(context.Background()) })
+		tx, err := conn.Begin(ctx)
+		require.NoError(t, err)
+		var got bool
+		require.NoError(t, tx.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock($1::int, $2::int)`,
+			outbox.FenceNamespace(env.Schema), shard).Scan(&got))
+		require.True(t, got, "the holder takes the fence")
+		return conn, tx
+	}
+	hook := &beforeTerminating{hook: func() {}}
+	cfg := env.Pool.Config().Copy()
+	cfg.ConnConfig.Tracer = hook
+	cfg.MaxConns = PoolSizeFor(1)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	reg := prometheus.NewRegistry()
+	metrics, err := NewRelayMetrics(reg)
+	require.NoError(t, err)
+	var logs strings.Builder
+	r, err := NewRelay(ctx, pool, RelayConfig{Schema: env.Schema, Brokers: []string{"127.0.0.1:1"}, Metrics: metrics,
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	require.NoError(t, err)
+	s := &shardRunner{relay: r, shard: shard, log: r.log.With("shard", shard), sql: newShardSQL(env.Schema, shard)}
+	cleared := func() float64 {
+		return metrictest.Sum(t, reg, "eventline_relay_stale_transactions_ended_total")
+	}
+
+	// The old owner commits just before the new owner terminates, and its
+	// session begins other work.
+	conn, tx := holder()
+	hook.hook = func() {
+		require.NoError(t, tx.Commit(ctx))
+		var err error
+		tx, err = conn.Begin(ctx)
+		require.NoError(t, err)
+		_, err = tx.Exec(ctx, `SELECT 1`)
+		require.NoError(t, err)
+	}
+	s.clearFence(ctx)
+	var one int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one),
+		"the session released the fence before clearFence terminated: it must be spared")
+	require.NoError(t, tx.Commit(ctx))
+	require.Zero(t, cleared())
+	require.NotContains(t, logs.String(), "ended a previous owner's stale transaction")
+
+	// A session that keeps the fence is ended, and the fence is free.
+	conn, tx = holder()
+	pid := conn.PgConn().PID()
+	s.clearFence(ctx)
+	err = tx.QueryRow(ctx, `SELECT 1`).Scan(&one)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "57P01" {
+		require.True(t, conn.IsClosed(), "the fence holder must be terminated, got %v", err)
+	}
+	require.Equal(t, 1.0, cleared())
+	require.Contains(t, logs.String(), "ended a previous owner's stale transaction")
+	require.Contains(t, logs.String(), "pid="+strconv.Itoa(int(pid)))
+	free, err := env.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = free.Rollback(ctx) }()
+	var got bool
+	require.NoError(t, free.QueryRow(ctx, `SELECT pg_try_advisory_xact_lock($1::int, $2::int)`,
+		outbox.FenceNamespace(env.Schema), shard).Scan(&got))
+	require.True(t, got, "the fence is free once its holder is ended")
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
@@ -123,7 +124,7 @@ type shardSQL struct {
 	wait, unwait  string
 	horizonPassed string
 	snapshotXmax  string
-	fenceHolders  string
+	endFence      string
 	recordFailure string
 	clearFailures string
 }
@@ -148,9 +149,11 @@ func newShardSQL(schema string, shard int) shardSQL {
 				SELECT 1 FROM {messages} m WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
 				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
 			WHERE o.consumer_group = $1)`),
-		// Backends other than this one holding the shard's read fence ($1
-		// namespace, $2 shard): see clearFence.
-		fenceHolders: `SELECT pid FROM pg_locks
+		// Terminates the backends other than this one holding the shard's
+		// read fence ($1 namespace, $2 shard), each with whether it ended
+		// within a second: see clearFence. One statement, so that only a
+		// backend seen holding the fence is signalled.
+		endFence: `SELECT pid, pg_terminate_backend(pid, 1000) FROM pg_locks
 			WHERE locktype = 'advisory' AND granted AND objsubid = 2 AND pid <> pg_backend_pid()
 			  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 			  AND classid::bigint = $1 AND objid::bigint = $2`,
@@ -311,27 +314,45 @@ func (s *shardRunner) setUp() error {
 // Terminating it rolls back its batch, which this relay then re-sends.
 // It needs the right to signal that backend (same role, or
 // pg_signal_backend); without it the shard waits for the timeout.
+//
+// One statement finds the holders and terminates them: the old owner may
+// still be alive (a takeover while it runs) and commit at any moment,
+// releasing the fence and returning its connection to a pool, where other
+// work (the application's, when the relay shares its pool) runs on the same
+// backend. Looking the holders up and terminating them in two round trips
+// (as before) then killed that unrelated session. Now a backend is
+// signalled only when the statement's own read of pg_locks shows it holding
+// the fence; another query can only begin on it after a round trip to its
+// client.
 func (s *shardRunner) clearFence(ctx context.Context) {
-	rows, err := s.relay.pool.Query(ctx, s.sql.fenceHolders, outbox.FenceNamespace(s.relay.cfg.Schema), s.shard)
+	type ended struct {
+		Pid int32
+		OK  bool
+	}
+	rows, err := s.relay.pool.Query(ctx, s.sql.endFence, outbox.FenceNamespace(s.relay.cfg.Schema), s.shard)
 	if err != nil {
 		s.log.Warn("look for a stale read fence", "err", err)
 		return
 	}
-	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	holders, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ended])
 	if err != nil {
-		s.log.Warn("look for a stale read fence", "err", err)
-		return
-	}
-	for _, pid := range pids {
-		var ok bool
-		err := s.relay.pool.QueryRow(ctx, `SELECT pg_terminate_backend($1, 1000)`, pid).Scan(&ok)
-		if err != nil || !ok {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42501" { // insufficient_privilege: may not signal it
 			s.log.Warn("a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it",
-				"pid", pid, "wait_at_most", txTimeout, "err", err)
+				"wait_at_most", txTimeout, "err", err)
+			return
+		}
+		s.log.Warn("look for a stale read fence", "err", err)
+		return
+	}
+	for _, h := range holders {
+		if !h.OK {
+			s.log.Warn("a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it",
+				"pid", h.Pid, "wait_at_most", txTimeout)
 			continue
 		}
 		s.relay.metrics.add(fencesClearedCounter, s.shard, 1)
-		s.log.Warn("ended a previous owner's stale transaction on the shard (its relay vanished mid-batch)", "pid", pid)
+		s.log.Warn("ended a previous owner's stale transaction on the shard (its relay vanished mid-batch)", "pid", h.Pid)
 	}
 }
 
