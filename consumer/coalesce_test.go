@@ -100,6 +100,32 @@ func publishToPartition(t *testing.T, brokers []string, topic string, partition 
 	}
 }
 
+// heldSlot is a running consumer whose coalescer has slots slots, one of
+// them held by the event of aggregate "slow" (published to partition 0)
+// until release is called; release also runs at the test's end.
+type heldSlot struct {
+	c       *consumer.Consumer
+	w       *coalesceWatch
+	r       *running
+	slow    eventline.Event
+	release func()
+}
+
+func holdSlot(t *testing.T, k kenv, group string, cfg consumer.Config, slots int) heldSlot {
+	t.Helper()
+	c := k.newConsumer(t, cfg)
+	w := watchCoalesce(c, slots)
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	h := heldSlot{c: c, w: w, slow: consumertest.Event("slow", 1), release: func() { once.Do(func() { close(release) }) }}
+	t.Cleanup(h.release)
+	require.NoError(t, c.Handle("thing.changed", slowFirst(k, group, entered, release)))
+	publishToPartition(t, k.brokers, k.topic, 0, consumertest.Message(t, h.slow))
+	h.r = start(t, c)
+	waitFor(t, entered, 40*time.Second, "the slow event to take a slot")
+	return h
+}
+
 // TestSingleEventsOfBusyLanesShareATransaction holds the coalescer's only
 // slot with a slow event while single events of other lanes arrive: they
 // wait for the slot and are then applied together, in one transaction,
@@ -110,14 +136,8 @@ func TestSingleEventsOfBusyLanesShareATransaction(t *testing.T) {
 	const group = "coalesce"
 	cfg := k.config(group)
 	cfg.Lanes, cfg.BatchSize = 8, 16
-	c := k.newConsumer(t, cfg)
-	w := watchCoalesce(c, 1)
-	entered, release := make(chan struct{}), make(chan struct{})
-	require.NoError(t, c.Handle("thing.changed", slowFirst(k, group, entered, release)))
-	slow := consumertest.Event("slow", 1)
-	publish(t, k.brokers, k.topic, consumertest.Message(t, slow))
-	r := start(t, c)
-	waitFor(t, entered, 40*time.Second, "the slow event to take the slot")
+	h := holdSlot(t, k, group, cfg, 1)
+	w, r, slow := h.w, h.r, h.slow
 
 	var evs []eventline.Event
 	for _, id := range []string{"a", "b", "c", "d", "e"} {
@@ -130,7 +150,7 @@ func TestSingleEventsOfBusyLanesShareATransaction(t *testing.T) {
 		t.Log("the events did not wait for the slot")
 	}
 	require.Len(t, k.Effects(t, group), 0, "nothing applied while the slot is busy")
-	close(release)
+	h.release()
 	eventually(t, 40*time.Second, func() bool { return len(k.Effects(t, group)) == 1+len(evs) }, "all applied")
 	require.NoError(t, r.stop())
 
@@ -154,14 +174,8 @@ func TestShutdownWithdrawsEventsWaitingForASlot(t *testing.T) {
 	logger, stopping := watchLog(partitionStopping)
 	cfg := k.config(group)
 	cfg.Lanes, cfg.BatchSize, cfg.Logger = 8, 16, logger
-	c := k.newConsumer(t, cfg)
-	w := watchCoalesce(c, 1)
-	entered, release := make(chan struct{}), make(chan struct{})
-	require.NoError(t, c.Handle("thing.changed", slowFirst(k, group, entered, release)))
-	slow := consumertest.Event("slow", 1)
-	publish(t, k.brokers, k.topic, consumertest.Message(t, slow))
-	r := start(t, c)
-	waitFor(t, entered, 40*time.Second, "the slow event to take the slot")
+	h := holdSlot(t, k, group, cfg, 1)
+	w, r, slow := h.w, h.r, h.slow
 	var evs []eventline.Event
 	for _, id := range []string{"a", "b", "c"} {
 		evs = append(evs, consumertest.Event(id, 1))
@@ -175,7 +189,7 @@ func TestShutdownWithdrawsEventsWaitingForASlot(t *testing.T) {
 	stopped := make(chan error, 1)
 	go func() { stopped <- r.stop() }()
 	waitFor(t, isStopping, 20*time.Second, "the partition to stop")
-	close(release)
+	h.release()
 	select {
 	case err := <-stopped:
 		require.NoError(t, err)
@@ -208,14 +222,8 @@ func TestCoalescedBatchWithOneAggregateInTwoPartitions(t *testing.T) {
 	cfg := k.config(group)
 	cfg.Lanes, cfg.BatchSize = 8, 16
 	cfg.SweepInterval, cfg.ParkTimeout = time.Hour, time.Hour // no help from the sweeper
-	c := k.newConsumer(t, cfg)
-	w := watchCoalesce(c, 1)
-	entered, release := make(chan struct{}), make(chan struct{})
-	require.NoError(t, c.Handle("thing.changed", slowFirst(k, group, entered, release)))
-	slow := consumertest.Event("slow", 1)
-	publishToPartition(t, k.brokers, k.topic, 0, consumertest.Message(t, slow))
-	r := start(t, c)
-	waitFor(t, entered, 40*time.Second, "the slow event to take the slot")
+	h := holdSlot(t, k, group, cfg, 1)
+	w, r, slow := h.w, h.r, h.slow
 
 	x1, x2, y1, y2 := consumertest.Event("x", 1), consumertest.Event("x", 2), consumertest.Event("y", 1), consumertest.Event("y", 2)
 	// Partition 0: x2 and y1; partition 1: x1 and y1 again (the same event
@@ -225,7 +233,7 @@ func TestCoalescedBatchWithOneAggregateInTwoPartitions(t *testing.T) {
 	publishToPartition(t, k.brokers, k.topic, 1, messagesOf(t, []eventline.Event{x1, y1})...)
 	require.True(t, w.waitWaiting(4, 40*time.Second), "the four single events wait for the slot together")
 	publishToPartition(t, k.brokers, k.topic, 1, consumertest.Message(t, y2))
-	close(release)
+	h.release()
 	eventually(t, 40*time.Second, func() bool { return len(k.Effects(t, group)) == 5 }, "every event applied without the sweeper")
 	require.NoError(t, r.stop())
 
@@ -249,21 +257,8 @@ func TestSingleEventStartsAtOnceWithAFreeSlot(t *testing.T) {
 	const group = "coalesce-free"
 	cfg := k.config(group)
 	cfg.Lanes, cfg.BatchSize = 8, 16
-	c := k.newConsumer(t, cfg)
-	w := watchCoalesce(c, 2)
-	entered, release := make(chan struct{}), make(chan struct{})
-	defer func() {
-		select {
-		case <-release:
-		default:
-			close(release)
-		}
-	}()
-	require.NoError(t, c.Handle("thing.changed", slowFirst(k, group, entered, release)))
-	slow := consumertest.Event("slow", 1)
-	publish(t, k.brokers, k.topic, consumertest.Message(t, slow))
-	r := start(t, c)
-	waitFor(t, entered, 40*time.Second, "the slow event to take a slot")
+	h := holdSlot(t, k, group, cfg, 2)
+	w, r, slow := h.w, h.r, h.slow
 
 	quick := consumertest.Event("quick", 1)
 	published := time.Now()
@@ -274,7 +269,7 @@ func TestSingleEventStartsAtOnceWithAFreeSlot(t *testing.T) {
 	w.mu.Lock()
 	require.Zero(t, w.waiting, "no event waited for a slot")
 	w.mu.Unlock()
-	close(release)
+	h.release()
 	eventually(t, 20*time.Second, func() bool { return len(k.Effects(t, group)) == 2 }, "the slow event applied")
 	require.NoError(t, r.stop())
 	appliedOnce(t, k.Effects(t, group), []eventline.Event{quick, slow})
