@@ -13,12 +13,12 @@ import (
 	"github.com/ThreeDotsLabs/watermill/components/forwarder"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/pgerr"
 )
 
 const (
@@ -320,10 +320,9 @@ func (s *shardRunner) setUp() error {
 // releasing the fence and returning its connection to a pool, where other
 // work (the application's, when the relay shares its pool) runs on the same
 // backend. Looking the holders up and terminating them in two round trips
-// (as before) then killed that unrelated session. Now a backend is
-// signalled only when the statement's own read of pg_locks shows it holding
-// the fence; another query can only begin on it after a round trip to its
-// client.
+// would kill that unrelated session; in one, a backend is signalled only
+// when the statement's own read of pg_locks shows it holding the fence, and
+// another query can only begin on it after a round trip to its client.
 func (s *shardRunner) clearFence(ctx context.Context) {
 	type ended struct {
 		Pid int32
@@ -336,8 +335,7 @@ func (s *shardRunner) clearFence(ctx context.Context) {
 	}
 	holders, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ended])
 	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "42501" { // insufficient_privilege: may not signal it
+		if pgerr.HasCode(err, "42501") { // insufficient_privilege: may not signal it
 			s.log.Warn("a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it",
 				"wait_at_most", txTimeout, "err", err)
 			return
