@@ -183,29 +183,12 @@ func (c *coalescer) deliver(hs []*handoff) {
 	}
 	b := delivery.NewBatch()
 	var members sync.WaitGroup
+	members.Add(len(hs))
 	for i, h := range hs {
-		p, d := h.p, h.d
-		msg := d.msg
-		if d.sent {
-			msg = d.msg.Copy()
-		}
-		d.sent = true
-		msg.SetContext(b.Add(p.messageContext(d)))
-		if !p.send(msg) {
-			b.Leave(i)
-			h.res <- abandoned
-			continue
-		}
-		members.Add(1)
-		go func() {
-			defer members.Done()
-			a := p.await(msg)
-			if a == acked {
-				p.finish(d)
-			}
-			b.Leave(i)
+		h.p.sendMember(b, i, h.d, func(a ack) {
 			h.res <- a
-		}()
+			members.Done()
+		})
 	}
 	b.Seal()
 	b.Run(ctx)

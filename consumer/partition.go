@@ -300,11 +300,7 @@ func (l *lane) deliverOne(d *record) {
 // attempt delivers d alone once and waits for its answer; an acknowledged
 // record is settled (finish).
 func (p *partitionRun) attempt(d *record) ack {
-	msg := d.msg
-	if d.sent {
-		msg = d.msg.Copy()
-	}
-	d.sent = true
+	msg := p.outgoing(d)
 	msg.SetContext(p.messageContext(d))
 	if !p.send(msg) {
 		return abandoned
@@ -314,6 +310,39 @@ func (p *partitionRun) attempt(d *record) ack {
 		p.finish(d)
 	}
 	return a
+}
+
+// outgoing is the message that delivers d: d's own the first time, a copy
+// after that (Watermill's Ack and Nack settle a message once).
+func (p *partitionRun) outgoing(d *record) *message.Message {
+	msg := d.msg
+	if d.sent {
+		msg = d.msg.Copy()
+	}
+	d.sent = true
+	return msg
+}
+
+// sendMember sends d as member i of batch b and, once its answer is known,
+// settles it when acknowledged (finish: its offset may move at once),
+// leaves the batch and tells report; at once, abandoned, when the
+// partition stops before d is sent.
+func (p *partitionRun) sendMember(b *delivery.Batch, i int, d *record, report func(ack)) {
+	msg := p.outgoing(d)
+	msg.SetContext(b.Add(p.messageContext(d)))
+	if !p.send(msg) {
+		b.Leave(i)
+		report(abandoned)
+		return
+	}
+	go func() {
+		a := p.await(msg)
+		if a == acked {
+			p.finish(d)
+		}
+		b.Leave(i)
+		report(a)
+	}()
 }
 
 // handOff delivers d, the lane's only ready event, through the
@@ -375,21 +404,7 @@ func (l *lane) deliverBatch(first *record) {
 	add := func(d *record) {
 		i := len(members)
 		members = append(members, d)
-		d.sent = true
-		d.msg.SetContext(b.Add(p.messageContext(d)))
-		if !p.send(d.msg) {
-			b.Leave(i)
-			results <- memberResult{i, abandoned}
-			return
-		}
-		go func() {
-			a := p.await(d.msg)
-			if a == acked {
-				p.finish(d) // its offset may move at once
-			}
-			b.Leave(i)
-			results <- memberResult{i, a}
-		}()
+		p.sendMember(b, i, d, func(a ack) { results <- memberResult{i, a} })
 	}
 	add(first)
 	for _, d := range more {

@@ -39,8 +39,8 @@ type subscriberConfig struct {
 	Logger       *slog.Logger
 	// Slots is how many single events (a lane's only ready event) a
 	// subscription delivers at once before it coalesces them into batches
-	// (see coalescer); 0 is max(Lanes, 2 × GOMAXPROCS), below 0 turns
-	// coalescing off. Without batches (BatchSize 1) nothing is coalesced.
+	// (see coalescer; Run passes coalesceSlots); 0 or below turns
+	// coalescing off, and so does BatchSize 1.
 	Slots int
 	// coalesceHook is the coalescer's hook (tests).
 	coalesceHook func(alone bool, waiting int)
@@ -122,11 +122,8 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, fmt.Errorf("eventline: join Kafka consumer group %q at %v: %w", s.cfg.Group, s.cfg.Brokers, err)
 	}
 	sub := &subscription{s: s, topic: topic, group: group, out: make(chan *message.Message), done: make(chan struct{})}
-	if slots := s.cfg.Slots; slots >= 0 && s.cfg.BatchSize > 1 {
-		if slots == 0 {
-			slots = coalesceSlots(nil, s.cfg.Lanes)
-		}
-		sub.coalesce = newCoalescer(slots, s.cfg.BatchSize)
+	if s.cfg.Slots > 0 && s.cfg.BatchSize > 1 {
+		sub.coalesce = newCoalescer(s.cfg.Slots, s.cfg.BatchSize)
 		sub.coalesce.hook = s.cfg.coalesceHook
 	}
 	sub.ctx, sub.cancel = context.WithCancel(context.WithoutCancel(ctx))
