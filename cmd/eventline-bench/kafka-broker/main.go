@@ -1,14 +1,16 @@
 // Command kafka-broker runs one Apache Kafka broker (internal/kafkabroker)
-// for development and for the real-broker test run; it is not part of the
-// eventline command.
+// for development and for the real-broker test run. It is a developer tool
+// of the repository, like eventline-bench, so it lives in this module,
+// outside the library and the eventline command; unlike eventline-bench it
+// uses an internal package of the library. From this directory:
 //
-//	go run ./internal/kafkabroker/cmd/kafka-broker [-port 9092] [-topics a,b]
+//	go run ./kafka-broker [-port 9092] [-topics a,b]
 //
 // runs it in the foreground: its first line is KAFKA_BROKERS=127.0.0.1:9092,
 // then its start-up time and memory; Ctrl-C stops it cleanly and removes
 // its data (make kafka).
 //
-//	go run ./internal/kafkabroker/cmd/kafka-broker -port 0 -- command args...
+//	go run ./kafka-broker -port 0 -- command args...
 //
 // starts a broker, runs the command with KAFKA_BROKERS set to it, stops the
 // broker and exits with the command's status (make test-kafka).
@@ -26,9 +28,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/IBM/sarama"
-
 	"github.com/eventline/eventline/internal/kafkabroker"
+	"github.com/eventline/eventline/internal/kafkatest"
 )
 
 func main() {
@@ -80,10 +81,12 @@ func run() int {
 		kafkabroker.KafkaVersion, b.Addr(), b.Pid(), time.Since(begin).Round(time.Millisecond), b.StartupTime().Round(time.Millisecond),
 		rss>>20, *heap, b.Dir())
 	if *topics != "" {
-		if err := createTopics(b.Addr(), strings.Split(*topics, ","), int32(*partitions)); err != nil {
+		names := strings.FieldsFunc(*topics, func(r rune) bool { return r == ',' || r == ' ' })
+		if _, err := kafkatest.CreateTopics(ctx, []string{b.Addr()}, int32(*partitions), nil, names...); err != nil {
 			fmt.Fprintln(os.Stderr, "kafka-broker:", err)
 			return 1
 		}
+		fmt.Fprintf(os.Stderr, "kafka-broker: topics %s created (%d partitions each)\n", strings.Join(names, ", "), *partitions)
 	}
 	if len(command) == 0 {
 		fmt.Fprintln(os.Stderr, "kafka-broker: interrupt (Ctrl-C) to stop it")
@@ -134,24 +137,4 @@ func runCommand(ctx context.Context, b *kafkabroker.Broker, command []string) in
 		fmt.Fprintln(os.Stderr, "kafka-broker:", err)
 		return 1
 	}
-}
-
-func createTopics(addr string, topics []string, partitions int32) error {
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_8_0_0
-	admin, err := sarama.NewClusterAdmin([]string{addr}, cfg)
-	if err != nil {
-		return err
-	}
-	defer admin.Close()
-	for _, t := range topics {
-		if t = strings.TrimSpace(t); t == "" {
-			continue
-		}
-		if err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false); err != nil {
-			return fmt.Errorf("create topic %s: %w", t, err)
-		}
-		fmt.Fprintf(os.Stderr, "kafka-broker: topic %s created (%d partitions)\n", t, partitions)
-	}
-	return nil
 }
