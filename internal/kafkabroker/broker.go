@@ -547,19 +547,29 @@ func (b *Broker) log4j() string {
 	}, "\n")
 }
 
-// javaPath finds java: $JAVA_HOME/bin/java, else on PATH.
-func javaPath() (string, error) {
+// JavaTool returns the path of a JDK tool (java, javac):
+// $JAVA_HOME/bin/name, else name on PATH.
+func JavaTool(name string) (string, error) {
 	if home := os.Getenv("JAVA_HOME"); home != "" {
-		p := filepath.Join(home, "bin", "java")
-		if _, err := os.Stat(p); err == nil {
+		if p := filepath.Join(home, "bin", name); fileExists(p) {
 			return p, nil
 		}
 	}
-	p, err := exec.LookPath("java")
+	return exec.LookPath(name)
+}
+
+// javaPath finds java (JavaTool).
+func javaPath() (string, error) {
+	p, err := JavaTool("java")
 	if err != nil {
 		return "", ErrNoJava
 	}
 	return p, nil
+}
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
 }
 
 // ErrNoJava says Java is missing.
