@@ -16,8 +16,9 @@
 //   - WithFaults: a Kafka behind a fault proxy (refuse, reset, freeze): kfake
 //     behind the proxy, or a broker of its own that advertises the proxy's
 //     address (clients reconnect to what metadata advertises).
-//   - RealBroker: an Apache Kafka broker of its own, to kill, freeze and
-//     restart; the test is skipped in in-process mode.
+//   - NeedReal, then Start with Config.Faults: an Apache Kafka broker of its
+//     own (Cluster.Broker) to kill, freeze and restart; NeedReal skips the
+//     test in in-process mode.
 //   - Fake: kfake always, for what only kfake can do (Cluster.ControlKey).
 //
 // Like a production cluster, no cluster here creates a topic on first use
