@@ -79,13 +79,8 @@ type Config struct {
 	// AutoCreateTopics lets kfake create a topic on first use. The Apache
 	// Kafka brokers started here never do.
 	AutoCreateTopics bool
-	// Port is kfake's port, 0 for a free one.
-	Port int
 	// FakeOptions are passed to kfake.NewCluster.
 	FakeOptions []kfake.Opt
-	// Broker configures a broker of its own (real-broker mode). Port and
-	// Advertise are set by New when Faults is.
-	Broker kafkabroker.Config
 }
 
 // Cluster is a Kafka cluster for a test, an example or a TestMain.
@@ -193,7 +188,7 @@ func (c *Cluster) startFake() error {
 		c.fakeOpts = append(c.fakeOpts, kfake.ListenFn(c.listenBehindProxy))
 	}
 	c.fakeOpts = append(c.fakeOpts, c.cfg.FakeOptions...)
-	return c.runFake(c.cfg.Port)
+	return c.runFake(0)
 }
 
 func (c *Cluster) runFake(port int) error {
