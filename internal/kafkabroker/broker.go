@@ -581,15 +581,8 @@ func Available() error {
 	if _, err := javaPath(); err != nil {
 		return err
 	}
-	cache, err := CacheDir()
-	if err != nil {
-		return err
-	}
-	if _, err := os.Stat(filepath.Join(cache, stampFile)); err == nil {
-		return nil
-	}
-	if _, err := exec.LookPath("mvn"); err != nil {
-		return errors.New("kafkabroker: Maven (mvn) is not installed: it resolves Apache Kafka's jars from Maven Central once (apt-get install maven)")
+	if _, err := exec.LookPath("mvn"); err != nil && !Resolved() {
+		return errNoMaven
 	}
 	return nil
 }
