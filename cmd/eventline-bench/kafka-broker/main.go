@@ -24,6 +24,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -75,7 +76,7 @@ func run() int {
 		}
 		fmt.Fprintf(os.Stderr, "kafka-broker: stopped in %s; %s removed\n", time.Since(stopBegin).Round(time.Millisecond), b.Dir())
 	}()
-	rss, _, _ := b.RSS()
+	rss, _, _ := rss(b.Pid())
 	fmt.Printf("KAFKA_BROKERS=%s\n", b.Addr())
 	fmt.Fprintf(os.Stderr, "kafka-broker: Apache Kafka %s answering on %s (pid %d): started in %s (JVM %s), RSS %d MiB, heap max %s; data and server.log in %s\n",
 		kafkabroker.KafkaVersion, b.Addr(), b.Pid(), time.Since(begin).Round(time.Millisecond), b.StartupTime().Round(time.Millisecond),
@@ -121,7 +122,7 @@ func runCommand(ctx context.Context, b *kafkabroker.Broker, command []string) in
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		err = <-waited
 	}
-	rss, peak, _ := b.RSS()
+	rss, peak, _ := rss(b.Pid())
 	fmt.Fprintf(os.Stderr, "kafka-broker: %s finished after %s; broker RSS %d MiB (peak %d MiB)\n",
 		command[0], time.Since(begin).Round(time.Second), rss>>20, peak>>20)
 	var ee *exec.ExitError
@@ -137,4 +138,30 @@ func runCommand(ctx context.Context, b *kafkabroker.Broker, command []string) in
 		fmt.Fprintln(os.Stderr, "kafka-broker:", err)
 		return 1
 	}
+}
+
+// rss returns a process's resident memory now, and its peak, in bytes.
+func rss(pid int) (now, peak int64, err error) {
+	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, 0, fmt.Errorf("read the memory of process %d: %w", pid, err)
+	}
+	for _, line := range strings.Split(string(st), "\n") {
+		name, val, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(val)
+		if len(f) != 2 || f[1] != "kB" {
+			continue
+		}
+		kb, _ := strconv.ParseInt(f[0], 10, 64)
+		switch name {
+		case "VmRSS":
+			now = kb << 10
+		case "VmHWM":
+			peak = kb << 10
+		}
+	}
+	return now, peak, nil
 }
