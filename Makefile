@@ -27,9 +27,10 @@ test: postgres ## Run every test with -race against PostgreSQL and in-process Ka
 	cd $(CLI_DIR) && $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
 	cd $(BENCH_DIR) && $(GO) test -race -count=1 -timeout $(TIMEOUT) ./...
 
-# The broker runner (internal/kafkabroker), built into the git-ignored cache
-# and exec'd, so that Ctrl-C reaches it directly and stops it cleanly.
-KAFKA_BROKER = $(GO) build -o .cache/kafka-broker ./internal/kafkabroker/cmd/kafka-broker && exec .cache/kafka-broker
+# The broker runner (a developer tool of the benchmark harness's module),
+# built into the git-ignored cache and exec'd, so that Ctrl-C reaches it
+# directly and stops it cleanly.
+KAFKA_BROKER = (cd $(BENCH_DIR) && $(GO) build -o ../../.cache/kafka-broker ./kafka-broker) && exec .cache/kafka-broker
 
 test-kafka: postgres ## Run the Kafka-facing tests against Apache Kafka 4.4 (Java 17+, Maven; about 8 minutes here).
 	$(KAFKA_BROKER) -port 0 -- ./.ci/test-kafka

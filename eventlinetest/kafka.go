@@ -58,7 +58,6 @@ func (k *kit) checkKafka(ctx context.Context, want any, seeds []uint64, replay b
 // kafkaRun is one end-to-end trial in progress.
 type kafkaRun struct {
 	*kit
-	cluster      *kafkatest.Cluster
 	brokers      []string
 	topic, group string
 	batchLinger  time.Duration
@@ -93,7 +92,7 @@ func (k *kit) runKafka(ctx context.Context, cluster *kafkatest.Cluster, s schedu
 	if err := k.env.reset(ctx); err != nil {
 		return nil, err
 	}
-	r := &kafkaRun{kit: k, cluster: cluster, brokers: cluster.Brokers, topic: kafkatest.Topic("eventlinetest"), group: kafkatest.Topic(k.Group), inject: k.newInjector(s)}
+	r := &kafkaRun{kit: k, brokers: cluster.Brokers, topic: kafkatest.Topic("eventlinetest"), group: kafkatest.Topic(k.Group), inject: k.newInjector(s)}
 	r.inject.onRun = func(note string) { r.note("handler ran for %s", note) }
 	r.inject.onHookPanic = func(label string) { r.note("the AfterCommit hook of %s panicked (recovered)", label) }
 	if countKind(s.faults, Batches) > 0 {

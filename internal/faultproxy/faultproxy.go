@@ -60,11 +60,18 @@ func Start(target string) (*Proxy, error) {
 	if err != nil {
 		return nil, err
 	}
+	return Serve(ln, target), nil
+}
+
+// Serve is Start on a listener of the caller's: one opened before the
+// target was known, whose address the target had to be told (a Kafka
+// broker advertising the proxy). Close closes ln.
+func Serve(ln net.Listener, target string) *Proxy {
 	p := &Proxy{target: target, ln: ln, resume: make(chan struct{}), conns: map[*link]struct{}{}}
 	close(p.resume)
 	p.wg.Add(1)
 	go p.accept()
-	return p, nil
+	return p
 }
 
 // Addr is the proxy's listening address, host:port.

@@ -40,9 +40,9 @@ import (
 // otherwise: enough for the tests' traffic.
 const DefaultHeap = "512m"
 
-// DefaultStartTimeout bounds how long Start and Restart wait for the broker
-// to answer metadata requests.
-const DefaultStartTimeout = 2 * time.Minute
+// startTimeout bounds how long Start and Restart wait for the broker to
+// answer metadata requests.
+const startTimeout = 2 * time.Minute
 
 // stopTimeout is how long Stop waits for a clean shutdown before SIGKILL.
 const stopTimeout = 30 * time.Second
@@ -57,12 +57,6 @@ type Config struct {
 	Advertise string
 	// Heap is the JVM's -Xmx. Defaults to DefaultHeap.
 	Heap string
-	// Properties are added to the generated server properties, overriding
-	// them (e.g. "message.max.bytes").
-	Properties map[string]string
-	// StartTimeout bounds the wait for the broker to answer. Defaults to
-	// DefaultStartTimeout.
-	StartTimeout time.Duration
 	// LogLevel is the root level of the broker's server.log (in its
 	// directory). Defaults to WARN.
 	LogLevel string
@@ -90,9 +84,6 @@ type Broker struct {
 func Start(ctx context.Context, cfg Config) (*Broker, error) {
 	if cfg.Heap == "" {
 		cfg.Heap = DefaultHeap
-	}
-	if cfg.StartTimeout <= 0 {
-		cfg.StartTimeout = DefaultStartTimeout
 	}
 	if cfg.LogLevel == "" {
 		cfg.LogLevel = "WARN"
@@ -192,32 +183,6 @@ func (b *Broker) StartupTime() time.Duration {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.startup
-}
-
-// RSS returns the JVM's resident memory now, and its peak, in bytes.
-func (b *Broker) RSS() (now, peak int64, err error) {
-	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", b.Pid()))
-	if err != nil {
-		return 0, 0, fmt.Errorf("kafkabroker: read the JVM's memory: %w", err)
-	}
-	for _, line := range strings.Split(string(st), "\n") {
-		name, val, ok := strings.Cut(line, ":")
-		if !ok {
-			continue
-		}
-		f := strings.Fields(val)
-		if len(f) != 2 || f[1] != "kB" {
-			continue
-		}
-		kb, _ := strconv.ParseInt(f[0], 10, 64)
-		switch name {
-		case "VmRSS":
-			now = kb << 10
-		case "VmHWM":
-			peak = kb << 10
-		}
-	}
-	return now, peak, nil
 }
 
 // Kill ends the JVM with SIGKILL, as a crash does, and waits for it to
@@ -409,7 +374,7 @@ func (b *Broker) launch(ctx context.Context) error {
 // waitReady waits until the client listener answers a metadata request
 // that lists the broker, or the JVM exits, or the start timeout passes.
 func (b *Broker) waitReady(ctx context.Context, done <-chan struct{}) error {
-	ctx, cancel := context.WithTimeout(ctx, b.cfg.StartTimeout)
+	ctx, cancel := context.WithTimeout(ctx, startTimeout)
 	defer cancel()
 	cfg := sarama.NewConfig()
 	cfg.Version = sarama.V2_8_0_0
@@ -436,7 +401,7 @@ func (b *Broker) waitReady(ctx context.Context, done <-chan struct{}) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("kafkabroker: the broker did not answer within %s (%w); its logs in %s:\n%s", b.cfg.StartTimeout, context.Cause(ctx), b.dir, b.LogTail(30))
+			return fmt.Errorf("kafkabroker: the broker did not answer within %s (%w); its logs in %s:\n%s", startTimeout, context.Cause(ctx), b.dir, b.LogTail(30))
 		case <-done:
 		case <-time.After(100 * time.Millisecond): // polling interval
 		}
@@ -513,9 +478,6 @@ func (b *Broker) properties() string {
 		"num.replica.fetchers":              "1",
 		"delete.topic.enable":               "true",
 	}
-	for k, v := range b.cfg.Properties {
-		p[k] = v
-	}
 	keys := make([]string, 0, len(p))
 	for k := range p {
 		keys = append(keys, k)
@@ -547,19 +509,29 @@ func (b *Broker) log4j() string {
 	}, "\n")
 }
 
-// javaPath finds java: $JAVA_HOME/bin/java, else on PATH.
-func javaPath() (string, error) {
+// JavaTool returns the path of a JDK tool (java, javac):
+// $JAVA_HOME/bin/name, else name on PATH.
+func JavaTool(name string) (string, error) {
 	if home := os.Getenv("JAVA_HOME"); home != "" {
-		p := filepath.Join(home, "bin", "java")
-		if _, err := os.Stat(p); err == nil {
+		if p := filepath.Join(home, "bin", name); fileExists(p) {
 			return p, nil
 		}
 	}
-	p, err := exec.LookPath("java")
+	return exec.LookPath(name)
+}
+
+// javaPath finds java (JavaTool).
+func javaPath() (string, error) {
+	p, err := JavaTool("java")
 	if err != nil {
 		return "", ErrNoJava
 	}
 	return p, nil
+}
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
 }
 
 // ErrNoJava says Java is missing.
@@ -571,15 +543,8 @@ func Available() error {
 	if _, err := javaPath(); err != nil {
 		return err
 	}
-	cache, err := CacheDir()
-	if err != nil {
-		return err
-	}
-	if _, err := os.Stat(filepath.Join(cache, stampFile)); err == nil {
-		return nil
-	}
-	if _, err := exec.LookPath("mvn"); err != nil {
-		return errors.New("kafkabroker: Maven (mvn) is not installed: it resolves Apache Kafka's jars from Maven Central once (apt-get install maven)")
+	if _, err := exec.LookPath("mvn"); err != nil && !Resolved() {
+		return errNoMaven
 	}
 	return nil
 }

@@ -52,9 +52,7 @@ func start(t *testing.T, cfg kafkabroker.Config) *kafkabroker.Broker {
 	b, err := kafkabroker.Start(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, b.Stop()) })
-	rss, _, err := b.RSS()
-	require.NoError(t, err)
-	t.Logf("broker %s (pid %d) answered %s after its JVM started; RSS %d MiB", b.Addr(), b.Pid(), b.StartupTime().Round(time.Millisecond), rss>>20)
+	t.Logf("broker %s (pid %d) answered %s after its JVM started", b.Addr(), b.Pid(), b.StartupTime().Round(time.Millisecond))
 	return b
 }
 

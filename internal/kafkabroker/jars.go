@@ -77,8 +77,7 @@ func Jars(ctx context.Context) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	sum := sha256.Sum256(pom)
-	want := hex.EncodeToString(sum[:])
+	want := pomSum()
 	jars := filepath.Join(cache, "jars")
 	if stamped(cache, want) {
 		return jars, nil
@@ -95,7 +94,7 @@ func Jars(ctx context.Context) (string, error) {
 		return jars, nil
 	}
 	if _, err := exec.LookPath("mvn"); err != nil {
-		return "", errors.New("kafkabroker: Maven (mvn) is not installed: it resolves Apache Kafka's jars from Maven Central once (apt-get install maven)")
+		return "", errNoMaven
 	}
 	_ = os.Remove(filepath.Join(cache, stampFile))
 	// Formatted by, and archived from, the old jars.
@@ -137,9 +136,16 @@ func Resolved() bool {
 	if err != nil {
 		return false
 	}
-	sum := sha256.Sum256(pom)
-	return stamped(cache, hex.EncodeToString(sum[:]))
+	return stamped(cache, pomSum())
 }
+
+// pomSum is the stamp of jars resolved from pom.
+func pomSum() string {
+	sum := sha256.Sum256(pom)
+	return hex.EncodeToString(sum[:])
+}
+
+var errNoMaven = errors.New("kafkabroker: Maven (mvn) is not installed: it resolves Apache Kafka's jars from Maven Central once (apt-get install maven)")
 
 // KafkaVersion is the Apache Kafka version pom.xml pins.
 const KafkaVersion = "4.4.0"

@@ -6,8 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
-	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -40,7 +38,10 @@ func formatStorage(ctx context.Context, jars, dataDir string) error {
 			return err
 		}
 	}
-	return copyTree(filepath.Join(tmpl, "data"), dataDir)
+	if err := os.CopyFS(dataDir, os.DirFS(filepath.Join(tmpl, "data"))); err != nil {
+		return fmt.Errorf("kafkabroker: copy the formatted storage: %w", err)
+	}
+	return nil
 }
 
 func formatTemplate(ctx context.Context, jars, tmpl, done string) error {
@@ -83,41 +84,6 @@ func formatTemplate(ctx context.Context, jars, tmpl, done string) error {
 		return fmt.Errorf("kafkabroker: the storage tool wrote no meta.properties: %w", err)
 	}
 	return os.WriteFile(done, nil, 0o644)
-}
-
-// copyTree copies the regular files and directories under src to dst.
-func copyTree(src, dst string) error {
-	err := filepath.WalkDir(src, func(path string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, err := filepath.Rel(src, path)
-		if err != nil {
-			return err
-		}
-		target := filepath.Join(dst, rel)
-		if d.IsDir() {
-			return os.MkdirAll(target, 0o755)
-		}
-		in, err := os.Open(path)
-		if err != nil {
-			return err
-		}
-		defer in.Close()
-		out, err := os.OpenFile(target, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
-		if err != nil {
-			return err
-		}
-		if _, err := io.Copy(out, in); err != nil {
-			_ = out.Close()
-			return err
-		}
-		return out.Close()
-	})
-	if err != nil {
-		return fmt.Errorf("kafkabroker: copy the formatted storage: %w", err)
-	}
-	return nil
 }
 
 // stateDir holds the brokers' directories: os.TempDir()/eventline-kafka.

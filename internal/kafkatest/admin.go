@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"time"
 
@@ -71,9 +70,8 @@ func (c *Cluster) CreateTopicsWithConfig(ctx context.Context, partitions int32, 
 }
 
 // CreateTopics creates topics on brokers and waits until every partition
-// has a leader (a new topic of Apache Kafka has none for a moment, and a
-// producer then fails with LEADER_NOT_AVAILABLE). It returns the topics it
-// created (not those that existed).
+// is served (WaitServed). It returns the topics it created (not those that
+// existed).
 func CreateTopics(ctx context.Context, brokers []string, partitions int32, config map[string]string, topics ...string) ([]string, error) {
 	if len(topics) == 0 {
 		return nil, nil
@@ -102,29 +100,17 @@ func CreateTopics(ctx context.Context, brokers []string, partitions int32, confi
 			return created, fmt.Errorf("kafkatest: create topic %s on %s: %w", topic, strings.Join(brokers, ","), err)
 		}
 	}
-	err = waitTopics(ctx, admin, topics, func(m *sarama.TopicMetadata) bool {
-		if m.Err != sarama.ErrNoError || len(m.Partitions) == 0 {
-			return false
-		}
-		for _, p := range m.Partitions {
-			if p.Err != sarama.ErrNoError || p.Leader < 0 {
-				return false
-			}
-		}
-		return true
-	})
-	if err != nil {
-		return created, err
-	}
-	return created, waitServed(ctx, brokers, topics)
+	return created, WaitServed(ctx, brokers, 1, topics...)
 }
 
-// waitServed waits until every partition of topics answers a ListOffsets
-// request. Apache Kafka's metadata names a new partition's leader a moment
-// before that broker serves it: a consumer starting then got
-// NOT_LEADER_OR_FOLLOWER (producer.TestRelayPartitionsLikeKafkasJavaClient,
+// WaitServed waits until each of topics has at least partitions
+// partitions, and every one answers a ListOffsets request: a new partition
+// of Apache Kafka has no leader for a moment (a producer then fails with
+// LEADER_NOT_AVAILABLE), and the metadata names its leader a moment before
+// that broker serves it (a consumer starting then got
+// NOT_LEADER_OR_FOLLOWER: producer.TestRelayPartitionsLikeKafkasJavaClient,
 // once in a make test-kafka run).
-func waitServed(ctx context.Context, brokers []string, topics []string) error {
+func WaitServed(ctx context.Context, brokers []string, partitions int, topics ...string) error {
 	ctx, cancel := context.WithTimeout(ctx, topicWait) // for all of them
 	defer cancel()
 	client, err := sarama.NewClient(brokers, saramaConfig())
@@ -140,6 +126,9 @@ func waitServed(ctx context.Context, brokers []string, topics []string) error {
 			if err == nil {
 				parts, err = client.Partitions(topic)
 			}
+			if err == nil && len(parts) < partitions {
+				err = fmt.Errorf("%d partitions of %d", len(parts), partitions)
+			}
 			for _, p := range parts {
 				if err == nil {
 					_, err = client.GetOffset(topic, p, sarama.OffsetNewest)
@@ -154,45 +143,16 @@ func waitServed(ctx context.Context, brokers []string, topics []string) error {
 	return nil
 }
 
-// waitTopics waits until ok holds for every topic's metadata.
-func waitTopics(ctx context.Context, admin sarama.ClusterAdmin, topics []string, ok func(*sarama.TopicMetadata) bool) error {
-	err := waitUntil(ctx, func() bool {
-		md, err := admin.DescribeTopics(topics)
-		ready := err == nil && len(md) == len(topics)
-		for _, m := range md {
-			ready = ready && ok(m)
-		}
-		return ready
-	})
-	if err != nil {
-		return fmt.Errorf("kafkatest: topics %s not ready in the cluster metadata: %w", strings.Join(topics, ", "), err)
-	}
-	return nil
-}
-
 // SetTopicConfig sets one configuration entry of a topic (the topic's other
 // overrides stay).
 func (c *Cluster) SetTopicConfig(topic, name, value string) error {
-	return c.alterTopicConfig(topic, name, &value)
-}
-
-// ResetTopicConfig removes an override, back to the broker's default.
-func (c *Cluster) ResetTopicConfig(topic, name string) error {
-	return c.alterTopicConfig(topic, name, nil)
-}
-
-func (c *Cluster) alterTopicConfig(topic, name string, value *string) error {
 	admin, err := Admin(c.Brokers)
 	if err != nil {
 		return err
 	}
 	defer admin.Close()
-	op := sarama.IncrementalAlterConfigsOperationSet
-	if value == nil {
-		op = sarama.IncrementalAlterConfigsOperationDelete
-	}
 	err = admin.IncrementalAlterConfig(sarama.TopicResource, topic, map[string]sarama.IncrementalAlterConfigsEntry{
-		name: {Operation: op, Value: value},
+		name: {Operation: sarama.IncrementalAlterConfigsOperationSet, Value: &value},
 	}, false)
 	if err != nil {
 		return fmt.Errorf("kafkatest: alter %s of topic %s: %w", name, topic, err)
@@ -206,75 +166,15 @@ func (c *Cluster) alterTopicConfig(topic, name string, value *string) error {
 		if err != nil {
 			return false
 		}
-		applied := value == nil // a removed override: the broker's default, whatever it is
 		for _, e := range entries {
-			if e.Name == name {
-				applied = value == nil && e.Source != sarama.SourceTopic || value != nil && e.Value == *value
+			if e.Name == name && e.Value == value {
+				return true
 			}
 		}
-		return applied
+		return false
 	})
 	if err != nil {
 		return fmt.Errorf("kafkatest: %s of topic %s not applied by the broker: %w", name, topic, err)
-	}
-	return nil
-}
-
-// AddPartitions raises topic's partition count to total and waits until
-// the new partitions have leaders.
-func (c *Cluster) AddPartitions(ctx context.Context, topic string, total int32) error {
-	admin, err := Admin(c.Brokers)
-	if err != nil {
-		return err
-	}
-	defer admin.Close()
-	if err := admin.CreatePartitions(topic, total, nil, false); err != nil {
-		return fmt.Errorf("kafkatest: add partitions to %s: %w", topic, err)
-	}
-	err = waitTopics(ctx, admin, []string{topic}, func(m *sarama.TopicMetadata) bool {
-		if m.Err != sarama.ErrNoError || len(m.Partitions) != int(total) {
-			return false
-		}
-		for _, p := range m.Partitions {
-			if p.Leader < 0 {
-				return false
-			}
-		}
-		return true
-	})
-	if err != nil {
-		return err
-	}
-	return waitServed(ctx, c.Brokers, []string{topic})
-}
-
-// DeleteTopics deletes topics and waits until the metadata no longer lists
-// them.
-func (c *Cluster) DeleteTopics(ctx context.Context, topics ...string) error {
-	admin, err := Admin(c.Brokers)
-	if err != nil {
-		return err
-	}
-	defer admin.Close()
-	for _, t := range topics {
-		if err := admin.DeleteTopic(t); err != nil {
-			return fmt.Errorf("kafkatest: delete topic %s: %w", t, err)
-		}
-	}
-	c.mu.Lock()
-	c.created = slices.DeleteFunc(c.created, func(t string) bool { return slices.Contains(topics, t) })
-	c.mu.Unlock()
-	err = waitUntil(ctx, func() bool {
-		listed, err := admin.ListTopics()
-		gone := err == nil
-		for _, t := range topics {
-			_, ok := listed[t]
-			gone = gone && !ok
-		}
-		return gone
-	})
-	if err != nil {
-		return fmt.Errorf("kafkatest: topics %s still listed after deletion: %w", strings.Join(topics, ", "), err)
 	}
 	return nil
 }

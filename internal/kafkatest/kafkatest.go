@@ -16,8 +16,9 @@
 //   - WithFaults: a Kafka behind a fault proxy (refuse, reset, freeze): kfake
 //     behind the proxy, or a broker of its own that advertises the proxy's
 //     address (clients reconnect to what metadata advertises).
-//   - RealBroker: an Apache Kafka broker of its own, to kill, freeze and
-//     restart; the test is skipped in in-process mode.
+//   - NeedReal, then Start with Config.Faults: an Apache Kafka broker of its
+//     own (Cluster.Broker) to kill, freeze and restart; NeedReal skips the
+//     test in in-process mode.
 //   - Fake: kfake always, for what only kfake can do (Cluster.ControlKey).
 //
 // Like a production cluster, no cluster here creates a topic on first use
@@ -78,13 +79,8 @@ type Config struct {
 	// AutoCreateTopics lets kfake create a topic on first use. The Apache
 	// Kafka brokers started here never do.
 	AutoCreateTopics bool
-	// Port is kfake's port, 0 for a free one.
-	Port int
 	// FakeOptions are passed to kfake.NewCluster.
 	FakeOptions []kfake.Opt
-	// Broker configures a broker of its own (real-broker mode). Port and
-	// Advertise are set by New when Faults is.
-	Broker kafkabroker.Config
 }
 
 // Cluster is a Kafka cluster for a test, an example or a TestMain.
@@ -192,7 +188,7 @@ func (c *Cluster) startFake() error {
 		c.fakeOpts = append(c.fakeOpts, kfake.ListenFn(c.listenBehindProxy))
 	}
 	c.fakeOpts = append(c.fakeOpts, c.cfg.FakeOptions...)
-	return c.runFake(c.cfg.Port)
+	return c.runFake(0)
 }
 
 func (c *Cluster) runFake(port int) error {

@@ -24,45 +24,35 @@ const OwnBrokersEnv = "EVENTLINE_KAFKA_OWN_BROKERS"
 const defaultOwnBrokers = 3
 
 // startBroker starts an Apache Kafka broker for this cluster alone, behind
-// a fault proxy with Faults (the broker advertising the proxy's address).
+// a fault proxy with Faults.
 func (c *Cluster) startBroker(ctx context.Context) error {
 	release, err := ownSlot(ctx)
 	if err != nil {
 		return err
 	}
 	c.release = release
-	cfg := c.cfg.Broker
-	if !c.cfg.Faults {
-		b, err := kafkabroker.Start(ctx, cfg)
-		if err != nil {
-			return fmt.Errorf("kafkatest: %w", err)
-		}
-		c.Broker, c.Brokers = b, []string{b.Addr()}
-		return nil
-	}
-	// The proxy forwards to a port picked now; the broker listens there and
-	// advertises the proxy. Should the port be taken before the JVM binds
-	// it, try another.
-	for attempt := 0; ; attempt++ {
-		port, err := freePort()
-		if err != nil {
-			return err
-		}
-		p, err := faultproxy.Start(net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-		if err != nil {
+	var cfg kafkabroker.Config
+	var proxy net.Listener
+	if c.cfg.Faults {
+		// The broker advertises the proxy's address, so the proxy's
+		// listener comes first; it forwards once the broker listens.
+		if proxy, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
 			return fmt.Errorf("kafkatest: start the fault proxy: %w", err)
 		}
-		cfg.Port, cfg.Advertise = port, p.Addr()
-		b, err := kafkabroker.Start(ctx, cfg)
-		if err == nil {
-			c.Broker, c.Proxy, c.Brokers = b, p, []string{p.Addr()}
-			return nil
-		}
-		_ = p.Close()
-		if attempt == 2 || ctx.Err() != nil {
-			return fmt.Errorf("kafkatest: %w", err)
-		}
+		cfg.Advertise = proxy.Addr().String()
 	}
+	b, err := kafkabroker.Start(ctx, cfg)
+	if err != nil {
+		if proxy != nil {
+			_ = proxy.Close()
+		}
+		return fmt.Errorf("kafkatest: %w", err)
+	}
+	c.Broker, c.Brokers = b, []string{b.Addr()}
+	if proxy != nil {
+		c.Proxy = faultproxy.Serve(proxy, b.ListenAddr())
+	}
+	return nil
 }
 
 // ownSlot takes one of the machine's own-broker slots (flock on a file per
@@ -98,15 +88,6 @@ func ownSlot(ctx context.Context) (release func(), err error) {
 		case <-time.After(200 * time.Millisecond): // polling interval
 		}
 	}
-}
-
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("kafkatest: find a free port: %w", err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
 }
 
 // Crash takes the cluster down at once, as a crash does: the broker's JVM

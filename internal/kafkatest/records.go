@@ -15,12 +15,8 @@ import (
 	"github.com/eventline/eventline"
 )
 
-// Publish writes events to topic, in order, as eventline's relay does:
-// encoded by eventline.Encode (an event without an ID gets one), keyed by
-// aggregate id and partitioned by Kafka's murmur2 hash (the relay's
-// default partitioner, the Java client's), so each lands in the partition
-// the relay would put it in. Events are written as given: set
-// AggregateVersion yourself (the producer would assign it).
+// Publish writes events to topic, in order, as eventline's relay does. The
+// public test kit's Publish (eventlinetest/kafkatest) documents it.
 func Publish(ctx context.Context, brokers []string, topic string, events ...eventline.Event) error {
 	if len(events) == 0 {
 		return nil
@@ -37,10 +33,8 @@ func Publish(ctx context.Context, brokers []string, topic string, events ...even
 	return PublishMessages(brokers, topic, msgs...)
 }
 
-// PublishMessages writes Watermill messages to topic as they are, keyed by
-// their aggregate_id metadata (or their UUID when there is none), with
-// Publish's partitioning: for records eventline.Encode would refuse, to
-// test how a consumer treats bad input.
+// PublishMessages writes Watermill messages to topic as they are, with
+// Publish's keys and partitioning; see eventlinetest/kafkatest's.
 func PublishMessages(brokers []string, topic string, msgs ...*message.Message) error {
 	cfg := saramaConfig()
 	cfg.Producer.Return.Successes = true

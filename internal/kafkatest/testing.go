@@ -69,15 +69,6 @@ func WithFaults(t testing.TB, fakeOpts ...kfake.Opt) *Cluster {
 	return Start(t, Config{Faults: true, FakeOptions: fakeOpts})
 }
 
-// RealBroker returns an Apache Kafka broker of the test's own, behind a
-// fault proxy (Cluster.Broker to kill, pause and restart it,
-// Cluster.Proxy for network faults). It skips the test in in-process mode.
-func RealBroker(t testing.TB, cfg kafkabroker.Config) *Cluster {
-	t.Helper()
-	NeedReal(t)
-	return Start(t, Config{Faults: true, Broker: cfg})
-}
-
 // NeedReal skips the test unless real-broker mode is on.
 func NeedReal(t testing.TB) {
 	t.Helper()

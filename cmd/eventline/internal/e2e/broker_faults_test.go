@@ -7,7 +7,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/internal/kafkabroker"
 	"github.com/eventline/eventline/internal/kafkatest"
 )
 
@@ -37,7 +36,8 @@ const brokerFrozenFor = 15 * time.Second
 // come back from __consumer_offsets.
 func TestBrokerKilledUnderLoadLosesNothing(t *testing.T) {
 	t.Parallel()
-	k := kafkatest.RealBroker(t, kafkabroker.Config{})
+	kafkatest.NeedReal(t)
+	k := kafkatest.Start(t, kafkatest.Config{Faults: true}) // a broker of its own, behind a fault proxy
 	l := startKafkaLoad(t, k, "killed", loadTimeouts{consumer: kafkaNetTimeout, relay: kafkaRelayNetTimeout})
 
 	published, retried, recovery := l.outage("after the broker was killed and restarted", brokerDownFor,
@@ -59,7 +59,8 @@ func TestBrokerKilledUnderLoadLosesNothing(t *testing.T) {
 // dead-lettered, parked or skipped.
 func TestBrokerFrozenPastTheSessionTimeoutLosesNothing(t *testing.T) {
 	t.Parallel()
-	k := kafkatest.RealBroker(t, kafkabroker.Config{})
+	kafkatest.NeedReal(t)
+	k := kafkatest.Start(t, kafkatest.Config{Faults: true}) // a broker of its own, behind a fault proxy
 	l := startKafkaLoad(t, k, "frozen", loadTimeouts{consumer: kafkaNetTimeout, relay: kafkaRelayNetTimeout})
 
 	published, retried, recovery := l.outage("after the broker resumed", brokerFrozenFor, k.Broker.Pause, k.Broker.Resume)

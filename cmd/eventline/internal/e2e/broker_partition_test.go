@@ -1,9 +1,15 @@
 package e2e_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -20,8 +26,8 @@ import (
 
 // TestJavaClientAgreesOnPartitions: for 3000 keys (aggregate ids of many
 // shapes and lengths, some not ASCII), Apache Kafka's Java producer with
-// its default partitioner (internal/kafkabroker/java/PartitionProbe.java,
-// against kafka-clients 4.4) and eventline's relay (its default
+// its default partitioner (testdata/PartitionProbe.java, against
+// kafka-clients 4.4) and eventline's relay (its default
 // partitioner) put each key's record in the same partition of a
 // 12-partition topic, as the brokers report them. Another producer of the
 // same aggregates, or Kafka Streams, thus agrees with eventline on where
@@ -63,14 +69,13 @@ func TestJavaClientAgreesOnPartitions(t *testing.T) {
 	}
 
 	begin := time.Now()
-	java, err := kafkabroker.RunPartitionProbe(ctx, k.Brokers, javaTopic, keys)
-	require.NoError(t, err)
+	java := runPartitionProbe(ctx, t, k.Brokers, javaTopic, keys)
 	t.Logf("the Java producer wrote %d keys in %s (javac and JVM start included)", len(java), time.Since(begin).Round(time.Millisecond))
 	recs, err := kafkatest.ReadTopic(ctx, k.Brokers, javaTopic)
 	require.NoError(t, err)
 	require.Len(t, recs, len(keys))
 	for _, r := range recs {
-		require.Equal(t, java[r.Key].Partition, r.Partition, "key %q: where the broker holds the Java producer's record", r.Key)
+		require.Equal(t, java[r.Key], r.Partition, "key %q: where the broker holds the Java producer's record", r.Key)
 	}
 
 	env := pgtest.New(t, pgtest.Options{Shards: 4, MaxConns: 12})
@@ -103,8 +108,42 @@ func TestJavaClientAgreesOnPartitions(t *testing.T) {
 	require.Len(t, relay, len(keys))
 	counts := make([]int, partitions)
 	for _, key := range keys {
-		require.Equal(t, java[key].Partition, relay[key], "key %q: the Java producer's partition and eventline's relay's", key)
+		require.Equal(t, java[key], relay[key], "key %q: the Java producer's partition and eventline's relay's", key)
 		counts[relay[key]]++
 	}
 	t.Logf("%d keys on the same partitions from both producers; per partition: %v", len(keys), counts)
+}
+
+// runPartitionProbe produces one record per key to topic with Kafka's Java
+// producer (testdata/PartitionProbe.java, compiled against kafka-clients
+// from the broker's own jars; default partitioner) and returns the
+// partition the broker put each key's record in.
+func runPartitionProbe(ctx context.Context, t *testing.T, brokers []string, topic string, keys []string) map[string]int32 {
+	t.Helper()
+	jars, err := kafkabroker.Jars(ctx)
+	require.NoError(t, err)
+	javac, err := kafkabroker.JavaTool("javac")
+	require.NoError(t, err, "javac compiles the probe (apt-get install openjdk-17-jdk-headless)")
+	java, err := kafkabroker.JavaTool("java")
+	require.NoError(t, err)
+	classes, classpath := t.TempDir(), filepath.Join(jars, "*")
+	out, err := exec.CommandContext(ctx, javac, "-nowarn", "-cp", classpath, "-d", classes, filepath.Join("testdata", "PartitionProbe.java")).CombinedOutput()
+	require.NoError(t, err, "javac PartitionProbe.java:\n%s", out)
+	cmd := exec.CommandContext(ctx, java, "-Xmx256m", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC",
+		"-cp", classpath+string(os.PathListSeparator)+classes, "PartitionProbe", strings.Join(brokers, ","), topic)
+	cmd.Stdin = strings.NewReader(strings.Join(keys, "\n") + "\n")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdout, err := cmd.Output()
+	require.NoError(t, err, "java PartitionProbe:\n%s", stderr.String())
+	placed := make(map[string]int32, len(keys))
+	for _, line := range strings.Split(strings.TrimSpace(string(stdout)), "\n") {
+		f := strings.Split(line, "\t")
+		require.Len(t, f, 3, "PartitionProbe printed %q, want key, partition, offset", line)
+		p, err := strconv.ParseInt(f[1], 10, 32)
+		require.NoError(t, err, "PartitionProbe printed %q", line)
+		placed[f[0]] = int32(p)
+	}
+	require.Len(t, placed, len(keys), "PartitionProbe reported every key")
+	return placed
 }

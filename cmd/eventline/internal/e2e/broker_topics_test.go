@@ -140,7 +140,7 @@ func TestPartitionsAddedWhileRunningKeepPerAggregateOrder(t *testing.T) {
 	// versions of the same aggregates arrive in the new ones.
 	l.proxy.Set(faultproxy.Refuse)
 	l.proxy.Drop()
-	require.NoError(t, k.AddPartitions(ctx, l.topic, grown))
+	addPartitions(ctx, t, l.brokers, l.topic, grown)
 	added := time.Now()
 	// Until the relay writes to the new partitions and both groups consume
 	// them, and a while after.
@@ -216,7 +216,7 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 	p := &pipeline{t: t, env: r.env, brokers: r.brokers, topic: r.topic}
 	p.waitConsumed(group)
 
-	require.NoError(t, r.cluster.DeleteTopics(ctx, r.topic))
+	deleteTopic(t, r.brokers, r.topic)
 	deleted := time.Now()
 	// The broker forgets the group's offsets on the deleted topic (so the
 	// recreated one is read from its oldest offset, not from offsets that
@@ -251,6 +251,32 @@ func TestTopicDeletedAndRecreatedWhileTheRelayRuns(t *testing.T) {
 	require.Zero(t, r.count(`SELECT count(*) FROM `+r.table("held_events")+` WHERE kind <> 'relay_dead_letter'`), "no consumer dead letter or late event held")
 	t.Logf("topic missing for %s: %d of %d events published meanwhile dead-lettered by the relay, replayed; every event applied once, in order",
 		recreated.Round(time.Millisecond), len(dls), 2*len(aggs))
+}
+
+// addPartitions raises topic's partition count to total and waits until
+// every partition is served.
+func addPartitions(ctx context.Context, t *testing.T, brokers []string, topic string, total int32) {
+	t.Helper()
+	admin, err := kafkatest.Admin(brokers)
+	require.NoError(t, err)
+	defer admin.Close()
+	require.NoError(t, admin.CreatePartitions(topic, total, nil, false))
+	require.NoError(t, kafkatest.WaitServed(ctx, brokers, int(total), topic))
+}
+
+// deleteTopic deletes topic and waits until the metadata no longer lists
+// it.
+func deleteTopic(t *testing.T, brokers []string, topic string) {
+	t.Helper()
+	admin, err := kafkatest.Admin(brokers)
+	require.NoError(t, err)
+	defer admin.Close()
+	require.NoError(t, admin.DeleteTopic(topic))
+	require.Eventually(t, func() bool {
+		listed, err := admin.ListTopics()
+		_, ok := listed[topic]
+		return err == nil && !ok
+	}, 30*time.Second, 20*time.Millisecond, "topic %s still listed after its deletion", topic)
 }
 
 // committedOffsets returns the offsets group has committed on topic's

@@ -1,14 +1,16 @@
 // Command kafka-broker runs one Apache Kafka broker (internal/kafkabroker)
-// for development and for the real-broker test run; it is not part of the
-// eventline command.
+// for development and for the real-broker test run. It is a developer tool
+// of the repository, like eventline-bench, so it lives in this module,
+// outside the library and the eventline command; unlike eventline-bench it
+// uses an internal package of the library. From this directory:
 //
-//	go run ./internal/kafkabroker/cmd/kafka-broker [-port 9092] [-topics a,b]
+//	go run ./kafka-broker [-port 9092] [-topics a,b]
 //
 // runs it in the foreground: its first line is KAFKA_BROKERS=127.0.0.1:9092,
 // then its start-up time and memory; Ctrl-C stops it cleanly and removes
 // its data (make kafka).
 //
-//	go run ./internal/kafkabroker/cmd/kafka-broker -port 0 -- command args...
+//	go run ./kafka-broker -port 0 -- command args...
 //
 // starts a broker, runs the command with KAFKA_BROKERS set to it, stops the
 // broker and exits with the command's status (make test-kafka).
@@ -22,13 +24,13 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
-	"github.com/IBM/sarama"
-
 	"github.com/eventline/eventline/internal/kafkabroker"
+	"github.com/eventline/eventline/internal/kafkatest"
 )
 
 func main() {
@@ -74,16 +76,18 @@ func run() int {
 		}
 		fmt.Fprintf(os.Stderr, "kafka-broker: stopped in %s; %s removed\n", time.Since(stopBegin).Round(time.Millisecond), b.Dir())
 	}()
-	rss, _, _ := b.RSS()
+	rss, _, _ := rss(b.Pid())
 	fmt.Printf("KAFKA_BROKERS=%s\n", b.Addr())
 	fmt.Fprintf(os.Stderr, "kafka-broker: Apache Kafka %s answering on %s (pid %d): started in %s (JVM %s), RSS %d MiB, heap max %s; data and server.log in %s\n",
 		kafkabroker.KafkaVersion, b.Addr(), b.Pid(), time.Since(begin).Round(time.Millisecond), b.StartupTime().Round(time.Millisecond),
 		rss>>20, *heap, b.Dir())
 	if *topics != "" {
-		if err := createTopics(b.Addr(), strings.Split(*topics, ","), int32(*partitions)); err != nil {
+		names := strings.FieldsFunc(*topics, func(r rune) bool { return r == ',' || r == ' ' })
+		if _, err := kafkatest.CreateTopics(ctx, []string{b.Addr()}, int32(*partitions), nil, names...); err != nil {
 			fmt.Fprintln(os.Stderr, "kafka-broker:", err)
 			return 1
 		}
+		fmt.Fprintf(os.Stderr, "kafka-broker: topics %s created (%d partitions each)\n", strings.Join(names, ", "), *partitions)
 	}
 	if len(command) == 0 {
 		fmt.Fprintln(os.Stderr, "kafka-broker: interrupt (Ctrl-C) to stop it")
@@ -118,7 +122,7 @@ func runCommand(ctx context.Context, b *kafkabroker.Broker, command []string) in
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		err = <-waited
 	}
-	rss, peak, _ := b.RSS()
+	rss, peak, _ := rss(b.Pid())
 	fmt.Fprintf(os.Stderr, "kafka-broker: %s finished after %s; broker RSS %d MiB (peak %d MiB)\n",
 		command[0], time.Since(begin).Round(time.Second), rss>>20, peak>>20)
 	var ee *exec.ExitError
@@ -136,22 +140,28 @@ func runCommand(ctx context.Context, b *kafkabroker.Broker, command []string) in
 	}
 }
 
-func createTopics(addr string, topics []string, partitions int32) error {
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_8_0_0
-	admin, err := sarama.NewClusterAdmin([]string{addr}, cfg)
+// rss returns a process's resident memory now, and its peak, in bytes.
+func rss(pid int) (now, peak int64, err error) {
+	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
-		return err
+		return 0, 0, fmt.Errorf("read the memory of process %d: %w", pid, err)
 	}
-	defer admin.Close()
-	for _, t := range topics {
-		if t = strings.TrimSpace(t); t == "" {
+	for _, line := range strings.Split(string(st), "\n") {
+		name, val, ok := strings.Cut(line, ":")
+		if !ok {
 			continue
 		}
-		if err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false); err != nil {
-			return fmt.Errorf("create topic %s: %w", t, err)
+		f := strings.Fields(val)
+		if len(f) != 2 || f[1] != "kB" {
+			continue
 		}
-		fmt.Fprintf(os.Stderr, "kafka-broker: topic %s created (%d partitions)\n", t, partitions)
+		kb, _ := strconv.ParseInt(f[0], 10, 64)
+		switch name {
+		case "VmRSS":
+			now = kb << 10
+		case "VmHWM":
+			peak = kb << 10
+		}
 	}
-	return nil
+	return now, peak, nil
 }

@@ -22,8 +22,8 @@ import org.apache.kafka.common.serialization.StringSerializer;
  *
  * Usage: java -cp 'jars/*:classes' PartitionProbe bootstrap topic < keys
  *
- * eventline's tests (internal/kafkabroker.RunPartitionProbe) compare these
- * partitions with the ones eventline's relay picks for the same keys.
+ * TestJavaClientAgreesOnPartitions (broker_partition_test.go) compares
+ * these partitions with the ones eventline's relay picks for the same keys.
  */
 public final class PartitionProbe {
     public static void main(String[] args) throws Exception {
