@@ -9,7 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin/verify"
 )
 
 // TestDesignDefaultsMatchVerify checks the verify.* rows of docs/DESIGN.md's
