@@ -2,7 +2,7 @@ package verify_test
 
 import (
 	"context"
-	"strings"
+	"encoding/json"
 	"testing"
 	"time"
 
@@ -337,9 +337,9 @@ func (f *fixture) run(cfg verify.Config) *verify.Report {
 	defer cancel()
 	rep, err := verify.Run(ctx, f.env.Pool, consumerDB, cfg)
 	require.NoError(f.t, err)
-	var text strings.Builder
-	require.NoError(f.t, rep.WriteText(&text))
-	f.t.Logf("verify:\n%s", text.String())
+	text, err := json.MarshalIndent(rep, "", "  ")
+	require.NoError(f.t, err)
+	f.t.Logf("verify:\n%s", text)
 	return rep
 }
 

@@ -381,3 +381,19 @@ func (r *runner) finish() {
 	r.rep.finish()
 	slices.SortStableFunc(r.rep.Notes, func(a, b string) int { return strings.Compare(a, b) })
 }
+
+// human formats a duration without trailing zero units: 5m, 1h30m, 7d.
+func human(d time.Duration) string {
+	const day = 24 * time.Hour
+	if d >= day && d%day == 0 {
+		return fmt.Sprintf("%dd", d/day)
+	}
+	s := d.String()
+	if strings.HasSuffix(s, "m0s") {
+		s = strings.TrimSuffix(s, "0s")
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = strings.TrimSuffix(s, "0m")
+	}
+	return s
+}

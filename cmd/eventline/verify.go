@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"time"
 
@@ -146,7 +147,7 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
-	if err := inv.output(rep, rep.WriteText); err != nil {
+	if err := inv.output(rep, func(w io.Writer) error { return writeVerifyText(w, rep) }); err != nil {
 		return err
 	}
 	if !rep.OK || (*strict && rep.Warnings > 0) {

@@ -1,8 +1,8 @@
 package e2e_test
 
 import (
-	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"sync"
@@ -72,7 +72,7 @@ func (r *faultRig) publishAll(ctx context.Context, seed uint64) (stop func(), pu
 
 // verifyGroup runs internal/verify on the rig's schema for group, whose
 // handler recorded its effects in the table effects, and returns the
-// report and its text.
+// report and its JSON, for failure messages.
 func (r *faultRig) verifyGroup(ctx context.Context, group, effects string) (*verify.Report, string) {
 	r.t.Helper()
 	rep, err := verify.Run(ctx, r.env.Pool, nil, verify.Config{
@@ -81,9 +81,9 @@ func (r *faultRig) verifyGroup(ctx context.Context, group, effects string) (*ver
 		Logger:         testLogger(),
 	})
 	require.NoError(r.t, err)
-	var text bytes.Buffer
-	require.NoError(r.t, rep.WriteText(&text))
-	return rep, text.String()
+	text, err := json.MarshalIndent(rep, "", "  ")
+	require.NoError(r.t, err)
+	return rep, string(text)
 }
 
 // waitAllApplied waits up to two minutes for group to have applied total
