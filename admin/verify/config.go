@@ -217,8 +217,8 @@ func newWindow(since, until time.Time) window {
 	return w
 }
 
-// sql returns a condition on col (a timestamptz expression) using the
-// parameters $a (since) and $b (until).
-func windowSQL(col string, a, b int) string {
-	return fmt.Sprintf("($%d::timestamptz IS NULL OR %s >= $%d) AND ($%d::timestamptz IS NULL OR %s < $%d)", a, col, a, b, col, b)
+// windowSQL returns a condition on col (a timestamptz expression) using
+// the parameters $1 (since) and $2 (until).
+func windowSQL(col string) string {
+	return "($1::timestamptz IS NULL OR " + col + " >= $1) AND ($2::timestamptz IS NULL OR " + col + " < $2)"
 }

@@ -6,46 +6,23 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
-// ConsumerDeadLetterTable is where verify reads the consumer groups' dead
-// letters: held_events, kind dead_letter (migration 003_held_events).
-const ConsumerDeadLetterTable = "held_events"
+// The statements on the consumer tables, written with {schema} for
+// Config.ConsumerSchema and rendered by runner.consumerSQL. Those that
+// read a window take it as $1 (since) and $2 (until), and the groups as
+// $3.
 
-// consumerSQL names the consumer tables in their schema.
-type consumerSQL struct {
-	schema                                     string
-	processed, versions, parked, skipped, held string
-}
+// tablesPresentSQL reports whether the consumer tables exist.
+const tablesPresentSQL = `SELECT to_regclass('{schema}.processed_events') IS NOT NULL AND to_regclass('{schema}.skipped_versions') IS NOT NULL`
 
-func newConsumerSQL(schema string) consumerSQL {
-	return consumerSQL{
-		schema:    schema,
-		processed: sqlident.Qualify(schema, "processed_events"),
-		versions:  sqlident.Qualify(schema, "aggregate_versions"),
-		parked:    sqlident.Qualify(schema, "parked_events"),
-		skipped:   sqlident.Qualify(schema, "skipped_versions"),
-		held:      sqlident.Qualify(schema, ConsumerDeadLetterTable),
-	}
-}
+// groupRecordsSQL reports whether group $1 has dedup records, and
+// whether it has versions.
+const groupRecordsSQL = `SELECT EXISTS (SELECT 1 FROM {schema}.processed_events WHERE consumer_group = $1),
+	EXISTS (SELECT 1 FROM {schema}.aggregate_versions WHERE consumer_group = $1)`
 
-// tablesPresent reports whether the consumer tables exist.
-func (q consumerSQL) tablesPresent(ctx context.Context, tx pgx.Tx) (bool, error) {
-	var ok bool
-	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL`, q.processed, q.skipped).Scan(&ok)
-	if err != nil {
-		return false, fmt.Errorf("look for the consumer tables in schema %s: %w", q.schema, err)
-	}
-	return ok, nil
-}
-
-// parkedTopics adds the topics each group has parked events of.
-func (q consumerSQL) parkedTopics(ctx context.Context, tx pgx.Tx, groups []string, into map[string]map[string]bool) error {
-	return each(ctx, tx, "read parked events' topics", func(t groupTopic) { t.addTo(into) },
-		`SELECT DISTINCT consumer_group, topic FROM `+q.parked+` WHERE consumer_group = ANY($1) AND topic <> ''`, groups)
-}
+// parkedTopicsSQL lists the topics each group ($1) has parked events of.
+const parkedTopicsSQL = `SELECT DISTINCT consumer_group, topic FROM {schema}.parked_events WHERE consumer_group = ANY($1) AND topic <> ''`
 
 // each runs query and calls fn with each row, scanned by position into a
 // T: a struct whose exported fields (those of embedded structs included)
@@ -108,9 +85,9 @@ func eventColumnsOf(t, at string) string {
 
 // inferTopicsSQL returns, per group, the topics of the events of the
 // relation eventsSQL it has dedup records of. $p is the groups array.
-func (q consumerSQL) inferTopicsSQL(eventsSQL string, p int) string {
+func inferTopicsSQL(eventsSQL string, p int) string {
 	return `SELECT DISTINCT pe.consumer_group, ev.topic FROM (` + eventsSQL + `) ev
-		JOIN ` + q.processed + ` pe ON pe.consumer_group = ANY($` + fmt.Sprint(p) + `) AND pe.event_id = ev.event_id
+		JOIN {schema}.processed_events pe ON pe.consumer_group = ANY($` + fmt.Sprint(p) + `) AND pe.event_id = ev.event_id
 			AND pe.aggregate_type = ev.aggregate_type AND pe.aggregate_id = ev.aggregate_id`
 }
 
@@ -124,32 +101,44 @@ type parkedRow struct {
 	Current   *int64
 }
 
-// parkedSQL reads the parked events of the groups ($3) parked in the
-// window ($1..$2), as parkedRow.
-func (q consumerSQL) parkedSQL() string {
-	return `SELECT ` + eventColumnsOf("pe", "parked_at") + `, pe.previous_version, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
-		FROM ` + q.parked + ` pe LEFT JOIN ` + q.versions + ` av
-			ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
-		WHERE pe.consumer_group = ANY($3) AND ` + windowSQL("pe.parked_at", 1, 2)
-}
+// parkedSQL reads the parked events of the window, as parkedRow.
+var parkedSQL = `SELECT ` + eventColumnsOf("pe", "parked_at") + `, pe.previous_version, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
+	FROM {schema}.parked_events pe LEFT JOIN {schema}.aggregate_versions av
+		ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
+	WHERE pe.consumer_group = ANY($3) AND ` + windowSQL("pe.parked_at")
 
-// heldRow is a held event of a group: its id, why it was held (Cause:
-// its kind for a dead letter), and whether its replay was requested.
+// heldRow is a held event: its id, why it was held (Cause: its kind for
+// a dead letter), whether its replay was requested, and for the relay's
+// dead letters (whose group is empty) the shard, the topic, the last
+// error and the attempts.
 type heldRow struct {
 	eventRow
 	ID        int64
 	Cause     string
 	Reason    string
 	Requested bool
+	Shard     int
+	Topic     string
+	LastError string
+	Attempts  int
 }
 
-// heldSQL reads the groups' ($3) held events of kind still open (held or
-// replay requested), held in the window ($1..$2), as heldRow, oldest first.
-func (q consumerSQL) heldSQL(kind string) string {
-	return `SELECT ` + eventColumnsOf("h", "held_at") + `, h.id, h.cause, h.reason, h.status = 'replay_requested'
-		FROM ` + q.held + ` h WHERE h.kind = '` + kind + `' AND h.status IN ('held', 'replay_requested') AND h.consumer_group = ANY($3) AND ` +
-		windowSQL("h.held_at", 1, 2) + ` ORDER BY h.held_at`
+// heldSQL reads the held events of kind held in the window in one of the
+// statuses, oldest first, as heldRow; groups are $3 unless kind is the
+// relay's.
+func heldSQL(kind, statuses string) string {
+	groups := ` AND h.consumer_group = ANY($3)`
+	if kind == "relay_dead_letter" {
+		groups = ""
+	}
+	return `SELECT ` + eventColumnsOf("h", "held_at") + `, h.id, h.cause, h.reason, h.status = 'replay_requested',
+			coalesce(h.shard, 0), h.topic, coalesce(h.last_error, ''), h.attempts
+		FROM {schema}.held_events h WHERE h.kind = '` + kind + `' AND h.status IN (` + statuses + `)` + groups + ` AND ` +
+		windowSQL("h.held_at") + ` ORDER BY h.held_at, h.id`
 }
+
+// open are the statuses of held events still waiting (heldSQL).
+const open = `'held', 'replay_requested'`
 
 // skippedRow is a range of versions a group skipped.
 type skippedRow struct {
@@ -159,12 +148,10 @@ type skippedRow struct {
 	At                                time.Time
 }
 
-// skippedSQL reads the groups' ($3) skipped ranges recorded in the window
-// ($1..$2), as skippedRow.
-func (q consumerSQL) skippedSQL() string {
-	return `SELECT consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at
-		FROM ` + q.skipped + ` WHERE consumer_group = ANY($3) AND ` + windowSQL("skipped_at", 1, 2) + ` ORDER BY id`
-}
+// skippedSQL reads the skipped ranges recorded in the window, as
+// skippedRow.
+var skippedSQL = `SELECT consumer_group, aggregate_type, aggregate_id, from_version, to_version, reason, skipped_at
+	FROM {schema}.skipped_versions WHERE consumer_group = ANY($3) AND ` + windowSQL("skipped_at") + ` ORDER BY id`
 
 // versionRow is an applied event and the other version it is checked
 // against: the higher one applied before it (out of order) or, for a
@@ -179,46 +166,41 @@ type versionRow[T any] struct {
 // the same.
 const aggregateWindow = `PARTITION BY p.consumer_group COLLATE "C", p.aggregate_type COLLATE "C", p.aggregate_id COLLATE "C"`
 
-// outOfOrderSQL finds applied events of the groups ($3, processed in the
-// window $1..$2) that were applied after a higher version of their
-// aggregate. eventline records two clocks per event: processed_at, when it
-// was first handled (a parked event keeps the time it was parked), and the
-// transaction that last wrote its dedup row (xmin; releasing a parked event
-// rewrites its row in the transaction that applies it). An event counts as
-// out of order only when a higher version came strictly earlier by both, so
-// an event released from parking right after its predecessor is not
-// reported. Ties (one transaction applying several versions) are ordered
-// by version, so they never count; the running maxima keep the cost one
-// sort per clock, however many events an aggregate has.
-func (q consumerSQL) outOfOrderSQL() string {
-	return `SELECT ` + eventColumnsOf("s", "processed_at") + `, s.before_t
+// outOfOrderSQL finds applied events (processed in the window) that were
+// applied after a higher version of their aggregate. eventline records
+// two clocks per event: processed_at, when it was first handled (a parked
+// event keeps the time it was parked), and the transaction that last
+// wrote its dedup row (xmin; releasing a parked event rewrites its row in
+// the transaction that applies it). An event counts as out of order only
+// when a higher version came strictly earlier by both, so an event
+// released from parking right after its predecessor is not reported. Ties
+// (one transaction applying several versions) are ordered by version, so
+// they never count; the running maxima keep the cost one sort per clock,
+// however many events an aggregate has.
+var outOfOrderSQL = `SELECT ` + eventColumnsOf("s", "processed_at") + `, s.before_t
 	FROM (
 		SELECT p.consumer_group, p.aggregate_type, p.aggregate_id, p.aggregate_version, p.event_id, p.event_type, p.processed_at,
 			max(p.aggregate_version) OVER (` + aggregateWindow + ` ORDER BY p.processed_at, p.aggregate_version
 				ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_t,
 			max(p.aggregate_version) OVER (` + aggregateWindow + ` ORDER BY age(p.xmin) DESC, p.aggregate_version
 				ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_x
-		FROM ` + q.processed + ` p
-		WHERE p.consumer_group = ANY($3) AND p.outcome = 'applied' AND p.aggregate_version > 0 AND ` + windowSQL("p.processed_at", 1, 2) + `
+		FROM {schema}.processed_events p
+		WHERE p.consumer_group = ANY($3) AND p.outcome = 'applied' AND p.aggregate_version > 0 AND ` + windowSQL("p.processed_at") + `
 	) s
 	WHERE s.aggregate_version < s.before_t AND s.aggregate_version < s.before_x`
-}
 
-// discardedSQL finds events of the groups ($3) discarded as stale in the
-// window ($1..$2) while another event, with another id, was applied at
-// their aggregate version: a second event claiming a version (a producer
-// whose sequence fell behind what consumers had seen, as after a failover
-// that lost commits), of which only the first applied. A stale event whose
-// version no other event of the group applied is a redelivery whose dedup
-// record expired, or one whose other event's record expired: nothing to
-// say. It returns one row per discarded event, with the smallest of the
-// other ids.
-func (q consumerSQL) discardedSQL() string {
-	return `SELECT ` + eventColumnsOf("s", "processed_at") + `, min(a.event_id)
-	FROM ` + q.processed + ` s
-	JOIN ` + q.processed + ` a ON a.consumer_group = s.consumer_group AND a.aggregate_type = s.aggregate_type
+// discardedSQL finds events discarded as stale in the window while
+// another event, with another id, was applied at their aggregate version:
+// a second event claiming a version (a producer whose sequence fell behind
+// what consumers had seen, as after a failover that lost commits), of
+// which only the first applied. A stale event whose version no other
+// event of the group applied is a redelivery whose dedup record expired,
+// or one whose other event's record expired: nothing to say. It returns
+// one row per discarded event, with the smallest of the other ids.
+var discardedSQL = `SELECT ` + eventColumnsOf("s", "processed_at") + `, min(a.event_id)
+	FROM {schema}.processed_events s
+	JOIN {schema}.processed_events a ON a.consumer_group = s.consumer_group AND a.aggregate_type = s.aggregate_type
 		AND a.aggregate_id = s.aggregate_id AND a.aggregate_version = s.aggregate_version
 		AND a.outcome IN ('applied', 'late_applied') AND a.event_id <> s.event_id
-	WHERE s.consumer_group = ANY($3) AND s.outcome = 'stale' AND s.aggregate_version > 0 AND ` + windowSQL("s.processed_at", 1, 2) + `
+	WHERE s.consumer_group = ANY($3) AND s.outcome = 'stale' AND s.aggregate_version > 0 AND ` + windowSQL("s.processed_at") + `
 	GROUP BY s.consumer_group, s.aggregate_type, s.aggregate_id, s.aggregate_version, s.event_id, s.event_type, s.processed_at`
-}

@@ -15,6 +15,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/admin/verify"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
@@ -325,7 +326,7 @@ func (f *fixture) committedToEnd(group, topic string) bool {
 func (f *fixture) run(cfg verify.Config) *verify.Report {
 	f.t.Helper()
 	cfg.Schema = f.env.Schema
-	var consumerDB verify.DB
+	var consumerDB admin.Beginner
 	if f.consumer.Schema != f.env.Schema {
 		cfg.ConsumerSchema = f.consumer.Schema
 		consumerDB = f.consumer.Pool

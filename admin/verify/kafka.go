@@ -358,17 +358,6 @@ func RecordEventID(m *sarama.ConsumerMessage) string {
 	return uuid
 }
 
-// truncate shortens s to at most n bytes on a rune boundary.
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	for n > 0 && n < len(s) && s[n]&0xC0 == 0x80 {
-		n--
-	}
-	return s[:n] + "…"
-}
-
 // kafkaLookup is where an event was found on Kafka.
 type kafkaLookup struct {
 	// copies are the event's records on its topic.

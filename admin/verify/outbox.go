@@ -3,7 +3,6 @@ package verify
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -13,28 +12,33 @@ import (
 )
 
 // outboxEvent is one event as the outbox knows it: the newest outbox row
-// carrying its id in one shard, and what the relay did with it.
+// carrying its id in one shard, and what the relay did with it. Its
+// fields are the columns of the events relation (eventColumns), in order.
 type outboxEvent struct {
-	eventID       string
-	eventType     string
-	topic         string
-	aggregateType string
-	aggregateID   string
-	version       int64
-	createdAt     time.Time
-	// relayed: the relay's position in the shard is at or past the row.
-	relayed bool
-	// dead: the relay dead-lettered the row and nobody replayed it.
-	dead bool
-	// retryAttempts and retryError describe a row the relay failed to
+	EventID       string
+	EventType     string
+	Topic         string
+	AggregateType string
+	AggregateID   string
+	Version       int64
+	CreatedAt     time.Time
+	// Relayed: the relay's position in the shard is at or past the row.
+	Relayed bool
+	// Dead: the relay dead-lettered the row and nobody replayed it.
+	Dead bool
+	// RetryAttempts and RetryError describe a row the relay failed to
 	// publish and will try again.
-	retryAttempts int
-	retryError    string
+	RetryAttempts int32
+	RetryError    string
 }
 
 // eventColumns are the columns of the events relation, in order; the
 // classification query and the chunked lookup both rely on them.
 const eventColumns = `event_id, event_type, topic, aggregate_type, aggregate_id, version, created_at, relayed, dead, retry_attempts, retry_error`
+
+// relayedSQL is true for a row of {messages} m the relay's position
+// ({offsets} o) is at or past.
+const relayedSQL = `(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked))`
 
 // eventsSQL selects the events of one shard whose outbox row was written in
 // the window ($1 since, $2 until), as the relation eventColumns.
@@ -47,64 +51,60 @@ const eventColumns = `event_id, event_type, topic, aggregate_type, aggregate_id,
 // and read in this session's (the same assumption `eventline cleanup`
 // makes).
 func eventsSQL(schema string, shard int) string {
-	messages := sqlident.Qualify(schema, outbox.Table(shard))
-	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
-	// The relay's dead letters, by outbox uuid; dead unless replayed (a
-	// discarded one is not delivered either).
-	deadLetters := `(SELECT convert_from(message_uuid, 'UTF8') AS outbox_uuid, status <> 'replayed' AS dead FROM ` +
-		sqlident.Qualify(schema, "held_events") + ` WHERE kind = 'relay_dead_letter' AND shard = ` + strconv.Itoa(shard) + `)`
-	failures := sqlident.Qualify(schema, "relay_failures")
-	s := strconv.Itoa(shard)
-	return `SELECT e.event_id, e.event_type, e.topic, e.aggregate_type, e.aggregate_id, e.version, e.created_at, e.relayed, e.dead,
+	return outbox.SQL(schema, shard, `SELECT e.event_id, e.event_type, e.topic, e.aggregate_type, e.aggregate_id, e.version, e.created_at, e.relayed, e.dead,
 		COALESCE(f.attempts, 0) AS retry_attempts, COALESCE(f.last_error, '') AS retry_error
 	FROM (
-		SELECT r.uuid, env.uuid AS event_id,
+		SELECT m.uuid, env.uuid AS event_id,
 			COALESCE(md.event_type, '') AS event_type,
 			COALESCE(env.destination_topic, '') AS topic,
 			COALESCE(md.aggregate_type, '') AS aggregate_type,
 			COALESCE(md.aggregate_id, '') AS aggregate_id,
 			CASE WHEN md.aggregate_version ~ '^[0-9]{1,18}$' THEN md.aggregate_version::bigint ELSE 0 END AS version,
-			r.created_at::timestamptz AS created_at,
-			(o.consumer_group IS NOT NULL AND (r.transaction_id, r."offset") <= (o.last_processed_transaction_id, o.offset_acked)) AS relayed,
-			r.dead
+			m.created_at::timestamptz AS created_at, `+relayedSQL+` AS relayed, m.dead
 		FROM (
 			SELECT m.uuid, m.payload, m.created_at, m.transaction_id, m."offset", false AS dead
-			FROM ` + messages + ` m
+			FROM {messages} m
 			-- NOT IN over a NOT NULL column: one hashed subplan, however
 			-- few dead letters the planner expects.
-			WHERE m.uuid::text NOT IN (SELECT outbox_uuid FROM ` + deadLetters + ` d)
+			WHERE m.uuid::text NOT IN (SELECT outbox_uuid FROM `+relayDeadLettersSQL+` d)
 			UNION ALL
 			SELECT uuid, payload, created_at, transaction_id, "offset", dead FROM (
 				SELECT m.uuid, m.payload, m.created_at, m.transaction_id, m."offset", d.dead,
 					row_number() OVER (PARTITION BY m.uuid ORDER BY m.transaction_id DESC, m."offset" DESC) AS rn
-				FROM ` + messages + ` m
-				JOIN (SELECT outbox_uuid, bool_or(dead) AS dead FROM ` + deadLetters + ` d GROUP BY outbox_uuid) d ON d.outbox_uuid = m.uuid
+				FROM {messages} m
+				JOIN (SELECT outbox_uuid, bool_or(dead) AS dead FROM `+relayDeadLettersSQL+` d GROUP BY outbox_uuid) d ON d.outbox_uuid = m.uuid
 			) x WHERE rn = 1
-		) r
+		) m
 		-- One parse of the envelope, one of its metadata: json_to_record
 		-- reads the fields it needs and skips the rest (the event body).
-		CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(r.payload) = 'object' THEN r.payload ELSE '{}' END)
+		CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(m.payload) = 'object' THEN m.payload ELSE '{}' END)
 			AS env(uuid text, destination_topic text, metadata json)
 		CROSS JOIN LATERAL json_to_record(CASE WHEN json_typeof(env.metadata) = 'object' THEN env.metadata ELSE '{}' END)
 			AS md(event_type text, aggregate_type text, aggregate_id text, aggregate_version text)
-		LEFT JOIN ` + offsets + ` o ON o.consumer_group = '` + outbox.RelayConsumerGroup + `'
-	) e LEFT JOIN ` + failures + ` f ON f.shard = ` + s + ` AND f.outbox_uuid = e.uuid
-	WHERE e.event_id IS NOT NULL AND ` + windowSQL("e.created_at", 1, 2)
+		LEFT JOIN {offsets} o ON o.consumer_group = '`+outbox.RelayConsumerGroup+`'
+	) e LEFT JOIN {schema}.relay_failures f ON f.shard = {shard} AND f.outbox_uuid = e.uuid
+	WHERE e.event_id IS NOT NULL AND `+windowSQL("e.created_at"))
 }
 
-// readOutboxSummary counts one shard's rows in the window, and how many the
-// relay has not moved past yet; it adds them to sum and returns the oldest
-// pending row's commit time.
+// relayDeadLettersSQL is the relay's dead letters of a shard, by outbox
+// uuid; dead unless replayed (a discarded one is not delivered either).
+const relayDeadLettersSQL = `(SELECT convert_from(message_uuid, 'UTF8') AS outbox_uuid, status <> 'replayed' AS dead FROM {schema}.held_events
+	WHERE kind = 'relay_dead_letter' AND shard = {shard})`
+
+// outboxSummarySQL counts one shard's rows in the window, those the relay
+// has moved past, and the oldest pending row's commit time ($3 the relay's
+// consumer group).
+var outboxSummarySQL = `SELECT count(*), count(*) FILTER (WHERE relayed), min(created_at) FILTER (WHERE NOT relayed)
+	FROM (SELECT m.created_at::timestamptz AS created_at, ` + relayedSQL + ` AS relayed
+		FROM {messages} m LEFT JOIN {offsets} o ON o.consumer_group = $3) x
+	WHERE ` + windowSQL("created_at")
+
+// readOutboxSummary adds one shard's rows in the window to sum, and
+// returns the oldest pending row's commit time.
 func readOutboxSummary(ctx context.Context, tx pgx.Tx, schema string, shard int, w window, sum *OutboxSummary) (*time.Time, error) {
-	messages := sqlident.Qualify(schema, outbox.Table(shard))
-	offsets := sqlident.Qualify(schema, outbox.OffsetsTable(shard))
 	var events, relayed int64
 	var oldest *time.Time
-	err := tx.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE relayed), min(created_at) FILTER (WHERE NOT relayed)
-		FROM (SELECT m.created_at::timestamptz AS created_at,
-			(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked)) AS relayed
-			FROM `+messages+` m LEFT JOIN `+offsets+` o ON o.consumer_group = $3) x
-		WHERE `+windowSQL("created_at", 1, 2), w.since, w.until, outbox.RelayConsumerGroup).Scan(&events, &relayed, &oldest)
+	err := tx.QueryRow(ctx, outbox.SQL(schema, shard, outboxSummarySQL), w.since, w.until, outbox.RelayConsumerGroup).Scan(&events, &relayed, &oldest)
 	if err != nil {
 		return nil, fmt.Errorf("read outbox shard %d: %w", shard, err)
 	}
@@ -114,31 +114,10 @@ func readOutboxSummary(ctx context.Context, tx pgx.Tx, schema string, shard int,
 	return oldest, nil
 }
 
-// relayDeadRow is a relay dead letter in held_events (its group is
-// empty).
-type relayDeadRow struct {
-	eventRow
-	ID        int64
-	Shard     int
-	Topic     string
-	Reason    string
-	LastError string
-	Attempts  int
-}
-
-// relayDeadSQL reads the relay's dead letters of the window ($1..$2) not
-// replayed (held, or discarded), as relayDeadRow, oldest first.
-func relayDeadSQL(schema string) string {
-	return `SELECT ` + eventColumnsOf("h", "held_at") + `, h.id, h.shard, h.topic, h.reason, coalesce(h.last_error, ''), h.attempts
-		FROM ` + sqlident.Qualify(schema, "held_events") + ` h
-		WHERE h.kind = 'relay_dead_letter' AND h.status <> 'replayed' AND ` + windowSQL("h.held_at", 1, 2) + ` ORDER BY h.id`
-}
-
 // countRetrying counts outbox rows waiting for a publish retry.
 func countRetrying(ctx context.Context, tx pgx.Tx, schema string) (int64, error) {
 	var n int64
-	err := tx.QueryRow(ctx, `SELECT count(*) FROM `+sqlident.Qualify(schema, "relay_failures")).Scan(&n)
-	if err != nil {
+	if err := tx.QueryRow(ctx, sqlident.SQL(schema, `SELECT count(*) FROM {schema}.relay_failures`)).Scan(&n); err != nil {
 		return 0, fmt.Errorf("count relay retries: %w", err)
 	}
 	return n, nil
@@ -154,13 +133,11 @@ func scanOutboxEvents(ctx context.Context, tx pgx.Tx, schema string, shard int, 
 	defer rows.Close()
 	chunk := make([]outboxEvent, 0, size)
 	for rows.Next() {
-		var e outboxEvent
-		if err := rows.Scan(&e.eventID, &e.eventType, &e.topic, &e.aggregateType, &e.aggregateID, &e.version, &e.createdAt,
-			&e.relayed, &e.dead, &e.retryAttempts, &e.retryError); err != nil {
+		e, err := pgx.RowToStructByPos[outboxEvent](rows)
+		if err != nil {
 			return fmt.Errorf("read outbox shard %d: %w", shard, err)
 		}
-		chunk = append(chunk, e)
-		if len(chunk) == size {
+		if chunk = append(chunk, e); len(chunk) == size {
 			if err := fn(chunk); err != nil {
 				return err
 			}
@@ -184,9 +161,9 @@ func chunkArgs(chunk []outboxEvent) []any {
 	relayed, dead := make([]bool, n), make([]bool, n)
 	attempts, errs := make([]int32, n), make([]string, n)
 	for i, e := range chunk {
-		ids[i], eventTypes[i], topics[i], types[i], aggIDs[i] = e.eventID, e.eventType, e.topic, e.aggregateType, e.aggregateID
-		versions[i], created[i], relayed[i], dead[i] = e.version, e.createdAt, e.relayed, e.dead
-		attempts[i], errs[i] = int32(e.retryAttempts), e.retryError
+		ids[i], eventTypes[i], topics[i], types[i], aggIDs[i] = e.EventID, e.EventType, e.Topic, e.AggregateType, e.AggregateID
+		versions[i], created[i], relayed[i], dead[i] = e.Version, e.CreatedAt, e.Relayed, e.Dead
+		attempts[i], errs[i] = e.RetryAttempts, e.RetryError
 	}
 	return []any{ids, eventTypes, topics, types, aggIDs, versions, created, relayed, dead, attempts, errs}
 }

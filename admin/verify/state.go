@@ -8,6 +8,8 @@ import (
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline/internal/held"
 )
 
 // checkConsumerState reports parked events, skipped gaps, events applied
@@ -38,7 +40,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 			detail = fmt.Sprintf("parked: the aggregate is at v%d, which it follows: the consumer's sweeper applies it on its next pass", cur)
 		}
 		if p.Attempts > 0 {
-			detail += fmt.Sprintf("; releasing it failed %d time(s): %s", p.Attempts, truncate(p.LastError, maxReasonLength))
+			detail += fmt.Sprintf("; releasing it failed %d time(s): %s", p.Attempts, held.Truncate(p.LastError, maxReasonLength))
 		}
 		sev := Info
 		if age > r.cfg.MaxParkedAge {
@@ -46,7 +48,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 			detail += fmt.Sprintf(" (parked for longer than %s: is the consumer's sweeper running?)", human(r.cfg.MaxParkedAge))
 		}
 		r.details.add(p.finding(sev, Parked, r.consumerNow, detail))
-	}, r.consumer.parkedSQL(), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(parkedSQL), r.w.since, r.w.until, groups)
 	if err != nil {
 		return err
 	}
@@ -57,19 +59,19 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 		at := sk.At
 		r.details.add(Finding{Severity: Warning, Kind: Skipped, Group: sk.Group, AggregateType: sk.AggregateType, AggregateID: sk.AggregateID,
 			AggregateVersion: sk.From, ToVersion: sk.To, At: &at, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
-			Detail: "versions given up on: " + truncate(sk.Reason, maxReasonLength)})
-	}, r.consumer.skippedSQL(), r.w.since, r.w.until, groups)
+			Detail: "versions given up on: " + held.Truncate(sk.Reason, maxReasonLength)})
+	}, r.consumerSQL(skippedSQL), r.w.since, r.w.until, groups)
 	if err != nil {
 		return err
 	}
 	err = each(ctx, ctx1, "read late events", func(l heldRow) {
 		r.groups[l.Group].rep.LateHeld++
-		detail := fmt.Sprintf("late (%s), held for the operator: %s; eventline held list -kind late, then held replay or held discard", l.Cause, truncate(l.Reason, maxReasonLength))
+		detail := fmt.Sprintf("late (%s), held for the operator: %s; eventline held list -kind late, then held replay or held discard", l.Cause, held.Truncate(l.Reason, maxReasonLength))
 		if l.Requested {
-			detail = fmt.Sprintf("late (%s), its replay was requested; the consumer's sweeper applies it (is it running?): %s", l.Cause, truncate(l.Reason, maxReasonLength))
+			detail = fmt.Sprintf("late (%s), its replay was requested; the consumer's sweeper applies it (is it running?): %s", l.Cause, held.Truncate(l.Reason, maxReasonLength))
 		}
 		r.details.add(l.finding(Warning, Late, r.consumerNow, detail))
-	}, r.consumer.heldSQL("late"), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(heldSQL("late", open)), r.w.since, r.w.until, groups)
 	if err != nil {
 		return err
 	}
@@ -97,14 +99,14 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	}
 	return each(ctx, ctx1, "check the order events were applied in", func(o versionRow[int64]) {
 		r.outOfOrder(r.groups[o.Group], o, "processed_at and by the transaction that applied it")
-	}, r.consumer.outOfOrderSQL(), r.w.since, r.w.until, byRecords)
+	}, r.consumerSQL(outOfOrderSQL), r.w.since, r.w.until, byRecords)
 }
 
 // checkConsumerDeadLetters reports the groups' dead letters neither
 // replayed nor discarded (held_events of kind dead_letter).
 func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
 	for _, gs := range r.groups {
-		gs.rep.DeadLetterSources = append(gs.rep.DeadLetterSources, ConsumerDeadLetterTable)
+		gs.rep.DeadLetterSources = append(gs.rep.DeadLetterSources, "held_events")
 	}
 	return each(ctx, ctx1, "read the consumer dead letters", func(d heldRow) {
 		gs := r.groups[d.Group]
@@ -114,10 +116,10 @@ func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, grou
 		gs.rep.ConsumerDeadLetters++
 		detail := "dead-lettered by the group (held event " + strconv.FormatInt(d.ID, 10) + "; eventline held replay)"
 		if d.Reason != "" {
-			detail += ": " + truncate(d.Reason, maxReasonLength)
+			detail += ": " + held.Truncate(d.Reason, maxReasonLength)
 		}
 		r.details.add(d.finding(Problem, DeadLetter, r.consumerNow, detail))
-	}, r.consumer.heldSQL("dead_letter"), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(heldSQL("dead_letter", open)), r.w.since, r.w.until, groups)
 }
 
 // checkDiscarded reports events a group discarded as stale because another
@@ -130,5 +132,5 @@ func (r *runner) checkDiscarded(ctx context.Context, ctx1 pgx.Tx, groups []strin
 		r.details.add(d.finding(Problem, Discarded, r.consumerNow, fmt.Sprintf("discarded as stale: the group had applied v%d of %s/%s from another event, %s, so this event's effect was never applied. "+
 			"Two events claim one version: a producer's sequence fell behind what consumers had seen (after a failover that lost commits, run `eventline relay advance-sequences` before producers start); "+
 			"re-publish this event if its effect is needed", d.Version, d.AggregateType, d.AggregateID, d.Other)))
-	}, r.consumer.discardedSQL(), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(discardedSQL), r.w.since, r.w.until, groups)
 }

@@ -10,15 +10,12 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/outbox"
+	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 )
-
-// DB is a database verify reads from; *pgxpool.Pool and *pgx.Conn satisfy
-// it. verify only ever opens read-only transactions.
-type DB interface {
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-}
 
 // groupState is one group being checked.
 type groupState struct {
@@ -34,12 +31,11 @@ type groupState struct {
 
 // runner is one Run.
 type runner struct {
-	cfg      Config
-	w        window
-	rep      *Report
-	details  *details
-	consumer consumerSQL
-	groups   map[string]*groupState
+	cfg     Config
+	w       window
+	rep     *Report
+	details *details
+	groups  map[string]*groupState
 	// kafka is nil when Kafka is not read.
 	kafka *kafkaIndex
 	// outboxNow and consumerNow are the databases' clocks when the
@@ -51,29 +47,23 @@ type runner struct {
 // Run checks the pipeline's guarantees against its data and returns what it
 // found; see the package documentation for what is checked, and how.
 //
-// db holds the outbox and the relay's dead letters. consumerDB holds the
-// consumer tables; nil means they are in db (the default single-database
-// setup), where the reconciliation runs as set-based SQL. With a separate
-// consumer database, outbox events are looked up there in chunks of
-// Config.ChunkSize, so memory stays bounded.
-//
-// Run only reads, in REPEATABLE READ READ ONLY transactions that take no
-// transaction id, so it does not hold back the relays (which read only
-// below the oldest running transaction id). It returns an error when it
+// db (a *pgxpool.Pool or *pgx.Conn) holds the outbox and the relay's dead
+// letters. consumerDB holds the consumer tables; nil means they are in db
+// (the default single-database setup). Run returns an error when it
 // cannot read what it needs; what it found is in the Report (Report.OK).
-func Run(ctx context.Context, db, consumerDB DB, cfg Config) (*Report, error) {
+func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Report, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	if db == nil {
+	if outbox.NilHandle(db) {
 		return nil, fmt.Errorf("verify.Run: the outbox database is nil")
 	}
 	r := &runner{
 		cfg: cfg, w: newWindow(cfg.Since, cfg.Until), details: newDetails(cfg.MaxDetails),
-		consumer: newConsumerSQL(cfg.ConsumerSchema), groups: map[string]*groupState{}, separate: consumerDB != nil,
+		groups: map[string]*groupState{}, separate: !outbox.NilHandle(consumerDB),
 	}
-	if consumerDB == nil {
+	if !r.separate {
 		consumerDB = db
 	}
 	r.rep = &Report{Schema: cfg.Schema, ConsumerSchema: cfg.ConsumerSchema, SeparateConsumerDatabase: r.separate,
@@ -104,9 +94,8 @@ func Run(ctx context.Context, db, consumerDB DB, cfg Config) (*Report, error) {
 		}
 	}
 
-	ro := pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}
 	ctx2 := context.WithoutCancel(ctx)
-	ctx1, err := consumerDB.BeginTx(ctx, ro)
+	ctx1, err := readOnly(ctx, consumerDB)
 	if err != nil {
 		return nil, fmt.Errorf("begin a read-only transaction on the consumer database: %w", err)
 	}
@@ -118,7 +107,7 @@ func Run(ctx context.Context, db, consumerDB DB, cfg Config) (*Report, error) {
 	otx := ctx1
 	r.outboxNow = r.consumerNow
 	if r.separate {
-		if otx, err = db.BeginTx(ctx, ro); err != nil {
+		if otx, err = readOnly(ctx, db); err != nil {
 			return nil, fmt.Errorf("begin a read-only transaction on the outbox database: %w", err)
 		}
 		defer func() { _ = otx.Rollback(ctx2) }()
@@ -135,35 +124,55 @@ func Run(ctx context.Context, db, consumerDB DB, cfg Config) (*Report, error) {
 	return r.rep, nil
 }
 
+// readOnly begins a REPEATABLE READ READ ONLY transaction: one snapshot,
+// and no transaction id taken, so it does not hold back the relays (which
+// read only below the oldest running transaction id).
+func readOnly(ctx context.Context, db admin.Beginner) (pgx.Tx, error) {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY`); err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		return nil, err
+	}
+	return tx, nil
+}
+
+// consumerSQL renders a statement on the consumer tables.
+func (r *runner) consumerSQL(query string) string { return sqlident.SQL(r.cfg.ConsumerSchema, query) }
+
 func (r *runner) note(format string, args ...any) {
 	r.rep.Notes = append(r.rep.Notes, fmt.Sprintf(format, args...))
 }
 
 // listGroups returns the groups to check and whether the consumer tables
 // exist.
-func (r *runner) listGroups(ctx context.Context, db DB) ([]string, bool, error) {
-	var groups []string
+func (r *runner) listGroups(ctx context.Context, db admin.Beginner) ([]string, bool, error) {
+	tx, err := readOnly(ctx, db)
+	if err != nil {
+		return nil, false, fmt.Errorf("begin a read-only transaction on the consumer database: %w", err)
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	var present bool
-	err := pgx.BeginTxFunc(ctx, db, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
-		var err error
-		if present, err = r.consumer.tablesPresent(ctx, tx); err != nil || !present {
-			return err
+	if err := tx.QueryRow(ctx, r.consumerSQL(tablesPresentSQL)).Scan(&present); err != nil || !present {
+		if err != nil {
+			err = fmt.Errorf("look for the consumer tables in schema %s: %w", r.cfg.ConsumerSchema, err)
 		}
-		if len(r.cfg.Groups) > 0 {
-			groups = slices.Clone(r.cfg.Groups)
-			return nil
-		}
+		return nil, false, err
+	}
+	groups := slices.Clone(r.cfg.Groups)
+	if len(groups) == 0 {
 		st, err := store.New(r.cfg.ConsumerSchema)
 		if err == nil {
 			groups, err = st.RecordingGroups(ctx, tx)
 		}
-		return err
-	})
-	if err != nil {
-		return nil, false, err
+		if err != nil {
+			return nil, false, err
+		}
 	}
 	slices.Sort(groups)
-	return slices.Compact(groups), present, nil
+	return slices.Compact(groups), true, nil
 }
 
 // run does the checks inside the snapshots.
@@ -215,8 +224,7 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 		gs := &groupState{rep: &GroupReport{Group: g, Outcomes: map[string]int64{}, DeadLetterSources: []string{}}, topics: map[string]bool{}}
 		r.groups[g] = gs
 		var records, versions bool
-		err := ctx1.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+r.consumer.processed+` WHERE consumer_group = $1),
-			EXISTS (SELECT 1 FROM `+r.consumer.versions+` WHERE consumer_group = $1)`, g).Scan(&records, &versions)
+		err := ctx1.QueryRow(ctx, r.consumerSQL(groupRecordsSQL), g).Scan(&records, &versions)
 		if err != nil {
 			return fmt.Errorf("read the records of group %q: %w", g, err)
 		}
@@ -245,7 +253,8 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 	}
 	if len(infer) > 0 {
 		inferred := map[string]map[string]bool{}
-		if err := r.consumer.parkedTopics(ctx, ctx1, infer, inferred); err != nil {
+		err := each(ctx, ctx1, "read parked events' topics", func(t groupTopic) { t.addTo(inferred) }, r.consumerSQL(parkedTopicsSQL), infer)
+		if err != nil {
 			return err
 		}
 		for shard := 0; shard < shards; shard++ {
@@ -276,13 +285,13 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 // dedup records of.
 func (r *runner) inferTopics(ctx context.Context, otx, ctx1 pgx.Tx, shard int, groups []string, into map[string]map[string]bool) error {
 	collect := func(query string, args ...any) error {
-		return each(ctx, ctx1, fmt.Sprintf("find the topics of groups %v", groups), func(t groupTopic) { t.addTo(into) }, query, args...)
+		return each(ctx, ctx1, fmt.Sprintf("find the topics of groups %v", groups), func(t groupTopic) { t.addTo(into) }, r.consumerSQL(query), args...)
 	}
 	if !r.separate {
-		return collect(r.consumer.inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups)
+		return collect(inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups)
 	}
 	return scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-		return collect(r.consumer.inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...)
+		return collect(inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...)
 	})
 }
 
@@ -317,16 +326,17 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 	if sum.Retrying, err = countRetrying(ctx, otx, r.cfg.Schema); err != nil {
 		return err
 	}
-	return each(ctx, otx, "read the relay's dead letters", func(d relayDeadRow) {
+	// Discarded ones included: discarding does not deliver them.
+	return each(ctx, otx, "read the relay's dead letters", func(d heldRow) {
 		sum.DeadLetters++
-		detail := fmt.Sprintf("dead-lettered by the relay (held event %d, shard %d) after %d attempt(s): %s", d.ID, d.Shard, d.Attempts, truncate(d.Reason, maxReasonLength))
+		detail := fmt.Sprintf("dead-lettered by the relay (held event %d, shard %d) after %d attempt(s): %s", d.ID, d.Shard, d.Attempts, held.Truncate(d.Reason, maxReasonLength))
 		if d.LastError != "" && d.LastError != d.Reason {
-			detail += "; last error: " + truncate(d.LastError, maxReasonLength)
+			detail += "; last error: " + held.Truncate(d.LastError, maxReasonLength)
 		}
 		f := d.finding(Problem, DeadLetter, r.outboxNow, detail+" — replay it with `eventline held replay "+fmt.Sprint(d.ID)+"`")
 		f.Topic = d.Topic
 		r.details.add(f)
-	}, relayDeadSQL(r.cfg.Schema), r.w.since, r.w.until)
+	}, sqlident.SQL(r.cfg.Schema, heldSQL("relay_dead_letter", open+", 'discarded'")), r.w.since, r.w.until)
 }
 
 // reconcile matches every outbox event of the window with the records of
@@ -343,13 +353,13 @@ func (r *runner) reconcile(ctx context.Context, otx, ctx1 pgx.Tx, shards int) er
 	}
 	for shard := 0; shard < shards; shard++ {
 		if !r.separate {
-			if err := r.classify(ctx, ctx1, r.consumer.classifySQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, gs, ts); err != nil {
+			if err := r.classify(ctx, ctx1, classifySQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, gs, ts); err != nil {
 				return err
 			}
 			continue
 		}
 		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-			return r.classify(ctx, ctx1, r.consumer.classifySQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), gs, ts)...)
+			return r.classify(ctx, ctx1, classifySQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), gs, ts)...)
 		})
 		if err != nil {
 			return err

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/eventline/eventline/admin"
 	"github.com/eventline/eventline/admin/verify"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -135,7 +136,7 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
-	var consumerDB verify.DB
+	var consumerDB admin.Beginner
 	if consumerURL != "" {
 		db := database{url: consumerURL, what: "the consumer database", flag: "-consumer-database-url (or " + envConsumerDatabaseURL + ")"}
 		if consumerDB, err = inv.openPool(ctx, db, 2); err != nil {
