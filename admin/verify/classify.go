@@ -84,20 +84,20 @@ func (r *runner) classify(ctx context.Context, tx pgx.Tx, query string, args ...
 	}, r.consumerSQL(query), args...)
 }
 
-// judge decides what an event a group has no dedup record of is: pending,
-// lost, explained (dead-lettered, skipped), or unverifiable.
+// judge decides what an event a group has no dedup record of is: pending
+// (a problem, stuck, once older than Config.MaxPendingAge), lost,
+// explained (dead-lettered, skipped), or unverifiable.
 func (r *runner) judge(gs *groupState, u classified) {
 	g := gs.rep
 	if !gs.dedup {
 		return // counted in Events; nothing can be said without records
 	}
+	at := u.CreatedAt
 	f := Finding{
 		Kind: Pending, Group: u.Group, EventID: u.EventID, EventType: u.EventType, Topic: u.Topic,
 		AggregateType: u.AggregateType, AggregateID: u.AggregateID, AggregateVersion: u.Version,
+		At: &at, AgeSeconds: max(r.outboxNow.Sub(u.CreatedAt), 0).Seconds(),
 	}
-	at := u.CreatedAt
-	f.At = &at
-	f.AgeSeconds = max(r.outboxNow.Sub(u.CreatedAt), 0).Seconds()
 	beforeHorizon := u.CreatedAt.Before(r.rep.DedupHorizon.Add(r.cfg.ClockSkew))
 	lost := func(detail string) {
 		if beforeHorizon {
@@ -107,6 +107,27 @@ func (r *runner) judge(gs *groupState, u classified) {
 		g.Lost++
 		f.Kind, f.Severity, f.Detail = Lost, Problem, detail
 		r.details.add(f)
+	}
+	pending := func(stage, detail string) {
+		g.Pending++
+		g.OldestPendingSeconds = max(g.OldestPendingSeconds, f.AgeSeconds)
+		f.Severity, f.Stage, f.Detail = Info, stage, detail
+		if f.AgeSeconds > r.cfg.MaxPendingAge.Seconds() {
+			g.Stuck++
+			f.Severity = Problem
+			f.Detail += fmt.Sprintf(" (stuck: pending for longer than %s)", human(r.cfg.MaxPendingAge))
+		}
+		r.details.add(f)
+	}
+	// relayed is an event relayed to where it cannot be followed: before
+	// the horizon, one without a version cannot be compared with the
+	// group's either.
+	relayed := func(detail string) {
+		if u.Version == 0 && beforeHorizon {
+			g.Unverifiable++
+			return
+		}
+		pending("relayed", detail)
 	}
 	switch {
 	case u.Dead:
@@ -118,28 +139,18 @@ func (r *runner) judge(gs *groupState, u classified) {
 	case u.Skipped:
 		g.SkippedEvents++ // the skipped range is a finding of its own
 		return
+	case !u.Relayed && u.RetryAttempts > 0:
+		pending("retrying", fmt.Sprintf("committed; the relay failed to publish it %d time(s) and will retry: %s", u.RetryAttempts, held.Truncate(u.RetryError, maxReasonLength)))
+		return
 	case !u.Relayed:
-		f.Stage = "outbox"
-		f.Detail = "committed, not relayed yet"
-		if u.RetryAttempts > 0 {
-			f.Stage = "retrying"
-			f.Detail = fmt.Sprintf("committed; the relay failed to publish it %d time(s) and will retry: %s", u.RetryAttempts, held.Truncate(u.RetryError, maxReasonLength))
-		}
-		r.pending(gs, f)
+		pending("outbox", "committed, not relayed yet")
 		return
 	case u.Version > 0 && u.GroupVersion != nil && *u.GroupVersion >= u.Version:
 		lost(fmt.Sprintf("relayed, but the group's version of %s/%s is %d, it has no dedup record of this event, and no skipped range covers v%d",
 			u.AggregateType, u.AggregateID, *u.GroupVersion, u.Version))
 		return
-	}
-	if r.kafka == nil {
-		f.Stage = "relayed"
-		f.Detail = "relayed; Kafka was not read, so whether the group has consumed it is unknown"
-		if u.Version == 0 && beforeHorizon {
-			g.Unverifiable++
-			return
-		}
-		r.pending(gs, f)
+	case r.kafka == nil:
+		relayed("relayed; Kafka was not read, so whether the group has consumed it is unknown")
 		return
 	}
 	l := r.kafka.lookup(u.EventID, u.Topic, u.CreatedAt, r.cfg.ClockSkew)
@@ -151,13 +162,7 @@ func (r *runner) judge(gs *groupState, u classified) {
 		lost(fmt.Sprintf("relayed, then deleted from Kafka topic %s by retention before the group recorded it", u.Topic))
 		return
 	case len(l.copies) == 0:
-		f.Stage = "relayed"
-		f.Detail = fmt.Sprintf("relayed; not found on Kafka topic %s, which is compacted or missing, so where it is is unknown", u.Topic)
-		if u.Version == 0 && beforeHorizon {
-			g.Unverifiable++
-			return
-		}
-		r.pending(gs, f)
+		relayed(fmt.Sprintf("relayed; not found on Kafka topic %s, which is compacted or missing, so where it is is unknown", u.Topic))
 		return
 	}
 	if rec, committed, ok := r.kafka.consumedBy(u.Group, l); ok {
@@ -166,22 +171,5 @@ func (r *runner) judge(gs *groupState, u classified) {
 		return
 	}
 	rec := l.copies[0]
-	f.Stage = "kafka"
-	f.Detail = fmt.Sprintf("on Kafka at %s/%d offset %d, not consumed by the group yet", u.Topic, rec.partition, rec.offset)
-	r.pending(gs, f)
-}
-
-// pending records a pending event, a problem once it is older than
-// Config.MaxPendingAge.
-func (r *runner) pending(gs *groupState, f Finding) {
-	g := gs.rep
-	g.Pending++
-	g.OldestPendingSeconds = max(g.OldestPendingSeconds, f.AgeSeconds)
-	f.Kind, f.Severity = Pending, Info
-	if f.AgeSeconds > r.cfg.MaxPendingAge.Seconds() {
-		g.Stuck++
-		f.Severity = Problem
-		f.Detail += fmt.Sprintf(" (stuck: pending for longer than %s)", human(r.cfg.MaxPendingAge))
-	}
-	r.details.add(f)
+	pending("kafka", fmt.Sprintf("on Kafka at %s/%d offset %d, not consumed by the group yet", u.Topic, rec.partition, rec.offset))
 }

@@ -135,13 +135,7 @@ func (c Config) withDefaults() Config {
 	c.KafkaIdleTimeout = cmp.Or(c.KafkaIdleTimeout, DefaultKafkaIdleTimeout)
 	c.Logger = cmp.Or(c.Logger, slog.Default())
 	if len(c.Brokers) > 0 && c.SaramaConfig == nil {
-		sc := sarama.NewConfig()
-		sc.ClientID = "eventline-verify"
-		sc.Version = kafkaconf.Version
-		sc.Consumer.Return.Errors = true
-		sc.Metadata.AllowAutoTopicCreation = false
-		sc.Metadata.Retry.Backoff = 250 * time.Millisecond
-		c.SaramaConfig = sc
+		c.SaramaConfig = kafkaconf.Consumer("eventline-verify")
 	}
 	return c
 }

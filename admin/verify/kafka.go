@@ -122,21 +122,6 @@ func (k *kafkaReader) groupOffsets(groups []string) (map[string]map[topicPartiti
 	return out, nil
 }
 
-// topicExists reports whether Kafka knows topic.
-func (k *kafkaReader) topicExists(topic string) (bool, error) {
-	if err := k.client.RefreshMetadata(topic); err != nil {
-		if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
-			return false, nil
-		}
-		return false, fmt.Errorf("read Kafka metadata of topic %s: %w", topic, err)
-	}
-	parts, err := k.client.Partitions(topic)
-	if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
-		return false, nil
-	}
-	return err == nil && len(parts) > 0, err
-}
-
 // compacted reports whether the topic's cleanup.policy includes compact.
 func (k *kafkaReader) compacted(topic string) (bool, error) {
 	results, err := k.admin.DescribeConfigs([]*sarama.ConfigResource{{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"cleanup.policy"}}},
@@ -167,11 +152,18 @@ type partitionBounds struct {
 }
 
 // bounds returns the partitions of topic with their log start offsets and
-// high watermarks, as of now.
+// high watermarks, as of now: none when Kafka does not know the topic.
 func (k *kafkaReader) bounds(topic string) ([]partitionBounds, error) {
-	parts, err := k.client.Partitions(topic)
+	err := k.client.RefreshMetadata(topic)
+	var parts []int32
+	if err == nil {
+		parts, err = k.client.Partitions(topic)
+	}
+	if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+		return nil, nil
+	}
 	if err != nil {
-		return nil, fmt.Errorf("list the partitions of Kafka topic %s: %w", topic, err)
+		return nil, fmt.Errorf("read Kafka metadata of topic %s: %w", topic, err)
 	}
 	out := make([]partitionBounds, 0, len(parts))
 	for _, p := range parts {
@@ -258,11 +250,11 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 		ti := uint16(len(idx.topics))
 		idx.topics = append(idx.topics, t)
 		idx.topicIdx[t] = ti
-		ok, err := k.topicExists(t)
+		parts, err := k.bounds(t)
 		if err != nil {
 			return err
 		}
-		if !ok {
+		if len(parts) == 0 {
 			st.summary.Missing, st.unknown = true, true
 			continue
 		}
@@ -273,10 +265,6 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 		}
 		st.summary.Compacted = compacted
 		st.unknown = st.unknown || compacted
-		parts, err := k.bounds(t)
-		if err != nil {
-			return err
-		}
 		st.summary.Partitions = len(parts)
 		for _, b := range parts {
 			jobs = append(jobs, job{topic: t, ti: ti, b: b, st: st})

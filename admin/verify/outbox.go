@@ -8,7 +8,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline/internal/outbox"
-	"github.com/eventline/eventline/internal/sqlident"
 )
 
 // outboxEvent is one event as the outbox knows it: the newest outbox row
@@ -92,36 +91,12 @@ const relayDeadLettersSQL = `(SELECT convert_from(message_uuid, 'UTF8') AS outbo
 	WHERE kind = 'relay_dead_letter' AND shard = {shard})`
 
 // outboxSummarySQL counts one shard's rows in the window, those the relay
-// has moved past, and the oldest pending row's commit time ($3 the relay's
-// consumer group).
+// has moved past, and returns the oldest pending row's commit time ($3 the
+// relay's consumer group).
 var outboxSummarySQL = `SELECT count(*), count(*) FILTER (WHERE relayed), min(created_at) FILTER (WHERE NOT relayed)
 	FROM (SELECT m.created_at::timestamptz AS created_at, ` + relayedSQL + ` AS relayed
 		FROM {messages} m LEFT JOIN {offsets} o ON o.consumer_group = $3) x
 	WHERE ` + windowSQL("created_at")
-
-// readOutboxSummary adds one shard's rows in the window to sum, and
-// returns the oldest pending row's commit time.
-func readOutboxSummary(ctx context.Context, tx pgx.Tx, schema string, shard int, w window, sum *OutboxSummary) (*time.Time, error) {
-	var events, relayed int64
-	var oldest *time.Time
-	err := tx.QueryRow(ctx, outbox.SQL(schema, shard, outboxSummarySQL), w.since, w.until, outbox.RelayConsumerGroup).Scan(&events, &relayed, &oldest)
-	if err != nil {
-		return nil, fmt.Errorf("read outbox shard %d: %w", shard, err)
-	}
-	sum.Events += events
-	sum.Relayed += relayed
-	sum.Pending += events - relayed
-	return oldest, nil
-}
-
-// countRetrying counts outbox rows waiting for a publish retry.
-func countRetrying(ctx context.Context, tx pgx.Tx, schema string) (int64, error) {
-	var n int64
-	if err := tx.QueryRow(ctx, sqlident.SQL(schema, `SELECT count(*) FROM {schema}.relay_failures`)).Scan(&n); err != nil {
-		return 0, fmt.Errorf("count relay retries: %w", err)
-	}
-	return n, nil
-}
 
 // scanOutboxEvents streams one shard's events in the window to fn in
 // chunks of at most size, for lookups in a separate consumer database.

@@ -257,10 +257,12 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 		if err != nil {
 			return err
 		}
-		for shard := 0; shard < shards; shard++ {
-			if err := r.inferTopics(ctx, otx, ctx1, shard, infer, inferred); err != nil {
-				return err
-			}
+		// The topics of the events they have dedup records of.
+		err = r.overEvents(ctx, otx, shards, inferTopicsSQL, func(query string, args ...any) error {
+			return each(ctx, ctx1, fmt.Sprintf("find the topics of groups %v", infer), func(t groupTopic) { t.addTo(inferred) }, r.consumerSQL(query), args...)
+		}, infer)
+		if err != nil {
+			return err
 		}
 		for _, g := range infer {
 			gs := r.groups[g]
@@ -281,18 +283,29 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 	return nil
 }
 
-// inferTopics adds, per group, the topics of one shard's events it has
-// dedup records of.
-func (r *runner) inferTopics(ctx context.Context, otx, ctx1 pgx.Tx, shard int, groups []string, into map[string]map[string]bool) error {
-	collect := func(query string, args ...any) error {
-		return each(ctx, ctx1, fmt.Sprintf("find the topics of groups %v", groups), func(t groupTopic) { t.addTo(into) }, r.consumerSQL(query), args...)
+// overEvents runs a statement over each shard's events in the window:
+// build makes it from the events relation and the number of its first
+// parameter after the events' own, and run runs it with args after them.
+// With the consumer tables in the outbox's database the events are a
+// subquery (eventsSQL); else they are streamed from the outbox and passed
+// in chunks (chunkEventsSQL).
+func (r *runner) overEvents(ctx context.Context, otx pgx.Tx, shards int, build func(events string, p int) string,
+	run func(query string, args ...any) error, args ...any) error {
+	for shard := 0; shard < shards; shard++ {
+		if !r.separate {
+			if err := run(build(eventsSQL(r.cfg.Schema, shard), 3), append([]any{r.w.since, r.w.until}, args...)...); err != nil {
+				return err
+			}
+			continue
+		}
+		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
+			return run(build(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), args...)...)
+		})
+		if err != nil {
+			return err
+		}
 	}
-	if !r.separate {
-		return collect(inferTopicsSQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, groups)
-	}
-	return scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-		return collect(inferTopicsSQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), groups)...)
-	})
+	return nil
 }
 
 // readKafka reads the groups' topics.
@@ -311,10 +324,15 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 	sum := &r.rep.Outbox
 	var oldest *time.Time
 	for shard := 0; shard < shards; shard++ {
-		o, err := readOutboxSummary(ctx, otx, r.cfg.Schema, shard, r.w, sum)
+		var events, relayed int64
+		var o *time.Time
+		err := otx.QueryRow(ctx, outbox.SQL(r.cfg.Schema, shard, outboxSummarySQL), r.w.since, r.w.until, outbox.RelayConsumerGroup).Scan(&events, &relayed, &o)
 		if err != nil {
-			return err
+			return fmt.Errorf("read outbox shard %d: %w", shard, err)
 		}
+		sum.Events += events
+		sum.Relayed += relayed
+		sum.Pending += events - relayed
 		if o != nil && (oldest == nil || o.Before(*oldest)) {
 			oldest = o
 		}
@@ -322,9 +340,8 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 	if oldest != nil {
 		sum.OldestPendingSeconds = max(r.outboxNow.Sub(*oldest), 0).Seconds()
 	}
-	var err error
-	if sum.Retrying, err = countRetrying(ctx, otx, r.cfg.Schema); err != nil {
-		return err
+	if err := otx.QueryRow(ctx, sqlident.SQL(r.cfg.Schema, `SELECT count(*) FROM {schema}.relay_failures`)).Scan(&sum.Retrying); err != nil {
+		return fmt.Errorf("count relay retries: %w", err)
 	}
 	// Discarded ones included: discarding does not deliver them.
 	return each(ctx, otx, "read the relay's dead letters", func(d heldRow) {
@@ -351,21 +368,7 @@ func (r *runner) reconcile(ctx context.Context, otx, ctx1 pgx.Tx, shards int) er
 	if len(gs) == 0 {
 		return nil
 	}
-	for shard := 0; shard < shards; shard++ {
-		if !r.separate {
-			if err := r.classify(ctx, ctx1, classifySQL(eventsSQL(r.cfg.Schema, shard), 3), r.w.since, r.w.until, gs, ts); err != nil {
-				return err
-			}
-			continue
-		}
-		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-			return r.classify(ctx, ctx1, classifySQL(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), gs, ts)...)
-		})
-		if err != nil {
-			return err
-		}
-	}
-	return nil
+	return r.overEvents(ctx, otx, shards, classifySQL, func(query string, args ...any) error { return r.classify(ctx, ctx1, query, args...) }, gs, ts)
 }
 
 // finish assembles the report.
