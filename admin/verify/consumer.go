@@ -91,18 +91,18 @@ func inferTopicsSQL(eventsSQL string, p int) string {
 			AND pe.aggregate_type = ev.aggregate_type AND pe.aggregate_id = ev.aggregate_id`
 }
 
-// parkedRow is a parked event and its aggregate's current version (nil:
+// parkedRow is a parked event and its aggregate's current version (0:
 // none yet).
 type parkedRow struct {
 	eventRow
 	Follows   int64
 	Attempts  int
 	LastError string
-	Current   *int64
+	Current   int64
 }
 
 // parkedSQL reads the parked events of the window, as parkedRow.
-var parkedSQL = `SELECT ` + eventColumnsOf("pe", "parked_at") + `, pe.previous_version, pe.release_attempts, COALESCE(pe.last_error, ''), av.version
+var parkedSQL = `SELECT ` + eventColumnsOf("pe", "parked_at") + `, pe.previous_version, pe.release_attempts, COALESCE(pe.last_error, ''), COALESCE(av.version, 0)
 	FROM {schema}.parked_events pe LEFT JOIN {schema}.aggregate_versions av
 		ON av.consumer_group = pe.consumer_group AND av.aggregate_type = pe.aggregate_type AND av.aggregate_id = pe.aggregate_id
 	WHERE pe.consumer_group = ANY($3) AND ` + windowSQL("pe.parked_at")

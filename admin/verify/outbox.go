@@ -12,23 +12,24 @@ import (
 
 // outboxEvent is one event as the outbox knows it: the newest outbox row
 // carrying its id in one shard, and what the relay did with it. Its
-// fields are the columns of the events relation (eventColumns), in order.
+// fields are the columns of the events relation (eventColumns), in order,
+// and their JSON names those of chunkEventsSQL.
 type outboxEvent struct {
-	EventID       string
-	EventType     string
-	Topic         string
-	AggregateType string
-	AggregateID   string
-	Version       int64
-	CreatedAt     time.Time
+	EventID       string    `json:"event_id"`
+	EventType     string    `json:"event_type"`
+	Topic         string    `json:"topic"`
+	AggregateType string    `json:"aggregate_type"`
+	AggregateID   string    `json:"aggregate_id"`
+	Version       int64     `json:"version"`
+	CreatedAt     time.Time `json:"created_at"`
 	// Relayed: the relay's position in the shard is at or past the row.
-	Relayed bool
+	Relayed bool `json:"relayed"`
 	// Dead: the relay dead-lettered the row and nobody replayed it.
-	Dead bool
+	Dead bool `json:"dead"`
 	// RetryAttempts and RetryError describe a row the relay failed to
 	// publish and will try again.
-	RetryAttempts int32
-	RetryError    string
+	RetryAttempts int32  `json:"retry_attempts"`
+	RetryError    string `json:"retry_error"`
 }
 
 // eventColumns are the columns of the events relation, in order; the
@@ -128,24 +129,9 @@ func scanOutboxEvents(ctx context.Context, tx pgx.Tx, schema string, shard int, 
 	return nil
 }
 
-// chunkArgs turns a chunk into the array parameters of chunkEventsSQL.
-func chunkArgs(chunk []outboxEvent) []any {
-	n := len(chunk)
-	ids, eventTypes, topics, types, aggIDs := make([]string, n), make([]string, n), make([]string, n), make([]string, n), make([]string, n)
-	versions, created := make([]int64, n), make([]time.Time, n)
-	relayed, dead := make([]bool, n), make([]bool, n)
-	attempts, errs := make([]int32, n), make([]string, n)
-	for i, e := range chunk {
-		ids[i], eventTypes[i], topics[i], types[i], aggIDs[i] = e.EventID, e.EventType, e.Topic, e.AggregateType, e.AggregateID
-		versions[i], created[i], relayed[i], dead[i] = e.Version, e.CreatedAt, e.Relayed, e.Dead
-		attempts[i], errs[i] = e.RetryAttempts, e.RetryError
-	}
-	return []any{ids, eventTypes, topics, types, aggIDs, versions, created, relayed, dead, attempts, errs}
-}
+// chunkEventsSQL is the events relation over a chunk of outboxEvent,
+// passed as JSON in $1; chunkParams is the first parameter after it.
+const chunkEventsSQL = `SELECT * FROM jsonb_to_recordset($1::jsonb) AS ev(event_id text, event_type text, topic text, aggregate_type text,
+	aggregate_id text, version bigint, created_at timestamptz, relayed boolean, dead boolean, retry_attempts integer, retry_error text)`
 
-// chunkEventsSQL is the events relation over the array parameters of
-// chunkArgs, $1 to $11; chunkParams is the first parameter after them.
-const chunkEventsSQL = `SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[], $7::timestamptz[],
-	$8::boolean[], $9::boolean[], $10::integer[], $11::text[]) AS ev(` + eventColumns + `)`
-
-const chunkParams = 12
+const chunkParams = 2

@@ -222,24 +222,8 @@ type GroupReport struct {
 	LateHeld int64 `json:"late_held"`
 }
 
-// finish sorts the findings, counts problems and warnings, and sets OK.
+// finish sorts the findings and sets OK.
 func (r *Report) finish() {
-	for _, f := range r.Findings {
-		switch f.Severity {
-		case Problem:
-			r.Problems++
-		case Warning:
-			r.Warnings++
-		}
-	}
-	for _, o := range r.Omitted {
-		switch o.Severity {
-		case Problem:
-			r.Problems += o.Count
-		case Warning:
-			r.Warnings += o.Count
-		}
-	}
 	sev := map[Severity]int{Problem: 0, Warning: 1, Info: 2}
 	slices.SortStableFunc(r.Findings, func(a, b Finding) int {
 		return cmp.Or(
@@ -283,7 +267,7 @@ type detailKey struct {
 }
 
 type bucket struct {
-	kept    []Finding // a min-heap on AgeSeconds once full
+	kept    []Finding // sorted by AgeSeconds, youngest first, once full
 	omitted int64
 }
 
@@ -319,9 +303,16 @@ func (d *details) add(f Finding) {
 
 func byAge(a, b Finding) int { return cmp.Compare(a.AgeSeconds, b.AgeSeconds) }
 
-// into moves the kept findings and the omitted counts into r.
+// into moves the kept findings and the omitted counts into r, and counts
+// its problems and warnings.
 func (d *details) into(r *Report) {
 	for k, b := range d.buckets {
+		switch n := int64(len(b.kept)) + b.omitted; k.severity {
+		case Problem:
+			r.Problems += n
+		case Warning:
+			r.Warnings += n
+		}
 		r.Findings = append(r.Findings, b.kept...)
 		if b.omitted > 0 {
 			r.Omitted = append(r.Omitted, Omitted{Group: k.group, Kind: k.kind, Severity: k.severity, Count: b.omitted})

@@ -29,10 +29,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 		age := max(r.consumerNow.Sub(p.At), 0)
 		gs.rep.Parked++
 		gs.rep.OldestParkedSeconds = max(gs.rep.OldestParkedSeconds, age.Seconds())
-		cur := int64(0)
-		if p.Current != nil {
-			cur = *p.Current
-		}
+		cur := p.Current
 		detail := fmt.Sprintf("parked: the aggregate is at v%d and waits for v%d", cur, cur+1)
 		if p.Follows > cur+1 {
 			detail = fmt.Sprintf("parked: the aggregate is at v%d and waits for v%d..v%d", cur, cur+1, p.Follows)

@@ -288,7 +288,7 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 // parameter after the events' own, and run runs it with args after them.
 // With the consumer tables in the outbox's database the events are a
 // subquery (eventsSQL); else they are streamed from the outbox and passed
-// in chunks (chunkEventsSQL).
+// in chunks, as JSON (chunkEventsSQL).
 func (r *runner) overEvents(ctx context.Context, otx pgx.Tx, shards int, build func(events string, p int) string,
 	run func(query string, args ...any) error, args ...any) error {
 	for shard := 0; shard < shards; shard++ {
@@ -299,7 +299,7 @@ func (r *runner) overEvents(ctx context.Context, otx pgx.Tx, shards int, build f
 			continue
 		}
 		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
-			return run(build(chunkEventsSQL, chunkParams), append(chunkArgs(chunk), args...)...)
+			return run(build(chunkEventsSQL, chunkParams), append([]any{chunk}, args...)...)
 		})
 		if err != nil {
 			return err
