@@ -70,7 +70,7 @@ func (r *faultRig) publishAll(ctx context.Context, seed uint64) (stop func(), pu
 	return stop, func() int { return total }
 }
 
-// verifyGroup runs internal/verify on the rig's schema for group, whose
+// verifyGroup runs admin/verify on the rig's schema for group, whose
 // handler recorded its effects in the table effects, and returns the
 // report and its JSON, for failure messages.
 func (r *faultRig) verifyGroup(ctx context.Context, group, effects string) (*verify.Report, string) {
