@@ -16,11 +16,6 @@ import (
 // tablesPresentSQL reports whether the consumer tables exist.
 const tablesPresentSQL = `SELECT to_regclass('{schema}.processed_events') IS NOT NULL AND to_regclass('{schema}.skipped_versions') IS NOT NULL`
 
-// groupRecordsSQL reports whether group $1 has dedup records, and
-// whether it has versions.
-const groupRecordsSQL = `SELECT EXISTS (SELECT 1 FROM {schema}.processed_events WHERE consumer_group = $1),
-	EXISTS (SELECT 1 FROM {schema}.aggregate_versions WHERE consumer_group = $1)`
-
 // parkedTopicsSQL lists the topics each group ($1) has parked events of.
 const parkedTopicsSQL = `SELECT DISTINCT consumer_group, topic FROM {schema}.parked_events WHERE consumer_group = ANY($1) AND topic <> ''`
 

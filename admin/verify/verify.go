@@ -36,6 +36,7 @@ type runner struct {
 	rep     *Report
 	details *details
 	groups  map[string]*groupState
+	store   *store.Store
 	// kafka is nil when Kafka is not read.
 	kafka *kafkaIndex
 	// outboxNow and consumerNow are the databases' clocks when the
@@ -59,9 +60,13 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 	if outbox.NilHandle(db) {
 		return nil, fmt.Errorf("verify.Run: the outbox database is nil")
 	}
+	st, err := store.New(cfg.ConsumerSchema)
+	if err != nil {
+		return nil, err
+	}
 	r := &runner{
 		cfg: cfg, w: newWindow(cfg.Since, cfg.Until), details: newDetails(cfg.MaxDetails),
-		groups: map[string]*groupState{}, separate: !outbox.NilHandle(consumerDB),
+		groups: map[string]*groupState{}, store: st, separate: !outbox.NilHandle(consumerDB),
 	}
 	if !r.separate {
 		consumerDB = db
@@ -163,11 +168,7 @@ func (r *runner) listGroups(ctx context.Context, db admin.Beginner) ([]string, b
 	}
 	groups := slices.Clone(r.cfg.Groups)
 	if len(groups) == 0 {
-		st, err := store.New(r.cfg.ConsumerSchema)
-		if err == nil {
-			groups, err = st.RecordingGroups(ctx, tx)
-		}
-		if err != nil {
+		if groups, err = r.store.RecordingGroups(ctx, tx); err != nil {
 			return nil, false, err
 		}
 	}
@@ -219,19 +220,25 @@ func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, gro
 // Kafka consumer group committed offsets for, else those of the events it
 // has dedup records or parked events of.
 func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []string, shards int) error {
+	if len(groups) == 0 {
+		return nil
+	}
+	recording, err := r.store.RecordingGroups(ctx, ctx1)
+	if err != nil {
+		return err
+	}
+	withRecords, err := r.store.ProcessedGroups(ctx, ctx1)
+	if err != nil {
+		return err
+	}
 	var infer []string
 	for _, g := range groups {
 		gs := &groupState{rep: &GroupReport{Group: g, Outcomes: map[string]int64{}, DeadLetterSources: []string{}}, topics: map[string]bool{}}
 		r.groups[g] = gs
-		var records, versions bool
-		err := ctx1.QueryRow(ctx, r.consumerSQL(groupRecordsSQL), g).Scan(&records, &versions)
-		if err != nil {
-			return fmt.Errorf("read the records of group %q: %w", g, err)
-		}
 		// A group that has versions but no dedup records runs the version
 		// gate without dedup; one with neither has not handled anything
 		// yet, and all its events are pending.
-		gs.dedup = records || !versions
+		gs.dedup = slices.Contains(withRecords, g) || !slices.Contains(recording, g)
 		if !gs.dedup {
 			r.note("group %s: keeps versions but no dedup records, so its applied events cannot be told from lost ones; only its order, parked, skipped and dead-lettered events are checked", g)
 		}
@@ -253,7 +260,7 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 	}
 	if len(infer) > 0 {
 		inferred := map[string]map[string]bool{}
-		err := each(ctx, ctx1, "read parked events' topics", func(t groupTopic) { t.addTo(inferred) }, r.consumerSQL(parkedTopicsSQL), infer)
+		err = each(ctx, ctx1, "read parked events' topics", func(t groupTopic) { t.addTo(inferred) }, r.consumerSQL(parkedTopicsSQL), infer)
 		if err != nil {
 			return err
 		}
@@ -379,9 +386,8 @@ func (r *runner) finish() {
 	if r.kafka != nil {
 		r.rep.Kafka.Checked = true
 		for _, t := range r.kafka.topics {
-			r.rep.Kafka.Topics = append(r.rep.Kafka.Topics, r.kafka.state[t].summary)
-		}
-		for _, ts := range r.rep.Kafka.Topics {
+			ts := r.kafka.state[t].summary
+			r.rep.Kafka.Topics = append(r.rep.Kafka.Topics, ts)
 			switch {
 			case ts.Missing:
 				r.note("Kafka topic %s does not exist: its events are not traced on Kafka", ts.Topic)
@@ -392,7 +398,7 @@ func (r *runner) finish() {
 	}
 	r.details.into(r.rep)
 	r.rep.finish()
-	slices.SortStableFunc(r.rep.Notes, func(a, b string) int { return strings.Compare(a, b) })
+	slices.Sort(r.rep.Notes)
 }
 
 // human formats a duration without trailing zero units: 5m, 1h30m, 7d.
