@@ -14,6 +14,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/eventline/eventline"
 )
@@ -58,10 +59,10 @@ type topicState struct {
 
 // kafkaIndex is the event records of the topics read, sorted by event key.
 type kafkaIndex struct {
-	topics   []string
-	topicIdx map[string]uint16
-	state    map[string]*topicState
-	records  []kafkaRecord
+	// topics are the topics read, kafkaRecord.topic indexing them.
+	topics  []*topicState
+	byName  map[string]uint16
+	records []kafkaRecord
 	// committed holds each group's committed offsets (the next offset it
 	// will read) per topic and partition, fetched before the database
 	// snapshot.
@@ -69,7 +70,7 @@ type kafkaIndex struct {
 }
 
 func newKafkaIndex() *kafkaIndex {
-	return &kafkaIndex{topicIdx: map[string]uint16{}, state: map[string]*topicState{}, committed: map[string]map[topicPartition]int64{}}
+	return &kafkaIndex{byName: map[string]uint16{}, committed: map[string]map[topicPartition]int64{}}
 }
 
 // kafkaReader reads topics through one Sarama client.
@@ -246,10 +247,9 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 	var jobs []job
 	for _, t := range eventTopics {
 		st := &topicState{summary: TopicSummary{Topic: t}}
-		idx.state[t] = st
 		ti := uint16(len(idx.topics))
-		idx.topics = append(idx.topics, t)
-		idx.topicIdx[t] = ti
+		idx.topics = append(idx.topics, st)
+		idx.byName[t] = ti
 		parts, err := k.bounds(t)
 		if err != nil {
 			return err
@@ -270,31 +270,24 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 			jobs = append(jobs, job{topic: t, ti: ti, b: b, st: st})
 		}
 	}
-	var (
-		mu   sync.Mutex
-		wg   sync.WaitGroup
-		sem  = make(chan struct{}, kafkaReaders)
-		errs []error
-	)
+	var mu sync.Mutex
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(kafkaReaders)
 	for _, j := range jobs {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
+		g.Go(func() error {
 			var recs []kafkaRecord
 			var n int64
-			first, last, err := k.readPartition(ctx, consumer, j.topic, j.b, func(m *sarama.ConsumerMessage) {
+			first, last, err := k.readPartition(gctx, consumer, j.topic, j.b, func(m *sarama.ConsumerMessage) {
 				n++
 				if id := RecordEventID(m); id != "" {
 					recs = append(recs, kafkaRecord{key: keyOf(id), topic: j.ti, partition: m.Partition, offset: m.Offset})
 				}
 			})
+			if err != nil {
+				return err
+			}
 			mu.Lock()
 			defer mu.Unlock()
-			if err != nil {
-				errs = append(errs, err)
-				return
-			}
 			j.st.summary.Records += n
 			if j.b.start > 0 && last >= 0 && first.After(j.st.retention) {
 				j.st.retention = first
@@ -305,10 +298,10 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 				j.st.unknown = true
 			}
 			idx.records = append(idx.records, recs...)
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := g.Wait(); err != nil {
 		return err
 	}
 	slices.SortFunc(idx.records, func(a, b kafkaRecord) int {
@@ -318,11 +311,10 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 	for i := 1; i < len(idx.records); i++ {
 		a, b := idx.records[i-1], idx.records[i]
 		if a.key == b.key && a.topic == b.topic {
-			idx.state[idx.topics[b.topic]].summary.Duplicates++
+			idx.topics[b.topic].summary.Duplicates++
 		}
 	}
-	for _, t := range idx.topics {
-		st := idx.state[t]
+	for _, st := range idx.topics {
 		if !st.retention.IsZero() {
 			r := st.retention
 			st.summary.RetentionHorizon = &r
@@ -362,11 +354,11 @@ type kafkaLookup struct {
 // lookup finds an event's records on its topic. createdAt is when the
 // event was committed; skew allows for clock differences.
 func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time, skew time.Duration) kafkaLookup {
-	ti, ok := idx.topicIdx[topic]
-	st := idx.state[topic]
-	if !ok || st == nil {
+	ti, ok := idx.byName[topic]
+	if !ok {
 		return kafkaLookup{}
 	}
+	st := idx.topics[ti]
 	k := keyOf(eventID)
 	i, _ := slices.BinarySearchFunc(idx.records, k, func(r kafkaRecord, k eventKey) int { return bytes.Compare(r.key[:], k[:]) })
 	var l kafkaLookup
@@ -391,7 +383,7 @@ func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time, skew t
 func (idx *kafkaIndex) consumedBy(group string, l kafkaLookup) (kafkaRecord, int64, bool) {
 	offsets := idx.committed[group]
 	for _, r := range l.copies {
-		if c, ok := offsets[topicPartition{idx.topics[r.topic], r.partition}]; ok && c > r.offset {
+		if c, ok := offsets[topicPartition{idx.topics[r.topic].summary.Topic, r.partition}]; ok && c > r.offset {
 			return r, c, true
 		}
 	}

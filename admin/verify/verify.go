@@ -386,7 +386,7 @@ func (r *runner) finish() {
 	if r.kafka != nil {
 		r.rep.Kafka.Checked = true
 		for _, t := range r.kafka.topics {
-			ts := r.kafka.state[t].summary
+			ts := t.summary
 			r.rep.Kafka.Topics = append(r.rep.Kafka.Topics, ts)
 			switch {
 			case ts.Missing:
