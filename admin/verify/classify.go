@@ -98,7 +98,7 @@ func (r *runner) judge(gs *groupState, u classified) {
 		AggregateType: u.AggregateType, AggregateID: u.AggregateID, AggregateVersion: u.Version,
 		At: &at, AgeSeconds: max(r.outboxNow.Sub(u.CreatedAt), 0).Seconds(),
 	}
-	beforeHorizon := u.CreatedAt.Before(r.rep.DedupHorizon.Add(r.cfg.ClockSkew))
+	beforeHorizon := u.CreatedAt.Before(r.rep.DedupHorizon.Add(clockSkew))
 	lost := func(detail string) {
 		if beforeHorizon {
 			g.Unverifiable++
@@ -153,7 +153,7 @@ func (r *runner) judge(gs *groupState, u classified) {
 		relayed("relayed; Kafka was not read, so whether the group has consumed it is unknown")
 		return
 	}
-	l := r.kafka.lookup(u.EventID, u.Topic, u.CreatedAt, r.cfg.ClockSkew)
+	l := r.kafka.lookup(u.EventID, u.Topic, u.CreatedAt, clockSkew)
 	switch {
 	case l.absent:
 		lost(fmt.Sprintf("relayed, but not on Kafka topic %s (read from the log start, where nothing was deleted, to the high watermark)", u.Topic))

@@ -76,5 +76,5 @@
 //     retained record. Topics read are the groups' topics.
 //   - Clocks: outbox created_at is read in this session's time zone (as
 //     `eventline cleanup` does); timestamps from different databases and
-//     from Kafka are compared with Config.ClockSkew of slack.
+//     from Kafka are compared with a minute of slack.
 package verify

@@ -195,7 +195,7 @@ func (k *kafkaReader) readPartition(ctx context.Context, consumer sarama.Consume
 		return first, lastRead, fmt.Errorf("read Kafka partition %s/%d: %w", topic, b.partition, err)
 	}
 	defer pc.AsyncClose()
-	idle := time.NewTimer(k.cfg.KafkaIdleTimeout)
+	idle := time.NewTimer(kafkaIdleTimeout)
 	defer idle.Stop()
 	for {
 		select {
@@ -224,7 +224,7 @@ func (k *kafkaReader) readPartition(ctx context.Context, consumer sarama.Consume
 			if m.Offset >= b.high-1 {
 				return first, lastRead, nil
 			}
-			idle.Reset(k.cfg.KafkaIdleTimeout) // Go 1.23+ timers: no stale fire after Reset
+			idle.Reset(kafkaIdleTimeout) // Go 1.23+ timers: no stale fire after Reset
 		}
 	}
 }

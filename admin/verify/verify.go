@@ -100,25 +100,18 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 	}
 
 	ctx2 := context.WithoutCancel(ctx)
-	ctx1, err := readOnly(ctx, consumerDB)
+	ctx1, err := r.snapshot(ctx, consumerDB, "consumer", &r.consumerNow)
 	if err != nil {
-		return nil, fmt.Errorf("begin a read-only transaction on the consumer database: %w", err)
+		return nil, err
 	}
 	defer func() { _ = ctx1.Rollback(ctx2) }()
-	// The first statement takes the snapshot.
-	if err := ctx1.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&r.consumerNow); err != nil {
-		return nil, fmt.Errorf("read the consumer database: %w", err)
-	}
 	otx := ctx1
 	r.outboxNow = r.consumerNow
 	if r.separate {
-		if otx, err = readOnly(ctx, db); err != nil {
-			return nil, fmt.Errorf("begin a read-only transaction on the outbox database: %w", err)
+		if otx, err = r.snapshot(ctx, db, "outbox", &r.outboxNow); err != nil {
+			return nil, err
 		}
 		defer func() { _ = otx.Rollback(ctx2) }()
-		if err := otx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&r.outboxNow); err != nil {
-			return nil, fmt.Errorf("read the outbox database: %w", err)
-		}
 	}
 	r.rep.CheckedAt = r.outboxNow
 	r.rep.DedupHorizon = r.consumerNow.Add(-cfg.DedupRetention)
@@ -129,17 +122,23 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 	return r.rep, nil
 }
 
-// readOnly begins a REPEATABLE READ READ ONLY transaction: one snapshot,
-// and no transaction id taken, so it does not hold back the relays (which
-// read only below the oldest running transaction id).
-func readOnly(ctx context.Context, db admin.Beginner) (pgx.Tx, error) {
+// snapshot begins a REPEATABLE READ READ ONLY transaction on the what
+// database and takes its snapshot, reading the database's clock into now.
+// Read-only, it takes no transaction id, so it does not hold back the
+// relays (which read only below the oldest running transaction id).
+func (r *runner) snapshot(ctx context.Context, db admin.Beginner, what string, now *time.Time) (pgx.Tx, error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("read the %s database: %w", what, err)
 	}
-	if _, err := tx.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY`); err != nil {
+	// The first statement after SET TRANSACTION takes the snapshot.
+	_, err = tx.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY`)
+	if err == nil {
+		err = tx.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(now)
+	}
+	if err != nil {
 		_ = tx.Rollback(context.WithoutCancel(ctx))
-		return nil, err
+		return nil, fmt.Errorf("read the %s database: %w", what, err)
 	}
 	return tx, nil
 }
@@ -154,9 +153,10 @@ func (r *runner) note(format string, args ...any) {
 // listGroups returns the groups to check and whether the consumer tables
 // exist.
 func (r *runner) listGroups(ctx context.Context, db admin.Beginner) ([]string, bool, error) {
-	tx, err := readOnly(ctx, db)
+	var now time.Time
+	tx, err := r.snapshot(ctx, db, "consumer", &now)
 	if err != nil {
-		return nil, false, fmt.Errorf("begin a read-only transaction on the consumer database: %w", err)
+		return nil, false, err
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	var present bool
