@@ -267,7 +267,7 @@ type detailKey struct {
 }
 
 type bucket struct {
-	kept    []Finding // sorted by AgeSeconds, youngest first, once full
+	kept    []Finding
 	omitted int64
 }
 
@@ -275,7 +275,8 @@ func newDetails(limit int) *details {
 	return &details{limit: max(limit, 0), buckets: map[detailKey]*bucket{}}
 }
 
-// add records f, dropping the youngest finding of its bucket when full.
+// add records f; when its bucket is full, f replaces the youngest finding
+// kept if it is older.
 func (d *details) add(f Finding) {
 	k := detailKey{f.Group, f.Kind, f.Severity}
 	b := d.buckets[k]
@@ -285,23 +286,22 @@ func (d *details) add(f Finding) {
 	}
 	if len(b.kept) < d.limit {
 		b.kept = append(b.kept, f)
-		if len(b.kept) == d.limit {
-			slices.SortFunc(b.kept, byAge)
-		}
 		return
 	}
 	b.omitted++
-	if d.limit == 0 || f.AgeSeconds <= b.kept[0].AgeSeconds {
+	if d.limit == 0 {
 		return
 	}
-	// Replace the youngest (kept sorted, youngest first: limits are small).
-	b.kept[0] = f
-	for i := 1; i < len(b.kept) && byAge(b.kept[i-1], b.kept[i]) > 0; i++ {
-		b.kept[i-1], b.kept[i] = b.kept[i], b.kept[i-1]
+	youngest := 0 // limits are small: a scan does
+	for i := range b.kept {
+		if b.kept[i].AgeSeconds < b.kept[youngest].AgeSeconds {
+			youngest = i
+		}
+	}
+	if f.AgeSeconds > b.kept[youngest].AgeSeconds {
+		b.kept[youngest] = f
 	}
 }
-
-func byAge(a, b Finding) int { return cmp.Compare(a.AgeSeconds, b.AgeSeconds) }
 
 // into moves the kept findings and the omitted counts into r, and counts
 // its problems and warnings.

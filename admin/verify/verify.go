@@ -89,7 +89,7 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 	// The groups are listed before the snapshot, so their Kafka offsets
 	// can be fetched before it too: an offset committed before the
 	// snapshot covers only events whose records the snapshot shows.
-	groups, present, err := r.listGroups(ctx, consumerDB)
+	groups, err := r.listGroups(ctx, consumerDB)
 	if err != nil {
 		return nil, err
 	}
@@ -116,7 +116,7 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 	r.rep.CheckedAt = r.outboxNow
 	r.rep.DedupHorizon = r.consumerNow.Add(-cfg.DedupRetention)
 
-	if err := r.run(ctx, otx, ctx1, kr, groups, present); err != nil {
+	if err := r.run(ctx, otx, ctx1, kr, groups); err != nil {
 		return nil, err
 	}
 	return r.rep, nil
@@ -150,44 +150,41 @@ func (r *runner) note(format string, args ...any) {
 	r.rep.Notes = append(r.rep.Notes, fmt.Sprintf(format, args...))
 }
 
-// listGroups returns the groups to check and whether the consumer tables
-// exist.
-func (r *runner) listGroups(ctx context.Context, db admin.Beginner) ([]string, bool, error) {
+// listGroups returns the groups to check: none when the consumer tables
+// do not exist.
+func (r *runner) listGroups(ctx context.Context, db admin.Beginner) ([]string, error) {
 	var now time.Time
 	tx, err := r.snapshot(ctx, db, "consumer", &now)
 	if err != nil {
-		return nil, false, err
+		return nil, err
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	var present bool
-	if err := tx.QueryRow(ctx, r.consumerSQL(tablesPresentSQL)).Scan(&present); err != nil || !present {
-		if err != nil {
-			err = fmt.Errorf("look for the consumer tables in schema %s: %w", r.cfg.ConsumerSchema, err)
-		}
-		return nil, false, err
+	if err := tx.QueryRow(ctx, r.consumerSQL(tablesPresentSQL)).Scan(&present); err != nil {
+		return nil, fmt.Errorf("look for the consumer tables in schema %s: %w", r.cfg.ConsumerSchema, err)
+	}
+	if !present {
+		r.note("consumer tables: not found in schema %s (migration 002_consumer is not applied there), so no consumer group was checked", r.cfg.ConsumerSchema)
+		return nil, nil
 	}
 	groups := slices.Clone(r.cfg.Groups)
 	if len(groups) == 0 {
 		if groups, err = r.store.RecordingGroups(ctx, tx); err != nil {
-			return nil, false, err
+			return nil, err
 		}
 	}
 	slices.Sort(groups)
-	return slices.Compact(groups), true, nil
+	return slices.Compact(groups), nil
 }
 
 // run does the checks inside the snapshots.
-func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, groups []string, present bool) error {
+func (r *runner) run(ctx context.Context, otx, ctx1 pgx.Tx, kr *kafkaReader, groups []string) error {
 	cfg := r.cfg
 	shards, err := outbox.ShardCount(ctx, otx, cfg.Schema)
 	if err != nil {
 		return err
 	}
 	r.rep.Outbox.Shards = shards
-	if !present {
-		r.note("consumer tables: not found in schema %s (migration 002_consumer is not applied there), so no consumer group was checked", cfg.ConsumerSchema)
-		groups = nil
-	}
 	r.note("dedup records are assumed kept for %s (the retention `eventline cleanup` runs with): an event committed before %s without one is counted as unverifiable, not lost",
 		human(cfg.DedupRetention), r.rep.DedupHorizon.UTC().Format(time.RFC3339))
 
