@@ -153,7 +153,7 @@ func (r *runner) judge(gs *groupState, u classified) {
 		relayed("relayed; Kafka was not read, so whether the group has consumed it is unknown")
 		return
 	}
-	l := r.kafka.lookup(u.EventID, u.Topic, u.CreatedAt, clockSkew)
+	l := r.kafka.lookup(u.EventID, u.Topic, u.CreatedAt)
 	switch {
 	case l.absent:
 		lost(fmt.Sprintf("relayed, but not on Kafka topic %s (read from the log start, where nothing was deleted, to the high watermark)", u.Topic))

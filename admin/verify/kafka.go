@@ -50,11 +50,11 @@ type topicPartition struct {
 	partition int32
 }
 
-// topicState is what verify learned about one event topic.
+// topicState is what verify learned about one event topic; its
+// summary's RetentionHorizon is nil when Kafka deleted nothing.
 type topicState struct {
-	summary   TopicSummary
-	retention time.Time // zero: Kafka deleted nothing
-	unknown   bool      // missing, or compacted: absence proves nothing
+	summary TopicSummary
+	unknown bool // missing, or compacted: absence proves nothing
 }
 
 // kafkaIndex is the event records of the topics read, sorted by event key.
@@ -289,8 +289,8 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 			mu.Lock()
 			defer mu.Unlock()
 			j.st.summary.Records += n
-			if j.b.start > 0 && last >= 0 && first.After(j.st.retention) {
-				j.st.retention = first
+			if rh := j.st.summary.RetentionHorizon; j.b.start > 0 && last >= 0 && (rh == nil || first.After(*rh)) {
+				j.st.summary.RetentionHorizon = &first
 			}
 			if j.b.start > 0 && last < 0 {
 				// Everything Kafka kept was deleted: nothing here can be
@@ -312,12 +312,6 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 		a, b := idx.records[i-1], idx.records[i]
 		if a.key == b.key && a.topic == b.topic {
 			idx.topics[b.topic].summary.Duplicates++
-		}
-	}
-	for _, st := range idx.topics {
-		if !st.retention.IsZero() {
-			r := st.retention
-			st.summary.RetentionHorizon = &r
 		}
 	}
 	return nil
@@ -352,8 +346,8 @@ type kafkaLookup struct {
 }
 
 // lookup finds an event's records on its topic. createdAt is when the
-// event was committed; skew allows for clock differences.
-func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time, skew time.Duration) kafkaLookup {
+// event was committed.
+func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time) kafkaLookup {
 	ti, ok := idx.byName[topic]
 	if !ok {
 		return kafkaLookup{}
@@ -370,7 +364,7 @@ func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time, skew t
 	if len(l.copies) > 0 || st.unknown {
 		return l
 	}
-	if !st.retention.IsZero() && createdAt.Before(st.retention.Add(skew)) {
+	if rh := st.summary.RetentionHorizon; rh != nil && createdAt.Before(rh.Add(clockSkew)) {
 		l.deleted = true
 	} else {
 		l.absent = true
