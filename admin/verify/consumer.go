@@ -118,17 +118,12 @@ type heldRow struct {
 	Attempts  int
 }
 
-// heldSQL reads the held events of kind held in the window in one of the
-// statuses, oldest first, as heldRow; groups are $3 unless kind is the
-// relay's.
+// heldSQL reads the groups' held events of kind held in the window in one
+// of the statuses, oldest first, as heldRow (the relay's group is "").
 func heldSQL(kind, statuses string) string {
-	groups := ` AND h.consumer_group = ANY($3)`
-	if kind == "relay_dead_letter" {
-		groups = ""
-	}
 	return `SELECT ` + eventColumnsOf("h", "held_at") + `, h.id, h.cause, h.reason, h.status = 'replay_requested',
 			coalesce(h.shard, 0), h.topic, coalesce(h.last_error, ''), h.attempts
-		FROM {schema}.held_events h WHERE h.kind = '` + kind + `' AND h.status IN (` + statuses + `)` + groups + ` AND ` +
+		FROM {schema}.held_events h WHERE h.kind = '` + kind + `' AND h.status IN (` + statuses + `) AND h.consumer_group = ANY($3) AND ` +
 		windowSQL("h.held_at") + ` ORDER BY h.held_at, h.id`
 }
 

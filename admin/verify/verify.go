@@ -357,7 +357,7 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 		f := d.finding(Problem, DeadLetter, r.outboxNow, detail+" — replay it with `eventline held replay "+fmt.Sprint(d.ID)+"`")
 		f.Topic = d.Topic
 		r.details.add(f)
-	}, sqlident.SQL(r.cfg.Schema, heldSQL("relay_dead_letter", open+", 'discarded'")), r.w.since, r.w.until)
+	}, sqlident.SQL(r.cfg.Schema, heldSQL("relay_dead_letter", open+", 'discarded'")), r.w.since, r.w.until, []string{""})
 }
 
 // reconcile matches every outbox event of the window with the records of
