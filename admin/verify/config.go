@@ -192,22 +192,6 @@ func trimQuery(q string) string {
 	return strings.TrimRight(strings.TrimSpace(q), "; \t\n")
 }
 
-// window is the time window of a check, as SQL parameters (nil: unbounded).
-type window struct {
-	since, until *time.Time
-}
-
-func newWindow(since, until time.Time) window {
-	var w window
-	if !since.IsZero() {
-		w.since = &since
-	}
-	if !until.IsZero() {
-		w.until = &until
-	}
-	return w
-}
-
 // windowSQL returns a condition on col (a timestamptz expression) using
 // the parameters $1 (since) and $2 (until).
 func windowSQL(col string) string {

@@ -101,8 +101,8 @@ var outboxSummarySQL = `SELECT count(*), count(*) FILTER (WHERE relayed), min(cr
 
 // scanOutboxEvents streams one shard's events in the window to fn in
 // chunks of at most size, for lookups in a separate consumer database.
-func scanOutboxEvents(ctx context.Context, tx pgx.Tx, schema string, shard int, w window, size int, fn func([]outboxEvent) error) error {
-	rows, err := tx.Query(ctx, eventsSQL(schema, shard), w.since, w.until)
+func scanOutboxEvents(ctx context.Context, tx pgx.Tx, schema string, shard int, since, until *time.Time, size int, fn func([]outboxEvent) error) error {
+	rows, err := tx.Query(ctx, eventsSQL(schema, shard), since, until)
 	if err != nil {
 		return fmt.Errorf("read outbox shard %d: %w", shard, err)
 	}

@@ -45,7 +45,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 			detail += fmt.Sprintf(" (parked for longer than %s: is the consumer's sweeper running?)", human(r.cfg.MaxParkedAge))
 		}
 		r.details.add(p.finding(sev, Parked, r.consumerNow, detail))
-	}, r.consumerSQL(parkedSQL), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(parkedSQL), r.rep.Since, r.rep.Until, groups)
 	if err != nil {
 		return err
 	}
@@ -57,7 +57,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 		r.details.add(Finding{Severity: Warning, Kind: Skipped, Group: sk.Group, AggregateType: sk.AggregateType, AggregateID: sk.AggregateID,
 			AggregateVersion: sk.From, ToVersion: sk.To, At: &at, AgeSeconds: max(r.consumerNow.Sub(at), 0).Seconds(),
 			Detail: "versions given up on: " + held.Truncate(sk.Reason, maxReasonLength)})
-	}, r.consumerSQL(skippedSQL), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(skippedSQL), r.rep.Since, r.rep.Until, groups)
 	if err != nil {
 		return err
 	}
@@ -68,7 +68,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 			detail = fmt.Sprintf("late (%s), its replay was requested; the consumer's sweeper applies it (is it running?): %s", l.Cause, held.Truncate(l.Reason, maxReasonLength))
 		}
 		r.details.add(l.finding(Warning, Late, r.consumerNow, detail))
-	}, r.consumerSQL(heldSQL("late", open)), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(heldSQL("late", open)), r.rep.Since, r.rep.Until, groups)
 	if err != nil {
 		return err
 	}
@@ -96,7 +96,7 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	}
 	return each(ctx, ctx1, "check the order events were applied in", func(o versionRow[int64]) {
 		r.outOfOrder(r.groups[o.Group], o, "processed_at and by the transaction that applied it")
-	}, r.consumerSQL(outOfOrderSQL), r.w.since, r.w.until, byRecords)
+	}, r.consumerSQL(outOfOrderSQL), r.rep.Since, r.rep.Until, byRecords)
 }
 
 // checkConsumerDeadLetters reports the groups' dead letters neither
@@ -116,7 +116,7 @@ func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, grou
 			detail += ": " + held.Truncate(d.Reason, maxReasonLength)
 		}
 		r.details.add(d.finding(Problem, DeadLetter, r.consumerNow, detail))
-	}, r.consumerSQL(heldSQL("dead_letter", open)), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(heldSQL("dead_letter", open)), r.rep.Since, r.rep.Until, groups)
 }
 
 // checkDiscarded reports events a group discarded as stale because another
@@ -129,5 +129,5 @@ func (r *runner) checkDiscarded(ctx context.Context, ctx1 pgx.Tx, groups []strin
 		r.details.add(d.finding(Problem, Discarded, r.consumerNow, fmt.Sprintf("discarded as stale: the group had applied v%d of %s/%s from another event, %s, so this event's effect was never applied. "+
 			"Two events claim one version: a producer's sequence fell behind what consumers had seen (after a failover that lost commits, run `eventline relay advance-sequences` before producers start); "+
 			"re-publish this event if its effect is needed", d.Version, d.AggregateType, d.AggregateID, d.Other)))
-	}, r.consumerSQL(discardedSQL), r.w.since, r.w.until, groups)
+	}, r.consumerSQL(discardedSQL), r.rep.Since, r.rep.Until, groups)
 }

@@ -31,8 +31,9 @@ type groupState struct {
 
 // runner is one Run.
 type runner struct {
-	cfg     Config
-	w       window
+	cfg Config
+	// rep is the report being written; its Since and Until, nil when
+	// unbounded, are the window's SQL parameters.
 	rep     *Report
 	details *details
 	groups  map[string]*groupState
@@ -65,14 +66,19 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 		return nil, err
 	}
 	r := &runner{
-		cfg: cfg, w: newWindow(cfg.Since, cfg.Until), details: newDetails(cfg.MaxDetails),
+		cfg: cfg, details: newDetails(cfg.MaxDetails),
 		groups: map[string]*groupState{}, store: st, separate: !outbox.NilHandle(consumerDB),
 	}
 	if !r.separate {
 		consumerDB = db
 	}
-	r.rep = &Report{Schema: cfg.Schema, ConsumerSchema: cfg.ConsumerSchema, SeparateConsumerDatabase: r.separate,
-		Since: r.w.since, Until: r.w.until}
+	r.rep = &Report{Schema: cfg.Schema, ConsumerSchema: cfg.ConsumerSchema, SeparateConsumerDatabase: r.separate}
+	if !cfg.Since.IsZero() {
+		r.rep.Since = &cfg.Since
+	}
+	if !cfg.Until.IsZero() {
+		r.rep.Until = &cfg.Until
+	}
 
 	var kr *kafkaReader
 	if len(cfg.Brokers) > 0 {
@@ -297,12 +303,12 @@ func (r *runner) overEvents(ctx context.Context, otx pgx.Tx, shards int, build f
 	run func(query string, args ...any) error, args ...any) error {
 	for shard := 0; shard < shards; shard++ {
 		if !r.separate {
-			if err := run(build(eventsSQL(r.cfg.Schema, shard), 3), append([]any{r.w.since, r.w.until}, args...)...); err != nil {
+			if err := run(build(eventsSQL(r.cfg.Schema, shard), 3), append([]any{r.rep.Since, r.rep.Until}, args...)...); err != nil {
 				return err
 			}
 			continue
 		}
-		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.w, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
+		err := scanOutboxEvents(ctx, otx, r.cfg.Schema, shard, r.rep.Since, r.rep.Until, r.cfg.ChunkSize, func(chunk []outboxEvent) error {
 			return run(build(chunkEventsSQL, chunkParams), append([]any{chunk}, args...)...)
 		})
 		if err != nil {
@@ -330,7 +336,7 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 	for shard := 0; shard < shards; shard++ {
 		var events, relayed int64
 		var o *time.Time
-		err := otx.QueryRow(ctx, outbox.SQL(r.cfg.Schema, shard, outboxSummarySQL), r.w.since, r.w.until, outbox.RelayConsumerGroup).Scan(&events, &relayed, &o)
+		err := otx.QueryRow(ctx, outbox.SQL(r.cfg.Schema, shard, outboxSummarySQL), r.rep.Since, r.rep.Until, outbox.RelayConsumerGroup).Scan(&events, &relayed, &o)
 		if err != nil {
 			return fmt.Errorf("read outbox shard %d: %w", shard, err)
 		}
@@ -357,7 +363,7 @@ func (r *runner) checkOutbox(ctx context.Context, otx pgx.Tx, shards int) error 
 		f := d.finding(Problem, DeadLetter, r.outboxNow, detail+" — replay it with `eventline held replay "+fmt.Sprint(d.ID)+"`")
 		f.Topic = d.Topic
 		r.details.add(f)
-	}, sqlident.SQL(r.cfg.Schema, heldSQL("relay_dead_letter", open+", 'discarded'")), r.w.since, r.w.until, []string{""})
+	}, sqlident.SQL(r.cfg.Schema, heldSQL("relay_dead_letter", open+", 'discarded'")), r.rep.Since, r.rep.Until, []string{""})
 }
 
 // reconcile matches every outbox event of the window with the records of
