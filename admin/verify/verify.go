@@ -92,9 +92,8 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 		r.note("Kafka: not read (no brokers given), so relayed events are not traced to Kafka or to the groups' Kafka offsets")
 	}
 
-	// The groups are listed before the snapshot, so their Kafka offsets
-	// can be fetched before it too: an offset committed before the
-	// snapshot covers only events whose records the snapshot shows.
+	// The groups' Kafka offsets are read before the snapshots (see the
+	// package documentation: How, and at what cost).
 	groups, err := r.listGroups(ctx, consumerDB)
 	if err != nil {
 		return nil, err
@@ -130,8 +129,6 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 
 // snapshot begins a REPEATABLE READ READ ONLY transaction on the what
 // database and takes its snapshot, reading the database's clock into now.
-// Read-only, it takes no transaction id, so it does not hold back the
-// relays (which read only below the oldest running transaction id).
 func (r *runner) snapshot(ctx context.Context, db admin.Beginner, what string, now *time.Time) (pgx.Tx, error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
