@@ -12,8 +12,11 @@ import (
 	"github.com/eventline/eventline/internal/held"
 )
 
-// checkConsumerState reports parked events, skipped gaps, events applied
-// out of order, consumer dead letters and the effects queries' findings.
+// checkConsumerState reports parked events, skipped gaps, late events,
+// the effects queries' findings, consumer dead letters (held_events of
+// kind dead_letter neither replayed nor discarded), events discarded as
+// stale while another held their version, and events applied out of
+// order.
 func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	for g := range r.cfg.EffectsQueries {
 		if r.groups[g] == nil {
@@ -85,10 +88,24 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 			byRecords = append(byRecords, g)
 		}
 	}
-	if err := r.checkConsumerDeadLetters(ctx, ctx1, groups); err != nil {
+	err = each(ctx, ctx1, "read the consumer dead letters", func(d heldRow) {
+		r.groups[d.Group].rep.ConsumerDeadLetters++
+		detail := "dead-lettered by the group (held event " + strconv.FormatInt(d.ID, 10) + "; eventline held replay)"
+		if d.Reason != "" {
+			detail += ": " + held.Truncate(d.Reason, maxReasonLength)
+		}
+		r.details.add(d.finding(Problem, DeadLetter, r.consumerNow, detail))
+	}, r.consumerSQL(heldSQL("dead_letter", open)), r.rep.Since, r.rep.Until, groups)
+	if err != nil {
 		return err
 	}
-	if err := r.checkDiscarded(ctx, ctx1, groups); err != nil {
+	err = each(ctx, ctx1, "check stale events against the versions applied", func(d versionRow[string]) {
+		r.groups[d.Group].rep.Discarded++
+		r.details.add(d.finding(Problem, Discarded, r.consumerNow, fmt.Sprintf("discarded as stale: the group had applied v%d of %s/%s from another event, %s, so this event's effect was never applied. "+
+			"Two events claim one version: a producer's sequence fell behind what consumers had seen (after a failover that lost commits, run `eventline relay advance-sequences` before producers start); "+
+			"re-publish this event if its effect is needed", d.Version, d.AggregateType, d.AggregateID, d.Other)))
+	}, r.consumerSQL(discardedSQL), r.rep.Since, r.rep.Until, groups)
+	if err != nil {
 		return err
 	}
 	if len(byRecords) == 0 {
@@ -97,37 +114,4 @@ func (r *runner) checkConsumerState(ctx context.Context, ctx1 pgx.Tx) error {
 	return each(ctx, ctx1, "check the order events were applied in", func(o versionRow[int64]) {
 		r.outOfOrder(r.groups[o.Group], o, "processed_at and by the transaction that applied it")
 	}, r.consumerSQL(outOfOrderSQL), r.rep.Since, r.rep.Until, byRecords)
-}
-
-// checkConsumerDeadLetters reports the groups' dead letters neither
-// replayed nor discarded (held_events of kind dead_letter).
-func (r *runner) checkConsumerDeadLetters(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
-	for _, gs := range r.groups {
-		gs.rep.DeadLetterSources = append(gs.rep.DeadLetterSources, "held_events")
-	}
-	return each(ctx, ctx1, "read the consumer dead letters", func(d heldRow) {
-		gs := r.groups[d.Group]
-		if gs == nil {
-			return
-		}
-		gs.rep.ConsumerDeadLetters++
-		detail := "dead-lettered by the group (held event " + strconv.FormatInt(d.ID, 10) + "; eventline held replay)"
-		if d.Reason != "" {
-			detail += ": " + held.Truncate(d.Reason, maxReasonLength)
-		}
-		r.details.add(d.finding(Problem, DeadLetter, r.consumerNow, detail))
-	}, r.consumerSQL(heldSQL("dead_letter", open)), r.rep.Since, r.rep.Until, groups)
-}
-
-// checkDiscarded reports events a group discarded as stale because another
-// event had been applied at their version. The gate's stale outcome is
-// not trusted: an event is stale legitimately only when it is the one that
-// holds its version (a redelivery whose dedup record expired).
-func (r *runner) checkDiscarded(ctx context.Context, ctx1 pgx.Tx, groups []string) error {
-	return each(ctx, ctx1, "check stale events against the versions applied", func(d versionRow[string]) {
-		r.groups[d.Group].rep.Discarded++
-		r.details.add(d.finding(Problem, Discarded, r.consumerNow, fmt.Sprintf("discarded as stale: the group had applied v%d of %s/%s from another event, %s, so this event's effect was never applied. "+
-			"Two events claim one version: a producer's sequence fell behind what consumers had seen (after a failover that lost commits, run `eventline relay advance-sequences` before producers start); "+
-			"re-publish this event if its effect is needed", d.Version, d.AggregateType, d.AggregateID, d.Other)))
-	}, r.consumerSQL(discardedSQL), r.rep.Since, r.rep.Until, groups)
 }

@@ -233,7 +233,7 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 	}
 	var infer []string
 	for _, g := range groups {
-		gs := &groupState{rep: &GroupReport{Group: g, Outcomes: map[string]int64{}, DeadLetterSources: []string{}}, topics: map[string]bool{}}
+		gs := &groupState{rep: &GroupReport{Group: g, Outcomes: map[string]int64{}, DeadLetterSources: []string{"held_events"}}, topics: map[string]bool{}}
 		r.groups[g] = gs
 		// A group that has versions but no dedup records runs the version
 		// gate without dedup; one with neither has not handled anything
