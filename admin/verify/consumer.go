@@ -46,13 +46,6 @@ func each[T any](ctx context.Context, tx pgx.Tx, what string, fn func(T), query 
 // groupTopic is a topic a group consumes.
 type groupTopic struct{ Group, Topic string }
 
-func (t groupTopic) addTo(m map[string]map[string]bool) {
-	if m[t.Group] == nil {
-		m[t.Group] = map[string]bool{}
-	}
-	m[t.Group][t.Topic] = true
-}
-
 // eventRow names the event a row of a consumer table (or of held_events)
 // is about: the first columns of every query below that reads one, in
 // this order, At being when the row was written (parked, held, applied).

@@ -259,24 +259,20 @@ func (r *runner) setUpGroups(ctx context.Context, otx, ctx1 pgx.Tx, groups []str
 		}
 	}
 	if len(infer) > 0 {
-		inferred := map[string]map[string]bool{}
-		err = each(ctx, ctx1, "read parked events' topics", func(t groupTopic) { t.addTo(inferred) }, r.consumerSQL(parkedTopicsSQL), infer)
+		add := func(t groupTopic) { r.groups[t.Group].topics[t.Topic] = true }
+		err = each(ctx, ctx1, "read parked events' topics", add, r.consumerSQL(parkedTopicsSQL), infer)
 		if err != nil {
 			return err
 		}
 		// The topics of the events they have dedup records of.
 		err = r.overEvents(ctx, otx, shards, inferTopicsSQL, func(query string, args ...any) error {
-			return each(ctx, ctx1, fmt.Sprintf("find the topics of groups %v", infer), func(t groupTopic) { t.addTo(inferred) }, r.consumerSQL(query), args...)
+			return each(ctx, ctx1, fmt.Sprintf("find the topics of groups %v", infer), add, r.consumerSQL(query), args...)
 		}, infer)
 		if err != nil {
 			return err
 		}
 		for _, g := range infer {
 			gs := r.groups[g]
-			gs.topics = inferred[g]
-			if gs.topics == nil {
-				gs.topics = map[string]bool{}
-			}
 			gs.rep.TopicsFrom = "records"
 			if len(gs.topics) == 0 {
 				gs.rep.TopicsFrom = "none"
