@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"time"
 
@@ -158,10 +159,8 @@ func (c Config) validate() error {
 	if c.MaxDetails < NoDetails || c.ChunkSize < 0 {
 		return fmt.Errorf("verify.Config: MaxDetails (%d) and ChunkSize (%d) must be positive (0 means the default; MaxDetails may be NoDetails)", c.MaxDetails, c.ChunkSize)
 	}
-	for _, g := range c.Groups {
-		if g == "" {
-			return errors.New("verify.Config.Groups has an empty name")
-		}
+	if slices.Contains(c.Groups, "") {
+		return errors.New("verify.Config.Groups has an empty name")
 	}
 	for g, topics := range c.GroupTopics {
 		if g == "" || len(topics) == 0 {
@@ -174,7 +173,7 @@ func (c Config) validate() error {
 		}
 	}
 	for g, q := range c.EffectsQueries {
-		if g == "" || strings.TrimSpace(trimQuery(q)) == "" {
+		if g == "" || trimQuery(q) == "" {
 			return fmt.Errorf("verify.Config.EffectsQueries: group %q needs a name and a SELECT", g)
 		}
 	}
