@@ -10,7 +10,7 @@ import (
 	"github.com/eventline/eventline/internal/held"
 )
 
-// classifySQL joins an events relation (eventsSQL, columns eventColumns)
+// classifySQL joins an events relation (eventsSQL, of outboxEvent)
 // with the consumer groups' records. Parameters $p and $p+1 are parallel
 // arrays of (group, topic) pairs: an event is expected by the groups that
 // consume its topic.

@@ -12,8 +12,8 @@ import (
 
 // outboxEvent is one event as the outbox knows it: the newest outbox row
 // carrying its id in one shard, and what the relay did with it. Its
-// fields are the columns of the events relation (eventColumns), in order,
-// and their JSON names those of chunkEventsSQL.
+// fields are the columns of the events relation (eventsSQL,
+// chunkEventsSQL), in order, and their JSON names chunkEventsSQL's.
 type outboxEvent struct {
 	EventID       string    `json:"event_id"`
 	EventType     string    `json:"event_type"`
@@ -32,16 +32,12 @@ type outboxEvent struct {
 	RetryError    string `json:"retry_error"`
 }
 
-// eventColumns are the columns of the events relation, in order; the
-// classification query and the chunked lookup both rely on them.
-const eventColumns = `event_id, event_type, topic, aggregate_type, aggregate_id, version, created_at, relayed, dead, retry_attempts, retry_error`
-
 // relayedSQL is true for a row of {messages} m the relay's position
 // ({offsets} o) is at or past.
 const relayedSQL = `(o.consumer_group IS NOT NULL AND (m.transaction_id, m."offset") <= (o.last_processed_transaction_id, o.offset_acked))`
 
 // eventsSQL selects the events of one shard whose outbox row was written in
-// the window ($1 since, $2 until), as the relation eventColumns.
+// the window ($1 since, $2 until), as the relation of outboxEvent.
 //
 // The row is the outbox row as watermill-sql stores it: payload is the
 // forwarder envelope (destination_topic, uuid = the event id, metadata =
