@@ -105,7 +105,7 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 	}
 
 	ctx2 := context.WithoutCancel(ctx)
-	ctx1, err := r.snapshot(ctx, consumerDB, "consumer", &r.consumerNow)
+	ctx1, err := snapshot(ctx, consumerDB, "consumer", &r.consumerNow)
 	if err != nil {
 		return nil, err
 	}
@@ -113,7 +113,7 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 	otx := ctx1
 	r.outboxNow = r.consumerNow
 	if r.separate {
-		if otx, err = r.snapshot(ctx, db, "outbox", &r.outboxNow); err != nil {
+		if otx, err = snapshot(ctx, db, "outbox", &r.outboxNow); err != nil {
 			return nil, err
 		}
 		defer func() { _ = otx.Rollback(ctx2) }()
@@ -129,7 +129,7 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 
 // snapshot begins a REPEATABLE READ READ ONLY transaction on the what
 // database and takes its snapshot, reading the database's clock into now.
-func (r *runner) snapshot(ctx context.Context, db admin.Beginner, what string, now *time.Time) (pgx.Tx, error) {
+func snapshot(ctx context.Context, db admin.Beginner, what string, now *time.Time) (pgx.Tx, error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("read the %s database: %w", what, err)
@@ -157,7 +157,7 @@ func (r *runner) note(format string, args ...any) {
 // do not exist.
 func (r *runner) listGroups(ctx context.Context, db admin.Beginner) ([]string, error) {
 	var now time.Time
-	tx, err := r.snapshot(ctx, db, "consumer", &now)
+	tx, err := snapshot(ctx, db, "consumer", &now)
 	if err != nil {
 		return nil, err
 	}
