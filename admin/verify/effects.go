@@ -26,10 +26,11 @@ type twiceRow struct {
 	At                         *time.Time
 }
 
-// Dedup records are kept per event id and aggregate, so an id a producer
-// reused in several aggregates is that many events: their effects count
-// against the records whose handler ran. {effects} is the effects query
-// (group $1).
+// twiceSQL finds the event ids the effects query ({effects}) returns
+// more than once for group $1, with their dedup record. Dedup records are
+// kept per event id and aggregate, so an id a producer reused in several
+// aggregates is that many events: their effects count against the records
+// whose handler ran.
 const twiceSQL = `SELECT DISTINCT ON (d.event_id) d.event_id, d.n, COALESCE(p.aggregate_type, ''), COALESCE(p.aggregate_id, ''),
 		COALESCE(p.aggregate_version, 0), COALESCE(p.event_type, ''), p.processed_at
 	FROM (SELECT event_id::text AS event_id, count(*) AS n FROM {effects} GROUP BY 1 HAVING count(*) > 1) d
