@@ -23,8 +23,9 @@ import (
 // docs/DESIGN.md and checks every row against the constant it names, so
 // the table cannot drift from the code. A row naming a constant this test
 // does not know fails too: add it here. The verify.* rows name the
-// verifier's constants, which live with the eventline command in its own
-// module: cmd/eventline's TestDesignDefaultsMatchVerify checks those.
+// checker's constants (admin/verify), the defaults of `eventline
+// verify`'s flags: cmd/eventline's TestDesignDefaultsMatchVerify checks
+// those.
 func TestDesignDefaultsMatchTheCode(t *testing.T) {
 	want := map[string]string{
 		"migrations.DefaultSchema":                         migrations.DefaultSchema,

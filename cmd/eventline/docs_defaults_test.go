@@ -9,14 +9,14 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin/verify"
 )
 
 // TestDesignDefaultsMatchVerify checks the verify.* rows of docs/DESIGN.md's
-// "Defaults at a glance" table against the verifier's constants, which
-// live here with the command (the library's TestDesignDefaultsMatchTheCode
-// checks the other rows). A verify.* row this test does not know fails
-// too: add it here.
+// "Defaults at a glance" table against the checker's constants
+// (admin/verify), the defaults of `eventline verify`'s flags (the
+// library's TestDesignDefaultsMatchTheCode checks the other rows). A
+// verify.* row this test does not know fails too: add it here.
 func TestDesignDefaultsMatchVerify(t *testing.T) {
 	want := map[string]string{
 		"verify.DefaultMaxPendingAge": human(verify.DefaultMaxPendingAge),

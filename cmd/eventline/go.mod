@@ -5,7 +5,6 @@ go 1.26.0
 require (
 	github.com/IBM/sarama v1.61.1
 	github.com/ThreeDotsLabs/watermill v1.5.3
-	github.com/ThreeDotsLabs/watermill-kafka/v3 v3.1.4
 	github.com/eventline/eventline v0.0.0
 	github.com/google/uuid v1.6.0
 	github.com/jackc/pgx/v5 v5.12.0
@@ -15,10 +14,10 @@ require (
 	github.com/twmb/franz-go/pkg/kfake v0.0.0-20260918054303-01f206a7e32c
 	github.com/twmb/franz-go/pkg/kmsg v1.15.1
 	go.uber.org/goleak v1.3.0
-	pgregory.net/rapid v1.3.0
 )
 
 require (
+	github.com/ThreeDotsLabs/watermill-kafka/v3 v3.1.4 // indirect
 	github.com/ThreeDotsLabs/watermill-sql/v4 v4.1.3 // indirect
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/cenkalti/backoff/v5 v5.0.3 // indirect

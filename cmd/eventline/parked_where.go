@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin/verify"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/producer"

@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"time"
 
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/admin/verify"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/sqlident"
 )
@@ -134,7 +136,7 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
-	var consumerDB verify.DB
+	var consumerDB admin.Beginner
 	if consumerURL != "" {
 		db := database{url: consumerURL, what: "the consumer database", flag: "-consumer-database-url (or " + envConsumerDatabaseURL + ")"}
 		if consumerDB, err = inv.openPool(ctx, db, 2); err != nil {
@@ -146,7 +148,7 @@ func runVerify(ctx context.Context, inv *invocation) error {
 	if err != nil {
 		return err
 	}
-	if err := inv.output(rep, rep.WriteText); err != nil {
+	if err := inv.output(rep, func(w io.Writer) error { return writeVerifyText(w, rep) }); err != nil {
 		return err
 	}
 	if !rep.OK || (*strict && rep.Warnings > 0) {

@@ -274,7 +274,7 @@ func TestVerify(t *testing.T) {
 		require.Equal(t, exitProblems, r.code)
 		require.Equal(t, "eventline verify: found 5 problems; see the report above\n", r.stderr)
 		out := r.stdout
-		require.Contains(t, out, "Outbox: 2 shards, 9 events, 8 relayed, 1 pending (oldest 1h0m), 0 retrying, 1 dead letter not replayed")
+		require.Contains(t, out, "Outbox: 2 shards, 9 events, 8 relayed, 1 pending (oldest 1h), 0 retrying, 1 dead letter not replayed")
 		require.Contains(t, out, "Kafka: not read")
 		require.Regexp(t, `(?m)^billing\s+orders\s+9\s+6\s+1\s+1\s+1\s+0\s+1\s+1\s+1\s+1\s+0\s+0$`, out)
 		for _, want := range []string{

@@ -149,7 +149,7 @@ func chaosSeed(t *testing.T) (uint64, *rand.Rand) {
 // for a while, the consumer's database refused and reset, Kafka refusing
 // produce requests with a retriable error (kfake) or connections (Apache
 // Kafka). Then, faults over, every event must be applied once, in order,
-// and internal/verify must report nothing:
+// and admin/verify must report nothing:
 // no problem, no warning (nothing lost, dead-lettered, skipped or applied
 // twice). Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 func TestChaosLosesNothing(t *testing.T) {

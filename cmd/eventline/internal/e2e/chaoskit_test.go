@@ -1,8 +1,8 @@
 package e2e_test
 
 import (
-	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"sync"
@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin/verify"
 )
 
 // What the chaos tests (relays, consumers, PostgreSQL crashes) share: a
@@ -70,9 +70,9 @@ func (r *faultRig) publishAll(ctx context.Context, seed uint64) (stop func(), pu
 	return stop, func() int { return total }
 }
 
-// verifyGroup runs internal/verify on the rig's schema for group, whose
+// verifyGroup runs admin/verify on the rig's schema for group, whose
 // handler recorded its effects in the table effects, and returns the
-// report and its text.
+// report and its JSON, for failure messages.
 func (r *faultRig) verifyGroup(ctx context.Context, group, effects string) (*verify.Report, string) {
 	r.t.Helper()
 	rep, err := verify.Run(ctx, r.env.Pool, nil, verify.Config{
@@ -81,9 +81,9 @@ func (r *faultRig) verifyGroup(ctx context.Context, group, effects string) (*ver
 		Logger:         testLogger(),
 	})
 	require.NoError(r.t, err)
-	var text bytes.Buffer
-	require.NoError(r.t, rep.WriteText(&text))
-	return rep, text.String()
+	text, err := json.MarshalIndent(rep, "", "  ")
+	require.NoError(r.t, err)
+	return rep, string(text)
 }
 
 // waitAllApplied waits up to two minutes for group to have applied total

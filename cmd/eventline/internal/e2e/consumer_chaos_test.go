@@ -197,7 +197,7 @@ func (c *consumerChildren) waitStable(live []*consumerChild, why string) time.Du
 // it resumes, finds out and rejoins), or stopped with SIGTERM (and
 // replaced); sometimes two at once (a kill or SIGTERM while another is
 // frozen, two kills in a row). Faults over, every event must be applied once, in
-// per-aggregate order, and internal/verify must report no problem and no
+// per-aggregate order, and admin/verify must report no problem and no
 // warning. Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 //
 // A fault only hits a consumer once the group is stable with exactly the

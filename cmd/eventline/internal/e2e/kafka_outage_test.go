@@ -36,7 +36,7 @@ const (
 // the relay nor a consumer is restarted: each must notice Kafka is back by
 // itself and catch up. In the end every committed event is applied
 // once, in per-aggregate order, with nothing dead-lettered (relay or
-// consumer), parked, skipped or held late, and internal/verify reports
+// consumer), parked, skipped or held late, and admin/verify reports
 // nothing.
 func TestKafkaOutageLosesNothing(t *testing.T) {
 	if testing.Short() {

@@ -34,7 +34,7 @@ import (
 // notice Kafka is back by itself. finish checks that every committed event
 // was applied once, in per-aggregate order, by both groups, with nothing
 // dead-lettered (relay or consumer), parked, skipped or held late, and that
-// internal/verify reports nothing.
+// admin/verify reports nothing.
 type kafkaLoad struct {
 	*faultRig
 	seed      uint64

@@ -41,7 +41,7 @@ import (
 // acknowledgement lost) committed: the outbox after the crashes is the
 // truth. Then every event in it, which includes every publish that
 // succeeded, is applied once, in per-aggregate order, nothing is
-// dead-lettered, parked or skipped, and internal/verify reports nothing.
+// dead-lettered, parked or skipped, and admin/verify reports nothing.
 // Rerun a failure with EVENTLINE_CHAOS_SEED set to the logged seed.
 func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 	seed, rng := longChaosTest(t, "creates a PostgreSQL cluster and crashes it: about half a minute")

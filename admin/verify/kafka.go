@@ -14,6 +14,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/eventline/eventline"
 )
@@ -49,19 +50,19 @@ type topicPartition struct {
 	partition int32
 }
 
-// topicState is what verify learned about one event topic.
+// topicState is what verify learned about one event topic; its
+// summary's RetentionHorizon is nil when Kafka deleted nothing.
 type topicState struct {
-	summary   TopicSummary
-	retention time.Time // zero: Kafka deleted nothing
-	unknown   bool      // missing, or compacted: absence proves nothing
+	summary TopicSummary
+	unknown bool // missing, or compacted: absence proves nothing
 }
 
 // kafkaIndex is the event records of the topics read, sorted by event key.
 type kafkaIndex struct {
-	topics   []string
-	topicIdx map[string]uint16
-	state    map[string]*topicState
-	records  []kafkaRecord
+	// topics are the topics read, kafkaRecord.topic indexing them.
+	topics  []*topicState
+	byName  map[string]uint16
+	records []kafkaRecord
 	// committed holds each group's committed offsets (the next offset it
 	// will read) per topic and partition, fetched before the database
 	// snapshot.
@@ -69,7 +70,7 @@ type kafkaIndex struct {
 }
 
 func newKafkaIndex() *kafkaIndex {
-	return &kafkaIndex{topicIdx: map[string]uint16{}, state: map[string]*topicState{}, committed: map[string]map[topicPartition]int64{}}
+	return &kafkaIndex{byName: map[string]uint16{}, committed: map[string]map[topicPartition]int64{}}
 }
 
 // kafkaReader reads topics through one Sarama client.
@@ -122,21 +123,6 @@ func (k *kafkaReader) groupOffsets(groups []string) (map[string]map[topicPartiti
 	return out, nil
 }
 
-// topicExists reports whether Kafka knows topic.
-func (k *kafkaReader) topicExists(topic string) (bool, error) {
-	if err := k.client.RefreshMetadata(topic); err != nil {
-		if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
-			return false, nil
-		}
-		return false, fmt.Errorf("read Kafka metadata of topic %s: %w", topic, err)
-	}
-	parts, err := k.client.Partitions(topic)
-	if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
-		return false, nil
-	}
-	return err == nil && len(parts) > 0, err
-}
-
 // compacted reports whether the topic's cleanup.policy includes compact.
 func (k *kafkaReader) compacted(topic string) (bool, error) {
 	results, err := k.admin.DescribeConfigs([]*sarama.ConfigResource{{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"cleanup.policy"}}},
@@ -167,11 +153,18 @@ type partitionBounds struct {
 }
 
 // bounds returns the partitions of topic with their log start offsets and
-// high watermarks, as of now.
+// high watermarks, as of now: none when Kafka does not know the topic.
 func (k *kafkaReader) bounds(topic string) ([]partitionBounds, error) {
-	parts, err := k.client.Partitions(topic)
+	err := k.client.RefreshMetadata(topic)
+	var parts []int32
+	if err == nil {
+		parts, err = k.client.Partitions(topic)
+	}
+	if errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+		return nil, nil
+	}
 	if err != nil {
-		return nil, fmt.Errorf("list the partitions of Kafka topic %s: %w", topic, err)
+		return nil, fmt.Errorf("read Kafka metadata of topic %s: %w", topic, err)
 	}
 	out := make([]partitionBounds, 0, len(parts))
 	for _, p := range parts {
@@ -202,7 +195,7 @@ func (k *kafkaReader) readPartition(ctx context.Context, consumer sarama.Consume
 		return first, lastRead, fmt.Errorf("read Kafka partition %s/%d: %w", topic, b.partition, err)
 	}
 	defer pc.AsyncClose()
-	idle := time.NewTimer(k.cfg.KafkaIdleTimeout)
+	idle := time.NewTimer(kafkaIdleTimeout)
 	defer idle.Stop()
 	for {
 		select {
@@ -231,7 +224,7 @@ func (k *kafkaReader) readPartition(ctx context.Context, consumer sarama.Consume
 			if m.Offset >= b.high-1 {
 				return first, lastRead, nil
 			}
-			idle.Reset(k.cfg.KafkaIdleTimeout) // Go 1.23+ timers: no stale fire after Reset
+			idle.Reset(kafkaIdleTimeout) // Go 1.23+ timers: no stale fire after Reset
 		}
 	}
 }
@@ -254,15 +247,14 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 	var jobs []job
 	for _, t := range eventTopics {
 		st := &topicState{summary: TopicSummary{Topic: t}}
-		idx.state[t] = st
 		ti := uint16(len(idx.topics))
-		idx.topics = append(idx.topics, t)
-		idx.topicIdx[t] = ti
-		ok, err := k.topicExists(t)
+		idx.topics = append(idx.topics, st)
+		idx.byName[t] = ti
+		parts, err := k.bounds(t)
 		if err != nil {
 			return err
 		}
-		if !ok {
+		if len(parts) == 0 {
 			st.summary.Missing, st.unknown = true, true
 			continue
 		}
@@ -273,43 +265,32 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 		}
 		st.summary.Compacted = compacted
 		st.unknown = st.unknown || compacted
-		parts, err := k.bounds(t)
-		if err != nil {
-			return err
-		}
 		st.summary.Partitions = len(parts)
 		for _, b := range parts {
 			jobs = append(jobs, job{topic: t, ti: ti, b: b, st: st})
 		}
 	}
-	var (
-		mu   sync.Mutex
-		wg   sync.WaitGroup
-		sem  = make(chan struct{}, kafkaReaders)
-		errs []error
-	)
+	var mu sync.Mutex
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(kafkaReaders)
 	for _, j := range jobs {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer func() { <-sem; wg.Done() }()
+		g.Go(func() error {
 			var recs []kafkaRecord
 			var n int64
-			first, last, err := k.readPartition(ctx, consumer, j.topic, j.b, func(m *sarama.ConsumerMessage) {
+			first, last, err := k.readPartition(gctx, consumer, j.topic, j.b, func(m *sarama.ConsumerMessage) {
 				n++
 				if id := RecordEventID(m); id != "" {
 					recs = append(recs, kafkaRecord{key: keyOf(id), topic: j.ti, partition: m.Partition, offset: m.Offset})
 				}
 			})
+			if err != nil {
+				return err
+			}
 			mu.Lock()
 			defer mu.Unlock()
-			if err != nil {
-				errs = append(errs, err)
-				return
-			}
 			j.st.summary.Records += n
-			if j.b.start > 0 && last >= 0 && first.After(j.st.retention) {
-				j.st.retention = first
+			if rh := j.st.summary.RetentionHorizon; j.b.start > 0 && last >= 0 && (rh == nil || first.After(*rh)) {
+				j.st.summary.RetentionHorizon = &first
 			}
 			if j.b.start > 0 && last < 0 {
 				// Everything Kafka kept was deleted: nothing here can be
@@ -317,10 +298,10 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 				j.st.unknown = true
 			}
 			idx.records = append(idx.records, recs...)
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := g.Wait(); err != nil {
 		return err
 	}
 	slices.SortFunc(idx.records, func(a, b kafkaRecord) int {
@@ -330,14 +311,7 @@ func (k *kafkaReader) read(ctx context.Context, idx *kafkaIndex, eventTopics []s
 	for i := 1; i < len(idx.records); i++ {
 		a, b := idx.records[i-1], idx.records[i]
 		if a.key == b.key && a.topic == b.topic {
-			idx.state[idx.topics[b.topic]].summary.Duplicates++
-		}
-	}
-	for _, t := range idx.topics {
-		st := idx.state[t]
-		if !st.retention.IsZero() {
-			r := st.retention
-			st.summary.RetentionHorizon = &r
+			idx.topics[b.topic].summary.Duplicates++
 		}
 	}
 	return nil
@@ -358,17 +332,6 @@ func RecordEventID(m *sarama.ConsumerMessage) string {
 	return uuid
 }
 
-// truncate shortens s to at most n bytes on a rune boundary.
-func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	for n > 0 && n < len(s) && s[n]&0xC0 == 0x80 {
-		n--
-	}
-	return s[:n] + "…"
-}
-
 // kafkaLookup is where an event was found on Kafka.
 type kafkaLookup struct {
 	// copies are the event's records on its topic.
@@ -383,13 +346,13 @@ type kafkaLookup struct {
 }
 
 // lookup finds an event's records on its topic. createdAt is when the
-// event was committed; skew allows for clock differences.
-func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time, skew time.Duration) kafkaLookup {
-	ti, ok := idx.topicIdx[topic]
-	st := idx.state[topic]
-	if !ok || st == nil {
+// event was committed.
+func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time) kafkaLookup {
+	ti, ok := idx.byName[topic]
+	if !ok {
 		return kafkaLookup{}
 	}
+	st := idx.topics[ti]
 	k := keyOf(eventID)
 	i, _ := slices.BinarySearchFunc(idx.records, k, func(r kafkaRecord, k eventKey) int { return bytes.Compare(r.key[:], k[:]) })
 	var l kafkaLookup
@@ -401,7 +364,7 @@ func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time, skew t
 	if len(l.copies) > 0 || st.unknown {
 		return l
 	}
-	if !st.retention.IsZero() && createdAt.Before(st.retention.Add(skew)) {
+	if rh := st.summary.RetentionHorizon; rh != nil && createdAt.Before(rh.Add(clockSkew)) {
 		l.deleted = true
 	} else {
 		l.absent = true
@@ -414,7 +377,7 @@ func (idx *kafkaIndex) lookup(eventID, topic string, createdAt time.Time, skew t
 func (idx *kafkaIndex) consumedBy(group string, l kafkaLookup) (kafkaRecord, int64, bool) {
 	offsets := idx.committed[group]
 	for _, r := range l.copies {
-		if c, ok := offsets[topicPartition{idx.topics[r.topic], r.partition}]; ok && c > r.offset {
+		if c, ok := offsets[topicPartition{idx.topics[r.topic].summary.Topic, r.partition}]; ok && c > r.offset {
 			return r, c, true
 		}
 	}

@@ -2,7 +2,7 @@ package verify_test
 
 import (
 	"context"
-	"strings"
+	"encoding/json"
 	"testing"
 	"time"
 
@@ -15,7 +15,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/eventline/eventline"
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin"
+	"github.com/eventline/eventline/admin/verify"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/outbox"
@@ -325,7 +326,7 @@ func (f *fixture) committedToEnd(group, topic string) bool {
 func (f *fixture) run(cfg verify.Config) *verify.Report {
 	f.t.Helper()
 	cfg.Schema = f.env.Schema
-	var consumerDB verify.DB
+	var consumerDB admin.Beginner
 	if f.consumer.Schema != f.env.Schema {
 		cfg.ConsumerSchema = f.consumer.Schema
 		consumerDB = f.consumer.Pool
@@ -337,9 +338,9 @@ func (f *fixture) run(cfg verify.Config) *verify.Report {
 	defer cancel()
 	rep, err := verify.Run(ctx, f.env.Pool, consumerDB, cfg)
 	require.NoError(f.t, err)
-	var text strings.Builder
-	require.NoError(f.t, rep.WriteText(&text))
-	f.t.Logf("verify:\n%s", text.String())
+	text, err := json.MarshalIndent(rep, "", "  ")
+	require.NoError(f.t, err)
+	f.t.Logf("verify:\n%s", text)
 	return rep
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"time"
 
@@ -42,10 +43,6 @@ const (
 	// DefaultDedupRetention is the dedup records' retention assumed when
 	// none is given: dedup.DefaultRetention, what `eventline cleanup` uses.
 	DefaultDedupRetention = dedup.DefaultRetention
-	// DefaultClockSkew is the allowance for clock differences between the
-	// producer's database, the consumer's database and the Kafka brokers
-	// when verify compares their timestamps.
-	DefaultClockSkew = time.Minute
 	// DefaultMaxDetails is how many findings of one kind are listed per
 	// consumer group (the oldest ones); the rest are only counted.
 	DefaultMaxDetails = 20
@@ -54,11 +51,18 @@ const (
 	// DefaultChunkSize is how many outbox events are looked up at once in a
 	// separate consumer database.
 	DefaultChunkSize = 5000
-	// DefaultKafkaIdleTimeout is how long a partition may deliver nothing
-	// before verify stops reading it short of the high watermark it took
-	// at the start (only transaction markers, which carry no event, can
-	// leave such a hole at the end of a partition).
-	DefaultKafkaIdleTimeout = 10 * time.Second
+)
+
+const (
+	// clockSkew is the allowance for clock differences between the
+	// producer's database, the consumer's database and the Kafka brokers
+	// when verify compares their timestamps.
+	clockSkew = time.Minute
+	// kafkaIdleTimeout is how long a partition may deliver nothing before
+	// verify stops reading it short of the high watermark it took at the
+	// start (only transaction markers, which carry no event, can leave
+	// such a hole at the end of a partition).
+	kafkaIdleTimeout = 10 * time.Second
 )
 
 // Config says what Run checks. The zero value checks every consumer group
@@ -73,9 +77,10 @@ type Config struct {
 	// consumer database. Defaults to Schema.
 	ConsumerSchema string
 	// Since and Until bound the window: events are selected by the time
-	// their outbox row was written, dead letters by dead_at, parked events
-	// by parked_at, skipped gaps by skipped_at and applied events (for the
-	// order check) by processed_at. Zero means unbounded.
+	// their outbox row was written, dead letters and late events by
+	// held_at, parked events by parked_at, skipped gaps by skipped_at and
+	// applied events (for the order check) by processed_at. Zero means
+	// unbounded.
 	Since, Until time.Time
 	// Groups limits the check to these consumer groups. Defaults to every
 	// group found in processed_events and aggregate_versions.
@@ -109,15 +114,11 @@ type Config struct {
 	// whose dedup record is missing is unverifiable, not lost: cleanup may
 	// have deleted the record. Defaults to DefaultDedupRetention.
 	DedupRetention time.Duration
-	// ClockSkew: see DefaultClockSkew.
-	ClockSkew time.Duration
 	// MaxDetails: see DefaultMaxDetails. NoDetails lists none: findings
 	// are only counted.
 	MaxDetails int
 	// ChunkSize: see DefaultChunkSize.
 	ChunkSize int
-	// KafkaIdleTimeout: see DefaultKafkaIdleTimeout.
-	KafkaIdleTimeout time.Duration
 	// Logger receives warnings about what could not be read in full.
 	// Defaults to slog.Default().
 	Logger *slog.Logger
@@ -129,19 +130,11 @@ func (c Config) withDefaults() Config {
 	c.MaxPendingAge = cmp.Or(c.MaxPendingAge, DefaultMaxPendingAge)
 	c.MaxParkedAge = cmp.Or(c.MaxParkedAge, DefaultMaxParkedAge)
 	c.DedupRetention = cmp.Or(c.DedupRetention, DefaultDedupRetention)
-	c.ClockSkew = cmp.Or(c.ClockSkew, DefaultClockSkew)
 	c.MaxDetails = cmp.Or(c.MaxDetails, DefaultMaxDetails)
 	c.ChunkSize = cmp.Or(c.ChunkSize, DefaultChunkSize)
-	c.KafkaIdleTimeout = cmp.Or(c.KafkaIdleTimeout, DefaultKafkaIdleTimeout)
 	c.Logger = cmp.Or(c.Logger, slog.Default())
 	if len(c.Brokers) > 0 && c.SaramaConfig == nil {
-		sc := sarama.NewConfig()
-		sc.ClientID = "eventline-verify"
-		sc.Version = kafkaconf.Version
-		sc.Consumer.Return.Errors = true
-		sc.Metadata.AllowAutoTopicCreation = false
-		sc.Metadata.Retry.Backoff = 250 * time.Millisecond
-		c.SaramaConfig = sc
+		c.SaramaConfig = kafkaconf.Consumer("eventline-verify")
 	}
 	return c
 }
@@ -158,7 +151,6 @@ func (c Config) validate() error {
 	}
 	for name, d := range map[string]time.Duration{
 		"MaxPendingAge": c.MaxPendingAge, "MaxParkedAge": c.MaxParkedAge, "DedupRetention": c.DedupRetention,
-		"ClockSkew": c.ClockSkew, "KafkaIdleTimeout": c.KafkaIdleTimeout,
 	} {
 		if d < 0 {
 			return fmt.Errorf("verify.Config.%s is %s; it must be positive (0 means the default)", name, d)
@@ -167,10 +159,8 @@ func (c Config) validate() error {
 	if c.MaxDetails < NoDetails || c.ChunkSize < 0 {
 		return fmt.Errorf("verify.Config: MaxDetails (%d) and ChunkSize (%d) must be positive (0 means the default; MaxDetails may be NoDetails)", c.MaxDetails, c.ChunkSize)
 	}
-	for _, g := range c.Groups {
-		if g == "" {
-			return errors.New("verify.Config.Groups has an empty name")
-		}
+	if slices.Contains(c.Groups, "") {
+		return errors.New("verify.Config.Groups has an empty name")
 	}
 	for g, topics := range c.GroupTopics {
 		if g == "" || len(topics) == 0 {
@@ -183,7 +173,7 @@ func (c Config) validate() error {
 		}
 	}
 	for g, q := range c.EffectsQueries {
-		if g == "" || strings.TrimSpace(trimQuery(q)) == "" {
+		if g == "" || trimQuery(q) == "" {
 			return fmt.Errorf("verify.Config.EffectsQueries: group %q needs a name and a SELECT", g)
 		}
 	}
@@ -201,24 +191,8 @@ func trimQuery(q string) string {
 	return strings.TrimRight(strings.TrimSpace(q), "; \t\n")
 }
 
-// window is the time window of a check, as SQL parameters (nil: unbounded).
-type window struct {
-	since, until *time.Time
-}
-
-func newWindow(since, until time.Time) window {
-	var w window
-	if !since.IsZero() {
-		w.since = &since
-	}
-	if !until.IsZero() {
-		w.until = &until
-	}
-	return w
-}
-
-// sql returns a condition on col (a timestamptz expression) using the
-// parameters $a (since) and $b (until).
-func windowSQL(col string, a, b int) string {
-	return fmt.Sprintf("($%d::timestamptz IS NULL OR %s >= $%d) AND ($%d::timestamptz IS NULL OR %s < $%d)", a, col, a, b, col, b)
+// windowSQL returns a condition on col (a timestamptz expression) using
+// the parameters $1 (since) and $2 (until).
+func windowSQL(col string) string {
+	return "($1::timestamptz IS NULL OR " + col + " >= $1) AND ($2::timestamptz IS NULL OR " + col + " < $2)"
 }

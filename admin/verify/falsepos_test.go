@@ -14,7 +14,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/admin"
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin/verify"
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/held"

@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin/verify"
 	"github.com/eventline/eventline/internal/sqlident"
 )
 

@@ -222,24 +222,8 @@ type GroupReport struct {
 	LateHeld int64 `json:"late_held"`
 }
 
-// finish sorts the findings, counts problems and warnings, and sets OK.
+// finish sorts the findings and sets OK.
 func (r *Report) finish() {
-	for _, f := range r.Findings {
-		switch f.Severity {
-		case Problem:
-			r.Problems++
-		case Warning:
-			r.Warnings++
-		}
-	}
-	for _, o := range r.Omitted {
-		switch o.Severity {
-		case Problem:
-			r.Problems += o.Count
-		case Warning:
-			r.Warnings += o.Count
-		}
-	}
 	sev := map[Severity]int{Problem: 0, Warning: 1, Info: 2}
 	slices.SortStableFunc(r.Findings, func(a, b Finding) int {
 		return cmp.Or(
@@ -283,7 +267,7 @@ type detailKey struct {
 }
 
 type bucket struct {
-	kept    []Finding // a min-heap on AgeSeconds once full
+	kept    []Finding
 	omitted int64
 }
 
@@ -291,7 +275,8 @@ func newDetails(limit int) *details {
 	return &details{limit: max(limit, 0), buckets: map[detailKey]*bucket{}}
 }
 
-// add records f, dropping the youngest finding of its bucket when full.
+// add records f; when its bucket is full, f replaces the youngest finding
+// kept if it is older.
 func (d *details) add(f Finding) {
 	k := detailKey{f.Group, f.Kind, f.Severity}
 	b := d.buckets[k]
@@ -301,27 +286,33 @@ func (d *details) add(f Finding) {
 	}
 	if len(b.kept) < d.limit {
 		b.kept = append(b.kept, f)
-		if len(b.kept) == d.limit {
-			slices.SortFunc(b.kept, byAge)
-		}
 		return
 	}
 	b.omitted++
-	if d.limit == 0 || f.AgeSeconds <= b.kept[0].AgeSeconds {
+	if d.limit == 0 {
 		return
 	}
-	// Replace the youngest (kept sorted, youngest first: limits are small).
-	b.kept[0] = f
-	for i := 1; i < len(b.kept) && byAge(b.kept[i-1], b.kept[i]) > 0; i++ {
-		b.kept[i-1], b.kept[i] = b.kept[i], b.kept[i-1]
+	youngest := 0 // limits are small: a scan does
+	for i := range b.kept {
+		if b.kept[i].AgeSeconds < b.kept[youngest].AgeSeconds {
+			youngest = i
+		}
+	}
+	if f.AgeSeconds > b.kept[youngest].AgeSeconds {
+		b.kept[youngest] = f
 	}
 }
 
-func byAge(a, b Finding) int { return cmp.Compare(a.AgeSeconds, b.AgeSeconds) }
-
-// into moves the kept findings and the omitted counts into r.
+// into moves the kept findings and the omitted counts into r, and counts
+// its problems and warnings.
 func (d *details) into(r *Report) {
 	for k, b := range d.buckets {
+		switch n := int64(len(b.kept)) + b.omitted; k.severity {
+		case Problem:
+			r.Problems += n
+		case Warning:
+			r.Warnings += n
+		}
 		r.Findings = append(r.Findings, b.kept...)
 		if b.omitted > 0 {
 			r.Omitted = append(r.Omitted, Omitted{Group: k.group, Kind: k.kind, Severity: k.severity, Count: b.omitted})

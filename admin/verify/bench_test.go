@@ -12,7 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/eventline/eventline/cmd/eventline/internal/verify"
+	"github.com/eventline/eventline/admin/verify"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
 	"github.com/eventline/eventline/internal/sqlident"
@@ -25,7 +25,7 @@ import (
 // processed_events. Compare the sub-benchmarks' ns/op as a ratio; peak-MB
 // is the largest Go heap seen during a run.
 //
-//	cd cmd/eventline && VERIFY_BENCH_EVENTS=1000000 go test -run '^$' -bench Verify -benchtime 1x ./internal/verify/
+//	VERIFY_BENCH_EVENTS=1000000 go test -run '^$' -bench Verify -benchtime 1x ./admin/verify/
 func BenchmarkVerify(b *testing.B) {
 	n := 20000
 	if v, err := strconv.Atoi(os.Getenv("VERIFY_BENCH_EVENTS")); err == nil && v > 0 {

@@ -1,7 +1,8 @@
 // Package verify checks an eventline pipeline's guarantees against its
 // data: the outbox and the relay's dead letters, what Kafka holds, and each
 // consumer group's dedup records, versions, parked events and skipped gaps.
-// It backs `eventline verify`, which runs it as a canary.
+// It backs `eventline verify`, which runs it as a canary; an operator's
+// own code can call Run too.
 //
 // # What is reconciled
 //
@@ -53,8 +54,9 @@
 // 32 MB per million records; nothing else grows with the data.
 //
 // Reads run in REPEATABLE READ READ ONLY transactions, which take no
-// transaction id and so do not hold back the relays; a long run does hold
-// back VACUUM for its duration.
+// transaction id and so do not hold back the relays (they read only below
+// the oldest running transaction id); a long run does hold back VACUUM
+// for its duration.
 //
 // # Limits
 //
@@ -76,5 +78,5 @@
 //     retained record. Topics read are the groups' topics.
 //   - Clocks: outbox created_at is read in this session's time zone (as
 //     `eventline cleanup` does); timestamps from different databases and
-//     from Kafka are compared with Config.ClockSkew of slack.
+//     from Kafka are compared with a minute of slack.
 package verify
