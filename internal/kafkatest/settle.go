@@ -14,7 +14,7 @@ const settleTimeout = 5 * time.Second
 // tests, it waits up to 5 s until no goroutine runs in Sarama's consumer
 // (a closed consumer's broker goroutines nap 100 ms before they notice and
 // exit, and on a loaded machine against Apache Kafka that outlasted
-// goleak's own retries: cmd/eventline/internal/verify failed once in a
+// goleak's own retries: admin/verify's tests failed once in a
 // make test-kafka run). A goroutine that is really left behind is still
 // there after the wait, and goleak reports it.
 func SettleSarama(m *testing.M) interface{ Run() int } { return settle{m} }
