@@ -56,7 +56,7 @@ const (
 // records one at a time or in batches and settles their offsets.
 type partitionRun struct {
 	sub       *subscription
-	cfg       subscriberConfig
+	cfg       Config
 	sess      sarama.ConsumerGroupSession
 	topic     string
 	partition int32

@@ -79,12 +79,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if ctx.Err() != nil {
 		return nil // cancelled before it started: a clean stop
 	}
-	sub := newSubscriber(subscriberConfig{
-		Brokers: cfg.Brokers, Group: cfg.Group, SaramaConfig: cfg.SaramaConfig,
-		Lanes: cfg.Lanes, BatchSize: cfg.BatchSize, BatchLinger: cfg.BatchLinger,
-		CloseTimeout: cfg.ShutdownTimeout, Logger: cfg.Logger,
-		Slots: c.slots(), coalesceHook: c.coalesceHook,
-	})
+	sub := newSubscriber(cfg, c.slots(), c.coalesceHook)
 	defer sub.Close()
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
