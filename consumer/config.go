@@ -74,11 +74,8 @@ type Config struct {
 	// at a time. Defaults to DefaultLanes (8); at most MaxLanes.
 	//
 	// A lane with a single event and nothing queued behind it hands the
-	// event to its topic's coalescer, which delivers at most
-	// min(the pool's MaxConns, max(Lanes, 2 × GOMAXPROCS)) such events at
-	// once, each alone and at once; beyond that, single events of the
-	// topic's lanes wait for a free delivery and share its transaction (up
-	// to BatchSize). See the package documentation, "Lanes and batches".
+	// event to its topic's coalescer (see the package documentation,
+	// "Lanes and batches").
 	Lanes int
 	// BatchSize is the most events of one lane applied in one PostgreSQL
 	// transaction (dedup records and version checks for the whole batch in

@@ -21,23 +21,15 @@ import (
 
 // Run consumes until ctx ends, then shuts down gracefully and returns nil.
 //
-// It subscribes to Config.Topics in Config.Group: each partition is split
-// into Config.Lanes lanes by aggregate (one aggregate's events stay in one
-// lane, in offset order), and each lane's waiting events, up to
-// Config.BatchSize, are applied in one transaction (Lanes and BatchSize
-// both 1: one event per partition at a time). It runs every message
-// through the middleware's chain (middleware.Eventline.AddHandler),
-// outermost first: dead-lettering ▸ retries (permanent errors skip them,
-// database outages wait without spending them) ▸ a detached context ▸ the
-// event-type check ▸ Config.Middleware ▸ the eventline transaction (dedup ▸
-// version gate) ▸ the handler registered for the event's type. The sweeper
-// for parked events runs next to it (middleware.Eventline.Run), and replays
-// the dead letters an operator asked to replay (`eventline held replay`).
-//
-// Dead letters are held in the held_events table in the consumer's
-// database, whole and whatever their size. While the database is
-// unavailable nothing is dead-lettered: events wait (see
-// middleware.IsInfrastructure) and the consumer resumes by itself.
+// It subscribes to Config.Topics in Config.Group, spreads each partition
+// over lanes and applies their events in batches (see the package
+// documentation, "Lanes and batches"), running every message through the
+// middleware's chain (middleware.Eventline.AddHandler), outermost first:
+// dead-lettering ▸ retries ▸ a detached context ▸ the event-type check ▸
+// Config.Middleware ▸ the eventline transaction (dedup ▸ version gate) ▸
+// the handler registered for the event's type. The sweeper for parked
+// events runs next to it (middleware.Eventline.Run), and replays the dead
+// letters an operator asked to replay (`eventline held replay`).
 //
 // When ctx ends Run stops taking messages, lets in-flight events finish
 // (their transactions commit or roll back as usual) for up to

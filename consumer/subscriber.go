@@ -37,10 +37,7 @@ const reconnectPause = time.Second
 // Delivery and offsets:
 //
 //   - The offset committed for a partition is the lowest offset whose
-//     message has not been acknowledged: no offset ever passes an event
-//     whose transaction has not committed. Acknowledged messages above it
-//     are redelivered after a restart or a rebalance (the dedup records
-//     make that a no-op).
+//     message has not been acknowledged (see offsetTracker).
 //   - A nacked message is delivered again, after a short pause, before
 //     anything else of its lane.
 //   - When a partition is revoked or the subscriber closes, no new message

@@ -36,9 +36,7 @@ import (
 //     There is no size limit and no broker that can refuse it, so a dead
 //     letter can never stall its partition.
 //
-// The cause is the error's own when it has a DeadLetterKind() string
-// method, else dedup.KindPermanent, dedup.KindRetriesExhausted or
-// dedup.KindFailed.
+// The cause is deadLetterKind's.
 type deadLetter struct {
 	db    held.DBTX
 	cfg   *Config

@@ -125,14 +125,10 @@
 //
 // # Effects outside the database
 //
-// [AfterCommit] runs a function after the consumer transaction commits: on
-// arrival, in a drain, and in the sweeper alike, and never for a rolled-back
-// savepoint. It is at most once: a crash between commit and hook loses it,
-// and the redelivery is a duplicate. For an external effect that must
-// happen, publish a follow-up event through the producer's outbox in the
-// consumer transaction (producer.PublishTx with the tx from
-// [TxFromContext]): it commits with the handler's writes and is delivered at
-// least once (see Example_outboxFollowUp).
+// [AfterCommit] runs a function after the consumer transaction commits, at
+// most once; an external effect that must happen is published as a
+// follow-up event through the producer's outbox in the consumer
+// transaction instead (see Example_outboxFollowUp).
 //
 // # Payload upcasting
 //

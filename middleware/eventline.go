@@ -32,29 +32,9 @@ type Pool interface {
 
 // Eventline applies each event once, in per-aggregate order, in a
 // PostgreSQL transaction, around a Watermill handler; [Eventline.Run]
-// applies parked events later and replays dead letters.
-//
-// For each message it decodes the event (a message that does not decode
-// fails with a permanent error and never reaches the handler), begins a
-// transaction on the pool and, in the same round trip, records the event
-// id and locks, checks and advances the aggregate's version in one
-// statement, runs the handler with the transaction and the event in the
-// message context, drains parked successors, and commits before
-// returning, so before the router acknowledges. Any error or panic rolls
-// everything back, the dedup record included. Duplicates and stale events
-// are acknowledged without running the handler; parked events are
-// acknowledged and applied later, in order; late events are held for the
-// operator (or applied at once, marked late, under ApplyLate). Events that
-// can never be applied are refused with a permanent error, counted in
-// eventline_consumer_events_refused_total and dead-lettered: an event id
-// recorded for a different event (id conflict), a version that would leave
-// more than MaxGap versions missing, an event that fails Validate or whose
-// content cannot be stored when it must be parked or held.
-//
-// Failures carry their kind (see [IsInfrastructure]): a database that is
-// unreachable, did not answer within Config.TxTimeout, or lost the
-// connection during COMMIT (the outcome is unknown; the dedup record
-// decides on the next attempt) is waited for, never dead-lettered.
+// applies parked events later and replays dead letters. What it does with
+// each message, and with each kind of failure, is the package
+// documentation's subject.
 //
 // [Eventline.AddHandler] puts dead letters and retries around it in the
 // only safe order; [Eventline.MiddlewareFor] is the middleware alone.
@@ -103,11 +83,6 @@ func New(db Pool, cfg Config) (*Eventline, error) {
 // the handler they arrived on. Errors come back to the Router as they
 // are: prefer [Eventline.AddHandler], which puts eventline's retries and
 // dead letters around it.
-//
-// Per event on the hot path it costs three round trips, as a bare handler
-// in its own transaction does: BEGIN travels in one batch with the
-// statement that records the event id and locks, checks and advances the
-// aggregate's version; then the handler's statements; then COMMIT.
 func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc { return el.wrap(handlerName, el.upcasting(h)) }
 }

@@ -13,10 +13,6 @@ import (
 	"github.com/eventline/eventline/internal/pgerr"
 )
 
-// The three kinds of failure (see the package documentation): the
-// event's fault (IsPermanent), the infrastructure's (IsInfrastructure),
-// and the handler's, maybe transient (anything else; IsConflict among it).
-
 // infraError marks a failure of the infrastructure rather than of the
 // event or the handler: the consumer waits and retries it without limit and
 // never dead-letters the event. The eventline middleware returns it when a

@@ -15,25 +15,12 @@ import (
 )
 
 // retry retries a failing attempt of the rest of the chain on Config's
-// schedule, telling the three kinds of failure apart (see
-// [IsInfrastructure]):
-//
-//   - a permanent error ([IsPermanent]) is returned at once, not retried;
-//   - an infrastructure error (the database is down, restarting, or did
-//     not answer) is retried for as long as it lasts, on InfraBackoff's
-//     schedule, and never spends the retry budget: a database outage never
-//     dead-letters an event; so is an unsafe composition (the event waits
-//     until the chain is fixed);
-//   - a transaction conflict ([IsConflict]) is retried on the Retry
-//     schedule without spending the budget;
-//   - any other error is the handler's: retry n (n = 1…MaxRetries) waits
-//     the Retry schedule's n-th wait; after the last retry fails the error
-//     is returned as a *retriesExhaustedError.
-//
+// schedule, each kind of failure its own way (see the package
+// documentation, "Three kinds of failure"); an unsafe composition waits
+// like an outage, until the chain is fixed. After the last retry of a
+// handler's failure the error is returned as a *retriesExhaustedError.
 // Each retry it schedules is an "eventline.retry" event on the process
-// span (see the package documentation's "Tracing"): the attempt that
-// failed (from 1, every kind counted), its kind, the wait after jitter and
-// the error.
+// span (see the package documentation's "Tracing").
 //
 // Every attempt starts from the context the message arrived with, so each
 // gets a fresh consumer transaction. When that context ends (shutdown) a

@@ -104,14 +104,9 @@ func (o observer) applied(ctx context.Context) {
 
 // traced wraps h (the chain puts it outermost, outside the dead letters
 // and retries, and the eventline middleware again inside them) in one
-// "process <topic>" span per delivery, unless the message context has one
-// already: kind consumer, continuing the trace the record's headers carry
-// (the relay's send span). Its attributes follow OpenTelemetry's
-// messaging conventions and add eventline's: the event type, the
-// aggregate's type, id and version, and eventline.outcome (applied,
-// duplicate, stale, parked, skipped, dead_lettered). The handler's message
-// context carries the span, so spans the handler starts nest under it.
-// Without a TracerProvider it returns h itself.
+// "process <topic>" span per delivery (see the package documentation,
+// "Tracing"), unless the message context has one already. Without a
+// TracerProvider it returns h itself.
 func (o observer) traced(group string, h message.HandlerFunc) message.HandlerFunc {
 	if o.tr == nil {
 		return h
