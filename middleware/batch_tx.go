@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime/debug"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -199,11 +198,10 @@ func (el *Eventline) admitBatch(ctx, bctx context.Context, items []*delivery.Arr
 
 // proceedInBatch runs the gate's decision and the handler for one member
 // in the batch's transaction, with the member's own context (its
-// after-commit hooks are its own; it ends when the batch's does),
-// recovering a panic as recoverPanics would. It returns the
-// context the hooks were registered on (canceled by then: only its values
-// are used afterwards).
-func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, tx pgx.Tx, a store.Admission) (out []*message.Message, ictx context.Context, err error) {
+// after-commit hooks are its own; it ends when the batch's does), behind
+// recoverPanics. It returns the context the hooks were registered on
+// (canceled by then: only its values are used afterwards).
+func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, tx pgx.Tx, a store.Admission) ([]*message.Message, context.Context, error) {
 	orig := it.Msg.Context()
 	// The member's context, ended with the batch's (its deadline too).
 	mctx, cancel := context.WithCancel(orig)
@@ -211,17 +209,16 @@ func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, 
 		mctx, cancel = context.WithDeadline(orig, d)
 	}
 	stop := context.AfterFunc(bctx, cancel)
-	ictx = delivery.WithTx(mctx, tx)
+	ictx := delivery.WithTx(mctx, tx)
 	it.Msg.SetContext(ictx)
 	defer func() {
 		stop()
 		cancel()
 		it.Msg.SetContext(orig)
-		if r := recover(); r != nil {
-			out, err = nil, &panicError{value: r, stack: debug.Stack()}
-		}
 	}()
-	out, err = el.gate.proceed(it.Msg, tx, it.Event, it.Handler, a)
+	out, err := recoverPanics(func(msg *message.Message) ([]*message.Message, error) {
+		return el.gate.proceed(msg, tx, it.Event, it.Handler, a)
+	})(it.Msg)
 	return out, ictx, err
 }
 

@@ -64,9 +64,9 @@ func (d *deadLetter) middleware(h message.HandlerFunc) message.HandlerFunc {
 		// The record's fields are hostile input: the dead letter keeps them
 		// whole, the warning only their start.
 		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline held`",
-			"group", d.cfg.Group, "held_event_id", id, "topic", rec.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField),
-			"event_id", truncate(rec.EventID, maxLoggedField), "event_type", truncate(rec.EventType, maxLoggedField),
-			"cause", rec.Cause, "error", truncate(err.Error(), maxLoggedError))
+			"group", d.cfg.Group, "held_event_id", id, "topic", rec.Topic, "message_uuid", held.Truncate(msg.UUID, maxLoggedField),
+			"event_id", held.Truncate(rec.EventID, maxLoggedField), "event_type", held.Truncate(rec.EventType, maxLoggedField),
+			"cause", rec.Cause, "error", held.Truncate(err.Error(), maxLoggedError))
 		return nil, nil
 	}
 }
@@ -114,7 +114,7 @@ func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec held.E
 			log = d.cfg.Logger.ErrorContext
 		}
 		log(ctx, "eventline: cannot write the dead letter; the message stays unacknowledged and the write is retried",
-			"group", d.cfg.Group, "message_uuid", truncate(msg.UUID, maxLoggedField), "attempt", attempt, "error", err)
+			"group", d.cfg.Group, "message_uuid", held.Truncate(msg.UUID, maxLoggedField), "attempt", attempt, "error", err)
 		if backoff.Sleep(ctx, backoff.Jittered(d.cfg.InfraBackoff, attempt)) != nil {
 			return 0, fmt.Errorf("eventline: dead letter not written before shutdown; the message stays unacknowledged: %w", err)
 		}
@@ -127,9 +127,6 @@ const maxLoggedError = 8 << 10
 // maxLoggedField bounds each of the record's own fields (message UUID,
 // event id, event type) in the dead-letter warning.
 const maxLoggedField = 256
-
-// truncate is held.Truncate: s cut to at most n bytes, on a rune boundary.
-var truncate = held.Truncate
 
 // record builds the dead letter of msg.
 func (d *deadLetter) record(ctx context.Context, msg *message.Message, err error) held.Event {

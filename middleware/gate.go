@@ -32,22 +32,16 @@ type gate struct {
 // newSweeper returns the sweeper of the gate's group, releasing parked
 // events through the registered handlers.
 func (g *gate) newSweeper(db store.Pool) *store.Sweeper {
+	txTimeout := g.cfg.TxTimeout
+	if txTimeout <= 0 {
+		txTimeout = time.Minute // transactions are unbounded: the sweeper still bounds each aggregate's
+	}
 	return g.store.NewSweeper(db, store.SweeperConfig{
 		Group: g.cfg.Group, ParkTimeout: g.cfg.ParkTimeout, Interval: g.cfg.SweepInterval, Batch: g.cfg.SweepBatch,
-		TxTimeout: sweepTxTimeout(g.cfg.TxTimeout), Logger: g.cfg.Logger,
+		TxTimeout: txTimeout, Logger: g.cfg.Logger,
 		Release: g.releaseOptions(g.applyParked),
 		OnSweep: g.observeSweep,
 	})
-}
-
-// sweepTxTimeout is the sweeper's bound per aggregate for the
-// middleware's TxTimeout: the same, or a minute when transactions are
-// unbounded.
-func sweepTxTimeout(d time.Duration) time.Duration {
-	if d <= 0 {
-		return time.Minute
-	}
-	return d
 }
 
 // releaseOptions are the gate's release limits with apply.

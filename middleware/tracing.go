@@ -14,6 +14,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/tracing"
 )
 
@@ -79,23 +80,14 @@ func processSpan(ctx context.Context) (trace.Span, bool) {
 	return sp, ok
 }
 
-// outcome records on the process span of ctx what became of the event.
+// outcome records on the process span of ctx what became of the event,
+// marking a late event (applied under ApplyLate) as such.
 func (o observer) outcome(ctx context.Context, outcome string) {
 	if o.tr == nil {
 		return
 	}
 	if sp, ok := processSpan(ctx); ok {
 		sp.SetAttributes(tracing.AttrOutcome.String(outcome))
-	}
-}
-
-// applied records the outcome applied, marking a late event as such.
-func (o observer) applied(ctx context.Context) {
-	if o.tr == nil {
-		return
-	}
-	if sp, ok := processSpan(ctx); ok {
-		sp.SetAttributes(tracing.AttrOutcome.String(tracing.OutcomeApplied))
 		if IsLate(ctx) {
 			sp.SetAttributes(tracing.AttrLate.Bool(true))
 		}
@@ -164,7 +156,7 @@ const maxSpanField = eventline.MaxIdentifierLength
 // refuses invalid UTF-8, losing the spans batched with it).
 func eventFromMetadata(md message.Metadata) eventline.Event {
 	field := func(k string) string {
-		return strings.ToValidUTF8(truncate(md.Get(k), maxSpanField), "\uFFFD")
+		return strings.ToValidUTF8(held.Truncate(md.Get(k), maxSpanField), "\uFFFD")
 	}
 	e := eventline.Event{
 		ID: field(eventline.MetaEventID), Type: field(eventline.MetaEventType),

@@ -175,9 +175,6 @@ func New(tp trace.TracerProvider, prop propagation.TextMapPropagator) *Tracer {
 	return &Tracer{tracer: tp.Tracer(ScopeName), prop: prop}
 }
 
-// Enabled reports whether t makes spans.
-func (t *Tracer) Enabled() bool { return t != nil }
-
 // Extract returns ctx carrying the trace context and baggage found in md
 // (message metadata, Kafka headers), or ctx unchanged when tracing is off.
 func (t *Tracer) Extract(ctx context.Context, md map[string]string) context.Context {
