@@ -157,13 +157,9 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics, when set, counts what happens to events (see NewMetrics).
 	Metrics *Metrics
-	// TracerProvider, when set, traces each event: a "process <topic>"
-	// span per delivery continuing the trace in the record's headers, with
-	// eventline.outcome; "release <topic>" spans for parked events applied
-	// later, linked to their original trace; "dead_letter <topic>" spans.
-	// Handlers find the span in their context, so their own spans nest
-	// under it. Defaults to nil: no spans, and no cost beyond a nil check
-	// per event.
+	// TracerProvider, when set, traces each event (see the package
+	// documentation, "Tracing"). Defaults to nil: no spans, and no cost
+	// beyond a nil check per event.
 	TracerProvider trace.TracerProvider
 	// Propagator reads the trace context from message metadata. Defaults
 	// to OpenTelemetry's global propagator if the application set one
