@@ -78,10 +78,8 @@ type Config struct {
 	// "Lanes and batches").
 	Lanes int
 	// BatchSize is the most events of one lane applied in one PostgreSQL
-	// transaction (dedup records and version checks for the whole batch in
-	// one round trip with BEGIN, the handlers one after the other, one
-	// COMMIT, then the offsets). Per-event guarantees are unchanged; an
-	// event that fails costs only itself. It also bounds how many single
+	// transaction (see the package documentation, "Lanes and batches"):
+	// per-event guarantees are unchanged. It also bounds how many single
 	// events of different lanes of a topic share one transaction when
 	// every delivery slot is busy (see Lanes). 1 applies each event in its
 	// own transaction (and coalesces nothing). Defaults to

@@ -61,9 +61,9 @@
 // fails or panics costs only itself (the others of its batch commit
 // without it, and it follows its own retries and dead-lettering). The
 // committed Kafka offset is always the lowest one not finished, so it never
-// passes an event whose transaction has not committed. Give the pool at
-// least partitions × Lanes connections for lanes to run in parallel;
-// Config.BatchLinger makes a lane wait for fuller batches. Lanes and
+// passes an event whose transaction has not committed (size the pool for
+// the lanes, see below). Config.BatchLinger makes a lane wait for fuller
+// batches. Lanes and
 // BatchSize both 1 restore one event per partition at a time.
 //
 // A lane that holds a single event with nothing behind it (the usual case

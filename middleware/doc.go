@@ -117,14 +117,6 @@
 // follow-up event through the producer's outbox in the consumer
 // transaction instead (see Example_outboxFollowUp).
 //
-// # Payload upcasting
-//
-// Config.Upcasters brings each event's payload to the current schema version
-// of its type (eventline.Upcasters) just before the handler runs, inside the
-// transaction, so events released from parking and replayed dead letters
-// pass through it too; parked and dead-lettered messages keep the payload as
-// published.
-//
 // # Tracing
 //
 // With Config.TracerProvider set, each delivery gets a "process <topic>"

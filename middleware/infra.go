@@ -13,12 +13,9 @@ import (
 	"github.com/eventline/eventline/internal/pgerr"
 )
 
-// infraError marks a failure of the infrastructure rather than of the
-// event or the handler: the consumer waits and retries it without limit and
-// never dead-letters the event. The eventline middleware returns it when a
-// database call failed because the database is unreachable or did not
-// answer, and when the outcome of a commit is unknown (the dedup record
-// decides on the next attempt). It matches ErrInfrastructure.
+// infraError is the eventline middleware's verdict that the database, not
+// the event or the handler, failed (see IsInfrastructure). It matches
+// ErrInfrastructure.
 type infraError struct {
 	op  string // what eventline was doing: "begin", "handler", "commit"…
 	err error
@@ -97,15 +94,7 @@ func IsInfrastructure(err error) bool {
 // Config.Retry's schedule without spending the retry budget, since it says
 // nothing about the event.
 func IsConflict(err error) bool {
-	var pg *pgconn.PgError
-	if err == nil || IsPermanent(err) || !errors.As(err, &pg) {
-		return false
-	}
-	switch pg.Code {
-	case "40001", "40P01", "55P03":
-		return true
-	}
-	return false
+	return err != nil && !IsPermanent(err) && pgerr.HasCode(err, "40001", "40P01", "55P03")
 }
 
 // permanentState reports whether a SQLSTATE says the statement can never
