@@ -168,12 +168,10 @@ func stoppedOnItsOwn(ctx context.Context, err error) error {
 	return fmt.Errorf("eventline consumer: %w", err)
 }
 
-// checkSchema checks that the consumer tables exist, failing with an
-// error matching middleware.ErrNotMigrated. While the database is
-// unavailable it waits for it, backing off like a running consumer in an
-// outage, instead of failing: a consumer started during a database restart
-// or failover starts consuming when the database answers. It returns nil
-// if ctx ends first.
+// checkSchema checks, before anything is consumed, what the middleware's
+// Run checks again before sweeping: that the consumer tables exist,
+// waiting while the database is unavailable (see Run). It returns nil if
+// ctx ends first.
 func (c *Consumer) checkSchema(ctx context.Context) error {
 	st, err := store.New(c.cfg.Schema)
 	if err != nil {
@@ -198,13 +196,10 @@ func (c *Consumer) checkSchema(ctx context.Context) error {
 	return nil
 }
 
-// waitForKafka connects to the brokers. While none answers it waits,
-// backing off like a consumer waiting for its database and logging a
-// warning that names the brokers, instead of failing: a consumer started
-// during a broker outage (or before the brokers) starts consuming when
-// Kafka answers, as a running consumer resumes after one. A Sarama
-// configuration error fails at once. It warns about topics that do not
-// exist yet (eventline creates none) and returns nil if ctx ends first.
+// waitForKafka connects to the brokers, waiting while none answers (see
+// Run); a Sarama configuration error fails at once. It warns about topics
+// that do not exist yet (eventline creates none) and returns nil if ctx
+// ends first.
 func (c *Consumer) waitForKafka(ctx context.Context) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
 	var client sarama.Client

@@ -67,9 +67,8 @@ func (g *gate) observeSweep(r store.SweepResult, err error) {
 // registered for p.Handler with p's message, the savepoint tx and the
 // decoded event in its context (and IsLate for a late event). Hooks the
 // handler registers with AfterCommit run when the sweeper's transaction
-// commits. Messages the handler returns cannot be published from the
-// sweeper and are dropped with a warning; handlers that emit events should
-// write them with the producer's PublishTx through tx.
+// commits. Messages the handler returns are dropped with a warning (see
+// the package documentation).
 func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p store.Parked) error {
 	h, err := g.handler(p.Handler)
 	if err != nil {
