@@ -65,17 +65,11 @@ type Config struct {
 	// OffsetOldest, or a new group skips events published before it
 	// started. New checks it with Sarama's Validate.
 	SaramaConfig *sarama.Config
-	// Lanes is how many lanes each Kafka partition is split into: events
-	// are spread over lanes by aggregate, each aggregate's events stay in
-	// one lane in offset order, and lanes run concurrently, so a slow
-	// handler is bound by the number of lanes rather than by the number of
-	// partitions. Give the pool at least partitions × Lanes connections
-	// for the lanes to run in parallel. 1 handles a partition's events one
-	// at a time. Defaults to DefaultLanes (8); at most MaxLanes.
-	//
-	// A lane with a single event and nothing queued behind it hands the
-	// event to its topic's coalescer (see the package documentation,
-	// "Lanes and batches").
+	// Lanes is how many lanes each Kafka partition is split into, by
+	// aggregate, to run concurrently (see the package documentation,
+	// "Lanes and batches", and how to size the pool for them). 1 handles a
+	// partition's events one at a time. Defaults to DefaultLanes (8); at
+	// most MaxLanes.
 	Lanes int
 	// BatchSize is the most events of one lane applied in one PostgreSQL
 	// transaction (see the package documentation, "Lanes and batches"):

@@ -104,9 +104,8 @@ func (g *gate) release(ctx context.Context, tx pgx.Tx, p store.Parked, h message
 		// A "release" span under the releasing span (the process span of
 		// the event that filled the gap, or none in the sweeper), linked
 		// to the trace the event arrived with.
-		link, linked := tr.LinkTo(p.Metadata)
 		var span trace.Span
-		ctx, span = tr.StartRelease(ctx, p.Topic, g.cfg.Group, e, link, linked)
+		ctx, span = tr.StartRelease(ctx, p.Topic, g.cfg.Group, e, p.Metadata)
 		span.SetAttributes(tracing.AttrParkedSeconds.Float64(time.Since(p.ParkedAt).Seconds()))
 		if p.Late {
 			span.SetAttributes(tracing.AttrLate.Bool(true))

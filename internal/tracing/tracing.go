@@ -238,12 +238,12 @@ func (t *Tracer) StartProcess(ctx context.Context, src Source, e eventline.Event
 // StartRelease starts the span of a parked event applied after it waited:
 // "release <topic>", a child of ctx's span (the process span of the event
 // that filled the gap, or none for the sweeper), linked to the trace the
-// event arrived with (link, when valid).
-func (t *Tracer) StartRelease(ctx context.Context, topic, group string, e eventline.Event, link trace.Link, linked bool) (context.Context, trace.Span) {
+// event arrived with (the span whose context md carries, if any).
+func (t *Tracer) StartRelease(ctx context.Context, topic, group string, e eventline.Event, md map[string]string) (context.Context, trace.Span) {
 	attrs := append(eventAttrs(topic, e, 10), AttrOperationType.String(operationSettle), AttrOperationName.String(operationNameRelease),
 		AttrConsumerGroup.String(group), AttrOutcome.String(OutcomeReleased))
 	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...)}
-	if linked {
+	if link, ok := t.LinkTo(md); ok {
 		opts = append(opts, trace.WithLinks(link))
 	}
 	return t.tracer.Start(ctx, "release "+topic, opts...)
