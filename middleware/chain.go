@@ -74,7 +74,7 @@ func (el *Eventline) chain(name string, inner message.HandlerFunc) message.Handl
 	for i := len(el.cfg.Middleware) - 1; i >= 0; i-- {
 		h = el.cfg.Middleware[i](h)
 	}
-	return el.gate.obs.traced(el.cfg.Group, el.dl.middleware(el.retry(h)))
+	return el.gate.obs.traced(el.cfg.Group, el.deadLetters(el.retry(h)))
 }
 
 // AddHandler adds fn to router as the consumer handler name for topic on

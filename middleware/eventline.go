@@ -14,6 +14,7 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/txhooks"
@@ -43,8 +44,9 @@ type Eventline struct {
 	cfg     Config // defaults filled in, validated
 	gate    *gate
 	sweeper *store.Sweeper
-	dl      *deadLetter
-	// hookPanic is reportHookPanic, bound once.
+	held    *held.Store // dead letters (held_events)
+	// hookPanic is reportHookPanic, bound once: the contexts of the
+	// consumer transactions report their AfterCommit hooks' panics to it.
 	hookPanic txhooks.PanicHandler
 }
 
@@ -68,11 +70,10 @@ func New(db Pool, cfg Config) (*Eventline, error) {
 	if err != nil {
 		return nil, fmt.Errorf("middleware.Config.MeterProvider: %w", err)
 	}
-	el := &Eventline{db: db, cfg: cfg}
+	el := &Eventline{db: db, cfg: cfg, held: st.Held()}
 	el.hookPanic = el.reportHookPanic
 	el.gate = &gate{cfg: &el.cfg, check: upcastable(cfg.Upcasters, cfg.Validate), store: st, reg: newRegistry(), obs: obs}
 	el.sweeper = el.gate.newSweeper(db)
-	el.dl = &deadLetter{db: db, cfg: &el.cfg, store: st.Held(), tr: obs.tr}
 	return el, nil
 }
 
@@ -105,7 +106,7 @@ func (el *Eventline) Sweep(ctx context.Context) error {
 
 // sweep makes one sweeper pass and counts it.
 func (el *Eventline) sweep(ctx context.Context) (store.SweepResult, error) {
-	res, err := el.sweeper.Sweep(el.withHookReports(ctx))
+	res, err := el.sweeper.Sweep(txhooks.WithPanicHandler(ctx, el.hookPanic))
 	el.gate.observeSweep(res, err)
 	return res, err
 }
@@ -125,7 +126,7 @@ func (el *Eventline) Run(ctx context.Context) error {
 	if err := el.checkMigrated(ctx); err != nil {
 		return err
 	}
-	ctx = el.withHookReports(ctx)
+	ctx = txhooks.WithPanicHandler(ctx, el.hookPanic)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -158,7 +159,7 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 		}
 		// AfterCommit hooks registered from here on report their panics
 		// to el (the hooks are recovered where they run).
-		hctx := el.withHookReports(parent)
+		hctx := txhooks.WithPanicHandler(parent, el.hookPanic)
 		if s := delivery.SlotOf(parent); s != nil {
 			// A member of a batch: applied with the others (batch_tx.go),
 			// or told to run on its own below.

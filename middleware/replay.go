@@ -55,7 +55,7 @@ func (el *Eventline) replayDeadLetters(ctx context.Context) (res replayResult, e
 			err = fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
 		}
 	}()
-	dls := el.dl.store
+	dls := el.held
 	// Each statement of the claim transaction is bounded, so a database
 	// that stops answering ends the pass instead of hanging it.
 	bounded := func(f func(ctx context.Context) error) error {
