@@ -20,13 +20,9 @@ const nackResendPause = 100 * time.Millisecond
 const reconnectPause = time.Second
 
 // subscriber is the consumer's Watermill subscriber for Kafka consumer
-// groups: it hands out several events of a partition at once. Each
-// partition is split into lanes by aggregate, and each lane delivers its
-// events in batches; the chain the Router runs them through contains the
-// eventline middleware, which applies each batch in one PostgreSQL
-// transaction, one aggregate's events in offset order, different
-// aggregates' lanes concurrently. With Lanes and BatchSize both 1 it
-// delivers a partition's events one at a time.
+// groups: it hands out a partition's events by lanes and in batches (see
+// the package documentation, "Lanes and batches"), which the eventline
+// middleware in the Router's chain applies.
 //
 // Messages are decoded with watermill-kafka's DefaultMarshaler, so UUID,
 // payload and metadata are what watermill-kafka's subscriber produces. The

@@ -14,15 +14,16 @@ import (
 // message.HandlerNameFromCtx, set by the Router), and, when a name is
 // unknown, the only handler ever wrapped, if exactly one was.
 type registry struct {
-	mu       sync.RWMutex
-	explicit map[string]message.HandlerFunc
-	learned  map[string]message.HandlerFunc
+	mu sync.RWMutex
+	// handlers holds each name's registered handler, or the one learned
+	// under it when none is registered.
+	handlers map[string]message.HandlerFunc
 	wrapped  int
 	only     message.HandlerFunc
 }
 
 func newRegistry() *registry {
-	return &registry{explicit: map[string]message.HandlerFunc{}, learned: map[string]message.HandlerFunc{}}
+	return &registry{handlers: map[string]message.HandlerFunc{}}
 }
 
 // register records h, wrapped by the gate, under name, overriding
@@ -31,7 +32,7 @@ func (r *registry) register(name string, h message.HandlerFunc) {
 	r.mu.Lock()
 	r.wrapped++
 	r.only = h
-	r.explicit[name] = h
+	r.handlers[name] = h
 	r.mu.Unlock()
 }
 
@@ -41,15 +42,14 @@ func (r *registry) learn(name string, h message.HandlerFunc) {
 		return
 	}
 	r.mu.RLock()
-	_, e := r.explicit[name]
-	_, l := r.learned[name]
+	_, known := r.handlers[name]
 	r.mu.RUnlock()
-	if e || l {
+	if known {
 		return
 	}
 	r.mu.Lock()
-	if _, ok := r.learned[name]; !ok {
-		r.learned[name] = h
+	if _, ok := r.handlers[name]; !ok {
+		r.handlers[name] = h
 	}
 	r.mu.Unlock()
 }
@@ -58,10 +58,7 @@ func (r *registry) learn(name string, h message.HandlerFunc) {
 func (r *registry) lookup(name string) message.HandlerFunc {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
-	if h, ok := r.explicit[name]; ok {
-		return h
-	}
-	if h, ok := r.learned[name]; ok {
+	if h, ok := r.handlers[name]; ok {
 		return h
 	}
 	if r.wrapped == 1 {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"sync"
 	"time"
 
@@ -29,7 +28,7 @@ import (
 // dead-lettering it.
 func (el *Eventline) retry(h message.HandlerFunc) message.HandlerFunc {
 	cfg := &el.cfg
-	o := &outage{log: cfg.Logger, metrics: cfg.Metrics, group: cfg.Group}
+	o := &outage{cfg: cfg}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
 		var attempts, retries, conflicts, waits int
@@ -125,9 +124,7 @@ func (e *retriesExhaustedError) Unwrap() error { return e.err }
 // outage tracks the messages of one handler that wait for the database,
 // so an outage logs one line when it starts and one when it ends.
 type outage struct {
-	log     *slog.Logger
-	metrics *Metrics
-	group   string
+	cfg *Config
 
 	mu      sync.Mutex
 	waiting int
@@ -135,23 +132,23 @@ type outage struct {
 }
 
 func (o *outage) enter(ctx context.Context, err error) {
-	o.metrics.addWaitingOnDatabase(o.group, 1)
+	o.cfg.Metrics.addWaitingOnDatabase(o.cfg.Group, 1)
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.waiting++
 	if o.waiting == 1 {
 		o.since = time.Now()
-		o.log.WarnContext(ctx, "eventline: database unavailable; events wait and are retried until it answers, none is dead-lettered",
-			"group", o.group, "error", err)
+		o.cfg.Logger.WarnContext(ctx, "eventline: database unavailable; events wait and are retried until it answers, none is dead-lettered",
+			"group", o.cfg.Group, "error", err)
 	}
 }
 
 func (o *outage) leave(ctx context.Context, recovered bool) {
-	o.metrics.addWaitingOnDatabase(o.group, -1)
+	o.cfg.Metrics.addWaitingOnDatabase(o.cfg.Group, -1)
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.waiting--
 	if o.waiting == 0 && recovered {
-		o.log.InfoContext(ctx, "eventline: database available again; resumed", "group", o.group, "outage", time.Since(o.since).Round(time.Millisecond))
+		o.cfg.Logger.InfoContext(ctx, "eventline: database available again; resumed", "group", o.cfg.Group, "outage", time.Since(o.since).Round(time.Millisecond))
 	}
 }
