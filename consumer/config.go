@@ -92,9 +92,11 @@ type Config struct {
 }
 
 // runnerDefaults fills the runner's own fields; the middleware fills the
-// embedded ones (the runner logs through the same default logger).
+// embedded ones (the runner logs through the same default logger, and
+// waits for Kafka at startup on the database-wait schedule).
 func (c Config) runnerDefaults() Config {
 	c.Logger = cmp.Or(c.Logger, slog.Default())
+	c.InfraBackoff = c.InfraBackoff.Or(middleware.DefaultInfraBackoff)
 	if len(c.Brokers) == 0 {
 		c.Brokers = kafkaconf.BrokersFromEnv()
 	}

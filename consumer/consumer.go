@@ -86,9 +86,6 @@ type Consumer struct {
 	coalesce int
 	// coalesceHook is told of each event handed to the coalescer (tests).
 	coalesceHook func(alone bool, waiting int)
-	// infra is the database-wait schedule, also the consumer's wait for
-	// Kafka when it starts.
-	infra eventline.Backoff
 }
 
 // New returns a consumer that writes through db (a *pgxpool.Pool; keep it
@@ -107,7 +104,6 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 		handlers:   map[string]HandlerFunc{},
 		validators: map[string][]func(eventline.Event) error{},
 		ignored:    map[string]bool{},
-		infra:      cfg.InfraBackoff.Or(middleware.DefaultInfraBackoff),
 	}
 	mcfg := cfg.Config
 	mcfg.Validate = c.validate
@@ -288,13 +284,4 @@ func (c *Consumer) knownType(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return h(msg)
 	}
-}
-
-// slots is the number of coalescer slots of each subscription (see
-// coalesceSlots).
-func (c *Consumer) slots() int {
-	if c.coalesce != 0 {
-		return c.coalesce
-	}
-	return coalesceSlots(c.db, c.cfg.Lanes)
 }

@@ -71,7 +71,11 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if ctx.Err() != nil {
 		return nil // cancelled before it started: a clean stop
 	}
-	sub := newSubscriber(cfg, c.slots(), c.coalesceHook)
+	slots := c.coalesce // a test's, or:
+	if slots == 0 {
+		slots = coalesceSlots(c.db, cfg.Lanes)
+	}
+	sub := newSubscriber(cfg, slots, c.coalesceHook)
 	defer sub.Close()
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
@@ -178,7 +182,7 @@ func (c *Consumer) checkSchema(ctx context.Context) error {
 		return err
 	}
 	var problem string
-	err = backoff.Retry(ctx, c.infra, middleware.IsInfrastructure,
+	err = backoff.Retry(ctx, c.cfg.InfraBackoff, middleware.IsInfrastructure,
 		func(wait time.Duration, err error) {
 			c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
 				"group", c.cfg.Group, "wait", wait, "error", err)
@@ -241,7 +245,7 @@ func (c *Consumer) waitKafka(ctx context.Context, try func() error) error {
 		var mistake sarama.ConfigurationError
 		return !errors.As(err, &mistake) && !errors.Is(err, errSubscriberClosed)
 	}
-	return backoff.Retry(ctx, c.infra, unavailable, func(wait time.Duration, err error) {
+	return backoff.Retry(ctx, c.cfg.InfraBackoff, unavailable, func(wait time.Duration, err error) {
 		c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
 			"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
 			"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")
