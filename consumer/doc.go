@@ -84,16 +84,8 @@
 // withdrawn unapplied (their offsets are not committed) and redelivered.
 // BatchSize 1 turns this off.
 //
-// Config.Middleware sees the events of a batch concurrently, each returning
-// once the batch has committed; handlers see them one at a time, in order.
-//
 // A new consumer group starts at the oldest offset, so a consumer deployed
 // after events were published still sees them.
-//
-// With Config.Upcasters, every handler gets each event at the current
-// payload schema version of its type, upcast just before it runs (also
-// when a parked event is released); an event the upcasters cannot bring to
-// that version is dead-lettered as permanent. See eventline.Upcasters.
 //
 // # The consumer's pool
 //

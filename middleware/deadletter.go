@@ -19,9 +19,8 @@ import (
 )
 
 // deadLetters takes the messages the rest of the chain (h) gave up on off
-// the partition, keeping them whole in the consumer's own database
-// (held_events, kind dead_letter), where `eventline held` (admin.ListHeld,
-// ReplayHeld, DiscardHeld) lists, replays and discards them. It takes the place of Watermill's PoisonQueue.
+// the partition (see the package documentation, "Dead letters"), in the
+// place of Watermill's PoisonQueue.
 //
 // When the chain returns an error, it:
 //   - returns it, leaving the message unacknowledged (to be redelivered),
@@ -33,8 +32,6 @@ import (
 //     (or one the database does not answer within 30s) is retried on
 //     Config.InfraBackoff's schedule until it succeeds or the context
 //     ends: a message is never acknowledged without its dead letter.
-//     There is no size limit and no broker that can refuse it, so a dead
-//     letter can never stall its partition.
 //
 // The cause is deadLetterKind's.
 func (el *Eventline) deadLetters(h message.HandlerFunc) message.HandlerFunc {
