@@ -161,7 +161,7 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 		// to el (the hooks are recovered where they run).
 		hctx := txhooks.WithPanicHandler(parent, el.hookPanic)
 		if s := delivery.SlotOf(parent); s != nil {
-			// A member of a batch: applied with the others (batch_tx.go),
+			// A member of a batch: applied with the others (runBatch, tx.go),
 			// or told to run on its own below.
 			msg.SetContext(delivery.WithEvent(hctx, e))
 			if out, err, alone := s.Arrive(el, el.runBatch, msg, e, inner); !alone {

@@ -16,7 +16,7 @@ import (
 // ([Slot.Arrive]) until the batch is complete and applies them together
 // (its [Runner]), answering each member only once its effects are
 // committed. How a member that parks, drains or fails is isolated is the
-// runner's business (middleware/batch_tx.go).
+// runner's business (the middleware's runBatch).
 //
 // Members that never reach the middleware (rejected by a middleware in
 // front of it) simply leave the batch. Middleware in front of the
