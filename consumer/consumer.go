@@ -84,7 +84,7 @@ type Consumer struct {
 	// coalesce, when not 0, replaces the number of coalescer slots (tests;
 	// below 0: no coalescing).
 	coalesce int
-	// coalesceHook is told of each event handed to the coalescer (tests).
+	// coalesceHook is the coalescer's hook (tests).
 	coalesceHook func(alone bool, waiting int)
 }
 

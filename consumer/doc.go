@@ -114,10 +114,9 @@
 // Consumer is the middleware package's chain (middleware.Eventline's
 // AddHandler) on a Watermill Router, fed by a Kafka subscriber of its own
 // that hands a lane's events out together (Watermill has no batch API), so
-// the middleware applies them in one transaction. Its Config embeds the
-// middleware's: every shared setting is defined, defaulted and validated
-// once. Teams with their own Router use the middleware package directly,
-// one event per partition at a time.
+// the middleware applies them in one transaction. Teams with their own
+// Router use the middleware package directly, one event per partition at
+// a time.
 //
 // Tracing, metrics and logs are the middleware package's (see its
 // documentation).

@@ -117,10 +117,9 @@ type Config struct {
 	// (5s, doubling up to 5m).
 	ReleaseBackoff eventline.Backoff
 	// MaxRetries is how many times a failing event is retried, each
-	// attempt in a new transaction, before it is dead-lettered. Permanent
-	// errors (IsPermanent) are not retried; database outages
-	// (IsInfrastructure) and transaction conflicts (IsConflict) are
-	// retried without spending it. Defaults to DefaultMaxRetries (5);
+	// attempt in a new transaction, before it is dead-lettered (see the
+	// package documentation, "Three kinds of failure", for the errors that
+	// do not spend it). Defaults to DefaultMaxRetries (5);
 	// NoRetries dead-letters after the first failure.
 	MaxRetries int
 	// Retry is the wait before each retry: retry n waits
@@ -136,12 +135,10 @@ type Config struct {
 	InfraBackoff eventline.Backoff
 	// TxTimeout bounds one event's transaction: BEGIN, the handler and
 	// COMMIT. It is how a connection that stops answering without closing
-	// (a vanished or frozen database host) is noticed. When it passes, the
-	// transaction is abandoned and the database is probed: if it does not
-	// answer, the attempt failed for the infrastructure (the event waits,
-	// see IsInfrastructure); if it does, the handler was too slow, which
-	// counts against the retry budget. Defaults to DefaultTxTimeout (1m);
-	// NoTxTimeout disables it.
+	// (a vanished or frozen database host) is noticed: when it passes, the
+	// transaction is abandoned and the database probed (see the package
+	// documentation, "Three kinds of failure"). Defaults to
+	// DefaultTxTimeout (1m); NoTxTimeout disables it.
 	TxTimeout time.Duration
 	// TxOptions are the consumer transactions' options. Defaults to read
 	// committed, read-write.

@@ -146,17 +146,14 @@ func (g *gate) observeApplied(ctx context.Context, e eventline.Event) {
 	}
 }
 
-// maxSpanField bounds each envelope field read from the wire for a span:
-// a valid event's fit (eventline.MaxIdentifierLength).
-const maxSpanField = eventline.MaxIdentifierLength
-
 // eventFromMetadata reads the envelope fields spans carry, without
 // validating them: a message that does not decode still gets its span.
-// Each is cut to maxSpanField bytes and made valid UTF-8 (an exporter
-// refuses invalid UTF-8, losing the spans batched with it).
+// Each is cut to what a valid event's fits (eventline.MaxIdentifierLength
+// bytes) and made valid UTF-8 (an exporter refuses invalid UTF-8, losing
+// the spans batched with it).
 func eventFromMetadata(md message.Metadata) eventline.Event {
 	field := func(k string) string {
-		return strings.ToValidUTF8(held.Truncate(md.Get(k), maxSpanField), "\uFFFD")
+		return strings.ToValidUTF8(held.Truncate(md.Get(k), eventline.MaxIdentifierLength), "\uFFFD")
 	}
 	e := eventline.Event{
 		ID: field(eventline.MetaEventID), Type: field(eventline.MetaEventType),
