@@ -72,12 +72,10 @@ type Config struct {
 	LatePolicy versioning.LatePolicy
 	// LatePolicyByType overrides LatePolicy per event type.
 	LatePolicyByType map[string]versioning.LatePolicy
-	// MaxGap bounds the versions one event may leave missing in front of
-	// it; an event beyond it (an inflated version) is refused as permanent
-	// and dead-lettered. An event that declares its predecessor
-	// (aggregate_previous_version, written by the producer for sparse
-	// versions) is not bounded: it waits for that one event. Defaults to
-	// versioning.DefaultMaxGap (1000).
+	// MaxGap bounds the versions one event that follows v-1 may leave
+	// missing in front of it (see package versioning, "The gate"); an
+	// event beyond it (an inflated version) is refused as permanent and
+	// dead-lettered. Defaults to versioning.DefaultMaxGap (1000).
 	MaxGap int64
 	// Unversioned is what happens to an event without an aggregate
 	// version. Defaults to versioning.PassUnversioned.
@@ -119,8 +117,8 @@ type Config struct {
 	// MaxRetries is how many times a failing event is retried, each
 	// attempt in a new transaction, before it is dead-lettered (see the
 	// package documentation, "Three kinds of failure", for the errors that
-	// do not spend it). Defaults to DefaultMaxRetries (5);
-	// NoRetries dead-letters after the first failure.
+	// do not spend it). Defaults to DefaultMaxRetries (5); NoRetries
+	// dead-letters after the first failure.
 	MaxRetries int
 	// Retry is the wait before each retry: retry n waits
 	// min(Initial × Multiplier^(n−1), Max), spread by Jitter. Zero fields

@@ -20,8 +20,7 @@ import (
 
 // gate is the version gate of the middleware (see package versioning for
 // the rules), with the handler registry the sweeper and replays release
-// events through: by Watermill handler name, registered (AddHandler,
-// MiddlewareFor) or learned when a handler receives a message.
+// events through.
 type gate struct {
 	cfg   *Config                                      // the middleware's, defaults filled in
 	check func(context.Context, eventline.Event) error // Config.Validate behind the upcasters
@@ -187,12 +186,9 @@ func (g *gate) validate(ctx context.Context, e eventline.Event, what string) err
 }
 
 // registry maps Watermill handler names to the handler the gate wraps, so
-// the sweeper can release a parked event through the handler it arrived on.
-//
-// Entries come from three places, strongest first: explicit registration
-// (AddHandler, MiddlewareFor), learning at message time (the name comes from
-// message.HandlerNameFromCtx, set by the Router), and, when a name is
-// unknown, the only handler ever wrapped, if exactly one was.
+// the sweeper can release a parked event through the handler it arrived on
+// (registered, learned, or the only one: see the package documentation,
+// "Parked events and the handler registry").
 type registry struct {
 	mu sync.RWMutex
 	// handlers holds each name's registered handler, or the one learned
