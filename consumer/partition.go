@@ -331,10 +331,8 @@ func (p *partitionRun) sendMember(b *delivery.Batch, i int, d *record, report fu
 }
 
 // handOff delivers d, the lane's only ready event, through the
-// subscription's coalescer: alone at once while one of its slots is free,
-// else in a batch with other lanes' single events once a slot frees. The
-// lane waits for d's outcome as if it had delivered d itself; a nacked d
-// is delivered again by the lane, alone, after a pause.
+// subscription's coalescer, and waits for its outcome; a nacked d is
+// delivered again by the lane, alone, after a pause.
 func (l *lane) handOff(d *record) {
 	p := l.p
 	c := p.sub.coalesce

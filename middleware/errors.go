@@ -172,10 +172,8 @@ func IsConflict(err error) bool {
 	return err != nil && !IsPermanent(err) && pgerr.HasCode(err, "40001", "40P01", "55P03")
 }
 
-// permanentState reports whether a SQLSTATE says the statement can never
-// succeed with this data: class 22 (data exception: a NUL byte or invalid
-// UTF-8 in text, a value out of range, a malformed number…) and class 54
-// (program limit exceeded: say, a key too large for its index).
+// permanentState reports whether err is a PostgreSQL error of SQLSTATE
+// class 22 or 54 (see IsPermanent).
 func permanentState(err error) bool {
 	var pg *pgconn.PgError
 	if !errors.As(err, &pg) {
@@ -190,11 +188,9 @@ func permanentState(err error) bool {
 const pgxEncodeFailure = "failed to encode args["
 
 // encodeFailure reports whether err (or an error it wraps) is pgx's
-// refusal to encode a statement argument: the value does not fit the
-// column (a number out of range, a malformed value for a binary-encoded
-// type). pgx checks it before sending anything, so PostgreSQL never gets
-// to raise the class 22 error it would raise for the same value; retrying
-// the same data fails the same way.
+// refusal to encode a statement argument (see IsPermanent). pgx checks it
+// before sending anything, so PostgreSQL never gets to raise the class 22
+// error it would raise for the same value.
 func encodeFailure(err error) bool {
 	for err != nil {
 		if strings.HasPrefix(err.Error(), pgxEncodeFailure) {
