@@ -53,10 +53,6 @@ type handoff struct {
 	res chan ack // cap 1: the event's outcome
 }
 
-func newCoalescer(slots, size int) *coalescer {
-	return &coalescer{slots: max(slots, 1), size: max(size, 1)}
-}
-
 // submit takes a slot for d, returning nil: the caller delivers d alone at
 // once and then calls done. When every slot is busy it queues d and
 // returns its handoff: the caller waits for its outcome (wait).

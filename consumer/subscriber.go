@@ -96,8 +96,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 	}
 	sub := &subscription{s: s, topic: topic, group: group, out: make(chan *message.Message), done: make(chan struct{})}
 	if s.slots > 0 && s.cfg.BatchSize > 1 {
-		sub.coalesce = newCoalescer(s.slots, s.cfg.BatchSize)
-		sub.coalesce.hook = s.coalesceHook
+		sub.coalesce = &coalescer{slots: s.slots, size: s.cfg.BatchSize, hook: s.coalesceHook}
 	}
 	sub.ctx, sub.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	s.subs = append(s.subs, sub)
