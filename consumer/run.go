@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -102,15 +101,14 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	// which lets in-flight events finish instead of cancelling them.
 	go func() { runErr <- router.Run(context.WithoutCancel(ctx)) }()
 	sweepCtx, stopSweeper := context.WithCancel(context.WithoutCancel(ctx))
-	var sweeper sync.WaitGroup
-	sweeper.Add(1)
+	sweeperDone := make(chan struct{})
 	go func() {
-		defer sweeper.Done()
+		defer close(sweeperDone)
 		_ = c.el.Run(sweepCtx)
 	}()
 	defer func() {
 		stopSweeper()
-		sweeper.Wait()
+		<-sweeperDone
 	}()
 
 	// Let the router finish starting before honouring ctx, so Close finds

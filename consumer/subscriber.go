@@ -26,9 +26,9 @@ const reconnectPause = time.Second
 //
 // Messages are decoded with watermill-kafka's DefaultMarshaler, so UUID,
 // payload and metadata are what watermill-kafka's subscriber produces. The
-// record's topic, partition, offset and key are in the message context as a
-// delivery.Source (dead letters record
-// them); watermill-kafka's own context accessors find nothing.
+// record's topic, partition, offset and key are in the message context as
+// a delivery.Source (see send); watermill-kafka's own context accessors
+// find nothing.
 //
 // Delivery and offsets:
 //
