@@ -67,10 +67,7 @@ type procSpanKey struct{}
 // trace its headers carry, and returns the context carrying it.
 func (o observer) startProcess(msg *message.Message, group string) (context.Context, trace.Span) {
 	parent := msg.Context()
-	src := delivery.SourceOf(parent)
-	ctx := o.tr.Extract(parent, msg.Metadata)
-	ctx, span := o.tr.StartProcess(ctx, tracing.Source{Topic: src.Topic, Group: group, FromKafka: src.FromKafka,
-		Partition: src.Partition, Offset: src.Offset}, eventFromMetadata(msg.Metadata))
+	ctx, span := o.tr.StartProcess(o.tr.Extract(parent, msg.Metadata), delivery.SourceOf(parent), group, eventFromMetadata(msg.Metadata))
 	return context.WithValue(ctx, procSpanKey{}, span), span
 }
 

@@ -19,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
 )
 
 // ScopeName is the instrumentation scope of eventline's spans and metrics.
@@ -214,21 +215,12 @@ func (t *Tracer) StartSend(ctx context.Context, topic string, e eventline.Event,
 	return t.tracer.Start(ctx, "send "+topic, trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...))
 }
 
-// Source locates a consumed record; Partition and Offset count only when
-// FromKafka.
-type Source struct {
-	Topic     string
-	Group     string
-	FromKafka bool
-	Partition int32
-	Offset    int64
-}
-
-// StartProcess starts the consumer's span for one delivery: "process
-// <topic>", continuing the trace in ctx (extracted from the record).
-func (t *Tracer) StartProcess(ctx context.Context, src Source, e eventline.Event) (context.Context, trace.Span) {
+// StartProcess starts the consumer group's span for one delivery of the
+// record src locates: "process <topic>", continuing the trace in ctx
+// (extracted from the record).
+func (t *Tracer) StartProcess(ctx context.Context, src delivery.Source, group string, e eventline.Event) (context.Context, trace.Span) {
 	attrs := append(eventAttrs(src.Topic, e, 12), AttrOperationType.String(operationProcess), AttrOperationName.String(operationProcess),
-		AttrConsumerGroup.String(src.Group))
+		AttrConsumerGroup.String(group))
 	if src.FromKafka {
 		attrs = append(attrs, AttrPartition.String(strconv.Itoa(int(src.Partition))), AttrOffset.Int64(src.Offset))
 	}
