@@ -24,19 +24,13 @@ func coalesceSlots(db any, lanes int) int {
 	return max(n, 1)
 }
 
-// coalescer is a subscription's pool of delivery slots for single events:
-// a lane with one ready event and nothing queued behind it hands the event
-// over instead of applying it in a transaction of its own. While a slot is
-// free the event is delivered alone, at once; when every slot is busy,
-// events wait in arrival order, and a slot that frees takes up to
-// BatchSize of them (one topic: a subscription is one topic) and delivers
-// them as one batch, in one transaction. So at a rate where every lane
-// holds one event at a time, the events of many lanes still share
-// transactions, and an idle consumer still applies each event at once.
-//
-// The lane waits for its event's outcome (acked, nacked, abandoned) as if
-// it had delivered it itself, so one aggregate never has two events in
-// flight, and the partition's offsets are settled as before.
+// coalescer is a subscription's pool of delivery slots for single events
+// (see the package documentation, "Lanes and batches"): a lane with one
+// ready event and nothing queued behind it hands the event over; a slot
+// delivers it alone while one is free, else a slot that frees takes up to
+// BatchSize waiting events (one topic: a subscription is one topic) and
+// delivers them as one batch. The lane waits for its event's outcome
+// (acked, nacked, abandoned) as if it had delivered it itself.
 type coalescer struct {
 	slots int // deliveries at once
 	size  int // the most events in one delivery (BatchSize)
@@ -57,10 +51,6 @@ type handoff struct {
 	p   *partitionRun
 	d   *record
 	res chan ack // cap 1: the event's outcome
-}
-
-func newCoalescer(slots, size int) *coalescer {
-	return &coalescer{slots: max(slots, 1), size: max(size, 1)}
 }
 
 // submit takes a slot for d, returning nil: the caller delivers d alone at

@@ -21,7 +21,7 @@ func TestCoalescerTakesWaitingEventsOfLivePartitionsOnly(t *testing.T) {
 	live := &partitionRun{topic: "t", stop: make(chan struct{})}
 	revoked := &partitionRun{topic: "t", stop: make(chan struct{})}
 	rec := func(off int64) *record { return &record{offset: off} }
-	c := newCoalescer(1, 2)
+	c := &coalescer{slots: 1, size: 2}
 
 	require.Nil(t, c.submit(live, rec(0)), "a free slot: delivered at once")
 	l1 := c.submit(live, rec(1))
@@ -70,7 +70,7 @@ func TestCoalescerProperty(t *testing.T) {
 	rapid.Check(t, func(rt *rapid.T) {
 		slots := rapid.IntRange(1, 4).Draw(rt, "slots")
 		size := rapid.IntRange(1, 5).Draw(rt, "size")
-		c := newCoalescer(slots, size)
+		c := &coalescer{slots: slots, size: size}
 		type laneID struct{ p, l int }
 		parts := make([]*partitionRun, rapid.IntRange(1, 3).Draw(rt, "partitions"))
 		for i := range parts {

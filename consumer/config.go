@@ -65,26 +65,15 @@ type Config struct {
 	// OffsetOldest, or a new group skips events published before it
 	// started. New checks it with Sarama's Validate.
 	SaramaConfig *sarama.Config
-	// Lanes is how many lanes each Kafka partition is split into: events
-	// are spread over lanes by aggregate, each aggregate's events stay in
-	// one lane in offset order, and lanes run concurrently, so a slow
-	// handler is bound by the number of lanes rather than by the number of
-	// partitions. Give the pool at least partitions × Lanes connections
-	// for the lanes to run in parallel. 1 handles a partition's events one
-	// at a time. Defaults to DefaultLanes (8); at most MaxLanes.
-	//
-	// A lane with a single event and nothing queued behind it hands the
-	// event to its topic's coalescer, which delivers at most
-	// min(the pool's MaxConns, max(Lanes, 2 × GOMAXPROCS)) such events at
-	// once, each alone and at once; beyond that, single events of the
-	// topic's lanes wait for a free delivery and share its transaction (up
-	// to BatchSize). See the package documentation, "Lanes and batches".
+	// Lanes is how many lanes each Kafka partition is split into, by
+	// aggregate, to run concurrently (see the package documentation,
+	// "Lanes and batches", and how to size the pool for them). 1 handles a
+	// partition's events one at a time. Defaults to DefaultLanes (8); at
+	// most MaxLanes.
 	Lanes int
 	// BatchSize is the most events of one lane applied in one PostgreSQL
-	// transaction (dedup records and version checks for the whole batch in
-	// one round trip with BEGIN, the handlers one after the other, one
-	// COMMIT, then the offsets). Per-event guarantees are unchanged; an
-	// event that fails costs only itself. It also bounds how many single
+	// transaction (see the package documentation, "Lanes and batches"):
+	// per-event guarantees are unchanged. It also bounds how many single
 	// events of different lanes of a topic share one transaction when
 	// every delivery slot is busy (see Lanes). 1 applies each event in its
 	// own transaction (and coalesces nothing). Defaults to
@@ -103,9 +92,11 @@ type Config struct {
 }
 
 // runnerDefaults fills the runner's own fields; the middleware fills the
-// embedded ones (the runner logs through the same default logger).
+// embedded ones (the runner logs through the same default logger, and
+// waits for Kafka at startup on the database-wait schedule).
 func (c Config) runnerDefaults() Config {
 	c.Logger = cmp.Or(c.Logger, slog.Default())
+	c.InfraBackoff = c.InfraBackoff.Or(middleware.DefaultInfraBackoff)
 	if len(c.Brokers) == 0 {
 		c.Brokers = kafkaconf.BrokersFromEnv()
 	}

@@ -84,11 +84,8 @@ type Consumer struct {
 	// coalesce, when not 0, replaces the number of coalescer slots (tests;
 	// below 0: no coalescing).
 	coalesce int
-	// coalesceHook is told of each event handed to the coalescer (tests).
+	// coalesceHook is the coalescer's hook (tests).
 	coalesceHook func(alone bool, waiting int)
-	// infra is the database-wait schedule, also the consumer's wait for
-	// Kafka when it starts.
-	infra eventline.Backoff
 }
 
 // New returns a consumer that writes through db (a *pgxpool.Pool; keep it
@@ -107,7 +104,6 @@ func New(db middleware.Pool, cfg Config) (*Consumer, error) {
 		handlers:   map[string]HandlerFunc{},
 		validators: map[string][]func(eventline.Event) error{},
 		ignored:    map[string]bool{},
-		infra:      cfg.InfraBackoff.Or(middleware.DefaultInfraBackoff),
 	}
 	mcfg := cfg.Config
 	mcfg.Validate = c.validate
@@ -144,10 +140,7 @@ func WithValidate(fn func(e eventline.Event) error) HandleOption {
 }
 
 // Handle registers fn for events of eventType. It fails after Run started
-// and when the type already has a handler. An event of the type that
-// Config.Upcasters cannot bring to its current schema version is
-// dead-lettered as permanent, also when it arrives out of order (the gate
-// checks it before parking it).
+// and when the type already has a handler.
 func (c *Consumer) Handle(eventType string, fn HandlerFunc, opts ...HandleOption) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -175,10 +168,9 @@ func (c *Consumer) Handle(eventType string, fn HandlerFunc, opts ...HandleOption
 
 // HandleJSON registers fn for events of eventType, decoding each payload
 // from JSON into a T first, after Config.Upcasters brought it to the
-// current schema version. A payload that does not decode, or cannot be
-// upcast, is a permanent error: the event is dead-lettered without
-// retries, also when it arrives out of order (the gate checks the payload
-// before parking it).
+// current schema version. A payload that does not decode is a permanent
+// error: the event is dead-lettered without retries, also when it arrives
+// out of order (the gate checks the payload before parking it).
 func HandleJSON[T any](c *Consumer, eventType string, fn func(ctx context.Context, tx pgx.Tx, e eventline.Event, payload T) error, opts ...HandleOption) error {
 	if fn == nil {
 		return fmt.Errorf("consumer.HandleJSON(%q): handler is nil", eventType)
@@ -203,13 +195,9 @@ func (c *Consumer) validate(ctx context.Context, e eventline.Event) error {
 	if c.handlers[e.Type] == nil {
 		return c.unknown(e.Type)
 	}
-	// Validate what the handler will see: the payload upcast to the
-	// current version. An event the upcasters cannot bring there (too new
-	// for this consumer, too old for the chain, a failing step) is refused
-	// as dispatch would refuse it in order: dead-lettered, so its
-	// successors park behind it and a replay once the consumer knows its
-	// version restores the order. Parked, it would fail on release, be
-	// given up as late, and its successors would be applied before it.
+	// The handler's checks see what the handler will: the payload upcast
+	// to the current version (the middleware refused, before this, an
+	// event the upcasters cannot bring there).
 	u, err := c.cfg.Upcasters.Upcast(e)
 	if err != nil {
 		return err
@@ -296,13 +284,4 @@ func (c *Consumer) knownType(h message.HandlerFunc) message.HandlerFunc {
 		}
 		return h(msg)
 	}
-}
-
-// slots is the number of coalescer slots of each subscription (see
-// coalesceSlots).
-func (c *Consumer) slots() int {
-	if c.coalesce != 0 {
-		return c.coalesce
-	}
-	return coalesceSlots(c.db, c.cfg.Lanes)
 }

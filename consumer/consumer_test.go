@@ -452,7 +452,7 @@ func TestCrashChild(t *testing.T) {
 	crashAfter, err := strconv.Atoi(os.Getenv(crashAfterEnv))
 	require.NoError(t, err)
 	pool := pgtest.Pool(t, 4)
-	env := consumertest.Open(pool, os.Getenv(crashSchemaEnv))
+	env := consumertest.Env{Env: pgtest.Env{Pool: pool, Schema: os.Getenv(crashSchemaEnv)}}
 
 	sc := fastGroupConfig(crashGroup)
 	sc.Consumer.Offsets.AutoCommit.Interval = time.Hour // offsets surely not committed before the crash

@@ -26,31 +26,22 @@
 //     would park must pass its handler's checks first (HandleJSON: the
 //     payload decodes; WithValidate), else it is dead-lettered at once.
 //     See package versioning and Config.GapPolicy.
-//   - Failures are contained, and told apart (see middleware.IsInfrastructure):
-//     a handler error or panic rolls everything back; the event is retried
-//     on a documented schedule (Config.MaxRetries and Config.Retry: 100ms,
-//     200ms, 400ms, 800ms, 1.6s by default, each ±20%) and then
-//     dead-lettered.
-//     Messages that can never succeed (no event id, a malformed version, an
-//     unknown event type, a payload that does not decode, content the
-//     handler's columns cannot hold, errors wrapped with
-//     middleware.Permanent) are dead-lettered at once. Either way the
-//     partition moves on.
-//   - A database outage never dead-letters anything: while PostgreSQL is
-//     unreachable, restarting, out of resources or not answering within
-//     Config.TxTimeout, or when the outcome of a commit is unknown, events
-//     wait (backing off up to Config.InfraBackoff.Max), spend none of
-//     their retry budget, and the consumer resumes by itself when the
-//     database answers again. One warning marks the start of an outage and
-//     one line its end; eventline_consumer_waiting_on_database is above 0
-//     meanwhile.
-//   - Dead letters are kept whole in the consumer's own database
-//     (held_events, kind dead_letter), next to the dedup records: no size
-//     limit and no broker that can refuse them, so no record can stall its
-//     partition by failing. `eventline held list|replay|discard` inspects
-//     them, asks the running consumer to replay them (per aggregate, in
-//     version order, through the handler they arrived on), or gives up on
-//     them.
+//   - Failures are contained, and told apart (see the middleware
+//     package's "Three kinds of failure"): a handler error or panic rolls
+//     everything back; the event is retried (Config.MaxRetries, on
+//     Config.Retry's schedule) and then dead-lettered; a message that can
+//     never succeed (an unknown event type, a payload that does not decode,
+//     errors wrapped with middleware.Permanent…) is dead-lettered at once.
+//     Either way the partition moves on.
+//   - A database outage never dead-letters anything: events wait, spend
+//     none of their retry budget, and the consumer resumes by itself when
+//     the database answers again. One warning marks the start of an outage
+//     and one line its end; eventline_consumer_waiting_on_database is above
+//     0 meanwhile.
+//   - Dead letters are kept whole in the consumer's own database (see the
+//     middleware package's "Dead letters"), so no record can stall its
+//     partition by failing; `eventline held list|replay|discard` inspects,
+//     replays or gives up on them.
 //   - Graceful shutdown: when Run's context ends, events in flight finish
 //     (or, after Config.ShutdownTimeout, roll back), offsets of finished
 //     events are committed, and Run returns with no goroutine or connection
@@ -70,9 +61,9 @@
 // fails or panics costs only itself (the others of its batch commit
 // without it, and it follows its own retries and dead-lettering). The
 // committed Kafka offset is always the lowest one not finished, so it never
-// passes an event whose transaction has not committed. Give the pool at
-// least partitions × Lanes connections for lanes to run in parallel;
-// Config.BatchLinger makes a lane wait for fuller batches. Lanes and
+// passes an event whose transaction has not committed (size the pool for
+// the lanes, see below). Config.BatchLinger makes a lane wait for fuller
+// batches. Lanes and
 // BatchSize both 1 restore one event per partition at a time.
 //
 // A lane that holds a single event with nothing behind it (the usual case
@@ -93,16 +84,8 @@
 // withdrawn unapplied (their offsets are not committed) and redelivered.
 // BatchSize 1 turns this off.
 //
-// Config.Middleware sees the events of a batch concurrently, each returning
-// once the batch has committed; handlers see them one at a time, in order.
-//
 // A new consumer group starts at the oldest offset, so a consumer deployed
 // after events were published still sees them.
-//
-// With Config.Upcasters, every handler gets each event at the current
-// payload schema version of its type, upcast just before it runs (also
-// when a parked event is released); an event the upcasters cannot bring to
-// that version is dead-lettered as permanent. See eventline.Upcasters.
 //
 // # The consumer's pool
 //
@@ -131,13 +114,10 @@
 // Consumer is the middleware package's chain (middleware.Eventline's
 // AddHandler) on a Watermill Router, fed by a Kafka subscriber of its own
 // that hands a lane's events out together (Watermill has no batch API), so
-// the middleware applies them in one transaction. Its Config embeds the
-// middleware's: every shared setting is defined, defaulted and validated
-// once. Teams with their own Router use the middleware package directly,
-// one event per partition at a time.
+// the middleware applies them in one transaction. Teams with their own
+// Router use the middleware package directly, one event per partition at
+// a time.
 //
-// With Config.TracerProvider set, each delivery is traced as a "process
-// <topic>" span continuing the trace in the record's headers, with the
-// event's outcome, and handlers find the span in their ctx (see the
-// middleware package's "Tracing").
+// Tracing, metrics and logs are the middleware package's (see its
+// documentation).
 package consumer

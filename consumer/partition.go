@@ -56,7 +56,7 @@ const (
 // records one at a time or in batches and settles their offsets.
 type partitionRun struct {
 	sub       *subscription
-	cfg       subscriberConfig
+	cfg       Config
 	sess      sarama.ConsumerGroupSession
 	topic     string
 	partition int32
@@ -174,30 +174,38 @@ func closed(ch <-chan struct{}) bool {
 	}
 }
 
-// messageContext is the context a delivered message starts with: it ends
-// only when the partition abandons its in-flight messages, and says where
-// the record came from (delivery.SourceOf: dead letters record
-// it).
-func (p *partitionRun) messageContext(d *record) context.Context {
-	ctx := context.WithValue(p.halt, haltKey{}, p.halt)
-	return delivery.WithSource(ctx, delivery.Source{Topic: p.topic, FromKafka: true, Partition: p.partition, Offset: d.offset, Key: d.key, Timestamp: d.at})
-}
-
-// send delivers msg to the router; false when the partition abandoned its
-// messages first.
-func (p *partitionRun) send(msg *message.Message) bool {
+// send delivers d to the router: its own message the first time, a copy
+// after that (Watermill's Ack and Nack settle a message once), with a
+// context that ends only when the partition abandons its in-flight
+// messages and says where the record came from (delivery.SourceOf: dead
+// letters record it), as a member of b when b is not nil. It returns nil
+// when the partition abandoned its messages first.
+func (p *partitionRun) send(d *record, b *delivery.Batch) *message.Message {
+	msg := d.msg
+	if d.sent {
+		msg = d.msg.Copy()
+	}
+	d.sent = true
+	ctx := delivery.WithSource(context.WithValue(p.halt, haltKey{}, p.halt),
+		delivery.Source{Topic: p.topic, FromKafka: true, Partition: p.partition, Offset: d.offset, Key: d.key, Timestamp: d.at})
+	if b != nil {
+		ctx = b.Add(ctx)
+	}
+	msg.SetContext(ctx)
 	select {
 	case p.sub.out <- msg:
-		return true
+		return msg
 	case <-p.halt.Done():
-		return false
+		return nil
 	}
 }
 
-// await waits for msg to be acknowledged or nacked.
-func (p *partitionRun) await(msg *message.Message) ack {
+// await waits for msg, which delivers d, to be acknowledged or nacked;
+// an acknowledged record is settled (finish: its offset may move at once).
+func (p *partitionRun) await(msg *message.Message, d *record) ack {
 	select {
 	case <-msg.Acked():
+		p.finish(d)
 		return acked
 	case <-msg.Nacked():
 		return nacked
@@ -297,59 +305,34 @@ func (l *lane) deliverOne(d *record) {
 	}
 }
 
-// attempt delivers d alone once and waits for its answer; an acknowledged
-// record is settled (finish).
+// attempt delivers d alone once and waits for its answer.
 func (p *partitionRun) attempt(d *record) ack {
-	msg := p.outgoing(d)
-	msg.SetContext(p.messageContext(d))
-	if !p.send(msg) {
-		return abandoned
+	if msg := p.send(d, nil); msg != nil {
+		return p.await(msg, d)
 	}
-	a := p.await(msg)
-	if a == acked {
-		p.finish(d)
-	}
-	return a
+	return abandoned
 }
 
-// outgoing is the message that delivers d: d's own the first time, a copy
-// after that (Watermill's Ack and Nack settle a message once).
-func (p *partitionRun) outgoing(d *record) *message.Message {
-	msg := d.msg
-	if d.sent {
-		msg = d.msg.Copy()
-	}
-	d.sent = true
-	return msg
-}
-
-// sendMember sends d as member i of batch b and, once its answer is known,
-// settles it when acknowledged (finish: its offset may move at once),
-// leaves the batch and tells report; at once, abandoned, when the
-// partition stops before d is sent.
+// sendMember sends d as member i of batch b and, once its answer is known
+// (and d settled, see await), leaves the batch and tells report; at once,
+// abandoned, when the partition stops before d is sent.
 func (p *partitionRun) sendMember(b *delivery.Batch, i int, d *record, report func(ack)) {
-	msg := p.outgoing(d)
-	msg.SetContext(b.Add(p.messageContext(d)))
-	if !p.send(msg) {
+	msg := p.send(d, b)
+	if msg == nil {
 		b.Leave(i)
 		report(abandoned)
 		return
 	}
 	go func() {
-		a := p.await(msg)
-		if a == acked {
-			p.finish(d)
-		}
+		a := p.await(msg, d)
 		b.Leave(i)
 		report(a)
 	}()
 }
 
 // handOff delivers d, the lane's only ready event, through the
-// subscription's coalescer: alone at once while one of its slots is free,
-// else in a batch with other lanes' single events once a slot frees. The
-// lane waits for d's outcome as if it had delivered d itself; a nacked d
-// is delivered again by the lane, alone, after a pause.
+// subscription's coalescer, and waits for its outcome; a nacked d is
+// delivered again by the lane, alone, after a pause.
 func (l *lane) handOff(d *record) {
 	p := l.p
 	c := p.sub.coalesce

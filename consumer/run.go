@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -21,23 +20,15 @@ import (
 
 // Run consumes until ctx ends, then shuts down gracefully and returns nil.
 //
-// It subscribes to Config.Topics in Config.Group: each partition is split
-// into Config.Lanes lanes by aggregate (one aggregate's events stay in one
-// lane, in offset order), and each lane's waiting events, up to
-// Config.BatchSize, are applied in one transaction (Lanes and BatchSize
-// both 1: one event per partition at a time). It runs every message
-// through the middleware's chain (middleware.Eventline.AddHandler),
-// outermost first: dead-lettering ▸ retries (permanent errors skip them,
-// database outages wait without spending them) ▸ a detached context ▸ the
-// event-type check ▸ Config.Middleware ▸ the eventline transaction (dedup ▸
-// version gate) ▸ the handler registered for the event's type. The sweeper
-// for parked events runs next to it (middleware.Eventline.Run), and replays
-// the dead letters an operator asked to replay (`eventline held replay`).
-//
-// Dead letters are held in the held_events table in the consumer's
-// database, whole and whatever their size. While the database is
-// unavailable nothing is dead-lettered: events wait (see
-// middleware.IsInfrastructure) and the consumer resumes by itself.
+// It subscribes to Config.Topics in Config.Group, spreads each partition
+// over lanes and applies their events in batches (see the package
+// documentation, "Lanes and batches"), running every message through the
+// middleware's chain (middleware.Eventline.AddHandler), outermost first:
+// dead-lettering ▸ retries ▸ a detached context ▸ the event-type check ▸
+// Config.Middleware ▸ the eventline transaction (dedup ▸ version gate) ▸
+// the handler registered for the event's type. The sweeper for parked
+// events runs next to it (middleware.Eventline.Run), and replays the dead
+// letters an operator asked to replay (`eventline held replay`).
 //
 // When ctx ends Run stops taking messages, lets in-flight events finish
 // (their transactions commit or roll back as usual) for up to
@@ -79,12 +70,11 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if ctx.Err() != nil {
 		return nil // cancelled before it started: a clean stop
 	}
-	sub := newSubscriber(subscriberConfig{
-		Brokers: cfg.Brokers, Group: cfg.Group, SaramaConfig: cfg.SaramaConfig,
-		Lanes: cfg.Lanes, BatchSize: cfg.BatchSize, BatchLinger: cfg.BatchLinger,
-		CloseTimeout: cfg.ShutdownTimeout, Logger: cfg.Logger,
-		Slots: c.slots(), coalesceHook: c.coalesceHook,
-	})
+	slots := c.coalesce // a test's, or:
+	if slots == 0 {
+		slots = coalesceSlots(c.db, cfg.Lanes)
+	}
+	sub := newSubscriber(cfg, slots, c.coalesceHook)
 	defer sub.Close()
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
@@ -111,15 +101,14 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	// which lets in-flight events finish instead of cancelling them.
 	go func() { runErr <- router.Run(context.WithoutCancel(ctx)) }()
 	sweepCtx, stopSweeper := context.WithCancel(context.WithoutCancel(ctx))
-	var sweeper sync.WaitGroup
-	sweeper.Add(1)
+	sweeperDone := make(chan struct{})
 	go func() {
-		defer sweeper.Done()
+		defer close(sweeperDone)
 		_ = c.el.Run(sweepCtx)
 	}()
 	defer func() {
 		stopSweeper()
-		sweeper.Wait()
+		<-sweeperDone
 	}()
 
 	// Let the router finish starting before honouring ctx, so Close finds
@@ -181,19 +170,17 @@ func stoppedOnItsOwn(ctx context.Context, err error) error {
 	return fmt.Errorf("eventline consumer: %w", err)
 }
 
-// checkSchema checks that the consumer tables exist, failing with an
-// error matching middleware.ErrNotMigrated. While the database is
-// unavailable it waits for it, backing off like a running consumer in an
-// outage, instead of failing: a consumer started during a database restart
-// or failover starts consuming when the database answers. It returns nil
-// if ctx ends first.
+// checkSchema checks, before anything is consumed, what the middleware's
+// Run checks again before sweeping: that the consumer tables exist,
+// waiting while the database is unavailable (see Run). It returns nil if
+// ctx ends first.
 func (c *Consumer) checkSchema(ctx context.Context) error {
 	st, err := store.New(c.cfg.Schema)
 	if err != nil {
 		return err
 	}
 	var problem string
-	err = backoff.Retry(ctx, c.infra, middleware.IsInfrastructure,
+	err = backoff.Retry(ctx, c.cfg.InfraBackoff, middleware.IsInfrastructure,
 		func(wait time.Duration, err error) {
 			c.cfg.Logger.WarnContext(ctx, "eventline: the consumer's database is unavailable; waiting for it before consuming",
 				"group", c.cfg.Group, "wait", wait, "error", err)
@@ -211,13 +198,10 @@ func (c *Consumer) checkSchema(ctx context.Context) error {
 	return nil
 }
 
-// waitForKafka connects to the brokers. While none answers it waits,
-// backing off like a consumer waiting for its database and logging a
-// warning that names the brokers, instead of failing: a consumer started
-// during a broker outage (or before the brokers) starts consuming when
-// Kafka answers, as a running consumer resumes after one. A Sarama
-// configuration error fails at once. It warns about topics that do not
-// exist yet (eventline creates none) and returns nil if ctx ends first.
+// waitForKafka connects to the brokers, waiting while none answers (see
+// Run); a Sarama configuration error fails at once. It warns about topics
+// that do not exist yet (eventline creates none) and returns nil if ctx
+// ends first.
 func (c *Consumer) waitForKafka(ctx context.Context) error {
 	brokers := strings.Join(c.cfg.Brokers, ",")
 	var client sarama.Client
@@ -259,7 +243,7 @@ func (c *Consumer) waitKafka(ctx context.Context, try func() error) error {
 		var mistake sarama.ConfigurationError
 		return !errors.As(err, &mistake) && !errors.Is(err, errSubscriberClosed)
 	}
-	return backoff.Retry(ctx, c.infra, unavailable, func(wait time.Duration, err error) {
+	return backoff.Retry(ctx, c.cfg.InfraBackoff, unavailable, func(wait time.Duration, err error) {
 		c.cfg.Logger.WarnContext(ctx, "eventline: cannot reach the Kafka brokers; waiting for them before consuming",
 			"group", c.cfg.Group, "brokers", brokers, "wait", wait, "error", err,
 			"check", "consumer.Config.Brokers (or "+kafkaconf.BrokersEnv+") and that the brokers are up")

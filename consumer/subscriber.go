@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"sync"
 	"time"
 
@@ -20,64 +19,38 @@ const nackResendPause = 100 * time.Millisecond
 // error.
 const reconnectPause = time.Second
 
-// subscriberConfig configures a subscriber: the consumer's Config, with
-// its defaults filled in and validated.
-type subscriberConfig struct {
-	Brokers      []string
-	Group        string
-	SaramaConfig *sarama.Config
-	Lanes        int
-	BatchSize    int
-	BatchLinger  time.Duration
-	// CloseTimeout bounds how long Close (or the end of the Subscribe
-	// context) waits for delivered messages to be acknowledged; messages
-	// still in flight then are abandoned (their contexts are canceled and
-	// their offsets not committed). When a partition is revoked in a
-	// rebalance, the wait is the shorter of CloseTimeout and half the
-	// group's rebalance timeout. It is Config.ShutdownTimeout.
-	CloseTimeout time.Duration
-	Logger       *slog.Logger
-	// Slots is how many single events (a lane's only ready event) a
-	// subscription delivers at once before it coalesces them into batches
-	// (see coalescer; Run passes coalesceSlots); 0 or below turns
-	// coalescing off, and so does BatchSize 1.
-	Slots int
-	// coalesceHook is the coalescer's hook (tests).
-	coalesceHook func(alone bool, waiting int)
-}
-
 // subscriber is the consumer's Watermill subscriber for Kafka consumer
-// groups: it hands out several events of a partition at once. Each
-// partition is split into lanes by aggregate, and each lane delivers its
-// events in batches; the chain the Router runs them through contains the
-// eventline middleware, which applies each batch in one PostgreSQL
-// transaction, one aggregate's events in offset order, different
-// aggregates' lanes concurrently. With Lanes and BatchSize both 1 it
-// delivers a partition's events one at a time.
+// groups: it hands out a partition's events by lanes and in batches (see
+// the package documentation, "Lanes and batches"), which the eventline
+// middleware in the Router's chain applies.
 //
 // Messages are decoded with watermill-kafka's DefaultMarshaler, so UUID,
 // payload and metadata are what watermill-kafka's subscriber produces. The
-// record's topic, partition, offset and key are in the message context as a
-// delivery.Source (dead letters record
-// them); watermill-kafka's own context accessors find nothing.
+// record's topic, partition, offset and key are in the message context as
+// a delivery.Source (see send); watermill-kafka's own context accessors
+// find nothing.
 //
 // Delivery and offsets:
 //
 //   - The offset committed for a partition is the lowest offset whose
-//     message has not been acknowledged: no offset ever passes an event
-//     whose transaction has not committed. Acknowledged messages above it
-//     are redelivered after a restart or a rebalance (the dedup records
-//     make that a no-op).
+//     message has not been acknowledged (see offsetTracker).
 //   - A nacked message is delivered again, after a short pause, before
 //     anything else of its lane.
 //   - When a partition is revoked or the subscriber closes, no new message
-//     is delivered; messages in flight get CloseTimeout (on revocation, at
+//     is delivered; messages in flight get ShutdownTimeout (on revocation, at
 //     most half the rebalance timeout) to be acknowledged, and their
 //     offsets are committed; then the rest are abandoned: their contexts
 //     are canceled (a batch transaction rolls back) and they will be
 //     redelivered.
 type subscriber struct {
-	cfg subscriberConfig
+	cfg Config // the consumer's, defaults filled in and validated
+	// slots is how many single events (a lane's only ready event) a
+	// subscription delivers at once before it coalesces them into batches
+	// (see coalescer; Run passes coalesceSlots); 0 or below turns
+	// coalescing off, and so does BatchSize 1.
+	slots int
+	// coalesceHook is the coalescer's hook (tests).
+	coalesceHook func(alone bool, waiting int)
 
 	mu      sync.Mutex
 	closed  bool
@@ -86,8 +59,8 @@ type subscriber struct {
 }
 
 // newSubscriber returns a subscriber; it connects to Kafka at Subscribe.
-func newSubscriber(cfg subscriberConfig) *subscriber {
-	return &subscriber{cfg: cfg, closing: make(chan struct{})}
+func newSubscriber(cfg Config, slots int, coalesceHook func(alone bool, waiting int)) *subscriber {
+	return &subscriber{cfg: cfg, slots: slots, coalesceHook: coalesceHook, closing: make(chan struct{})}
 }
 
 // errSubscriberClosed is Subscribe's error once the Subscriber is closed.
@@ -110,7 +83,7 @@ type subscription struct {
 // Subscribe joins the consumer group for topic and returns the channel the
 // topic's messages arrive on. The channel is closed when ctx ends or the
 // subscriber closes, once in-flight messages are settled (see
-// subscriberConfig.CloseTimeout).
+// Config.ShutdownTimeout).
 func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -122,9 +95,8 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 		return nil, fmt.Errorf("eventline: join Kafka consumer group %q at %v: %w", s.cfg.Group, s.cfg.Brokers, err)
 	}
 	sub := &subscription{s: s, topic: topic, group: group, out: make(chan *message.Message), done: make(chan struct{})}
-	if s.cfg.Slots > 0 && s.cfg.BatchSize > 1 {
-		sub.coalesce = newCoalescer(s.cfg.Slots, s.cfg.BatchSize)
-		sub.coalesce.hook = s.cfg.coalesceHook
+	if s.slots > 0 && s.cfg.BatchSize > 1 {
+		sub.coalesce = &coalescer{slots: s.slots, size: s.cfg.BatchSize, hook: s.coalesceHook}
 	}
 	sub.ctx, sub.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	s.subs = append(s.subs, sub)
@@ -140,7 +112,7 @@ func (s *subscriber) Subscribe(ctx context.Context, topic string) (<-chan *messa
 }
 
 // Close stops every subscription: no new message is delivered, in-flight
-// messages get CloseTimeout to be acknowledged (their offsets are then
+// messages get ShutdownTimeout to be acknowledged (their offsets are then
 // committed), the rest are abandoned. It returns when every goroutine of
 // the subscriber has ended. It is idempotent.
 func (s *subscriber) Close() error {
@@ -222,7 +194,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 func (sub *subscription) drainTimeout() time.Duration {
 	cfg := sub.s.cfg
 	if closed(sub.s.closing) || sub.ctx.Err() != nil {
-		return cfg.CloseTimeout
+		return cfg.ShutdownTimeout
 	}
-	return min(cfg.CloseTimeout, cfg.SaramaConfig.Consumer.Group.Rebalance.Timeout/2)
+	return min(cfg.ShutdownTimeout, cfg.SaramaConfig.Consumer.Group.Rebalance.Timeout/2)
 }

@@ -45,11 +45,9 @@
 // # Dead letters
 //
 // The messages a consumer group gives up on are held in held_events (kind
-// dead_letter), in the same database: whole (payload and headers as
-// bytea), whatever their size, with their cause ([KindPermanent],
-// [KindRetriesExhausted]…) and reason, listed, replayed in order by a
-// running consumer, and discarded with a reason (admin.ListHeld,
-// ReplayHeld, DiscardHeld; `eventline held`). The middleware writes them.
+// dead_letter), in the same database, with their cause ([KindPermanent],
+// [KindRetriesExhausted]…); the middleware package's documentation says
+// how they are written and replayed.
 //
 // # Retention
 //

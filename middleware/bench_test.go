@@ -76,7 +76,7 @@ func benchPool(b testing.TB, env consumertest.Env) *pgxpool.Pool {
 	if rtt := os.Getenv("EVENTLINE_BENCH_RTT"); rtt != "" {
 		d, err := time.ParseDuration(rtt)
 		require.NoError(b, err)
-		addr := consumertest.LatencyProxy(b, fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port), d)
+		addr := latencyProxy(b, fmt.Sprintf("%s:%d", cfg.ConnConfig.Host, cfg.ConnConfig.Port), d)
 		host, port, _ := net.SplitHostPort(addr)
 		p, _ := strconv.Atoi(port)
 		cfg.ConnConfig.Host, cfg.ConnConfig.Port = host, uint16(p)

@@ -74,25 +74,13 @@ func (el *Eventline) chain(name string, inner message.HandlerFunc) message.Handl
 	for i := len(el.cfg.Middleware) - 1; i >= 0; i-- {
 		h = el.cfg.Middleware[i](h)
 	}
-	return el.gate.obs.traced(el.cfg.Group, el.dl.middleware(el.retry(h)))
+	return el.gate.obs.traced(el.cfg.Group, el.deadLetters(el.retry(h)))
 }
 
 // AddHandler adds fn to router as the consumer handler name for topic on
-// sub, in the one safe chain, outermost first:
-//
-//	dead letters ▸ retries ▸ Config.Middleware ▸ the eventline transaction (dedup ▸ version gate) ▸ fn
-//
-// with Config's retry schedule, dead letters held in held_events, and fn
-// registered under name for the sweeper and dead-letter replays.
-//
-//	el, err := middleware.New(pool, middleware.Config{Group: "billing"})
-//	_, err = el.AddHandler(router, "billing", "orders", kafkaSubscriber, func(msg *message.Message) error {
-//		tx, _ := middleware.TxFromContext(msg.Context())
-//		e, _ := middleware.EventFromContext(msg.Context())
-//		_, err := tx.Exec(msg.Context(), `INSERT INTO invoices (event_id) VALUES ($1)`, e.ID)
-//		return err
-//	})
-//	go el.Run(ctx) // parked events, and dead letters replayed on request
+// sub, in the one safe chain (see the package documentation, "The chain",
+// and Example_router), with fn registered under name for the sweeper and
+// dead-letter replays.
 //
 // The chain is the handler function the Router calls, so middleware added
 // to the router (before or after) runs outside it, never inside the

@@ -72,12 +72,10 @@ type Config struct {
 	LatePolicy versioning.LatePolicy
 	// LatePolicyByType overrides LatePolicy per event type.
 	LatePolicyByType map[string]versioning.LatePolicy
-	// MaxGap bounds the versions one event may leave missing in front of
-	// it; an event beyond it (an inflated version) is refused as permanent
-	// and dead-lettered. An event that declares its predecessor
-	// (aggregate_previous_version, written by the producer for sparse
-	// versions) is not bounded: it waits for that one event. Defaults to
-	// versioning.DefaultMaxGap (1000).
+	// MaxGap bounds the versions one event that follows v-1 may leave
+	// missing in front of it (see package versioning, "The gate"); an
+	// event beyond it (an inflated version) is refused as permanent and
+	// dead-lettered. Defaults to versioning.DefaultMaxGap (1000).
 	MaxGap int64
 	// Unversioned is what happens to an event without an aggregate
 	// version. Defaults to versioning.PassUnversioned.
@@ -117,11 +115,10 @@ type Config struct {
 	// (5s, doubling up to 5m).
 	ReleaseBackoff eventline.Backoff
 	// MaxRetries is how many times a failing event is retried, each
-	// attempt in a new transaction, before it is dead-lettered. Permanent
-	// errors (IsPermanent) are not retried; database outages
-	// (IsInfrastructure) and transaction conflicts (IsConflict) are
-	// retried without spending it. Defaults to DefaultMaxRetries (5);
-	// NoRetries dead-letters after the first failure.
+	// attempt in a new transaction, before it is dead-lettered (see the
+	// package documentation, "Three kinds of failure", for the errors that
+	// do not spend it). Defaults to DefaultMaxRetries (5); NoRetries
+	// dead-letters after the first failure.
 	MaxRetries int
 	// Retry is the wait before each retry: retry n waits
 	// min(Initial × Multiplier^(n−1), Max), spread by Jitter. Zero fields
@@ -136,12 +133,10 @@ type Config struct {
 	InfraBackoff eventline.Backoff
 	// TxTimeout bounds one event's transaction: BEGIN, the handler and
 	// COMMIT. It is how a connection that stops answering without closing
-	// (a vanished or frozen database host) is noticed. When it passes, the
-	// transaction is abandoned and the database is probed: if it does not
-	// answer, the attempt failed for the infrastructure (the event waits,
-	// see IsInfrastructure); if it does, the handler was too slow, which
-	// counts against the retry budget. Defaults to DefaultTxTimeout (1m);
-	// NoTxTimeout disables it.
+	// (a vanished or frozen database host) is noticed: when it passes, the
+	// transaction is abandoned and the database probed (see the package
+	// documentation, "Three kinds of failure"). Defaults to
+	// DefaultTxTimeout (1m); NoTxTimeout disables it.
 	TxTimeout time.Duration
 	// TxOptions are the consumer transactions' options. Defaults to read
 	// committed, read-write.
@@ -157,13 +152,9 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics, when set, counts what happens to events (see NewMetrics).
 	Metrics *Metrics
-	// TracerProvider, when set, traces each event: a "process <topic>"
-	// span per delivery continuing the trace in the record's headers, with
-	// eventline.outcome; "release <topic>" spans for parked events applied
-	// later, linked to their original trace; "dead_letter <topic>" spans.
-	// Handlers find the span in their context, so their own spans nest
-	// under it. Defaults to nil: no spans, and no cost beyond a nil check
-	// per event.
+	// TracerProvider, when set, traces each event (see the package
+	// documentation, "Tracing"). Defaults to nil: no spans, and no cost
+	// beyond a nil check per event.
 	TracerProvider trace.TracerProvider
 	// Propagator reads the trace context from message metadata. Defaults
 	// to OpenTelemetry's global propagator if the application set one

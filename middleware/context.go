@@ -59,12 +59,6 @@ func AfterCommit(ctx context.Context, fn func()) {
 	}
 }
 
-// withHookReports returns ctx reporting the panics of AfterCommit hooks
-// registered under it to el's logger and metrics.
-func (el *Eventline) withHookReports(ctx context.Context) context.Context {
-	return txhooks.WithPanicHandler(ctx, el.hookPanic)
-}
-
 // reportHookPanic logs and counts an AfterCommit hook that panicked; ctx
 // is the context the hook was registered with.
 func (el *Eventline) reportHookPanic(ctx context.Context, v any, stack []byte) {

@@ -18,10 +18,9 @@ import (
 	"github.com/eventline/eventline/internal/tracing"
 )
 
-// deadLetter takes the messages the rest of the chain gave up on off the
-// partition, keeping them whole in the consumer's own database
-// (held_events, kind dead_letter), where `eventline held` (admin.ListHeld,
-// ReplayHeld, DiscardHeld) lists, replays and discards them. It takes the place of Watermill's PoisonQueue.
+// deadLetters takes the messages the rest of the chain (h) gave up on off
+// the partition (see the package documentation, "Dead letters"), in the
+// place of Watermill's PoisonQueue.
 //
 // When the chain returns an error, it:
 //   - returns it, leaving the message unacknowledged (to be redelivered),
@@ -33,21 +32,9 @@ import (
 //     (or one the database does not answer within 30s) is retried on
 //     Config.InfraBackoff's schedule until it succeeds or the context
 //     ends: a message is never acknowledged without its dead letter.
-//     There is no size limit and no broker that can refuse it, so a dead
-//     letter can never stall its partition.
 //
-// The cause is the error's own when it has a DeadLetterKind() string
-// method, else dedup.KindPermanent, dedup.KindRetriesExhausted or
-// dedup.KindFailed.
-type deadLetter struct {
-	db    held.DBTX
-	cfg   *Config
-	store *held.Store
-	tr    *tracing.Tracer // nil: tracing off
-}
-
-// middleware returns the dead-letter middleware around h.
-func (d *deadLetter) middleware(h message.HandlerFunc) message.HandlerFunc {
+// The cause is deadLetterKind's.
+func (el *Eventline) deadLetters(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
 		out, err := h(msg)
@@ -57,36 +44,36 @@ func (d *deadLetter) middleware(h message.HandlerFunc) message.HandlerFunc {
 		if ctx.Err() != nil || IsInfrastructure(err) || errors.Is(err, ErrUnsafeComposition) {
 			return nil, err
 		}
-		rec := d.record(ctx, msg, err)
-		id, werr := d.traceWrite(ctx, msg, rec)
+		rec := el.deadLetterRecord(ctx, msg, err)
+		id, werr := el.traceDeadLetter(ctx, msg, rec)
 		if werr != nil {
 			return nil, errors.Join(err, werr)
 		}
-		d.cfg.Metrics.add(deadLetteredCounter, 1, d.cfg.Group, rec.Cause)
+		el.cfg.Metrics.add(deadLetteredCounter, 1, el.cfg.Group, rec.Cause)
 		// The record's fields are hostile input: the dead letter keeps them
 		// whole, the warning only their start.
-		d.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline held`",
-			"group", d.cfg.Group, "held_event_id", id, "topic", rec.Topic, "message_uuid", truncate(msg.UUID, maxLoggedField),
-			"event_id", truncate(rec.EventID, maxLoggedField), "event_type", truncate(rec.EventType, maxLoggedField),
-			"cause", rec.Cause, "error", truncate(err.Error(), maxLoggedError))
+		el.cfg.Logger.WarnContext(ctx, "eventline: message dead-lettered; list and replay it with `eventline held`",
+			"group", el.cfg.Group, "held_event_id", id, "topic", rec.Topic, "message_uuid", held.Truncate(msg.UUID, maxLoggedField),
+			"event_id", held.Truncate(rec.EventID, maxLoggedField), "event_type", held.Truncate(rec.EventType, maxLoggedField),
+			"cause", rec.Cause, "error", held.Truncate(err.Error(), maxLoggedError))
 		return nil, nil
 	}
 }
 
-// traceWrite is write inside a "dead_letter" span when tracing is on.
-func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec held.Event) (int64, error) {
-	if d.tr == nil {
-		return d.write(ctx, msg, rec)
+// traceDeadLetter is writeDeadLetter inside a "dead_letter" span when tracing is on.
+func (el *Eventline) traceDeadLetter(ctx context.Context, msg *message.Message, rec held.Event) (int64, error) {
+	if el.gate.obs.tr == nil {
+		return el.writeDeadLetter(ctx, msg, rec)
 	}
 	sctx := ctx
 	proc, ok := processSpan(ctx)
 	if ok {
 		proc.SetAttributes(tracing.AttrOutcome.String(tracing.OutcomeDeadLettered))
 	} else {
-		sctx = d.tr.Extract(ctx, msg.Metadata)
+		sctx = el.gate.obs.tr.Extract(ctx, msg.Metadata)
 	}
-	_, span := d.tr.StartDeadLetter(sctx, rec.Topic, d.cfg.Group, rec.Cause, eventFromMetadata(msg.Metadata))
-	id, err := d.write(ctx, msg, rec)
+	_, span := el.gate.obs.tr.StartDeadLetter(sctx, rec.Topic, el.cfg.Group, rec.Cause, eventFromMetadata(msg.Metadata))
+	id, err := el.writeDeadLetter(ctx, msg, rec)
 	tracing.End(span, err)
 	return id, err
 }
@@ -95,29 +82,29 @@ func (d *deadLetter) traceWrite(ctx context.Context, msg *message.Message, rec h
 // that stops answering is given up on and the write retried on another.
 const writeTimeout = 30 * time.Second
 
-// write stores rec, retrying until it succeeds or ctx ends.
-func (d *deadLetter) write(ctx context.Context, msg *message.Message, rec held.Event) (int64, error) {
+// writeDeadLetter stores rec, retrying until it succeeds or ctx ends.
+func (el *Eventline) writeDeadLetter(ctx context.Context, msg *message.Message, rec held.Event) (int64, error) {
 	for attempt := 1; ; attempt++ {
 		wctx, cancel := context.WithTimeout(ctx, writeTimeout)
-		id, err := d.store.AddDeadLetter(wctx, d.db, rec)
+		id, err := el.held.AddDeadLetter(wctx, el.db, rec)
 		cancel()
 		if err == nil {
 			if attempt > 1 {
-				d.cfg.Logger.InfoContext(ctx, "eventline: dead letter written after failed attempts", "group", d.cfg.Group, "attempts", attempt)
+				el.cfg.Logger.InfoContext(ctx, "eventline: dead letter written after failed attempts", "group", el.cfg.Group, "attempts", attempt)
 			}
 			return id, nil
 		}
 		if ctx.Err() != nil {
 			return 0, fmt.Errorf("eventline: dead letter not written before shutdown; the message stays unacknowledged: %w", err)
 		}
-		d.cfg.Metrics.add(deadLetterWriteFailuresCounter, 1, d.cfg.Group)
-		log := d.cfg.Logger.DebugContext
+		el.cfg.Metrics.add(deadLetterWriteFailuresCounter, 1, el.cfg.Group)
+		log := el.cfg.Logger.DebugContext
 		if attempt == 1 {
-			log = d.cfg.Logger.ErrorContext
+			log = el.cfg.Logger.ErrorContext
 		}
 		log(ctx, "eventline: cannot write the dead letter; the message stays unacknowledged and the write is retried",
-			"group", d.cfg.Group, "message_uuid", truncate(msg.UUID, maxLoggedField), "attempt", attempt, "error", err)
-		if backoff.Sleep(ctx, backoff.Jittered(d.cfg.InfraBackoff, attempt)) != nil {
+			"group", el.cfg.Group, "message_uuid", held.Truncate(msg.UUID, maxLoggedField), "attempt", attempt, "error", err)
+		if backoff.Sleep(ctx, backoff.Jittered(el.cfg.InfraBackoff, attempt)) != nil {
 			return 0, fmt.Errorf("eventline: dead letter not written before shutdown; the message stays unacknowledged: %w", err)
 		}
 	}
@@ -130,14 +117,11 @@ const maxLoggedError = 8 << 10
 // event id, event type) in the dead-letter warning.
 const maxLoggedField = 256
 
-// truncate is held.Truncate: s cut to at most n bytes, on a rune boundary.
-var truncate = held.Truncate
-
-// record builds the dead letter of msg.
-func (d *deadLetter) record(ctx context.Context, msg *message.Message, err error) held.Event {
+// deadLetterRecord builds the dead letter of msg.
+func (el *Eventline) deadLetterRecord(ctx context.Context, msg *message.Message, err error) held.Event {
 	src := delivery.SourceOf(ctx)
 	rec := held.Event{
-		Group: d.cfg.Group, Topic: src.Topic, Handler: src.Handler,
+		Group: el.cfg.Group, Topic: src.Topic, Handler: src.Handler,
 		FromKafka: src.FromKafka, Partition: src.Partition, Offset: src.Offset, Key: src.Key,
 		MessageUUID: msg.UUID, Payload: msg.Payload, Metadata: maps.Clone(map[string]string(msg.Metadata)),
 		Cause: deadLetterKind(err), Reason: err.Error(),

@@ -31,13 +31,6 @@
 // panic rolls back everything, the dedup record included, so the message is
 // retried as if it had never been seen.
 //
-// A recorded row that is a different event of the aggregate under the same
-// id (another type or version) is an id conflict: a permanent
-// *dedup.IDConflictError, never a silent skip. Before an event may park or be
-// held as late it must pass Config.Validate and, unless it declares its
-// predecessor, leave at most MaxGap versions missing; otherwise it is refused
-// as permanent.
-//
 // [Eventline.MiddlewareFor] is the eventline transaction alone, for one
 // handler of your Router; errors then come back to the Router as they are.
 //
@@ -109,15 +102,9 @@
 // when a name is unknown and exactly one handler was wrapped, that one is
 // used.
 //
-// A parked event whose handler cannot be found, or whose handler fails,
-// stays parked with the failure recorded; the sweeper retries it on
-// Config.ReleaseBackoff's schedule, and gives it up after
-// Config.MaxReleaseAttempts: its version is audited as skipped and the event
-// is held as late for the operator.
-//
-// Late events (their version was given up on before they could be applied)
-// are held for the operator, or, under versioning.ApplyLate, applied at
-// once; a handler applying one sees [IsLate] report true.
+// A parked event whose handler cannot be found, or fails, is retried and
+// finally given up as package versioning describes; so are late events
+// held or applied ([IsLate]).
 //
 // Messages a handler returns while a parked event is released by the sweeper
 // cannot be published and are dropped with a warning; emit events from
@@ -125,22 +112,10 @@
 //
 // # Effects outside the database
 //
-// [AfterCommit] runs a function after the consumer transaction commits: on
-// arrival, in a drain, and in the sweeper alike, and never for a rolled-back
-// savepoint. It is at most once: a crash between commit and hook loses it,
-// and the redelivery is a duplicate. For an external effect that must
-// happen, publish a follow-up event through the producer's outbox in the
-// consumer transaction (producer.PublishTx with the tx from
-// [TxFromContext]): it commits with the handler's writes and is delivered at
-// least once (see Example_outboxFollowUp).
-//
-// # Payload upcasting
-//
-// Config.Upcasters brings each event's payload to the current schema version
-// of its type (eventline.Upcasters) just before the handler runs, inside the
-// transaction, so events released from parking and replayed dead letters
-// pass through it too; parked and dead-lettered messages keep the payload as
-// published.
+// [AfterCommit] runs a function after the consumer transaction commits, at
+// most once; an external effect that must happen is published as a
+// follow-up event through the producer's outbox in the consumer
+// transaction instead (see Example_outboxFollowUp).
 //
 // # Tracing
 //
@@ -172,8 +147,6 @@
 // now, late applied, gaps skipped, refused, handler latency, dead-lettered,
 // retries, waits for the database and events waiting on it now, failed
 // dead-letter writes, replays, unsafe compositions, AfterCommit panics,
-// stage and gap latencies); a nil *Metrics records nothing. The event_type label is bounded: registered
-// types ([Metrics.RegisterEventTypes]) and the first
-// MaxUnregisteredEventTypes others keep their name, the rest count as
-// OtherEventType. Everything is logged through *slog.Logger.
+// stage and gap latencies); a nil *Metrics records nothing. Everything is
+// logged through *slog.Logger.
 package middleware

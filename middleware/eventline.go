@@ -14,6 +14,7 @@ import (
 	"github.com/eventline/eventline/dedup"
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/nilcheck"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/internal/txhooks"
@@ -32,29 +33,9 @@ type Pool interface {
 
 // Eventline applies each event once, in per-aggregate order, in a
 // PostgreSQL transaction, around a Watermill handler; [Eventline.Run]
-// applies parked events later and replays dead letters.
-//
-// For each message it decodes the event (a message that does not decode
-// fails with a permanent error and never reaches the handler), begins a
-// transaction on the pool and, in the same round trip, records the event
-// id and locks, checks and advances the aggregate's version in one
-// statement, runs the handler with the transaction and the event in the
-// message context, drains parked successors, and commits before
-// returning, so before the router acknowledges. Any error or panic rolls
-// everything back, the dedup record included. Duplicates and stale events
-// are acknowledged without running the handler; parked events are
-// acknowledged and applied later, in order; late events are held for the
-// operator (or applied at once, marked late, under ApplyLate). Events that
-// can never be applied are refused with a permanent error, counted in
-// eventline_consumer_events_refused_total and dead-lettered: an event id
-// recorded for a different event (id conflict), a version that would leave
-// more than MaxGap versions missing, an event that fails Validate or whose
-// content cannot be stored when it must be parked or held.
-//
-// Failures carry their kind (see [IsInfrastructure]): a database that is
-// unreachable, did not answer within Config.TxTimeout, or lost the
-// connection during COMMIT (the outcome is unknown; the dedup record
-// decides on the next attempt) is waited for, never dead-lettered.
+// applies parked events later and replays dead letters. What it does with
+// each message, and with each kind of failure, is the package
+// documentation's subject.
 //
 // [Eventline.AddHandler] puts dead letters and retries around it in the
 // only safe order; [Eventline.MiddlewareFor] is the middleware alone.
@@ -63,8 +44,9 @@ type Eventline struct {
 	cfg     Config // defaults filled in, validated
 	gate    *gate
 	sweeper *store.Sweeper
-	dl      *deadLetter
-	// hookPanic is reportHookPanic, bound once.
+	held    *held.Store // dead letters (held_events)
+	// hookPanic is reportHookPanic, bound once: the contexts of the
+	// consumer transactions report their AfterCommit hooks' panics to it.
 	hookPanic txhooks.PanicHandler
 }
 
@@ -88,11 +70,10 @@ func New(db Pool, cfg Config) (*Eventline, error) {
 	if err != nil {
 		return nil, fmt.Errorf("middleware.Config.MeterProvider: %w", err)
 	}
-	el := &Eventline{db: db, cfg: cfg}
+	el := &Eventline{db: db, cfg: cfg, held: st.Held()}
 	el.hookPanic = el.reportHookPanic
 	el.gate = &gate{cfg: &el.cfg, check: upcastable(cfg.Upcasters, cfg.Validate), store: st, reg: newRegistry(), obs: obs}
 	el.sweeper = el.gate.newSweeper(db)
-	el.dl = &deadLetter{db: db, cfg: &el.cfg, store: st.Held(), tr: obs.tr}
 	return el, nil
 }
 
@@ -103,11 +84,6 @@ func New(db Pool, cfg Config) (*Eventline, error) {
 // the handler they arrived on. Errors come back to the Router as they
 // are: prefer [Eventline.AddHandler], which puts eventline's retries and
 // dead letters around it.
-//
-// Per event on the hot path it costs three round trips, as a bare handler
-// in its own transaction does: BEGIN travels in one batch with the
-// statement that records the event id and locks, checks and advances the
-// aggregate's version; then the handler's statements; then COMMIT.
 func (el *Eventline) MiddlewareFor(handlerName string) message.HandlerMiddleware {
 	return func(h message.HandlerFunc) message.HandlerFunc { return el.wrap(handlerName, el.upcasting(h)) }
 }
@@ -130,7 +106,7 @@ func (el *Eventline) Sweep(ctx context.Context) error {
 
 // sweep makes one sweeper pass and counts it.
 func (el *Eventline) sweep(ctx context.Context) (store.SweepResult, error) {
-	res, err := el.sweeper.Sweep(el.withHookReports(ctx))
+	res, err := el.sweeper.Sweep(txhooks.WithPanicHandler(ctx, el.hookPanic))
 	el.gate.observeSweep(res, err)
 	return res, err
 }
@@ -150,7 +126,7 @@ func (el *Eventline) Run(ctx context.Context) error {
 	if err := el.checkMigrated(ctx); err != nil {
 		return err
 	}
-	ctx = el.withHookReports(ctx)
+	ctx = txhooks.WithPanicHandler(ctx, el.hookPanic)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -183,9 +159,9 @@ func (el *Eventline) handler(inner message.HandlerFunc) message.HandlerFunc {
 		}
 		// AfterCommit hooks registered from here on report their panics
 		// to el (the hooks are recovered where they run).
-		hctx := el.withHookReports(parent)
+		hctx := txhooks.WithPanicHandler(parent, el.hookPanic)
 		if s := delivery.SlotOf(parent); s != nil {
-			// A member of a batch: applied with the others (batch_tx.go),
+			// A member of a batch: applied with the others (runBatch, tx.go),
 			// or told to run on its own below.
 			msg.SetContext(delivery.WithEvent(hctx, e))
 			if out, err, alone := s.Arrive(el, el.runBatch, msg, e, inner); !alone {

@@ -52,7 +52,7 @@ func (el *Eventline) Chain(name string, h message.HandlerFunc) message.HandlerFu
 func (el *Eventline) Store() *store.Store { return el.gate.store }
 
 // DeadLetterStore is the dead letters' store (held_events).
-func (el *Eventline) DeadLetterStore() *held.Store { return el.dl.store }
+func (el *Eventline) DeadLetterStore() *held.Store { return el.held }
 
 // Retry returns the retries of a middleware configured with cfg, alone.
 func Retry(cfg Config) (message.HandlerMiddleware, error) {
@@ -72,7 +72,7 @@ func (el *Eventline) ApplyParked(ctx context.Context, tx pgx.Tx, p store.Parked)
 
 // DeadLetters is the chain's dead letters around h.
 func (el *Eventline) DeadLetters(h message.HandlerFunc) message.HandlerFunc {
-	return el.dl.middleware(h)
+	return el.deadLetters(h)
 }
 
 // InfraOp is what the middleware was doing when err, an infrastructure

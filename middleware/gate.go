@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -19,8 +20,7 @@ import (
 
 // gate is the version gate of the middleware (see package versioning for
 // the rules), with the handler registry the sweeper and replays release
-// events through: by Watermill handler name, registered (AddHandler,
-// MiddlewareFor) or learned when a handler receives a message.
+// events through.
 type gate struct {
 	cfg   *Config                                      // the middleware's, defaults filled in
 	check func(context.Context, eventline.Event) error // Config.Validate behind the upcasters
@@ -32,22 +32,16 @@ type gate struct {
 // newSweeper returns the sweeper of the gate's group, releasing parked
 // events through the registered handlers.
 func (g *gate) newSweeper(db store.Pool) *store.Sweeper {
+	txTimeout := g.cfg.TxTimeout
+	if txTimeout <= 0 {
+		txTimeout = time.Minute // transactions are unbounded: the sweeper still bounds each aggregate's
+	}
 	return g.store.NewSweeper(db, store.SweeperConfig{
 		Group: g.cfg.Group, ParkTimeout: g.cfg.ParkTimeout, Interval: g.cfg.SweepInterval, Batch: g.cfg.SweepBatch,
-		TxTimeout: sweepTxTimeout(g.cfg.TxTimeout), Logger: g.cfg.Logger,
+		TxTimeout: txTimeout, Logger: g.cfg.Logger,
 		Release: g.releaseOptions(g.applyParked),
 		OnSweep: g.observeSweep,
 	})
-}
-
-// sweepTxTimeout is the sweeper's bound per aggregate for the
-// middleware's TxTimeout: the same, or a minute when transactions are
-// unbounded.
-func sweepTxTimeout(d time.Duration) time.Duration {
-	if d <= 0 {
-		return time.Minute
-	}
-	return d
 }
 
 // releaseOptions are the gate's release limits with apply.
@@ -73,9 +67,8 @@ func (g *gate) observeSweep(r store.SweepResult, err error) {
 // registered for p.Handler with p's message, the savepoint tx and the
 // decoded event in its context (and IsLate for a late event). Hooks the
 // handler registers with AfterCommit run when the sweeper's transaction
-// commits. Messages the handler returns cannot be published from the
-// sweeper and are dropped with a warning; handlers that emit events should
-// write them with the producer's PublishTx through tx.
+// commits. Messages the handler returns are dropped with a warning (see
+// the package documentation).
 func (g *gate) applyParked(ctx context.Context, tx pgx.Tx, p store.Parked) error {
 	h, err := g.handler(p.Handler)
 	if err != nil {
@@ -111,9 +104,8 @@ func (g *gate) release(ctx context.Context, tx pgx.Tx, p store.Parked, h message
 		// A "release" span under the releasing span (the process span of
 		// the event that filled the gap, or none in the sweeper), linked
 		// to the trace the event arrived with.
-		link, linked := tr.LinkTo(p.Metadata)
 		var span trace.Span
-		ctx, span = tr.StartRelease(ctx, p.Topic, g.cfg.Group, e, link, linked)
+		ctx, span = tr.StartRelease(ctx, p.Topic, g.cfg.Group, e, p.Metadata)
 		span.SetAttributes(tracing.AttrParkedSeconds.Float64(time.Since(p.ParkedAt).Seconds()))
 		if p.Late {
 			span.SetAttributes(tracing.AttrLate.Bool(true))
@@ -189,6 +181,64 @@ func (g *gate) validate(ctx context.Context, e eventline.Event, what string) err
 	}
 	if err := g.check(ctx, e); err != nil {
 		return g.refuse(ctx, e, refusedInvalid, fmt.Errorf("event %s (%s) cannot be %s: it could never be applied: %w", e.ID, e.Type, what, err))
+	}
+	return nil
+}
+
+// registry maps Watermill handler names to the handler the gate wraps, so
+// the sweeper can release a parked event through the handler it arrived on
+// (registered, learned, or the only one: see the package documentation,
+// "Parked events and the handler registry").
+type registry struct {
+	mu sync.RWMutex
+	// handlers holds each name's registered handler, or the one learned
+	// under it when none is registered.
+	handlers map[string]message.HandlerFunc
+	wrapped  int
+	only     message.HandlerFunc
+}
+
+func newRegistry() *registry {
+	return &registry{handlers: map[string]message.HandlerFunc{}}
+}
+
+// register records h, wrapped by the gate, under name, overriding
+// anything learned.
+func (r *registry) register(name string, h message.HandlerFunc) {
+	r.mu.Lock()
+	r.wrapped++
+	r.only = h
+	r.handlers[name] = h
+	r.mu.Unlock()
+}
+
+// learn records h under name unless name is known already.
+func (r *registry) learn(name string, h message.HandlerFunc) {
+	if name == "" {
+		return
+	}
+	r.mu.RLock()
+	_, known := r.handlers[name]
+	r.mu.RUnlock()
+	if known {
+		return
+	}
+	r.mu.Lock()
+	if _, ok := r.handlers[name]; !ok {
+		r.handlers[name] = h
+	}
+	r.mu.Unlock()
+}
+
+// lookup returns the handler for name, or nil.
+func (r *registry) lookup(name string) message.HandlerFunc {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	if h, ok := r.handlers[name]; ok {
+		return h
+	}
+	if r.wrapped == 1 {
+		return r.only
 	}
 	return nil
 }

@@ -21,7 +21,7 @@ import (
 // unversioned event).
 func (g *gate) proceed(msg *message.Message, tx pgx.Tx, e eventline.Event, h message.HandlerFunc, a store.Admission) ([]*message.Message, error) {
 	ctx := msg.Context()
-	name := delivery.HandlerName(ctx)
+	name := delivery.SourceOf(ctx).Handler
 	g.reg.learn(name, h)
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	k := store.Key{Group: group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
@@ -117,7 +117,7 @@ func (g *gate) stale(msg *message.Message, tx pgx.Tx, e eventline.Event, h messa
 	ctx := msg.Context()
 	group, m, log := g.cfg.Group, g.cfg.Metrics, g.cfg.Logger
 	hold := policyFor(g.cfg.LatePolicyByType, e.Type, g.cfg.LatePolicy) == versioning.HoldLate
-	req := store.LateRequest{Group: group, Event: e, Message: msg, Handler: delivery.HandlerName(ctx), Topic: e.Topic, Current: a.Previous, Hold: hold}
+	req := store.LateRequest{Group: group, Event: e, Message: msg, Handler: delivery.SourceOf(ctx).Handler, Topic: e.Topic, Current: a.Previous, Hold: hold}
 	late, reason, err := g.store.HoldLate(ctx, tx, req)
 	if err != nil {
 		return nil, g.refusal(ctx, e, err)
@@ -199,7 +199,7 @@ func (g *gate) run(msg *message.Message, e eventline.Event, h message.HandlerFun
 		m.add(appliedCounter, 1, group, m.eventType(e.Type))
 		g.observeApplied(ctx, e)
 	})
-	g.obs.applied(ctx)
+	g.obs.outcome(ctx, tracing.OutcomeApplied)
 	return out, nil
 }
 

@@ -23,9 +23,8 @@ const replayStatementTimeout = 30 * time.Second
 // replayResult reports one replay pass.
 type replayResult struct {
 	// Replayed counts dead letters that went through their handler and
-	// committed (applied, parked, recognised as a duplicate, or held in
-	// held_events for the operator: late, or a version conflict when the
-	// aggregate passed its version while it was dead).
+	// committed (applied, parked, a duplicate, or held again as late or as
+	// a version conflict, see gate.conflict).
 	Replayed int
 	// Failed counts dead letters whose replay failed, or that were held
 	// back because an earlier dead letter of their aggregate failed; they
@@ -35,22 +34,18 @@ type replayResult struct {
 
 // replayDeadLetters makes one pass over the group's dead letters whose
 // replay was requested (`eventline held replay`, admin.ReplayHeld). It
-// claims them (rows another
-// replayer holds are skipped) and runs each, in order (per aggregate by
-// version, then as the records arrived), through the eventline middleware
-// and the handler registered under the dead letter's handler name, once,
-// without retries. A replay that commits marks its dead letter replayed;
+// claims them (rows another replayer holds are skipped) and runs each, in
+// order (per aggregate by version, then as the records arrived), through
+// the eventline middleware and the handler registered under the dead
+// letter's handler name, once, without retries. A replay that commits marks its dead letter replayed;
 // one that fails holds it again with the error, and holds back the
 // aggregate's later dead letters in the pass. A dead letter is not
 // replayed while an earlier one of its aggregate is still held (not asked
 // to replay): it is held again, saying which one to replay or discard
 // first. So an aggregate's dead letters are never applied out of order.
-// A dead letter whose version its aggregate passed meanwhile (another
-// event took it, or a successor declared an earlier predecessor) is never
-// discarded as stale: it is held as late, cause version_conflict (reason
-// "version N was applied by event X"), for the operator to replay (apply
-// late) or discard.
-// An infrastructure error ends the pass; what was not replayed stays
+// One whose version its aggregate passed meanwhile is held as a version
+// conflict (see gate.conflict), never discarded as stale. An
+// infrastructure error ends the pass; what was not replayed stays
 // requested for the next one.
 //
 // [Eventline.Run] calls it every SweepInterval.
@@ -60,7 +55,7 @@ func (el *Eventline) replayDeadLetters(ctx context.Context) (res replayResult, e
 			err = fmt.Errorf("eventline: replay dead letters of %q: %w", el.cfg.Group, err)
 		}
 	}()
-	dls := el.dl.store
+	dls := el.held
 	// Each statement of the claim transaction is bounded, so a database
 	// that stops answering ends the pass instead of hanging it.
 	bounded := func(f func(ctx context.Context) error) error {

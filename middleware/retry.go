@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"sync"
 	"time"
 
@@ -15,25 +14,12 @@ import (
 )
 
 // retry retries a failing attempt of the rest of the chain on Config's
-// schedule, telling the three kinds of failure apart (see
-// [IsInfrastructure]):
-//
-//   - a permanent error ([IsPermanent]) is returned at once, not retried;
-//   - an infrastructure error (the database is down, restarting, or did
-//     not answer) is retried for as long as it lasts, on InfraBackoff's
-//     schedule, and never spends the retry budget: a database outage never
-//     dead-letters an event; so is an unsafe composition (the event waits
-//     until the chain is fixed);
-//   - a transaction conflict ([IsConflict]) is retried on the Retry
-//     schedule without spending the budget;
-//   - any other error is the handler's: retry n (n = 1…MaxRetries) waits
-//     the Retry schedule's n-th wait; after the last retry fails the error
-//     is returned as a *retriesExhaustedError.
-//
+// schedule, each kind of failure its own way (see the package
+// documentation, "Three kinds of failure"); an unsafe composition waits
+// like an outage, until the chain is fixed. After the last retry of a
+// handler's failure the error is returned as a *retriesExhaustedError.
 // Each retry it schedules is an "eventline.retry" event on the process
-// span (see the package documentation's "Tracing"): the attempt that
-// failed (from 1, every kind counted), its kind, the wait after jitter and
-// the error.
+// span (see the package documentation's "Tracing").
 //
 // Every attempt starts from the context the message arrived with, so each
 // gets a fresh consumer transaction. When that context ends (shutdown) a
@@ -42,7 +28,7 @@ import (
 // dead-lettering it.
 func (el *Eventline) retry(h message.HandlerFunc) message.HandlerFunc {
 	cfg := &el.cfg
-	o := &outage{log: cfg.Logger, metrics: cfg.Metrics, group: cfg.Group}
+	o := &outage{cfg: cfg}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
 		var attempts, retries, conflicts, waits int
@@ -138,9 +124,7 @@ func (e *retriesExhaustedError) Unwrap() error { return e.err }
 // outage tracks the messages of one handler that wait for the database,
 // so an outage logs one line when it starts and one when it ends.
 type outage struct {
-	log     *slog.Logger
-	metrics *Metrics
-	group   string
+	cfg *Config
 
 	mu      sync.Mutex
 	waiting int
@@ -148,23 +132,23 @@ type outage struct {
 }
 
 func (o *outage) enter(ctx context.Context, err error) {
-	o.metrics.addWaitingOnDatabase(o.group, 1)
+	o.cfg.Metrics.addWaitingOnDatabase(o.cfg.Group, 1)
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.waiting++
 	if o.waiting == 1 {
 		o.since = time.Now()
-		o.log.WarnContext(ctx, "eventline: database unavailable; events wait and are retried until it answers, none is dead-lettered",
-			"group", o.group, "error", err)
+		o.cfg.Logger.WarnContext(ctx, "eventline: database unavailable; events wait and are retried until it answers, none is dead-lettered",
+			"group", o.cfg.Group, "error", err)
 	}
 }
 
 func (o *outage) leave(ctx context.Context, recovered bool) {
-	o.metrics.addWaitingOnDatabase(o.group, -1)
+	o.cfg.Metrics.addWaitingOnDatabase(o.cfg.Group, -1)
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.waiting--
 	if o.waiting == 0 && recovered {
-		o.log.InfoContext(ctx, "eventline: database available again; resumed", "group", o.group, "outage", time.Since(o.since).Round(time.Millisecond))
+		o.cfg.Logger.InfoContext(ctx, "eventline: database available again; resumed", "group", o.cfg.Group, "outage", time.Since(o.since).Round(time.Millisecond))
 	}
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/internal/delivery"
+	"github.com/eventline/eventline/internal/held"
 	"github.com/eventline/eventline/internal/tracing"
 )
 
@@ -66,10 +67,7 @@ type procSpanKey struct{}
 // trace its headers carry, and returns the context carrying it.
 func (o observer) startProcess(msg *message.Message, group string) (context.Context, trace.Span) {
 	parent := msg.Context()
-	src := delivery.SourceOf(parent)
-	ctx := o.tr.Extract(parent, msg.Metadata)
-	ctx, span := o.tr.StartProcess(ctx, tracing.Source{Topic: src.Topic, Group: group, FromKafka: src.FromKafka,
-		Partition: src.Partition, Offset: src.Offset}, eventFromMetadata(msg.Metadata))
+	ctx, span := o.tr.StartProcess(o.tr.Extract(parent, msg.Metadata), delivery.SourceOf(parent), group, eventFromMetadata(msg.Metadata))
 	return context.WithValue(ctx, procSpanKey{}, span), span
 }
 
@@ -79,23 +77,14 @@ func processSpan(ctx context.Context) (trace.Span, bool) {
 	return sp, ok
 }
 
-// outcome records on the process span of ctx what became of the event.
+// outcome records on the process span of ctx what became of the event,
+// marking a late event (applied under ApplyLate) as such.
 func (o observer) outcome(ctx context.Context, outcome string) {
 	if o.tr == nil {
 		return
 	}
 	if sp, ok := processSpan(ctx); ok {
 		sp.SetAttributes(tracing.AttrOutcome.String(outcome))
-	}
-}
-
-// applied records the outcome applied, marking a late event as such.
-func (o observer) applied(ctx context.Context) {
-	if o.tr == nil {
-		return
-	}
-	if sp, ok := processSpan(ctx); ok {
-		sp.SetAttributes(tracing.AttrOutcome.String(tracing.OutcomeApplied))
 		if IsLate(ctx) {
 			sp.SetAttributes(tracing.AttrLate.Bool(true))
 		}
@@ -104,14 +93,9 @@ func (o observer) applied(ctx context.Context) {
 
 // traced wraps h (the chain puts it outermost, outside the dead letters
 // and retries, and the eventline middleware again inside them) in one
-// "process <topic>" span per delivery, unless the message context has one
-// already: kind consumer, continuing the trace the record's headers carry
-// (the relay's send span). Its attributes follow OpenTelemetry's
-// messaging conventions and add eventline's: the event type, the
-// aggregate's type, id and version, and eventline.outcome (applied,
-// duplicate, stale, parked, skipped, dead_lettered). The handler's message
-// context carries the span, so spans the handler starts nest under it.
-// Without a TracerProvider it returns h itself.
+// "process <topic>" span per delivery (see the package documentation,
+// "Tracing"), unless the message context has one already. Without a
+// TracerProvider it returns h itself.
 func (o observer) traced(group string, h message.HandlerFunc) message.HandlerFunc {
 	if o.tr == nil {
 		return h
@@ -159,17 +143,14 @@ func (g *gate) observeApplied(ctx context.Context, e eventline.Event) {
 	}
 }
 
-// maxSpanField bounds each envelope field read from the wire for a span:
-// a valid event's fit (eventline.MaxIdentifierLength).
-const maxSpanField = eventline.MaxIdentifierLength
-
 // eventFromMetadata reads the envelope fields spans carry, without
 // validating them: a message that does not decode still gets its span.
-// Each is cut to maxSpanField bytes and made valid UTF-8 (an exporter
-// refuses invalid UTF-8, losing the spans batched with it).
+// Each is cut to what a valid event's fits (eventline.MaxIdentifierLength
+// bytes) and made valid UTF-8 (an exporter refuses invalid UTF-8, losing
+// the spans batched with it).
 func eventFromMetadata(md message.Metadata) eventline.Event {
 	field := func(k string) string {
-		return strings.ToValidUTF8(truncate(md.Get(k), maxSpanField), "\uFFFD")
+		return strings.ToValidUTF8(held.Truncate(md.Get(k), eventline.MaxIdentifierLength), "\uFFFD")
 	}
 	e := eventline.Event{
 		ID: field(eventline.MetaEventID), Type: field(eventline.MetaEventType),

@@ -13,11 +13,9 @@ type GapPolicy string
 
 // The gap policies.
 const (
-	// Park stores the event in parked_events and acknowledges it. When the
-	// missing versions are applied, the parked successors are applied in
-	// order in the same transaction. After the park timeout the sweeper
-	// gives up on the missing versions: it records them in
-	// skipped_versions and applies what is parked. The default.
+	// Park stores the event in parked_events and acknowledges it; it is
+	// applied once the missing versions are, or given up on (see the
+	// package documentation, "Parked events"). The default.
 	Park GapPolicy = "park"
 	// Apply applies the event at once ("newer wins"): the version jumps
 	// and the skipped range is recorded in skipped_versions. Late arrivals
@@ -56,11 +54,9 @@ type LatePolicy string
 
 // The late policies.
 const (
-	// HoldLate holds the event for the operator (held_events, kind late),
-	// records its outcome as late and counts it; the handler does not run.
-	// An operator lists it (`eventline held list -kind late`), then
-	// replays it (`eventline held replay`: the consumer's sweeper runs the
-	// handler with the event marked late) or discards it. The default.
+	// HoldLate holds the event for the operator (see the package
+	// documentation, "Late events"); the handler does not run. The
+	// default.
 	HoldLate LatePolicy = "hold"
 	// ApplyLate runs the handler at once with the event marked late
 	// (middleware.IsLate reports true), for handlers that can apply an
@@ -98,20 +94,16 @@ const (
 	DefaultSweepInterval = 5 * time.Second
 	// DefaultSweepBatch is the most aggregates one sweeper pass visits.
 	DefaultSweepBatch = 500
-	// DefaultMaxGap bounds the versions one event that follows v-1 (it
-	// declares no other predecessor in aggregate_previous_version) may leave
-	// missing in front of it: its previous version minus the highest
-	// version the aggregate has applied or parked. An event that declares
-	// its predecessor waits for that one event and is not bounded: the
-	// producer published it, and its number says nothing about how many
-	// events are missing. A genuine gap is one missing event
-	// per event lost upstream (each lost event has its own dead letter),
-	// or a few in flight during an xid inversion, far below 1000. A
-	// version inflated by a bad producer or a hand-made record (1,000,000;
-	// MaxInt64) is far above it and is refused as permanent instead of
-	// parking and, after the timeout, skipping every genuine later
-	// version. An inflated version within the bound can skip at most 1000
-	// real versions, and those then arrive late and are held, not lost.
+	// DefaultMaxGap bounds the versions one event that follows v-1 may
+	// leave missing in front of it (see the package documentation, "The
+	// gate"). A genuine gap is one missing event per event lost upstream
+	// (each lost event has its own dead letter), or a few in flight during
+	// an xid inversion, far below 1000. A version inflated by a bad
+	// producer or a hand-made record (1,000,000; MaxInt64) is far above it
+	// and is refused as permanent instead of parking and, after the
+	// timeout, skipping every genuine later version. An inflated version
+	// within the bound can skip at most 1000 real versions, and those then
+	// arrive late and are held, not lost.
 	DefaultMaxGap int64 = 1000
 	// DefaultMaxReleaseAttempts is how many times a parked (or late) event
 	// whose turn has come is tried before the sweeper gives up on it: a

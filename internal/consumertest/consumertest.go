@@ -14,7 +14,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/eventline/eventline"
@@ -36,21 +35,24 @@ type TB interface {
 //	state(grp, aggregate_type, aggregate_id, value, last_version)      — an order-sensitive fold
 type Env struct {
 	pgtest.Env
-	effects, state string
 }
+
+// effects and state are the business tables' qualified names.
+func (e Env) effects() string { return sqlident.Qualify(e.Schema, "effects") }
+func (e Env) state() string   { return sqlident.Qualify(e.Schema, "state") }
 
 // New creates the schema and the business tables.
 func New(t testing.TB, opts pgtest.Options) Env {
 	t.Helper()
 	env := pgtest.New(t, opts)
-	e := Env{Env: env, effects: sqlident.Qualify(env.Schema, "effects"), state: sqlident.Qualify(env.Schema, "state")}
+	e := Env{Env: env}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	_, err := env.Pool.Exec(ctx, `
-		CREATE TABLE `+e.effects+` (
+		CREATE TABLE `+e.effects()+` (
 			seq bigserial PRIMARY KEY, grp text NOT NULL, event_id text NOT NULL, event_type text NOT NULL,
 			aggregate_type text NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL);
-		CREATE TABLE `+e.state+` (
+		CREATE TABLE `+e.state()+` (
 			grp text NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
 			value bigint NOT NULL, last_version bigint NOT NULL,
 			PRIMARY KEY (grp, aggregate_type, aggregate_id));`)
@@ -83,12 +85,12 @@ func Fold(value, version int64) int64 { return (value*31 + version) % 1_000_000_
 // Apply is a business handler: it records the effect and folds the version
 // into the aggregate's state, through tx.
 func (e Env) Apply(ctx context.Context, tx pgx.Tx, group string, ev eventline.Event) error {
-	_, err := tx.Exec(ctx, `INSERT INTO `+e.effects+` (grp, event_id, event_type, aggregate_type, aggregate_id, version) VALUES ($1, $2, $3, $4, $5, $6)`,
+	_, err := tx.Exec(ctx, `INSERT INTO `+e.effects()+` (grp, event_id, event_type, aggregate_type, aggregate_id, version) VALUES ($1, $2, $3, $4, $5, $6)`,
 		group, ev.ID, ev.Type, ev.AggregateType, ev.AggregateID, ev.AggregateVersion)
 	if err != nil {
 		return fmt.Errorf("insert effect: %w", err)
 	}
-	_, err = tx.Exec(ctx, `INSERT INTO `+e.state+` AS s (grp, aggregate_type, aggregate_id, value, last_version) VALUES ($1, $2, $3, $4, $5)
+	_, err = tx.Exec(ctx, `INSERT INTO `+e.state()+` AS s (grp, aggregate_type, aggregate_id, value, last_version) VALUES ($1, $2, $3, $4, $5)
 		ON CONFLICT (grp, aggregate_type, aggregate_id) DO UPDATE SET value = (s.value * 31 + $5) % 1000000007, last_version = $5`,
 		group, ev.AggregateType, ev.AggregateID, Fold(0, ev.AggregateVersion), ev.AggregateVersion)
 	if err != nil {
@@ -112,7 +114,7 @@ type Effect struct {
 // within one aggregate the row lock makes seq order the apply order).
 func (e Env) Effects(t TB, group string) []Effect {
 	t.Helper()
-	rows, err := e.Pool.Query(context.Background(), `SELECT seq, event_id, event_type, aggregate_type, aggregate_id, version FROM `+e.effects+` WHERE grp = $1 ORDER BY seq`, group)
+	rows, err := e.Pool.Query(context.Background(), `SELECT seq, event_id, event_type, aggregate_type, aggregate_id, version FROM `+e.effects()+` WHERE grp = $1 ORDER BY seq`, group)
 	require.NoError(t, err)
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Effect, error) {
 		var x Effect
@@ -126,7 +128,7 @@ func (e Env) Effects(t TB, group string) []Effect {
 // wrote the group's effect of it (PostgreSQL's xmin).
 func (e Env) Transactions(t TB, group string) map[string]string {
 	t.Helper()
-	rows, err := e.Pool.Query(context.Background(), `SELECT event_id, xmin::text FROM `+e.effects+` WHERE grp = $1`, group)
+	rows, err := e.Pool.Query(context.Background(), `SELECT event_id, xmin::text FROM `+e.effects()+` WHERE grp = $1`, group)
 	require.NoError(t, err)
 	out := map[string]string{}
 	for rows.Next() {
@@ -142,7 +144,7 @@ func (e Env) Transactions(t TB, group string) map[string]string {
 // when nothing was applied).
 func (e Env) State(t TB, group, aggregateType, aggregateID string) (value, lastVersion int64) {
 	t.Helper()
-	err := e.Pool.QueryRow(context.Background(), `SELECT value, last_version FROM `+e.state+` WHERE grp = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
+	err := e.Pool.QueryRow(context.Background(), `SELECT value, last_version FROM `+e.state()+` WHERE grp = $1 AND aggregate_type = $2 AND aggregate_id = $3`,
 		group, aggregateType, aggregateID).Scan(&value, &lastVersion)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, 0
@@ -180,14 +182,4 @@ func Redeliver(msg *message.Message) *message.Message {
 		c.Metadata.Set(k, v)
 	}
 	return c
-}
-
-// Open returns an Env for a schema New created elsewhere (for example in
-// a parent test process), using pool.
-func Open(pool *pgxpool.Pool, schema string) Env {
-	return Env{
-		Env:     pgtest.Env{Pool: pool, Schema: schema},
-		effects: sqlident.Qualify(schema, "effects"),
-		state:   sqlident.Qualify(schema, "state"),
-	}
 }

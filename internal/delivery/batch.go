@@ -10,16 +10,13 @@ import (
 )
 
 // Batch lets the eventline middleware apply several events in one
-// transaction. Watermill has no batch API: a Router runs each message
-// through the middleware chain on its own goroutine. The consumer's
-// subscriber, which hands out a lane's waiting events at once, puts each in
-// a Batch with [Batch.Add]; the middleware then holds every member that
-// reaches it ([Slot.Arrive]) until the batch is complete, and applies them
-// together (its [Runner]): BEGIN and every member's admission in one round
-// trip, the gate's decision and the handler for each member in order, one
-// COMMIT, then each member's answer, so the router acknowledges it only once
-// its effects are committed. How a member that parks, drains or fails is
-// isolated is the runner's business (middleware/batch_tx.go).
+// transaction (see the middleware package's documentation, "Batches"):
+// the consumer's subscriber puts each of a lane's waiting events in a Batch
+// with [Batch.Add]; the middleware holds every member that reaches it
+// ([Slot.Arrive]) until the batch is complete and applies them together
+// (its [Runner]), answering each member only once its effects are
+// committed. How a member that parks, drains or fails is isolated is the
+// runner's business (the middleware's runBatch).
 //
 // Members that never reach the middleware (rejected by a middleware in
 // front of it) simply leave the batch. Middleware in front of the

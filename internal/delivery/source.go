@@ -66,12 +66,3 @@ func SourceOf(ctx context.Context) Source {
 	}
 	return s
 }
-
-// HandlerName returns the Watermill handler name the message of ctx is
-// delivered to: set by [WithSource], or by the Router.
-func HandlerName(ctx context.Context) string {
-	if s, ok := ctx.Value(sourceKey{}).(Source); ok && s.Handler != "" {
-		return s.Handler
-	}
-	return message.HandlerNameFromCtx(ctx)
-}

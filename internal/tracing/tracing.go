@@ -19,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/delivery"
 )
 
 // ScopeName is the instrumentation scope of eventline's spans and metrics.
@@ -175,9 +176,6 @@ func New(tp trace.TracerProvider, prop propagation.TextMapPropagator) *Tracer {
 	return &Tracer{tracer: tp.Tracer(ScopeName), prop: prop}
 }
 
-// Enabled reports whether t makes spans.
-func (t *Tracer) Enabled() bool { return t != nil }
-
 // Extract returns ctx carrying the trace context and baggage found in md
 // (message metadata, Kafka headers), or ctx unchanged when tracing is off.
 func (t *Tracer) Extract(ctx context.Context, md map[string]string) context.Context {
@@ -217,21 +215,12 @@ func (t *Tracer) StartSend(ctx context.Context, topic string, e eventline.Event,
 	return t.tracer.Start(ctx, "send "+topic, trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...))
 }
 
-// Source locates a consumed record; Partition and Offset count only when
-// FromKafka.
-type Source struct {
-	Topic     string
-	Group     string
-	FromKafka bool
-	Partition int32
-	Offset    int64
-}
-
-// StartProcess starts the consumer's span for one delivery: "process
-// <topic>", continuing the trace in ctx (extracted from the record).
-func (t *Tracer) StartProcess(ctx context.Context, src Source, e eventline.Event) (context.Context, trace.Span) {
+// StartProcess starts the consumer group's span for one delivery of the
+// record src locates: "process <topic>", continuing the trace in ctx
+// (extracted from the record).
+func (t *Tracer) StartProcess(ctx context.Context, src delivery.Source, group string, e eventline.Event) (context.Context, trace.Span) {
 	attrs := append(eventAttrs(src.Topic, e, 12), AttrOperationType.String(operationProcess), AttrOperationName.String(operationProcess),
-		AttrConsumerGroup.String(src.Group))
+		AttrConsumerGroup.String(group))
 	if src.FromKafka {
 		attrs = append(attrs, AttrPartition.String(strconv.Itoa(int(src.Partition))), AttrOffset.Int64(src.Offset))
 	}
@@ -241,12 +230,12 @@ func (t *Tracer) StartProcess(ctx context.Context, src Source, e eventline.Event
 // StartRelease starts the span of a parked event applied after it waited:
 // "release <topic>", a child of ctx's span (the process span of the event
 // that filled the gap, or none for the sweeper), linked to the trace the
-// event arrived with (link, when valid).
-func (t *Tracer) StartRelease(ctx context.Context, topic, group string, e eventline.Event, link trace.Link, linked bool) (context.Context, trace.Span) {
+// event arrived with (the span whose context md carries, if any).
+func (t *Tracer) StartRelease(ctx context.Context, topic, group string, e eventline.Event, md map[string]string) (context.Context, trace.Span) {
 	attrs := append(eventAttrs(topic, e, 10), AttrOperationType.String(operationSettle), AttrOperationName.String(operationNameRelease),
 		AttrConsumerGroup.String(group), AttrOutcome.String(OutcomeReleased))
 	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...)}
-	if linked {
+	if link, ok := t.LinkTo(md); ok {
 		opts = append(opts, trace.WithLinks(link))
 	}
 	return t.tracer.Start(ctx, "release "+topic, opts...)

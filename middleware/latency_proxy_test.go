@@ -1,4 +1,4 @@
-package consumertest
+package middleware_test
 
 import (
 	"errors"
@@ -9,11 +9,11 @@ import (
 	"time"
 )
 
-// LatencyProxy forwards TCP connections to target, delivering every chunk
+// latencyProxy forwards TCP connections to target, delivering every chunk
 // rtt/2 after it was read, in each direction, so a client on the same host
 // sees the round-trip time of a database on another host. Pipelined chunks
 // overlap, as on a real link. It stops when the test ends.
-func LatencyProxy(t testing.TB, target string, rtt time.Duration) (addr string) {
+func latencyProxy(t testing.TB, target string, rtt time.Duration) (addr string) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
