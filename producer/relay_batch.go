@@ -221,10 +221,7 @@ func (b *batch) abandon(err error) {
 // relayBeginner is the database handle given to watermill-sql's subscriber.
 // Every transaction it begins carries a fresh batch; committing it first
 // settles the batch (see shardRunner.finish).
-type relayBeginner struct {
-	pool  *pgxpool.Pool
-	shard *shardRunner
-}
+type relayBeginner struct{ shard *shardRunner }
 
 // BeginTx takes a connection for a relay transaction; the transaction
 // itself begins with its first statement, in the same round trip
@@ -242,7 +239,7 @@ func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx
 		return nil, errShardStopped
 	}
 	ctx, cancel := context.WithTimeout(s.hard, txTimeout)
-	conn, err := rb.pool.Acquire(ctx)
+	conn, err := s.relay.pool.Acquire(ctx)
 	if err != nil {
 		cancel()
 		return nil, err
@@ -265,12 +262,12 @@ var relaySettings = fmt.Sprintf(`set_config('idle_in_transaction_session_timeout
 	(txTimeout + commitTimeout).Milliseconds())
 
 func (rb relayBeginner) ExecContext(ctx context.Context, query string, args ...any) (wsql.Result, error) {
-	tag, err := rb.pool.Exec(ctx, query, args...)
+	tag, err := rb.shard.relay.pool.Exec(ctx, query, args...)
 	return wsql.PgxResult{CommandTag: tag}, err
 }
 
 func (rb relayBeginner) QueryContext(ctx context.Context, query string, args ...any) (wsql.Rows, error) {
-	rows, err := rb.pool.Query(ctx, query, args...)
+	rows, err := rb.shard.relay.pool.Query(ctx, query, args...)
 	return checkedRows{rows}, err
 }
 
@@ -386,9 +383,11 @@ func (t *relayTx) commit(ctx context.Context, sql *shardSQL, shard int, last *it
 }
 
 // rollback ends the transaction if it is still open, and gives its
-// connection back.
-func (t *relayTx) rollback(ctx context.Context) {
+// connection back. The transaction may be past its deadline.
+func (t *relayTx) rollback() {
 	if t.tx != nil && !t.ended && t.conn != nil && t.conn.Conn().PgConn().TxStatus() != 'I' {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
 		_ = t.tx.Rollback(ctx)
 	}
 	t.releaseConn()
@@ -410,7 +409,7 @@ func (t *relayTx) Commit() error {
 func (t *relayTx) Rollback() error {
 	defer t.release()
 	t.batch.wait(t.ctx, flushTimeout)
-	t.batch.shard.rollback(t)
+	t.rollback()
 	return nil
 }
 

@@ -127,14 +127,6 @@ func refusedTooLarge(err error) bool {
 	return errors.Is(err, sarama.ErrMessageSizeTooLarge) && !errors.As(err, &cfgErr)
 }
 
-// sendAlone reports whether a row is to be published alone in its
-// transaction (its last failure was failBatchTooLarge).
-func (s *shardRunner) sendAlone(outboxUUID string) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.failures[outboxUUID].alone
-}
-
 // topicLimit is a topic's max.message.bytes as a broker described it.
 type topicLimit struct {
 	bytes int // 0: unknown
@@ -327,7 +319,7 @@ func (s *shardRunner) finish(t *relayTx) {
 		if err := hook(s.shard, p.delivered); err != nil {
 			wait := backoff.Jittered(s.relay.cfg.Backoff, 1)
 			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "retry_in", wait, "err", err)
-			s.rollback(t)
+			t.rollback()
 			s.setBackoff(wait)
 			return
 		}
@@ -337,7 +329,7 @@ func (s *shardRunner) finish(t *relayTx) {
 			s.abandoned(t, p, "the shard stopped while recording its batch")
 			return
 		}
-		s.rollback(t)
+		t.rollback()
 		s.log.Error("record relay progress; the batch will be published again", "events", len(p.delivered), "err", err)
 		s.setBackoff(queryRetryInterval)
 		return
@@ -362,17 +354,10 @@ func (s *shardRunner) finish(t *relayTx) {
 // abandoned rolls back a batch the shard could not record because it is
 // stopping without its lease or past its grace.
 func (s *shardRunner) abandoned(t *relayTx, p settlePlan, why string) {
-	s.rollback(t)
+	t.rollback()
 	if len(p.delivered) > 0 {
 		s.log.Warn(why+"; its events will be published again", "events", len(p.delivered), "stop", s.reason().String())
 	}
-}
-
-// rollback ends t's transaction, which may be past its deadline.
-func (s *shardRunner) rollback(t *relayTx) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	t.rollback(ctx)
 }
 
 // record writes the plan in t and commits it: dead letters first, then the

@@ -247,8 +247,11 @@ func (s *shardRunner) takeBackoff() time.Duration {
 	return max(d, 0)
 }
 
-// notDue reports whether a row's next retry is still in the future.
-func (s *shardRunner) notDue(outboxUUID string) bool {
+// retryDue reports whether a row may be published now, its retry not
+// being pending (when it is, the shard waits at least until then), and
+// whether it goes alone in its transaction (its last failure was
+// failBatchTooLarge).
+func (s *shardRunner) retryDue(outboxUUID string) (due, alone bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	rec, ok := s.failures[outboxUUID]
@@ -256,7 +259,7 @@ func (s *shardRunner) notDue(outboxUUID string) bool {
 		if rec.nextAttempt.After(s.backoffUntil) {
 			s.backoffUntil = rec.nextAttempt
 		}
-		return true
+		return false, false
 	}
-	return false
+	return true, rec.alone
 }

@@ -229,7 +229,7 @@ func (s *shardRunner) runOnce() error {
 		return err
 	}
 	ackDeadline := time.Minute
-	sub, err := wsql.NewSubscriber(relayBeginner{pool: r.pool, shard: s}, wsql.SubscriberConfig{
+	sub, err := wsql.NewSubscriber(relayBeginner{s}, wsql.SubscriberConfig{
 		ConsumerGroup:  outbox.RelayConsumerGroup,
 		AckDeadline:    &ackDeadline,
 		ResendInterval: 10 * time.Millisecond,
@@ -328,25 +328,19 @@ func (s *shardRunner) clearFence(ctx context.Context) {
 		Pid int32
 		OK  bool
 	}
-	rows, err := s.relay.pool.Query(ctx, s.sql.endFence, outbox.FenceNamespace(s.relay.cfg.Schema), s.shard)
-	if err != nil {
-		s.log.Warn("look for a stale read fence", "err", err)
-		return
-	}
+	const cannotEnd = "a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it"
+	// A failed Query reports its error through CollectRows too.
+	rows, _ := s.relay.pool.Query(ctx, s.sql.endFence, outbox.FenceNamespace(s.relay.cfg.Schema), s.shard)
 	holders, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ended])
-	if err != nil {
-		if pgerr.HasCode(err, "42501") { // insufficient_privilege: may not signal it
-			s.log.Warn("a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it",
-				"wait_at_most", txTimeout, "err", err)
-			return
-		}
+	switch {
+	case pgerr.HasCode(err, "42501"): // insufficient_privilege: may not signal it
+		s.log.Warn(cannotEnd, "wait_at_most", txTimeout, "err", err)
+	case err != nil:
 		s.log.Warn("look for a stale read fence", "err", err)
-		return
 	}
 	for _, h := range holders {
 		if !h.OK {
-			s.log.Warn("a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it",
-				"pid", h.Pid, "wait_at_most", txTimeout)
+			s.log.Warn(cannotEnd, "pid", h.Pid, "wait_at_most", txTimeout)
 			continue
 		}
 		s.relay.metrics.add(fencesClearedCounter, s.shard, 1)
@@ -502,7 +496,8 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 			b.stopped.Store(true)
 			return nil, nil
 		}
-		if s.notDue(it.outboxUUID) {
+		due, alone := s.retryDue(it.outboxUUID)
+		if !due {
 			b.stopped.Store(true)
 			return nil, nil
 		}
@@ -512,7 +507,6 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 				return nil, nil
 			}
 		}
-		alone := s.sendAlone(it.outboxUUID)
 		if alone {
 			// Kafka refused the batch this row was in as too large: it
 			// goes alone, the rows after it in the next transaction.
