@@ -175,11 +175,6 @@ func New(ctx context.Context, db interface {
 	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema), callerVersioned: callerVersioned}, nil
 }
 
-// shardFor returns the outbox shard an aggregate's events are written to.
-func (p *Producer) shardFor(aggregateType, aggregateID string) int {
-	return outbox.ShardFor(aggregateType, aggregateID, p.shards)
-}
-
 // PublishTx writes events into the outbox inside tx, the caller's own
 // transaction. They become visible to the relay when tx commits and vanish
 // with it on rollback: the business rows and their events are atomic. It

@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/outbox"
 )
 
 // A plan is everything PublishTx knows before it runs SQL: the events with
@@ -154,7 +155,7 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 			return nil, fmt.Errorf("event %d: %w", i, err)
 		}
 		pl.evRel[i] = a.n
-		pl.evShard[i] = int32(p.shardFor(k.typ, k.id))
+		pl.evShard[i] = int32(outbox.ShardFor(k.typ, k.id, p.shards))
 		pl.events[i] = e
 	}
 

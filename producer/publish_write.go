@@ -161,10 +161,6 @@ func (pl *plan) run(ctx context.Context, tx pgx.Tx, query string, args []any) ([
 // advanced sets the new version of each aggregate a publish statement
 // advanced, given as its (type, id, version) arrays; the others keep 0.
 func (pl *plan) advanced(res []aggResult, types, ids []*string, versions []int64) {
-	if len(versions) == 1 && len(pl.aggs) == 1 {
-		res[0].version = versions[0]
-		return
-	}
 	index := make(map[aggregateKey]int, len(pl.aggs))
 	for k, a := range pl.aggs {
 		index[aggregateKey{a.typ, a.id}] = k
@@ -262,14 +258,6 @@ func (pl *plan) autoArgs() []any {
 	return []any{types, ids, counts, topics, pl.evAgg, pl.evRel, pl.evShard, heads, pl.evTail}
 }
 
-// base is the version an aggregate's events in this call start after.
-func (pl *plan) base(ai int, r aggResult) int64 {
-	if pl.aggs[ai].firstSupplied == 0 {
-		return r.version - pl.aggs[ai].n
-	}
-	return r.old
-}
-
 // conflict returns the error for the conflicting event that comes first in
 // the call (for a topic, an aggregate's first event; for a version, its
 // first event with a supplied version), or nil.
@@ -309,9 +297,13 @@ func (pl *plan) conflict(res []aggResult) error {
 // fill sets every event's version and previous version from the
 // statement's result, by the same rule the statement used.
 func (pl *plan) fill(res []aggResult) {
-	for ai := range pl.aggs {
-		base := pl.base(ai, res[ai])
-		for _, i := range pl.aggs[ai].events {
+	for ai, a := range pl.aggs {
+		// The version the aggregate's events in this call start after.
+		base := res[ai].old
+		if a.firstSupplied == 0 {
+			base = res[ai].version - a.n
+		}
+		for _, i := range a.events {
 			e := &pl.events[i]
 			if pl.evVer[i] > 0 {
 				e.AggregateVersion = pl.evVer[i]

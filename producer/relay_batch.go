@@ -32,13 +32,6 @@ const (
 	metaRawMetadata = "_eventline_outbox_raw_metadata"
 )
 
-// rowPos is an outbox row's position: watermill-sql orders and acknowledges
-// rows by (transaction_id, offset).
-type rowPos struct {
-	txID   uint64
-	offset int64
-}
-
 // itemState is what happened to one outbox row in one relay transaction.
 type itemState int32
 
@@ -52,8 +45,11 @@ const (
 
 // item tracks one outbox row through a batch.
 type item struct {
-	b          *batch
-	pos        rowPos
+	b *batch
+	// txID and offset are the row's position: watermill-sql orders and
+	// acknowledges rows by (transaction_id, offset).
+	txID       string
+	offset     int64
 	outboxUUID string
 	payload    []byte           // the outbox row's payload: the forwarder envelope
 	metadata   message.Metadata // the outbox row's metadata column
@@ -130,8 +126,8 @@ type batch struct {
 // or returns nil when the batch is already settling.
 func (b *batch) register(msg *message.Message) *item {
 	it := &item{b: b, outboxUUID: msg.UUID, payload: msg.Payload}
-	it.pos.txID, _ = strconv.ParseUint(msg.Metadata.Get(metaRowTxID), 10, 64)
-	it.pos.offset, _ = strconv.ParseInt(msg.Metadata.Get(metaRowOffset), 10, 64)
+	it.txID = msg.Metadata.Get(metaRowTxID)
+	it.offset, _ = strconv.ParseInt(msg.Metadata.Get(metaRowOffset), 10, 64)
 	delete(msg.Metadata, metaRowTxID)
 	delete(msg.Metadata, metaRowOffset)
 	if reason := msg.Metadata.Get(metaMalformed); reason != "" {
@@ -339,21 +335,23 @@ func (t *relayTx) QueryContext(_ context.Context, query string, args ...any) (ws
 	return checkedRows{rows}, err
 }
 
-// commit records the position of last (nil: none) and clears the retry
-// records of cleared, and commits, in one round trip. Nothing is sent when
-// the transaction never began.
-func (t *relayTx) commit(ctx context.Context, sql *shardSQL, shard int, last *item, cleared []string) error {
+// commit records the position of the last finished row of done (none
+// when it is empty) and clears the retry records of cleared, and commits, in
+// one round trip. Nothing is sent when the transaction never began.
+func (t *relayTx) commit(ctx context.Context, done []*item, cleared []string) error {
 	if t.tx == nil {
 		return nil
 	}
+	s := t.batch.shard
 	b := &pgx.Batch{}
-	if last != nil {
-		// The position is the last finished row: a row that is not
-		// finished (and everything after it) is read again.
-		b.Queue(sql.recordOffset, last.pos.offset, strconv.FormatUint(last.pos.txID, 10), outbox.RelayConsumerGroup)
+	if len(done) > 0 {
+		// A row that is not finished (and everything after it) is read
+		// again.
+		last := done[len(done)-1]
+		b.Queue(s.sql.recordOffset, last.offset, last.txID, outbox.RelayConsumerGroup)
 	}
 	if len(cleared) > 0 {
-		b.Queue(sql.clearFailures, shard, cleared)
+		b.Queue(s.sql.clearFailures, s.shard, cleared)
 	}
 	b.Queue("COMMIT")
 	br := t.tx.SendBatch(ctx, b)
@@ -363,7 +361,7 @@ func (t *relayTx) commit(ctx context.Context, sql *shardSQL, shard int, last *it
 		tag, err = br.Exec()
 		switch {
 		case err == nil, i == b.Len()-1:
-		case last != nil && i == 0:
+		case len(done) > 0 && i == 0:
 			err = fmt.Errorf("record position: %w", err)
 		default:
 			err = fmt.Errorf("clear relay failures: %w", err)

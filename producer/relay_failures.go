@@ -249,13 +249,6 @@ type settlePlan struct {
 	delivered []string // event ids Kafka acknowledged
 }
 
-func (p settlePlan) last() *item {
-	if len(p.done) == 0 {
-		return nil
-	}
-	return p.done[len(p.done)-1]
-}
-
 // plan walks the batch in outbox order. A row is done when Kafka has it or
 // it is to be dead-lettered; the batch's progress stops before the first
 // row that is neither, so it is read again.
@@ -368,7 +361,7 @@ func (s *shardRunner) record(ctx context.Context, t *relayTx, p settlePlan) erro
 			return err
 		}
 	}
-	return t.commit(ctx, &s.sql, s.shard, p.last(), p.cleared)
+	return t.commit(ctx, p.done, p.cleared)
 }
 
 func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item) error {

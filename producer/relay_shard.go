@@ -513,7 +513,7 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 			it.alone = true
 			b.stopped.Store(true)
 		}
-		msg.SetContext(withItem(msg.Context(), it))
+		msg.SetContext(context.WithValue(msg.Context(), itemKey{}, it))
 		_, err := h(msg)
 		if err == nil {
 			return nil, nil
@@ -532,11 +532,8 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
+// itemKey carries a message's *item from guard to shardPublisher.
 type itemKey struct{}
-
-func withItem(ctx context.Context, it *item) context.Context {
-	return context.WithValue(ctx, itemKey{}, it)
-}
 
 // publishError marks errors from shardPublisher, as opposed to the
 // forwarder failing to unwrap an envelope.
