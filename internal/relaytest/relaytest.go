@@ -141,20 +141,6 @@ type Record struct {
 	Offset    int64
 }
 
-// ReadTopic reads topic until want distinct event ids were seen or the
-// timeout passed, and returns every record read (duplicates included).
-func ReadTopic(t *testing.T, brokers []string, topic string, want int, timeout time.Duration) []Record {
-	t.Helper()
-	seen, read := map[string]bool{}, 0 // counted as records arrive, not again at each one
-	return ReadUntil(t, brokers, topic, timeout, func(recs []Record) bool {
-		for _, r := range recs[read:] {
-			seen[r.EventID] = true
-		}
-		read = len(recs)
-		return len(seen) >= want
-	})
-}
-
 // ReadUntil reads topic from the start until done says so or the timeout
 // passed.
 func ReadUntil(t *testing.T, brokers []string, topic string, timeout time.Duration, done func([]Record) bool) []Record {
