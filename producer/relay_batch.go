@@ -226,9 +226,7 @@ type relayBeginner struct{ shard *shardRunner }
 // (a query cut off that way closes the connection, and the batch's
 // progress could not be recorded): they run under the shard's hard
 // context, which ends only when the lease is lost or the stop grace ran
-// out, and the transaction's own deadline (txTimeout). PostgreSQL ends the
-// transaction by itself after as long idle (relaySettings), in case the
-// relay vanishes holding it.
+// out, and the transaction's own deadline (txTimeout).
 func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx, error) {
 	s := rb.shard
 	if s.stopping() {
@@ -509,12 +507,8 @@ const deferredAck = "-- eventline: the relay records the position after Kafka ac
 // PostgreSQL's xmin horizon counts every transaction holding an id, and the
 // outbox is read only below it, so a relay transaction that held one while
 // waiting for Kafka would hold back every other shard's newest rows. Now the
-// id is taken by the final position write, just before commit.
-//
-// The advisory lock only fences: ownership is the relay's session lock. Two
-// relays that both believe they own a shard (the owner's lock connection
-// died a moment ago) never read it at once; the one that does not get the
-// fence sees no rows.
+// id is taken by the final position write, just before commit. (Why the
+// fence, and not the lease, keeps positions safe: relay_lease.go.)
 type relayOffsetsAdapter struct {
 	wsql.DefaultPostgreSQLOffsetsAdapter
 	nextOffset string
@@ -552,10 +546,8 @@ func (a relayOffsetsAdapter) AckMessageQuery(wsql.AckMessageQueryParams) (wsql.Q
 }
 
 // BeforeSubscribingQueries is empty: the shard writes the relay's zero
-// position itself before it subscribes (shardRunner.setUp), under READ
-// COMMITTED. watermill-sql would run it in a relay transaction, under
-// REPEATABLE READ, where it fails with a serialization error whenever the
-// previous owner moved the position meanwhile.
+// position itself before it subscribes, under READ COMMITTED (see
+// shardRunner.setUp for why not in a relay transaction).
 func (a relayOffsetsAdapter) BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams) ([]wsql.Query, error) {
 	return nil, nil
 }

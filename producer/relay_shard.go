@@ -141,12 +141,14 @@ func newShardSQL(schema string, shard int) shardSQL {
 		unwait:        q(`DELETE FROM {schema}.outbox_waiting WHERE shard = $1`),
 		snapshotXmax:  `SELECT pg_snapshot_xmax(pg_current_snapshot())::text`,
 		horizonPassed: `SELECT pg_snapshot_xmin(pg_current_snapshot()) >= $1::text::xid8`,
-		// Whether a row follows the position, readable or not; also keeps
-		// a waiting shard's request alive ($2, $3).
+		// Also keeps a waiting shard's request alive ($2, $3).
 		backlogExists: q(`WITH keep AS (
 				UPDATE {schema}.outbox_waiting SET expires_at = now() + make_interval(secs => $3) WHERE shard = $2 AND $4
 			)
-			SELECT ` + pollShardSQL + ` IS NOT NULL`),
+			SELECT EXISTS (SELECT 1 FROM {offsets} o CROSS JOIN LATERAL (
+				SELECT 1 FROM {messages} m WHERE (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)
+				ORDER BY m.transaction_id, m."offset" LIMIT 1) x
+			WHERE o.consumer_group = $1)`),
 		// Terminates the backends other than this one holding the shard's
 		// read fence ($1 namespace, $2 shard), each with whether it ended
 		// within a second: see clearFence. One statement, so that only a
