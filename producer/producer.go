@@ -9,7 +9,6 @@ import (
 	"maps"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
@@ -226,7 +225,7 @@ func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...
 	if len(events) == 0 {
 		return nil, nil
 	}
-	pl, err := p.prepare(events, time.Now(), p.traceHeaders(ctx))
+	pl, err := p.prepare(ctx, events)
 	if err != nil {
 		return nil, err
 	}

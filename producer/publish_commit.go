@@ -95,7 +95,7 @@ func (p *Producer) PublishAndCommit(ctx context.Context, db interface {
 		done = true
 		return nil, tx.Commit(ctx)
 	}
-	pl, err := p.prepare(events, time.Now(), p.traceHeaders(ctx))
+	pl, err := p.prepare(ctx, events)
 	if err != nil {
 		return nil, err
 	}

@@ -180,11 +180,11 @@ func (b *batch) set(it *item, state itemState, err error, deadReason string) {
 	b.mu.Unlock()
 }
 
-// wait blocks until every row has an outcome, the timeout passes or ctx
+// wait blocks until every row has an outcome, flushTimeout passes or ctx
 // ends (the shard stopped and its grace ran out, or its lease was lost).
 // Rows still in flight then are treated as failed: they are published
 // again, by this relay or the next owner.
-func (b *batch) wait(ctx context.Context, timeout time.Duration) {
+func (b *batch) wait(ctx context.Context) {
 	b.mu.Lock()
 	b.closed = true
 	if b.pending == 0 {
@@ -193,7 +193,7 @@ func (b *batch) wait(ctx context.Context, timeout time.Duration) {
 	}
 	b.drained = make(chan struct{})
 	b.mu.Unlock()
-	t := time.NewTimer(timeout)
+	t := time.NewTimer(flushTimeout)
 	defer t.Stop()
 	select {
 	case <-b.drained:
@@ -404,7 +404,7 @@ func (t *relayTx) Commit() error {
 // means the connection is gone, and the transaction with it.
 func (t *relayTx) Rollback() error {
 	defer t.release()
-	t.batch.wait(t.ctx, flushTimeout)
+	t.batch.wait(t.ctx)
 	t.rollback()
 	return nil
 }

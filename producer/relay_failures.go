@@ -293,7 +293,7 @@ func (s *shardRunner) plan(items []*item) settlePlan {
 // same transaction, and schedules the retry of the first unfinished row.
 func (s *shardRunner) finish(t *relayTx) {
 	b := t.batch
-	b.wait(t.ctx, flushTimeout)
+	b.wait(t.ctx)
 	ctx, cancel := context.WithTimeout(t.ctx, commitTimeout)
 	defer cancel()
 
