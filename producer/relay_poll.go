@@ -101,11 +101,8 @@ func (p *poller) decay(now time.Time) {
 
 // rateInterval is the poll interval at the relay's current rate: about
 // one poll per row relayed, between hotPollInterval and
-// maxHotPollInterval. A poll costs the same whether it finds rows or not,
-// so at low rates polling more often than rows arrive spends a query per
-// empty poll for a millisecond or two of latency: at 100 events/s a 2 ms
-// interval was 2.8 polls per event relayed, each a statement of up to 8
-// index probes.
+// maxHotPollInterval, since a poll costs the same whether it finds rows or
+// not (docs/DESIGN.md, "Waiting for rows").
 func (p *poller) rateInterval() time.Duration {
 	p.mu.Lock()
 	p.decay(time.Now())
