@@ -50,10 +50,9 @@ const (
 	DefaultPartitioner = PartitionerMurmur2
 )
 
-// Lease timing, in RebalanceIntervals. A relay renews its leases every
-// interval, PostgreSQL keeps them leaseTTLIntervals from the renewal, and
-// the owner relays for leaseValidIntervals after it sent the renewal, so
-// it has stopped before any other relay may take the shard.
+// Lease timing, in RebalanceIntervals: PostgreSQL keeps a lease
+// leaseTTLIntervals from its renewal, its owner relays for
+// leaseValidIntervals after sending it (see the top of relay_lease.go).
 const (
 	leaseTTLIntervals   = 4
 	leaseValidIntervals = 3

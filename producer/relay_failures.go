@@ -401,11 +401,8 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 		rec.attempts++
 	}
 	rec.alone = kind == failBatchTooLarge
-	// A failure of the message walks Backoff by its counted attempts.
-	// Kafka being away says nothing about the message, and the shard must
-	// resume soon after Kafka does, however long it was away: not
-	// Backoff's 10 min but unavailableBackoff, up to the wait between
-	// connection attempts.
+	// A failure of the message walks Backoff by its counted attempts;
+	// Kafka being away says nothing about the message (maxUnavailableWait).
 	wait := backoff.Jittered(s.relay.cfg.Backoff, rec.attempts)
 	switch kind {
 	case failUnavailable:
