@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
-	"slices"
 	"strings"
 
 	"github.com/IBM/sarama"
@@ -95,9 +94,9 @@ func (c Config) withDefaults() Config {
 	c.Schema = cmp.Or(c.Schema, migrations.DefaultSchema)
 	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.Logger = cmp.Or(c.Logger, slog.Default())
-	// A copy: the caller may go on changing its map.
+	// A copy: the caller may go on changing its map. (New reads
+	// CallerVersionedTypes into a map of its own.)
 	c.SchemaVersions = maps.Clone(c.SchemaVersions)
-	c.CallerVersionedTypes = slices.Clone(c.CallerVersionedTypes)
 	return c
 }
 
