@@ -246,12 +246,8 @@ func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx
 // their own. PostgreSQL ends the transaction after as long idle
 // (idle_in_transaction_session_timeout), in case the relay vanishes
 // holding the shard's fence. Its commit does not wait for the WAL flush
-// (synchronous_commit = off): what it writes (the position, dead letters,
-// cleared retries) only ever lets the relay skip work, so a crash of
-// PostgreSQL that loses it makes the relay publish those rows again
-// (duplicates, never a loss; a lost dead letter is retried and
-// dead-lettered again), and the flush it saves is one per batch, which at
-// moderate rates is one per event or two.
+// (synchronous_commit = off): what it writes only lets the relay skip work,
+// so losing it in a crash means publishing again (docs/DESIGN.md, "Relay").
 var relaySettings = fmt.Sprintf(`set_config('idle_in_transaction_session_timeout', '%d', true) AS idle_timeout, set_config('synchronous_commit', 'off', true) AS synchronous_commit`,
 	(txTimeout + commitTimeout).Milliseconds())
 

@@ -293,9 +293,7 @@ func (o *ownership) shutdown() {
 	giveUp := time.After(shutdownTimeout)
 	for {
 		o.reap(ctx)
-		r.mu.Lock()
-		left := len(r.running)
-		r.mu.Unlock()
+		left := len(r.runners())
 		if left == 0 {
 			break
 		}
