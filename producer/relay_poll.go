@@ -2,9 +2,9 @@ package producer
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -191,34 +191,28 @@ func (p *poller) run(ctx context.Context) {
 		}
 		ready, err := p.poll(ctx, shards)
 		p.polls.Add(1)
+		slow++ // unless the poll finds a shard not stalled (for long)
 		if err != nil {
 			if ctx.Err() == nil {
 				p.r.log.Debug("poll outbox shards", "err", err)
 			}
-			slow++
 			continue
 		}
-		allStalled := true
 		for i, s := range shards {
 			switch ready[i] {
 			case pollReadable:
 				p.unwatch(s)
 				s.unstall()
 				s.notify()
-				allStalled = false
+				slow = 0
 			case pollHeldBack:
 				if s.stall() < stallFastPhase {
-					allStalled = false
+					slow = 0
 				}
 			default:
 				s.unstall()
-				allStalled = false
+				slow = 0
 			}
-		}
-		if allStalled {
-			slow++
-		} else {
-			slow = 0
 		}
 	}
 }
@@ -246,11 +240,7 @@ const (
 // statement covers every busy shard, not only these (see busyWindow).
 func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult, error) {
 	busy := p.busy(shards)
-	keys := make([]string, len(busy))
-	for i, shard := range busy {
-		keys[i] = strconv.Itoa(shard)
-	}
-	key := strings.Join(keys, ",")
+	key := fmt.Sprint(busy)
 	q, ok := p.sql[key]
 	if !ok {
 		parts := make([]string, len(busy))

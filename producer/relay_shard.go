@@ -496,16 +496,12 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 			b.stopped.Store(true)
 			return nil, nil
 		}
+		// A row whose retry is not due, or the rate limit's wait cut
+		// short, stops the batch too.
 		due, alone := s.retryDue(it.outboxUUID)
-		if !due {
+		if lim := s.relay.limiter; !due || lim != nil && lim.Wait(msg.Context()) != nil {
 			b.stopped.Store(true)
 			return nil, nil
-		}
-		if lim := s.relay.limiter; lim != nil {
-			if err := lim.Wait(msg.Context()); err != nil {
-				b.stopped.Store(true)
-				return nil, nil
-			}
 		}
 		if alone {
 			// Kafka refused the batch this row was in as too large: it
