@@ -172,10 +172,7 @@ func (o *ownership) tick(ctx context.Context) error {
 		}
 	}
 	if len(owned) < share {
-		rows, err := o.conn.Query(qctx, o.sql.free, r.shards)
-		if err != nil {
-			return fmt.Errorf("list free shards: %w", err)
-		}
+		rows, _ := o.conn.Query(qctx, o.sql.free, r.shards) // CollectRows reports its error
 		free, err := pgx.CollectRows(rows, pgx.RowTo[int])
 		if err != nil {
 			return fmt.Errorf("list free shards: %w", err)
