@@ -175,7 +175,6 @@ func (s *shardRunner) stall() time.Duration {
 	return stalled
 }
 
-// stalledFor returns how long the shard has been held back, or 0.
 func (s *shardRunner) stalledFor() time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()

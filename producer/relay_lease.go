@@ -355,7 +355,6 @@ func closeConn(conn *pgxpool.Conn) {
 	conn.Release()
 }
 
-// runner returns the runner of shard, or nil.
 func (r *Relay) runner(shard int) *shardRunner {
 	r.mu.Lock()
 	defer r.mu.Unlock()

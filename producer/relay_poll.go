@@ -114,7 +114,6 @@ func (p *poller) rateInterval() time.Duration {
 	return max(time.Duration(float64(time.Second)/rate), hotPollInterval)
 }
 
-// watch adds s to the polled shards.
 func (p *poller) watch(s *shardRunner) {
 	p.mu.Lock()
 	p.set[s.shard] = s
@@ -122,7 +121,6 @@ func (p *poller) watch(s *shardRunner) {
 	signal(p.kick)
 }
 
-// unwatch removes s from the polled shards.
 func (p *poller) unwatch(s *shardRunner) {
 	p.mu.Lock()
 	if p.set[s.shard] == s {
@@ -163,7 +161,6 @@ func (p *poller) busy(shards []*shardRunner) []int {
 	return slices.Compact(out)
 }
 
-// run polls until ctx ends.
 func (p *poller) run(ctx context.Context) {
 	slow := 0 // polls in a row that failed or found every shard stalled
 	t := time.NewTimer(hotPollInterval)
