@@ -146,3 +146,30 @@ func (e *SchemaVersionError) Error() string {
 
 // Unwrap lets errors.Is(err, ErrSchemaVersion) match.
 func (e *SchemaVersionError) Unwrap() error { return ErrSchemaVersion }
+
+// EventTooLargeError reports an event whose Kafka record would exceed the
+// configured maximum. PublishTx returns it before any SQL runs, so the
+// caller's transaction stays usable.
+type EventTooLargeError struct {
+	// Index is the event's position in the PublishTx call.
+	Index         int
+	EventID       string
+	AggregateType string
+	AggregateID   string
+	// Size is the record size Sarama would compute (for an event whose
+	// version is assigned by the outbox, with room for the largest
+	// version), in bytes.
+	Size int
+	// Limit is producer.Config.MaxMessageBytes.
+	Limit int
+}
+
+func (e *EventTooLargeError) Error() string {
+	return fmt.Sprintf("eventline: event %d (id %s, aggregate %s/%s) would be a %d-byte Kafka record, over the %d-byte limit "+
+		"(producer.Config.MaxMessageBytes); store large bodies elsewhere and publish a reference to them, or raise the limit "+
+		"together with the relay's RelayConfig.MaxMessageBytes and the topic's max.message.bytes",
+		e.Index, e.EventID, e.AggregateType, e.AggregateID, e.Size, e.Limit)
+}
+
+// Unwrap lets errors.Is(err, ErrEventTooLarge) match.
+func (e *EventTooLargeError) Unwrap() error { return ErrEventTooLarge }

@@ -102,7 +102,6 @@ func (m *RelayMetrics) observePublish(it *item, err error) {
 	m.latency.Observe(time.Since(it.event.OccurredAt).Seconds())
 }
 
-// add adds v to the shard's counter c.
 func (m *RelayMetrics) add(c shardCounter, shard int, v float64) {
 	if m != nil {
 		m.counters[c].WithLabelValues(strconv.Itoa(shard)).Add(v)

@@ -167,7 +167,7 @@ func TestRelayProcessesShareShardsAndTakeOverAfterKill9(t *testing.T) {
 	mu.Lock()
 	want := append([]string(nil), events...)
 	mu.Unlock()
-	records := relaytest.ReadTopic(t, brokers, topic, len(want), time.Minute)
+	records := readTopic(t, brokers, topic, len(want), time.Minute)
 	counts := relaytest.Distinct(records)
 	for _, id := range want {
 		require.GreaterOrEqual(t, counts[id], 1, "event %s lost after a relay was killed", id)
@@ -201,7 +201,7 @@ func TestRelayCrashAfterKafkaAckBeforeOutboxAck(t *testing.T) {
 		t.Fatal("relay child did not crash")
 	}
 	require.True(t, crashing.KilledBy(syscall.SIGKILL), "child must die by SIGKILL, got %v", crashing.Err())
-	require.Equal(t, 1, relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, 1, 10*time.Second))[events[0].ID], "published_after_crash=1")
+	require.Equal(t, 1, relaytest.Distinct(readTopic(t, brokers, topic, 1, 10*time.Second))[events[0].ID], "published_after_crash=1")
 	st, err := admin.ReadOutboxStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
 	require.EqualValues(t, 1, st.Backlog(), "the outbox never recorded the publish")

@@ -7,9 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
-	"slices"
 	"strings"
-	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
@@ -96,9 +94,9 @@ func (c Config) withDefaults() Config {
 	c.Schema = cmp.Or(c.Schema, migrations.DefaultSchema)
 	c.MaxMessageBytes = cmp.Or(c.MaxMessageBytes, DefaultMaxMessageBytes)
 	c.Logger = cmp.Or(c.Logger, slog.Default())
-	// A copy: the caller may go on changing its map.
+	// A copy: the caller may go on changing its map. (New reads
+	// CallerVersionedTypes into a map of its own.)
 	c.SchemaVersions = maps.Clone(c.SchemaVersions)
-	c.CallerVersionedTypes = slices.Clone(c.CallerVersionedTypes)
 	return c
 }
 
@@ -175,11 +173,6 @@ func New(ctx context.Context, db interface {
 	return &Producer{cfg: cfg, shards: shards, stmts: newStatements(cfg.Schema), callerVersioned: callerVersioned}, nil
 }
 
-// shardFor returns the outbox shard an aggregate's events are written to.
-func (p *Producer) shardFor(aggregateType, aggregateID string) int {
-	return outbox.ShardFor(aggregateType, aggregateID, p.shards)
-}
-
 // PublishTx writes events into the outbox inside tx, the caller's own
 // transaction. They become visible to the relay when tx commits and vanish
 // with it on rollback: the business rows and their events are atomic. It
@@ -231,7 +224,7 @@ func (p *Producer) PublishTxReturning(ctx context.Context, tx pgx.Tx, events ...
 	if len(events) == 0 {
 		return nil, nil
 	}
-	pl, err := p.prepare(events, time.Now(), p.traceHeaders(ctx))
+	pl, err := p.prepare(ctx, events)
 	if err != nil {
 		return nil, err
 	}

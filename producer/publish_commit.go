@@ -95,7 +95,7 @@ func (p *Producer) PublishAndCommit(ctx context.Context, db interface {
 		done = true
 		return nil, tx.Commit(ctx)
 	}
-	pl, err := p.prepare(events, time.Now(), p.traceHeaders(ctx))
+	pl, err := p.prepare(ctx, events)
 	if err != nil {
 		return nil, err
 	}
@@ -114,55 +114,21 @@ func (p *Producer) PublishAndCommit(ctx context.Context, db interface {
 	return pl.events, nil
 }
 
-// writeAndCommit sends pl's outbox statement (publishOneCommitSQL or
-// publishAutoCommitSQL when every version is assigned, the caller-versioned
-// rows when every version is the caller's) and COMMIT in one round trip on
-// conn, where tx is open, and fills in the versions. When
-// the statement fails, PostgreSQL skips the COMMIT; tx is then rolled
-// back, and a statement that failed because an aggregate records another
-// topic is reported as a *TopicConflictError.
+// writeAndCommit sends pl's outbox statement (queueShort's, with commit
+// set) and COMMIT in one round trip on conn, where tx is open, and fills
+// in the versions. When the statement fails, PostgreSQL skips the COMMIT;
+// tx is then rolled back, and a statement that failed because an aggregate
+// records another topic is reported as a *TopicConflictError.
 func (p *Producer) writeAndCommit(ctx context.Context, conn *pgx.Conn, tx pgx.Tx, pl *plan) error {
 	b := &pgx.Batch{}
 	var res []aggResult
-	if pl.callerAggs() == len(pl.aggs) {
-		// Every version is the caller's: the statement only inserts rows,
-		// and cannot write nothing.
-		query, args := p.callerVersionedStatement(pl)
-		b.Queue(query, args...).Exec(func(pgconn.CommandTag) error { res = []aggResult{}; return nil })
-	} else if len(pl.events) == 1 {
-		a := &pl.aggs[0]
-		b.Queue(p.stmts.get(stmtOneCommit, pl.shards), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).QueryRow(func(row pgx.Row) error {
-			var version int64
-			if err := row.Scan(&version); err != nil {
-				return err
-			}
-			res = []aggResult{{version: version}}
-			return nil
-		})
-	} else {
-		n := len(pl.aggs)
-		b.Queue(p.stmts.get(stmtAutoCommit, pl.shards), pl.autoArgs()...).QueryRow(func(row pgx.Row) error {
-			var versions []int64
-			var one int64
-			if err := row.Scan(&versions, &one); err != nil {
-				return err
-			}
-			if len(versions) != n {
-				return fmt.Errorf("unexpected result for %d aggregates", n) // unreachable: the statement divides by zero instead
-			}
-			res = make([]aggResult, n)
-			for k, v := range versions {
-				res[k].version = v
-			}
-			return nil
-		})
-	}
+	var written bool
+	p.queueShort(b, pl, true, &res, &written)
 	var tag pgconn.CommandTag
 	b.Queue("COMMIT").Exec(func(ct pgconn.CommandTag) error { tag = ct; return nil })
 	err := conn.SendBatch(ctx, b).Close()
 	if err != nil {
-		committed := res != nil
-		if !committed {
+		if !written {
 			// The outbox statement failed: the COMMIT did not run, and the
 			// transaction is aborted.
 			rollback(ctx, tx)
@@ -180,7 +146,7 @@ func (p *Producer) writeAndCommit(ctx context.Context, conn *pgx.Conn, tx pgx.Tx
 	if tag.String() != "COMMIT" {
 		return pgx.ErrTxCommitRollback
 	}
-	if len(res) > 0 {
+	if res != nil {
 		pl.fill(res)
 	}
 	return nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/baggage"
@@ -20,6 +22,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/internal/outbox"
 )
 
 // A plan is everything PublishTx knows before it runs SQL: the events with
@@ -100,10 +103,10 @@ var (
 // counts it for versions the outbox assigns.
 const maxVersionDigits = 19
 
-// prepare validates events, fills in their defaults and builds the plan,
-// without SQL. trace holds the caller's trace context headers (see
-// traceHeaders), nil when there are none.
-func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[string]string) (*plan, error) {
+// prepare validates events, fills in their defaults (the caller's trace
+// context from ctx, see traceHeaders) and builds the plan, without SQL.
+func (p *Producer) prepare(ctx context.Context, events []eventline.Event) (*plan, error) {
+	now, trace := time.Now(), p.traceHeaders(ctx)
 	pl := &plan{
 		events:  make([]eventline.Event, len(events)),
 		evAgg:   make([]int32, len(events)),
@@ -154,7 +157,7 @@ func (p *Producer) prepare(events []eventline.Event, now time.Time, trace map[st
 			return nil, fmt.Errorf("event %d: %w", i, err)
 		}
 		pl.evRel[i] = a.n
-		pl.evShard[i] = int32(p.shardFor(k.typ, k.id))
+		pl.evShard[i] = int32(outbox.ShardFor(k.typ, k.id, p.shards))
 		pl.events[i] = e
 	}
 
@@ -387,6 +390,34 @@ func (p *Producer) checkSize(i int, e eventline.Event, msg *message.Message) err
 		return &EventTooLargeError{Index: i, EventID: e.ID, AggregateType: e.AggregateType, AggregateID: e.AggregateID, Size: size, Limit: p.cfg.MaxMessageBytes}
 	}
 	return nil
+}
+
+// Sarama's size estimate of one record (ProducerMessage.ByteSize for record
+// batches, Kafka ≥ 0.11): a fixed overhead per record plus, per header, two
+// varints' worth of length prefixes. The constants mirror Sarama's
+// maximumRecordOverhead and binary.MaxVarintLen32 so the producer refuses
+// exactly what Sarama would.
+const (
+	recordOverhead = 5*binary.MaxVarintLen32 + binary.MaxVarintLen64 + 1
+	headerOverhead = 2 * binary.MaxVarintLen32
+)
+
+// EncodedRecordSize returns the size Sarama compares with
+// Producer.MaxMessageBytes for the Kafka record the relay builds from msg,
+// an event message as [eventline.Encode] returns it: the record key (the
+// aggregate id), the payload, one header per metadata entry plus
+// watermill-kafka's message UUID header, and the per-record overhead. A
+// record is sent only when this is at most the relay's MaxMessageBytes.
+func EncodedRecordSize(msg *message.Message) int {
+	if msg == nil {
+		return 0
+	}
+	size := recordOverhead + len(msg.Metadata.Get(eventline.MetaAggregateID)) + len(msg.Payload)
+	size += len(kafka.UUIDHeaderKey) + len(msg.UUID) + headerOverhead
+	for k, v := range msg.Metadata {
+		size += len(k) + len(v) + headerOverhead
+	}
+	return size
 }
 
 // traceHeaders returns the caller's trace context as the propagator writes

@@ -192,8 +192,8 @@ const publishOneCommitSQL = `WITH seq AS (
 SELECT (SELECT version FROM seq) + 0 / (SELECT count(*) FROM seq)`
 
 // publishAutoCommitSQL is publishAutoSQL for PublishAndCommit, failing
-// instead of writing nothing, like publishOneCommitSQL. It returns the
-// aggregates' new versions in parameter order.
+// instead of writing nothing, like publishOneCommitSQL. It returns what
+// publishAutoSQL returns.
 const publishAutoCommitSQL = `WITH seq AS (
 	INSERT INTO {schema}.aggregate_sequences AS s (aggregate_type, aggregate_id, version, topic)
 	SELECT a.t, a.i, a.n, a.topic
@@ -206,7 +206,7 @@ const publishAutoCommitSQL = `WITH seq AS (
 	SELECT array_agg(version) AS v FROM seq
 	HAVING count(*) = cardinality($1::text[]) AND array_agg(t) = $1::text[] AND array_agg(i) = $2::text[]
 ){shard_inserts}
-SELECT (SELECT v FROM done), 0 / (SELECT count(*) FROM done)`
+SELECT array_agg(t), array_agg(i), array_agg(version), 0 / (SELECT count(*) FROM done) = 0 FROM seq`
 
 // publishRowSQL writes one event whose versions are the caller's
 // (Config.CallerVersionedTypes): its outbox row and nothing else, the

@@ -8,6 +8,7 @@ import (
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/eventline/eventline"
 )
@@ -22,16 +23,13 @@ type aggResult struct {
 }
 
 // write writes pl in tx, in one round trip, and fills in the events'
-// versions. One event without a supplied version takes publishOneSQL, a call
-// without supplied versions publishAutoSQL; either falls back to publishSQL
-// when it wrote nothing because an aggregate's row records another topic or
-// none (its first publish since topics are recorded). write returns a
-// conflict error when the call conflicts, with nothing written.
+// versions. A call that queueShort covers takes its statement; a call with
+// supplied versions, or one whose short statement wrote nothing because an
+// aggregate's row records another topic or none (its first publish since
+// topics are recorded), takes publishSQL. write returns a conflict error
+// when the call conflicts, with nothing written.
 func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
-	if n := pl.callerAggs(); n > 0 {
-		if n == len(pl.aggs) {
-			return p.writeCallerVersioned(ctx, tx, pl)
-		}
+	if n := pl.callerAggs(); n > 0 && n < len(pl.aggs) {
 		// The statement that may answer a conflict, writing nothing, goes
 		// first.
 		rest := pl.subset(false)
@@ -41,23 +39,23 @@ func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
 		for j, i := range rest.orig {
 			pl.events[i] = rest.events[j]
 		}
-		return p.writeCallerVersioned(ctx, tx, pl.subset(true))
+		return p.write(ctx, tx, pl.subset(true))
 	}
-	if len(pl.events) == 1 && pl.aggs[0].firstSupplied == 0 {
-		var version int64
-		a := &pl.aggs[0]
-		err := tx.QueryRow(ctx, p.stmts.get(stmtOne, pl.shards), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).Scan(&version)
-		switch {
-		case err == nil:
-			pl.fill([]aggResult{{version: version}})
-			return nil
-		case !errors.Is(err, pgx.ErrNoRows):
+	b := &pgx.Batch{}
+	var res []aggResult
+	var written bool
+	if p.queueShort(b, pl, false, &res, &written) {
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
 			return fmt.Errorf("write events to the outbox: %w", err)
 		}
-		// Not advanced, nothing written: another topic is recorded, or none.
-	} else if pl.auto() {
-		done, err := p.writeAuto(ctx, tx, pl)
-		if done || err != nil {
+		if written {
+			if res != nil {
+				pl.fill(res)
+			}
+			return nil
+		}
+		// Nothing written: undo the aggregates the statement advanced.
+		if err := p.undo(ctx, tx, pl, res); err != nil {
 			return err
 		}
 	}
@@ -85,15 +83,53 @@ func (p *Producer) write(ctx context.Context, tx pgx.Tx, pl *plan) error {
 	}
 }
 
-// writeCallerVersioned writes pl, whose versions are all the caller's
-// (Config.CallerVersionedTypes), with one statement that inserts the
-// outbox rows and nothing else.
-func (p *Producer) writeCallerVersioned(ctx context.Context, tx pgx.Tx, pl *plan) error {
-	query, args := p.callerVersionedStatement(pl)
-	if _, err := tx.Exec(ctx, query, args...); err != nil {
-		return fmt.Errorf("write events to the outbox: %w", err)
+// queueShort queues on b the one statement that writes pl, when pl needs no
+// other, and reports whether it did: every version is the caller's (the
+// rows alone, publishRowSQL or publishRowsSQL), or no version is supplied
+// (publishOneSQL for one event, else publishAutoSQL; with commit set their
+// PublishAndCommit variants, which fail instead of writing nothing). Once
+// the statement ran, written says whether it wrote the events, and res
+// holds the aggregates it advanced (nil for the caller's versions, which
+// need no filling in).
+func (p *Producer) queueShort(b *pgx.Batch, pl *plan, commit bool, res *[]aggResult, written *bool) bool {
+	switch {
+	case pl.callerAggs() == len(pl.aggs):
+		query, args := p.callerVersionedStatement(pl)
+		b.Queue(query, args...).Exec(func(pgconn.CommandTag) error { *written = true; return nil })
+	case len(pl.events) == 1 && pl.aggs[0].firstSupplied == 0:
+		st := stmtOne
+		if commit {
+			st = stmtOneCommit
+		}
+		a := &pl.aggs[0]
+		b.Queue(p.stmts.get(st, pl.shards), a.typ, a.id, a.topic, pl.evHead[0]+pl.evMid[0], pl.evTail[0]).QueryRow(func(row pgx.Row) error {
+			var version int64
+			err := row.Scan(&version)
+			*res, *written = []aggResult{{version: version}}, err == nil
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil // not advanced, nothing written
+			}
+			return err
+		})
+	case pl.auto():
+		st := stmtAuto
+		if commit {
+			st = stmtAutoCommit
+		}
+		b.Queue(p.stmts.get(st, pl.shards), pl.autoArgs()...).QueryRow(func(row pgx.Row) error {
+			var types, ids []*string
+			var versions []int64
+			if err := row.Scan(&types, &ids, &versions, written); err != nil {
+				return err
+			}
+			*res = make([]aggResult, len(pl.aggs))
+			pl.advanced(*res, types, ids, versions)
+			return nil
+		})
+	default:
+		return false
 	}
-	return nil
+	return true
 }
 
 // callerVersionedStatement returns the statement writing pl's rows, whose
@@ -107,27 +143,6 @@ func (p *Producer) callerVersionedStatement(pl *plan) (string, []any) {
 		bodies[i] = pl.body(i)
 	}
 	return p.stmts.get(stmtRows, pl.shards), []any{pl.evShard, bodies}
-}
-
-// writeAuto runs publishAutoSQL for a call without supplied versions. It
-// reports done=false, with nothing written, when an aggregate's row records
-// another topic or none: publishSQL then handles the call.
-func (p *Producer) writeAuto(ctx context.Context, tx pgx.Tx, pl *plan) (done bool, err error) {
-	var advTypes, advIDs []*string
-	var advVersions []int64
-	var written bool
-	err = tx.QueryRow(ctx, p.stmts.get(stmtAuto, pl.shards), pl.autoArgs()...).Scan(&advTypes, &advIDs, &advVersions, &written)
-	if err != nil {
-		return false, fmt.Errorf("write events to the outbox: %w", err)
-	}
-	res := make([]aggResult, len(pl.aggs))
-	pl.advanced(res, advTypes, advIDs, advVersions)
-	if written {
-		pl.fill(res)
-		return true, nil
-	}
-	// Nothing written: undo the aggregates the statement advanced.
-	return false, p.undo(ctx, tx, pl, res)
 }
 
 // run executes the publish statement and reads its one row.
@@ -161,10 +176,6 @@ func (pl *plan) run(ctx context.Context, tx pgx.Tx, query string, args []any) ([
 // advanced sets the new version of each aggregate a publish statement
 // advanced, given as its (type, id, version) arrays; the others keep 0.
 func (pl *plan) advanced(res []aggResult, types, ids []*string, versions []int64) {
-	if len(versions) == 1 && len(pl.aggs) == 1 {
-		res[0].version = versions[0]
-		return
-	}
 	index := make(map[aggregateKey]int, len(pl.aggs))
 	for k, a := range pl.aggs {
 		index[aggregateKey{a.typ, a.id}] = k
@@ -262,14 +273,6 @@ func (pl *plan) autoArgs() []any {
 	return []any{types, ids, counts, topics, pl.evAgg, pl.evRel, pl.evShard, heads, pl.evTail}
 }
 
-// base is the version an aggregate's events in this call start after.
-func (pl *plan) base(ai int, r aggResult) int64 {
-	if pl.aggs[ai].firstSupplied == 0 {
-		return r.version - pl.aggs[ai].n
-	}
-	return r.old
-}
-
 // conflict returns the error for the conflicting event that comes first in
 // the call (for a topic, an aggregate's first event; for a version, its
 // first event with a supplied version), or nil.
@@ -309,9 +312,13 @@ func (pl *plan) conflict(res []aggResult) error {
 // fill sets every event's version and previous version from the
 // statement's result, by the same rule the statement used.
 func (pl *plan) fill(res []aggResult) {
-	for ai := range pl.aggs {
-		base := pl.base(ai, res[ai])
-		for _, i := range pl.aggs[ai].events {
+	for ai, a := range pl.aggs {
+		// The version the aggregate's events in this call start after.
+		base := res[ai].old
+		if a.firstSupplied == 0 {
+			base = res[ai].version - a.n
+		}
+		for _, i := range a.events {
 			e := &pl.events[i]
 			if pl.evVer[i] > 0 {
 				e.AggregateVersion = pl.evVer[i]

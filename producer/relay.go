@@ -49,7 +49,6 @@ type Relay struct {
 	// (checkOutbox): by NewRelay, or by Run when NewRelay found the
 	// database unavailable. Written under mu before Run starts anything.
 	shards  int
-	lockNS  int64 // advisory-lock namespace, from the schema name
 	metrics *RelayMetrics
 	held    *held.Store // where dead letters go
 	limiter *rate.Limiter
@@ -110,7 +109,6 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		pool:     pool,
 		cfg:      cfg,
 		log:      cfg.Logger.With("component", "eventline.relay", "relay", cfg.ID),
-		lockNS:   outbox.LockNamespace(cfg.Schema),
 		metrics:  cfg.Metrics,
 		held:     held.New(cfg.Schema),
 		tracer:   tracing.New(cfg.TracerProvider, cfg.Propagator),

@@ -32,13 +32,6 @@ const (
 	metaRawMetadata = "_eventline_outbox_raw_metadata"
 )
 
-// rowPos is an outbox row's position: watermill-sql orders and acknowledges
-// rows by (transaction_id, offset).
-type rowPos struct {
-	txID   uint64
-	offset int64
-}
-
 // itemState is what happened to one outbox row in one relay transaction.
 type itemState int32
 
@@ -52,8 +45,11 @@ const (
 
 // item tracks one outbox row through a batch.
 type item struct {
-	b          *batch
-	pos        rowPos
+	b *batch
+	// txID and offset are the row's position: watermill-sql orders and
+	// acknowledges rows by (transaction_id, offset).
+	txID       string
+	offset     int64
 	outboxUUID string
 	payload    []byte           // the outbox row's payload: the forwarder envelope
 	metadata   message.Metadata // the outbox row's metadata column
@@ -130,8 +126,8 @@ type batch struct {
 // or returns nil when the batch is already settling.
 func (b *batch) register(msg *message.Message) *item {
 	it := &item{b: b, outboxUUID: msg.UUID, payload: msg.Payload}
-	it.pos.txID, _ = strconv.ParseUint(msg.Metadata.Get(metaRowTxID), 10, 64)
-	it.pos.offset, _ = strconv.ParseInt(msg.Metadata.Get(metaRowOffset), 10, 64)
+	it.txID = msg.Metadata.Get(metaRowTxID)
+	it.offset, _ = strconv.ParseInt(msg.Metadata.Get(metaRowOffset), 10, 64)
 	delete(msg.Metadata, metaRowTxID)
 	delete(msg.Metadata, metaRowOffset)
 	if reason := msg.Metadata.Get(metaMalformed); reason != "" {
@@ -184,11 +180,11 @@ func (b *batch) set(it *item, state itemState, err error, deadReason string) {
 	b.mu.Unlock()
 }
 
-// wait blocks until every row has an outcome, the timeout passes or ctx
+// wait blocks until every row has an outcome, flushTimeout passes or ctx
 // ends (the shard stopped and its grace ran out, or its lease was lost).
 // Rows still in flight then are treated as failed: they are published
 // again, by this relay or the next owner.
-func (b *batch) wait(ctx context.Context, timeout time.Duration) {
+func (b *batch) wait(ctx context.Context) {
 	b.mu.Lock()
 	b.closed = true
 	if b.pending == 0 {
@@ -197,7 +193,7 @@ func (b *batch) wait(ctx context.Context, timeout time.Duration) {
 	}
 	b.drained = make(chan struct{})
 	b.mu.Unlock()
-	t := time.NewTimer(timeout)
+	t := time.NewTimer(flushTimeout)
 	defer t.Stop()
 	select {
 	case <-b.drained:
@@ -221,10 +217,7 @@ func (b *batch) abandon(err error) {
 // relayBeginner is the database handle given to watermill-sql's subscriber.
 // Every transaction it begins carries a fresh batch; committing it first
 // settles the batch (see shardRunner.finish).
-type relayBeginner struct {
-	pool  *pgxpool.Pool
-	shard *shardRunner
-}
+type relayBeginner struct{ shard *shardRunner }
 
 // BeginTx takes a connection for a relay transaction; the transaction
 // itself begins with its first statement, in the same round trip
@@ -233,16 +226,14 @@ type relayBeginner struct {
 // (a query cut off that way closes the connection, and the batch's
 // progress could not be recorded): they run under the shard's hard
 // context, which ends only when the lease is lost or the stop grace ran
-// out, and the transaction's own deadline (txTimeout). PostgreSQL ends the
-// transaction by itself after as long idle (relaySettings), in case the
-// relay vanishes holding it.
+// out, and the transaction's own deadline (txTimeout).
 func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx, error) {
 	s := rb.shard
 	if s.stopping() {
 		return nil, errShardStopped
 	}
 	ctx, cancel := context.WithTimeout(s.hard, txTimeout)
-	conn, err := rb.pool.Acquire(ctx)
+	conn, err := s.relay.pool.Acquire(ctx)
 	if err != nil {
 		cancel()
 		return nil, err
@@ -255,22 +246,18 @@ func (rb relayBeginner) BeginTx(_ context.Context, _ *stdsql.TxOptions) (wsql.Tx
 // their own. PostgreSQL ends the transaction after as long idle
 // (idle_in_transaction_session_timeout), in case the relay vanishes
 // holding the shard's fence. Its commit does not wait for the WAL flush
-// (synchronous_commit = off): what it writes (the position, dead letters,
-// cleared retries) only ever lets the relay skip work, so a crash of
-// PostgreSQL that loses it makes the relay publish those rows again
-// (duplicates, never a loss; a lost dead letter is retried and
-// dead-lettered again), and the flush it saves is one per batch, which at
-// moderate rates is one per event or two.
+// (synchronous_commit = off): what it writes only lets the relay skip work,
+// so losing it in a crash means publishing again (docs/DESIGN.md, "Relay").
 var relaySettings = fmt.Sprintf(`set_config('idle_in_transaction_session_timeout', '%d', true) AS idle_timeout, set_config('synchronous_commit', 'off', true) AS synchronous_commit`,
 	(txTimeout + commitTimeout).Milliseconds())
 
 func (rb relayBeginner) ExecContext(ctx context.Context, query string, args ...any) (wsql.Result, error) {
-	tag, err := rb.pool.Exec(ctx, query, args...)
+	tag, err := rb.shard.relay.pool.Exec(ctx, query, args...)
 	return wsql.PgxResult{CommandTag: tag}, err
 }
 
 func (rb relayBeginner) QueryContext(ctx context.Context, query string, args ...any) (wsql.Rows, error) {
-	rows, err := rb.pool.Query(ctx, query, args...)
+	rows, err := rb.shard.relay.pool.Query(ctx, query, args...)
 	return checkedRows{rows}, err
 }
 
@@ -342,21 +329,23 @@ func (t *relayTx) QueryContext(_ context.Context, query string, args ...any) (ws
 	return checkedRows{rows}, err
 }
 
-// commit records the position of last (nil: none) and clears the retry
-// records of cleared, and commits, in one round trip. Nothing is sent when
-// the transaction never began.
-func (t *relayTx) commit(ctx context.Context, sql *shardSQL, shard int, last *item, cleared []string) error {
+// commit records the position of the last finished row of done (none
+// when it is empty) and clears the retry records of cleared, and commits, in
+// one round trip. Nothing is sent when the transaction never began.
+func (t *relayTx) commit(ctx context.Context, done []*item, cleared []string) error {
 	if t.tx == nil {
 		return nil
 	}
+	s := t.batch.shard
 	b := &pgx.Batch{}
-	if last != nil {
-		// The position is the last finished row: a row that is not
-		// finished (and everything after it) is read again.
-		b.Queue(sql.recordOffset, last.pos.offset, strconv.FormatUint(last.pos.txID, 10), outbox.RelayConsumerGroup)
+	if len(done) > 0 {
+		// A row that is not finished (and everything after it) is read
+		// again.
+		last := done[len(done)-1]
+		b.Queue(s.sql.recordOffset, last.offset, last.txID, outbox.RelayConsumerGroup)
 	}
 	if len(cleared) > 0 {
-		b.Queue(sql.clearFailures, shard, cleared)
+		b.Queue(s.sql.clearFailures, s.shard, cleared)
 	}
 	b.Queue("COMMIT")
 	br := t.tx.SendBatch(ctx, b)
@@ -366,7 +355,7 @@ func (t *relayTx) commit(ctx context.Context, sql *shardSQL, shard int, last *it
 		tag, err = br.Exec()
 		switch {
 		case err == nil, i == b.Len()-1:
-		case last != nil && i == 0:
+		case len(done) > 0 && i == 0:
 			err = fmt.Errorf("record position: %w", err)
 		default:
 			err = fmt.Errorf("clear relay failures: %w", err)
@@ -386,9 +375,11 @@ func (t *relayTx) commit(ctx context.Context, sql *shardSQL, shard int, last *it
 }
 
 // rollback ends the transaction if it is still open, and gives its
-// connection back.
-func (t *relayTx) rollback(ctx context.Context) {
+// connection back. The transaction may be past its deadline.
+func (t *relayTx) rollback() {
 	if t.tx != nil && !t.ended && t.conn != nil && t.conn.Conn().PgConn().TxStatus() != 'I' {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
 		_ = t.tx.Rollback(ctx)
 	}
 	t.releaseConn()
@@ -409,8 +400,8 @@ func (t *relayTx) Commit() error {
 // means the connection is gone, and the transaction with it.
 func (t *relayTx) Rollback() error {
 	defer t.release()
-	t.batch.wait(t.ctx, flushTimeout)
-	t.batch.shard.rollback(t)
+	t.batch.wait(t.ctx)
+	t.rollback()
 	return nil
 }
 
@@ -512,12 +503,8 @@ const deferredAck = "-- eventline: the relay records the position after Kafka ac
 // PostgreSQL's xmin horizon counts every transaction holding an id, and the
 // outbox is read only below it, so a relay transaction that held one while
 // waiting for Kafka would hold back every other shard's newest rows. Now the
-// id is taken by the final position write, just before commit.
-//
-// The advisory lock only fences: ownership is the relay's session lock. Two
-// relays that both believe they own a shard (the owner's lock connection
-// died a moment ago) never read it at once; the one that does not get the
-// fence sees no rows.
+// id is taken by the final position write, just before commit. (Why the
+// fence, and not the lease, keeps positions safe: relay_lease.go.)
 type relayOffsetsAdapter struct {
 	wsql.DefaultPostgreSQLOffsetsAdapter
 	nextOffset string
@@ -555,10 +542,8 @@ func (a relayOffsetsAdapter) AckMessageQuery(wsql.AckMessageQueryParams) (wsql.Q
 }
 
 // BeforeSubscribingQueries is empty: the shard writes the relay's zero
-// position itself before it subscribes (shardRunner.setUp), under READ
-// COMMITTED. watermill-sql would run it in a relay transaction, under
-// REPEATABLE READ, where it fails with a serialization error whenever the
-// previous owner moved the position meanwhile.
+// position itself before it subscribes, under READ COMMITTED (see
+// shardRunner.setUp for why not in a relay transaction).
 func (a relayOffsetsAdapter) BeforeSubscribingQueries(wsql.BeforeSubscribingQueriesParams) ([]wsql.Query, error) {
 	return nil, nil
 }

@@ -50,10 +50,9 @@ const (
 	DefaultPartitioner = PartitionerMurmur2
 )
 
-// Lease timing, in RebalanceIntervals. A relay renews its leases every
-// interval, PostgreSQL keeps them leaseTTLIntervals from the renewal, and
-// the owner relays for leaseValidIntervals after it sent the renewal, so
-// it has stopped before any other relay may take the shard.
+// Lease timing, in RebalanceIntervals: PostgreSQL keeps a lease
+// leaseTTLIntervals from its renewal, its owner relays for
+// leaseValidIntervals after sending it (see the top of relay_lease.go).
 const (
 	leaseTTLIntervals   = 4
 	leaseValidIntervals = 3
@@ -222,20 +221,16 @@ func (c RelayConfig) withDefaults() RelayConfig {
 }
 
 func (c RelayConfig) validate() error {
-	var errs []error
-	if err := sqlident.Validate("RelayConfig.Schema", c.Schema); err != nil {
-		errs = append(errs, err)
-	}
-	if err := kafkaconf.ValidateBrokers("RelayConfig.Brokers", c.Brokers); err != nil {
-		errs = append(errs, err)
+	// errors.Join drops the nil errors of the checks that passed.
+	errs := []error{
+		sqlident.Validate("RelayConfig.Schema", c.Schema),
+		kafkaconf.ValidateBrokers("RelayConfig.Brokers", c.Brokers),
 	}
 	if c.BatchSize < 1 || c.BatchSize > 100_000 {
 		errs = append(errs, fmt.Errorf("RelayConfig.BatchSize must be between 1 and 100000, got %d", c.BatchSize))
 	}
-	if err := sqlident.Text("RelayConfig.ID", c.ID); err != nil {
-		// The ID is the shard leases' owner: PostgreSQL must store it.
-		errs = append(errs, err)
-	}
+	// The ID is the shard leases' owner: PostgreSQL must store it.
+	errs = append(errs, sqlident.Text("RelayConfig.ID", c.ID))
 	if c.PollInterval < 10*time.Millisecond || c.PollInterval > maxRelayInterval {
 		errs = append(errs, fmt.Errorf("RelayConfig.PollInterval must be between 10ms and %s, got %s", maxRelayInterval, c.PollInterval))
 	}
@@ -254,12 +249,7 @@ func (c RelayConfig) validate() error {
 	default:
 		errs = append(errs, fmt.Errorf(`RelayConfig.Partitioner must be "murmur2", "fnv1a" or "sarama-config", got %q`, c.Partitioner))
 	}
-	if err := validateMaxMessageBytes("RelayConfig.MaxMessageBytes", c.MaxMessageBytes); err != nil {
-		errs = append(errs, err)
-	}
-	if err := c.Backoff.Validate("producer.RelayConfig.Backoff"); err != nil {
-		errs = append(errs, err)
-	}
+	errs = append(errs, validateMaxMessageBytes("RelayConfig.MaxMessageBytes", c.MaxMessageBytes), c.Backoff.Validate("producer.RelayConfig.Backoff"))
 	if c.MaxAttempts < 1 {
 		errs = append(errs, fmt.Errorf("RelayConfig.MaxAttempts must be at least 1, got %d", c.MaxAttempts))
 	}
@@ -269,14 +259,15 @@ func (c RelayConfig) validate() error {
 	if c.CleanupBatchSize < 1 {
 		errs = append(errs, fmt.Errorf("RelayConfig.CleanupBatchSize must be at least 1, got %d", c.CleanupBatchSize))
 	}
-	if len(errs) == 0 {
-		// What Run gives Sarama; refused there, it would look like Kafka
-		// being unreachable, retried for ever.
-		if err := c.producerConfig().Validate(); err != nil {
-			errs = append(errs, fmt.Errorf("RelayConfig.SaramaConfig: %w", err))
-		}
+	if err := errors.Join(errs...); err != nil {
+		return err
 	}
-	return errors.Join(errs...)
+	// What Run gives Sarama; refused there, it would look like Kafka being
+	// unreachable, retried for ever.
+	if err := c.producerConfig().Validate(); err != nil {
+		return fmt.Errorf("RelayConfig.SaramaConfig: %w", err)
+	}
+	return nil
 }
 
 // producerConfig returns the Sarama configuration with the settings the

@@ -127,14 +127,6 @@ func refusedTooLarge(err error) bool {
 	return errors.Is(err, sarama.ErrMessageSizeTooLarge) && !errors.As(err, &cfgErr)
 }
 
-// sendAlone reports whether a row is to be published alone in its
-// transaction (its last failure was failBatchTooLarge).
-func (s *shardRunner) sendAlone(outboxUUID string) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.failures[outboxUUID].alone
-}
-
 // topicLimit is a topic's max.message.bytes as a broker described it.
 type topicLimit struct {
 	bytes int // 0: unknown
@@ -257,13 +249,6 @@ type settlePlan struct {
 	delivered []string // event ids Kafka acknowledged
 }
 
-func (p settlePlan) last() *item {
-	if len(p.done) == 0 {
-		return nil
-	}
-	return p.done[len(p.done)-1]
-}
-
 // plan walks the batch in outbox order. A row is done when Kafka has it or
 // it is to be dead-lettered; the batch's progress stops before the first
 // row that is neither, so it is read again.
@@ -308,7 +293,7 @@ func (s *shardRunner) plan(items []*item) settlePlan {
 // same transaction, and schedules the retry of the first unfinished row.
 func (s *shardRunner) finish(t *relayTx) {
 	b := t.batch
-	b.wait(t.ctx, flushTimeout)
+	b.wait(t.ctx)
 	ctx, cancel := context.WithTimeout(t.ctx, commitTimeout)
 	defer cancel()
 
@@ -327,7 +312,7 @@ func (s *shardRunner) finish(t *relayTx) {
 		if err := hook(s.shard, p.delivered); err != nil {
 			wait := backoff.Jittered(s.relay.cfg.Backoff, 1)
 			s.log.Warn("AfterPublish refused the batch; it will be published again", "events", len(p.delivered), "retry_in", wait, "err", err)
-			s.rollback(t)
+			t.rollback()
 			s.setBackoff(wait)
 			return
 		}
@@ -337,7 +322,7 @@ func (s *shardRunner) finish(t *relayTx) {
 			s.abandoned(t, p, "the shard stopped while recording its batch")
 			return
 		}
-		s.rollback(t)
+		t.rollback()
 		s.log.Error("record relay progress; the batch will be published again", "events", len(p.delivered), "err", err)
 		s.setBackoff(queryRetryInterval)
 		return
@@ -362,17 +347,10 @@ func (s *shardRunner) finish(t *relayTx) {
 // abandoned rolls back a batch the shard could not record because it is
 // stopping without its lease or past its grace.
 func (s *shardRunner) abandoned(t *relayTx, p settlePlan, why string) {
-	s.rollback(t)
+	t.rollback()
 	if len(p.delivered) > 0 {
 		s.log.Warn(why+"; its events will be published again", "events", len(p.delivered), "stop", s.reason().String())
 	}
-}
-
-// rollback ends t's transaction, which may be past its deadline.
-func (s *shardRunner) rollback(t *relayTx) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	t.rollback(ctx)
 }
 
 // record writes the plan in t and commits it: dead letters first, then the
@@ -383,7 +361,7 @@ func (s *shardRunner) record(ctx context.Context, t *relayTx, p settlePlan) erro
 			return err
 		}
 	}
-	return t.commit(ctx, &s.sql, s.shard, p.last(), p.cleared)
+	return t.commit(ctx, p.done, p.cleared)
 }
 
 func (s *shardRunner) insertDeadLetter(ctx context.Context, tx pgx.Tx, it *item) error {
@@ -423,11 +401,8 @@ func (s *shardRunner) recordFailure(ctx context.Context, it *item) {
 		rec.attempts++
 	}
 	rec.alone = kind == failBatchTooLarge
-	// A failure of the message walks Backoff by its counted attempts.
-	// Kafka being away says nothing about the message, and the shard must
-	// resume soon after Kafka does, however long it was away: not
-	// Backoff's 10 min but unavailableBackoff, up to the wait between
-	// connection attempts.
+	// A failure of the message walks Backoff by its counted attempts;
+	// Kafka being away says nothing about the message (maxUnavailableWait).
 	wait := backoff.Jittered(s.relay.cfg.Backoff, rec.attempts)
 	switch kind {
 	case failUnavailable:

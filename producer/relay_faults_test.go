@@ -88,7 +88,7 @@ func TestRelayDeadLettersWhatCanNeverBePublished(t *testing.T) {
 	relaytest.Start(t, env, cfg)
 
 	// The shard moves past every bad row: the last event still arrives.
-	counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, 2, 30*time.Second))
+	counts := relaytest.Distinct(readTopic(t, brokers, topic, 2, 30*time.Second))
 	require.Equal(t, 1, counts[first.ID])
 	require.Equal(t, 1, counts[last.ID])
 
@@ -143,7 +143,7 @@ func TestRelayRetriesThenDeadLettersThenReplays(t *testing.T) {
 	require.Equal(t, missing, dls[0].Topic)
 	require.Contains(t, dls[0].Reason, "gave up after 3 attempts")
 	require.Equal(t, "retries_exhausted", dls[0].Cause)
-	counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, 2, 30*time.Second))
+	counts := relaytest.Distinct(readTopic(t, brokers, topic, 2, 30*time.Second))
 	require.Equal(t, 1, counts[a3.ID], "the shard moved on after the dead letter")
 
 	// Once the topic exists, a replay delivers the same event id and
@@ -152,7 +152,7 @@ func TestRelayRetriesThenDeadLettersThenReplays(t *testing.T) {
 	res, err := admin.ReplayHeld(context.Background(), env.Pool, env.Schema, admin.HeldFilter{Kind: admin.HeldRelayDeadLetter})
 	require.NoError(t, err)
 	require.Len(t, res.Enqueued, 1)
-	recs := relaytest.ReadTopic(t, brokers, missing, 1, 30*time.Second)
+	recs := readTopic(t, brokers, missing, 1, 30*time.Second)
 	require.Len(t, recs, 1)
 	require.Equal(t, m2.ID, recs[0].EventID)
 	require.EqualValues(t, 1, recs[0].Version)
@@ -186,14 +186,14 @@ func TestRelaySurvivesKafkaDown(t *testing.T) {
 	relaytest.Start(t, env, cfg)
 
 	before := relaytest.PublishOrders(t, env, topic, 8, 40, 5)
-	require.Len(t, relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, len(before), 30*time.Second)), len(before))
+	require.Len(t, relaytest.Distinct(readTopic(t, brokers, topic, len(before), 30*time.Second)), len(before))
 
 	require.NoError(t, k.Crash())
 	during := relaytest.PublishOrders(t, env, topic, 8, 40, 5)
 	time.Sleep(down)
 	require.NoError(t, k.Restart(context.Background()))
 
-	counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, len(before)+len(during), 2*time.Minute))
+	counts := relaytest.Distinct(readTopic(t, brokers, topic, len(before)+len(during), 2*time.Minute))
 	for _, e := range append(before, during...) {
 		require.GreaterOrEqual(t, counts[e.ID], 1, "event %s lost while Kafka was down", e.ID)
 	}
@@ -228,7 +228,7 @@ func TestRelayWaitsOutBrokerErrors(t *testing.T) {
 	time.Sleep(2 * time.Second) // the fault's duration: the relay keeps failing with MaxAttempts 1 and must not dead-letter
 	fault.Remove()
 
-	counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, len(events), 30*time.Second))
+	counts := relaytest.Distinct(readTopic(t, brokers, topic, len(events), 30*time.Second))
 	require.Len(t, counts, len(events))
 	st, err := admin.ReadOutboxStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)
@@ -254,7 +254,7 @@ func TestKafkaOutageDoesNotStretchTheRetryWait(t *testing.T) {
 	cfg := producer.RelayConfig{Brokers: k.Brokers, Backoff: eventline.Backoff{Initial: 20 * time.Millisecond, Multiplier: 180_000, Max: time.Hour}, MaxAttempts: 1, Metrics: metrics}
 	relaytest.Start(t, env, cfg)
 	first := relaytest.PublishOrders(t, env, topic, 1, 1, 1)
-	require.Len(t, relaytest.Distinct(relaytest.ReadTopic(t, k.Brokers, topic, 1, 30*time.Second)), len(first), "the relay publishes")
+	require.Len(t, relaytest.Distinct(readTopic(t, k.Brokers, topic, 1, 30*time.Second)), len(first), "the relay publishes")
 
 	// Kafka becomes unavailable: kfake refuses produces with a retriable
 	// error; Apache Kafka, which cannot be made to on one node, is cut off
@@ -273,7 +273,7 @@ func TestKafkaOutageDoesNotStretchTheRetryWait(t *testing.T) {
 		"the shard keeps retrying while Kafka is unavailable")
 	restore()
 
-	counts := relaytest.Distinct(relaytest.ReadTopic(t, k.Brokers, topic, len(events), 30*time.Second))
+	counts := relaytest.Distinct(readTopic(t, k.Brokers, topic, len(events), 30*time.Second))
 	require.Len(t, counts, len(events))
 	st, err := admin.ReadOutboxStatus(context.Background(), env.Pool, env.Schema)
 	require.NoError(t, err)

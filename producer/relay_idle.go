@@ -54,21 +54,11 @@ func (s *shardRunner) HandleError(_ watermillLogger, noMsg bool, err error) time
 }
 
 // idle waits for new rows after a read found none, without holding a
-// transaction.
-//
-// A shard that relayed rows in the last hotWindow, or whose committed rows
-// are held back by the xmin horizon, lingers: the relay's poller looks at
-// it every few milliseconds (one query for all such shards) and wakes it
-// when it has rows to read. Otherwise it goes to sleep until producers
-// notify it.
-//
-// Producers notify a shard only while its relay says it is waiting (the
-// outbox_waiting row), because a NOTIFY serializes their commits. So before
-// it sleeps, the shard sets that row and then waits until every transaction
-// that started before it has ended: one of them may have written a row
-// without notifying. It then reads once more, and only then sleeps until a
-// notification or PollInterval. A notification clears the row again, so
-// busy shards cost producers nothing.
+// transaction. A shard that relayed rows in the last hotWindow, or whose
+// committed rows are held back by the xmin horizon, lingers (linger).
+// Otherwise it asks producers to notify it (announce), reads once more, and
+// then sleeps until a notification or PollInterval. Why producers notify
+// only shards that ask: docs/DESIGN.md, "Waiting for rows".
 func (s *shardRunner) idle() {
 	if time.Since(s.lastRows) < hotWindow || s.stalledFor() > 0 {
 		s.linger()
@@ -119,8 +109,9 @@ func (s *shardRunner) linger() {
 }
 
 // announce marks the shard as waiting for notifications and returns once
-// every transaction older than the mark has ended (or PollInterval passed,
-// when an old transaction stays open: then PollInterval bounds the delay).
+// every transaction older than the mark has ended, since one of them may
+// have written a row without notifying (or PollInterval passed, when an old
+// transaction stays open: then PollInterval bounds the delay).
 func (s *shardRunner) announce() error {
 	ctx, cancel := context.WithTimeout(s.soft, s.relay.cfg.PollInterval+statementTimeout)
 	defer cancel()
@@ -184,7 +175,6 @@ func (s *shardRunner) stall() time.Duration {
 	return stalled
 }
 
-// stalledFor returns how long the shard has been held back, or 0.
 func (s *shardRunner) stalledFor() time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -247,8 +237,11 @@ func (s *shardRunner) takeBackoff() time.Duration {
 	return max(d, 0)
 }
 
-// notDue reports whether a row's next retry is still in the future.
-func (s *shardRunner) notDue(outboxUUID string) bool {
+// retryDue reports whether a row may be published now, its retry not
+// being pending (when it is, the shard waits at least until then), and
+// whether it goes alone in its transaction (its last failure was
+// failBatchTooLarge).
+func (s *shardRunner) retryDue(outboxUUID string) (due, alone bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	rec, ok := s.failures[outboxUUID]
@@ -256,7 +249,7 @@ func (s *shardRunner) notDue(outboxUUID string) bool {
 		if rec.nextAttempt.After(s.backoffUntil) {
 			s.backoffUntil = rec.nextAttempt
 		}
-		return true
+		return false, false
 	}
-	return false
+	return true, rec.alone
 }

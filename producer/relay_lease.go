@@ -172,10 +172,7 @@ func (o *ownership) tick(ctx context.Context) error {
 		}
 	}
 	if len(owned) < share {
-		rows, err := o.conn.Query(qctx, o.sql.free, r.shards)
-		if err != nil {
-			return fmt.Errorf("list free shards: %w", err)
-		}
+		rows, _ := o.conn.Query(qctx, o.sql.free, r.shards) // CollectRows reports its error
 		free, err := pgx.CollectRows(rows, pgx.RowTo[int])
 		if err != nil {
 			return fmt.Errorf("list free shards: %w", err)
@@ -293,9 +290,7 @@ func (o *ownership) shutdown() {
 	giveUp := time.After(shutdownTimeout)
 	for {
 		o.reap(ctx)
-		r.mu.Lock()
-		left := len(r.running)
-		r.mu.Unlock()
+		left := len(r.runners())
 		if left == 0 {
 			break
 		}
@@ -360,7 +355,6 @@ func closeConn(conn *pgxpool.Conn) {
 	conn.Release()
 }
 
-// runner returns the runner of shard, or nil.
 func (r *Relay) runner(shard int) *shardRunner {
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -524,7 +524,7 @@ func TestRelayDetectsAPositionAheadAndRebaseRepairsIt(t *testing.T) {
 
 	_, stop = relaytest.Run(t, env.Pool, withLogger(cfg, relaytest.Logger(t)))
 	want := append(relaytest.IDs(unsent), relaytest.IDs(after)...)
-	recs := relaytest.ReadTopic(t, brokers, topic, len(before)+len(want), 30*time.Second)
+	recs := readTopic(t, brokers, topic, len(before)+len(want), 30*time.Second)
 	counts := relaytest.Distinct(recs)
 	for _, id := range want {
 		require.Equal(t, 1, counts[id], "event %s relayed once after the re-base", id)

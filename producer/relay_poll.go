@@ -2,9 +2,9 @@ package producer
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -101,11 +101,8 @@ func (p *poller) decay(now time.Time) {
 
 // rateInterval is the poll interval at the relay's current rate: about
 // one poll per row relayed, between hotPollInterval and
-// maxHotPollInterval. A poll costs the same whether it finds rows or not,
-// so at low rates polling more often than rows arrive spends a query per
-// empty poll for a millisecond or two of latency: at 100 events/s a 2 ms
-// interval was 2.8 polls per event relayed, each a statement of up to 8
-// index probes.
+// maxHotPollInterval, since a poll costs the same whether it finds rows or
+// not (docs/DESIGN.md, "Waiting for rows").
 func (p *poller) rateInterval() time.Duration {
 	p.mu.Lock()
 	p.decay(time.Now())
@@ -117,7 +114,6 @@ func (p *poller) rateInterval() time.Duration {
 	return max(time.Duration(float64(time.Second)/rate), hotPollInterval)
 }
 
-// watch adds s to the polled shards.
 func (p *poller) watch(s *shardRunner) {
 	p.mu.Lock()
 	p.set[s.shard] = s
@@ -125,7 +121,6 @@ func (p *poller) watch(s *shardRunner) {
 	signal(p.kick)
 }
 
-// unwatch removes s from the polled shards.
 func (p *poller) unwatch(s *shardRunner) {
 	p.mu.Lock()
 	if p.set[s.shard] == s {
@@ -166,7 +161,6 @@ func (p *poller) busy(shards []*shardRunner) []int {
 	return slices.Compact(out)
 }
 
-// run polls until ctx ends.
 func (p *poller) run(ctx context.Context) {
 	slow := 0 // polls in a row that failed or found every shard stalled
 	t := time.NewTimer(hotPollInterval)
@@ -194,34 +188,28 @@ func (p *poller) run(ctx context.Context) {
 		}
 		ready, err := p.poll(ctx, shards)
 		p.polls.Add(1)
+		slow++ // unless the poll finds a shard not stalled (for long)
 		if err != nil {
 			if ctx.Err() == nil {
 				p.r.log.Debug("poll outbox shards", "err", err)
 			}
-			slow++
 			continue
 		}
-		allStalled := true
 		for i, s := range shards {
 			switch ready[i] {
 			case pollReadable:
 				p.unwatch(s)
 				s.unstall()
 				s.notify()
-				allStalled = false
+				slow = 0
 			case pollHeldBack:
 				if s.stall() < stallFastPhase {
-					allStalled = false
+					slow = 0
 				}
 			default:
 				s.unstall()
-				allStalled = false
+				slow = 0
 			}
-		}
-		if allStalled {
-			slow++
-		} else {
-			slow = 0
 		}
 	}
 }
@@ -249,11 +237,7 @@ const (
 // statement covers every busy shard, not only these (see busyWindow).
 func (p *poller) poll(ctx context.Context, shards []*shardRunner) ([]pollResult, error) {
 	busy := p.busy(shards)
-	keys := make([]string, len(busy))
-	for i, shard := range busy {
-		keys[i] = strconv.Itoa(shard)
-	}
-	key := strings.Join(keys, ",")
+	key := fmt.Sprint(busy)
 	q, ok := p.sql[key]
 	if !ok {
 		parts := make([]string, len(busy))

@@ -268,7 +268,7 @@ func TestRelayDoesNotSleepThroughAnInsertThatMissedItsRequest(t *testing.T) {
 	time.Sleep(200 * time.Millisecond) // the relay is now waiting for tx to end
 	require.NoError(t, tx.Commit(ctx))
 
-	recs := relaytest.ReadTopic(t, brokers, topic, 1, 15*time.Second)
+	recs := readTopic(t, brokers, topic, 1, 15*time.Second)
 	require.Len(t, recs, 1, "the relay slept through a committed event")
 	require.Equal(t, e.ID, recs[0].EventID)
 }

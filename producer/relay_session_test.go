@@ -212,7 +212,7 @@ func TestRelayStartedDuringADatabaseOutageWaitsForIt(t *testing.T) {
 			require.Empty(t, logs.at(slog.LevelError))
 
 			proxy.Set(faultproxy.Pass)
-			counts := relaytest.Distinct(relaytest.ReadTopic(t, brokers, topic, len(events), time.Minute))
+			counts := relaytest.Distinct(readTopic(t, brokers, topic, len(events), time.Minute))
 			require.Len(t, counts, len(events), "the relay relays once the database answers")
 			require.Equal(t, env.Shards, producer.ShardCount(r))
 			stop()
@@ -356,7 +356,7 @@ func TestRelayNamesAMissingTopic(t *testing.T) {
 	}
 
 	kafkatest.CreateTopic(t, brokers, missing, 1)
-	require.Len(t, relaytest.Distinct(relaytest.ReadTopic(t, brokers, missing, len(events), time.Minute)), len(events), "published once the topic exists")
+	require.Len(t, relaytest.Distinct(readTopic(t, brokers, missing, len(events), time.Minute)), len(events), "published once the topic exists")
 }
 
 // txPooler is a minimal transaction-mode connection pooler, as PgBouncer

@@ -229,7 +229,7 @@ func (s *shardRunner) runOnce() error {
 		return err
 	}
 	ackDeadline := time.Minute
-	sub, err := wsql.NewSubscriber(relayBeginner{pool: r.pool, shard: s}, wsql.SubscriberConfig{
+	sub, err := wsql.NewSubscriber(relayBeginner{s}, wsql.SubscriberConfig{
 		ConsumerGroup:  outbox.RelayConsumerGroup,
 		AckDeadline:    &ackDeadline,
 		ResendInterval: 10 * time.Millisecond,
@@ -328,25 +328,19 @@ func (s *shardRunner) clearFence(ctx context.Context) {
 		Pid int32
 		OK  bool
 	}
-	rows, err := s.relay.pool.Query(ctx, s.sql.endFence, outbox.FenceNamespace(s.relay.cfg.Schema), s.shard)
-	if err != nil {
-		s.log.Warn("look for a stale read fence", "err", err)
-		return
-	}
+	const cannotEnd = "a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it"
+	// A failed Query reports its error through CollectRows too.
+	rows, _ := s.relay.pool.Query(ctx, s.sql.endFence, outbox.FenceNamespace(s.relay.cfg.Schema), s.shard)
 	holders, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ended])
-	if err != nil {
-		if pgerr.HasCode(err, "42501") { // insufficient_privilege: may not signal it
-			s.log.Warn("a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it",
-				"wait_at_most", txTimeout, "err", err)
-			return
-		}
+	switch {
+	case pgerr.HasCode(err, "42501"): // insufficient_privilege: may not signal it
+		s.log.Warn(cannotEnd, "wait_at_most", txTimeout, "err", err)
+	case err != nil:
 		s.log.Warn("look for a stale read fence", "err", err)
-		return
 	}
 	for _, h := range holders {
 		if !h.OK {
-			s.log.Warn("a previous owner's transaction still holds the shard and could not be ended; the shard waits until PostgreSQL ends it",
-				"pid", h.Pid, "wait_at_most", txTimeout)
+			s.log.Warn(cannotEnd, "pid", h.Pid, "wait_at_most", txTimeout)
 			continue
 		}
 		s.relay.metrics.add(fencesClearedCounter, s.shard, 1)
@@ -502,24 +496,20 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 			b.stopped.Store(true)
 			return nil, nil
 		}
-		if s.notDue(it.outboxUUID) {
+		// A row whose retry is not due, or the rate limit's wait cut
+		// short, stops the batch too.
+		due, alone := s.retryDue(it.outboxUUID)
+		if lim := s.relay.limiter; !due || lim != nil && lim.Wait(msg.Context()) != nil {
 			b.stopped.Store(true)
 			return nil, nil
 		}
-		if lim := s.relay.limiter; lim != nil {
-			if err := lim.Wait(msg.Context()); err != nil {
-				b.stopped.Store(true)
-				return nil, nil
-			}
-		}
-		alone := s.sendAlone(it.outboxUUID)
 		if alone {
 			// Kafka refused the batch this row was in as too large: it
 			// goes alone, the rows after it in the next transaction.
 			it.alone = true
 			b.stopped.Store(true)
 		}
-		msg.SetContext(withItem(msg.Context(), it))
+		msg.SetContext(context.WithValue(msg.Context(), itemKey{}, it))
 		_, err := h(msg)
 		if err == nil {
 			return nil, nil
@@ -538,11 +528,8 @@ func (s *shardRunner) guard(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
+// itemKey carries a message's *item from guard to shardPublisher.
 type itemKey struct{}
-
-func withItem(ctx context.Context, it *item) context.Context {
-	return context.WithValue(ctx, itemKey{}, it)
-}
 
 // publishError marks errors from shardPublisher, as opposed to the
 // forwarder failing to unwrap an envelope.

@@ -38,7 +38,7 @@ func TestRelayForwardsEveryEventKeyedByAggregate(t *testing.T) {
 	events := relaytest.PublishOrders(t, env, topic, 20, 500, 10)
 	_, stop := relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers, BatchSize: 64})
 
-	records := relaytest.ReadTopic(t, brokers, topic, len(events), 30*time.Second)
+	records := readTopic(t, brokers, topic, len(events), 30*time.Second)
 	counts := relaytest.Distinct(records)
 	require.Len(t, counts, len(events), "every committed event reaches Kafka")
 	for _, e := range events {
@@ -79,7 +79,7 @@ func TestRelayPartitionsLikeKafkasJavaClient(t *testing.T) {
 
 	java := kgo.StickyKeyPartitioner(nil).ForTopic(topic)
 	moved := 0
-	for _, r := range relaytest.ReadTopic(t, brokers, topic, len(events), 30*time.Second) {
+	for _, r := range readTopic(t, brokers, topic, len(events), 30*time.Second) {
 		if want := java.Partition(&kgo.Record{Key: []byte(r.Key)}, partitions); int32(want) != r.Partition {
 			moved++
 			t.Logf("key %s: partition %d, a Java client would use %d", r.Key, r.Partition, want)
@@ -314,7 +314,7 @@ func TestRelayForwardsCommittedEventsOnceUnderOverlappingTransactions(t *testing
 	wg.Wait()
 	require.NotEmpty(t, rolledBack)
 
-	records := relaytest.ReadTopic(t, brokers, topic, len(committed), time.Minute)
+	records := readTopic(t, brokers, topic, len(committed), time.Minute)
 	// Read on for a moment: a late duplicate or rolled-back event would
 	// show up here.
 	records = relaytest.ReadUntil(t, brokers, topic, 2*time.Second, func(r []relaytest.Record) bool { return len(r) > len(records) })
@@ -356,7 +356,7 @@ func TestXidOrderCanInvertVersions(t *testing.T) {
 	require.NoError(t, txA.Commit(ctx))
 
 	relaytest.Start(t, env, producer.RelayConfig{Brokers: brokers})
-	recs := relaytest.ReadTopic(t, brokers, topic, 2, 30*time.Second)
+	recs := readTopic(t, brokers, topic, 2, 30*time.Second)
 	require.Len(t, recs, 2)
 	require.Equal(t, []int64{2, 1}, []int64{recs[0].Version, recs[1].Version},
 		"outbox order is transaction-id order, not commit or version order")
@@ -477,4 +477,18 @@ func setupWithProducer(t *testing.T, opts pgtest.Options, partitions int32) (pgt
 	t.Helper()
 	env, brokers, topic := relaytest.Setup(t, opts, partitions)
 	return env, brokers, topic, newProducerWith(t, env, producer.Config{DefaultTopic: topic})
+}
+
+// readTopic reads topic until want distinct event ids were seen or the
+// timeout passed, and returns every record read (duplicates included).
+func readTopic(t *testing.T, brokers []string, topic string, want int, timeout time.Duration) []relaytest.Record {
+	t.Helper()
+	seen, read := map[string]bool{}, 0 // counted as records arrive, not again at each one
+	return relaytest.ReadUntil(t, brokers, topic, timeout, func(recs []relaytest.Record) bool {
+		for _, r := range recs[read:] {
+			seen[r.EventID] = true
+		}
+		read = len(recs)
+		return len(seen) >= want
+	})
 }

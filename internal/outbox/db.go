@@ -105,18 +105,13 @@ func CheckRelayTables(ctx context.Context, db RowQuerier, schema string) error {
 	return nil
 }
 
-// LockNamespace derives the relays' advisory-lock namespace from the
-// schema, so outboxes in different schemas of one database do not collide.
-func LockNamespace(schema string) int64 { return namespace(schema) }
-
 // FenceNamespace is the advisory-lock namespace of the shards' read fences
-// (one lock per shard): a relay reading a shard holds it for its
-// transaction, and RebasePositions takes it to keep relays out.
-func FenceNamespace(schema string) int64 { return namespace(schema + ":fence") }
-
-func namespace(key string) int64 {
+// (one lock per shard), derived from the schema so outboxes in different
+// schemas of one database do not collide: a relay reading a shard holds it
+// for its transaction, and RebasePositions takes it to keep relays out.
+func FenceNamespace(schema string) int64 {
 	h := fnv.New32a()
-	_, _ = h.Write([]byte("eventline.relay:" + key))
+	_, _ = h.Write([]byte("eventline.relay:" + schema + ":fence"))
 	return int64(h.Sum32() & 0x7fffffff)
 }
 

@@ -31,7 +31,11 @@ func Unavailable(err error) bool {
 	}
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) {
-		return unavailableState(pg.Code)
+		switch pg.Code {
+		case "57P01", "57P02", "57P03", "57P04", "57P05":
+			return true
+		}
+		return strings.HasPrefix(pg.Code, "08") || strings.HasPrefix(pg.Code, "53") || strings.HasPrefix(pg.Code, "58")
 	}
 	return ConnectionLost(err)
 }
@@ -53,20 +57,6 @@ func ConnectionLost(err error) bool {
 		if errors.Is(err, e) {
 			return true
 		}
-	}
-	return false
-}
-
-// unavailableState reports whether a SQLSTATE says the server cannot serve
-// now.
-func unavailableState(code string) bool {
-	switch {
-	case strings.HasPrefix(code, "08"), strings.HasPrefix(code, "53"), strings.HasPrefix(code, "58"):
-		return true
-	}
-	switch code {
-	case "57P01", "57P02", "57P03", "57P04", "57P05":
-		return true
 	}
 	return false
 }

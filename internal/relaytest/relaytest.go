@@ -49,10 +49,9 @@ func Setup(t *testing.T, opts pgtest.Options, partitions int32) (pgtest.Env, []s
 	return env, brokers, topic
 }
 
-// Start runs a relay on env until the test ends or stop is called, with
-// short intervals (PollInterval 200ms, RebalanceInterval 250ms) and Logger
-// unless cfg sets them.
-func Start(t *testing.T, env pgtest.Env, cfg producer.RelayConfig) (*producer.Relay, func()) {
+// Start is Run on env with short intervals (PollInterval 200ms,
+// RebalanceInterval 250ms) and Logger unless cfg sets them.
+func Start(t *testing.T, env pgtest.Env, cfg producer.RelayConfig) (*producer.Relay, func() time.Duration) {
 	t.Helper()
 	cfg.Schema = env.Schema
 	cfg.PollInterval = cmp.Or(cfg.PollInterval, 200*time.Millisecond)
@@ -60,8 +59,7 @@ func Start(t *testing.T, env pgtest.Env, cfg producer.RelayConfig) (*producer.Re
 	if cfg.Logger == nil {
 		cfg.Logger = Logger(t)
 	}
-	r, stop := Run(t, env.Pool, cfg)
-	return r, func() { stop() }
+	return Run(t, env.Pool, cfg)
 }
 
 // Run runs a relay until the returned stop is called (or the test ends);
@@ -139,20 +137,6 @@ type Record struct {
 	Version   int64
 	Partition int32
 	Offset    int64
-}
-
-// ReadTopic reads topic until want distinct event ids were seen or the
-// timeout passed, and returns every record read (duplicates included).
-func ReadTopic(t *testing.T, brokers []string, topic string, want int, timeout time.Duration) []Record {
-	t.Helper()
-	seen, read := map[string]bool{}, 0 // counted as records arrive, not again at each one
-	return ReadUntil(t, brokers, topic, timeout, func(recs []Record) bool {
-		for _, r := range recs[read:] {
-			seen[r.EventID] = true
-		}
-		read = len(recs)
-		return len(seen) >= want
-	})
 }
 
 // ReadUntil reads topic from the start until done says so or the timeout

@@ -87,10 +87,7 @@ func (s *Set) Promote() {
 	if s == nil || s.parent == nil {
 		return
 	}
-	s.mu.Lock()
-	fns := s.fns
-	s.fns = nil
-	s.mu.Unlock()
+	fns := s.take()
 	s.parent.mu.Lock()
 	s.parent.fns = append(s.parent.fns, fns...)
 	s.parent.mu.Unlock()
@@ -98,12 +95,9 @@ func (s *Set) Promote() {
 
 // Drop forgets the hooks (the savepoint or transaction rolled back).
 func (s *Set) Drop() {
-	if s == nil {
-		return
+	if s != nil {
+		s.take()
 	}
-	s.mu.Lock()
-	s.fns = nil
-	s.mu.Unlock()
 }
 
 // Run runs the hooks once, in the order they were registered, and forgets
@@ -113,13 +107,18 @@ func (s *Set) Run() {
 	if s == nil {
 		return
 	}
-	s.mu.Lock()
-	fns := s.fns
-	s.fns = nil
-	s.mu.Unlock()
-	for _, h := range fns {
+	for _, h := range s.take() {
 		h.run()
 	}
+}
+
+// take removes the hooks from the set and returns them.
+func (s *Set) take() []hook {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	fns := s.fns
+	s.fns = nil
+	return fns
 }
 
 // run calls the hook, recovering and reporting a panic.
