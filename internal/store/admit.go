@@ -64,9 +64,14 @@ type Admission struct {
 	Current int64
 	// Follows is the version the event follows (see [Follows]).
 	Follows int64
-	// Declared is true when the event declares its predecessor (see
-	// [DeclaresPredecessor]): a gap in front of it is one known event,
-	// and MaxGap does not bound it.
+	// Declared is true when the event names the version it follows below
+	// its AggregateVersion-1 (aggregate_previous_version on the wire,
+	// which the producer writes for sparse versions; or
+	// NoPreviousVersion): the versions in between were never used, and the
+	// gap in front of it is one known event, however far back its number
+	// is, which MaxGap does not bound. An event that follows
+	// AggregateVersion-1 says nothing about the versions below that, so
+	// all of them count as missing, and MaxGap bounds them.
 	Declared bool
 	// Parked is how many of the aggregate's events are parked.
 	Parked int
@@ -240,20 +245,6 @@ func Follows(e eventline.Event) (int64, error) {
 	return e.PreviousVersion, nil
 }
 
-// DeclaresPredecessor reports whether e names the version it follows
-// below AggregateVersion-1 (aggregate_previous_version on the wire, which
-// the producer writes for sparse versions; or NoPreviousVersion): the
-// versions in between were never used, and the gate knows exactly which
-// event it waits for. An event that follows AggregateVersion-1 says
-// nothing about the versions below that, so the gate counts them all as
-// missing, and MaxGap bounds only such events: a gap behind a declared
-// predecessor is one event the producer published, however far back its
-// number is. It is false for an event Follows refuses.
-func DeclaresPredecessor(e eventline.Event) bool {
-	p, err := Follows(e)
-	return err == nil && p < e.AggregateVersion-1
-}
-
 // withFollows returns e with PreviousVersion set to Follows(e).
 func withFollows(e eventline.Event) (eventline.Event, error) {
 	p, err := Follows(e)
@@ -270,24 +261,21 @@ func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.E
 		}
 		return Admission{Verdict: Duplicate}, nil
 	}
-	a := Admission{Previous: r.previous.Int64, Current: r.current.Int64, Parked: int(r.parked.Int32), Follows: e.PreviousVersion,
-		Declared: e.PreviousVersion < e.AggregateVersion-1}
-	a.Verdict = verdict(e, a)
-	return a, nil
+	return admitted(e, r.previous.Int64, r.current.Int64, int(r.parked.Int32)), nil
 }
 
-// verdict decides e's verdict from its aggregate's version before and
-// after its admission (a.Previous, a.Current); e.PreviousVersion is
-// Follows(e).
-func verdict(e eventline.Event, a Admission) Verdict {
+// admitted is e's admission from its aggregate's version before and after
+// it (previous, current); e.PreviousVersion is Follows(e).
+func admitted(e eventline.Event, previous, current int64, parked int) Admission {
 	v, p := e.AggregateVersion, e.PreviousVersion
+	a := Admission{Verdict: Gap, Previous: previous, Current: current, Parked: parked, Follows: p, Declared: p < v-1}
 	switch {
-	case a.Previous >= v:
-		return Stale
-	case a.Current == v && p <= a.Previous:
-		return Next
-	case a.Current == v:
-		return Jump
+	case previous >= v:
+		a.Verdict = Stale
+	case current == v && p <= previous:
+		a.Verdict = Next
+	case current == v:
+		a.Verdict = Jump
 	}
-	return Gap
+	return a
 }

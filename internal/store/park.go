@@ -158,7 +158,7 @@ type ParkRequest struct {
 	Current int64
 	// MaxGap bounds the versions the event may leave missing in front of
 	// it (see versioning.DefaultMaxGap), unless it declares its
-	// predecessor (see DeclaresPredecessor).
+	// predecessor (see Admission.Declared).
 	MaxGap int64
 }
 
@@ -169,7 +169,7 @@ type ParkRequest struct {
 //
 // It refuses, writing nothing:
 //   - with a *versioning.GapTooLargeError, an event that does not declare its
-//     predecessor (see DeclaresPredecessor) and would leave more than
+//     predecessor (see Admission.Declared) and would leave more than
 //     MaxGap versions missing: its previous version minus the highest
 //     version the aggregate has applied or parked below it;
 //   - with an *eventline.InvalidEventError, an event whose metadata
@@ -191,11 +191,8 @@ func (s *Store) Park(ctx context.Context, tx DBTX, r ParkRequest) (already bool,
 		return false, err
 	}
 	maxGap := r.MaxGap
-	switch {
-	case e.PreviousVersion < e.AggregateVersion-1:
-		// It declares its predecessor: one known event is missing, however
-		// far back its number (see DeclaresPredecessor).
-		maxGap = math.MaxInt64
+	if e.PreviousVersion < e.AggregateVersion-1 {
+		maxGap = math.MaxInt64 // it declares its predecessor (see Admission.Declared)
 	}
 	var inserted bool
 	var known int64
