@@ -180,14 +180,11 @@ func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, open
 	}
 	var o OpenGap
 	var age float64
-	first := true // the oldest comes first
 	rows, err := st.OpenGaps(ctx, db, group, openGaps)
 	if err == nil {
 		_, err = pgx.ForEachRow(rows, []any{&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount}, func() error {
 			o.Age = seconds(age)
-			if first {
-				g.OldestGap, first = o.Age, false
-			}
+			g.OldestGap = max(g.OldestGap, o.Age)
 			if openGaps > 0 {
 				g.OpenGaps = append(g.OpenGaps, o)
 			}
