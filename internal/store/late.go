@@ -10,6 +10,7 @@ import (
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/held"
 )
 
@@ -276,7 +277,7 @@ func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOpt
 		res.LateFailed++
 		attempts := l.Attempts + 1
 		giveUp := attempts >= opts.MaxAttempts || (opts.Permanent != nil && opts.Permanent(herr))
-		if err := s.held.MarkReplayFailed(ctx, tx, l.ID, herr.Error(), opts.backoff(attempts), giveUp); err != nil {
+		if err := s.held.MarkReplayFailed(ctx, tx, l.ID, herr.Error(), backoff.Jittered(opts.Backoff, attempts), giveUp); err != nil {
 			return fmt.Errorf("eventline: %w", err)
 		}
 	}

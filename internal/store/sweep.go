@@ -233,11 +233,7 @@ func (w *Sweeper) sweepAggregate(ctx context.Context, k Key, work func(context.C
 
 // parked releases what it can of one aggregate's parked events.
 func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, timeout time.Duration, res *SweepResult) error {
-	parked, err := w.store.parkedOf(ctx, tx, k, timeout, drainLimit)
-	if err != nil {
-		return err
-	}
-	d, _, err := w.store.drainList(ctx, tx, k, current, parked, w.cfg.Release, timeout)
+	d, err := w.store.drain(ctx, tx, k, current, w.cfg.Release, timeout)
 	if err != nil {
 		return err
 	}
