@@ -113,16 +113,13 @@ func (a Admission) Missing() int64 {
 // Nothing else is written: for Stale and Gap the caller records the outcome
 // (see [Store.HoldLate], [Store.Park]); for Jump it records the skipped
 // range ([Store.RecordSkipped]). Everything rolls back with tx.
-func (s *Store) Admit(ctx context.Context, tx DBTX, group string, e eventline.Event, jump bool) (Admission, error) {
-	e, err := withFollows(e)
-	if err != nil {
+func (s *Store) Admit(ctx context.Context, tx pgx.Tx, group string, e eventline.Event, jump bool) (Admission, error) {
+	b := &pgx.Batch{}
+	p := s.QueueAdmit(b, group, e, jump)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return Admission{}, err
 	}
-	var a admitRow
-	if err := tx.QueryRow(ctx, s.q(admitSQL), admitArgs(group, e, jump)...).Scan(a.dest()...); err != nil {
-		return Admission{}, admitError(e, err)
-	}
-	return s.decide(ctx, tx, group, e, a)
+	return p.Result(ctx, tx)
 }
 
 // admitSQL records the event in processed_events and, unless it was
@@ -156,10 +153,6 @@ var admitSQL = statement(`WITH dedup AS (
 	LEFT JOIN (SELECT * FROM {schema}.processed_events
 		WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $4 AND aggregate_id = $5
 			AND NOT EXISTS (SELECT 1 FROM dedup)) r ON true`)
-
-func admitArgs(group string, e eventline.Event, jump bool) []any {
-	return []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}
-}
 
 // PendingAdmission is an Admit queued on a pgx.Batch by [Store.QueueAdmit].
 type PendingAdmission struct {
@@ -197,9 +190,10 @@ func (s *Store) QueueAdmit(b *pgx.Batch, group string, e eventline.Event, jump b
 		p.err = err
 		return p
 	}
-	b.Queue(s.q(admitSQL), admitArgs(group, e, jump)...).QueryRow(func(row pgx.Row) error {
+	args := []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}
+	b.Queue(s.q(admitSQL), args...).QueryRow(func(row pgx.Row) error {
 		if err := row.Scan(p.row.dest()...); err != nil {
-			p.err = admitError(e, err)
+			p.err = fmt.Errorf("eventline: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
 			return p.err
 		}
 		p.set = true
@@ -218,10 +212,6 @@ type admitRow struct {
 
 func (a *admitRow) dest() []any {
 	return append([]any{&a.previous, &a.current, &a.parked}, a.recorded.dest()...)
-}
-
-func admitError(e eventline.Event, err error) error {
-	return fmt.Errorf("eventline: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
 }
 
 // Follows returns the aggregate version e follows: e.PreviousVersion; 0

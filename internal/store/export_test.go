@@ -1,0 +1,28 @@
+package store
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/eventline/eventline"
+	"github.com/eventline/eventline/dedup"
+)
+
+// BatchDB is a DBTX that sends batches: *pgxpool.Pool, *pgx.Conn, pgx.Tx.
+type BatchDB interface {
+	DBTX
+	SendBatch(context.Context, *pgx.Batch) pgx.BatchResults
+}
+
+// RecordProcessed records that group handled e, through db, as
+// QueueRecordProcessed does: false (a duplicate) or a
+// *dedup.IDConflictError when e was recorded before.
+func (s *Store) RecordProcessed(ctx context.Context, db BatchDB, group string, e eventline.Event, outcome dedup.Outcome) (bool, error) {
+	b := &pgx.Batch{}
+	p := s.QueueRecordProcessed(b, group, e, outcome)
+	if err := db.SendBatch(ctx, b).Close(); err != nil {
+		return false, err
+	}
+	return p.Result(ctx, db)
+}
