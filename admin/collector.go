@@ -2,14 +2,14 @@ package admin
 
 import (
 	"context"
-	"fmt"
+	"errors"
 	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
-	"github.com/eventline/eventline/internal/store"
 )
 
 // collectTimeout bounds the database reads of one scrape.
@@ -57,11 +57,7 @@ func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
 	if err := checkArgs("NewStatusCollector", db, schema); err != nil {
 		return nil, err
 	}
-	st, err := store.New(schema)
-	if err != nil {
-		return nil, fmt.Errorf("admin.NewStatusCollector: %w", err)
-	}
-	return statusCollector{newOutboxCollector(db, schema), newGroupCollector(db, schema, st)}, nil
+	return statusCollector{newOutboxCollector(db, schema), newGroupCollector(db, schema)}, nil
 }
 
 // statusCollector is the outbox's collector and the groups'.
@@ -110,7 +106,7 @@ func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), collectTimeout)
 	defer cancel()
 	st, err := readOutboxStatus(ctx, c.db, c.schema)
-	if isNotMigrated(err) {
+	if errors.Is(err, outbox.ErrNotMigrated) {
 		return // a consumer-only database: no outbox to report on
 	}
 	if err != nil {
@@ -144,18 +140,17 @@ func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
 type groupCollector struct {
 	db     DBTX
 	schema string
-	store  *store.Store
 
 	up, parked, oldestParked, openGaps, oldestGap, skipped, late, dead *prometheus.Desc
 }
 
-func newGroupCollector(db DBTX, schema string, st *store.Store) *groupCollector {
+func newGroupCollector(db DBTX, schema string) *groupCollector {
 	group := []string{"group"}
 	desc := func(name, help string) *prometheus.Desc {
 		return prometheus.NewDesc("eventline_group_"+name, help, group, nil)
 	}
 	return &groupCollector{
-		db: db, schema: schema, store: st,
+		db: db, schema: schema,
 		up:           prometheus.NewDesc("eventline_group_status_up", "1 if the consumer groups' status could be read from the database.", nil, nil),
 		parked:       desc("parked_events", "Events parked waiting for a missing earlier version of their aggregate."),
 		oldestParked: desc("oldest_parked_seconds", "Age of the group's oldest parked event; 0 when none."),
@@ -183,7 +178,7 @@ func (c *groupCollector) Collect(ch chan<- prometheus.Metric) {
 	if err == nil && absent {
 		return
 	}
-	groups, err := readGroups(ctx, c.db, c.store, -1, false)
+	groups, err := readGroups(ctx, c.db, c.schema, -1, false)
 	if err != nil {
 		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 0)
 		return

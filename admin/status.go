@@ -106,11 +106,7 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	if st.Owners, err = shardOwners(ctx, db, schema); err != nil {
 		return st, err
 	}
-	gs, err := store.New(schema)
-	if err != nil {
-		return st, err
-	}
-	st.Groups, err = readGroups(ctx, db, gs, openGaps, true)
+	st.Groups, err = readGroups(ctx, db, schema, openGaps, true)
 	return st, err
 }
 
@@ -118,20 +114,62 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 // asked for 0.
 const defaultOpenGaps = 20
 
+// openHeldSQL counts group $1's open held events of one kind.
+func openHeldSQL(kind string) string {
+	return `(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
+}
+
+var (
+	// statusGroupsSQL lists the consumer groups that recorded a version
+	// or a parked event, or hold an open event (the relay's have no
+	// group), each along its table's index.
+	statusGroupsSQL = `SELECT name FROM (` + store.DistinctGroups("aggregate_versions", "") + ` UNION ` + store.DistinctGroups("parked_events", "") +
+		` UNION ` + store.DistinctGroups("held_events", `AND status IN ('held', 'replay_requested') AND consumer_group <> ''`) + `) g ORDER BY name`
+	// processedGroupsSQL lists the groups with dedup records.
+	processedGroupsSQL = `SELECT name FROM ` + store.DistinctGroups("processed_events", "") + ` g`
+	// groupCountsSQL counts a group's parked events, the oldest one's
+	// age in seconds, the gaps it skipped in the last 24 hours, and its
+	// open late events and dead letters ($1 group).
+	groupCountsSQL = `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
+			(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - interval '24 hours'),
+			` + openHeldSQL("late") + `, ` + openHeldSQL("dead_letter") + `
+		FROM {schema}.parked_events WHERE consumer_group = $1`
+)
+
+// groupTotalsSQL counts group $1's dedup records, the gaps it skipped
+// and the versions in them.
+const groupTotalsSQL = `SELECT (SELECT count(*) FROM {schema}.processed_events WHERE consumer_group = $1),
+		count(*), COALESCE(sum(to_version - from_version + 1), 0)::bigint
+	FROM {schema}.skipped_versions WHERE consumer_group = $1`
+
+// openGapsSQL reads, per aggregate with parked events, the lowest one,
+// the predecessor it waits for and the aggregate's version; a gap is open
+// when that predecessor has not been applied ($1 group, $2 limit). The
+// last column counts the group's open gaps.
+const openGapsSQL = `SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
+		SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
+			EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
+		FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
+				(array_agg(previous_version ORDER BY aggregate_version))[1] AS follows
+			FROM {schema}.parked_events WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
+		LEFT JOIN {schema}.aggregate_versions av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
+		WHERE p.follows > COALESCE(av.version, 0)
+	) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`
+
 // readGroups reads the status of every consumer group that recorded a
 // version or a parked event or holds an open late event or dead letter,
 // by name, listing up to openGaps open gaps each (as ReadStatus takes
 // it). With totals it adds the groups with only dedup records and reads
 // every group's dedup records and skipped gaps (ReadStatus; the collector
 // reads without).
-func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, totals bool) ([]GroupStatus, error) {
-	names, err := st.StatusGroups(ctx, db)
+func readGroups(ctx context.Context, db DBTX, schema string, openGaps int, totals bool) ([]GroupStatus, error) {
+	names, err := groupNames(ctx, db, sqlident.SQL(schema, statusGroupsSQL))
 	if err != nil {
 		return nil, err
 	}
 	out := make([]GroupStatus, 0, len(names))
 	for _, name := range names {
-		g, err := readGroup(ctx, db, st, name, openGaps)
+		g, err := readGroup(ctx, db, schema, name, openGaps)
 		if err != nil {
 			return nil, err
 		}
@@ -140,7 +178,7 @@ func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, tot
 	if !totals {
 		return out, nil
 	}
-	processed, err := st.ProcessedGroups(ctx, db)
+	processed, err := groupNames(ctx, db, sqlident.SQL(schema, processedGroupsSQL))
 	if err != nil {
 		return nil, err
 	}
@@ -152,22 +190,32 @@ func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, tot
 	slices.SortFunc(out, func(a, b GroupStatus) int { return strings.Compare(a.Group, b.Group) })
 	for i := range out {
 		g := &out[i]
-		if g.Processed, err = st.CountProcessed(ctx, db, g.Group); err != nil {
-			return nil, err
-		}
-		if g.SkippedGaps, g.SkippedVersions, err = st.SkippedTotals(ctx, db, g.Group); err != nil {
-			return nil, err
+		err := db.QueryRow(ctx, sqlident.SQL(schema, groupTotalsSQL), g.Group).Scan(&g.Processed, &g.SkippedGaps, &g.SkippedVersions)
+		if err != nil {
+			return nil, fmt.Errorf("eventline: count the dedup records and skipped gaps of group %q: %w", g.Group, err)
 		}
 	}
 	return out, nil
 }
 
+// groupNames runs query, which lists consumer groups.
+func groupNames(ctx context.Context, db DBTX, query string) ([]string, error) {
+	rows, err := db.Query(ctx, query)
+	if err == nil {
+		var names []string
+		if names, err = pgx.CollectRows(rows, pgx.RowTo[string]); err == nil {
+			return names, nil
+		}
+	}
+	return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
+}
+
 // readGroup reads the group's parked events, open gaps, recently skipped
 // gaps, held late events and unresolved dead letters.
-func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, openGaps int) (GroupStatus, error) {
+func readGroup(ctx context.Context, db DBTX, schema, group string, openGaps int) (GroupStatus, error) {
 	g := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
 	var oldest float64
-	err := st.GroupCounts(ctx, db, group).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
+	err := db.QueryRow(ctx, sqlident.SQL(schema, groupCountsSQL), group).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
 	if err != nil {
 		return g, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
 	}
@@ -180,7 +228,7 @@ func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, open
 	}
 	var o OpenGap
 	var age float64
-	rows, err := st.OpenGaps(ctx, db, group, openGaps)
+	rows, err := db.Query(ctx, sqlident.SQL(schema, openGapsSQL), group, openGaps)
 	if err == nil {
 		_, err = pgx.ForEachRow(rows, []any{&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount}, func() error {
 			o.Age = seconds(age)

@@ -82,7 +82,7 @@ func (f *Failure) Error() string {
 		list("state after the schedule", stateLines(f.Got))
 		if w, ok := f.Want.([]string); ok {
 			if g, ok := f.Got.([]string); ok {
-				list("difference (- only in order, + only after the schedule)", diffLines(w, g))
+				list("difference (- only in order, + only after the schedule)", append(linesNotIn(w, g, "- "), linesNotIn(g, w, "+ ")...))
 			}
 		}
 	}
@@ -105,12 +105,6 @@ func stateLines(v any) []string {
 		return l
 	}
 	return strings.Split(fmt.Sprintf("%+v", v), "\n")
-}
-
-// diffLines lists the lines only in want ("- ") and only in got ("+ "),
-// counting repeats.
-func diffLines(want, got []string) []string {
-	return append(linesNotIn(want, got, "- "), linesNotIn(got, want, "+ ")...)
 }
 
 // linesNotIn lists, each after prefix, the lines of a that b does not

@@ -312,10 +312,10 @@ func (s *Store) ListParked(ctx context.Context, db DBTX, f ParkedFilter) ([]Park
 	return collectParked(rows)
 }
 
-// parkedOf loads an aggregate's parked events in version order, marking
-// those parked longer than timeout ago.
-func (s *Store) parkedOf(ctx context.Context, tx DBTX, k Key, timeout time.Duration, limit int) ([]Parked, error) {
-	rows, err := tx.Query(ctx, s.q(parkedOfSQL), k.Group, k.AggregateType, k.AggregateID, timeout.Microseconds(), limit)
+// parkedOf loads up to drainLimit of an aggregate's parked events in
+// version order, marking those parked longer than timeout ago.
+func (s *Store) parkedOf(ctx context.Context, tx DBTX, k Key, timeout time.Duration) ([]Parked, error) {
+	rows, err := tx.Query(ctx, s.q(parkedOfSQL), k.Group, k.AggregateType, k.AggregateID, timeout.Microseconds(), drainLimit)
 	if err != nil {
 		return nil, fmt.Errorf("eventline: load parked events of %s: %w", k, err)
 	}
@@ -387,14 +387,9 @@ func (s *Store) ListSkipped(ctx context.Context, db DBTX, f SkippedFilter) ([]Sk
 
 // CountParked returns how many events the group has parked.
 func (s *Store) CountParked(ctx context.Context, db DBTX, group string) (int64, error) {
-	return s.count(ctx, db, countParkedSQL, group, "parked events")
-}
-
-// count runs st, a count of group's rows of what.
-func (s *Store) count(ctx context.Context, db DBTX, st stmt, group, what string) (int64, error) {
 	var n int64
-	if err := db.QueryRow(ctx, s.q(st), group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("eventline: count the %s of group %q: %w", what, group, err)
+	if err := db.QueryRow(ctx, s.q(countParkedSQL), group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("eventline: count the parked events of group %q: %w", group, err)
 	}
 	return n, nil
 }
