@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
@@ -94,36 +93,12 @@ var (
 		ON CONFLICT (consumer_group, event_id, aggregate_type, aggregate_id) DO UPDATE SET outcome = 'late'`)
 )
 
-// LateRequest describes a stale event to check against skipped_versions.
-type LateRequest struct {
-	// Group is the consumer group.
-	Group string
-	// Event is the event; Message the message as received (nil: the event
-	// is re-encoded).
-	Event   eventline.Event
-	Message *message.Message
-	// Handler and Topic are the Watermill handler name and topic it
-	// arrived on.
-	Handler string
-	Topic   string // see Handler
-	// Current is the aggregate's version.
-	Current int64
-	// Hold holds the event (held_events, kind late) when it is late (HoldLate);
-	// false only checks and records the outcome late_applied, for a
-	// caller that applies the event now (ApplyLate).
-	Hold bool
-}
-
 // heldArgs returns r's event, with PreviousVersion set to Follows, and
 // the values of heldLateCols but the cause and reason ($1..$13). An event
 // whose metadata cannot be stored byte-exact is refused with an
 // *eventline.InvalidEventError.
 func (r LateRequest) heldArgs() (eventline.Event, []any, error) {
-	e, err := withFollows(r.Event)
-	if err != nil {
-		return e, nil, err
-	}
-	payload, md, err := storedMessage(e, r.Message)
+	e, payload, md, err := r.stored()
 	if err != nil {
 		return e, nil, err
 	}
