@@ -56,15 +56,14 @@ func (r *result) failed() bool { return r.err != nil || r.mismatch }
 func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, error) {
 	ctx, cancel := context.WithTimeout(ctx, k.TrialTimeout)
 	defer cancel()
-	env := k.env
-	if err := env.reset(ctx); err != nil {
+	if err := k.env.reset(ctx); err != nil {
 		return nil, err
 	}
-	st, err := store.New(env.name)
+	st, err := store.New(k.env.name)
 	if err != nil {
 		return nil, err
 	}
-	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s), store: st}
+	sim := &sim{kit: k, s: s, rng: s.rng(), inject: k.newInjector(s), store: st}
 	if err := sim.run(ctx); err != nil {
 		return &result{trace: sim.trace, err: err}, nil
 	}
@@ -83,7 +82,6 @@ func (k *kit) compare(ctx context.Context, want any, trace []string) *result {
 // sim is one trial in progress: consumer instances sharing one schema.
 type sim struct {
 	*kit
-	env    *schemaEnv
 	s      schedule
 	rng    *rand.Rand
 	inject *injector

@@ -208,16 +208,15 @@ func (k *kit) label(i int) string {
 func (k *kit) reference(ctx context.Context) (any, error) {
 	ctx, cancel := context.WithTimeout(ctx, k.TrialTimeout)
 	defer cancel()
-	env := k.env
-	if err := env.reset(ctx); err != nil {
+	if err := k.env.reset(ctx); err != nil {
 		return nil, err
 	}
 	for i := range k.Events {
-		if err := k.applyDirectly(ctx, env, i); err != nil {
+		if err := k.applyDirectly(ctx, i); err != nil {
 			return nil, fmt.Errorf("eventlinetest: the handler fails on %s when each event is applied once, in order, without faults: %w", k.label(i), err)
 		}
 	}
-	want, err := env.read(ctx, k.State)
+	want, err := k.env.read(ctx, k.State)
 	if err != nil {
 		return nil, fmt.Errorf("eventlinetest: Case.State: %w", err)
 	}
@@ -226,8 +225,8 @@ func (k *kit) reference(ctx context.Context) (any, error) {
 
 // applyDirectly runs the handler for event i in a transaction of its own,
 // without the eventline middleware, and commits.
-func (k *kit) applyDirectly(ctx context.Context, env *schemaEnv, i int) error {
-	tx, err := env.pool.Begin(ctx)
+func (k *kit) applyDirectly(ctx context.Context, i int) error {
+	tx, err := k.env.pool.Begin(ctx)
 	if err != nil {
 		return err
 	}
