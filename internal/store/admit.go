@@ -77,9 +77,6 @@ type Admission struct {
 	Parked int
 }
 
-// Applies reports whether the handler must run (Next or Jump).
-func (a Admission) Applies() bool { return a.Verdict == Next || a.Verdict == Jump }
-
 // Missing is the number of versions missing in front of the event, for a
 // Gap or a Jump: Previous+1 up to Follows. For an event that declares its
 // predecessor these are versions, not events: the producer may not have

@@ -9,6 +9,9 @@ import (
 	"github.com/eventline/eventline/dedup"
 )
 
+// Schema returns the schema the store works in.
+func (s *Store) Schema() string { return s.schema }
+
 // BatchDB is a DBTX that sends batches: *pgxpool.Pool, *pgx.Conn, pgx.Tx.
 type BatchDB interface {
 	DBTX

@@ -77,9 +77,6 @@ func New(schema string) (*Store, error) {
 	return s, nil
 }
 
-// Schema returns the schema the store works in.
-func (s *Store) Schema() string { return s.schema }
-
 // Held returns the store of the schema's held_events.
 func (s *Store) Held() *held.Store { return s.held }
 
