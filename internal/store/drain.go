@@ -226,11 +226,7 @@ func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p P
 	if opts.Permanent != nil && opts.Permanent(herr) {
 		reason = fmt.Sprintf("gave up on parked %s: it can never be applied: %v", p.describe(), herr)
 	}
-	sp, err := tx.Begin(ctx)
-	if err != nil {
-		return false, fmt.Errorf("eventline: savepoint to give up parked event %s: %w", p.EventID, err)
-	}
-	derr := func() error {
+	derr, err := s.attempt(ctx, tx, p, func(ctx context.Context, sp pgx.Tx, p Parked) error {
 		if _, err := sp.Exec(ctx, s.q(deleteParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
 			return err
 		}
@@ -241,15 +237,9 @@ func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p P
 			return err
 		}
 		return s.HoldFailed(ctx, sp, p, reason)
-	}()
-	if derr == nil {
-		if err := sp.Commit(ctx); err != nil {
-			return false, fmt.Errorf("eventline: give up parked event %s: %w", p.EventID, err)
-		}
-		return true, nil
-	}
-	if err := sp.Rollback(ctx); err != nil {
-		return false, fmt.Errorf("eventline: roll back giving up parked event %s: %w", p.EventID, errors.Join(derr, err))
+	}, nil)
+	if err != nil || derr == nil {
+		return err == nil, err
 	}
 	p.LastError = fmt.Sprintf("%s; and it could not be dead-lettered: %v", p.LastError, derr)
 	return false, s.recordFailure(ctx, tx, p, opts.Backoff)
@@ -277,7 +267,7 @@ func (s *Store) attempt(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFun
 		return nil, nil
 	}
 	if err := sp.Rollback(ctx); err != nil {
-		return nil, fmt.Errorf("eventline: roll back %s after its handler failed: %w", p.describe(), errors.Join(herr, err))
+		return nil, fmt.Errorf("eventline: roll back %s after it failed: %w", p.describe(), errors.Join(herr, err))
 	}
 	return herr, nil
 }
