@@ -284,19 +284,17 @@ func inMigrationTx(ctx context.Context, db Beginner, schema string, all []Migrat
 		}
 		applied := map[int]time.Time{}
 		var foreign []string
-		for rows.Next() {
-			var v int
-			var name string
-			var at time.Time
-			if err := rows.Scan(&v, &name, &at); err != nil {
-				return err
-			}
+		var v int
+		var name string
+		var at time.Time
+		_, err = pgx.ForEachRow(rows, []any{&v, &name, &at}, func() error {
 			if known[v] != name {
 				foreign = append(foreign, fmt.Sprintf("%03d_%s", v, name))
 			}
 			applied[v] = at
-		}
-		if err := rows.Err(); err != nil {
+			return nil
+		})
+		if err != nil {
 			return err
 		}
 		if len(foreign) > 0 {
