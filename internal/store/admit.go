@@ -171,8 +171,14 @@ func (p *PendingAdmission) Result(ctx context.Context, tx DBTX) (Admission, erro
 		return Admission{}, p.err
 	case !p.set:
 		return Admission{}, errors.New("eventline: admission read before the batch results were closed")
+	case !p.row.current.Valid:
+		// No version row came back: the dedup insert conflicted.
+		if err := p.s.checkDuplicate(ctx, tx, p.group, p.e, p.row.recorded); err != nil {
+			return Admission{}, err
+		}
+		return Admission{Verdict: Duplicate}, nil
 	}
-	return p.s.decide(ctx, tx, p.group, p.e, p.row)
+	return admitted(p.e, p.row.previous.Int64, p.row.current.Int64, int(p.row.parked.Int32)), nil
 }
 
 // QueueAdmit queues [Store.Admit] on b. Queued after b.BeginTx, the
@@ -237,18 +243,6 @@ func withFollows(e eventline.Event) (eventline.Event, error) {
 	p, err := Follows(e)
 	e.PreviousVersion = p
 	return e, err
-}
-
-// decide turns the statement's result into a verdict.
-func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.Event, r admitRow) (Admission, error) {
-	if !r.current.Valid {
-		// No version row came back: the dedup insert conflicted.
-		if err := s.checkDuplicate(ctx, tx, group, e, r.recorded); err != nil {
-			return Admission{}, err
-		}
-		return Admission{Verdict: Duplicate}, nil
-	}
-	return admitted(e, r.previous.Int64, r.current.Int64, int(r.parked.Int32)), nil
 }
 
 // admitted is e's admission from its aggregate's version before and after
