@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"maps"
@@ -223,9 +224,7 @@ func readGroup(ctx context.Context, db DBTX, schema, group string, openGaps int)
 	if g.Parked == 0 {
 		return g, nil
 	}
-	if openGaps == 0 {
-		openGaps = defaultOpenGaps
-	}
+	openGaps = cmp.Or(openGaps, defaultOpenGaps)
 	var o OpenGap
 	var age float64
 	rows, err := db.Query(ctx, sqlident.SQL(schema, openGapsSQL), group, openGaps)

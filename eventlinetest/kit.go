@@ -93,13 +93,8 @@ func prepare(c Case, testName string) (*kit, error) {
 			return nil, fmt.Errorf("eventlinetest: Case.Events[%d] has the id %q of Case.Events[%d]: give each event its own id (or leave ID empty)", i, e.ID, j)
 		}
 		ids[e.ID] = i
-		if e.AggregateVersion == 0 {
-			e.AggregateVersion = last[key] + 1
-		}
-		prev := e.PreviousVersion
-		if prev == 0 {
-			prev = e.AggregateVersion - 1
-		}
+		e.AggregateVersion = cmp.Or(e.AggregateVersion, last[key]+1)
+		prev := cmp.Or(e.PreviousVersion, e.AggregateVersion-1)
 		if prev != last[key] {
 			return nil, fmt.Errorf("eventlinetest: Case.Events[%d] (%s %s/%s v%d) follows version %d, but the version listed before it is %d: "+
 				"list each aggregate's versions in order, without gaps (the kit does the reordering)",

@@ -1,6 +1,7 @@
 package eventlinetest
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -53,10 +54,7 @@ func (f *Failure) Error() string {
 	} else {
 		b.WriteString("eventlinetest: under a fault schedule, the handler's effects differ from applying each event once, in order\n")
 	}
-	test := f.test
-	if test == "" {
-		test = "TestName"
-	}
+	test := cmp.Or(f.test, "TestName")
 	fmt.Fprintf(&b, "  replay: go test -run '^%s$' -eventlinetest.seed=%#x   (or %s=%#x, or Case.Seed)\n", strings.ReplaceAll(test, "/", "$/^"), f.Seed, SeedEnv, f.Seed)
 	fmt.Fprintf(&b, "  schedule: trial %d of %d, testing %s; %s\n", f.Trial, f.Trials, f.Tests, f.Layout)
 	list := func(title string, lines []string) {
