@@ -319,14 +319,11 @@ func ReadHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
 // shardStatusSQL reads one shard's backlog ($1 the relays' consumer
 // group), the oldest pending row's age, the rows stored and the backlog's
 // rows held back by the xmin horizon.
-const shardStatusSQL = `SELECT
-		count(*) FILTER (WHERE o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)),
-		COALESCE(EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at) FILTER (
-			WHERE o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))), 0),
-		count(*),
-		count(*) FILTER (WHERE (o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))
-			AND m.transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))
-	FROM {messages} m LEFT JOIN {offsets} o ON o.consumer_group = $1`
+const shardStatusSQL = `SELECT count(*) FILTER (WHERE pending), COALESCE(EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(created_at) FILTER (WHERE pending)), 0),
+		count(*), count(*) FILTER (WHERE pending AND transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))
+	FROM (SELECT m.created_at, m.transaction_id,
+			o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked) AS pending
+		FROM {messages} m LEFT JOIN {offsets} o ON o.consumer_group = $1) r`
 
 // relayBacklogSQL counts the rows waiting for a retry and the relay's
 // dead letters waiting for an operator.
