@@ -135,14 +135,14 @@ func (s *Store) drain(ctx context.Context, tx pgx.Tx, k Key, current int64, opts
 			head = false
 			switch {
 			case !sweeping && p.PreviousVersion == current:
-				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapFilled, Open: openFor(oldestParkedAt(parked[i:]), time.Now())})
+				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapFilled, Open: gapOpen(parked[i:], time.Now())})
 			case sweeping && p.due && p.PreviousVersion == res.Version:
 				at, ok, err := s.releasedAt(ctx, tx, k, p.PreviousVersion)
 				if err != nil {
 					return res, err
 				}
 				if ok {
-					released = &ClosedGap{Key: k, Outcome: GapReleased, Open: openFor(oldestParkedAt(parked[i:]), at)}
+					released = &ClosedGap{Key: k, Outcome: GapReleased, Open: gapOpen(parked[i:], at)}
 				}
 			}
 		}
@@ -173,7 +173,7 @@ func (s *Store) drain(ctx context.Context, tx pgx.Tx, k Key, current int64, opts
 			if pre != nil {
 				res.GapsSkipped++
 				res.VersionsSkipped += skipTo - skipFrom + 1
-				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapSkipped, Open: openFor(oldestParkedAt(parked[i:]), time.Now())})
+				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapSkipped, Open: gapOpen(parked[i:], time.Now())})
 			}
 			if released != nil {
 				res.GapsClosed = append(res.GapsClosed, *released)
