@@ -3,6 +3,7 @@ package admin
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
+	"github.com/eventline/eventline/internal/store"
 )
 
 // collectTimeout bounds the database reads of one scrape.
@@ -20,6 +22,7 @@ const collectTimeout = 5 * time.Second
 type statusCollector struct {
 	db     DBTX
 	schema string
+	store  *store.Store
 
 	backlog, oldest, stored, dead, retrying, up, ahead, heldBack, holderAge, holderPID *prometheus.Desc
 	groupsUp, parked, oldestParked, openGaps, oldestGap, skipped, late, deadLetters    *prometheus.Desc
@@ -59,12 +62,16 @@ func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
 	if err := checkArgs("NewStatusCollector", db, schema); err != nil {
 		return nil, err
 	}
+	st, err := store.New(schema)
+	if err != nil {
+		return nil, fmt.Errorf("admin.NewStatusCollector: %w", err)
+	}
 	shard, group := []string{"shard"}, []string{"group"}
 	desc := func(name, help string) *prometheus.Desc {
 		return prometheus.NewDesc("eventline_group_"+name, help, group, nil)
 	}
 	return &statusCollector{
-		db: db, schema: schema,
+		db: db, schema: schema, store: st,
 		backlog:  prometheus.NewDesc("eventline_outbox_backlog", "Committed outbox rows not yet forwarded to Kafka.", shard, nil),
 		oldest:   prometheus.NewDesc("eventline_outbox_oldest_pending_seconds", "Age of the oldest row not yet forwarded.", shard, nil),
 		stored:   prometheus.NewDesc("eventline_outbox_stored_rows", "Rows in the shard's table, forwarded or not.", shard, nil),
@@ -146,7 +153,7 @@ func (c *statusCollector) collectGroups(ch chan<- prometheus.Metric) {
 	if err == nil && absent {
 		return
 	}
-	groups, err := readGroups(ctx, c.db, c.schema, -1, false)
+	groups, err := readGroups(ctx, c.db, c.schema, c.store, -1, false)
 	if err != nil {
 		ch <- prometheus.MustNewConstMetric(c.groupsUp, prometheus.GaugeValue, 0)
 		return

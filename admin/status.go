@@ -107,7 +107,11 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	if st.Owners, err = shardOwners(ctx, db, schema); err != nil {
 		return st, err
 	}
-	st.Groups, err = readGroups(ctx, db, schema, openGaps, true)
+	gs, err := store.New(schema)
+	if err != nil {
+		return st, err
+	}
+	st.Groups, err = readGroups(ctx, db, schema, gs, openGaps, true)
 	return st, err
 }
 
@@ -120,22 +124,13 @@ func openHeldSQL(kind string) string {
 	return `(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
 }
 
-var (
-	// statusGroupsSQL lists the consumer groups that recorded a version
-	// or a parked event, or hold an open event (the relay's have no
-	// group), each along its table's index.
-	statusGroupsSQL = `SELECT name FROM (` + store.DistinctGroups("aggregate_versions", "") + ` UNION ` + store.DistinctGroups("parked_events", "") +
-		` UNION ` + store.DistinctGroups("held_events", `AND status IN ('held', 'replay_requested') AND consumer_group <> ''`) + `) g ORDER BY name`
-	// processedGroupsSQL lists the groups with dedup records.
-	processedGroupsSQL = `SELECT name FROM ` + store.DistinctGroups("processed_events", "") + ` g`
-	// groupCountsSQL counts a group's parked events, the oldest one's
-	// age in seconds, the gaps it skipped in the last 24 hours, and its
-	// open late events and dead letters ($1 group).
-	groupCountsSQL = `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
+// groupCountsSQL counts a group's parked events, the oldest one's age in
+// seconds, the gaps it skipped in the last 24 hours, and its open late
+// events and dead letters ($1 group).
+var groupCountsSQL = `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
 			(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - interval '24 hours'),
 			` + openHeldSQL("late") + `, ` + openHeldSQL("dead_letter") + `
 		FROM {schema}.parked_events WHERE consumer_group = $1`
-)
 
 // groupTotalsSQL counts group $1's dedup records, the gaps it skipped
 // and the versions in them.
@@ -163,8 +158,8 @@ const openGapsSQL = `SELECT aggregate_type, aggregate_id, current, follows, head
 // it). With totals it adds the groups with only dedup records and reads
 // every group's dedup records and skipped gaps (ReadStatus; the collector
 // reads without).
-func readGroups(ctx context.Context, db DBTX, schema string, openGaps int, totals bool) ([]GroupStatus, error) {
-	names, err := groupNames(ctx, db, sqlident.SQL(schema, statusGroupsSQL))
+func readGroups(ctx context.Context, db DBTX, schema string, st *store.Store, openGaps int, totals bool) ([]GroupStatus, error) {
+	names, err := st.StatusGroups(ctx, db)
 	if err != nil {
 		return nil, err
 	}
@@ -179,7 +174,7 @@ func readGroups(ctx context.Context, db DBTX, schema string, openGaps int, total
 	if !totals {
 		return out, nil
 	}
-	processed, err := groupNames(ctx, db, sqlident.SQL(schema, processedGroupsSQL))
+	processed, err := st.ProcessedGroups(ctx, db)
 	if err != nil {
 		return nil, err
 	}
@@ -197,18 +192,6 @@ func readGroups(ctx context.Context, db DBTX, schema string, openGaps int, total
 		}
 	}
 	return out, nil
-}
-
-// groupNames runs query, which lists consumer groups.
-func groupNames(ctx context.Context, db DBTX, query string) ([]string, error) {
-	rows, err := db.Query(ctx, query)
-	if err == nil {
-		var names []string
-		if names, err = pgx.CollectRows(rows, pgx.RowTo[string]); err == nil {
-			return names, nil
-		}
-	}
-	return nil, fmt.Errorf("eventline: list consumer groups: %w", err)
 }
 
 // readGroup reads the group's parked events, open gaps, recently skipped
