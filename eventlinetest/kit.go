@@ -249,7 +249,7 @@ func (k *kit) seeds() ([]uint64, bool) {
 	// use every class at once.
 	var profiles []profile
 	if !k.Kafka {
-		for _, p := range singleProfiles {
+		for _, p := range faultClasses {
 			if k.Faults&p.fault != 0 {
 				profiles = append(profiles, p.id)
 			}
