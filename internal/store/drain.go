@@ -167,8 +167,8 @@ func (s *Store) drain(ctx context.Context, tx pgx.Tx, k Key, current int64, opts
 			if _, err := tx.Exec(ctx, s.q(deleteParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
 				return res, fmt.Errorf("eventline: remove parked event %s: %w", p.EventID, err)
 			}
-			if err := s.SetOutcome(ctx, tx, p.RecordKey(), dedup.OutcomeApplied); err != nil {
-				return res, err
+			if _, err := tx.Exec(ctx, s.q(setOutcomeSQL), p.Group, p.EventID, p.AggregateType, p.AggregateID, string(dedup.OutcomeApplied)); err != nil {
+				return res, fmt.Errorf("eventline: set the outcome of released event %s: %w", p.EventID, err)
 			}
 			if pre != nil {
 				res.GapsSkipped++

@@ -29,3 +29,15 @@ func (s *Store) RecordProcessed(ctx context.Context, db BatchDB, group string, e
 	}
 	return p.Result(ctx, db)
 }
+
+// SetOutcome changes the recorded outcome of an event. It is a no-op when
+// the event is not recorded.
+func (s *Store) SetOutcome(ctx context.Context, db DBTX, k RecordKey, outcome dedup.Outcome) error {
+	_, err := db.Exec(ctx, s.q(setOutcomeSQL), k.Group, k.EventID, k.AggregateType, k.AggregateID, string(outcome))
+	return err
+}
+
+// RecordKey returns the key of the parked event's processed_events record.
+func (p Parked) RecordKey() RecordKey {
+	return RecordKey{Group: p.Group, EventID: p.EventID, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
+}

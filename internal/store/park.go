@@ -111,11 +111,6 @@ func (p Parked) Key() Key {
 	return Key{Group: p.Group, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
 }
 
-// RecordKey returns the key of the event's processed_events record.
-func (p Parked) RecordKey() RecordKey {
-	return RecordKey{Group: p.Group, EventID: p.EventID, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
-}
-
 // Message rebuilds the Watermill message the event arrived as.
 func (p Parked) Message() *message.Message {
 	msg := message.NewMessage(p.EventID, p.Payload)

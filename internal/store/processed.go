@@ -158,15 +158,6 @@ func (s *Store) checkDuplicate(ctx context.Context, db DBTX, group string, e eve
 		Recorded: dedup.Record{EventType: r.EventType, AggregateType: r.AggregateType, AggregateID: r.AggregateID, AggregateVersion: r.AggregateVersion}}
 }
 
-// SetOutcome changes the recorded outcome of an event. It is a no-op when
-// the event is not recorded.
-func (s *Store) SetOutcome(ctx context.Context, db DBTX, k RecordKey, outcome dedup.Outcome) error {
-	if _, err := db.Exec(ctx, s.q(setOutcomeSQL), k.Group, k.EventID, k.AggregateType, k.AggregateID, string(outcome)); err != nil {
-		return fmt.Errorf("eventline: set outcome of event %s (%s/%s) to %s: %w", k.EventID, k.AggregateType, k.AggregateID, outcome, err)
-	}
-	return nil
-}
-
 // Processed returns the group's record of an event id in an aggregate, or
 // ErrNotFound.
 func (s *Store) Processed(ctx context.Context, db DBTX, k RecordKey) (dedup.Record, error) {
