@@ -105,7 +105,8 @@ func (p *PendingRecord) Result(ctx context.Context, db DBTX) (bool, error) {
 // unrecorded.
 func (s *Store) QueueRecordProcessed(b *pgx.Batch, group string, e eventline.Event, outcome dedup.Outcome) *PendingRecord {
 	p := &PendingRecord{s: s, group: group, e: e}
-	b.Queue(s.q(insertProcessedSQL), processedArgs(group, e, outcome)...).QueryRow(func(row pgx.Row) error {
+	args := []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, string(outcome)}
+	b.Queue(s.q(insertProcessedSQL), args...).QueryRow(func(row pgx.Row) error {
 		if err := row.Scan(append([]any{&p.fresh}, p.rec.dest()...)...); err != nil {
 			p.err = fmt.Errorf("eventline: record event %s: %w", e.ID, err)
 			return p.err
@@ -114,10 +115,6 @@ func (s *Store) QueueRecordProcessed(b *pgx.Batch, group string, e eventline.Eve
 		return nil
 	})
 	return p
-}
-
-func processedArgs(group string, e eventline.Event, outcome dedup.Outcome) []any {
-	return []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, string(outcome)}
 }
 
 // recorded is the identity of a processed_events row as returned next to
