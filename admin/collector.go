@@ -112,7 +112,7 @@ func (c *statusCollector) Collect(ch chan<- prometheus.Metric) {
 func (c *statusCollector) collectOutbox(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), collectTimeout)
 	defer cancel()
-	st, err := readOutboxStatus(ctx, c.db, c.schema)
+	st, err := ReadOutboxStatus(ctx, c.db, c.schema)
 	if errors.Is(err, outbox.ErrNotMigrated) {
 		return // a consumer-only database: no outbox to report on
 	}

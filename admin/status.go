@@ -94,7 +94,7 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	}
 	var st Status
 	var err error
-	if st.Outbox, err = readOutboxStatus(ctx, db, schema); err != nil {
+	if st.Outbox, err = ReadOutboxStatus(ctx, db, schema); err != nil {
 		return st, err
 	}
 	// A schema rolled back part of the way (`eventline migrate down
@@ -320,10 +320,6 @@ func ReadOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 	if err := checkArgs("ReadOutboxStatus", db, schema); err != nil {
 		return OutboxStatus{}, err
 	}
-	return readOutboxStatus(ctx, db, schema)
-}
-
-func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus, error) {
 	shards, err := outbox.ShardCount(ctx, db, schema)
 	if err != nil {
 		return OutboxStatus{}, err
