@@ -1,6 +1,7 @@
 package eventline
 
 import (
+	"cmp"
 	"fmt"
 	"math"
 	"time"
@@ -31,18 +32,12 @@ type Backoff struct {
 
 // Or returns b with each zero field taken from def.
 func (b Backoff) Or(def Backoff) Backoff {
-	if b.Initial == 0 {
-		b.Initial = def.Initial
-	}
+	b.Initial = cmp.Or(b.Initial, def.Initial)
 	if b.Max == 0 {
 		b.Max = max(def.Max, b.Initial)
 	}
-	if b.Multiplier == 0 {
-		b.Multiplier = def.Multiplier
-	}
-	if b.Jitter == 0 {
-		b.Jitter = def.Jitter
-	}
+	b.Multiplier = cmp.Or(b.Multiplier, def.Multiplier)
+	b.Jitter = cmp.Or(b.Jitter, def.Jitter)
 	return b
 }
 

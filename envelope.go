@@ -1,6 +1,7 @@
 package eventline
 
 import (
+	"maps"
 	"strconv"
 	"time"
 
@@ -20,9 +21,7 @@ func Encode(e Event) (*message.Message, error) {
 	e = e.WithDefaults(time.Now())
 
 	md := make(message.Metadata, 8+len(e.Metadata))
-	for k, v := range e.Metadata {
-		md[k] = v
-	}
+	maps.Copy(md, e.Metadata)
 	md[MetaEventID] = e.ID
 	md[MetaEventType] = e.Type
 	md[MetaEventVersion] = strconv.Itoa(e.SchemaVersion)

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 )
@@ -105,11 +106,7 @@ func NewUpcasters(current map[string]int, steps ...Upcaster) (*Upcasters, error)
 		}
 	}
 	for t, m := range byType {
-		froms := make([]int, 0, len(m))
-		for f := range m {
-			froms = append(froms, f)
-		}
-		slices.Sort(froms)
+		froms := slices.Sorted(maps.Keys(m))
 		oldest, highest := froms[0], froms[len(froms)-1]
 		cur, declared := current[t]
 		if !declared {

@@ -67,6 +67,3 @@ func checkDB(fn, arg string, db any) error {
 
 // errDryRun rolls back a dry run's transaction.
 var errDryRun = errors.New("dry run")
-
-// isNotMigrated reports an error wrapping producer.ErrNotMigrated.
-func isNotMigrated(err error) bool { return errors.Is(err, outbox.ErrNotMigrated) }

@@ -2,12 +2,14 @@ package admin
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 )
@@ -15,12 +17,15 @@ import (
 // collectTimeout bounds the database reads of one scrape.
 const collectTimeout = 5 * time.Second
 
-// outboxCollector reports ReadOutboxStatus at scrape time.
-type outboxCollector struct {
+// statusCollector reports ReadOutboxStatus and the consumer groups'
+// status (readGroups) at scrape time.
+type statusCollector struct {
 	db     DBTX
 	schema string
+	store  *store.Store
 
 	backlog, oldest, stored, dead, retrying, up, ahead, heldBack, holderAge, holderPID *prometheus.Desc
+	groupsUp, parked, oldestParked, openGaps, oldestGap, skipped, late, deadLetters    *prometheus.Desc
 }
 
 // NewStatusCollector returns a Prometheus collector that reads the
@@ -61,28 +66,12 @@ func NewStatusCollector(db DBTX, schema string) (prometheus.Collector, error) {
 	if err != nil {
 		return nil, fmt.Errorf("admin.NewStatusCollector: %w", err)
 	}
-	return statusCollector{newOutboxCollector(db, schema), newGroupCollector(db, schema, st)}, nil
-}
-
-// statusCollector is the outbox's collector and the groups'.
-type statusCollector []prometheus.Collector
-
-func (c statusCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, x := range c {
-		x.Describe(ch)
+	shard, group := []string{"shard"}, []string{"group"}
+	desc := func(name, help string) *prometheus.Desc {
+		return prometheus.NewDesc("eventline_group_"+name, help, group, nil)
 	}
-}
-
-func (c statusCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, x := range c {
-		x.Collect(ch)
-	}
-}
-
-func newOutboxCollector(db DBTX, schema string) *outboxCollector {
-	shard := []string{"shard"}
-	return &outboxCollector{
-		db: db, schema: schema,
+	return &statusCollector{
+		db: db, schema: schema, store: st,
 		backlog:  prometheus.NewDesc("eventline_outbox_backlog", "Committed outbox rows not yet forwarded to Kafka.", shard, nil),
 		oldest:   prometheus.NewDesc("eventline_outbox_oldest_pending_seconds", "Age of the oldest row not yet forwarded.", shard, nil),
 		stored:   prometheus.NewDesc("eventline_outbox_stored_rows", "Rows in the shard's table, forwarded or not.", shard, nil),
@@ -97,20 +86,34 @@ func newOutboxCollector(db DBTX, schema string) *outboxCollector {
 			"While rows are held back: how long the oldest open transaction (the one holding the xmin horizon) has been open.", nil, nil),
 		holderPID: prometheus.NewDesc("eventline_outbox_horizon_holder_pid",
 			"While rows are held back: the backend pid of the oldest open transaction (0 for a prepared one); see pg_stat_activity or eventline status.", nil, nil),
-	}
+		groupsUp:     prometheus.NewDesc("eventline_group_status_up", "1 if the consumer groups' status could be read from the database.", nil, nil),
+		parked:       desc("parked_events", "Events parked waiting for a missing earlier version of their aggregate."),
+		oldestParked: desc("oldest_parked_seconds", "Age of the group's oldest parked event; 0 when none."),
+		openGaps:     desc("open_gaps", "Aggregates whose lowest parked event waits for versions that have not arrived."),
+		oldestGap:    desc("oldest_open_gap_seconds", "Age of the oldest open gap (since the aggregate's oldest parked event parked); 0 when none."),
+		skipped:      desc("skipped_gaps_24h", "Gaps recorded in skipped_versions in the last 24 hours (park timeout, gap policy, give-ups, operator releases)."),
+		late:         desc("late_events", "Late events held for the operator, not yet replayed or discarded (eventline held list -kind late)."),
+		deadLetters:  desc("dead_letters", "Consumer dead letters not yet replayed or discarded (eventline held list -kind dead_letter)."),
+	}, nil
 }
 
-func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.stored, c.dead, c.retrying, c.up, c.ahead, c.heldBack, c.holderAge, c.holderPID} {
+func (c *statusCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.stored, c.dead, c.retrying, c.up, c.ahead, c.heldBack, c.holderAge, c.holderPID,
+		c.groupsUp, c.parked, c.oldestParked, c.openGaps, c.oldestGap, c.skipped, c.late, c.deadLetters} {
 		ch <- d
 	}
 }
 
-func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
+func (c *statusCollector) Collect(ch chan<- prometheus.Metric) {
+	c.collectOutbox(ch)
+	c.collectGroups(ch)
+}
+
+func (c *statusCollector) collectOutbox(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), collectTimeout)
 	defer cancel()
-	st, err := readOutboxStatus(ctx, c.db, c.schema)
-	if isNotMigrated(err) {
+	st, err := ReadOutboxStatus(ctx, c.db, c.schema)
+	if errors.Is(err, outbox.ErrNotMigrated) {
 		return // a consumer-only database: no outbox to report on
 	}
 	if err != nil {
@@ -138,42 +141,9 @@ func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.retrying, prometheus.GaugeValue, float64(st.Retrying))
 }
 
-// groupCollector reports the consumer groups' status (readGroups) at
-// scrape time, on a schema that may have no consumer tables: it looks for
-// them first.
-type groupCollector struct {
-	db     DBTX
-	schema string
-	store  *store.Store
-
-	up, parked, oldestParked, openGaps, oldestGap, skipped, late, dead *prometheus.Desc
-}
-
-func newGroupCollector(db DBTX, schema string, st *store.Store) *groupCollector {
-	group := []string{"group"}
-	desc := func(name, help string) *prometheus.Desc {
-		return prometheus.NewDesc("eventline_group_"+name, help, group, nil)
-	}
-	return &groupCollector{
-		db: db, schema: schema, store: st,
-		up:           prometheus.NewDesc("eventline_group_status_up", "1 if the consumer groups' status could be read from the database.", nil, nil),
-		parked:       desc("parked_events", "Events parked waiting for a missing earlier version of their aggregate."),
-		oldestParked: desc("oldest_parked_seconds", "Age of the group's oldest parked event; 0 when none."),
-		openGaps:     desc("open_gaps", "Aggregates whose lowest parked event waits for versions that have not arrived."),
-		oldestGap:    desc("oldest_open_gap_seconds", "Age of the oldest open gap (since the aggregate's oldest parked event parked); 0 when none."),
-		skipped:      desc("skipped_gaps_24h", "Gaps recorded in skipped_versions in the last 24 hours (park timeout, gap policy, give-ups, operator releases)."),
-		late:         desc("late_events", "Late events held for the operator, not yet replayed or discarded (eventline held list -kind late)."),
-		dead:         desc("dead_letters", "Consumer dead letters not yet replayed or discarded (eventline held list -kind dead_letter)."),
-	}
-}
-
-func (c *groupCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.up, c.parked, c.oldestParked, c.openGaps, c.oldestGap, c.skipped, c.late, c.dead} {
-		ch <- d
-	}
-}
-
-func (c *groupCollector) Collect(ch chan<- prometheus.Metric) {
+// collectGroups reports the consumer groups on a schema that may have no
+// consumer tables: it looks for them first.
+func (c *statusCollector) collectGroups(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), collectTimeout)
 	defer cancel()
 	// 002_consumer creates both; readGroups works from it on.
@@ -183,12 +153,12 @@ func (c *groupCollector) Collect(ch chan<- prometheus.Metric) {
 	if err == nil && absent {
 		return
 	}
-	groups, err := readGroups(ctx, c.db, c.store, -1, false)
+	groups, err := readGroups(ctx, c.db, c.schema, c.store, -1, false)
 	if err != nil {
-		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 0)
+		ch <- prometheus.MustNewConstMetric(c.groupsUp, prometheus.GaugeValue, 0)
 		return
 	}
-	ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 1)
+	ch <- prometheus.MustNewConstMetric(c.groupsUp, prometheus.GaugeValue, 1)
 	gauge := func(d *prometheus.Desc, v float64, group string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, group)
 	}
@@ -199,6 +169,6 @@ func (c *groupCollector) Collect(ch chan<- prometheus.Metric) {
 		gauge(c.oldestGap, g.OldestGap.Seconds(), g.Group)
 		gauge(c.skipped, float64(g.SkippedGapsRecent), g.Group)
 		gauge(c.late, float64(g.LateHeld), g.Group)
-		gauge(c.dead, float64(g.DeadLetters), g.Group)
+		gauge(c.deadLetters, float64(g.DeadLetters), g.Group)
 	}
 }

@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"maps"
@@ -93,7 +94,7 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	}
 	var st Status
 	var err error
-	if st.Outbox, err = readOutboxStatus(ctx, db, schema); err != nil {
+	if st.Outbox, err = ReadOutboxStatus(ctx, db, schema); err != nil {
 		return st, err
 	}
 	// A schema rolled back part of the way (`eventline migrate down
@@ -110,7 +111,7 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 	if err != nil {
 		return st, err
 	}
-	st.Groups, err = readGroups(ctx, db, gs, openGaps, true)
+	st.Groups, err = readGroups(ctx, db, schema, gs, openGaps, true)
 	return st, err
 }
 
@@ -118,20 +119,53 @@ func ReadStatus(ctx context.Context, db DBTX, schema string, openGaps int) (Stat
 // asked for 0.
 const defaultOpenGaps = 20
 
+// openHeldSQL counts group $1's open held events of one kind.
+func openHeldSQL(kind string) string {
+	return `(SELECT count(*) FROM {schema}.held_events WHERE consumer_group = $1 AND kind = '` + kind + `' AND status IN ('held', 'replay_requested'))`
+}
+
+// groupCountsSQL counts a group's parked events, the oldest one's age in
+// seconds, the gaps it skipped in the last 24 hours, and its open late
+// events and dead letters ($1 group).
+var groupCountsSQL = `SELECT count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(parked_at)), 0)::float8,
+			(SELECT count(*) FROM {schema}.skipped_versions WHERE consumer_group = $1 AND skipped_at > now() - interval '24 hours'),
+			` + openHeldSQL("late") + `, ` + openHeldSQL("dead_letter") + `
+		FROM {schema}.parked_events WHERE consumer_group = $1`
+
+// groupTotalsSQL counts group $1's dedup records, the gaps it skipped
+// and the versions in them.
+const groupTotalsSQL = `SELECT (SELECT count(*) FROM {schema}.processed_events WHERE consumer_group = $1),
+		count(*), COALESCE(sum(to_version - from_version + 1), 0)::bigint
+	FROM {schema}.skipped_versions WHERE consumer_group = $1`
+
+// openGapsSQL reads, per aggregate with parked events, the lowest one,
+// the predecessor it waits for and the aggregate's version; a gap is open
+// when that predecessor has not been applied ($1 group, $2 limit). The
+// last column counts the group's open gaps.
+const openGapsSQL = `SELECT aggregate_type, aggregate_id, current, follows, head, n, age, count(*) OVER () FROM (
+		SELECT p.aggregate_type, p.aggregate_id, COALESCE(av.version, 0) AS current, p.follows, p.head, p.n,
+			EXTRACT(EPOCH FROM now() - p.oldest)::float8 AS age, p.oldest
+		FROM (SELECT aggregate_type, aggregate_id, min(aggregate_version) AS head, count(*) AS n, min(parked_at) AS oldest,
+				(array_agg(previous_version ORDER BY aggregate_version))[1] AS follows
+			FROM {schema}.parked_events WHERE consumer_group = $1 GROUP BY aggregate_type, aggregate_id) p
+		LEFT JOIN {schema}.aggregate_versions av ON av.consumer_group = $1 AND av.aggregate_type = p.aggregate_type AND av.aggregate_id = p.aggregate_id
+		WHERE p.follows > COALESCE(av.version, 0)
+	) g ORDER BY oldest, aggregate_type, aggregate_id LIMIT greatest($2::bigint, 1)`
+
 // readGroups reads the status of every consumer group that recorded a
 // version or a parked event or holds an open late event or dead letter,
 // by name, listing up to openGaps open gaps each (as ReadStatus takes
 // it). With totals it adds the groups with only dedup records and reads
 // every group's dedup records and skipped gaps (ReadStatus; the collector
 // reads without).
-func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, totals bool) ([]GroupStatus, error) {
+func readGroups(ctx context.Context, db DBTX, schema string, st *store.Store, openGaps int, totals bool) ([]GroupStatus, error) {
 	names, err := st.StatusGroups(ctx, db)
 	if err != nil {
 		return nil, err
 	}
 	out := make([]GroupStatus, 0, len(names))
 	for _, name := range names {
-		g, err := readGroup(ctx, db, st, name, openGaps)
+		g, err := readGroup(ctx, db, schema, name, openGaps)
 		if err != nil {
 			return nil, err
 		}
@@ -152,11 +186,9 @@ func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, tot
 	slices.SortFunc(out, func(a, b GroupStatus) int { return strings.Compare(a.Group, b.Group) })
 	for i := range out {
 		g := &out[i]
-		if g.Processed, err = st.CountProcessed(ctx, db, g.Group); err != nil {
-			return nil, err
-		}
-		if g.SkippedGaps, g.SkippedVersions, err = st.SkippedTotals(ctx, db, g.Group); err != nil {
-			return nil, err
+		err := db.QueryRow(ctx, sqlident.SQL(schema, groupTotalsSQL), g.Group).Scan(&g.Processed, &g.SkippedGaps, &g.SkippedVersions)
+		if err != nil {
+			return nil, fmt.Errorf("eventline: count the dedup records and skipped gaps of group %q: %w", g.Group, err)
 		}
 	}
 	return out, nil
@@ -164,10 +196,10 @@ func readGroups(ctx context.Context, db DBTX, st *store.Store, openGaps int, tot
 
 // readGroup reads the group's parked events, open gaps, recently skipped
 // gaps, held late events and unresolved dead letters.
-func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, openGaps int) (GroupStatus, error) {
+func readGroup(ctx context.Context, db DBTX, schema, group string, openGaps int) (GroupStatus, error) {
 	g := GroupStatus{Group: group, OpenGaps: []OpenGap{}}
 	var oldest float64
-	err := st.GroupCounts(ctx, db, group).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
+	err := db.QueryRow(ctx, sqlident.SQL(schema, groupCountsSQL), group).Scan(&g.Parked, &oldest, &g.SkippedGapsRecent, &g.LateHeld, &g.DeadLetters)
 	if err != nil {
 		return g, fmt.Errorf("eventline: read the status of group %q: %w", group, err)
 	}
@@ -175,19 +207,14 @@ func readGroup(ctx context.Context, db DBTX, st *store.Store, group string, open
 	if g.Parked == 0 {
 		return g, nil
 	}
-	if openGaps == 0 {
-		openGaps = defaultOpenGaps
-	}
+	openGaps = cmp.Or(openGaps, defaultOpenGaps)
 	var o OpenGap
 	var age float64
-	first := true // the oldest comes first
-	rows, err := st.OpenGaps(ctx, db, group, openGaps)
+	rows, err := db.Query(ctx, sqlident.SQL(schema, openGapsSQL), group, openGaps)
 	if err == nil {
 		_, err = pgx.ForEachRow(rows, []any{&o.AggregateType, &o.AggregateID, &o.Current, &o.Follows, &o.Version, &o.Parked, &age, &g.OpenGapCount}, func() error {
 			o.Age = seconds(age)
-			if first {
-				g.OldestGap, first = o.Age, false
-			}
+			g.OldestGap = max(g.OldestGap, o.Age)
 			if openGaps > 0 {
 				g.OpenGaps = append(g.OpenGaps, o)
 			}
@@ -275,14 +302,11 @@ func ReadHorizonHolder(ctx context.Context, db DBTX) (*HorizonHolder, error) {
 // shardStatusSQL reads one shard's backlog ($1 the relays' consumer
 // group), the oldest pending row's age, the rows stored and the backlog's
 // rows held back by the xmin horizon.
-const shardStatusSQL = `SELECT
-		count(*) FILTER (WHERE o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked)),
-		COALESCE(EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(m.created_at) FILTER (
-			WHERE o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))), 0),
-		count(*),
-		count(*) FILTER (WHERE (o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked))
-			AND m.transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))
-	FROM {messages} m LEFT JOIN {offsets} o ON o.consumer_group = $1`
+const shardStatusSQL = `SELECT count(*) FILTER (WHERE pending), COALESCE(EXTRACT(EPOCH FROM LOCALTIMESTAMP - min(created_at) FILTER (WHERE pending)), 0),
+		count(*), count(*) FILTER (WHERE pending AND transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))
+	FROM (SELECT m.created_at, m.transaction_id,
+			o.consumer_group IS NULL OR (m.transaction_id, m."offset") > (o.last_processed_transaction_id, o.offset_acked) AS pending
+		FROM {messages} m LEFT JOIN {offsets} o ON o.consumer_group = $1) r`
 
 // relayBacklogSQL counts the rows waiting for a retry and the relay's
 // dead letters waiting for an operator.
@@ -296,10 +320,6 @@ func ReadOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus
 	if err := checkArgs("ReadOutboxStatus", db, schema); err != nil {
 		return OutboxStatus{}, err
 	}
-	return readOutboxStatus(ctx, db, schema)
-}
-
-func readOutboxStatus(ctx context.Context, db DBTX, schema string) (OutboxStatus, error) {
 	shards, err := outbox.ShardCount(ctx, db, schema)
 	if err != nil {
 		return OutboxStatus{}, err

@@ -108,7 +108,10 @@ func TestReadStatus(t *testing.T) {
 		_, err := b.vs.ReleaseGap(b.ctx, b.env.Pool, "shipping", "thing", "x", "test")
 		require.NoError(t, err)
 		// A group that only ever recorded events without versions.
-		_, err = b.vs.RecordProcessed(b.ctx, b.env.Pool, "audit", eventline.Event{ID: eventline.NewEventID(), Type: "ping"}, dedup.OutcomeApplied)
+		batch := &pgx.Batch{}
+		rec := b.vs.QueueRecordProcessed(batch, "audit", eventline.Event{ID: eventline.NewEventID(), Type: "ping"}, dedup.OutcomeApplied)
+		require.NoError(t, b.env.Pool.SendBatch(b.ctx, batch).Close())
+		_, err = rec.Result(b.ctx, b.env.Pool)
 		require.NoError(t, err)
 
 		st := b.readStatus(t, b.env.Schema)

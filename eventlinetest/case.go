@@ -88,19 +88,11 @@ const (
 // hook panics, injected with Batches (not a class of its own).
 const hookPanics Fault = 1 << 31
 
-var faultNames = []struct {
-	f    Fault
-	name string
-}{
-	{Duplicates, "duplicates"}, {Reordering, "reordering"}, {Withholding, "withholding"},
-	{Crashes, "crashes"}, {Rebalances, "rebalances"}, {HandlerErrors, "handler errors"}, {Batches, "batches"},
-}
-
 // String lists the classes in f.
 func (f Fault) String() string {
 	var names []string
-	for _, n := range faultNames {
-		if f&n.f != 0 {
+	for _, n := range faultClasses {
+		if f&n.fault != 0 {
 			names = append(names, n.name)
 		}
 	}

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"reflect"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -57,15 +56,14 @@ func (r *result) failed() bool { return r.err != nil || r.mismatch }
 func (k *kit) runDirect(ctx context.Context, s schedule, want any) (*result, error) {
 	ctx, cancel := context.WithTimeout(ctx, k.TrialTimeout)
 	defer cancel()
-	env := k.env
-	if err := env.reset(ctx); err != nil {
+	if err := k.env.reset(ctx); err != nil {
 		return nil, err
 	}
-	st, err := store.New(env.name)
+	st, err := store.New(k.env.name)
 	if err != nil {
 		return nil, err
 	}
-	sim := &sim{kit: k, env: env, s: s, rng: s.rng(), inject: k.newInjector(s), store: st}
+	sim := &sim{kit: k, s: s, rng: s.rng(), inject: k.newInjector(s), store: st}
 	if err := sim.run(ctx); err != nil {
 		return &result{trace: sim.trace, err: err}, nil
 	}
@@ -84,7 +82,6 @@ func (k *kit) compare(ctx context.Context, want any, trace []string) *result {
 // sim is one trial in progress: consumer instances sharing one schema.
 type sim struct {
 	*kit
-	env    *schemaEnv
 	s      schedule
 	rng    *rand.Rand
 	inject *injector
@@ -384,14 +381,11 @@ func (s *sim) deliver(ctx context.Context, inst *instance, i int, step string, n
 		runs := &runList{}
 		before := counters(inst.reg)
 		_, err := inst.h(s.message(context.WithValue(ctx, runsKey{}, runs), i))
-		var outcome string
+		after := counters(inst.reg)
 		if batched && attempt == 1 {
-			// The counters move for the whole batch: its summary line
-			// tells them.
-			outcome = describeOutcome(nil, nil, err, runs.runs, runs.panics)
-		} else {
-			outcome = describeOutcome(before, counters(inst.reg), err, runs.runs, runs.panics)
+			before = nil // the counters move for the whole batch: its summary line tells them
 		}
+		outcome := describeOutcome(before, after, err, runs.runs, runs.panics)
 		what := "deliver"
 		if attempt > 1 {
 			what = "retry"
@@ -525,28 +519,24 @@ func describeOutcome(before, after map[string]float64, err error, runs, panics [
 	if len(panics) > 0 {
 		parts = append(parts, "the AfterCommit hook of "+strings.Join(panics, ", ")+" panicked (recovered)")
 	}
-	if before == nil {
-		if err != nil {
-			parts = append(parts, "rolled back")
-		}
+	if err != nil {
+		parts = append(parts, "rolled back")
+	}
+	if before == nil || err != nil {
 		return strings.Join(parts, "; ")
 	}
 	d := func(name string) int { return int(after[name] - before[name]) }
-	if err != nil {
-		parts = append(parts, "rolled back")
-	} else {
-		for _, o := range outcomes {
-			if d(o.counter) > 0 {
-				parts = append(parts, o.single)
-				break
-			}
+	for _, o := range outcomes {
+		if d(o.counter) > 0 {
+			parts = append(parts, o.single)
+			break
 		}
 	}
-	if n := d("parked_released_total"); n > 0 && err == nil {
+	if n := d("parked_released_total"); n > 0 {
 		parts = append(parts, fmt.Sprintf("released %d parked", n))
 	}
-	if n := d("parked_release_failures_total"); n > 0 && err == nil {
+	if n := d("parked_release_failures_total"); n > 0 {
 		parts = append(parts, fmt.Sprintf("%d parked release failed and stays parked", n))
 	}
-	return strings.Join(slices.Clip(parts), "; ")
+	return strings.Join(parts, "; ")
 }

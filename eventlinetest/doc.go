@@ -34,29 +34,13 @@
 // state with State. Then it runs Case.Trials fault schedules (30 by
 // default) through the real eventline middleware (middleware.New, the
 // one consumer.New runs) and compares the state after each with the
-// reference. The first schedules each test one fault class alone:
-//
-//   - Duplicates: every record delivered twice, some copies much later;
-//   - Reordering: aggregates interleaved over several partitions, or the
-//     last aggregate first;
-//   - Withholding: a version held back until after its successors, which
-//     are parked and then released with it, in one transaction;
-//   - Crashes: the consumer stops after a commit but before the offset
-//     commit, and a fresh instance reads again from the committed offsets;
-//   - Rebalances: a partition moves to a fresh instance while the old
-//     one is still handling its event;
-//   - HandlerErrors: the handler's first run for an event fails after it
-//     ran, the transaction rolls back and the event is retried;
-//   - Batches: runs of consecutive records delivered as one batch, applied
-//     in one transaction, as the ready runner does by default (with
-//     HandlerErrors, a failing member costs only itself), and AfterCommit
-//     hooks next to the handler's that panic;
-//
-// the rest mix them at random, or use all of them at once. Each trial
-// starts from the state right after Setup in one isolated schema (created,
-// migrated with eventline's migrations and dropped by Run), whose
-// connections have search_path set to it, so the handler's unqualified
-// table names land there.
+// reference. The first schedules each test one fault class alone (see
+// [Fault]: Duplicates, Reordering, Withholding, Crashes, Rebalances,
+// HandlerErrors, Batches); the rest mix them at random, or use all of
+// them at once. Each trial starts from the state right after Setup in one
+// isolated schema (created, migrated with eventline's migrations and
+// dropped by Run), whose connections have search_path set to it, so the
+// handler's unqualified table names land there.
 //
 // When a schedule leaves different effects, or makes the handler fail
 // where in-order application did not, Run looks for the smallest subset of
@@ -95,11 +79,7 @@
 //
 // # End to end
 //
-// With Case.Kafka set, each trial runs through Kafka instead: the faulted
-// records are published to an in-process cluster (package kafkatest) or
-// the one in KAFKA_BROKERS, and consumed by consumer.New instances that
-// join and leave the group, with retries by the runner and redeliveries
-// of committed records. It takes seconds per trial instead of
-// milliseconds, and its interleavings depend on timing, so keep it for a
-// few trials next to the direct ones.
+// With Case.Kafka set, each trial runs through Kafka instead, with
+// consumer.New instances (see Case.Kafka): slower, so keep it for a few
+// trials next to the direct ones.
 package eventlinetest

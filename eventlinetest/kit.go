@@ -93,13 +93,8 @@ func prepare(c Case, testName string) (*kit, error) {
 			return nil, fmt.Errorf("eventlinetest: Case.Events[%d] has the id %q of Case.Events[%d]: give each event its own id (or leave ID empty)", i, e.ID, j)
 		}
 		ids[e.ID] = i
-		if e.AggregateVersion == 0 {
-			e.AggregateVersion = last[key] + 1
-		}
-		prev := e.PreviousVersion
-		if prev == 0 {
-			prev = e.AggregateVersion - 1
-		}
+		e.AggregateVersion = cmp.Or(e.AggregateVersion, last[key]+1)
+		prev := cmp.Or(e.PreviousVersion, e.AggregateVersion-1)
 		if prev != last[key] {
 			return nil, fmt.Errorf("eventlinetest: Case.Events[%d] (%s %s/%s v%d) follows version %d, but the version listed before it is %d: "+
 				"list each aggregate's versions in order, without gaps (the kit does the reordering)",
@@ -208,16 +203,15 @@ func (k *kit) label(i int) string {
 func (k *kit) reference(ctx context.Context) (any, error) {
 	ctx, cancel := context.WithTimeout(ctx, k.TrialTimeout)
 	defer cancel()
-	env := k.env
-	if err := env.reset(ctx); err != nil {
+	if err := k.env.reset(ctx); err != nil {
 		return nil, err
 	}
 	for i := range k.Events {
-		if err := k.applyDirectly(ctx, env, i); err != nil {
+		if err := k.applyDirectly(ctx, i); err != nil {
 			return nil, fmt.Errorf("eventlinetest: the handler fails on %s when each event is applied once, in order, without faults: %w", k.label(i), err)
 		}
 	}
-	want, err := env.read(ctx, k.State)
+	want, err := k.env.read(ctx, k.State)
 	if err != nil {
 		return nil, fmt.Errorf("eventlinetest: Case.State: %w", err)
 	}
@@ -226,8 +220,8 @@ func (k *kit) reference(ctx context.Context) (any, error) {
 
 // applyDirectly runs the handler for event i in a transaction of its own,
 // without the eventline middleware, and commits.
-func (k *kit) applyDirectly(ctx context.Context, env *schemaEnv, i int) error {
-	tx, err := env.pool.Begin(ctx)
+func (k *kit) applyDirectly(ctx context.Context, i int) error {
+	tx, err := k.env.pool.Begin(ctx)
 	if err != nil {
 		return err
 	}
@@ -255,7 +249,7 @@ func (k *kit) seeds() ([]uint64, bool) {
 	// use every class at once.
 	var profiles []profile
 	if !k.Kafka {
-		for _, p := range singleProfiles {
+		for _, p := range faultClasses {
 			if k.Faults&p.fault != 0 {
 				profiles = append(profiles, p.id)
 			}

@@ -1,6 +1,7 @@
 package eventlinetest
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -53,10 +54,7 @@ func (f *Failure) Error() string {
 	} else {
 		b.WriteString("eventlinetest: under a fault schedule, the handler's effects differ from applying each event once, in order\n")
 	}
-	test := f.test
-	if test == "" {
-		test = "TestName"
-	}
+	test := cmp.Or(f.test, "TestName")
 	fmt.Fprintf(&b, "  replay: go test -run '^%s$' -eventlinetest.seed=%#x   (or %s=%#x, or Case.Seed)\n", strings.ReplaceAll(test, "/", "$/^"), f.Seed, SeedEnv, f.Seed)
 	fmt.Fprintf(&b, "  schedule: trial %d of %d, testing %s; %s\n", f.Trial, f.Trials, f.Tests, f.Layout)
 	list := func(title string, lines []string) {
@@ -82,7 +80,7 @@ func (f *Failure) Error() string {
 		list("state after the schedule", stateLines(f.Got))
 		if w, ok := f.Want.([]string); ok {
 			if g, ok := f.Got.([]string); ok {
-				list("difference (- only in order, + only after the schedule)", diffLines(w, g))
+				list("difference (- only in order, + only after the schedule)", append(linesNotIn(w, g, "- "), linesNotIn(g, w, "+ ")...))
 			}
 		}
 	}
@@ -105,12 +103,6 @@ func stateLines(v any) []string {
 		return l
 	}
 	return strings.Split(fmt.Sprintf("%+v", v), "\n")
-}
-
-// diffLines lists the lines only in want ("- ") and only in got ("+ "),
-// counting repeats.
-func diffLines(want, got []string) []string {
-	return append(linesNotIn(want, got, "- "), linesNotIn(got, want, "+ ")...)
 }
 
 // linesNotIn lists, each after prefix, the lines of a that b does not

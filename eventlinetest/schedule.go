@@ -23,21 +23,22 @@ const (
 	profileBatches
 )
 
-// singleProfiles are the profiles that test one fault class alone, in
-// the order the first trials run them.
-var singleProfiles = []struct {
+// faultClasses are the fault classes, named, with the profiles that test
+// each alone, in the order the first trials run them.
+var faultClasses = []struct {
 	id    profile
 	fault Fault
+	name  string
 }{
-	{profileDuplicates, Duplicates}, {profileReordering, Reordering}, {profileWithholding, Withholding},
-	{profileCrashes, Crashes}, {profileRebalances, Rebalances}, {profileHandlerErrors, HandlerErrors},
-	{profileBatches, Batches},
+	{profileDuplicates, Duplicates, "duplicates"}, {profileReordering, Reordering, "reordering"},
+	{profileWithholding, Withholding, "withholding"}, {profileCrashes, Crashes, "crashes"}, {profileRebalances, Rebalances, "rebalances"},
+	{profileHandlerErrors, HandlerErrors, "handler errors"}, {profileBatches, Batches, "batches"},
 }
 
 func (p profile) String() string {
-	for _, s := range singleProfiles {
+	for _, s := range faultClasses {
 		if s.id == p {
-			return s.fault.String()
+			return s.name
 		}
 	}
 	if p == profileAll {
@@ -103,7 +104,7 @@ func (k *kit) schedule(seed uint64) schedule {
 		case p == profileMixed:
 			return rng.IntN(2) == 0
 		}
-		for _, s := range singleProfiles {
+		for _, s := range faultClasses {
 			if s.id == p {
 				return s.fault == f
 			}

@@ -107,7 +107,7 @@ func TestEachProfileInjectsItsFault(t *testing.T) {
 	want, err := k.reference(ctx)
 	require.NoError(t, err)
 	n := len(k.Events)
-	for _, p := range singleProfiles {
+	for _, p := range faultClasses {
 		t.Run(p.fault.String(), func(t *testing.T) {
 			s := k.schedule(mix(uint64(p.id))&^0xff | uint64(p.id))
 			r, err := k.runDirect(ctx, s, want)

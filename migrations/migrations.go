@@ -51,22 +51,20 @@ type Config struct {
 	Shards int
 }
 
-func (c Config) withDefaults() Config {
+// checked returns c with its defaults, or an error naming the argument of
+// fn that is wrong.
+func (c Config) checked(fn string, db Beginner) (Config, error) {
 	c.Schema = cmp.Or(c.Schema, DefaultSchema)
-	return c
-}
-
-func (c Config) validate(fn string, db Beginner) error {
 	if nilcheck.IsNil(db) {
-		return fmt.Errorf("%s: db is nil: pass a *pgxpool.Pool or *pgx.Conn", fn)
+		return c, fmt.Errorf("%s: db is nil: pass a *pgxpool.Pool or *pgx.Conn", fn)
 	}
 	if err := sqlident.Validate("migrations.Config.Schema", c.Schema); err != nil {
-		return err
+		return c, err
 	}
 	if c.Shards < 0 || c.Shards > outbox.MaxShards {
-		return fmt.Errorf("migrations.Config.Shards must be between 1 and %d (0 means the default, %d), got %d", outbox.MaxShards, DefaultShards, c.Shards)
+		return c, fmt.Errorf("migrations.Config.Shards must be between 1 and %d (0 means the default, %d), got %d", outbox.MaxShards, DefaultShards, c.Shards)
 	}
-	return nil
+	return c, nil
 }
 
 // Beginner is the smallest database handle migrations need; *pgxpool.Pool
@@ -149,8 +147,8 @@ func All() ([]Migration, error) {
 // are safe and a failure leaves nothing half-applied. It never runs inside a
 // caller's business transaction.
 func Up(ctx context.Context, db Beginner, cfg Config) error {
-	cfg = cfg.withDefaults()
-	if err := cfg.validate("migrations.Up", db); err != nil {
+	cfg, err := cfg.checked("migrations.Up", db)
+	if err != nil {
 		return err
 	}
 	all, err := All()
@@ -178,8 +176,8 @@ func Up(ctx context.Context, db Beginner, cfg Config) error {
 // tables, and every event still in them. A negative steps is an error, not
 // "all": a sign slip must not drop the outbox.
 func Down(ctx context.Context, db Beginner, cfg Config, steps int) error {
-	cfg = cfg.withDefaults()
-	if err := cfg.validate("migrations.Down", db); err != nil {
+	cfg, err := cfg.checked("migrations.Down", db)
+	if err != nil {
 		return err
 	}
 	if steps < 0 {
@@ -216,8 +214,8 @@ func Down(ctx context.Context, db Beginner, cfg Config, steps int) error {
 // Status lists every embedded migration and when it was applied. It only
 // reads: a schema that does not exist yet reports every migration pending.
 func Status(ctx context.Context, db Beginner, cfg Config) ([]MigrationStatus, error) {
-	cfg = cfg.withDefaults()
-	if err := cfg.validate("migrations.Status", db); err != nil {
+	cfg, err := cfg.checked("migrations.Status", db)
+	if err != nil {
 		return nil, err
 	}
 	all, err := All()
@@ -286,19 +284,17 @@ func inMigrationTx(ctx context.Context, db Beginner, schema string, all []Migrat
 		}
 		applied := map[int]time.Time{}
 		var foreign []string
-		for rows.Next() {
-			var v int
-			var name string
-			var at time.Time
-			if err := rows.Scan(&v, &name, &at); err != nil {
-				return err
-			}
+		var v int
+		var name string
+		var at time.Time
+		_, err = pgx.ForEachRow(rows, []any{&v, &name, &at}, func() error {
 			if known[v] != name {
 				foreign = append(foreign, fmt.Sprintf("%03d_%s", v, name))
 			}
 			applied[v] = at
-		}
-		if err := rows.Err(); err != nil {
+			return nil
+		})
+		if err != nil {
 			return err
 		}
 		if len(foreign) > 0 {

@@ -26,8 +26,8 @@ var unresolvedSQL = map[int]struct{ table, count string }{
 // applied holds none. `eventline migrate down` refuses to drop any without
 // -force.
 func Unresolved(ctx context.Context, db Beginner, cfg Config, version int) (int64, error) {
-	cfg = cfg.withDefaults()
-	if err := cfg.validate("migrations.Unresolved", db); err != nil {
+	cfg, err := cfg.checked("migrations.Unresolved", db)
+	if err != nil {
 		return 0, err
 	}
 	q, ok := unresolvedSQL[version]
@@ -35,7 +35,7 @@ func Unresolved(ctx context.Context, db Beginner, cfg Config, version int) (int6
 		return 0, nil
 	}
 	var n int64
-	err := pgx.BeginTxFunc(ctx, db, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+	err = pgx.BeginTxFunc(ctx, db, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
 		var exists bool
 		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, sqlident.Qualify(cfg.Schema, q.table)).Scan(&exists); err != nil || !exists {
 			return err

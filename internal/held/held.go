@@ -9,6 +9,7 @@
 package held
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -532,10 +533,7 @@ func (s *Store) AddDeadLetter(ctx context.Context, db DBTX, e Event) (int64, err
 	if e.FromKafka {
 		partition, offset = &e.Partition, &e.Offset
 	}
-	cause := CleanText(e.Cause)
-	if cause == "" {
-		cause = CauseFailed
-	}
+	cause := cmp.Or(CleanText(e.Cause), CauseFailed)
 	hk, hv := Headers(e.Metadata)
 	var id int64
 	err := db.QueryRow(ctx, s.addDeadLetter, CleanText(e.Group), CleanText(e.Topic), CleanText(e.Handler), partition, offset, e.Key,

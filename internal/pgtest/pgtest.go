@@ -3,6 +3,7 @@
 package pgtest
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -88,12 +89,8 @@ func NewSchemaName(t testing.TB) string {
 // when the test ends.
 func New(t testing.TB, opts Options) Env {
 	t.Helper()
-	if opts.Shards == 0 {
-		opts.Shards = 4
-	}
-	if opts.MaxConns == 0 {
-		opts.MaxConns = 8
-	}
+	opts.Shards = cmp.Or(opts.Shards, 4)
+	opts.MaxConns = cmp.Or(opts.MaxConns, 8)
 	pool := Pool(t, opts.MaxConns)
 	schema := NewSchemaName(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

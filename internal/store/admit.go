@@ -64,16 +64,18 @@ type Admission struct {
 	Current int64
 	// Follows is the version the event follows (see [Follows]).
 	Follows int64
-	// Declared is true when the event declares its predecessor (see
-	// [DeclaresPredecessor]): a gap in front of it is one known event,
-	// and MaxGap does not bound it.
+	// Declared is true when the event names the version it follows below
+	// its AggregateVersion-1 (aggregate_previous_version on the wire,
+	// which the producer writes for sparse versions; or
+	// NoPreviousVersion): the versions in between were never used, and the
+	// gap in front of it is one known event, however far back its number
+	// is, which MaxGap does not bound. An event that follows
+	// AggregateVersion-1 says nothing about the versions below that, so
+	// all of them count as missing, and MaxGap bounds them.
 	Declared bool
 	// Parked is how many of the aggregate's events are parked.
 	Parked int
 }
-
-// Applies reports whether the handler must run (Next or Jump).
-func (a Admission) Applies() bool { return a.Verdict == Next || a.Verdict == Jump }
 
 // Missing is the number of versions missing in front of the event, for a
 // Gap or a Jump: Previous+1 up to Follows. For an event that declares its
@@ -108,16 +110,13 @@ func (a Admission) Missing() int64 {
 // Nothing else is written: for Stale and Gap the caller records the outcome
 // (see [Store.HoldLate], [Store.Park]); for Jump it records the skipped
 // range ([Store.RecordSkipped]). Everything rolls back with tx.
-func (s *Store) Admit(ctx context.Context, tx DBTX, group string, e eventline.Event, jump bool) (Admission, error) {
-	e, err := withFollows(e)
-	if err != nil {
+func (s *Store) Admit(ctx context.Context, tx pgx.Tx, group string, e eventline.Event, jump bool) (Admission, error) {
+	b := &pgx.Batch{}
+	p := s.QueueAdmit(b, group, e, jump)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return Admission{}, err
 	}
-	var a admitRow
-	if err := tx.QueryRow(ctx, s.q(admitSQL), admitArgs(group, e, jump)...).Scan(a.dest()...); err != nil {
-		return Admission{}, admitError(e, err)
-	}
-	return s.decide(ctx, tx, group, e, a)
+	return p.Result(ctx, tx)
 }
 
 // admitSQL records the event in processed_events and, unless it was
@@ -152,10 +151,6 @@ var admitSQL = statement(`WITH dedup AS (
 		WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $4 AND aggregate_id = $5
 			AND NOT EXISTS (SELECT 1 FROM dedup)) r ON true`)
 
-func admitArgs(group string, e eventline.Event, jump bool) []any {
-	return []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}
-}
-
 // PendingAdmission is an Admit queued on a pgx.Batch by [Store.QueueAdmit].
 type PendingAdmission struct {
 	s     *Store
@@ -176,8 +171,14 @@ func (p *PendingAdmission) Result(ctx context.Context, tx DBTX) (Admission, erro
 		return Admission{}, p.err
 	case !p.set:
 		return Admission{}, errors.New("eventline: admission read before the batch results were closed")
+	case !p.row.current.Valid:
+		// No version row came back: the dedup insert conflicted.
+		if err := p.s.checkDuplicate(ctx, tx, p.group, p.e, p.row.recorded); err != nil {
+			return Admission{}, err
+		}
+		return Admission{Verdict: Duplicate}, nil
 	}
-	return p.s.decide(ctx, tx, p.group, p.e, p.row)
+	return admitted(p.e, p.row.previous.Int64, p.row.current.Int64, int(p.row.parked.Int32)), nil
 }
 
 // QueueAdmit queues [Store.Admit] on b. Queued after b.BeginTx, the
@@ -192,9 +193,10 @@ func (s *Store) QueueAdmit(b *pgx.Batch, group string, e eventline.Event, jump b
 		p.err = err
 		return p
 	}
-	b.Queue(s.q(admitSQL), admitArgs(group, e, jump)...).QueryRow(func(row pgx.Row) error {
+	args := []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, e.PreviousVersion, jump}
+	b.Queue(s.q(admitSQL), args...).QueryRow(func(row pgx.Row) error {
 		if err := row.Scan(p.row.dest()...); err != nil {
-			p.err = admitError(e, err)
+			p.err = fmt.Errorf("eventline: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
 			return p.err
 		}
 		p.set = true
@@ -213,10 +215,6 @@ type admitRow struct {
 
 func (a *admitRow) dest() []any {
 	return append([]any{&a.previous, &a.current, &a.parked}, a.recorded.dest()...)
-}
-
-func admitError(e eventline.Event, err error) error {
-	return fmt.Errorf("eventline: admit event %s (%s/%s v%d): %w", e.ID, e.AggregateType, e.AggregateID, e.AggregateVersion, err)
 }
 
 // Follows returns the aggregate version e follows: e.PreviousVersion; 0
@@ -240,20 +238,6 @@ func Follows(e eventline.Event) (int64, error) {
 	return e.PreviousVersion, nil
 }
 
-// DeclaresPredecessor reports whether e names the version it follows
-// below AggregateVersion-1 (aggregate_previous_version on the wire, which
-// the producer writes for sparse versions; or NoPreviousVersion): the
-// versions in between were never used, and the gate knows exactly which
-// event it waits for. An event that follows AggregateVersion-1 says
-// nothing about the versions below that, so the gate counts them all as
-// missing, and MaxGap bounds only such events: a gap behind a declared
-// predecessor is one event the producer published, however far back its
-// number is. It is false for an event Follows refuses.
-func DeclaresPredecessor(e eventline.Event) bool {
-	p, err := Follows(e)
-	return err == nil && p < e.AggregateVersion-1
-}
-
 // withFollows returns e with PreviousVersion set to Follows(e).
 func withFollows(e eventline.Event) (eventline.Event, error) {
 	p, err := Follows(e)
@@ -261,33 +245,18 @@ func withFollows(e eventline.Event) (eventline.Event, error) {
 	return e, err
 }
 
-// decide turns the statement's result into a verdict.
-func (s *Store) decide(ctx context.Context, tx DBTX, group string, e eventline.Event, r admitRow) (Admission, error) {
-	if !r.current.Valid {
-		// No version row came back: the dedup insert conflicted.
-		if err := s.checkDuplicate(ctx, tx, group, e, r.recorded); err != nil {
-			return Admission{}, err
-		}
-		return Admission{Verdict: Duplicate}, nil
-	}
-	a := Admission{Previous: r.previous.Int64, Current: r.current.Int64, Parked: int(r.parked.Int32), Follows: e.PreviousVersion,
-		Declared: e.PreviousVersion < e.AggregateVersion-1}
-	a.Verdict = verdict(e, a)
-	return a, nil
-}
-
-// verdict decides e's verdict from its aggregate's version before and
-// after its admission (a.Previous, a.Current); e.PreviousVersion is
-// Follows(e).
-func verdict(e eventline.Event, a Admission) Verdict {
+// admitted is e's admission from its aggregate's version before and after
+// it (previous, current); e.PreviousVersion is Follows(e).
+func admitted(e eventline.Event, previous, current int64, parked int) Admission {
 	v, p := e.AggregateVersion, e.PreviousVersion
+	a := Admission{Verdict: Gap, Previous: previous, Current: current, Parked: parked, Follows: p, Declared: p < v-1}
 	switch {
-	case a.Previous >= v:
-		return Stale
-	case a.Current == v && p <= a.Previous:
-		return Next
-	case a.Current == v:
-		return Jump
+	case previous >= v:
+		a.Verdict = Stale
+	case current == v && p <= previous:
+		a.Verdict = Next
+	case current == v:
+		a.Verdict = Jump
 	}
-	return Gap
+	return a
 }

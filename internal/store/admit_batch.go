@@ -158,7 +158,7 @@ func (p *PendingBatch) Result() ([]Admission, error) {
 			return nil, fmt.Errorf("eventline: batch admission returned no version for %s/%s", e.AggregateType, e.AggregateID)
 		}
 		// What the members' own admissions would have read, one after the
-		// other (admitSQL's rule, then decide's).
+		// other (admitSQL's rule, then admitted's).
 		cur := r.previous
 		for _, i := range members {
 			e := p.events[i]
@@ -166,10 +166,7 @@ func (p *PendingBatch) Result() ([]Admission, error) {
 			if e.AggregateVersion > cur && (e.PreviousVersion <= cur || p.jumps[i]) {
 				cur = e.AggregateVersion
 			}
-			a := Admission{Previous: prev, Current: cur, Parked: r.parked, Follows: e.PreviousVersion,
-				Declared: e.PreviousVersion < e.AggregateVersion-1}
-			a.Verdict = verdict(e, a)
-			out[i] = a
+			out[i] = admitted(e, prev, cur, r.parked)
 		}
 		if cur != r.current {
 			e := p.events[members[0]]

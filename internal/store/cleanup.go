@@ -109,12 +109,9 @@ func (s *Store) CleanupProcessed(ctx context.Context, db DBTX, cfg CleanupConfig
 			case <-t.C:
 			}
 		}
-		var args []any
-		q := s.q(cleanupAllSQL)
-		args = append(args, res.Cutoff, cfg.BatchSize)
+		q, args := s.q(cleanupAllSQL), []any{res.Cutoff, cfg.BatchSize}
 		if cfg.Group != "" {
-			q = s.q(cleanupGroupSQL)
-			args = append(args, cfg.Group)
+			q, args = s.q(cleanupGroupSQL), append(args, cfg.Group)
 		}
 		tag, err := db.Exec(ctx, q, args...)
 		if err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -51,11 +52,6 @@ type ReleaseOptions struct {
 	// event does not decode, its payload does not fit the handler): the
 	// event is given up at once.
 	Permanent func(error) bool
-}
-
-// backoff is the wait after the attempts-th failure.
-func (o ReleaseOptions) backoff(attempts int) time.Duration {
-	return backoff.Jittered(o.Backoff, attempts)
 }
 
 // drainLimit bounds the parked events one drain loads.
@@ -106,20 +102,18 @@ type DrainResult struct {
 // The error is non-nil only when tx itself failed; then the caller must
 // roll back.
 func (s *Store) Drain(ctx context.Context, tx pgx.Tx, k Key, current int64, opts ReleaseOptions) (DrainResult, error) {
-	parked, err := s.parkedOf(ctx, tx, k, 0, drainLimit)
-	if err != nil {
-		return DrainResult{Version: current}, err
-	}
-	res, _, err := s.drainList(ctx, tx, k, current, parked, opts, 0)
-	return res, err
+	return s.drain(ctx, tx, k, current, opts, 0)
 }
 
-// drainList is Drain over already loaded parked events (in version order).
-// With a positive parkTimeout (the sweeper), the gap in front of a parked
-// event is given up when any event from it on has waited longer (the rows
-// were loaded with that timeout). It returns the events left parked.
-func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, parked []Parked, opts ReleaseOptions, parkTimeout time.Duration) (DrainResult, []Parked, error) {
+// drain is Drain with a park timeout: when it is positive (the sweeper),
+// the gap in front of a parked event is given up when any event from it on
+// has waited longer.
+func (s *Store) drain(ctx context.Context, tx pgx.Tx, k Key, current int64, opts ReleaseOptions, parkTimeout time.Duration) (DrainResult, error) {
 	res := DrainResult{Version: current}
+	parked, err := s.parkedOf(ctx, tx, k, parkTimeout)
+	if err != nil {
+		return res, err
+	}
 	delta := 0
 	i := 0
 	sweeping, head := parkTimeout > 0, true
@@ -128,7 +122,7 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 		p := parked[i]
 		if p.Version <= res.Version {
 			if err := s.passParked(ctx, tx, p, res.Version); err != nil {
-				return res, nil, err
+				return res, err
 			}
 			res.Late++
 			delta--
@@ -141,14 +135,14 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 			head = false
 			switch {
 			case !sweeping && p.PreviousVersion == current:
-				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapFilled, Open: openFor(oldestParkedAt(parked[i:]), time.Now())})
+				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapFilled, Open: gapOpen(parked[i:], time.Now())})
 			case sweeping && p.due && p.PreviousVersion == res.Version:
 				at, ok, err := s.releasedAt(ctx, tx, k, p.PreviousVersion)
 				if err != nil {
-					return res, nil, err
+					return res, err
 				}
 				if ok {
-					released = &ClosedGap{Key: k, Outcome: GapReleased, Open: openFor(oldestParkedAt(parked[i:]), at)}
+					released = &ClosedGap{Key: k, Outcome: GapReleased, Open: gapOpen(parked[i:], at)}
 				}
 			}
 		}
@@ -158,7 +152,7 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 		var skipFrom, skipTo int64
 		var pre func(pgx.Tx) error
 		if p.PreviousVersion > res.Version {
-			if parkTimeout <= 0 || !anyExpired(parked[i:]) {
+			if parkTimeout <= 0 || !slices.ContainsFunc(parked[i:], func(p Parked) bool { return p.expired }) {
 				break
 			}
 			skipFrom, skipTo = res.Version+1, p.PreviousVersion
@@ -167,16 +161,19 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 		}
 		herr, err := s.attempt(ctx, tx, p, opts.Apply, pre)
 		if err != nil {
-			return res, nil, err
+			return res, err
 		}
 		if herr == nil {
-			if err := s.removeParked(ctx, tx, p, dedup.OutcomeApplied); err != nil {
-				return res, nil, err
+			if _, err := tx.Exec(ctx, s.q(deleteParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
+				return res, fmt.Errorf("eventline: remove parked event %s: %w", p.EventID, err)
+			}
+			if _, err := tx.Exec(ctx, s.q(setOutcomeSQL), p.Group, p.EventID, p.AggregateType, p.AggregateID, string(dedup.OutcomeApplied)); err != nil {
+				return res, fmt.Errorf("eventline: set the outcome of released event %s: %w", p.EventID, err)
 			}
 			if pre != nil {
 				res.GapsSkipped++
 				res.VersionsSkipped += skipTo - skipFrom + 1
-				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapSkipped, Open: openFor(oldestParkedAt(parked[i:]), time.Now())})
+				res.GapsClosed = append(res.GapsClosed, ClosedGap{Key: k, Outcome: GapSkipped, Open: gapOpen(parked[i:], time.Now())})
 			}
 			if released != nil {
 				res.GapsClosed = append(res.GapsClosed, *released)
@@ -192,14 +189,14 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 		failed.LastError = herr.Error()
 		res.Failed, res.FailErr = &failed, herr
 		if failed.ReleaseAttempts < opts.MaxAttempts && (opts.Permanent == nil || !opts.Permanent(herr)) {
-			if err := s.recordFailure(ctx, tx, s.q(failParkedSQL), failed, opts.backoff(failed.ReleaseAttempts)); err != nil {
-				return res, nil, err
+			if err := s.recordFailure(ctx, tx, failed, opts.Backoff); err != nil {
+				return res, err
 			}
 			break
 		}
 		gaveUp, err := s.giveUp(ctx, tx, k, res.Version, failed, herr, opts)
 		if err != nil {
-			return res, nil, err
+			return res, err
 		}
 		if !gaveUp {
 			break
@@ -210,14 +207,13 @@ func (s *Store) drainList(ctx context.Context, tx pgx.Tx, k Key, current int64, 
 		res.Version = p.Version
 		delta--
 	}
-	rest := parked[i:]
-	res.Remaining = len(rest)
+	res.Remaining = len(parked) - i
 	if delta != 0 || res.Version != current {
 		if err := s.setVersion(ctx, tx, k, res.Version, delta); err != nil {
-			return res, nil, err
+			return res, err
 		}
 	}
-	return res, rest, nil
+	return res, nil
 }
 
 // giveUp gives up a parked event that failed for good, in a savepoint: its
@@ -230,11 +226,7 @@ func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p P
 	if opts.Permanent != nil && opts.Permanent(herr) {
 		reason = fmt.Sprintf("gave up on parked %s: it can never be applied: %v", p.describe(), herr)
 	}
-	sp, err := tx.Begin(ctx)
-	if err != nil {
-		return false, fmt.Errorf("eventline: savepoint to give up parked event %s: %w", p.EventID, err)
-	}
-	derr := func() error {
+	derr, err := s.attempt(ctx, tx, p, func(ctx context.Context, sp pgx.Tx, p Parked) error {
 		if _, err := sp.Exec(ctx, s.q(deleteParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
 			return err
 		}
@@ -245,18 +237,12 @@ func (s *Store) giveUp(ctx context.Context, tx pgx.Tx, k Key, current int64, p P
 			return err
 		}
 		return s.HoldFailed(ctx, sp, p, reason)
-	}()
-	if derr == nil {
-		if err := sp.Commit(ctx); err != nil {
-			return false, fmt.Errorf("eventline: give up parked event %s: %w", p.EventID, err)
-		}
-		return true, nil
-	}
-	if err := sp.Rollback(ctx); err != nil {
-		return false, fmt.Errorf("eventline: roll back giving up parked event %s: %w", p.EventID, errors.Join(derr, err))
+	}, nil)
+	if err != nil || derr == nil {
+		return err == nil, err
 	}
 	p.LastError = fmt.Sprintf("%s; and it could not be dead-lettered: %v", p.LastError, derr)
-	return false, s.recordFailure(ctx, tx, s.q(failParkedSQL), p, opts.backoff(p.ReleaseAttempts))
+	return false, s.recordFailure(ctx, tx, p, opts.Backoff)
 }
 
 // attempt runs pre (when set) and apply for p in a savepoint. herr is the
@@ -281,15 +267,16 @@ func (s *Store) attempt(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFun
 		return nil, nil
 	}
 	if err := sp.Rollback(ctx); err != nil {
-		return nil, fmt.Errorf("eventline: roll back %s after its handler failed: %w", p.describe(), errors.Join(herr, err))
+		return nil, fmt.Errorf("eventline: roll back %s after it failed: %w", p.describe(), errors.Join(herr, err))
 	}
 	return herr, nil
 }
 
 // recordFailure writes p's failure count, last error and next attempt time
-// with q (failParked or failLate).
-func (s *Store) recordFailure(ctx context.Context, tx DBTX, q string, p Parked, wait time.Duration) error {
-	if _, err := tx.Exec(ctx, q, p.Group, p.AggregateType, p.AggregateID, p.Version, p.EventID, p.LastError, wait.Microseconds(), p.ReleaseAttempts); err != nil {
+// (after b's wait for that many failures) on its parked row.
+func (s *Store) recordFailure(ctx context.Context, tx DBTX, p Parked, b eventline.Backoff) error {
+	wait := backoff.Jittered(b, p.ReleaseAttempts)
+	if _, err := tx.Exec(ctx, s.q(failParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version, p.EventID, p.LastError, wait.Microseconds(), p.ReleaseAttempts); err != nil {
 		return fmt.Errorf("eventline: record failed release of %s: %w", p.describe(), err)
 	}
 	return nil
@@ -305,21 +292,4 @@ func callApply(ctx context.Context, tx pgx.Tx, p Parked, apply ApplyFunc) (err e
 		}
 	}()
 	return apply(ctx, tx, p)
-}
-
-// removeParked deletes a parked row and records the event's final outcome.
-func (s *Store) removeParked(ctx context.Context, tx pgx.Tx, p Parked, outcome dedup.Outcome) error {
-	if _, err := tx.Exec(ctx, s.q(deleteParkedSQL), p.Group, p.AggregateType, p.AggregateID, p.Version); err != nil {
-		return fmt.Errorf("eventline: remove parked event %s: %w", p.EventID, err)
-	}
-	return s.SetOutcome(ctx, tx, p.RecordKey(), outcome)
-}
-
-func anyExpired(ps []Parked) bool {
-	for _, p := range ps {
-		if p.expired {
-			return true
-		}
-	}
-	return false
 }

@@ -40,20 +40,17 @@ type ClosedGap struct {
 // releaseMarker prefixes the reason of the skips ReleaseGap records.
 const releaseMarker = "released by operator: "
 
-// oldestParkedAt is the earliest ParkedAt of ps (zero when empty).
-func oldestParkedAt(ps []Parked) time.Time {
-	var t time.Time
+// gapOpen is how long the gap in front of ps (the parked events from the
+// one that waited on it on) was open at until: since the earliest of them
+// parked, never negative (the parked_at times come from the database
+// clock); 0 for none.
+func gapOpen(ps []Parked, until time.Time) time.Duration {
+	var since time.Time
 	for _, p := range ps {
-		if t.IsZero() || p.ParkedAt.Before(t) {
-			t = p.ParkedAt
+		if since.IsZero() || p.ParkedAt.Before(since) {
+			since = p.ParkedAt
 		}
 	}
-	return t
-}
-
-// openFor is the time from since to until, never negative (the parked_at
-// times come from the database clock).
-func openFor(since, until time.Time) time.Duration {
 	if since.IsZero() {
 		return 0
 	}

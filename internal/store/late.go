@@ -5,11 +5,11 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/eventline/eventline"
 	"github.com/eventline/eventline/dedup"
+	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/held"
 )
 
@@ -74,7 +74,11 @@ var (
 			ON CONFLICT DO NOTHING
 		)
 		UPDATE {schema}.processed_events SET outcome = 'late' WHERE consumer_group = $1 AND event_id = $6 AND aggregate_type = $2 AND aggregate_id = $3`)
-	// ($1 group, $2 type, $3 id, $4 version, $5 event id to leave out)
+	// The first event but $5 that group $1 recorded as applying (in
+	// order or late) version $4 of aggregate $2/$3. It filters the
+	// group's records by aggregate, so it belongs on rare paths: an index
+	// that leads with the aggregate makes it a range scan over that
+	// aggregate's records, without one it reads the group's.
 	appliedBySQL = statement(`SELECT event_id FROM {schema}.processed_events
 		WHERE consumer_group = $1 AND aggregate_type = $2 AND aggregate_id = $3 AND aggregate_version = $4::bigint
 			AND event_id <> $5 AND outcome IN ('applied', 'late_applied')
@@ -93,36 +97,12 @@ var (
 		ON CONFLICT (consumer_group, event_id, aggregate_type, aggregate_id) DO UPDATE SET outcome = 'late'`)
 )
 
-// LateRequest describes a stale event to check against skipped_versions.
-type LateRequest struct {
-	// Group is the consumer group.
-	Group string
-	// Event is the event; Message the message as received (nil: the event
-	// is re-encoded).
-	Event   eventline.Event
-	Message *message.Message
-	// Handler and Topic are the Watermill handler name and topic it
-	// arrived on.
-	Handler string
-	Topic   string // see Handler
-	// Current is the aggregate's version.
-	Current int64
-	// Hold holds the event (held_events, kind late) when it is late (HoldLate);
-	// false only checks and records the outcome late_applied, for a
-	// caller that applies the event now (ApplyLate).
-	Hold bool
-}
-
 // heldArgs returns r's event, with PreviousVersion set to Follows, and
 // the values of heldLateCols but the cause and reason ($1..$13). An event
 // whose metadata cannot be stored byte-exact is refused with an
 // *eventline.InvalidEventError.
 func (r LateRequest) heldArgs() (eventline.Event, []any, error) {
-	e, err := withFollows(r.Event)
-	if err != nil {
-		return e, nil, err
-	}
-	payload, md, err := storedMessage(e, r.Message)
+	e, payload, md, err := r.stored()
 	if err != nil {
 		return e, nil, err
 	}
@@ -166,10 +146,10 @@ func (s *Store) HoldLate(ctx context.Context, tx DBTX, r LateRequest) (late bool
 // HoldConflict holds a stale event that is not late (Admit returned Stale
 // and HoldLate found its version was not given up on) for the operator, in
 // tx, which holds the aggregate's lock: held_events, kind late, cause
-// version_conflict; its dedup outcome late. Its reason names the event
-// recorded in processed_events as applying the version
-// (see [Store.AppliedBy]), or says none is recorded (a successor declared
-// an earlier predecessor, or the record of the event that applied it
+// version_conflict; its dedup outcome late. Its reason names the first
+// other event recorded in processed_events as applying the version (in
+// order or late), or says none is recorded (a successor declared an
+// earlier predecessor, or the record of the event that applied it
 // expired). The gate calls it for a replayed dead letter, which is an
 // event that was never applied: a stale verdict means its version was
 // taken while it was dead, which an operator must settle (apply it late,
@@ -182,13 +162,15 @@ func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reaso
 	if err != nil {
 		return "", err
 	}
-	k := Key{Group: r.Group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
-	by, found, err := s.AppliedBy(ctx, tx, k, e.AggregateVersion, e.ID)
-	if err != nil {
-		return "", err
-	}
-	reason = fmt.Sprintf("version %d was applied by event %s", e.AggregateVersion, by)
-	if !found {
+	var by string
+	err = tx.QueryRow(ctx, s.q(appliedBySQL), r.Group, e.AggregateType, e.AggregateID, e.AggregateVersion, e.ID).Scan(&by)
+	switch {
+	case err == nil:
+		reason = fmt.Sprintf("version %d was applied by event %s", e.AggregateVersion, by)
+	case !errors.Is(err, pgx.ErrNoRows):
+		k := Key{Group: r.Group, AggregateType: e.AggregateType, AggregateID: e.AggregateID}
+		return "", fmt.Errorf("eventline: find the event that applied %s v%d: %w", k, e.AggregateVersion, err)
+	default:
 		reason = fmt.Sprintf("the aggregate passed version %d without this event (it is at v%d), and no other event is recorded as applying it: "+
 			"a later event declared an earlier predecessor, or the record of the event that applied it (this one, maybe) expired",
 			e.AggregateVersion, r.Current)
@@ -197,24 +179,6 @@ func (s *Store) HoldConflict(ctx context.Context, tx DBTX, r LateRequest) (reaso
 		return "", contentError(fmt.Errorf("eventline: hold conflicting event %s: %w", e.ID, err))
 	}
 	return reason, nil
-}
-
-// AppliedBy returns the id of an event, other than exceptID, that the
-// group recorded in processed_events as applied (in order or late) with
-// the aggregate's given version, the first one recorded; found is false
-// when none is recorded (never applied, or its record expired). It
-// filters the group's records by aggregate, so it belongs on rare paths:
-// an index that leads with the aggregate makes it a range scan over that
-// aggregate's records, without one it reads the group's.
-func (s *Store) AppliedBy(ctx context.Context, db DBTX, k Key, version int64, exceptID string) (eventID string, found bool, err error) {
-	err = db.QueryRow(ctx, s.q(appliedBySQL), k.Group, k.AggregateType, k.AggregateID, version, exceptID).Scan(&eventID)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return "", false, nil
-	}
-	if err != nil {
-		return "", false, fmt.Errorf("eventline: find the event that applied %s v%d: %w", k, version, err)
-	}
-	return eventID, true, nil
 }
 
 // HoldFailed holds a parked event the gate gave up on for the operator (held_events: kind late, cause
@@ -276,7 +240,7 @@ func (s *Store) applyLate(ctx context.Context, tx pgx.Tx, k Key, opts ReleaseOpt
 		res.LateFailed++
 		attempts := l.Attempts + 1
 		giveUp := attempts >= opts.MaxAttempts || (opts.Permanent != nil && opts.Permanent(herr))
-		if err := s.held.MarkReplayFailed(ctx, tx, l.ID, herr.Error(), opts.backoff(attempts), giveUp); err != nil {
+		if err := s.held.MarkReplayFailed(ctx, tx, l.ID, herr.Error(), backoff.Jittered(opts.Backoff, attempts), giveUp); err != nil {
 			return fmt.Errorf("eventline: %w", err)
 		}
 	}

@@ -111,11 +111,6 @@ func (p Parked) Key() Key {
 	return Key{Group: p.Group, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
 }
 
-// RecordKey returns the key of the event's processed_events record.
-func (p Parked) RecordKey() RecordKey {
-	return RecordKey{Group: p.Group, EventID: p.EventID, AggregateType: p.AggregateType, AggregateID: p.AggregateID}
-}
-
 // Message rebuilds the Watermill message the event arrived as.
 func (p Parked) Message() *message.Message {
 	msg := message.NewMessage(p.EventID, p.Payload)
@@ -140,13 +135,16 @@ func (p Parked) describe() string {
 	return fmt.Sprintf("event %s (%s v%d)", p.EventID, p.EventType, p.Version)
 }
 
-// ParkRequest describes an event to park.
+// ParkRequest describes an event the gate keeps without applying it: one
+// to park ([Store.Park]), or a stale one ([Store.HoldLate],
+// [Store.HoldConflict], which take it as a LateRequest).
 type ParkRequest struct {
-	// Group is the consumer group parking the event.
+	// Group is the consumer group.
 	Group string
-	// Event is the event to park.
+	// Event is the event.
 	Event eventline.Event
-	// Handler is the Watermill handler name that will release it.
+	// Handler is the Watermill handler name it arrived on, which will
+	// release or replay it.
 	Handler string
 	// Topic is the topic it arrived on, if known.
 	Topic string
@@ -156,11 +154,18 @@ type ParkRequest struct {
 	Message *message.Message
 	// Current is the aggregate's current version (Admission.Previous).
 	Current int64
-	// MaxGap bounds the versions the event may leave missing in front of
-	// it (see versioning.DefaultMaxGap), unless it declares its
-	// predecessor (see DeclaresPredecessor).
+	// MaxGap (Park) bounds the versions the event may leave missing in
+	// front of it (see versioning.DefaultMaxGap), unless it declares its
+	// predecessor (see Admission.Declared).
 	MaxGap int64
+	// Hold (HoldLate) holds the event (held_events, kind late) when it is
+	// late; false only checks and records the outcome late_applied, for a
+	// caller that applies the event now.
+	Hold bool
 }
+
+// LateRequest is the ParkRequest of a stale event.
+type LateRequest = ParkRequest
 
 // Park stores an event that arrived ahead of a missing version, in tx,
 // which must hold the aggregate's lock (it does after [Store.Admit]), in
@@ -169,7 +174,7 @@ type ParkRequest struct {
 //
 // It refuses, writing nothing:
 //   - with a *versioning.GapTooLargeError, an event that does not declare its
-//     predecessor (see DeclaresPredecessor) and would leave more than
+//     predecessor (see Admission.Declared) and would leave more than
 //     MaxGap versions missing: its previous version minus the highest
 //     version the aggregate has applied or parked below it;
 //   - with an *eventline.InvalidEventError, an event whose metadata
@@ -182,20 +187,13 @@ type ParkRequest struct {
 // All three are permanent: retrying cannot help. Parking an event that is
 // already parked with the same id is a no-op (already is true).
 func (s *Store) Park(ctx context.Context, tx DBTX, r ParkRequest) (already bool, err error) {
-	e, err := withFollows(r.Event)
-	if err != nil {
-		return false, err
-	}
-	payload, md, err := storedMessage(e, r.Message)
+	e, payload, md, err := r.stored()
 	if err != nil {
 		return false, err
 	}
 	maxGap := r.MaxGap
-	switch {
-	case e.PreviousVersion < e.AggregateVersion-1:
-		// It declares its predecessor: one known event is missing, however
-		// far back its number (see DeclaresPredecessor).
-		maxGap = math.MaxInt64
+	if e.PreviousVersion < e.AggregateVersion-1 {
+		maxGap = math.MaxInt64 // it declares its predecessor (see Admission.Declared)
 	}
 	var inserted bool
 	var known int64
@@ -247,24 +245,28 @@ func (e *ParkConflictError) Error() string {
 // Unwrap lets errors.Is(err, ErrParkConflict) match.
 func (e *ParkConflictError) Unwrap() error { return ErrParkConflict }
 
-// storedMessage returns the payload and metadata to store for e: the
-// message's, byte-exact, or e re-encoded. Metadata must be valid UTF-8
-// without NUL bytes (jsonb would alter or refuse it); a nil payload is
-// stored as an empty one.
-func storedMessage(e eventline.Event, msg *message.Message) ([]byte, map[string]string, error) {
+// stored returns r's event, with PreviousVersion set to Follows, and the
+// payload and metadata to store for it: the message's, byte-exact, or the
+// event re-encoded. Metadata must be valid UTF-8 without NUL bytes (jsonb
+// would alter or refuse it); a nil payload is stored as an empty one.
+func (r ParkRequest) stored() (eventline.Event, []byte, map[string]string, error) {
+	e, err := withFollows(r.Event)
+	if err != nil {
+		return e, nil, nil, err
+	}
+	msg := r.Message
 	if msg == nil {
-		var err error
 		if msg, err = eventline.Encode(e); err != nil {
-			return nil, nil, err
+			return e, nil, nil, err
 		}
 	}
 	md := make(map[string]string, len(msg.Metadata))
 	for k, v := range msg.Metadata {
 		switch {
 		case !utf8.ValidString(k) || !utf8.ValidString(v):
-			return nil, nil, &eventline.InvalidEventError{Field: "metadata", Value: strings.ToValidUTF8(k, "?"), Reason: "keys and values must be valid UTF-8 to be stored byte-exact"}
+			return e, nil, nil, &eventline.InvalidEventError{Field: "metadata", Value: strings.ToValidUTF8(k, "?"), Reason: "keys and values must be valid UTF-8 to be stored byte-exact"}
 		case strings.IndexByte(k, 0) >= 0 || strings.IndexByte(v, 0) >= 0:
-			return nil, nil, &eventline.InvalidEventError{Field: "metadata", Value: strings.ReplaceAll(k, "\x00", ""), Reason: "keys and values must not contain NUL bytes"}
+			return e, nil, nil, &eventline.InvalidEventError{Field: "metadata", Value: strings.ReplaceAll(k, "\x00", ""), Reason: "keys and values must not contain NUL bytes"}
 		}
 		md[k] = v
 	}
@@ -272,7 +274,7 @@ func storedMessage(e eventline.Event, msg *message.Message) ([]byte, map[string]
 	if payload == nil {
 		payload = []byte{}
 	}
-	return payload, md, nil
+	return e, payload, md, nil
 }
 
 // contentError turns PostgreSQL's refusal of a value (SQLSTATE class 22,
@@ -315,10 +317,10 @@ func (s *Store) ListParked(ctx context.Context, db DBTX, f ParkedFilter) ([]Park
 	return collectParked(rows)
 }
 
-// parkedOf loads an aggregate's parked events in version order, marking
-// those parked longer than timeout ago.
-func (s *Store) parkedOf(ctx context.Context, tx DBTX, k Key, timeout time.Duration, limit int) ([]Parked, error) {
-	rows, err := tx.Query(ctx, s.q(parkedOfSQL), k.Group, k.AggregateType, k.AggregateID, timeout.Microseconds(), limit)
+// parkedOf loads up to drainLimit of an aggregate's parked events in
+// version order, marking those parked longer than timeout ago.
+func (s *Store) parkedOf(ctx context.Context, tx DBTX, k Key, timeout time.Duration) ([]Parked, error) {
+	rows, err := tx.Query(ctx, s.q(parkedOfSQL), k.Group, k.AggregateType, k.AggregateID, timeout.Microseconds(), drainLimit)
 	if err != nil {
 		return nil, fmt.Errorf("eventline: load parked events of %s: %w", k, err)
 	}
@@ -390,14 +392,9 @@ func (s *Store) ListSkipped(ctx context.Context, db DBTX, f SkippedFilter) ([]Sk
 
 // CountParked returns how many events the group has parked.
 func (s *Store) CountParked(ctx context.Context, db DBTX, group string) (int64, error) {
-	return s.count(ctx, db, countParkedSQL, group, "parked events")
-}
-
-// count runs st, a count of group's rows of what.
-func (s *Store) count(ctx context.Context, db DBTX, st stmt, group, what string) (int64, error) {
 	var n int64
-	if err := db.QueryRow(ctx, s.q(st), group).Scan(&n); err != nil {
-		return 0, fmt.Errorf("eventline: count the %s of group %q: %w", what, group, err)
+	if err := db.QueryRow(ctx, s.q(countParkedSQL), group).Scan(&n); err != nil {
+		return 0, fmt.Errorf("eventline: count the parked events of group %q: %w", group, err)
 	}
 	return n, nil
 }

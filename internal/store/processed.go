@@ -56,35 +56,9 @@ var (
 		FROM {schema}.processed_events WHERE consumer_group = $1 AND event_id = $2 AND aggregate_type = $3 AND aggregate_id = $4`)
 	findProcessedSQL = statement(`SELECT consumer_group, event_id, event_type, aggregate_type, aggregate_id, aggregate_version, outcome, processed_at
 		FROM {schema}.processed_events WHERE consumer_group = $1 AND event_id = $2 ORDER BY aggregate_type, aggregate_id`)
-	countProcessedSQL = statement(`SELECT count(*) FROM {schema}.processed_events WHERE consumer_group = $1`)
 )
 
-// RecordProcessed records that group handled e with the given outcome, in
-// db's transaction. It returns false, and writes nothing, when the group
-// has already recorded e.ID in e's aggregate for the same event (same type
-// and version): the event is a duplicate. When the recorded row belongs to
-// a different event of that aggregate, two events share one id: it returns
-// a *dedup.IDConflictError (matching dedup.ErrIDConflict), which retrying
-// cannot fix. The id recorded in another aggregate is another event's: it
-// neither makes e a duplicate nor conflicts with it. When another
-// transaction is inserting the same key concurrently, it waits for it to
-// end.
-//
-// The row becomes visible when db's transaction commits and disappears with
-// it on rollback, so a failed handler leaves the event unrecorded.
-func (s *Store) RecordProcessed(ctx context.Context, db DBTX, group string, e eventline.Event, outcome dedup.Outcome) (bool, error) {
-	var fresh bool
-	var rec recorded
-	if err := db.QueryRow(ctx, s.q(insertProcessedSQL), processedArgs(group, e, outcome)...).Scan(append([]any{&fresh}, rec.dest()...)...); err != nil {
-		return false, fmt.Errorf("eventline: record event %s: %w", e.ID, err)
-	}
-	if fresh {
-		return true, nil
-	}
-	return false, s.checkDuplicate(ctx, db, group, e, rec)
-}
-
-// PendingRecord is a RecordProcessed queued on a pgx.Batch by
+// PendingRecord is a dedup record queued on a pgx.Batch by
 // [Store.QueueRecordProcessed].
 type PendingRecord struct {
 	s     *Store
@@ -97,10 +71,10 @@ type PendingRecord struct {
 }
 
 // Result reports, once the batch's results have been closed, whether the
-// event was recorded (false: a duplicate), or a *dedup.IDConflictError, as
-// RecordProcessed does. db is the batch's transaction; it is used only in
-// the rare case where the conflicting row was recorded concurrently and
-// must be read again.
+// event was recorded (false: a duplicate), or a *dedup.IDConflictError
+// (see QueueRecordProcessed). db is the batch's transaction; it is used
+// only in the rare case where the conflicting row was recorded
+// concurrently and must be read again.
 func (p *PendingRecord) Result(ctx context.Context, db DBTX) (bool, error) {
 	switch {
 	case p.err != nil:
@@ -113,13 +87,26 @@ func (p *PendingRecord) Result(ctx context.Context, db DBTX) (bool, error) {
 	return false, p.s.checkDuplicate(ctx, db, p.group, p.e, p.rec)
 }
 
-// QueueRecordProcessed queues [Store.RecordProcessed] on b, so it can
-// travel with the transaction's BEGIN (b.BeginTx) in one round trip. The
-// result is available from the returned PendingRecord once the batch
-// results are closed.
+// QueueRecordProcessed queues on b the record that group handled e with
+// the given outcome, so it can travel with the transaction's BEGIN
+// (b.BeginTx) in one round trip; the result is available from the
+// returned PendingRecord once the batch results are closed. Nothing is
+// written when the group has already recorded e.ID in e's aggregate for
+// the same event (same type and version): the event is a duplicate. When
+// the recorded row belongs to a different event of that aggregate, two
+// events share one id: a *dedup.IDConflictError (matching
+// dedup.ErrIDConflict), which retrying cannot fix. The id recorded in
+// another aggregate is another event's: it neither makes e a duplicate
+// nor conflicts with it. When another transaction is inserting the same
+// key concurrently, the statement waits for it to end.
+//
+// The row becomes visible when the batch's transaction commits and
+// disappears with it on rollback, so a failed handler leaves the event
+// unrecorded.
 func (s *Store) QueueRecordProcessed(b *pgx.Batch, group string, e eventline.Event, outcome dedup.Outcome) *PendingRecord {
 	p := &PendingRecord{s: s, group: group, e: e}
-	b.Queue(s.q(insertProcessedSQL), processedArgs(group, e, outcome)...).QueryRow(func(row pgx.Row) error {
+	args := []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, string(outcome)}
+	b.Queue(s.q(insertProcessedSQL), args...).QueryRow(func(row pgx.Row) error {
 		if err := row.Scan(append([]any{&p.fresh}, p.rec.dest()...)...); err != nil {
 			p.err = fmt.Errorf("eventline: record event %s: %w", e.ID, err)
 			return p.err
@@ -128,10 +115,6 @@ func (s *Store) QueueRecordProcessed(b *pgx.Batch, group string, e eventline.Eve
 		return nil
 	})
 	return p
-}
-
-func processedArgs(group string, e eventline.Event, outcome dedup.Outcome) []any {
-	return []any{group, e.ID, e.Type, e.AggregateType, e.AggregateID, e.AggregateVersion, string(outcome)}
 }
 
 // recorded is the identity of a processed_events row as returned next to
@@ -172,15 +155,6 @@ func (s *Store) checkDuplicate(ctx context.Context, db DBTX, group string, e eve
 		Recorded: dedup.Record{EventType: r.EventType, AggregateType: r.AggregateType, AggregateID: r.AggregateID, AggregateVersion: r.AggregateVersion}}
 }
 
-// SetOutcome changes the recorded outcome of an event. It is a no-op when
-// the event is not recorded.
-func (s *Store) SetOutcome(ctx context.Context, db DBTX, k RecordKey, outcome dedup.Outcome) error {
-	if _, err := db.Exec(ctx, s.q(setOutcomeSQL), k.Group, k.EventID, k.AggregateType, k.AggregateID, string(outcome)); err != nil {
-		return fmt.Errorf("eventline: set outcome of event %s (%s/%s) to %s: %w", k.EventID, k.AggregateType, k.AggregateID, outcome, err)
-	}
-	return nil
-}
-
 // Processed returns the group's record of an event id in an aggregate, or
 // ErrNotFound.
 func (s *Store) Processed(ctx context.Context, db DBTX, k RecordKey) (dedup.Record, error) {
@@ -215,10 +189,4 @@ func scanRecord(row pgx.Row) (dedup.Record, error) {
 	err := row.Scan(&r.Group, &r.EventID, &r.EventType, &r.AggregateType, &r.AggregateID, &r.AggregateVersion, &outcome, &r.ProcessedAt)
 	r.Outcome = dedup.Outcome(outcome)
 	return r, err
-}
-
-// CountProcessed returns how many events the group has recorded (the
-// dedup table's size for that group).
-func (s *Store) CountProcessed(ctx context.Context, db DBTX, group string) (int64, error) {
-	return s.count(ctx, db, countProcessedSQL, group, "dedup records")
 }

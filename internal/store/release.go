@@ -59,7 +59,7 @@ func (s *Store) ReleaseGap(ctx context.Context, db Beginner, group, aggregateTyp
 			nothing = true
 			return nil
 		}
-		parked, err := s.parkedOf(ctx, tx, k, 0, drainLimit)
+		parked, err := s.parkedOf(ctx, tx, k, 0)
 		if err != nil {
 			return err
 		}

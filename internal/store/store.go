@@ -1,11 +1,12 @@
-// Package store holds the SQL of eventline's consumer-side tables, in one
+// Package store holds the SQL the consumer runs on its tables, in one
 // place: processed_events (the dedup records), aggregate_versions,
 // parked_events and skipped_versions (the version gate), and the gate's
 // and the sweeper's statements on held_events (late events held as the gate
 // finds them; package internal/held runs every other statement on that
-// table, the relay's included). Every statement is written as SQL, its
-// tables named {schema}.processed_events and so on, and rendered once per
-// schema when a [Store] is built.
+// table, the relay's included; package admin reads the groups' status).
+// Every statement is written as SQL, its tables named
+// {schema}.processed_events and so on, and rendered once per schema when a
+// [Store] is built.
 //
 // The middleware, the consumer and the CLI use it; the public packages
 // dedup and versioning hold only what users configure or match. Its
@@ -76,9 +77,6 @@ func New(schema string) (*Store, error) {
 	}
 	return s, nil
 }
-
-// Schema returns the schema the store works in.
-func (s *Store) Schema() string { return s.schema }
 
 // Held returns the store of the schema's held_events.
 func (s *Store) Held() *held.Store { return s.held }

@@ -122,9 +122,7 @@ type Sweeper struct {
 	store *Store
 	cfg   SweeperConfig
 	// healthySince is when Run started or its last failed pass ended
-	// (UnixNano; 0 when Run never ran): the park timeout counts from
-	// there, so an outage does not use up the wait of events parked
-	// before it (see Run).
+	// (UnixNano; 0 when Run never ran): see parkTimeout.
 	healthySince atomic.Int64
 }
 
@@ -148,7 +146,14 @@ func (s *Store) NewSweeper(db Pool, cfg SweeperConfig) *Sweeper {
 func (w *Sweeper) Sweep(ctx context.Context) (SweepResult, error) {
 	var res SweepResult
 	timeout := w.parkTimeout()
-	keys, err := w.keys(ctx, w.store.q(candidatesSQL), w.cfg.Group, w.cfg.Batch, timeout.Microseconds())
+	var keys []Key
+	rows, err := w.db.Query(ctx, w.store.q(candidatesSQL), w.cfg.Group, w.cfg.Batch, timeout.Microseconds())
+	if err == nil {
+		keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (Key, error) {
+			k := Key{Group: w.cfg.Group}
+			return k, r.Scan(&k.AggregateType, &k.AggregateID)
+		})
+	}
 	if err != nil {
 		return res, fmt.Errorf("eventline: find parked aggregates: %w", err)
 	}
@@ -188,26 +193,13 @@ const neverExpires = 100 * 365 * 24 * time.Hour
 
 // parkTimeout is the park timeout of this pass: cfg.ParkTimeout, unless
 // Run has not been healthy that long yet (it just started, or the database
-// was unreachable): then no gap expires this pass. Otherwise an outage
-// longer than the park timeout would let the first pass after it skip
-// versions still waiting on Kafka behind the backlog the outage left.
+// was unreachable; see Run): then no gap expires this pass.
 func (w *Sweeper) parkTimeout() time.Duration {
 	since := w.healthySince.Load()
 	if since != 0 && time.Since(time.Unix(0, since)) < w.cfg.ParkTimeout {
 		return neverExpires
 	}
 	return w.cfg.ParkTimeout
-}
-
-func (w *Sweeper) keys(ctx context.Context, q string, args ...any) ([]Key, error) {
-	rows, err := w.db.Query(ctx, q, args...)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Key, error) {
-		k := Key{Group: w.cfg.Group}
-		return k, r.Scan(&k.AggregateType, &k.AggregateID)
-	})
 }
 
 // sweepAggregate runs work for one aggregate in a transaction holding its
@@ -241,11 +233,7 @@ func (w *Sweeper) sweepAggregate(ctx context.Context, k Key, work func(context.C
 
 // parked releases what it can of one aggregate's parked events.
 func (w *Sweeper) parked(ctx context.Context, tx pgx.Tx, k Key, current int64, timeout time.Duration, res *SweepResult) error {
-	parked, err := w.store.parkedOf(ctx, tx, k, timeout, drainLimit)
-	if err != nil {
-		return err
-	}
-	d, _, err := w.store.drainList(ctx, tx, k, current, parked, w.cfg.Release, timeout)
+	d, err := w.store.drain(ctx, tx, k, current, w.cfg.Release, timeout)
 	if err != nil {
 		return err
 	}
