@@ -141,20 +141,18 @@ func (el *Eventline) runBatch(ctx context.Context, b *delivery.Batch, items []*d
 				it.Answer(delivery.Reply{Out: r.outs[i]})
 			}
 			return true
-		case cut:
+		case cut, failed:
 			if !el.runBatch(ctx, b, items[:r.at]) {
 				return delivery.Abandon(items[r.at:])
 			}
 			items = items[r.at:]
-		case failed:
-			if !el.runBatch(ctx, b, items[:r.at]) {
-				return delivery.Abandon(items[r.at:])
-			}
-			it := items[r.at]
-			it.Answer(delivery.Reply{Err: r.err})
-			items = items[r.at+1:]
-			if !it.WaitLeft(ctx) {
-				return delivery.Abandon(items)
+			if r.outcome == failed {
+				it := items[0]
+				it.Answer(delivery.Reply{Err: r.err})
+				items = items[1:]
+				if !it.WaitLeft(ctx) {
+					return delivery.Abandon(items)
+				}
 			}
 		case unavailable:
 			el.cfg.Logger.DebugContext(ctx, "eventline: batch transaction failed; applying its events one by one", "group", el.gate.cfg.Group, "events", len(items), "error", r.err)

@@ -130,11 +130,8 @@ func (r *runner) judge(gs *groupState, u classified) {
 		pending("relayed", detail)
 	}
 	switch {
-	case u.Dead:
-		g.DeadLettered++ // the relay's dead letter is a finding of its own
-		return
-	case u.ConsumerDead:
-		g.DeadLettered++ // a finding of its own, from held_events
+	case u.Dead, u.ConsumerDead:
+		g.DeadLettered++ // the dead letter (the relay's, or the group's in held_events) is a finding of its own
 		return
 	case u.Skipped:
 		g.SkippedEvents++ // the skipped range is a finding of its own

@@ -26,7 +26,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(kafkatest.SettleSarama(m),
+	goleak.VerifyTestMain(settleSarama(m),
 		// Sarama's metrics registry starts this once per process.
 		goleak.IgnoreTopFunction("github.com/rcrowley/go-metrics.(*meterArbiter).tick"),
 	)

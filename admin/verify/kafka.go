@@ -125,22 +125,13 @@ func (k *kafkaReader) groupOffsets(groups []string) (map[string]map[topicPartiti
 
 // compacted reports whether the topic's cleanup.policy includes compact.
 func (k *kafkaReader) compacted(topic string) (bool, error) {
-	results, err := k.admin.DescribeConfigs([]*sarama.ConfigResource{{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"cleanup.policy"}}},
-		sarama.DescribeConfigsOptions{})
+	entries, err := k.admin.DescribeConfig(sarama.ConfigResource{Type: sarama.TopicResource, Name: topic, ConfigNames: []string{"cleanup.policy"}})
 	if err != nil {
 		return false, err
 	}
-	for _, res := range results {
-		if res.Name != topic {
-			continue
-		}
-		if res.ErrorCode != sarama.ErrNoError {
-			return false, &sarama.DescribeConfigError{Err: res.ErrorCode, ErrMsg: res.ErrorMsg}
-		}
-		for _, e := range res.Configs {
-			if e.Name == "cleanup.policy" {
-				return strings.Contains(e.Value, "compact"), nil
-			}
+	for _, e := range entries {
+		if e.Name == "cleanup.policy" {
+			return strings.Contains(e.Value, "compact"), nil
 		}
 	}
 	return false, nil

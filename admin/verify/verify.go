@@ -82,7 +82,6 @@ func Run(ctx context.Context, db, consumerDB admin.Beginner, cfg Config) (*Repor
 
 	var kr *kafkaReader
 	if len(cfg.Brokers) > 0 {
-		var err error
 		if kr, err = newKafkaReader(cfg); err != nil {
 			return nil, err
 		}

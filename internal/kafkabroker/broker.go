@@ -416,10 +416,6 @@ func (b *Broker) exitErr() error {
 
 // properties is the broker's server.properties.
 func (b *Broker) properties() string {
-	advertised := b.cfg.Advertise
-	if advertised == "" {
-		advertised = b.ListenAddr()
-	}
 	p := map[string]string{
 		"process.roles":             "broker,controller",
 		"node.id":                   "1",
@@ -431,7 +427,7 @@ func (b *Broker) properties() string {
 		// itself healthy.
 		"listeners": fmt.Sprintf("CLIENT://127.0.0.1:%d,INTERNAL://127.0.0.1:%d,CONTROLLER://127.0.0.1:%d",
 			b.client, b.internal, b.control),
-		"advertised.listeners":           fmt.Sprintf("CLIENT://%s,INTERNAL://127.0.0.1:%d", advertised, b.internal),
+		"advertised.listeners":           fmt.Sprintf("CLIENT://%s,INTERNAL://127.0.0.1:%d", b.Addr(), b.internal),
 		"listener.security.protocol.map": "CLIENT:PLAINTEXT,INTERNAL:PLAINTEXT,CONTROLLER:PLAINTEXT",
 		"inter.broker.listener.name":     "INTERNAL",
 		"log.dirs":                       filepath.Join(b.dir, "data"),

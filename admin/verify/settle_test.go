@@ -1,4 +1,4 @@
-package kafkatest
+package verify_test
 
 import (
 	"bytes"
@@ -7,17 +7,17 @@ import (
 	"time"
 )
 
-// settleTimeout bounds SettleSarama's wait.
+// settleTimeout bounds settleSarama's wait.
 const settleTimeout = 5 * time.Second
 
-// SettleSarama wraps a TestMain's m for goleak.VerifyTestMain: after the
+// settleSarama wraps a TestMain's m for goleak.VerifyTestMain: after the
 // tests, it waits up to 5 s until no goroutine runs in Sarama's consumer
 // (a closed consumer's broker goroutines nap 100 ms before they notice and
 // exit, and on a loaded machine against Apache Kafka that outlasted
 // goleak's own retries: admin/verify's tests failed once in a
 // make test-kafka run). A goroutine that is really left behind is still
 // there after the wait, and goleak reports it.
-func SettleSarama(m *testing.M) interface{ Run() int } { return settle{m} }
+func settleSarama(m *testing.M) interface{ Run() int } { return settle{m} }
 
 type settle struct{ m *testing.M }
 
