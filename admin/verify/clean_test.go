@@ -2,7 +2,6 @@ package verify_test
 
 import (
 	"context"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,32 +13,11 @@ import (
 	"github.com/eventline/eventline/consumer"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
-
-// runUntilStopped runs fn in a goroutine until the test ends or stop is
-// called.
-func runUntilStopped(t *testing.T, run func(context.Context) error) (stop func()) {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- run(ctx) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				require.NoError(t, err)
-			case <-time.After(time.Minute):
-				t.Error("did not stop within a minute")
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return stop
-}
 
 // A pipeline run by the real producer, relay and consumer, with Kafka
 // redeliveries and an aggregate whose versions reach Kafka out of order
@@ -75,7 +53,7 @@ func TestCleanPipelineReportsNothing(t *testing.T) {
 		Schema: f.env.Schema, Brokers: f.brokers, PollInterval: 200 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
 	})
 	require.NoError(t, err)
-	stopRelay := runUntilStopped(t, relay.Run)
+	stopRelay := relaytest.Background(t, relay.Run)
 	c, err := consumer.New(f.env.Pool, consumer.Config{
 		Config: middleware.Config{
 			Group:         gname,
@@ -91,7 +69,7 @@ func TestCleanPipelineReportsNothing(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id) VALUES ($1)`, e.ID)
 		return err
 	}))
-	stopConsumer := runUntilStopped(t, c.Run)
+	stopConsumer := relaytest.Background(t, c.Run)
 
 	const total = 14
 	applied := func() int {

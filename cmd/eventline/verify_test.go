@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -182,7 +181,7 @@ func TestVerify(t *testing.T) {
 			Schema: env.Schema, Brokers: brokers, PollInterval: 200 * time.Millisecond, RebalanceInterval: 100 * time.Millisecond,
 		})
 		require.NoError(t, err)
-		stopRelay := runInBackground(t, relay.Run)
+		stopRelay := relaytest.Background(t, relay.Run)
 		c, err := consumer.New(env.Pool, consumer.Config{Config: middleware.Config{Group: group, Schema: env.Schema}, Brokers: brokers, Topics: []string{topic}})
 		require.NoError(t, err)
 		for _, typ := range []string{"order.created", "order.paid"} {
@@ -191,7 +190,7 @@ func TestVerify(t *testing.T) {
 				return err
 			}))
 		}
-		stopConsumer := runInBackground(t, c.Run)
+		stopConsumer := relaytest.Background(t, c.Run)
 		require.Eventually(t, func() bool {
 			return pgtest.Count(t, env.Pool, `SELECT count(*) FROM `+invoices) == orderCount*updates
 		}, time.Minute, 20*time.Millisecond)
@@ -382,28 +381,6 @@ func TestVerify(t *testing.T) {
 		require.Contains(t, r.stdout, "Exit codes: 0 nothing wrong, 3 a problem found")
 		require.Contains(t, r.stdout, "-max-pending duration")
 	})
-}
-
-// runInBackground runs fn until the returned stop is called or the test
-// ends.
-func runInBackground(t *testing.T, run func(context.Context) error) func() {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- run(ctx) }()
-	var once sync.Once
-	stop := func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				require.NoError(t, err)
-			case <-time.After(time.Minute):
-				t.Error("did not stop within a minute")
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return stop
 }
 
 func verifyJSONOf(t *testing.T, r result, code int) verifyJSON {

@@ -1,6 +1,6 @@
-// Package relaytest holds the helpers the producer's and the admin
-// package's tests share: publishing orders, running relays, and reading
-// back what reached Kafka.
+// Package relaytest holds the helpers the producer's, the admin packages'
+// and the command's tests share: publishing orders, running relays (and
+// consumers, Background), and reading back what reached Kafka.
 package relaytest
 
 import (
@@ -68,12 +68,26 @@ func Run(t *testing.T, pool *pgxpool.Pool, cfg producer.RelayConfig) (*producer.
 	t.Helper()
 	r, err := producer.NewRelay(context.Background(), pool, cfg)
 	require.NoError(t, err)
+	return r, Background(t, r.Run)
+}
+
+// Background runs run (a relay's or a consumer's Run) in a goroutine until
+// the returned stop is called or the test ends. stop cancels run's
+// context, requires it to return nil within a minute and reports how long
+// that took; a run that returns before stop is called fails the test.
+func Background(t testing.TB, run func(context.Context) error) (stop func() time.Duration) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
+	go func() {
+		err := run(ctx)
+		if ctx.Err() == nil {
+			t.Errorf("stopped on its own, before the test stopped it: %v", err)
+		}
+		done <- err
+	}()
 	var once sync.Once
 	var took time.Duration
-	stop := func() time.Duration {
+	stop = func() time.Duration {
 		once.Do(func() {
 			began := time.Now()
 			cancel()
@@ -81,14 +95,14 @@ func Run(t *testing.T, pool *pgxpool.Pool, cfg producer.RelayConfig) (*producer.
 			case err := <-done:
 				require.NoError(t, err)
 			case <-time.After(time.Minute):
-				t.Error("relay did not stop within a minute")
+				t.Error("did not stop within a minute")
 			}
 			took = time.Since(began)
 		})
 		return took
 	}
 	t.Cleanup(func() { stop() })
-	return r, stop
+	return stop
 }
 
 // Event returns an order.updated event of aggregate order/aggID for topic.

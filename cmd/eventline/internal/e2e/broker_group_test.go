@@ -12,6 +12,7 @@ import (
 
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -42,7 +43,7 @@ func TestConsumerKilledInItsFirstJoinGroupIsExpired(t *testing.T) {
 		Schema: env.Schema, Brokers: r.brokers, PollInterval: 100 * time.Millisecond, Logger: testLogger(),
 	})
 	require.NoError(t, err)
-	stopRelay := runUntilStopped(t, rel.Run)
+	stopRelay := relaytest.Background(t, rel.Run)
 
 	group := kafkatest.Topic(t, "firstjoin")
 	children := newConsumerChildren(t, r, seed, group, effects, deliveries)

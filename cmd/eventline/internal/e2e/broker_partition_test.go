@@ -21,6 +21,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkabroker"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/producer"
 )
 
@@ -92,7 +93,7 @@ func TestJavaClientAgreesOnPartitions(t *testing.T) {
 	}
 	rel, err := producer.NewRelay(ctx, env.Pool, producer.RelayConfig{Schema: env.Schema, Brokers: k.Brokers, PollInterval: 100 * time.Millisecond, Logger: testLogger()})
 	require.NoError(t, err)
-	stop := runUntilStopped(t, rel.Run)
+	stop := relaytest.Background(t, rel.Run)
 	require.Eventually(t, func() bool {
 		st, err := admin.ReadOutboxStatus(ctx, env.Pool, env.Schema)
 		require.NoError(t, err)

@@ -27,6 +27,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -177,7 +178,7 @@ func TestChaosLosesNothing(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version) VALUES ($1, $2, $3)`, e.ID, e.AggregateID, e.AggregateVersion)
 		return err
 	}))
-	stopConsumer := runUntilStopped(t, c.Run)
+	stopConsumer := relaytest.Background(t, c.Run)
 
 	var relays []*relayChild
 	relayN := 0

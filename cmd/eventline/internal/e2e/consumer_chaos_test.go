@@ -24,6 +24,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 )
@@ -225,7 +226,7 @@ func TestConsumerChaosLosesNothing(t *testing.T) {
 	require.NoError(t, err)
 	rel, err := producer.NewRelay(ctx, env.Pool, chaosRelayConfig(env.Schema, r.brokers))
 	require.NoError(t, err)
-	stopRelay := runUntilStopped(t, rel.Run)
+	stopRelay := relaytest.Background(t, rel.Run)
 
 	group := kafkatest.Topic(t, "cchaos") // unique: the broker may be shared
 	children := newConsumerChildren(t, r, seed, group, effects, deliveries)

@@ -16,6 +16,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
@@ -52,17 +53,17 @@ func newPipeline(t *testing.T, shards int) *pipeline {
 
 // runRelay runs a relay until the returned stop is called (or the test
 // ends).
-func (p *pipeline) runRelay(cfg producer.RelayConfig) (stop func()) {
+func (p *pipeline) runRelay(cfg producer.RelayConfig) (stop func() time.Duration) {
 	p.t.Helper()
 	cfg.Schema, cfg.Brokers = p.env.Schema, p.brokers
 	cfg.PollInterval, cfg.RebalanceInterval = 200*time.Millisecond, 100*time.Millisecond
 	r, err := producer.NewRelay(context.Background(), p.env.Pool, cfg)
 	require.NoError(p.t, err)
-	return runUntilStopped(p.t, r.Run)
+	return relaytest.Background(p.t, r.Run)
 }
 
 // runConsumer runs a consumer whose handler records every applied event.
-func (p *pipeline) runConsumer(policy versioning.GapPolicy) (stop func()) {
+func (p *pipeline) runConsumer(policy versioning.GapPolicy) (stop func() time.Duration) {
 	p.t.Helper()
 	c, err := consumer.New(p.env.Pool, consumer.Config{
 		Config: middleware.Config{
@@ -80,33 +81,7 @@ func (p *pipeline) runConsumer(policy versioning.GapPolicy) (stop func()) {
 			e.ID, e.AggregateID, e.AggregateVersion)
 		return err
 	}))
-	return runUntilStopped(p.t, c.Run)
-}
-
-func runUntilStopped(t *testing.T, run func(context.Context) error) func() {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		err := run(ctx)
-		if ctx.Err() == nil {
-			t.Errorf("stopped on its own, before the test stopped it: %v", err)
-		}
-		done <- err
-	}()
-	var once sync.Once
-	stop := func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				require.NoError(t, err)
-			case <-time.After(time.Minute):
-				t.Error("did not stop within a minute")
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return stop
+	return relaytest.Background(p.t, c.Run)
 }
 
 func (p *pipeline) event(aggregateID string) eventline.Event {

@@ -26,6 +26,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/internal/sqlident"
 	"github.com/eventline/eventline/internal/store"
 	"github.com/eventline/eventline/middleware"
@@ -125,7 +126,7 @@ func (r *faultRig) runRelay() {
 		Logger: testLogger(),
 	})
 	require.NoError(r.t, err)
-	runUntilStopped(r.t, rel.Run)
+	relaytest.Background(r.t, rel.Run)
 }
 
 // consumerConfig is the fault test's consumer configuration: a small,
@@ -177,7 +178,7 @@ func (r *faultRig) runConsumer(cfg consumer.Config) {
 			group, e.ID, e.AggregateID, e.AggregateVersion, middleware.IsLate(ctx))
 		return err
 	}))
-	runUntilStopped(r.t, c.Run)
+	relaytest.Background(r.t, c.Run)
 }
 
 // retryBudget is the longest a consumer configured with cfg can spend on

@@ -19,6 +19,7 @@ import (
 	"github.com/eventline/eventline/internal/kafkatest"
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/producer"
 	"github.com/eventline/eventline/versioning"
@@ -42,14 +43,14 @@ type kafkaLoad struct {
 	groups    []*loadGroup
 	relayReg  *prometheus.Registry
 
-	stopRelay      func()
+	stopRelay      func() time.Duration
 	stopPublishing func()
 }
 
 type loadGroup struct {
 	name, group, effects string // group: the consumer group, name made unique
 	reg                  *prometheus.Registry
-	stop                 func()
+	stop                 func() time.Duration
 }
 
 // loadTimeouts are the clients' Kafka network timeouts: short, so a
@@ -95,7 +96,7 @@ func startKafkaLoad(t *testing.T, cluster *kafkatest.Cluster, name string, timeo
 		Logger: testLogger(),
 	})
 	require.NoError(t, err)
-	l.stopRelay = runUntilStopped(t, rel.Run)
+	l.stopRelay = relaytest.Background(t, rel.Run)
 
 	// No park timeout (nothing may be skipped), short network timeouts.
 	l.groups = []*loadGroup{{name: "laned"}, {name: "watermill"}}
@@ -123,7 +124,7 @@ func startKafkaLoad(t *testing.T, cluster *kafkatest.Cluster, name string, timeo
 			_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version) VALUES ($1, $2, $3)`, e.ID, e.AggregateID, e.AggregateVersion)
 			return err
 		}))
-		g.stop = runUntilStopped(t, c.Run)
+		g.stop = relaytest.Background(t, c.Run)
 	}
 
 	// The producer: PublishTx in its own transaction, without pause.

@@ -26,6 +26,7 @@ import (
 	"github.com/eventline/eventline/internal/metrictest"
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgtest"
+	"github.com/eventline/eventline/internal/relaytest"
 	"github.com/eventline/eventline/middleware"
 	"github.com/eventline/eventline/migrations"
 	"github.com/eventline/eventline/producer"
@@ -72,7 +73,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 
 	rel, err := producer.NewRelay(ctx, newPool(8), chaosRelayConfig(schema, r.brokers))
 	require.NoError(t, err)
-	stopRelay := runUntilStopped(t, rel.Run)
+	stopRelay := relaytest.Background(t, rel.Run)
 
 	// The consumer: default park timeout (an hour: nothing may be skipped
 	// in this run).
@@ -88,7 +89,7 @@ func TestPostgresCrashRestartLosesNothing(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` (event_id, aggregate_id, version) VALUES ($1, $2, $3)`, e.ID, e.AggregateID, e.AggregateVersion)
 		return err
 	}))
-	stopConsumer := runUntilStopped(t, c.Run)
+	stopConsumer := relaytest.Background(t, c.Run)
 
 	// The producer: 16 aggregates, a few events at a time, until the
 	// crashes are over. A publish that fails (the database crashed or is
