@@ -75,9 +75,8 @@ type Consumer struct {
 	validators map[string][]func(eventline.Event) error
 	ignored    map[string]bool
 
-	// soft is canceled when the shutdown begins: retries and waits stop.
-	soft context.Context
-	// hard is canceled when in-flight events must be abandoned.
+	// hard is canceled when in-flight events must be abandoned (set by
+	// Run).
 	hard context.Context
 	// sleep, when set, replaces the retry and wait timers (tests).
 	sleep func(ctx context.Context, d time.Duration) error

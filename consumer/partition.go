@@ -18,18 +18,22 @@ import (
 // × batch size need it.
 const minWindow = 256
 
-// haltKey carries, in the contexts of messages the subscriber delivers,
-// the context that ends when the partition abandons its in-flight
-// messages.
-type haltKey struct{}
+// hardKey carries, in the contexts of messages the subscriber delivers,
+// its partition's hard context (partitionRun.hard).
+type hardKey struct{}
 
-// abandonedBy returns the context that ends when the subscriber abandons
-// the message of ctx, or one that never ends for other messages.
-func abandonedBy(ctx context.Context) context.Context {
-	if h, ok := ctx.Value(haltKey{}).(context.Context); ok {
-		return h
+// either returns a context that ends when a or b (if not nil) ends, and
+// the function that releases it.
+func either(a, b context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(a)
+	if b == nil {
+		return ctx, cancel
 	}
-	return context.Background()
+	stop := context.AfterFunc(b, cancel)
+	return ctx, func() {
+		stop()
+		cancel()
+	}
 }
 
 // record is one Kafka record on its way through a lane.
@@ -61,10 +65,16 @@ type partitionRun struct {
 	topic     string
 	partition int32
 
-	stop    chan struct{} // closed: start nothing new
-	halt    context.Context
-	abandon context.CancelFunc // cancels halt: stop waiting, cancel messages
-	window  chan struct{}      // one token per record in flight
+	stop chan struct{} // closed: start nothing new
+	halt context.Context
+	// soft ends with halt or when the consumer's shutdown begins: the
+	// messages' contexts (retries and waits stop); hard ends with halt or
+	// when the consumer abandons in-flight work: the context their
+	// transactions run under (Consumer.detach). Made once per partition,
+	// so a message costs no registration with the consumer's contexts.
+	soft, hard context.Context
+	abandon    context.CancelFunc // cancels halt: stop waiting, cancel messages
+	window     chan struct{}      // one token per record in flight
 
 	mu       sync.Mutex
 	tracker  *offsetTracker
@@ -83,7 +93,15 @@ func newPartitionRun(sub *subscription, sess sarama.ConsumerGroupSession, topic 
 		tracker:  newOffsetTracker(),
 		assigner: newLaneAssigner(cfg.Lanes),
 	}
-	p.halt, p.abandon = context.WithCancel(context.Background())
+	halt, cancelHalt := context.WithCancel(context.Background())
+	soft, releaseSoft := either(halt, sub.s.soft)
+	hard, releaseHard := either(halt, sub.s.hard)
+	p.halt, p.soft, p.hard = halt, soft, hard
+	p.abandon = func() {
+		cancelHalt()
+		releaseSoft()
+		releaseHard()
+	}
 	for range cfg.Lanes {
 		p.lanes = append(p.lanes, &lane{p: p, signal: make(chan struct{}, 1)})
 	}
@@ -176,17 +194,18 @@ func closed(ch <-chan struct{}) bool {
 
 // send delivers d to the router: its own message the first time, a copy
 // after that (Watermill's Ack and Nack settle a message once), with a
-// context that ends only when the partition abandons its in-flight
-// messages and says where the record came from (delivery.SourceOf: dead
-// letters record it), as a member of b when b is not nil. It returns nil
-// when the partition abandoned its messages first.
+// context that ends when the consumer's shutdown begins or the partition
+// abandons its in-flight messages (soft) and says where the record came
+// from (delivery.SourceOf: dead letters record it), as a member of b when
+// b is not nil. It returns nil when the partition abandoned its messages
+// first.
 func (p *partitionRun) send(d *record, b *delivery.Batch) *message.Message {
 	msg := d.msg
 	if d.sent {
 		msg = d.msg.Copy()
 	}
 	d.sent = true
-	ctx := delivery.WithSource(context.WithValue(p.halt, haltKey{}, p.halt),
+	ctx := delivery.WithSource(context.WithValue(p.soft, hardKey{}, p.hard),
 		delivery.Source{Topic: p.topic, FromKafka: true, Partition: p.partition, Offset: d.offset, Key: d.key, Timestamp: d.at})
 	if b != nil {
 		ctx = b.Add(ctx)

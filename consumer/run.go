@@ -74,21 +74,25 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	if slots == 0 {
 		slots = coalesceSlots(c.db, cfg.Lanes)
 	}
-	sub := newSubscriber(cfg, slots, c.coalesceHook)
+	// soft ends when the shutdown begins: retries and waits stop. hard
+	// ends when in-flight events must be abandoned. The subscriber ends
+	// its messages' contexts with them (partitionRun).
+	hard, abandon := context.WithCancel(context.Background())
+	defer abandon()
+	soft, stopping := context.WithCancel(context.Background())
+	defer stopping()
+	c.hard = hard
+	sub := newSubscriber(cfg, slots, c.coalesceHook, soft, hard)
 	defer sub.Close()
 
 	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: cfg.ShutdownTimeout}, wlog)
 	if err != nil {
 		return fmt.Errorf("eventline consumer: create router: %w", err)
 	}
-	hard, abandon := context.WithCancel(context.Background())
-	defer abandon()
-	soft, stopping := context.WithCancel(context.Background())
-	defer stopping()
-	c.hard, c.soft = hard, soft
-
-	// The router's own middleware runs outside each handler's chain.
-	router.AddMiddleware(c.stop)
+	if c.sleep != nil {
+		// The router's own middleware runs outside each handler's chain.
+		router.AddMiddleware(c.withSleep)
+	}
 	for _, topic := range cfg.Topics {
 		waiting := waitingSubscriber{Subscriber: sub, ctx: ctx, wait: c.waitKafka}
 		if _, err := c.el.AddHandler(router, handlerName(cfg.Group, topic), topic, waiting, c.dispatch); err != nil {
@@ -134,23 +138,13 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	return nil
 }
 
-// stop gives the chain a context that ends when the shutdown begins, so
-// retries and waits for the database stop (and the message is left
-// unacknowledged) instead of holding the shutdown up.
-func (c *Consumer) stop(h message.HandlerFunc) message.HandlerFunc {
+// withSleep makes the chain's retries and waits sleep with c.sleep
+// (tests).
+func (c *Consumer) withSleep(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
-		ctx, cancel := context.WithCancel(orig)
-		if c.sleep != nil {
-			ctx = backoff.WithSleep(ctx, c.sleep)
-		}
-		stop := context.AfterFunc(c.soft, cancel) // set by Run, which adds stop to its router
-		defer func() {
-			stop()
-			cancel()
-			msg.SetContext(orig)
-		}()
-		msg.SetContext(ctx)
+		msg.SetContext(backoff.WithSleep(orig, c.sleep))
+		defer msg.SetContext(orig)
 		return h(msg)
 	}
 }
@@ -280,24 +274,24 @@ func (s waitingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan 
 }
 
 // detach gives the rest of the chain a context that survives the end of
-// the message's own context (the subscriber cancels it when it closes), so
-// an event in flight at shutdown finishes its transaction, and that is
-// canceled only when in-flight work must be abandoned.
+// the message's own context (it ends when the shutdown begins), so an
+// event in flight at shutdown finishes its transaction, and that is
+// canceled only when in-flight work must be abandoned: when the
+// partition's hard context ends (partitionRun), else the consumer's.
 func (c *Consumer) detach(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		orig := msg.Context()
 		ctx, cancel := context.WithCancel(context.WithoutCancel(orig))
-		hard := c.hard
+		hard, ok := orig.Value(hardKey{}).(context.Context)
+		if !ok {
+			hard = c.hard
+		}
 		if hard == nil {
-			hard = context.Background()
+			hard = context.Background() // not run by Run
 		}
 		stop := context.AfterFunc(hard, cancel)
-		// The Subscriber ends a message's context only to abandon it (a
-		// revoked partition, a shutdown timeout): that still ends the work.
-		stopAbandon := context.AfterFunc(abandonedBy(orig), cancel)
 		defer func() {
 			stop()
-			stopAbandon()
 			cancel()
 			msg.SetContext(orig)
 		}()

@@ -51,6 +51,10 @@ type subscriber struct {
 	slots int
 	// coalesceHook is the coalescer's hook (tests).
 	coalesceHook func(alone bool, waiting int)
+	// soft and hard are the consumer's shutdown contexts (see Consumer),
+	// which end the contexts of the messages it delivers (see
+	// partitionRun); nil: never.
+	soft, hard context.Context
 
 	mu      sync.Mutex
 	closed  bool
@@ -59,8 +63,8 @@ type subscriber struct {
 }
 
 // newSubscriber returns a subscriber; it connects to Kafka at Subscribe.
-func newSubscriber(cfg Config, slots int, coalesceHook func(alone bool, waiting int)) *subscriber {
-	return &subscriber{cfg: cfg, slots: slots, coalesceHook: coalesceHook, closing: make(chan struct{})}
+func newSubscriber(cfg Config, slots int, coalesceHook func(alone bool, waiting int), soft, hard context.Context) *subscriber {
+	return &subscriber{cfg: cfg, slots: slots, coalesceHook: coalesceHook, soft: soft, hard: hard, closing: make(chan struct{})}
 }
 
 // errSubscriberClosed is Subscribe's error once the Subscriber is closed.
