@@ -194,7 +194,7 @@ type meter struct {
 	counters       []*queryCounter
 	c0             clientCount
 	s0             serverSnap
-	cpu0           cpuReading
+	cpu0           costCPU
 }
 
 // startMeter starts a window. pools are flushed before each server
@@ -211,7 +211,7 @@ func (e *env) startMeter(ctx context.Context, stage, variant string, schemas []s
 			return nil, err
 		}
 		m.s0 = s
-		m.cpu0 = e.readCPUs()
+		m.cpu0 = e.readCostCPU()
 	}
 	m.c0 = countAll(counters)
 	return m, nil
@@ -223,7 +223,7 @@ func (m *meter) stop(ctx context.Context, events int64, rate float64) (Cost, err
 	cost := Cost{Stage: m.stage, Variant: m.variant, Rate: rate, Events: events,
 		RoundTrips: c.roundTrips(), Statements: c.statements(), Connects: c.connects}
 	if len(m.schemas) > 0 {
-		cpu := m.e.readCPUs()
+		cpu := m.e.readCostCPU()
 		cost.GoCPU, cost.GoCPUOK = cpu.self-m.cpu0.self, cpu.selfOK && m.cpu0.selfOK
 		cost.PGCPU, cost.PGCPUOK = serverCPUBetween(m.cpu0.server, cpu.server), cpu.serverOK && m.cpu0.serverOK
 		m.e.flushStats(ctx, m.pools...)

@@ -185,27 +185,41 @@ func serverCPUBetween(a, b serverCPU) time.Duration {
 	return max(0, d)
 }
 
-// cpuReading is the machine's, this process's, the broker's and the local
-// PostgreSQL server's CPU time at one moment.
+// costCPU is this process's and the local PostgreSQL server's CPU time at
+// one end of a cost window. Apart from cpuReading, as scanning /proc takes
+// milliseconds, too long for end_to_end_latency's paced load.
+type costCPU struct {
+	self             time.Duration
+	server           serverCPU
+	selfOK, serverOK bool
+}
+
+func (e *env) readCostCPU() costCPU {
+	var c costCPU
+	c.self, c.selfOK = procCPU(os.Getpid())
+	if e.postmaster > 0 {
+		c.server, c.serverOK = readServerCPU(e.postmaster)
+	}
+	return c
+}
+
+// cpuReading is the machine's, this process's and the broker's CPU time
+// at one moment.
 type cpuReading struct {
-	at                                    time.Time
-	machine                               cpuTimes
-	self, broker                          time.Duration
-	server                                serverCPU
-	machineOK, selfOK, brokerOK, serverOK bool
+	at                          time.Time
+	machine                     cpuTimes
+	self, broker                time.Duration
+	machineOK, selfOK, brokerOK bool
 }
 
 // readCPUs reads them all; the broker's only when Config.BrokerPID is set
-// and a real broker is used, the server's only when it is local.
+// and a real broker is used.
 func (e *env) readCPUs() cpuReading {
 	r := cpuReading{at: time.Now()}
 	r.machine, r.machineOK = readCPU()
 	r.self, r.selfOK = procCPU(os.Getpid())
 	if e.cfg.BrokerPID > 0 && len(e.cfg.Brokers) > 0 {
 		r.broker, r.brokerOK = procCPU(e.cfg.BrokerPID)
-	}
-	if e.postmaster > 0 {
-		r.server, r.serverOK = readServerCPU(e.postmaster)
 	}
 	return r
 }
