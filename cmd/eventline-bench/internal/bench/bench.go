@@ -219,7 +219,8 @@ type Result struct {
 type Report struct {
 	Results []Result
 	Elapsed time.Duration
-	// CostSource says where the costs' rows and WAL bytes come from.
+	// CostSource says where the costs' rows, WAL bytes and CPU times come
+	// from.
 	CostSource string
 }
 
@@ -244,7 +245,7 @@ func Run(ctx context.Context, cfg Config) (Report, error) {
 		e.progressf("rows per event from pg_stat_user_tables, WAL from pg_current_wal_lsn(): %s", e.server.why)
 	}
 
-	rep := Report{CostSource: e.server.describe()}
+	rep := Report{CostSource: e.server.describe() + "; " + e.describeCPUCosts()}
 	for _, name := range Scenarios {
 		if !slices.Contains(cfg.Scenarios, name) {
 			continue

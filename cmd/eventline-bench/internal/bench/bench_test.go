@@ -80,6 +80,8 @@ func TestScenariosSmoke(t *testing.T) {
 				if c.Server && c.Stage != "relay" {
 					require.Positive(t, c.Rows, "%s %s: rows written", c.Stage, c.Variant)
 				}
+				require.Equal(t, c.Server, c.GoCPUOK, "%s %s: this process's CPU is read with the server's figures", c.Stage, c.Variant)
+				require.False(t, c.PGCPUOK && !c.Server, "%s %s: PostgreSQL's CPU only with the server's figures", c.Stage, c.Variant)
 			}
 			require.Contains(t, progress.String(), "== "+name)
 		})
@@ -189,27 +191,88 @@ func TestWaitMarks(t *testing.T) {
 }
 
 func TestProcCPU(t *testing.T) {
-	d, ok := procCPU(os.Getpid())
+	_, ok := procCPU(os.Getpid())
 	require.True(t, ok, "this machine has /proc/<pid>/stat")
+	// Run until this process has used a tick (run alone, it may not yet).
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
+		if d, _ := procCPU(os.Getpid()); d > 0 {
+			break
+		}
+	}
+	d, _ := procCPU(os.Getpid())
 	require.Positive(t, d)
 	_, ok = procCPU(-1)
 	require.False(t, ok)
+	p, ok := procStat(os.Getpid())
+	require.True(t, ok)
+	require.Equal(t, os.Getppid(), p.ppid)
+	require.Equal(t, "bench.test", p.comm)
+}
+
+// TestServerCPU reads the test database's server processes, when it runs
+// on this machine.
+func TestServerCPU(t *testing.T) {
+	if testing.Short() {
+		t.Skip("talks to PostgreSQL")
+	}
+	ctx := context.Background()
+	e, err := newEnv(ctx, Config{DatabaseURL: DatabaseURLFromEnv(), Progress: &bytes.Buffer{}, Out: &bytes.Buffer{}}.withDefaults())
+	require.NoError(t, err)
+	defer e.close()
+	if e.postmaster == 0 {
+		t.Skipf("PostgreSQL's CPU cannot be read: %s", e.noServerCPU)
+	}
+	a, ok := readServerCPU(e.postmaster)
+	require.True(t, ok)
+	require.Contains(t, a.procs, e.postmaster)
+	require.Greater(t, len(a.procs), 2, "the postmaster, a backend and background processes: %v", a.procs)
+	var total time.Duration
+	for _, d := range a.procs {
+		total += d
+	}
+	require.Positive(t, total)
+	// Burn a few ticks in a backend of a new connection that exits before
+	// the second reading: its CPU is counted through the postmaster's
+	// reaped children.
+	conn, err := pgx.Connect(ctx, e.cfg.DatabaseURL)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `SELECT count(*) FROM generate_series(1, 3000000)`)
+	require.NoError(t, err)
+	require.NoError(t, conn.Close(ctx))
+	var b serverCPU
+	require.Eventually(t, func() bool {
+		b, ok = readServerCPU(e.postmaster)
+		return ok && b.reaped > a.reaped
+	}, 5*time.Second, 10*time.Millisecond, "the postmaster reaps the backend")
+	require.GreaterOrEqual(t, serverCPUBetween(a, b), 10*time.Millisecond)
+}
+
+func TestServerCPUBetween(t *testing.T) {
+	ms := time.Millisecond
+	a := serverCPU{procs: map[int]time.Duration{1: 100 * ms, 2: 50 * ms, 3: 70 * ms}, reaped: 1000 * ms}
+	b := serverCPU{
+		procs:  map[int]time.Duration{1: 110 * ms, 2: 80 * ms, 4: 40 * ms}, // 3 exited, 4 started
+		reaped: 1000*ms + 90*ms,                                            // 3 ended at 90 ms
+	}
+	require.Equal(t, (10+30+40+20)*ms, serverCPUBetween(a, b))
+	require.Equal(t, time.Duration(0), serverCPUBetween(b, a), "never negative")
 }
 
 func TestCostTable(t *testing.T) {
 	rep := Report{CostSource: "rows from somewhere", Results: []Result{{
 		Scenario: "relay_drain",
 		Costs: []Cost{
-			{Stage: "relay", Variant: "eventline relay, 8 shards", Rate: 9000, Events: 1000, RoundTrips: 50, Statements: 60, Rows: 20, WALBytes: 300000, Server: true},
+			{Stage: "relay", Variant: "eventline relay, 8 shards", Rate: 9000, Events: 1000, RoundTrips: 50, Statements: 60, Rows: 20, WALBytes: 300000, Server: true,
+				GoCPU: 84 * time.Millisecond, PGCPU: 120400 * time.Microsecond, GoCPUOK: true, PGCPUOK: true},
 			{Stage: "relay", Variant: "shared schema", Events: 10, RoundTrips: 30, Statements: 30},
 		},
 	}}}
 	var b bytes.Buffer
 	rep.Write(&b)
 	out := b.String()
-	require.Regexp(t, `STAGE\s+SCENARIO\s+VARIANT\s+RATE/S\s+EVENTS\s+RT/EV\s+STMTS/EV\s+ROWS/EV\s+WAL B/EV`, out)
-	require.Regexp(t, `relay\s+relay_drain\s+eventline relay, 8 shards\s+9000\s+1000\s+0.05\s+0.06\s+0.02\s+300`, out)
-	require.Regexp(t, `relay\s+relay_drain\s+shared schema\s+-\s+10\s+3.00\s+3.00\s+-\s+-`, out)
+	require.Regexp(t, `STAGE\s+SCENARIO\s+VARIANT\s+RATE/S\s+EVENTS\s+RT/EV\s+STMTS/EV\s+ROWS/EV\s+WAL B/EV\s+GO µs/EV\s+PG µs/EV\n`, out)
+	require.Regexp(t, `relay\s+relay_drain\s+eventline relay, 8 shards\s+9000\s+1000\s+0.05\s+0.06\s+0.02\s+300\s+84\s+120\n`, out)
+	require.Regexp(t, `relay\s+relay_drain\s+shared schema\s+-\s+10\s+3.00\s+3.00\s+-\s+-\s+-\s+-\n`, out)
 	require.Contains(t, out, "note cost: ")
 	require.Contains(t, out, "rows from somewhere")
 }

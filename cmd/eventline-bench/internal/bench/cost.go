@@ -33,6 +33,12 @@ type Cost struct {
 	// (Server).
 	Rows, WALBytes int64
 	Server         bool
+	// GoCPU is this process's CPU time over the window, PGCPU the local
+	// PostgreSQL server's (see serverCPUBetween). Like Rows, read only for
+	// a stage that has the window to itself; PGCPU only when the server
+	// runs on this machine.
+	GoCPU, PGCPU     time.Duration
+	GoCPUOK, PGCPUOK bool
 }
 
 func perEvent(v, n int64) float64 {
@@ -40,6 +46,11 @@ func perEvent(v, n int64) float64 {
 		return 0
 	}
 	return float64(v) / float64(n)
+}
+
+// perEventMicros is d ÷ n in whole microseconds.
+func perEventMicros(d time.Duration, n int64) string {
+	return fmt.Sprintf("%.0f", perEvent(d.Microseconds(), n))
 }
 
 // RoundTripsPerEvent is RoundTrips ÷ Events.
@@ -60,6 +71,10 @@ func (c Cost) add(o Cost) Cost {
 	c.Rows += o.Rows
 	c.WALBytes += o.WALBytes
 	c.Server = c.Server && o.Server
+	c.GoCPU += o.GoCPU
+	c.PGCPU += o.PGCPU
+	c.GoCPUOK = c.GoCPUOK && o.GoCPUOK
+	c.PGCPUOK = c.PGCPUOK && o.PGCPUOK
 	return c
 }
 
@@ -179,11 +194,14 @@ type meter struct {
 	counters       []*queryCounter
 	c0             clientCount
 	s0             serverSnap
+	cpu0           costCPU
 }
 
 // startMeter starts a window. pools are flushed before each server
 // reading; counters are the stage's tracers. Without schemas only the
-// client side is measured (a stage that shares its schemas with others).
+// client side is measured: a stage that shares its schemas with others,
+// and its window too, so neither the cluster's WAL nor the CPU used in it
+// is the stage's. With schemas the stage must run alone.
 func (e *env) startMeter(ctx context.Context, stage, variant string, schemas []string, pools []*pgxpool.Pool, counters ...*queryCounter) (*meter, error) {
 	m := &meter{e: e, stage: stage, variant: variant, schemas: schemas, pools: pools, counters: counters}
 	if len(schemas) > 0 {
@@ -193,6 +211,7 @@ func (e *env) startMeter(ctx context.Context, stage, variant string, schemas []s
 			return nil, err
 		}
 		m.s0 = s
+		m.cpu0 = e.readCostCPU()
 	}
 	m.c0 = countAll(counters)
 	return m, nil
@@ -204,6 +223,9 @@ func (m *meter) stop(ctx context.Context, events int64, rate float64) (Cost, err
 	cost := Cost{Stage: m.stage, Variant: m.variant, Rate: rate, Events: events,
 		RoundTrips: c.roundTrips(), Statements: c.statements(), Connects: c.connects}
 	if len(m.schemas) > 0 {
+		cpu := m.e.readCostCPU()
+		cost.GoCPU, cost.GoCPUOK = cpu.self-m.cpu0.self, cpu.selfOK && m.cpu0.selfOK
+		cost.PGCPU, cost.PGCPUOK = serverCPUBetween(m.cpu0.server, cpu.server), cpu.serverOK && m.cpu0.serverOK
 		m.e.flushStats(ctx, m.pools...)
 		s, err := m.e.readServer(ctx, m.schemas)
 		if err != nil {
@@ -219,6 +241,12 @@ func (e *env) logCost(c Cost) {
 	server := ""
 	if c.Server {
 		server = fmt.Sprintf(", %.2f rows/ev, %.0f WAL B/ev", perEvent(c.Rows, c.Events), perEvent(c.WALBytes, c.Events))
+	}
+	if c.GoCPUOK {
+		server += ", Go " + perEventMicros(c.GoCPU, c.Events) + " µs/ev"
+	}
+	if c.PGCPUOK {
+		server += ", PG " + perEventMicros(c.PGCPU, c.Events) + " µs/ev"
 	}
 	e.progressf("      cost %s %s: %d events, %.2f round trips/ev, %.2f statements/ev%s, %d connects", c.Stage, c.Variant, c.Events, c.RoundTripsPerEvent(), c.StatementsPerEvent(), server, c.Connects)
 }

@@ -1,12 +1,15 @@
 package bench
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"runtime"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // cpuTimes is the machine's CPU time from /proc/stat's "cpu" line, in
@@ -74,31 +77,130 @@ func loadAvg() string {
 // every Linux platform Go supports.
 const clockTicks = 100
 
-// procCPU returns the CPU time (user + system) process pid has used, from
-// /proc/<pid>/stat; ok is false where there is none.
-func procCPU(pid int) (time.Duration, bool) {
+// procInfo is what /proc/<pid>/stat says of a process.
+type procInfo struct {
+	comm string
+	ppid int
+	// cpu is the CPU time (user + system) the process has used; reaped
+	// that of its children it has waited for (cutime + cstime).
+	cpu, reaped time.Duration
+}
+
+// procStat reads /proc/<pid>/stat; ok is false where there is none.
+func procStat(pid int) (procInfo, bool) {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
-		return 0, false
+		return procInfo{}, false
 	}
 	// The command name, in parentheses, may hold spaces: fields count
-	// from after its closing parenthesis (state is field 3; utime 14,
-	// stime 15).
+	// from after its closing parenthesis (state is field 3; ppid 4,
+	// utime 14, stime 15, cutime 16, cstime 17).
 	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, false
+	open, end := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
+	if open < 0 || end < open {
+		return procInfo{}, false
 	}
-	f := strings.Fields(s[i+1:])
-	if len(f) < 13 {
-		return 0, false
+	f := strings.Fields(s[end+1:])
+	if len(f) < 15 {
+		return procInfo{}, false
 	}
-	utime, err1 := strconv.ParseUint(f[11], 10, 64)
-	stime, err2 := strconv.ParseUint(f[12], 10, 64)
-	if err1 != nil || err2 != nil {
-		return 0, false
+	var v [5]uint64
+	for i, field := range []int{1, 11, 12, 13, 14} {
+		if v[i], err = strconv.ParseUint(f[field], 10, 64); err != nil {
+			return procInfo{}, false
+		}
 	}
-	return time.Duration(utime+stime) * time.Second / clockTicks, true
+	ticks := func(n uint64) time.Duration { return time.Duration(n) * time.Second / clockTicks }
+	return procInfo{comm: s[open+1 : end], ppid: int(v[0]), cpu: ticks(v[1] + v[2]), reaped: ticks(v[3] + v[4])}, true
+}
+
+// procCPU returns the CPU time (user + system) process pid has used; ok
+// is false where there is none.
+func procCPU(pid int) (time.Duration, bool) {
+	p, ok := procStat(pid)
+	return p.cpu, ok
+}
+
+// findPostmaster returns the pid of the PostgreSQL server db is on when it
+// runs on this machine: the parent of db's backend, if /proc shows that
+// backend as a postgres process. Otherwise it returns 0 and why.
+func findPostmaster(ctx context.Context, db *pgxpool.Pool) (int, string) {
+	var backend int
+	if err := db.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
+		return 0, fmt.Sprintf("cannot read pg_backend_pid() (%v)", err)
+	}
+	if p, ok := procStat(backend); ok && p.comm == "postgres" {
+		return p.ppid, ""
+	}
+	return 0, fmt.Sprintf("PostgreSQL is not on this machine (its backend pid %d is no postgres process in /proc)", backend)
+}
+
+// serverCPU is the CPU time of a PostgreSQL server's processes at one
+// moment: each live one's by pid, and what the postmaster's exited
+// children used (reaped).
+type serverCPU struct {
+	procs  map[int]time.Duration
+	reaped time.Duration
+}
+
+// readServerCPU reads the CPU time of the postmaster and of every postgres
+// process it started (backends, WAL writer, checkpointer, autovacuum…).
+func readServerCPU(postmaster int) (serverCPU, bool) {
+	pm, ok := procStat(postmaster)
+	ents, err := os.ReadDir("/proc")
+	if !ok || err != nil {
+		return serverCPU{}, false
+	}
+	s := serverCPU{procs: map[int]time.Duration{postmaster: pm.cpu}, reaped: pm.reaped}
+	for _, d := range ents {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		if p, ok := procStat(pid); ok && p.ppid == postmaster && p.comm == "postgres" {
+			s.procs[pid] = p.cpu
+		}
+	}
+	return s, true
+}
+
+// serverCPUBetween is the CPU the server used between readings a and b:
+// the growth of each process alive at b (all of it for one started in
+// between), plus what processes that exited in between used after a. The
+// latter's ticks are gone from /proc but for the postmaster's reaped total,
+// so they count as that total's growth less what they had used at a. An
+// approximation: one reaped while b scans /proc is missed, and a pid
+// reused in between counts as one process; the pools are warm, so few
+// processes come and go in a window.
+func serverCPUBetween(a, b serverCPU) time.Duration {
+	d := b.reaped - a.reaped
+	for pid, t := range b.procs {
+		d += max(0, t-a.procs[pid])
+	}
+	for pid, t := range a.procs {
+		if _, ok := b.procs[pid]; !ok {
+			d -= t
+		}
+	}
+	return max(0, d)
+}
+
+// costCPU is this process's and the local PostgreSQL server's CPU time at
+// one end of a cost window. Apart from cpuReading, as scanning /proc takes
+// milliseconds, too long for end_to_end_latency's paced load.
+type costCPU struct {
+	self             time.Duration
+	server           serverCPU
+	selfOK, serverOK bool
+}
+
+func (e *env) readCostCPU() costCPU {
+	var c costCPU
+	c.self, c.selfOK = procCPU(os.Getpid())
+	if e.postmaster > 0 {
+		c.server, c.serverOK = readServerCPU(e.postmaster)
+	}
+	return c
 }
 
 // cpuReading is the machine's, this process's and the broker's CPU time
@@ -165,6 +267,19 @@ func (e *env) pipelineProcess() string {
 		return "bench process: pipelines and kfake"
 	}
 	return "bench process: pipelines"
+}
+
+// describeCPUCosts says what the cost table's CPU columns measure.
+func (e *env) describeCPUCosts() string {
+	self := "the whole process, so anything else it does then too"
+	if len(e.cfg.Brokers) == 0 {
+		self = "the whole process, so the in-process kfake broker and anything else it does then too"
+	}
+	out := "GO µs/EV = this process's CPU (user + system, /proc/self/stat) over the window ÷ events: " + self
+	if e.postmaster == 0 {
+		return out + `; PG µs/EV "-": ` + e.noServerCPU
+	}
+	return out + fmt.Sprintf("; PG µs/EV = the CPU (user + system, /proc/<pid>/stat) of the PostgreSQL server over the window ÷ events: postmaster %d and every postgres process it started (backends, WAL writer, checkpointer, autovacuum…: writing WAL and checkpoints are part of the cost), those that exited through its reaped children's total; the whole server's, so other sessions' too (another benchmark on the same server inflates it); both in %d ms ticks", e.postmaster, 1000/clockTicks)
 }
 
 // brokerCPUNote says whether the broker's CPU is known.

@@ -32,7 +32,11 @@ type env struct {
 	admin     *pgxpool.Pool
 	pgVersion string
 	server    serverStats
-	start     time.Time
+	// postmaster is the local PostgreSQL server's pid, 0 when the server
+	// is elsewhere (noServerCPU says why).
+	postmaster  int
+	noServerCPU string
+	start       time.Time
 
 	mu sync.Mutex // serializes progress lines
 }
@@ -49,6 +53,7 @@ func newEnv(ctx context.Context, cfg Config) (*env, error) {
 		return nil, fmt.Errorf("read PostgreSQL version: %w", err)
 	}
 	e.server = detectServerStats(ctx, pool)
+	e.postmaster, e.noServerCPU = findPostmaster(ctx, pool)
 	if cfg.ProfileDir != "" {
 		if err := os.MkdirAll(cfg.ProfileDir, 0o755); err != nil {
 			pool.Close()

@@ -31,7 +31,7 @@ func (r Report) Write(w io.Writer) {
 		}
 	}
 	if r.CostSource != "" && r.hasCosts() {
-		fmt.Fprintf(w, "note cost: RT/EV and STMTS/EV are counted by a pgx tracer on each stage's own pool (see queryCounter): round trips are Query/Exec (BEGIN and COMMIT included), Batch, CopyFrom, server-side Prepare and liveness pings; %s; \"-\" where the stage shares its schema with other stages\n", r.CostSource)
+		fmt.Fprintf(w, "note cost: RT/EV and STMTS/EV are counted by a pgx tracer on each stage's own pool (see queryCounter): round trips are Query/Exec (BEGIN and COMMIT included), Batch, CopyFrom, server-side Prepare and liveness pings; %s; \"-\" where the stage shares its schema and its window with other stages\n", r.CostSource)
 	}
 	fmt.Fprintln(w)
 	for _, res := range r.Results {
@@ -56,18 +56,24 @@ func (r Report) writeCosts(w io.Writer) bool {
 		return false
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "STAGE\tSCENARIO\tVARIANT\tRATE/S\tEVENTS\tRT/EV\tSTMTS/EV\tROWS/EV\tWAL B/EV")
+	fmt.Fprintln(tw, "STAGE\tSCENARIO\tVARIANT\tRATE/S\tEVENTS\tRT/EV\tSTMTS/EV\tROWS/EV\tWAL B/EV\tGO µs/EV\tPG µs/EV")
 	for _, res := range r.Results {
 		for _, c := range res.Costs {
-			rate, rows, wal := "-", "-", "-"
+			rate, rows, wal, goCPU, pgCPU := "-", "-", "-", "-", "-"
 			if c.Rate > 0 {
 				rate = formatFigure(c.Rate)
 			}
 			if c.Server {
 				rows, wal = fmt.Sprintf("%.2f", perEvent(c.Rows, c.Events)), formatFigure(perEvent(c.WALBytes, c.Events))
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%.2f\t%.2f\t%s\t%s\n", c.Stage, res.Scenario, c.Variant, rate, c.Events,
-				c.RoundTripsPerEvent(), c.StatementsPerEvent(), rows, wal)
+			if c.GoCPUOK {
+				goCPU = perEventMicros(c.GoCPU, c.Events)
+			}
+			if c.PGCPUOK {
+				pgCPU = perEventMicros(c.PGCPU, c.Events)
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%.2f\t%.2f\t%s\t%s\t%s\t%s\n", c.Stage, res.Scenario, c.Variant, rate, c.Events,
+				c.RoundTripsPerEvent(), c.StatementsPerEvent(), rows, wal, goCPU, pgCPU)
 		}
 	}
 	_ = tw.Flush()
