@@ -4,17 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
 	"github.com/eventline/eventline/internal/backoff"
 	"github.com/eventline/eventline/internal/kafkaconf"
 	"github.com/eventline/eventline/internal/store"
+	"github.com/eventline/eventline/internal/wmlog"
 	"github.com/eventline/eventline/middleware"
 )
 
@@ -58,8 +57,7 @@ func (c *Consumer) Run(ctx context.Context) (err error) {
 	c.mu.Unlock()
 
 	cfg := c.cfg
-	wlog := watermill.NewSlogLoggerWithLevelMapping(cfg.Logger.With("component", "watermill", "group", cfg.Group),
-		map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug})
+	wlog := wmlog.New(cfg.Logger.With("component", "watermill", "group", cfg.Group))
 
 	if err := c.waitForKafka(ctx); err != nil {
 		return err

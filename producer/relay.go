@@ -23,6 +23,7 @@ import (
 	"github.com/eventline/eventline/internal/outbox"
 	"github.com/eventline/eventline/internal/pgerr"
 	"github.com/eventline/eventline/internal/tracing"
+	"github.com/eventline/eventline/internal/wmlog"
 )
 
 type watermillLogger = watermill.LoggerAdapter
@@ -116,7 +117,7 @@ func NewRelay(ctx context.Context, pool *pgxpool.Pool, cfg RelayConfig) (*Relay,
 		exited:   make(chan struct{}, 1),
 		instance: cfg.ID + "/" + hex.EncodeToString(suffix[:]),
 	}
-	r.wmLog = newWatermillLog(r.log)
+	r.wmLog = wmlog.New(r.log)
 	r.poller = newPoller(r)
 	if cfg.MaxPublishRate > 0 {
 		burst := max(1, int(cfg.MaxPublishRate/10))
