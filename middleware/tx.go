@@ -288,9 +288,12 @@ func (el *Eventline) admitBatch(ctx, bctx context.Context, items []*delivery.Arr
 func (el *Eventline) proceedInBatch(bctx context.Context, it *delivery.Arrival, tx pgx.Tx, a store.Admission) ([]*message.Message, context.Context, error) {
 	orig := it.Msg.Context()
 	// The member's context, ended with the batch's (its deadline too).
-	mctx, cancel := context.WithCancel(orig)
+	var mctx context.Context
+	var cancel context.CancelFunc
 	if d, ok := bctx.Deadline(); ok {
 		mctx, cancel = context.WithDeadline(orig, d)
+	} else {
+		mctx, cancel = context.WithCancel(orig)
 	}
 	stop := context.AfterFunc(bctx, cancel)
 	ictx := delivery.WithTx(mctx, tx)
