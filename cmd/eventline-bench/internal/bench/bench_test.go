@@ -209,16 +209,24 @@ func TestProcCPU(t *testing.T) {
 	require.Equal(t, "bench.test", p.comm)
 }
 
-// TestServerCPU reads the test database's server processes, when it runs
-// on this machine.
-func TestServerCPU(t *testing.T) {
+// dbEnv returns an env on the test database, closed when t ends; it skips
+// t in -short mode.
+func dbEnv(t *testing.T) *env {
+	t.Helper()
 	if testing.Short() {
 		t.Skip("talks to PostgreSQL")
 	}
-	ctx := context.Background()
-	e, err := newEnv(ctx, Config{DatabaseURL: DatabaseURLFromEnv(), Progress: &bytes.Buffer{}, Out: &bytes.Buffer{}}.withDefaults())
+	e, err := newEnv(context.Background(), Config{DatabaseURL: DatabaseURLFromEnv(), Progress: &bytes.Buffer{}, Out: &bytes.Buffer{}}.withDefaults())
 	require.NoError(t, err)
-	defer e.close()
+	t.Cleanup(e.close)
+	return e
+}
+
+// TestServerCPU reads the test database's server processes, when it runs
+// on this machine.
+func TestServerCPU(t *testing.T) {
+	e := dbEnv(t)
+	ctx := context.Background()
 	if e.postmaster == 0 {
 		t.Skipf("PostgreSQL's CPU cannot be read: %s", e.noServerCPU)
 	}
@@ -282,13 +290,8 @@ func TestCostTable(t *testing.T) {
 // Prepare and an Exec (two round trips), later ones one; a Batch is one
 // round trip for all its statements.
 func TestQueryCounterCountsRoundTrips(t *testing.T) {
-	if testing.Short() {
-		t.Skip("talks to PostgreSQL")
-	}
+	e := dbEnv(t)
 	ctx := context.Background()
-	e, err := newEnv(ctx, Config{DatabaseURL: DatabaseURLFromEnv(), Progress: &bytes.Buffer{}, Out: &bytes.Buffer{}}.withDefaults())
-	require.NoError(t, err)
-	defer e.close()
 	q := newQueryCounter()
 	pool, err := e.openPool(ctx, 1, q)
 	require.NoError(t, err)
